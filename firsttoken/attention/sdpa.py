@@ -1,0 +1,119 @@
+"""CPU reference attention backend: paged KV cache + ``torch.nn.functional.scaled_dot_product_attention``.
+
+Three paths, chosen per forward from the metadata alone:
+- a sequence with ``context_len == 0`` (first prefill chunk) attends over its fresh k/v with ``is_causal=True``,
+  so it never reads the cache back;
+- a pure-decode batch (every ``query_len == 1``) gathers all sequences' keys/values through the block table,
+  padded to the longest sequence, and runs one batched SDPA with a key-padding mask (measured on 2 CPU cores,
+  16 sequences of 100-1500 tokens: ~5x faster than a per-sequence loop in fp32, on par in bf16);
+- any other sequence (a later prefill chunk) gathers its own keys/values and runs SDPA with a causal mask
+  shifted by its context: new token ``j`` sees cached/new tokens ``0 .. context_len + j``.
+GQA goes through SDPA's ``enable_gqa`` for prefill; batched decode folds each KV head's query heads into its
+query rows instead (faster than ``enable_gqa`` on CPU). No repeated K/V is materialized.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from firsttoken.attention.base import AttentionMetadata
+
+
+class SdpaBackend:
+    """Paged causal attention on any device SDPA runs on; the correctness reference for other backends."""
+
+    name = "sdpa"
+
+    def forward(
+        self,
+        q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+        k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        v: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        write_kv(k, v, kv_cache, meta.slot_mapping)
+        if meta.is_pure_decode and meta.num_seqs > 1:
+            return _decode_batched(q, kv_cache, meta, scale)
+        out = torch.empty_like(q)
+        start = 0
+        for i, (q_len, ctx_len) in enumerate(zip(meta.query_lens, meta.context_lens)):
+            end = start + q_len
+            if ctx_len == 0:
+                out[start:end] = _attend(q[start:end], k[start:end], v[start:end], None, scale, causal=True)
+            else:
+                seq_len = ctx_len + q_len
+                keys, values = gather_kv(kv_cache, meta.block_tables[i], seq_len)
+                mask = None
+                if q_len > 1:
+                    key_pos = torch.arange(seq_len, device=q.device)
+                    query_pos = torch.arange(ctx_len, seq_len, device=q.device)
+                    mask = key_pos[None, :] <= query_pos[:, None]  # [q_len, seq_len]
+                out[start:end] = _attend(q[start:end], keys, values, mask, scale, causal=False)
+            start = end
+        return out
+
+
+def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Store new keys/values at their flat slots (block * block_size + offset)."""
+    num_kv_heads, head_dim = kv_cache.shape[-2:]
+    kv_cache[0].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k.to(kv_cache.dtype))
+    kv_cache[1].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v.to(kv_cache.dtype))
+
+
+def gather_kv(
+    kv_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A sequence's first ``seq_len`` keys and values, each [seq_len, num_kv_heads, head_dim]."""
+    block_size, num_kv_heads, head_dim = kv_cache.shape[2:]
+    num_blocks = (seq_len + block_size - 1) // block_size
+    blocks = block_table[:num_blocks].long()
+    keys = kv_cache[0, blocks].reshape(-1, num_kv_heads, head_dim)[:seq_len]
+    values = kv_cache[1, blocks].reshape(-1, num_kv_heads, head_dim)[:seq_len]
+    return keys, values
+
+
+def _attend(
+    q: torch.Tensor,  # [q_len, num_heads, head_dim]
+    k: torch.Tensor,  # [kv_len, num_kv_heads, head_dim]
+    v: torch.Tensor,
+    mask: torch.Tensor | None,  # [q_len, kv_len] bool, True = attend
+    scale: float,
+    causal: bool,
+) -> torch.Tensor:
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1),
+        k.transpose(0, 1),
+        v.transpose(0, 1),
+        attn_mask=mask,
+        is_causal=causal,
+        scale=scale,
+        enable_gqa=q.shape[1] != k.shape[1],
+    )
+    return out.transpose(0, 1)  # [q_len, num_heads, head_dim]
+
+
+def _decode_batched(
+    q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+) -> torch.Tensor:
+    """One query per sequence; keys padded to the longest sequence and masked by length."""
+    block_size, num_kv_heads, head_dim = kv_cache.shape[2:]
+    seq_lens = torch.tensor(meta.seq_lens, device=q.device)
+    max_len = int(max(meta.seq_lens))
+    num_blocks = (max_len + block_size - 1) // block_size
+    blocks = meta.block_tables[:, :num_blocks].long()  # [num_seqs, num_blocks]; padding entries read block 0
+    keys = kv_cache[0, blocks].reshape(meta.num_seqs, -1, num_kv_heads, head_dim)[:, :max_len]
+    values = kv_cache[1, blocks].reshape(meta.num_seqs, -1, num_kv_heads, head_dim)[:, :max_len]
+    mask = torch.arange(max_len, device=q.device)[None, :] < seq_lens[:, None]  # [num_seqs, max_len]
+    # GQA without repeating K/V: the query heads sharing a KV head become that head's query rows.
+    num_seqs, num_heads = q.shape[:2]
+    out = F.scaled_dot_product_attention(
+        q.view(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim),
+        keys.transpose(1, 2),  # [num_seqs, num_kv_heads, max_len, head_dim]
+        values.transpose(1, 2),
+        attn_mask=mask[:, None, None, :],
+        scale=scale,
+    )
+    return out.reshape(num_seqs, num_heads, head_dim)
