@@ -1,0 +1,80 @@
+"""Building blocks shared by the Qwen2-VL language model and vision tower.
+
+Numerics follow the transformers reference on purpose (RMSNorm in fp32 then cast back, rotary cos/sin cast to
+the activation dtype in the LM and kept in fp32 in the vision tower), so fp32 runs agree to ~1e-6.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, hidden_size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(dtype)
+
+
+class SwiGLUMLP(nn.Module):
+    """down(silu(gate(x)) * up(x)); gate and up are one stacked matmul (``gate_up_proj`` = [gate; up])."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
+        super().__init__()
+        self.intermediate_size = intermediate_size
+        self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+def quick_gelu(x: torch.Tensor) -> torch.Tensor:
+    return x * torch.sigmoid(1.702 * x)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    """[x1, x2] -> [-x2, x1] over the last dim (the "half-split" rotary layout Qwen uses)."""
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [num_tokens, ..., head_dim]; cos/sin broadcast against it (e.g. [num_tokens, 1, head_dim])."""
+    return x * cos + rotate_half(x) * sin
+
+
+def rope_inv_freq(dim: int, theta: float, device: torch.device | str = "cpu") -> torch.Tensor:
+    """[dim // 2] inverse frequencies 1 / theta^(2i / dim), computed exactly as the reference does."""
+    return 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float, device=device) / dim))
+
+
+def mrope_cos_sin(
+    positions: torch.Tensor,  # [3, num_tokens] int64 (t, h, w)
+    head_dim: int,
+    theta: float,
+    mrope_section: Sequence[int],
+    dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Multimodal rotary tables, each [num_tokens, head_dim].
+
+    The head_dim/2 frequency pairs are split into ``mrope_section`` = (t, h, w) runs; run r rotates by the
+    position on axis r. The same half-table is repeated for the second half (rotate_half layout).
+    """
+    inv_freq = rope_inv_freq(head_dim, theta, positions.device)
+    freqs = positions[..., None].float() * inv_freq  # [3, num_tokens, head_dim // 2]
+    chunks = freqs.split(list(mrope_section), dim=-1)
+    freqs = torch.cat([chunk[i % 3] for i, chunk in enumerate(chunks)], dim=-1)  # [num_tokens, head_dim // 2]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
