@@ -1,0 +1,330 @@
+"""Our Qwen2-VL (paged KV cache, SDPA backend) against transformers on the same tiny random checkpoint.
+
+Tolerance: max |logit difference| <= 1e-4 in fp32 (TOL below), at every position compared. Greedy decode
+must produce exactly the reference token ids. Blocks are handed out from a shuffled free list, so a paging
+bug (wrong slot, wrong table row) shows up as a logit mismatch.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from firsttoken.attention.base import AttentionMetadata
+from firsttoken.config import ModelConfig
+from firsttoken.models.loader import load_model
+from firsttoken.models.mrope import MRopePositions, compute_mrope_positions, decode_positions
+from firsttoken.models.qwen2_vl import Qwen2VLModel, image_rows_in_span, merge_image_embeds
+from firsttoken.runner.kv_cache import allocate_kv_caches
+
+TOL = 1e-4  # max |Δlogit|, fp32
+BLOCK_SIZE = 4
+NUM_BLOCKS = 512
+
+torch.set_num_threads(2)
+
+
+# ---------------------------------------------------------------- fixtures: reference, ours, inputs
+
+
+@pytest.fixture(scope="module")
+def ref(tiny_qwen2_vl_dir: Path):
+    from transformers import Qwen2VLForConditionalGeneration
+
+    return Qwen2VLForConditionalGeneration.from_pretrained(
+        tiny_qwen2_vl_dir, dtype=torch.float32, attn_implementation="eager"
+    ).eval()
+
+
+@pytest.fixture(scope="module")
+def ours(tiny_qwen2_vl_dir: Path) -> Qwen2VLModel:
+    return load_model(tiny_qwen2_vl_dir, torch.float32)
+
+
+@dataclass
+class Prompt:
+    ids: list[int]
+    pixel_values: torch.Tensor | None  # [num_patches, C*T*P*P]
+    grid_thw: list[tuple[int, int, int]]
+
+
+def make_images(sizes: list[tuple[int, int]], seed: int = 0) -> list[Image.Image]:
+    rng = np.random.default_rng(seed)
+    return [Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)) for w, h in sizes]
+
+
+def preprocess(images: list[Image.Image]) -> tuple[torch.Tensor, list[tuple[int, int, int]]]:
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    out = Qwen2VLImageProcessorPil()(images=images, return_tensors="pt")
+    return out["pixel_values"], [tuple(int(x) for x in g) for g in out["image_grid_thw"].tolist()]
+
+
+def make_prompt(config: ModelConfig, image_sizes: list[tuple[int, int]], seed: int = 0) -> Prompt:
+    """[text, (vision_start, image_pad * n, vision_end, text) per image]."""
+    rng = random.Random(seed)
+
+    def text(n: int) -> list[int]:
+        return [rng.randrange(0, 1990) for _ in range(n)]
+
+    if not image_sizes:
+        return Prompt(text(40), None, [])
+    pixel_values, grids = preprocess(make_images(image_sizes, seed))
+    ids = text(9)
+    for t, h, w in grids:
+        n = t * h * w // config.vision.spatial_merge_size**2
+        ids += [config.vision_start_token_id] + [config.image_token_id] * n + [config.vision_end_token_id] + text(6)
+    return Prompt(ids, pixel_values, grids)
+
+
+PROMPTS = {
+    "text": [],
+    "one_image": [(168, 112)],
+    "three_images": [(252, 112), (112, 168), (56, 56)],  # (width, height): wide, tall, smallest
+}
+
+
+def ref_logits(ref, config: ModelConfig, prompt: Prompt) -> torch.Tensor:
+    """[prompt_len, vocab] from one full transformers forward (mm_token_type_ids passed: see FACTS)."""
+    input_ids = torch.tensor([prompt.ids])
+    kwargs = {}
+    if prompt.pixel_values is not None:
+        kwargs = dict(
+            pixel_values=prompt.pixel_values,
+            image_grid_thw=torch.tensor(prompt.grid_thw),
+            mm_token_type_ids=(input_ids == config.image_token_id).long(),
+        )
+    with torch.no_grad():
+        return ref(input_ids=input_ids, **kwargs).logits[0].float()
+
+
+# ---------------------------------------------------------------- a minimal paged runner (test-only)
+
+
+@dataclass
+class Seq:
+    ids: list[int]  # prompt + generated so far
+    prompt_len: int
+    mrope: MRopePositions
+    image_embeds: torch.Tensor | None  # [image-pad tokens in prompt, hidden], vision tower run once
+    blocks: list[int] = field(default_factory=list)
+    num_computed: int = 0  # tokens whose K/V are in the cache
+
+
+class TinyRunner:
+    """Just enough of a model runner: a shuffled free-block list, per-sequence block tables, and one forward
+    over any mix of (sequence, number of new tokens)."""
+
+    def __init__(self, model: Qwen2VLModel, seed: int = 0) -> None:
+        self.model = model
+        self.config = model.config
+        self.kv_caches = allocate_kv_caches(self.config, NUM_BLOCKS, BLOCK_SIZE, model.dtype, "cpu")
+        self.free = list(range(NUM_BLOCKS))
+        random.Random(seed).shuffle(self.free)
+
+    def add(self, prompt: Prompt) -> Seq:
+        image_embeds = None
+        if prompt.pixel_values is not None:
+            with torch.no_grad():
+                image_embeds = self.model.visual(prompt.pixel_values, prompt.grid_thw)
+        mrope = compute_mrope_positions(prompt.ids, prompt.grid_thw, self.config)
+        return Seq(list(prompt.ids), len(prompt.ids), mrope, image_embeds)
+
+    def step(self, work: list[tuple[Seq, int]]) -> list[torch.Tensor]:
+        """Run ``n`` new tokens of each listed sequence in one forward; per sequence its [n, vocab] logits."""
+        ids, positions, embeds = [], [], []
+        for seq, n in work:
+            a, b = seq.num_computed, seq.num_computed + n
+            while len(seq.blocks) * BLOCK_SIZE < b:
+                seq.blocks.append(self.free.pop())
+            chunk_ids = torch.tensor(seq.ids[a:b])
+            ids.append(chunk_ids)
+            in_prompt = min(b, seq.prompt_len)
+            pos = [seq.mrope.positions[:, a:in_prompt]]
+            if b > seq.prompt_len:
+                start = max(a, seq.prompt_len)
+                pos.append(decode_positions(start, b - start, seq.mrope.delta))
+            positions.append(torch.cat(pos, dim=1))
+            e = self.model.embed_tokens(chunk_ids)
+            if seq.image_embeds is not None:
+                rows = image_rows_in_span(seq.ids[: seq.prompt_len], a, in_prompt, self.config.image_token_id)
+                e = merge_image_embeds(e, chunk_ids, seq.image_embeds[rows], self.config.image_token_id)
+            embeds.append(e)
+        meta = AttentionMetadata.build(
+            [n for _, n in work], [s.num_computed for s, _ in work], [s.blocks for s, _ in work], BLOCK_SIZE
+        )
+        with torch.no_grad():
+            hidden = self.model(torch.cat(embeds), torch.cat(positions, dim=1), self.kv_caches, meta)
+            logits = self.model.compute_logits(hidden)
+        for seq, n in work:
+            seq.num_computed += n
+        return list(logits.split([n for _, n in work]))
+
+    def prefill(self, seq: Seq, chunk: int) -> torch.Tensor:
+        out = []
+        while seq.num_computed < seq.prompt_len:
+            out += self.step([(seq, min(chunk, seq.prompt_len - seq.num_computed))])
+        return torch.cat(out)
+
+
+def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    return (a - b).abs().max().item()
+
+
+# ---------------------------------------------------------------- tests
+
+
+@pytest.mark.parametrize("sizes", [[(56, 56)], [(168, 112), (84, 196)], [(420, 280)]])
+def test_vision_tower_matches_reference(ref, ours: Qwen2VLModel, sizes) -> None:
+    pixel_values, grids = preprocess(make_images(sizes))
+    with torch.no_grad():
+        expected = torch.cat(ref.model.get_image_features(pixel_values, torch.tensor(grids)).pooler_output)
+        got = ours.visual(pixel_values, grids)
+    assert got.shape == expected.shape
+    d = max_diff(got, expected)
+    print(f"vision {sizes}: max|Δ| = {d:.2e}")
+    assert d <= 1e-5
+
+
+@pytest.mark.parametrize("name", list(PROMPTS))
+def test_mrope_positions_match_get_rope_index(ref, ours: Qwen2VLModel, name: str) -> None:
+    prompt = make_prompt(ours.config, PROMPTS[name])
+    got = compute_mrope_positions(prompt.ids, prompt.grid_thw, ours.config)
+    input_ids = torch.tensor([prompt.ids])
+    if prompt.grid_thw:
+        expected, delta = ref.model.get_rope_index(
+            input_ids, (input_ids == ours.config.image_token_id).long(), torch.tensor(prompt.grid_thw)
+        )
+        assert torch.equal(got.positions, expected[:, 0])
+        assert got.delta == int(delta)
+    else:  # text-only: transformers uses plain 0..L-1 with delta 0
+        assert torch.equal(got.positions, torch.arange(len(prompt.ids)).expand(3, -1))
+        assert got.delta == 0
+
+
+@pytest.mark.parametrize("name", list(PROMPTS))
+def test_full_prompt_logits_match(ref, ours: Qwen2VLModel, name: str) -> None:
+    prompt = make_prompt(ours.config, PROMPTS[name])
+    runner = TinyRunner(ours)
+    got = runner.prefill(runner.add(prompt), chunk=len(prompt.ids))
+    d = max_diff(got, ref_logits(ref, ours.config, prompt))
+    print(f"full prompt {name} ({len(prompt.ids)} tokens): max|Δlogit| = {d:.2e}")
+    assert d <= TOL
+
+
+@pytest.mark.parametrize("chunk", [1, 7, 64])
+def test_chunked_prefill_matches_reference_at_every_position(ref, ours: Qwen2VLModel, chunk: int) -> None:
+    prompt = make_prompt(ours.config, PROMPTS["three_images"])
+    is_image = [t == ours.config.image_token_id for t in prompt.ids]
+    boundaries = range(chunk, len(prompt.ids), chunk)
+    assert any(is_image[b - 1] and is_image[b] for b in boundaries), "no chunk boundary splits an image"
+    runner = TinyRunner(ours, seed=chunk)
+    got = runner.prefill(runner.add(prompt), chunk=chunk)
+    d = max_diff(got, ref_logits(ref, ours.config, prompt))
+    print(f"chunked prefill chunk={chunk} ({len(prompt.ids)} tokens): max|Δlogit| = {d:.2e}")
+    assert d <= TOL
+
+
+@pytest.mark.parametrize("name", ["text", "one_image"])
+def test_greedy_decode_matches_generate(ref, ours: Qwen2VLModel, name: str) -> None:
+    num_new = 32
+    prompt = make_prompt(ours.config, PROMPTS[name], seed=3)
+    input_ids = torch.tensor([prompt.ids])
+    kwargs = dict(mm_token_type_ids=(input_ids == ours.config.image_token_id).long())
+    if prompt.pixel_values is not None:
+        kwargs.update(pixel_values=prompt.pixel_values, image_grid_thw=torch.tensor(prompt.grid_thw))
+    with torch.no_grad():
+        out = ref.generate(input_ids, max_new_tokens=num_new, min_new_tokens=num_new, do_sample=False, **kwargs)
+    expected = out[0, len(prompt.ids) :].tolist()
+
+    runner = TinyRunner(ours, seed=5)
+    seq = runner.add(prompt)
+    logits = runner.prefill(seq, chunk=16)[-1]
+    got = []
+    for _ in range(num_new):
+        token = int(logits.argmax())
+        got.append(token)
+        seq.ids.append(token)
+        (logits,) = runner.step([(seq, 1)])
+        logits = logits[-1]
+    assert got == expected
+
+
+def test_mixed_batch_matches_each_sequence_alone(ref, ours: Qwen2VLModel) -> None:
+    """One forward carrying a first prefill chunk, a later chunk that starts inside an image, and two decodes."""
+    config = ours.config
+    prompts = [
+        make_prompt(config, PROMPTS["one_image"], seed=10),
+        make_prompt(config, PROMPTS["three_images"], seed=11),
+        make_prompt(config, [], seed=12),
+        make_prompt(config, [(112, 112)], seed=13),
+    ]
+    first_chunk = 20  # sequence 1 resumes at token 20, inside its first image
+    assert prompts[1].ids[first_chunk] == config.image_token_id
+
+    def setup(runner: TinyRunner) -> list[Seq]:
+        seqs = [runner.add(p) for p in prompts]
+        runner.step([(seqs[1], first_chunk)])
+        for s in seqs[2:]:  # fully prefilled, then one generated token each
+            runner.prefill(s, chunk=len(s.ids))
+            s.ids.append(7)
+        return seqs
+
+    def work(seqs: list[Seq]) -> list[tuple[Seq, int]]:
+        return [(seqs[0], len(prompts[0].ids)), (seqs[1], len(prompts[1].ids) - first_chunk), (seqs[2], 1), (seqs[3], 1)]
+
+    batched_runner = TinyRunner(ours, seed=21)
+    batched = batched_runner.step(work(setup(batched_runner)))
+    alone_runner = TinyRunner(ours, seed=22)
+    alone = [alone_runner.step([w])[0] for w in work(setup(alone_runner))]
+    d_alone = max(max_diff(b, a) for b, a in zip(batched, alone))
+
+    d_ref = 0.0
+    for i, (p, got) in enumerate(zip(prompts, batched)):
+        full = Prompt(p.ids + ([7] if i >= 2 else []), p.pixel_values, p.grid_thw)
+        expected = ref_logits(ref, config, full)[-got.shape[0] :]
+        d_ref = max(d_ref, max_diff(got, expected))
+    print(f"mixed batch: max|Δlogit| batched vs alone = {d_alone:.2e}, vs reference = {d_ref:.2e}")
+    assert d_alone <= TOL
+    assert d_ref <= TOL
+
+
+def test_sharded_language_model_layout_loads_same_weights(ours: Qwen2VLModel, tiny_qwen2_vl_sharded_dir) -> None:
+    other = load_model(tiny_qwen2_vl_sharded_dir, torch.float32)
+    ours_sd, other_sd = ours.state_dict(), other.state_dict()
+    assert ours_sd.keys() == other_sd.keys()
+    assert all(torch.equal(ours_sd[k], other_sd[k]) for k in ours_sd)
+
+
+def test_tied_embeddings_match_reference(tiny_qwen2_vl_tied_dir: Path) -> None:
+    from transformers import Qwen2VLForConditionalGeneration
+
+    tied_ref = Qwen2VLForConditionalGeneration.from_pretrained(
+        tiny_qwen2_vl_tied_dir, dtype=torch.float32, attn_implementation="eager"
+    ).eval()
+    tied = load_model(tiny_qwen2_vl_tied_dir, torch.float32)
+    assert tied.lm_head is None
+    prompt = make_prompt(tied.config, PROMPTS["one_image"], seed=4)
+    runner = TinyRunner(tied)
+    d = max_diff(runner.prefill(runner.add(prompt), chunk=32), ref_logits(tied_ref, tied.config, prompt))
+    print(f"tied embeddings: max|Δlogit| = {d:.2e}")
+    assert d <= TOL
+
+
+def test_bf16_load_tracks_fp32_reference(ref, tiny_qwen2_vl_dir: Path) -> None:
+    """bf16 is the fast path: same greedy choice at nearly every prompt position (not bit-parity)."""
+    model = load_model(tiny_qwen2_vl_dir, torch.bfloat16)
+    assert all(p.dtype == torch.bfloat16 for p in model.parameters())
+    prompt = make_prompt(model.config, PROMPTS["one_image"], seed=6)
+    runner = TinyRunner(model)
+    got = runner.prefill(runner.add(prompt), chunk=32)
+    expected = ref_logits(ref, model.config, prompt)
+    agree = (got.argmax(-1) == expected.argmax(-1)).float().mean().item()
+    print(f"bf16: top-1 agreement {agree:.3f}, max|Δlogit| {max_diff(got, expected):.3f}")
+    assert agree >= 0.9
