@@ -1,0 +1,33 @@
+"""The ``firsttoken`` command: one argparse subcommand per module in COMMANDS.
+
+Contract for a command module: ``add_parser(subparsers)`` registers its subparser and sets
+``handler=<callable(argparse.Namespace) -> int>`` as a default; the handler's return value is the
+process exit status. Add a subcommand by writing ``firsttoken/cli/<name>.py`` and listing it here.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Sequence
+from types import ModuleType
+
+from firsttoken.cli import make_model
+
+COMMANDS: tuple[ModuleType, ...] = (make_model,)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="firsttoken", description="Qwen2-VL inference server tools")
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for command in COMMANDS:
+        command.add_parser(subparsers)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return int(args.handler(args))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
