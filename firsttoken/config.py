@@ -175,3 +175,38 @@ class GenerationDefaults:
             repetition_penalty=float(d.get("repetition_penalty", 1.0)),
             extra={k: v for k, v in d.items() if k not in {"eos_token_id", "temperature", "top_p", "top_k"}},
         )
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int = 16  # tokens per KV block
+    kv_cache_memory_bytes: int = 2 * 1024**3  # physical K/V pool, all layers
+    enable_prefix_caching: bool = True
+    encoder_cache_memory_bytes: int = 512 * 1024**2  # vision-tower outputs kept by image content hash
+    enable_encoder_cache: bool = True
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError("block_size must be a power of two")
+        if self.kv_cache_memory_bytes <= 0:
+            raise ValueError("kv_cache_memory must be positive")
+        if self.encoder_cache_memory_bytes < 0:
+            raise ValueError("encoder_cache_memory must be >= 0")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_batched_tokens: int = 2048  # tokens (prefill chunks + decodes) one engine step may run
+    max_num_seqs: int = 64  # sequences in one step
+    decode_reserve_tokens: int = 64  # KV reserved at admission beyond the prompt, for the first decodes
+    max_model_len: int | None = None  # None: the checkpoint's context, capped by the KV pool
+
+    def __post_init__(self) -> None:
+        if self.max_batched_tokens < 1:
+            raise ValueError("max_batched_tokens must be >= 1")
+        if self.max_num_seqs < 1:
+            raise ValueError("max_num_seqs must be >= 1")
+        if self.decode_reserve_tokens < 0:
+            raise ValueError("decode_reserve_tokens must be >= 0")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError("max_model_len must be >= 1")

@@ -1,0 +1,153 @@
+"""The asyncio bridge: the engine runs in one dedicated thread; the event loop never waits on a step.
+
+Commands (add, abort) go to the engine thread through a queue; outputs come back to each request's asyncio
+queue through ``loop.call_soon_threadsafe``. The engine thread is the only thread that runs model code and
+owns torch's intra-op threads (``num_threads``). If the loop dies, every open stream gets an error and
+``is_alive`` turns False, so /health answers 503.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from dataclasses import dataclass
+from typing import AsyncIterator
+
+import torch
+
+from firsttoken.engine.client import EngineStats
+from firsttoken.engine.engine import LLMEngine
+from firsttoken.engine.request import EngineRequest, FinishReason, RequestOutput
+
+log = logging.getLogger("firsttoken.engine")
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop has stopped; no request can be served."""
+
+
+@dataclass(frozen=True)
+class _Add:
+    request: EngineRequest
+    loop: asyncio.AbstractEventLoop
+    outputs: "asyncio.Queue[RequestOutput | BaseException]"
+
+
+@dataclass(frozen=True)
+class _Abort:
+    request_id: str
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine, num_threads: int | None = None) -> None:
+        self.engine = engine
+        self.num_threads = num_threads
+        self._commands: queue.SimpleQueue[_Add | _Abort | None] = queue.SimpleQueue()
+        self._streams: dict[str, _Add] = {}
+        self._alive = False
+        self._stopping = False
+        self._stats = engine.stats()
+        self._thread = threading.Thread(target=self._run, name="firsttoken-engine", daemon=True)
+
+    # ---- lifecycle -----------------------------------------------------------------------------------
+    def start(self) -> None:
+        self._alive = True
+        self._thread.start()
+
+    def shutdown(self, timeout_s: float = 5.0) -> None:
+        self._stopping = True
+        self._commands.put(None)
+        self._thread.join(timeout_s)
+
+    @property
+    def is_alive(self) -> bool:
+        return self._alive and self._thread.is_alive()
+
+    # ---- EngineClient --------------------------------------------------------------------------------
+    async def generate(self, request: EngineRequest) -> AsyncIterator[RequestOutput]:
+        if not self.is_alive:
+            raise EngineDeadError("the engine is not running")
+        outputs: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self._commands.put(_Add(request, asyncio.get_running_loop(), outputs))
+        finished = False
+        try:
+            while not finished:
+                item = await outputs.get()
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                yield item
+        finally:
+            if not finished:  # client went away (task cancelled) or the consumer stopped early
+                self._commands.put(_Abort(request.request_id))
+
+    async def abort(self, request_id: str) -> None:
+        self._commands.put(_Abort(request_id))
+
+    def stats(self) -> EngineStats:
+        return self._stats
+
+    # ---- the engine thread ---------------------------------------------------------------------------
+    def _run(self) -> None:
+        if self.num_threads:
+            torch.set_num_threads(self.num_threads)
+        try:
+            while not self._stopping:
+                block = not self.engine.has_unfinished()
+                if not self._drain_commands(block):
+                    break
+                for out in self.engine.step():
+                    self._deliver(out)
+                self._stats = self.engine.stats()
+        except BaseException as e:  # the loop itself broke: tell everyone, then report dead
+            log.exception("engine loop died")
+            self._alive = False
+            for add in list(self._streams.values()):
+                add.loop.call_soon_threadsafe(add.outputs.put_nowait, EngineDeadError("the engine stopped"))
+            self._streams.clear()
+            if not isinstance(e, Exception):
+                raise
+        finally:
+            self._alive = False
+
+    def _drain_commands(self, block: bool) -> bool:
+        """Apply queued commands; wait for one when idle. Returns False on shutdown."""
+        while True:
+            try:
+                cmd = self._commands.get(block=block, timeout=0.5 if block else None)
+            except queue.Empty:
+                return True
+            if cmd is None:
+                return False
+            self._apply(cmd)
+            block = False
+
+    def _apply(self, cmd: _Add | _Abort) -> None:
+        if isinstance(cmd, _Abort):
+            self._streams.pop(cmd.request_id, None)
+            self.engine.abort(cmd.request_id)
+            return
+        rid = cmd.request.request_id
+        try:
+            self.engine.add_request(cmd.request)
+        except ValueError as e:
+            cmd.loop.call_soon_threadsafe(cmd.outputs.put_nowait, e)
+            return
+        self._streams[rid] = cmd
+
+    def _deliver(self, out: RequestOutput) -> None:
+        stream = self._streams.get(out.request_id)
+        if stream is None:
+            return
+        if out.finished:
+            del self._streams[out.request_id]
+        stream.loop.call_soon_threadsafe(stream.outputs.put_nowait, out)
+
+
+def finish_reason_text(reason: FinishReason | None) -> str | None:
+    """OpenAI's finish_reason for ours."""
+    if reason is None:
+        return None
+    return "length" if reason == FinishReason.LENGTH else "stop"

@@ -1,0 +1,38 @@
+"""What the HTTP layer may ask of the engine. The API depends on this protocol only."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import AsyncIterator, Protocol
+
+from firsttoken.engine.request import EngineRequest, RequestOutput
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """A snapshot for /stats-style endpoints and tests: is memory back, who is waiting."""
+
+    kv_blocks_total: int
+    kv_blocks_used: int  # referenced by a live request
+    kv_blocks_cached: int  # unreferenced but holding a reusable prefix (evictable, counted as free)
+    kv_blocks_free: int  # total - used
+    block_size: int
+    num_running: int
+    num_waiting: int
+    num_steps: int
+    num_preemptions: int
+    max_model_len: int
+
+
+class EngineClient(Protocol):
+    @property
+    def is_alive(self) -> bool: ...
+
+    def generate(self, request: EngineRequest) -> AsyncIterator[RequestOutput]:
+        """Submit a request and iterate over its outputs; the last one has finished=True.
+        Cancelling the iterating task (client disconnect) aborts the request and frees its blocks."""
+        ...
+
+    async def abort(self, request_id: str) -> None: ...
+
+    def stats(self) -> EngineStats: ...

@@ -1,0 +1,202 @@
+"""The only engine code that touches tensors: vision tower for uncached images, forward, sample.
+
+Per step: drop encoder outputs the scheduler freed; run the vision tower for images that a scheduled chunk
+needs and nobody has encoded (whole images: a chunk may end inside an image, later chunks slice the stored
+output); pack every chunk's tokens into one batch (embeddings with image rows replaced, M-RoPE positions
+sliced from the request's precomputed table); one forward over the paged KV cache; logits only at the last
+token of chunks that sample; the sampler picks tokens.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Protocol
+
+import torch
+
+from firsttoken.attention.base import AttentionMetadata
+from firsttoken.config import ModelConfig
+from firsttoken.engine.request import ImageItem, TokenLogprob
+from firsttoken.models.mrope import decode_positions
+from firsttoken.sampling.sampler import SampleRow, Sampler
+from firsttoken.scheduler.batch import ScheduledBatch, ScheduledChunk
+
+log = logging.getLogger("firsttoken.runner")
+
+
+class FaultHook(Protocol):
+    """A test seam: called before a request's work in a step; raising fails that request only."""
+
+    def __call__(self, stage: str, request_id: str) -> None: ...
+
+
+@dataclass(frozen=True)
+class StepOutput:
+    sampled: dict[str, int]  # request_id -> new token id
+    logprobs: dict[str, TokenLogprob]
+    failed: dict[str, str]  # request_id -> user-safe error message
+    encoder_s: dict[str, float] = field(default_factory=dict)  # request_id -> vision-tower seconds this step
+    num_images_encoded: dict[str, int] = field(default_factory=dict)
+    encoder_done_s: dict[str, float] = field(default_factory=dict)  # request_id -> monotonic end of its encodes
+    forward_done_s: float = 0.0  # monotonic time the forward pass finished (before sampling)
+    sample_done_s: float = 0.0
+
+
+class RequestFailure(Exception):
+    """One request's work failed; the step goes on without it."""
+
+    def __init__(self, request_id: str, message: str) -> None:
+        super().__init__(message)
+        self.request_id = request_id
+        self.message = message
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        config: ModelConfig,
+        kv_caches: list[torch.Tensor],
+        block_size: int,
+        sampler: Sampler,
+        fault_hook: FaultHook | None = None,
+    ) -> None:
+        self.model = model
+        self.config = config
+        self.kv_caches = kv_caches
+        self.block_size = block_size
+        self.sampler = sampler
+        self.fault_hook = fault_hook
+        self.encoder_outputs: dict[str, torch.Tensor] = {}  # content hash -> [num_tokens, hidden]
+        self.num_vision_calls = 0  # vision-tower invocations (one per image); tests read it to prove reuse
+        self.num_vision_images = 0
+
+    @property
+    def encoder_cache_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.encoder_outputs.values())
+
+    @torch.inference_mode()
+    def execute(self, batch: ScheduledBatch) -> StepOutput:
+        for h in batch.freed_encoder_hashes:
+            self.encoder_outputs.pop(h, None)
+        failed: dict[str, str] = {}
+        encoder_s: dict[str, float] = {}
+        num_encoded: dict[str, int] = {}
+        encoder_done: dict[str, float] = {}
+        for chunk in batch.chunks:
+            rid = chunk.request.request_id
+            try:
+                self._hook("encode", rid)
+                t0 = time.perf_counter()
+                for image in chunk.encoder_inputs:
+                    self._encode(image)
+                if chunk.encoder_inputs:
+                    encoder_s[rid] = time.perf_counter() - t0
+                    num_encoded[rid] = len(chunk.encoder_inputs)
+                    encoder_done[rid] = time.monotonic()
+            except RequestFailure as e:
+                failed[rid] = e.message
+            except Exception:  # one request's images failed to encode; the others go on
+                log.exception("vision encoder failed for request %s", rid)
+                failed[rid] = "internal error while encoding this request's images"
+        chunks = [c for c in batch.chunks if c.request.request_id not in failed]
+        timing: dict[str, float] = {}
+        sampled, logprobs = self._forward_and_sample(chunks, failed, timing) if chunks else ({}, {})
+        now = time.monotonic()
+        return StepOutput(
+            sampled, logprobs, failed, encoder_s, num_encoded, encoder_done,
+            forward_done_s=timing.get("forward_done", now), sample_done_s=now,
+        )
+
+    def _hook(self, stage: str, request_id: str) -> None:
+        if self.fault_hook is None:
+            return
+        try:
+            self.fault_hook(stage, request_id)
+        except Exception as e:  # an injected fault stands for any failure inside this request's work
+            raise RequestFailure(request_id, f"internal error while {stage} this request") from e
+
+    def _encode(self, image: ImageItem) -> None:
+        if image.content_hash in self.encoder_outputs:
+            return
+        if image.pixel_values is None:
+            raise RequestFailure("", "image pixels are missing and its encoder output is not cached")
+        pixels = image.pixel_values.to(dtype=self.model.visual.dtype)
+        out = self.model.visual(pixels, [image.grid_thw])  # [num_tokens, hidden]
+        self.num_vision_calls += 1
+        self.num_vision_images += 1
+        self.encoder_outputs[image.content_hash] = out
+
+    def _forward_and_sample(
+        self, chunks: list[ScheduledChunk], failed: dict[str, str], timing: dict[str, float]
+    ) -> tuple[dict[str, int], dict[str, TokenLogprob]]:
+        ids: list[int] = []
+        positions: list[torch.Tensor] = []
+        image_rows: list[tuple[int, torch.Tensor]] = []  # (row in the packed batch, embeddings)
+        for chunk in chunks:
+            base = len(ids)
+            ids.extend(chunk.request.token_ids(chunk.context_len, chunk.end))
+            positions.append(self._positions(chunk))
+            for im in chunk.request.images_in(chunk.context_len, chunk.end):
+                lo, hi = max(im.offset, chunk.context_len), min(im.end, chunk.end)
+                emb = self.encoder_outputs[im.content_hash][lo - im.offset : hi - im.offset]
+                image_rows.append((base + lo - chunk.context_len, emb))
+        input_ids = torch.tensor(ids, dtype=torch.long)
+        embeds = self.model.embed_tokens(input_ids)  # [num_tokens, hidden]
+        for row, emb in image_rows:
+            embeds[row : row + emb.shape[0]] = emb.to(embeds.dtype)
+        meta = AttentionMetadata.build(
+            [c.num_new_tokens for c in chunks],
+            [c.context_len for c in chunks],
+            [list(c.block_table) for c in chunks],
+            self.block_size,
+        )
+        hidden = self.model(embeds, torch.cat(positions, dim=1), self.kv_caches, meta)
+        timing["forward_done"] = time.monotonic()
+        sampling = [(i, c) for i, c in enumerate(chunks) if c.sample]
+        if not sampling:
+            return {}, {}
+        last_rows = torch.tensor([int(meta.query_start_loc[i + 1]) - 1 for i, _ in sampling])
+        logits = self.model.compute_logits(hidden[last_rows])  # [num_sampling, vocab] float32
+        return self._sample(logits, [c for _, c in sampling], failed)
+
+    def _sample(
+        self, logits: torch.Tensor, chunks: list[ScheduledChunk], failed: dict[str, str]
+    ) -> tuple[dict[str, int], dict[str, TokenLogprob]]:
+        keep: list[int] = []
+        for i, c in enumerate(chunks):
+            try:
+                self._hook("sample", c.request.request_id)
+                keep.append(i)
+            except RequestFailure as e:
+                failed[e.request_id] = e.message
+        if not keep:
+            return {}, {}
+        chunks = [chunks[i] for i in keep]
+        rows = [
+            SampleRow(c.request.engine_request.sampling, c.request.generator, c.request.prompt_token_ids,
+                      c.request.output_token_ids)
+            for c in chunks
+        ]
+        result = self.sampler.sample(logits[keep], rows)
+        sampled = {c.request.request_id: t for c, t in zip(chunks, result.token_ids)}
+        logprobs = {c.request.request_id: lp for c, lp in zip(chunks, result.logprobs) if lp is not None}
+        return sampled, logprobs
+
+    def _positions(self, chunk: ScheduledChunk) -> torch.Tensor:
+        """[3, num_new_tokens] M-RoPE positions of the chunk's tokens."""
+        req = chunk.request.engine_request
+        n_prompt = req.num_prompt_tokens
+        start, end = chunk.context_len, chunk.end
+        parts = []
+        if start < n_prompt:
+            parts.append(req.mrope_positions[:, start : min(end, n_prompt)])
+        if end > n_prompt:
+            s = max(start, n_prompt)
+            parts.append(decode_positions(s, end - s, req.mrope_delta))
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+
+
+ModelFactory = Callable[[], torch.nn.Module]

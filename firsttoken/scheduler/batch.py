@@ -1,0 +1,48 @@
+"""What the scheduler hands to the runner for one step."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from firsttoken.engine.request import ImageItem
+from firsttoken.scheduler.request import Request
+
+
+@dataclass(frozen=True)
+class ScheduledChunk:
+    """Request tokens [context_len, context_len + num_new_tokens) run this step."""
+
+    request: Request
+    context_len: int  # tokens whose KV already exists (the request's num_computed_tokens before this step)
+    num_new_tokens: int
+    block_table: tuple[int, ...]  # physical KV blocks covering at least context_len + num_new_tokens
+    encoder_inputs: tuple[ImageItem, ...]  # images whose vision-tower output this chunk needs and nobody has
+    sample: bool  # the chunk reaches the last known token: sample the next one
+    is_decode: bool  # one token right after the last sampled one (not a prefill chunk)
+
+    @property
+    def end(self) -> int:
+        return self.context_len + self.num_new_tokens
+
+
+@dataclass(frozen=True)
+class ScheduledBatch:
+    chunks: tuple[ScheduledChunk, ...]
+    freed_encoder_hashes: tuple[str, ...]  # encoder outputs the runner may drop now
+    preempted_request_ids: tuple[str, ...]
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.chunks
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(c.num_new_tokens for c in self.chunks)
+
+    @property
+    def num_decode_tokens(self) -> int:
+        return sum(c.num_new_tokens for c in self.chunks if c.is_decode)
+
+    @property
+    def num_prefill_tokens(self) -> int:
+        return self.num_tokens - self.num_decode_tokens

@@ -1,0 +1,76 @@
+"""The engine's mutable view of one request: tokens known vs tokens whose KV is computed.
+
+A request is ``num_computed_tokens`` chasing ``num_tokens`` (prompt + generated). Prefill and decode are the
+same thing seen at different distances: the scheduler grants each request a number of new tokens per step.
+Scheduling state is ints and lists; the EngineRequest it wraps carries the runner's tensors untouched.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+
+import torch
+
+from firsttoken.engine.request import EngineRequest, FinishReason, ImageItem, Timeline
+from firsttoken.kv.prefix_cache import BlockHash
+
+
+class RequestStatus(str, Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class Request:
+    engine_request: EngineRequest
+    arrival_seq: int  # admission order; ties broken by it everywhere
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    status: RequestStatus = RequestStatus.WAITING
+    finish_reason: FinishReason | None = None
+    block_hashes: list[BlockHash] | None = None  # prompt's full blocks; computed once on first admission try
+    generator: torch.Generator | None = None  # per-request sampling RNG (seeded requests)
+    lane: str = "default"
+
+    @property
+    def request_id(self) -> str:
+        return self.engine_request.request_id
+
+    @property
+    def prompt_token_ids(self) -> tuple[int, ...]:
+        return self.engine_request.prompt_token_ids
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.engine_request.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_prompt_tokens + len(self.output_token_ids)
+
+    @property
+    def images(self) -> tuple[ImageItem, ...]:
+        return self.engine_request.images
+
+    @property
+    def timeline(self) -> Timeline:
+        return self.engine_request.timeline
+
+    @property
+    def is_prefilling(self) -> bool:
+        """True until every prompt token's KV exists (after a preemption, generated tokens count as prompt)."""
+        return self.num_computed_tokens < self.num_tokens - 1 or not self.output_token_ids
+
+    def token_ids(self, start: int, end: int) -> list[int]:
+        """Token ids at indices [start, end) of prompt + output."""
+        n_prompt = self.num_prompt_tokens
+        if end <= n_prompt:
+            return list(self.prompt_token_ids[start:end])
+        head = list(self.prompt_token_ids[start:n_prompt]) if start < n_prompt else []
+        return head + self.output_token_ids[max(start - n_prompt, 0) : end - n_prompt]
+
+    def images_in(self, start: int, end: int) -> list[ImageItem]:
+        """Images whose tokens overlap prompt indices [start, end)."""
+        return [im for im in self.images if im.offset < end and im.end > start]
