@@ -1,0 +1,78 @@
+"""Tiny fakes for scheduler tests: requests made of ints, a 'runner' that only advances counters."""
+
+from __future__ import annotations
+
+import torch
+
+from firsttoken.config import CacheConfig, SchedulerConfig
+from firsttoken.engine.request import EngineRequest, ImageItem, Timeline
+from firsttoken.sampling.params import SamplingParams
+from firsttoken.scheduler.batch import ScheduledBatch
+from firsttoken.scheduler.request import Request
+from firsttoken.scheduler.scheduler import Scheduler
+
+IMAGE_TOKEN = 99
+
+
+def fake_request(
+    rid: str,
+    prompt_len: int,
+    max_tokens: int = 4,
+    images: list[tuple[str, int, int]] = (),  # (content_hash, offset, num_tokens)
+    arrival_seq: int = 0,
+    shared_prefix: bool = False,
+) -> Request:
+    salt = 0 if shared_prefix else sum(map(ord, rid)) * 7  # distinct prompts unless asked to share
+    ids = [1 + ((i + salt) % 50) for i in range(prompt_len)]
+    items = []
+    for h, off, n in images:
+        ids[off : off + n] = [IMAGE_TOKEN] * n
+        items.append(ImageItem(h, off, n, (1, 2, 2 * n), None))
+    er = EngineRequest(
+        request_id=rid,
+        prompt_token_ids=tuple(ids),
+        images=tuple(items),
+        mrope_positions=torch.zeros((3, prompt_len), dtype=torch.long),
+        mrope_delta=0,
+        sampling=SamplingParams(max_tokens=max_tokens, temperature=0.0),
+        timeline=Timeline(),
+    )
+    return Request(er, arrival_seq)
+
+
+def make_scheduler(
+    num_blocks: int = 64,
+    block_size: int = 16,
+    max_batched_tokens: int = 64,
+    decode_reserve_tokens: int = 16,
+    prefix_caching: bool = True,
+    encoder_capacity_tokens: int = 1000,
+    max_num_seqs: int = 64,
+) -> Scheduler:
+    return Scheduler(
+        SchedulerConfig(
+            max_batched_tokens=max_batched_tokens,
+            decode_reserve_tokens=decode_reserve_tokens,
+            max_num_seqs=max_num_seqs,
+        ),
+        CacheConfig(block_size=block_size, enable_prefix_caching=prefix_caching),
+        num_kv_blocks=num_blocks,
+        max_model_len=num_blocks * block_size,
+        encoder_capacity_tokens=encoder_capacity_tokens,
+    )
+
+
+def run_step(sched: Scheduler, token: int = 7) -> ScheduledBatch:
+    """schedule + pretend-execute + update: advance computed tokens, sample `token`, finish at max_tokens."""
+    batch = sched.schedule()
+    for chunk in batch.chunks:
+        sched.on_chunk_done(chunk)
+        req = chunk.request
+        if chunk.sample:
+            req.output_token_ids.append(token)
+            if len(req.output_token_ids) >= req.engine_request.sampling.max_tokens:
+                from firsttoken.engine.request import FinishReason
+
+                sched.finish(req, FinishReason.LENGTH)
+    sched.check_invariants()
+    return batch
