@@ -11,9 +11,9 @@ import argparse
 from collections.abc import Sequence
 from types import ModuleType
 
-from firsttoken.cli import make_model
+from firsttoken.cli import make_model, serve
 
-COMMANDS: tuple[ModuleType, ...] = (make_model,)
+COMMANDS: tuple[ModuleType, ...] = (serve, make_model)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,0 +1,162 @@
+"""``firsttoken serve``: load a checkpoint (or build the demo one), start the engine thread, serve HTTP.
+
+Flags are declared once in FLAGS (name, type, default, help) and land in frozen config dataclasses; every flag
+has a default that works on a 2-core CPU machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+log = logging.getLogger("firsttoken.serve")
+
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?)b?\s*$", re.IGNORECASE)
+
+
+def parse_bytes(text: str) -> int:
+    """'2GiB', '512M', '1.5G', '1000000' -> bytes (K/M/G/T are powers of 1024 with or without the i)."""
+    m = _SIZE_RE.match(str(text))
+    if not m:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (try 2GiB, 512MiB)")
+    scale = {"": 1, "k": 1024, "m": 1024**2, "g": 1024**3, "t": 1024**4}[m.group(2).lower()]
+    return int(float(m.group(1)) * scale)
+
+
+@dataclass(frozen=True)
+class Flag:
+    name: str
+    type: Callable[[str], Any] | None
+    default: Any
+    help: str
+
+    @property
+    def dest(self) -> str:
+        return self.name.lstrip("-").replace("-", "_")
+
+
+FLAGS: tuple[Flag, ...] = (
+    Flag("--model", str, None, "checkpoint directory (Hugging Face layout); default: the built-in tiny demo "
+         "checkpoint with random weights, which answers nonsense"),
+    Flag("--host", str, "127.0.0.1", "address to bind"),
+    Flag("--port", int, 8000, "port to bind"),
+    Flag("--served-model-name", str, None, "model id clients must send (default: the directory name)"),
+    Flag("--dtype", str, "auto", "auto (bf16 on CPU: the fast path), float32 (exact vs transformers), bfloat16"),
+    Flag("--max-model-len", int, None, "context length; default: the checkpoint's, capped by the KV pool"),
+    Flag("--num-threads", int, None, "torch threads for the engine (default: all cores)"),
+    Flag("--kv-cache-memory", parse_bytes, "1GiB", "bytes for the paged KV cache pool (e.g. 1GiB)"),
+    Flag("--block-size", int, 16, "tokens per KV block"),
+    Flag("--max-batched-tokens", int, 2048, "tokens (prefill chunks + decodes) one engine step may run"),
+    Flag("--max-num-seqs", int, 64, "sequences one engine step may run"),
+    Flag("--decode-reserve-tokens", int, 64, "KV tokens reserved beyond the prompt when a request is admitted"),
+    Flag("--encoder-cache-memory", parse_bytes, "512MiB", "bytes of vision-encoder outputs kept by image hash"),
+    Flag("--no-prefix-cache", None, False, "disable KV prefix caching (for side-by-side measurement)"),
+    Flag("--no-encoder-cache", None, False, "disable the vision-encoder output cache"),
+    Flag("--allowed-media-dir", Path, None, "serve local image paths / file:// URLs only inside this directory "
+         "(off by default)"),
+    Flag("--max-request-bytes", parse_bytes, "64MiB", "largest request body; larger gets HTTP 413"),
+    Flag("--seed", int, None, "seed for requests that bring no seed of their own"),
+    Flag("--log-level", str, "info", "debug, info, warning, error"),
+)
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser("serve", help="run the OpenAI-compatible server",
+                              description="Serve a Qwen2-VL checkpoint over an OpenAI-compatible HTTP API.")
+    for f in FLAGS:
+        if f.type is None:
+            p.add_argument(f.name, action="store_true", help=f.help)
+        else:
+            default = f.type(f.default) if isinstance(f.default, str) and f.type is parse_bytes else f.default
+            p.add_argument(f.name, type=f.type, default=default, help=f"{f.help} (default: {f.default})")
+    p.set_defaults(handler=run)
+
+
+def build_server(args: argparse.Namespace):
+    """Everything `serve` starts, minus uvicorn: (app, async_engine). Tests use it too."""
+    from firsttoken.api.server import build_app
+    from firsttoken.api.settings import ServerSettings
+    from firsttoken.config import CacheConfig, GenerationDefaults, SchedulerConfig
+    from firsttoken.engine.async_engine import AsyncEngine
+    from firsttoken.engine.engine import EngineConfig, LLMEngine
+    from firsttoken.inputs.processor import ImageSettings, InputProcessor
+    from firsttoken.models.checkpoint import demo_model_dir
+    from transformers import AutoTokenizer
+
+    model_dir = Path(args.model) if args.model else demo_model_dir()
+    if args.model is None:
+        log.warning("no --model given: serving the built-in demo checkpoint (random weights, nonsense answers) "
+                    "from %s", model_dir)
+    config = EngineConfig(
+        dtype=args.dtype,
+        cache=CacheConfig(
+            block_size=args.block_size,
+            kv_cache_memory_bytes=args.kv_cache_memory,
+            enable_prefix_caching=not args.no_prefix_cache,
+            encoder_cache_memory_bytes=args.encoder_cache_memory,
+            enable_encoder_cache=not args.no_encoder_cache,
+        ),
+        scheduler=SchedulerConfig(
+            max_batched_tokens=args.max_batched_tokens,
+            max_num_seqs=args.max_num_seqs,
+            decode_reserve_tokens=args.decode_reserve_tokens,
+            max_model_len=args.max_model_len,
+        ),
+        seed=args.seed,
+    )
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    engine = LLMEngine(model_dir, config, tokenizer=_decoder(tokenizer))
+    processor = InputProcessor(
+        tokenizer,
+        engine.model_config,
+        GenerationDefaults.from_pretrained(model_dir),
+        max_model_len=engine.max_model_len,
+        images=ImageSettings(allowed_media_dir=args.allowed_media_dir),
+    )
+    settings = ServerSettings(
+        served_model_name=args.served_model_name or model_dir.name,
+        max_model_len=engine.max_model_len,
+        model_root=str(model_dir),
+        allowed_media_dir=args.allowed_media_dir,
+        max_request_body_bytes=args.max_request_bytes,
+    )
+    async_engine = AsyncEngine(engine, num_threads=args.num_threads)
+    return build_app(async_engine, processor, settings), async_engine
+
+
+def _decoder(tokenizer: Any) -> Any:
+    """The Rust tokenizer decodes without the Python wrapper's overhead; the detokenizer calls it per token."""
+    return getattr(tokenizer, "backend_tokenizer", None) or tokenizer
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+    import uvicorn
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.num_threads:
+        torch.set_num_threads(args.num_threads)
+    app, async_engine = build_server(args)
+    async_engine.start()
+    log.info("serving on http://%s:%d", args.host, args.port)
+    try:
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
+    finally:
+        async_engine.shutdown()
+    return 0
+
+
+def default_args(**overrides: Any) -> argparse.Namespace:
+    """The serve flags' defaults as a namespace (for tests and benchmarks), with overrides by dest name."""
+    values = {f.dest: (parse_bytes(f.default) if f.type is parse_bytes and isinstance(f.default, str) else f.default)
+              for f in FLAGS}
+    unknown = set(overrides) - set(values)
+    if unknown:
+        raise ValueError(f"unknown serve options: {sorted(unknown)}")
+    values.update(overrides)
+    return argparse.Namespace(**values)
+
