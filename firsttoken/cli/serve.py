@@ -76,8 +76,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(handler=run)
 
 
-def build_server(args: argparse.Namespace):
-    """Everything `serve` starts, minus uvicorn: (app, async_engine). Tests use it too."""
+def build_server(args: argparse.Namespace, fault_hook: Any = None):
+    """Everything `serve` starts, minus uvicorn: (app, async_engine). Tests use it too; `fault_hook` is the
+    runner's test seam (see runner.model_runner.FaultHook), None in production."""
     from firsttoken.api.server import build_app
     from firsttoken.api.settings import ServerSettings
     from firsttoken.config import CacheConfig, GenerationDefaults, SchedulerConfig
@@ -109,7 +110,7 @@ def build_server(args: argparse.Namespace):
         seed=args.seed,
     )
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
-    engine = LLMEngine(model_dir, config, tokenizer=_decoder(tokenizer))
+    engine = LLMEngine(model_dir, config, tokenizer=_decoder(tokenizer), fault_hook=fault_hook)
     processor = InputProcessor(
         tokenizer,
         engine.model_config,

@@ -72,7 +72,6 @@ class Scheduler:
 
     # ---- one step ------------------------------------------------------------------------------------
     def schedule(self) -> ScheduledBatch:
-        self.num_steps += 1
         budget = TokenBudget(self.config.max_batched_tokens)
         chunks: list[ScheduledChunk] = []
         for req in list(self.running):
@@ -87,6 +86,7 @@ class Scheduler:
                 break  # head of the queue waits for KV; its wait is queue time
             chunks.append(chunk)
         preempted, self._preempted = tuple(self._preempted), []
+        self.num_steps += int(bool(chunks))
         return ScheduledBatch(tuple(chunks), self.encoder_cache.pop_freed(), preempted)
 
     def on_chunk_done(self, chunk: ScheduledChunk) -> None:

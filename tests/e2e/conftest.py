@@ -1,0 +1,113 @@
+"""A real firsttoken server (uvicorn on a loopback port, engine thread, tiny checkpoint, float32) per session."""
+
+from __future__ import annotations
+
+import base64
+import io
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+import uvicorn
+from PIL import Image, ImageDraw
+
+from firsttoken.cli.serve import build_server, default_args
+
+
+@dataclass
+class LiveServer:
+    base_url: str
+    model: str
+    engine: object  # AsyncEngine, for the fault-injection tests only
+
+    def client(self, **kw) -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"{self.base_url}/v1", api_key="unused", max_retries=0, **kw)
+
+    def async_client(self, **kw) -> openai.AsyncOpenAI:
+        return openai.AsyncOpenAI(base_url=f"{self.base_url}/v1", api_key="unused", max_retries=0, **kw)
+
+    def stats(self) -> dict:
+        return httpx.get(f"{self.base_url}/v1/engine/stats").json()
+
+    def wait_idle(self, timeout_s: float = 20.0) -> dict:
+        """Poll until nothing runs or waits and no KV block is referenced (by order, not by timing)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            s = self.stats()
+            if s["kv_blocks_used"] == 0 and s["num_running"] == 0 and s["num_waiting"] == 0:
+                return s
+            if time.monotonic() > deadline:
+                raise AssertionError(f"engine did not return to idle: {s}")
+            time.sleep(0.05)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(
+    model_dir: Path, fault_hook=None, **overrides
+) -> tuple[LiveServer, uvicorn.Server, threading.Thread]:
+    port = _free_port()
+    options = dict(model=str(model_dir), dtype="float32", port=port, kv_cache_memory=16 * 2**20,
+                   max_batched_tokens=256, served_model_name="tiny")
+    args = default_args(**{**options, **overrides})
+    app, engine = build_server(args, fault_hook=fault_hook)
+    engine.start()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(f"{base}/health").status_code == 200:
+                break
+        except httpx.HTTPError:
+            time.sleep(0.05)
+    return LiveServer(base, "tiny", engine), server, thread
+
+
+def stop_server(server: uvicorn.Server, thread: threading.Thread, engine) -> None:
+    server.should_exit = True
+    thread.join(10)
+    engine.shutdown()
+
+
+@pytest.fixture(scope="session")
+def live_server(tiny_model_dir: Path) -> Iterator[LiveServer]:
+    live, server, thread = start_server(tiny_model_dir)
+    yield live
+    stop_server(server, thread, live.engine)
+
+
+def make_image(width: int, height: int, seed: int = 0) -> Image.Image:
+    """A deterministic picture with real structure (gradient, shapes, text)."""
+    img = Image.new("RGB", (width, height), (seed * 37 % 256, 90, 160))
+    draw = ImageDraw.Draw(img)
+    for i in range(0, max(width, height), 12):
+        draw.line([(i, 0), (0, i)], fill=((i * 5 + seed * 11) % 256, (i * 3) % 256, 200 - i % 200), width=3)
+    draw.rectangle([width // 5, height // 5, width // 2, height // 2], outline=(255, 255, 0), width=4)
+    draw.text((4, 4), f"firsttoken {seed}", fill=(255, 255, 255))
+    return img
+
+
+def image_data_url(img: Image.Image, fmt: str = "PNG") -> str:
+    buf = io.BytesIO()
+    img.save(buf, format=fmt)
+    mime = "png" if fmt == "PNG" else "jpeg"
+    return f"data:image/{mime};base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+def image_message(text: str, *images: Image.Image) -> list[dict]:
+    parts: list[dict] = [{"type": "image_url", "image_url": {"url": image_data_url(im)}} for im in images]
+    parts.append({"type": "text", "text": text})
+    return [{"role": "user", "content": parts}]
