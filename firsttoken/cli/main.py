@@ -12,8 +12,9 @@ from collections.abc import Sequence
 from types import ModuleType
 
 from firsttoken.cli import make_model, serve
+from firsttoken.cli import plan as plan_command
 
-COMMANDS: tuple[ModuleType, ...] = (serve, make_model)
+COMMANDS: tuple[ModuleType, ...] = (serve, make_model, plan_command)
 
 
 def build_parser() -> argparse.ArgumentParser:
