@@ -1,0 +1,131 @@
+"""Every error leaves in OpenAI's shape: ``{"error": {"message", "type", "param", "code"}}``.
+
+``type`` names and the integer ``code`` follow vLLM's server (fixtures/vllm-0.32/error-*.txt), so clients
+written against vLLM parse ours. Messages are built here or come from exceptions whose text is client-safe by
+contract (InputError, ImageInputError, APIError); they never echo the request payload, and unexpected
+exceptions become a generic 500 whose details stay in the server log (see middleware.py).
+
+Status map:
+    400  malformed JSON, schema errors (FastAPI's 422 is overridden), bad sampling values, bad images
+    404  unknown model or route
+    405  wrong method
+    413  request body over the limit
+    429  too many requests in flight
+    500  anything unexpected, or a request the engine failed
+    503  engine not alive
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from firsttoken.api.protocol import ErrorInfo, ErrorResponse
+from firsttoken.inputs.image import ImageInputError
+from firsttoken.inputs.processor import InputError
+
+ERROR_TYPES: dict[int, str] = {
+    400: "BadRequestError",
+    404: "NotFoundError",
+    405: "MethodNotAllowedError",
+    413: "RequestTooLargeError",
+    429: "RateLimitError",
+    500: "InternalServerError",
+    503: "ServiceUnavailableError",
+}
+
+
+class APIError(Exception):
+    """Raised by routes to answer with an error; ``message`` must be safe to show the client."""
+
+    def __init__(self, status_code: int, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.status_code = status_code
+        self.message = message
+        self.param = param
+
+
+def model_not_found(model: str, served_model_name: str) -> APIError:
+    return APIError(404, f"The model `{model}` does not exist. Valid aliases: {served_model_name}.", "model")
+
+
+def error_body(status_code: int, message: str, param: str | None = None) -> dict[str, Any]:
+    info = ErrorInfo(message=message, type=ERROR_TYPES.get(status_code, "APIError"), param=param, code=status_code)
+    return ErrorResponse(error=info).model_dump()
+
+
+def error_response(status_code: int, message: str, param: str | None = None) -> JSONResponse:
+    return JSONResponse(error_body(status_code, message, param), status_code=status_code)
+
+
+def validation_error_message(exc: RequestValidationError) -> tuple[str, str | None]:
+    """(message, param) for the first schema error. Pydantic's ``input`` (the payload) is never included."""
+    errors = exc.errors()
+    if not errors:
+        return "invalid request body", None
+    # With unions pydantic reports one error per branch; the deepest location is the most specific.
+    first = max(errors, key=lambda e: len(e.get("loc", ())))
+    if first.get("type") == "json_invalid":
+        return "request body is not valid JSON", None
+    param = _param_path(first.get("loc", ()))
+    msg = str(first.get("msg", "invalid value")).removeprefix("Value error, ")
+    if first.get("type") == "missing":
+        return f"missing required field '{param}'", param
+    if first.get("type") == "model_attributes_type" and not param:
+        return "request body must be a JSON object", None
+    return (f"{param}: {msg}" if param else msg), param
+
+
+_UNION_TYPE_LABELS = frozenset({"str", "int", "float", "bool", "list", "dict", "none"})
+
+
+def _param_path(loc: tuple[Any, ...]) -> str | None:
+    """('body', 'messages', 0, 'content', 'list[tagged-union[...]]', 1, 'text', 'text') -> 'messages[0].content[1].text'.
+
+    Pydantic inserts union-branch labels into locations: type names ('str', 'list[...]', 'function-after[...]')
+    are dropped; a discriminated union's tag repeats the field name in our schemas ('text', 'image_url'), so a
+    part equal to the one before it is dropped too."""
+    out = ""
+    prev: Any = None
+    for part in loc[1:] if loc and loc[0] == "body" else loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif (
+            isinstance(part, str)
+            and part != prev
+            and part not in _UNION_TYPE_LABELS
+            and not any(c in part for c in "[]-")
+        ):
+            out += f".{part}" if out else part
+        prev = part
+    return out or None
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(RequestValidationError)
+    async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
+        message, param = validation_error_message(exc)
+        return error_response(400, message, param)
+
+    @app.exception_handler(APIError)
+    async def _api(_: Request, exc: APIError) -> JSONResponse:
+        return error_response(exc.status_code, exc.message, exc.param)
+
+    @app.exception_handler(InputError)
+    async def _input(_: Request, exc: InputError) -> JSONResponse:
+        return error_response(400, str(exc), exc.param)
+
+    @app.exception_handler(ImageInputError)
+    async def _image(_: Request, exc: ImageInputError) -> JSONResponse:
+        return error_response(400, f"invalid image ({exc.code}): {exc}", "messages")
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        messages = {404: "not found", 405: "method not allowed", 413: "request body too large"}
+        detail = exc.detail if isinstance(exc.detail, str) and exc.status_code == 413 else None
+        message = detail or messages.get(exc.status_code, "request failed")
+        return JSONResponse(error_body(exc.status_code, message), status_code=exc.status_code, headers=exc.headers)

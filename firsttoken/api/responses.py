@@ -1,0 +1,57 @@
+"""Engine outputs -> OpenAI response pieces (usage with the timing extension, logprobs)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Callable
+
+from firsttoken.api.protocol import (
+    ChoiceLogprobs,
+    CompletionLogprobs,
+    PromptTokensDetails,
+    TokenLogprobEntry,
+    TopLogprob,
+    Usage,
+)
+from firsttoken.engine.request import RequestOutput, Timeline, TokenLogprob
+
+# token id -> (text, raw bytes); InputProcessor.token_piece
+TokenPieceFn = Callable[[int], tuple[str, list[int]]]
+
+
+def usage_of(final: RequestOutput, timeline: Timeline) -> Usage:
+    return Usage(
+        prompt_tokens=final.num_prompt_tokens,
+        completion_tokens=final.num_output_tokens,
+        total_tokens=final.num_prompt_tokens + final.num_output_tokens,
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=timeline.num_cached_prompt_tokens),
+        firsttoken=timeline.to_dict(),
+    )
+
+
+def chat_logprobs(logprobs: Sequence[TokenLogprob], piece: TokenPieceFn) -> ChoiceLogprobs | None:
+    if not logprobs:
+        return None
+    entries = []
+    for lp in logprobs:
+        token, raw = piece(lp.token_id)
+        top = [TopLogprob(token=(p := piece(tid))[0], logprob=v, bytes=p[1]) for tid, v in lp.top]
+        entries.append(TokenLogprobEntry(token=token, logprob=lp.logprob, bytes=raw, top_logprobs=top))
+    return ChoiceLogprobs(content=entries)
+
+
+def completion_logprobs(
+    logprobs: Sequence[TokenLogprob], piece: TokenPieceFn, text_offset: int
+) -> CompletionLogprobs | None:
+    """OpenAI's legacy shape; ``text_offset`` is where this delta's first token starts in the output text."""
+    if not logprobs:
+        return None
+    tokens, values, tops, offsets = [], [], [], []
+    for lp in logprobs:
+        token = piece(lp.token_id)[0]
+        tokens.append(token)
+        values.append(lp.logprob)
+        tops.append({piece(tid)[0]: v for tid, v in lp.top})
+        offsets.append(text_offset)
+        text_offset += len(token)
+    return CompletionLogprobs(tokens=tokens, token_logprobs=values, top_logprobs=tops, text_offset=offsets)

@@ -1,0 +1,213 @@
+"""The OpenAI-compatible HTTP app. Routes stay thin: check the model, take a slot, preprocess off the event
+loop, hand the EngineRequest to the engine, frame what comes back.
+
+    POST /v1/chat/completions   stream and non-stream
+    POST /v1/completions        plain text prompt
+    POST /tokenize              chat body or {"prompt"}: token ids + per-image token counts, no model run
+    GET  /v1/models             the served model with max_model_len
+    GET  /health                200 while engine.is_alive, else 503
+    GET  /v1/engine/stats       EngineStats as JSON (KV blocks used/free/cached, running, waiting)
+
+Everything the app uses arrives through ``build_app`` (engine, processor, settings): tests pass fakes there.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import functools
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import asynccontextmanager
+from typing import Any, TypeVar
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+from firsttoken.api.errors import APIError, error_response, install_error_handlers, model_not_found
+from firsttoken.api.middleware import RequestContextMiddleware
+from firsttoken.api.protocol import (
+    AssistantMessage,
+    ChatChoice,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    CompletionChoice,
+    CompletionRequest,
+    CompletionResponse,
+    ImageTokenInfo,
+    ModelCard,
+    ModelList,
+    TokenizeRequest,
+    TokenizeResponse,
+)
+from firsttoken.api.responses import chat_logprobs, completion_logprobs, usage_of
+from firsttoken.api.settings import ServerSettings
+from firsttoken.api.streaming import (
+    ClientDisconnected,
+    EngineStreamResponse,
+    StreamContext,
+    chat_sse,
+    collect_outputs,
+    completion_sse,
+)
+from firsttoken.engine.client import EngineClient
+from firsttoken.engine.request import EngineRequest, FinishReason, Timeline
+from firsttoken.inputs.processor import InputProcessor
+
+T = TypeVar("T")
+CLIENT_CLOSED_REQUEST = 499  # nginx's status for "the client went away"; nobody receives it, logs do
+
+
+class _Slots:
+    """Requests in flight, capped (0 = no cap). Owned by one app; touched only on the event loop."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.in_use = 0
+
+    def take(self) -> None:
+        if self.limit and self.in_use >= self.limit:
+            raise APIError(429, f"too many requests in flight (limit {self.limit}); retry later")
+        self.in_use += 1
+
+    def give_back(self) -> None:
+        self.in_use -= 1
+
+
+def build_app(engine: EngineClient, processor: InputProcessor, settings: ServerSettings) -> FastAPI:
+    pool = ThreadPoolExecutor(max_workers=settings.num_preprocess_threads, thread_name_prefix="ft-preprocess")
+    slots = _Slots(settings.max_concurrent_requests)
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        yield
+        pool.shutdown(wait=False, cancel_futures=True)
+
+    app = FastAPI(title="firsttoken", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.add_middleware(RequestContextMiddleware, max_body_bytes=settings.max_request_body_bytes)
+    install_error_handlers(app)
+
+    async def off_loop(fn: Callable[..., T], *args: Any) -> T:
+        return await asyncio.get_running_loop().run_in_executor(pool, functools.partial(fn, *args))
+
+    def check_model(model: str | None) -> None:
+        if model is not None and model != settings.served_model_name:
+            raise model_not_found(model, settings.served_model_name)
+
+    def check_alive() -> None:
+        if not engine.is_alive:
+            raise APIError(503, "the engine is not running")
+
+    async def start(
+        req: ChatCompletionRequest | CompletionRequest, prefix: str, process: Callable[..., EngineRequest]
+    ) -> tuple[EngineRequest, StreamContext]:
+        """Common head of both generation routes; the caller owns the slot taken here once this returns."""
+        timeline = Timeline()
+        check_model(req.model)
+        check_alive()
+        slots.take()
+        try:
+            request_id = f"{prefix}-{uuid.uuid4().hex}"
+            engine_request = await off_loop(process, req, request_id, timeline)
+        except BaseException:
+            slots.give_back()
+            raise
+        ctx = StreamContext(request_id, int(time.time()), settings.served_model_name, req.include_usage)
+        return engine_request, ctx
+
+    async def respond(
+        raw: Request, engine_request: EngineRequest, ctx: StreamContext, build: Callable[..., Response]
+    ) -> Response:
+        try:
+            collected = await collect_outputs(engine, engine_request, functools.partial(_wait_disconnect, raw))
+        except ClientDisconnected:
+            return Response(status_code=CLIENT_CLOSED_REQUEST)
+        finally:
+            slots.give_back()
+        final = collected.final
+        if final.finish_reason is FinishReason.ERROR:
+            return error_response(500, final.error or "the request failed")
+        engine_request.timeline.mark("first_byte_s")
+        return build(collected)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(req: ChatCompletionRequest, raw: Request) -> Response:
+        engine_request, ctx = await start(req, "chatcmpl", processor.process_chat)
+        if req.stream:
+            return EngineStreamResponse(chat_sse(engine, engine_request, ctx, processor.token_piece), slots.give_back)
+
+        def build(c: Any) -> Response:
+            choice = ChatChoice(
+                message=AssistantMessage(content=c.text),
+                logprobs=chat_logprobs(c.logprobs, processor.token_piece),
+                finish_reason=c.final.finish_reason.value if c.final.finish_reason else None,
+            )
+            body = ChatCompletionResponse(
+                id=ctx.response_id, created=ctx.created, model=ctx.model, choices=[choice],
+                usage=usage_of(c.final, engine_request.timeline),
+            )
+            return JSONResponse(body.model_dump())
+
+        return await respond(raw, engine_request, ctx, build)
+
+    @app.post("/v1/completions")
+    async def completions(req: CompletionRequest, raw: Request) -> Response:
+        engine_request, ctx = await start(req, "cmpl", processor.process_completion)
+        if req.stream:
+            return EngineStreamResponse(completion_sse(engine, engine_request, ctx, processor.token_piece), slots.give_back)
+
+        def build(c: Any) -> Response:
+            choice = CompletionChoice(
+                text=c.text,
+                logprobs=completion_logprobs(c.logprobs, processor.token_piece, 0),
+                finish_reason=c.final.finish_reason.value if c.final.finish_reason else None,
+            )
+            body = CompletionResponse(
+                id=ctx.response_id, created=ctx.created, model=ctx.model, choices=[choice],
+                usage=usage_of(c.final, engine_request.timeline),
+            )
+            return JSONResponse(body.model_dump())
+
+        return await respond(raw, engine_request, ctx, build)
+
+    @app.post("/tokenize")
+    async def tokenize(req: TokenizeRequest) -> TokenizeResponse:
+        check_model(req.model)
+        if req.messages is not None:
+            count = await off_loop(processor.count_chat, req.messages, req.add_generation_prompt)
+        else:
+            count = await off_loop(processor.count_prompt, req.prompt)
+        return TokenizeResponse(
+            count=count.total,
+            max_model_len=settings.max_model_len,
+            tokens=list(count.token_ids),
+            token_strs=[processor.token_piece(t)[0] for t in count.token_ids] if req.return_token_strs else None,
+            num_text_tokens=count.num_text_tokens,
+            images=[ImageTokenInfo(**dataclasses.asdict(im)) for im in count.images],
+        )
+
+    @app.get("/v1/models")
+    async def models() -> ModelList:
+        card = ModelCard(id=settings.served_model_name, root=settings.model_root, max_model_len=settings.max_model_len)
+        return ModelList(data=[card])
+
+    @app.get("/health")
+    async def health() -> Response:
+        if not engine.is_alive:
+            return error_response(503, "the engine is not running")
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/v1/engine/stats")
+    async def engine_stats() -> dict[str, int]:
+        return dataclasses.asdict(engine.stats())
+
+    return app
+
+
+async def _wait_disconnect(raw: Request) -> None:
+    """Returns when the client disconnects (the body has been read; the next ASGI message is the disconnect)."""
+    while (await raw.receive())["type"] != "http.disconnect":
+        pass
+

@@ -1,0 +1,216 @@
+"""Server-sent events in vLLM's framing, and the guarantee that a vanished client aborts its request.
+
+Chat stream (fixtures/vllm-0.32/chat-stream-image.txt):
+    data: chunk  delta {"role": "assistant", "content": ""}          role only, sent before any token
+    data: chunk  delta {"content": "..."}                            one per engine output with text
+    data: chunk  delta {"content": "..."}, finish_reason             the last output
+    data: chunk  choices [], usage {... "firsttoken": timings}       only with stream_options.include_usage
+    data: [DONE]
+A request the engine fails mid-stream sends ``data: {"error": {...}}`` then ``data: [DONE]``.
+
+Abort guarantee: ``stream_outputs`` calls ``engine.abort`` in a ``finally`` unless the engine reported the
+request finished. It runs whether the client leaves while the request waits, prefills or decodes:
+- the task iterating the engine is cancelled (Starlette cancels the response when the client disconnects):
+  CancelledError surfaces inside ``stream_outputs``;
+- the SSE generator is suspended at a ``yield`` when the transport fails: ``EngineStreamResponse`` always
+  ``aclose()``s it, and every generator here closes the one it iterates (``aclosing``).
+The abort itself is shielded, so a second cancellation while unwinding cannot skip it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import aclosing
+from dataclasses import dataclass
+
+from starlette.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from firsttoken.api.errors import error_body
+from firsttoken.api.protocol import (
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    CompletionChoice,
+    CompletionResponse,
+    DeltaMessage,
+)
+from firsttoken.api.responses import TokenPieceFn, chat_logprobs, completion_logprobs, usage_of
+from firsttoken.engine.client import EngineClient
+from firsttoken.engine.request import EngineRequest, FinishReason, RequestOutput, TokenLogprob
+
+logger = logging.getLogger("firsttoken.api")
+
+DONE = "data: [DONE]\n\n"
+
+
+def sse(data: str) -> str:
+    return f"data: {data}\n\n"
+
+
+@dataclass(frozen=True)
+class StreamContext:
+    response_id: str  # chatcmpl-... / cmpl-...: the same on every chunk
+    created: int  # unix seconds, the same on every chunk
+    model: str
+    include_usage: bool
+
+
+class EngineStreamResponse(StreamingResponse):
+    """A StreamingResponse that always closes its body generator (so its ``finally`` blocks run now, not at
+    garbage collection) and then calls ``on_close`` (releases the request's concurrency slot)."""
+
+    def __init__(self, content: AsyncIterator[str], on_close: Callable[[], None], **kwargs) -> None:
+        super().__init__(content, media_type="text/event-stream", **kwargs)
+        self._generator = content
+        self._on_close = on_close
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            try:
+                await asyncio.shield(self._generator.aclose())  # type: ignore[attr-defined]
+            finally:
+                self._on_close()
+
+
+async def stream_outputs(engine: EngineClient, request: EngineRequest) -> AsyncIterator[RequestOutput]:
+    """The engine's outputs for one request; ends after the finished one. Aborts unless it finished."""
+    outputs = engine.generate(request)
+    finished = False
+    try:
+        async for out in outputs:
+            finished = out.finished
+            yield out
+            if finished:
+                return
+    finally:
+        if not finished:
+            await _shielded(engine.abort(request.request_id))
+        aclose = getattr(outputs, "aclose", None)
+        if aclose is not None:
+            await _shielded(aclose())
+
+
+async def _shielded(awaitable: Awaitable[None]) -> None:
+    """Run to completion even if the caller is cancelled meanwhile (the caller still sees its cancellation)."""
+    task = asyncio.ensure_future(awaitable)
+    try:
+        await asyncio.shield(task)
+    except asyncio.CancelledError:
+        await asyncio.wait({task})  # let the abort land, then keep unwinding
+        raise
+
+
+@dataclass
+class Collected:
+    text: str
+    logprobs: list[TokenLogprob]
+    final: RequestOutput
+
+
+class ClientDisconnected(Exception):
+    pass
+
+
+async def collect_outputs(
+    engine: EngineClient, request: EngineRequest, wait_disconnect: Callable[[], Awaitable[None]]
+) -> Collected:
+    """Run a non-streaming request to the end, aborting it if the client disconnects first."""
+
+    async def run() -> Collected:
+        parts: list[str] = []
+        logprobs: list[TokenLogprob] = []
+        async with aclosing(stream_outputs(engine, request)) as outputs:
+            async for out in outputs:
+                parts.append(out.new_text)
+                logprobs.extend(out.logprobs)
+                if out.finished:
+                    return Collected("".join(parts), logprobs, out)
+        raise RuntimeError("engine stream ended without a finished output")
+
+    generation = asyncio.ensure_future(run())
+    watcher = asyncio.ensure_future(wait_disconnect())
+    try:
+        await asyncio.wait({generation, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not generation.done():
+            generation.cancel()  # stream_outputs aborts the request in its finally
+            await asyncio.wait({generation})
+    if generation.cancelled():
+        raise ClientDisconnected()
+    return generation.result()
+
+
+async def chat_sse(
+    engine: EngineClient, request: EngineRequest, ctx: StreamContext, piece: TokenPieceFn
+) -> AsyncIterator[str]:
+    def chunk(delta: DeltaMessage, finish_reason: str | None = None, out: RequestOutput | None = None) -> str:
+        logprobs = chat_logprobs(out.logprobs, piece) if out is not None else None
+        choice = ChatChunkChoice(delta=delta, logprobs=logprobs, finish_reason=finish_reason)
+        return sse(ChatCompletionChunk(id=ctx.response_id, created=ctx.created, model=ctx.model, choices=[choice]).to_json())
+
+    yield chunk(DeltaMessage(role="assistant", content=""))
+    async with aclosing(_guarded(engine, request)) as outputs:
+        async for out in outputs:
+            if isinstance(out, str):  # an error event
+                yield out
+                yield DONE
+                return
+            finish = out.finish_reason.value if out.finished and out.finish_reason else None
+            if out.new_text or out.logprobs or finish:
+                yield chunk(DeltaMessage(content=out.new_text or None), finish, out)
+                if out.new_text:
+                    request.timeline.mark("first_byte_s")  # resumed: the chunk has been handed to the transport
+            if out.finished and ctx.include_usage:
+                usage = usage_of(out, request.timeline)
+                yield sse(
+                    ChatCompletionChunk(
+                        id=ctx.response_id, created=ctx.created, model=ctx.model, choices=[], usage=usage
+                    ).to_json()
+                )
+    yield DONE
+
+
+async def completion_sse(
+    engine: EngineClient, request: EngineRequest, ctx: StreamContext, piece: TokenPieceFn
+) -> AsyncIterator[str]:
+    text_len = 0
+    async with aclosing(_guarded(engine, request)) as outputs:
+        async for out in outputs:
+            if isinstance(out, str):
+                yield out
+                yield DONE
+                return
+            finish = out.finish_reason.value if out.finished and out.finish_reason else None
+            if out.new_text or out.logprobs or finish:
+                choice = CompletionChoice(
+                    text=out.new_text, logprobs=completion_logprobs(out.logprobs, piece, text_len), finish_reason=finish
+                )
+                text_len += len(out.new_text)
+                yield sse(CompletionResponse(id=ctx.response_id, created=ctx.created, model=ctx.model, choices=[choice]).to_json())
+                if out.new_text:
+                    request.timeline.mark("first_byte_s")
+            if out.finished and ctx.include_usage:
+                usage = usage_of(out, request.timeline)
+                body = CompletionResponse(id=ctx.response_id, created=ctx.created, model=ctx.model, choices=[], usage=usage)
+                yield sse(body.to_json())
+    yield DONE
+
+
+async def _guarded(engine: EngineClient, request: EngineRequest) -> AsyncIterator[RequestOutput | str]:
+    """Outputs, with an engine failure turned into one SSE error event (str) instead of a broken stream."""
+    try:
+        async with aclosing(stream_outputs(engine, request)) as outputs:
+            async for out in outputs:
+                if out.finish_reason is FinishReason.ERROR:
+                    yield sse(json.dumps(error_body(500, out.error or "the request failed")))
+                    return
+                yield out
+    except Exception:
+        logger.exception("engine failed while streaming request %s", request.request_id)
+        yield sse(json.dumps(error_body(500, f"internal server error (request {request.request_id})")))
