@@ -83,16 +83,17 @@ def _attend(
     scale: float,
     causal: bool,
 ) -> torch.Tensor:
+    # 4-D [1, heads, len, head_dim]: CPU SDPA only takes its flash kernel for 4-D inputs without a mask
     out = F.scaled_dot_product_attention(
-        q.transpose(0, 1),
-        k.transpose(0, 1),
-        v.transpose(0, 1),
+        q.transpose(0, 1).unsqueeze(0),
+        k.transpose(0, 1).unsqueeze(0),
+        v.transpose(0, 1).unsqueeze(0),
         attn_mask=mask,
         is_causal=causal,
         scale=scale,
         enable_gqa=q.shape[1] != k.shape[1],
     )
-    return out.transpose(0, 1)  # [q_len, num_heads, head_dim]
+    return out[0].transpose(0, 1)  # [q_len, num_heads, head_dim]
 
 
 def _decode_batched(

@@ -53,8 +53,9 @@ class VisionAttention(nn.Module):
         qkv = self.qkv(x).view(num_patches, 3, self.num_heads, self.head_dim)
         # rotary in fp32 like the reference, on q and k together
         qk = apply_rotary(qkv[:, :2].float(), cos, sin).to(x.dtype)
-        q, k = qk.permute(1, 2, 0, 3).unbind(0)  # each [num_heads, num_patches, head_dim]
-        v = qkv[:, 2].transpose(0, 1)
+        # [1, num_heads, num_patches, head_dim]: 4-D so CPU SDPA takes its flash kernel
+        q, k = qk.permute(1, 2, 0, 3).unsqueeze(1).unbind(0)
+        v = qkv[:, 2].transpose(0, 1).unsqueeze(0)
         if len(patches_per_image) == 1:
             out = F.scaled_dot_product_attention(q, k, v)
         else:
@@ -62,12 +63,12 @@ class VisionAttention(nn.Module):
                 [
                     F.scaled_dot_product_attention(qi, ki, vi)
                     for qi, ki, vi in zip(
-                        q.split(patches_per_image, 1), k.split(patches_per_image, 1), v.split(patches_per_image, 1)
+                        q.split(patches_per_image, 2), k.split(patches_per_image, 2), v.split(patches_per_image, 2)
                     )
                 ],
-                dim=1,
+                dim=2,
             )
-        return self.proj(out.transpose(0, 1).reshape(num_patches, -1))
+        return self.proj(out[0].transpose(0, 1).reshape(num_patches, -1))
 
 
 class VisionMLP(nn.Module):
