@@ -51,6 +51,7 @@ from firsttoken.api.streaming import (
     chat_sse,
     collect_outputs,
     completion_sse,
+    engine_failure,
 )
 from firsttoken.engine.client import EngineClient
 from firsttoken.engine.request import EngineRequest, FinishReason, Timeline
@@ -124,6 +125,8 @@ def build_app(engine: EngineClient, processor: InputProcessor, settings: ServerS
             collected = await collect_outputs(engine, engine_request, functools.partial(_wait_disconnect, raw))
         except ClientDisconnected:
             return Response(status_code=CLIENT_CLOSED_REQUEST)
+        except Exception as exc:
+            return error_response(*engine_failure(engine, engine_request, exc))
         finally:
             slots.give_back()
         final = collected.final

@@ -211,6 +211,17 @@ async def _guarded(engine: EngineClient, request: EngineRequest) -> AsyncIterato
                     yield sse(json.dumps(error_body(500, out.error or "the request failed")))
                     return
                 yield out
-    except Exception:
-        logger.exception("engine failed while streaming request %s", request.request_id)
-        yield sse(json.dumps(error_body(500, f"internal server error (request {request.request_id})")))
+    except Exception as exc:
+        yield sse(json.dumps(error_body(*engine_failure(engine, request, exc))))
+
+
+def engine_failure(engine: EngineClient, request: EngineRequest, exc: Exception) -> tuple[int, str]:
+    """(status, client-safe message) for an exception raised by ``engine.generate``:
+    a stopped engine is 503; a ValueError is the engine refusing the request at admission (its message is
+    written for the client), 400; anything else is logged and becomes a generic 500."""
+    if not engine.is_alive:
+        return 503, "the engine is not running"
+    if isinstance(exc, ValueError):
+        return 400, str(exc)
+    logger.error("engine failed on request %s", request.request_id, exc_info=exc)
+    return 500, f"internal server error (request {request.request_id})"

@@ -394,8 +394,25 @@ def test_unexpected_exception_is_a_generic_500(processor: InputProcessor, caplog
     err = error_of(r, 500)
     assert err["type"] == "InternalServerError"
     assert not re.search(r"secret|0x[0-9a-f]+|Traceback|File \"", err["message"])
-    assert r.headers["x-request-id"] in err["message"]
-    assert "secret detail" in caplog.text  # the trace stays in the server log
+    request_id = engine.requests[0].request_id
+    assert request_id in err["message"]  # the handle to find the trace...
+    assert "secret detail" in caplog.text and request_id in caplog.text  # ...which stays in the server log
+
+
+def test_engine_refusing_a_request_is_400_and_a_dead_engine_503(processor: InputProcessor) -> None:
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
+    engine = FakeEngine(Script(raise_error=ValueError("prompt of 9 tokens does not fit the KV cache")))
+    assert error_of(post(processor, "/v1/chat/completions", engine, json=body), 400)["message"].startswith("prompt of 9")
+
+    class DyingEngine(FakeEngine):
+        async def generate(self, request):
+            self.alive = False
+            raise RuntimeError("engine loop crashed")
+            yield
+
+    error_of(post(processor, "/v1/chat/completions", DyingEngine(), json=body), 503)
+    events = sse_events(post(processor, "/v1/chat/completions", DyingEngine(), json={**body, "stream": True}).text)
+    assert json.loads(events[-2])["error"]["code"] == 503 and events[-1] == "[DONE]"
 
 
 def test_engine_failure_mid_stream_is_an_error_event(processor: InputProcessor) -> None:
