@@ -84,7 +84,7 @@ _UNION_TYPE_LABELS = frozenset({"str", "int", "float", "bool", "list", "dict", "
 
 
 def _param_path(loc: tuple[Any, ...]) -> str | None:
-    """('body', 'messages', 0, 'content', 'list[tagged-union[...]]', 1, 'text', 'text') -> 'messages[0].content[1].text'.
+    """('body', 'messages', 0, 'content', 'list[tagged-union[..]]', 1, 'text', 'text') -> 'messages[0].content[1].text'.
 
     Pydantic inserts union-branch labels into locations: type names ('str', 'list[...]', 'function-after[...]')
     are dropped; a discriminated union's tag repeats the field name in our schemas ('text', 'image_url'), so a

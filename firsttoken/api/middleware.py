@@ -49,7 +49,10 @@ class RequestContextMiddleware:
             nonlocal started
             if message["type"] == "http.response.start":
                 started = True
-                message = {**message, "headers": [*message.get("headers", []), (REQUEST_ID_HEADER, request_id.encode())]}
+                message = {
+                    **message,
+                    "headers": [*message.get("headers", []), (REQUEST_ID_HEADER, request_id.encode())],
+                }
             await send(message)
 
         declared = headers.get(b"content-length", b"")
@@ -70,7 +73,9 @@ class RequestContextMiddleware:
         try:
             await self.app(scope, limited_receive, send_with_id)
         except Exception:
-            logger.exception("unhandled error in %s %s (request id %s)", scope.get("method"), scope.get("path"), request_id)
+            logger.exception(
+                "unhandled error in %s %s (request id %s)", scope.get("method"), scope.get("path"), request_id
+            )
             if not started:
                 await self._reply(500, f"internal server error (request id {request_id})", scope, receive, send_with_id)
 

@@ -138,7 +138,7 @@ class TokenizeRequest(_Request):
     return_token_strs: bool = False
 
     @model_validator(mode="after")
-    def _one_input(self) -> "TokenizeRequest":
+    def _one_input(self) -> TokenizeRequest:
         if (self.messages is None) == (self.prompt is None):
             raise ValueError("give exactly one of 'messages' or 'prompt'")
         return self

@@ -148,7 +148,10 @@ def build_app(engine: EngineClient, processor: InputProcessor, settings: ServerS
                 finish_reason=c.final.finish_reason.value if c.final.finish_reason else None,
             )
             body = ChatCompletionResponse(
-                id=ctx.response_id, created=ctx.created, model=ctx.model, choices=[choice],
+                id=ctx.response_id,
+                created=ctx.created,
+                model=ctx.model,
+                choices=[choice],
                 usage=usage_of(c.final, engine_request.timeline),
             )
             return JSONResponse(body.model_dump())
@@ -159,7 +162,9 @@ def build_app(engine: EngineClient, processor: InputProcessor, settings: ServerS
     async def completions(req: CompletionRequest, raw: Request) -> Response:
         engine_request, ctx = await start(req, "cmpl", processor.process_completion)
         if req.stream:
-            return EngineStreamResponse(completion_sse(engine, engine_request, ctx, processor.token_piece), slots.give_back)
+            return EngineStreamResponse(
+                completion_sse(engine, engine_request, ctx, processor.token_piece), slots.give_back
+            )
 
         def build(c: Any) -> Response:
             choice = CompletionChoice(
@@ -168,7 +173,10 @@ def build_app(engine: EngineClient, processor: InputProcessor, settings: ServerS
                 finish_reason=c.final.finish_reason.value if c.final.finish_reason else None,
             )
             body = CompletionResponse(
-                id=ctx.response_id, created=ctx.created, model=ctx.model, choices=[choice],
+                id=ctx.response_id,
+                created=ctx.created,
+                model=ctx.model,
+                choices=[choice],
                 usage=usage_of(c.final, engine_request.timeline),
             )
             return JSONResponse(body.model_dump())
@@ -213,4 +221,3 @@ async def _wait_disconnect(raw: Request) -> None:
     """Returns when the client disconnects (the body has been read; the next ASGI message is the disconnect)."""
     while (await raw.receive())["type"] != "http.disconnect":
         pass
-

@@ -152,7 +152,9 @@ async def chat_sse(
     def chunk(delta: DeltaMessage, finish_reason: str | None = None, out: RequestOutput | None = None) -> str:
         logprobs = chat_logprobs(out.logprobs, piece) if out is not None else None
         choice = ChatChunkChoice(delta=delta, logprobs=logprobs, finish_reason=finish_reason)
-        return sse(ChatCompletionChunk(id=ctx.response_id, created=ctx.created, model=ctx.model, choices=[choice]).to_json())
+        return sse(
+            ChatCompletionChunk(id=ctx.response_id, created=ctx.created, model=ctx.model, choices=[choice]).to_json()
+        )
 
     yield chunk(DeltaMessage(role="assistant", content=""))
     async with aclosing(_guarded(engine, request)) as outputs:
@@ -192,12 +194,18 @@ async def completion_sse(
                     text=out.new_text, logprobs=completion_logprobs(out.logprobs, piece, text_len), finish_reason=finish
                 )
                 text_len += len(out.new_text)
-                yield sse(CompletionResponse(id=ctx.response_id, created=ctx.created, model=ctx.model, choices=[choice]).to_json())
+                yield sse(
+                    CompletionResponse(
+                        id=ctx.response_id, created=ctx.created, model=ctx.model, choices=[choice]
+                    ).to_json()
+                )
                 if out.new_text:
                     request.timeline.mark("first_byte_s")
             if out.finished and ctx.include_usage:
                 usage = usage_of(out, request.timeline)
-                body = CompletionResponse(id=ctx.response_id, created=ctx.created, model=ctx.model, choices=[], usage=usage)
+                body = CompletionResponse(
+                    id=ctx.response_id, created=ctx.created, model=ctx.model, choices=[], usage=usage
+                )
                 yield sse(body.to_json())
     yield DONE
 

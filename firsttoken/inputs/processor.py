@@ -311,7 +311,7 @@ class InputProcessor:
             if name not in _SAMPLING_FIELDS:
                 raise InputError(str(err)) from None
             param = max_tokens_field if name == "max_tokens" else name
-            raise InputError(f"{param}{str(err)[len(name):]}, got {values[name]}", param) from None
+            raise InputError(f"{param}{str(err)[len(name) :]}, got {values[name]}", param) from None
 
 
 def _or(value: Any, default: Any) -> Any:

@@ -56,7 +56,9 @@ class FakeEngine:
             last = i == len(s.pieces) - 1
             if last:
                 timeline.mark("finished_s")
-            logprobs = (TokenLogprob(s.token_id, -0.5, ((s.token_id, -0.5), (s.token_id + 1, -1.5))),) if s.logprobs else ()
+            logprobs = (
+                (TokenLogprob(s.token_id, -0.5, ((s.token_id, -0.5), (s.token_id + 1, -1.5))),) if s.logprobs else ()
+            )
             yield RequestOutput(
                 request_id=request.request_id,
                 new_token_ids=(s.token_id,),
@@ -76,6 +78,14 @@ class FakeEngine:
 
     def stats(self) -> EngineStats:
         return EngineStats(
-            kv_blocks_total=64, kv_blocks_used=0, kv_blocks_cached=3, kv_blocks_free=64, block_size=16,
-            num_running=0, num_waiting=0, num_steps=len(self.requests), num_preemptions=0, max_model_len=4096,
+            kv_blocks_total=64,
+            kv_blocks_used=0,
+            kv_blocks_cached=3,
+            kv_blocks_free=64,
+            block_size=16,
+            num_running=0,
+            num_waiting=0,
+            num_steps=len(self.requests),
+            num_preemptions=0,
+            max_model_len=4096,
         )

@@ -40,8 +40,11 @@ MAX_MODEL_LEN = 4096
 @pytest.fixture(scope="module")
 def processor(tiny_model_dir: Path) -> InputProcessor:
     return InputProcessor(
-        tiny_model_dir, ModelConfig.from_pretrained(tiny_model_dir), GenerationDefaults.from_pretrained(tiny_model_dir),
-        max_model_len=MAX_MODEL_LEN, images=ImageSettings(),
+        tiny_model_dir,
+        ModelConfig.from_pretrained(tiny_model_dir),
+        GenerationDefaults.from_pretrained(tiny_model_dir),
+        max_model_len=MAX_MODEL_LEN,
+        images=ImageSettings(),
     )
 
 
@@ -89,7 +92,13 @@ def png_url(width: int = 64, height: int = 48) -> str:
 
 
 IMAGE_MESSAGES = [
-    {"role": "user", "content": [{"type": "image_url", "image_url": {"url": png_url()}}, {"type": "text", "text": "What is in this picture?"}]}
+    {
+        "role": "user",
+        "content": [
+            {"type": "image_url", "image_url": {"url": png_url()}},
+            {"type": "text", "text": "What is in this picture?"},
+        ],
+    }
 ]
 
 
@@ -98,7 +107,11 @@ def live_server(engine: FakeEngine, processor: InputProcessor, **overrides) -> I
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(build_app(engine, processor, settings(**overrides)), host="127.0.0.1", port=port, log_level="warning"))
+    server = uvicorn.Server(
+        uvicorn.Config(
+            build_app(engine, processor, settings(**overrides)), host="127.0.0.1", port=port, log_level="warning"
+        )
+    )
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     deadline = time.monotonic() + 10
@@ -121,7 +134,11 @@ def test_chat_completion_through_the_openai_client(processor: InputProcessor) ->
     async def go():
         async with asgi_client(engine, processor) as http:
             raw = await openai_client(http).chat.completions.with_raw_response.create(
-                model=MODEL, messages=IMAGE_MESSAGES, max_tokens=6, temperature=0, extra_headers={"X-Request-Id": "my-req-1"}
+                model=MODEL,
+                messages=IMAGE_MESSAGES,
+                max_tokens=6,
+                temperature=0,
+                extra_headers={"X-Request-Id": "my-req-1"},
             )
             return raw.headers, raw.parse()
 
@@ -185,9 +202,14 @@ def test_stream_framing_matches_vllm(processor: InputProcessor) -> None:
 
 def test_stream_through_the_openai_client(processor: InputProcessor) -> None:
     async def go():
-        async with asgi_client(FakeEngine(Script(pieces=("Hel", "lo", " 😀"), finish_reason=FinishReason.STOP)), processor) as http:
+        async with asgi_client(
+            FakeEngine(Script(pieces=("Hel", "lo", " 😀"), finish_reason=FinishReason.STOP)), processor
+        ) as http:
             stream = await openai_client(http).chat.completions.create(
-                model=MODEL, messages=[{"role": "user", "content": "hi"}], stream=True, stream_options={"include_usage": True}
+                model=MODEL,
+                messages=[{"role": "user", "content": "hi"}],
+                stream=True,
+                stream_options={"include_usage": True},
             )
             return [chunk async for chunk in stream]
 
@@ -201,7 +223,10 @@ def test_stream_through_the_openai_client(processor: InputProcessor) -> None:
 def test_stream_without_include_usage_has_no_usage_chunk(processor: InputProcessor) -> None:
     async def go():
         async with asgi_client(FakeEngine(), processor) as http:
-            r = await http.post("/v1/chat/completions", json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "stream": True})
+            r = await http.post(
+                "/v1/chat/completions",
+                json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "stream": True},
+            )
             return r.text
 
     events = sse_events(run(go()))
@@ -248,7 +273,9 @@ def test_models_tokenize_health_stats(processor: InputProcessor) -> None:
             models = (await openai_client(http).models.list()).data
             raw_models = (await http.get("/v1/models")).json()
             tok = (await http.post("/tokenize", json=fixture_request("tokenize-image.txt"))).json()
-            tok_prompt = (await http.post("/tokenize", json={"prompt": "hello <|image_pad|>", "return_token_strs": True})).json()
+            tok_prompt = (
+                await http.post("/tokenize", json={"prompt": "hello <|image_pad|>", "return_token_strs": True})
+            ).json()
             health = await http.get("/health")
             stats = (await http.get("/v1/engine/stats")).json()
             return models, raw_models, tok, tok_prompt, health, stats
@@ -263,7 +290,9 @@ def test_models_tokenize_health_stats(processor: InputProcessor) -> None:
     assert tok["images"] == [{"original_size": [64, 48], "resized_size": [56, 56], "num_tokens": 4}]
     assert "".join(tok_prompt["token_strs"]) == "hello <|image_pad|>" and tok_prompt["images"] == []
     assert health.status_code == 200 and health.headers["x-request-id"]
-    assert stats["kv_blocks_cached"] == 3 and {"kv_blocks_used", "kv_blocks_free", "num_running", "num_waiting"} <= set(stats)
+    assert stats["kv_blocks_cached"] == 3 and {"kv_blocks_used", "kv_blocks_free", "num_running", "num_waiting"} <= set(
+        stats
+    )
 
 
 class ThreadRecordingProcessor(InputProcessor):
@@ -284,7 +313,9 @@ def test_preprocessing_runs_off_the_event_loop(tiny_model_dir: Path) -> None:
 
     async def go():
         async with asgi_client(FakeEngine(), proc) as http:
-            await http.post("/v1/chat/completions", json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}]})
+            await http.post(
+                "/v1/chat/completions", json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
+            )
         return threading.get_ident()
 
     loop_thread = run(go())
@@ -325,7 +356,15 @@ def test_bad_max_tokens_matches_vllm(processor: InputProcessor) -> None:
 
 
 def test_malformed_json_is_400_not_422(processor: InputProcessor) -> None:
-    err = error_of(post(processor, "/v1/chat/completions", content=b'{"model": "qwen2vl", "messages": [SECRET', headers={"content-type": "application/json"}), 400)
+    err = error_of(
+        post(
+            processor,
+            "/v1/chat/completions",
+            content=b'{"model": "qwen2vl", "messages": [SECRET',
+            headers={"content-type": "application/json"},
+        ),
+        400,
+    )
     assert err["type"] == "BadRequestError" and "SECRET" not in err["message"]
 
 
@@ -336,7 +375,10 @@ def test_malformed_json_is_400_not_422(processor: InputProcessor) -> None:
         ({"messages": [{"role": "user", "content": "hi"}]}, "model"),
         ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": "SECRET"}, "max_tokens"),
         ({"model": MODEL, "messages": [{"role": "wizard", "content": "hi"}]}, "messages[0].role"),
-        ({"model": MODEL, "messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]}, "messages[0].content[0].text"),
+        (
+            {"model": MODEL, "messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]},
+            "messages[0].content[0].text",
+        ),
         ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "n": 2}, "n"),
         ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "temperature": 9}, "temperature"),
         ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 99999}, "max_tokens"),
@@ -348,7 +390,12 @@ def test_schema_and_value_errors_name_the_field(processor: InputProcessor, body:
 
 
 def test_unknown_fields_are_tolerated(processor: InputProcessor) -> None:
-    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi", "name": "bob"}], "user": "u1", "vendor_x": {"a": 1}}
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "hi", "name": "bob"}],
+        "user": "u1",
+        "vendor_x": {"a": 1},
+    }
     assert post(processor, "/v1/chat/completions", json=body).status_code == 200
 
 
@@ -357,7 +404,14 @@ def test_bad_image_is_400_through_the_openai_client(processor: InputProcessor) -
         async with asgi_client(FakeEngine(), processor) as http:
             await openai_client(http).chat.completions.create(
                 model=MODEL,
-                messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:image/png;base64,bm90IGFuIGltYWdl"}}]}],
+                messages=[
+                    {
+                        "role": "user",
+                        "content": [
+                            {"type": "image_url", "image_url": {"url": "data:image/png;base64,bm90IGFuIGltYWdl"}}
+                        ],
+                    }
+                ],
             )
 
     with pytest.raises(openai.BadRequestError) as err:
@@ -373,13 +427,27 @@ def test_body_too_large_is_413(processor: InputProcessor) -> None:
     async def chunks():
         yield json.dumps(big).encode()
 
-    chunked = post(processor, "/v1/chat/completions", content=chunks(), headers={"content-type": "application/json"}, server={"max_request_body_bytes": 1000})
+    chunked = post(
+        processor,
+        "/v1/chat/completions",
+        content=chunks(),
+        headers={"content-type": "application/json"},
+        server={"max_request_body_bytes": 1000},
+    )
     error_of(chunked, 413)
 
 
 def test_dead_engine_is_503(processor: InputProcessor) -> None:
     engine = FakeEngine(alive=False)
-    error_of(post(processor, "/v1/chat/completions", engine, json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}), 503)
+    error_of(
+        post(
+            processor,
+            "/v1/chat/completions",
+            engine,
+            json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}]},
+        ),
+        503,
+    )
 
     async def go():
         async with asgi_client(engine, processor) as http:
@@ -390,7 +458,12 @@ def test_dead_engine_is_503(processor: InputProcessor) -> None:
 
 def test_unexpected_exception_is_a_generic_500(processor: InputProcessor, caplog: pytest.LogCaptureFixture) -> None:
     engine = FakeEngine(Script(raise_error=RuntimeError("secret detail at 0x7f3a2b1c")))
-    r = post(processor, "/v1/chat/completions", engine, json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}]})
+    r = post(
+        processor,
+        "/v1/chat/completions",
+        engine,
+        json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}]},
+    )
     err = error_of(r, 500)
     assert err["type"] == "InternalServerError"
     assert not re.search(r"secret|0x[0-9a-f]+|Traceback|File \"", err["message"])
@@ -402,7 +475,9 @@ def test_unexpected_exception_is_a_generic_500(processor: InputProcessor, caplog
 def test_engine_refusing_a_request_is_400_and_a_dead_engine_503(processor: InputProcessor) -> None:
     body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
     engine = FakeEngine(Script(raise_error=ValueError("prompt of 9 tokens does not fit the KV cache")))
-    assert error_of(post(processor, "/v1/chat/completions", engine, json=body), 400)["message"].startswith("prompt of 9")
+    assert error_of(post(processor, "/v1/chat/completions", engine, json=body), 400)["message"].startswith(
+        "prompt of 9"
+    )
 
     class DyingEngine(FakeEngine):
         async def generate(self, request):

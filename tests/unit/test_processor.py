@@ -133,8 +133,18 @@ def test_sampling_defaults_come_from_generation_config(processor: InputProcessor
 
 
 def test_request_values_override_defaults(processor: InputProcessor) -> None:
-    req = chat("hi", temperature=0.7, top_k=0, max_completion_tokens=5, max_tokens=9, stop="END", seed=3,
-               logprobs=True, top_logprobs=2, stop_token_ids=[7])
+    req = chat(
+        "hi",
+        temperature=0.7,
+        top_k=0,
+        max_completion_tokens=5,
+        max_tokens=9,
+        stop="END",
+        seed=3,
+        logprobs=True,
+        top_logprobs=2,
+        stop_token_ids=[7],
+    )
     s = processor.process_chat(req, "r1", Timeline()).sampling
     assert (s.temperature, s.top_k, s.max_tokens, s.stop, s.seed) == (0.7, 0, 5, ("END",), 3)
     assert (s.logprobs, s.top_logprobs) == (True, 2) and 7 in s.stop_token_ids
