@@ -17,6 +17,7 @@ from firsttoken.config import CacheConfig, ModelConfig, SchedulerConfig
 from firsttoken.engine.client import EngineStats
 from firsttoken.engine.detokenizer import IncrementalDetokenizer, TokenDecoder
 from firsttoken.engine.request import EngineRequest, FinishReason, RequestOutput
+from firsttoken.metrics.stats import FinishedRequest, NullObserver, StatsObserver, StepStats
 from firsttoken.models.loader import load_model
 from firsttoken.runner.kv_cache import allocate_kv_caches
 from firsttoken.runner.model_runner import FaultHook, ModelRunner, StepOutput
@@ -97,8 +98,10 @@ class LLMEngine:
         config: EngineConfig,
         tokenizer: TokenDecoder,
         fault_hook: FaultHook | None = None,
+        observer: StatsObserver | None = None,
     ) -> None:
         self.config = config
+        self.observer: StatsObserver = observer or NullObserver()
         self.model_config = ModelConfig.from_pretrained(model_dir)
         self.tokenizer = tokenizer
         dtype = config.torch_dtype()
@@ -168,7 +171,29 @@ class LLMEngine:
         except Exception:  # the forward itself failed: fail this batch's requests, keep serving
             log.exception("engine step failed; failing the %d requests in it", len(batch.chunks))
             return [self._fail(c.request, "internal error while running this request") for c in batch.chunks]
-        return self._update(batch, result, step_start)
+        outputs = self._update(batch, result, step_start)
+        self._observe_step(batch, result, step_start)
+        return outputs
+
+    def _observe_step(self, batch: ScheduledBatch, result: StepOutput, step_start: float) -> None:
+        kv = self.scheduler.kv
+        self.observer.on_step(
+            StepStats(
+                step=self.scheduler.num_steps,
+                start_s=step_start,
+                duration_s=time.monotonic() - step_start,
+                num_seqs=len(batch.chunks),
+                num_prefill_tokens=batch.num_prefill_tokens,
+                num_decode_tokens=batch.num_decode_tokens,
+                num_images_encoded=sum(result.num_images_encoded.values()),
+                encoder_s=sum(result.encoder_s.values()),
+                num_preempted=len(batch.preempted_request_ids),
+                kv_blocks_used=kv.num_used_blocks,
+                kv_blocks_total=kv.num_blocks,
+                num_running=len(self.scheduler.running),
+                num_waiting=len(self.scheduler.waiting),
+            )
+        )
 
     def _update(self, batch: ScheduledBatch, result: StepOutput, step_start: float) -> list[RequestOutput]:
         outputs: list[RequestOutput] = []
@@ -254,6 +279,19 @@ class LLMEngine:
         req.timeline.mark("finished_s")
         self.requests.pop(req.request_id, None)
         self._detok.pop(req.request_id, None)
+        er = req.engine_request
+        self.observer.on_finished(
+            FinishedRequest(
+                request_id=req.request_id,
+                outcome=reason.value,
+                num_prompt_tokens=er.num_prompt_tokens,
+                num_image_tokens=er.num_image_tokens,
+                num_images=len(er.images),
+                num_output_tokens=len(req.output_token_ids),
+                lane=req.lane,
+                timings=req.timeline.to_dict(),
+            )
+        )
 
     # ---- observability -------------------------------------------------------------------------------
     def stats(self) -> EngineStats:

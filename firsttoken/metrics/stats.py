@@ -1,0 +1,59 @@
+"""Metrics as plain data: what one engine step did and how one request went. Exporters read these; nothing on
+the hot path imports prometheus_client."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+
+@dataclass(frozen=True)
+class StepStats:
+    step: int
+    start_s: float  # monotonic
+    duration_s: float
+    num_seqs: int
+    num_prefill_tokens: int
+    num_decode_tokens: int
+    num_images_encoded: int
+    encoder_s: float
+    num_preempted: int
+    kv_blocks_used: int
+    kv_blocks_total: int
+    num_running: int
+    num_waiting: int
+
+
+@dataclass(frozen=True)
+class FinishedRequest:
+    """One finished request: its outcome, sizes and timeline report (Timeline.to_dict())."""
+
+    request_id: str
+    outcome: str  # stop | length | abort | error
+    num_prompt_tokens: int
+    num_image_tokens: int
+    num_images: int
+    num_output_tokens: int
+    lane: str
+    timings: dict[str, float | int | None]
+
+    @property
+    def image_class(self) -> str:
+        """The per-class label used everywhere in firsttoken: 0, 1 or 2+ images."""
+        return "0" if self.num_images == 0 else ("1" if self.num_images == 1 else "2+")
+
+
+class StatsObserver(Protocol):
+    """Receives metrics data from the engine thread. Must be cheap and must not raise."""
+
+    def on_step(self, stats: StepStats) -> None: ...
+
+    def on_finished(self, request: FinishedRequest) -> None: ...
+
+
+class NullObserver:
+    def on_step(self, stats: StepStats) -> None:
+        pass
+
+    def on_finished(self, request: FinishedRequest) -> None:
+        pass
