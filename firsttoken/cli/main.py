@@ -12,9 +12,10 @@ from collections.abc import Sequence
 from types import ModuleType
 
 from firsttoken.cli import make_model, serve
+from firsttoken.cli import bench as bench_command
 from firsttoken.cli import plan as plan_command
 
-COMMANDS: tuple[ModuleType, ...] = (serve, make_model, plan_command)
+COMMANDS: tuple[ModuleType, ...] = (serve, make_model, plan_command, bench_command)
 
 
 def build_parser() -> argparse.ArgumentParser:
