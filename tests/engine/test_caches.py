@@ -1,0 +1,132 @@
+"""Reuse of computed work, seen from the engine: the vision tower's own call count, cached prompt tokens, and
+greedy outputs that do not change when the caches are switched off."""
+
+from __future__ import annotations
+
+import itertools
+from pathlib import Path
+
+import pytest
+from transformers import AutoTokenizer
+
+from firsttoken.api.protocol import ChatCompletionRequest
+from firsttoken.config import CacheConfig, GenerationDefaults, SchedulerConfig
+from firsttoken.engine.engine import EngineConfig, LLMEngine
+from firsttoken.engine.request import Timeline
+from firsttoken.inputs.processor import InputProcessor
+from tests.e2e.conftest import image_data_url, make_image
+
+_ids = itertools.count()
+
+
+class Harness:
+    def __init__(self, model_dir: Path, prefix_cache: bool = True, encoder_cache: bool = True) -> None:
+        tok = AutoTokenizer.from_pretrained(model_dir)
+        cfg = EngineConfig(
+            dtype="float32",
+            cache=CacheConfig(kv_cache_memory_bytes=8 * 2**20, enable_prefix_caching=prefix_cache,
+                              enable_encoder_cache=encoder_cache),
+            scheduler=SchedulerConfig(max_batched_tokens=96),
+        )
+        self.engine = LLMEngine(model_dir, cfg, tok.backend_tokenizer)
+        self.processor = InputProcessor(tok, self.engine.model_config, GenerationDefaults.from_pretrained(model_dir),
+                                        max_model_len=self.engine.max_model_len)
+
+    def run(self, messages: list[dict], max_tokens: int = 8):
+        """Greedy-generate one chat request to completion; returns (token ids, text, timeline)."""
+        body = ChatCompletionRequest.model_validate(
+            {"model": "m", "messages": messages, "max_tokens": max_tokens, "temperature": 0.0}
+        )
+        request = self.processor.process_chat(body, f"r{next(_ids)}", Timeline())
+        self.engine.add_request(request)
+        ids, text = [], ""
+        while self.engine.has_unfinished():
+            for out in self.engine.step():
+                ids += out.new_token_ids
+                text += out.new_text
+            self.engine.scheduler.check_invariants()
+        assert self.engine.stats().kv_blocks_used == 0
+        return ids, text, request.timeline
+
+    def prompt_len(self, messages: list[dict]) -> int:
+        body = ChatCompletionRequest.model_validate({"model": "m", "messages": messages, "max_tokens": 1})
+        return self.processor.process_chat(body, "count", Timeline()).num_prompt_tokens
+
+    @property
+    def vision_calls(self) -> int:
+        return self.engine.runner.num_vision_calls
+
+
+def user(text: str, *images) -> dict:
+    parts = [{"type": "image_url", "image_url": {"url": image_data_url(im)}} for im in images]
+    return {"role": "user", "content": parts + [{"type": "text", "text": text}]}
+
+
+def system(text: str) -> dict:
+    return {"role": "system", "content": text}
+
+
+@pytest.fixture(scope="module")
+def pictures():
+    return [make_image(168, 112, seed=1), make_image(112, 196, seed=2), make_image(140, 140, seed=3)]
+
+
+def test_same_image_from_five_users_is_encoded_once(tiny_model_dir, pictures):
+    h = Harness(tiny_model_dir)
+    timelines = [h.run([system(f"You are assistant number {i}."), user("What is shown?", pictures[0])])[2]
+                 for i in range(5)]
+    assert h.vision_calls == 1
+    assert [t.num_images_encoded for t in timelines] == [1, 0, 0, 0, 0]
+    assert [t.num_encoder_cache_hits for t in timelines] == [0, 1, 1, 1, 1]
+
+
+def test_switching_the_encoder_cache_off_encodes_every_time(tiny_model_dir, pictures):
+    h = Harness(tiny_model_dir, prefix_cache=False, encoder_cache=False)
+    for i in range(3):
+        h.run([system(f"Assistant {i}."), user("What is shown?", pictures[0])])
+    assert h.vision_calls == 3
+
+
+def test_follow_up_turn_prefills_only_its_new_tokens(tiny_model_dir, pictures):
+    h = Harness(tiny_model_dir)
+    first = [user("Compare these three pictures.", *pictures)]
+    ids, text, t1 = h.run(first)
+    assert h.vision_calls == 3
+    follow = first + [{"role": "assistant", "content": text}, user("And the second one?")]
+    _, _, t2 = h.run(follow)
+    assert h.vision_calls == 3  # no image encoded again
+    prompt_len, first_len = h.prompt_len(follow), h.prompt_len(first)
+    # every full block of the first turn's prompt is reused; only the rest is prefilled
+    assert t2.num_cached_prompt_tokens == (first_len // 16) * 16
+    assert prompt_len - t2.num_cached_prompt_tokens < prompt_len // 2
+
+
+def test_two_different_images_of_the_same_size_share_neither_kv_nor_embeddings(tiny_model_dir):
+    h = Harness(tiny_model_dir)
+    a, b = make_image(140, 140, seed=10), make_image(140, 140, seed=11)
+    h.run([user("Describe.", a)])
+    _, _, t = h.run([user("Describe.", b)])
+    assert h.vision_calls == 2
+    assert t.num_encoder_cache_hits == 0
+    # the shared template head may be reused, but no block that covers image tokens
+    body = ChatCompletionRequest.model_validate({"model": "m", "messages": [user("Describe.", b)], "max_tokens": 1})
+    request = h.processor.process_chat(body, "probe", Timeline())
+    assert t.num_cached_prompt_tokens <= (request.images[0].offset // 16) * 16
+
+
+@pytest.mark.parametrize("case", ["text", "one_image", "three_images", "multi_turn"])
+def test_greedy_outputs_identical_with_caches_on_and_off(tiny_model_dir, pictures, case):
+    on, off = Harness(tiny_model_dir), Harness(tiny_model_dir, prefix_cache=False, encoder_cache=False)
+    conversations = {
+        "text": [[user("Tell me a story about a robot.")]] * 2,
+        "one_image": [[user("What is it?", pictures[0])], [system("Be brief."), user("What is it?", pictures[0])]],
+        "three_images": [[user("Which differ?", *pictures)]] * 2,
+    }
+    if case == "multi_turn":
+        first = [user("Look.", pictures[1])]
+        _, text, _ = on.run(first)
+        turns = [first, first + [{"role": "assistant", "content": text}, user("More detail?")]]
+    else:
+        turns = conversations[case]
+    for messages in turns:
+        assert on.run(messages)[0] == off.run(messages)[0]
