@@ -18,7 +18,7 @@ def _ms(v: float | None) -> str:
 
 
 def _dist_row(label: str, d: Dist) -> str:
-    return f"  {label:<14}{_ms(d.p50):>10}{_ms(d.p95):>10}{_ms(d.p99):>10}{_ms(d.mean):>10}{d.count:>8}"
+    return f"  {label:<22}{_ms(d.p50):>10}{_ms(d.p95):>10}{_ms(d.p99):>10}{_ms(d.mean):>10}{d.count:>8}"
 
 
 def _class_block(c: ClassSummary, show_phases: bool) -> list[str]:
@@ -27,7 +27,7 @@ def _class_block(c: ClassSummary, show_phases: bool) -> list[str]:
         f"class {c.cls}: {c.num_requests} requests, {c.num_ok} ok, errors: {errors}; "
         f"tokens in/out {c.prompt_tokens:,}/{c.completion_tokens:,}"
         + ("" if c.num_good is None else f"; meeting SLOs {c.num_good}/{c.num_requests}"),
-        f"  {'ms':<14}{'P50':>10}{'P95':>10}{'P99':>10}{'mean':>10}{'n':>8}",
+        f"  {'ms':<22}{'P50':>10}{'P95':>10}{'P99':>10}{'mean':>10}{'n':>8}",
         _dist_row("TTFT", c.ttft),
         _dist_row("TPOT", c.tpot),
         _dist_row("ITL", c.itl),
