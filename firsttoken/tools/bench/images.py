@@ -23,11 +23,12 @@ def synth_image(width: int, height: int, seed: str) -> Image.Image:
     rng = random.Random(seed)
     nrng = np.random.default_rng(rng.getrandbits(64))
     # Two-colour diagonal gradient plus mild noise, so the picture has texture everywhere.
-    c0, c1 = nrng.integers(0, 256, size=3), nrng.integers(0, 256, size=3)
-    ys, xs = np.mgrid[0:height, 0:width].astype(np.float32)
-    t = ((xs / max(width - 1, 1)) + (ys / max(height - 1, 1))) / 2.0  # [H, W] in 0..1
-    pixels = c0[None, None, :] * (1 - t[..., None]) + c1[None, None, :] * t[..., None]
-    pixels += nrng.normal(0.0, 6.0, size=(height, width, 3))
+    c0 = nrng.integers(0, 256, size=3).astype(np.float32)
+    c1 = nrng.integers(0, 256, size=3).astype(np.float32)
+    xs = np.linspace(0.0, 0.5, width, dtype=np.float32)
+    ys = np.linspace(0.0, 0.5, height, dtype=np.float32)
+    t = (ys[:, None] + xs[None, :])[..., None]  # [H, W, 1] in 0..1 along the diagonal
+    pixels = c0 + (c1 - c0) * t + nrng.integers(-10, 11, size=(height, width, 3), dtype=np.int8)
     img = Image.fromarray(np.clip(pixels, 0, 255).astype(np.uint8), "RGB")
     draw = ImageDraw.Draw(img)
     scale = max(1, min(width, height))
