@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
+import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -99,6 +100,8 @@ class _Run:
         bounded = isinstance(indices, range)
         sessions: dict[int, Session] = {}
         if bounded:  # build every body before the clock starts: image synthesis stays off the timed path
+            if c.progress:
+                print(f"{progress_label}: building {len(indices)} sessions (seed {c.seed})", file=sys.stderr)
             sessions = {i: s for i, s in zip(indices, await asyncio.to_thread(
                 lambda: [self.workload.session(i) for i in indices]))}
         total = None
