@@ -200,6 +200,14 @@ class SchedulerConfig:
     max_num_seqs: int = 64  # sequences in one step
     decode_reserve_tokens: int = 64  # KV reserved at admission beyond the prompt, for the first decodes
     max_model_len: int | None = None  # None: the checkpoint's context, capped by the KV pool
+    # Lanes: "lanes" (default) routes by prompt length into a short and a long lane; "fcfs" is one FIFO queue
+    # with whole-prompt prefills and whole-image encodes (the behaviour the seed's incident started from).
+    scheduling: str = "lanes"
+    long_prompt_threshold: int = 1024  # prompt tokens (text + image) at or above which a request is "long"
+    long_step_tokens: int = 512  # long-lane work per step: prefill tokens + visual tokens x vision layers
+    long_max_wait_steps: int = 4  # aging: long work paused this many steps in a row for short work runs anyway
+    kv_admission: str = "whole-prompt"  # or "optimistic": admit when the next chunk fits, preempt when dry
+    max_queued_requests: int = 256  # per lane; beyond it the API answers 429 with Retry-After
 
     def __post_init__(self) -> None:
         if self.max_batched_tokens < 1:
@@ -210,3 +218,15 @@ class SchedulerConfig:
             raise ValueError("decode_reserve_tokens must be >= 0")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError("max_model_len must be >= 1")
+        if self.scheduling not in ("lanes", "fcfs"):
+            raise ValueError("scheduling must be 'lanes' or 'fcfs'")
+        if self.kv_admission not in ("whole-prompt", "optimistic"):
+            raise ValueError("kv_admission must be 'whole-prompt' or 'optimistic'")
+        if self.long_prompt_threshold < 1:
+            raise ValueError("long_prompt_threshold must be >= 1")
+        if self.long_step_tokens < 1:
+            raise ValueError("long_step_tokens must be >= 1")
+        if self.long_max_wait_steps < 0:
+            raise ValueError("long_max_wait_steps must be >= 0")
+        if self.max_queued_requests < 1:
+            raise ValueError("max_queued_requests must be >= 1")

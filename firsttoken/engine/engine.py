@@ -117,7 +117,12 @@ class LLMEngine:
             else 0
         )
         self.scheduler = Scheduler(
-            config.scheduler, config.cache, self.capacity.num_blocks, self.capacity.max_model_len, encoder_tokens
+            config.scheduler,
+            config.cache,
+            self.capacity.num_blocks,
+            self.capacity.max_model_len,
+            encoder_tokens,
+            encoder_depth=self.model_config.vision.depth,
         )
         self.runner = ModelRunner(
             model, self.model_config, kv_caches, self.capacity.block_size, Sampler(config.seed), fault_hook
@@ -164,13 +169,15 @@ class LLMEngine:
         if batch.is_empty:
             return []
         step_start = time.monotonic()
-        for chunk in batch.chunks:
-            chunk.request.timeline.mark("first_scheduled_s", step_start)
         try:
             result = self.runner.execute(batch)
         except Exception:  # the forward itself failed: fail this batch's requests, keep serving
-            log.exception("engine step failed; failing the %d requests in it", len(batch.chunks))
-            return [self._fail(c.request, "internal error while running this request") for c in batch.chunks]
+            involved = {c.request.request_id: c.request for c in batch.chunks}
+            for w in batch.encoder_work:
+                if w.request_id in self.requests:
+                    involved.setdefault(w.request_id, self.requests[w.request_id])
+            log.exception("engine step failed; failing the %d requests in it", len(involved))
+            return [self._fail(r, "internal error while running this request") for r in involved.values()]
         outputs = self._update(batch, result, step_start)
         self._observe_step(batch, result, step_start)
         return outputs
@@ -197,25 +204,29 @@ class LLMEngine:
 
     def _update(self, batch: ScheduledBatch, result: StepOutput, step_start: float) -> list[RequestOutput]:
         outputs: list[RequestOutput] = []
-        shared = len(batch.chunks) > 1
+        for rid, message in result.failed.items():
+            if rid in self.requests:
+                outputs.append(self._fail(self.requests[rid], message))
+        for rid, seconds in result.encoder_s.items():
+            if rid in self.requests:
+                tl = self.requests[rid].timeline
+                tl.encoder_s += seconds
+                tl.num_images_encoded += result.num_images_encoded.get(rid, 0)
+        shared = len({c.request.request_id for c in batch.chunks} | {w.request_id for w in batch.encoder_work}) > 1
         for chunk in batch.chunks:
             req = chunk.request
-            rid = req.request_id
-            if rid in result.failed:
-                outputs.append(self._fail(req, result.failed[rid]))
+            if req.request_id in result.failed:
                 continue
             self._note_timing(chunk, result, step_start, shared)
             self.scheduler.on_chunk_done(chunk)
-            if rid in result.sampled:
-                outputs.append(self._append_token(req, result.sampled[rid], result))
+            if req.request_id in result.sampled:
+                outputs.append(self._append_token(req, result.sampled[req.request_id], result))
         return outputs
 
     def _note_timing(self, chunk: ScheduledChunk, result: StepOutput, step_start: float, shared: bool) -> None:
         req = chunk.request
         tl = req.timeline
         rid = req.request_id
-        tl.encoder_s += result.encoder_s.get(rid, 0.0)
-        tl.num_images_encoded += result.num_images_encoded.get(rid, 0)
         if not chunk.is_decode:
             tl.num_prefill_steps += 1
             tl.num_shared_prefill_steps += int(shared)

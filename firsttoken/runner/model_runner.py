@@ -21,7 +21,7 @@ from firsttoken.config import ModelConfig
 from firsttoken.engine.request import ImageItem, TokenLogprob
 from firsttoken.models.mrope import decode_positions
 from firsttoken.sampling.sampler import SampleRow, Sampler
-from firsttoken.scheduler.batch import ScheduledBatch, ScheduledChunk
+from firsttoken.scheduler.batch import EncoderWork, ScheduledBatch, ScheduledChunk
 
 log = logging.getLogger("firsttoken.runner")
 
@@ -42,6 +42,30 @@ class StepOutput:
     encoder_done_s: dict[str, float] = field(default_factory=dict)  # request_id -> monotonic end of its encodes
     forward_done_s: float = 0.0  # monotonic time the forward pass finished (before sampling)
     sample_done_s: float = 0.0
+
+
+@dataclass
+class EncodeJob:
+    """One image part-way through the vision tower: hidden states after `layers_done` blocks.
+    Layer 0 includes the patch embedding; the merger runs after the last block."""
+
+    hidden: torch.Tensor  # [num_patches, embed_dim]
+    cos: torch.Tensor
+    sin: torch.Tensor
+    patches_per_image: list[int]
+    layers_done: int = 0
+
+    @staticmethod
+    def start(visual: torch.nn.Module, image: ImageItem) -> "EncodeJob":
+        pixels = image.pixel_values.to(dtype=visual.dtype)
+        cos, sin = visual.rotary_cos_sin([image.grid_thw], pixels.device)
+        t, h, w = image.grid_thw
+        return EncodeJob(visual.patch_embed(pixels), cos, sin, [t * h * w])
+
+    def run_layers(self, visual: torch.nn.Module, num_layers: int) -> None:
+        for block in visual.blocks[self.layers_done : self.layers_done + num_layers]:
+            self.hidden = block(self.hidden, self.cos, self.sin, self.patches_per_image)
+        self.layers_done = min(self.layers_done + num_layers, len(visual.blocks))
 
 
 class RequestFailure(Exception):
@@ -70,7 +94,8 @@ class ModelRunner:
         self.sampler = sampler
         self.fault_hook = fault_hook
         self.encoder_outputs: dict[str, torch.Tensor] = {}  # content hash -> [num_tokens, hidden]
-        self.num_vision_calls = 0  # vision-tower invocations (one per image); tests read it to prove reuse
+        self._encode_jobs: dict[str, EncodeJob] = {}  # images part-way through the vision tower
+        self.num_vision_calls = 0  # images fully encoded by the vision tower; tests read it to prove reuse
         self.num_vision_images = 0
 
     @property
@@ -81,26 +106,30 @@ class ModelRunner:
     def execute(self, batch: ScheduledBatch) -> StepOutput:
         for h in batch.freed_encoder_hashes:
             self.encoder_outputs.pop(h, None)
+            self._encode_jobs.pop(h, None)
         failed: dict[str, str] = {}
         encoder_s: dict[str, float] = {}
         num_encoded: dict[str, int] = {}
         encoder_done: dict[str, float] = {}
-        for chunk in batch.chunks:
-            rid = chunk.request.request_id
+        for work in batch.encoder_work:
+            rid = work.request_id
+            if rid in failed:
+                continue
             try:
                 self._hook("encode", rid)
                 t0 = time.perf_counter()
-                for image in chunk.encoder_inputs:
-                    self._encode(image)
-                if chunk.encoder_inputs:
-                    encoder_s[rid] = time.perf_counter() - t0
-                    num_encoded[rid] = len(chunk.encoder_inputs)
+                self._run_encoder(work)
+                encoder_s[rid] = encoder_s.get(rid, 0.0) + time.perf_counter() - t0
+                if work.finishes:
+                    num_encoded[rid] = num_encoded.get(rid, 0) + 1
                     encoder_done[rid] = time.monotonic()
             except RequestFailure as e:
                 failed[rid] = e.message
             except Exception:  # one request's images failed to encode; the others go on
                 log.exception("vision encoder failed for request %s", rid)
                 failed[rid] = "internal error while encoding this request's images"
+            if rid in failed:
+                self._encode_jobs.pop(work.image.content_hash, None)
         chunks = [c for c in batch.chunks if c.request.request_id not in failed]
         timing: dict[str, float] = {}
         sampled, logprobs = self._forward_and_sample(chunks, failed, timing) if chunks else ({}, {})
@@ -118,16 +147,25 @@ class ModelRunner:
         except Exception as e:  # an injected fault stands for any failure inside this request's work
             raise RequestFailure(request_id, f"internal error while {stage} this request") from e
 
-    def _encode(self, image: ImageItem) -> None:
+    def _run_encoder(self, work: EncoderWork) -> None:
+        """Run vision-tower layers [start_layer, start_layer + num_layers) of one image; keep partial state."""
+        image = work.image
         if image.content_hash in self.encoder_outputs:
             return
-        if image.pixel_values is None:
-            raise RequestFailure("", "image pixels are missing and its encoder output is not cached")
-        pixels = image.pixel_values.to(dtype=self.model.visual.dtype)
-        out = self.model.visual(pixels, [image.grid_thw])  # [num_tokens, hidden]
-        self.num_vision_calls += 1
-        self.num_vision_images += 1
-        self.encoder_outputs[image.content_hash] = out
+        job = self._encode_jobs.get(image.content_hash)
+        if job is None:
+            if work.start_layer != 0:
+                raise RequestFailure(work.request_id, "image encoding state was lost; retry the request")
+            if image.pixel_values is None:
+                raise RequestFailure(work.request_id, "image pixels are missing and its encoding is not cached")
+            job = EncodeJob.start(self.model.visual, image)
+            self._encode_jobs[image.content_hash] = job
+        job.run_layers(self.model.visual, work.num_layers)
+        if job.layers_done >= len(self.model.visual.blocks):
+            self.encoder_outputs[image.content_hash] = self.model.visual.merger(job.hidden)
+            del self._encode_jobs[image.content_hash]
+            self.num_vision_calls += 1
+            self.num_vision_images += 1
 
     def _forward_and_sample(
         self, chunks: list[ScheduledChunk], failed: dict[str, str], timing: dict[str, float]

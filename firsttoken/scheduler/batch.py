@@ -9,6 +9,19 @@ from firsttoken.scheduler.request import Request
 
 
 @dataclass(frozen=True)
+class EncoderWork:
+    """Run vision-tower layers [start_layer, start_layer + num_layers) of one image for one request.
+    Layer 0 includes the patch embedding; the last layer includes the 2x2 merger, after which the image's
+    embeddings exist and chunks may cover its tokens."""
+
+    request_id: str
+    image: ImageItem
+    start_layer: int
+    num_layers: int
+    finishes: bool
+
+
+@dataclass(frozen=True)
 class ScheduledChunk:
     """Request tokens [context_len, context_len + num_new_tokens) run this step."""
 
@@ -16,7 +29,6 @@ class ScheduledChunk:
     context_len: int  # tokens whose KV already exists (the request's num_computed_tokens before this step)
     num_new_tokens: int
     block_table: tuple[int, ...]  # physical KV blocks covering at least context_len + num_new_tokens
-    encoder_inputs: tuple[ImageItem, ...]  # images whose vision-tower output this chunk needs and nobody has
     sample: bool  # the chunk reaches the last known token: sample the next one
     is_decode: bool  # one token right after the last sampled one (not a prefill chunk)
 
@@ -28,12 +40,13 @@ class ScheduledChunk:
 @dataclass(frozen=True)
 class ScheduledBatch:
     chunks: tuple[ScheduledChunk, ...]
+    encoder_work: tuple[EncoderWork, ...]  # runs before the chunks, in order
     freed_encoder_hashes: tuple[str, ...]  # encoder outputs the runner may drop now
     preempted_request_ids: tuple[str, ...]
 
     @property
     def is_empty(self) -> bool:
-        return not self.chunks
+        return not self.chunks and not self.encoder_work
 
     @property
     def num_tokens(self) -> int:

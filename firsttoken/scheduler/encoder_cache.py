@@ -1,11 +1,12 @@
-"""Which vision-tower outputs exist, who needs them, and which to drop: bookkeeping only, no tensors.
+"""Which vision-tower outputs exist or are being computed, who needs them, and which to drop: bookkeeping only.
 
-Entries are keyed by image content hash and sized in visual tokens. An entry referenced by a request whose
-prefill has not yet passed that image is pinned. Unreferenced entries stay, least recently used first out,
-while the total fits `capacity_tokens`; with capacity 0 (cache off) an entry lives exactly as long as some
-request still needs it. An image larger than the whole capacity is still served: it is pinned while needed
-and dropped as soon as it is released. The runner holds the tensors and drops those the scheduler lists in
-`ScheduledBatch.freed_encoder_hashes`.
+Entries are keyed by image content hash and sized in visual tokens. An image is encoded layer by layer, possibly
+across several steps (``layers_done`` of ``depth``); it is *ready* when every layer has run. An entry pinned by a
+request whose prefill has not yet passed that image is never evicted. Unpinned ready entries stay, least recently
+used first out, while the total fits ``capacity_tokens``; with capacity 0 (cache off) an entry lives exactly as
+long as some request still needs it. An unpinned entry that is not ready (its requester went away mid-encode) is
+dropped at once. An image larger than the whole capacity is still served: pinned while needed, then dropped. The
+runner holds the tensors and drops those listed by ``pop_freed``.
 """
 
 from __future__ import annotations
@@ -14,11 +15,15 @@ from collections import OrderedDict
 
 
 class EncoderCacheManager:
-    def __init__(self, capacity_tokens: int) -> None:
+    def __init__(self, capacity_tokens: int, depth: int = 1) -> None:
         if capacity_tokens < 0:
             raise ValueError("capacity_tokens must be >= 0")
+        if depth < 1:
+            raise ValueError("depth must be >= 1")
         self.capacity_tokens = capacity_tokens
+        self.depth = depth
         self._sizes: OrderedDict[str, int] = OrderedDict()  # LRU order: oldest first
+        self._layers_done: dict[str, int] = {}
         self._users: dict[str, set[str]] = {}
         self._freed: list[str] = []
         self.num_hits = 0
@@ -31,17 +36,30 @@ class EncoderCacheManager:
     def contains(self, content_hash: str) -> bool:
         return content_hash in self._sizes
 
+    def is_ready(self, content_hash: str) -> bool:
+        return self._layers_done.get(content_hash, -1) >= self.depth
+
+    def layers_done(self, content_hash: str) -> int:
+        return self._layers_done.get(content_hash, 0)
+
     def acquire(self, request_id: str, content_hash: str, num_tokens: int) -> bool:
-        """Pin an entry for a request; returns True on a hit (the output exists, no encode needed)."""
+        """Pin an entry for a request; True on a hit (computed or being computed by someone: no new work)."""
         hit = content_hash in self._sizes
         if hit:
             self._sizes.move_to_end(content_hash)
             self.num_hits += 1
         else:
             self._sizes[content_hash] = num_tokens
+            self._layers_done[content_hash] = 0
             self.num_misses += 1
         self._users.setdefault(content_hash, set()).add(request_id)
         return hit
+
+    def advance(self, content_hash: str, num_layers: int) -> bool:
+        """Record layers the runner will run this step; True when that finishes the image."""
+        done = min(self._layers_done[content_hash] + num_layers, self.depth)
+        self._layers_done[content_hash] = done
+        return done >= self.depth
 
     def is_pinned_by(self, request_id: str, content_hash: str) -> bool:
         return request_id in self._users.get(content_hash, ())
@@ -53,6 +71,8 @@ class EncoderCacheManager:
         users.discard(request_id)
         if not users:
             del self._users[content_hash]
+            if not self.is_ready(content_hash):
+                self._drop(content_hash)
         self._shrink()
 
     def release_all(self, request_id: str) -> None:
@@ -67,17 +87,26 @@ class EncoderCacheManager:
         for h in self._users:
             if h not in self._sizes:
                 raise RuntimeError(f"pinned encoder entry {h} has no size record")
-        unpinned = sum(n for h, n in self._sizes.items() if h not in self._users)
-        if unpinned > self.capacity_tokens:
+        if set(self._layers_done) != set(self._sizes):
+            raise RuntimeError("encoder progress and size records disagree")
+        unpinned = [h for h in self._sizes if h not in self._users]
+        if any(not self.is_ready(h) for h in unpinned):
+            raise RuntimeError("an unpinned encoder entry is only partly computed")
+        if sum(self._sizes[h] for h in unpinned) > self.capacity_tokens:
             raise RuntimeError("unpinned encoder entries exceed capacity")
 
+    def _drop(self, content_hash: str) -> None:
+        del self._sizes[content_hash]
+        del self._layers_done[content_hash]
+        self._freed.append(content_hash)
+
     def _shrink(self) -> None:
-        """Evict unpinned entries, oldest first, until unpinned + pinned fit, or only pinned ones remain."""
+        """Evict unpinned entries, oldest first, until everything fits or only pinned ones remain."""
         total = self.num_tokens
         for h in list(self._sizes):
             if total <= self.capacity_tokens:
                 break
             if h in self._users:
                 continue
-            total -= self._sizes.pop(h)
-            self._freed.append(h)
+            total -= self._sizes[h]
+            self._drop(h)

@@ -32,7 +32,9 @@ class Request:
     finish_reason: FinishReason | None = None
     block_hashes: list[BlockHash] | None = None  # prompt's full blocks; computed once on first admission try
     generator: torch.Generator | None = None  # per-request sampling RNG (seeded requests)
-    lane: str = "default"
+    lane: str = "default"  # set by the scheduler at add()
+    arrival_step: int = 0  # scheduler steps completed when the request arrived
+    delayed_by_long: bool = False  # sat out a whole step while long work ran (counted once)
 
     @property
     def request_id(self) -> str:

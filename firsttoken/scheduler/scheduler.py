@@ -1,32 +1,46 @@
-"""The scheduler: each step, running requests first, then waiting ones, into one token budget.
+"""The scheduler: one loop, one token budget per step, lanes as policy.
 
-Tokens, not phases: a running request asks for ``num_tokens - num_computed_tokens`` (1 for a decode, the rest
-of its prompt for a prefill) and gets ``budget.take(min(wanted, chunk cap))``; chunked prefill falls out of
-that. A waiting request is admitted only when the KV pool can hold its whole prompt plus a decode reserve
-(whole-prompt admission), so no prefill is ever evicted halfway; if decode growth still runs the pool dry,
-the most recently admitted running request is preempted by recompute (it loses the least work in flight and
-is the latest arrival, so FCFS order is kept) and counted. No tensors here: everything is ints and lists.
+Tokens, not phases: a request is ``num_computed_tokens`` chasing ``num_tokens``. Each step:
+  1. every running request that is decoding gets its one token;
+  2. the short lane's prefills (running first, then admissions) take what they want of the budget;
+  3. the long lane gets at most ``long_step_tokens`` of work, and only in steps without short prefill work,
+     unless it has been held back ``long_max_wait_steps`` steps in a row (aging: long is never starved).
+Long-lane work counts vision-tower layers too: an image is encoded a few layers per step (visual tokens x layers
+against the same budget), so a short request never waits for someone else's whole encode, only for one step.
+``scheduling="fcfs"`` is the seed's starting point: one FIFO queue, whole-prompt prefills, whole-image encodes.
+
+KV admission: with ``kv_admission="whole-prompt"`` a request starts only when blocks for its whole prompt plus
+``decode_reserve_tokens`` are free, so no prefill is ever evicted halfway; "optimistic" admits when the next
+chunk fits. When growth still runs the pool dry, the most recently admitted running request (the latest arrival,
+which has the least work in flight and keeps FCFS order) is preempted by recompute, never swapped, and counted
+with its reason. No tensors here: everything is ints and lists.
 """
 
 from __future__ import annotations
 
-from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from firsttoken.config import CacheConfig, SchedulerConfig
-from firsttoken.engine.request import FinishReason
+from firsttoken.engine.request import FinishReason, ImageItem
 from firsttoken.kv.block_manager import KVCacheManager
 from firsttoken.kv.prefix_cache import ImageSpan, compute_block_hashes
-from firsttoken.scheduler.batch import ScheduledBatch, ScheduledChunk
+from firsttoken.scheduler.batch import EncoderWork, ScheduledBatch, ScheduledChunk
 from firsttoken.scheduler.budget import TokenBudget
 from firsttoken.scheduler.encoder_cache import EncoderCacheManager
+from firsttoken.scheduler.lanes import FCFS, LONG, SHORT, AdmissionVerdict, LaneQueues, route_lane
 from firsttoken.scheduler.request import Request, RequestStatus
 
 
-@dataclass(frozen=True)
-class SchedulerCounters:
-    num_steps: int
-    num_preemptions: int
+@dataclass
+class _Step:
+    """What the step being built has collected so far."""
+
+    chunks: list[ScheduledChunk] = field(default_factory=list)
+    encoder_work: list[EncoderWork] = field(default_factory=list)
+    worked_hashes: set[str] = field(default_factory=set)  # images advanced this step
+    finishing_hashes: set[str] = field(default_factory=set)  # images whose last layer runs this step
+    scheduled_ids: set[str] = field(default_factory=set)  # requests with a chunk or encoder work in this step
+    has_long_work: bool = False
 
 
 class Scheduler:
@@ -37,20 +51,48 @@ class Scheduler:
         num_kv_blocks: int,
         max_model_len: int,
         encoder_capacity_tokens: int,
+        encoder_depth: int = 1,
     ) -> None:
         self.config = config
         self.max_model_len = max_model_len
         self.block_size = cache_config.block_size
         self.kv = KVCacheManager(num_kv_blocks, cache_config.block_size, cache_config.enable_prefix_caching)
-        self.encoder_cache = EncoderCacheManager(encoder_capacity_tokens)
-        self.waiting: deque[Request] = deque()
+        self.encoder_cache = EncoderCacheManager(encoder_capacity_tokens, encoder_depth)
+        self.waiting = LaneQueues(config)
         self.running: list[Request] = []
         self.num_steps = 0
         self.num_preemptions = 0
+        self.preemptions_by_reason: dict[str, int] = {}
+        self.num_short_delayed_by_long = 0  # short requests that waited a whole step while long work ran
+        self.long_wait_steps = 0  # consecutive steps the long lane had work but was held back
         self._preempted: list[str] = []
 
     # ---- requests in and out -------------------------------------------------------------------------
+    def check_admission(self, num_prompt_tokens: int) -> AdmissionVerdict:
+        """May a request of this size queue? Cheap and side-effect free (the API asks before decoding images)."""
+        lane = route_lane(num_prompt_tokens, self.config)
+        need = min(num_prompt_tokens + self.config.decode_reserve_tokens, self.max_model_len)
+        if self.kv.blocks_needed(need) > self.kv.num_blocks or num_prompt_tokens >= self.max_model_len:
+            return AdmissionVerdict(
+                False, lane, "never_fits",
+                f"the prompt has {num_prompt_tokens} tokens; with the {self.config.decode_reserve_tokens}-token "
+                f"decode reserve it can never fit this server's KV cache ({self.kv.num_blocks * self.block_size} "
+                f"tokens) or context ({self.max_model_len}); shorten the text or send fewer/smaller images",
+                400,
+            )
+        depth = len(self.waiting.queues[lane])
+        if depth >= self.config.max_queued_requests:
+            return AdmissionVerdict(
+                False, lane, "queue_full",
+                f"the {lane} lane already has {depth} requests waiting (limit {self.config.max_queued_requests}); "
+                "retry later",
+                429,
+            )
+        return AdmissionVerdict.ok(lane)
+
     def add(self, request: Request) -> None:
+        request.lane = route_lane(request.num_prompt_tokens, self.config)
+        request.arrival_step = self.num_steps
         self.waiting.append(request)
 
     def finish(self, request: Request, reason: FinishReason) -> None:
@@ -68,26 +110,26 @@ class Scheduler:
 
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(len(self.waiting) or self.running)
 
     # ---- one step ------------------------------------------------------------------------------------
     def schedule(self) -> ScheduledBatch:
         budget = TokenBudget(self.config.max_batched_tokens)
-        chunks: list[ScheduledChunk] = []
-        for req in list(self.running):
-            if req.status != RequestStatus.RUNNING:
-                continue  # preempted earlier in this loop
-            chunk = self._schedule_running(req, budget)
-            if chunk is not None:
-                chunks.append(chunk)
-        while self.waiting and budget.remaining > 0 and len(self.running) < self.config.max_num_seqs:
-            chunk = self._admit(self.waiting[0], budget)
-            if chunk is None:
-                break  # head of the queue waits for KV; its wait is queue time
-            chunks.append(chunk)
+        step = _Step()
+        for req in [r for r in self.running if _is_decoding(r)]:
+            if req.status == RequestStatus.RUNNING and budget.remaining > 0:
+                self._schedule_tokens(req, 1, budget, step)
+        if self.config.scheduling == "fcfs":
+            self._serve_lane(FCFS, budget, step, whole_prompt=True)
+        else:
+            short_work = self._serve_lane(SHORT, budget, step, whole_prompt=False)
+            self._serve_long_lane(budget, step, held_by_short=short_work)
+        self._count_short_delays(step)
         preempted, self._preempted = tuple(self._preempted), []
-        self.num_steps += int(bool(chunks))
-        return ScheduledBatch(tuple(chunks), self.encoder_cache.pop_freed(), preempted)
+        self.num_steps += int(bool(step.chunks or step.encoder_work))
+        return ScheduledBatch(
+            tuple(step.chunks), tuple(step.encoder_work), self.encoder_cache.pop_freed(), preempted
+        )
 
     def on_chunk_done(self, chunk: ScheduledChunk) -> None:
         """KV for the chunk is written: publish full blocks, release images the prefill has passed."""
@@ -99,63 +141,146 @@ class Scheduler:
             if im.end <= chunk.end:
                 self.encoder_cache.release(req.request_id, im.content_hash)
 
-    # ---- internals -----------------------------------------------------------------------------------
-    def _schedule_running(self, req: Request, budget: TokenBudget) -> ScheduledChunk | None:
-        wanted = req.num_tokens - req.num_computed_tokens
-        num_new = budget.take(wanted)
-        if num_new == 0:
-            return None
-        while self.kv.allocate(req.request_id, req.num_computed_tokens + num_new) is None:
-            victim = self.running[-1]
-            self._preempt(victim)
-            if victim is req:
-                budget.remaining += num_new
-                return None
-        return self._chunk(req, num_new)
+    # ---- lanes ---------------------------------------------------------------------------------------
+    def _serve_long_lane(self, budget: TokenBudget, step: _Step, held_by_short: bool) -> None:
+        has_work = bool(self.waiting.queues[LONG]) or any(
+            r.lane == LONG and not _is_decoding(r) for r in self.running
+        )
+        if not has_work:
+            self.long_wait_steps = 0
+            return
+        aging = self.long_wait_steps >= self.config.long_max_wait_steps
+        if held_by_short and not aging:
+            self.long_wait_steps += 1
+            return
+        share = self.config.long_step_tokens if aging else min(self.config.long_step_tokens, budget.remaining)
+        long_budget = TokenBudget(share)
+        if self._serve_lane(LONG, long_budget, step, whole_prompt=False):
+            self.long_wait_steps = 0
+            budget.remaining = max(0, budget.remaining - long_budget.used)
+        else:
+            self.long_wait_steps += 1
 
-    def _admit(self, req: Request, budget: TokenBudget) -> ScheduledChunk | None:
+    def _serve_lane(self, lane: str, budget: TokenBudget, step: _Step, whole_prompt: bool) -> bool:
+        """Prefill work of one lane: running prefills first, then admissions. True if anything was scheduled."""
+        before = len(step.chunks) + len(step.encoder_work)
+        for req in [r for r in self.running if r.lane == lane and not _is_decoding(r)]:
+            if req.request_id not in step.scheduled_ids and req.status == RequestStatus.RUNNING:
+                if budget.remaining <= 0 and not (whole_prompt and not step.chunks):
+                    break
+                self._prefill(req, budget, step, whole_prompt)
+        queue = self.waiting.queues[lane]
+        while queue and len(self.running) < self.config.max_num_seqs:
+            if budget.remaining <= 0 and not (whole_prompt and not step.chunks):
+                break
+            if whole_prompt and step.chunks and queue[0].num_tokens > budget.remaining:
+                break  # the seed's serial prefill: a whole prompt per step unless it fits beside the others
+            req = queue[0]
+            if not self._admit(req, budget, whole_prompt):
+                break  # head of the lane waits for KV; the wait shows as queue time
+            self._prefill(req, budget, step, whole_prompt)
+        return len(step.chunks) + len(step.encoder_work) > before
+
+    # ---- admission and prefill -----------------------------------------------------------------------
+    def _admit(self, req: Request, budget: TokenBudget, whole_prompt: bool) -> bool:
         if req.block_hashes is None and self.kv.enable_prefix_caching:
             spans = [ImageSpan(im.content_hash, im.offset, im.num_tokens) for im in req.images]
             req.block_hashes = compute_block_hashes(req.prompt_token_ids, self.block_size, spans)
-        reserve_tokens = min(req.num_tokens + self.config.decode_reserve_tokens, self.max_model_len)
         max_cached = req.num_prompt_tokens - 1  # at least one token is computed, to sample from
-        if not self.kv.can_allocate(reserve_tokens, req.block_hashes, max_cached):
-            return None
-        num_cached = self.kv.allocate(req.request_id, reserve_tokens, req.block_hashes, max_cached)
-        assert num_cached is not None  # can_allocate said yes and nothing ran in between
-        self.waiting.popleft()
+        if self.config.kv_admission == "whole-prompt":
+            want = min(req.num_tokens + self.config.decode_reserve_tokens, self.max_model_len)
+        else:
+            cached = self.kv.num_cached_prefix_tokens(req.block_hashes or [], max_cached)
+            first_chunk = req.num_tokens - cached if whole_prompt else max(budget.remaining, 1)
+            want = min(cached + first_chunk, req.num_tokens)
+        if not self.kv.can_allocate(want, req.block_hashes, max_cached):
+            return False
+        num_cached = self.kv.allocate(req.request_id, want, req.block_hashes, max_cached)
+        if num_cached is None:
+            return False
+        self.waiting.remove(req)
         req.status = RequestStatus.RUNNING
         req.num_computed_tokens = num_cached
         req.timeline.num_cached_prompt_tokens = max(req.timeline.num_cached_prompt_tokens, num_cached)
         self.running.append(req)
-        num_new = budget.take(req.num_tokens - num_cached)
-        if num_new == 0:
-            return None
-        return self._chunk(req, num_new)
+        return True
 
-    def _chunk(self, req: Request, num_new: int) -> ScheduledChunk:
-        start, end = req.num_computed_tokens, req.num_computed_tokens + num_new
-        to_encode = []
+    def _prefill(self, req: Request, budget: TokenBudget, step: _Step, whole_prompt: bool) -> None:
+        start = req.num_computed_tokens
+        wanted = req.num_tokens - start
+        end = start + (wanted if whole_prompt else min(wanted, budget.remaining))
         for im in req.images_in(start, end):
-            if self.encoder_cache.is_pinned_by(req.request_id, im.content_hash):
-                continue
-            if not self.encoder_cache.acquire(req.request_id, im.content_hash, im.num_tokens):
-                to_encode.append(im)
-            else:
-                req.timeline.num_encoder_cache_hits += 1
-        is_decode = bool(req.output_token_ids) and start == req.num_tokens - 1
-        return ScheduledChunk(
-            request=req,
-            context_len=start,
-            num_new_tokens=num_new,
-            block_table=tuple(self.kv.block_table(req.request_id)),
-            encoder_inputs=tuple(to_encode),
-            sample=end == req.num_tokens,
-            is_decode=is_decode,
-        )
+            if not self._encoder_ready_for(req, im, budget, step, all_layers=whole_prompt or req.lane == SHORT):
+                end = im.offset
+                break
+        if req.num_prompt_tokens >= self.config.long_prompt_threshold:
+            step.has_long_work = True
+        if not whole_prompt:
+            end = min(end, start + budget.remaining)
+        if end > start:
+            self._schedule_tokens(req, end - start, budget, step)
 
-    def _preempt(self, req: Request) -> None:
-        """Recompute, never swap: drop its KV, keep its tokens, send it to the front of the queue."""
+    def _encoder_ready_for(
+        self, req: Request, im: ImageItem, budget: TokenBudget, step: _Step, all_layers: bool
+    ) -> bool:
+        """Make sure the image's embeddings exist by the time this step's chunks run; schedule encoder layers
+        if needed. False when the image is still incomplete after this step (the chunk must stop before it)."""
+        h = im.content_hash
+        if not self.encoder_cache.is_pinned_by(req.request_id, h):
+            if self.encoder_cache.acquire(req.request_id, h, im.num_tokens):
+                req.timeline.num_encoder_cache_hits += 1
+        if self.encoder_cache.is_ready(h) and h not in step.worked_hashes:
+            return True
+        if h in step.finishing_hashes:
+            return True
+        if h in step.worked_hashes:
+            return False  # another request advanced it this step and it is not done yet
+        remaining = self.encoder_cache.depth - self.encoder_cache.layers_done(h)
+        per_layer = max(im.num_tokens, 1)
+        layers = remaining if all_layers else max(1, min(remaining, budget.remaining // per_layer))
+        budget.take(layers * per_layer)
+        start_layer = self.encoder_cache.layers_done(h)
+        finishes = self.encoder_cache.advance(h, layers)
+        step.encoder_work.append(EncoderWork(req.request_id, im, start_layer, layers, finishes))
+        step.worked_hashes.add(h)
+        step.scheduled_ids.add(req.request_id)
+        req.timeline.mark("first_scheduled_s")
+        if finishes:
+            step.finishing_hashes.add(h)
+        return finishes
+
+    def _schedule_tokens(self, req: Request, num_new: int, budget: TokenBudget, step: _Step) -> None:
+        if not self._ensure_blocks(req, req.num_computed_tokens + num_new, step):
+            return
+        budget.take(num_new)
+        start = req.num_computed_tokens
+        step.scheduled_ids.add(req.request_id)
+        step.chunks.append(
+            ScheduledChunk(
+                request=req,
+                context_len=start,
+                num_new_tokens=num_new,
+                block_table=tuple(self.kv.block_table(req.request_id)),
+                sample=start + num_new == req.num_tokens,
+                is_decode=_is_decoding(req),
+            )
+        )
+        req.timeline.mark("first_scheduled_s")
+
+    def _ensure_blocks(self, req: Request, num_tokens: int, step: _Step) -> bool:
+        """Grow req's block table to num_tokens, preempting the latest-admitted others if the pool is dry.
+        A request that already has work in this step is never the victim (the runner will write its blocks)."""
+        while self.kv.allocate(req.request_id, num_tokens) is None:
+            victims = [r for r in self.running if r is not req and r.request_id not in step.scheduled_ids]
+            victim = victims[-1] if victims else req
+            reason = "decode_growth" if _is_decoding(victim) or victim.output_token_ids else "prefill_growth"
+            self._preempt(victim, reason)
+            if victim is req:
+                return False
+        return True
+
+    def _preempt(self, req: Request, reason: str) -> None:
+        """Recompute, never swap: drop its KV, keep its tokens, send it to the front of its lane."""
         self.running.remove(req)
         self.kv.free(req.request_id)
         self.encoder_cache.release_all(req.request_id)
@@ -163,9 +288,23 @@ class Scheduler:
         req.status = RequestStatus.WAITING
         req.timeline.num_preemptions += 1
         self.num_preemptions += 1
+        self.preemptions_by_reason[reason] = self.preemptions_by_reason.get(reason, 0) + 1
         self._preempted.append(req.request_id)
         self.waiting.appendleft(req)
+
+    def _count_short_delays(self, step: _Step) -> None:
+        """The harmful event the seed saw: a short request that sat out a whole step while long work ran."""
+        threshold = self.config.long_prompt_threshold
+        for req in self.waiting:
+            if req.num_prompt_tokens < threshold and req.arrival_step <= self.num_steps and step.has_long_work:
+                if not req.delayed_by_long:
+                    req.delayed_by_long = True
+                    self.num_short_delayed_by_long += 1
 
     def check_invariants(self) -> None:
         self.kv.check_invariants()
         self.encoder_cache.check_invariants()
+
+
+def _is_decoding(req: Request) -> bool:
+    return bool(req.output_token_ids) and req.num_computed_tokens == req.num_tokens - 1

@@ -48,17 +48,21 @@ def make_scheduler(
     prefix_caching: bool = True,
     encoder_capacity_tokens: int = 1000,
     max_num_seqs: int = 64,
+    encoder_depth: int = 1,
+    **scheduler_options,
 ) -> Scheduler:
     return Scheduler(
         SchedulerConfig(
             max_batched_tokens=max_batched_tokens,
             decode_reserve_tokens=decode_reserve_tokens,
             max_num_seqs=max_num_seqs,
+            **scheduler_options,
         ),
         CacheConfig(block_size=block_size, enable_prefix_caching=prefix_caching),
         num_kv_blocks=num_blocks,
         max_model_len=num_blocks * block_size,
         encoder_capacity_tokens=encoder_capacity_tokens,
+        encoder_depth=encoder_depth,
     )
 
 

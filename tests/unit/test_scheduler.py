@@ -96,7 +96,7 @@ def test_an_image_is_encoded_once_even_when_its_tokens_span_several_chunks():
     encodes = []
     while sched.has_work:
         batch = run_step(sched)
-        encodes += [im.content_hash for c in batch.chunks for im in c.encoder_inputs]
+        encodes += [w.image.content_hash for w in batch.encoder_work if w.finishes]
     assert encodes == ["img1"]
 
 
@@ -109,8 +109,8 @@ def test_repeated_image_in_a_later_request_hits_the_encoder_cache():
     b = fake_request("b", prompt_len=70, images=[("img1", 20, 30)], arrival_seq=1)
     sched.add(b)
     second = run_step(sched)
-    assert [im.content_hash for c in first.chunks for im in c.encoder_inputs] == ["img1"]
-    assert [im.content_hash for c in second.chunks for im in c.encoder_inputs] == []
+    assert [w.image.content_hash for w in first.encoder_work] == ["img1"]
+    assert second.encoder_work == ()
     assert b.timeline.num_encoder_cache_hits == 1
 
 

@@ -1,0 +1,150 @@
+"""Lanes, chunking and KV admission on int-only fakes: the first-token-first guarantees, by step counts."""
+
+from __future__ import annotations
+
+from firsttoken.scheduler.lanes import LONG, SHORT, route_lane
+from firsttoken.config import SchedulerConfig
+from tests.unit.fakes import fake_request, make_scheduler, run_step
+
+
+def lanes_scheduler(**kw):
+    options = dict(num_blocks=512, max_batched_tokens=256, long_prompt_threshold=200, long_step_tokens=64,
+                   long_max_wait_steps=3, encoder_depth=4)
+    options.update(kw)
+    return make_scheduler(**options)
+
+
+def ids_in(batch):
+    return [c.request.request_id for c in batch.chunks]
+
+
+def test_routing_is_a_pure_function_of_prompt_length():
+    cfg = SchedulerConfig(long_prompt_threshold=1024)
+    assert [route_lane(n, cfg) for n in (1, 1023, 1024, 9000)] == [SHORT, SHORT, LONG, LONG]
+    assert route_lane(5000, SchedulerConfig(scheduling="fcfs")) == "fcfs"
+
+
+def test_short_request_arriving_mid_long_prefill_runs_in_the_very_next_step():
+    sched = lanes_scheduler()
+    sched.add(fake_request("long", prompt_len=1000, max_tokens=2))
+    for _ in range(3):
+        run_step(sched)
+    assert 0 < sched.running[0].num_computed_tokens < 1000  # half done
+    sched.add(fake_request("short", prompt_len=50, max_tokens=2, arrival_seq=1))
+    batch = run_step(sched)
+    assert "short" in ids_in(batch)
+    assert sched.num_short_delayed_by_long == 0
+
+
+def test_long_work_per_step_is_capped_and_yields_to_short_prefills():
+    sched = lanes_scheduler()
+    sched.add(fake_request("long", prompt_len=1000, max_tokens=1))
+    batch = run_step(sched)
+    assert [c.num_new_tokens for c in batch.chunks] == [64]  # long_step_tokens
+    sched.add(fake_request("s1", prompt_len=100, max_tokens=1, arrival_seq=1))
+    batch = run_step(sched)
+    assert ids_in(batch) == ["s1"]  # the long lane is held while short work runs
+
+
+def test_long_requests_are_not_starved_under_constant_short_load():
+    sched = lanes_scheduler()
+    long_req = fake_request("long", prompt_len=600, max_tokens=1)
+    sched.add(long_req)
+    steps_with_long = []
+    for i in range(200):
+        sched.add(fake_request(f"s{i}", prompt_len=60, max_tokens=1, arrival_seq=i + 1))
+        batch = run_step(sched)
+        steps_with_long.append("long" in ids_in(batch))
+        if long_req.output_token_ids:
+            break
+    assert long_req.output_token_ids  # finished its prefill despite a short request every step
+    gaps = [len(run) for run in "".join("L" if x else "." for x in steps_with_long).split("L")[1:-1]]
+    assert max(gaps, default=0) <= 3  # aging: long work at least every long_max_wait_steps + 1 steps
+
+
+def test_decodes_keep_flowing_while_long_prefills_run():
+    sched = lanes_scheduler()
+    sched.add(fake_request("chat", prompt_len=40, max_tokens=30))
+    run_step(sched)
+    sched.add(fake_request("long", prompt_len=1500, max_tokens=1, arrival_seq=1))
+    for _ in range(20):
+        batch = run_step(sched)
+        assert "chat" in ids_in(batch)  # one decode token every step
+
+
+def test_vision_tower_is_split_across_steps_for_long_requests():
+    sched = lanes_scheduler(long_step_tokens=300)
+    req = fake_request("img", prompt_len=700, max_tokens=1, images=[("photo", 20, 400)])
+    sched.add(req)
+    layers_per_step = []
+    for _ in range(30):
+        batch = run_step(sched)
+        layers_per_step.append(sum(w.num_layers for w in batch.encoder_work))
+        if req.output_token_ids:
+            break
+    assert sum(layers_per_step) == 4 and max(layers_per_step) == 1  # 400 visual tokens x 1 layer <= 300? no: 1
+    # a short request arriving while the image is half encoded is served next step
+    sched2 = lanes_scheduler(long_step_tokens=300)
+    sched2.add(fake_request("img", prompt_len=700, max_tokens=1, images=[("photo", 20, 400)]))
+    run_step(sched2)
+    run_step(sched2)
+    sched2.add(fake_request("short", prompt_len=30, max_tokens=1, arrival_seq=1))
+    assert "short" in ids_in(run_step(sched2))
+
+
+def test_fcfs_runs_whole_prompts_and_whole_encodes_in_one_step():
+    sched = make_scheduler(num_blocks=512, max_batched_tokens=256, scheduling="fcfs", encoder_depth=4)
+    sched.add(fake_request("img", prompt_len=900, max_tokens=1, images=[("photo", 20, 400)]))
+    sched.add(fake_request("short", prompt_len=30, max_tokens=1, arrival_seq=1))
+    first = run_step(sched)
+    assert [(c.request.request_id, c.num_new_tokens) for c in first.chunks] == [("img", 900)]
+    assert [w.num_layers for w in first.encoder_work] == [4]
+    assert ids_in(run_step(sched)) == ["short"]  # it waited behind the whole prefill: the seed's problem
+    assert sched.num_short_delayed_by_long == 1
+
+
+def test_whole_prompt_admission_never_preempts_a_prefill():
+    # pool of 40 blocks; each 200-token prompt needs 13 blocks + reserve; decode growth forces preemptions
+    sched = lanes_scheduler(num_blocks=40, decode_reserve_tokens=16, long_prompt_threshold=10_000)
+    for i in range(6):
+        sched.add(fake_request(f"r{i}", prompt_len=200, max_tokens=200, arrival_seq=i))
+    for _ in range(2000):
+        if not sched.has_work:
+            break
+        prefilling = {r.request_id for r in sched.running if r.num_computed_tokens < r.num_prompt_tokens}
+        batch = run_step(sched)
+        assert not prefilling & set(batch.preempted_request_ids)
+    assert not sched.has_work
+    assert set(sched.preemptions_by_reason) <= {"decode_growth"}
+    assert sched.kv.num_used_blocks == 0
+
+
+def test_optimistic_admission_evicts_prefills_halfway_and_counts_it():
+    sched = lanes_scheduler(num_blocks=24, decode_reserve_tokens=16, long_prompt_threshold=10_000,
+                            kv_admission="optimistic", max_batched_tokens=64)
+    for i in range(4):
+        sched.add(fake_request(f"r{i}", prompt_len=150, max_tokens=50, arrival_seq=i))
+    for _ in range(3000):
+        if not sched.has_work:
+            break
+        run_step(sched)
+    assert not sched.has_work
+    assert sched.preemptions_by_reason.get("prefill_growth", 0) > 0
+    assert sched.kv.num_used_blocks == 0
+
+
+def test_a_request_that_can_never_fit_is_refused_with_its_reason():
+    sched = lanes_scheduler(num_blocks=10)  # 160 tokens
+    verdict = sched.check_admission(300)
+    assert not verdict.admitted and verdict.reason == "never_fits" and verdict.status == 400
+    assert "300 tokens" in verdict.message
+    assert sched.check_admission(50).admitted
+
+
+def test_a_full_lane_answers_queue_full_without_touching_the_other_lane():
+    sched = lanes_scheduler(max_queued_requests=2)
+    for i in range(2):
+        sched.add(fake_request(f"l{i}", prompt_len=300, arrival_seq=i))
+    assert sched.check_admission(300).reason == "queue_full"
+    assert sched.check_admission(300).status == 429
+    assert sched.check_admission(20).admitted  # the short lane still takes requests
