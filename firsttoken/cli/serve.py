@@ -53,6 +53,15 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--max-batched-tokens", int, 2048, "tokens (prefill chunks + decodes) one engine step may run"),
     Flag("--max-num-seqs", int, 64, "sequences one engine step may run"),
     Flag("--decode-reserve-tokens", int, 64, "KV tokens reserved beyond the prompt when a request is admitted"),
+    Flag("--scheduling", str, "lanes", "lanes (short/long queues, long work capped per step) or fcfs (one FIFO "
+         "queue, whole-prompt prefills: the seed's starting point, for comparison)"),
+    Flag("--long-prompt-threshold", int, 1024, "prompt tokens (text + image) from which a request takes the long "
+         "lane"),
+    Flag("--long-step-tokens", int, 512, "long-lane work per step: prefill tokens + visual tokens x vision layers"),
+    Flag("--long-max-wait-steps", int, 4, "steps in a row long work may be held back for short work (aging)"),
+    Flag("--kv-admission", str, "whole-prompt", "whole-prompt (start a prefill only when its whole prompt + "
+         "reserve fits) or optimistic (admit when the next chunk fits; preempt by recompute when dry)"),
+    Flag("--max-queued-requests", int, 256, "requests waiting per lane; beyond it HTTP 429 with Retry-After"),
     Flag("--encoder-cache-memory", parse_bytes, "512MiB", "bytes of vision-encoder outputs kept by image hash"),
     Flag("--no-prefix-cache", None, False, "disable KV prefix caching (for side-by-side measurement)"),
     Flag("--no-encoder-cache", None, False, "disable the vision-encoder output cache"),
@@ -105,6 +114,12 @@ def build_server(args: argparse.Namespace, fault_hook: Any = None):
             max_batched_tokens=args.max_batched_tokens,
             max_num_seqs=args.max_num_seqs,
             decode_reserve_tokens=args.decode_reserve_tokens,
+            scheduling=args.scheduling,
+            long_prompt_threshold=args.long_prompt_threshold,
+            long_step_tokens=args.long_step_tokens,
+            long_max_wait_steps=args.long_max_wait_steps,
+            kv_admission=args.kv_admission,
+            max_queued_requests=args.max_queued_requests,
             max_model_len=args.max_model_len,
         ),
         seed=args.seed,
