@@ -20,6 +20,7 @@ import torch
 from firsttoken.engine.client import EngineStats
 from firsttoken.engine.engine import LLMEngine
 from firsttoken.engine.request import EngineRequest, FinishReason, RequestOutput
+from firsttoken.scheduler.lanes import AdmissionVerdict
 
 log = logging.getLogger("firsttoken.engine")
 
@@ -88,6 +89,11 @@ class AsyncEngine:
 
     def stats(self) -> EngineStats:
         return self._stats
+
+    def check_admission(self, num_prompt_tokens: int) -> AdmissionVerdict:
+        """Would a prompt of this size be queued now? Read-only look at lane depths and pool size, safe from the
+        event loop (ints read under the GIL); the engine thread decides again at add time."""
+        return self.engine.scheduler.check_admission(num_prompt_tokens)
 
     # ---- the engine thread ---------------------------------------------------------------------------
     def _run(self) -> None:

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import AsyncIterator, Protocol
+from typing import TYPE_CHECKING, AsyncIterator, Protocol
 
 from firsttoken.engine.request import EngineRequest, RequestOutput
+
+if TYPE_CHECKING:
+    from firsttoken.scheduler.lanes import AdmissionVerdict
 
 
 @dataclass(frozen=True)
@@ -36,3 +39,8 @@ class EngineClient(Protocol):
     async def abort(self, request_id: str) -> None: ...
 
     def stats(self) -> EngineStats: ...
+
+    def check_admission(self, num_prompt_tokens: int) -> "AdmissionVerdict":
+        """May a prompt of this size queue now? Asked before any image is decoded; refusals carry a reason
+        (a metric label), a client message and an HTTP status (400 never fits, 429 lane queue full)."""
+        ...

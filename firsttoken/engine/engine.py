@@ -140,11 +140,9 @@ class LLMEngine:
     def add_request(self, request: EngineRequest) -> None:
         if request.request_id in self.requests:
             raise ValueError(f"duplicate request id {request.request_id}")
-        if request.num_prompt_tokens + 1 > self.capacity.max_model_len:
-            raise ValueError(
-                f"prompt of {request.num_prompt_tokens} tokens leaves no room in max_model_len "
-                f"{self.capacity.max_model_len}"
-            )
+        verdict = self.scheduler.check_admission(request.num_prompt_tokens)
+        if not verdict.admitted and verdict.reason == "never_fits":
+            raise ValueError(verdict.message)
         req = Request(request, self._arrivals, generator=make_generator(request.sampling.seed))
         self._arrivals += 1
         self.requests[request.request_id] = req
