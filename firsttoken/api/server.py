@@ -211,7 +211,7 @@ def build_app(engine: EngineClient, processor: InputProcessor, settings: ServerS
         return JSONResponse({"status": "ok"})
 
     @app.get("/v1/engine/stats")
-    async def engine_stats() -> dict[str, int]:
+    async def engine_stats() -> dict[str, object]:
         return dataclasses.asdict(engine.stats())
 
     return app

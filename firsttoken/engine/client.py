@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, AsyncIterator, Protocol
 
 from firsttoken.engine.request import EngineRequest, RequestOutput
@@ -25,6 +25,14 @@ class EngineStats:
     num_steps: int
     num_preemptions: int
     max_model_len: int
+    num_waiting_by_lane: dict[str, int] = field(default_factory=dict)
+    preemptions_by_reason: dict[str, int] = field(default_factory=dict)
+    num_short_delayed_by_long: int = 0  # short requests that sat out a whole step while long work ran
+    encoder_cache_hits: int = 0
+    encoder_cache_misses: int = 0
+    encoder_cache_bytes: int = 0
+    prefix_cache_hit_tokens: int = 0
+    prefix_cache_query_tokens: int = 0
 
 
 class EngineClient(Protocol):

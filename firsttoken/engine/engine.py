@@ -316,4 +316,12 @@ class LLMEngine:
             num_steps=self.scheduler.num_steps,
             num_preemptions=self.scheduler.num_preemptions,
             max_model_len=self.capacity.max_model_len,
+            num_waiting_by_lane=self.scheduler.waiting.depths(),
+            preemptions_by_reason=dict(self.scheduler.preemptions_by_reason),
+            num_short_delayed_by_long=self.scheduler.num_short_delayed_by_long,
+            encoder_cache_hits=self.scheduler.encoder_cache.num_hits,
+            encoder_cache_misses=self.scheduler.encoder_cache.num_misses,
+            encoder_cache_bytes=self.runner.encoder_cache_bytes,
+            prefix_cache_hit_tokens=kv.num_prefix_hit_tokens,
+            prefix_cache_query_tokens=kv.num_prefix_query_tokens,
         )
