@@ -38,7 +38,9 @@ class TextPart(_Request):
 
 class ImageURL(_Request):
     url: str
-    detail: Literal["auto", "low", "high"] | None = None  # accepted; resizing follows the server's pixel limits
+    # "low": a small fixed visual-token budget; "high"/"auto"/None: the server's cap (see inputs/budget.py)
+    detail: Literal["auto", "low", "high"] | None = None
+    max_visual_tokens: int | None = Field(default=None, ge=1)  # extension: at most this many tokens, <= the cap
 
 
 class ImagePart(_Request):
@@ -270,6 +272,7 @@ class ImageTokenInfo(_Response):
     original_size: tuple[int, int]  # (width, height) as decoded
     resized_size: tuple[int, int]  # (width, height) after the pixel budget
     num_tokens: int  # visual tokens after the 2x2 merge
+    budget_tokens: int  # the budget the image was resized under (server cap, detail=low, or max_visual_tokens)
 
 
 class TokenizeResponse(_Response):
@@ -279,6 +282,7 @@ class TokenizeResponse(_Response):
     token_strs: list[str] | None = None
     num_text_tokens: int  # extension: count minus the image-pad tokens
     images: list[ImageTokenInfo] = Field(default_factory=list)  # extension
+    max_input_tokens: int | None = None  # extension: the server's prompt limit (text + image + template tokens)
 
 
 class ErrorInfo(_Response):

@@ -197,6 +197,7 @@ def build_app(engine: EngineClient, processor: InputProcessor, settings: ServerS
             token_strs=[processor.token_piece(t)[0] for t in count.token_ids] if req.return_token_strs else None,
             num_text_tokens=count.num_text_tokens,
             images=[ImageTokenInfo(**dataclasses.asdict(im)) for im in count.images],
+            max_input_tokens=processor.max_input_tokens,
         )
 
     @app.get("/v1/models")

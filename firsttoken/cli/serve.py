@@ -68,6 +68,16 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--allowed-media-dir", Path, None, "serve local image paths / file:// URLs only inside this directory "
          "(off by default)"),
     Flag("--max-request-bytes", parse_bytes, "64MiB", "largest request body; larger gets HTTP 413"),
+    Flag("--image-max-tokens", int, 1280, "visual tokens per image at most (the cap; images are resized to fit, "
+         "aspect ratio kept; requests may ask for less, never more); 16384 = Qwen2-VL's processor default"),
+    Flag("--image-min-tokens", int, 4, "visual tokens per image at least (smaller images are scaled up)"),
+    Flag("--image-low-detail-tokens", int, 256, "the per-image budget of image_url.detail=low"),
+    Flag("--max-images-per-request", int, 16, "images one request may carry, counted before any is decoded; "
+         "more gets HTTP 400"),
+    Flag("--max-image-pixels", int, 40_000_000, "declared width x height per image, checked from the header "
+         "before decoding; more gets HTTP 400"),
+    Flag("--max-input-tokens", int, None, "prompt tokens (text + image + chat template) a request may bring; "
+         "more gets HTTP 400 (default: only the context limit applies)"),
     Flag("--seed", int, None, "seed for requests that bring no seed of their own"),
     Flag("--log-level", str, "info", "debug, info, warning, error"),
 )
@@ -93,6 +103,7 @@ def build_server(args: argparse.Namespace, fault_hook: Any = None):
     from firsttoken.config import CacheConfig, GenerationDefaults, SchedulerConfig
     from firsttoken.engine.async_engine import AsyncEngine
     from firsttoken.engine.engine import EngineConfig, LLMEngine
+    from firsttoken.inputs.budget import ImageBudget
     from firsttoken.inputs.processor import ImageSettings, InputProcessor
     from firsttoken.models.checkpoint import demo_model_dir
     from transformers import AutoTokenizer
@@ -131,7 +142,13 @@ def build_server(args: argparse.Namespace, fault_hook: Any = None):
         engine.model_config,
         GenerationDefaults.from_pretrained(model_dir),
         max_model_len=engine.max_model_len,
-        images=ImageSettings(allowed_media_dir=args.allowed_media_dir),
+        images=ImageSettings(
+            budget=ImageBudget(args.image_max_tokens, args.image_min_tokens, args.image_low_detail_tokens),
+            max_image_pixels=args.max_image_pixels,
+            max_images_per_prompt=args.max_images_per_request,
+            allowed_media_dir=args.allowed_media_dir,
+        ),
+        max_input_tokens=args.max_input_tokens,
     )
     settings = ServerSettings(
         served_model_name=args.served_model_name or model_dir.name,

@@ -2,14 +2,18 @@
 
 Steps of ``process_chat`` (all CPU work; the server runs it in a thread pool, never on the event loop):
 
-1. check the sampling fields (cheap, before any image is touched) and count the images;
-2. load every image's bytes, then probe every header (a bad last image fails before any pixel is decoded);
-3. decode and preprocess each image (resize within [min_pixels, max_pixels], patchify), hash its pixels;
-4. render the checkpoint's chat template and tokenize it with control tokens sanitized: special-token strings
+1. check the sampling fields (cheap, before any image is touched), count the images against the limit and
+   resolve each image's visual-token budget (``detail``, ``max_visual_tokens``; never above the server's cap);
+2. load every image's bytes, then probe every header and plan its resize from the declared size alone
+   (``inputs/budget.py``): pixel limit, aspect ratio and visual tokens are known before any pixel is decoded;
+3. render the checkpoint's chat template and tokenize it with control tokens sanitized: special-token strings
    typed by a client (``<|image_pad|>``, ``<|im_start|>`` ...) are encoded as ordinary text, so only the
    template's own ``<|vision_start|><|image_pad|><|vision_end|>`` can become an image slot;
-5. expand each single ``<|image_pad|>`` into the image's ``num_tokens`` copies, in order, recording offsets;
-6. check the prompt fits max_model_len, compute M-RoPE positions, build SamplingParams.
+4. expand each single ``<|image_pad|>`` into the image's planned ``num_tokens`` copies, recording offsets;
+5. check the prompt against ``max_input_tokens`` and prompt + max_tokens against max_model_len: every limit is
+   checked before the first decode, and ``count_chat`` (/tokenize) stops here;
+6. decode and preprocess each image with its plan's pixel bounds (patchify), hash its pixels;
+7. compute M-RoPE positions, build SamplingParams.
 
 Every refusal is an ``InputError`` (or the image layer's ``ImageInputError``); both are ValueErrors whose
 message is safe to show the client. This module reads the request schemas of ``api.protocol`` (a leaf module of
@@ -18,6 +22,7 @@ pydantic models) and nothing else of the api package.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import re
 from collections.abc import Sequence
@@ -32,9 +37,9 @@ from firsttoken.api.protocol import ChatCompletionRequest, ChatMessage, Completi
 from firsttoken.config import GenerationDefaults, ModelConfig
 from firsttoken.engine.detokenizer import IncrementalDetokenizer
 from firsttoken.engine.request import EngineRequest, ImageItem, Timeline
+from firsttoken.inputs.budget import BudgetError, ImageBudget, ImagePlan, plan_image
 from firsttoken.inputs.image import (
-    DEFAULT_MAX_PIXELS,
-    DEFAULT_MIN_PIXELS,
+    ImageInputError,
     ProcessedImage,
     decode_image,
     preprocess_image,
@@ -46,7 +51,13 @@ from firsttoken.sampling.params import SamplingParams
 
 # Control tokens that mark image/video slots: a raw /v1/completions prompt may use the chat control tokens
 # (<|im_start|> ...) but never these, since a slot without pixels would reach the vision path.
-VISION_CONTROL_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|vision_pad|>", "<|image_pad|>", "<|video_pad|>")
+VISION_CONTROL_TOKENS = (
+    "<|vision_start|>",
+    "<|vision_end|>",
+    "<|vision_pad|>",
+    "<|image_pad|>",
+    "<|video_pad|>",
+)
 _SAMPLING_FIELDS = frozenset(SamplingParams.__dataclass_fields__)
 
 
@@ -60,16 +71,13 @@ class InputError(ValueError):
 
 @dataclass(frozen=True)
 class ImageSettings:
-    min_pixels: int = DEFAULT_MIN_PIXELS  # resized area floor (smart_resize scales small images up)
-    max_pixels: int = DEFAULT_MAX_PIXELS  # resized area ceiling: bounds visual tokens per image
+    budget: ImageBudget = dataclasses.field(default_factory=ImageBudget)  # visual tokens per image: cap, floor, detail=low
     max_image_pixels: int = 40_000_000  # declared size refused before decoding (decompression bombs)
     max_image_bytes: int = 20 * 1024 * 1024  # encoded size refused before base64-decoding or reading
     max_images_per_prompt: int = 16
     allowed_media_dir: Path | None = None  # local paths / file:// URLs only inside it; None disables them
 
     def __post_init__(self) -> None:
-        if not 0 < self.min_pixels <= self.max_pixels:
-            raise ValueError("min_pixels must be > 0 and <= max_pixels")
         if self.max_image_pixels < 1 or self.max_image_bytes < 1:
             raise ValueError("max_image_pixels and max_image_bytes must be >= 1")
         if self.max_images_per_prompt < 0:
@@ -81,6 +89,7 @@ class ImageTokens:
     original_size: tuple[int, int]  # (width, height) as decoded
     resized_size: tuple[int, int]  # (width, height) after smart_resize
     num_tokens: int  # visual tokens after the 2x2 merge
+    budget_tokens: int  # the budget the image was planned under
 
 
 @dataclass(frozen=True)
@@ -101,9 +110,16 @@ class TokenCount:
 
 @dataclass(frozen=True)
 class _Prompt:
-    token_ids: tuple[int, ...]  # image pads already expanded
-    images: tuple[ProcessedImage, ...]  # content_hash filled
+    """A prompt whose length is final but whose images are not decoded yet."""
+
+    token_ids: tuple[int, ...]  # image pads already expanded to each plan's num_tokens
+    plans: tuple[ImagePlan, ...]
+    blobs: tuple[bytes, ...]  # each image's encoded bytes, header already probed
     offsets: tuple[int, ...]  # index of each image's first pad token in token_ids
+
+    @property
+    def num_image_tokens(self) -> int:
+        return sum(p.num_tokens for p in self.plans)
 
 
 class InputProcessor:
@@ -117,6 +133,7 @@ class InputProcessor:
         *,
         max_model_len: int,
         images: ImageSettings = ImageSettings(),
+        max_input_tokens: int | None = None,
     ) -> None:
         if isinstance(model_dir_or_tokenizer, (str, Path)):
             tokenizer = AutoTokenizer.from_pretrained(str(model_dir_or_tokenizer))
@@ -128,10 +145,14 @@ class InputProcessor:
             raise ValueError("tokenizer's <|image_pad|> id differs from config.json's image_token_id")
         if max_model_len < 2:
             raise ValueError("max_model_len must be >= 2")
+        if max_input_tokens is not None and max_input_tokens < 1:
+            raise ValueError("max_input_tokens must be >= 1")
         self.tokenizer = tokenizer
         self.model_config = model_config
         self.generation_defaults = generation_defaults
         self.max_model_len = max_model_len
+        # Prompt tokens (text + image + template) a request may bring; None: only the context limit applies.
+        self.max_input_tokens = max_input_tokens
         self.image_settings = images
         self._vision_tokens_re = re.compile("(" + "|".join(map(re.escape, VISION_CONTROL_TOKENS)) + ")")
         self._special_ids = frozenset(tokenizer.all_special_ids) | frozenset(tokenizer.added_tokens_decoder)
@@ -148,7 +169,7 @@ class InputProcessor:
 
     def process_completion(self, req: CompletionRequest, request_id: str, timeline: Timeline) -> EngineRequest:
         self._sampling_params(req, _or(req.max_tokens, 1), "max_tokens")
-        prompt = _Prompt(self.encode_prompt(req.prompt), (), ())
+        prompt = _Prompt(self.encode_prompt(req.prompt), (), (), ())
         return self._engine_request(req, prompt, request_id, timeline, prompt_param="prompt")
 
     def count_chat(self, messages: Sequence[ChatMessage], add_generation_prompt: bool = True) -> TokenCount:
@@ -185,12 +206,21 @@ class InputProcessor:
 
     def _chat_prompt(self, messages: Sequence[ChatMessage], add_generation_prompt: bool) -> _Prompt:
         image_parts = [
-            part for m in messages if isinstance(m.content, list) for part in m.content if isinstance(part, ImagePart)
+            (f"messages[{i}].content[{j}].image_url", part)
+            for i, m in enumerate(messages)
+            if isinstance(m.content, list)
+            for j, part in enumerate(m.content)
+            if isinstance(part, ImagePart)
         ]
         limit = self.image_settings.max_images_per_prompt
         if len(image_parts) > limit:
-            raise InputError(f"too many images: {len(image_parts)}, the limit is {limit} per request", "messages")
-        images = self._load_images([p.image_url.url for p in image_parts])
+            raise InputError(
+                f"too many images: {len(image_parts)} in this request, the limit is {limit} per request; "
+                f"send at most {limit} images",
+                "messages",
+            )
+        budgets = [self._budget_of(param, part) for param, part in image_parts]
+        blobs, plans = self._plan_images([part.image_url.url for _, part in image_parts], budgets)
         template_ids = self.tokenizer.apply_chat_template(
             [_template_message(m) for m in messages],
             tokenize=True,
@@ -198,37 +228,102 @@ class InputProcessor:
             sanitize_control_tokens=True,  # client text can't forge control tokens, image slots included
             return_dict=False,
         )
-        return self._expand_image_pads(list(template_ids), images)
+        return self._expand_image_pads(list(template_ids), plans, blobs)
 
-    def _load_images(self, urls: Sequence[str]) -> tuple[ProcessedImage, ...]:
-        s = self.image_settings
-        blobs = [load_image_bytes(url, s.allowed_media_dir, s.max_image_bytes) for url in urls]
-        for data in blobs:
-            probe_image(data, s.max_image_pixels)
-        out = []
-        for data in blobs:
-            image = preprocess_image(
-                decode_image(data, s.max_image_pixels), self.model_config.vision, s.min_pixels, s.max_pixels
+    def _budget_of(self, param: str, part: ImagePart) -> int:
+        try:
+            return self.image_settings.budget.for_request(
+                part.image_url.detail, part.image_url.max_visual_tokens, param
             )
-            out.append(replace(image, content_hash=_content_hash(image)))
+        except BudgetError as err:
+            raise InputError(str(err), err.param) from None
+
+    def _plan_images(
+        self, urls: Sequence[str], budgets: Sequence[int]
+    ) -> tuple[tuple[bytes, ...], tuple[ImagePlan, ...]]:
+        """Bytes and resize plans from headers only: every size limit fails here, before any decode."""
+        s = self.image_settings
+        blobs = tuple(load_image_bytes(url, s.allowed_media_dir, s.max_image_bytes) for url in urls)
+        plans = []
+        for i, (data, budget) in enumerate(zip(blobs, budgets)):
+            try:
+                header = probe_image(data, s.max_image_pixels)
+                plans.append(
+                    plan_image(
+                        header.width,
+                        header.height,
+                        budget,
+                        s.budget.min_tokens,
+                        self.model_config.vision,
+                    )
+                )
+            except ImageInputError as err:
+                hint = "; downscale it before sending" if err.code == "image_too_large" else ""
+                where = f"image {i + 1} of {len(blobs)}: " if len(blobs) > 1 else ""
+                raise ImageInputError(err.code, f"{where}{err}{hint}") from None
+        return blobs, tuple(plans)
+
+    def _decode_images(self, prompt: _Prompt) -> tuple[ProcessedImage, ...]:
+        s = self.image_settings
+        out = []
+        for data, plan in zip(prompt.blobs, prompt.plans):
+            image = decode_image(data, s.max_image_pixels)
+            processed = preprocess_image(image, self.model_config.vision, plan.min_pixels, plan.max_pixels)
+            if processed.num_tokens != plan.num_tokens:  # the header lied about the size, or a bug
+                raise ImageInputError(
+                    "invalid_image",
+                    "image size differs from the size its header declares",
+                )
+            out.append(replace(processed, content_hash=_content_hash(processed)))
         return tuple(out)
 
-    def _expand_image_pads(self, ids: list[int], images: Sequence[ProcessedImage]) -> _Prompt:
+    def _expand_image_pads(self, ids: list[int], plans: Sequence[ImagePlan], blobs: tuple[bytes, ...]) -> _Prompt:
         pad = self.model_config.image_token_id
         num_pads = ids.count(pad)
-        if num_pads != len(images):  # the template and our image list disagree: a bug, never the client's
-            raise RuntimeError(f"chat template produced {num_pads} image slots for {len(images)} images")
+        if num_pads != len(plans):  # the template and our image list disagree: a bug, never the client's
+            raise RuntimeError(f"chat template produced {num_pads} image slots for {len(plans)} images")
         out: list[int] = []
         offsets: list[int] = []
-        next_image = iter(images)
+        next_plan = iter(plans)
         for token_id in ids:
             if token_id != pad:
                 out.append(token_id)
                 continue
-            image = next(next_image)
+            plan = next(next_plan)
             offsets.append(len(out))
-            out.extend([pad] * image.num_tokens)
-        return _Prompt(tuple(out), tuple(images), tuple(offsets))
+            out.extend([pad] * plan.num_tokens)
+        return _Prompt(tuple(out), tuple(plans), blobs, tuple(offsets))
+
+    def _check_length(self, prompt: _Prompt, field: str, requested: int | None, prompt_param: str) -> int:
+        """Room left for output; every message names what was counted, the limit, and what to do."""
+        prompt_len = len(prompt.token_ids)
+        counted = _describe_counts(prompt)
+        advice = (
+            "use detail=low or image_url.max_visual_tokens, send fewer images, or shorten the text"
+            if prompt.plans
+            else "shorten the text"
+        )
+        if self.max_input_tokens is not None and prompt_len > self.max_input_tokens:
+            raise InputError(
+                f"the prompt has {prompt_len} tokens ({counted}); this server accepts at most "
+                f"{self.max_input_tokens} input tokens. To fit, {advice}.",
+                prompt_param,
+            )
+        room = self.max_model_len - prompt_len
+        if room < 1:
+            raise InputError(
+                f"this model's maximum context length is {self.max_model_len} tokens; the prompt has {prompt_len} "
+                f"({counted}), which leaves no room for output. To fit, {advice}.",
+                prompt_param,
+            )
+        if requested is not None and requested > room:
+            raise InputError(
+                f"this model's maximum context length is {self.max_model_len} tokens; you requested "
+                f"{prompt_len + requested} ({prompt_len} in the prompt: {counted}; {requested} for the output). "
+                f"Reduce {field} to at most {room}, or {advice}.",
+                field,
+            )
+        return room
 
     def _engine_request(
         self,
@@ -238,24 +333,11 @@ class InputProcessor:
         timeline: Timeline,
         prompt_param: str,
     ) -> EngineRequest:
-        prompt_len = len(prompt.token_ids)
-        room = self.max_model_len - prompt_len
-        if room < 1:
-            raise InputError(
-                f"this model's maximum context length is {self.max_model_len} tokens; the prompt has {prompt_len} "
-                f"(including image tokens), which leaves no room for output",
-                prompt_param,
-            )
         field, requested = req.requested_max_tokens
-        if requested is not None and requested > room:
-            raise InputError(
-                f"this model's maximum context length is {self.max_model_len} tokens; you requested "
-                f"{prompt_len + requested} ({prompt_len} in the prompt, {requested} for the output). "
-                f"Reduce the prompt or {field}.",
-                field,
-            )
+        room = self._check_length(prompt, field, requested, prompt_param)
         sampling = self._sampling_params(req, _or(requested, room), field)
-        mrope = compute_mrope_positions(prompt.token_ids, [im.grid_thw for im in prompt.images], self.model_config)
+        images = self._decode_images(prompt)  # the first expensive step: every limit has passed
+        mrope = compute_mrope_positions(prompt.token_ids, [im.grid_thw for im in images], self.model_config)
         items = tuple(
             ImageItem(
                 content_hash=im.content_hash or "",
@@ -264,7 +346,7 @@ class InputProcessor:
                 grid_thw=im.grid_thw,
                 pixel_values=im.pixel_values,
             )
-            for im, offset in zip(prompt.images, prompt.offsets)
+            for im, offset in zip(images, prompt.offsets)
         )
         timeline.mark("preprocessed_s")
         return EngineRequest(
@@ -278,7 +360,10 @@ class InputProcessor:
         )
 
     def _sampling_params(
-        self, req: ChatCompletionRequest | CompletionRequest, max_tokens: int, max_tokens_field: str
+        self,
+        req: ChatCompletionRequest | CompletionRequest,
+        max_tokens: int,
+        max_tokens_field: str,
     ) -> SamplingParams:
         """Request values over the checkpoint's generation_config defaults. ValueError -> InputError(param)."""
         d = self.generation_defaults
@@ -337,14 +422,28 @@ def _content_hash(image: ProcessedImage) -> str:
 
 
 def _count(prompt: _Prompt) -> TokenCount:
-    images = tuple(ImageTokens(im.original_size, im.resized_size, im.num_tokens) for im in prompt.images)
+    images = tuple(ImageTokens(p.original_size, p.resized_size, p.num_tokens, p.budget_tokens) for p in prompt.plans)
     return TokenCount(prompt.token_ids, images)
+
+
+def _describe_counts(prompt: _Prompt) -> str:
+    """'52 text and template tokens + 3 images of 1225, 1225, 256 visual tokens' (what a limit message counts)."""
+    num_text = len(prompt.token_ids) - prompt.num_image_tokens
+    if not prompt.plans:
+        return f"{num_text} text and template tokens"
+    per_image = ", ".join(str(p.num_tokens) for p in prompt.plans)
+    noun = "image" if len(prompt.plans) == 1 else "images"
+    return f"{num_text} text and template tokens + {len(prompt.plans)} {noun} of {per_image} visual tokens"
 
 
 @lru_cache(maxsize=1)
 def _byte_decoder() -> dict[str, int]:
     """GPT-2's byte-level alphabet, reversed: printable stand-in character -> raw byte."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    printable = [
+        *range(ord("!"), ord("~") + 1),
+        *range(ord("¡"), ord("¬") + 1),
+        *range(ord("®"), ord("ÿ") + 1),
+    ]
     byte_to_char = {b: chr(b) for b in printable}
     extra = 0
     for b in range(256):
