@@ -1,0 +1,122 @@
+"""Caches on vs off, side by side, on the `small` checkpoint through the real server.
+
+A. A conversation about three 1024x1024 images: the first turn, then 3 follow-up turns on the same images
+   (each resends the history and the images, as chat clients do). Target: follow-ups >= 20x faster to first token.
+B. The same image sent by 5 users, each with a different system prompt before it (no shared prefix): users 2-5
+   should skip the vision tower.
+
+    python benchmarks/bench_caches.py [--model DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import io
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_serve_vs_naive import picture  # noqa: E402
+
+
+def data_url(seed: int) -> str:
+    buf = io.BytesIO()
+    picture(1024, seed).save(buf, "PNG")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+def start(model: str, extra: list[str]) -> tuple[subprocess.Popen, str]:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, "-m", "firsttoken.cli.main", "serve", "--model", model, "--port",
+                             str(port), "--served-model-name", "m", "--log-level", "warning", *extra])
+    base = f"http://127.0.0.1:{port}"
+    for _ in range(600):
+        try:
+            if httpx.get(f"{base}/health").status_code == 200:
+                return proc, base
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    raise RuntimeError("server did not start")
+
+
+def ask(base: str, messages: list[dict], max_tokens: int = 16) -> tuple[str, dict]:
+    r = httpx.post(f"{base}/v1/chat/completions", timeout=600, json={
+        "model": "m", "messages": messages, "max_tokens": max_tokens, "temperature": 0.0})
+    r.raise_for_status()
+    body = r.json()
+    return body["choices"][0]["message"]["content"], body["usage"]["firsttoken"]
+
+
+def conversation(base: str, urls: list[str]) -> list[dict]:
+    content = [{"type": "image_url", "image_url": {"url": u}} for u in urls]
+    messages = [{"role": "user", "content": content + [{"type": "text", "text": "Compare these three photos."}]}]
+    turns = []
+    for q in ["", "Which one is brightest?", "Describe the second one.", "Any text visible?"]:
+        if q:
+            messages.append({"role": "user", "content": q})
+        answer, timing = ask(base, messages)
+        messages.append({"role": "assistant", "content": answer})
+        turns.append(timing)
+    return turns
+
+
+def five_users(base: str, url: str) -> list[dict]:
+    return [ask(base, [{"role": "system", "content": f"You are assistant #{i} for team {i * 7}."},
+                       {"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
+                                                    {"type": "text", "text": "What is in the photo?"}]}])[1]
+            for i in range(5)]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default=None)
+    args = ap.parse_args()
+    model = args.model
+    if model is None:
+        from firsttoken.models.checkpoint import make_model
+
+        model = str(Path(os.environ.get("FIRSTTOKEN_CACHE", "/tmp")) / "bench-small")
+        if not Path(model, "config.json").exists():
+            make_model(model, size="small")
+    results = {}
+    for name, extra in [("caches on", []), ("caches off", ["--no-prefix-cache", "--no-encoder-cache"])]:
+        proc, base = start(model, extra)
+        try:
+            ask(base, [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": data_url(99)}},
+                                                    {"type": "text", "text": "warm up"}]}], 2)
+            results[name] = (conversation(base, [data_url(s) for s in (1, 2, 3)]), five_users(base, data_url(4)))
+        finally:
+            proc.terminate()
+            proc.wait(30)
+    print("A. three 1024x1024 images, first turn then 3 follow-ups: TTFT (s)")
+    for name, (turns, _) in results.items():
+        t = [x["ttft_s"] for x in turns]
+        cached = [x["cached_prompt_tokens"] for x in turns]
+        print(f"  {name:10s} turns {' '.join(f'{v:.3f}' for v in t)}  first/follow-up "
+              f"{t[0] / max(t[1:]):.1f}x (worst) {t[0] / min(t[1:]):.1f}x (best)  cached tokens {cached}")
+    print("B. same image, 5 users with different system prompts: TTFT (s) and vision-tower seconds")
+    for name, (_, users) in results.items():
+        ttfts = " ".join("%.3f" % x["ttft_s"] for x in users)
+        encoder = " ".join("%.3f" % x["encoder_compute_s"] for x in users)
+        hits = [x["encoder_cache_hits"] for x in users]
+        print(f"  {name:10s} TTFT {ttfts}  encoder {encoder}  hits {hits}")
+    on, off = results["caches on"], results["caches off"]
+    follow_on = sum(x["ttft_s"] for x in on[0][1:]) / 3
+    follow_off = sum(x["ttft_s"] for x in off[0][1:]) / 3
+    users_on = sum(x["ttft_s"] for x in on[1][1:]) / 4
+    users_off = sum(x["ttft_s"] for x in off[1][1:]) / 4
+    print(f"follow-up TTFT off/on: {follow_off / follow_on:.1f}x; users 2-5 TTFT off/on: {users_off / users_on:.2f}x")
+
+
+if __name__ == "__main__":
+    main()

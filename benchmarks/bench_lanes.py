@@ -1,0 +1,122 @@
+"""The seed's mix under load, `--scheduling fcfs` vs lanes, side by side on the `small` checkpoint.
+
+50% text-only (~800 tokens), 30% one image, 20% three images (1024x1024, each beside the same ~800-token text),
+seeded Poisson arrivals at 0.4 requests/s (about 60% load here), 200 requests per configuration. Prints TTFT
+P50/P95/P99 per class for each configuration, each class's unloaded TTFT (one request at a time), and the
+targets: text P99 under load within 3x its unloaded TTFT with lanes; 3-image P99 with lanes <= 1.2x FCFS's.
+
+    python benchmarks/bench_lanes.py [--model DIR] [--num-requests 200] [--rate 0.4] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+from firsttoken.tools.bench import BenchConfig, run_bench
+
+CLASSES = ("text", "1img", "3img")
+
+
+def start(model: str, extra: list[str]) -> tuple[subprocess.Popen, str]:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, "-m", "firsttoken.cli.main", "serve", "--model", model, "--port",
+                             str(port), "--served-model-name", "m", "--log-level", "warning", *extra])
+    base = f"http://127.0.0.1:{port}"
+    for _ in range(600):
+        try:
+            if httpx.get(f"{base}/health").status_code == 200:
+                return proc, base
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    raise RuntimeError("server did not start")
+
+
+# bench's text is English words; the checkpoint's tokenizer (trained on Python's stdlib) spends ~1.56 tokens
+# per word, so 512 words make the seed's ~800-token text.
+WORDS_FOR_800_TOKENS = 512
+
+
+def bench(base: str, args: argparse.Namespace, seed: int, **kw) -> dict:
+    cfg = BenchConfig(url=base, model="m", workload="seed-mix", text_tokens=WORDS_FOR_800_TOKENS,
+                      image_text_tokens=WORDS_FOR_800_TOKENS, output_tokens=args.output_tokens, seed=seed,
+                      progress=False, **kw)
+    report = run_bench(cfg)
+    out = {}
+    for name, cls in report.summary.classes.items():
+        out[name] = {"p50": cls.ttft.p50, "p95": cls.ttft.p95, "p99": cls.ttft.p99, "n": cls.ttft.count}
+    out["_errors"] = report.summary.errors
+    return out
+
+
+def run_config(model: str, scheduling: str, args: argparse.Namespace) -> dict:
+    proc, base = start(model, ["--scheduling", scheduling])
+    try:
+        # distinct seeds: the warm-up and unloaded runs never share images or text with the loaded run
+        bench(base, args, args.seed + 2, mix=(("3img", 1.0),), concurrency=1, num_requests=1)
+        unloaded = {}
+        for cls in CLASSES:
+            r = bench(base, args, args.seed + 1, mix=((cls, 1.0),), concurrency=1,
+                      num_requests=args.unloaded_requests)
+            unloaded[cls] = r[cls]["p50"]
+        loaded = bench(base, args, args.seed, rate=args.rate, num_requests=args.num_requests, warmup=args.warmup)
+        stats = httpx.get(f"{base}/v1/engine/stats").json()
+        return {"unloaded": unloaded, "loaded": loaded, "engine": stats}
+    finally:
+        proc.terminate()
+        proc.wait(60)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--num-requests", type=int, default=200)
+    ap.add_argument("--rate", type=float, default=0.4)
+    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--unloaded-requests", type=int, default=3)
+    ap.add_argument("--output-tokens", type=int, default=32)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    model = args.model
+    if model is None:
+        from firsttoken.models.checkpoint import make_model
+
+        model = str(Path(os.environ.get("FIRSTTOKEN_CACHE", "/tmp")) / "bench-small")
+        if not Path(model, "config.json").exists():
+            make_model(model, size="small")
+    results = {s: run_config(model, s, args) for s in ("fcfs", "lanes")}
+    print(f"\nseed mix, {args.num_requests} requests, Poisson {args.rate}/s, small checkpoint; TTFT seconds")
+    print("config  class  unloaded |   P50    P95    P99 | P99/unloaded")
+    for sched, r in results.items():
+        for cls in CLASSES:
+            u, l = r["unloaded"][cls], r["loaded"].get(cls)
+            if l is None:
+                continue
+            print(f"{sched:6s}  {cls:5s}  {u:8.3f} | {l['p50']:6.3f} {l['p95']:6.3f} {l['p99']:6.3f} | "
+                  f"{l['p99'] / u:6.1f}x")
+        print(f"{sched:6s}  errors {r['loaded']['_errors']}  short requests delayed by long work: "
+              f"{r['engine'].get('num_short_delayed_by_long')}  preemptions {r['engine'].get('num_preemptions')}")
+    lanes, fcfs = results["lanes"], results["fcfs"]
+    text_ratio = lanes["loaded"]["text"]["p99"] / lanes["unloaded"]["text"]
+    img_ratio = lanes["loaded"]["3img"]["p99"] / fcfs["loaded"]["3img"]["p99"]
+    print(f"target 1: text P99 / unloaded with lanes = {text_ratio:.2f}x (target <= 3x; fcfs: "
+          f"{fcfs['loaded']['text']['p99'] / fcfs['unloaded']['text']:.2f}x)")
+    print(f"target 2: 3-image P99 lanes / fcfs = {img_ratio:.2f}x (target <= 1.2x)")
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()
