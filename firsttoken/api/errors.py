@@ -7,6 +7,7 @@ exceptions become a generic 500 whose details stay in the server log (see middle
 
 Status map:
     400  malformed JSON, schema errors (FastAPI's 422 is overridden), bad sampling values, bad images
+    401  missing or wrong API key (with --api-key; api/observability.py)
     404  unknown model or route
     405  wrong method
     413  request body over the limit
@@ -30,6 +31,7 @@ from firsttoken.inputs.processor import InputError
 
 ERROR_TYPES: dict[int, str] = {
     400: "BadRequestError",
+    401: "AuthenticationError",
     404: "NotFoundError",
     405: "MethodNotAllowedError",
     413: "RequestTooLargeError",
@@ -37,6 +39,10 @@ ERROR_TYPES: dict[int, str] = {
     500: "InternalServerError",
     503: "ServiceUnavailableError",
 }
+
+
+# Handlers leave a rejection reason here for the 4xx counter (api/observability.py); absent: the status decides.
+REJECT_REASON_KEY = "firsttoken.reject_reason"
 
 
 class APIError(Exception):
@@ -107,20 +113,25 @@ def _param_path(loc: tuple[Any, ...]) -> str | None:
 
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
-    async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
+    async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
+        request.scope[REJECT_REASON_KEY] = "invalid_request"
         message, param = validation_error_message(exc)
         return error_response(400, message, param)
 
     @app.exception_handler(APIError)
-    async def _api(_: Request, exc: APIError) -> JSONResponse:
+    async def _api(request: Request, exc: APIError) -> JSONResponse:
+        if exc.status_code == 404 and exc.param == "model":
+            request.scope[REJECT_REASON_KEY] = "unknown_model"
         return error_response(exc.status_code, exc.message, exc.param)
 
     @app.exception_handler(InputError)
-    async def _input(_: Request, exc: InputError) -> JSONResponse:
+    async def _input(request: Request, exc: InputError) -> JSONResponse:
+        request.scope[REJECT_REASON_KEY] = "invalid_input"
         return error_response(400, str(exc), exc.param)
 
     @app.exception_handler(ImageInputError)
-    async def _image(_: Request, exc: ImageInputError) -> JSONResponse:
+    async def _image(request: Request, exc: ImageInputError) -> JSONResponse:
+        request.scope[REJECT_REASON_KEY] = f"image_{exc.code}"
         return error_response(400, f"invalid image ({exc.code}): {exc}", "messages")
 
     @app.exception_handler(StarletteHTTPException)

@@ -7,6 +7,7 @@ loop, hand the EngineRequest to the engine, frame what comes back.
     GET  /v1/models             the served model with max_model_len
     GET  /health                200 while engine.is_alive, else 503
     GET  /v1/engine/stats       EngineStats as JSON (KV blocks used/free/cached, running, waiting)
+    GET  /metrics, /stats, /dashboard   with an Observability: see api/observability.py (also --api-key)
 
 Everything the app uses arrives through ``build_app`` (engine, processor, settings): tests pass fakes there.
 """
@@ -28,6 +29,7 @@ from fastapi.responses import JSONResponse, Response
 
 from firsttoken.api.errors import APIError, error_response, install_error_handlers, model_not_found
 from firsttoken.api.middleware import RequestContextMiddleware
+from firsttoken.api.observability import Observability
 from firsttoken.api.protocol import (
     AssistantMessage,
     ChatChoice,
@@ -77,7 +79,12 @@ class _Slots:
         self.in_use -= 1
 
 
-def build_app(engine: EngineClient, processor: InputProcessor, settings: ServerSettings) -> FastAPI:
+def build_app(
+    engine: EngineClient,
+    processor: InputProcessor,
+    settings: ServerSettings,
+    observability: Observability | None = None,
+) -> FastAPI:
     pool = ThreadPoolExecutor(max_workers=settings.num_preprocess_threads, thread_name_prefix="ft-preprocess")
     slots = _Slots(settings.max_concurrent_requests)
 
@@ -89,6 +96,18 @@ def build_app(engine: EngineClient, processor: InputProcessor, settings: ServerS
     app = FastAPI(title="firsttoken", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.add_middleware(RequestContextMiddleware, max_body_bytes=settings.max_request_body_bytes)
     install_error_handlers(app)
+    if observability is not None:  # /metrics /stats /dashboard, API key, per-token timing
+        engine = observability.install(app, engine)
+    done: Callable[[EngineRequest], None] = observability.request_done if observability else lambda _: None
+
+    def closer(engine_request: EngineRequest) -> Callable[[], None]:
+        """A stream's on_close: give back its slot, then complete its metrics record."""
+
+        def close() -> None:
+            slots.give_back()
+            done(engine_request)
+
+        return close
 
     async def off_loop(fn: Callable[..., T], *args: Any) -> T:
         return await asyncio.get_running_loop().run_in_executor(pool, functools.partial(fn, *args))
@@ -133,13 +152,17 @@ def build_app(engine: EngineClient, processor: InputProcessor, settings: ServerS
         if final.finish_reason is FinishReason.ERROR:
             return error_response(500, final.error or "the request failed")
         engine_request.timeline.mark("first_byte_s")
-        return build(collected)
+        response = build(collected)
+        done(engine_request)
+        return response
 
     @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatCompletionRequest, raw: Request) -> Response:
         engine_request, ctx = await start(req, "chatcmpl", processor.process_chat)
         if req.stream:
-            return EngineStreamResponse(chat_sse(engine, engine_request, ctx, processor.token_piece), slots.give_back)
+            return EngineStreamResponse(
+                chat_sse(engine, engine_request, ctx, processor.token_piece), closer(engine_request)
+            )
 
         def build(c: Any) -> Response:
             choice = ChatChoice(
@@ -163,7 +186,7 @@ def build_app(engine: EngineClient, processor: InputProcessor, settings: ServerS
         engine_request, ctx = await start(req, "cmpl", processor.process_completion)
         if req.stream:
             return EngineStreamResponse(
-                completion_sse(engine, engine_request, ctx, processor.token_piece), slots.give_back
+                completion_sse(engine, engine_request, ctx, processor.token_piece), closer(engine_request)
             )
 
         def build(c: Any) -> Response:

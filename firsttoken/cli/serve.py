@@ -80,6 +80,14 @@ FLAGS: tuple[Flag, ...] = (
          "more gets HTTP 400 (default: only the context limit applies)"),
     Flag("--seed", int, None, "seed for requests that bring no seed of their own"),
     Flag("--log-level", str, "info", "debug, info, warning, error"),
+    Flag("--log-format", str, "text", "server log lines: text or json (one object per line); both carry the "
+         "request id"),
+    Flag("--request-log", Path, None, "append one JSON line per finished request (outcome, sizes, TTFT phases) "
+         "to this file; no prompt text or image bytes"),
+    Flag("--request-log-content", None, False, "also write each prompt's text and image hashes to the request log"),
+    Flag("--stats-window", float, 300.0, "seconds of finished requests that GET /stats and /dashboard summarise"),
+    Flag("--api-key", str, None, "require 'Authorization: Bearer KEY' on every route but /health and /dashboard "
+         "(default: $FIRSTTOKEN_API_KEY; unset = open)"),
 )
 
 
@@ -98,6 +106,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 def build_server(args: argparse.Namespace, fault_hook: Any = None):
     """Everything `serve` starts, minus uvicorn: (app, async_engine). Tests use it too; `fault_hook` is the
     runner's test seam (see runner.model_runner.FaultHook), None in production."""
+    from firsttoken.api.observability import observability_from_args
     from firsttoken.api.server import build_app
     from firsttoken.api.settings import ServerSettings
     from firsttoken.config import CacheConfig, GenerationDefaults, SchedulerConfig
@@ -136,7 +145,10 @@ def build_server(args: argparse.Namespace, fault_hook: Any = None):
         seed=args.seed,
     )
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
-    engine = LLMEngine(model_dir, config, tokenizer=_decoder(tokenizer), fault_hook=fault_hook)
+    observability = observability_from_args(args, tokenizer)
+    engine = LLMEngine(
+        model_dir, config, tokenizer=_decoder(tokenizer), fault_hook=fault_hook, observer=observability.recorder
+    )
     processor = InputProcessor(
         tokenizer,
         engine.model_config,
@@ -158,7 +170,7 @@ def build_server(args: argparse.Namespace, fault_hook: Any = None):
         max_request_body_bytes=args.max_request_bytes,
     )
     async_engine = AsyncEngine(engine, num_threads=args.num_threads)
-    return build_app(async_engine, processor, settings), async_engine
+    return build_app(async_engine, processor, settings, observability), async_engine
 
 
 def _decoder(tokenizer: Any) -> Any:
@@ -170,14 +182,17 @@ def run(args: argparse.Namespace) -> int:
     import torch
     import uvicorn
 
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from firsttoken.api.logs import configure_logging
+
+    configure_logging(args.log_level, args.log_format)
     if args.num_threads:
         torch.set_num_threads(args.num_threads)
     app, async_engine = build_server(args)
     async_engine.start()
     log.info("serving on http://%s:%d", args.host, args.port)
     try:
-        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5,
+                    log_config=None)  # uvicorn's loggers propagate to ours (text or json, with request ids)
     finally:
         async_engine.shutdown()
     return 0

@@ -25,7 +25,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from functools import lru_cache
 from pathlib import Path
@@ -48,6 +48,7 @@ from firsttoken.inputs.image import (
 from firsttoken.inputs.media import load_image_bytes
 from firsttoken.models.mrope import compute_mrope_positions
 from firsttoken.sampling.params import SamplingParams
+from firsttoken.scheduler.lanes import AdmissionVerdict
 
 # Control tokens that mark image/video slots: a raw /v1/completions prompt may use the chat control tokens
 # (<|im_start|> ...) but never these, since a slot without pixels would reach the vision path.
@@ -59,6 +60,14 @@ VISION_CONTROL_TOKENS = (
     "<|video_pad|>",
 )
 _SAMPLING_FIELDS = frozenset(SamplingParams.__dataclass_fields__)
+
+
+class AdmissionRefused(Exception):
+    """The engine would not queue this request now (lane full) or ever (never fits); carries the verdict."""
+
+    def __init__(self, verdict: AdmissionVerdict) -> None:
+        super().__init__(verdict.message)
+        self.verdict = verdict
 
 
 class InputError(ValueError):
@@ -134,6 +143,7 @@ class InputProcessor:
         max_model_len: int,
         images: ImageSettings = ImageSettings(),
         max_input_tokens: int | None = None,
+        admission: Callable[[int], AdmissionVerdict] | None = None,
     ) -> None:
         if isinstance(model_dir_or_tokenizer, (str, Path)):
             tokenizer = AutoTokenizer.from_pretrained(str(model_dir_or_tokenizer))
@@ -153,6 +163,9 @@ class InputProcessor:
         self.max_model_len = max_model_len
         # Prompt tokens (text + image + template) a request may bring; None: only the context limit applies.
         self.max_input_tokens = max_input_tokens
+        # Asked with the exact prompt length once it is known from headers + tokenization, before any image is
+        # decoded: a full lane (429) or a prompt that can never fit (400) costs no decode work.
+        self.admission = admission
         self.image_settings = images
         self._vision_tokens_re = re.compile("(" + "|".join(map(re.escape, VISION_CONTROL_TOKENS)) + ")")
         self._special_ids = frozenset(tokenizer.all_special_ids) | frozenset(tokenizer.added_tokens_decoder)
@@ -336,6 +349,10 @@ class InputProcessor:
         field, requested = req.requested_max_tokens
         room = self._check_length(prompt, field, requested, prompt_param)
         sampling = self._sampling_params(req, _or(requested, room), field)
+        if self.admission is not None:
+            verdict = self.admission(len(prompt.token_ids))
+            if not verdict.admitted:
+                raise AdmissionRefused(verdict)
         images = self._decode_images(prompt)  # the first expensive step: every limit has passed
         mrope = compute_mrope_positions(prompt.token_ids, [im.grid_thw for im in images], self.model_config)
         items = tuple(

@@ -57,3 +57,25 @@ class NullObserver:
 
     def on_finished(self, request: FinishedRequest) -> None:
         pass
+
+
+@dataclass(frozen=True)
+class EngineSnapshot:
+    """Engine state read at scrape / /stats time: live gauges and the engine's own cumulative counters
+    (the API layer fills it from EngineStats; exporters read only this)."""
+
+    kv_blocks_used: int
+    kv_blocks_total: int
+    num_running: int
+    num_queued_by_lane: dict[str, int]
+    encoder_cache_bytes: int
+    preemptions_by_reason: dict[str, int]
+    num_short_delayed_by_long: int  # short-lane requests that sat out a whole step while long work ran
+    encoder_cache_hits: int
+    encoder_cache_misses: int
+    prefix_cache_hit_tokens: int
+    prefix_cache_query_tokens: int
+
+    @property
+    def kv_usage_ratio(self) -> float:
+        return self.kv_blocks_used / self.kv_blocks_total if self.kv_blocks_total else 0.0

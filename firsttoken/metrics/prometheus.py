@@ -1,0 +1,137 @@
+"""The Prometheus exporter: a collector that turns a Recorder snapshot and an EngineSnapshot into metric
+families at scrape time. It is the only module that imports prometheus_client; the engine never sees it.
+
+One registry per app (``make_registry``), so two servers in one process (tests) never share series. Names are
+``firsttoken_*`` with unit suffixes; per-request histograms carry ``lane`` and ``images`` (0 | 1 | 2+). The full
+list with meanings is in docs/observability.md.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+from prometheus_client import CollectorRegistry, ProcessCollector
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.utils import floatToGoString
+
+from firsttoken.metrics.histogram import Histogram
+from firsttoken.metrics.recorder import Recorder
+from firsttoken.metrics.stats import EngineSnapshot
+
+REQUEST_LABELS = ["lane", "images"]
+# The scheduler's reasons (scheduler.py _preempt), exported at 0 before the first one so alerts have a series.
+PREEMPTION_REASONS = ("decode_growth", "prefill_growth")
+
+# (snapshot field, metric name, help) for the per-request histograms labelled by lane and images.
+_REQUEST_HISTOGRAMS: tuple[tuple[str, str, str], ...] = (
+    ("ttft_s", "firsttoken_time_to_first_token_seconds",
+     "Arrival to the first content byte handed to the transport (the sum of the phases)."),
+    ("itl_s", "firsttoken_inter_token_latency_seconds", "Time between consecutive output tokens of a request."),
+    ("e2e_s", "firsttoken_e2e_request_latency_seconds", "Arrival to the engine finishing the request."),
+    ("prompt_tokens", "firsttoken_request_prompt_tokens", "Prompt tokens per request, visual tokens included."),
+    ("visual_tokens", "firsttoken_request_visual_tokens", "Visual (image) tokens per request."),
+    ("output_tokens", "firsttoken_request_generation_tokens", "Generated tokens per request."),
+)  # fmt: skip
+
+
+def _histogram(name: str, doc: str, labels: list[str], series: dict[tuple[str, ...], Histogram]) -> Metric:
+    family = HistogramMetricFamily(name, doc, labels=labels)
+    for key, h in sorted(series.items()):
+        buckets = [(floatToGoString(bound), n) for bound, n in h.cumulative()]
+        family.add_metric(list(key), buckets, h.sum)
+    return family
+
+
+def _counter(name: str, doc: str, value: float) -> Metric:
+    return CounterMetricFamily(name, doc, value=value)
+
+
+def _gauge(name: str, doc: str, value: float) -> Metric:
+    return GaugeMetricFamily(name, doc, value=value)
+
+
+class FirsttokenCollector:
+    def __init__(self, recorder: Recorder, engine: Callable[[], EngineSnapshot]) -> None:
+        self.recorder = recorder
+        self.engine = engine
+
+    def describe(self) -> list[Metric]:
+        return []  # unchecked collector: families are built at scrape time
+
+    def collect(self) -> Iterator[Metric]:
+        s = self.recorder.snapshot()
+        for field, name, doc in _REQUEST_HISTOGRAMS:
+            yield _histogram(name, doc, REQUEST_LABELS, getattr(s.hist, field))
+        yield _histogram(
+            "firsttoken_request_phase_seconds",
+            "Each TTFT phase (preprocess, queue, encode, prefill, sample, send); per request they add up to TTFT.",
+            [*REQUEST_LABELS, "phase"],
+            s.hist.phase_s,
+        )
+
+        requests = CounterMetricFamily(
+            "firsttoken_requests", "Requests the engine finished, by outcome (stop, length, abort, error).",
+            labels=[*REQUEST_LABELS, "outcome"],
+        )  # fmt: skip
+        for key, n in sorted(s.requests.items()):
+            requests.add_metric(list(key), n)
+        yield requests
+        rejections = CounterMetricFamily(
+            "firsttoken_rejections", "Requests answered with a 4xx before generating, by reason.", labels=["reason"]
+        )
+        for reason, n in sorted(s.rejections.items()):
+            rejections.add_metric([reason], n)
+        yield rejections
+        c = s.counters
+        yield _counter("firsttoken_prompt_tokens", "Prompt tokens of finished requests.", c["prompt_tokens"])
+        yield _counter("firsttoken_generation_tokens", "Generated tokens of finished requests.", c["generation_tokens"])
+        yield _counter("firsttoken_engine_steps", "Engine steps run.", c["steps"])
+        yield _counter("firsttoken_step_prefill_tokens", "Prefill tokens scheduled across steps.",
+                       c["scheduled_prefill_tokens"])  # fmt: skip
+        yield _counter("firsttoken_step_decode_tokens", "Decode tokens scheduled across steps.",
+                       c["scheduled_decode_tokens"])  # fmt: skip
+        yield _counter("firsttoken_step_encoder_images", "Images encoded by the vision tower, summed over steps.",
+                       c["encoder_images"])  # fmt: skip
+        yield _counter("firsttoken_step_encoder_seconds", "Seconds spent in the vision tower.", c["encoder_seconds"])
+        yield _counter("firsttoken_step_busy_seconds", "Seconds the engine spent inside steps.", c["step_seconds"])
+        yield _histogram("firsttoken_step_scheduled_tokens", "Tokens (prefill + decode) scheduled per step.", [],
+                         {(): s.step_tokens})  # fmt: skip
+        yield _histogram("firsttoken_step_duration_seconds", "Wall time of one engine step.", [],
+                         {(): s.step_duration_s})  # fmt: skip
+
+        g = self.engine()
+        yield _gauge("firsttoken_kv_cache_used_blocks", "KV blocks referenced by live requests.", g.kv_blocks_used)
+        yield _gauge("firsttoken_kv_cache_capacity_blocks", "KV blocks in the pool.", g.kv_blocks_total)
+        yield _gauge("firsttoken_kv_cache_usage_ratio", "Used / capacity KV blocks (1 = full).", g.kv_usage_ratio)
+        yield _gauge("firsttoken_requests_running", "Requests in the running batch.", g.num_running)
+        queued = GaugeMetricFamily("firsttoken_requests_queued", "Requests waiting for admission, per lane.",
+                                   labels=["lane"])  # fmt: skip
+        for lane, n in sorted(g.num_queued_by_lane.items()):
+            queued.add_metric([lane], n)
+        yield queued
+        yield _gauge("firsttoken_encoder_cache_bytes", "Bytes of vision-encoder outputs held.", g.encoder_cache_bytes)
+        preemptions = CounterMetricFamily(
+            "firsttoken_preemptions", "Running requests preempted (KV dropped, recomputed later), by reason.",
+            labels=["reason"],
+        )  # fmt: skip
+        for reason, n in sorted({**dict.fromkeys(PREEMPTION_REASONS, 0), **g.preemptions_by_reason}.items()):
+            preemptions.add_metric([reason], n)
+        yield preemptions
+        yield _counter("firsttoken_short_requests_delayed_by_long",
+                       "Short-lane requests that sat out a whole step while long work held it (the scheduler "
+                       "counts it; sharing a step is normal, waiting behind it is not).",
+                       g.num_short_delayed_by_long)  # fmt: skip
+        yield _counter("firsttoken_encoder_cache_hits", "Images whose vision-encoder output was reused.",
+                       g.encoder_cache_hits)  # fmt: skip
+        yield _counter("firsttoken_encoder_cache_misses", "Images that had to go through the vision tower.",
+                       g.encoder_cache_misses)  # fmt: skip
+        yield _counter("firsttoken_prefix_cache_hit_tokens", "Prompt tokens served from the KV prefix cache.",
+                       g.prefix_cache_hit_tokens)  # fmt: skip
+        yield _counter("firsttoken_prefix_cache_query_tokens", "Prompt tokens looked up in the KV prefix cache.",
+                       g.prefix_cache_query_tokens)  # fmt: skip
+
+def make_registry(recorder: Recorder, engine: Callable[[], EngineSnapshot]) -> CollectorRegistry:
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(FirsttokenCollector(recorder, engine))
+    ProcessCollector(registry=registry)
+    return registry

@@ -1,0 +1,222 @@
+"""Observability through the real server: API-key auth, /metrics, /stats, the request log, the shipped
+Prometheus/Grafana configuration, and the /dashboard page in headless Chromium.
+
+One server for the module, started with --api-key and --request-log. The request log is the oracle for /stats
+and the dashboard: a snapshot with ``seq = S`` summarises exactly the first S lines of the log.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import shutil
+import subprocess
+import threading
+from html.parser import HTMLParser
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from tests.e2e.conftest import LiveServer, image_message, make_image, start_server, stop_server
+
+KEY = "sk-test-7f3a"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+ROOT = Path(__file__).resolve().parents[2]
+PHASES = ("preprocess", "queue", "encode", "prefill", "sample", "send")
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir, tmp_path_factory):
+    log = tmp_path_factory.mktemp("obs") / "requests.jsonl"
+    live, srv, thread = start_server(tiny_model_dir, api_key=KEY, request_log=log)
+    live.request_log = log  # type: ignore[attr-defined]
+    httpx_get = httpx.get
+    assert httpx_get(f"{live.base_url}/health").status_code == 200
+    yield live
+    stop_server(srv, thread, live.engine)
+
+
+def client(live: LiveServer, key: str = KEY) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{live.base_url}/v1", api_key=key, max_retries=0)
+
+
+def log_lines(live: LiveServer) -> list[dict]:
+    return [json.loads(line) for line in live.request_log.read_text().splitlines()]  # type: ignore[attr-defined]
+
+
+def nearest_rank(values: list[float], q: float) -> float | None:
+    v = sorted(values)
+    return v[max(1, math.ceil(q / 100 * len(v))) - 1] if v else None
+
+
+def mixed_requests(live: LiveServer, n: int = 1, max_tokens: int = 3) -> list:
+    c = client(live)
+    out = []
+    for i in range(n):
+        out.append(c.chat.completions.create(model="tiny", max_tokens=max_tokens,
+                                             messages=[{"role": "user", "content": f"Describe the sea {i}."}]))
+        out.append(c.chat.completions.create(model="tiny", max_tokens=max_tokens,
+                                             messages=image_message("Describe it.", make_image(56, 56, i))))
+        stream = c.chat.completions.create(model="tiny", max_tokens=max_tokens, stream=True,
+                                           stream_options={"include_usage": True},
+                                           messages=image_message("Both?", make_image(56, 56, i), make_image(28, 56)))
+        out.append(list(stream))
+    return out
+
+
+def test_api_key_guards_every_route_but_health_and_the_dashboard_page(server: LiveServer):
+    base = server.base_url
+    for path in ("/v1/models", "/metrics", "/stats", "/v1/engine/stats"):
+        missing = httpx.get(base + path)
+        wrong = httpx.get(base + path, headers={"Authorization": "Bearer sk-wrong"})
+        for r in (missing, wrong):
+            assert r.status_code == 401, path
+            assert r.json()["error"]["code"] == 401 and r.json()["error"]["type"] == "AuthenticationError"
+            assert r.headers["x-request-id"] and r.headers["www-authenticate"] == "Bearer"
+        assert httpx.get(base + path, headers=AUTH).status_code == 200, path
+    assert httpx.get(base + "/health").status_code == 200
+    page = httpx.get(base + "/dashboard")
+    assert page.status_code == 200 and "<canvas" in page.text and "http" not in re.sub(r"<!--.*?-->", "", page.text)
+    with pytest.raises(openai.AuthenticationError):
+        client(server, "sk-wrong").models.list()
+    assert client(server).models.list().data[0].id == "tiny"
+
+
+def test_metrics_stats_and_request_log_agree_with_the_responses(server: LiveServer):
+    before = len(log_lines(server)) if server.request_log.exists() else 0  # type: ignore[attr-defined]
+    text, one_image, streamed = mixed_requests(server)
+    bad = httpx.post(f"{server.base_url}/v1/chat/completions", headers=AUTH, json={"model": "tiny", "messages": 3})
+    assert bad.status_code == 400
+    lines = log_lines(server)[before:]
+    assert [line["images"] for line in lines] == ["0", "1", "2+"]
+    by_id = {line["request_id"]: line for line in lines}
+    # the log carries exactly what the client got in usage.firsttoken (TTFT up to the first byte), no content
+    for resp in (text, one_image):
+        assert by_id[resp.id]["timings"] == resp.usage.model_extra["firsttoken"]
+    assert by_id[streamed[-1].id]["timings"] == streamed[-1].usage.model_extra["firsttoken"]
+    assert "Describe" not in server.request_log.read_text() and "content" not in lines[0]  # type: ignore[attr-defined]
+    assert lines[0]["http_request_id"] and lines[1]["itl_mean_s"] > 0
+
+    stats = httpx.get(f"{server.base_url}/stats", headers=AUTH).json()
+    everything = log_lines(server)[: stats["seq"]]
+    for cls in ("all", "0", "1", "2+"):
+        mine = [line for line in everything if cls in ("all", line["images"])]
+        assert stats["classes"][cls]["count"] == len(mine)
+        for key in ("ttft_s", *(f"{p}_s" for p in PHASES)):
+            values = [line["timings"][key] for line in mine]
+            for q in (50, 95, 99):
+                assert stats["classes"][cls][key][f"p{q}"] == nearest_rank(values, q), (cls, key, q)
+    assert stats["engine"]["kv_blocks_total"] > 0 and set(stats["engine"]["queued_by_lane"]) >= {"short"}
+
+    metrics = httpx.get(f"{server.base_url}/metrics", headers=AUTH).text
+    count = re.search(r'firsttoken_time_to_first_token_seconds_count\{images="2\+",lane="(\w+)"\} (\S+)', metrics)
+    assert count and float(count.group(2)) >= 1
+    assert re.search(r'firsttoken_rejections_total\{reason="invalid_request"\} [1-9]', metrics)
+    assert re.search(r'firsttoken_rejections_total\{reason="unauthorized"\} [1-9]', metrics)
+    assert 'le="0.05"' in metrics and 'le="150.0"' in metrics
+
+
+def test_shipped_dashboard_and_alerts_query_only_exported_metrics(server: LiveServer):
+    mixed_requests(server)  # every family has samples
+    scrape = httpx.get(f"{server.base_url}/metrics", headers=AUTH).text
+    exported = {m.group(1) for m in re.finditer(r"^(firsttoken_\w+?)(?:\{| )", scrape, re.M)}
+    grafana = json.loads((ROOT / "deploy/grafana-dashboard.json").read_text())
+    exprs = [t["expr"] for p in grafana["panels"] for t in p["targets"]]
+    exprs += re.findall(r"expr: (?:\|\n)?((?:.*\n)+?)\s+(?:for|labels):", (ROOT / "deploy/alerts.yml").read_text())
+    used = {name for e in exprs for name in re.findall(r"\bfirsttoken_\w+", e)}
+    assert len(exprs) > 15 and len(used) > 15
+    assert used <= exported, sorted(used - exported)
+
+
+@pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool missing (Debian package prometheus; .ci/run installs it)")
+def test_promtool_accepts_the_rules_their_unit_tests_and_the_scrape_config():
+    for args in (["check", "rules", "alerts.yml"], ["test", "rules", "alerts_test.yml"],
+                 ["check", "config", "prometheus.yml"]):
+        done = subprocess.run(["promtool", *args], cwd=ROOT / "deploy", capture_output=True, text=True, timeout=60)
+        assert done.returncode == 0, done.stdout + done.stderr
+    config = (ROOT / "deploy/prometheus.yml").read_text()
+    assert "type: Bearer" in config and "credentials:" in config
+
+
+class _Values(HTMLParser):
+    """id -> data-value of every element that has both, plus the body's data attributes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.values: dict[str, str] = {}
+        self.body: dict[str, str] = {}
+        self.styles: dict[str, str] = {}
+
+    def handle_starttag(self, tag, attrs):
+        a = dict(attrs)
+        if tag == "body":
+            self.body = {k: v or "" for k, v in a.items()}
+        if "id" in a and "data-value" in a:
+            self.values[a["id"]] = a["data-value"] or ""
+        if "id" in a:
+            self.styles[a["id"]] = a.get("style") or ""
+
+
+def chromium(url: str, tmp: Path, *extra: str) -> str:
+    exe = shutil.which("chromium") or shutil.which("chromium-browser")
+    args = [exe, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+            "--disable-background-networking", "--disable-component-update", "--disable-sync",
+            "--disable-dev-shm-usage", f"--user-data-dir={tmp}", "--virtual-time-budget=4000", *extra, url]
+    done = subprocess.run(args, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return done.stdout
+
+
+@pytest.mark.skipif(shutil.which("chromium") is None, reason="chromium missing (Debian package; .ci/run installs it)")
+def test_dashboard_in_chromium_plots_what_stats_reports_while_requests_flow(server: LiveServer, tmp_path: Path):
+    locked = chromium(f"{server.base_url}/dashboard", tmp_path / "p0", "--dump-dom")
+    page = _Values()
+    page.feed(locked)
+    assert page.body.get("data-auth") == "needed" and "display: block" in page.styles["key-form"]
+
+    stop = threading.Event()
+
+    def load() -> None:
+        while not stop.is_set():
+            mixed_requests(server, max_tokens=2)
+
+    mixed_requests(server, max_tokens=2)
+    worker = threading.Thread(target=load, daemon=True)
+    worker.start()
+    try:
+        url = f"{server.base_url}/dashboard?interval=300#key={KEY}"
+        dom = chromium(url, tmp_path / "p1", "--dump-dom")
+        shot = tmp_path / "dashboard.png"
+        chromium(url, tmp_path / "p2", f"--screenshot={shot}", "--window-size=1400,1700", "--hide-scrollbars")
+    finally:
+        stop.set()
+        worker.join(60)
+    print(f"\ndashboard screenshot: {shot}")
+    if os.environ.get("FIRSTTOKEN_DASHBOARD_PNG"):
+        shutil.copy(shot, os.environ["FIRSTTOKEN_DASHBOARD_PNG"])
+    assert shot.stat().st_size > 10_000
+
+    page = _Values()
+    page.feed(dom)
+    assert page.body.get("data-auth") == "ok"
+    seq = int(page.body["data-rendered"])
+    assert int(page.values["seq"]) == seq > 0
+    records = log_lines(server)[:seq]  # what /stats summarised when the page last polled
+    for cls, sfx in (("all", "all"), ("0", "0"), ("1", "1"), ("2+", "2p")):
+        mine = [r for r in records if cls in ("all", r["images"])]
+        ttft = [r["timings"]["ttft_s"] for r in mine]
+        for q in (50, 95, 99):
+            assert float(page.values[f"ttft-p{q}-{sfx}"]) == nearest_rank(ttft, q), (cls, q)
+        for p in PHASES:
+            phase = [r["timings"][f"{p}_s"] for r in mine]
+            assert float(page.values[f"phase-{p}-mean-{sfx}"]) == pytest.approx(sum(phase) / len(phase), rel=1e-12)
+    stats = httpx.get(f"{server.base_url}/stats", headers=AUTH).json()
+    assert int(page.values["kv-total"]) == stats["engine"]["kv_blocks_total"]
+    assert {k.removeprefix("queue-") for k in page.values if k.startswith("queue-")} == set(stats["engine"]["queued_by_lane"])
+    prompt = sum(r["prompt_tokens"] for r in records)
+    assert float(page.values["prefix-hit-rate"]) == pytest.approx(
+        sum(r["timings"]["cached_prompt_tokens"] for r in records) / prompt, rel=1e-12)

@@ -1,0 +1,128 @@
+"""Metrics as plain data: percentiles, the sliding window, the engine/HTTP join, and the Prometheus text."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from prometheus_client import generate_latest
+
+from firsttoken.metrics.histogram import TIME_BUCKETS_S, Histogram
+from firsttoken.metrics.prometheus import make_registry
+from firsttoken.metrics.recorder import Recorder, RequestRecord
+from firsttoken.metrics.stats import EngineSnapshot, FinishedRequest, StepStats
+from firsttoken.metrics.window import percentile
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def timings(ttft: float, queue: float = 0.0, **extra) -> dict:
+    send = 0.001
+    rest = ttft - queue - send
+    return {"ttft_s": ttft, "preprocess_s": rest / 2, "queue_s": queue, "encode_s": 0.0, "prefill_s": rest / 2,
+            "sample_s": 0.0, "send_s": send, "e2e_s": ttft + 0.5, "images_encoded": extra.get("encoded", 0),
+            "encoder_cache_hits": extra.get("hits", 0), "cached_prompt_tokens": extra.get("cached", 0)}
+
+
+def finished(rid: str, num_images: int = 0, outcome: str = "stop", lane: str = "short", **t) -> FinishedRequest:
+    return FinishedRequest(rid, outcome, 100, 50 * num_images, num_images, 8, lane, timings(**t) if t else {})
+
+
+def step(start_s: float, prefill: int, preempted: int = 0) -> StepStats:
+    return StepStats(0, start_s, 0.01, 1, prefill, 1, 0, 0.0, preempted, 10, 100, 1, 0)
+
+
+def test_nearest_rank_percentiles_match_brute_force():
+    rng = random.Random(0)
+    for n in (1, 2, 7, 100, 101):
+        values = sorted(rng.random() for _ in range(n))
+        for q in (50, 95, 99):
+            # the smallest value with at least q% of the values <= it
+            expected = min(v for v in values if sum(x <= v for x in values) >= q / 100 * n)
+            assert percentile(values, q) == expected
+    assert percentile([], 50) is None
+
+
+def test_histogram_buckets_resolve_50ms_and_150s():
+    h = Histogram(TIME_BUCKETS_S)
+    for v in (0.05, 0.051, 150.0, 151.0):
+        h.observe(v)
+    cum = dict(h.cumulative())
+    assert cum[0.05] == 1 and cum[0.075] == 2 and cum[150.0] == 3 and cum[float("inf")] == 4
+
+
+def test_completion_uses_the_final_timeline_and_window_is_per_class_and_slides():
+    clock, log = Clock(), []
+    rec = Recorder(window_s=60, clock=clock, sink=log.append)
+    rec.on_finished(finished("a", 0, ttft=0.1))
+    rec.on_finished(finished("b", 1, ttft=2.0))
+    rec.on_finished(finished("c", 3, ttft=9.0))
+    # the HTTP layer completes with the first byte marked: its TTFT wins over the engine's snapshot
+    rec.complete("a", timings(0.2), token_gaps_s=(0.01, 0.02), http_request_id="h-a")
+    rec.complete("b", timings(2.5))
+    rec.complete("c", timings(9.5))
+    s = rec.window_snapshot()
+    assert s["seq"] == 3 and s["classes"]["all"]["count"] == 3
+    assert s["classes"]["0"]["ttft_s"]["p99"] == 0.2
+    assert s["classes"]["1"]["ttft_s"]["p50"] == 2.5
+    assert s["classes"]["2+"]["ttft_s"]["p95"] == 9.5
+    assert s["classes"]["all"]["ttft_s"]["p50"] == 2.5
+    assert [r.request_id for r in log] == ["a", "b", "c"] and log[0].http_request_id == "h-a"
+    line = log[0].log_line()
+    assert line["itl_mean_s"] == pytest.approx(0.015) and "prompt" not in line
+    clock.t += 61
+    assert rec.window_snapshot()["classes"]["all"]["count"] == 0
+
+
+def test_aborts_are_recorded_from_engine_data_and_stragglers_after_the_grace_period():
+    clock, log = Clock(), []
+    rec = Recorder(window_s=60, clock=clock, sink=log.append, grace_s=30)
+    rec.on_finished(finished("gone", 1, outcome="abort"))
+    rec.on_finished(finished("slow", 0, ttft=0.3))  # finished in the engine, HTTP never completed it
+    rec.flush()
+    assert [r.outcome for r in log] == ["abort"]
+    clock.t += 31
+    rec.flush()
+    assert [r.request_id for r in log] == ["gone", "slow"]
+    assert rec.complete("slow", timings(0.4)) is None  # already recorded: no double count
+    assert sum(rec.snapshot().requests.values()) == 2
+
+
+def test_prometheus_text_has_labelled_histograms_counters_and_gauges():
+    rec = Recorder(window_s=60, clock=Clock())
+    rec.on_step(step(1.0, prefill=300, preempted=2))
+    rec.on_finished(finished("a", 2, ttft=0.05, hits=1, encoded=1, cached=16))
+    rec.complete("a", timings(0.05, hits=1, encoded=1, cached=16), token_gaps_s=(0.02,))
+    rec.on_rejected("invalid_request")
+    engine = EngineSnapshot(90, 100, 3, {"short": 2, "long": 5}, 4096, {"kv_cache_full": 2}, 1, 1, 1, 16, 100)
+    text = generate_latest(make_registry(rec, lambda: engine)).decode()
+    for line in (
+        'firsttoken_time_to_first_token_seconds_bucket{images="2+",lane="short",le="0.05"} 1.0',
+        'firsttoken_time_to_first_token_seconds_bucket{images="0",lane="short",le="+Inf"} 0.0',
+        'firsttoken_request_phase_seconds_count{images="2+",lane="short",phase="queue"} 1.0',
+        'firsttoken_inter_token_latency_seconds_count{images="2+",lane="short"} 1.0',
+        'firsttoken_requests_total{images="2+",lane="short",outcome="stop"} 1.0',
+        'firsttoken_rejections_total{reason="invalid_request"} 1.0',
+        'firsttoken_preemptions_total{reason="kv_cache_full"} 2.0',
+        "firsttoken_encoder_cache_hits_total 1.0",
+        "firsttoken_encoder_cache_misses_total 1.0",
+        "firsttoken_prefix_cache_hit_tokens_total 16.0",
+        "firsttoken_step_prefill_tokens_total 300.0",
+        "firsttoken_short_requests_delayed_by_long_total 1.0",
+        "firsttoken_prefix_cache_query_tokens_total 100.0",
+        "firsttoken_kv_cache_usage_ratio 0.9",
+        'firsttoken_requests_queued{lane="long"} 5.0',
+        "firsttoken_encoder_cache_bytes 4096.0",
+    ):
+        assert line in text, line
+
+
+def test_request_record_log_line_has_no_content():
+    r = RequestRecord("r", None, 0.0, "stop", "short", "1", 1, 10, 4, 2, {"ttft_s": 0.1})
+    assert set(r.log_line()) >= {"request_id", "timings", "visual_tokens"} and "content" not in r.log_line()
