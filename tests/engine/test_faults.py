@@ -1,0 +1,86 @@
+"""One request's failure never hurts another: faults injected through the runner's designed seam."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from firsttoken.api.protocol import ChatCompletionRequest
+from firsttoken.config import CacheConfig, GenerationDefaults, SchedulerConfig
+from firsttoken.engine.engine import EngineConfig, LLMEngine
+from firsttoken.engine.request import FinishReason, Timeline
+from firsttoken.inputs.processor import InputProcessor
+from tests.e2e.conftest import image_data_url, make_image
+
+
+class FailOne:
+    """Raises for one request id at one stage, every time it is asked."""
+
+    def __init__(self, request_id: str, stage: str) -> None:
+        self.request_id = request_id
+        self.stage = stage
+        self.calls = 0
+
+    def __call__(self, stage: str, request_id: str) -> None:
+        if stage == self.stage and request_id == self.request_id:
+            self.calls += 1
+            raise RuntimeError("injected fault")
+
+
+def build(model_dir: Path, hook=None):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    cfg = EngineConfig(dtype="float32", cache=CacheConfig(kv_cache_memory_bytes=8 * 2**20),
+                       scheduler=SchedulerConfig(max_batched_tokens=128))
+    engine = LLMEngine(model_dir, cfg, tok.backend_tokenizer, fault_hook=hook)
+    proc = InputProcessor(tok, engine.model_config, GenerationDefaults.from_pretrained(model_dir),
+                          max_model_len=engine.max_model_len)
+    return engine, proc
+
+
+def requests(proc: InputProcessor):
+    bodies = {
+        "a": [{"role": "user", "content": "First question, about cats."}],
+        "b": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": image_data_url(
+            make_image(120, 120, seed=3))}}, {"type": "text", "text": "And this?"}]}],
+        "c": [{"role": "user", "content": "A third, longer question about the history of dogs " * 5}],
+        "d": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": image_data_url(
+            make_image(90, 150, seed=4))}}, {"type": "text", "text": "Describe"}]}],
+    }
+    return [proc.process_chat(ChatCompletionRequest.model_validate(
+        {"model": "m", "messages": m, "max_tokens": 8, "temperature": 0.0}), rid, Timeline())
+        for rid, m in bodies.items()]
+
+
+def run_all(engine: LLMEngine, reqs) -> dict[str, tuple[list[int], FinishReason | None, str | None]]:
+    out: dict[str, tuple[list[int], FinishReason | None, str | None]] = {r.request_id: ([], None, None) for r in reqs}
+    for r in reqs:
+        engine.add_request(r)
+    while engine.has_unfinished():
+        for o in engine.step():
+            ids, _, _ = out[o.request_id]
+            out[o.request_id] = (ids + list(o.new_token_ids), o.finish_reason, o.error)
+        engine.scheduler.check_invariants()
+    return out
+
+
+@pytest.mark.parametrize("victim,stage", [("b", "encode"), ("c", "sample"), ("d", "encode")])
+def test_a_fault_in_one_request_fails_only_that_request(tiny_model_dir, victim, stage):
+    engine, proc = build(tiny_model_dir)
+    reference = run_all(engine, requests(proc))
+    hook = FailOne(victim, stage)
+    engine, proc = build(tiny_model_dir, hook)
+    faulty = run_all(engine, requests(proc))
+    assert hook.calls >= 1
+    ids, reason, error = faulty[victim]
+    assert reason == FinishReason.ERROR and error and "injected" not in error  # user-safe message
+    for rid in reference:
+        if rid != victim:
+            assert faulty[rid] == reference[rid]  # same tokens, same finish reason
+    stats = engine.stats()
+    assert stats.kv_blocks_used == 0 and stats.num_running == 0 and stats.num_waiting == 0
+    # the engine keeps serving after the fault
+    again = run_all(engine, requests(proc)[:1])
+    assert again["a"][0] == reference["a"][0]
