@@ -37,6 +37,7 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     seed: int | None = None
+    request_timeout_s: float | None = None  # a request still unfinished this long after arrival fails with 504
 
     def torch_dtype(self) -> torch.dtype:
         if self.dtype == "auto":
@@ -163,9 +164,10 @@ class LLMEngine:
 
     # ---- the loop ------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        expired = self._expire()
         batch = self.scheduler.schedule()
         if batch.is_empty:
-            return []
+            return expired
         step_start = time.monotonic()
         try:
             result = self.runner.execute(batch)
@@ -178,7 +180,16 @@ class LLMEngine:
             return [self._fail(r, "internal error while running this request") for r in involved.values()]
         outputs = self._update(batch, result, step_start)
         self._observe_step(batch, result, step_start)
-        return outputs
+        return expired + outputs
+
+    def _expire(self) -> list[RequestOutput]:
+        timeout = self.config.request_timeout_s
+        if timeout is None:
+            return []
+        now = time.monotonic()
+        late = [r for r in self.requests.values() if now - r.timeline.arrival_s > timeout]
+        return [self._fail(r, f"the request did not finish within the server's {timeout:g} s request timeout",
+                           status=504) for r in late]
 
     def _observe_step(self, batch: ScheduledBatch, result: StepOutput, step_start: float) -> None:
         kv = self.scheduler.kv
@@ -270,7 +281,7 @@ class LLMEngine:
             self._finish(req, reason)
         return out
 
-    def _fail(self, req: Request, message: str) -> RequestOutput:
+    def _fail(self, req: Request, message: str, status: int = 500) -> RequestOutput:
         self._finish(req, FinishReason.ERROR)
         return RequestOutput(
             request_id=req.request_id,
@@ -281,6 +292,7 @@ class LLMEngine:
             num_prompt_tokens=req.num_prompt_tokens,
             num_output_tokens=len(req.output_token_ids),
             error=message,
+            error_status=status,
         )
 
     def _finish(self, req: Request, reason: FinishReason) -> None:

@@ -145,3 +145,4 @@ class RequestOutput:
     num_output_tokens: int
     logprobs: tuple[TokenLogprob, ...] = ()
     error: str | None = None  # set with FinishReason.ERROR: a user-safe message
+    error_status: int = 500  # the HTTP status that error maps to (504 for a request timeout)

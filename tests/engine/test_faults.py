@@ -84,3 +84,30 @@ def test_a_fault_in_one_request_fails_only_that_request(tiny_model_dir, victim, 
     # the engine keeps serving after the fault
     again = run_all(engine, requests(proc)[:1])
     assert again["a"][0] == reference["a"][0]
+
+
+def test_a_request_past_the_timeout_fails_with_504_and_frees_its_blocks(tiny_model_dir):
+    import time
+
+    from transformers import AutoTokenizer
+
+    class SlowFirstStep:
+        def __init__(self) -> None:
+            self.slept = False
+
+        def __call__(self, stage: str, request_id: str) -> None:
+            if stage == "sample" and not self.slept:
+                self.slept = True
+                time.sleep(0.3)
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    cfg = EngineConfig(dtype="float32", cache=CacheConfig(kv_cache_memory_bytes=8 * 2**20), request_timeout_s=0.2)
+    engine = LLMEngine(tiny_model_dir, cfg, tok.backend_tokenizer, fault_hook=SlowFirstStep())
+    proc = InputProcessor(tok, engine.model_config, GenerationDefaults.from_pretrained(tiny_model_dir),
+                          max_model_len=engine.max_model_len)
+    req = requests(proc)[0]
+    out = run_all(engine, [req])
+    ids, reason, error = out[req.request_id]
+    assert reason == FinishReason.ERROR and "0.2 s request timeout" in error
+    assert len(ids) == 1  # it got its first token, then ran out of time
+    assert engine.stats().kv_blocks_used == 0
