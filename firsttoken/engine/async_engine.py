@@ -107,14 +107,12 @@ class AsyncEngine:
                 for out in self.engine.step():
                     self._deliver(out)
                 self._stats = self.engine.stats()
-        except BaseException as e:  # the loop itself broke: tell everyone, then report dead
+        except BaseException:  # the loop itself broke: tell everyone, report dead (/health 503); the thread ends
             log.exception("engine loop died")
             self._alive = False
             for add in list(self._streams.values()):
                 add.loop.call_soon_threadsafe(add.outputs.put_nowait, EngineDeadError("the engine stopped"))
             self._streams.clear()
-            if not isinstance(e, Exception):
-                raise
         finally:
             self._alive = False
 
