@@ -126,3 +126,41 @@ def test_prometheus_text_has_labelled_histograms_counters_and_gauges():
 def test_request_record_log_line_has_no_content():
     r = RequestRecord("r", None, 0.0, "stop", "short", "1", 1, 10, 4, 2, {"ttft_s": 0.1})
     assert set(r.log_line()) >= {"request_id", "timings", "visual_tokens"} and "content" not in r.log_line()
+
+
+def test_request_log_writes_content_only_when_asked(tmp_path):
+    import json
+    from types import SimpleNamespace
+
+    from firsttoken.api.observability import Observability, RequestLog
+
+    rec = Recorder(window_s=60, clock=Clock())
+    obs = Observability(rec, detokenize=lambda ids: f"prompt of {len(ids)} tokens")
+    plain = RequestLog(tmp_path / "plain.jsonl")
+    with_content = RequestLog(tmp_path / "content.jsonl", obs.content_of)
+    rec.sink = lambda r: (plain(r), with_content(r))
+    image = SimpleNamespace(content_hash="abc", num_tokens=16)
+    obs.request_started(SimpleNamespace(request_id="a", prompt_token_ids=(1, 2, 3), images=(image,)))
+    rec.on_finished(finished("a", 1, ttft=0.1))
+    rec.complete("a", timings(0.1))
+    plain.close(), with_content.close()
+    logged = json.loads((tmp_path / "plain.jsonl").read_text())
+    assert logged["request_id"] == "a" and "content" not in logged and logged["timings"]["ttft_s"] == 0.1
+    content = json.loads((tmp_path / "content.jsonl").read_text())["content"]
+    assert content == {"prompt": "prompt of 3 tokens", "images": [{"content_hash": "abc", "visual_tokens": 16}]}
+
+
+def test_json_log_lines_carry_the_request_id():
+    import json
+    import logging
+
+    from firsttoken.api.logs import JsonFormatter, RequestIdFilter, current_request_id
+
+    record = logging.LogRecord("firsttoken.api", logging.INFO, __file__, 1, "served %s", ("x",), None)
+    token = current_request_id.set("req-42")
+    try:
+        RequestIdFilter().filter(record)
+    finally:
+        current_request_id.reset(token)
+    line = json.loads(JsonFormatter().format(record))
+    assert line["request_id"] == "req-42" and line["msg"] == "served x" and line["level"] == "INFO"
