@@ -32,24 +32,44 @@ class ImageRow:
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
-    p = subparsers.add_parser("tokens", help="visual tokens per image under a budget (headers only, no model)",
-                              description=__doc__.split("\n\n")[0])
+    p = subparsers.add_parser(
+        "tokens",
+        help="visual tokens per image under a budget (headers only, no model)",
+        description=__doc__.split("\n\n")[0],
+    )
     p.add_argument("images", nargs="+", type=Path, metavar="IMAGE")
-    p.add_argument("--model", type=Path, default=None, help="checkpoint directory whose vision geometry to use "
-                   "(default: Qwen2-VL's, 28 px per token)")
-    p.add_argument("--image-max-tokens", type=int, default=SERVE_DEFAULT.max_tokens,
-                   help=f"per-image budget (default: {SERVE_DEFAULT.max_tokens}, the server's; 16384 = no budget)")
-    p.add_argument("--image-min-tokens", type=int, default=SERVE_DEFAULT.min_tokens,
-                   help=f"per-image floor (default: {SERVE_DEFAULT.min_tokens})")
-    p.add_argument("--detail", choices=("auto", "low", "high"), default=None,
-                   help=f"as image_url.detail (low = {SERVE_DEFAULT.low_detail_tokens} tokens)")
+    p.add_argument(
+        "--model",
+        type=Path,
+        default=None,
+        help="checkpoint directory whose vision geometry to use (default: Qwen2-VL's, 28 px per token)",
+    )
+    p.add_argument(
+        "--image-max-tokens",
+        type=int,
+        default=SERVE_DEFAULT.max_tokens,
+        help=f"per-image budget (default: {SERVE_DEFAULT.max_tokens}, the server's; 16384 = no budget)",
+    )
+    p.add_argument(
+        "--image-min-tokens",
+        type=int,
+        default=SERVE_DEFAULT.min_tokens,
+        help=f"per-image floor (default: {SERVE_DEFAULT.min_tokens})",
+    )
+    p.add_argument(
+        "--detail",
+        choices=("auto", "low", "high"),
+        default=None,
+        help=f"as image_url.detail (low = {SERVE_DEFAULT.low_detail_tokens} tokens)",
+    )
     p.add_argument("--max-image-pixels", type=int, default=10**9, help="refuse headers declaring more pixels")
     p.add_argument("--json", action="store_true", help="one JSON object instead of a table")
     p.set_defaults(handler=run)
 
 
-def count_images(paths: list[Path], budget: ImageBudget, detail: str | None, vision: VisionConfig,
-                 max_image_pixels: int = 10**9) -> list[ImageRow]:
+def count_images(
+    paths: list[Path], budget: ImageBudget, detail: str | None, vision: VisionConfig, max_image_pixels: int = 10**9
+) -> list[ImageRow]:
     tokens = budget.for_request(detail, None, "image_url")
     rows = []
     for path in paths:
@@ -70,8 +90,10 @@ def format_table(rows: list[ImageRow]) -> str:
     lines = [f"{'image':<{width}}  {'original':>11}  {'resized':>11}  {'tokens':>7}  {'budget':>7}"]
     for r in rows:
         tokens = str(r.num_tokens) if r.num_tokens is not None else f"error: {r.error}"
-        lines.append(f"{r.image:<{width}}  {size(r.original_size):>11}  {size(r.resized_size):>11}  "
-                     f"{tokens:>7}  {r.budget_tokens:>7}")
+        lines.append(
+            f"{r.image:<{width}}  {size(r.original_size):>11}  {size(r.resized_size):>11}  "
+            f"{tokens:>7}  {r.budget_tokens:>7}"
+        )
     total = sum(r.num_tokens or 0 for r in rows)
     lines.append(f"total: {total} visual tokens (+2 per image for <|vision_start|><|vision_end|>)")
     return "\n".join(lines)
@@ -79,8 +101,9 @@ def format_table(rows: list[ImageRow]) -> str:
 
 def run(args: argparse.Namespace) -> int:
     vision = ModelConfig.from_pretrained(args.model).vision if args.model else QWEN2_VL_GEOMETRY
-    budget = ImageBudget(args.image_max_tokens, min(args.image_min_tokens, args.image_max_tokens),
-                         SERVE_DEFAULT.low_detail_tokens)
+    budget = ImageBudget(
+        args.image_max_tokens, min(args.image_min_tokens, args.image_max_tokens), SERVE_DEFAULT.low_detail_tokens
+    )
     rows = count_images(args.images, budget, args.detail, vision, args.max_image_pixels)
     if args.json:
         total = sum(r.num_tokens or 0 for r in rows)

@@ -1,0 +1,113 @@
+"""``firsttoken regress``: answers under each visual-token budget vs the largest budget's (see tools/regress.py).
+
+With ``--url`` it asks that server; without, it starts our server in-process on a loopback port (float32 by
+default, so greedy answers are exact) with ``--image-max-tokens`` = the largest budget.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+
+def parse_budgets(text: str) -> list[int]:
+    try:
+        budgets = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"budgets must be integers like 4096,1200,400, got {text!r}") from None
+    if not budgets or min(budgets) < 1:
+        raise argparse.ArgumentTypeError("budgets must be positive integers")
+    return budgets
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "regress",
+        help="answer agreement across visual-token budgets (exit 1 below --min-agreement)",
+        description=__doc__.split("\n\n")[0],
+    )
+    p.add_argument("--images", type=Path, required=True, help="directory of images")
+    p.add_argument("--prompts", type=Path, required=True, help="text file, one prompt per line")
+    p.add_argument(
+        "--budgets",
+        type=parse_budgets,
+        default=[4096, 1200, 400],
+        help="comma-separated visual tokens per image (default 4096,1200,400); the largest is the reference",
+    )
+    p.add_argument("--url", default=None, help="server root (default: start one in-process)")
+    p.add_argument(
+        "--model", default=None, help="in-process: checkpoint dir (default: the demo); with --url: the model id to send"
+    )
+    p.add_argument("--dtype", default="float32", help="in-process dtype (default float32: exact greedy answers)")
+    p.add_argument("--max-tokens", type=int, default=16, help="tokens per answer (default 16)")
+    p.add_argument(
+        "--min-agreement", type=float, default=None, help="exit 1 when a budget's exact agreement is below this (0..1)"
+    )
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.set_defaults(handler=run)
+
+
+@contextmanager
+def in_process_server(model: str | None, dtype: str, image_max_tokens: int) -> Iterator[str]:
+    """Our server on a free loopback port, engine thread included; yields its URL."""
+    import httpx
+    import uvicorn
+
+    from firsttoken.cli.serve import build_server, default_args
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    args = default_args(
+        model=model,
+        dtype=dtype,
+        port=port,
+        kv_cache_memory=256 * 2**20,
+        image_max_tokens=image_max_tokens,
+        max_input_tokens=None,
+    )
+    app, engine = build_server(args)
+    engine.start()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while not server.started:
+            if time.monotonic() > deadline or not thread.is_alive():
+                raise RuntimeError("the in-process server did not start")
+            time.sleep(0.05)
+        httpx.get(f"{url}/health").raise_for_status()
+        yield url
+    finally:
+        server.should_exit = True
+        thread.join(10)
+        engine.shutdown()
+
+
+def run(args: argparse.Namespace) -> int:
+    from firsttoken.tools.regress import ChatServer, format_report, list_images, read_prompts, run_regress
+
+    images, prompts = list_images(args.images), read_prompts(args.prompts)
+
+    def regress(url: str, model: str | None):
+        server = ChatServer(url, model, max_tokens=args.max_tokens)
+        try:
+            return run_regress(server, images, prompts, args.budgets, args.min_agreement)
+        finally:
+            server.close()
+
+    if args.url:
+        report = regress(args.url, args.model)
+    else:
+        with in_process_server(args.model, args.dtype, max(args.budgets)) as url:
+            report = regress(url, None)
+    print(json.dumps(report.to_dict(), indent=2) if args.json else format_report(report))
+    return 0 if report.passed else 1
