@@ -67,6 +67,10 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--no-encoder-cache", None, False, "disable the vision-encoder output cache"),
     Flag("--allowed-media-dir", Path, None, "serve local image paths / file:// URLs only inside this directory "
          "(off by default)"),
+    Flag("--allowed-media-domains", str, None, "comma-separated hosts whose http(s) image URLs the server may fetch "
+         "(off by default); never from loopback, private, link-local or metadata addresses, checked after DNS "
+         "and on every redirect"),
+    Flag("--media-fetch-timeout", float, 5.0, "seconds one remote image fetch may take, redirects included"),
     Flag("--max-request-bytes", parse_bytes, "64MiB", "largest request body; larger gets HTTP 413"),
     Flag("--image-max-tokens", int, 1280, "visual tokens per image at most (the cap; images are resized to fit, "
          "aspect ratio kept; requests may ask for less, never more); 16384 = Qwen2-VL's processor default"),
@@ -103,9 +107,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(handler=run)
 
 
-def build_server(args: argparse.Namespace, fault_hook: Any = None):
+def build_server(args: argparse.Namespace, fault_hook: Any = None, media_network: Any = None):
     """Everything `serve` starts, minus uvicorn: (app, async_engine). Tests use it too; `fault_hook` is the
-    runner's test seam (see runner.model_runner.FaultHook), None in production."""
+    runner's test seam (see runner.model_runner.FaultHook), None in production; `media_network` replaces
+    how remote images reach the network (inputs.media.MediaNetwork: resolver, fetcher), None in production."""
     from firsttoken.api.observability import observability_from_args
     from firsttoken.api.server import build_app
     from firsttoken.api.settings import ServerSettings
@@ -113,6 +118,7 @@ def build_server(args: argparse.Namespace, fault_hook: Any = None):
     from firsttoken.engine.async_engine import AsyncEngine
     from firsttoken.engine.engine import EngineConfig, LLMEngine
     from firsttoken.inputs.budget import ImageBudget
+    from firsttoken.inputs.media import remote_media
     from firsttoken.inputs.processor import ImageSettings, InputProcessor
     from firsttoken.models.checkpoint import demo_model_dir
     from transformers import AutoTokenizer
@@ -159,6 +165,7 @@ def build_server(args: argparse.Namespace, fault_hook: Any = None):
             max_image_pixels=args.max_image_pixels,
             max_images_per_prompt=args.max_images_per_request,
             allowed_media_dir=args.allowed_media_dir,
+            remote=remote_media(args.allowed_media_domains, args.media_fetch_timeout, media_network),
         ),
         max_input_tokens=args.max_input_tokens,
     )

@@ -1,32 +1,51 @@
 """Turn an OpenAI ``image_url`` string into image bytes, without trusting it.
 
-Accepted: ``data:image/<type>;base64,<payload>`` (strict base64), and local paths / ``file://`` URLs only
-when the server has an allowed media directory and the path, after following symlinks, lies inside it.
-Remote http(s) URLs are refused for now. Size is checked before decoding base64 or reading a file.
-Errors are ImageInputError with messages that never echo payload bytes or reveal files outside the dir.
+Accepted: ``data:image/<type>;base64,<payload>`` (strict base64); local paths / ``file://`` URLs only when the
+server has an allowed media directory and the path, after following symlinks, lies inside it; ``http(s)`` URLs
+only when the server names their host in ``RemoteMedia.allowed_domains`` (off by default).
+
+Remote fetches (SSRF rules): the host must be on the allow-list; every address it resolves to must be public
+(never loopback, private, link-local, cloud metadata, unspecified, multicast or reserved); the connection goes to
+the checked address itself (the ``Fetcher`` contract), so a second DNS answer cannot swap it (rebinding);
+redirects are followed by hand, at most ``max_redirects``, each hop checked again from scratch; the body is capped
+at ``max_image_bytes`` while it streams; one deadline (``timeout_s``) covers every hop.
+
+Size is checked before decoding base64 or reading a file. Errors are ImageInputError with messages that never
+echo payload bytes, URLs, or reveal files outside the dir.
 """
 
 from __future__ import annotations
 
 import base64
 import binascii
+import http.client
+import ipaddress
 import os
+import socket
+import ssl
 import stat
+import time
+from dataclasses import dataclass, field
 from pathlib import Path
-from urllib.parse import unquote, urlparse
+from typing import Protocol
+from urllib.parse import unquote, urljoin, urlparse, urlsplit
 
 from firsttoken.inputs.image import ImageInputError
 
 _NOT_ALLOWED_PATH = "local image paths are only allowed inside the server's media directory"
 
 
-def load_image_bytes(url: str, allowed_media_dir: Path | None, max_image_bytes: int) -> bytes:
+def load_image_bytes(
+    url: str, allowed_media_dir: Path | None, max_image_bytes: int, remote: RemoteMedia | None = None
+) -> bytes:
     """The raw (still encoded) image bytes ``url`` names, at most ``max_image_bytes`` of them."""
     scheme = url[: url.find(":")].lower() if ":" in url else ""
     if scheme == "data":
         return _load_data_url(url, max_image_bytes)
     if scheme in ("http", "https"):
-        raise ImageInputError("media_not_allowed", "remote image URLs are disabled on this server")
+        if remote is None or not remote.allowed_domains:
+            raise ImageInputError("media_not_allowed", "remote image URLs are disabled on this server")
+        return _fetch_remote(url, remote, max_image_bytes)
     if scheme == "file":
         parsed = urlparse(url)
         if parsed.netloc not in ("", "localhost"):
@@ -88,3 +107,235 @@ def _load_file(raw_path: str, allowed_media_dir: Path | None, max_image_bytes: i
     if len(data) > max_image_bytes:  # the file grew after fstat
         raise ImageInputError("image_too_large", f"image exceeds the limit of {max_image_bytes} bytes")
     return data
+
+
+# ---------------------------------------------------------------------------------------------- remote
+
+
+class Resolver(Protocol):
+    """Host name -> every IP address (text form) it resolves to. Raises OSError when it does not resolve."""
+
+    def resolve(self, host: str, port: int) -> list[str]: ...
+
+
+@dataclass(frozen=True)
+class FetchRequest:
+    """One HTTP GET, to be sent to ``ip`` (already checked) while naming ``host`` (Host header, TLS SNI and
+    certificate check)."""
+
+    scheme: str  # "http" | "https"
+    host: str
+    port: int
+    target: str  # path + query, e.g. "/a.png?x=1"
+    ip: str
+    timeout_s: float  # what is left of the whole fetch's deadline
+    max_bytes: int  # read at most max_bytes + 1 body bytes
+
+
+@dataclass(frozen=True)
+class FetchResponse:
+    status: int
+    location: str | None  # the Location header of a redirect
+    content_length: int | None  # as declared; a body declared over max_bytes need not be read
+    body: bytes  # at most max_bytes + 1 bytes (one more than allowed says "too large")
+
+
+class Fetcher(Protocol):
+    """Performs one request exactly as described: connects to ``request.ip``, never re-resolves ``host``, never
+    follows redirects. Network failures raise OSError (timeouts: TimeoutError)."""
+
+    def fetch(self, request: FetchRequest) -> FetchResponse: ...
+
+
+class SystemResolver:
+    def resolve(self, host: str, port: int) -> list[str]:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+        return list(dict.fromkeys(str(info[4][0]) for info in infos))
+
+
+class _PinnedHTTPConnection(http.client.HTTPConnection):
+    def __init__(self, request: FetchRequest) -> None:
+        super().__init__(request.host, request.port, timeout=request.timeout_s)
+        self._ip = request.ip
+
+    def connect(self) -> None:
+        self.sock = socket.create_connection((self._ip, self.port), self.timeout)
+
+
+class _PinnedHTTPSConnection(http.client.HTTPSConnection):
+    def __init__(self, request: FetchRequest, context: ssl.SSLContext) -> None:
+        super().__init__(request.host, request.port, timeout=request.timeout_s, context=context)
+        self._ip = request.ip
+        self._tls = context
+
+    def connect(self) -> None:
+        sock = socket.create_connection((self._ip, self.port), self.timeout)
+        self.sock = self._tls.wrap_socket(sock, server_hostname=self.host)  # SNI + certificate name: the host
+
+
+class PinnedHTTPFetcher:
+    """The production Fetcher: http.client over a socket to the checked IP, the body read in chunks up to the cap
+    and the deadline."""
+
+    chunk_bytes = 64 * 1024
+
+    def __init__(self, tls: ssl.SSLContext | None = None) -> None:
+        self._tls = tls or ssl.create_default_context()
+
+    def fetch(self, request: FetchRequest) -> FetchResponse:
+        deadline = time.monotonic() + request.timeout_s
+        conn: http.client.HTTPConnection = (
+            _PinnedHTTPSConnection(request, self._tls) if request.scheme == "https" else _PinnedHTTPConnection(request)
+        )
+        try:
+            conn.request("GET", request.target, headers={"Accept": "image/*", "User-Agent": "firsttoken"})
+            resp = conn.getresponse()
+            declared = resp.getheader("Content-Length")
+            length = int(declared) if declared and declared.isdigit() else None
+            if resp.status != 200 or (length is not None and length > request.max_bytes):
+                return FetchResponse(resp.status, resp.getheader("Location"), length, b"")
+            chunks: list[bytes] = []
+            size = 0
+            while size <= request.max_bytes:
+                if time.monotonic() > deadline:
+                    raise TimeoutError("image fetch deadline passed")
+                chunk = resp.read1(min(self.chunk_bytes, request.max_bytes + 1 - size))
+                if not chunk:
+                    break
+                chunks.append(chunk)
+                size += len(chunk)
+            return FetchResponse(resp.status, None, length, b"".join(chunks))
+        except (http.client.HTTPException, ValueError) as err:  # malformed responses
+            raise OSError("bad HTTP response") from err
+        finally:
+            conn.close()
+
+
+# Cloud metadata endpoints, named for the error message; both are also caught by the general rules.
+METADATA_ADDRESSES = frozenset({ipaddress.ip_address("169.254.169.254"), ipaddress.ip_address("fd00:ec2::254")})
+
+
+def forbidden_address_reason(ip_text: str, allow_loopback: bool = False) -> str | None:
+    """Why a remote image may not come from this address, or None when it is a public unicast address."""
+    try:
+        ip = ipaddress.ip_address(ip_text.split("%", 1)[0])  # drop an IPv6 zone ("fe80::1%eth0")
+    except ValueError:
+        return "an unparseable address"
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        ip = ip.ipv4_mapped  # ::ffff:127.0.0.1 is 127.0.0.1
+    if ip in METADATA_ADDRESSES:
+        return "a cloud metadata address"
+    if ip.is_loopback:
+        return None if allow_loopback else "a loopback address"
+    if ip.is_link_local:
+        return "a link-local address"
+    if ip.is_unspecified:
+        return "an unspecified address"
+    if ip.is_multicast:
+        return "a multicast address"
+    if ip.is_private or ip.is_reserved or not ip.is_global:
+        return "a private or reserved address"
+    return None
+
+
+@dataclass(frozen=True)
+class MediaNetwork:
+    """How remote images reach the network: the seams tests replace (production: the system resolver and the
+    pinned fetcher). ``allow_loopback_for_tests`` lets a test reach a loopback server through an allowed name;
+    it exists only as this constructor argument (no flag or request field sets it), and private, link-local and
+    metadata addresses stay refused even with it."""
+
+    resolver: Resolver = field(default_factory=SystemResolver)
+    fetcher: Fetcher = field(default_factory=PinnedHTTPFetcher)
+    allow_loopback_for_tests: bool = False
+
+
+@dataclass(frozen=True)
+class RemoteMedia:
+    """Remote http(s) image URLs: refused unless ``allowed_domains`` names the exact host (any case, no port)."""
+
+    allowed_domains: frozenset[str] = frozenset()
+    timeout_s: float = 5.0  # the whole fetch: resolution of every hop, connect, redirects, body
+    max_redirects: int = 3
+    network: MediaNetwork = field(default_factory=MediaNetwork)
+
+    def __post_init__(self) -> None:
+        domains = frozenset(d.strip().lower().rstrip(".") for d in self.allowed_domains)
+        if any(not d or any(c in d for c in "/:@\\ ") for d in domains):
+            raise ValueError("allowed_domains must be bare host names without port, e.g. images.example.com")
+        object.__setattr__(self, "allowed_domains", domains)
+        if not self.timeout_s > 0:
+            raise ValueError("media fetch timeout_s must be > 0")
+        if self.max_redirects < 0:
+            raise ValueError("max_redirects must be >= 0")
+
+
+def remote_media(domains_csv: str | None, timeout_s: float, network: MediaNetwork | None = None) -> RemoteMedia:
+    """RemoteMedia from the serve flags: ``--allowed-media-domains a.com,b.org`` and ``--media-fetch-timeout``."""
+    domains = frozenset(d for d in (domains_csv or "").split(",") if d.strip())
+    return RemoteMedia(domains, timeout_s, network=network or MediaNetwork())
+
+
+_REDIRECTS = frozenset({301, 302, 303, 307, 308})
+
+
+def _fetch_remote(url: str, remote: RemoteMedia, max_image_bytes: int) -> bytes:
+    deadline = time.monotonic() + remote.timeout_s
+    for _ in range(remote.max_redirects + 1):
+        request = _checked_request(url, remote, deadline, max_image_bytes)
+        try:
+            resp = remote.network.fetcher.fetch(request)
+        except TimeoutError:
+            raise ImageInputError(
+                "invalid_image", f"fetching the image URL timed out (limit {remote.timeout_s:g} s)"
+            ) from None
+        except OSError:
+            raise ImageInputError("invalid_image", "could not fetch the image URL") from None
+        if resp.status in _REDIRECTS:
+            if not resp.location:
+                raise ImageInputError("invalid_image", "the image URL redirected without a location")
+            url = urljoin(url, resp.location)
+            continue
+        if resp.status != 200:
+            raise ImageInputError("invalid_image", f"fetching the image URL returned HTTP {resp.status}")
+        size = max(len(resp.body), resp.content_length or 0)
+        if size > max_image_bytes:
+            raise ImageInputError("image_too_large", f"remote image exceeds the limit of {max_image_bytes} bytes")
+        if time.monotonic() > deadline:
+            raise ImageInputError(
+                "invalid_image", f"fetching the image URL timed out (limit {remote.timeout_s:g} s)"
+            )
+        return resp.body
+    raise ImageInputError("media_not_allowed", f"the image URL redirected more than {remote.max_redirects} times")
+
+
+def _checked_request(url: str, remote: RemoteMedia, deadline: float, max_image_bytes: int) -> FetchRequest:
+    """The request for one hop, after the scheme, host and every resolved address passed the rules."""
+    try:
+        parts = urlsplit(url)
+        port = parts.port or (443 if parts.scheme.lower() == "https" else 80)
+    except ValueError:
+        raise ImageInputError("invalid_image", "malformed image URL") from None
+    scheme = parts.scheme.lower()
+    if scheme not in ("http", "https"):
+        raise ImageInputError("media_not_allowed", "the image URL redirected to a scheme other than http(s)")
+    if "@" in parts.netloc or "\\" in url:
+        raise ImageInputError("media_not_allowed", "image URLs may not carry credentials or backslashes")
+    host = (parts.hostname or "").rstrip(".")
+    if not host or host not in remote.allowed_domains:
+        raise ImageInputError("media_not_allowed", "the image URL's host is not in this server's allowed media domains")
+    remaining_s = deadline - time.monotonic()
+    if remaining_s <= 0:
+        raise ImageInputError("invalid_image", f"fetching the image URL timed out (limit {remote.timeout_s:g} s)")
+    try:
+        ips = remote.network.resolver.resolve(host, port)
+    except (OSError, UnicodeError):
+        raise ImageInputError("invalid_image", "the image URL's host does not resolve") from None
+    if not ips:
+        raise ImageInputError("invalid_image", "the image URL's host does not resolve")
+    for ip in ips:  # every answer must pass: a mixed record set is refused rather than raced
+        reason = forbidden_address_reason(ip, remote.network.allow_loopback_for_tests)
+        if reason:
+            raise ImageInputError("media_not_allowed", f"the image URL's host resolves to {reason}; refused")
+    target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
+    return FetchRequest(scheme, host, port, target, ips[0], remaining_s, max_image_bytes)

@@ -45,7 +45,7 @@ from firsttoken.inputs.image import (
     preprocess_image,
     probe_image,
 )
-from firsttoken.inputs.media import load_image_bytes
+from firsttoken.inputs.media import RemoteMedia, load_image_bytes
 from firsttoken.models.mrope import compute_mrope_positions
 from firsttoken.sampling.params import SamplingParams
 from firsttoken.scheduler.lanes import AdmissionVerdict
@@ -85,6 +85,7 @@ class ImageSettings:
     max_image_bytes: int = 20 * 1024 * 1024  # encoded size refused before base64-decoding or reading
     max_images_per_prompt: int = 16
     allowed_media_dir: Path | None = None  # local paths / file:// URLs only inside it; None disables them
+    remote: RemoteMedia = dataclasses.field(default_factory=RemoteMedia)  # http(s) URLs: off unless domains listed
 
     def __post_init__(self) -> None:
         if self.max_image_pixels < 1 or self.max_image_bytes < 1:
@@ -256,7 +257,7 @@ class InputProcessor:
     ) -> tuple[tuple[bytes, ...], tuple[ImagePlan, ...]]:
         """Bytes and resize plans from headers only: every size limit fails here, before any decode."""
         s = self.image_settings
-        blobs = tuple(load_image_bytes(url, s.allowed_media_dir, s.max_image_bytes) for url in urls)
+        blobs = tuple(load_image_bytes(url, s.allowed_media_dir, s.max_image_bytes, s.remote) for url in urls)
         plans = []
         for i, (data, budget) in enumerate(zip(blobs, budgets)):
             try:
