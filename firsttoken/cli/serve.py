@@ -45,7 +45,8 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--host", str, "127.0.0.1", "address to bind"),
     Flag("--port", int, 8000, "port to bind"),
     Flag("--served-model-name", str, None, "model id clients must send (default: the directory name)"),
-    Flag("--dtype", str, "auto", "auto (bf16 on CPU: the fast path), float32 (exact vs transformers), bfloat16"),
+    Flag("--dtype", str, "auto", "auto (bf16 where the CPU has native bf16, else float32), float32 (exact vs "
+         "transformers), bfloat16"),
     Flag("--max-model-len", int, None, "context length; default: the checkpoint's, capped by the KV pool"),
     Flag("--num-threads", int, None, "torch threads for the engine (default: all cores)"),
     Flag("--kv-cache-memory", parse_bytes, "1GiB", "bytes for the paged KV cache pool (e.g. 1GiB)"),
