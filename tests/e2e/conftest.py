@@ -54,13 +54,13 @@ def _free_port() -> int:
 
 
 def start_server(
-    model_dir: Path, fault_hook=None, **overrides
+    model_dir: Path, fault_hook=None, media_network=None, **overrides
 ) -> tuple[LiveServer, uvicorn.Server, threading.Thread]:
     port = _free_port()
     options = dict(model=str(model_dir), dtype="float32", port=port, kv_cache_memory=16 * 2**20,
                    max_batched_tokens=256, served_model_name="tiny")
     args = default_args(**{**options, **overrides})
-    app, engine = build_server(args, fault_hook=fault_hook)
+    app, engine = build_server(args, fault_hook=fault_hook, media_network=media_network)
     engine.start()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)

@@ -8,8 +8,6 @@ import http.server
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
-
 import pytest
 
 from firsttoken.inputs.image import ImageInputError
@@ -22,41 +20,15 @@ from firsttoken.inputs.media import (
     load_image_bytes,
     remote_media,
 )
+from tests.media_fakes import FakeFetcher, FakeResolver, redirect
+from tests.media_fakes import ok as ok_body
 
 PNG = b"\x89PNG\r\n\x1a\n" + b"x" * 100
 MAX_BYTES = 1000
 
 
-@dataclass
-class FakeResolver:
-    table: dict[str, list[str]]
-    asked: list[str] = field(default_factory=list)
-
-    def resolve(self, host: str, port: int) -> list[str]:
-        self.asked.append(host)
-        if host not in self.table:
-            raise OSError("no such host")
-        return self.table[host]
-
-
-@dataclass
-class FakeFetcher:
-    """Answers by (host, target); records every request it was asked to send."""
-
-    routes: dict[tuple[str, str], FetchResponse]
-    sent: list[FetchRequest] = field(default_factory=list)
-
-    def fetch(self, request: FetchRequest) -> FetchResponse:
-        self.sent.append(request)
-        return self.routes.get((request.host, request.target), FetchResponse(404, None, None, b""))
-
-
 def ok(body: bytes = PNG) -> FetchResponse:
-    return FetchResponse(200, None, len(body), body)
-
-
-def redirect(location: str) -> FetchResponse:
-    return FetchResponse(302, location, 0, b"")
+    return ok_body(body)
 
 
 DNS = {
