@@ -54,7 +54,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 @contextmanager
-def in_process_server(model: str | None, dtype: str, image_max_tokens: int) -> Iterator[str]:
+def in_process_server(model: str | None, dtype: str, image_max_tokens: int, no_caches: bool = False) -> Iterator[str]:
     """Our server on a free loopback port, engine thread included; yields its URL."""
     import httpx
     import uvicorn
@@ -71,6 +71,8 @@ def in_process_server(model: str | None, dtype: str, image_max_tokens: int) -> I
         kv_cache_memory=256 * 2**20,
         image_max_tokens=image_max_tokens,
         max_input_tokens=None,
+        no_prefix_cache=no_caches,
+        no_encoder_cache=no_caches,
     )
     app, engine = build_server(args)
     engine.start()
