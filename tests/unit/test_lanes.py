@@ -93,7 +93,8 @@ def test_vision_tower_is_split_across_steps_for_long_requests():
 
 
 def test_fcfs_runs_whole_prompts_and_whole_encodes_in_one_step():
-    sched = make_scheduler(num_blocks=512, max_batched_tokens=256, scheduling="fcfs", encoder_depth=4)
+    sched = make_scheduler(num_blocks=512, max_batched_tokens=256, scheduling="fcfs", encoder_depth=4,
+                           long_prompt_threshold=200)
     sched.add(fake_request("img", prompt_len=900, max_tokens=1, images=[("photo", 20, 400)]))
     sched.add(fake_request("short", prompt_len=30, max_tokens=1, arrival_seq=1))
     first = run_step(sched)
