@@ -180,13 +180,16 @@ class PinnedHTTPFetcher:
     chunk_bytes = 64 * 1024
 
     def __init__(self, tls: ssl.SSLContext | None = None) -> None:
-        self._tls = tls or ssl.create_default_context()
+        self._tls = tls  # None: the system's default context, made on the first https fetch (loading CAs costs)
 
     def fetch(self, request: FetchRequest) -> FetchResponse:
         deadline = time.monotonic() + request.timeout_s
-        conn: http.client.HTTPConnection = (
-            _PinnedHTTPSConnection(request, self._tls) if request.scheme == "https" else _PinnedHTTPConnection(request)
-        )
+        conn: http.client.HTTPConnection
+        if request.scheme == "https":
+            self._tls = self._tls or ssl.create_default_context()
+            conn = _PinnedHTTPSConnection(request, self._tls)
+        else:
+            conn = _PinnedHTTPConnection(request)
         try:
             conn.request("GET", request.target, headers={"Accept": "image/*", "User-Agent": "firsttoken"})
             resp = conn.getresponse()
