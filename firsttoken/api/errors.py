@@ -11,7 +11,7 @@ Status map:
     404  unknown model or route
     405  wrong method
     413  request body over the limit
-    429  too many requests in flight
+    429  too many requests in flight, or the request's lane queue is full (with Retry-After)
     500  anything unexpected, or a request the engine failed
     503  engine not alive
 """
@@ -27,7 +27,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from firsttoken.api.protocol import ErrorInfo, ErrorResponse
 from firsttoken.inputs.image import ImageInputError
-from firsttoken.inputs.processor import InputError
+from firsttoken.inputs.processor import AdmissionRefused, InputError
+
+RETRY_AFTER_S = 1  # what a 429 from a full lane queue tells clients to wait, in seconds
 
 ERROR_TYPES: dict[int, str] = {
     400: "BadRequestError",
@@ -128,6 +130,15 @@ def install_error_handlers(app: FastAPI) -> None:
     async def _input(request: Request, exc: InputError) -> JSONResponse:
         request.scope[REJECT_REASON_KEY] = "invalid_input"
         return error_response(400, str(exc), exc.param)
+
+    @app.exception_handler(AdmissionRefused)
+    async def _admission(request: Request, exc: AdmissionRefused) -> JSONResponse:
+        verdict = exc.verdict
+        request.scope[REJECT_REASON_KEY] = verdict.reason
+        response = error_response(verdict.status, verdict.message, "messages" if verdict.status == 400 else None)
+        if verdict.status == 429:
+            response.headers["Retry-After"] = str(RETRY_AFTER_S)
+        return response
 
     @app.exception_handler(ImageInputError)
     async def _image(request: Request, exc: ImageInputError) -> JSONResponse:

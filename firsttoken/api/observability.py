@@ -222,6 +222,16 @@ class _TokenTimedEngine:
     def is_alive(self) -> bool:
         return self.inner.is_alive
 
+    @property
+    def is_draining(self) -> bool:
+        return self.inner.is_draining
+
+    def check_admission(self, num_prompt_tokens: int, request_id: str | None = None):  # -> AdmissionVerdict
+        return self.inner.check_admission(num_prompt_tokens, request_id)
+
+    def release(self, request_id: str) -> None:
+        self.inner.release(request_id)
+
     async def generate(self, request: EngineRequest) -> AsyncIterator[RequestOutput]:
         self.obs.request_started(request)
         gaps: list[float] = []

@@ -86,7 +86,7 @@ def build_app(
     observability: Observability | None = None,
 ) -> FastAPI:
     pool = ThreadPoolExecutor(max_workers=settings.num_preprocess_threads, thread_name_prefix="ft-preprocess")
-    slots = _Slots(settings.max_concurrent_requests)
+    slots = _Slots(settings.max_concurrent_requests)  # also what a graceful shutdown waits on (app.state.slots)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -96,6 +96,7 @@ def build_app(
     app = FastAPI(title="firsttoken", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.add_middleware(RequestContextMiddleware, max_body_bytes=settings.max_request_body_bytes)
     install_error_handlers(app)
+    app.state.slots = slots
     if observability is not None:  # /metrics /stats /dashboard, API key, per-token timing
         engine = observability.install(app, engine)
     done: Callable[[EngineRequest], None] = observability.request_done if observability else lambda _: None
@@ -119,6 +120,8 @@ def build_app(
     def check_alive() -> None:
         if not engine.is_alive:
             raise APIError(503, "the engine is not running")
+        if engine.is_draining:
+            raise APIError(503, "the server is shutting down; retry on another replica")
 
     async def start(
         req: ChatCompletionRequest | CompletionRequest, prefix: str, process: Callable[..., EngineRequest]
@@ -128,11 +131,12 @@ def build_app(
         check_model(req.model)
         check_alive()
         slots.take()
+        request_id = f"{prefix}-{uuid.uuid4().hex}"
         try:
-            request_id = f"{prefix}-{uuid.uuid4().hex}"
             engine_request = await off_loop(process, req, request_id, timeline)
         except BaseException:
             slots.give_back()
+            engine.release(request_id)  # its admission place, if preprocessing got that far
             raise
         ctx = StreamContext(request_id, int(time.time()), settings.served_model_name, req.include_usage)
         return engine_request, ctx
@@ -150,7 +154,7 @@ def build_app(
             slots.give_back()
         final = collected.final
         if final.finish_reason is FinishReason.ERROR:
-            return error_response(500, final.error or "the request failed")
+            return error_response(final.error_status, final.error or "the request failed")
         engine_request.timeline.mark("first_byte_s")
         response = build(collected)
         done(engine_request)
@@ -232,6 +236,8 @@ def build_app(
     async def health() -> Response:
         if not engine.is_alive:
             return error_response(503, "the engine is not running")
+        if engine.is_draining:
+            return error_response(503, "the server is shutting down")
         return JSONResponse({"status": "ok"})
 
     @app.get("/v1/engine/stats")

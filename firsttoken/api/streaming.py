@@ -216,7 +216,7 @@ async def _guarded(engine: EngineClient, request: EngineRequest) -> AsyncIterato
         async with aclosing(stream_outputs(engine, request)) as outputs:
             async for out in outputs:
                 if out.finish_reason is FinishReason.ERROR:
-                    yield sse(json.dumps(error_body(500, out.error or "the request failed")))
+                    yield sse(json.dumps(error_body(out.error_status, out.error or "the request failed")))
                     return
                 yield out
     except Exception as exc:

@@ -63,6 +63,10 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--kv-admission", str, "whole-prompt", "whole-prompt (start a prefill only when its whole prompt + "
          "reserve fits) or optimistic (admit when the next chunk fits; preempt by recompute when dry)"),
     Flag("--max-queued-requests", int, 256, "requests waiting per lane; beyond it HTTP 429 with Retry-After"),
+    Flag("--request-timeout", float, None, "seconds a request may take from arrival to its last token; later it "
+         "fails with HTTP 504 (or an error event mid-stream) and its KV blocks are freed (default: no limit)"),
+    Flag("--shutdown-timeout", float, 30.0, "on SIGTERM: seconds in-flight requests get to finish (new ones get "
+         "503) before the rest are aborted and the server exits 0"),
     Flag("--encoder-cache-memory", parse_bytes, "512MiB", "bytes of vision-encoder outputs kept by image hash"),
     Flag("--no-prefix-cache", None, False, "disable KV prefix caching (for side-by-side measurement)"),
     Flag("--no-encoder-cache", None, False, "disable the vision-encoder output cache"),
@@ -150,12 +154,14 @@ def build_server(args: argparse.Namespace, fault_hook: Any = None, media_network
             max_model_len=args.max_model_len,
         ),
         seed=args.seed,
+        request_timeout_s=args.request_timeout,
     )
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
     observability = observability_from_args(args, tokenizer)
     engine = LLMEngine(
         model_dir, config, tokenizer=_decoder(tokenizer), fault_hook=fault_hook, observer=observability.recorder
     )
+    async_engine = AsyncEngine(engine, num_threads=args.num_threads)
     processor = InputProcessor(
         tokenizer,
         engine.model_config,
@@ -169,6 +175,7 @@ def build_server(args: argparse.Namespace, fault_hook: Any = None, media_network
             remote=remote_media(args.allowed_media_domains, args.media_fetch_timeout, media_network),
         ),
         max_input_tokens=args.max_input_tokens,
+        admission=async_engine.check_admission,
     )
     settings = ServerSettings(
         served_model_name=args.served_model_name or model_dir.name,
@@ -177,7 +184,6 @@ def build_server(args: argparse.Namespace, fault_hook: Any = None, media_network
         allowed_media_dir=args.allowed_media_dir,
         max_request_body_bytes=args.max_request_bytes,
     )
-    async_engine = AsyncEngine(engine, num_threads=args.num_threads)
     return build_app(async_engine, processor, settings, observability), async_engine
 
 
@@ -191,6 +197,7 @@ def run(args: argparse.Namespace) -> int:
     import uvicorn
 
     from firsttoken.api.logs import configure_logging
+    from firsttoken.api.shutdown import DrainingServer
 
     configure_logging(args.log_level, args.log_format)
     if args.num_threads:
@@ -198,9 +205,12 @@ def run(args: argparse.Namespace) -> int:
     app, async_engine = build_server(args)
     async_engine.start()
     log.info("serving on http://%s:%d", args.host, args.port)
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                            timeout_graceful_shutdown=1,  # after our own drain: cancel (abort) what is left
+                            log_config=None)  # uvicorn's loggers propagate to ours (text or json, with request ids)
+    server = DrainingServer(config, async_engine, app.state.slots, args.shutdown_timeout)
     try:
-        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5,
-                    log_config=None)  # uvicorn's loggers propagate to ours (text or json, with request ids)
+        server.run()
     finally:
         async_engine.shutdown()
     return 0

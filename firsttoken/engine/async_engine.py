@@ -12,6 +12,7 @@ import asyncio
 import logging
 import queue
 import threading
+import time
 from dataclasses import dataclass
 from typing import AsyncIterator
 
@@ -20,9 +21,12 @@ import torch
 from firsttoken.engine.client import EngineStats
 from firsttoken.engine.engine import LLMEngine
 from firsttoken.engine.request import EngineRequest, FinishReason, RequestOutput
-from firsttoken.scheduler.lanes import AdmissionVerdict
+from firsttoken.scheduler.lanes import AdmissionVerdict, route_lane
 
 log = logging.getLogger("firsttoken.engine")
+
+
+RESERVATION_TTL_S = 120.0  # an admission place not claimed by generate() within this long is dropped
 
 
 class EngineDeadError(RuntimeError):
@@ -49,6 +53,10 @@ class AsyncEngine:
         self._streams: dict[str, _Add] = {}
         self._alive = False
         self._stopping = False
+        self._draining = False
+        # request id -> (lane, monotonic time): admitted but not yet handed to the engine
+        self._reservations: dict[str, tuple[str, float]] = {}
+        self._reservations_lock = threading.Lock()
         self._stats = engine.stats()
         self._thread = threading.Thread(target=self._run, name="firsttoken-engine", daemon=True)
 
@@ -65,6 +73,18 @@ class AsyncEngine:
     @property
     def is_alive(self) -> bool:
         return self._alive and self._thread.is_alive()
+
+    @property
+    def is_draining(self) -> bool:
+        return self._draining
+
+    def begin_drain(self) -> None:
+        """Stop taking new requests; those in flight go on."""
+        self._draining = True
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._streams)
 
     # ---- EngineClient --------------------------------------------------------------------------------
     async def generate(self, request: EngineRequest) -> AsyncIterator[RequestOutput]:
@@ -90,10 +110,25 @@ class AsyncEngine:
     def stats(self) -> EngineStats:
         return self._stats
 
-    def check_admission(self, num_prompt_tokens: int) -> AdmissionVerdict:
-        """Would a prompt of this size be queued now? Read-only look at lane depths and pool size, safe from the
-        event loop (ints read under the GIL); the engine thread decides again at add time."""
-        return self.engine.scheduler.check_admission(num_prompt_tokens)
+    def check_admission(self, num_prompt_tokens: int, request_id: str | None = None) -> AdmissionVerdict:
+        """Would a prompt of this size be queued now? Counts the lane's queue plus requests already admitted here
+        but still preprocessing (a burst of large images all asks before any is queued). With a request_id an
+        admitted request holds its place until generate() hands it to the engine or release() gives it back."""
+        with self._reservations_lock:
+            now = time.monotonic()
+            for rid in [r for r, (_, t) in self._reservations.items() if now - t > RESERVATION_TTL_S]:
+                del self._reservations[rid]  # never handed over (client left between preprocessing and submit)
+            lane = route_lane(num_prompt_tokens, self.engine.scheduler.config)
+            pending = sum(1 for v, _ in self._reservations.values() if v == lane)
+            verdict = self.engine.scheduler.check_admission(num_prompt_tokens, pending)
+            if verdict.admitted and request_id is not None:
+                self._reservations[request_id] = (lane, now)
+            return verdict
+
+    def release(self, request_id: str) -> None:
+        """Give back an admission place that will not be used (preprocessing failed after the check)."""
+        with self._reservations_lock:
+            self._reservations.pop(request_id, None)
 
     # ---- the engine thread ---------------------------------------------------------------------------
     def _run(self) -> None:
@@ -134,6 +169,7 @@ class AsyncEngine:
             self.engine.abort(cmd.request_id)
             return
         rid = cmd.request.request_id
+        self.release(rid)  # from here on the lane queue itself counts it
         try:
             self.engine.add_request(cmd.request)
         except ValueError as e:

@@ -144,7 +144,7 @@ class InputProcessor:
         max_model_len: int,
         images: ImageSettings = ImageSettings(),
         max_input_tokens: int | None = None,
-        admission: Callable[[int], AdmissionVerdict] | None = None,
+        admission: Callable[[int, str], AdmissionVerdict] | None = None,
     ) -> None:
         if isinstance(model_dir_or_tokenizer, (str, Path)):
             tokenizer = AutoTokenizer.from_pretrained(str(model_dir_or_tokenizer))
@@ -351,7 +351,7 @@ class InputProcessor:
         room = self._check_length(prompt, field, requested, prompt_param)
         sampling = self._sampling_params(req, _or(requested, room), field)
         if self.admission is not None:
-            verdict = self.admission(len(prompt.token_ids))
+            verdict = self.admission(len(prompt.token_ids), request_id)
             if not verdict.admitted:
                 raise AdmissionRefused(verdict)
         images = self._decode_images(prompt)  # the first expensive step: every limit has passed

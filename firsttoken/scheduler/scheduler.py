@@ -68,8 +68,9 @@ class Scheduler:
         self._preempted: list[str] = []
 
     # ---- requests in and out -------------------------------------------------------------------------
-    def check_admission(self, num_prompt_tokens: int) -> AdmissionVerdict:
-        """May a request of this size queue? Cheap and side-effect free (the API asks before decoding images)."""
+    def check_admission(self, num_prompt_tokens: int, num_pending: int = 0) -> AdmissionVerdict:
+        """May a request of this size queue? Cheap and side-effect free (the API asks before decoding images).
+        num_pending: requests already promised a place in this prompt's lane but not yet queued here."""
         lane = route_lane(num_prompt_tokens, self.config)
         need = min(num_prompt_tokens + self.config.decode_reserve_tokens, self.max_model_len)
         if self.kv.blocks_needed(need) > self.kv.num_blocks or num_prompt_tokens >= self.max_model_len:
@@ -80,7 +81,7 @@ class Scheduler:
                 f"tokens) or context ({self.max_model_len}); shorten the text or send fewer/smaller images",
                 400,
             )
-        depth = len(self.waiting.queues[lane])
+        depth = len(self.waiting.queues[lane]) + num_pending
         if depth >= self.config.max_queued_requests:
             return AdmissionVerdict(
                 False, lane, "queue_full",

@@ -38,6 +38,11 @@ class FakeEngine:
     def is_alive(self) -> bool:
         return self.alive
 
+    is_draining: bool = False
+
+    def release(self, request_id: str) -> None:
+        pass
+
     async def generate(self, request: EngineRequest) -> AsyncIterator[RequestOutput]:
         self.requests.append(request)
         self.submitted.set()
