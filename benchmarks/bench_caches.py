@@ -13,16 +13,13 @@ from __future__ import annotations
 import argparse
 import base64
 import io
-import os
-import socket
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import small_model, start_server, stop_server  # noqa: E402
 from bench_serve_vs_naive import picture  # noqa: E402
 
 
@@ -30,23 +27,6 @@ def data_url(seed: int) -> str:
     buf = io.BytesIO()
     picture(1024, seed).save(buf, "PNG")
     return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
-
-
-def start(model: str, extra: list[str]) -> tuple[subprocess.Popen, str]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    proc = subprocess.Popen([sys.executable, "-m", "firsttoken.cli.main", "serve", "--model", model, "--port",
-                             str(port), "--served-model-name", "m", "--log-level", "warning", *extra])
-    base = f"http://127.0.0.1:{port}"
-    for _ in range(600):
-        try:
-            if httpx.get(f"{base}/health").status_code == 200:
-                return proc, base
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    raise RuntimeError("server did not start")
 
 
 def ask(base: str, messages: list[dict], max_tokens: int = 16) -> tuple[str, dict]:
@@ -81,23 +61,16 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default=None)
     args = ap.parse_args()
-    model = args.model
-    if model is None:
-        from firsttoken.models.checkpoint import make_model
-
-        model = str(Path(os.environ.get("FIRSTTOKEN_CACHE", "/tmp")) / "bench-small")
-        if not Path(model, "config.json").exists():
-            make_model(model, size="small")
+    model = small_model(args.model)
     results = {}
     for name, extra in [("caches on", []), ("caches off", ["--no-prefix-cache", "--no-encoder-cache"])]:
-        proc, base = start(model, extra)
+        proc, base = start_server(model, extra)
         try:
             ask(base, [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": data_url(99)}},
                                                     {"type": "text", "text": "warm up"}]}], 2)
             results[name] = (conversation(base, [data_url(s) for s in (1, 2, 3)]), five_users(base, data_url(4)))
         finally:
-            proc.terminate()
-            proc.wait(30)
+            stop_server(proc)
     print("A. three 1024x1024 images, first turn then 3 follow-ups: TTFT (s)")
     for name, (turns, _) in results.items():
         t = [x["ttft_s"] for x in turns]

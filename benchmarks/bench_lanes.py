@@ -12,35 +12,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import socket
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
 
-from firsttoken.tools.bench import BenchConfig, run_bench
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import small_model, start_server, stop_server  # noqa: E402
+
+from firsttoken.tools.bench import BenchConfig, run_bench  # noqa: E402
 
 CLASSES = ("text", "1img", "3img")
-
-
-def start(model: str, extra: list[str]) -> tuple[subprocess.Popen, str]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    proc = subprocess.Popen([sys.executable, "-m", "firsttoken.cli.main", "serve", "--model", model, "--port",
-                             str(port), "--served-model-name", "m", "--log-level", "warning", *extra])
-    base = f"http://127.0.0.1:{port}"
-    for _ in range(600):
-        try:
-            if httpx.get(f"{base}/health").status_code == 200:
-                return proc, base
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    raise RuntimeError("server did not start")
 
 
 # bench's text is English words; the checkpoint's tokenizer (trained on Python's stdlib) spends ~1.56 tokens
@@ -61,7 +43,7 @@ def bench(base: str, args: argparse.Namespace, seed: int, **kw) -> dict:
 
 
 def run_config(model: str, scheduling: str, args: argparse.Namespace) -> dict:
-    proc, base = start(model, ["--scheduling", scheduling])
+    proc, base = start_server(model, ["--scheduling", scheduling])
     try:
         # distinct seeds: the warm-up and unloaded runs never share images or text with the loaded run
         bench(base, args, args.seed + 2, mix=(("3img", 1.0),), concurrency=1, num_requests=1)
@@ -74,8 +56,7 @@ def run_config(model: str, scheduling: str, args: argparse.Namespace) -> dict:
         stats = httpx.get(f"{base}/v1/engine/stats").json()
         return {"unloaded": unloaded, "loaded": loaded, "engine": stats}
     finally:
-        proc.terminate()
-        proc.wait(60)
+        stop_server(proc)
 
 
 def main() -> None:
@@ -89,13 +70,7 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
-    model = args.model
-    if model is None:
-        from firsttoken.models.checkpoint import make_model
-
-        model = str(Path(os.environ.get("FIRSTTOKEN_CACHE", "/tmp")) / "bench-small")
-        if not Path(model, "config.json").exists():
-            make_model(model, size="small")
+    model = small_model(args.model)
     results = {s: run_config(model, s, args) for s in ("fcfs", "lanes")}
     print(f"\nseed mix, {args.num_requests} requests, Poisson {args.rate}/s, small checkpoint; TTFT seconds")
     print("config  class  unloaded |   P50    P95    P99 | P99/unloaded")

@@ -20,6 +20,20 @@ from PIL import Image, ImageDraw
 from firsttoken.cli.serve import build_server, default_args
 
 
+class HoldEngine:
+    """A fault hook that holds the engine thread inside the first request's encode stage until released: a
+    prefill in progress, for tests that check what happens meanwhile (by order of events, not by timing)."""
+
+    def __init__(self) -> None:
+        self.entered = threading.Event()
+        self.release = threading.Event()
+
+    def __call__(self, stage: str, request_id: str) -> None:
+        if stage == "encode" and not self.release.is_set():
+            self.entered.set()
+            assert self.release.wait(60)
+
+
 @dataclass
 class LiveServer:
     base_url: str

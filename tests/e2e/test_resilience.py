@@ -6,7 +6,7 @@ import threading
 
 import httpx
 
-from tests.e2e.conftest import start_server, stop_server
+from tests.e2e.conftest import HoldEngine, start_server, stop_server
 
 
 class EngineCrash(BaseException):
@@ -38,19 +38,6 @@ def test_health_turns_503_and_requests_fail_cleanly_when_the_engine_loop_dies(ti
         assert after.status_code == 503
     finally:
         stop_server(server, thread, live.engine)
-
-
-class HoldEngine:
-    """Holds the engine thread inside the first encode until released (a long prefill in progress)."""
-
-    def __init__(self) -> None:
-        self.entered = threading.Event()
-        self.release = threading.Event()
-
-    def __call__(self, stage: str, request_id: str) -> None:
-        if stage == "encode" and not self.release.is_set():
-            self.entered.set()
-            assert self.release.wait(60)
 
 
 def test_a_full_lane_answers_429_with_retry_after_before_decoding_any_image(tiny_model_dir):

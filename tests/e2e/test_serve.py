@@ -168,23 +168,10 @@ def test_client_disconnect_mid_stream_frees_all_blocks(live_server: LiveServer):
     assert chat(live_server, [{"role": "user", "content": "still there?"}], max_tokens=2).usage.completion_tokens == 2
 
 
-class Gate:
-    """A fault hook that holds the engine thread inside one request's encode stage until released."""
-
-    def __init__(self) -> None:
-        self.entered = threading.Event()
-        self.release = threading.Event()
-
-    def __call__(self, stage: str, request_id: str) -> None:
-        if stage == "encode" and not self.release.is_set():
-            self.entered.set()
-            assert self.release.wait(30)
-
-
 def test_client_disconnect_mid_prefill_frees_all_blocks_and_health_answers_during_prefill(tiny_model_dir):
-    from tests.e2e.conftest import start_server, stop_server
+    from tests.e2e.conftest import HoldEngine, start_server, stop_server
 
-    gate = Gate()
+    gate = HoldEngine()
     live, server, thread = start_server(tiny_model_dir, fault_hook=gate, max_batched_tokens=64)
     try:
         body = {"model": "tiny", "messages": image_message("Describe. " * 50, make_image(280, 280, seed=7)),

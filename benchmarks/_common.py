@@ -1,0 +1,53 @@
+"""What the benchmark scripts share: the `small` checkpoint and a `firsttoken serve` subprocess per configuration."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+
+def small_model(model: str | None) -> str:
+    """The given checkpoint, or the `small` random one built once into $FIRSTTOKEN_CACHE (default /tmp)."""
+    if model is not None:
+        return model
+    from firsttoken.models.checkpoint import make_model
+
+    path = Path(os.environ.get("FIRSTTOKEN_CACHE", "/tmp")) / "bench-small"
+    if not (path / "config.json").exists():
+        make_model(path, size="small")
+    return str(path)
+
+
+def start_server(model: str, extra: list[str]) -> tuple[subprocess.Popen, str]:
+    """`firsttoken serve` in its own process (as deployed), model id "m"; returns (process, base URL)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, "-m", "firsttoken.cli.main", "serve", "--model", model, "--port",
+                             str(port), "--served-model-name", "m", "--log-level", "warning", *extra])
+    base = f"http://127.0.0.1:{port}"
+    for _ in range(600):
+        try:
+            if httpx.get(f"{base}/health").status_code == 200:
+                return proc, base
+        except httpx.HTTPError:
+            pass
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode}")
+        time.sleep(0.2)
+    proc.kill()
+    raise RuntimeError("server did not start")
+
+
+def stop_server(proc: subprocess.Popen) -> None:
+    proc.terminate()
+    try:
+        proc.wait(60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
