@@ -6,7 +6,7 @@ every ``--burst-every-s`` a burst of ``--burst-size`` requests lands at once, ab
 ``--max-queued-requests`` lets wait, so overload answers (429) happen.
 
 Checks (exit status 1 if any fails):
-  * every good request got 429, or a complete answer equal to the same request's answer sent alone beforehand
+  * every good request got 429 (with Retry-After), or a complete answer equal to the same request's answer sent alone beforehand
     (temperature 0, float32: batching must not change a token);
   * every bad input got a 4xx;
   * after the load the KV pool is all free and nothing runs or waits (GET /v1/engine/stats);
@@ -121,6 +121,7 @@ class Answer:
     status: int
     text: str = ""
     finish_reason: str | None = None
+    retry_after: str | None = None  # a 429's Retry-After header
 
 
 async def ask(client: httpx.AsyncClient, body: dict, stream: bool) -> Answer:
@@ -128,7 +129,7 @@ async def ask(client: httpx.AsyncClient, body: dict, stream: bool) -> Answer:
     if not stream:
         r = await client.post("/v1/chat/completions", json=body)
         if r.status_code != 200:
-            return Answer(r.status_code)
+            return Answer(r.status_code, retry_after=r.headers.get("retry-after"))
         choice = r.json()["choices"][0]
         return Answer(200, choice["message"]["content"], choice["finish_reason"])
     parts: list[str] = []
@@ -136,7 +137,7 @@ async def ask(client: httpx.AsyncClient, body: dict, stream: bool) -> Answer:
     async with client.stream("POST", "/v1/chat/completions", json=body) as r:
         if r.status_code != 200:
             await r.aread()
-            return Answer(r.status_code)
+            return Answer(r.status_code, retry_after=r.headers.get("retry-after"))
         async for line in r.aiter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
@@ -190,6 +191,8 @@ class Soak:
             return
         if got.status == 429:
             self.result.outcomes["good_429"] += 1
+            if not (got.retry_after or "").isdigit():
+                self.fail(f"a 429 without a Retry-After of whole seconds: {got.retry_after!r}")
         elif got == self.reference[i]:
             self.result.outcomes["good_ok"] += 1
         else:
