@@ -257,3 +257,16 @@ def test_concurrent_streams_from_threads_all_finish(live_server: LiveServer):
         t.join()
     assert results == ["length"] * 6
     live_server.wait_idle()
+
+
+def test_logprobs_come_back_for_every_generated_token(live_server: LiveServer):
+    out = chat(live_server, [{"role": "user", "content": "Say something."}], max_tokens=5, logprobs=True,
+               top_logprobs=3)
+    entries = out.choices[0].logprobs.content
+    assert len(entries) == 5
+    for e in entries:
+        assert len(e.top_logprobs) == 3
+        assert e.logprob <= 0.0
+        assert e.top_logprobs[0].logprob >= e.top_logprobs[-1].logprob
+    # greedy: the chosen token is the most likely one
+    assert all(abs(e.logprob - e.top_logprobs[0].logprob) < 1e-5 for e in entries)
