@@ -63,6 +63,8 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--kv-admission", str, "whole-prompt", "whole-prompt (start a prefill only when its whole prompt + "
          "reserve fits) or optimistic (admit when the next chunk fits; preempt by recompute when dry)"),
     Flag("--max-queued-requests", int, 256, "requests waiting per lane; beyond it HTTP 429 with Retry-After"),
+    Flag("--max-concurrent-requests", int, 0, "requests in flight at once (preprocessing + generation), all lanes; "
+         "beyond it HTTP 429 (0: no cap; the per-lane queue bound usually suffices)"),
     Flag("--request-timeout", float, None, "seconds a request may take from arrival to its last token; later it "
          "fails with HTTP 504 (or an error event mid-stream) and its KV blocks are freed (default: no limit)"),
     Flag("--shutdown-timeout", float, 30.0, "on SIGTERM: seconds in-flight requests get to finish (new ones get "
@@ -183,6 +185,7 @@ def build_server(args: argparse.Namespace, fault_hook: Any = None, media_network
         model_root=str(model_dir),
         allowed_media_dir=args.allowed_media_dir,
         max_request_body_bytes=args.max_request_bytes,
+        max_concurrent_requests=args.max_concurrent_requests,
     )
     return build_app(async_engine, processor, settings, observability), async_engine
 
