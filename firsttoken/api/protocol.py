@@ -2,7 +2,7 @@
 
 Requests tolerate unknown fields (clients send vendor extras); known fields are type-checked here and
 range-checked once, by SamplingParams, in the input processor. Responses follow OpenAI's shapes and vLLM's
-framing (see /work/shared/fixtures/vllm-0.32) with one extension:
+framing (see shared/fixtures/vllm-0.32, beside the repository) with one extension:
 
     usage.firsttoken   the request's Timeline.to_dict(): ttft_s, per-phase seconds (preprocess, queue,
                        encode, prefill, sample, send), e2e_s, encoder/prefix-cache counts. Present on

@@ -18,6 +18,8 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+
+from tests.conftest import VLLM_FIXTURES
 import uvicorn
 from PIL import Image
 
@@ -29,7 +31,7 @@ from firsttoken.inputs.processor import ImageSettings, InputProcessor
 
 from .fake_engine import FakeEngine, Script
 
-FIXTURES = Path("/work/shared/fixtures/vllm-0.32")
+FIXTURES = VLLM_FIXTURES
 MODEL = "qwen2vl"  # the fixtures' served name, so error bodies compare byte for byte
 MAX_MODEL_LEN = 4096
 

@@ -11,14 +11,15 @@ from typing import Any
 
 import pytest
 
+from tests.conftest import VLLM_FIXTURES
+
 from firsttoken.cli.main import main
 from firsttoken.tools.bench import BenchConfig, format_report, parse_mix, parse_size, run_bench
 from firsttoken.tools.bench.images import decode_data_url
 from firsttoken.tools.bench.sse import SSEEvent, SSEParser
 from firsttoken.tools.bench.workload import Workload, count_images
 
-FIXTURES = Path("/work/shared/fixtures/vllm-0.32")
-pytestmark = pytest.mark.skipif(not FIXTURES.is_dir(), reason="recorded vLLM exchanges not present")
+FIXTURES = VLLM_FIXTURES
 TIMINGS = {"ttft_s": 0.5, "preprocess_s": 0.1, "queue_s": 0.05, "encode_s": 0.2, "prefill_s": 0.1,
            "sample_s": 0.01, "send_s": 0.04, "e2e_s": 0.9, "prefill_steps": 2}
 
