@@ -13,11 +13,13 @@ from types import ModuleType
 
 from firsttoken.cli import make_model, serve
 from firsttoken.cli import bench as bench_command
+from firsttoken.cli import doctor as doctor_command
 from firsttoken.cli import plan as plan_command
 from firsttoken.cli import regress as regress_command
 from firsttoken.cli import tokens as tokens_command
 
-COMMANDS: tuple[ModuleType, ...] = (serve, make_model, plan_command, bench_command, tokens_command, regress_command)
+COMMANDS: tuple[ModuleType, ...] = (serve, make_model, plan_command, bench_command, tokens_command, regress_command,
+                                     doctor_command)
 
 
 def build_parser() -> argparse.ArgumentParser:

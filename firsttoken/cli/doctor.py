@@ -1,0 +1,98 @@
+"""``firsttoken doctor``: where a running server's TTFT goes, and one change per cause (see tools/doctor/)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from firsttoken.tools.doctor.rules import KVSizing, Thresholds
+
+
+def add_parser(subparsers: Any) -> None:
+    p = subparsers.add_parser(
+        "doctor",
+        help="read a server's /metrics and /stats: where TTFT goes, ranked causes, one flag change each",
+        description="Diagnose TTFT from a server's /metrics (firsttoken or vLLM names) and firsttoken's /stats.",
+    )
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--url", help="server root, e.g. http://127.0.0.1:8000")
+    src.add_argument("--metrics-file", type=Path, help="a saved /metrics page instead of --url")
+    p.add_argument("--stats-file", type=Path, help="with --metrics-file: a saved /stats JSON")
+    p.add_argument(
+        "--probe",
+        action="store_true",
+        help="run a short bench first (a few requests + 2 follow-ups)",
+    )
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.add_argument("--api-key", default=os.environ.get("FIRSTTOKEN_API_KEY"), help="bearer key (default: "
+                   "$FIRSTTOKEN_API_KEY)")  # fmt: skip
+    p.add_argument(
+        "--served-model",
+        default=None,
+        help="--probe: the model id to send (default: the first)",
+    )
+    p.add_argument("--model", default=None, help="checkpoint dir or config.json: KV bytes per token, so a KV "
+                   "finding names a --kv-cache-memory value")  # fmt: skip
+    p.add_argument(
+        "--dtype",
+        default="float32",
+        help="with --model: the KV dtype the server runs (default float32)",
+    )
+    p.add_argument("--peak-concurrency", type=int, default=None, help="requests in flight at the peak "
+                   "(default: estimated from the metrics)")  # fmt: skip
+    p.add_argument(
+        "--image-budget",
+        type=int,
+        default=Thresholds.image_budget_tokens,
+        help="visual tokens per image to recommend (default %(default)s)",
+    )
+    p.add_argument(
+        "--high-share",
+        type=float,
+        default=Thresholds.high_share,
+        help="estimated TTFT share from which a finding is high severity (default %(default)s)",
+    )
+    p.add_argument("--ttft-p99-target", type=float, default=None, help="seconds; a finding when a class's P99 "
+                   "TTFT exceeds it")  # fmt: skip
+    p.set_defaults(handler=run)
+
+
+def kv_sizing(model: str | None, dtype: str, peak: int | None) -> KVSizing:
+    if model is None:
+        return KVSizing(peak_concurrency=peak)
+    from firsttoken.tools.plan import DTYPE_BYTES, ModelShape, load_config
+
+    path = Path(model)
+    config = load_config(path / "config.json" if path.is_dir() else path)
+    return KVSizing(ModelShape.from_config(config).kv_bytes_per_token(DTYPE_BYTES[dtype]), peak)
+
+
+def run(args: argparse.Namespace) -> int:
+    import httpx
+
+    from firsttoken.tools.doctor import doctor_from_texts, format_report
+    from firsttoken.tools.doctor.fetch import run_doctor
+
+    try:
+        th = Thresholds(image_budget_tokens=args.image_budget, high_share=args.high_share,
+                        medium_share=min(Thresholds.medium_share, args.high_share),
+                        ttft_p99_target_s=args.ttft_p99_target)  # fmt: skip
+        kv = kv_sizing(args.model, args.dtype, args.peak_concurrency)
+        if args.url:
+            report = run_doctor(args.url, api_key=args.api_key, do_probe=args.probe, model=args.served_model,
+                                thresholds=th, kv=kv)  # fmt: skip
+        else:
+            stats = json.loads(args.stats_file.read_text()) if args.stats_file else None
+            report = doctor_from_texts(args.metrics_file.read_text(), stats, thresholds=th, kv=kv)
+    except (ValueError, KeyError, OSError) as exc:
+        print(f"firsttoken doctor: error: {exc!s}", file=sys.stderr)
+        return 2
+    except httpx.HTTPError as exc:  # the server is down, 401, ...
+        print(f"firsttoken doctor: error: {type(exc).__name__}: {exc!s}", file=sys.stderr)
+        return 2
+    print(json.dumps(report.to_dict(), indent=1) if args.json else format_report(report))
+    return 0

@@ -1,0 +1,270 @@
+"""What doctor knows about a server: its /metrics (firsttoken's or vLLM's names) and, when there, firsttoken's
+/stats, folded into one plain ``Observation``. Nothing here judges; rules.py does.
+
+Prometheus text is parsed with ``prometheus_client.parser.text_string_to_metric_families``; samples are kept by
+sample name (``*_total``, ``*_sum``, ``*_count``, ``*_bucket``) with their labels. A quantity the server does not
+expose stays ``None`` and its name goes into ``cannot_see``, so the report says what it could not look at.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from prometheus_client.parser import text_string_to_metric_families
+
+PHASES = ("preprocess", "queue", "encode", "prefill", "sample", "send")
+CLASSES = ("0", "1", "2+")
+
+Labels = dict[str, str]
+
+
+class Samples:
+    """Prometheus samples by sample name; sums over the samples whose labels match a filter."""
+
+    def __init__(self, text: str) -> None:
+        self.by_name: dict[str, list[tuple[Labels, float]]] = {}
+        for family in text_string_to_metric_families(text):
+            for s in family.samples:
+                self.by_name.setdefault(s.name, []).append((dict(s.labels), float(s.value)))
+
+    def has(self, name: str) -> bool:
+        return name in self.by_name
+
+    def total(self, name: str, **match: str) -> float | None:
+        rows = self.by_name.get(name)
+        if rows is None:
+            return None
+        return sum(v for labels, v in rows if all(labels.get(k) == want for k, want in match.items()))
+
+    def label_values(self, name: str, label: str) -> set[str]:
+        return {labels[label] for labels, _ in self.by_name.get(name, []) if label in labels}
+
+    def by_label(self, name: str, label: str) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for labels, v in self.by_name.get(name, []):
+            if label in labels:
+                out[labels[label]] = out.get(labels[label], 0.0) + v
+        return out
+
+    def first(self, name: str) -> tuple[Labels, float] | None:
+        rows = self.by_name.get(name)
+        return rows[0] if rows else None
+
+    def quantile(self, histogram: str, q: float, **match: str) -> float | None:
+        """histogram_quantile over the buckets matching ``match`` (summed), linear within a bucket."""
+        bounds: dict[float, float] = {}
+        for labels, v in self.by_name.get(f"{histogram}_bucket", []):
+            if all(labels.get(k) == want for k, want in match.items()):
+                le = float(labels["le"])
+                bounds[le] = bounds.get(le, 0.0) + v
+        if not bounds:
+            return None
+        edges = sorted(bounds)
+        total = bounds[edges[-1]]
+        if total <= 0:
+            return None
+        rank, prev_le, prev_n = q * total, 0.0, 0.0
+        for le in edges:
+            n = bounds[le]
+            if n >= rank:
+                if math.isinf(le):
+                    return prev_le
+                return prev_le + (le - prev_le) * ((rank - prev_n) / (n - prev_n) if n > prev_n else 0.0)
+            prev_le, prev_n = le, n
+        return prev_le
+
+
+@dataclass(frozen=True)
+class ClassTiming:
+    """One image class (``all``, ``0``, ``1``, ``2+``): requests, TTFT percentiles, mean seconds per phase."""
+
+    count: int
+    ttft_p50_s: float | None
+    ttft_p95_s: float | None
+    ttft_p99_s: float | None
+    ttft_mean_s: float | None
+    phase_mean_s: dict[str, float]  # phase -> mean seconds per request; vLLM: queue, prefill, other
+
+
+@dataclass
+class Observation:
+    source: str  # "firsttoken" | "vllm" | "prometheus" (neither's names found)
+    has_stats: bool = False
+    classes: dict[str, ClassTiming] = field(default_factory=dict)
+    num_requests: int = 0
+    prompt_tokens_mean: float | None = None
+    output_tokens_mean: float | None = None
+    prompt_tokens_by_class: dict[str, float] = field(default_factory=dict)  # mean per request
+    prompt_tokens_total: float | None = None
+    visual_tokens_total: float | None = None
+    num_images: float | None = None  # encoder cache hits + misses: every image a request brought
+    scheduling_modes: set[str] = field(default_factory=set)  # lane labels seen: short/long, or fcfs
+    short_delayed_by_long: float | None = None
+    kv_usage_ratio: float | None = None
+    kv_blocks_total: float | None = None
+    kv_block_size: int | None = None
+    kv_bytes_per_block: float | None = None  # vLLM's cache_config_info; firsttoken does not export it
+    preemptions_by_reason: dict[str, float] | None = None
+    num_preemptions: float | None = None
+    waiting_by_lane: dict[str, float] = field(default_factory=dict)
+    waiting_for_capacity: float | None = None
+    encoder_cache_hits: float | None = None
+    encoder_cache_queries: float | None = None
+    encoder_cache_bytes: float | None = None
+    prefix_hit_tokens: float | None = None
+    prefix_query_tokens: float | None = None
+    prefix_cache_enabled: bool | None = None
+    e2e_total_s: float | None = None
+    busy_s: float | None = None  # engine time inside steps
+    cannot_see: list[str] = field(default_factory=list)
+
+    def ttft_total_s(self) -> float:
+        """Sum of TTFT over the requests per class (mean x count), the denominator of every share."""
+        return sum((c.ttft_mean_s or 0.0) * c.count for k, c in self.classes.items() if k != "all")
+
+    def phase_total_s(self, phase: str, classes: tuple[str, ...] = CLASSES) -> float:
+        return sum(c.phase_mean_s.get(phase, 0.0) * c.count for k, c in self.classes.items() if k in classes)
+
+
+def observe(metrics_text: str, stats: dict[str, Any] | None = None) -> Observation:
+    samples = Samples(metrics_text)
+    if samples.has("firsttoken_time_to_first_token_seconds_count"):
+        return _firsttoken(samples, stats)
+    if samples.has("vllm:time_to_first_token_seconds_count"):
+        return _vllm(samples)
+    return Observation(
+        source="prometheus",
+        cannot_see=["no firsttoken_* or vllm:* metrics on this /metrics page"],
+    )
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b else None
+
+
+# ---- firsttoken -----------------------------------------------------------------------------------------
+def _firsttoken(m: Samples, stats: dict[str, Any] | None) -> Observation:
+    o = Observation(source="firsttoken", has_stats=stats is not None)
+    ttft = "firsttoken_time_to_first_token_seconds"
+    o.classes = _classes_from_stats(stats) if stats else _classes_from_metrics(m)
+    o.num_requests = int(m.total("firsttoken_requests_total") or 0)
+    o.prompt_tokens_total = m.total("firsttoken_request_prompt_tokens_sum")
+    o.prompt_tokens_mean = _ratio(o.prompt_tokens_total, m.total("firsttoken_request_prompt_tokens_count"))
+    o.output_tokens_mean = _ratio(m.total("firsttoken_request_generation_tokens_sum"),
+                                  m.total("firsttoken_request_generation_tokens_count"))  # fmt: skip
+    for cls in CLASSES:
+        mean = _ratio(m.total("firsttoken_request_prompt_tokens_sum", images=cls),
+                      m.total("firsttoken_request_prompt_tokens_count", images=cls))  # fmt: skip
+        if mean is not None:
+            o.prompt_tokens_by_class[cls] = mean
+    o.visual_tokens_total = m.total("firsttoken_request_visual_tokens_sum")
+    o.encoder_cache_hits = m.total("firsttoken_encoder_cache_hits_total")
+    misses = m.total("firsttoken_encoder_cache_misses_total")
+    if o.encoder_cache_hits is not None and misses is not None:
+        o.encoder_cache_queries = o.encoder_cache_hits + misses
+        o.num_images = o.encoder_cache_queries
+    o.encoder_cache_bytes = m.total("firsttoken_encoder_cache_bytes")
+    o.prefix_hit_tokens = m.total("firsttoken_prefix_cache_hit_tokens_total")
+    o.prefix_query_tokens = m.total("firsttoken_prefix_cache_query_tokens_total")
+    if o.prefix_query_tokens is not None and o.prompt_tokens_total:
+        o.prefix_cache_enabled = o.prefix_query_tokens > 0  # a disabled prefix cache looks nothing up
+    o.scheduling_modes = m.label_values(f"{ttft}_count", "lane")
+    o.short_delayed_by_long = m.total("firsttoken_short_requests_delayed_by_long_total")
+    o.kv_usage_ratio = m.total("firsttoken_kv_cache_usage_ratio")
+    o.kv_blocks_total = m.total("firsttoken_kv_cache_capacity_blocks")
+    o.preemptions_by_reason = m.by_label("firsttoken_preemptions_total", "reason")
+    o.num_preemptions = sum(o.preemptions_by_reason.values())
+    o.waiting_by_lane = m.by_label("firsttoken_requests_queued", "lane")
+    o.e2e_total_s = m.total("firsttoken_e2e_request_latency_seconds_sum")
+    o.busy_s = m.total("firsttoken_step_busy_seconds_total")
+    o.cannot_see = (
+        []
+        if stats
+        else [("/stats (exact P50/P95/P99 per class): TTFT percentiles are estimated from histogram buckets")]
+    )
+    o.cannot_see.append(
+        "KV bytes per block (not exported): a --kv-cache-memory value needs the model's config (--model)"
+    )
+    return o
+
+
+def _classes_from_stats(stats: dict[str, Any]) -> dict[str, ClassTiming]:
+    out = {}
+    for cls, body in stats.get("classes", {}).items():
+        ttft = body.get("ttft_s") or {}
+        phases = {p: (body.get(f"{p}_s") or {}).get("mean") or 0.0 for p in PHASES}
+        out[cls] = ClassTiming(int(body.get("count", 0)), ttft.get("p50"), ttft.get("p95"), ttft.get("p99"),
+                               ttft.get("mean"), phases)  # fmt: skip
+    return out
+
+
+def _classes_from_metrics(m: Samples) -> dict[str, ClassTiming]:
+    ttft = "firsttoken_time_to_first_token_seconds"
+    out = {}
+    for cls in (*CLASSES, "all"):
+        match = {} if cls == "all" else {"images": cls}
+        n = m.total(f"{ttft}_count", **match) or 0
+        if not n:
+            continue
+        phases = {p: (m.total("firsttoken_request_phase_seconds_sum", phase=p, **match) or 0.0) / n for p in PHASES}
+        out[cls] = ClassTiming(int(n), m.quantile(ttft, 0.5, **match), m.quantile(ttft, 0.95, **match),
+                               m.quantile(ttft, 0.99, **match), (m.total(f"{ttft}_sum", **match) or 0) / n,
+                               phases)  # fmt: skip
+    return out
+
+
+# ---- vLLM ----------------------------------------------------------------------------------------------
+VLLM_CANNOT_SEE = [
+    "vision-encoder time: vLLM counts it inside request_prefill_time (no encode phase)",
+    "image preprocessing (decode, resize) time: it sits in TTFT outside queue and prefill ('other')",
+    "per-class split (text / 1 image / 2+ images): vLLM's histograms carry no image-count label",
+    "visual tokens per image: prompt tokens are not split into text and image",
+    "short requests delayed by long work (vLLM has one queue; no lane labels)",
+    "preemption reasons (num_preemptions_total has none)",
+]
+
+
+def _vllm(m: Samples) -> Observation:
+    o = Observation(source="vllm")
+    n = m.total("vllm:time_to_first_token_seconds_count") or 0
+    if n:
+        ttft_sum = m.total("vllm:time_to_first_token_seconds_sum") or 0.0
+        queue = (m.total("vllm:request_queue_time_seconds_sum") or 0.0) / n
+        prefill = (m.total("vllm:request_prefill_time_seconds_sum") or 0.0) / n
+        q = "vllm:time_to_first_token_seconds"
+        o.classes["all"] = ClassTiming(
+            int(n), m.quantile(q, 0.5), m.quantile(q, 0.95), m.quantile(q, 0.99), ttft_sum / n,
+            {"queue": queue, "prefill": prefill, "other": max(0.0, ttft_sum / n - queue - prefill)},
+        )  # fmt: skip
+    o.num_requests = int(m.total("vllm:request_success_total") or n)
+    o.prompt_tokens_total = m.total("vllm:request_prompt_tokens_sum")
+    o.prompt_tokens_mean = _ratio(o.prompt_tokens_total, m.total("vllm:request_prompt_tokens_count"))
+    o.output_tokens_mean = _ratio(m.total("vllm:request_generation_tokens_sum"),
+                                  m.total("vllm:request_generation_tokens_count"))  # fmt: skip
+    usage = m.total("vllm:kv_cache_usage_perc")
+    o.kv_usage_ratio = usage if usage is not None else m.total("vllm:gpu_cache_usage_perc")
+    o.num_preemptions = m.total("vllm:num_preemptions_total")
+    waiting = m.by_label("vllm:num_requests_waiting_by_reason", "reason")
+    o.waiting_by_lane = {"all": m.total("vllm:num_requests_waiting") or 0.0}
+    o.waiting_for_capacity = waiting.get("capacity")
+    o.prefix_hit_tokens = m.total("vllm:prefix_cache_hits_total")
+    o.prefix_query_tokens = m.total("vllm:prefix_cache_queries_total")
+    o.encoder_cache_hits = m.total("vllm:mm_cache_hits_total")
+    o.encoder_cache_queries = m.total("vllm:mm_cache_queries_total")
+    o.e2e_total_s = m.total("vllm:e2e_request_latency_seconds_sum")
+    info = m.first("vllm:cache_config_info")
+    if info is not None:
+        labels = info[0]
+        o.prefix_cache_enabled = labels.get("enable_prefix_caching") == "True"
+        try:
+            o.kv_block_size = int(labels["block_size"])
+            o.kv_blocks_total = float(labels["num_gpu_blocks"])
+            o.kv_bytes_per_block = float(labels["kv_cache_memory_bytes"]) / o.kv_blocks_total
+        except (KeyError, ValueError, ZeroDivisionError):
+            pass
+    o.cannot_see = list(VLLM_CANNOT_SEE)
+    if o.encoder_cache_queries is None:
+        o.cannot_see.append("multimodal (encoder) cache hits: no vllm:mm_cache_* metrics")
+    return o

@@ -1,0 +1,163 @@
+"""A doctor Report: the TTFT breakdown per class, the state lines (visual tokens, KV, scheduling, caches), the
+ranked findings and what the server's metrics do not show. Text for people, ``to_dict`` for ``--json``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from firsttoken.tools.doctor.observe import PHASES, Observation, observe
+from firsttoken.tools.doctor.rules import (
+    Context,
+    Finding,
+    KVSizing,
+    Thresholds,
+    diagnose,
+)
+
+
+@dataclass(frozen=True)
+class Report:
+    url: str | None
+    obs: Observation
+    findings: list[Finding]
+    thresholds: Thresholds
+    probe: dict[str, Any] | None = None
+    notes: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        o = self.obs
+        return {
+            "url": self.url,
+            "source": o.source,
+            "has_stats": o.has_stats,
+            "breakdown": {k: _class_dict(c) for k, c in o.classes.items()},
+            "state": _state(o, self.thresholds),
+            "findings": [f.to_dict() for f in self.findings],
+            "cannot_see": list(o.cannot_see),
+            "probe": self.probe,
+            "notes": list(self.notes),
+        }
+
+
+def doctor_from_texts(
+    metrics_text: str,
+    stats: dict[str, Any] | None = None,
+    *,
+    url: str | None = None,
+    thresholds: Thresholds | None = None,
+    kv: KVSizing | None = None,
+    measured_reuse: float | None = None,
+    measured_hit_rate: float | None = None,
+    probe: dict[str, Any] | None = None,
+) -> Report:
+    th = thresholds or Thresholds()
+    obs = observe(metrics_text, stats)
+    if kv is not None and kv.kv_bytes_per_token:
+        obs.cannot_see = [x for x in obs.cannot_see if not x.startswith("KV bytes per block")]
+    ctx = Context(obs, th, kv or KVSizing(), measured_reuse, measured_hit_rate)
+    notes = [] if obs.classes else ["no request has reached its first token yet: no TTFT breakdown (try --probe)"]
+    return Report(url, obs, diagnose(ctx), th, probe, notes)
+
+
+def _class_dict(c) -> dict[str, Any]:
+    share = {p: (s / c.ttft_mean_s if c.ttft_mean_s else None) for p, s in c.phase_mean_s.items()}
+    return {"count": c.count, "ttft_s": {"p50": c.ttft_p50_s, "p95": c.ttft_p95_s, "p99": c.ttft_p99_s,
+                                         "mean": c.ttft_mean_s},
+            "phase_mean_s": c.phase_mean_s, "phase_share": share}  # fmt: skip
+
+
+def _state(o: Observation, th: Thresholds) -> dict[str, Any]:
+    per_image = o.visual_tokens_total / o.num_images if o.num_images and o.visual_tokens_total is not None else None
+    return {
+        "visual_tokens_per_image": per_image, "image_budget_reference": th.image_budget_tokens,
+        "kv_usage_ratio": o.kv_usage_ratio, "kv_blocks_total": o.kv_blocks_total,
+        "preemptions": o.num_preemptions, "preemptions_by_reason": o.preemptions_by_reason,
+        "waiting": o.waiting_by_lane, "waiting_for_capacity": o.waiting_for_capacity,
+        "scheduling": sorted(o.scheduling_modes), "short_requests_delayed_by_long": o.short_delayed_by_long,
+        "encoder_cache_hits": o.encoder_cache_hits, "encoder_cache_queries": o.encoder_cache_queries,
+        "prefix_cache_hit_tokens": o.prefix_hit_tokens, "prefix_cache_query_tokens": o.prefix_query_tokens,
+        "requests": o.num_requests,
+    }  # fmt: skip
+
+
+# ---- text -------------------------------------------------------------------------------------------------
+def _s(x: float | None) -> str:
+    return "-" if x is None else (f"{x * 1000:.0f}ms" if x < 1 else f"{x:.2f}s")
+
+
+def _pct(x: float | None) -> str:
+    return "-" if x is None else f"{x:.0%}"
+
+
+def format_report(r: Report) -> str:
+    o = r.obs
+    src = {"firsttoken": "firsttoken (/metrics" + (" + /stats)" if o.has_stats else ", no /stats)"),
+           "vllm": "vLLM (/metrics)", "prometheus": "unknown server"}[o.source]  # fmt: skip
+    lines = [
+        f"firsttoken doctor: {r.url or 'saved metrics'}: {src}, {o.num_requests} requests",
+        "",
+    ]
+    phases = [p for p in (*PHASES, "other") if any(p in c.phase_mean_s for c in o.classes.values())]
+    if o.classes:
+        lines.append("where TTFT goes (share of mean TTFT per class)")
+        lines.append(
+            f"{'class':6s}{'n':>6s}{'P50':>9s}{'P95':>9s}{'P99':>9s} | " + " ".join(f"{p:>10s}" for p in phases)
+        )
+        for k in ("0", "1", "2+", "all"):
+            c = o.classes.get(k)
+            if c is None or not c.count:
+                continue
+            shares = " ".join(f"{_pct(c.phase_mean_s.get(p, 0) / c.ttft_mean_s if c.ttft_mean_s else None):>10s}"
+                              for p in phases)  # fmt: skip
+            lines.append(f"{k:6s}{c.count:>6d}{_s(c.ttft_p50_s):>9s}{_s(c.ttft_p95_s):>9s}{_s(c.ttft_p99_s):>9s} | "
+                         + shares)  # fmt: skip
+        lines.append("")
+    st = _state(o, r.thresholds)
+    if st["visual_tokens_per_image"] is not None:
+        lines.append(f"visual tokens / image   {st['visual_tokens_per_image']:,.0f} "
+                     f"(budget reference {r.thresholds.image_budget_tokens:,})")  # fmt: skip
+    kv = f"usage {_pct(o.kv_usage_ratio)}" + (f" of {o.kv_blocks_total:,.0f} blocks" if o.kv_blocks_total else "")
+    reasons = ", ".join(f"{k} {v:.0f}" for k, v in (o.preemptions_by_reason or {}).items())
+    kv += f"; preemptions {'-' if o.num_preemptions is None else f'{o.num_preemptions:.0f}'}"
+    kv += f" ({reasons})" if reasons else ""
+    if o.waiting_for_capacity is not None:
+        kv += f"; waiting for capacity {o.waiting_for_capacity:.0f}"
+    lines.append(f"KV                      {kv}")
+    if o.scheduling_modes:
+        lines.append(f"scheduling              {'/'.join(sorted(o.scheduling_modes))}; short requests delayed by "
+                     f"long work {o.short_delayed_by_long or 0:.0f}")  # fmt: skip
+    enc = (
+        f"{o.encoder_cache_hits:.0f}/{o.encoder_cache_queries:.0f} images hit"
+        if o.encoder_cache_queries is not None and o.encoder_cache_hits is not None
+        else "-"
+    )
+    pre = (
+        f"{o.prefix_hit_tokens:.0f}/{o.prefix_query_tokens:.0f} tokens hit"
+        if o.prefix_query_tokens is not None and o.prefix_hit_tokens is not None
+        else "-"
+    )
+    if o.prefix_cache_enabled is False:
+        pre += " (off)"
+    lines.append(f"caches                  encoder {enc}; prefix {pre}")
+    if r.probe:
+        lines.append(f"probe                   {r.probe.get('summary', '')}")
+    lines.append("")
+    if not r.findings:
+        lines.append("findings: none")
+    else:
+        lines.append("findings (ranked by estimated share of TTFT)")
+        for i, f in enumerate(r.findings, 1):
+            lines.append(f"{i}. [{f.severity}] ~{f.share:.0%} of TTFT  {f.title}")
+            ev = ", ".join(f"{k}={v}" for k, v in f.evidence.items() if v is not None)
+            lines.append(f"   evidence: {ev}")
+            lines.append(f"   change:   {f.change}")
+            if f.note:
+                lines.append(f"   note:     {f.note}")
+    if o.cannot_see:
+        lines.append("")
+        lines.append("cannot see here:")
+        lines.extend(f"  - {x}" for x in o.cannot_see)
+    for note in r.notes:
+        lines.append(f"note: {note}")
+    return "\n".join(lines)
