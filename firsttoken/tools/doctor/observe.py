@@ -99,7 +99,8 @@ class Observation:
     prompt_tokens_by_class: dict[str, float] = field(default_factory=dict)  # mean per request
     prompt_tokens_total: float | None = None
     visual_tokens_total: float | None = None
-    num_images: float | None = None  # encoder cache hits + misses: every image a request brought
+    num_images: float | None = None  # encoder cache hits + misses: images that reached the encoder cache
+    visual_tokens_per_image: float | None = None  # one-image requests' mean if any, else visual / num_images
     scheduling_modes: set[str] = field(default_factory=set)  # lane labels seen: short/long, or fcfs
     short_delayed_by_long: float | None = None
     kv_usage_ratio: float | None = None
@@ -166,6 +167,13 @@ def _firsttoken(m: Samples, stats: dict[str, Any] | None) -> Observation:
         o.encoder_cache_queries = o.encoder_cache_hits + misses
         o.num_images = o.encoder_cache_queries
     o.encoder_cache_bytes = m.total("firsttoken_encoder_cache_bytes")
+    # Exact from one-image requests; images whose tokens all came from the prefix cache never reach the
+    # encoder cache, so visual / (hits + misses) overstates when the prefix cache hits.
+    one = m.total("firsttoken_request_visual_tokens_count", images="1")
+    if one:
+        o.visual_tokens_per_image = (m.total("firsttoken_request_visual_tokens_sum", images="1") or 0.0) / one
+    elif o.num_images and o.visual_tokens_total is not None:
+        o.visual_tokens_per_image = o.visual_tokens_total / o.num_images
     o.prefix_hit_tokens = m.total("firsttoken_prefix_cache_hit_tokens_total")
     o.prefix_query_tokens = m.total("firsttoken_prefix_cache_query_tokens_total")
     if o.prefix_query_tokens is not None and o.prompt_tokens_total:

@@ -68,9 +68,8 @@ def _class_dict(c) -> dict[str, Any]:
 
 
 def _state(o: Observation, th: Thresholds) -> dict[str, Any]:
-    per_image = o.visual_tokens_total / o.num_images if o.num_images and o.visual_tokens_total is not None else None
     return {
-        "visual_tokens_per_image": per_image, "image_budget_reference": th.image_budget_tokens,
+        "visual_tokens_per_image": o.visual_tokens_per_image, "image_budget_reference": th.image_budget_tokens,
         "kv_usage_ratio": o.kv_usage_ratio, "kv_blocks_total": o.kv_blocks_total,
         "preemptions": o.num_preemptions, "preemptions_by_reason": o.preemptions_by_reason,
         "waiting": o.waiting_by_lane, "waiting_for_capacity": o.waiting_for_capacity,

@@ -97,9 +97,9 @@ def _finding(
 # ---- the rules ------------------------------------------------------------------------------------------
 def image_budget(ctx: Context) -> Finding | None:
     o, th = ctx.obs, ctx.th
-    if not o.num_images or o.visual_tokens_total is None or not o.prompt_tokens_total:
+    per_image = o.visual_tokens_per_image
+    if not per_image or o.visual_tokens_total is None or not o.prompt_tokens_total:
         return None
-    per_image = o.visual_tokens_total / o.num_images
     if per_image <= th.image_budget_factor * th.image_budget_tokens:
         return None
     excess = o.visual_tokens_total * (1 - th.image_budget_tokens / per_image)
