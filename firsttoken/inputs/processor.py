@@ -23,7 +23,6 @@ pydantic models) and nothing else of the api package.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
@@ -46,6 +45,7 @@ from firsttoken.inputs.image import (
     probe_image,
 )
 from firsttoken.inputs.media import RemoteMedia, load_image_bytes
+from firsttoken.inputs.mm_hash import ProcessedImageCache, pixel_content_hash, raw_bytes_key
 from firsttoken.models.mrope import compute_mrope_positions
 from firsttoken.sampling.params import SamplingParams
 from firsttoken.scheduler.lanes import AdmissionVerdict
@@ -145,6 +145,7 @@ class InputProcessor:
         images: ImageSettings = ImageSettings(),
         max_input_tokens: int | None = None,
         admission: Callable[[int, str], AdmissionVerdict] | None = None,
+        image_cache_bytes: int = 256 * 1024**2,
     ) -> None:
         if isinstance(model_dir_or_tokenizer, (str, Path)):
             tokenizer = AutoTokenizer.from_pretrained(str(model_dir_or_tokenizer))
@@ -167,6 +168,8 @@ class InputProcessor:
         # Asked with the exact prompt length once it is known from headers + tokenization, before any image is
         # decoded: a full lane (429) or a prompt that can never fit (400) costs no decode work.
         self.admission = admission
+        # A follow-up turn re-sends the same image bytes: skip decode + resize + patchify for them.
+        self.image_cache = ProcessedImageCache(image_cache_bytes)
         self.image_settings = images
         self._vision_tokens_re = re.compile("(" + "|".join(map(re.escape, VISION_CONTROL_TOKENS)) + ")")
         self._special_ids = frozenset(tokenizer.all_special_ids) | frozenset(tokenizer.added_tokens_decoder)
@@ -278,18 +281,18 @@ class InputProcessor:
         return blobs, tuple(plans)
 
     def _decode_images(self, prompt: _Prompt) -> tuple[ProcessedImage, ...]:
-        s = self.image_settings
         out = []
         for data, plan in zip(prompt.blobs, prompt.plans):
-            image = decode_image(data, s.max_image_pixels)
-            processed = preprocess_image(image, self.model_config.vision, plan.min_pixels, plan.max_pixels)
-            if processed.num_tokens != plan.num_tokens:  # the header lied about the size, or a bug
-                raise ImageInputError(
-                    "invalid_image",
-                    "image size differs from the size its header declares",
-                )
-            out.append(replace(processed, content_hash=_content_hash(processed)))
+            key = raw_bytes_key(data, plan.min_pixels, plan.max_pixels)
+            out.append(self.image_cache.get_or_build(key, lambda: self._decode_one(data, plan)))
         return tuple(out)
+
+    def _decode_one(self, data: bytes, plan: ImagePlan) -> ProcessedImage:
+        image = decode_image(data, self.image_settings.max_image_pixels)
+        processed = preprocess_image(image, self.model_config.vision, plan.min_pixels, plan.max_pixels)
+        if processed.num_tokens != plan.num_tokens:  # the header lied about the size, or a bug
+            raise ImageInputError("invalid_image", "image size differs from the size its header declares")
+        return replace(processed, content_hash=pixel_content_hash(processed))
 
     def _expand_image_pads(self, ids: list[int], plans: Sequence[ImagePlan], blobs: tuple[bytes, ...]) -> _Prompt:
         pad = self.model_config.image_token_id
@@ -429,14 +432,6 @@ def _template_message(message: ChatMessage) -> dict[str, Any]:
         {"type": "image"} if isinstance(p, ImagePart) else {"type": "text", "text": p.text} for p in message.content
     ]
     return {"role": message.role, "content": parts}
-
-
-def _content_hash(image: ProcessedImage) -> str:
-    """Identifies the pixels the vision tower will see: resized pixel values + patch grid."""
-    h = hashlib.blake2b(digest_size=16)
-    h.update(repr(image.grid_thw).encode())
-    h.update(image.pixel_values.contiguous().numpy())
-    return h.hexdigest()
 
 
 def _count(prompt: _Prompt) -> TokenCount:

@@ -130,3 +130,12 @@ def test_greedy_outputs_identical_with_caches_on_and_off(tiny_model_dir, picture
         turns = conversations[case]
     for messages in turns:
         assert on.run(messages)[0] == off.run(messages)[0]
+
+
+def test_a_repeated_image_is_not_decoded_again(tiny_model_dir, pictures):
+    h = Harness(tiny_model_dir)
+    messages = [user("What is shown?", pictures[2])]
+    h.run(messages)
+    h.run([system("Another user."), user("And here?", pictures[2])])
+    cache = h.processor.image_cache
+    assert (cache.num_misses, cache.num_hits) == (1, 1)  # the second request skipped decode, resize and patchify
