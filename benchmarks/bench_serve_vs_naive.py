@@ -1,6 +1,7 @@
 """firsttoken serve vs the naive server a user would otherwise write (transformers generate, one at a time).
 
-Same checkpoint (`small` by default), same prompts, bf16 on both sides. For concurrency N in (1, 4, 16), N requests
+Same checkpoint (`small` by default), same prompts, same dtype on both sides (what `--dtype auto` picks here).
+For concurrency N in (1, 4, 16), N requests
 arrive together; we report mean / max TTFT and output tokens per second over the burst, text-only and 1-image
 (1024x1024), and the ratios naive / firsttoken. Our server runs as a separate process (a real deployment); the naive
 baseline runs in this process after the server has stopped, so the two never share the CPU.
@@ -126,7 +127,10 @@ def run_naive(model_dir: str, kinds, levels, max_tokens: int) -> dict:
 
     tok = AutoTokenizer.from_pretrained(model_dir)
     proc = Qwen2VLImageProcessorPil.from_pretrained(model_dir)
-    model = Qwen2VLForConditionalGeneration.from_pretrained(model_dir, dtype=torch.bfloat16).eval()
+    from firsttoken.engine.engine import EngineConfig
+
+    dtype = EngineConfig().torch_dtype()  # what `firsttoken serve --dtype auto` picks on this CPU: same math
+    model = Qwen2VLForConditionalGeneration.from_pretrained(model_dir, dtype=dtype).eval()
     pad = model.config.image_token_id
 
     def serve_one(kind: str, i: int) -> tuple[float | None, int]:
@@ -137,7 +141,7 @@ def run_naive(model_dir: str, kinds, levels, max_tokens: int) -> dict:
             px = proc(images=[picture(1024, i)], return_tensors="pt")
             n_img = int(px["image_grid_thw"][0].prod()) // 4
             text = text.replace("<|image_pad|>", "<|image_pad|>" * n_img)
-            kw = {"pixel_values": px["pixel_values"].to(torch.bfloat16), "image_grid_thw": px["image_grid_thw"]}
+            kw = {"pixel_values": px["pixel_values"].to(dtype), "image_grid_thw": px["image_grid_thw"]}
         ids = tok(text, return_tensors="pt")["input_ids"]
         timer = FirstTokenTimer()
         with torch.inference_mode():
