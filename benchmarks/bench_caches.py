@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import base64
 import io
+import json
 import sys
 from pathlib import Path
 
@@ -30,11 +31,22 @@ def data_url(seed: int) -> str:
 
 
 def ask(base: str, messages: list[dict], max_tokens: int = 16) -> tuple[str, dict]:
-    r = httpx.post(f"{base}/v1/chat/completions", timeout=600, json={
-        "model": "m", "messages": messages, "max_tokens": max_tokens, "temperature": 0.0})
-    r.raise_for_status()
-    body = r.json()
-    return body["choices"][0]["message"]["content"], body["usage"]["firsttoken"]
+    """Streams the answer (TTFT is the first content chunk's arrival, as users see it); returns the text and the
+    server's per-request timings from the final usage chunk."""
+    body = {"model": "m", "messages": messages, "max_tokens": max_tokens, "temperature": 0.0, "stream": True,
+            "stream_options": {"include_usage": True}}
+    text, timing = "", {}
+    with httpx.stream("POST", f"{base}/v1/chat/completions", json=body, timeout=600) as r:
+        r.raise_for_status()
+        for line in r.iter_lines():
+            if not line.startswith("data: {"):
+                continue
+            chunk = json.loads(line[6:])
+            if chunk.get("usage"):
+                timing = chunk["usage"]["firsttoken"]
+            if chunk.get("choices"):
+                text += chunk["choices"][0]["delta"].get("content") or ""
+    return text, timing
 
 
 def conversation(base: str, urls: list[str]) -> list[dict]:
