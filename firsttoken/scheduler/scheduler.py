@@ -42,6 +42,10 @@ class _Step:
     scheduled_ids: set[str] = field(default_factory=set)  # requests with a chunk or encoder work in this step
     has_long_work: bool = False
 
+    @property
+    def has_prefill(self) -> bool:
+        return any(not c.is_decode for c in self.chunks)
+
 
 class Scheduler:
     def __init__(
@@ -167,15 +171,15 @@ class Scheduler:
         before = len(step.chunks) + len(step.encoder_work)
         for req in [r for r in self.running if r.lane == lane and not _is_decoding(r)]:
             if req.request_id not in step.scheduled_ids and req.status == RequestStatus.RUNNING:
-                if budget.remaining <= 0 and not (whole_prompt and not step.chunks):
+                if budget.remaining <= 0 and not (whole_prompt and not step.has_prefill):
                     break
                 self._prefill(req, budget, step, whole_prompt)
         queue = self.waiting.queues[lane]
         while queue and len(self.running) < self.config.max_num_seqs:
-            if budget.remaining <= 0 and not (whole_prompt and not step.chunks):
+            if budget.remaining <= 0 and not (whole_prompt and not step.has_prefill):
                 break
-            if whole_prompt and step.chunks and queue[0].num_tokens > budget.remaining:
-                break  # the seed's serial prefill: a whole prompt per step unless it fits beside the others
+            if whole_prompt and step.has_prefill and queue[0].num_tokens > budget.remaining:
+                break  # the seed's serial prefill: one whole prompt per step, more only if they fit beside it
             req = queue[0]
             if not self._admit(req, budget, whole_prompt):
                 break  # head of the lane waits for KV; the wait shows as queue time

@@ -149,3 +149,12 @@ def test_a_full_lane_answers_queue_full_without_touching_the_other_lane():
     assert sched.check_admission(300).reason == "queue_full"
     assert sched.check_admission(300).status == 429
     assert sched.check_admission(20).admitted  # the short lane still takes requests
+
+
+def test_fcfs_admits_a_prompt_larger_than_the_budget_while_others_decode():
+    sched = make_scheduler(num_blocks=512, max_batched_tokens=256, scheduling="fcfs")
+    sched.add(fake_request("chat", prompt_len=20, max_tokens=50))
+    run_step(sched)  # chat is decoding from now on
+    sched.add(fake_request("big", prompt_len=1200, max_tokens=1, arrival_seq=1))
+    batch = run_step(sched)
+    assert [(c.request.request_id, c.num_new_tokens) for c in batch.chunks] == [("chat", 1), ("big", 1200)]
