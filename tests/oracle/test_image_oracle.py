@@ -18,7 +18,7 @@ from firsttoken.inputs.image import (
     to_rgb,
 )
 
-qwen2_vl_pil = pytest.importorskip("transformers.models.qwen2_vl.image_processing_pil_qwen2_vl")
+import transformers.models.qwen2_vl.image_processing_pil_qwen2_vl as qwen2_vl_pil  # noqa: E402
 from transformers.image_transforms import convert_to_rgb  # noqa: E402
 
 Qwen2VLImageProcessorPil = qwen2_vl_pil.Qwen2VLImageProcessorPil

@@ -336,7 +336,7 @@ def test_bf16_load_tracks_fp32_reference(ref, tiny_qwen2_vl_dir: Path) -> None:
 def test_make_model_checkpoints_match_reference(tmp_path: Path, layout: str) -> None:
     """The project's own random checkpoints (O(1) activations, sharp attention, logit std ~10), in both
     config/weight layouts, prefilled in chunks of 7 so chunks start inside images."""
-    checkpoint = pytest.importorskip("firsttoken.models.checkpoint")
+    from firsttoken.models import checkpoint
     from transformers import Qwen2VLForConditionalGeneration
 
     model_dir = checkpoint.make_model(tmp_path, size="tiny", seed=0, layout=layout, shards=2)
