@@ -42,8 +42,8 @@ def bench(base: str, args: argparse.Namespace, seed: int, **kw) -> dict:
     return out
 
 
-def run_config(model: str, scheduling: str, args: argparse.Namespace) -> dict:
-    proc, base = start_server(model, ["--scheduling", scheduling])
+def run_config(model: str, flags: list[str], args: argparse.Namespace) -> dict:
+    proc, base = start_server(model, flags)
     try:
         # distinct seeds: the warm-up and unloaded runs never share images or text with the loaded run
         bench(base, args, args.seed + 2, mix=(("3img", 1.0),), concurrency=1, num_requests=1)
@@ -69,9 +69,17 @@ def main() -> None:
     ap.add_argument("--output-tokens", type=int, default=32)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--extra-lanes-flags", default="", help="more serve flags for the lanes run, e.g. "
+                    "'--long-step-tokens 1024'")
+    ap.add_argument("--fcfs-json", default=None, help="reuse the fcfs half of an earlier --json instead of rerunning")
     args = ap.parse_args()
     model = small_model(args.model)
-    results = {s: run_config(model, s, args) for s in ("fcfs", "lanes")}
+    if args.fcfs_json:
+        fcfs = json.loads(Path(args.fcfs_json).read_text())["fcfs"]
+    else:
+        fcfs = run_config(model, ["--scheduling", "fcfs"], args)
+    lanes = run_config(model, ["--scheduling", "lanes", *args.extra_lanes_flags.split()], args)
+    results = {"fcfs": fcfs, "lanes": lanes}
     print(f"\nseed mix, {args.num_requests} requests, Poisson {args.rate}/s, small checkpoint; TTFT seconds")
     print("config  class  unloaded |   P50    P95    P99 | P99/unloaded")
     for sched, r in results.items():
