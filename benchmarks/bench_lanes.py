@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import httpx
@@ -54,9 +56,23 @@ def run_config(model: str, flags: list[str], args: argparse.Namespace) -> dict:
             unloaded[cls] = r[cls]["p50"]
         loaded = bench(base, args, args.seed, rate=args.rate, num_requests=args.num_requests, warmup=args.warmup)
         stats = httpx.get(f"{base}/v1/engine/stats").json()
+        if args.capture_dir:
+            capture(base, Path(args.capture_dir) / flags[1])
         return {"unloaded": unloaded, "loaded": loaded, "engine": stats}
     finally:
         stop_server(proc)
+
+
+def capture(base: str, out: Path) -> None:
+    """What an operator would look at after the run: /stats as JSON and a headless-Chromium dashboard screenshot."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "stats.json").write_text(json.dumps(httpx.get(f"{base}/stats").json(), indent=1))
+    with tempfile.TemporaryDirectory() as profile:
+        subprocess.run(["chromium", "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                        "--disable-background-networking", "--disable-component-update", "--disable-sync",
+                        "--disable-dev-shm-usage", f"--user-data-dir={profile}", "--virtual-time-budget=4000",
+                        f"--screenshot={out / 'dashboard.png'}", "--window-size=1400,1500", "--hide-scrollbars",
+                        f"{base}/dashboard"], capture_output=True, timeout=120, check=False)
 
 
 def main() -> None:
@@ -71,6 +87,7 @@ def main() -> None:
     ap.add_argument("--json", default=None)
     ap.add_argument("--extra-lanes-flags", default="", help="more serve flags for the lanes run, e.g. "
                     "'--long-step-tokens 1024'")
+    ap.add_argument("--capture-dir", default=None, help="save /stats and a dashboard screenshot per config here")
     ap.add_argument("--fcfs-json", default=None, help="reuse the fcfs half of an earlier --json instead of rerunning")
     args = ap.parse_args()
     model = small_model(args.model)
