@@ -24,15 +24,16 @@ def small_model(model: str | None) -> str:
     return str(path)
 
 
-def start_server(model: str, extra: list[str]) -> tuple[subprocess.Popen, str]:
+def start_server(model: str | Path, extra: list[str], timeout_s: float = 300.0) -> tuple[subprocess.Popen, str]:
     """`firsttoken serve` in its own process (as deployed), model id "m"; returns (process, base URL)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    proc = subprocess.Popen([sys.executable, "-m", "firsttoken.cli.main", "serve", "--model", model, "--port",
+    proc = subprocess.Popen([sys.executable, "-m", "firsttoken.cli.main", "serve", "--model", str(model), "--port",
                              str(port), "--served-model-name", "m", "--log-level", "warning", *extra])
     base = f"http://127.0.0.1:{port}"
-    for _ in range(600):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
         try:
             if httpx.get(f"{base}/health").status_code == 200:
                 return proc, base

@@ -19,13 +19,13 @@ import argparse
 import json
 import os
 import shutil
-import socket
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import start_server, stop_server  # noqa: E402
 
 from firsttoken.tools.bench import BenchConfig, run_bench
 from firsttoken.tools.plan import PlanInputs, load_config, make_plan
@@ -42,36 +42,6 @@ def tiny_model() -> Path:
     if not (path / "config.json").exists():
         make_model(path, size="tiny")
     return path
-
-
-def start_server(model: Path, extra: list[str]) -> tuple[subprocess.Popen, str]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    cmd = [sys.executable, "-m", "firsttoken.cli.main", "serve", "--model", str(model), "--port", str(port),
-           "--served-model-name", "m", "--log-level", "warning", *extra]  # fmt: skip
-    proc = subprocess.Popen(cmd)
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 180
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(f"{base}/health").status_code == 200:
-                return proc, base
-        except httpx.HTTPError:
-            pass
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited with {proc.returncode}: {' '.join(cmd)}")
-        time.sleep(0.2)
-    proc.kill()
-    raise RuntimeError("server did not start")
-
-
-def stop_server(proc: subprocess.Popen) -> None:
-    proc.terminate()
-    try:
-        proc.wait(60)
-    except subprocess.TimeoutExpired:
-        proc.kill()
 
 
 def kv_memory_too_small(model: Path) -> int:

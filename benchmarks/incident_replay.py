@@ -29,13 +29,14 @@ import argparse
 import json
 import math
 import os
-import socket
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import start_server, stop_server  # noqa: E402
 
 from firsttoken.tools.bench import BenchConfig, run_bench
 from firsttoken.tools.doctor import doctor_from_texts
@@ -60,36 +61,6 @@ def model_dir(model: str | None, size: str) -> Path:
     if not (path / "config.json").exists():
         make_model(path, size=size)
     return path
-
-
-def start_server(model: Path, extra: list[str]) -> tuple[subprocess.Popen, str]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    cmd = [sys.executable, "-m", "firsttoken.cli.main", "serve", "--model", str(model), "--port", str(port),
-           "--served-model-name", "m", "--log-level", "warning", "--dtype", DTYPE, *extra]  # fmt: skip
-    proc = subprocess.Popen(cmd)
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(f"{base}/health").status_code == 200:
-                return proc, base
-        except httpx.HTTPError:
-            pass
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited with {proc.returncode}: {' '.join(cmd)}")
-        time.sleep(0.5)
-    proc.kill()
-    raise RuntimeError("server did not start")
-
-
-def stop_server(proc: subprocess.Popen) -> None:
-    proc.terminate()
-    try:
-        proc.wait(60)
-    except subprocess.TimeoutExpired:
-        proc.kill()
 
 
 def kv_pools(config: dict, peak: int, output_tokens: int) -> tuple[int, int]:
@@ -125,7 +96,8 @@ def steps(too_small: int, planned: int) -> list[tuple[str, list[str]]]:
 
 
 def run_step(model: Path, flags: list[str], args: argparse.Namespace, kv: KVSizing) -> dict:
-    proc, base = start_server(model, ["--num-threads", str(args.num_threads), *flags] if args.num_threads else flags)
+    threads = ["--num-threads", str(args.num_threads)] if args.num_threads else []
+    proc, base = start_server(model, ["--dtype", DTYPE, *threads, *flags])
     try:
         common = {"url": base, "model": "m", "workload": "seed-mix", "mix": SEED_MIX, "image_size": PHOTO,
                       "text_tokens": WORDS_FOR_800_TOKENS, "output_tokens": args.output_tokens, "progress": False}  # fmt: skip
