@@ -340,7 +340,7 @@ def format_plan(plan: Plan) -> str:
          f"{plan.full_blocks_per_request} blocks = {format_bytes(plan.full_kv_bytes_per_request)}"),
         ("KV pool", f"{format_bytes(i.kv_cache_memory_bytes)} = {plan.num_kv_blocks:,} blocks"),
         (f"pool to admit the peak ({i.peak_concurrency})", format_bytes(plan.pool_bytes_to_admit_peak)),
-        (f"pool for the peak to finish without preemption",
+        ("pool for the peak to finish without preemption",
          format_bytes(plan.pool_bytes_for_peak_without_preemption)),
         ("max concurrency (admitted at once)", f"{plan.max_concurrency}"
          + ("" if plan.fits else f"  < peak {i.peak_concurrency}: DOES NOT FIT")),

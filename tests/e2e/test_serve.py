@@ -9,7 +9,7 @@ import httpx
 import pytest
 import torch
 
-from tests.e2e.conftest import LiveServer, image_data_url, image_message, make_image
+from tests.e2e.conftest import LiveServer, image_message, make_image
 
 
 def chat(live: LiveServer, messages, **kw):
