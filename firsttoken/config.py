@@ -205,6 +205,7 @@ class SchedulerConfig:
     scheduling: str = "lanes"
     long_prompt_threshold: int = 1024  # prompt tokens (text + image) at or above which a request is "long"
     long_step_tokens: int = 512  # long-lane work per step: prefill tokens + visual tokens x vision layers
+    long_step_tokens_idle: int | None = None  # the same, in steps with no short work anywhere (None: as above)
     long_max_wait_steps: int = 4  # aging: long work paused this many steps in a row for short work runs anyway
     kv_admission: str = "whole-prompt"  # or "optimistic": admit when the next chunk fits, preempt when dry
     max_queued_requests: int = 256  # per lane; beyond it the API answers 429 with Retry-After
@@ -226,6 +227,8 @@ class SchedulerConfig:
             raise ValueError("long_prompt_threshold must be >= 1")
         if self.long_step_tokens < 1:
             raise ValueError("long_step_tokens must be >= 1")
+        if self.long_step_tokens_idle is not None and self.long_step_tokens_idle < 1:
+            raise ValueError("long_step_tokens_idle must be >= 1")
         if self.long_max_wait_steps < 0:
             raise ValueError("long_max_wait_steps must be >= 0")
         if self.max_queued_requests < 1:

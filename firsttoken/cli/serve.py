@@ -59,6 +59,8 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--long-prompt-threshold", int, 1024, "prompt tokens (text + image) from which a request takes the long "
          "lane"),
     Flag("--long-step-tokens", int, 512, "long-lane work per step: prefill tokens + visual tokens x vision layers"),
+    Flag("--long-step-tokens-idle", int, None, "long-lane work per step when no short request is waiting or "
+         "prefilling (default: --long-step-tokens)"),
     Flag("--long-max-wait-steps", int, 4, "steps in a row long work may be held back for short work (aging)"),
     Flag("--kv-admission", str, "whole-prompt", "whole-prompt (start a prefill only when its whole prompt + "
          "reserve fits) or optimistic (admit when the next chunk fits; preempt by recompute when dry)"),
@@ -150,6 +152,7 @@ def build_server(args: argparse.Namespace, fault_hook: Any = None, media_network
             scheduling=args.scheduling,
             long_prompt_threshold=args.long_prompt_threshold,
             long_step_tokens=args.long_step_tokens,
+            long_step_tokens_idle=args.long_step_tokens_idle,
             long_max_wait_steps=args.long_max_wait_steps,
             kv_admission=args.kv_admission,
             max_queued_requests=args.max_queued_requests,

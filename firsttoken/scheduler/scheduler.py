@@ -158,13 +158,21 @@ class Scheduler:
         if held_by_short and not aging:
             self.long_wait_steps += 1
             return
-        share = self.config.long_step_tokens if aging else min(self.config.long_step_tokens, budget.remaining)
+        share = self.config.long_step_tokens
+        if self.config.long_step_tokens_idle is not None and self._short_lane_idle():
+            share = self.config.long_step_tokens_idle  # nobody short to protect this step
+        share = share if aging else min(share, budget.remaining)
         long_budget = TokenBudget(share)
         if self._serve_lane(LONG, long_budget, step, whole_prompt=False):
             self.long_wait_steps = 0
             budget.remaining = max(0, budget.remaining - long_budget.used)
         else:
             self.long_wait_steps += 1
+
+    def _short_lane_idle(self) -> bool:
+        return not self.waiting.queues[SHORT] and not any(
+            r.lane == SHORT and not _is_decoding(r) for r in self.running
+        )
 
     def _serve_lane(self, lane: str, budget: TokenBudget, step: _Step, whole_prompt: bool) -> bool:
         """Prefill work of one lane: running prefills first, then admissions. True if anything was scheduled."""

@@ -158,3 +158,12 @@ def test_fcfs_admits_a_prompt_larger_than_the_budget_while_others_decode():
     sched.add(fake_request("big", prompt_len=1200, max_tokens=1, arrival_seq=1))
     batch = run_step(sched)
     assert [(c.request.request_id, c.num_new_tokens) for c in batch.chunks] == [("chat", 1), ("big", 1200)]
+
+
+def test_idle_short_lane_lets_long_work_take_a_bigger_step():
+    sched = lanes_scheduler(long_step_tokens=64, long_step_tokens_idle=200)
+    sched.add(fake_request("long", prompt_len=1000, max_tokens=1))
+    assert [c.num_new_tokens for c in run_step(sched).chunks] == [200]  # nobody short: the idle share
+    sched.add(fake_request("s", prompt_len=40, max_tokens=1, arrival_seq=1))
+    assert ids_in(run_step(sched)) == ["s"]  # short work first, long held
+    assert [c.num_new_tokens for c in run_step(sched).chunks] == [200]
