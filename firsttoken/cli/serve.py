@@ -8,23 +8,20 @@ from __future__ import annotations
 
 import argparse
 import logging
-import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
+from firsttoken import units
+
 log = logging.getLogger("firsttoken.serve")
 
-_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?)b?\s*$", re.IGNORECASE)
-
-
 def parse_bytes(text: str) -> int:
-    """'2GiB', '512M', '1.5G', '1000000' -> bytes (K/M/G/T are powers of 1024 with or without the i)."""
-    m = _SIZE_RE.match(str(text))
-    if not m:
-        raise argparse.ArgumentTypeError(f"not a size: {text!r} (try 2GiB, 512MiB)")
-    scale = {"": 1, "k": 1024, "m": 1024**2, "g": 1024**3, "t": 1024**4}[m.group(2).lower()]
-    return int(float(m.group(1)) * scale)
+    """A size flag: '2GiB' = 2 x 2**30, '2G' / '2GB' = 2 x 10**9 (firsttoken.units, as `plan` prints them)."""
+    try:
+        return units.parse_bytes(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 @dataclass(frozen=True)

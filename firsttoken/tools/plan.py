@@ -14,11 +14,12 @@ num_kv_blocks = kv_cache_memory_bytes // (kv_bytes_per_token x block_size), as t
 from __future__ import annotations
 
 import json
-import re
 import struct
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
+
+from firsttoken.units import parse_bytes  # noqa: F401  (re-exported: plan's CLI and tests take it from here)
 
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 _SAFETENSORS_DTYPE_BYTES = {"F64": 8, "F32": 4, "BF16": 2, "F16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1,
@@ -28,22 +29,6 @@ _SAFETENSORS_DTYPE_BYTES = {"F64": 8, "F32": 4, "BF16": 2, "F16": 2, "I64": 8, "
 # <|im_start|>assistant\n" is ~21 tokens with Qwen's tokenizer; each image adds <|vision_start|>, <|vision_end|>.
 TEMPLATE_BASE_TOKENS = 21
 TEMPLATE_TOKENS_PER_IMAGE = 2
-
-_SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([KMGT]?)(I?B?)\s*$", re.IGNORECASE)
-
-
-def parse_bytes(text: str | int) -> int:
-    """'24GiB' -> 24 x 2**30, '80G' / '80GB' -> 80 x 10**9, '1073741824' -> bytes as given."""
-    if isinstance(text, int):
-        return text
-    m = _SIZE_RE.match(text)
-    if m is None:
-        raise ValueError(f"not a memory size: {text!r} (use e.g. 24GiB, 80G, 1073741824)")
-    value, prefix, suffix = float(m.group(1)), m.group(2).upper(), m.group(3).upper()
-    power = "KMGT".index(prefix) + 1 if prefix else 0
-    base = 1024 if suffix.startswith("I") else 1000
-    return int(value * base**power)
-
 
 def format_bytes(n: float) -> str:
     for unit, size in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
