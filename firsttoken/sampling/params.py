@@ -4,11 +4,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+SAMPLING_EPS = 1e-5  # a temperature below this samples greedily (as vLLM); dividing by it would overflow
+
 
 @dataclass(frozen=True)
 class SamplingParams:
     max_tokens: int
-    temperature: float = 1.0  # 0 = greedy
+    temperature: float = 1.0  # 0 (or anything below SAMPLING_EPS) = greedy
     top_p: float = 1.0
     top_k: int = 0  # 0 = off
     seed: int | None = None  # a per-request generator: same seed, same output
@@ -41,7 +43,7 @@ class SamplingParams:
 
     @property
     def is_greedy(self) -> bool:
-        return self.temperature == 0.0 or self.top_k == 1
+        return self.temperature < SAMPLING_EPS or self.top_k == 1
 
     @property
     def has_penalties(self) -> bool:

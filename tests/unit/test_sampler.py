@@ -52,3 +52,31 @@ def test_logprobs_report_the_model_distribution_and_alternatives():
     expected = torch.log_softmax(LOGITS[0], -1)
     assert lp.token_id == 0 and abs(lp.logprob - float(expected[0])) < 1e-6
     assert [t for t, _ in lp.top] == [0, 1]
+
+
+def test_a_row_that_fails_to_sample_fails_alone():
+    class BrokenGenerator:  # stands for any per-row failure (a generator torch refuses)
+        pass
+
+    logits = torch.randn(3, 50)
+    rows = [
+        SampleRow(SamplingParams(max_tokens=4, temperature=0.0), None, [], []),
+        SampleRow(SamplingParams(max_tokens=4, temperature=0.8, seed=1), BrokenGenerator(), [], []),  # type: ignore[arg-type]
+        SampleRow(SamplingParams(max_tokens=4, temperature=0.0, logprobs=True), None, [], []),
+    ]
+    result = Sampler(seed=0).sample(logits, rows)
+    assert list(result.failed) == [1]
+    assert result.token_ids[0] == int(logits[0].argmax()) and result.token_ids[2] == int(logits[2].argmax())
+    assert result.logprobs[2] is not None and result.logprobs[1] is None
+
+
+def test_extreme_accepted_values_sample_a_real_token():
+    logits = torch.randn(1, 50) * 30
+    for params in (
+        SamplingParams(max_tokens=1, temperature=1e-40),
+        SamplingParams(max_tokens=1, temperature=1.0, repetition_penalty=1e-40),
+        SamplingParams(max_tokens=1, temperature=2.0, top_p=1e-40, repetition_penalty=1e-30),
+        SamplingParams(max_tokens=1, temperature=1e-5, top_k=3),
+    ):
+        result = Sampler(seed=0).sample(logits, [SampleRow(params, None, [3, 4, 5], [6])])
+        assert not result.failed and 0 <= result.token_ids[0] < 50
