@@ -20,9 +20,9 @@ from firsttoken.engine.request import EngineRequest, FinishReason, RequestOutput
 from firsttoken.metrics.stats import FinishedRequest, NullObserver, StatsObserver, StepStats
 from firsttoken.models.loader import load_model
 from firsttoken.runner.kv_cache import allocate_kv_caches
-from firsttoken.runner.model_runner import FaultHook, ModelRunner, StepOutput
+from firsttoken.runner.model_runner import FaultHook, ModelRunner
 from firsttoken.sampling.sampler import Sampler, make_generator
-from firsttoken.scheduler.batch import ScheduledBatch, ScheduledChunk
+from firsttoken.scheduler.batch import RunnerOutput, ScheduledBatch, ScheduledChunk
 from firsttoken.scheduler.request import Request
 from firsttoken.scheduler.scheduler import Scheduler
 
@@ -183,17 +183,24 @@ class LLMEngine:
             return expired
         step_start = time.monotonic()
         try:
-            result = self.runner.execute(batch)
-        except Exception:  # the forward itself failed: fail this batch's requests, keep serving
-            involved = {c.request.request_id: c.request for c in batch.chunks}
-            for w in batch.encoder_work:
-                if w.request_id in self.requests:
-                    involved.setdefault(w.request_id, self.requests[w.request_id])
-            log.exception("engine step failed; failing the %d requests in it", len(involved))
-            return [self._fail(r, "internal error while running this request") for r in involved.values()]
+            result = self.runner.execute(batch)  # reports per-request failures; raises only on an engine bug
+        except Exception:
+            return expired + self._fail_batch(batch)
+        self.scheduler.update(batch, result)
         outputs = self._update(batch, result, step_start)
         self._observe_step(batch, result, step_start)
         return expired + outputs
+
+    def _fail_batch(self, batch: ScheduledBatch) -> list[RequestOutput]:
+        """Last resort when the runner itself broke: fail the batch's requests, forget the step's encoder work (the
+        runner restarts an image from its pixels when asked for layer 0 again), keep serving."""
+        involved = {c.request.request_id: c.request for c in batch.chunks}
+        for w in batch.encoder_work:
+            self.scheduler.encoder_cache.reset(w.image.content_hash)
+            if w.request_id in self.requests:
+                involved.setdefault(w.request_id, self.requests[w.request_id])
+        log.exception("engine step failed; failing the %d requests in it", len(involved))
+        return [self._fail(r, "internal error while running this request") for r in involved.values()]
 
     def _expire(self) -> list[RequestOutput]:
         timeout = self.config.request_timeout_s
@@ -204,7 +211,7 @@ class LLMEngine:
         return [self._fail(r, f"the request did not finish within the server's {timeout:g} s request timeout",
                            status=504) for r in late]
 
-    def _observe_step(self, batch: ScheduledBatch, result: StepOutput, step_start: float) -> None:
+    def _observe_step(self, batch: ScheduledBatch, result: RunnerOutput, step_start: float) -> None:
         kv = self.scheduler.kv
         self.observer.on_step(
             StepStats(
@@ -224,7 +231,7 @@ class LLMEngine:
             )
         )
 
-    def _update(self, batch: ScheduledBatch, result: StepOutput, step_start: float) -> list[RequestOutput]:
+    def _update(self, batch: ScheduledBatch, result: RunnerOutput, step_start: float) -> list[RequestOutput]:
         outputs: list[RequestOutput] = []
         for rid, message in result.failed.items():
             if rid in self.requests:
@@ -237,15 +244,14 @@ class LLMEngine:
         shared = len({c.request.request_id for c in batch.chunks} | {w.request_id for w in batch.encoder_work}) > 1
         for chunk in batch.chunks:
             req = chunk.request
-            if req.request_id in result.failed:
+            if req.request_id in result.failed or req.request_id in result.skipped_request_ids:
                 continue
             self._note_timing(chunk, result, step_start, shared)
-            self.scheduler.on_chunk_done(chunk)
             if req.request_id in result.sampled:
                 outputs.append(self._append_token(req, result.sampled[req.request_id], result))
         return outputs
 
-    def _note_timing(self, chunk: ScheduledChunk, result: StepOutput, step_start: float, shared: bool) -> None:
+    def _note_timing(self, chunk: ScheduledChunk, result: RunnerOutput, step_start: float, shared: bool) -> None:
         req = chunk.request
         tl = req.timeline
         rid = req.request_id
@@ -258,7 +264,7 @@ class LLMEngine:
         if chunk.end >= req.num_prompt_tokens:
             tl.mark("prefill_done_s", result.forward_done_s)
 
-    def _append_token(self, req: Request, token_id: int, result: StepOutput) -> RequestOutput:
+    def _append_token(self, req: Request, token_id: int, result: RunnerOutput) -> RequestOutput:
         req.output_token_ids.append(token_id)
         req.timeline.mark("first_token_s", result.sample_done_s)
         params = req.engine_request.sampling

@@ -1,10 +1,12 @@
 """The only engine code that touches tensors: vision tower for uncached images, forward, sample.
 
-Per step: drop encoder outputs the scheduler freed; run the vision tower for images that a scheduled chunk
-needs and nobody has encoded (whole images: a chunk may end inside an image, later chunks slice the stored
-output); pack every chunk's tokens into one batch (embeddings with image rows replaced, M-RoPE positions
+Per step: drop encoder outputs the scheduler freed; run the scheduled vision-tower layers (an image may be
+encoded over several steps: an EncodeJob keeps its hidden states between them; the merger runs after the last
+block, and a chunk may end inside an image, later chunks slice the stored output); pack every chunk's tokens
+into one batch (embeddings with image rows replaced, M-RoPE positions
 sliced from the request's precomputed table); one forward over the paged KV cache; logits only at the last
-token of chunks that sample; the sampler picks tokens.
+token of chunks that sample; the sampler picks tokens. Everything it did is reported back as RunnerOutput,
+and the scheduler's bookkeeping follows that report, not the plan it scheduled.
 """
 
 from __future__ import annotations
@@ -12,7 +14,8 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Protocol
+from collections.abc import Sequence
+from typing import Protocol
 
 import torch
 
@@ -21,7 +24,7 @@ from firsttoken.config import ModelConfig
 from firsttoken.engine.request import ImageItem, TokenLogprob
 from firsttoken.models.mrope import decode_positions
 from firsttoken.sampling.sampler import SampleRow, Sampler
-from firsttoken.scheduler.batch import EncoderWork, ScheduledBatch, ScheduledChunk
+from firsttoken.scheduler.batch import EncoderWork, RunnerOutput, ScheduledBatch, ScheduledChunk
 
 log = logging.getLogger("firsttoken.runner")
 
@@ -30,18 +33,6 @@ class FaultHook(Protocol):
     """A test seam: called before a request's work in a step; raising fails that request only."""
 
     def __call__(self, stage: str, request_id: str) -> None: ...
-
-
-@dataclass(frozen=True)
-class StepOutput:
-    sampled: dict[str, int]  # request_id -> new token id
-    logprobs: dict[str, TokenLogprob]
-    failed: dict[str, str]  # request_id -> user-safe error message
-    encoder_s: dict[str, float] = field(default_factory=dict)  # request_id -> vision-tower seconds this step
-    num_images_encoded: dict[str, int] = field(default_factory=dict)
-    encoder_done_s: dict[str, float] = field(default_factory=dict)  # request_id -> monotonic end of its encodes
-    forward_done_s: float = 0.0  # monotonic time the forward pass finished (before sampling)
-    sample_done_s: float = 0.0
 
 
 @dataclass
@@ -96,48 +87,88 @@ class ModelRunner:
         self.encoder_outputs: dict[str, torch.Tensor] = {}  # content hash -> [num_tokens, hidden]
         self._encode_jobs: dict[str, EncodeJob] = {}  # images part-way through the vision tower
         self.num_vision_calls = 0  # images fully encoded by the vision tower; tests read it to prove reuse
-        self.num_vision_images = 0
 
     @property
     def encoder_cache_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.encoder_outputs.values())
 
     @torch.inference_mode()
-    def execute(self, batch: ScheduledBatch) -> StepOutput:
+    def execute(self, batch: ScheduledBatch) -> RunnerOutput:
+        """Never raises for one request's sake: encode, forward and sampling failures are reported per request in
+        ``failed``; chunks whose image embeddings are missing are reported in ``skipped_request_ids``."""
         for h in batch.freed_encoder_hashes:
             self.encoder_outputs.pop(h, None)
             self._encode_jobs.pop(h, None)
-        failed: dict[str, str] = {}
-        encoder_s: dict[str, float] = {}
-        num_encoded: dict[str, int] = {}
-        encoder_done: dict[str, float] = {}
-        for work in batch.encoder_work:
-            rid = work.request_id
+        enc = self._run_encoder_work(batch.encoder_work)
+        failed = enc.failed
+        chunks: list[ScheduledChunk] = []
+        skipped: set[str] = set()
+        for chunk in batch.chunks:
+            rid = chunk.request.request_id
             if rid in failed:
                 continue
+            missing = [
+                im.content_hash
+                for im in chunk.request.images_in(chunk.context_len, chunk.end)
+                if im.content_hash not in self.encoder_outputs
+            ]
+            if missing:  # e.g. its image's encode failed this step for another request: run it next step
+                skipped.add(rid)
+                for h in missing:
+                    self._encode_jobs.pop(h, None)
+                    enc.discarded.add(h)
+                continue
+            chunks.append(chunk)
+        timing: dict[str, float] = {}
+        sampled: dict[str, int] = {}
+        logprobs: dict[str, TokenLogprob] = {}
+        if chunks:
+            try:
+                sampled, logprobs = self._forward_and_sample(chunks, failed, timing)
+            except Exception:  # the batched forward itself broke: it cannot be pinned on one request
+                log.exception("forward pass failed for %d chunks", len(chunks))
+                for c in chunks:
+                    failed[c.request.request_id] = "internal error while running this request"
+        now = time.monotonic()
+        return RunnerOutput(
+            sampled,
+            logprobs,
+            failed,
+            skipped_request_ids=frozenset(skipped),
+            encoder_progress=enc.progress,
+            discarded_encoder_hashes=frozenset(enc.discarded),
+            encoder_s=enc.seconds,
+            num_images_encoded=enc.num_encoded,
+            encoder_done_s=enc.done_s,
+            forward_done_s=timing.get("forward_done", now),
+            sample_done_s=now,
+        )
+
+    def _run_encoder_work(self, work_items: Sequence[EncoderWork]) -> "_EncodeReport":
+        report = _EncodeReport()
+        for work in work_items:
+            rid = work.request_id
+            h = work.image.content_hash
+            if rid in report.failed:
+                continue  # its earlier image failed; this one is not attempted and keeps its state
             try:
                 self._hook("encode", rid)
                 t0 = time.perf_counter()
-                self._run_encoder(work)
-                encoder_s[rid] = encoder_s.get(rid, 0.0) + time.perf_counter() - t0
+                report.progress[h] = self._run_encoder(work)
+                report.seconds[rid] = report.seconds.get(rid, 0.0) + time.perf_counter() - t0
                 if work.finishes:
-                    num_encoded[rid] = num_encoded.get(rid, 0) + 1
-                    encoder_done[rid] = time.monotonic()
+                    report.num_encoded[rid] = report.num_encoded.get(rid, 0) + 1
+                    report.done_s[rid] = time.monotonic()
             except RequestFailure as e:
-                failed[rid] = e.message
+                report.failed[rid] = e.message
             except Exception:  # one request's images failed to encode; the others go on
                 log.exception("vision encoder failed for request %s", rid)
-                failed[rid] = "internal error while encoding this request's images"
-            if rid in failed:
-                self._encode_jobs.pop(work.image.content_hash, None)
-        chunks = [c for c in batch.chunks if c.request.request_id not in failed]
-        timing: dict[str, float] = {}
-        sampled, logprobs = self._forward_and_sample(chunks, failed, timing) if chunks else ({}, {})
-        now = time.monotonic()
-        return StepOutput(
-            sampled, logprobs, failed, encoder_s, num_encoded, encoder_done,
-            forward_done_s=timing.get("forward_done", now), sample_done_s=now,
-        )
+                report.failed[rid] = "internal error while encoding this request's images"
+            if rid in report.failed:
+                self._encode_jobs.pop(h, None)
+                report.progress.pop(h, None)
+                report.discarded.add(h)
+        return report
 
     def _hook(self, stage: str, request_id: str) -> None:
         if self.fault_hook is None:
@@ -147,12 +178,18 @@ class ModelRunner:
         except Exception as e:  # an injected fault stands for any failure inside this request's work
             raise RequestFailure(request_id, f"internal error while {stage} this request") from e
 
-    def _run_encoder(self, work: EncoderWork) -> None:
-        """Run vision-tower layers [start_layer, start_layer + num_layers) of one image; keep partial state."""
+    def _run_encoder(self, work: EncoderWork) -> int:
+        """Run vision-tower layers [start_layer, start_layer + num_layers) of one image; keep partial state.
+        Returns the image's layers done afterwards (the tower's depth once its embeddings exist)."""
         image = work.image
+        depth = len(self.model.visual.blocks)
         if image.content_hash in self.encoder_outputs:
-            return
+            return depth
         job = self._encode_jobs.get(image.content_hash)
+        if job is not None and job.layers_done != work.start_layer:
+            if work.start_layer != 0:
+                raise RequestFailure(work.request_id, "image encoding state was lost; retry the request")
+            job = None  # the scheduler restarted this image from its pixels
         if job is None:
             if work.start_layer != 0:
                 raise RequestFailure(work.request_id, "image encoding state was lost; retry the request")
@@ -161,11 +198,11 @@ class ModelRunner:
             job = EncodeJob.start(self.model.visual, image)
             self._encode_jobs[image.content_hash] = job
         job.run_layers(self.model.visual, work.num_layers)
-        if job.layers_done >= len(self.model.visual.blocks):
+        if job.layers_done >= depth:
             self.encoder_outputs[image.content_hash] = self.model.visual.merger(job.hidden)
             del self._encode_jobs[image.content_hash]
             self.num_vision_calls += 1
-            self.num_vision_images += 1
+        return job.layers_done
 
     def _forward_and_sample(
         self, chunks: list[ScheduledChunk], failed: dict[str, str], timing: dict[str, float]
@@ -219,7 +256,10 @@ class ModelRunner:
             for c in chunks
         ]
         result = self.sampler.sample(logits[keep], rows)
-        sampled = {c.request.request_id: t for c, t in zip(chunks, result.token_ids)}
+        for i, message in result.failed.items():
+            failed[chunks[i].request.request_id] = message
+        sampled = {c.request.request_id: t for i, (c, t) in enumerate(zip(chunks, result.token_ids))
+                   if i not in result.failed}
         logprobs = {c.request.request_id: lp for c, lp in zip(chunks, result.logprobs) if lp is not None}
         return sampled, logprobs
 
@@ -237,4 +277,13 @@ class ModelRunner:
         return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
 
 
-ModelFactory = Callable[[], torch.nn.Module]
+@dataclass
+class _EncodeReport:
+    """What one step's encoder work did, per image hash and per request."""
+
+    failed: dict[str, str] = field(default_factory=dict)  # request_id -> user-safe message
+    progress: dict[str, int] = field(default_factory=dict)  # image hash -> layers done
+    discarded: set[str] = field(default_factory=set)  # image hashes whose partial state was dropped
+    seconds: dict[str, float] = field(default_factory=dict)
+    num_encoded: dict[str, int] = field(default_factory=dict)
+    done_s: dict[str, float] = field(default_factory=dict)

@@ -1,10 +1,10 @@
-"""What the scheduler hands to the runner for one step."""
+"""What the scheduler hands to the runner for one step, and what the runner reports back."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from firsttoken.engine.request import ImageItem
+from firsttoken.engine.request import ImageItem, TokenLogprob
 from firsttoken.scheduler.request import Request
 
 
@@ -59,3 +59,25 @@ class ScheduledBatch:
     @property
     def num_prefill_tokens(self) -> int:
         return self.num_tokens - self.num_decode_tokens
+
+
+@dataclass(frozen=True)
+class RunnerOutput:
+    """What the runner actually did in one step. The scheduler's bookkeeping follows it (``Scheduler.update``);
+    nothing is assumed from what was scheduled.
+
+    A request id appears in at most one of ``failed`` (its work raised: the engine fails that request only) and
+    ``skipped_request_ids`` (its chunk did not run because an input it needed is missing, e.g. an image whose
+    encode failed this step for another request; it is scheduled again)."""
+
+    sampled: dict[str, int]  # request_id -> new token id
+    logprobs: dict[str, TokenLogprob]
+    failed: dict[str, str]  # request_id -> user-safe error message
+    skipped_request_ids: frozenset[str] = frozenset()
+    encoder_progress: dict[str, int] = field(default_factory=dict)  # image hash -> layers done after this step
+    discarded_encoder_hashes: frozenset[str] = frozenset()  # images the runner holds nothing for any more
+    encoder_s: dict[str, float] = field(default_factory=dict)  # request_id -> vision-tower seconds this step
+    num_images_encoded: dict[str, int] = field(default_factory=dict)
+    encoder_done_s: dict[str, float] = field(default_factory=dict)  # request_id -> monotonic end of its encodes
+    forward_done_s: float = 0.0  # monotonic time the forward pass finished (before sampling)
+    sample_done_s: float = 0.0

@@ -1,7 +1,9 @@
 """Which vision-tower outputs exist or are being computed, who needs them, and which to drop: bookkeeping only.
 
 Entries are keyed by image content hash and sized in visual tokens. An image is encoded layer by layer, possibly
-across several steps (``layers_done`` of ``depth``); it is *ready* when every layer has run. An entry pinned by a
+across several steps (``layers_done`` of ``depth``); it is *ready* when every layer has run. Progress is recorded
+from what the runner reports it actually ran (``record_progress``), never from what was scheduled: an encode that
+fails is ``reset`` to zero layers, so a failure can never leave an entry that claims embeddings nobody holds. An entry pinned by a
 request whose prefill has not yet passed that image is never evicted. Unpinned ready entries stay, least recently
 used first out, while the total fits ``capacity_tokens``; with capacity 0 (cache off) an entry lives exactly as
 long as some request still needs it. An unpinned entry that is not ready (its requester went away mid-encode) is
@@ -55,11 +57,21 @@ class EncoderCacheManager:
         self._users.setdefault(content_hash, set()).add(request_id)
         return hit
 
-    def advance(self, content_hash: str, num_layers: int) -> bool:
-        """Record layers the runner will run this step; True when that finishes the image."""
-        done = min(self._layers_done[content_hash] + num_layers, self.depth)
-        self._layers_done[content_hash] = done
-        return done >= self.depth
+    def record_progress(self, content_hash: str, layers_done: int) -> None:
+        """The runner reports the image's layers now done (after a step). Unknown hashes (the entry was dropped
+        while its last work ran) are ignored."""
+        if content_hash in self._layers_done:
+            self._layers_done[content_hash] = min(max(layers_done, 0), self.depth)
+
+    def reset(self, content_hash: str) -> None:
+        """The runner holds nothing for this image (its encode failed, or its embeddings went missing): back to
+        zero layers. An unpinned entry is dropped instead."""
+        if content_hash not in self._sizes:
+            return
+        if content_hash in self._users:
+            self._layers_done[content_hash] = 0
+        else:
+            self._drop(content_hash)
 
     def is_pinned_by(self, request_id: str, content_hash: str) -> bool:
         return request_id in self._users.get(content_hash, ())

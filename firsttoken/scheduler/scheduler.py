@@ -11,9 +11,10 @@ against the same budget), so a short request never waits for someone else's whol
 
 KV admission: with ``kv_admission="whole-prompt"`` a request starts only when blocks for its whole prompt plus
 ``decode_reserve_tokens`` are free, so no prefill is ever evicted halfway; "optimistic" admits when the next
-chunk fits. When growth still runs the pool dry, the most recently admitted running request (the latest arrival,
-which has the least work in flight and keeps FCFS order) is preempted by recompute, never swapped, and counted
-with its reason. No tensors here: everything is ints and lists.
+chunk fits. When a decode's growth still runs the pool dry, the most recently admitted running request that holds no
+promise (a decoder under whole-prompt admission; anyone under optimistic) is preempted by recompute, never swapped,
+and counted with its cause; if there is none, the growing request itself. A request admitted whole-prompt is never
+preempted before its prefill completes. No tensors here: everything is ints and lists.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from firsttoken.config import CacheConfig, SchedulerConfig
 from firsttoken.engine.request import FinishReason, ImageItem
 from firsttoken.kv.block_manager import KVCacheManager
 from firsttoken.kv.prefix_cache import ImageSpan, compute_block_hashes
-from firsttoken.scheduler.batch import EncoderWork, ScheduledBatch, ScheduledChunk
+from firsttoken.scheduler.batch import EncoderWork, RunnerOutput, ScheduledBatch, ScheduledChunk
 from firsttoken.scheduler.budget import TokenBudget
 from firsttoken.scheduler.encoder_cache import EncoderCacheManager
 from firsttoken.scheduler.lanes import FCFS, LONG, SHORT, AdmissionVerdict, LaneQueues, route_lane
@@ -136,7 +137,22 @@ class Scheduler:
             tuple(step.chunks), tuple(step.encoder_work), self.encoder_cache.pop_freed(), preempted
         )
 
-    def on_chunk_done(self, chunk: ScheduledChunk) -> None:
+    def update(self, batch: ScheduledBatch, result: RunnerOutput) -> None:
+        """Follow what the runner reports it did: encoder layers actually run, images it holds nothing for, and
+        the chunks it ran (a failed or skipped chunk computed nothing; it is scheduled again or its request is
+        finished by the engine)."""
+        for work in batch.encoder_work:
+            h = work.image.content_hash
+            if h in result.encoder_progress:
+                self.encoder_cache.record_progress(h, result.encoder_progress[h])
+        for h in result.discarded_encoder_hashes:
+            self.encoder_cache.reset(h)
+        for chunk in batch.chunks:
+            rid = chunk.request.request_id
+            if rid not in result.failed and rid not in result.skipped_request_ids:
+                self._on_chunk_done(chunk)
+
+    def _on_chunk_done(self, chunk: ScheduledChunk) -> None:
         """KV for the chunk is written: publish full blocks, release images the prefill has passed."""
         req = chunk.request
         req.num_computed_tokens = chunk.end
@@ -248,12 +264,12 @@ class Scheduler:
             return True
         if h in step.worked_hashes:
             return False  # another request advanced it this step and it is not done yet
-        remaining = self.encoder_cache.depth - self.encoder_cache.layers_done(h)
+        start_layer = self.encoder_cache.layers_done(h)
+        remaining = self.encoder_cache.depth - start_layer
         per_layer = max(im.num_tokens, 1)
         layers = remaining if all_layers else max(1, min(remaining, budget.remaining // per_layer))
         budget.take(layers * per_layer)
-        start_layer = self.encoder_cache.layers_done(h)
-        finishes = self.encoder_cache.advance(h, layers)
+        finishes = layers >= remaining  # progress is recorded from the runner's report, in update()
         step.encoder_work.append(EncoderWork(req.request_id, im, start_layer, layers, finishes))
         step.worked_hashes.add(h)
         step.scheduled_ids.add(req.request_id)
@@ -281,16 +297,29 @@ class Scheduler:
         req.timeline.mark("first_scheduled_s")
 
     def _ensure_blocks(self, req: Request, num_tokens: int, step: _Step) -> bool:
-        """Grow req's block table to num_tokens, preempting the latest-admitted others if the pool is dry.
-        A request that already has work in this step is never the victim (the runner will write its blocks)."""
+        """Grow req's block table to num_tokens; when the pool is dry, preempt a victim (see _pick_victim) until
+        it fits. The preemption is labelled by its cause: the growth of a decode or of a prefill chunk (only
+        optimistic admission lets a prefill grow). False when req itself was the victim."""
+        cause = "decode_growth" if _is_decoding(req) else "prefill_growth"
         while self.kv.allocate(req.request_id, num_tokens) is None:
-            victims = [r for r in self.running if r is not req and r.request_id not in step.scheduled_ids]
-            victim = victims[-1] if victims else req
-            reason = "decode_growth" if _is_decoding(victim) or victim.output_token_ids else "prefill_growth"
-            self._preempt(victim, reason)
+            victim = self._pick_victim(req, step)
+            self._preempt(victim, cause)
             if victim is req:
                 return False
         return True
+
+    def _pick_victim(self, req: Request, step: _Step) -> Request:
+        """The latest-admitted running request that has no work in this step (the runner will write its blocks)
+        and whose blocks were not promised: under whole-prompt admission a prefill in progress owns its whole
+        prompt's blocks and is never the victim. Else the growing request itself."""
+        promised = self.config.kv_admission == "whole-prompt"
+        for other in reversed(self.running):
+            if other is req or other.request_id in step.scheduled_ids:
+                continue
+            if promised and not _is_decoding(other):
+                continue
+            return other
+        return req
 
     def _preempt(self, req: Request, reason: str) -> None:
         """Recompute, never swap: drop its KV, keep its tokens, send it to the front of its lane."""

@@ -111,3 +111,73 @@ def test_a_request_past_the_timeout_fails_with_504_and_frees_its_blocks(tiny_mod
     assert reason == FinishReason.ERROR and "0.2 s request timeout" in error
     assert len(ids) == 1  # it got its first token, then ran out of time
     assert engine.stats().kv_blocks_used == 0
+
+
+class FailFirstEncode:
+    """Raises at the first encode stage of one request only (a one-off fault, e.g. a transient allocation error)."""
+
+    def __init__(self, request_id: str) -> None:
+        self.request_id = request_id
+        self.calls = 0
+
+    def __call__(self, stage: str, request_id: str) -> None:
+        if stage == "encode" and request_id == self.request_id and self.calls == 0:
+            self.calls += 1
+            raise RuntimeError("injected fault")
+
+
+def chat(proc: InputProcessor, rid: str, content, **sampling):
+    body = {"model": "m", "messages": [{"role": "user", "content": content}], "max_tokens": 8, "temperature": 0.0}
+    body.update(sampling)
+    return proc.process_chat(ChatCompletionRequest.model_validate(body), rid, Timeline())
+
+
+def image_question(seed: int = 7, text: str = "What is this?"):
+    return [{"type": "image_url", "image_url": {"url": image_data_url(make_image(100, 140, seed=seed))}},
+            {"type": "text", "text": text}]
+
+
+def test_a_failed_encode_does_not_poison_the_encoder_cache_for_the_next_request(tiny_model_dir):
+    # The audit's repro: an encode fault for an image, then the same image beside an unrelated text request.
+    # Before the fix the scheduler counted the image as encoded when it was scheduled, so the next request skipped
+    # the encoder, the runner found no embeddings and the whole batch (text request included) failed.
+    engine, proc = build(tiny_model_dir)
+    reference = run_all(engine, [chat(proc, "ref-img", image_question()), chat(proc, "ref-txt", "Tell me a story.")])
+    engine, proc = build(tiny_model_dir, FailFirstEncode("first"))
+    first = run_all(engine, [chat(proc, "first", image_question())])
+    assert first["first"][1] == FinishReason.ERROR
+    engine.scheduler.check_invariants()
+    calls_before = engine.runner.num_vision_calls
+    again = run_all(engine, [chat(proc, "again", image_question()), chat(proc, "text", "Tell me a story.")])
+    assert again["again"] == reference["ref-img"]  # encoded afresh, same tokens
+    assert again["text"] == reference["ref-txt"]
+    assert engine.runner.num_vision_calls == calls_before + 1
+    assert engine.stats().kv_blocks_used == 0
+
+
+def test_when_a_shared_image_fails_to_encode_only_the_request_whose_encode_it_was_fails(tiny_model_dir):
+    # Two requests send the same image in one step: the first one's encode of it fails. The second one's chunk needs
+    # those embeddings: it is skipped for a step (not failed), its image is encoded afresh, and its tokens are right.
+    engine, proc = build(tiny_model_dir)
+    reference = run_all(engine, [chat(proc, "ref", image_question(text="Same picture, other question"))])
+    engine, proc = build(tiny_model_dir, FailFirstEncode("x"))
+    out = run_all(engine, [chat(proc, "x", image_question()), chat(proc, "y", image_question(text="Same picture, "
+                                                                                            "other question"))])
+    assert out["x"][1] == FinishReason.ERROR
+    assert out["y"] == reference["ref"]
+    assert engine.stats().kv_blocks_used == 0
+
+
+@pytest.mark.parametrize("hostile", [
+    {"temperature": 1e-40, "top_k": 0},  # dividing logits by it overflows to inf
+    {"temperature": 1.0, "repetition_penalty": 1e-40},  # dividing positive logits by it overflows to inf
+    {"temperature": 2.0, "top_p": 1e-40, "repetition_penalty": 1e-30, "presence_penalty": -2.0},
+])
+def test_sampling_values_the_schema_accepts_never_fail_their_batch_mates(tiny_model_dir, hostile):
+    engine, proc = build(tiny_model_dir)
+    reference = run_all(engine, [chat(proc, "a", "First question, about cats."),
+                                 chat(proc, "b", image_question())])
+    out = run_all(engine, [chat(proc, "a", "First question, about cats."), chat(proc, "h", "Odd sampling", **hostile),
+                           chat(proc, "b", image_question())])
+    assert out["h"][1] in (FinishReason.STOP, FinishReason.LENGTH) and out["h"][2] is None
+    assert out["a"] == reference["a"] and out["b"] == reference["b"]

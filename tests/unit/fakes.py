@@ -7,7 +7,7 @@ import torch
 from firsttoken.config import CacheConfig, SchedulerConfig
 from firsttoken.engine.request import EngineRequest, ImageItem, Timeline
 from firsttoken.sampling.params import SamplingParams
-from firsttoken.scheduler.batch import ScheduledBatch
+from firsttoken.scheduler.batch import RunnerOutput, ScheduledBatch
 from firsttoken.scheduler.request import Request
 from firsttoken.scheduler.scheduler import Scheduler
 
@@ -69,8 +69,9 @@ def make_scheduler(
 def run_step(sched: Scheduler, token: int = 7) -> ScheduledBatch:
     """schedule + pretend-execute + update: advance computed tokens, sample `token`, finish at max_tokens."""
     batch = sched.schedule()
+    progress = {w.image.content_hash: w.start_layer + w.num_layers for w in batch.encoder_work}
+    sched.update(batch, RunnerOutput({}, {}, {}, encoder_progress=progress))
     for chunk in batch.chunks:
-        sched.on_chunk_done(chunk)
         req = chunk.request
         if chunk.sample:
             req.output_token_ids.append(token)

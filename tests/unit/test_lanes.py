@@ -120,6 +120,64 @@ def test_whole_prompt_admission_never_preempts_a_prefill():
     assert sched.kv.num_used_blocks == 0
 
 
+def test_a_decode_outgrowing_its_reserve_never_evicts_a_prefill_admitted_whole_prompt():
+    # The audit's repro: 8 blocks of 16. "d" (14 tokens + 2 reserve = 1 block) decodes; "p" (100 tokens + 2 reserve
+    # = 7 blocks) is admitted whole-prompt and prefills 32 tokens per step. When d needs its second block the pool
+    # is dry: p's blocks were promised, so d itself steps back (and waits), and p's prefill runs to the end.
+    sched = lanes_scheduler(num_blocks=8, decode_reserve_tokens=2, max_batched_tokens=33,
+                            long_prompt_threshold=10_000)
+    d = fake_request("d", prompt_len=14, max_tokens=30)
+    sched.add(d)
+    run_step(sched)  # d's prompt; it samples its first token
+    p = fake_request("p", prompt_len=100, max_tokens=2, arrival_seq=1)
+    sched.add(p)
+    progress, preempted = [], []
+    while sched.has_work:
+        batch = run_step(sched)
+        preempted += batch.preempted_request_ids
+        progress.append(p.num_computed_tokens)
+    assert "p" not in preempted and p.timeline.num_preemptions == 0
+    assert preempted == ["d"]  # the growing request itself: the only decoder
+    assert sched.preemptions_by_reason == {"decode_growth": 1}
+    assert len(d.output_token_ids) == 30 and len(p.output_token_ids) == 2
+    assert progress[:4] == [32, 64, 97, 100]  # 32 per step (33 once d stepped back), never restarted
+
+
+def test_whole_prompt_admission_keeps_its_promise_under_random_arrivals_aborts_and_a_tiny_pool():
+    # Thousands of steps of random arrivals (text and images, both lanes), random aborts and a pool far too small:
+    # no request admitted whole-prompt is ever preempted before its prefill completes, every preemption is a
+    # decode's growth, and the pool's invariants hold after every step.
+    import random
+
+    from firsttoken.engine.request import FinishReason
+
+    rng = random.Random(1234)
+    sched = lanes_scheduler(num_blocks=30, decode_reserve_tokens=4, max_batched_tokens=48, long_prompt_threshold=120,
+                            long_step_tokens=32, encoder_capacity_tokens=64)
+    live, seq, steps = {}, 0, 0
+    while steps < 4000:
+        if rng.random() < 0.3:
+            n = rng.randint(8, 300)
+            images = [(f"img{rng.randint(0, 5)}", 3, min(n - 4, rng.randint(4, 60)))] if rng.random() < 0.4 else []
+            req = fake_request(f"r{seq}", prompt_len=n, max_tokens=rng.randint(1, 60), images=images, arrival_seq=seq)
+            if sched.check_admission(n).admitted:
+                sched.add(req)
+                live[req.request_id] = req
+            seq += 1
+        if live and rng.random() < 0.02:
+            victim = live.pop(rng.choice(sorted(live)))
+            sched.finish(victim, FinishReason.ABORT)
+        decoding = {r.request_id for r in sched.running if r.output_token_ids
+                    and r.num_computed_tokens == r.num_tokens - 1}
+        batch = run_step(sched)
+        steps += 1
+        for rid in batch.preempted_request_ids:
+            assert rid in decoding, f"step {steps}: {rid} preempted before its prefill completed"
+        live = {rid: r for rid, r in live.items() if r.status.value != "finished"}
+    assert sched.num_preemptions > 20  # the pool really was too small
+    assert set(sched.preemptions_by_reason) == {"decode_growth"}
+
+
 def test_optimistic_admission_evicts_prefills_halfway_and_counts_it():
     sched = lanes_scheduler(num_blocks=24, decode_reserve_tokens=16, long_prompt_threshold=10_000,
                             kv_admission="optimistic", max_batched_tokens=64)

@@ -159,7 +159,9 @@ def kv_pressure(ctx: Context) -> Finding | None:
     if preempted <= 0:
         share = th.medium_share  # full but not yet preempting: worth a look, not the first suspect
     reasons = o.preemptions_by_reason or {}
-    optimistic = reasons.get("prefill_growth", 0) > 0  # only optimistic admission preempts mid-prefill
+    # reasons are causes: a prefill chunk outgrows its blocks only under optimistic admission (whole-prompt admission
+    # allocates the prompt up front and never preempts a prefill), so decode_growth alone needs memory, not a switch
+    optimistic = reasons.get("prefill_growth", 0) > 0
     memory = kv_memory_for(ctx)
     change = f"--kv-cache-memory {memory}"
     if optimistic:
