@@ -1,0 +1,194 @@
+"""The production engine (real Scheduler + ModelRunner: their own position and image-row slicing, encoder work split
+across steps, prefix cache, preemption) against transformers on the same weights: fp32, 12 greedy tokens, exact ids
+(``generate`` where it agrees with transformers' own forward; see ``reference``).
+
+The parity tests in test_qwen2_vl_parity.py drive a test-only runner; these go through ``LLMEngine.step`` as the
+server does, with step budgets of 7 and 13 tokens so chunk boundaries fall inside images and the vision tower runs
+a layer at a time across steps (every prompt is routed to the long lane). Prompts are built from token ids and
+transformers' own image processor output, so both sides see identical inputs.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from firsttoken.config import CacheConfig, ModelConfig, SchedulerConfig
+from firsttoken.engine.engine import EngineConfig, LLMEngine
+from firsttoken.engine.request import EngineRequest, FinishReason, ImageItem, Timeline
+from firsttoken.models.mrope import compute_mrope_positions
+from firsttoken.sampling.params import SamplingParams
+
+NUM_NEW = 12
+KV_BYTES_PER_TOKEN = 2 * 2 * 2 * 16 * 4  # tiny: 2 layers x 2 KV heads x head_dim 16, K and V, fp32
+torch.set_num_threads(2)
+
+
+@dataclass(frozen=True)
+class Prompt:
+    ids: tuple[int, ...]
+    pixel_values: torch.Tensor | None  # [num_patches, C*T*P*P], images back to back
+    grids: tuple[tuple[int, int, int], ...]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from firsttoken.models.checkpoint import make_model
+
+    return make_model(tmp_path_factory.mktemp("engine-oracle"), size="tiny", seed=3)
+
+
+@pytest.fixture(scope="module")
+def config(model_dir: Path) -> ModelConfig:
+    return ModelConfig.from_pretrained(model_dir)
+
+
+@pytest.fixture(scope="module")
+def reference(model_dir: Path):
+    """Greedy tokens by transformers: ``generate`` for prompts with at most one image, else greedy by repeated full
+    forwards without a KV cache (the model's definition). transformers 5.24's ``generate`` (with or without its
+    cache) departs from its own forward on prompts with two images after a few tokens (two images, seed 2: at the
+    4th token), so it cannot be the oracle there; where it is, the test checks both agree."""
+    from transformers import Qwen2VLForConditionalGeneration
+
+    model = Qwen2VLForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32,
+                                                            attn_implementation="eager").eval()
+    cache: dict[Prompt, list[int]] = {}
+
+    def inputs(ids: list[int], prompt: Prompt) -> dict:
+        input_ids = torch.tensor([ids])
+        kwargs = dict(input_ids=input_ids, mm_token_type_ids=(input_ids == model.config.image_token_id).long())
+        if prompt.pixel_values is not None:  # mm_token_type_ids: FACTS' pitfall
+            kwargs.update(pixel_values=prompt.pixel_values, image_grid_thw=torch.tensor(prompt.grids))
+        return kwargs
+
+    def greedy(prompt: Prompt) -> list[int]:
+        if prompt not in cache:
+            out: list[int] = []
+            with torch.no_grad():
+                for _ in range(NUM_NEW):
+                    out.append(int(model(**inputs(list(prompt.ids) + out, prompt)).logits[0, -1].argmax()))
+                if len(prompt.grids) <= 1:
+                    kw = inputs(list(prompt.ids), prompt)
+                    generated = model.generate(kw.pop("input_ids"), max_new_tokens=NUM_NEW, min_new_tokens=NUM_NEW,
+                                               do_sample=False, **kw)
+                    assert generated[0, len(prompt.ids):].tolist() == out
+            cache[prompt] = out
+        return cache[prompt]
+
+    return greedy
+
+
+def make_prompt(config: ModelConfig, image_sizes: list[tuple[int, int]], seed: int,
+                text_after: list[int] | None = None) -> Prompt:
+    """text(9), then per image: vision_start, its pads, vision_end, text(5); then ``text_after`` or text(4)."""
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    rng = random.Random(seed)
+
+    def text(n: int) -> list[int]:
+        return [rng.randrange(0, 15000) for _ in range(n)]
+
+    ids = text(9)
+    pixel_values, grids = None, []
+    if image_sizes:
+        np_rng = np.random.default_rng(seed)
+        images = [Image.fromarray(np_rng.integers(0, 256, (h, w, 3), dtype=np.uint8)) for w, h in image_sizes]
+        out = Qwen2VLImageProcessorPil()(images=images, return_tensors="pt")
+        pixel_values, grids = out["pixel_values"], [tuple(int(x) for x in g) for g in out["image_grid_thw"].tolist()]
+        for t, h, w in grids:
+            n = t * h * w // config.vision.spatial_merge_size**2
+            ids += [config.vision_start_token_id] + [config.image_token_id] * n + [config.vision_end_token_id]
+            ids += text(5)
+    ids += text_after if text_after is not None else text(4)
+    return Prompt(tuple(ids), pixel_values, tuple(grids))
+
+
+def engine_request(config: ModelConfig, prompt: Prompt, rid: str) -> EngineRequest:
+    images, offsets = [], [i for i, t in enumerate(prompt.ids)
+                           if t == config.image_token_id and (i == 0 or prompt.ids[i - 1] != config.image_token_id)]
+    start = 0
+    for (t, h, w), offset in zip(prompt.grids, offsets):
+        pixels = prompt.pixel_values[start : start + t * h * w]
+        start += t * h * w
+        digest = hashlib.sha256(pixels.numpy().tobytes()).hexdigest()
+        images.append(ImageItem(digest, offset, t * h * w // config.vision.spatial_merge_size**2, (t, h, w), pixels))
+    mrope = compute_mrope_positions(prompt.ids, prompt.grids, config)
+    return EngineRequest(rid, prompt.ids, tuple(images), mrope.positions, mrope.delta,
+                         SamplingParams(max_tokens=NUM_NEW, temperature=0.0, ignore_eos=True), Timeline())
+
+
+def make_engine(model_dir: Path, step_tokens: int, num_blocks: int = 256, **scheduler) -> LLMEngine:
+    from transformers import AutoTokenizer
+
+    options = dict(max_batched_tokens=step_tokens, long_prompt_threshold=1, long_step_tokens=step_tokens,
+                   decode_reserve_tokens=4)
+    options.update(scheduler)
+    enable_encoder_cache = options.pop("enable_encoder_cache", True)
+    cache = CacheConfig(kv_cache_memory_bytes=num_blocks * 16 * KV_BYTES_PER_TOKEN,
+                        enable_encoder_cache=enable_encoder_cache)
+    cfg = EngineConfig(dtype="float32", cache=cache, scheduler=SchedulerConfig(**options))
+    return LLMEngine(model_dir, cfg, AutoTokenizer.from_pretrained(model_dir).backend_tokenizer)
+
+
+def run(engine: LLMEngine, requests: list[EngineRequest]) -> dict[str, list[int]]:
+    tokens: dict[str, list[int]] = {r.request_id: [] for r in requests}
+    for r in requests:
+        engine.add_request(r)
+    while engine.has_unfinished():
+        for out in engine.step():
+            assert out.finish_reason in (None, FinishReason.LENGTH), out.error
+            tokens[out.request_id] += out.new_token_ids
+        engine.scheduler.check_invariants()
+    assert engine.stats().kv_blocks_used == 0
+    return tokens
+
+
+TWO_IMAGES = [(168, 112), (84, 140)]  # (width, height): 24 and 15 visual tokens, different aspect ratios
+
+
+@pytest.mark.parametrize("step_tokens", [7, 13])
+def test_engine_matches_generate_with_chunks_inside_images_and_encodes_split_across_steps(
+    model_dir, config, reference, step_tokens
+):
+    prompts = {"text": make_prompt(config, [], seed=1), "two_images": make_prompt(config, TWO_IMAGES, seed=2)}
+    engine = make_engine(model_dir, step_tokens)
+    got = run(engine, [engine_request(config, p, name) for name, p in prompts.items()])  # one mixed batch
+    for name, prompt in prompts.items():
+        assert got[name] == reference(prompt), name
+    assert engine.runner.num_vision_calls == 2
+    assert engine.scheduler.num_steps > 20  # really chunked: ~90 prompt tokens at most 13 per step
+
+
+def test_engine_matches_generate_when_the_prefix_cache_hit_ends_inside_an_image(model_dir, config, reference):
+    # first: 9 + 1 + 24 pads + 1 + 5 + 4 = 44 tokens -> two full 16-token blocks cached (0..31), ending inside the
+    # image (pads 10..33). The follow-up shares everything up to its last text and reuses those 32 tokens.
+    first = make_prompt(config, [(168, 112)], seed=4, text_after=[11, 12, 13, 14])
+    follow = make_prompt(config, [(168, 112)], seed=4, text_after=[21, 22, 23, 24, 25, 26, 27])
+    for encoder_cache in (True, False):
+        engine = make_engine(model_dir, 13, enable_encoder_cache=encoder_cache)
+        run(engine, [engine_request(config, first, "first")])
+        follow_request = engine_request(config, follow, "follow")
+        got = run(engine, [follow_request])
+        assert follow_request.timeline.num_cached_prompt_tokens == 32
+        assert got["follow"] == reference(follow)
+        assert engine.runner.num_vision_calls == (1 if encoder_cache else 2)
+
+
+def test_engine_matches_generate_after_preemption_by_recompute(model_dir, config, reference):
+    # A pool of 6 blocks (96 tokens) for three 44-token prompts that grow to 56: optimistic admission runs them side
+    # by side and preempts by recompute when decodes outgrow the pool. Recomputed requests must give the same tokens.
+    prompts = {f"r{i}": make_prompt(config, [(168, 112)], seed=10 + i) for i in range(3)}
+    engine = make_engine(model_dir, 13, num_blocks=6, kv_admission="optimistic", long_prompt_threshold=10_000)
+    got = run(engine, [engine_request(config, p, name) for name, p in prompts.items()])
+    assert engine.scheduler.num_preemptions > 0
+    print(f"preemptions by reason: {engine.scheduler.preemptions_by_reason}")
+    for name, prompt in prompts.items():
+        assert got[name] == reference(prompt), name
