@@ -16,11 +16,11 @@ import numpy as np
 from PIL import Image
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
-from firsttoken.config import VisionConfig
+from firsttoken.models.config import VisionConfig
 from firsttoken.inputs.image import preprocess_image, smart_resize
 
 SIZES = [(448, 448), (1024, 1024), (2048, 1536)]  # (width, height)
-VISION = VisionConfig(depth=1, embed_dim=16, num_heads=1, mlp_ratio=4.0, out_hidden_size=16)
+VISION = VisionConfig(depth=1, embed_dim=16, num_heads=1, intermediate_size=64, out_hidden_size=16)
 
 
 def median_s(fn: Callable[[], object], repeats: int) -> float:

@@ -25,10 +25,11 @@ import torch
 from PIL import Image
 
 from firsttoken.attention.base import AttentionMetadata
-from firsttoken.config import ModelConfig
+from firsttoken.models.registry import load_model_config
+from firsttoken.models.config import ModelConfig
 from firsttoken.models.loader import load_model
 from firsttoken.models.mrope import compute_mrope_positions
-from firsttoken.models.qwen2_vl import merge_image_embeds
+from firsttoken.models.interfaces import ImageEmbeddings, ImageRows
 from firsttoken.runner.kv_cache import allocate_kv_caches
 
 BLOCK_SIZE = 16
@@ -94,8 +95,8 @@ def ours_ttft(model, ids: list[int], pixel_values: torch.Tensor, grids: list) ->
             positions = compute_mrope_positions(ids, grids, config).positions
             meta = AttentionMetadata.build([len(ids)], [0], [list(range(num_blocks))], BLOCK_SIZE)
             image_embeds = model.visual(pixel_values, grids)
-            embeds = merge_image_embeds(model.embed_tokens(input_ids), input_ids, image_embeds, config.image_token_id)
-            hidden = model(embeds, positions, kv_caches, meta)
+            start = ids.index(config.image_token_id)  # one image: its pads are contiguous
+            hidden = model(input_ids, positions, kv_caches, meta, [ImageRows(start, ImageEmbeddings(image_embeds))])
             return model.compute_logits(hidden[-1:])
 
     return run
@@ -150,7 +151,7 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = args.model or build_small_checkpoint(Path(tmp))
-        config = ModelConfig.from_pretrained(model_dir)
+        config = load_model_config(model_dir)
         ids, pixel_values, grids = make_inputs(config, args.image_size, args.text_tokens, args.max_pixels)
         num_image_tokens = sum(1 for t in ids if t == config.image_token_id)
         print(

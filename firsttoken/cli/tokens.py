@@ -12,13 +12,14 @@ import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from firsttoken.config import ModelConfig, VisionConfig
+from firsttoken.models.registry import load_model_config
+from firsttoken.models.config import VisionConfig
 from firsttoken.inputs.budget import ImageBudget, plan_image
 from firsttoken.inputs.image import ImageInputError, probe_image
 
 SERVE_DEFAULT = ImageBudget()
 # Only the geometry matters for counting: every Qwen2-VL checkpoint has 14-px patches merged 2x2.
-QWEN2_VL_GEOMETRY = VisionConfig(depth=1, embed_dim=1, num_heads=1, mlp_ratio=1.0, out_hidden_size=1)
+QWEN2_VL_GEOMETRY = VisionConfig(depth=1, embed_dim=1, num_heads=1, intermediate_size=1, out_hidden_size=1)
 
 
 @dataclass(frozen=True)
@@ -100,7 +101,7 @@ def format_table(rows: list[ImageRow]) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    vision = ModelConfig.from_pretrained(args.model).vision if args.model else QWEN2_VL_GEOMETRY
+    vision = load_model_config(args.model).vision if args.model else QWEN2_VL_GEOMETRY
     budget = ImageBudget(
         args.image_max_tokens, min(args.image_min_tokens, args.image_max_tokens), SERVE_DEFAULT.low_detail_tokens
     )

@@ -13,7 +13,9 @@ from pathlib import Path
 
 import torch
 
-from firsttoken.config import CacheConfig, ModelConfig, SchedulerConfig
+from firsttoken.config import CacheConfig, SchedulerConfig
+from firsttoken.models.registry import load_model_config
+from firsttoken.models.config import ModelConfig
 from firsttoken.engine.client import EngineStats
 from firsttoken.engine.detokenizer import IncrementalDetokenizer, TokenDecoder
 from firsttoken.engine.request import EngineRequest, FinishReason, RequestOutput
@@ -115,7 +117,7 @@ class LLMEngine:
     ) -> None:
         self.config = config
         self.observer: StatsObserver = observer or NullObserver()
-        self.model_config = ModelConfig.from_pretrained(model_dir)
+        self.model_config = load_model_config(model_dir)
         self.tokenizer = tokenizer
         dtype = config.torch_dtype()
         self.capacity = plan_kv_capacity(self.model_config, config)
@@ -124,18 +126,14 @@ class LLMEngine:
             self.model_config, self.capacity.num_blocks, self.capacity.block_size, dtype, "cpu"
         )
         dtype_bytes = kv_caches[0].element_size()
-        encoder_tokens = (
-            config.cache.encoder_cache_memory_bytes // (self.model_config.hidden_size * dtype_bytes)
-            if config.cache.enable_encoder_cache
-            else 0
-        )
+        per_token = self.model_config.hidden_size * dtype_bytes * (1 + len(self.model_config.vision.deepstack_visual_indexes))
+        encoder_tokens = config.cache.encoder_cache_memory_bytes // per_token if config.cache.enable_encoder_cache else 0
         self.scheduler = Scheduler(
             config.scheduler,
             config.cache,
             self.capacity.num_blocks,
             self.capacity.max_model_len,
             encoder_tokens,
-            encoder_depth=self.model_config.vision.depth,
         )
         self.runner = ModelRunner(
             model, self.model_config, kv_caches, self.capacity.block_size, Sampler(config.seed), fault_hook

@@ -13,6 +13,7 @@ from enum import Enum
 
 import torch
 
+from firsttoken.models.interfaces import EncoderUnit
 from firsttoken.sampling.params import SamplingParams
 
 
@@ -24,6 +25,7 @@ class ImageItem:
     offset: int  # index of the first image-pad token in the prompt
     num_tokens: int  # visual tokens after the 2x2 merge
     grid_thw: tuple[int, int, int]  # patch grid before merging
+    encoder_units: tuple[EncoderUnit, ...]  # its vision-tower work, in order (the model family's split)
     pixel_values: torch.Tensor | None  # [num_patches, C * T * P * P]; None when the encoder output is cached
 
     @property

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from firsttoken.config import VisionConfig
+from firsttoken.models.config import VisionConfig
 from firsttoken.inputs.image import (
     MAX_ASPECT_RATIO,
     ImageInputError,

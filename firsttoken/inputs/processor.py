@@ -33,7 +33,8 @@ from typing import Any
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from firsttoken.api.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, ImagePart
-from firsttoken.config import GenerationDefaults, ModelConfig
+from firsttoken.config import GenerationDefaults
+from firsttoken.models.config import ModelConfig
 from firsttoken.engine.detokenizer import IncrementalDetokenizer
 from firsttoken.engine.request import EngineRequest, ImageItem, Timeline
 from firsttoken.inputs.budget import BudgetError, ImageBudget, ImagePlan, plan_image
@@ -46,7 +47,7 @@ from firsttoken.inputs.image import (
 )
 from firsttoken.inputs.media import RemoteMedia, load_image_bytes
 from firsttoken.inputs.mm_hash import ProcessedImageCache, pixel_content_hash, raw_bytes_key
-from firsttoken.models.mrope import compute_mrope_positions
+from firsttoken.models.registry import family_named
 from firsttoken.sampling.params import SamplingParams
 from firsttoken.scheduler.lanes import AdmissionVerdict
 
@@ -161,6 +162,7 @@ class InputProcessor:
             raise ValueError("max_input_tokens must be >= 1")
         self.tokenizer = tokenizer
         self.model_config = model_config
+        self.family = family_named(model_config.family)
         self.generation_defaults = generation_defaults
         self.max_model_len = max_model_len
         # Prompt tokens (text + image + template) a request may bring; None: only the context limit applies.
@@ -358,13 +360,14 @@ class InputProcessor:
             if not verdict.admitted:
                 raise AdmissionRefused(verdict)
         images = self._decode_images(prompt)  # the first expensive step: every limit has passed
-        mrope = compute_mrope_positions(prompt.token_ids, [im.grid_thw for im in images], self.model_config)
+        mrope = self.family.positions(prompt.token_ids, [im.grid_thw for im in images], self.model_config)
         items = tuple(
             ImageItem(
                 content_hash=im.content_hash or "",
                 offset=offset,
                 num_tokens=im.num_tokens,
                 grid_thw=im.grid_thw,
+                encoder_units=self.family.encoder_units(self.model_config.vision, im.grid_thw),
                 pixel_values=im.pixel_values,
             )
             for im, offset in zip(images, prompt.offsets)

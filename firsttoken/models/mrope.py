@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from firsttoken.config import ModelConfig
+from firsttoken.models.config import ModelConfig
 
 
 @dataclass(frozen=True)

@@ -1,33 +1,44 @@
-"""Qwen2-VL: a Qwen2 decoder with multimodal rotary positions (M-RoPE) plus the vision tower.
+"""Qwen2-VL: a Qwen2 decoder with multimodal rotary positions (M-RoPE) plus the vision tower; the family's config
+parsing, weight mapping and encoder units (``QWEN2_VL``, listed in models/registry.py).
 
 The model is stateless across steps: the KV cache tensors and the attention metadata come in with every
 ``forward`` (the runner owns both). One forward serves a packed batch: prefill chunks and decode tokens of many
-sequences back to back, ``[num_tokens, ...]`` rows, as ``AttentionMetadata`` describes.
+sequences back to back, ``[num_tokens, ...]`` rows, as ``AttentionMetadata`` describes. How a runner drives it
+(models/interfaces.py)::
 
-How a runner drives it for one step::
+    hidden = model(input_ids, positions, kv_caches, meta, images)   # positions: [3, num_tokens] from mrope.py
+    logits = model.compute_logits(hidden[last_token_rows])          # [num_seqs, vocab] float32
 
-    embeds = model.embed_tokens(input_ids)                    # [num_tokens, hidden]
-    embeds = merge_image_embeds(embeds, input_ids, image_rows, config.image_token_id)
-    hidden = model(embeds, positions, kv_caches, meta)        # positions: [3, num_tokens] from mrope.py
-    logits = model.compute_logits(hidden[last_token_rows])    # [num_seqs, vocab] float32
-
-``image_rows`` are the vision-tower outputs for exactly the image-pad tokens inside this step's chunk(s), in
-order; the tower runs once per image (``model.visual``) and ``image_rows_in_span`` tells which of its rows a
-chunk covers.
+``images`` place vision-tower output rows (``ImageRows``) over the image-pad tokens of this step's chunks; the
+tower runs once per image, unit by unit (``model.visual``), and a chunk that ends inside an image gets the rows it
+covers.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from firsttoken.attention.base import AttentionBackend, AttentionMetadata
-from firsttoken.config import ModelConfig
+from firsttoken.models.config import (
+    ConfigError,
+    ConfigReader,
+    ModelConfig,
+    VisionConfig,
+    default_mrope_section,
+    eos_ids,
+    image_processor_config,
+    text_and_vision_dicts,
+)
+from firsttoken.models.family import ModelFamily
+from firsttoken.models.interfaces import ImageRows
 from firsttoken.models.layers import RMSNorm, SwiGLUMLP, apply_rotary, mrope_cos_sin
-from firsttoken.models.qwen2_vl_vision import Qwen2VisionTransformer
+from firsttoken.models.qwen2_vl_vision import IMAGE_PROCESSOR, Qwen2VisionTransformer, full_attention_units
+from firsttoken.models.weights import QKV_AND_GATE_UP, WeightMapping, flatten_conv3d
 
 
 class Qwen2Attention(nn.Module):
@@ -108,19 +119,20 @@ class Qwen2VLModel(nn.Module):
 
     def forward(
         self,
-        inputs_embeds: torch.Tensor,  # [num_tokens, hidden]
+        input_ids: torch.Tensor,  # [num_tokens]
         positions: torch.Tensor,  # [3, num_tokens] int64 (t, h, w)
         kv_caches: list[torch.Tensor],  # per layer [2, num_blocks, block_size, num_kv_heads, head_dim]
         meta: AttentionMetadata,
+        images: Sequence[ImageRows] = (),
     ) -> torch.Tensor:
         """Final-norm hidden states [num_tokens, hidden]; writes this step's keys/values into kv_caches."""
         if len(kv_caches) != len(self.layers):
             raise ValueError(f"got {len(kv_caches)} KV cache tensors for {len(self.layers)} layers")
-        cos, sin = mrope_cos_sin(
-            positions, self.config.head_dim, self.config.rope_theta, self.config.mrope_section, inputs_embeds.dtype
-        )
+        x = self.embed_tokens(input_ids)  # [num_tokens, hidden]
+        for rows in images:
+            x[rows.start : rows.start + rows.embeddings.num_tokens] = rows.embeddings.main.to(x.dtype)
+        cos, sin = mrope_cos_sin(positions, self.config.head_dim, self.config.rope_theta, self.config.mrope_section, x.dtype)
         cos, sin = cos[:, None, :], sin[:, None, :]  # broadcast over heads
-        x = inputs_embeds
         for layer, kv_cache in zip(self.layers, kv_caches):
             x = layer(x, cos, sin, kv_cache, meta)
         return self.norm(x)
@@ -131,26 +143,80 @@ class Qwen2VLModel(nn.Module):
         return F.linear(hidden, weight).float()
 
 
-def merge_image_embeds(
-    inputs_embeds: torch.Tensor,  # [num_tokens, hidden]
-    input_ids: torch.Tensor,  # [num_tokens]
-    image_embeds: torch.Tensor,  # [num image-pad tokens among input_ids, hidden]
-    image_token_id: int,
-) -> torch.Tensor:
-    """inputs_embeds with the image-pad rows replaced, in order, by image_embeds (written in place)."""
-    mask = input_ids == image_token_id
-    num_pads = int(mask.sum())
-    if num_pads != image_embeds.shape[0]:
-        raise ValueError(f"{num_pads} image-pad tokens but {image_embeds.shape[0]} image embedding rows")
-    if num_pads:
-        inputs_embeds[mask] = image_embeds.to(inputs_embeds.dtype)
-    return inputs_embeds
+def parse_config(d: dict[str, Any], preprocessor: dict[str, Any] | None) -> ModelConfig:
+    """Qwen2-VL's config.json in either layout: "original" (the release: flat text fields, ``rope_scaling``,
+    ``vision_config.embed_dim``/``in_chans``) or "transformers" (nested ``text_config``, ``rope_parameters``)."""
+    text, v, layout = text_and_vision_dicts(d)
+    t = ConfigReader(text, "config.json")
+    vr = ConfigReader(v, "config.json vision_config")
+    rope = text.get("rope_parameters") or text.get("rope_scaling") or {}
+    hidden = int(t.require("hidden_size"))
+    num_heads = int(t.require("num_attention_heads"))
+    head_dim = hidden // num_heads
+    embed_dim = int(vr.get("embed_dim", 1280))
+    vision = VisionConfig(
+        depth=int(vr.get("depth", 32)),
+        embed_dim=embed_dim,
+        num_heads=int(vr.get("num_heads", 16)),
+        intermediate_size=int(embed_dim * float(vr.get("mlp_ratio", 4))),
+        out_hidden_size=int(vr.get("hidden_size", hidden)),
+        in_channels=int(v.get("in_channels", v.get("in_chans", 3))),
+        patch_size=int(v.get("patch_size", v.get("spatial_patch_size", 14))),
+        spatial_merge_size=int(vr.get("spatial_merge_size", 2)),
+        temporal_patch_size=int(vr.get("temporal_patch_size", 2)),
+        hidden_act=str(vr.get("hidden_act", "quick_gelu")),
+    )
+    if hidden % num_heads:
+        raise ConfigError("config.json: hidden_size must be divisible by num_attention_heads")
+    return ModelConfig(
+        family=QWEN2_VL_NAME,
+        vocab_size=int(t.require("vocab_size")),
+        hidden_size=hidden,
+        intermediate_size=int(t.require("intermediate_size")),
+        num_hidden_layers=int(t.require("num_hidden_layers")),
+        num_attention_heads=num_heads,
+        num_key_value_heads=int(t.get("num_key_value_heads", num_heads)),
+        head_dim=head_dim,
+        max_position_embeddings=int(t.get("max_position_embeddings", 32768)),
+        rms_norm_eps=float(t.get("rms_norm_eps", 1e-6)),
+        rope_theta=float(rope.get("rope_theta", text.get("rope_theta", 1_000_000.0))),
+        mrope_section=tuple(rope.get("mrope_section") or default_mrope_section(head_dim)),
+        tie_word_embeddings=bool(d.get("tie_word_embeddings", text.get("tie_word_embeddings", False))),
+        image_token_id=int(d.get("image_token_id", 151655)),
+        video_token_id=int(d.get("video_token_id", 151656)),
+        vision_start_token_id=int(d.get("vision_start_token_id", 151652)),
+        vision_end_token_id=int(d.get("vision_end_token_id", 151653)),
+        vision=vision,
+        image_processor=image_processor_config(preprocessor, IMAGE_PROCESSOR),
+        hidden_act=str(t.get("hidden_act", "silu")),
+        eos_token_ids=eos_ids(text.get("eos_token_id", d.get("eos_token_id"))),
+        layout=layout,
+    )
 
 
-def image_rows_in_span(input_ids: Sequence[int] | torch.Tensor, start: int, end: int, image_token_id: int) -> slice:
-    """Which rows of a prompt's concatenated image embeddings cover the image-pad tokens in
-    ``input_ids[start:end]`` (input_ids is the whole prompt)."""
-    ids = torch.as_tensor(input_ids)
-    before = int((ids[:start] == image_token_id).sum())
-    inside = int((ids[start:end] == image_token_id).sum())
-    return slice(before, before + inside)
+QWEN2_VL_NAME = "qwen2-vl"
+
+# Checkpoint names (first match wins): the release and transformers 5.24's save_pretrained write
+# model.embed_tokens / model.layers.N / model.norm / lm_head / visual.*; transformers 4.5x wrote
+# model.language_model.* / model.visual.*.
+QWEN_VL_WEIGHTS = WeightMapping(
+    prefixes=(
+        ("model.language_model.", ""),
+        ("model.visual.", "visual."),
+        ("visual.", "visual."),
+        ("model.", ""),
+        ("lm_head.", "lm_head."),
+    ),
+    stacked=QKV_AND_GATE_UP,
+    reshape=(("visual.patch_embed.proj.weight", flatten_conv3d),),
+)
+
+QWEN2_VL = ModelFamily(
+    name=QWEN2_VL_NAME,
+    architectures=("Qwen2VLForConditionalGeneration",),
+    model_types=("qwen2_vl",),
+    parse_config=parse_config,
+    build=lambda config, backend: Qwen2VLModel(config, backend),
+    weights=QWEN_VL_WEIGHTS,
+    encoder_units=full_attention_units,
+)

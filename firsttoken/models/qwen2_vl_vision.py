@@ -9,16 +9,19 @@ Attention never crosses images.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from firsttoken.config import VisionConfig
+from firsttoken.models.config import ImageProcessorConfig, VisionConfig
+from firsttoken.models.interfaces import EncoderUnit, EncodeState, ImageEmbeddings
 from firsttoken.models.layers import apply_rotary, quick_gelu, rope_inv_freq
 
 VISION_ROPE_THETA = 10000.0
 VISION_LN_EPS = 1e-6
+IMAGE_PROCESSOR = ImageProcessorConfig()  # Qwen2-VL's preprocessor defaults: 14-px patches, 2x2 merge, CLIP mean/std
 
 
 class PatchEmbed(nn.Module):
@@ -74,9 +77,8 @@ class VisionAttention(nn.Module):
 class VisionMLP(nn.Module):
     def __init__(self, config: VisionConfig) -> None:
         super().__init__()
-        hidden = int(config.embed_dim * config.mlp_ratio)
-        self.fc1 = nn.Linear(config.embed_dim, hidden)
-        self.fc2 = nn.Linear(hidden, config.embed_dim)
+        self.fc1 = nn.Linear(config.embed_dim, config.intermediate_size)
+        self.fc2 = nn.Linear(config.intermediate_size, config.embed_dim)
         if config.hidden_act not in ("quick_gelu", "gelu"):
             raise ValueError(f"vision_config.hidden_act {config.hidden_act!r} unsupported (quick_gelu, gelu)")
         self.act = quick_gelu if config.hidden_act == "quick_gelu" else F.gelu
@@ -117,7 +119,18 @@ class PatchMerger(nn.Module):
         return self.mlp(self.ln_q(x).view(-1, self.merged_dim))
 
 
+@dataclass
+class Qwen2EncodeState(EncodeState):
+    hidden: torch.Tensor  # [num_patches, embed_dim] after ``units_done`` blocks
+    cos: torch.Tensor  # [num_patches, 1, 1, head_dim] fp32
+    sin: torch.Tensor
+    num_units: int
+    units_done: int = 0
+
+
 class Qwen2VisionTransformer(nn.Module):
+    """One encoder unit per block; the patch embedding runs in ``start_encode``, the merger in ``finish_encode``."""
+
     def __init__(self, config: VisionConfig) -> None:
         super().__init__()
         self.config = config
@@ -129,17 +142,28 @@ class Qwen2VisionTransformer(nn.Module):
     def dtype(self) -> torch.dtype:
         return self.patch_embed.proj.weight.dtype
 
+    def start_encode(self, pixel_values: torch.Tensor, grid_thw: tuple[int, int, int]) -> Qwen2EncodeState:
+        _check_patches(pixel_values, [grid_thw])
+        cos, sin = self.rotary_cos_sin([grid_thw], pixel_values.device)
+        hidden = self.patch_embed(pixel_values)  # [num_patches, embed_dim]
+        return Qwen2EncodeState(hidden, cos, sin, num_units=len(self.blocks))
+
+    def run_units(self, state: Qwen2EncodeState, num_units: int) -> None:  # type: ignore[override]
+        patches = [state.hidden.shape[0]]
+        for block in self.blocks[state.units_done : state.units_done + num_units]:
+            state.hidden = block(state.hidden, state.cos, state.sin, patches)
+        state.units_done = min(state.units_done + num_units, state.num_units)
+
+    def finish_encode(self, state: Qwen2EncodeState) -> ImageEmbeddings:  # type: ignore[override]
+        return ImageEmbeddings(self.merger(state.hidden))
+
     def forward(
         self,
         pixel_values: torch.Tensor,  # [num_patches, C*T*P*P]
         grid_thw: Sequence[tuple[int, int, int]],  # per image (t, h, w) in patches
     ) -> torch.Tensor:
         """[sum over images of t*h*w / merge^2, out_hidden_size] image tokens, images back to back."""
-        patches_per_image = [t * h * w for t, h, w in grid_thw]
-        if sum(patches_per_image) != pixel_values.shape[0]:
-            raise ValueError(
-                f"grid_thw covers {sum(patches_per_image)} patches but pixel_values has {pixel_values.shape[0]} rows"
-            )
+        patches_per_image = _check_patches(pixel_values, grid_thw)
         cos, sin = self.rotary_cos_sin(grid_thw, pixel_values.device)
         x = self.patch_embed(pixel_values)  # [num_patches, embed_dim]
         for block in self.blocks:
@@ -171,3 +195,20 @@ def vision_position_ids(
         cols = cols.reshape(shape).transpose(1, 2).flatten()
         out.append(torch.stack((rows, cols), dim=-1).repeat(t, 1))
     return torch.cat(out, dim=0)
+
+
+def _check_patches(pixel_values: torch.Tensor, grid_thw: Sequence[tuple[int, int, int]]) -> list[int]:
+    patches_per_image = [t * h * w for t, h, w in grid_thw]
+    if sum(patches_per_image) != pixel_values.shape[0]:
+        raise ValueError(
+            f"grid_thw covers {sum(patches_per_image)} patches but pixel_values has {pixel_values.shape[0]} rows"
+        )
+    return patches_per_image
+
+
+def full_attention_units(vision: VisionConfig, grid_thw: tuple[int, int, int]) -> tuple[EncoderUnit, ...]:
+    """Qwen2-VL: ``depth`` equal units, each a block attending over the whole image (frame by frame)."""
+    t, h, w = grid_thw
+    num_patches = t * h * w
+    unit = EncoderUnit(num_patches, t * (h * w) ** 2, num_patches // vision.spatial_merge_size**2)
+    return (unit,) * vision.depth

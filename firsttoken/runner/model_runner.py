@@ -1,9 +1,9 @@
 """The only engine code that touches tensors: vision tower for uncached images, forward, sample.
 
-Per step: drop encoder outputs the scheduler freed; run the scheduled vision-tower layers (an image may be
-encoded over several steps: an EncodeJob keeps its hidden states between them; the merger runs after the last
-block, and a chunk may end inside an image, later chunks slice the stored output); pack every chunk's tokens
-into one batch (embeddings with image rows replaced, M-RoPE positions
+Per step: drop encoder outputs the scheduler freed; run the scheduled vision-tower units through the model's
+encode protocol (models/interfaces.py: an image may be encoded over several steps, its EncodeState kept in
+between; a chunk may end inside an image, later chunks slice the stored ImageEmbeddings); pack every chunk's
+tokens into one batch (embeddings with image rows replaced, M-RoPE positions
 sliced from the request's precomputed table); one forward over the paged KV cache; logits only at the last
 token of chunks that sample; the sampler picks tokens. Everything it did is reported back as RunnerOutput,
 and the scheduler's bookkeeping follows that report, not the plan it scheduled.
@@ -13,15 +13,16 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
 
 from firsttoken.attention.base import AttentionMetadata
-from firsttoken.config import ModelConfig
-from firsttoken.engine.request import ImageItem, TokenLogprob
+from firsttoken.engine.request import TokenLogprob
+from firsttoken.models.config import ModelConfig
+from firsttoken.models.interfaces import EncodeState, ImageEmbeddings, ImageRows
 from firsttoken.models.mrope import decode_positions
 from firsttoken.sampling.sampler import SampleRow, Sampler
 from firsttoken.scheduler.batch import EncoderWork, RunnerOutput, ScheduledBatch, ScheduledChunk
@@ -33,30 +34,6 @@ class FaultHook(Protocol):
     """A test seam: called before a request's work in a step; raising fails that request only."""
 
     def __call__(self, stage: str, request_id: str) -> None: ...
-
-
-@dataclass
-class EncodeJob:
-    """One image part-way through the vision tower: hidden states after `layers_done` blocks.
-    Layer 0 includes the patch embedding; the merger runs after the last block."""
-
-    hidden: torch.Tensor  # [num_patches, embed_dim]
-    cos: torch.Tensor
-    sin: torch.Tensor
-    patches_per_image: list[int]
-    layers_done: int = 0
-
-    @staticmethod
-    def start(visual: torch.nn.Module, image: ImageItem) -> "EncodeJob":
-        pixels = image.pixel_values.to(dtype=visual.dtype)
-        cos, sin = visual.rotary_cos_sin([image.grid_thw], pixels.device)
-        t, h, w = image.grid_thw
-        return EncodeJob(visual.patch_embed(pixels), cos, sin, [t * h * w])
-
-    def run_layers(self, visual: torch.nn.Module, num_layers: int) -> None:
-        for block in visual.blocks[self.layers_done : self.layers_done + num_layers]:
-            self.hidden = block(self.hidden, self.cos, self.sin, self.patches_per_image)
-        self.layers_done = min(self.layers_done + num_layers, len(visual.blocks))
 
 
 class RequestFailure(Exception):
@@ -84,13 +61,13 @@ class ModelRunner:
         self.block_size = block_size
         self.sampler = sampler
         self.fault_hook = fault_hook
-        self.encoder_outputs: dict[str, torch.Tensor] = {}  # content hash -> [num_tokens, hidden]
-        self._encode_jobs: dict[str, EncodeJob] = {}  # images part-way through the vision tower
+        self.encoder_outputs: dict[str, ImageEmbeddings] = {}  # content hash -> the image's embeddings
+        self._encode_jobs: dict[str, EncodeState] = {}  # images part-way through the vision tower
         self.num_vision_calls = 0  # images fully encoded by the vision tower; tests read it to prove reuse
 
     @property
     def encoder_cache_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.encoder_outputs.values())
+        return sum(e.num_bytes for e in self.encoder_outputs.values())
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> RunnerOutput:
@@ -179,56 +156,53 @@ class ModelRunner:
             raise RequestFailure(request_id, f"internal error while {stage} this request") from e
 
     def _run_encoder(self, work: EncoderWork) -> int:
-        """Run vision-tower layers [start_layer, start_layer + num_layers) of one image; keep partial state.
-        Returns the image's layers done afterwards (the tower's depth once its embeddings exist)."""
+        """Run encoder units [start_unit, start_unit + num_units) of one image; keep partial state. Returns the
+        image's units done afterwards (all of them once its embeddings exist)."""
         image = work.image
-        depth = len(self.model.visual.blocks)
+        visual = self.model.visual
         if image.content_hash in self.encoder_outputs:
-            return depth
+            return len(image.encoder_units)
         job = self._encode_jobs.get(image.content_hash)
-        if job is not None and job.layers_done != work.start_layer:
-            if work.start_layer != 0:
+        if job is not None and job.units_done != work.start_unit:
+            if work.start_unit != 0:
                 raise RequestFailure(work.request_id, "image encoding state was lost; retry the request")
             job = None  # the scheduler restarted this image from its pixels
         if job is None:
-            if work.start_layer != 0:
+            if work.start_unit != 0:
                 raise RequestFailure(work.request_id, "image encoding state was lost; retry the request")
             if image.pixel_values is None:
                 raise RequestFailure(work.request_id, "image pixels are missing and its encoding is not cached")
-            job = EncodeJob.start(self.model.visual, image)
+            job = visual.start_encode(image.pixel_values.to(self.model.dtype), image.grid_thw)
             self._encode_jobs[image.content_hash] = job
-        job.run_layers(self.model.visual, work.num_layers)
-        if job.layers_done >= depth:
-            self.encoder_outputs[image.content_hash] = self.model.visual.merger(job.hidden)
+        visual.run_units(job, work.num_units)
+        if job.done:
+            self.encoder_outputs[image.content_hash] = visual.finish_encode(job)
             del self._encode_jobs[image.content_hash]
             self.num_vision_calls += 1
-        return job.layers_done
+        return job.units_done
 
     def _forward_and_sample(
         self, chunks: list[ScheduledChunk], failed: dict[str, str], timing: dict[str, float]
     ) -> tuple[dict[str, int], dict[str, TokenLogprob]]:
         ids: list[int] = []
         positions: list[torch.Tensor] = []
-        image_rows: list[tuple[int, torch.Tensor]] = []  # (row in the packed batch, embeddings)
+        images: list[ImageRows] = []
         for chunk in chunks:
             base = len(ids)
             ids.extend(chunk.request.token_ids(chunk.context_len, chunk.end))
             positions.append(self._positions(chunk))
             for im in chunk.request.images_in(chunk.context_len, chunk.end):
                 lo, hi = max(im.offset, chunk.context_len), min(im.end, chunk.end)
-                emb = self.encoder_outputs[im.content_hash][lo - im.offset : hi - im.offset]
-                image_rows.append((base + lo - chunk.context_len, emb))
-        input_ids = torch.tensor(ids, dtype=torch.long)
-        embeds = self.model.embed_tokens(input_ids)  # [num_tokens, hidden]
-        for row, emb in image_rows:
-            embeds[row : row + emb.shape[0]] = emb.to(embeds.dtype)
+                rows = self.encoder_outputs[im.content_hash].rows(lo - im.offset, hi - im.offset)
+                images.append(ImageRows(base + lo - chunk.context_len, rows))
         meta = AttentionMetadata.build(
             [c.num_new_tokens for c in chunks],
             [c.context_len for c in chunks],
             [list(c.block_table) for c in chunks],
             self.block_size,
         )
-        hidden = self.model(embeds, torch.cat(positions, dim=1), self.kv_caches, meta)
+        input_ids = torch.tensor(ids, dtype=torch.long)
+        hidden = self.model(input_ids, torch.cat(positions, dim=1), self.kv_caches, meta, images)
         timing["forward_done"] = time.monotonic()
         sampling = [(i, c) for i, c in enumerate(chunks) if c.sample]
         if not sampling:

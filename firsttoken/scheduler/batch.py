@@ -10,14 +10,13 @@ from firsttoken.scheduler.request import Request
 
 @dataclass(frozen=True)
 class EncoderWork:
-    """Run vision-tower layers [start_layer, start_layer + num_layers) of one image for one request.
-    Layer 0 includes the patch embedding; the last layer includes the 2x2 merger, after which the image's
-    embeddings exist and chunks may cover its tokens."""
+    """Run encoder units [start_unit, start_unit + num_units) of one image for one request. Unit 0 starts from the
+    pixels; after the last one the image's embeddings exist and chunks may cover its tokens."""
 
     request_id: str
     image: ImageItem
-    start_layer: int
-    num_layers: int
+    start_unit: int
+    num_units: int
     finishes: bool
 
 
@@ -74,7 +73,7 @@ class RunnerOutput:
     logprobs: dict[str, TokenLogprob]
     failed: dict[str, str]  # request_id -> user-safe error message
     skipped_request_ids: frozenset[str] = frozenset()
-    encoder_progress: dict[str, int] = field(default_factory=dict)  # image hash -> layers done after this step
+    encoder_progress: dict[str, int] = field(default_factory=dict)  # image hash -> units done after this step
     discarded_encoder_hashes: frozenset[str] = frozenset()  # images the runner holds nothing for any more
     encoder_s: dict[str, float] = field(default_factory=dict)  # request_id -> vision-tower seconds this step
     num_images_encoded: dict[str, int] = field(default_factory=dict)

@@ -1,13 +1,14 @@
 """Which vision-tower outputs exist or are being computed, who needs them, and which to drop: bookkeeping only.
 
-Entries are keyed by image content hash and sized in visual tokens. An image is encoded layer by layer, possibly
-across several steps (``layers_done`` of ``depth``); it is *ready* when every layer has run. Progress is recorded
-from what the runner reports it actually ran (``record_progress``), never from what was scheduled: an encode that
-fails is ``reset`` to zero layers, so a failure can never leave an entry that claims embeddings nobody holds. An entry pinned by a
-request whose prefill has not yet passed that image is never evicted. Unpinned ready entries stay, least recently
-used first out, while the total fits ``capacity_tokens``; with capacity 0 (cache off) an entry lives exactly as
-long as some request still needs it. An unpinned entry that is not ready (its requester went away mid-encode) is
-dropped at once. An image larger than the whole capacity is still served: pinned while needed, then dropped. The
+Entries are keyed by image content hash and sized in visual tokens. An image is encoded unit by unit (the model
+family's split of its vision work, e.g. one block per unit), possibly across several steps (``units_done`` of its
+``num_units``); it is *ready* when every unit has run. Progress is recorded from what the runner reports it
+actually ran (``record_progress``), never from what was scheduled: an encode that fails is ``reset`` to zero
+units, so a failure can never leave an entry that claims embeddings nobody holds. An entry pinned by a request
+whose prefill has not yet passed that image is never evicted. Unpinned ready entries stay, least recently used
+first out, while the total fits ``capacity_tokens``; with capacity 0 (cache off) an entry lives exactly as long as
+some request still needs it. An unpinned entry that is not ready (its requester went away mid-encode) is dropped
+at once. An image larger than the whole capacity is still served: pinned while needed, then dropped. The
 runner holds the tensors and drops those listed by ``pop_freed``.
 """
 
@@ -17,15 +18,13 @@ from collections import OrderedDict
 
 
 class EncoderCacheManager:
-    def __init__(self, capacity_tokens: int, depth: int = 1) -> None:
+    def __init__(self, capacity_tokens: int) -> None:
         if capacity_tokens < 0:
             raise ValueError("capacity_tokens must be >= 0")
-        if depth < 1:
-            raise ValueError("depth must be >= 1")
         self.capacity_tokens = capacity_tokens
-        self.depth = depth
         self._sizes: OrderedDict[str, int] = OrderedDict()  # LRU order: oldest first
-        self._layers_done: dict[str, int] = {}
+        self._num_units: dict[str, int] = {}
+        self._units_done: dict[str, int] = {}
         self._users: dict[str, set[str]] = {}
         self._freed: list[str] = []
         self.num_hits = 0
@@ -39,12 +38,12 @@ class EncoderCacheManager:
         return content_hash in self._sizes
 
     def is_ready(self, content_hash: str) -> bool:
-        return self._layers_done.get(content_hash, -1) >= self.depth
+        return content_hash in self._units_done and self._units_done[content_hash] >= self._num_units[content_hash]
 
-    def layers_done(self, content_hash: str) -> int:
-        return self._layers_done.get(content_hash, 0)
+    def units_done(self, content_hash: str) -> int:
+        return self._units_done.get(content_hash, 0)
 
-    def acquire(self, request_id: str, content_hash: str, num_tokens: int) -> bool:
+    def acquire(self, request_id: str, content_hash: str, num_tokens: int, num_units: int) -> bool:
         """Pin an entry for a request; True on a hit (computed or being computed by someone: no new work)."""
         hit = content_hash in self._sizes
         if hit:
@@ -52,24 +51,25 @@ class EncoderCacheManager:
             self.num_hits += 1
         else:
             self._sizes[content_hash] = num_tokens
-            self._layers_done[content_hash] = 0
+            self._num_units[content_hash] = num_units
+            self._units_done[content_hash] = 0
             self.num_misses += 1
         self._users.setdefault(content_hash, set()).add(request_id)
         return hit
 
-    def record_progress(self, content_hash: str, layers_done: int) -> None:
-        """The runner reports the image's layers now done (after a step). Unknown hashes (the entry was dropped
+    def record_progress(self, content_hash: str, units_done: int) -> None:
+        """The runner reports the image's units now done (after a step). Unknown hashes (the entry was dropped
         while its last work ran) are ignored."""
-        if content_hash in self._layers_done:
-            self._layers_done[content_hash] = min(max(layers_done, 0), self.depth)
+        if content_hash in self._units_done:
+            self._units_done[content_hash] = min(max(units_done, 0), self._num_units[content_hash])
 
     def reset(self, content_hash: str) -> None:
         """The runner holds nothing for this image (its encode failed, or its embeddings went missing): back to
-        zero layers. An unpinned entry is dropped instead."""
+        zero units. An unpinned entry is dropped instead."""
         if content_hash not in self._sizes:
             return
         if content_hash in self._users:
-            self._layers_done[content_hash] = 0
+            self._units_done[content_hash] = 0
         else:
             self._drop(content_hash)
 
@@ -99,7 +99,7 @@ class EncoderCacheManager:
         for h in self._users:
             if h not in self._sizes:
                 raise RuntimeError(f"pinned encoder entry {h} has no size record")
-        if set(self._layers_done) != set(self._sizes):
+        if set(self._units_done) != set(self._sizes) or set(self._num_units) != set(self._sizes):
             raise RuntimeError("encoder progress and size records disagree")
         unpinned = [h for h in self._sizes if h not in self._users]
         if any(not self.is_ready(h) for h in unpinned):
@@ -109,7 +109,8 @@ class EncoderCacheManager:
 
     def _drop(self, content_hash: str) -> None:
         del self._sizes[content_hash]
-        del self._layers_done[content_hash]
+        del self._num_units[content_hash]
+        del self._units_done[content_hash]
         self._freed.append(content_hash)
 
     def _shrink(self) -> None:

@@ -5,8 +5,9 @@ Tokens, not phases: a request is ``num_computed_tokens`` chasing ``num_tokens``.
   2. the short lane's prefills (running first, then admissions) take what they want of the budget;
   3. the long lane gets at most ``long_step_tokens`` of work, and only in steps without short prefill work,
      unless it has been held back ``long_max_wait_steps`` steps in a row (aging: long is never starved).
-Long-lane work counts vision-tower layers too: an image is encoded a few layers per step (visual tokens x layers
-against the same budget), so a short request never waits for someone else's whole encode, only for one step.
+Long-lane work counts vision-tower work too: an image is encoded a few units per step (the model family's split,
+e.g. one block per unit, each costing its token-equivalent against the same budget), so a short request never
+waits for someone else's whole encode, only for one step.
 ``scheduling="fcfs"`` is the seed's starting point: one FIFO queue, whole-prompt prefills, whole-image encodes.
 
 KV admission: with ``kv_admission="whole-prompt"`` a request starts only when blocks for its whole prompt plus
@@ -39,7 +40,7 @@ class _Step:
     chunks: list[ScheduledChunk] = field(default_factory=list)
     encoder_work: list[EncoderWork] = field(default_factory=list)
     worked_hashes: set[str] = field(default_factory=set)  # images advanced this step
-    finishing_hashes: set[str] = field(default_factory=set)  # images whose last layer runs this step
+    finishing_hashes: set[str] = field(default_factory=set)  # images whose last unit runs this step
     scheduled_ids: set[str] = field(default_factory=set)  # requests with a chunk or encoder work in this step
     has_long_work: bool = False
 
@@ -56,13 +57,12 @@ class Scheduler:
         num_kv_blocks: int,
         max_model_len: int,
         encoder_capacity_tokens: int,
-        encoder_depth: int = 1,
     ) -> None:
         self.config = config
         self.max_model_len = max_model_len
         self.block_size = cache_config.block_size
         self.kv = KVCacheManager(num_kv_blocks, cache_config.block_size, cache_config.enable_prefix_caching)
-        self.encoder_cache = EncoderCacheManager(encoder_capacity_tokens, encoder_depth)
+        self.encoder_cache = EncoderCacheManager(encoder_capacity_tokens)
         self.waiting = LaneQueues(config)
         self.running: list[Request] = []
         self.num_steps = 0
@@ -138,7 +138,7 @@ class Scheduler:
         )
 
     def update(self, batch: ScheduledBatch, result: RunnerOutput) -> None:
-        """Follow what the runner reports it did: encoder layers actually run, images it holds nothing for, and
+        """Follow what the runner reports it did: encoder units actually run, images it holds nothing for, and
         the chunks it ran (a failed or skipped chunk computed nothing; it is scheduled again or its request is
         finished by the engine)."""
         for work in batch.encoder_work:
@@ -239,7 +239,7 @@ class Scheduler:
         wanted = req.num_tokens - start
         end = start + (wanted if whole_prompt else min(wanted, budget.remaining))
         for im in req.images_in(start, end):
-            if not self._encoder_ready_for(req, im, budget, step, all_layers=whole_prompt or req.lane == SHORT):
+            if not self._encoder_ready_for(req, im, budget, step, all_units=whole_prompt or req.lane == SHORT):
                 end = im.offset
                 break
         if req.num_prompt_tokens >= self.config.long_prompt_threshold:
@@ -250,13 +250,13 @@ class Scheduler:
             self._schedule_tokens(req, end - start, budget, step)
 
     def _encoder_ready_for(
-        self, req: Request, im: ImageItem, budget: TokenBudget, step: _Step, all_layers: bool
+        self, req: Request, im: ImageItem, budget: TokenBudget, step: _Step, all_units: bool
     ) -> bool:
-        """Make sure the image's embeddings exist by the time this step's chunks run; schedule encoder layers
+        """Make sure the image's embeddings exist by the time this step's chunks run; schedule encoder units
         if needed. False when the image is still incomplete after this step (the chunk must stop before it)."""
         h = im.content_hash
         if not self.encoder_cache.is_pinned_by(req.request_id, h):
-            if self.encoder_cache.acquire(req.request_id, h, im.num_tokens):
+            if self.encoder_cache.acquire(req.request_id, h, im.num_tokens, len(im.encoder_units)):
                 req.timeline.num_encoder_cache_hits += 1
         if self.encoder_cache.is_ready(h) and h not in step.worked_hashes:
             return True
@@ -264,13 +264,12 @@ class Scheduler:
             return True
         if h in step.worked_hashes:
             return False  # another request advanced it this step and it is not done yet
-        start_layer = self.encoder_cache.layers_done(h)
-        remaining = self.encoder_cache.depth - start_layer
-        per_layer = max(im.num_tokens, 1)
-        layers = remaining if all_layers else max(1, min(remaining, budget.remaining // per_layer))
-        budget.take(layers * per_layer)
-        finishes = layers >= remaining  # progress is recorded from the runner's report, in update()
-        step.encoder_work.append(EncoderWork(req.request_id, im, start_layer, layers, finishes))
+        start = self.encoder_cache.units_done(h)
+        costs = [u.cost_tokens for u in im.encoder_units[start:]]
+        num_units = len(costs) if all_units else max(1, _units_within(costs, budget.remaining))
+        budget.take(sum(costs[:num_units]))
+        finishes = num_units >= len(costs)  # progress is recorded from the runner's report, in update()
+        step.encoder_work.append(EncoderWork(req.request_id, im, start, num_units, finishes))
         step.worked_hashes.add(h)
         step.scheduled_ids.add(req.request_id)
         req.timeline.mark("first_scheduled_s")
@@ -346,6 +345,16 @@ class Scheduler:
     def check_invariants(self) -> None:
         self.kv.check_invariants()
         self.encoder_cache.check_invariants()
+
+
+def _units_within(costs: list[int], budget: int) -> int:
+    """How many of the leading units fit in ``budget`` tokens."""
+    total = 0
+    for i, cost in enumerate(costs):
+        total += cost
+        if total > budget:
+            return i
+    return len(costs)
 
 
 def _is_decoding(req: Request) -> bool:

@@ -20,10 +20,13 @@ import pytest
 import torch
 from PIL import Image
 
-from firsttoken.config import CacheConfig, ModelConfig, SchedulerConfig
+from firsttoken.config import CacheConfig, SchedulerConfig
+from firsttoken.models.registry import load_model_config
+from firsttoken.models.config import ModelConfig
 from firsttoken.engine.engine import EngineConfig, LLMEngine
 from firsttoken.engine.request import EngineRequest, FinishReason, ImageItem, Timeline
 from firsttoken.models.mrope import compute_mrope_positions
+from firsttoken.models.registry import family_named
 from firsttoken.sampling.params import SamplingParams
 
 NUM_NEW = 12
@@ -47,7 +50,7 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def config(model_dir: Path) -> ModelConfig:
-    return ModelConfig.from_pretrained(model_dir)
+    return load_model_config(model_dir)
 
 
 @pytest.fixture(scope="module")
@@ -119,7 +122,9 @@ def engine_request(config: ModelConfig, prompt: Prompt, rid: str) -> EngineReque
         pixels = prompt.pixel_values[start : start + t * h * w]
         start += t * h * w
         digest = hashlib.sha256(pixels.numpy().tobytes()).hexdigest()
-        images.append(ImageItem(digest, offset, t * h * w // config.vision.spatial_merge_size**2, (t, h, w), pixels))
+        units = family_named(config.family).encoder_units(config.vision, (t, h, w))
+        images.append(ImageItem(digest, offset, t * h * w // config.vision.spatial_merge_size**2, (t, h, w), units,
+                                pixels))
     mrope = compute_mrope_positions(prompt.ids, prompt.grids, config)
     return EngineRequest(rid, prompt.ids, tuple(images), mrope.positions, mrope.delta,
                          SamplingParams(max_tokens=NUM_NEW, temperature=0.0, ignore_eos=True), Timeline())

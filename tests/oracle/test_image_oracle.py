@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from firsttoken.config import VisionConfig
+from firsttoken.models.config import VisionConfig
 from firsttoken.inputs.image import (
     ImageInputError,
     decode_image,
@@ -24,7 +24,7 @@ from transformers.image_transforms import convert_to_rgb  # noqa: E402
 Qwen2VLImageProcessorPil = qwen2_vl_pil.Qwen2VLImageProcessorPil
 ref_smart_resize = qwen2_vl_pil.smart_resize
 
-VISION = VisionConfig(depth=1, embed_dim=16, num_heads=1, mlp_ratio=4.0, out_hidden_size=16)
+VISION = VisionConfig(depth=1, embed_dim=16, num_heads=1, intermediate_size=64, out_hidden_size=16)
 DEFAULT_MIN, DEFAULT_MAX = 56 * 56, 28 * 28 * 1280
 
 SIDES = [1, 2, 13, 14, 27, 28, 29, 55, 56, 57, 111, 200, 201, 447, 448, 999, 1024, 1536, 2048, 4000]

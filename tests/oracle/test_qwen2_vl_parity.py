@@ -19,10 +19,11 @@ import torch
 from PIL import Image
 
 from firsttoken.attention.base import AttentionMetadata
-from firsttoken.config import ModelConfig
+from firsttoken.models.config import ModelConfig
 from firsttoken.models.loader import load_model
 from firsttoken.models.mrope import MRopePositions, compute_mrope_positions, decode_positions
-from firsttoken.models.qwen2_vl import Qwen2VLModel, image_rows_in_span, merge_image_embeds
+from firsttoken.models.interfaces import ImageEmbeddings, ImageRows
+from firsttoken.models.qwen2_vl import Qwen2VLModel
 from firsttoken.runner.kv_cache import allocate_kv_caches
 
 TOL = 1e-4  # max |Δlogit|, fp32
@@ -140,29 +141,25 @@ class TinyRunner:
 
     def step(self, work: list[tuple[Seq, int]]) -> list[torch.Tensor]:
         """Run ``n`` new tokens of each listed sequence in one forward; per sequence its [n, vocab] logits."""
-        ids, positions, embeds = [], [], []
+        ids, positions, images = [], [], []
         for seq, n in work:
             a, b = seq.num_computed, seq.num_computed + n
             while len(seq.blocks) * BLOCK_SIZE < b:
                 seq.blocks.append(self.free.pop())
-            chunk_ids = torch.tensor(seq.ids[a:b])
-            ids.append(chunk_ids)
             in_prompt = min(b, seq.prompt_len)
             pos = [seq.mrope.positions[:, a:in_prompt]]
             if b > seq.prompt_len:
                 start = max(a, seq.prompt_len)
                 pos.append(decode_positions(start, b - start, seq.mrope.delta))
             positions.append(torch.cat(pos, dim=1))
-            e = self.model.embed_tokens(chunk_ids)
             if seq.image_embeds is not None:
-                rows = image_rows_in_span(seq.ids[: seq.prompt_len], a, in_prompt, self.config.image_token_id)
-                e = merge_image_embeds(e, chunk_ids, seq.image_embeds[rows], self.config.image_token_id)
-            embeds.append(e)
+                images += image_rows(seq, a, in_prompt, sum(len(c) for c in ids), self.config.image_token_id)
+            ids.append(torch.tensor(seq.ids[a:b]))
         meta = AttentionMetadata.build(
             [n for _, n in work], [s.num_computed for s, _ in work], [s.blocks for s, _ in work], BLOCK_SIZE
         )
         with torch.no_grad():
-            hidden = self.model(torch.cat(embeds), torch.cat(positions, dim=1), self.kv_caches, meta)
+            hidden = self.model(torch.cat(ids), torch.cat(positions, dim=1), self.kv_caches, meta, images)
             logits = self.model.compute_logits(hidden)
         for seq, n in work:
             seq.num_computed += n
@@ -173,6 +170,25 @@ class TinyRunner:
         while seq.num_computed < seq.prompt_len:
             out += self.step([(seq, min(chunk, seq.prompt_len - seq.num_computed))])
         return torch.cat(out)
+
+
+def image_rows(seq: Seq, a: int, b: int, base: int, image_token_id: int) -> list[ImageRows]:
+    """The image embedding rows for prompt tokens [a, b) of ``seq``, one entry per run of image-pad tokens, placed
+    at packed-batch rows ``base + (i - a)``."""
+    out: list[ImageRows] = []
+    before = seq.ids[:a].count(image_token_id)  # pad tokens (= embedding rows) before the chunk
+    i = a
+    while i < b:
+        if seq.ids[i] != image_token_id:
+            i += 1
+            continue
+        j = i
+        while j < b and seq.ids[j] == image_token_id:
+            j += 1
+        out.append(ImageRows(base + i - a, ImageEmbeddings(seq.image_embeds[before : before + j - i])))
+        before += j - i
+        i = j
+    return out
 
 
 def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -6,6 +6,7 @@ import torch
 
 from firsttoken.config import CacheConfig, SchedulerConfig
 from firsttoken.engine.request import EngineRequest, ImageItem, Timeline
+from firsttoken.models.interfaces import EncoderUnit
 from firsttoken.sampling.params import SamplingParams
 from firsttoken.scheduler.batch import RunnerOutput, ScheduledBatch
 from firsttoken.scheduler.request import Request
@@ -21,13 +22,15 @@ def fake_request(
     images: list[tuple[str, int, int]] = (),  # (content_hash, offset, num_tokens)
     arrival_seq: int = 0,
     shared_prefix: bool = False,
+    encoder_depth: int = 1,  # encoder units per image, each costing its visual tokens
 ) -> Request:
     salt = 0 if shared_prefix else sum(map(ord, rid)) * 7  # distinct prompts unless asked to share
     ids = [1 + ((i + salt) % 50) for i in range(prompt_len)]
     items = []
     for h, off, n in images:
         ids[off : off + n] = [IMAGE_TOKEN] * n
-        items.append(ImageItem(h, off, n, (1, 2, 2 * n), None))
+        unit = EncoderUnit(4 * n, 16 * n * n, n)
+        items.append(ImageItem(h, off, n, (1, 2, 2 * n), (unit,) * encoder_depth, None))
     er = EngineRequest(
         request_id=rid,
         prompt_token_ids=tuple(ids),
@@ -48,7 +51,6 @@ def make_scheduler(
     prefix_caching: bool = True,
     encoder_capacity_tokens: int = 1000,
     max_num_seqs: int = 64,
-    encoder_depth: int = 1,
     **scheduler_options,
 ) -> Scheduler:
     return Scheduler(
@@ -62,14 +64,13 @@ def make_scheduler(
         num_kv_blocks=num_blocks,
         max_model_len=num_blocks * block_size,
         encoder_capacity_tokens=encoder_capacity_tokens,
-        encoder_depth=encoder_depth,
     )
 
 
 def run_step(sched: Scheduler, token: int = 7) -> ScheduledBatch:
     """schedule + pretend-execute + update: advance computed tokens, sample `token`, finish at max_tokens."""
     batch = sched.schedule()
-    progress = {w.image.content_hash: w.start_layer + w.num_layers for w in batch.encoder_work}
+    progress = {w.image.content_hash: w.start_unit + w.num_units for w in batch.encoder_work}
     sched.update(batch, RunnerOutput({}, {}, {}, encoder_progress=progress))
     for chunk in batch.chunks:
         req = chunk.request

@@ -25,7 +25,8 @@ from PIL import Image
 
 from firsttoken.api.server import build_app
 from firsttoken.api.settings import ServerSettings
-from firsttoken.config import GenerationDefaults, ModelConfig
+from firsttoken.config import GenerationDefaults
+from firsttoken.models.registry import load_model_config
 from firsttoken.engine.request import FinishReason
 from firsttoken.inputs.processor import ImageSettings, InputProcessor
 
@@ -43,7 +44,7 @@ MAX_MODEL_LEN = 4096
 def processor(tiny_model_dir: Path) -> InputProcessor:
     return InputProcessor(
         tiny_model_dir,
-        ModelConfig.from_pretrained(tiny_model_dir),
+        load_model_config(tiny_model_dir),
         GenerationDefaults.from_pretrained(tiny_model_dir),
         max_model_len=MAX_MODEL_LEN,
         images=ImageSettings(),
@@ -309,7 +310,7 @@ class ThreadRecordingProcessor(InputProcessor):
 
 def test_preprocessing_runs_off_the_event_loop(tiny_model_dir: Path) -> None:
     proc = ThreadRecordingProcessor(
-        tiny_model_dir, ModelConfig.from_pretrained(tiny_model_dir), GenerationDefaults(), max_model_len=MAX_MODEL_LEN
+        tiny_model_dir, load_model_config(tiny_model_dir), GenerationDefaults(), max_model_len=MAX_MODEL_LEN
     )
     proc.threads = []
 

@@ -14,7 +14,9 @@ from transformers import AutoTokenizer, Qwen2VLForConditionalGeneration
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
 from firsttoken.cli.main import main as cli_main
-from firsttoken.config import GenerationDefaults, ModelConfig
+from firsttoken.config import GenerationDefaults
+from firsttoken.models.registry import load_model_config
+from firsttoken.models.config import ModelConfig
 from firsttoken.models.checkpoint import TOKEN_IDS, VOCAB_SIZE, demo_model_dir, make_model, shard_names
 from firsttoken.models.train_tokenizer import SPECIAL_TOKENS
 
@@ -141,7 +143,7 @@ def test_same_seed_same_bytes(tiny_model_dir: Path, tmp_path: Path) -> None:
 
 
 def test_firsttoken_config_parses_both_layouts(tiny_model_dir: Path, original_dir: Path) -> None:
-    new, old = ModelConfig.from_pretrained(tiny_model_dir), ModelConfig.from_pretrained(original_dir)
+    new, old = load_model_config(tiny_model_dir), load_model_config(original_dir)
     assert (new.layout, old.layout) == ("transformers", "original")
     assert new == ModelConfig(**{**old.__dict__, "layout": "transformers"})
     assert new.mrope_section == (2, 3, 3) and new.vocab_size == VOCAB_SIZE and not new.tie_word_embeddings

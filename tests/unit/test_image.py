@@ -13,7 +13,7 @@ import pytest
 import torch
 from PIL import Image
 
-from firsttoken.config import VisionConfig
+from firsttoken.models.config import VisionConfig
 from firsttoken.inputs.image import (
     OPENAI_CLIP_MEAN,
     OPENAI_CLIP_STD,
@@ -29,7 +29,7 @@ from firsttoken.inputs.image import (
 )
 from firsttoken.inputs.media import base64_decoded_len, load_image_bytes
 
-VISION = VisionConfig(depth=1, embed_dim=16, num_heads=1, mlp_ratio=4.0, out_hidden_size=16)
+VISION = VisionConfig(depth=1, embed_dim=16, num_heads=1, intermediate_size=64, out_hidden_size=16)
 MAX_PIXELS = 10_000_000
 MB = 1 << 20
 

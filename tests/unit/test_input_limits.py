@@ -12,7 +12,8 @@ import pytest
 from PIL import Image
 
 from firsttoken.api.protocol import ChatCompletionRequest
-from firsttoken.config import GenerationDefaults, ModelConfig
+from firsttoken.config import GenerationDefaults
+from firsttoken.models.registry import load_model_config
 from firsttoken.engine.request import Timeline
 from firsttoken.inputs.budget import ImageBudget
 from firsttoken.inputs.image import ImageInputError
@@ -23,7 +24,7 @@ from firsttoken.inputs.processor import ImageSettings, InputError, InputProcesso
 def processor(tiny_model_dir: Path) -> InputProcessor:
     return InputProcessor(
         tiny_model_dir,
-        ModelConfig.from_pretrained(tiny_model_dir),
+        load_model_config(tiny_model_dir),
         GenerationDefaults.from_pretrained(tiny_model_dir),
         max_model_len=2048,
         images=ImageSettings(

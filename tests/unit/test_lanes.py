@@ -9,7 +9,7 @@ from tests.unit.fakes import fake_request, make_scheduler, run_step
 
 def lanes_scheduler(**kw):
     options = dict(num_blocks=512, max_batched_tokens=256, long_prompt_threshold=200, long_step_tokens=64,
-                   long_max_wait_steps=3, encoder_depth=4)
+                   long_max_wait_steps=3)
     options.update(kw)
     return make_scheduler(**options)
 
@@ -74,18 +74,18 @@ def test_decodes_keep_flowing_while_long_prefills_run():
 
 def test_vision_tower_is_split_across_steps_for_long_requests():
     sched = lanes_scheduler(long_step_tokens=300)
-    req = fake_request("img", prompt_len=700, max_tokens=1, images=[("photo", 20, 400)])
+    req = fake_request("img", prompt_len=700, max_tokens=1, images=[("photo", 20, 400)], encoder_depth=4)
     sched.add(req)
     layers_per_step = []
     for _ in range(30):
         batch = run_step(sched)
-        layers_per_step.append(sum(w.num_layers for w in batch.encoder_work))
+        layers_per_step.append(sum(w.num_units for w in batch.encoder_work))
         if req.output_token_ids:
             break
     assert sum(layers_per_step) == 4 and max(layers_per_step) == 1  # 400 visual tokens x 1 layer <= 300? no: 1
     # a short request arriving while the image is half encoded is served next step
     sched2 = lanes_scheduler(long_step_tokens=300)
-    sched2.add(fake_request("img", prompt_len=700, max_tokens=1, images=[("photo", 20, 400)]))
+    sched2.add(fake_request("img", prompt_len=700, max_tokens=1, images=[("photo", 20, 400)], encoder_depth=4))
     run_step(sched2)
     run_step(sched2)
     sched2.add(fake_request("short", prompt_len=30, max_tokens=1, arrival_seq=1))
@@ -93,13 +93,13 @@ def test_vision_tower_is_split_across_steps_for_long_requests():
 
 
 def test_fcfs_runs_whole_prompts_and_whole_encodes_in_one_step():
-    sched = make_scheduler(num_blocks=512, max_batched_tokens=256, scheduling="fcfs", encoder_depth=4,
+    sched = make_scheduler(num_blocks=512, max_batched_tokens=256, scheduling="fcfs",
                            long_prompt_threshold=200)
-    sched.add(fake_request("img", prompt_len=900, max_tokens=1, images=[("photo", 20, 400)]))
+    sched.add(fake_request("img", prompt_len=900, max_tokens=1, images=[("photo", 20, 400)], encoder_depth=4))
     sched.add(fake_request("short", prompt_len=30, max_tokens=1, arrival_seq=1))
     first = run_step(sched)
     assert [(c.request.request_id, c.num_new_tokens) for c in first.chunks] == [("img", 900)]
-    assert [w.num_layers for w in first.encoder_work] == [4]
+    assert [w.num_units for w in first.encoder_work] == [4]
     assert ids_in(run_step(sched)) == ["short"]  # it waited behind the whole prefill: the seed's problem
     assert sched.num_short_delayed_by_long == 1
 
@@ -159,7 +159,8 @@ def test_whole_prompt_admission_keeps_its_promise_under_random_arrivals_aborts_a
         if rng.random() < 0.3:
             n = rng.randint(8, 300)
             images = [(f"img{rng.randint(0, 5)}", 3, min(n - 4, rng.randint(4, 60)))] if rng.random() < 0.4 else []
-            req = fake_request(f"r{seq}", prompt_len=n, max_tokens=rng.randint(1, 60), images=images, arrival_seq=seq)
+            req = fake_request(f"r{seq}", prompt_len=n, max_tokens=rng.randint(1, 60), images=images, arrival_seq=seq,
+                               encoder_depth=4)
             if sched.check_admission(n).admitted:
                 sched.add(req)
                 live[req.request_id] = req

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from firsttoken.cli.main import main
-from firsttoken.config import CacheConfig, ModelConfig, SchedulerConfig
+from firsttoken.config import CacheConfig, SchedulerConfig
+from firsttoken.models.registry import model_config_from_dict
 from firsttoken.engine.request import EngineRequest, Timeline
 from firsttoken.sampling.params import SamplingParams
 from firsttoken.scheduler.request import Request
@@ -38,7 +39,9 @@ SMALL = {**QWEN2_VL_2B, "hidden_size": 512, "num_hidden_layers": 8, "num_attenti
 
 def _scheduler_admits(config: dict, inputs: PlanInputs, max_model_len: int, num_offered: int) -> int:
     """Offer num_offered identical requests; count what the real scheduler admits in one step (prefix cache off)."""
-    kv_tok = ModelConfig.from_dict(config).kv_bytes_per_token(4 if inputs.dtype == "float32" else 2)
+    # the LM shape alone decides KV bytes; parsed as qwen2-vl until the qwen2.5-vl family is registered
+    kv_tok = model_config_from_dict({**config, "model_type": "qwen2_vl"}).kv_bytes_per_token(
+        4 if inputs.dtype == "float32" else 2)
     cache = CacheConfig(block_size=inputs.block_size, kv_cache_memory_bytes=inputs.kv_cache_memory_bytes,
                         enable_prefix_caching=False)
     num_blocks = cache.kv_cache_memory_bytes // (kv_tok * cache.block_size)
@@ -119,7 +122,7 @@ def test_param_count_matches_a_real_checkpoint(tmp_path, layout):
     assert plan.num_params == meta["params"]["total"] == plan.safetensors_params
     assert plan.num_params_vision == meta["params"]["vision"]
     assert plan.safetensors_bytes == plan.weights_bytes  # fp32 on disk, fp32 planned
-    assert plan.kv_bytes_per_token == ModelConfig.from_dict(config).kv_bytes_per_token(4)
+    assert plan.kv_bytes_per_token == model_config_from_dict(config).kv_bytes_per_token(4)
     assert ModelShape.from_config(config).head_dim == 16
 
 

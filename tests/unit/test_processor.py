@@ -10,7 +10,8 @@ import pytest
 from PIL import Image
 
 from firsttoken.api.protocol import ChatCompletionRequest, CompletionRequest
-from firsttoken.config import GenerationDefaults, ModelConfig
+from firsttoken.config import GenerationDefaults
+from firsttoken.models.registry import load_model_config
 from firsttoken.engine.request import Timeline
 from firsttoken.inputs.image import ImageInputError
 from firsttoken.inputs.processor import ImageSettings, InputError, InputProcessor
@@ -22,7 +23,7 @@ MAX_MODEL_LEN = 4096
 def processor(tiny_model_dir: Path) -> InputProcessor:
     return InputProcessor(
         tiny_model_dir,
-        ModelConfig.from_pretrained(tiny_model_dir),
+        load_model_config(tiny_model_dir),
         GenerationDefaults.from_pretrained(tiny_model_dir),
         max_model_len=MAX_MODEL_LEN,
         images=ImageSettings(max_images_per_prompt=3),

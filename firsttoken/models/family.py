@@ -1,0 +1,35 @@
+"""What a model family provides the engine: everything model-specific, in one value per family.
+
+Adding a family is writing its module under models/ (config parsing, the nn.Module, its weight mapping, its
+encoder units) and listing its ``ModelFamily`` in models/registry.py. Nothing in engine/, scheduler/ or runner/
+names a family.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from torch import nn
+
+from firsttoken.attention.base import AttentionBackend
+from firsttoken.models.config import ModelConfig, VisionConfig
+from firsttoken.models.interfaces import EncoderUnit
+from firsttoken.models.mrope import MRopePositions, compute_mrope_positions
+from firsttoken.models.weights import WeightMapping
+
+Grid = tuple[int, int, int]
+
+
+@dataclass(frozen=True)
+class ModelFamily:
+    name: str  # "qwen2-vl": what make-model --family and the README call it
+    architectures: tuple[str, ...]  # config.json "architectures" values served by this family
+    model_types: tuple[str, ...]  # config.json "model_type" values (fallback when architectures is absent)
+    # (config.json dict, preprocessor_config.json dict or None) -> ModelConfig; ConfigError names a missing field
+    parse_config: Callable[[dict[str, Any], dict[str, Any] | None], ModelConfig]
+    build: Callable[[ModelConfig, AttentionBackend], nn.Module]  # an nn.Module honouring models/interfaces.py
+    weights: WeightMapping
+    encoder_units: Callable[[VisionConfig, Grid], tuple[EncoderUnit, ...]]
+    positions: Callable[[Sequence[int], Sequence[Grid], ModelConfig], MRopePositions] = compute_mrope_positions

@@ -1,0 +1,101 @@
+"""The contract between a model family and the engine: what the runner may call, and the values that cross.
+
+A family's model is an ``nn.Module`` with
+
+    model.visual.start_encode(pixel_values, grid_thw) -> EncodeState      # patch embedding, tables
+    model.visual.run_units(state, num_units)                               # the next units, in order
+    model.visual.finish_encode(state) -> ImageEmbeddings                   # merger(s), order restored
+    model(input_ids, positions, kv_caches, meta, images) -> hidden         # [num_tokens, hidden], writes KV
+    model.compute_logits(hidden) -> logits                                 # [n, vocab] float32
+
+An image's vision work is a fixed sequence of ``EncoderUnit``s (the family's ``encoder_units(vision, grid)``, a
+pure function of the config and the patch grid, so the scheduler and the input processor know it without the
+model). The scheduler may put any number of consecutive units of an image in one step; the runner keeps the
+``EncodeState`` in between. ``ImageEmbeddings`` holds everything a prefill chunk needs of an image: the main rows
+that replace its pad tokens and, for DeepStack models, one more tensor per fed decoder layer. A chunk that covers
+image rows [lo, hi) receives ``embeddings.rows(lo, hi)`` placed at its packed-batch rows (``ImageRows``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from firsttoken.attention.base import AttentionMetadata
+
+
+@dataclass(frozen=True)
+class EncoderUnit:
+    """One schedulable piece of an image's vision-tower work (one block today)."""
+
+    num_patches: int  # rows it processes
+    attention_pairs: int  # query-key pairs its attention scores: full = n^2 per frame, windowed = sum of window^2
+    cost_tokens: int  # what it costs against a step's token budget: visual tokens x (its FLOPs / a full block's)
+
+
+@dataclass(frozen=True)
+class ImageEmbeddings:
+    """An image's vision-tower output: ``main`` replaces its pad tokens' embeddings; ``deepstack[i]`` is added to
+    the hidden states at its rows after decoder layer i (Qwen3-VL). Every tensor is [num_tokens, hidden]."""
+
+    main: torch.Tensor
+    deepstack: tuple[torch.Tensor, ...] = ()
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.main.shape[0])
+
+    @property
+    def num_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.main, *self.deepstack))
+
+    def rows(self, lo: int, hi: int) -> "ImageEmbeddings":
+        return ImageEmbeddings(self.main[lo:hi], tuple(t[lo:hi] for t in self.deepstack))
+
+
+@dataclass(frozen=True)
+class ImageRows:
+    """Image embedding rows for packed-batch rows [start, start + embeddings.num_tokens)."""
+
+    start: int
+    embeddings: ImageEmbeddings
+
+
+class EncodeState:
+    """An image part-way through a vision tower; families subclass it with their tensors."""
+
+    num_units: int
+    units_done: int
+
+    @property
+    def done(self) -> bool:
+        return self.units_done >= self.num_units
+
+
+class VisionEncoder(Protocol):
+    def start_encode(self, pixel_values: torch.Tensor, grid_thw: tuple[int, int, int]) -> EncodeState: ...
+
+    def run_units(self, state: EncodeState, num_units: int) -> None: ...
+
+    def finish_encode(self, state: EncodeState) -> ImageEmbeddings: ...
+
+
+class MultimodalModel(Protocol):
+    visual: VisionEncoder
+
+    @property
+    def dtype(self) -> torch.dtype: ...
+
+    def __call__(
+        self,
+        input_ids: torch.Tensor,  # [num_tokens]
+        positions: torch.Tensor,  # [3, num_tokens] int64 (t, h, w)
+        kv_caches: list[torch.Tensor],
+        meta: AttentionMetadata,
+        images: Sequence[ImageRows] = (),
+    ) -> torch.Tensor: ...
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor: ...
