@@ -21,6 +21,12 @@ doctor's first finding on that server's /metrics + /stats.
 
 Each step takes at most ~start-up + duration + request-timeout (requests still unanswered then count as
 timeouts), so the defaults replay in under ~30 minutes on the `small` checkpoint.
+
+--rate 0.2 is the incident's rate on the project's machine; a slower machine is overloaded by it even after every
+fix. `--utilization U` instead starts the fixed configuration (step 4's flags) once, measures each class's
+unloaded service time there (firsttoken bench's calibration: capacity = 1 / sum(share x service)), and replays
+every step at U x that capacity: one rate for all steps, relative to what this machine can serve. The JSON's
+"arrivals" records the rate, U and the measured times.
 """
 
 from __future__ import annotations
@@ -38,7 +44,7 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import start_server, stop_server  # noqa: E402
 
-from firsttoken.tools.bench import BenchConfig, run_bench
+from firsttoken.tools.bench import BenchConfig, Calibration, measure_calibration, run_bench
 from firsttoken.tools.doctor import doctor_from_texts
 from firsttoken.tools.doctor.rules import KVSizing
 from firsttoken.tools.plan import DTYPE_BYTES, ModelShape, PlanInputs, load_config, make_plan
@@ -95,12 +101,31 @@ def steps(too_small: int, planned: int) -> list[tuple[str, list[str]]]:
     return out
 
 
-def run_step(model: Path, flags: list[str], args: argparse.Namespace, kv: KVSizing) -> dict:
+def serve_flags(flags: list[str], args: argparse.Namespace) -> list[str]:
     threads = ["--num-threads", str(args.num_threads)] if args.num_threads else []
-    proc, base = start_server(model, ["--dtype", DTYPE, *threads, *flags])
+    return ["--dtype", DTYPE, *threads, *flags]
+
+
+def bench_common(base: str, args: argparse.Namespace) -> dict:
+    """The BenchConfig fields every run against one step's server shares: the seed's mix of photos and text."""
+    return {"url": base, "model": "m", "workload": "seed-mix", "mix": SEED_MIX, "image_size": PHOTO,
+            "text_tokens": WORDS_FOR_800_TOKENS, "output_tokens": args.output_tokens, "progress": False}
+
+
+def calibrate_on(model: Path, flags: list[str], args: argparse.Namespace) -> Calibration:
+    """The rate for --utilization, measured once on a server with `flags` (the fixed configuration)."""
+    proc, base = start_server(model, serve_flags(flags, args))
     try:
-        common = {"url": base, "model": "m", "workload": "seed-mix", "mix": SEED_MIX, "image_size": PHOTO,
-                      "text_tokens": WORDS_FOR_800_TOKENS, "output_tokens": args.output_tokens, "progress": False}  # fmt: skip
+        return measure_calibration(BenchConfig(**bench_common(base, args), utilization=args.utilization,
+                                               timeout_s=args.request_timeout, seed=args.seed))
+    finally:
+        stop_server(proc)
+
+
+def run_step(model: Path, flags: list[str], args: argparse.Namespace, kv: KVSizing) -> dict:
+    proc, base = start_server(model, serve_flags(flags, args))
+    try:
+        common = bench_common(base, args)
         warmup = {**common, "mix": (("text", 1.0),)}
         run_bench(BenchConfig(**warmup, num_requests=1, seed=args.seed + 1))  # warm-up: one text request
         report = run_bench(BenchConfig(**common, rate=args.rate, duration_s=args.duration, num_requests=None,
@@ -131,15 +156,16 @@ def _cell(x: float | None) -> str:
 
 
 def format_table(results: dict[str, dict], args: argparse.Namespace) -> str:
+    load = f"{args.rate:.4g}/s" + ("" if args.utilization is None else f" (utilization {args.utilization:g})")
     lines = [(f"seed mix (text ~800 tokens 50% / 1 photo 30% / 3 photos 20%, {PHOTO[0]}x{PHOTO[1]}), Poisson "
-             f"{args.rate}/s for {args.duration:.0f} s per step, {args.size_label}; TTFT seconds"),
-             f"{'step':14s} | " + " | ".join(f"{c:^20s}" for c in CLASSES) + " | errors  preempt  delayed",
-             f"{'':14s} | " + " | ".join(f"{'P50':>6s} {'P95':>6s} {'P99':>6s}" for _ in CLASSES) + " |"]  # fmt: skip
+             f"{load} for {args.duration:.0f} s per step, {args.size_label}; TTFT seconds; n = requests measured"),
+             f"{'step':14s} | " + " | ".join(f"{c:^24s}" for c in CLASSES) + " | errors  preempt  delayed",
+             f"{'':14s} | " + " | ".join(f"{'P50':>6s} {'P95':>6s} {'P99':>6s} {'n':>3s}" for _ in CLASSES) + " |"]  # fmt: skip
     for name, r in results.items():
         cells = []
         for c in CLASSES:
             t = r["ttft_s"].get(c, {})
-            cells.append(f"{_cell(t.get('p50'))} {_cell(t.get('p95'))} {_cell(t.get('p99'))}")
+            cells.append(f"{_cell(t.get('p50'))} {_cell(t.get('p95'))} {_cell(t.get('p99'))} {t.get('n', 0):3d}")
         errors = sum(r["errors"].values())
         lines.append(f"{name:14s} | " + " | ".join(cells) + f" | {errors:6d}  {r['preemptions'] or 0:7d}  "
                      f"{r['short_delayed_by_long'] or 0:7d}")  # fmt: skip
@@ -157,7 +183,10 @@ def main() -> None:
     ap.add_argument("--model", default=None, help="checkpoint dir (default: a random --size checkpoint)")
     ap.add_argument("--size", default="small", choices=("small", "tiny"))
     ap.add_argument("--duration", type=float, default=150.0, help="seconds of arrivals per step")
-    ap.add_argument("--rate", type=float, default=0.2, help="requests/s (Poisson)")
+    load = ap.add_mutually_exclusive_group()
+    load.add_argument("--rate", type=float, default=0.2, help="requests/s (Poisson; default 0.2)")
+    load.add_argument("--utilization", type=float, default=None,
+                      help="instead of --rate: U x the capacity measured on the fixed configuration (step 4)")
     ap.add_argument("--request-timeout", type=float, default=120.0, help="client timeout per request, seconds")
     ap.add_argument("--peak-concurrency", type=int, default=8, help="the peak the KV plan is sized for")
     ap.add_argument("--output-tokens", type=int, default=32)
@@ -172,8 +201,14 @@ def main() -> None:
     too_small, planned = kv_pools(config, args.peak_concurrency, args.output_tokens)
     kv = KVSizing(ModelShape.from_config(config).kv_bytes_per_token(DTYPE_BYTES[DTYPE]), args.peak_concurrency)
     wanted = {int(i) for i in args.steps.split(",")}
+    all_steps = steps(too_small, planned)
+    calibration = None
+    if args.utilization is not None:
+        calibration = calibrate_on(model, all_steps[-1][1], args)
+        args.rate = calibration.rate
+        print(calibration.describe(), file=sys.stderr, flush=True)
     results: dict[str, dict] = {}
-    for i, (name, flags) in enumerate(steps(too_small, planned)):
+    for i, (name, flags) in enumerate(all_steps):
         if i not in wanted:
             continue
         t0 = time.monotonic()
@@ -186,8 +221,10 @@ def main() -> None:
     )
     print(format_table(results, args))
     if args.json:
+        arrivals = {"rate": args.rate, "utilization": args.utilization,
+                    "calibration": None if calibration is None else calibration.to_dict()}
         Path(args.json).write_text(json.dumps({"too_small_kv_bytes": too_small, "planned_kv_bytes": planned,
-                                               "steps": results}, indent=1, default=str))  # fmt: skip
+                                               "arrivals": arrivals, "steps": results}, indent=1, default=str))  # fmt: skip
 
 
 if __name__ == "__main__":

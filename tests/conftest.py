@@ -1,12 +1,21 @@
-"""Fixtures shared by every test directory."""
+"""Fixtures shared by every test directory, and the one way a test asks for a system program."""
 
 from __future__ import annotations
 
+import os
+import shutil
 from pathlib import Path
 
 import pytest
 
 from firsttoken.models.checkpoint import make_model
+
+# The recorded vLLM exchanges, inside the repository (see the README there for where they came from).
+VLLM_FIXTURES = Path(__file__).resolve().parent / "fixtures" / "vllm-0.32"
+
+# CI sets this to 1: a test whose system program is missing then fails instead of skipping, so CI cannot pass
+# by skipping the dashboard and alert-rule tests.
+REQUIRE_SYSTEM_TOOLS_ENV = "FIRSTTOKEN_REQUIRE_SYSTEM_TOOLS"
 
 
 @pytest.fixture(scope="session")
@@ -15,5 +24,14 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_model(tmp_path_factory.mktemp("tiny-seed0"), size="tiny", seed=0, layout="transformers")
 
 
-# The recorded vLLM exchanges live in shared/, beside the repository (in sessions and in CI alike).
-VLLM_FIXTURES = Path(__file__).resolve().parents[1].parent / "shared" / "fixtures" / "vllm-0.32"
+def require_program(name: str, package: str, *aliases: str) -> str:
+    """The path of system program `name` (or the first of `aliases` found on PATH). When none is found the calling
+    test skips with the Debian package to install, or fails when $FIRSTTOKEN_REQUIRE_SYSTEM_TOOLS is 1."""
+    for candidate in (name, *aliases):
+        path = shutil.which(candidate)
+        if path is not None:
+            return path
+    message = f"{name} is not on PATH; it comes with Debian's {package} package: apt-get install {package}"
+    if os.environ.get(REQUIRE_SYSTEM_TOOLS_ENV) == "1":
+        pytest.fail(f"{message}; {REQUIRE_SYSTEM_TOOLS_ENV}=1 requires it", pytrace=False)
+    pytest.skip(message)

@@ -32,7 +32,13 @@ def add_parser(subparsers: Any) -> None:
     w.add_argument("--turns", type=int, default=3, help="multiturn: follow-ups per conversation (default 3)")
     w.add_argument("--multiturn-images", type=int, default=3)
     a = p.add_argument_group("arrivals")
-    a.add_argument("--rate", type=float, help="Poisson arrivals, sessions/s")
+    rate = a.add_mutually_exclusive_group()
+    rate.add_argument("--rate", type=float, help="Poisson arrivals, sessions/s")
+    rate.add_argument("--utilization", type=float, metavar="U",
+                      help="Poisson arrivals at U x this machine's capacity, measured first from each class's "
+                           "unloaded service time (1 = as fast as sessions finish one at a time)")
+    a.add_argument("--calibration-requests", type=int, default=3,
+                   help="with --utilization: sessions per class sent alone, after one warm-up (default 3)")
     a.add_argument("--concurrency", type=int, help="at most this many sessions in flight")
     a.add_argument("--num-requests", type=int, help="sessions to measure (default 100 unless --duration)")
     a.add_argument("--duration", type=float, help="seconds to keep starting sessions")
@@ -59,7 +65,8 @@ def run(args: argparse.Namespace) -> int:
             mix=args.mix, image_size=args.image_size, image_format=args.image_format,
             text_tokens=args.text_tokens, image_text_tokens=args.image_text_tokens,
             output_tokens=args.output_tokens, ignore_eos=args.ignore_eos, turns=args.turns,
-            multiturn_images=args.multiturn_images, rate=args.rate, concurrency=args.concurrency,
+            multiturn_images=args.multiturn_images, rate=args.rate, utilization=args.utilization,
+            calibration_requests=args.calibration_requests, concurrency=args.concurrency,
             num_requests=num_requests, duration_s=args.duration, warmup=args.warmup, seed=args.seed,
             slo_ttft_s=args.slo_ttft, slo_tpot_s=args.slo_tpot, timeout_s=args.timeout, progress=args.progress,
         )

@@ -21,6 +21,7 @@ import httpx
 import openai
 import pytest
 
+from tests.conftest import require_program
 from tests.e2e.conftest import LiveServer, image_message, make_image, start_server, stop_server
 
 KEY = "sk-test-7f3a"
@@ -133,9 +134,10 @@ def test_shipped_dashboard_and_alerts_query_only_exported_metrics(server: LiveSe
 
 
 def test_promtool_accepts_the_rules_their_unit_tests_and_the_scrape_config():
+    promtool = require_program("promtool", "prometheus")  # Debian ships promtool in its prometheus package
     for args in (["check", "rules", "alerts.yml"], ["test", "rules", "alerts_test.yml"],
                  ["check", "config", "prometheus.yml"]):
-        done = subprocess.run(["promtool", *args], cwd=ROOT / "deploy", capture_output=True, text=True, timeout=60)
+        done = subprocess.run([promtool, *args], cwd=ROOT / "deploy", capture_output=True, text=True, timeout=60)
         assert done.returncode == 0, done.stdout + done.stderr
     config = (ROOT / "deploy/prometheus.yml").read_text()
     assert "type: Bearer" in config and "credentials:" in config
@@ -161,7 +163,7 @@ class _Values(HTMLParser):
 
 
 def chromium(url: str, tmp: Path, *extra: str) -> str:
-    exe = shutil.which("chromium") or shutil.which("chromium-browser")
+    exe = require_program("chromium", "chromium", "chromium-browser")
     args = [exe, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
             "--disable-background-networking", "--disable-component-update", "--disable-sync",
             "--disable-dev-shm-usage", f"--user-data-dir={tmp}", "--virtual-time-budget=4000", *extra, url]

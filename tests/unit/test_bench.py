@@ -3,6 +3,7 @@ the firsttoken timing extension, with a mid-stream error, cut short). Counts and
 
 from __future__ import annotations
 
+import asyncio
 import json
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -15,6 +16,8 @@ from tests.conftest import VLLM_FIXTURES
 
 from firsttoken.cli.main import main
 from firsttoken.tools.bench import BenchConfig, format_report, parse_mix, parse_size, run_bench
+from firsttoken.tools.bench.calibrate import CALIBRATION_SEED_OFFSET, calibrate, capacity_rps
+from firsttoken.tools.bench.client import RequestRecord
 from firsttoken.tools.bench.images import decode_data_url
 from firsttoken.tools.bench.sse import SSEEvent, SSEParser
 from firsttoken.tools.bench.workload import Workload, count_images
@@ -279,3 +282,80 @@ def test_cli_writes_report_json_and_plot(tmp_path: Path, mixed_file: str, capsys
     assert data["summary"]["errors"] == {"http_400": 1, "http_404": 1}
     assert len(data["records"]) == 4 and data["workload"]["bodies"] == 4
     assert out_png.stat().st_size > 1000
+
+
+# ------------------------------------------------------------------------------ --utilization (calibrate.py)
+
+
+class FakeProbe:
+    """Stands in for sending: answers each probe config with records whose e2e seconds are given per class."""
+
+    def __init__(self, e2e_s: dict[str, list[list[float]]], errors: dict[str, str] | None = None) -> None:
+        self.e2e_s = e2e_s  # class -> per measured session, its requests' e2e seconds
+        self.errors = errors or {}
+        self.configs: list[BenchConfig] = []
+
+    async def __call__(self, config: BenchConfig) -> list[RequestRecord]:
+        self.configs.append(config)
+        cls = config.mix[0][0] if config.workload == "seed-mix" else config.workload
+        records = [RequestRecord(0, 0, 0, cls, 0, True, 0.0, e2e_s=99.0)]  # the warm-up: never counted
+        for session, turns in enumerate(self.e2e_s[cls], start=config.warmup):
+            for turn, e2e in enumerate(turns):
+                records.append(RequestRecord(len(records), session, turn, cls, 0, False, 0.0, e2e_s=e2e,
+                                             error=self.errors.get(cls)))
+        return records
+
+
+def test_utilization_rate_is_u_over_the_mix_weighted_unloaded_service_time():
+    config = BenchConfig(url="http://x", utilization=0.6, seed=5, rate=None, slo_ttft_s=1.0)
+    probe = FakeProbe({"text": [[0.4], [0.6], [0.5]], "1img": [[2.0]] * 3, "3img": [[4.0], [6.0], [5.0]]})
+    cal = asyncio.run(calibrate(config, probe))
+    assert cal.service_s == pytest.approx({"text": 0.5, "1img": 2.0, "3img": 5.0})
+    assert cal.shares == {"text": 0.5, "1img": 0.3, "3img": 0.2}
+    assert cal.capacity_rps == pytest.approx(1 / (0.5 * 0.5 + 0.3 * 2.0 + 0.2 * 5.0))  # 1 / 1.85 s
+    assert cal.rate == pytest.approx(0.6 / 1.85) and cal.utilization == 0.6 and cal.num_probes == 3
+    assert capacity_rps({"a": 0.25, "b": 0.75}, {"a": 4.0, "b": 0.0}) == 1.0
+    # each class alone, one session at a time after one warm-up, on images the measured run never sends
+    assert [c.mix for c in probe.configs] == [(("text", 1.0),), (("1img", 1.0),), (("3img", 1.0),)]
+    for c in probe.configs:
+        assert (c.concurrency, c.rate, c.utilization, c.warmup, c.num_requests) == (1, None, None, 1, 3)
+        assert c.seed == 5 + CALIBRATION_SEED_OFFSET and c.slo_ttft_s is None
+
+
+def test_multiturn_service_time_is_a_whole_conversation_alone():
+    config = BenchConfig(url="http://x", workload="multiturn", utilization=1.0, calibration_requests=2)
+    cal = asyncio.run(calibrate(config, FakeProbe({"multiturn": [[1.0, 0.5, 0.5], [2.0, 1.0, 1.0]]})))
+    assert cal.service_s == {"multiturn": 3.0} and cal.rate == pytest.approx(1 / 3.0)
+
+
+def test_failed_probe_refuses_to_calibrate_and_rate_excludes_utilization():
+    probe = FakeProbe({"text": [[0.1]], "1img": [[0.1]], "3img": [[0.1]]}, errors={"1img": "http_400"})
+    with pytest.raises(ValueError, match="class 1img: 1 of 1 probe requests failed"):
+        asyncio.run(calibrate(BenchConfig(url="http://x", utilization=0.5), probe))
+    with pytest.raises(ValueError, match="rate or utilization"):
+        BenchConfig(url="http://x", rate=0.4, utilization=0.5)
+    with pytest.raises(ValueError, match="utilization must be > 0"):
+        BenchConfig(url="http://x", utilization=0.0)
+
+
+def test_cli_utilization_measures_each_class_alone_then_records_the_rate(tmp_path: Path,
+                                                                        capsys: pytest.CaptureFixture[str]):
+    out_json = tmp_path / "run.json"
+    with ReplayServer() as server:
+        rc = main(["bench", "--url", server.url, "--utilization", "0.5", "--calibration-requests", "2",
+                   "--num-requests", "4", "--image-size", "32x32", "--text-tokens", "10", "--no-progress",
+                   "--json", str(out_json)])
+    assert rc == 0
+    # 3 classes x (1 warm-up + 2 probes), sent class by class, then the 4 measured requests
+    probes = [count_images(b) for b in server.received[:9]]
+    assert probes == [0, 0, 0, 1, 1, 1, 3, 3, 3] and len(server.received) == 13
+    data = json.loads(out_json.read_text())
+    cal = data["calibration"]
+    assert set(cal) == {"utilization", "shares", "service_s", "num_probes", "capacity_rps", "rate"}
+    assert cal["utilization"] == 0.5 and cal["num_probes"] == 2 and set(cal["service_s"]) == {"text", "1img", "3img"}
+    assert cal["capacity_rps"] == pytest.approx(1 / sum(cal["shares"][c] * cal["service_s"][c] for c in cal["shares"]))
+    assert cal["rate"] == pytest.approx(0.5 * cal["capacity_rps"]) and data["rate"] == cal["rate"]
+    assert data["config"]["utilization"] == 0.5 and data["config"]["rate"] is None
+    assert data["summary"]["num_requests"] == 4 and len(data["records"]) == 4  # probes are not the run's records
+    stdout = capsys.readouterr().out
+    assert "calibrated: unloaded service time" in stdout and "utilization 0.5 -> Poisson" in stdout

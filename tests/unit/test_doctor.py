@@ -8,12 +8,14 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import VLLM_FIXTURES
+
 from firsttoken.cli.doctor import kv_sizing
 from firsttoken.cli.main import main
 from firsttoken.tools.doctor import Thresholds, doctor_from_texts, format_report
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures" / "doctor"
-VLLM_METRICS = Path("/work/shared/fixtures/vllm-0.32/metrics.txt")
+VLLM_METRICS = VLLM_FIXTURES / "metrics.txt"
 TINY_CONFIG = FIXTURES / "config.json"
 
 

@@ -5,7 +5,8 @@
     print(format_report(report)); report.write_json("run.json")
 
 Modules: config (BenchConfig, flag parsers), workload + images (seeded sessions), sse + client (one timed
-stream -> RequestRecord), stats (percentiles, goodput), runner (arrivals, run_bench), report (text, plot).
+stream -> RequestRecord), stats (percentiles, goodput), calibrate (--utilization: a rate from measured service
+times), runner (arrivals, run_bench), report (text, plot).
 httpx is needed only to run, so the names below load on first use and `firsttoken --help` works without it.
 """
 
@@ -18,7 +19,8 @@ from firsttoken.tools.bench.config import BenchConfig, parse_mix, parse_size
 
 _LAZY = {
     "RequestRecord": "client", "format_report": "report", "plot_report": "report", "BenchReport": "runner",
-    "arun_bench": "runner", "run_bench": "runner", "BenchSummary": "stats", "ClassSummary": "stats", "Dist": "stats",
+    "arun_bench": "runner", "run_bench": "runner", "measure_calibration": "runner", "Calibration": "calibrate",
+    "BenchSummary": "stats", "ClassSummary": "stats", "Dist": "stats",
 }
 __all__ = ["BenchConfig", "parse_mix", "parse_size", *_LAZY]
 

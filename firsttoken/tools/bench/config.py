@@ -54,6 +54,8 @@ class BenchConfig:
     multiturn_images: int = 3
     workload_file: str | None = None
     rate: float | None = None  # Poisson arrivals, sessions/s; None: back to back under `concurrency`
+    utilization: float | None = None  # instead of rate: Poisson at U x the measured capacity (calibrate.py)
+    calibration_requests: int = 3  # with utilization: sessions per class sent alone to measure service time
     concurrency: int | None = None  # cap on sessions in flight (None with rate: unbounded; both None: 1)
     num_requests: int | None = 100  # sessions (a multiturn conversation is one session of 1 + turns requests)
     duration_s: float | None = None  # stop starting sessions after this long
@@ -75,6 +77,12 @@ class BenchConfig:
             raise ValueError("image_format must be jpeg or png")
         if self.rate is not None and self.rate <= 0:
             raise ValueError("rate must be > 0")
+        if self.utilization is not None and self.rate is not None:
+            raise ValueError("give rate or utilization, not both")
+        if self.utilization is not None and self.utilization <= 0:
+            raise ValueError("utilization must be > 0 (1 = sessions offered as fast as they finish one at a time)")
+        if self.calibration_requests < 1:
+            raise ValueError("calibration_requests must be >= 1")
         if self.concurrency is not None and self.concurrency < 1:
             raise ValueError("concurrency must be >= 1")
         if self.num_requests is None and self.duration_s is None:

@@ -43,7 +43,9 @@ def _class_block(c: ClassSummary, show_phases: bool) -> list[str]:
 
 def format_report(report: "BenchReport") -> str:
     s, c = report.summary, report.config
-    arrivals = f"Poisson {c.rate}/s" if c.rate else "back to back"
+    arrivals = f"Poisson {report.rate:.4g}/s" if report.rate else "back to back"
+    if report.calibration is not None:
+        arrivals += f" (utilization {report.calibration.utilization:g} of the measured capacity)"
     if c.concurrency:
         arrivals += f", at most {c.concurrency} in flight"
     workload = ", ".join(f"{k}={v}" for k, v in report.workload.items())
@@ -51,6 +53,7 @@ def format_report(report: "BenchReport") -> str:
         f"server {c.base_url}  model {report.model}",
         f"workload: {workload}",
         f"arrivals: {arrivals}; warmup {c.warmup}",
+        *([report.calibration.describe()] if report.calibration is not None else []),
         "TTFT = send -> first chunk with non-empty content; TPOT = (e2e - TTFT) / (completion tokens - 1); "
         "ITL = gaps between content chunks",
         "",

@@ -2,7 +2,8 @@
 
 Arrivals: sessions start as a Poisson process at `rate` (seeded), or back to back, with at most `concurrency`
 in flight. Warmup sessions run first, to completion, and are kept in the records (warmup=True) but not in the
-statistics. A session's turns run one after another; a failed turn ends its session.
+statistics. A session's turns run one after another; a failed turn ends its session. With `utilization`, the
+rate is calibrated first (calibrate.py): each class is sent alone a few times, and the run uses U x capacity.
 """
 
 from __future__ import annotations
@@ -12,13 +13,14 @@ import itertools
 import json
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import httpx
 import numpy as np
 
+from firsttoken.tools.bench.calibrate import Calibration, calibrate
 from firsttoken.tools.bench.client import RequestRecord, send_chat
 from firsttoken.tools.bench.config import BenchConfig
 from firsttoken.tools.bench.progress import Progress
@@ -34,6 +36,12 @@ class BenchReport:
     records: list[RequestRecord]  # every request sent, warmup included, in sending order
     summary: BenchSummary
     started_unix_s: float
+    calibration: Calibration | None = None  # with config.utilization: what was measured and the rate it set
+
+    @property
+    def rate(self) -> float | None:
+        """The Poisson arrival rate the run used (sessions/s), given or calibrated; None: back to back."""
+        return self.calibration.rate if self.calibration is not None else self.config.rate
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -41,6 +49,8 @@ class BenchReport:
             "workload": self.workload,
             "model": self.model,
             "started_unix_s": self.started_unix_s,
+            "rate": self.rate,
+            "calibration": None if self.calibration is None else self.calibration.to_dict(),
             "summary": self.summary.to_dict(),
             "records": [r.to_dict() for r in self.records],
         }
@@ -55,26 +65,51 @@ def run_bench(config: BenchConfig, transport: httpx.AsyncBaseTransport | None = 
 
 
 async def arun_bench(config: BenchConfig, transport: httpx.AsyncBaseTransport | None = None) -> BenchReport:
-    workload = Workload(config)
-    timeout = httpx.Timeout(config.timeout_s, connect=min(30.0, config.timeout_s))
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     started_unix = time.time()
-    async with httpx.AsyncClient(base_url=config.base_url, timeout=timeout, limits=limits,
-                                 transport=transport) as client:
+    async with _client(config, transport) as client:
         model = config.model or await _first_model(client)
-        run = _Run(config, workload, client, model)
-        if config.warmup:
-            await run.phase(range(config.warmup), warmup=True, progress_label="warmup")
-        start = config.warmup
-        count = config.num_requests
-        indices = range(start, start + count) if count is not None else itertools.count(start)
-        await run.phase(indices, warmup=False, progress_label="bench")
-    records = sorted(run.records, key=lambda r: r.index)
+        calibration = None
+        run_config = config
+        if config.utilization is not None:
+            calibration = await calibrate(config, lambda probe: _send_workload(probe, client, model))
+            if config.progress:
+                print(calibration.describe(), file=sys.stderr)
+            run_config = replace(config, utilization=None, rate=calibration.rate)
+        records = await _send_workload(run_config, client, model)
     order = [name for name, _ in config.mix] if config.workload == "seed-mix" else (
         ["first", "follow-up"] if config.workload == "multiturn" else ["text"] if config.workload == "text"
         else ["0", "1", "2+"])
     summary = summarize(records, config.slo_ttft_s, config.slo_tpot_s, order)
-    return BenchReport(config, workload.describe(), model, records, summary, started_unix)
+    return BenchReport(config, Workload(config).describe(), model, records, summary, started_unix, calibration)
+
+
+def measure_calibration(config: BenchConfig, transport: httpx.AsyncBaseTransport | None = None) -> Calibration:
+    """Only the calibration of `config` (its utilization): for scripts that run several servers at one rate."""
+
+    async def measure() -> Calibration:
+        async with _client(config, transport) as client:
+            model = config.model or await _first_model(client)
+            return await calibrate(config, lambda probe: _send_workload(probe, client, model))
+
+    return asyncio.run(measure())
+
+
+def _client(config: BenchConfig, transport: httpx.AsyncBaseTransport | None) -> httpx.AsyncClient:
+    timeout = httpx.Timeout(config.timeout_s, connect=min(30.0, config.timeout_s))
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    return httpx.AsyncClient(base_url=config.base_url, timeout=timeout, limits=limits, transport=transport)
+
+
+async def _send_workload(config: BenchConfig, client: httpx.AsyncClient, model: str | None) -> list[RequestRecord]:
+    """Warm-up sessions, then the measured ones, as config's arrivals say; every record, in sending order."""
+    run = _Run(config, Workload(config), client, model)
+    if config.warmup:
+        await run.phase(range(config.warmup), warmup=True, progress_label="warmup")
+    start = config.warmup
+    count = config.num_requests
+    indices = range(start, start + count) if count is not None else itertools.count(start)
+    await run.phase(indices, warmup=False, progress_label="bench")
+    return sorted(run.records, key=lambda r: r.index)
 
 
 async def _first_model(client: httpx.AsyncClient) -> str | None:
