@@ -64,7 +64,7 @@ def add_parser(subparsers: Any) -> None:
 def kv_sizing(model: str | None, dtype: str, peak: int | None) -> KVSizing:
     if model is None:
         return KVSizing(peak_concurrency=peak)
-    from firsttoken.tools.plan import DTYPE_BYTES, ModelShape
+    from firsttoken.tools.model_shape import DTYPE_BYTES, ModelShape
 
     if dtype not in DTYPE_BYTES:
         raise UsageError("--dtype", dtype, f"unknown dtype; use one of {', '.join(DTYPE_BYTES)}")

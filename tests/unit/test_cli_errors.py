@@ -129,6 +129,25 @@ def test_an_unexpected_failure_is_one_line_and_the_traceback_is_opt_in(tiny_mode
 
 
 # ---- the other commands ----------------------------------------------------------------------------------------
+def test_plan_config_missing_a_field_names_it(tmp_path: Path) -> None:
+    config = tmp_path / "config.json"
+    vision = {k: v for k, v in QWEN25_VL_CONFIG["vision_config"].items() if k != "intermediate_size"}
+    config.write_text(json.dumps({**QWEN25_VL_CONFIG, "vision_config": vision}))
+    result = firsttoken("plan", "--config", str(config), "--memory", "80GiB", "--peak-concurrency", "8")
+    assert error_line(result) == (
+        f"firsttoken plan: --config {config}: config.json has no vision_config.intermediate_size, needed to size "
+        "the vision tower's weights and workspace")
+
+
+def test_plan_refuses_a_device_the_weights_do_not_fit(tmp_path: Path) -> None:
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(QWEN25_VL_CONFIG))
+    result = firsttoken("plan", "--config", str(config), "--memory", "16GiB", "--peak-concurrency", "8")
+    assert error_line(result) == (
+        "firsttoken plan: --memory 16GiB: the weights alone need 15.45 GiB (8,292,166,656 parameters x 2 B in "
+        "bfloat16) but 16.00 GiB x 0.9 utilization = 14.40 GiB usable; plan for a larger device")
+
+
 def test_tokens_missing_image_file(tmp_path: Path) -> None:
     missing = tmp_path / "cat.jpg"
     assert error_line(firsttoken("tokens", str(missing))) == f"firsttoken tokens: {missing}: no such file"
