@@ -6,6 +6,7 @@ import argparse
 import sys
 from typing import Any
 
+from firsttoken.cli.usage import UsageError, check_reachable, existing_file, first_line, from_config_error
 from firsttoken.tools.bench.config import BenchConfig, parse_mix, parse_size
 
 
@@ -54,10 +55,18 @@ def add_parser(subparsers: Any) -> None:
     p.set_defaults(handler=run)
 
 
+# BenchConfig fields whose flag is spelled differently (the rest are the flag's name with underscores)
+RENAMED_FLAGS = {"duration_s": "--duration", "timeout_s": "--timeout", "slo_ttft_s": "--slo-ttft",
+                 "slo_tpot_s": "--slo-tpot", "workload_file": "--workload-file"}
+
+
 def run(args: argparse.Namespace) -> int:
     from firsttoken.tools.bench import format_report, plot_report, run_bench  # needs httpx: only when run
+    from firsttoken.tools.bench.workload import Workload
 
     num_requests = args.num_requests if args.num_requests is not None else (None if args.duration else 100)
+    if args.workload_file:
+        existing_file("--workload-file", args.workload_file)
     try:
         config = BenchConfig(
             url=args.url, model=args.model,
@@ -70,10 +79,15 @@ def run(args: argparse.Namespace) -> int:
             num_requests=num_requests, duration_s=args.duration, warmup=args.warmup, seed=args.seed,
             slo_ttft_s=args.slo_ttft, slo_tpot_s=args.slo_tpot, timeout_s=args.timeout, progress=args.progress,
         )
-        report = run_bench(config)
-    except (ValueError, OSError) as exc:
-        print(f"firsttoken bench: error: {exc}", file=sys.stderr)
-        return 2
+    except ValueError as exc:
+        raise from_config_error(exc, args, RENAMED_FLAGS) or UsageError(None, None, str(exc)) from None
+    if args.workload_file:
+        try:
+            Workload(config)  # reads and parses the file: a bad line is said before any request is sent
+        except (ValueError, OSError) as exc:
+            raise UsageError("--workload-file", args.workload_file, first_line(str(exc))) from None
+    check_reachable("--url", args.url, min(10.0, args.timeout))  # one line now, not one error per request later
+    report = run_bench(config)
     print(format_report(report))
     if args.json:
         report.write_json(args.json)

@@ -5,10 +5,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 from pathlib import Path
 from typing import Any
 
+from firsttoken.cli.usage import UsageError, existing_file, from_config_error, read_config_json, unreachable
 from firsttoken.tools.doctor.rules import KVSizing, Thresholds
 
 
@@ -64,11 +64,15 @@ def add_parser(subparsers: Any) -> None:
 def kv_sizing(model: str | None, dtype: str, peak: int | None) -> KVSizing:
     if model is None:
         return KVSizing(peak_concurrency=peak)
-    from firsttoken.tools.plan import DTYPE_BYTES, ModelShape, load_config
+    from firsttoken.tools.model_shape import DTYPE_BYTES, ModelShape
 
-    path = Path(model)
-    config = load_config(path / "config.json" if path.is_dir() else path)
-    return KVSizing(ModelShape.from_config(config).kv_bytes_per_token(DTYPE_BYTES[dtype]), peak)
+    if dtype not in DTYPE_BYTES:
+        raise UsageError("--dtype", dtype, f"unknown dtype; use one of {', '.join(DTYPE_BYTES)}")
+    config = read_config_json("--model", model, allow_file=True)
+    try:
+        return KVSizing(ModelShape.from_config(config).kv_bytes_per_token(DTYPE_BYTES[dtype]), peak)
+    except ValueError as exc:  # tools.plan names the missing config.json field
+        raise UsageError("--model", model, str(exc)) from None
 
 
 def run(args: argparse.Namespace) -> int:
@@ -81,18 +85,37 @@ def run(args: argparse.Namespace) -> int:
         th = Thresholds(image_budget_tokens=args.image_budget, high_share=args.high_share,
                         medium_share=min(Thresholds.medium_share, args.high_share),
                         ttft_p99_target_s=args.ttft_p99_target)  # fmt: skip
-        kv = kv_sizing(args.model, args.dtype, args.peak_concurrency)
-        if args.url:
+    except ValueError as exc:
+        raise from_config_error(exc, args, {"image_budget_tokens": "--image-budget"}) or UsageError(
+            None, None, str(exc)) from None
+    kv = kv_sizing(args.model, args.dtype, args.peak_concurrency)
+    if args.url:
+        try:
             report = run_doctor(args.url, api_key=args.api_key, do_probe=args.probe, model=args.served_model,
                                 thresholds=th, kv=kv)  # fmt: skip
-        else:
-            stats = json.loads(args.stats_file.read_text()) if args.stats_file else None
-            report = doctor_from_texts(args.metrics_file.read_text(), stats, thresholds=th, kv=kv)
-    except (ValueError, KeyError, OSError) as exc:
-        print(f"firsttoken doctor: error: {exc!s}", file=sys.stderr)
-        return 2
-    except httpx.HTTPError as exc:  # the server is down, 401, ...
-        print(f"firsttoken doctor: error: {type(exc).__name__}: {exc!s}", file=sys.stderr)
-        return 2
+        except (httpx.HTTPError, httpx.InvalidURL) as exc:  # down, unreachable, 401, not a firsttoken/vLLM server
+            raise unreachable_or_refused(args.url, exc) from None
+    else:
+        metrics = existing_file("--metrics-file", args.metrics_file).read_text()
+        stats = None
+        if args.stats_file:
+            try:
+                stats = json.loads(existing_file("--stats-file", args.stats_file).read_text())
+            except ValueError as exc:
+                raise UsageError("--stats-file", args.stats_file, f"not JSON ({exc})") from None
+        try:
+            report = doctor_from_texts(metrics, stats, thresholds=th, kv=kv)
+        except (ValueError, KeyError) as exc:
+            raise UsageError("--metrics-file", args.metrics_file, f"cannot read it as /metrics: {exc!s}") from None
     print(json.dumps(report.to_dict(), indent=1) if args.json else format_report(report))
     return 0
+
+
+def unreachable_or_refused(url: str, exc: Exception) -> UsageError:
+    import httpx
+
+    if isinstance(exc, httpx.HTTPStatusError):
+        status = exc.response.status_code
+        hint = "; pass --api-key (or set $FIRSTTOKEN_API_KEY)" if status in (401, 403) else ""
+        return UsageError("--url", url, f"{exc.request.url.path} answered HTTP {status}{hint}")
+    return unreachable("--url", url, exc)

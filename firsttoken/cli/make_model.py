@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
+from pathlib import Path
 from typing import Any
 
+from firsttoken.cli.usage import UsageError
 from firsttoken.models.checkpoint import LAYOUTS, SIZES, make_model
+
+CHECKPOINT_META = "firsttoken_checkpoint.json"  # make_model writes it last: its presence marks our own output
 
 
 def add_parser(subparsers: Any) -> None:
@@ -24,13 +27,27 @@ def add_parser(subparsers: Any) -> None:
     parser.set_defaults(handler=run)
 
 
+def check_writable_dir(out: Path) -> None:
+    """make_model replaces config.json and every model*.safetensors in DIR: only a new or empty directory, or
+    one make-model wrote before (it has CHECKPOINT_META), may be written, so a real checkpoint is never lost."""
+    if out.exists() and not out.is_dir():
+        raise UsageError(None, out, "exists and is not a directory")
+    if out.is_dir() and any(out.iterdir()) and not (out / CHECKPOINT_META).is_file():
+        raise UsageError(None, out, f"not empty and not written by make-model (no {CHECKPOINT_META}); it would "
+                         "overwrite config.json and the weights there: choose a new or empty directory")
+
+
 def run(args: argparse.Namespace) -> int:
+    check_writable_dir(Path(args.dir))
+    if args.shards < 1:
+        raise UsageError("--shards", args.shards, "must be >= 1")
     try:
         out = make_model(args.dir, size=args.size, seed=args.seed, layout=args.layout, shards=args.shards)
-    except ValueError as exc:  # bad --shards for this size
-        print(f"firsttoken make-model: error: {exc}", file=sys.stderr)
-        return 2
-    meta = json.loads((out / "firsttoken_checkpoint.json").read_text())
+    except ValueError as exc:  # more --shards than this size has tensors to split
+        raise UsageError("--shards", args.shards, str(exc)) from None
+    except OSError as exc:  # no permission, disk full
+        raise UsageError(None, args.dir, f"cannot write the checkpoint here ({exc.strerror or exc})") from None
+    meta = json.loads((out / CHECKPOINT_META).read_text())
     params = meta["params"]
     print(
         f"wrote {out} ({args.size}, seed {args.seed}, {args.layout} layout, {args.shards} shard(s)): "

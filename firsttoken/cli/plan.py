@@ -1,47 +1,74 @@
-"""``firsttoken plan``: KV capacity planning from a checkpoint's config (see tools/plan.py)."""
+"""``firsttoken plan``: where a device's memory goes and how many requests its KV pool admits, from a
+checkpoint's config (see tools/plan.py)."""
 
 from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 from typing import Any
 
-from firsttoken.tools.plan import DTYPE_BYTES, PlanInputs, format_plan, load_config, make_plan, parse_bytes
+from firsttoken.cli.usage import UsageError, from_config_error, read_config_json
+from firsttoken.tools.plan import (
+    DTYPE_BYTES,
+    MEMORY_UTILIZATION,
+    DoesNotFit,
+    PlanInputs,
+    format_plan,
+    make_plan,
+)
+from firsttoken.units import format_size, parse_bytes
+
+_DEFAULTS = PlanInputs(peak_concurrency=1, kv_cache_memory_bytes=1)  # the defaults, read from one place
 
 
 def add_parser(subparsers: Any) -> None:
     parser = subparsers.add_parser(
         "plan",
-        help="KV capacity planning: KV per request, max concurrency, serve flags",
-        description="Plan the KV pool for a workload from a checkpoint's config.json (no weights are loaded).",
+        help="memory and KV capacity planning: weights, workspace, KV pool, max concurrency, serve flags",
+        description="Plan a device's memory and the KV pool for a workload from a checkpoint's config.json "
+                    "(no weights are loaded).",
     )
     src = parser.add_mutually_exclusive_group(required=True)
     src.add_argument("--model", help="checkpoint directory (config.json; safetensors headers if present)")
     src.add_argument("--config", help="a config.json file")
-    parser.add_argument("--memory", required=True, type=parse_bytes,
-                        help="KV pool memory (what --kv-cache-memory gets): 24GiB, 80G, or bytes")
+    memory = parser.add_mutually_exclusive_group(required=True)
+    memory.add_argument("--memory", help="the device's memory (80GiB, 80G, or bytes): the KV pool is what "
+                        "--memory-utilization of it leaves after weights, step workspace and the encoder cache")
+    memory.add_argument("--kv-cache-memory", help="the KV pool itself, as serve --kv-cache-memory takes it")
+    parser.add_argument("--memory-utilization", type=float, default=MEMORY_UTILIZATION,
+                        help=f"share of --memory the server may use (default {MEMORY_UTILIZATION})")
     parser.add_argument("--peak-concurrency", type=int, required=True, help="requests in flight at the peak")
-    parser.add_argument("--text-tokens", type=int, default=800)
-    parser.add_argument("--images-per-request", type=int, default=3)
-    parser.add_argument("--image-tokens", type=int, default=1200, help="visual-token budget per image")
-    parser.add_argument("--output-tokens", type=int, default=256)
+    parser.add_argument("--text-tokens", type=int, default=_DEFAULTS.text_tokens)
+    parser.add_argument("--images-per-request", type=int, default=_DEFAULTS.images_per_request)
+    parser.add_argument("--image-tokens", type=int, default=_DEFAULTS.image_tokens,
+                        help="visual-token budget per image")
+    parser.add_argument("--output-tokens", type=int, default=_DEFAULTS.output_tokens)
     parser.add_argument("--template-overhead-tokens", type=int, default=None,
                         help="chat-template tokens per request (default: 21 + 2 per image)")
     parser.add_argument("--max-model-len", type=int, default=None, help="default: prompt + output, whole blocks")
-    parser.add_argument("--dtype", choices=sorted(DTYPE_BYTES), default="bfloat16")
-    parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--decode-reserve-tokens", type=int, default=64)
-    parser.add_argument("--json", metavar="FILE", help="also write the plan as JSON ('-' for stdout only)")
+    parser.add_argument("--max-batched-tokens", type=int, default=None,
+                        help="tokens one step runs, sizing the workspace (default: serve's 2048, raised to fit "
+                             "one image beside a decode per peak request)")
+    parser.add_argument("--encoder-cache-memory", default=None,
+                        help="vision-encoder output cache (default: serve's, "
+                             f"{format_size(_DEFAULTS.encoder_cache_memory_bytes)})")
+    parser.add_argument("--dtype", choices=sorted(DTYPE_BYTES), default=_DEFAULTS.dtype)
+    parser.add_argument("--block-size", type=int, default=_DEFAULTS.block_size)
+    parser.add_argument("--decode-reserve-tokens", type=int, default=_DEFAULTS.decode_reserve_tokens)
+    parser.add_argument("--json", metavar="FILE", help="also write the plan as JSON ('-': JSON on stdout only)")
     parser.set_defaults(handler=run)
 
 
 def run(args: argparse.Namespace) -> int:
+    source_flag, source = ("--model", args.model) if args.model else ("--config", args.config)
+    config = read_config_json(source_flag, source, allow_file=True)
     try:
         inputs = PlanInputs(
-            kv_cache_memory_bytes=args.memory,
             peak_concurrency=args.peak_concurrency,
+            kv_cache_memory_bytes=_size("--kv-cache-memory", args.kv_cache_memory),
+            device_memory_bytes=_size("--memory", args.memory),
+            memory_utilization=args.memory_utilization,
             text_tokens=args.text_tokens,
             images_per_request=args.images_per_request,
             image_tokens=args.image_tokens,
@@ -51,16 +78,35 @@ def run(args: argparse.Namespace) -> int:
             decode_reserve_tokens=args.decode_reserve_tokens,
             template_overhead_tokens=args.template_overhead_tokens,
             max_model_len=args.max_model_len,
+            max_batched_tokens=args.max_batched_tokens,
+            encoder_cache_memory_bytes=_size("--encoder-cache-memory", args.encoder_cache_memory,
+                                             _DEFAULTS.encoder_cache_memory_bytes),
         )
-        source = args.model or args.config
-        plan = make_plan(load_config(source), inputs, model_dir=args.model)
-    except (ValueError, KeyError, OSError) as exc:
-        print(f"firsttoken plan: error: {exc!s}", file=sys.stderr)
-        return 2
+    except ValueError as exc:
+        raise from_config_error(exc, args) or UsageError(None, None, str(exc)) from None
+    try:
+        plan = make_plan(config, inputs, model_dir=args.model)
+    except DoesNotFit as exc:
+        raise UsageError("--memory", args.memory, str(exc)) from None
+    except ValueError as exc:  # ConfigFieldMissing: the sentence names the field and what it is for
+        raise UsageError(source_flag, source, str(exc)) from None
+    text = json.dumps(plan.to_dict(), indent=1)
     if args.json == "-":
-        print(json.dumps(plan.to_dict(), indent=1))
+        print(text)
         return 0
     print(format_plan(plan))
     if args.json:
-        Path(args.json).write_text(json.dumps(plan.to_dict(), indent=1) + "\n")
+        try:
+            Path(args.json).write_text(text + "\n")
+        except OSError as exc:
+            raise UsageError("--json", args.json, f"cannot write it ({exc.strerror or exc})") from None
     return 0
+
+
+def _size(flag: str, text: str | None, default: int | None = None) -> int | None:
+    if text is None:
+        return default
+    try:
+        return parse_bytes(text)
+    except ValueError as exc:
+        raise UsageError(flag, text, str(exc)) from None

@@ -15,6 +15,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from firsttoken.cli.usage import UsageError, check_reachable, existing_dir, existing_file, first_line
+
 
 def parse_budgets(text: str) -> list[int]:
     try:
@@ -95,9 +97,21 @@ def in_process_server(model: str | None, dtype: str, image_max_tokens: int, no_c
 
 
 def run(args: argparse.Namespace) -> int:
+    from firsttoken.cli.serve_checks import check_checkpoint
     from firsttoken.tools.regress import ChatServer, format_report, list_images, read_prompts, run_regress
 
-    images, prompts = list_images(args.images), read_prompts(args.prompts)
+    try:
+        images = list_images(existing_dir("--images", args.images))
+    except ValueError as exc:
+        raise UsageError("--images", args.images, str(exc)) from None
+    try:
+        prompts = read_prompts(existing_file("--prompts", args.prompts))
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise UsageError("--prompts", args.prompts, first_line(str(exc))) from None
+    if args.url:
+        check_reachable("--url", args.url)
+    elif args.model:
+        check_checkpoint("--model", Path(args.model))
 
     def regress(url: str, model: str | None):
         server = ChatServer(url, model, max_tokens=args.max_tokens)

@@ -10,9 +10,12 @@ import argparse
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from firsttoken import units
+
+if TYPE_CHECKING:
+    from firsttoken.engine.engine import EngineConfig
 
 log = logging.getLogger("firsttoken.serve")
 
@@ -113,27 +116,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(handler=run)
 
 
-def build_server(args: argparse.Namespace, fault_hook: Any = None, media_network: Any = None):
-    """Everything `serve` starts, minus uvicorn: (app, async_engine). Tests use it too; `fault_hook` is the
-    runner's test seam (see runner.model_runner.FaultHook), None in production; `media_network` replaces
-    how remote images reach the network (inputs.media.MediaNetwork: resolver, fetcher), None in production."""
-    from firsttoken.api.observability import observability_from_args
-    from firsttoken.api.server import build_app
-    from firsttoken.api.settings import ServerSettings
-    from firsttoken.config import CacheConfig, GenerationDefaults, SchedulerConfig
-    from firsttoken.engine.async_engine import AsyncEngine
-    from firsttoken.engine.engine import EngineConfig, LLMEngine
-    from firsttoken.inputs.budget import ImageBudget
-    from firsttoken.inputs.media import remote_media
-    from firsttoken.inputs.processor import ImageSettings, InputProcessor
-    from firsttoken.models.checkpoint import demo_model_dir
-    from transformers import AutoTokenizer
+def engine_config(args: argparse.Namespace) -> "EngineConfig":
+    """The engine's frozen config from serve's flags; ValueError (naming the field) when a value is out of range."""
+    from firsttoken.config import CacheConfig, SchedulerConfig
+    from firsttoken.engine.engine import EngineConfig
 
-    model_dir = Path(args.model) if args.model else demo_model_dir()
-    if args.model is None:
-        log.warning("no --model given: serving the built-in demo checkpoint (random weights, nonsense answers) "
-                    "from %s", model_dir)
-    config = EngineConfig(
+    return EngineConfig(
         dtype=args.dtype,
         cache=CacheConfig(
             block_size=args.block_size,
@@ -158,6 +146,29 @@ def build_server(args: argparse.Namespace, fault_hook: Any = None, media_network
         seed=args.seed,
         request_timeout_s=args.request_timeout,
     )
+
+
+def build_server(args: argparse.Namespace, fault_hook: Any = None, media_network: Any = None):
+    """Everything `serve` starts, minus uvicorn: (app, async_engine). Tests use it too; `fault_hook` is the
+    runner's test seam (see runner.model_runner.FaultHook), None in production; `media_network` replaces
+    how remote images reach the network (inputs.media.MediaNetwork: resolver, fetcher), None in production."""
+    from firsttoken.api.observability import observability_from_args
+    from firsttoken.api.server import build_app
+    from firsttoken.api.settings import ServerSettings
+    from firsttoken.config import GenerationDefaults
+    from firsttoken.engine.async_engine import AsyncEngine
+    from firsttoken.engine.engine import LLMEngine
+    from firsttoken.inputs.budget import ImageBudget
+    from firsttoken.inputs.media import remote_media
+    from firsttoken.inputs.processor import ImageSettings, InputProcessor
+    from firsttoken.models.checkpoint import demo_model_dir
+    from transformers import AutoTokenizer
+
+    model_dir = Path(args.model) if args.model else demo_model_dir()
+    if args.model is None:
+        log.warning("no --model given: serving the built-in demo checkpoint (random weights, nonsense answers) "
+                    "from %s", model_dir)
+    config = engine_config(args)
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
     observability = observability_from_args(args, tokenizer)
     engine = LLMEngine(
@@ -196,19 +207,28 @@ def _decoder(tokenizer: Any) -> Any:
 
 
 def run(args: argparse.Namespace) -> int:
+    """Check the flags (cheap, before any weight is read), load, serve until SIGTERM. A misconfiguration is a
+    cli.usage.UsageError: one line naming the flag, exit 2 (cli.main prints it)."""
     import torch
     import uvicorn
 
     from firsttoken.api.logs import configure_logging
     from firsttoken.api.shutdown import DrainingServer
+    from firsttoken.cli.serve_checks import RENAMED_FLAGS, check_serve_args
+    from firsttoken.cli.usage import from_config_error
+    from firsttoken.models.checkpoint import demo_model_dir
 
+    check_serve_args(args, Path(args.model) if args.model else demo_model_dir())
     configure_logging(args.log_level, args.log_format)
     if args.num_threads:
         torch.set_num_threads(args.num_threads)
-    app, async_engine = build_server(args)
+    try:
+        app, async_engine = build_server(args)
+    except ValueError as exc:  # a flag the cheap checks could not judge (it needed the tokenizer or the model)
+        raise from_config_error(exc, args, RENAMED_FLAGS) or exc
     async_engine.start()
     log.info("serving on http://%s:%d", args.host, args.port)
-    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level.lower(),
                             timeout_graceful_shutdown=1,  # after our own drain: cancel (abort) what is left
                             log_config=None)  # uvicorn's loggers propagate to ours (text or json, with request ids)
     server = DrainingServer(config, async_engine, app.state.slots, args.shutdown_timeout)

@@ -12,7 +12,7 @@ import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from firsttoken.models.registry import load_model_config
+from firsttoken.cli.usage import UsageError, existing_file, from_config_error, parse_model_config, read_config_json
 from firsttoken.models.config import VisionConfig
 from firsttoken.inputs.budget import ImageBudget, plan_image
 from firsttoken.inputs.image import ImageInputError, probe_image
@@ -101,10 +101,18 @@ def format_table(rows: list[ImageRow]) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    vision = load_model_config(args.model).vision if args.model else QWEN2_VL_GEOMETRY
-    budget = ImageBudget(
-        args.image_max_tokens, min(args.image_min_tokens, args.image_max_tokens), SERVE_DEFAULT.low_detail_tokens
-    )
+    """A missing file or bad flag is a UsageError (nothing is counted); an unreadable image is its row's error."""
+    for path in args.images:
+        existing_file(None, path)
+    vision = QWEN2_VL_GEOMETRY
+    if args.model:
+        vision = parse_model_config("--model", args.model, read_config_json("--model", args.model)).vision
+    try:
+        budget = ImageBudget(
+            args.image_max_tokens, min(args.image_min_tokens, args.image_max_tokens), SERVE_DEFAULT.low_detail_tokens
+        )
+    except ValueError as exc:
+        raise from_config_error(exc, args) or UsageError(None, None, str(exc)) from None
     rows = count_images(args.images, budget, args.detail, vision, args.max_image_pixels)
     if args.json:
         total = sum(r.num_tokens or 0 for r in rows)

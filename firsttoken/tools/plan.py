@@ -1,4 +1,5 @@
-"""KV capacity planning from a checkpoint's shapes: how much KV one request holds, how many fit, which flags.
+"""KV capacity planning from a checkpoint's shapes: where a device's memory goes, how much KV one request holds,
+how many fit, which flags.
 
 The arithmetic here is deliberately its own (it imports no engine, scheduler or kv code) so that the oracle
 test can hold it against the real scheduler. It mirrors the scheduler's admission rule, stated here as the
@@ -9,180 +10,99 @@ contract this module plans for:
 
 So "fits" means: blocks for prompt + reserve, where prompt = text + images x image tokens + template overhead.
 num_kv_blocks = kv_cache_memory_bytes // (kv_bytes_per_token x block_size), as the engine sizes its pool.
+
+The pool is either given (``kv_cache_memory_bytes``, what ``serve --kv-cache-memory`` takes) or what a device's
+memory leaves, as vLLM's --gpu-memory-utilization reads it:
+
+    KV pool = memory x utilization - weights - workspace - encoder cache     (rounded down to a MiB)
+    weights = parameters (LM + vision tower + lm_head unless tied) x dtype bytes
+    workspace = max(LM step, vision tower): the tower runs before the step's forward, not beside it
+      LM step = activations (T tokens x (2 hidden + 2 q + 2 kv + 3 intermediate) x B)
+              + attention scores of one chunk (2 x heads x T x max_model_len x B, the CPU SDPA path)
+              + logits and probabilities of the sampled rows (2 x rows x vocab x 4 B)
+      vision tower = one image at the budget: patches x (6 width + 2 mlp width (3 if gated)) x B
+    T = --max-batched-tokens, rows = min(peak, T), patches = image tokens x spatial_merge_size^2.
+
+Each term is an estimate of buffers, not a measurement; the utilization margin (default 10%) is what covers the
+allocator's fragmentation, the framework's own memory and what the estimate misses.
 """
 
 from __future__ import annotations
 
-import json
-import struct
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from firsttoken.units import parse_bytes  # noqa: F401  (re-exported: plan's CLI and tests take it from here)
+from firsttoken.config import CacheConfig, SchedulerConfig
+from firsttoken.tools.model_shape import (  # noqa: F401  (re-exported: doctor and the benchmarks read them here)
+    DTYPE_BYTES,
+    ConfigFieldMissing,
+    ModelShape,
+    load_config,
+    safetensors_weight_bytes,
+)
+from firsttoken.units import format_bytes, format_size, parse_bytes  # noqa: F401  (parse_bytes re-exported)
 
-DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
-_SAFETENSORS_DTYPE_BYTES = {"F64": 8, "F32": 4, "BF16": 2, "F16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1,
-                            "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
 # Qwen2-VL's chat template around one user turn with the default system prompt:
 # "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\n" ... "<|im_end|>\n
 # <|im_start|>assistant\n" is ~21 tokens with Qwen's tokenizer; each image adds <|vision_start|>, <|vision_end|>.
 TEMPLATE_BASE_TOKENS = 21
 TEMPLATE_TOKENS_PER_IMAGE = 2
+MEMORY_UTILIZATION = 0.9  # share of the device's memory the server may use (vLLM's default too)
+MIB = 2**20
+_CACHE_DEFAULTS, _SCHEDULER_DEFAULTS = CacheConfig(), SchedulerConfig()  # serve's defaults: one source
 
-def format_bytes(n: float) -> str:
-    for unit, size in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if abs(n) >= size:
-            return f"{n / size:.2f} {unit}"
-    return f"{int(n)} B"
+
+class DoesNotFit(ValueError):
+    """The device cannot hold the weights and the workspace with room left for one KV block."""
 
 
 def _ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
 
-# ---- the checkpoint's shape ------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class ModelShape:
-    """What planning needs from config.json, read from either Qwen2-VL layout (flat or text_config)."""
-
-    model_type: str
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_attention_heads: int
-    num_kv_heads: int
-    head_dim: int
-    max_position_embeddings: int
-    tie_word_embeddings: bool
-    vision_depth: int
-    vision_width: int
-    vision_mlp_width: int  # fc1 (Qwen2-VL) or gate/up (Qwen2.5-VL) width
-    vision_gated_mlp: bool  # Qwen2.5-VL: gate/up/down with biases and RMSNorm; Qwen2-VL: fc1/fc2, LayerNorm
-    vision_out_width: int
-    vision_in_channels: int
-    vision_patch_size: int
-    vision_temporal_patch_size: int
-    vision_spatial_merge_size: int
-
-    @classmethod
-    def from_config(cls, d: dict[str, Any]) -> "ModelShape":
-        text = {**d, **d["text_config"]} if isinstance(d.get("text_config"), dict) else d
-        v = d.get("vision_config") or {}
-        model_type = str(d.get("model_type", "qwen2_vl"))
-        hidden = int(text["hidden_size"])
-        heads = int(text["num_attention_heads"])
-        gated = "2_5" in model_type or "intermediate_size" in v and "mlp_ratio" not in v
-        width = int(v.get("embed_dim") or (v.get("hidden_size") if gated else 1280) or 1280)
-        mlp_width = int(v["intermediate_size"]) if gated else int(width * float(v.get("mlp_ratio", 4)))
-        out_width = int(v.get("out_hidden_size") or (hidden if gated else v.get("hidden_size", hidden)))
-        return cls(
-            model_type=model_type,
-            vocab_size=int(text["vocab_size"]),
-            hidden_size=hidden,
-            intermediate_size=int(text["intermediate_size"]),
-            num_layers=int(text["num_hidden_layers"]),
-            num_attention_heads=heads,
-            num_kv_heads=int(text.get("num_key_value_heads") or heads),
-            head_dim=int(text.get("head_dim") or hidden // heads),
-            max_position_embeddings=int(text.get("max_position_embeddings", 32768)),
-            tie_word_embeddings=bool(d.get("tie_word_embeddings", text.get("tie_word_embeddings", False))),
-            vision_depth=int(v.get("depth", 32)),
-            vision_width=width,
-            vision_mlp_width=mlp_width,
-            vision_gated_mlp=gated,
-            vision_out_width=out_width,
-            vision_in_channels=int(v.get("in_channels", v.get("in_chans", 3))),
-            vision_patch_size=int(v.get("patch_size", v.get("spatial_patch_size", 14))),
-            vision_temporal_patch_size=int(v.get("temporal_patch_size", 2)),
-            vision_spatial_merge_size=int(v.get("spatial_merge_size", 2)),
-        )
-
-    # ---- parameters, from shapes alone ---------------------------------------------------------------
-    def language_model_params(self) -> int:
-        h, hd = self.hidden_size, self.head_dim
-        q, kv = self.num_attention_heads * hd, self.num_kv_heads * hd
-        attn = (h * q + q) + 2 * (h * kv + kv) + q * h  # q/k/v carry biases, o_proj does not
-        mlp = 3 * h * self.intermediate_size  # gate, up, down
-        layer = attn + mlp + 2 * h  # two RMSNorm weights
-        embed = self.vocab_size * h
-        lm_head = 0 if self.tie_word_embeddings else self.vocab_size * h
-        return embed + self.num_layers * layer + h + lm_head
-
-    def vision_params(self) -> int:
-        e, m = self.vision_width, self.vision_mlp_width
-        patch = self.vision_in_channels * self.vision_temporal_patch_size * self.vision_patch_size**2 * e
-        norms = 2 * e if self.vision_gated_mlp else 4 * e  # RMSNorm weight vs LayerNorm weight + bias, x2
-        attn = (e * 3 * e + 3 * e) + (e * e + e)
-        mlp = (2 * (e * m + m) + (m * e + e)) if self.vision_gated_mlp else (e * m + m) + (m * e + e)
-        merged = e * self.vision_spatial_merge_size**2
-        merger = (e if self.vision_gated_mlp else 2 * e) + (merged * merged + merged)
-        merger += merged * self.vision_out_width + self.vision_out_width
-        return patch + self.vision_depth * (norms + attn + mlp) + merger
-
-    def kv_bytes_per_token(self, dtype_bytes: int) -> int:
-        """K and V for one token, all layers, GQA-aware: 2 x layers x KV heads x head_dim x bytes."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes
-
-    def seed_kv_bytes_per_token(self, dtype_bytes: int) -> int:
-        """The incident review's formula: 2 x layers x attention heads x head_dim x bytes (ignores GQA)."""
-        return 2 * self.num_layers * self.num_attention_heads * self.head_dim * dtype_bytes
-
-
-def load_config(path: str | Path) -> dict[str, Any]:
-    p = Path(path)
-    return json.loads((p / "config.json" if p.is_dir() else p).read_text())
-
-
-def safetensors_weight_bytes(model_dir: str | Path) -> tuple[int, int] | None:
-    """(parameters, bytes on disk) summed from the safetensors headers alone; None without .safetensors files."""
-    files = sorted(Path(model_dir).glob("*.safetensors"))
-    if not files:
-        return None
-    num_params = num_bytes = 0
-    for f in files:
-        with open(f, "rb") as fh:
-            (header_len,) = struct.unpack("<Q", fh.read(8))
-            header = json.loads(fh.read(header_len))
-        for name, meta in header.items():
-            if name == "__metadata__":
-                continue
-            n = 1
-            for dim in meta["shape"]:
-                n *= dim
-            num_params += n
-            num_bytes += n * _SAFETENSORS_DTYPE_BYTES.get(meta["dtype"], 4)
-    return num_params, num_bytes
-
-
-# ---- the plan ---------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class PlanInputs:
-    kv_cache_memory_bytes: int  # the KV pool (firsttoken serve --kv-cache-memory), not the whole device
     peak_concurrency: int
+    # Exactly one of the two: the KV pool itself (serve --kv-cache-memory), or the device's whole memory, of
+    # which the pool gets what memory_utilization leaves after weights, workspace and the encoder cache.
+    kv_cache_memory_bytes: int | None = None
+    device_memory_bytes: int | None = None
+    memory_utilization: float = MEMORY_UTILIZATION
     text_tokens: int = 800
     images_per_request: int = 3
     image_tokens: int = 1200  # per-image visual-token budget (--image-max-tokens)
     output_tokens: int = 256
     dtype: str = "bfloat16"
-    block_size: int = 16
-    decode_reserve_tokens: int = 64
+    block_size: int = _CACHE_DEFAULTS.block_size
+    decode_reserve_tokens: int = _SCHEDULER_DEFAULTS.decode_reserve_tokens
     template_overhead_tokens: int | None = None  # None: TEMPLATE_BASE_TOKENS + 2 per image
     max_model_len: int | None = None  # None: prompt + output rounded up to a block
+    max_batched_tokens: int | None = None  # None: serve's default, raised to fit one image + a decode per request
+    encoder_cache_memory_bytes: int = _CACHE_DEFAULTS.encoder_cache_memory_bytes
 
     def __post_init__(self) -> None:
+        if (self.kv_cache_memory_bytes is None) == (self.device_memory_bytes is None):
+            raise ValueError("give kv_cache_memory_bytes (the KV pool) or device_memory_bytes (the device), "
+                             "exactly one")
         if self.dtype not in DTYPE_BYTES:
             raise ValueError(f"dtype must be one of {sorted(DTYPE_BYTES)}, got {self.dtype!r}")
         if self.block_size < 1:
             raise ValueError("block_size must be >= 1")
-        if self.kv_cache_memory_bytes <= 0:
+        if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes <= 0:
+            raise ValueError("kv_cache_memory must be positive")
+        if self.device_memory_bytes is not None and self.device_memory_bytes <= 0:
             raise ValueError("memory must be positive")
+        if not 0 < self.memory_utilization <= 1:
+            raise ValueError("memory_utilization must be > 0 and <= 1 (a share of the device's memory)")
         if self.peak_concurrency < 1:
             raise ValueError("peak_concurrency must be >= 1")
-        for name in ("text_tokens", "images_per_request", "image_tokens", "output_tokens", "decode_reserve_tokens"):
+        if self.max_batched_tokens is not None and self.max_batched_tokens < 1:
+            raise ValueError("max_batched_tokens must be >= 1")
+        for name in ("text_tokens", "images_per_request", "image_tokens", "output_tokens", "decode_reserve_tokens",
+                     "encoder_cache_memory_bytes"):
             if getattr(self, name) < 0:
-                raise ValueError(f"{name} must be >= 0")
+                raise ValueError(f"{name.removesuffix('_bytes')} must be >= 0")
 
     @property
     def prompt_tokens(self) -> int:
@@ -190,6 +110,97 @@ class PlanInputs:
         if overhead is None:
             overhead = TEMPLATE_BASE_TOKENS + TEMPLATE_TOKENS_PER_IMAGE * self.images_per_request
         return self.text_tokens + self.images_per_request * self.image_tokens + overhead
+
+    @property
+    def batched_tokens(self) -> int:
+        """Tokens one step runs: as given, else serve's default raised to one whole image beside every
+        running decode, in multiples of 256."""
+        if self.max_batched_tokens is not None:
+            return self.max_batched_tokens
+        room = _ceil_div(self.image_tokens + self.peak_concurrency, 256) * 256
+        return max(_SCHEDULER_DEFAULTS.max_batched_tokens, room)
+
+
+@dataclass(frozen=True)
+class Workspace:
+    """One engine step's transient buffers at the plan's budgets, bytes (formulas: the module docstring)."""
+
+    num_batched_tokens: int  # T
+    num_sampled_rows: int  # min(peak, T)
+    num_image_patches: int  # one image at the budget
+    lm_activation_bytes: int
+    lm_attention_scores_bytes: int
+    logits_bytes: int
+    vision_activation_bytes: int
+
+    @property
+    def lm_step_bytes(self) -> int:
+        return self.lm_activation_bytes + self.lm_attention_scores_bytes + self.logits_bytes
+
+    @property
+    def peak_bytes(self) -> int:
+        return max(self.lm_step_bytes, self.vision_activation_bytes)
+
+    @classmethod
+    def estimate(cls, shape: ModelShape, inputs: PlanInputs, max_model_len: int) -> "Workspace":
+        b, t = DTYPE_BYTES[inputs.dtype], inputs.batched_tokens
+        rows = min(inputs.peak_concurrency, t)
+        return cls(
+            num_batched_tokens=t,
+            num_sampled_rows=rows,
+            num_image_patches=shape.vision_patches(inputs.image_tokens) if inputs.images_per_request else 0,
+            lm_activation_bytes=shape.lm_activation_bytes(t, b),
+            lm_attention_scores_bytes=shape.lm_attention_scores_bytes(t, max_model_len, b),
+            logits_bytes=shape.logits_bytes(rows),
+            vision_activation_bytes=(shape.vision_activation_bytes(inputs.image_tokens, b)
+                                     if inputs.images_per_request else 0),
+        )
+
+
+@dataclass(frozen=True)
+class MemoryBudget:
+    """Where the memory goes. device_memory_bytes is None when the pool was given rather than derived."""
+
+    device_memory_bytes: int | None
+    memory_utilization: float
+    usable_bytes: int | None  # device x utilization
+    weights_bytes: int
+    workspace_bytes: int  # Workspace.peak_bytes
+    encoder_cache_bytes: int
+    kv_cache_memory_bytes: int  # the pool: given, or what usable leaves (whole MiB)
+
+    @property
+    def used_bytes(self) -> int:
+        return self.weights_bytes + self.workspace_bytes + self.encoder_cache_bytes + self.kv_cache_memory_bytes
+
+    @property
+    def device_memory_needed_bytes(self) -> int:
+        """The device this plan needs at its utilization: used / utilization."""
+        return _ceil_div(self.used_bytes * 10**6, round(self.memory_utilization * 10**6))
+
+
+def _memory_budget(inputs: PlanInputs, weights: int, num_params: int, workspace: int, block_bytes: int
+                   ) -> MemoryBudget:
+    """The KV pool: given, or the device's usable memory minus the rest; DoesNotFit when that is under a block."""
+    encoder, util = inputs.encoder_cache_memory_bytes, inputs.memory_utilization
+    if inputs.kv_cache_memory_bytes is not None:
+        return MemoryBudget(None, util, None, weights, workspace, encoder, inputs.kv_cache_memory_bytes)
+    device = inputs.device_memory_bytes
+    assert device is not None  # PlanInputs holds exactly one of the two
+    usable = int(device * util)
+    usable_text = f"{format_bytes(device)} x {util:g} utilization = {format_bytes(usable)} usable"
+    if weights > usable:
+        raise DoesNotFit(
+            f"the weights alone need {format_bytes(weights)} ({num_params:,} parameters x "
+            f"{DTYPE_BYTES[inputs.dtype]} B in {inputs.dtype}) but {usable_text}; plan for a larger device")
+    free = usable - weights - workspace - encoder
+    if free < block_bytes:
+        raise DoesNotFit(
+            f"weights {format_bytes(weights)} + step workspace {format_bytes(workspace)} + encoder cache "
+            f"{format_bytes(encoder)} leave no room for a KV pool in {usable_text}; lower --max-batched-tokens, "
+            "--image-tokens or --encoder-cache-memory, or plan for a larger device")
+    pool = free // MIB * MIB if free >= MIB else free // block_bytes * block_bytes  # a flag serve reads exactly
+    return MemoryBudget(device, util, usable, weights, workspace, encoder, pool)
 
 
 @dataclass(frozen=True)
@@ -203,6 +214,9 @@ class Plan:
     weights_bytes: int  # num_params x dtype bytes
     safetensors_params: int | None  # summed from safetensors headers when the model dir has them
     safetensors_bytes: int | None
+    # memory
+    workspace: Workspace
+    memory: MemoryBudget
     # per token
     kv_bytes_per_token: int  # 2 x layers x KV heads x head_dim x bytes
     seed_kv_bytes_per_token: int  # 2 x layers x attention heads x head_dim x bytes
@@ -215,6 +229,7 @@ class Plan:
     full_blocks_per_request: int  # ceil((prompt + output) / block): the request at its last token
     full_kv_bytes_per_request: int
     # pool
+    kv_cache_memory_bytes: int  # the pool (= memory.kv_cache_memory_bytes): what serve --kv-cache-memory gets
     num_kv_blocks: int  # kv memory // (kv bytes per token x block)
     pool_bytes_to_admit_peak: int  # peak x admission blocks
     pool_bytes_for_peak_without_preemption: int  # peak x full blocks
@@ -231,6 +246,8 @@ class Plan:
 
 
 def make_plan(config: dict[str, Any], inputs: PlanInputs, model_dir: str | Path | None = None) -> Plan:
+    """The plan; ConfigFieldMissing (a ValueError) names a config.json field it lacks, DoesNotFit says which
+    term leaves no KV pool on the device."""
     shape = ModelShape.from_config(config)
     dtype_bytes = DTYPE_BYTES[inputs.dtype]
     bs = inputs.block_size
@@ -244,7 +261,9 @@ def make_plan(config: dict[str, Any], inputs: PlanInputs, model_dir: str | Path 
     admit_blocks = _ceil_div(min(prompt + inputs.decode_reserve_tokens, max_model_len), bs)
     full_blocks = _ceil_div(min(prompt + inputs.output_tokens, max_model_len), bs)
     block_bytes = kv_tok * bs
-    num_blocks = inputs.kv_cache_memory_bytes // block_bytes
+    workspace = Workspace.estimate(shape, inputs, max_model_len)
+    memory = _memory_budget(inputs, (lm + vision) * dtype_bytes, lm + vision, workspace.peak_bytes, block_bytes)
+    num_blocks = memory.kv_cache_memory_bytes // block_bytes
 
     blocks_each_at_peak = num_blocks // inputs.peak_concurrency
     max_prompt = max(0, blocks_each_at_peak * bs - inputs.decode_reserve_tokens)
@@ -256,13 +275,13 @@ def make_plan(config: dict[str, Any], inputs: PlanInputs, model_dir: str | Path 
     max_images = max(0, (max_prompt - fixed) // per_image) if per_image else 0
 
     max_conc = num_blocks // admit_blocks if admit_blocks else 0
-    peak_pool_bytes = inputs.peak_concurrency * admit_blocks * block_bytes
     flags = {
-        "--kv-cache-memory": _flag_bytes(inputs.kv_cache_memory_bytes),
+        "--kv-cache-memory": format_size(memory.kv_cache_memory_bytes),
         "--max-model-len": str(max_model_len),
         "--image-max-tokens": str(inputs.image_tokens),
-        "--max-batched-tokens": str(max(2048, _ceil_div(inputs.image_tokens + inputs.peak_concurrency, 256) * 256)),
+        "--max-batched-tokens": str(workspace.num_batched_tokens),
         "--max-num-seqs": str(max(1, min(max_conc, inputs.peak_concurrency))),
+        "--encoder-cache-memory": format_size(inputs.encoder_cache_memory_bytes),
         "--block-size": str(bs),
         "--decode-reserve-tokens": str(inputs.decode_reserve_tokens),
         "--dtype": inputs.dtype,
@@ -273,9 +292,11 @@ def make_plan(config: dict[str, Any], inputs: PlanInputs, model_dir: str | Path 
         num_params=lm + vision,
         num_params_language_model=lm,
         num_params_vision=vision,
-        weights_bytes=(lm + vision) * dtype_bytes,
+        weights_bytes=memory.weights_bytes,
         safetensors_params=st[0] if st else None,
         safetensors_bytes=st[1] if st else None,
+        workspace=workspace,
+        memory=memory,
         kv_bytes_per_token=kv_tok,
         seed_kv_bytes_per_token=seed_tok,
         seed_overstatement=seed_tok / kv_tok,
@@ -285,8 +306,9 @@ def make_plan(config: dict[str, Any], inputs: PlanInputs, model_dir: str | Path 
         admission_kv_bytes_per_request=admit_blocks * block_bytes,
         full_blocks_per_request=full_blocks,
         full_kv_bytes_per_request=full_blocks * block_bytes,
+        kv_cache_memory_bytes=memory.kv_cache_memory_bytes,
         num_kv_blocks=num_blocks,
-        pool_bytes_to_admit_peak=peak_pool_bytes,
+        pool_bytes_to_admit_peak=inputs.peak_concurrency * admit_blocks * block_bytes,
         pool_bytes_for_peak_without_preemption=inputs.peak_concurrency * full_blocks * block_bytes,
         max_concurrency=max_conc,
         max_concurrency_without_preemption=num_blocks // full_blocks if full_blocks else 0,
@@ -297,8 +319,33 @@ def make_plan(config: dict[str, Any], inputs: PlanInputs, model_dir: str | Path 
     )
 
 
-def _flag_bytes(n: int) -> str:
-    return f"{n // 2**30}GiB" if n % 2**30 == 0 else (f"{n // 2**20}MiB" if n % 2**20 == 0 else str(n))
+def _memory_rows(plan: Plan) -> list[tuple[str, str]]:
+    """Where the memory goes, one term a row; the pool's row says whether it was given or derived."""
+    i, m, w = plan.inputs, plan.memory, plan.workspace
+    image = (f"1 image of {i.image_tokens} tokens = {w.num_image_patches:,} patches" if w.num_image_patches
+             else "no images")
+    terms = [  # (nested under the workspace, label, value)
+        (False, f"weights ({plan.num_params:,} params x {DTYPE_BYTES[i.dtype]} B)", format_bytes(m.weights_bytes)),
+        (False, "step workspace = max(LM step, vision tower)", format_bytes(m.workspace_bytes)),
+        (True, f"LM activations ({w.num_batched_tokens} tokens)", format_bytes(w.lm_activation_bytes)),
+        (True, f"LM attention scores ({w.num_batched_tokens} x {plan.max_model_len} context)",
+         format_bytes(w.lm_attention_scores_bytes)),
+        (True, f"logits + probabilities ({w.num_sampled_rows} rows, fp32)", format_bytes(w.logits_bytes)),
+        (True, f"vision tower ({image})", format_bytes(w.vision_activation_bytes)),
+        (False, "encoder cache (--encoder-cache-memory)", format_bytes(m.encoder_cache_bytes)),
+    ]
+    pool = f"{format_bytes(m.kv_cache_memory_bytes)} = {plan.num_kv_blocks:,} blocks"
+    if m.device_memory_bytes is None:
+        return [*((("  " if nested else "") + k, v) for nested, k, v in terms),
+                ("KV pool (given: --kv-cache-memory)", pool),
+                (f"device memory this needs (at {m.memory_utilization:g} utilization)",
+                 format_bytes(m.device_memory_needed_bytes))]
+    return [
+        ("device memory", f"{format_bytes(m.device_memory_bytes)} x {m.memory_utilization:g} utilization = "
+         f"{format_bytes(m.usable_bytes or 0)} usable"),
+        *((("    " if nested else "- ") + k, v) for nested, k, v in terms),
+        ("= KV pool (what is left, whole MiB)", pool),
+    ]
 
 
 def format_plan(plan: Plan) -> str:
@@ -307,11 +354,11 @@ def format_plan(plan: Plan) -> str:
         ("model", f"{plan.model_type}, {i.dtype}, block {i.block_size} tokens"),
         ("parameters (from config shapes)",
          f"{plan.num_params:,} = {plan.num_params_language_model:,} LM + {plan.num_params_vision:,} vision"),
-        ("weights in memory", format_bytes(plan.weights_bytes)),
     ]
     if plan.safetensors_params is not None:
         rows.append(("safetensors headers", f"{plan.safetensors_params:,} params, "
                      f"{format_bytes(plan.safetensors_bytes or 0)} on disk"))
+    rows += _memory_rows(plan)
     rows += [
         ("KV bytes / token (GQA: 2 x L x KV heads x hd x B)", f"{plan.kv_bytes_per_token:,} B"),
         ("seed formula (2 x L x attn heads x hd x B)",
@@ -323,7 +370,6 @@ def format_plan(plan: Plan) -> str:
          f"{plan.admission_blocks_per_request} blocks = {format_bytes(plan.admission_kv_bytes_per_request)}"),
         ("KV at last token (prompt + output)",
          f"{plan.full_blocks_per_request} blocks = {format_bytes(plan.full_kv_bytes_per_request)}"),
-        ("KV pool", f"{format_bytes(i.kv_cache_memory_bytes)} = {plan.num_kv_blocks:,} blocks"),
         (f"pool to admit the peak ({i.peak_concurrency})", format_bytes(plan.pool_bytes_to_admit_peak)),
         ("pool for the peak to finish without preemption",
          format_bytes(plan.pool_bytes_for_peak_without_preemption)),
@@ -332,8 +378,6 @@ def format_plan(plan: Plan) -> str:
         ("max concurrency without preemption", str(plan.max_concurrency_without_preemption)),
         (f"largest prompt at peak {i.peak_concurrency}", f"{plan.max_prompt_tokens_at_peak:,} tokens "
          f"(= {plan.max_images_at_peak} images of {i.image_tokens} beside {i.text_tokens} text tokens)"),
-        ("weights + KV pool", format_bytes(plan.weights_bytes + i.kv_cache_memory_bytes)
-         + " (+ activations, vision tower workspace, encoder cache)"),
     ]
     width = max(len(k) for k, _ in rows)
     lines = [f"{k:<{width}}  {v}" for k, v in rows]

@@ -10,11 +10,13 @@ import torch
 from firsttoken.cli.main import main
 from firsttoken.config import CacheConfig, SchedulerConfig
 from firsttoken.models.registry import model_config_from_dict
+from firsttoken.engine.engine import EngineConfig, plan_kv_capacity
 from firsttoken.engine.request import EngineRequest, Timeline
+from firsttoken.models.checkpoint import SIZES, build_hf_config
 from firsttoken.sampling.params import SamplingParams
 from firsttoken.scheduler.request import Request
 from firsttoken.scheduler.scheduler import Scheduler
-from firsttoken.tools.plan import ModelShape, PlanInputs, make_plan, parse_bytes
+from firsttoken.tools.plan import DoesNotFit, ModelShape, PlanInputs, make_plan, parse_bytes
 
 QWEN25_VL_7B = {
     "model_type": "qwen2_5_vl", "hidden_size": 3584, "intermediate_size": 18944, "num_hidden_layers": 28,
@@ -37,13 +39,15 @@ SMALL = {**QWEN2_VL_2B, "hidden_size": 512, "num_hidden_layers": 8, "num_attenti
          "num_key_value_heads": 2, "rope_scaling": {"type": "mrope", "mrope_section": [8, 12, 12]}}
 
 
-def _scheduler_admits(config: dict, inputs: PlanInputs, max_model_len: int, num_offered: int) -> int:
+def lm_config(config: dict):
+    """The language model's shape decides KV bytes: parsed as qwen2-vl until the qwen2.5-vl family is registered."""
+    return model_config_from_dict({**config, "model_type": "qwen2_vl"})
+
+
+def _scheduler_admits(config: dict, inputs: PlanInputs, pool_bytes: int, max_model_len: int, num_offered: int) -> int:
     """Offer num_offered identical requests; count what the real scheduler admits in one step (prefix cache off)."""
-    # the LM shape alone decides KV bytes; parsed as qwen2-vl until the qwen2.5-vl family is registered
-    kv_tok = model_config_from_dict({**config, "model_type": "qwen2_vl"}).kv_bytes_per_token(
-        4 if inputs.dtype == "float32" else 2)
-    cache = CacheConfig(block_size=inputs.block_size, kv_cache_memory_bytes=inputs.kv_cache_memory_bytes,
-                        enable_prefix_caching=False)
+    kv_tok = lm_config(config).kv_bytes_per_token(4 if inputs.dtype == "float32" else 2)
+    cache = CacheConfig(block_size=inputs.block_size, kv_cache_memory_bytes=pool_bytes, enable_prefix_caching=False)
     num_blocks = cache.kv_cache_memory_bytes // (kv_tok * cache.block_size)
     sched_cfg = SchedulerConfig(max_batched_tokens=10**9, max_num_seqs=10**6, long_step_tokens=10**9,
                                 decode_reserve_tokens=inputs.decode_reserve_tokens)
@@ -57,6 +61,11 @@ def _scheduler_admits(config: dict, inputs: PlanInputs, max_model_len: int, num_
     sched.check_invariants()
     assert sched.waiting, "the oracle must offer more requests than fit"
     return len(sched.running)
+
+
+def _serve_pool_bytes(plan) -> int:
+    """What `firsttoken serve` reads from the plan's --kv-cache-memory flag."""
+    return parse_bytes(plan.serve_flags["--kv-cache-memory"])
 
 
 @pytest.mark.parametrize("config", [QWEN25_VL_7B, QWEN2_VL_2B, NO_GQA, SMALL], ids=["7b", "2b", "nogqa", "small"])
@@ -76,7 +85,71 @@ def test_max_concurrency_equals_what_the_scheduler_admits(config, memory, text, 
                         images_per_request=images, image_tokens=image_tokens, output_tokens=256,
                         block_size=block, decode_reserve_tokens=reserve)
     plan = make_plan(config, inputs)
-    assert plan.max_concurrency == _scheduler_admits(config, inputs, plan.max_model_len, plan.max_concurrency + 3)
+    assert _serve_pool_bytes(plan) == inputs.kv_cache_memory_bytes
+    assert plan.max_concurrency == _scheduler_admits(config, inputs, _serve_pool_bytes(plan), plan.max_model_len,
+                                                     plan.max_concurrency + 3)
+
+
+@pytest.mark.parametrize(
+    "config, device, dtype, text, images, image_tokens",
+    [
+        (QWEN25_VL_7B, "80GiB", "bfloat16", 800, 3, 1200),  # the issue's H100: weights 15.45 GiB of 72 usable
+        (QWEN25_VL_7B, "24GiB", "bfloat16", 800, 3, 1200),  # a 24 GB card: what is left after the weights
+        (QWEN2_VL_2B, "16G", "float32", 850, 0, 0),  # text only, fp32, decimal gigabytes
+        (NO_GQA, "12GiB", "bfloat16", 37, 1, 1369),
+        (SMALL, "6GiB", "float32", 400, 2, 300),
+    ],
+    ids=["7b-80GiB", "7b-24GiB", "2b-16G-fp32", "nogqa-12GiB", "small-6GiB"],
+)
+def test_device_memory_plan_admits_what_the_scheduler_and_engine_do(config, device, dtype, text, images,
+                                                                     image_tokens):
+    """--memory is the device: the pool serve gets is what is left, and the engine sizes that pool to the
+    plan's blocks, of which the real scheduler admits exactly the plan's max concurrency."""
+    inputs = PlanInputs(peak_concurrency=8, device_memory_bytes=parse_bytes(device), dtype=dtype, text_tokens=text,
+                        images_per_request=images, image_tokens=image_tokens)
+    plan = make_plan(config, inputs)
+    m = plan.memory
+    usable = int(parse_bytes(device) * 0.9)
+    assert m.weights_bytes + m.workspace_bytes + m.encoder_cache_bytes + m.kv_cache_memory_bytes <= usable
+    assert usable - m.used_bytes < 2**20  # only the rounding of the pool down to a whole MiB is left over
+    engine = EngineConfig(dtype=dtype, cache=CacheConfig(block_size=16, kv_cache_memory_bytes=_serve_pool_bytes(plan)))
+    assert plan_kv_capacity(lm_config(config), engine).num_blocks == plan.num_kv_blocks
+    assert plan.max_concurrency == _scheduler_admits(config, inputs, _serve_pool_bytes(plan), plan.max_model_len,
+                                                     plan.max_concurrency + 3)
+
+
+def test_80gib_device_is_not_an_80gib_kv_pool():
+    """The issue: --memory 80GiB planned an 80 GiB pool (max concurrency 333, 95 GiB in all)."""
+    device = PlanInputs(peak_concurrency=32, device_memory_bytes=parse_bytes("80GiB"))
+    pool_only = PlanInputs(peak_concurrency=32, kv_cache_memory_bytes=parse_bytes("80GiB"))
+    plan, old = make_plan(QWEN25_VL_7B, device), make_plan(QWEN25_VL_7B, pool_only)
+    assert old.max_concurrency == 333  # the old reading, still what --kv-cache-memory 80GiB means
+    assert plan.memory.used_bytes <= 72 * 2**30 < old.memory.used_bytes
+    left = 72 * 2**30 - plan.weights_bytes - plan.memory.workspace_bytes - 512 * 2**20  # 512 MiB encoder cache
+    assert plan.kv_cache_memory_bytes == left // 2**20 * 2**20
+    assert plan.max_concurrency == plan.num_kv_blocks // plan.admission_blocks_per_request < 333
+    assert plan.fits
+
+
+def test_each_workspace_term_comes_out_of_the_pool():
+    """A bigger step budget costs the pool exactly its workspace; no images means no vision-tower term."""
+    small = PlanInputs(peak_concurrency=4, device_memory_bytes=parse_bytes("40GiB"), max_batched_tokens=2048)
+    big = PlanInputs(peak_concurrency=4, device_memory_bytes=parse_bytes("40GiB"), max_batched_tokens=8192)
+    a, b = make_plan(QWEN25_VL_7B, small), make_plan(QWEN25_VL_7B, big)
+    assert b.workspace.lm_activation_bytes == 4 * a.workspace.lm_activation_bytes  # linear in step tokens
+    grown = b.memory.workspace_bytes - a.memory.workspace_bytes
+    assert grown > 0 and abs((a.kv_cache_memory_bytes - b.kv_cache_memory_bytes) - grown) < 2**20
+    text_only = make_plan(QWEN25_VL_7B, PlanInputs(peak_concurrency=4, device_memory_bytes=parse_bytes("40GiB"),
+                                                   images_per_request=0))
+    assert text_only.workspace.vision_activation_bytes == 0 and text_only.workspace.num_image_patches == 0
+    assert a.workspace.num_image_patches == 1200 * 4  # 2x2 patches per visual token
+
+
+@pytest.mark.parametrize("device, term", [("16GiB", "the weights alone need 15.45 GiB"),
+                                          ("17.5GiB", r"weights 15.45 GiB \+ step workspace")])
+def test_refuses_a_device_that_leaves_no_kv_pool(device, term):
+    with pytest.raises(DoesNotFit, match=term):
+        make_plan(QWEN25_VL_7B, PlanInputs(peak_concurrency=1, device_memory_bytes=parse_bytes(device)))
 
 
 def test_max_model_len_caps_the_admission_reserve_like_the_scheduler():
@@ -84,7 +157,8 @@ def test_max_model_len_caps_the_admission_reserve_like_the_scheduler():
                         images_per_request=0, decode_reserve_tokens=500, max_model_len=1040)
     plan = make_plan(SMALL, inputs)
     assert plan.admission_blocks_per_request == 65  # ceil(1040 / 16), not ceil((1021 + 500) / 16)
-    assert plan.max_concurrency == _scheduler_admits(SMALL, inputs, 1040, plan.max_concurrency + 3)
+    assert plan.max_concurrency == _scheduler_admits(SMALL, inputs, parse_bytes("64MiB"), 1040,
+                                                     plan.max_concurrency + 3)
 
 
 def test_qwen25_vl_7b_worked_plan():
@@ -137,14 +211,55 @@ def test_parse_bytes_rejects_garbage():
         parse_bytes("lots")
 
 
+@pytest.mark.parametrize("size, num_params", [("tiny", 2_228_480), ("small", 44_043_776)])
+def test_param_count_from_config_matches_make_model_checkpoints(size, num_params):
+    """LM + vision tower + lm_head (untied): the counts make-model's checkpoints really hold."""
+    config = build_hf_config(SIZES[size]).to_dict()
+    plan = make_plan(config, PlanInputs(peak_concurrency=1, kv_cache_memory_bytes=2**30, dtype="float32"))
+    assert plan.num_params == num_params
+    assert plan.weights_bytes == 4 * num_params
+
+
+def test_a_missing_config_field_is_named_not_a_bare_key_error():
+    vision = {k: v for k, v in QWEN25_VL_7B["vision_config"].items() if k != "intermediate_size"}
+    with pytest.raises(ValueError, match=r"^config.json has no vision_config.intermediate_size, needed to size the "
+                                         r"vision tower's weights and workspace$"):
+        make_plan({**QWEN25_VL_7B, "vision_config": vision}, PlanInputs(peak_concurrency=1, kv_cache_memory_bytes=1))
+    text = {k: v for k, v in QWEN2_VL_2B.items() if k != "num_hidden_layers"}
+    with pytest.raises(ValueError, match="config.json has no num_hidden_layers, needed to count the layers"):
+        make_plan(text, PlanInputs(peak_concurrency=1, kv_cache_memory_bytes=1))
+
+
 def test_cli_prints_table_flags_and_json(tmp_path, capsys):
     cfg = tmp_path / "config.json"
     cfg.write_text(json.dumps(QWEN25_VL_7B))
     out_json = tmp_path / "plan.json"
-    argv = ["plan", "--config", str(cfg), "--memory", "24GiB", "--peak-concurrency", "32", "--json", str(out_json)]
+    argv = ["plan", "--config", str(cfg), "--kv-cache-memory", "24GiB", "--peak-concurrency", "32",
+            "--json", str(out_json)]
     assert main(argv) == 0
     stdout = capsys.readouterr().out
     assert "7.0x overstated" in stdout
+    assert "KV pool (given: --kv-cache-memory)" in stdout
     assert "firsttoken serve --kv-cache-memory 24GiB" in stdout
     data = json.loads(out_json.read_text())
-    assert data["max_concurrency"] == make_plan(QWEN25_VL_7B, PlanInputs(parse_bytes("24GiB"), 32)).max_concurrency
+    expected = make_plan(QWEN25_VL_7B, PlanInputs(peak_concurrency=32, kv_cache_memory_bytes=parse_bytes("24GiB")))
+    assert data["max_concurrency"] == expected.max_concurrency
+
+
+def test_cli_device_memory_prints_each_term_and_json_to_stdout(tmp_path, capsys):
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps(QWEN25_VL_7B))
+    argv = ["plan", "--config", str(cfg), "--memory", "80GiB", "--peak-concurrency", "32"]
+    assert main(argv) == 0
+    table = capsys.readouterr().out
+    lines = [line.strip().split("  ")[0] for line in table.splitlines()]
+    terms = ["device memory", "- weights (8,292,166,656 params x 2 B)", "- step workspace = max(LM step, vision tower)",
+             "LM activations (2048 tokens)", "LM attention scores (2048 x 4688 context)",
+             "logits + probabilities (32 rows, fp32)", "vision tower (1 image of 1200 tokens = 4,800 patches)",
+             "- encoder cache (--encoder-cache-memory)", "= KV pool (what is left, whole MiB)"]
+    assert [line for line in lines if line in terms] == terms  # each term, in this order
+    plan = make_plan(QWEN25_VL_7B, PlanInputs(peak_concurrency=32, device_memory_bytes=parse_bytes("80GiB")))
+    assert f"firsttoken serve --kv-cache-memory {plan.serve_flags['--kv-cache-memory']} " in table
+    assert main([*argv, "--json", "-"]) == 0
+    data = json.loads(capsys.readouterr().out)  # JSON alone on stdout
+    assert data["memory"]["device_memory_bytes"] == 80 * 2**30 and data["max_concurrency"] == plan.max_concurrency
