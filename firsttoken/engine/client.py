@@ -31,6 +31,7 @@ class EngineStats:
     encoder_cache_hits: int = 0
     encoder_cache_misses: int = 0
     encoder_cache_bytes: int = 0
+    num_images_encoded: int = 0  # images the vision tower ran for since start (encoder cache misses computed)
     prefix_cache_hit_tokens: int = 0
     prefix_cache_query_tokens: int = 0
 

@@ -20,10 +20,8 @@ from firsttoken.engine.client import EngineStats
 from firsttoken.engine.detokenizer import IncrementalDetokenizer, TokenDecoder
 from firsttoken.engine.request import EngineRequest, FinishReason, RequestOutput
 from firsttoken.metrics.stats import FinishedRequest, NullObserver, StatsObserver, StepStats
-from firsttoken.models.loader import load_model
-from firsttoken.runner.kv_cache import allocate_kv_caches
-from firsttoken.runner.model_runner import FaultHook, ModelRunner
-from firsttoken.sampling.sampler import Sampler, make_generator
+from firsttoken.runner.executor import Executor, InProcessExecutor
+from firsttoken.runner.model_runner import FaultHook
 from firsttoken.scheduler.batch import RunnerOutput, ScheduledBatch, ScheduledChunk
 from firsttoken.scheduler.request import Request
 from firsttoken.scheduler.scheduler import Scheduler
@@ -121,12 +119,13 @@ class LLMEngine:
         self.tokenizer = tokenizer
         dtype = config.torch_dtype()
         self.capacity = plan_kv_capacity(self.model_config, config)
-        model = load_model(model_dir, dtype)
-        kv_caches = allocate_kv_caches(
-            self.model_config, self.capacity.num_blocks, self.capacity.block_size, dtype, "cpu"
+        self.executor: Executor = InProcessExecutor(
+            model_dir, self.model_config, dtype, self.capacity.num_blocks, self.capacity.block_size, config.seed,
+            fault_hook,
         )
-        dtype_bytes = kv_caches[0].element_size()
-        per_token = self.model_config.hidden_size * dtype_bytes * (1 + len(self.model_config.vision.deepstack_visual_indexes))
+        dtype_bytes = torch.tensor([], dtype=dtype).element_size()
+        num_tensors = 1 + len(self.model_config.vision.deepstack_visual_indexes)  # main + DeepStack features
+        per_token = self.model_config.hidden_size * dtype_bytes * num_tensors
         encoder_tokens = config.cache.encoder_cache_memory_bytes // per_token if config.cache.enable_encoder_cache else 0
         self.scheduler = Scheduler(
             config.scheduler,
@@ -135,12 +134,10 @@ class LLMEngine:
             self.capacity.max_model_len,
             encoder_tokens,
         )
-        self.runner = ModelRunner(
-            model, self.model_config, kv_caches, self.capacity.block_size, Sampler(config.seed), fault_hook
-        )
         self.requests: dict[str, Request] = {}
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._arrivals = 0
+        self.num_images_encoded = 0  # images the vision tower ran for (cache misses that were computed)
         log.info("dtype %s (requested %s)", str(dtype).removeprefix("torch."), config.dtype)
         log.info(self.capacity.describe())
 
@@ -155,7 +152,7 @@ class LLMEngine:
         verdict = self.scheduler.check_admission(request.num_prompt_tokens)
         if not verdict.admitted and verdict.reason == "never_fits":
             raise ValueError(verdict.message)
-        req = Request(request, self._arrivals, generator=make_generator(request.sampling.seed))
+        req = Request(request, self._arrivals)
         self._arrivals += 1
         self.requests[request.request_id] = req
         self._detok[request.request_id] = IncrementalDetokenizer(
@@ -171,7 +168,8 @@ class LLMEngine:
         return True
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work
+        """Work to run, or finished requests whose runner state the next step releases."""
+        return self.scheduler.has_work or self.scheduler.has_releases
 
     # ---- the loop ------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -181,22 +179,22 @@ class LLMEngine:
             return expired
         step_start = time.monotonic()
         try:
-            result = self.runner.execute(batch)  # reports per-request failures; raises only on an engine bug
+            result = self.executor.execute(batch)  # reports per-request failures; raises only on an engine bug
         except Exception:
             return expired + self._fail_batch(batch)
         self.scheduler.update(batch, result)
         outputs = self._update(batch, result, step_start)
-        self._observe_step(batch, result, step_start)
+        if batch.has_work:
+            self._observe_step(batch, result, step_start)
         return expired + outputs
 
     def _fail_batch(self, batch: ScheduledBatch) -> list[RequestOutput]:
         """Last resort when the runner itself broke: fail the batch's requests, forget the step's encoder work (the
         runner restarts an image from its pixels when asked for layer 0 again), keep serving."""
-        involved = {c.request.request_id: c.request for c in batch.chunks}
+        involved = {rid: self.requests[rid] for rid in [c.request_id for c in batch.chunks] +
+                    [w.request_id for w in batch.encoder_work] if rid in self.requests}
         for w in batch.encoder_work:
-            self.scheduler.encoder_cache.reset(w.image.content_hash)
-            if w.request_id in self.requests:
-                involved.setdefault(w.request_id, self.requests[w.request_id])
+            self.scheduler.encoder_cache.reset(w.content_hash)
         log.exception("engine step failed; failing the %d requests in it", len(involved))
         return [self._fail(r, "internal error while running this request") for r in involved.values()]
 
@@ -239,18 +237,20 @@ class LLMEngine:
                 tl = self.requests[rid].timeline
                 tl.encoder_s += seconds
                 tl.num_images_encoded += result.num_images_encoded.get(rid, 0)
-        shared = len({c.request.request_id for c in batch.chunks} | {w.request_id for w in batch.encoder_work}) > 1
+        shared = len({c.request_id for c in batch.chunks} | {w.request_id for w in batch.encoder_work}) > 1
+        self.num_images_encoded += sum(result.num_images_encoded.values())
         for chunk in batch.chunks:
-            req = chunk.request
-            if req.request_id in result.failed or req.request_id in result.skipped_request_ids:
+            req = self.requests.get(chunk.request_id)
+            if req is None or req.request_id in result.failed or req.request_id in result.skipped_request_ids:
                 continue
-            self._note_timing(chunk, result, step_start, shared)
+            self._note_timing(req, chunk, result, step_start, shared)
             if req.request_id in result.sampled:
                 outputs.append(self._append_token(req, result.sampled[req.request_id], result))
         return outputs
 
-    def _note_timing(self, chunk: ScheduledChunk, result: RunnerOutput, step_start: float, shared: bool) -> None:
-        req = chunk.request
+    def _note_timing(
+        self, req: Request, chunk: ScheduledChunk, result: RunnerOutput, step_start: float, shared: bool
+    ) -> None:
         tl = req.timeline
         rid = req.request_id
         if not chunk.is_decode:
@@ -350,7 +350,8 @@ class LLMEngine:
             num_short_delayed_by_long=self.scheduler.num_short_delayed_by_long,
             encoder_cache_hits=self.scheduler.encoder_cache.num_hits,
             encoder_cache_misses=self.scheduler.encoder_cache.num_misses,
-            encoder_cache_bytes=self.runner.encoder_cache_bytes,
+            encoder_cache_bytes=self.executor.encoder_cache_bytes,
+            num_images_encoded=self.num_images_encoded,
             prefix_cache_hit_tokens=kv.num_prefix_hit_tokens,
             prefix_cache_query_tokens=kv.num_prefix_query_tokens,
         )

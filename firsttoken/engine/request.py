@@ -33,6 +33,11 @@ class ImageItem:
         return self.offset + self.num_tokens
 
 
+def images_in(images: tuple[ImageItem, ...], start: int, end: int) -> list[tuple[int, ImageItem]]:
+    """(index, image) of the images whose tokens overlap prompt indices [start, end)."""
+    return [(i, im) for i, im in enumerate(images) if im.offset < end and im.end > start]
+
+
 @dataclass(frozen=True)
 class EngineRequest:
     request_id: str

@@ -1,12 +1,18 @@
 """The only engine code that touches tensors: vision tower for uncached images, forward, sample.
 
-Per step: drop encoder outputs the scheduler freed; run the scheduled vision-tower units through the model's
-encode protocol (models/interfaces.py: an image may be encoded over several steps, its EncodeState kept in
-between; a chunk may end inside an image, later chunks slice the stored ImageEmbeddings); pack every chunk's
-tokens into one batch (embeddings with image rows replaced, M-RoPE positions
-sliced from the request's precomputed table); one forward over the paged KV cache; logits only at the last
-token of chunks that sample; the sampler picks tokens. Everything it did is reported back as RunnerOutput,
-and the scheduler's bookkeeping follows that report, not the plan it scheduled.
+The runner receives plain data (``ScheduledBatch``: request ids, token ranges, block tables, encoder work as
+(request, image, units)) and owns everything per request it needs across steps, keyed by request id: the token
+history (prompt + what it sampled), images and their pixels, M-RoPE positions, sampling parameters and seeded
+generator. A request's state is created from its ``NewRequest`` on first sight and dropped when the batch lists it
+as finished. It never sees a scheduler object, so the same batch could cross a thread, a process or a device.
+
+Per step: apply new and finished requests; drop encoder outputs the scheduler freed; run the scheduled vision-tower
+units through the model's encode protocol (models/interfaces.py: an image may be encoded over several steps, its
+EncodeState kept in between; a chunk may end inside an image, later chunks slice the stored ImageEmbeddings); pack
+every chunk's tokens into one batch (image rows placed over their pad tokens, M-RoPE positions sliced from the
+request's precomputed table); one forward over the paged KV cache; logits only at the last token of chunks that
+sample; the sampler picks tokens. Everything it did is reported back as RunnerOutput, and the scheduler's
+bookkeeping follows that report, not the plan it scheduled.
 """
 
 from __future__ import annotations
@@ -20,12 +26,12 @@ from typing import Protocol
 import torch
 
 from firsttoken.attention.base import AttentionMetadata
-from firsttoken.engine.request import TokenLogprob
-from firsttoken.models.config import ModelConfig
+from firsttoken.engine.request import ImageItem, TokenLogprob, images_in
 from firsttoken.models.interfaces import EncodeState, ImageEmbeddings, ImageRows
 from firsttoken.models.mrope import decode_positions
-from firsttoken.sampling.sampler import SampleRow, Sampler
-from firsttoken.scheduler.batch import EncoderWork, RunnerOutput, ScheduledBatch, ScheduledChunk
+from firsttoken.sampling.params import SamplingParams
+from firsttoken.sampling.sampler import SampleRow, Sampler, make_generator
+from firsttoken.scheduler.batch import EncoderWork, NewRequest, RunnerOutput, ScheduledBatch, ScheduledChunk
 
 log = logging.getLogger("firsttoken.runner")
 
@@ -45,22 +51,59 @@ class RequestFailure(Exception):
         self.message = message
 
 
+@dataclass
+class RequestState:
+    """What the runner keeps of one request between steps."""
+
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    images: tuple[ImageItem, ...]
+    mrope_positions: torch.Tensor  # [3, num_prompt_tokens] int64
+    mrope_delta: int
+    sampling: SamplingParams
+    generator: torch.Generator | None  # per-request RNG when sampling.seed is set
+    output_token_ids: list[int] = field(default_factory=list)  # what this runner sampled for it
+
+    @staticmethod
+    def of(new: NewRequest) -> "RequestState":
+        return RequestState(new.request_id, new.prompt_token_ids, new.images, new.mrope_positions, new.mrope_delta,
+                            new.sampling, make_generator(new.sampling.seed))
+
+    def token_ids(self, start: int, end: int) -> list[int]:
+        """Token ids at indices [start, end) of prompt + output."""
+        n_prompt = len(self.prompt_token_ids)
+        if end <= n_prompt:
+            return list(self.prompt_token_ids[start:end])
+        head = list(self.prompt_token_ids[start:n_prompt]) if start < n_prompt else []
+        return head + self.output_token_ids[max(start - n_prompt, 0) : end - n_prompt]
+
+    def positions(self, start: int, end: int) -> torch.Tensor:
+        """[3, end - start] M-RoPE positions of tokens [start, end)."""
+        n_prompt = len(self.prompt_token_ids)
+        parts = []
+        if start < n_prompt:
+            parts.append(self.mrope_positions[:, start : min(end, n_prompt)])
+        if end > n_prompt:
+            s = max(start, n_prompt)
+            parts.append(decode_positions(s, end - s, self.mrope_delta))
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+
+
 class ModelRunner:
     def __init__(
         self,
         model: torch.nn.Module,
-        config: ModelConfig,
         kv_caches: list[torch.Tensor],
         block_size: int,
         sampler: Sampler,
         fault_hook: FaultHook | None = None,
     ) -> None:
         self.model = model
-        self.config = config
         self.kv_caches = kv_caches
         self.block_size = block_size
         self.sampler = sampler
         self.fault_hook = fault_hook
+        self.requests: dict[str, RequestState] = {}
         self.encoder_outputs: dict[str, ImageEmbeddings] = {}  # content hash -> the image's embeddings
         self._encode_jobs: dict[str, EncodeState] = {}  # images part-way through the vision tower
         self.num_vision_calls = 0  # images fully encoded by the vision tower; tests read it to prove reuse
@@ -73,6 +116,10 @@ class ModelRunner:
     def execute(self, batch: ScheduledBatch) -> RunnerOutput:
         """Never raises for one request's sake: encode, forward and sampling failures are reported per request in
         ``failed``; chunks whose image embeddings are missing are reported in ``skipped_request_ids``."""
+        for rid in batch.finished_request_ids:
+            self.requests.pop(rid, None)
+        for new in batch.new_requests:
+            self.requests[new.request_id] = RequestState.of(new)
         for h in batch.freed_encoder_hashes:
             self.encoder_outputs.pop(h, None)
             self._encode_jobs.pop(h, None)
@@ -81,12 +128,13 @@ class ModelRunner:
         chunks: list[ScheduledChunk] = []
         skipped: set[str] = set()
         for chunk in batch.chunks:
-            rid = chunk.request.request_id
+            rid = chunk.request_id
             if rid in failed:
                 continue
+            state = self.requests[rid]
             missing = [
                 im.content_hash
-                for im in chunk.request.images_in(chunk.context_len, chunk.end)
+                for _, im in images_in(state.images, chunk.context_len, chunk.end)
                 if im.content_hash not in self.encoder_outputs
             ]
             if missing:  # e.g. its image's encode failed this step for another request: run it next step
@@ -105,7 +153,9 @@ class ModelRunner:
             except Exception:  # the batched forward itself broke: it cannot be pinned on one request
                 log.exception("forward pass failed for %d chunks", len(chunks))
                 for c in chunks:
-                    failed[c.request.request_id] = "internal error while running this request"
+                    failed[c.request_id] = "internal error while running this request"
+        for rid, token in sampled.items():
+            self.requests[rid].output_token_ids.append(token)
         now = time.monotonic()
         return RunnerOutput(
             sampled,
@@ -125,7 +175,7 @@ class ModelRunner:
         report = _EncodeReport()
         for work in work_items:
             rid = work.request_id
-            h = work.image.content_hash
+            h = work.content_hash
             if rid in report.failed:
                 continue  # its earlier image failed; this one is not attempted and keeps its state
             try:
@@ -158,7 +208,7 @@ class ModelRunner:
     def _run_encoder(self, work: EncoderWork) -> int:
         """Run encoder units [start_unit, start_unit + num_units) of one image; keep partial state. Returns the
         image's units done afterwards (all of them once its embeddings exist)."""
-        image = work.image
+        image = self.requests[work.request_id].images[work.image_index]
         visual = self.model.visual
         if image.content_hash in self.encoder_outputs:
             return len(image.encoder_units)
@@ -188,10 +238,11 @@ class ModelRunner:
         positions: list[torch.Tensor] = []
         images: list[ImageRows] = []
         for chunk in chunks:
+            state = self.requests[chunk.request_id]
             base = len(ids)
-            ids.extend(chunk.request.token_ids(chunk.context_len, chunk.end))
-            positions.append(self._positions(chunk))
-            for im in chunk.request.images_in(chunk.context_len, chunk.end):
+            ids.extend(state.token_ids(chunk.context_len, chunk.end))
+            positions.append(state.positions(chunk.context_len, chunk.end))
+            for _, im in images_in(state.images, chunk.context_len, chunk.end):
                 lo, hi = max(im.offset, chunk.context_len), min(im.end, chunk.end)
                 rows = self.encoder_outputs[im.content_hash].rows(lo - im.offset, hi - im.offset)
                 images.append(ImageRows(base + lo - chunk.context_len, rows))
@@ -217,38 +268,21 @@ class ModelRunner:
         keep: list[int] = []
         for i, c in enumerate(chunks):
             try:
-                self._hook("sample", c.request.request_id)
+                self._hook("sample", c.request_id)
                 keep.append(i)
             except RequestFailure as e:
                 failed[e.request_id] = e.message
         if not keep:
             return {}, {}
         chunks = [chunks[i] for i in keep]
-        rows = [
-            SampleRow(c.request.engine_request.sampling, c.request.generator, c.request.prompt_token_ids,
-                      c.request.output_token_ids)
-            for c in chunks
-        ]
+        states = [self.requests[c.request_id] for c in chunks]
+        rows = [SampleRow(s.sampling, s.generator, s.prompt_token_ids, s.output_token_ids) for s in states]
         result = self.sampler.sample(logits[keep], rows)
         for i, message in result.failed.items():
-            failed[chunks[i].request.request_id] = message
-        sampled = {c.request.request_id: t for i, (c, t) in enumerate(zip(chunks, result.token_ids))
-                   if i not in result.failed}
-        logprobs = {c.request.request_id: lp for c, lp in zip(chunks, result.logprobs) if lp is not None}
+            failed[chunks[i].request_id] = message
+        sampled = {c.request_id: t for i, (c, t) in enumerate(zip(chunks, result.token_ids)) if i not in result.failed}
+        logprobs = {c.request_id: lp for c, lp in zip(chunks, result.logprobs) if lp is not None}
         return sampled, logprobs
-
-    def _positions(self, chunk: ScheduledChunk) -> torch.Tensor:
-        """[3, num_new_tokens] M-RoPE positions of the chunk's tokens."""
-        req = chunk.request.engine_request
-        n_prompt = req.num_prompt_tokens
-        start, end = chunk.context_len, chunk.end
-        parts = []
-        if start < n_prompt:
-            parts.append(req.mrope_positions[:, start : min(end, n_prompt)])
-        if end > n_prompt:
-            s = max(start, n_prompt)
-            parts.append(decode_positions(s, end - s, req.mrope_delta))
-        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
 
 
 @dataclass
@@ -256,7 +290,7 @@ class _EncodeReport:
     """What one step's encoder work did, per image hash and per request."""
 
     failed: dict[str, str] = field(default_factory=dict)  # request_id -> user-safe message
-    progress: dict[str, int] = field(default_factory=dict)  # image hash -> layers done
+    progress: dict[str, int] = field(default_factory=dict)  # image hash -> units done
     discarded: set[str] = field(default_factory=set)  # image hashes whose partial state was dropped
     seconds: dict[str, float] = field(default_factory=dict)
     num_encoded: dict[str, int] = field(default_factory=dict)

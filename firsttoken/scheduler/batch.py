@@ -4,17 +4,33 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
+
 from firsttoken.engine.request import ImageItem, TokenLogprob
-from firsttoken.scheduler.request import Request
+from firsttoken.sampling.params import SamplingParams
+
+
+@dataclass(frozen=True)
+class NewRequest:
+    """A request the runner has not seen: everything it needs to keep for it until the request finishes (token
+    history, images and their pixels, positions, sampling). Sent once, on its first admission."""
+
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    images: tuple[ImageItem, ...]
+    mrope_positions: torch.Tensor  # [3, num_prompt_tokens] int64 (t, h, w)
+    mrope_delta: int
+    sampling: SamplingParams
 
 
 @dataclass(frozen=True)
 class EncoderWork:
-    """Run encoder units [start_unit, start_unit + num_units) of one image for one request. Unit 0 starts from the
-    pixels; after the last one the image's embeddings exist and chunks may cover its tokens."""
+    """Run encoder units [start_unit, start_unit + num_units) of image ``image_index`` of a request. Unit 0 starts
+    from the pixels; after the last one the image's embeddings exist and chunks may cover its tokens."""
 
     request_id: str
-    image: ImageItem
+    image_index: int
+    content_hash: str
     start_unit: int
     num_units: int
     finishes: bool
@@ -22,9 +38,9 @@ class EncoderWork:
 
 @dataclass(frozen=True)
 class ScheduledChunk:
-    """Request tokens [context_len, context_len + num_new_tokens) run this step."""
+    """Tokens [context_len, context_len + num_new_tokens) of a request run this step."""
 
-    request: Request
+    request_id: str
     context_len: int  # tokens whose KV already exists (the request's num_computed_tokens before this step)
     num_new_tokens: int
     block_table: tuple[int, ...]  # physical KV blocks covering at least context_len + num_new_tokens
@@ -38,14 +54,23 @@ class ScheduledChunk:
 
 @dataclass(frozen=True)
 class ScheduledBatch:
+    """One step, as plain data (ids, ints, frozen request data): it could cross a thread, a process or a device.
+    The runner applies ``new_requests`` and ``finished_request_ids`` (drop their state) before the work."""
+
+    new_requests: tuple[NewRequest, ...]
     chunks: tuple[ScheduledChunk, ...]
     encoder_work: tuple[EncoderWork, ...]  # runs before the chunks, in order
     freed_encoder_hashes: tuple[str, ...]  # encoder outputs the runner may drop now
     preempted_request_ids: tuple[str, ...]
+    finished_request_ids: tuple[str, ...] = ()  # finished or aborted since the last batch
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.chunks or self.encoder_work)
 
     @property
     def is_empty(self) -> bool:
-        return not self.chunks and not self.encoder_work
+        return not (self.chunks or self.encoder_work or self.finished_request_ids or self.freed_encoder_hashes)
 
     @property
     def num_tokens(self) -> int:

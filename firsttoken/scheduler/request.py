@@ -2,7 +2,8 @@
 
 A request is ``num_computed_tokens`` chasing ``num_tokens`` (prompt + generated). Prefill and decode are the
 same thing seen at different distances: the scheduler grants each request a number of new tokens per step.
-Scheduling state is ints and lists; the EngineRequest it wraps carries the runner's tensors untouched.
+Scheduling state is ints and lists; the EngineRequest it wraps carries the runner's tensors untouched (they reach
+the runner once, as a NewRequest).
 """
 
 from __future__ import annotations
@@ -10,9 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import Enum
 
-import torch
-
-from firsttoken.engine.request import EngineRequest, FinishReason, ImageItem, Timeline
+from firsttoken.engine.request import EngineRequest, FinishReason, ImageItem, Timeline, images_in
 from firsttoken.kv.prefix_cache import BlockHash
 
 
@@ -31,7 +30,7 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: FinishReason | None = None
     block_hashes: list[BlockHash] | None = None  # prompt's full blocks; computed once on first admission try
-    generator: torch.Generator | None = None  # per-request sampling RNG (seeded requests)
+    sent_to_runner: bool = False  # the runner holds its NewRequest (from first admission until it finishes)
     lane: str = "default"  # set by the scheduler at add()
     arrival_step: int = 0  # scheduler steps completed when the request arrived
     delayed_by_long: bool = False  # sat out a whole step while long work ran (counted once)
@@ -60,19 +59,6 @@ class Request:
     def timeline(self) -> Timeline:
         return self.engine_request.timeline
 
-    @property
-    def is_prefilling(self) -> bool:
-        """True until every prompt token's KV exists (after a preemption, generated tokens count as prompt)."""
-        return self.num_computed_tokens < self.num_tokens - 1 or not self.output_token_ids
-
-    def token_ids(self, start: int, end: int) -> list[int]:
-        """Token ids at indices [start, end) of prompt + output."""
-        n_prompt = self.num_prompt_tokens
-        if end <= n_prompt:
-            return list(self.prompt_token_ids[start:end])
-        head = list(self.prompt_token_ids[start:n_prompt]) if start < n_prompt else []
-        return head + self.output_token_ids[max(start - n_prompt, 0) : end - n_prompt]
-
-    def images_in(self, start: int, end: int) -> list[ImageItem]:
-        """Images whose tokens overlap prompt indices [start, end)."""
-        return [im for im in self.images if im.offset < end and im.end > start]
+    def images_in(self, start: int, end: int) -> list[tuple[int, ImageItem]]:
+        """(index, image) of the images whose tokens overlap prompt indices [start, end)."""
+        return images_in(self.images, start, end)

@@ -26,7 +26,7 @@ from firsttoken.config import CacheConfig, SchedulerConfig
 from firsttoken.engine.request import FinishReason, ImageItem
 from firsttoken.kv.block_manager import KVCacheManager
 from firsttoken.kv.prefix_cache import ImageSpan, compute_block_hashes
-from firsttoken.scheduler.batch import EncoderWork, RunnerOutput, ScheduledBatch, ScheduledChunk
+from firsttoken.scheduler.batch import EncoderWork, NewRequest, RunnerOutput, ScheduledBatch, ScheduledChunk
 from firsttoken.scheduler.budget import TokenBudget
 from firsttoken.scheduler.encoder_cache import EncoderCacheManager
 from firsttoken.scheduler.lanes import FCFS, LONG, SHORT, AdmissionVerdict, LaneQueues, route_lane
@@ -65,12 +65,15 @@ class Scheduler:
         self.encoder_cache = EncoderCacheManager(encoder_capacity_tokens)
         self.waiting = LaneQueues(config)
         self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}  # every live request, waiting or running
         self.num_steps = 0
         self.num_preemptions = 0
         self.preemptions_by_reason: dict[str, int] = {}
         self.num_short_delayed_by_long = 0  # short requests that waited a whole step while long work ran
         self.long_wait_steps = 0  # consecutive steps the long lane had work but was held back
         self._preempted: list[str] = []
+        self._new: list[NewRequest] = []  # first admissions since the last batch: the runner's first sight
+        self._finished_ids: list[str] = []  # requests the runner holds state for that finished since
 
     # ---- requests in and out -------------------------------------------------------------------------
     def check_admission(self, num_prompt_tokens: int, num_pending: int = 0) -> AdmissionVerdict:
@@ -99,6 +102,7 @@ class Scheduler:
     def add(self, request: Request) -> None:
         request.lane = route_lane(request.num_prompt_tokens, self.config)
         request.arrival_step = self.num_steps
+        self.requests[request.request_id] = request
         self.waiting.append(request)
 
     def finish(self, request: Request, reason: FinishReason) -> None:
@@ -111,12 +115,20 @@ class Scheduler:
             self.waiting.remove(request)
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
+        self.requests.pop(request.request_id, None)
         self.kv.free(request.request_id)
         self.encoder_cache.release_all(request.request_id)
+        if request.sent_to_runner:
+            self._finished_ids.append(request.request_id)
 
     @property
     def has_work(self) -> bool:
         return bool(len(self.waiting) or self.running)
+
+    @property
+    def has_releases(self) -> bool:
+        """Finished requests whose runner state one more batch must release."""
+        return bool(self._finished_ids)
 
     # ---- one step ------------------------------------------------------------------------------------
     def schedule(self) -> ScheduledBatch:
@@ -132,9 +144,11 @@ class Scheduler:
             self._serve_long_lane(budget, step, held_by_short=short_work)
         self._count_short_delays(step)
         preempted, self._preempted = tuple(self._preempted), []
+        new, self._new = tuple(self._new), []
+        finished, self._finished_ids = tuple(self._finished_ids), []
         self.num_steps += int(bool(step.chunks or step.encoder_work))
         return ScheduledBatch(
-            tuple(step.chunks), tuple(step.encoder_work), self.encoder_cache.pop_freed(), preempted
+            new, tuple(step.chunks), tuple(step.encoder_work), self.encoder_cache.pop_freed(), preempted, finished
         )
 
     def update(self, batch: ScheduledBatch, result: RunnerOutput) -> None:
@@ -142,19 +156,18 @@ class Scheduler:
         the chunks it ran (a failed or skipped chunk computed nothing; it is scheduled again or its request is
         finished by the engine)."""
         for work in batch.encoder_work:
-            h = work.image.content_hash
+            h = work.content_hash
             if h in result.encoder_progress:
                 self.encoder_cache.record_progress(h, result.encoder_progress[h])
         for h in result.discarded_encoder_hashes:
             self.encoder_cache.reset(h)
         for chunk in batch.chunks:
-            rid = chunk.request.request_id
-            if rid not in result.failed and rid not in result.skipped_request_ids:
-                self._on_chunk_done(chunk)
+            rid = chunk.request_id
+            if rid not in result.failed and rid not in result.skipped_request_ids and rid in self.requests:
+                self._on_chunk_done(self.requests[rid], chunk)
 
-    def _on_chunk_done(self, chunk: ScheduledChunk) -> None:
+    def _on_chunk_done(self, req: Request, chunk: ScheduledChunk) -> None:
         """KV for the chunk is written: publish full blocks, release images the prefill has passed."""
-        req = chunk.request
         req.num_computed_tokens = chunk.end
         if req.block_hashes:
             self.kv.cache_blocks(req.request_id, req.block_hashes, min(chunk.end, req.num_prompt_tokens))
@@ -228,6 +241,11 @@ class Scheduler:
         if num_cached is None:
             return False
         self.waiting.remove(req)
+        if not req.sent_to_runner:
+            er = req.engine_request
+            self._new.append(NewRequest(req.request_id, er.prompt_token_ids, er.images, er.mrope_positions,
+                                        er.mrope_delta, er.sampling))
+            req.sent_to_runner = True
         req.status = RequestStatus.RUNNING
         req.num_computed_tokens = num_cached
         req.timeline.num_cached_prompt_tokens = max(req.timeline.num_cached_prompt_tokens, num_cached)
@@ -238,8 +256,8 @@ class Scheduler:
         start = req.num_computed_tokens
         wanted = req.num_tokens - start
         end = start + (wanted if whole_prompt else min(wanted, budget.remaining))
-        for im in req.images_in(start, end):
-            if not self._encoder_ready_for(req, im, budget, step, all_units=whole_prompt or req.lane == SHORT):
+        for index, im in req.images_in(start, end):
+            if not self._encoder_ready_for(req, index, im, budget, step, all_units=whole_prompt or req.lane == SHORT):
                 end = im.offset
                 break
         if req.num_prompt_tokens >= self.config.long_prompt_threshold:
@@ -250,7 +268,7 @@ class Scheduler:
             self._schedule_tokens(req, end - start, budget, step)
 
     def _encoder_ready_for(
-        self, req: Request, im: ImageItem, budget: TokenBudget, step: _Step, all_units: bool
+        self, req: Request, index: int, im: ImageItem, budget: TokenBudget, step: _Step, all_units: bool
     ) -> bool:
         """Make sure the image's embeddings exist by the time this step's chunks run; schedule encoder units
         if needed. False when the image is still incomplete after this step (the chunk must stop before it)."""
@@ -269,7 +287,7 @@ class Scheduler:
         num_units = len(costs) if all_units else max(1, _units_within(costs, budget.remaining))
         budget.take(sum(costs[:num_units]))
         finishes = num_units >= len(costs)  # progress is recorded from the runner's report, in update()
-        step.encoder_work.append(EncoderWork(req.request_id, im, start, num_units, finishes))
+        step.encoder_work.append(EncoderWork(req.request_id, index, h, start, num_units, finishes))
         step.worked_hashes.add(h)
         step.scheduled_ids.add(req.request_id)
         req.timeline.mark("first_scheduled_s")
@@ -285,7 +303,7 @@ class Scheduler:
         step.scheduled_ids.add(req.request_id)
         step.chunks.append(
             ScheduledChunk(
-                request=req,
+                request_id=req.request_id,
                 context_len=start,
                 num_new_tokens=num_new,
                 block_table=tuple(self.kv.block_table(req.request_id)),

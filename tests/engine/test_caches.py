@@ -54,7 +54,7 @@ class Harness:
 
     @property
     def vision_calls(self) -> int:
-        return self.engine.runner.num_vision_calls
+        return self.engine.stats().num_images_encoded
 
 
 def user(text: str, *images) -> dict:

@@ -147,11 +147,11 @@ def test_a_failed_encode_does_not_poison_the_encoder_cache_for_the_next_request(
     first = run_all(engine, [chat(proc, "first", image_question())])
     assert first["first"][1] == FinishReason.ERROR
     engine.scheduler.check_invariants()
-    calls_before = engine.runner.num_vision_calls
+    calls_before = engine.stats().num_images_encoded
     again = run_all(engine, [chat(proc, "again", image_question()), chat(proc, "text", "Tell me a story.")])
     assert again["again"] == reference["ref-img"]  # encoded afresh, same tokens
     assert again["text"] == reference["ref-txt"]
-    assert engine.runner.num_vision_calls == calls_before + 1
+    assert engine.stats().num_images_encoded == calls_before + 1
     assert engine.stats().kv_blocks_used == 0
 
 

@@ -168,7 +168,7 @@ def test_engine_matches_generate_with_chunks_inside_images_and_encodes_split_acr
     got = run(engine, [engine_request(config, p, name) for name, p in prompts.items()])  # one mixed batch
     for name, prompt in prompts.items():
         assert got[name] == reference(prompt), name
-    assert engine.runner.num_vision_calls == 2
+    assert engine.stats().num_images_encoded == 2
     assert engine.scheduler.num_steps > 20  # really chunked: ~90 prompt tokens at most 13 per step
 
 
@@ -184,7 +184,7 @@ def test_engine_matches_generate_when_the_prefix_cache_hit_ends_inside_an_image(
         got = run(engine, [follow_request])
         assert follow_request.timeline.num_cached_prompt_tokens == 32
         assert got["follow"] == reference(follow)
-        assert engine.runner.num_vision_calls == (1 if encoder_cache else 2)
+        assert engine.stats().num_images_encoded == (1 if encoder_cache else 2)
 
 
 def test_engine_matches_generate_after_preemption_by_recompute(model_dir, config, reference):

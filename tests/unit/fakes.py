@@ -70,10 +70,10 @@ def make_scheduler(
 def run_step(sched: Scheduler, token: int = 7) -> ScheduledBatch:
     """schedule + pretend-execute + update: advance computed tokens, sample `token`, finish at max_tokens."""
     batch = sched.schedule()
-    progress = {w.image.content_hash: w.start_unit + w.num_units for w in batch.encoder_work}
+    progress = {w.content_hash: w.start_unit + w.num_units for w in batch.encoder_work}
     sched.update(batch, RunnerOutput({}, {}, {}, encoder_progress=progress))
     for chunk in batch.chunks:
-        req = chunk.request
+        req = sched.requests[chunk.request_id]
         if chunk.sample:
             req.output_token_ids.append(token)
             if len(req.output_token_ids) >= req.engine_request.sampling.max_tokens:

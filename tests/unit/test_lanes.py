@@ -15,7 +15,7 @@ def lanes_scheduler(**kw):
 
 
 def ids_in(batch):
-    return [c.request.request_id for c in batch.chunks]
+    return [c.request_id for c in batch.chunks]
 
 
 def test_routing_is_a_pure_function_of_prompt_length():
@@ -98,7 +98,7 @@ def test_fcfs_runs_whole_prompts_and_whole_encodes_in_one_step():
     sched.add(fake_request("img", prompt_len=900, max_tokens=1, images=[("photo", 20, 400)], encoder_depth=4))
     sched.add(fake_request("short", prompt_len=30, max_tokens=1, arrival_seq=1))
     first = run_step(sched)
-    assert [(c.request.request_id, c.num_new_tokens) for c in first.chunks] == [("img", 900)]
+    assert [(c.request_id, c.num_new_tokens) for c in first.chunks] == [("img", 900)]
     assert [w.num_units for w in first.encoder_work] == [4]
     assert ids_in(run_step(sched)) == ["short"]  # it waited behind the whole prefill: the seed's problem
     assert sched.num_short_delayed_by_long == 1
@@ -216,7 +216,7 @@ def test_fcfs_admits_a_prompt_larger_than_the_budget_while_others_decode():
     run_step(sched)  # chat is decoding from now on
     sched.add(fake_request("big", prompt_len=1200, max_tokens=1, arrival_seq=1))
     batch = run_step(sched)
-    assert [(c.request.request_id, c.num_new_tokens) for c in batch.chunks] == [("chat", 1), ("big", 1200)]
+    assert [(c.request_id, c.num_new_tokens) for c in batch.chunks] == [("chat", 1), ("big", 1200)]
 
 
 def test_idle_short_lane_lets_long_work_take_a_bigger_step():

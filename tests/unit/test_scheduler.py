@@ -28,7 +28,7 @@ def test_new_request_joins_a_running_batch_without_waiting_for_it_to_drain():
     run_step(sched)  # a is decoding
     sched.add(fake_request("b", prompt_len=20, max_tokens=2, arrival_seq=1))
     batch = run_step(sched)
-    assert [(c.request.request_id, c.num_new_tokens, c.is_decode) for c in batch.chunks] == [
+    assert [(c.request_id, c.num_new_tokens, c.is_decode) for c in batch.chunks] == [
         ("a", 1, True),
         ("b", 20, False),
     ]
@@ -40,7 +40,7 @@ def test_decodes_are_served_before_new_prefills_take_the_budget():
     run_step(sched)
     sched.add(fake_request("b", prompt_len=100, max_tokens=1, arrival_seq=1))
     batch = run_step(sched)
-    assert [(c.request.request_id, c.num_new_tokens) for c in batch.chunks] == [("a", 1), ("b", 31)]
+    assert [(c.request_id, c.num_new_tokens) for c in batch.chunks] == [("a", 1), ("b", 31)]
 
 
 def test_admission_waits_for_blocks_for_the_whole_prompt_plus_reserve():
@@ -49,7 +49,7 @@ def test_admission_waits_for_blocks_for_the_whole_prompt_plus_reserve():
     for i in range(3):
         sched.add(fake_request(f"r{i}", prompt_len=40, max_tokens=3, arrival_seq=i))
     batch = run_step(sched)
-    assert [c.request.request_id for c in batch.chunks] == ["r0", "r1"]
+    assert [c.request_id for c in batch.chunks] == ["r0", "r1"]
     assert [r.request_id for r in sched.waiting] == ["r2"]
     while sched.has_work:
         run_step(sched)
@@ -96,7 +96,7 @@ def test_an_image_is_encoded_once_even_when_its_tokens_span_several_chunks():
     encodes = []
     while sched.has_work:
         batch = run_step(sched)
-        encodes += [w.image.content_hash for w in batch.encoder_work if w.finishes]
+        encodes += [w.content_hash for w in batch.encoder_work if w.finishes]
     assert encodes == ["img1"]
 
 
@@ -109,7 +109,7 @@ def test_repeated_image_in_a_later_request_hits_the_encoder_cache():
     b = fake_request("b", prompt_len=70, images=[("img1", 20, 30)], arrival_seq=1)
     sched.add(b)
     second = run_step(sched)
-    assert [w.image.content_hash for w in first.encoder_work] == ["img1"]
+    assert [w.content_hash for w in first.encoder_work] == ["img1"]
     assert second.encoder_work == ()
     assert b.timeline.num_encoder_cache_hits == 1
 

@@ -1,0 +1,57 @@
+"""The executor: where a step's ``ScheduledBatch`` runs. The engine talks to this interface only.
+
+Today one implementation, ``InProcessExecutor``: the model, its KV cache and the ModelRunner live in the engine's
+thread. Because the batch is plain data and the runner owns all per-request state (runner/model_runner.py), a
+process, a Ray actor or a GPU worker can implement the same two members without the engine changing.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Protocol
+
+import torch
+
+from firsttoken.models.config import ModelConfig
+from firsttoken.models.loader import load_model
+from firsttoken.runner.kv_cache import allocate_kv_caches
+from firsttoken.runner.model_runner import FaultHook, ModelRunner
+from firsttoken.sampling.sampler import Sampler
+from firsttoken.scheduler.batch import RunnerOutput, ScheduledBatch
+
+
+class Executor(Protocol):
+    def execute(self, batch: ScheduledBatch) -> RunnerOutput:
+        """Run one step; per-request failures are reported in the output, never raised."""
+        ...
+
+    @property
+    def encoder_cache_bytes(self) -> int:
+        """Bytes of vision-tower outputs held (for /v1/engine/stats)."""
+        ...
+
+
+class InProcessExecutor:
+    """Loads the checkpoint, allocates the paged KV cache, and runs batches in the calling thread."""
+
+    def __init__(
+        self,
+        model_dir: str | Path,
+        model_config: ModelConfig,
+        dtype: torch.dtype,
+        num_kv_blocks: int,
+        block_size: int,
+        seed: int | None = None,
+        fault_hook: FaultHook | None = None,
+        device: str = "cpu",
+    ) -> None:
+        model = load_model(model_dir, dtype, device)
+        kv_caches = allocate_kv_caches(model_config, num_kv_blocks, block_size, dtype, device)
+        self.runner = ModelRunner(model, kv_caches, block_size, Sampler(seed), fault_hook)
+
+    def execute(self, batch: ScheduledBatch) -> RunnerOutput:
+        return self.runner.execute(batch)
+
+    @property
+    def encoder_cache_bytes(self) -> int:
+        return self.runner.encoder_cache_bytes
