@@ -2,15 +2,20 @@
 
 ``type`` names and the integer ``code`` follow vLLM's server (fixtures/vllm-0.32/error-*.txt), so clients
 written against vLLM parse ours. Messages are built here or come from exceptions whose text is client-safe by
-contract (InputError, ImageInputError, APIError); they never echo the request payload, and unexpected
-exceptions become a generic 500 whose details stay in the server log (see middleware.py).
+contract (InputError, ImageInputError, APIError, HTTPRefusal); they never echo the request payload (client
+text they name goes through ``quoting.quote``: bounded, encodable), every message is made encodable and capped
+at ``MAX_MESSAGE_CHARS`` once more where the body is rendered, and unexpected exceptions become a generic 500
+whose details stay in the server log (see middleware.py).
 
 Status map:
-    400  malformed JSON, schema errors (FastAPI's 422 is overridden), bad sampling values, bad images
+    400  empty / non-UTF-8 / non-JSON / too deeply nested bodies, schema errors (FastAPI's 422 is overridden),
+         unsupported fields, bad sampling values, bad images, Content-Length together with Transfer-Encoding
     401  missing or wrong API key (with --api-key; api/observability.py)
     404  unknown model or route
     405  wrong method
+    408  the request body did not arrive within --request-body-timeout
     413  request body over the limit
+    415  a compressed (Content-Encoding) request body
     429  too many requests in flight, or the request's lane queue is full (with Retry-After)
     500  anything unexpected, or a request the engine failed
     503  engine not alive
@@ -25,18 +30,22 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from firsttoken.api.protocol import ErrorInfo, ErrorResponse
+from firsttoken.api.protocol import ErrorInfo, ErrorResponse, UnsupportedFieldError
+from firsttoken.api.quoting import ELLIPSIS, printable, quote
 from firsttoken.inputs.image import ImageInputError
 from firsttoken.inputs.processor import AdmissionRefused, InputError
 
 RETRY_AFTER_S = 1  # what a 429 from a full lane queue tells clients to wait, in seconds
+MAX_MESSAGE_CHARS = 1000  # the longest message we render; our own longest (context limits) is ~350
 
 ERROR_TYPES: dict[int, str] = {
     400: "BadRequestError",
     401: "AuthenticationError",
     404: "NotFoundError",
     405: "MethodNotAllowedError",
+    408: "RequestTimeoutError",
     413: "RequestTooLargeError",
+    415: "UnsupportedMediaTypeError",
     429: "RateLimitError",
     500: "InternalServerError",
     503: "ServiceUnavailableError",
@@ -57,12 +66,27 @@ class APIError(Exception):
         self.param = param
 
 
+class HTTPRefusal(StarletteHTTPException):
+    """Raised below the routes (the body reader, the middleware's receive) to refuse a request; ``detail`` is
+    client-safe. FastAPI passes HTTPExceptions through its body reading untouched."""
+
+    def __init__(self, status_code: int, detail: str, headers: dict[str, str] | None = None) -> None:
+        super().__init__(status_code, detail, headers)
+
+
 def model_not_found(model: str, served_model_name: str) -> APIError:
-    return APIError(404, f"The model `{model}` does not exist. Valid aliases: {served_model_name}.", "model")
+    return APIError(404, f"The model `{quote(model)}` does not exist. Valid aliases: {served_model_name}.", "model")
 
 
 def error_body(status_code: int, message: str, param: str | None = None) -> dict[str, Any]:
-    info = ErrorInfo(message=message, type=ERROR_TYPES.get(status_code, "APIError"), param=param, code=status_code)
+    if len(message) > MAX_MESSAGE_CHARS:  # a safety net: messages quote client text through quote() already
+        message = message[: MAX_MESSAGE_CHARS - 1] + ELLIPSIS
+    info = ErrorInfo(
+        message=printable(message),
+        type=ERROR_TYPES.get(status_code, "APIError"),
+        param=printable(param) if param else param,
+        code=status_code,
+    )
     return ErrorResponse(error=info).model_dump()
 
 
@@ -77,14 +101,17 @@ def validation_error_message(exc: RequestValidationError) -> tuple[str, str | No
         return "invalid request body", None
     # With unions pydantic reports one error per branch; the deepest location is the most specific.
     first = max(errors, key=lambda e: len(e.get("loc", ())))
-    if first.get("type") == "json_invalid":
-        return "request body is not valid JSON", None
+    kind = first.get("type")
+    cause = (first.get("ctx") or {}).get("error")
+    if isinstance(cause, UnsupportedFieldError):
+        return str(cause), cause.field
     param = _param_path(first.get("loc", ()))
     msg = str(first.get("msg", "invalid value")).removeprefix("Value error, ")
-    if first.get("type") == "missing":
+    if kind == "missing":
         return f"missing required field '{param}'", param
-    if first.get("type") == "model_attributes_type" and not param:
-        return "request body must be a JSON object", None
+    if kind == "union_tag_invalid":  # pydantic's text repeats the client's tag whole
+        ctx = first.get("ctx") or {}
+        msg = f"unknown {ctx.get('discriminator')} '{quote(str(ctx.get('tag')))}'; expected {ctx.get('expected_tags')}"
     return (f"{param}: {msg}" if param else msg), param
 
 
@@ -148,6 +175,6 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
         messages = {404: "not found", 405: "method not allowed", 413: "request body too large"}
-        detail = exc.detail if isinstance(exc.detail, str) and exc.status_code == 413 else None
+        detail = exc.detail if isinstance(exc, HTTPRefusal) else None
         message = detail or messages.get(exc.status_code, "request failed")
         return JSONResponse(error_body(exc.status_code, message), status_code=exc.status_code, headers=exc.headers)

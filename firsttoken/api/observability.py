@@ -55,7 +55,9 @@ REJECTION_REASONS = {
     401: "unauthorized",
     404: "not_found",
     405: "method_not_allowed",
+    408: "body_timeout",
     413: "body_too_large",
+    415: "unsupported_encoding",
     429: "too_many_requests",
 }
 CLIENT_CLOSED_REQUEST = 499  # not a rejection: the client left (counted as outcome="abort")

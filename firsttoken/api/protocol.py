@@ -1,23 +1,123 @@
 """OpenAI-compatible request and response schemas (pydantic v2).
 
-Requests tolerate unknown fields (clients send vendor extras); known fields are type-checked here and
-range-checked once, by SamplingParams, in the input processor. Responses follow OpenAI's shapes and vLLM's
-framing (see shared/fixtures/vllm-0.32, beside the repository) with one extension:
+Requests tolerate harmless unknown fields (``user``, ``metadata``, ``store``, vendor extras); known fields are
+type-checked here and range-checked once, by SamplingParams, in the input processor. Three rules hold at this
+boundary for every request field:
+
+- every string is valid Unicode (``Text``): JSON may carry a lone UTF-16 surrogate such as ``"\ud800"``, which
+  Python accepts and every tokenizer, encoder and file system later chokes on; it is refused here, naming the
+  field;
+- every integer fits in 64 bits (``Int64``), so no message ever prints a thousand-digit number;
+- a field that asks for something this server does not do (``UNSUPPORTED_FIELDS``: tools, JSON mode,
+  logit_bias, ...) is refused with a 400 naming it, unless its value means "off": a client that asked for JSON
+  must never get prose with a 200.
+
+Responses follow OpenAI's shapes and vLLM's framing (see shared/fixtures/vllm-0.32, beside the repository) with
+one extension:
 
     usage.firsttoken   the request's Timeline.to_dict(): ttft_s, per-phase seconds (preprocess, queue,
                        encode, prefill, sample, send), e2e_s, encoder/prefix-cache counts. Present on
                        non-streaming responses and on the streaming usage chunk.
 
-This module is a leaf: it imports pydantic only, so both api/ and inputs/ may depend on it.
+This module is a leaf (pydantic and api/quoting.py only), so both api/ and inputs/ may depend on it.
 """
 
 from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from firsttoken.api.quoting import LONE_SURROGATE, quote
+
+# ------------------------------------------------------------------------------------------- field types
+
+
+def _valid_unicode(text: str) -> str:
+    if LONE_SURROGATE.search(text):
+        raise ValueError("must be valid Unicode, but contains a lone UTF-16 surrogate (\\ud800-\\udfff)")
+    return text
+
+
+Text = Annotated[str, AfterValidator(_valid_unicode)]  # every request string: encodable as UTF-8
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+Int64 = Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)]  # what OpenAI and vLLM accept for integer fields
+
+
+class UnsupportedFieldError(ValueError):
+    """A request field this server does not implement, set to a value that is not "off"."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(message)
+        self.field = field
+
+
+@dataclass(frozen=True)
+class Unsupported:
+    """A field we refuse unless ``is_off(value)``; ``what`` says what the client asked for."""
+
+    is_off: Callable[[Any], bool]
+    what: str
+    names_type: bool = False  # the message repeats the value's "type" (response_format: json_object, ...)
+
+
+def _absent(value: Any) -> bool:
+    """null, false, empty: what clients send when they mean "not used"."""
+    return value is None or value is False or value in ("", [], {})
+
+
+def _text_format(value: Any) -> bool:
+    return _absent(value) or (isinstance(value, dict) and value.get("type") == "text")
+
+
+# OpenAI and vLLM request fields that change what is generated but are not implemented here. Fields that change
+# nothing a client could notice (user, metadata, store, service_tier, parallel_tool_calls, stream_options ...)
+# are tolerated and ignored.
+UNSUPPORTED_FIELDS: dict[str, Unsupported] = {
+    "tools": Unsupported(_absent, "tool calling is not implemented"),
+    "tool_choice": Unsupported(lambda v: _absent(v) or v in ("none", "auto"), "tool calling is not implemented"),
+    "functions": Unsupported(_absent, "function calling is not implemented"),
+    "function_call": Unsupported(lambda v: _absent(v) or v in ("none", "auto"), "function calling is not implemented"),
+    "response_format": Unsupported(_text_format, "JSON mode and structured outputs are not implemented; "
+                                                 'send {"type": "text"} or leave it out', names_type=True),
+    "logit_bias": Unsupported(_absent, "logit biases are not implemented"),
+    "audio": Unsupported(_absent, "audio output is not implemented"),
+    "modalities": Unsupported(lambda v: _absent(v) or v == ["text"], "only text output is implemented"),
+    "prediction": Unsupported(_absent, "predicted outputs are not implemented"),
+    "web_search_options": Unsupported(_absent, "web search is not implemented"),
+    "guided_json": Unsupported(_absent, "guided decoding is not implemented"),
+    "guided_regex": Unsupported(_absent, "guided decoding is not implemented"),
+    "guided_choice": Unsupported(_absent, "guided decoding is not implemented"),
+    "guided_grammar": Unsupported(_absent, "guided decoding is not implemented"),
+    "structured_outputs": Unsupported(_absent, "guided decoding is not implemented"),
+    "best_of": Unsupported(lambda v: v is None or v == 1, "best_of above 1 is not implemented"),
+    "use_beam_search": Unsupported(_absent, "beam search is not implemented"),
+    "echo": Unsupported(_absent, "echoing the prompt is not implemented"),
+    "suffix": Unsupported(_absent, "suffix (insertion) is not implemented"),
+    "min_tokens": Unsupported(lambda v: v is None or v == 0, "min_tokens is not implemented"),
+    "min_p": Unsupported(lambda v: v is None or v == 0, "min_p sampling is not implemented"),
+    "prompt_logprobs": Unsupported(lambda v: v is None or v == 0, "prompt logprobs are not implemented"),
+    "include_stop_str_in_output": Unsupported(_absent, "returning the stop string is not implemented"),
+    "add_generation_prompt": Unsupported(lambda v: v is None or v is True,
+                                         "only add_generation_prompt=true is implemented for chat completions"),
+    "continue_final_message": Unsupported(_absent, "continuing the final message is not implemented"),
+}  # fmt: skip
+
+
+def refuse_unsupported(body: Any) -> Any:
+    """The before-validator of the generation requests: the first unsupported field set to something, refused."""
+    if isinstance(body, dict):
+        for name, rule in UNSUPPORTED_FIELDS.items():
+            value = body.get(name)
+            if name in body and not rule.is_off(value):
+                kind = value.get("type") if rule.names_type and isinstance(value, dict) else None
+                asked = f" {quote(kind)}" if isinstance(kind, str) else ""
+                raise UnsupportedFieldError(name, f"'{name}'{asked} is not supported by this server: {rule.what}")
+    return body
 
 
 class _Request(BaseModel):
@@ -33,14 +133,14 @@ class _Response(BaseModel):
 
 class TextPart(_Request):
     type: Literal["text"]
-    text: str
+    text: Text
 
 
 class ImageURL(_Request):
-    url: str
+    url: Text
     # "low": a small fixed visual-token budget; "high"/"auto"/None: the server's cap (see inputs/budget.py)
     detail: Literal["auto", "low", "high"] | None = None
-    max_visual_tokens: int | None = Field(default=None, ge=1)  # extension: at most this many tokens, <= the cap
+    max_visual_tokens: Int64 | None = Field(default=None, ge=1)  # extension: at most this many tokens, <= the cap
 
 
 class ImagePart(_Request):
@@ -55,7 +155,19 @@ class ChatMessage(_Request):
     # Roles are a closed set: the chat template prints the role verbatim, so free text here would be a
     # template-injection channel.
     role: Literal["system", "user", "assistant"]
-    content: str | list[ContentPart] | None = None
+    content: Text | list[ContentPart] | None = None
+
+    def texts(self) -> list[str]:
+        """Every piece of text the client wrote in this message (what the tokenizer will see)."""
+        if self.content is None:
+            return []
+        if isinstance(self.content, str):
+            return [self.content]
+        return [p.text for p in self.content if isinstance(p, TextPart)]
+
+    @property
+    def num_images(self) -> int:
+        return sum(isinstance(p, ImagePart) for p in self.content) if isinstance(self.content, list) else 0
 
 
 class StreamOptions(_Request):
@@ -65,25 +177,32 @@ class StreamOptions(_Request):
 class _SamplingFields(_Request):
     """Fields shared by chat and text completions. None means "the checkpoint's default"."""
 
-    model: str
+    model: Text
     stream: bool = False
     stream_options: StreamOptions | None = None
-    max_tokens: int | None = None
+    max_tokens: Int64 | None = None
     temperature: float | None = None
     top_p: float | None = None
-    top_k: int | None = None
-    seed: int | None = None
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None  # vLLM extension
+    top_k: Int64 | None = None
+    seed: Int64 | None = None
+    stop: Text | list[Text] | None = None
+    stop_token_ids: list[Int64] | None = None  # vLLM extension
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
-    n: int = 1
+    n: Int64 | None = 1
     ignore_eos: bool = False
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_unsupported(cls, body: Any) -> Any:
+        return refuse_unsupported(body)
 
     @field_validator("n")
     @classmethod
-    def _only_one_choice(cls, n: int) -> int:
+    def _only_one_choice(cls, n: int | None) -> int:
+        if n is None:
+            return 1
         if n != 1:
             raise ValueError(f"n must be 1 (this server returns one choice per request), got {n}")
         return n
@@ -109,9 +228,16 @@ class _SamplingFields(_Request):
 
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = None  # OpenAI's newer name; wins over max_tokens
-    logprobs: bool = False
-    top_logprobs: int | None = None
+    max_completion_tokens: Int64 | None = None  # OpenAI's newer name; wins over max_tokens
+    logprobs: bool | None = False
+    top_logprobs: Int64 | None = None
+
+    def texts(self) -> list[str]:
+        return [t for m in self.messages for t in m.texts()]
+
+    @property
+    def num_images(self) -> int:
+        return sum(m.num_images for m in self.messages)
 
     @property
     def requested_max_tokens(self) -> tuple[str, int | None]:
@@ -122,8 +248,15 @@ class ChatCompletionRequest(_SamplingFields):
 
 
 class CompletionRequest(_SamplingFields):
-    prompt: str
-    logprobs: int | None = None  # number of alternatives per position, as in OpenAI's legacy API
+    prompt: Text
+    logprobs: Int64 | None = None  # number of alternatives per position, as in OpenAI's legacy API
+
+    def texts(self) -> list[str]:
+        return [self.prompt]
+
+    @property
+    def num_images(self) -> int:
+        return 0
 
     @property
     def requested_max_tokens(self) -> tuple[str, int | None]:
@@ -133,11 +266,20 @@ class CompletionRequest(_SamplingFields):
 class TokenizeRequest(_Request):
     """Either a chat body (``messages``, the same as /v1/chat/completions) or a plain ``prompt``."""
 
-    model: str | None = None
+    model: Text | None = None
     messages: list[ChatMessage] | None = None
-    prompt: str | None = None
+    prompt: Text | None = None
     add_generation_prompt: bool = True
     return_token_strs: bool = False
+
+    def texts(self) -> list[str]:
+        if self.prompt is not None:
+            return [self.prompt]
+        return [t for m in self.messages or () for t in m.texts()]
+
+    @property
+    def num_images(self) -> int:
+        return sum(m.num_images for m in self.messages or ())
 
     @model_validator(mode="after")
     def _one_input(self) -> TokenizeRequest:

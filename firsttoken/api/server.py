@@ -10,6 +10,8 @@ loop, hand the EngineRequest to the engine, frame what comes back.
     GET  /metrics, /stats, /dashboard   with an Observability: see api/observability.py (also --api-key)
 
 Everything the app uses arrives through ``build_app`` (engine, processor, settings): tests pass fakes there.
+Bodies are read by api/body.py (each malformed body gets a message that says what is wrong); preprocessing
+runs on api/preprocess_pools.py's pools (a light request never waits behind a heavy one).
 """
 
 from __future__ import annotations
@@ -20,16 +22,18 @@ import functools
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Executor
 from contextlib import asynccontextmanager
 from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
+from firsttoken.api.body import read_model
 from firsttoken.api.errors import APIError, error_response, install_error_handlers, model_not_found
 from firsttoken.api.middleware import RequestContextMiddleware
 from firsttoken.api.observability import Observability
+from firsttoken.api.preprocess_pools import PreprocessPools
 from firsttoken.api.protocol import (
     AssistantMessage,
     ChatChoice,
@@ -85,16 +89,20 @@ def build_app(
     settings: ServerSettings,
     observability: Observability | None = None,
 ) -> FastAPI:
-    pool = ThreadPoolExecutor(max_workers=settings.num_preprocess_threads, thread_name_prefix="ft-preprocess")
+    pools = PreprocessPools(settings.num_preprocess_threads)
     slots = _Slots(settings.max_concurrent_requests)  # also what a graceful shutdown waits on (app.state.slots)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         yield
-        pool.shutdown(wait=False, cancel_futures=True)
+        pools.shutdown()
 
     app = FastAPI(title="firsttoken", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
-    app.add_middleware(RequestContextMiddleware, max_body_bytes=settings.max_request_body_bytes)
+    app.add_middleware(
+        RequestContextMiddleware,
+        max_body_bytes=settings.max_request_body_bytes,
+        body_timeout_s=settings.request_body_timeout_s,
+    )
     install_error_handlers(app)
     app.state.slots = slots
     if observability is not None:  # /metrics /stats /dashboard, API key, per-token timing
@@ -110,7 +118,7 @@ def build_app(
 
         return close
 
-    async def off_loop(fn: Callable[..., T], *args: Any) -> T:
+    async def off_loop(pool: Executor, fn: Callable[..., T], *args: Any) -> T:
         return await asyncio.get_running_loop().run_in_executor(pool, functools.partial(fn, *args))
 
     def check_model(model: str | None) -> None:
@@ -133,7 +141,7 @@ def build_app(
         slots.take()
         request_id = f"{prefix}-{uuid.uuid4().hex}"
         try:
-            engine_request = await off_loop(process, req, request_id, timeline)
+            engine_request = await off_loop(pools.for_request(req), process, req, request_id, timeline)
         except BaseException:
             slots.give_back()
             engine.release(request_id)  # its admission place, if preprocessing got that far
@@ -161,7 +169,8 @@ def build_app(
         return response
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(req: ChatCompletionRequest, raw: Request) -> Response:
+    async def chat_completions(raw: Request) -> Response:
+        req = await read_model(raw, ChatCompletionRequest)
         engine_request, ctx = await start(req, "chatcmpl", processor.process_chat)
         if req.stream:
             return EngineStreamResponse(
@@ -186,7 +195,8 @@ def build_app(
         return await respond(raw, engine_request, ctx, build)
 
     @app.post("/v1/completions")
-    async def completions(req: CompletionRequest, raw: Request) -> Response:
+    async def completions(raw: Request) -> Response:
+        req = await read_model(raw, CompletionRequest)
         engine_request, ctx = await start(req, "cmpl", processor.process_completion)
         if req.stream:
             return EngineStreamResponse(
@@ -211,12 +221,14 @@ def build_app(
         return await respond(raw, engine_request, ctx, build)
 
     @app.post("/tokenize")
-    async def tokenize(req: TokenizeRequest) -> TokenizeResponse:
+    async def tokenize(raw: Request) -> TokenizeResponse:
+        req = await read_model(raw, TokenizeRequest)
         check_model(req.model)
+        pool = pools.for_request(req)
         if req.messages is not None:
-            count = await off_loop(processor.count_chat, req.messages, req.add_generation_prompt)
+            count = await off_loop(pool, processor.count_chat, req.messages, req.add_generation_prompt)
         else:
-            count = await off_loop(processor.count_prompt, req.prompt)
+            count = await off_loop(pool, processor.count_prompt, req.prompt)
         return TokenizeResponse(
             count=count.total,
             max_model_len=settings.max_model_len,

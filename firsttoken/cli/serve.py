@@ -81,6 +81,13 @@ FLAGS: tuple[Flag, ...] = (
          "and on every redirect"),
     Flag("--media-fetch-timeout", float, 5.0, "seconds one remote image fetch may take, redirects included"),
     Flag("--max-request-bytes", parse_bytes, "64MiB", "largest request body; larger gets HTTP 413"),
+    Flag("--request-body-timeout", float, 60.0, "seconds from a request's headers to the last byte of its body; "
+         "later gets HTTP 408 and the connection is closed (a body that never ends cannot hold a connection)"),
+    Flag("--request-header-timeout", float, 30.0, "seconds a connection may take to send a request's headers; "
+         "later it is closed"),
+    Flag("--max-unread-outputs", int, 256, "outputs (about one per token) a streaming request may leave unread "
+         "once the connection's buffers are full; beyond it the client is not reading: the request is aborted, "
+         "logged and counted (firsttoken_requests_aborted_total{reason=\"client_not_reading\"})"),
     Flag("--image-max-tokens", int, 1280, "visual tokens per image at most (the cap; images are resized to fit, "
          "aspect ratio kept; requests may ask for less, never more); 16384 = Qwen2-VL's processor default"),
     Flag("--image-min-tokens", int, 4, "visual tokens per image at least (smaller images are scaled up)"),
@@ -174,7 +181,12 @@ def build_server(args: argparse.Namespace, fault_hook: Any = None, media_network
     engine = LLMEngine(
         model_dir, config, tokenizer=_decoder(tokenizer), fault_hook=fault_hook, observer=observability.recorder
     )
-    async_engine = AsyncEngine(engine, num_threads=args.num_threads)
+    async_engine = AsyncEngine(
+        engine,
+        num_threads=args.num_threads,
+        max_unread_outputs=args.max_unread_outputs,
+        on_abort=observability.recorder.on_aborted,
+    )
     processor = InputProcessor(
         tokenizer,
         engine.model_config,
@@ -197,6 +209,7 @@ def build_server(args: argparse.Namespace, fault_hook: Any = None, media_network
         allowed_media_dir=args.allowed_media_dir,
         max_request_body_bytes=args.max_request_bytes,
         max_concurrent_requests=args.max_concurrent_requests,
+        request_body_timeout_s=args.request_body_timeout,
     )
     return build_app(async_engine, processor, settings, observability), async_engine
 
@@ -212,6 +225,7 @@ def run(args: argparse.Namespace) -> int:
     import torch
     import uvicorn
 
+    from firsttoken.api.http_protocol import header_timeout_protocol
     from firsttoken.api.logs import configure_logging
     from firsttoken.api.shutdown import DrainingServer
     from firsttoken.cli.serve_checks import RENAMED_FLAGS, check_serve_args
@@ -229,6 +243,7 @@ def run(args: argparse.Namespace) -> int:
     async_engine.start()
     log.info("serving on http://%s:%d", args.host, args.port)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level.lower(),
+                            http=header_timeout_protocol(args.request_header_timeout),
                             timeout_graceful_shutdown=1,  # after our own drain: cancel (abort) what is left
                             log_config=None)  # uvicorn's loggers propagate to ours (text or json, with request ids)
     server = DrainingServer(config, async_engine, app.state.slots, args.shutdown_timeout)

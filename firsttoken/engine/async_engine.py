@@ -4,6 +4,15 @@ Commands (add, abort) go to the engine thread through a queue; outputs come back
 queue through ``loop.call_soon_threadsafe``. The engine thread is the only thread that runs model code and
 owns torch's intra-op threads (``num_threads``). If the loop dies, every open stream gets an error and
 ``is_alive`` turns False, so /health answers 503.
+
+Unread outputs are bounded: a client that stops reading a stream (its socket full, the SSE writer stuck in
+``send``) stops taking outputs from its queue while the engine goes on generating for it at full speed, holding
+a batch slot and KV blocks. When a request has ``max_unread_outputs`` outputs delivered and not taken, the
+engine thread aborts it (finish reason ``abort``, its blocks freed within the step), puts one final ``abort``
+output in its queue (the queue never grows past the bound + 1), logs it once and reports it through
+``on_abort(request_id, ABORT_CLIENT_NOT_READING)`` (a metric). A client that reads as fast as tokens come never
+has more than a few outputs in its queue; one reading slowly is cut off only once the transport's buffers and
+then this many outputs are waiting.
 """
 
 from __future__ import annotations
@@ -13,6 +22,7 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import AsyncIterator
 
@@ -27,6 +37,8 @@ log = logging.getLogger("firsttoken.engine")
 
 
 RESERVATION_TTL_S = 120.0  # an admission place not claimed by generate() within this long is dropped
+DEFAULT_MAX_UNREAD_OUTPUTS = 256  # outputs (~tokens) a request may have waiting unread before it is aborted
+ABORT_CLIENT_NOT_READING = "client_not_reading"  # the abort reason, a metric label
 
 
 class EngineDeadError(RuntimeError):
@@ -38,6 +50,20 @@ class _Add:
     request: EngineRequest
     loop: asyncio.AbstractEventLoop
     outputs: "asyncio.Queue[RequestOutput | BaseException]"
+    backlog: "_Backlog"
+
+
+class _Backlog:
+    """Outputs delivered to one request's queue and taken from it. One writer each: ``delivered`` only by the
+    engine thread, ``taken`` only by the event loop; the engine thread reads both (int reads are atomic)."""
+
+    def __init__(self) -> None:
+        self.delivered = 0
+        self.taken = 0
+
+    @property
+    def unread(self) -> int:
+        return self.delivered - self.taken
 
 
 @dataclass(frozen=True)
@@ -46,9 +72,19 @@ class _Abort:
 
 
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine, num_threads: int | None = None) -> None:
+    def __init__(
+        self,
+        engine: LLMEngine,
+        num_threads: int | None = None,
+        max_unread_outputs: int = DEFAULT_MAX_UNREAD_OUTPUTS,
+        on_abort: Callable[[str, str], None] | None = None,
+    ) -> None:
+        if max_unread_outputs < 1:
+            raise ValueError("max_unread_outputs must be >= 1")
         self.engine = engine
         self.num_threads = num_threads
+        self.max_unread_outputs = max_unread_outputs
+        self._on_abort = on_abort or (lambda request_id, reason: None)  # (request id, reason): for a metric
         self._commands: queue.SimpleQueue[_Add | _Abort | None] = queue.SimpleQueue()
         self._streams: dict[str, _Add] = {}
         self._alive = False
@@ -91,11 +127,13 @@ class AsyncEngine:
         if not self.is_alive:
             raise EngineDeadError("the engine is not running")
         outputs: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
-        self._commands.put(_Add(request, asyncio.get_running_loop(), outputs))
+        backlog = _Backlog()
+        self._commands.put(_Add(request, asyncio.get_running_loop(), outputs, backlog))
         finished = False
         try:
             while not finished:
                 item = await outputs.get()
+                backlog.taken += 1
                 if isinstance(item, BaseException):
                     raise item
                 finished = item.finished
@@ -181,9 +219,36 @@ class AsyncEngine:
         stream = self._streams.get(out.request_id)
         if stream is None:
             return
+        if not out.finished and stream.backlog.unread >= self.max_unread_outputs:
+            self._abort_unread(stream, out)
+            return
         if out.finished:
             del self._streams[out.request_id]
+        stream.backlog.delivered += 1
         stream.loop.call_soon_threadsafe(stream.outputs.put_nowait, out)
+
+    def _abort_unread(self, stream: _Add, out: RequestOutput) -> None:
+        """The client has not taken its last ``max_unread_outputs`` outputs: abort the request, say so once."""
+        rid = out.request_id
+        del self._streams[rid]
+        self.engine.abort(rid)
+        log.warning(
+            "request %s aborted: its client left %d outputs unread (--max-unread-outputs); it is not reading",
+            rid,
+            stream.backlog.unread,
+        )
+        self._on_abort(rid, ABORT_CLIENT_NOT_READING)
+        final = RequestOutput(
+            request_id=rid,
+            new_token_ids=(),
+            new_text="",
+            finished=True,
+            finish_reason=FinishReason.ABORT,
+            num_prompt_tokens=out.num_prompt_tokens,
+            num_output_tokens=out.num_output_tokens,
+        )
+        stream.backlog.delivered += 1
+        stream.loop.call_soon_threadsafe(stream.outputs.put_nowait, final)
 
 
 def finish_reason_text(reason: FinishReason | None) -> str | None:

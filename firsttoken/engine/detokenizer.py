@@ -5,9 +5,11 @@ Contract of ``IncrementalDetokenizer.add``:
   whose decode ends in U+FFFD is held back until the next token completes it (``flush`` releases it as is);
 - it never emits any part of a stop string: a suffix of the text that could still grow into a stop string is
   held back; when a stop string appears the text is cut just before it, ``stopped`` is set, the matched string
-  is reported, and every later call returns nothing;
-- per token it decodes a window of a few tokens (vLLM's prefix/read offsets), not the whole output, so the
-  cost per token is constant.
+  is reported, and every later call returns nothing. When several stop strings complete within one step, the
+  one that ends first wins (as if the text had arrived one character at a time), the longest on a tie;
+- per token it decodes a window of a few tokens (vLLM's prefix/read offsets), not the whole output, and the
+  stop strings cost O(new characters) (engine/stop_strings.py), however many there are: the cost per token
+  is bounded by the token's own text plus what is held back (shorter than the longest stop string).
 
 Offsets index ``self._ids``: ``[prefix_offset, read_offset)`` is the context already turned into text (decoded
 again only so the new token joins it correctly, e.g. a leading space), ``[read_offset, len)`` is not yet text.
@@ -18,6 +20,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
+
+from firsttoken.engine.stop_strings import StopMatcher
 
 # Prompt tokens kept as decoding context: enough for any merge to see its left neighbour.
 PROMPT_CONTEXT_TOKENS = 5
@@ -47,12 +51,9 @@ class IncrementalDetokenizer:
         stop: tuple[str, ...] = (),
         skip_special_tokens: bool = True,
     ) -> None:
-        if any(not s for s in stop):
-            raise ValueError("stop strings must not be empty")
         self._tokenizer = tokenizer
         self._skip_special = skip_special_tokens
-        self._stop = stop
-        self._max_stop_len = max((len(s) for s in stop), default=0)
+        self._stop = StopMatcher(stop) if stop else None
         self._ids: list[int] = list(prompt_token_ids[-PROMPT_CONTEXT_TOKENS:])
         self._prefix_offset = 0
         self._read_offset = len(self._ids)
@@ -62,6 +63,11 @@ class IncrementalDetokenizer:
     @property
     def stopped(self) -> bool:
         return self._stopped
+
+    @property
+    def num_stop_steps(self) -> int:
+        """Work spent matching stop strings so far (automaton steps, at most 2 per character generated)."""
+        return self._stop.steps if self._stop is not None else 0
 
     def add(self, token_ids: Sequence[int]) -> DetokenizerDelta:
         """Take the new tokens of one step; return the text that may be sent now."""
@@ -106,24 +112,16 @@ class IncrementalDetokenizer:
 
     def _release(self, new_text: str, final: bool) -> DetokenizerDelta:
         text = self._pending + new_text
-        if not self._stop:
+        if self._stop is None:
             self._pending = ""
             return DetokenizerDelta(text, False)
-        # Held-back text never contains a whole stop string, so any match starts inside `text`.
-        hits = [(i, s) for s in self._stop if (i := text.find(s)) >= 0]
-        if hits:
-            cut, stop_str = min(hits)
+        # The matcher has seen the held-back text already: only the new characters are fed.
+        hit = self._stop.feed(new_text)
+        if hit is not None:
+            cut = len(self._pending) + hit.end - len(hit.stop)  # >= 0: the held text covers the match's start
             self._stopped = True
             self._pending = ""
-            return DetokenizerDelta(text[:cut], True, stop_str)
-        keep = 0 if final else self._stop_prefix_len(text)
+            return DetokenizerDelta(text[:cut], True, hit.stop)
+        keep = 0 if final else self._stop.held_len
         self._pending = text[len(text) - keep :] if keep else ""
         return DetokenizerDelta(text[: len(text) - keep], False)
-
-    def _stop_prefix_len(self, text: str) -> int:
-        """Length of the longest suffix of ``text`` that is a proper prefix of some stop string."""
-        for k in range(min(len(text), self._max_stop_len - 1), 0, -1):
-            suffix = text[-k:]
-            if any(s.startswith(suffix) for s in self._stop):
-                return k
-        return 0

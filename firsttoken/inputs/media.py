@@ -86,8 +86,13 @@ def _load_data_url(url: str, max_image_bytes: int) -> bytes:
 def _load_file(raw_path: str, allowed_media_dir: Path | None, max_image_bytes: int) -> bytes:
     if allowed_media_dir is None:
         raise ImageInputError("media_not_allowed", "local image paths are disabled on this server")
+    if "\x00" in raw_path:  # no file can have such a name (path functions raise ValueError on it)
+        raise ImageInputError("invalid_image", "image path contains a NUL byte")
     root = allowed_media_dir.resolve()
-    path = (root / raw_path).resolve()  # an absolute raw_path replaces root; symlinks are followed
+    try:
+        path = (root / raw_path).resolve()  # an absolute raw_path replaces root; symlinks are followed
+    except (OSError, RuntimeError):  # a symlink loop (RuntimeError) or a name the OS refuses
+        raise ImageInputError("invalid_image", "image path cannot be resolved in the media directory") from None
     if not path.is_relative_to(root):
         raise ImageInputError("media_not_allowed", _NOT_ALLOWED_PATH)
     try:
@@ -95,18 +100,33 @@ def _load_file(raw_path: str, allowed_media_dir: Path | None, max_image_bytes: i
         fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0))
     except OSError:
         raise ImageInputError("invalid_image", "image file not found in the media directory") from None
-    with os.fdopen(fd, "rb") as f:
-        st = os.fstat(f.fileno())
+    try:  # closed on every way out: a directory opens fine (it used to leak one descriptor per request)
+        st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
-            raise ImageInputError("invalid_image", "image path is not a regular file")
+            kind = "a directory" if stat.S_ISDIR(st.st_mode) else "not a regular file"
+            raise ImageInputError("invalid_image", f"image path is {kind}; name an image file")
         if st.st_size > max_image_bytes:
             raise ImageInputError(
                 "image_too_large", f"image is {st.st_size} bytes; the limit is {max_image_bytes} bytes"
             )
-        data = f.read(max_image_bytes + 1)
+        data = _read_at_most(fd, max_image_bytes + 1)
+    finally:
+        os.close(fd)
     if len(data) > max_image_bytes:  # the file grew after fstat
         raise ImageInputError("image_too_large", f"image exceeds the limit of {max_image_bytes} bytes")
     return data
+
+
+def _read_at_most(fd: int, limit: int) -> bytes:
+    chunks: list[bytes] = []
+    size = 0
+    while size < limit:
+        chunk = os.read(fd, limit - size)
+        if not chunk:
+            break
+        chunks.append(chunk)
+        size += len(chunk)
+    return b"".join(chunks)
 
 
 # ---------------------------------------------------------------------------------------------- remote

@@ -2,8 +2,10 @@
 
 Steps of ``process_chat`` (all CPU work; the server runs it in a thread pool, never on the event loop):
 
-1. check the sampling fields (cheap, before any image is touched), count the images against the limit and
-   resolve each image's visual-token budget (``detail``, ``max_visual_tokens``; never above the server's cap);
+1. check the sampling fields (cheap, before any image is touched), measure the text against the token limit
+   from its length and, only if that cannot decide, in pieces with an early exit (``inputs/text_size.py``:
+   a huge prompt is refused without being tokenized whole), count the images against the limit and resolve
+   each image's visual-token budget (``detail``, ``max_visual_tokens``; never above the server's cap);
 2. load every image's bytes, then probe every header and plan its resize from the declared size alone
    (``inputs/budget.py``): pixel limit, aspect ratio and visual tokens are known before any pixel is decoded;
 3. render the checkpoint's chat template and tokenize it with control tokens sanitized: special-token strings
@@ -33,6 +35,7 @@ from typing import Any
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from firsttoken.api.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, ImagePart
+from firsttoken.api.quoting import quote
 from firsttoken.config import GenerationDefaults
 from firsttoken.models.config import ModelConfig
 from firsttoken.engine.detokenizer import IncrementalDetokenizer
@@ -47,6 +50,7 @@ from firsttoken.inputs.image import (
 )
 from firsttoken.inputs.media import RemoteMedia, load_image_bytes
 from firsttoken.inputs.mm_hash import ProcessedImageCache, pixel_content_hash, raw_bytes_key
+from firsttoken.inputs.text_size import longest_token_chars, measure_text
 from firsttoken.models.registry import family_named
 from firsttoken.sampling.params import SamplingParams
 from firsttoken.scheduler.lanes import AdmissionVerdict
@@ -61,6 +65,7 @@ VISION_CONTROL_TOKENS = (
     "<|video_pad|>",
 )
 _SAMPLING_FIELDS = frozenset(SamplingParams.__dataclass_fields__)
+MAX_STOP_TOKEN_IDS = 64  # stop_token_ids a request may add (each generated token is checked against them all)
 
 
 class AdmissionRefused(Exception):
@@ -177,24 +182,31 @@ class InputProcessor:
         self._special_ids = frozenset(tokenizer.all_special_ids) | frozenset(tokenizer.added_tokens_decoder)
         # Decoding through the Rust tokenizer skips the Python wrapper; the detokenizer calls it every token.
         self.decoder = getattr(tokenizer, "backend_tokenizer", None) or tokenizer
+        # The most characters one token covers: text longer than limit x this is refused untokenized.
+        self.max_chars_per_token = longest_token_chars(list(tokenizer.get_vocab()))
 
     # ------------------------------------------------------------------------------------ public
 
     def process_chat(self, req: ChatCompletionRequest, request_id: str, timeline: Timeline) -> EngineRequest:
         field, requested = req.requested_max_tokens
         self._sampling_params(req, _or(requested, 1), field)  # fail fast, before any image is loaded
+        self._check_text_size(req.texts(), self._max_prompt_tokens, "messages")
         prompt = self._chat_prompt(req.messages, add_generation_prompt=True)
         return self._engine_request(req, prompt, request_id, timeline, prompt_param="messages")
 
     def process_completion(self, req: CompletionRequest, request_id: str, timeline: Timeline) -> EngineRequest:
         self._sampling_params(req, _or(req.max_tokens, 1), "max_tokens")
+        self._check_text_size([req.prompt], self._max_prompt_tokens, "prompt")
         prompt = _Prompt(self.encode_prompt(req.prompt), (), (), ())
         return self._engine_request(req, prompt, request_id, timeline, prompt_param="prompt")
 
     def count_chat(self, messages: Sequence[ChatMessage], add_generation_prompt: bool = True) -> TokenCount:
+        """What /tokenize reports; text that cannot fit the context at all is refused before tokenizing it."""
+        self._check_text_size([t for m in messages for t in m.texts()], self.max_model_len, "messages")
         return _count(self._chat_prompt(messages, add_generation_prompt))
 
     def count_prompt(self, prompt: str) -> TokenCount:
+        self._check_text_size([prompt], self.max_model_len, "prompt")
         return TokenCount(self.encode_prompt(prompt), ())
 
     def encode_prompt(self, text: str) -> tuple[int, ...]:
@@ -222,6 +234,32 @@ class InputProcessor:
         return token, list(token.encode())
 
     # ------------------------------------------------------------------------------------ steps
+
+    @property
+    def _max_prompt_tokens(self) -> int:
+        """The longest prompt a generation request may bring: its input limit, and room for one output token."""
+        room = self.max_model_len - 1
+        return room if self.max_input_tokens is None else min(self.max_input_tokens, room)
+
+    def _check_text_size(self, texts: Sequence[str], limit: int, param: str) -> None:
+        """Refuse text that certainly has more than ``limit`` tokens, tokenizing no more of it than that takes."""
+        size = measure_text(
+            texts,
+            limit,
+            lambda piece: self.tokenizer.encode(piece, add_special_tokens=False),
+            self.max_chars_per_token,
+        )
+        if size.min_tokens <= limit:
+            return
+        if self.max_input_tokens is not None and self.max_input_tokens <= limit:
+            bound = f"this server accepts at most {self.max_input_tokens} input tokens"
+        else:
+            bound = f"this model's maximum context length is {self.max_model_len} tokens"
+        raise InputError(
+            f"the prompt's text alone has at least {size.min_tokens} tokens ({size.num_chars} characters); "
+            f"{bound}. Shorten the text.",
+            param,
+        )
 
     def _chat_prompt(self, messages: Sequence[ChatMessage], add_generation_prompt: bool) -> _Prompt:
         image_parts = [
@@ -391,12 +429,16 @@ class InputProcessor:
     ) -> SamplingParams:
         """Request values over the checkpoint's generation_config defaults. ValueError -> InputError(param)."""
         d = self.generation_defaults
+        # SamplingParams names its own fields; the client may have used another name for the same thing.
+        client_names = {"max_tokens": max_tokens_field}
         if isinstance(req, ChatCompletionRequest):
             if req.top_logprobs and not req.logprobs:
                 raise InputError("top_logprobs requires logprobs to be true", "top_logprobs")
-            logprobs, top_logprobs = req.logprobs, req.top_logprobs or 0
+            logprobs, top_logprobs = bool(req.logprobs), req.top_logprobs or 0
         else:
             logprobs, top_logprobs = req.logprobs is not None, req.logprobs or 0
+            client_names["top_logprobs"] = "logprobs"
+        self._check_stop_token_ids(req.stop_token_ids or [])
         eos = d.eos_token_ids or self.model_config.eos_token_ids
         values: dict[str, Any] = dict(
             max_tokens=max_tokens,
@@ -416,11 +458,27 @@ class InputProcessor:
         try:
             return SamplingParams(**values)
         except ValueError as err:
-            name = str(err).split(" ", 1)[0]
+            message = str(err)
+            name = message.split(" ", 1)[0]
             if name not in _SAMPLING_FIELDS:
-                raise InputError(str(err)) from None
-            param = max_tokens_field if name == "max_tokens" else name
-            raise InputError(f"{param}{str(err)[len(name) :]}, got {values[name]}", param) from None
+                raise InputError(message) from None
+            param = client_names.get(name, name)
+            value = values[name]
+            got = f", got {quote(value)}" if isinstance(value, (int, float)) else ""  # numbers only, bounded
+            raise InputError(f"{param}{message[len(name) :]}{got}", param) from None
+
+    def _check_stop_token_ids(self, ids: Sequence[int]) -> None:
+        if len(ids) > MAX_STOP_TOKEN_IDS:
+            raise InputError(
+                f"stop_token_ids may hold at most {MAX_STOP_TOKEN_IDS} ids, got {len(ids)}", "stop_token_ids"
+            )
+        vocab = self.model_config.vocab_size
+        for i, token_id in enumerate(ids):
+            if not 0 <= token_id < vocab:
+                raise InputError(
+                    f"stop_token_ids[{i}] = {token_id} is not a token id of this model (0 to {vocab - 1})",
+                    f"stop_token_ids[{i}]",
+                )
 
 
 def _or(value: Any, default: Any) -> Any:

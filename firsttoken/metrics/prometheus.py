@@ -21,6 +21,8 @@ from firsttoken.metrics.stats import EngineSnapshot
 REQUEST_LABELS = ["lane", "images"]
 # The scheduler's reasons (scheduler.py _preempt), exported at 0 before the first one so alerts have a series.
 PREEMPTION_REASONS = ("decode_growth", "prefill_growth")
+# Why the server aborted running requests (engine/async_engine.py), exported at 0 before the first one.
+ABORT_REASONS = ("client_not_reading",)
 
 # (snapshot field, metric name, help) for the per-request histograms labelled by lane and images.
 _REQUEST_HISTOGRAMS: tuple[tuple[str, str, str], ...] = (
@@ -82,6 +84,13 @@ class FirsttokenCollector:
         for reason, n in sorted(s.rejections.items()):
             rejections.add_metric([reason], n)
         yield rejections
+        aborts = CounterMetricFamily(
+            "firsttoken_requests_aborted", "Running requests the server aborted, by reason (client_not_reading: "
+            "the client left --max-unread-outputs outputs unread).", labels=["reason"],
+        )  # fmt: skip
+        for reason, n in sorted({**dict.fromkeys(ABORT_REASONS, 0), **s.aborts}.items()):
+            aborts.add_metric([reason], n)
+        yield aborts
         c = s.counters
         yield _counter("firsttoken_prompt_tokens", "Prompt tokens of finished requests.", c["prompt_tokens"])
         yield _counter("firsttoken_generation_tokens", "Generated tokens of finished requests.", c["generation_tokens"])

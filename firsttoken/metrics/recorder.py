@@ -87,6 +87,7 @@ class RecorderSnapshot:
     hist: LabelledHistograms
     requests: dict[tuple[str, str, str], int]  # (lane, images, outcome) -> count
     rejections: dict[str, int]  # reason -> count
+    aborts: dict[str, int]  # reason -> count: requests the server aborted mid-generation (e.g. client_not_reading)
     counters: dict[str, float]  # name -> value (tokens, steps, encoder work)
     step_tokens: Histogram
     step_duration_s: Histogram
@@ -114,6 +115,7 @@ class Recorder:
         self._hist = LabelledHistograms()
         self._requests: dict[tuple[str, str, str], int] = {}
         self._rejections: dict[str, int] = {}
+        self._aborts: dict[str, int] = {}
         self._counters: dict[str, float] = dict.fromkeys(COUNTERS, 0)
         self._step_tokens = Histogram(TOKEN_BUCKETS)
         self._step_duration_s = Histogram(TIME_BUCKETS_S)
@@ -161,6 +163,11 @@ class Recorder:
         with self._lock:
             self._rejections[reason] = self._rejections.get(reason, 0) + 1
 
+    def on_aborted(self, request_id: str, reason: str) -> None:
+        """The server aborted a running request for ``reason`` (its outcome is recorded as "abort" as usual)."""
+        with self._lock:
+            self._aborts[reason] = self._aborts.get(reason, 0) + 1
+
     # ---- readers ---------------------------------------------------------------------------------------
     def flush(self) -> None:
         with self._lock:
@@ -182,6 +189,7 @@ class Recorder:
                 hist=hist,
                 requests=dict(self._requests),
                 rejections=dict(self._rejections),
+                aborts=dict(self._aborts),
                 counters=dict(self._counters),
                 step_tokens=self._step_tokens.copy(),
                 step_duration_s=self._step_duration_s.copy(),

@@ -106,14 +106,16 @@ IMAGE_MESSAGES = [
 
 
 @contextlib.contextmanager
-def live_server(engine: FakeEngine, processor: InputProcessor, **overrides) -> Iterator[str]:
+def live_server(
+    engine: FakeEngine, processor: InputProcessor, uvicorn_options: dict | None = None, **overrides
+) -> Iterator[str]:
+    """A real uvicorn on a loopback port; ``overrides`` go to ServerSettings, ``uvicorn_options`` to its Config."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
+    app = build_app(engine, processor, settings(**overrides))
     server = uvicorn.Server(
-        uvicorn.Config(
-            build_app(engine, processor, settings(**overrides)), host="127.0.0.1", port=port, log_level="warning"
-        )
+        uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", **(uvicorn_options or {}))
     )
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
@@ -559,3 +561,205 @@ def test_requests_over_the_concurrency_cap_get_429(processor: InputProcessor) ->
             while http.post(f"{url}/v1/chat/completions", json={**body, "stream": False}).status_code != 200:
                 assert time.monotonic() < deadline, "the concurrency slot was not released"
                 time.sleep(0.05)
+
+
+# ------------------------------------------------------------------------------------------- hardening (issue 12)
+
+CHAT_BODY = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
+
+
+def raw_post(processor: InputProcessor, content: bytes, path: str = "/v1/chat/completions", **kw) -> httpx.Response:
+    headers = {"content-type": "application/json", **kw.pop("headers", {})}
+    return post(processor, path, content=content, headers=headers, **kw)
+
+
+def ascii_json(body: dict) -> bytes:
+    """JSON as a client library writes it with ensure_ascii: a lone surrogate travels as the escape \\ud800."""
+    return json.dumps(body).encode()
+
+
+@pytest.mark.parametrize(
+    ("content", "headers", "status", "message"),
+    [
+        (b"", {}, 400, "request body is empty; expected a JSON object"),
+        (b"   \n", {}, 400, "request body is empty; expected a JSON object"),
+        (b'{"model": "caf\xe9"}', {}, 400, "request body is not valid UTF-8 (invalid byte at offset 14)"),
+        (b'{"model": "q", "messages": [', {}, 400, "request body is not valid JSON: Expecting value at line 1"),
+        (b"[" * 50_000 + b"]" * 50_000, {}, 400, "nested too deeply: JSON objects and arrays may nest at most 64"),
+        (b'{"a": ' + b"[" * 70 + b"]" * 70 + b"}", {}, 400, "nested too deeply"),
+        (b'{"max_tokens": ' + b"9" * 5000 + b"}", {}, 400, "a number has too many digits"),
+        (b"\x1f\x8b\x08\x00", {"content-encoding": "gzip"}, 415, "Content-Encoding 'gzip' is not supported"),
+        (b'{"model": "q"}', {"content-encoding": "br"}, 415, "send the body uncompressed"),
+        (b'{"model": "q"}', {"transfer-encoding": "chunked"}, 400, "both Content-Length and Transfer-Encoding"),
+    ],
+    ids=["empty", "blank", "latin-1", "truncated", "deep-50000", "deep-71", "5000-digits", "gzip", "br", "cl+te"],
+)
+def test_malformed_bodies_say_what_is_wrong(
+    processor: InputProcessor, content: bytes, headers: dict, status: int, message: str
+) -> None:
+    err = error_of(raw_post(processor, content, headers=headers), status)
+    assert err["message"].startswith(message) or message in err["message"], err["message"]
+
+
+def test_a_deep_but_allowed_body_still_parses(processor: InputProcessor) -> None:
+    body = {**CHAT_BODY, "metadata": {"a": [[[[[[[[[[1]]]]]]]]]]}, "user": "x"}  # 12 levels: fine
+    assert raw_post(processor, ascii_json(body)).status_code == 200
+
+
+def test_a_body_that_never_ends_gets_408_in_openai_shape(processor: InputProcessor) -> None:
+    async def never_ending():
+        yield b'{"model": "qwen2vl", '
+        await asyncio.Event().wait()  # the terminating chunk never comes
+
+    r = post(processor, "/v1/chat/completions", content=never_ending(), headers={"content-type": "application/json"},
+             server={"request_body_timeout_s": 0.2})
+    err = error_of(r, 408)
+    assert err["type"] == "RequestTimeoutError" and "--request-body-timeout" in err["message"]
+    assert r.headers["connection"] == "close"
+
+
+UNSUPPORTED = [
+    ("tools", [{"type": "function", "function": {"name": "f"}}]),
+    ("tool_choice", "required"),
+    ("tool_choice", {"type": "function", "function": {"name": "f"}}),
+    ("functions", [{"name": "f"}]),
+    ("function_call", {"name": "f"}),
+    ("response_format", {"type": "json_object"}),
+    ("response_format", {"type": "json_schema", "json_schema": {"name": "x"}}),
+    ("logit_bias", {"50256": -100}),
+    ("audio", {"voice": "alloy", "format": "wav"}),
+    ("modalities", ["text", "audio"]),
+    ("prediction", {"type": "content", "content": "x"}),
+    ("guided_json", {"type": "object"}),
+    ("guided_choice", ["a", "b"]),
+    ("best_of", 3),
+    ("min_tokens", 5),
+    ("add_generation_prompt", False),
+]
+
+
+@pytest.mark.parametrize(("name", "value"), UNSUPPORTED, ids=[f"{n}={v!r}"[:40] for n, v in UNSUPPORTED])
+def test_unsupported_fields_are_refused_naming_them(processor: InputProcessor, name: str, value: object) -> None:
+    err = error_of(post(processor, "/v1/chat/completions", json={**CHAT_BODY, name: value}), 400)
+    assert err["param"] == name and err["message"].startswith(f"'{name}'") and "not supported" in err["message"]
+
+
+def test_response_format_names_the_type_asked_for(processor: InputProcessor) -> None:
+    body = {**CHAT_BODY, "response_format": {"type": "json_object"}}
+    msg = error_of(post(processor, "/v1/chat/completions", json=body), 400)["message"]
+    assert msg.startswith("'response_format' json_object is not supported by this server")
+
+
+def test_unsupported_completion_fields_are_refused(processor: InputProcessor) -> None:
+    for name, value in (("echo", True), ("suffix", "end"), ("logit_bias", {"1": 5}), ("best_of", 2)):
+        body = {"model": MODEL, "prompt": "hi", name: value}
+        assert error_of(post(processor, "/v1/completions", json=body), 400)["param"] == name
+
+
+def test_harmless_extras_and_off_values_are_tolerated(processor: InputProcessor) -> None:
+    extras = dict(user="u", metadata={"k": "v"}, store=False, service_tier="auto", parallel_tool_calls=True,
+                  response_format={"type": "text"}, tools=[], tool_choice="none", functions=None, logit_bias={},
+                  modalities=["text"], best_of=1, min_tokens=0, logprobs=None, n=None, echo=False, audio=None)
+    assert post(processor, "/v1/chat/completions", json={**CHAT_BODY, **extras}).status_code == 200
+
+
+SURROGATE = "\ud800"
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "param"),
+    [
+        ("/v1/chat/completions", {**CHAT_BODY, "model": f"q{SURROGATE}"}, "model"),
+        ("/v1/chat/completions", {**CHAT_BODY, "messages": [{"role": "user", "content": SURROGATE}]},
+         "messages[0].content"),
+        ("/v1/chat/completions", {**CHAT_BODY, "messages": [{"role": "user", "content": [
+            {"type": "text", "text": f"a{SURROGATE}b"}]}]}, "messages[0].content[0].text"),
+        ("/v1/chat/completions", {**CHAT_BODY, "messages": [{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": f"/img/{SURROGATE}.png"}}]}]},
+         "messages[0].content[0].image_url.url"),
+        ("/v1/chat/completions", {**CHAT_BODY, "stop": ["ok", SURROGATE]}, "stop[1]"),
+        ("/v1/completions", {"model": MODEL, "prompt": f"x{SURROGATE}"}, "prompt"),
+        ("/tokenize", {"prompt": SURROGATE}, "prompt"),
+        ("/tokenize", {"model": SURROGATE, "prompt": "x"}, "model"),
+    ],
+)
+def test_strings_that_are_not_valid_unicode_are_400_naming_the_field(
+    processor: InputProcessor, path: str, body: dict, param: str
+) -> None:
+    err = error_of(raw_post(processor, ascii_json(body), path), 400)
+    assert err["param"] == param and "lone UTF-16 surrogate" in err["message"]
+
+
+def test_an_error_message_holding_unencodable_text_still_renders() -> None:
+    from firsttoken.api.errors import error_response
+
+    response = error_response(400, f"bad {SURROGATE} value" + "x" * 5000, param=f"p{SURROGATE}")
+    body = json.loads(response.body)["error"]
+    assert body["message"].startswith("bad \ufffd value") and len(body["message"]) <= 1000
+    assert body["param"] == "p\ufffd"
+
+
+def test_a_long_unknown_model_is_quoted_not_echoed(processor: InputProcessor) -> None:
+    err = error_of(post(processor, "/v1/chat/completions", json={**CHAT_BODY, "model": "m" * 100_000}), 404)
+    assert err["param"] == "model" and len(err["message"]) < 160 and "m" * 63 + "…" in err["message"]
+
+
+def test_an_unknown_part_type_is_quoted_not_echoed(processor: InputProcessor) -> None:
+    body = {**CHAT_BODY, "messages": [{"role": "user", "content": [{"type": "t" * 10_000}]}]}
+    err = error_of(post(processor, "/v1/chat/completions", json=body), 400)
+    assert err["param"] == "messages[0].content[0]" and len(err["message"]) < 200
+
+
+@pytest.mark.parametrize("seed", [2**64, -(2**63) - 1, 10**30])
+def test_a_seed_out_of_range_is_the_same_400_streamed_or_not(processor: InputProcessor, seed: int) -> None:
+    engine = FakeEngine()
+    plain = error_of(post(processor, "/v1/chat/completions", engine, json={**CHAT_BODY, "seed": seed}), 400)
+    streamed = post(processor, "/v1/chat/completions", engine, json={**CHAT_BODY, "seed": seed, "stream": True})
+    assert error_of(streamed, 400) == plain and plain["param"] == "seed"
+    assert streamed.headers["content-type"].startswith("application/json")  # no stream was opened
+    assert engine.requests == []
+
+
+def test_top_logprobs_over_20_is_refused_for_chat_and_completions(processor: InputProcessor) -> None:
+    chat_err = error_of(post(processor, "/v1/chat/completions",
+                             json={**CHAT_BODY, "logprobs": True, "top_logprobs": 21}), 400)
+    completion_err = error_of(post(processor, "/v1/completions", json={"model": MODEL, "prompt": "a", "logprobs": 21}),
+                              400)
+    assert (chat_err["param"], completion_err["param"]) == ("top_logprobs", "logprobs")
+
+
+class BlockingProcessor(InputProcessor):
+    """Holds every completions request (the heavy ones below) inside preprocessing until released: a seam for
+    'heavy work is in progress' that depends on no timing."""
+
+    def start_holding(self) -> None:
+        self.held = threading.Semaphore(0)
+        self.release = threading.Event()
+
+    def process_completion(self, req, request_id, timeline):
+        self.held.release()
+        assert self.release.wait(30)
+        return super().process_completion(req, request_id, timeline)
+
+
+def test_a_short_chat_is_answered_while_heavy_requests_hold_every_heavy_thread(tiny_model_dir: Path) -> None:
+    proc = BlockingProcessor(tiny_model_dir, load_model_config(tiny_model_dir), GenerationDefaults(),
+                             max_model_len=MAX_MODEL_LEN)
+    proc.start_holding()
+    threads = settings().num_preprocess_threads
+    heavy = {"model": MODEL, "prompt": "long document " * 2000, "max_tokens": 2}  # 28,000 characters: heavy
+
+    async def go():
+        async with asgi_client(FakeEngine(), proc) as http:
+            pending = [asyncio.ensure_future(http.post("/v1/completions", json=heavy)) for _ in range(threads + 1)]
+            for _ in range(threads):  # every heavy thread is now inside a request (one more waits for a thread)
+                await asyncio.to_thread(proc.held.acquire, True, 30)
+            chat = await http.post("/v1/chat/completions", json=CHAT_BODY)
+            still_held = not proc.release.is_set() and not any(p.done() for p in pending)
+            proc.release.set()
+            heavy_statuses = [r.status_code for r in await asyncio.gather(*pending)]
+            return chat.status_code, still_held, heavy_statuses
+
+    chat_status, still_held, heavy_statuses = run(go())
+    assert chat_status == 200 and still_held  # answered while every heavy request was still being processed
+    assert heavy_statuses == [200] * (threads + 1)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 from collections.abc import Sequence
 
 import pytest
@@ -143,3 +144,34 @@ def test_each_step_decodes_a_small_window_not_the_whole_output(tok: Tokenizer) -
     deltas = stream(IncrementalDetokenizer(decoder, prompt_token_ids=encode(tok, "prompt " * 50)), ids)
     assert "".join(deltas) == text
     assert len(ids) > 1000 and decoder.max_ids <= 12
+
+
+def test_stops_end_where_a_character_by_character_check_would_end_them(tok: Tokenizer) -> None:
+    """Oracle: the text before the first stop string to complete (the longest when two end together), whatever
+    the tokens' boundaries and however many stops there are."""
+    rng = random.Random(7)
+    words = ["the", " cat", " sat", " on", " a", " mat", ".", " 😀", "中文", " </s", "top>", "\n"]
+    for _ in range(200):
+        text = "".join(rng.choices(words, k=rng.randint(3, 25)))
+        stops = tuple({text[i : i + rng.randint(1, 6)] for i in rng.sample(range(len(text)), k=min(4, len(text)))})
+        stops = tuple(s for s in stops if s) + ("never-present",)
+        expected = text
+        for end in range(1, len(text) + 1):
+            ending = [s for s in stops if text[:end].endswith(s)]
+            if ending:
+                expected = text[: end - len(max(ending, key=len))]
+                break
+        deltas = stream(IncrementalDetokenizer(tok, stop=stops), encode(tok, text))
+        assert "".join(deltas) == expected, (text, stops)
+
+
+def test_stop_matching_work_is_bounded_by_the_text_not_the_stops(tok: Tokenizer) -> None:
+    """32 stop strings of 256 characters that the output keeps almost matching: the work counted stays within
+    two steps per generated character (the old scan did 32 x 256 comparisons per token)."""
+    stops = tuple("word " * 51 + f"#{i}" for i in range(32))  # 257 > 256: trimmed below to the request limit
+    stops = tuple(s[-256:] for s in stops)
+    ids = encode(tok, "word " * 2000)
+    detok = IncrementalDetokenizer(tok, stop=stops)
+    text = "".join(stream(detok, ids))
+    assert text == "word " * 2000
+    assert detok.num_stop_steps <= 2 * len(text)

@@ -214,3 +214,49 @@ def test_token_piece_returns_raw_bytes_of_byte_level_tokens(processor: InputProc
     raw = b"".join(bytes(processor.token_piece(i)[1]) for i in ids)
     assert raw.decode() == "😀"
     assert processor.token_piece(ids_of(processor, "<|im_end|>"))[0] == "<|im_end|>"
+
+
+@pytest.mark.parametrize(
+    ("fields", "param", "message"),
+    [
+        ({"stop": [f"s{i}" for i in range(33)]}, "stop", "stop may hold at most 32 strings, got 33"),
+        ({"stop": "x" * 257}, "stop", "stop strings may be at most 256 characters each, got one of 257"),
+        ({"stop_token_ids": list(range(65))}, "stop_token_ids", "at most 64 ids, got 65"),
+        ({"stop_token_ids": [3, -1]}, "stop_token_ids[1]", r"stop_token_ids\[1\] = -1 is not a token id"),
+        ({"stop_token_ids": [10**12]}, "stop_token_ids[0]", "is not a token id of this model"),
+        ({"logprobs": True, "top_logprobs": 21}, "top_logprobs", "top_logprobs must be between 0 and 20, got 21"),
+    ],
+)
+def test_per_token_costs_are_bounded_naming_the_field(
+    processor: InputProcessor, fields: dict, param: str, message: str
+) -> None:
+    with pytest.raises(InputError, match=message) as err:
+        processor.process_chat(chat("hi", **fields), "r1", Timeline())
+    assert err.value.param == param
+
+
+def test_completions_logprobs_errors_name_the_field_the_client_sent(processor: InputProcessor) -> None:
+    with pytest.raises(InputError, match="logprobs must be between 0 and 20, got 21") as err:
+        processor.process_completion(CompletionRequest(model="m", prompt="hi", logprobs=21), "r1", Timeline())
+    assert err.value.param == "logprobs"
+
+
+def test_the_engine_contract_refuses_what_a_generator_or_the_detokenizer_cannot_take() -> None:
+    """SamplingParams guards every caller, not only HTTP: torch refuses seeds of 2**64 and more."""
+    from firsttoken.sampling.params import SamplingParams
+
+    for bad in ({"seed": 2**64}, {"seed": -(2**63) - 1}, {"stop": ("a",) * 33}, {"stop": ("a" * 257,)}):
+        with pytest.raises(ValueError):
+            SamplingParams(max_tokens=1, **bad)
+    assert SamplingParams(max_tokens=1, seed=2**63 - 1, stop=("a" * 256,) * 32).seed == 2**63 - 1
+
+
+def test_huge_text_is_refused_by_its_length_naming_what_was_counted(processor: InputProcessor) -> None:
+    with pytest.raises(InputError, match=r"text alone has at least \d+ tokens \(5000000 characters\).*4096") as err:
+        processor.process_completion(CompletionRequest(model="m", prompt="x" * 5_000_000), "r1", Timeline())
+    assert err.value.param == "prompt"
+    with pytest.raises(InputError, match="text alone has at least") as err:
+        processor.process_chat(chat("word " * 20_000), "r1", Timeline())  # ~20k tokens: counted in pieces
+    assert err.value.param == "messages"
+    with pytest.raises(InputError, match="text alone has at least"):
+        processor.count_prompt("word " * 20_000)  # /tokenize: refused past the context, not counted whole
