@@ -12,7 +12,7 @@ boundary for every request field:
   logit_bias, ...) is refused with a 400 naming it, unless its value means "off": a client that asked for JSON
   must never get prose with a 200.
 
-Responses follow OpenAI's shapes and vLLM's framing (see shared/fixtures/vllm-0.32, beside the repository) with
+Responses follow OpenAI's shapes and vLLM's framing (see tests/fixtures/vllm-0.32) with
 one extension:
 
     usage.firsttoken   the request's Timeline.to_dict(): ttft_s, per-phase seconds (preprocess, queue,

@@ -210,7 +210,11 @@ class AsyncEngine:
         self.release(rid)  # from here on the lane queue itself counts it
         try:
             self.engine.add_request(cmd.request)
-        except ValueError as e:
+        except ValueError as e:  # refused at admission: the message is written for the client (400)
+            cmd.loop.call_soon_threadsafe(cmd.outputs.put_nowait, e)
+            return
+        except Exception as e:  # anything else fails this request alone (500), never the loop everyone shares
+            log.exception("could not add request %s", rid)
             cmd.loop.call_soon_threadsafe(cmd.outputs.put_nowait, e)
             return
         self._streams[rid] = cmd
