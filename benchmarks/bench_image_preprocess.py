@@ -14,10 +14,12 @@ from collections.abc import Callable
 
 import numpy as np
 from PIL import Image
-from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
+    Qwen2VLImageProcessorPil,
+)
 
-from firsttoken.models.config import VisionConfig
 from firsttoken.inputs.image import preprocess_image, smart_resize
+from firsttoken.models.config import VisionConfig
 
 SIZES = [(448, 448), (1024, 1024), (2048, 1536)]  # (width, height)
 VISION = VisionConfig(depth=1, embed_dim=16, num_heads=1, intermediate_size=64, out_hidden_size=16)

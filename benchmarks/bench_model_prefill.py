@@ -25,11 +25,11 @@ import torch
 from PIL import Image
 
 from firsttoken.attention.base import AttentionMetadata
-from firsttoken.models.registry import load_model_config
 from firsttoken.models.config import ModelConfig
+from firsttoken.models.interfaces import ImageEmbeddings, ImageRows
 from firsttoken.models.loader import load_model
 from firsttoken.models.mrope import compute_mrope_positions
-from firsttoken.models.interfaces import ImageEmbeddings, ImageRows
+from firsttoken.models.registry import load_model_config
 from firsttoken.runner.kv_cache import allocate_kv_caches
 
 BLOCK_SIZE = 16
@@ -64,7 +64,9 @@ def _build_small_with_transformers(out_dir: Path) -> Path:
 def make_inputs(
     config: ModelConfig, image_size: int, text_tokens: int, max_pixels: int
 ) -> tuple[list[int], torch.Tensor, list]:
-    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
+        Qwen2VLImageProcessorPil,
+    )
 
     rng = np.random.default_rng(0)
     image = Image.fromarray(rng.integers(0, 256, (image_size, image_size, 3), dtype=np.uint8))

@@ -123,7 +123,9 @@ class FirstTokenTimer:
 
 def run_naive(model_dir: str, kinds, levels, max_tokens: int) -> dict:
     from transformers import AutoTokenizer, Qwen2VLForConditionalGeneration
-    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
+        Qwen2VLImageProcessorPil,
+    )
 
     tok = AutoTokenizer.from_pretrained(model_dir)
     proc = Qwen2VLImageProcessorPil.from_pretrained(model_dir)

@@ -44,10 +44,21 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import start_server, stop_server  # noqa: E402
 
-from firsttoken.tools.bench import BenchConfig, Calibration, measure_calibration, run_bench
+from firsttoken.tools.bench import (
+    BenchConfig,
+    Calibration,
+    measure_calibration,
+    run_bench,
+)
 from firsttoken.tools.doctor import doctor_from_texts
 from firsttoken.tools.doctor.rules import KVSizing
-from firsttoken.tools.plan import DTYPE_BYTES, ModelShape, PlanInputs, load_config, make_plan
+from firsttoken.tools.plan import (
+    DTYPE_BYTES,
+    ModelShape,
+    PlanInputs,
+    load_config,
+    make_plan,
+)
 
 CLASSES = ("text", "1img", "3img")
 SEED_MIX = (("text", 0.5), ("1img", 0.3), ("3img", 0.2))

@@ -24,7 +24,7 @@ import uuid
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from firsttoken.api.errors import HTTPRefusal, error_response
-from firsttoken.api.quoting import quote
+from firsttoken.quoting import quote
 
 logger = logging.getLogger("firsttoken.api")
 

@@ -7,7 +7,7 @@
 
 ``Observability.install(app, engine)`` adds the routes and two middlewares and returns the engine client the
 routes should use: a thin wrapper that timestamps every output token (inter-token latency, measured where
-the tokens reach the event loop). ``request_done(engine_request)`` is called by the routes once a response
+the tokens reach the event loop). ``request_done(request_id, timeline)`` is called by the routes once a response
 has been handed to the transport; it completes the request's record in the Recorder (see recorder.py for why
 records are completed here and not in the engine thread).
 
@@ -43,11 +43,12 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from firsttoken.api.errors import REJECT_REASON_KEY, error_response
 from firsttoken.api.logs import current_request_id
 from firsttoken.api.middleware import REQUEST_ID_KEY
-from firsttoken.engine.client import EngineClient, EngineStats
-from firsttoken.engine.request import EngineRequest, RequestOutput
+from firsttoken.engine.client import EngineClient
 from firsttoken.metrics.prometheus import make_registry
 from firsttoken.metrics.recorder import DEFAULT_LANE, Recorder, RequestRecord
 from firsttoken.metrics.stats import EngineSnapshot
+from firsttoken.metrics.timeline import Timeline
+from firsttoken.types import EngineRequest, EngineStats, RequestOutput
 
 OPEN_PATHS = frozenset({"/health", "/dashboard"})
 REJECTION_REASONS = {
@@ -171,14 +172,14 @@ class Observability:
         with self._lock:
             self._gaps.put(request_id, gaps_s)
 
-    def request_done(self, request: EngineRequest) -> None:
-        """The response is with the transport (first_byte_s marked): complete the request's record."""
+    def request_done(self, request_id: str, timeline: Timeline) -> None:
+        """The response is with the transport (its first byte marked): complete the request's record."""
         with self._lock:
-            gaps = self._gaps.pop(request.request_id, ())
+            gaps = self._gaps.pop(request_id, ())
         http_id = current_request_id.get()
         self.recorder.complete(
-            request.request_id,
-            request.timeline.to_dict(),
+            request_id,
+            timeline.to_dict(),
             token_gaps_s=gaps,
             http_request_id=None if http_id == "-" else http_id,
         )

@@ -19,7 +19,8 @@ one extension:
                        encode, prefill, sample, send), e2e_s, encoder/prefix-cache counts. Present on
                        non-streaming responses and on the streaming usage chunk.
 
-This module is a leaf (pydantic and api/quoting.py only), so both api/ and inputs/ may depend on it.
+Requests convert to the input processor's neutral values (``to_prompt``, ``to_sampling``: inputs/prompt.py); nothing
+below the api package sees these schemas.
 """
 
 from __future__ import annotations
@@ -30,9 +31,17 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    field_validator,
+    model_validator,
+)
 
-from firsttoken.api.quoting import LONE_SURROGATE, quote
+from firsttoken.inputs import prompt
+from firsttoken.quoting import LONE_SURROGATE, quote
 
 # ------------------------------------------------------------------------------------------- field types
 
@@ -169,6 +178,21 @@ class ChatMessage(_Request):
     def num_images(self) -> int:
         return sum(isinstance(p, ImagePart) for p in self.content) if isinstance(self.content, list) else 0
 
+    def to_message(self) -> prompt.Message:
+        if not isinstance(self.content, list):
+            return prompt.Message(self.role, self.content)
+        parts: list[prompt.TextPart | prompt.ImagePart] = [
+            prompt.TextPart(p.text) if isinstance(p, TextPart)
+            else prompt.ImagePart(url=p.image_url.url, detail=p.image_url.detail,
+                                  max_visual_tokens=p.image_url.max_visual_tokens)
+            for p in self.content
+        ]
+        return prompt.Message(self.role, tuple(parts))
+
+
+def to_chat_prompt(messages: list[ChatMessage], add_generation_prompt: bool = True) -> prompt.ChatPrompt:
+    return prompt.ChatPrompt(tuple(m.to_message() for m in messages), add_generation_prompt)
+
 
 class StreamOptions(_Request):
     include_usage: bool = False
@@ -225,6 +249,26 @@ class _SamplingFields(_Request):
             return ()
         return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
 
+    def _sampling(self, max_tokens: tuple[str, int | None], logprobs: bool, top_logprobs: int,
+                  top_logprobs_name: str) -> prompt.SamplingRequest:
+        field, value = max_tokens
+        return prompt.SamplingRequest(
+            max_tokens=value,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            seed=self.seed,
+            stop=self.stop_strings,
+            stop_token_ids=tuple(self.stop_token_ids or ()),
+            ignore_eos=self.ignore_eos,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            repetition_penalty=self.repetition_penalty,
+            logprobs=logprobs,
+            top_logprobs=top_logprobs,
+            names=(("max_tokens", field), ("top_logprobs", top_logprobs_name)),
+        )
+
 
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
@@ -246,6 +290,12 @@ class ChatCompletionRequest(_SamplingFields):
             return "max_completion_tokens", self.max_completion_tokens
         return "max_tokens", self.max_tokens
 
+    def to_prompt(self) -> prompt.ChatPrompt:
+        return to_chat_prompt(self.messages)
+
+    def to_sampling(self) -> prompt.SamplingRequest:
+        return self._sampling(self.requested_max_tokens, bool(self.logprobs), self.top_logprobs or 0, "top_logprobs")
+
 
 class CompletionRequest(_SamplingFields):
     prompt: Text
@@ -262,6 +312,13 @@ class CompletionRequest(_SamplingFields):
     def requested_max_tokens(self) -> tuple[str, int | None]:
         return "max_tokens", self.max_tokens
 
+    def to_prompt(self) -> prompt.TextPrompt:
+        return prompt.TextPrompt(self.prompt)
+
+    def to_sampling(self) -> prompt.SamplingRequest:
+        # the legacy API's logprobs=N means "N alternatives per position"
+        return self._sampling(self.requested_max_tokens, self.logprobs is not None, self.logprobs or 0, "logprobs")
+
 
 class TokenizeRequest(_Request):
     """Either a chat body (``messages``, the same as /v1/chat/completions) or a plain ``prompt``."""
@@ -276,6 +333,11 @@ class TokenizeRequest(_Request):
         if self.prompt is not None:
             return [self.prompt]
         return [t for m in self.messages or () for t in m.texts()]
+
+    def to_prompt(self) -> prompt.Prompt:
+        if self.messages is not None:
+            return to_chat_prompt(self.messages, self.add_generation_prompt)
+        return prompt.TextPrompt(self.prompt or "")
 
     @property
     def num_images(self) -> int:

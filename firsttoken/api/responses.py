@@ -12,7 +12,8 @@ from firsttoken.api.protocol import (
     TopLogprob,
     Usage,
 )
-from firsttoken.engine.request import RequestOutput, Timeline, TokenLogprob
+from firsttoken.metrics.timeline import Timeline
+from firsttoken.types import RequestOutput, TokenLogprob
 
 # token id -> (text, raw bytes); InputProcessor.token_piece
 TokenPieceFn = Callable[[int], tuple[str, list[int]]]

@@ -30,7 +30,12 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from firsttoken.api.body import read_model
-from firsttoken.api.errors import APIError, error_response, install_error_handlers, model_not_found
+from firsttoken.api.errors import (
+    APIError,
+    error_response,
+    install_error_handlers,
+    model_not_found,
+)
 from firsttoken.api.middleware import RequestContextMiddleware
 from firsttoken.api.observability import Observability
 from firsttoken.api.preprocess_pools import PreprocessPools
@@ -60,8 +65,9 @@ from firsttoken.api.streaming import (
     engine_failure,
 )
 from firsttoken.engine.client import EngineClient
-from firsttoken.engine.request import EngineRequest, FinishReason, Timeline
 from firsttoken.inputs.processor import InputProcessor
+from firsttoken.metrics.timeline import Timeline
+from firsttoken.types import EngineRequest, FinishReason
 
 T = TypeVar("T")
 CLIENT_CLOSED_REQUEST = 499  # nginx's status for "the client went away"; nobody receives it, logs do
@@ -107,14 +113,14 @@ def build_app(
     app.state.slots = slots
     if observability is not None:  # /metrics /stats /dashboard, API key, per-token timing
         engine = observability.install(app, engine)
-    done: Callable[[EngineRequest], None] = observability.request_done if observability else lambda _: None
+    done: Callable[[str, Timeline], None] = observability.request_done if observability else lambda *_: None
 
-    def closer(engine_request: EngineRequest) -> Callable[[], None]:
+    def closer(ctx: StreamContext) -> Callable[[], None]:
         """A stream's on_close: give back its slot, then complete its metrics record."""
 
         def close() -> None:
             slots.give_back()
-            done(engine_request)
+            done(ctx.response_id, ctx.timeline)
 
         return close
 
@@ -132,21 +138,23 @@ def build_app(
             raise APIError(503, "the server is shutting down; retry on another replica")
 
     async def start(
-        req: ChatCompletionRequest | CompletionRequest, prefix: str, process: Callable[..., EngineRequest]
+        req: ChatCompletionRequest | CompletionRequest, prefix: str
     ) -> tuple[EngineRequest, StreamContext]:
         """Common head of both generation routes; the caller owns the slot taken here once this returns."""
-        timeline = Timeline()
+        timeline = Timeline(arrival_s=time.monotonic())
         check_model(req.model)
         check_alive()
         slots.take()
         request_id = f"{prefix}-{uuid.uuid4().hex}"
         try:
-            engine_request = await off_loop(pools.for_request(req), process, req, request_id, timeline)
+            engine_request = await off_loop(pools.for_request(req), processor.process, req.to_prompt(),
+                                            req.to_sampling(), request_id, timeline.arrival_s)
         except BaseException:
             slots.give_back()
             engine.release(request_id)  # its admission place, if preprocessing got that far
             raise
-        ctx = StreamContext(request_id, int(time.time()), settings.served_model_name, req.include_usage)
+        timeline.preprocessed_s = engine_request.preprocessed_s
+        ctx = StreamContext(request_id, int(time.time()), settings.served_model_name, req.include_usage, timeline)
         return engine_request, ctx
 
     async def respond(
@@ -163,19 +171,18 @@ def build_app(
         final = collected.final
         if final.finish_reason is FinishReason.ERROR:
             return error_response(final.error_status, final.error or "the request failed")
-        engine_request.timeline.mark("first_byte_s")
+        ctx.timeline.observe(final)
+        ctx.timeline.mark_first_byte()
         response = build(collected)
-        done(engine_request)
+        done(ctx.response_id, ctx.timeline)
         return response
 
     @app.post("/v1/chat/completions")
     async def chat_completions(raw: Request) -> Response:
         req = await read_model(raw, ChatCompletionRequest)
-        engine_request, ctx = await start(req, "chatcmpl", processor.process_chat)
+        engine_request, ctx = await start(req, "chatcmpl")
         if req.stream:
-            return EngineStreamResponse(
-                chat_sse(engine, engine_request, ctx, processor.token_piece), closer(engine_request)
-            )
+            return EngineStreamResponse(chat_sse(engine, engine_request, ctx, processor.token_piece), closer(ctx))
 
         def build(c: Any) -> Response:
             choice = ChatChoice(
@@ -188,7 +195,7 @@ def build_app(
                 created=ctx.created,
                 model=ctx.model,
                 choices=[choice],
-                usage=usage_of(c.final, engine_request.timeline),
+                usage=usage_of(c.final, ctx.timeline),
             )
             return JSONResponse(body.model_dump())
 
@@ -197,11 +204,9 @@ def build_app(
     @app.post("/v1/completions")
     async def completions(raw: Request) -> Response:
         req = await read_model(raw, CompletionRequest)
-        engine_request, ctx = await start(req, "cmpl", processor.process_completion)
+        engine_request, ctx = await start(req, "cmpl")
         if req.stream:
-            return EngineStreamResponse(
-                completion_sse(engine, engine_request, ctx, processor.token_piece), closer(engine_request)
-            )
+            return EngineStreamResponse(completion_sse(engine, engine_request, ctx, processor.token_piece), closer(ctx))
 
         def build(c: Any) -> Response:
             choice = CompletionChoice(
@@ -214,7 +219,7 @@ def build_app(
                 created=ctx.created,
                 model=ctx.model,
                 choices=[choice],
-                usage=usage_of(c.final, engine_request.timeline),
+                usage=usage_of(c.final, ctx.timeline),
             )
             return JSONResponse(body.model_dump())
 
@@ -225,10 +230,7 @@ def build_app(
         req = await read_model(raw, TokenizeRequest)
         check_model(req.model)
         pool = pools.for_request(req)
-        if req.messages is not None:
-            count = await off_loop(pool, processor.count_chat, req.messages, req.add_generation_prompt)
-        else:
-            count = await off_loop(pool, processor.count_prompt, req.prompt)
+        count = await off_loop(pool, processor.count, req.to_prompt())
         return TokenizeResponse(
             count=count.total,
             max_model_len=settings.max_model_len,

@@ -37,9 +37,15 @@ from firsttoken.api.protocol import (
     CompletionResponse,
     DeltaMessage,
 )
-from firsttoken.api.responses import TokenPieceFn, chat_logprobs, completion_logprobs, usage_of
+from firsttoken.api.responses import (
+    TokenPieceFn,
+    chat_logprobs,
+    completion_logprobs,
+    usage_of,
+)
 from firsttoken.engine.client import EngineClient
-from firsttoken.engine.request import EngineRequest, FinishReason, RequestOutput, TokenLogprob
+from firsttoken.metrics.timeline import Timeline
+from firsttoken.types import EngineRequest, FinishReason, RequestOutput, TokenLogprob
 
 logger = logging.getLogger("firsttoken.api")
 
@@ -56,7 +62,7 @@ class StreamContext:
     created: int  # unix seconds, the same on every chunk
     model: str
     include_usage: bool
-
+    timeline: Timeline  # this request's, owned by the event loop: engine stamps arrive on each output
 
 class EngineStreamResponse(StreamingResponse):
     """A StreamingResponse that always closes its body generator (so its ``finally`` blocks run now, not at
@@ -164,12 +170,13 @@ async def chat_sse(
                 yield DONE
                 return
             finish = out.finish_reason.value if out.finished and out.finish_reason else None
+            ctx.timeline.observe(out)
             if out.new_text or out.logprobs or finish:
                 yield chunk(DeltaMessage(content=out.new_text or None), finish, out)
                 if out.new_text:
-                    request.timeline.mark("first_byte_s")  # resumed: the chunk has been handed to the transport
+                    ctx.timeline.mark_first_byte()  # resumed: the chunk has been handed to the transport
             if out.finished and ctx.include_usage:
-                usage = usage_of(out, request.timeline)
+                usage = usage_of(out, ctx.timeline)
                 yield sse(
                     ChatCompletionChunk(
                         id=ctx.response_id, created=ctx.created, model=ctx.model, choices=[], usage=usage
@@ -188,6 +195,7 @@ async def completion_sse(
                 yield out
                 yield DONE
                 return
+            ctx.timeline.observe(out)
             finish = out.finish_reason.value if out.finished and out.finish_reason else None
             if out.new_text or out.logprobs or finish:
                 choice = CompletionChoice(
@@ -200,9 +208,9 @@ async def completion_sse(
                     ).to_json()
                 )
                 if out.new_text:
-                    request.timeline.mark("first_byte_s")
+                    ctx.timeline.mark_first_byte()
             if out.finished and ctx.include_usage:
-                usage = usage_of(out, request.timeline)
+                usage = usage_of(out, ctx.timeline)
                 body = CompletionResponse(
                     id=ctx.response_id, created=ctx.created, model=ctx.model, choices=[], usage=usage
                 )

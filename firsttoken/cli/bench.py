@@ -6,7 +6,13 @@ import argparse
 import sys
 from typing import Any
 
-from firsttoken.cli.usage import UsageError, check_reachable, existing_file, first_line, from_config_error
+from firsttoken.cli.usage import (
+    UsageError,
+    check_reachable,
+    existing_file,
+    first_line,
+    from_config_error,
+)
 from firsttoken.tools.bench.config import BenchConfig, parse_mix, parse_size
 
 
@@ -61,7 +67,11 @@ RENAMED_FLAGS = {"duration_s": "--duration", "timeout_s": "--timeout", "slo_ttft
 
 
 def run(args: argparse.Namespace) -> int:
-    from firsttoken.tools.bench import format_report, plot_report, run_bench  # needs httpx: only when run
+    from firsttoken.tools.bench import (  # needs httpx: only when run
+        format_report,
+        plot_report,
+        run_bench,
+    )
     from firsttoken.tools.bench.workload import Workload
 
     num_requests = args.num_requests if args.num_requests is not None else (None if args.duration else 100)

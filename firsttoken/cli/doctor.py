@@ -8,7 +8,13 @@ import os
 from pathlib import Path
 from typing import Any
 
-from firsttoken.cli.usage import UsageError, existing_file, from_config_error, read_config_json, unreachable
+from firsttoken.cli.usage import (
+    UsageError,
+    existing_file,
+    from_config_error,
+    read_config_json,
+    unreachable,
+)
 from firsttoken.tools.doctor.rules import KVSizing, Thresholds
 
 

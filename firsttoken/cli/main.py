@@ -17,13 +17,19 @@ import traceback
 from collections.abc import Sequence
 from types import ModuleType
 
-from firsttoken.cli import make_model, serve
 from firsttoken.cli import bench as bench_command
 from firsttoken.cli import doctor as doctor_command
+from firsttoken.cli import make_model, serve
 from firsttoken.cli import plan as plan_command
 from firsttoken.cli import regress as regress_command
 from firsttoken.cli import tokens as tokens_command
-from firsttoken.cli.usage import EXIT_FAILURE, EXIT_USAGE, OneLineParser, UsageError, first_line
+from firsttoken.cli.usage import (
+    EXIT_FAILURE,
+    EXIT_USAGE,
+    OneLineParser,
+    UsageError,
+    first_line,
+)
 
 COMMANDS: tuple[ModuleType, ...] = (serve, make_model, plan_command, bench_command, tokens_command, regress_command,
                                      doctor_command)

@@ -15,7 +15,13 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from firsttoken.cli.usage import UsageError, check_reachable, existing_dir, existing_file, first_line
+from firsttoken.cli.usage import (
+    UsageError,
+    check_reachable,
+    existing_dir,
+    existing_file,
+    first_line,
+)
 
 
 def parse_budgets(text: str) -> list[int]:
@@ -98,7 +104,13 @@ def in_process_server(model: str | None, dtype: str, image_max_tokens: int, no_c
 
 def run(args: argparse.Namespace) -> int:
     from firsttoken.cli.serve_checks import check_checkpoint
-    from firsttoken.tools.regress import ChatServer, format_report, list_images, read_prompts, run_regress
+    from firsttoken.tools.regress import (
+        ChatServer,
+        format_report,
+        list_images,
+        read_prompts,
+        run_regress,
+    )
 
     try:
         images = list_images(existing_dir("--images", args.images))

@@ -159,6 +159,8 @@ def build_server(args: argparse.Namespace, fault_hook: Any = None, media_network
     """Everything `serve` starts, minus uvicorn: (app, async_engine). Tests use it too; `fault_hook` is the
     runner's test seam (see runner.model_runner.FaultHook), None in production; `media_network` replaces
     how remote images reach the network (inputs.media.MediaNetwork: resolver, fetcher), None in production."""
+    from transformers import AutoTokenizer
+
     from firsttoken.api.observability import observability_from_args
     from firsttoken.api.server import build_app
     from firsttoken.api.settings import ServerSettings
@@ -169,7 +171,6 @@ def build_server(args: argparse.Namespace, fault_hook: Any = None, media_network
     from firsttoken.inputs.media import remote_media
     from firsttoken.inputs.processor import ImageSettings, InputProcessor
     from firsttoken.models.checkpoint import demo_model_dir
-    from transformers import AutoTokenizer
 
     model_dir = Path(args.model) if args.model else demo_model_dir()
     if args.model is None:

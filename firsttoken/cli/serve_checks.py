@@ -15,12 +15,18 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, TypeVar
 
-from firsttoken.cli.usage import UsageError, existing_dir, from_config_error, parse_model_config, read_config_json
+from firsttoken.cli.usage import (
+    UsageError,
+    existing_dir,
+    from_config_error,
+    parse_model_config,
+    read_config_json,
+)
 from firsttoken.units import format_size
 
 if TYPE_CHECKING:
-    from firsttoken.models.config import ModelConfig
     from firsttoken.engine.engine import EngineConfig
+    from firsttoken.models.config import ModelConfig
 
 T = TypeVar("T")
 

@@ -12,10 +12,16 @@ import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from firsttoken.cli.usage import UsageError, existing_file, from_config_error, parse_model_config, read_config_json
-from firsttoken.models.config import VisionConfig
+from firsttoken.cli.usage import (
+    UsageError,
+    existing_file,
+    from_config_error,
+    parse_model_config,
+    read_config_json,
+)
 from firsttoken.inputs.budget import ImageBudget, plan_image
 from firsttoken.inputs.image import ImageInputError, probe_image
+from firsttoken.models.config import VisionConfig
 
 SERVE_DEFAULT = ImageBudget()
 # Only the geometry matters for counting: every Qwen2-VL checkpoint has 14-px patches merged 2x2.

@@ -28,10 +28,15 @@ from typing import AsyncIterator
 
 import torch
 
-from firsttoken.engine.client import EngineStats
 from firsttoken.engine.engine import LLMEngine
-from firsttoken.engine.request import EngineRequest, FinishReason, RequestOutput
-from firsttoken.scheduler.lanes import AdmissionVerdict, route_lane
+from firsttoken.scheduler.lanes import route_lane
+from firsttoken.types import (
+    AdmissionVerdict,
+    EngineRequest,
+    EngineStats,
+    FinishReason,
+    RequestOutput,
+)
 
 log = logging.getLogger("firsttoken.engine")
 

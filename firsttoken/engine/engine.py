@@ -13,18 +13,23 @@ from pathlib import Path
 
 import torch
 
+from firsttoken.batch import RunnerOutput, ScheduledBatch, ScheduledChunk
 from firsttoken.config import CacheConfig, SchedulerConfig
-from firsttoken.models.registry import load_model_config
-from firsttoken.models.config import ModelConfig
-from firsttoken.engine.client import EngineStats
 from firsttoken.engine.detokenizer import IncrementalDetokenizer, TokenDecoder
-from firsttoken.engine.request import EngineRequest, FinishReason, RequestOutput
-from firsttoken.metrics.stats import FinishedRequest, NullObserver, StatsObserver, StepStats
+from firsttoken.metrics.stats import (
+    FinishedRequest,
+    NullObserver,
+    StatsObserver,
+    StepStats,
+)
+from firsttoken.metrics.timeline import Timeline
+from firsttoken.models.config import ModelConfig
+from firsttoken.models.registry import load_model_config
 from firsttoken.runner.executor import Executor, InProcessExecutor
 from firsttoken.runner.model_runner import FaultHook
-from firsttoken.scheduler.batch import RunnerOutput, ScheduledBatch, ScheduledChunk
 from firsttoken.scheduler.request import Request
 from firsttoken.scheduler.scheduler import Scheduler
+from firsttoken.types import EngineRequest, EngineStats, FinishReason, RequestOutput
 
 log = logging.getLogger("firsttoken.engine")
 
@@ -202,7 +207,7 @@ class LLMEngine:
         if timeout is None:
             return []
         now = time.monotonic()
-        late = [r for r in self.requests.values() if now - r.timeline.arrival_s > timeout]
+        late = [r for r in self.requests.values() if now - r.engine_request.arrival_s > timeout]
         return [self._fail(r, f"the request did not finish within the server's {timeout:g} s request timeout",
                            status=504) for r in late]
 
@@ -233,9 +238,8 @@ class LLMEngine:
                 outputs.append(self._fail(self.requests[rid], message))
         for rid, seconds in result.encoder_s.items():
             if rid in self.requests:
-                tl = self.requests[rid].timeline
-                tl.encoder_s += seconds
-                tl.num_images_encoded += result.num_images_encoded.get(rid, 0)
+                self.requests[rid].count("encoder_s", seconds)
+                self.requests[rid].count("num_images_encoded", result.num_images_encoded.get(rid, 0))
         shared = len({c.request_id for c in batch.chunks} | {w.request_id for w in batch.encoder_work}) > 1
         self.num_images_encoded += sum(result.num_images_encoded.values())
         for chunk in batch.chunks:
@@ -250,20 +254,18 @@ class LLMEngine:
     def _note_timing(
         self, req: Request, chunk: ScheduledChunk, result: RunnerOutput, step_start: float, shared: bool
     ) -> None:
-        tl = req.timeline
-        rid = req.request_id
         if not chunk.is_decode:
-            tl.num_prefill_steps += 1
-            tl.num_shared_prefill_steps += int(shared)
+            req.count("num_prefill_steps")
+            req.count("num_shared_prefill_steps", int(shared))
         last_image_end = max((im.end for im in req.images), default=0)
         if chunk.end >= last_image_end:
-            tl.mark("encoder_done_s", result.encoder_done_s.get(rid, step_start))
+            req.stamp("encoder_done_s", result.encoder_done_s.get(req.request_id, step_start))
         if chunk.end >= req.num_prompt_tokens:
-            tl.mark("prefill_done_s", result.forward_done_s)
+            req.stamp("prefill_done_s", result.forward_done_s)
 
     def _append_token(self, req: Request, token_id: int, result: RunnerOutput) -> RequestOutput:
         req.output_token_ids.append(token_id)
-        req.timeline.mark("first_token_s", result.sample_done_s)
+        req.stamp("first_token_s", result.sample_done_s)
         params = req.engine_request.sampling
         reason: FinishReason | None = None
         is_eos = token_id in params.stop_token_ids and not params.ignore_eos
@@ -282,8 +284,10 @@ class LLMEngine:
             reason = FinishReason.LENGTH
         if reason is not None and not detok.stopped:
             text += detok.flush()
+        if reason is not None:
+            self._finish(req, reason)
         logprob = result.logprobs.get(req.request_id)
-        out = RequestOutput(
+        return RequestOutput(
             request_id=req.request_id,
             new_token_ids=(token_id,),
             new_text=text,
@@ -292,10 +296,8 @@ class LLMEngine:
             num_prompt_tokens=req.num_prompt_tokens,
             num_output_tokens=len(req.output_token_ids),
             logprobs=(logprob,) if logprob is not None else (),
+            stats=req.stats,
         )
-        if reason is not None:
-            self._finish(req, reason)
-        return out
 
     def _fail(self, req: Request, message: str, status: int = 500) -> RequestOutput:
         self._finish(req, FinishReason.ERROR)
@@ -307,13 +309,14 @@ class LLMEngine:
             finish_reason=FinishReason.ERROR,
             num_prompt_tokens=req.num_prompt_tokens,
             num_output_tokens=len(req.output_token_ids),
+            stats=req.stats,
             error=message,
             error_status=status,
         )
 
     def _finish(self, req: Request, reason: FinishReason) -> None:
         self.scheduler.finish(req, reason)
-        req.timeline.mark("finished_s")
+        req.stamp("finished_s")
         self.requests.pop(req.request_id, None)
         self._detok.pop(req.request_id, None)
         er = req.engine_request
@@ -326,7 +329,7 @@ class LLMEngine:
                 num_images=len(er.images),
                 num_output_tokens=len(req.output_token_ids),
                 lane=req.lane,
-                timings=req.timeline.to_dict(),
+                timings=Timeline(er.arrival_s, er.preprocessed_s, engine=req.stats).to_dict(),
             )
         )
 

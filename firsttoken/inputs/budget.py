@@ -16,7 +16,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from firsttoken.models.config import VisionConfig
 from firsttoken.inputs.image import (
     MAX_ASPECT_RATIO,
     ImageInputError,
@@ -24,6 +23,7 @@ from firsttoken.inputs.image import (
     num_visual_tokens,
     smart_resize,
 )
+from firsttoken.models.config import VisionConfig
 
 # Qwen2-VL's own processor defaults (preprocessor_config.json): min_pixels 56*56, max_pixels 12845056.
 REFERENCE_MIN_TOKENS = 4

@@ -1,6 +1,6 @@
-"""Turn an OpenAI request into an EngineRequest: chat template, images, placeholder expansion, positions.
+"""Turn a prompt (inputs/prompt.py) into an EngineRequest: chat template, images, placeholder expansion, positions.
 
-Steps of ``process_chat`` (all CPU work; the server runs it in a thread pool, never on the event loop):
+Steps of ``process`` (all CPU work; the server runs it in a thread pool, never on the event loop):
 
 1. check the sampling fields (cheap, before any image is touched), measure the text against the token limit
    from its length and, only if that cannot decide, in pieces with an early exit (``inputs/text_size.py``:
@@ -13,19 +13,19 @@ Steps of ``process_chat`` (all CPU work; the server runs it in a thread pool, ne
    template's own ``<|vision_start|><|image_pad|><|vision_end|>`` can become an image slot;
 4. expand each single ``<|image_pad|>`` into the image's planned ``num_tokens`` copies, recording offsets;
 5. check the prompt against ``max_input_tokens`` and prompt + max_tokens against max_model_len: every limit is
-   checked before the first decode, and ``count_chat`` (/tokenize) stops here;
+   checked before the first decode, and ``count`` (/tokenize) stops here;
 6. decode and preprocess each image with its plan's pixel bounds (patchify), hash its pixels;
-7. compute M-RoPE positions, build SamplingParams.
+7. compute M-RoPE positions (the model family's), build SamplingParams, stamp the end of preprocessing.
 
 Every refusal is an ``InputError`` (or the image layer's ``ImageInputError``); both are ValueErrors whose
-message is safe to show the client. This module reads the request schemas of ``api.protocol`` (a leaf module of
-pydantic models) and nothing else of the api package.
+message is safe to show the client. Nothing here knows any API's request schema.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import re
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from functools import lru_cache
@@ -34,12 +34,8 @@ from typing import Any
 
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from firsttoken.api.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, ImagePart
-from firsttoken.api.quoting import quote
 from firsttoken.config import GenerationDefaults
-from firsttoken.models.config import ModelConfig
 from firsttoken.engine.detokenizer import IncrementalDetokenizer
-from firsttoken.engine.request import EngineRequest, ImageItem, Timeline
 from firsttoken.inputs.budget import BudgetError, ImageBudget, ImagePlan, plan_image
 from firsttoken.inputs.image import (
     ImageInputError,
@@ -49,11 +45,24 @@ from firsttoken.inputs.image import (
     probe_image,
 )
 from firsttoken.inputs.media import RemoteMedia, load_image_bytes
-from firsttoken.inputs.mm_hash import ProcessedImageCache, pixel_content_hash, raw_bytes_key
+from firsttoken.inputs.mm_hash import (
+    ProcessedImageCache,
+    pixel_content_hash,
+    raw_bytes_key,
+)
+from firsttoken.inputs.prompt import (
+    ChatPrompt,
+    ImagePart,
+    Message,
+    Prompt,
+    SamplingRequest,
+    TextPrompt,
+)
 from firsttoken.inputs.text_size import longest_token_chars, measure_text
+from firsttoken.models.config import ModelConfig
 from firsttoken.models.registry import family_named
-from firsttoken.sampling.params import SamplingParams
-from firsttoken.scheduler.lanes import AdmissionVerdict
+from firsttoken.quoting import quote
+from firsttoken.types import AdmissionVerdict, EngineRequest, ImageItem, SamplingParams
 
 # Control tokens that mark image/video slots: a raw /v1/completions prompt may use the chat control tokens
 # (<|im_start|> ...) but never these, since a slot without pixels would reach the vision path.
@@ -187,27 +196,16 @@ class InputProcessor:
 
     # ------------------------------------------------------------------------------------ public
 
-    def process_chat(self, req: ChatCompletionRequest, request_id: str, timeline: Timeline) -> EngineRequest:
-        field, requested = req.requested_max_tokens
-        self._sampling_params(req, _or(requested, 1), field)  # fail fast, before any image is loaded
-        self._check_text_size(req.texts(), self._max_prompt_tokens, "messages")
-        prompt = self._chat_prompt(req.messages, add_generation_prompt=True)
-        return self._engine_request(req, prompt, request_id, timeline, prompt_param="messages")
+    def process(self, prompt: Prompt, sampling: SamplingRequest, request_id: str, arrival_s: float) -> EngineRequest:
+        """The EngineRequest for ``prompt``: every limit is checked before any image is decoded."""
+        self._sampling_params(sampling, _or(sampling.max_tokens, 1))  # fail fast, before any image is loaded
+        self._check_text_size(prompt.texts(), self._max_prompt_tokens, prompt.param)
+        return self._engine_request(prompt, self._prompt_ids(prompt), sampling, request_id, arrival_s)
 
-    def process_completion(self, req: CompletionRequest, request_id: str, timeline: Timeline) -> EngineRequest:
-        self._sampling_params(req, _or(req.max_tokens, 1), "max_tokens")
-        self._check_text_size([req.prompt], self._max_prompt_tokens, "prompt")
-        prompt = _Prompt(self.encode_prompt(req.prompt), (), (), ())
-        return self._engine_request(req, prompt, request_id, timeline, prompt_param="prompt")
-
-    def count_chat(self, messages: Sequence[ChatMessage], add_generation_prompt: bool = True) -> TokenCount:
+    def count(self, prompt: Prompt) -> TokenCount:
         """What /tokenize reports; text that cannot fit the context at all is refused before tokenizing it."""
-        self._check_text_size([t for m in messages for t in m.texts()], self.max_model_len, "messages")
-        return _count(self._chat_prompt(messages, add_generation_prompt))
-
-    def count_prompt(self, prompt: str) -> TokenCount:
-        self._check_text_size([prompt], self.max_model_len, "prompt")
-        return TokenCount(self.encode_prompt(prompt), ())
+        self._check_text_size(prompt.texts(), self.max_model_len, prompt.param)
+        return _count(self._prompt_ids(prompt))
 
     def encode_prompt(self, text: str) -> tuple[int, ...]:
         """A raw prompt: chat control tokens are honoured, vision control tokens are plain text."""
@@ -261,11 +259,16 @@ class InputProcessor:
             param,
         )
 
-    def _chat_prompt(self, messages: Sequence[ChatMessage], add_generation_prompt: bool) -> _Prompt:
+    def _prompt_ids(self, prompt: Prompt) -> _Prompt:
+        if isinstance(prompt, TextPrompt):
+            return _Prompt(self.encode_prompt(prompt.text), (), (), ())
+        return self._chat_prompt(prompt)
+
+    def _chat_prompt(self, prompt: ChatPrompt) -> _Prompt:
         image_parts = [
             (f"messages[{i}].content[{j}].image_url", part)
-            for i, m in enumerate(messages)
-            if isinstance(m.content, list)
+            for i, m in enumerate(prompt.messages)
+            if isinstance(m.content, tuple)
             for j, part in enumerate(m.content)
             if isinstance(part, ImagePart)
         ]
@@ -277,11 +280,11 @@ class InputProcessor:
                 "messages",
             )
         budgets = [self._budget_of(param, part) for param, part in image_parts]
-        blobs, plans = self._plan_images([part.image_url.url for _, part in image_parts], budgets)
+        blobs, plans = self._plan_images([part for _, part in image_parts], budgets)
         template_ids = self.tokenizer.apply_chat_template(
-            [_template_message(m) for m in messages],
+            [_template_message(m) for m in prompt.messages],
             tokenize=True,
-            add_generation_prompt=add_generation_prompt,
+            add_generation_prompt=prompt.add_generation_prompt,
             sanitize_control_tokens=True,  # client text can't forge control tokens, image slots included
             return_dict=False,
         )
@@ -289,18 +292,16 @@ class InputProcessor:
 
     def _budget_of(self, param: str, part: ImagePart) -> int:
         try:
-            return self.image_settings.budget.for_request(
-                part.image_url.detail, part.image_url.max_visual_tokens, param
-            )
+            return self.image_settings.budget.for_request(part.detail, part.max_visual_tokens, param)
         except BudgetError as err:
             raise InputError(str(err), err.param) from None
 
     def _plan_images(
-        self, urls: Sequence[str], budgets: Sequence[int]
+        self, parts: Sequence[ImagePart], budgets: Sequence[int]
     ) -> tuple[tuple[bytes, ...], tuple[ImagePlan, ...]]:
         """Bytes and resize plans from headers only: every size limit fails here, before any decode."""
         s = self.image_settings
-        blobs = tuple(load_image_bytes(url, s.allowed_media_dir, s.max_image_bytes, s.remote) for url in urls)
+        blobs = tuple(self._image_bytes(part) for part in parts)
         plans = []
         for i, (data, budget) in enumerate(zip(blobs, budgets)):
             try:
@@ -319,6 +320,14 @@ class InputProcessor:
                 where = f"image {i + 1} of {len(blobs)}: " if len(blobs) > 1 else ""
                 raise ImageInputError(err.code, f"{where}{err}{hint}") from None
         return blobs, tuple(plans)
+
+    def _image_bytes(self, part: ImagePart) -> bytes:
+        s = self.image_settings
+        if part.data is None:
+            return load_image_bytes(part.url or "", s.allowed_media_dir, s.max_image_bytes, s.remote)
+        if len(part.data) > s.max_image_bytes:
+            raise ImageInputError("image_too_large", f"image is {len(part.data)} bytes; the limit is {s.max_image_bytes}")
+        return part.data
 
     def _decode_images(self, prompt: _Prompt) -> tuple[ProcessedImage, ...]:
         out = []
@@ -383,22 +392,17 @@ class InputProcessor:
         return room
 
     def _engine_request(
-        self,
-        req: ChatCompletionRequest | CompletionRequest,
-        prompt: _Prompt,
-        request_id: str,
-        timeline: Timeline,
-        prompt_param: str,
+        self, prompt: Prompt, ids: _Prompt, sampling: SamplingRequest, request_id: str, arrival_s: float
     ) -> EngineRequest:
-        field, requested = req.requested_max_tokens
-        room = self._check_length(prompt, field, requested, prompt_param)
-        sampling = self._sampling_params(req, _or(requested, room), field)
+        field = sampling.name("max_tokens")
+        room = self._check_length(ids, field, sampling.max_tokens, prompt.param)
+        params = self._sampling_params(sampling, _or(sampling.max_tokens, room))
         if self.admission is not None:
-            verdict = self.admission(len(prompt.token_ids), request_id)
+            verdict = self.admission(len(ids.token_ids), request_id)
             if not verdict.admitted:
                 raise AdmissionRefused(verdict)
-        images = self._decode_images(prompt)  # the first expensive step: every limit has passed
-        mrope = self.family.positions(prompt.token_ids, [im.grid_thw for im in images], self.model_config)
+        images = self._decode_images(ids)  # the first expensive step: every limit has passed
+        mrope = self.family.positions(ids.token_ids, [im.grid_thw for im in images], self.model_config)
         items = tuple(
             ImageItem(
                 content_hash=im.content_hash or "",
@@ -408,37 +412,25 @@ class InputProcessor:
                 encoder_units=self.family.encoder_units(self.model_config.vision, im.grid_thw),
                 pixel_values=im.pixel_values,
             )
-            for im, offset in zip(images, prompt.offsets)
+            for im, offset in zip(images, ids.offsets)
         )
-        timeline.mark("preprocessed_s")
         return EngineRequest(
             request_id=request_id,
-            prompt_token_ids=prompt.token_ids,
+            prompt_token_ids=ids.token_ids,
             images=items,
             mrope_positions=mrope.positions,
             mrope_delta=mrope.delta,
-            sampling=sampling,
-            timeline=timeline,
+            sampling=params,
+            arrival_s=arrival_s,
+            preprocessed_s=time.monotonic(),
         )
 
-    def _sampling_params(
-        self,
-        req: ChatCompletionRequest | CompletionRequest,
-        max_tokens: int,
-        max_tokens_field: str,
-    ) -> SamplingParams:
+    def _sampling_params(self, req: SamplingRequest, max_tokens: int) -> SamplingParams:
         """Request values over the checkpoint's generation_config defaults. ValueError -> InputError(param)."""
         d = self.generation_defaults
-        # SamplingParams names its own fields; the client may have used another name for the same thing.
-        client_names = {"max_tokens": max_tokens_field}
-        if isinstance(req, ChatCompletionRequest):
-            if req.top_logprobs and not req.logprobs:
-                raise InputError("top_logprobs requires logprobs to be true", "top_logprobs")
-            logprobs, top_logprobs = bool(req.logprobs), req.top_logprobs or 0
-        else:
-            logprobs, top_logprobs = req.logprobs is not None, req.logprobs or 0
-            client_names["top_logprobs"] = "logprobs"
-        self._check_stop_token_ids(req.stop_token_ids or [])
+        if req.top_logprobs and not req.logprobs:
+            raise InputError("top_logprobs requires logprobs to be true", req.name("top_logprobs"))
+        self._check_stop_token_ids(req.stop_token_ids)
         eos = d.eos_token_ids or self.model_config.eos_token_ids
         values: dict[str, Any] = dict(
             max_tokens=max_tokens,
@@ -446,14 +438,14 @@ class InputProcessor:
             top_p=_or(req.top_p, d.top_p),
             top_k=_or(req.top_k, d.top_k),
             seed=req.seed,
-            stop=req.stop_strings,
-            stop_token_ids=tuple(dict.fromkeys((*eos, *(req.stop_token_ids or ())))),
+            stop=req.stop,
+            stop_token_ids=tuple(dict.fromkeys((*eos, *req.stop_token_ids))),
             ignore_eos=req.ignore_eos,
             presence_penalty=_or(req.presence_penalty, 0.0),
             frequency_penalty=_or(req.frequency_penalty, 0.0),
             repetition_penalty=_or(req.repetition_penalty, d.repetition_penalty),
-            logprobs=logprobs,
-            top_logprobs=top_logprobs,
+            logprobs=req.logprobs,
+            top_logprobs=req.top_logprobs,
         )
         try:
             return SamplingParams(**values)
@@ -462,7 +454,7 @@ class InputProcessor:
             name = message.split(" ", 1)[0]
             if name not in _SAMPLING_FIELDS:
                 raise InputError(message) from None
-            param = client_names.get(name, name)
+            param = req.name(name)
             value = values[name]
             got = f", got {quote(value)}" if isinstance(value, (int, float)) else ""  # numbers only, bounded
             raise InputError(f"{param}{message[len(name) :]}{got}", param) from None
@@ -485,7 +477,7 @@ def _or(value: Any, default: Any) -> Any:
     return default if value is None else value
 
 
-def _template_message(message: ChatMessage) -> dict[str, Any]:
+def _template_message(message: Message) -> dict[str, Any]:
     """The dict the chat template sees. Image parts carry no URL: the template only needs to know one is there."""
     if message.content is None or isinstance(message.content, str):
         return {"role": message.role, "content": message.content or ""}

@@ -26,7 +26,14 @@ from dataclasses import dataclass, field
 
 from firsttoken.metrics.histogram import TIME_BUCKETS_S, TOKEN_BUCKETS, Histogram
 from firsttoken.metrics.stats import FinishedRequest, StepStats
-from firsttoken.metrics.window import IMAGE_CLASSES, LATENCY_KEYS, PHASES, SlidingWindow, WindowEntry, image_class
+from firsttoken.metrics.window import (
+    IMAGE_CLASSES,
+    LATENCY_KEYS,
+    PHASES,
+    SlidingWindow,
+    WindowEntry,
+    image_class,
+)
 
 DEFAULT_LANE = "default"
 # Outcomes whose record cannot gain anything from the HTTP layer: recorded at the next flush.

@@ -15,9 +15,9 @@ from torch import nn
 
 from firsttoken.attention.base import AttentionBackend
 from firsttoken.models.config import ModelConfig, VisionConfig
-from firsttoken.models.interfaces import EncoderUnit
 from firsttoken.models.mrope import MRopePositions, compute_mrope_positions
 from firsttoken.models.weights import WeightMapping
+from firsttoken.types import EncoderUnit
 
 Grid = tuple[int, int, int]
 

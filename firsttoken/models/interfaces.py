@@ -28,15 +28,6 @@ from firsttoken.attention.base import AttentionMetadata
 
 
 @dataclass(frozen=True)
-class EncoderUnit:
-    """One schedulable piece of an image's vision-tower work (one block today)."""
-
-    num_patches: int  # rows it processes
-    attention_pairs: int  # query-key pairs its attention scores: full = n^2 per frame, windowed = sum of window^2
-    cost_tokens: int  # what it costs against a step's token budget: visual tokens x (its FLOPs / a full block's)
-
-
-@dataclass(frozen=True)
 class ImageEmbeddings:
     """An image's vision-tower output: ``main`` replaces its pad tokens' embeddings; ``deepstack[i]`` is added to
     the hidden states at its rows after decoder layer i (Qwen3-VL). Every tensor is [num_tokens, hidden]."""

@@ -37,7 +37,11 @@ from firsttoken.models.config import (
 from firsttoken.models.family import ModelFamily
 from firsttoken.models.interfaces import ImageRows
 from firsttoken.models.layers import RMSNorm, SwiGLUMLP, apply_rotary, mrope_cos_sin
-from firsttoken.models.qwen2_vl_vision import IMAGE_PROCESSOR, Qwen2VisionTransformer, full_attention_units
+from firsttoken.models.qwen2_vl_vision import (
+    IMAGE_PROCESSOR,
+    Qwen2VisionTransformer,
+    full_attention_units,
+)
 from firsttoken.models.weights import QKV_AND_GATE_UP, WeightMapping, flatten_conv3d
 
 

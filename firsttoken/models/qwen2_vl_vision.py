@@ -16,8 +16,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from firsttoken.models.config import ImageProcessorConfig, VisionConfig
-from firsttoken.models.interfaces import EncoderUnit, EncodeState, ImageEmbeddings
+from firsttoken.models.interfaces import EncodeState, ImageEmbeddings
 from firsttoken.models.layers import apply_rotary, quick_gelu, rope_inv_freq
+from firsttoken.types import EncoderUnit
 
 VISION_ROPE_THETA = 10000.0
 VISION_LN_EPS = 1e-6

@@ -12,12 +12,12 @@ from typing import Protocol
 
 import torch
 
+from firsttoken.batch import RunnerOutput, ScheduledBatch
 from firsttoken.models.config import ModelConfig
 from firsttoken.models.loader import load_model
 from firsttoken.runner.kv_cache import allocate_kv_caches
 from firsttoken.runner.model_runner import FaultHook, ModelRunner
 from firsttoken.sampling.sampler import Sampler
-from firsttoken.scheduler.batch import RunnerOutput, ScheduledBatch
 
 
 class Executor(Protocol):

@@ -26,12 +26,17 @@ from typing import Protocol
 import torch
 
 from firsttoken.attention.base import AttentionMetadata
-from firsttoken.engine.request import ImageItem, TokenLogprob, images_in
+from firsttoken.batch import (
+    EncoderWork,
+    NewRequest,
+    RunnerOutput,
+    ScheduledBatch,
+    ScheduledChunk,
+)
 from firsttoken.models.interfaces import EncodeState, ImageEmbeddings, ImageRows
 from firsttoken.models.mrope import decode_positions
-from firsttoken.sampling.params import SamplingParams
-from firsttoken.sampling.sampler import SampleRow, Sampler, make_generator
-from firsttoken.scheduler.batch import EncoderWork, NewRequest, RunnerOutput, ScheduledBatch, ScheduledChunk
+from firsttoken.sampling.sampler import Sampler, SampleRow, make_generator
+from firsttoken.types import ImageItem, SamplingParams, TokenLogprob, images_in
 
 log = logging.getLogger("firsttoken.runner")
 

@@ -13,16 +13,13 @@ lands in ``SampleResult.failed`` and every other row is sampled as usual.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import Sequence
 
-import logging
-
 import torch
 
-from firsttoken.engine.request import TokenLogprob
-from firsttoken.sampling.params import SamplingParams
-
+from firsttoken.types import SamplingParams, TokenLogprob
 
 log = logging.getLogger("firsttoken.sampling")
 

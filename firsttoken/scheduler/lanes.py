@@ -9,7 +9,6 @@ least every ``long_max_wait_steps + 1`` steps. ``scheduling="fcfs"`` puts everyo
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
 
 from firsttoken.config import SchedulerConfig
 from firsttoken.scheduler.request import Request
@@ -28,21 +27,6 @@ def route_lane(num_prompt_tokens: int, config: SchedulerConfig) -> str:
 def lane_names(config: SchedulerConfig) -> tuple[str, ...]:
     """Lanes in service order."""
     return (FCFS,) if config.scheduling == "fcfs" else (SHORT, LONG)
-
-
-@dataclass(frozen=True)
-class AdmissionVerdict:
-    """Whether a new request may queue, and if not why: the reason is a metric label and the client's message."""
-
-    admitted: bool
-    lane: str
-    reason: str = ""  # "queue_full" | "never_fits"
-    message: str = ""
-    status: int = 200  # HTTP status the API answers with when refused
-
-    @staticmethod
-    def ok(lane: str) -> "AdmissionVerdict":
-        return AdmissionVerdict(True, lane)
 
 
 class LaneQueues:

@@ -8,11 +8,18 @@ the runner once, as a NewRequest).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import time
+from dataclasses import dataclass, field, replace
 from enum import Enum
 
-from firsttoken.engine.request import EngineRequest, FinishReason, ImageItem, Timeline, images_in
 from firsttoken.kv.prefix_cache import BlockHash
+from firsttoken.types import (
+    EngineRequest,
+    FinishReason,
+    ImageItem,
+    RequestStats,
+    images_in,
+)
 
 
 class RequestStatus(str, Enum):
@@ -34,6 +41,7 @@ class Request:
     lane: str = "default"  # set by the scheduler at add()
     arrival_step: int = 0  # scheduler steps completed when the request arrived
     delayed_by_long: bool = False  # sat out a whole step while long work ran (counted once)
+    stats: RequestStats = field(default_factory=RequestStats)  # what the engine did for it; outputs carry it
 
     @property
     def request_id(self) -> str:
@@ -55,9 +63,13 @@ class Request:
     def images(self) -> tuple[ImageItem, ...]:
         return self.engine_request.images
 
-    @property
-    def timeline(self) -> Timeline:
-        return self.engine_request.timeline
+    def stamp(self, name: str, t: float | None = None) -> None:
+        """Set one of the stats' time marks once (later calls keep the first value)."""
+        if getattr(self.stats, name) is None:
+            self.stats = replace(self.stats, **{name: time.monotonic() if t is None else t})
+
+    def count(self, name: str, amount: float = 1) -> None:
+        self.stats = replace(self.stats, **{name: getattr(self.stats, name) + amount})
 
     def images_in(self, start: int, end: int) -> list[tuple[int, ImageItem]]:
         """(index, image) of the images whose tokens overlap prompt indices [start, end)."""

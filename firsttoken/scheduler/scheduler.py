@@ -22,15 +22,21 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from firsttoken.batch import (
+    EncoderWork,
+    NewRequest,
+    RunnerOutput,
+    ScheduledBatch,
+    ScheduledChunk,
+)
 from firsttoken.config import CacheConfig, SchedulerConfig
-from firsttoken.engine.request import FinishReason, ImageItem
 from firsttoken.kv.block_manager import KVCacheManager
 from firsttoken.kv.prefix_cache import ImageSpan, compute_block_hashes
-from firsttoken.scheduler.batch import EncoderWork, NewRequest, RunnerOutput, ScheduledBatch, ScheduledChunk
 from firsttoken.scheduler.budget import TokenBudget
 from firsttoken.scheduler.encoder_cache import EncoderCacheManager
-from firsttoken.scheduler.lanes import FCFS, LONG, SHORT, AdmissionVerdict, LaneQueues, route_lane
+from firsttoken.scheduler.lanes import FCFS, LONG, SHORT, LaneQueues, route_lane
 from firsttoken.scheduler.request import Request, RequestStatus
+from firsttoken.types import AdmissionVerdict, FinishReason, ImageItem
 
 
 @dataclass
@@ -248,7 +254,7 @@ class Scheduler:
             req.sent_to_runner = True
         req.status = RequestStatus.RUNNING
         req.num_computed_tokens = num_cached
-        req.timeline.num_cached_prompt_tokens = max(req.timeline.num_cached_prompt_tokens, num_cached)
+        req.count("num_cached_prompt_tokens", max(0, num_cached - req.stats.num_cached_prompt_tokens))
         self.running.append(req)
         return True
 
@@ -275,7 +281,7 @@ class Scheduler:
         h = im.content_hash
         if not self.encoder_cache.is_pinned_by(req.request_id, h):
             if self.encoder_cache.acquire(req.request_id, h, im.num_tokens, len(im.encoder_units)):
-                req.timeline.num_encoder_cache_hits += 1
+                req.count("num_encoder_cache_hits")
         if self.encoder_cache.is_ready(h) and h not in step.worked_hashes:
             return True
         if h in step.finishing_hashes:
@@ -290,7 +296,7 @@ class Scheduler:
         step.encoder_work.append(EncoderWork(req.request_id, index, h, start, num_units, finishes))
         step.worked_hashes.add(h)
         step.scheduled_ids.add(req.request_id)
-        req.timeline.mark("first_scheduled_s")
+        req.stamp("first_scheduled_s")
         if finishes:
             step.finishing_hashes.add(h)
         return finishes
@@ -311,7 +317,7 @@ class Scheduler:
                 is_decode=_is_decoding(req),
             )
         )
-        req.timeline.mark("first_scheduled_s")
+        req.stamp("first_scheduled_s")
 
     def _ensure_blocks(self, req: Request, num_tokens: int, step: _Step) -> bool:
         """Grow req's block table to num_tokens; when the pool is dry, preempt a victim (see _pick_victim) until
@@ -345,7 +351,7 @@ class Scheduler:
         self.encoder_cache.release_all(req.request_id)
         req.num_computed_tokens = 0
         req.status = RequestStatus.WAITING
-        req.timeline.num_preemptions += 1
+        req.count("num_preemptions")
         self.num_preemptions += 1
         self.preemptions_by_reason[reason] = self.preemptions_by_reason.get(reason, 0) + 1
         self._preempted.append(req.request_id)

@@ -22,7 +22,13 @@ import httpx
 import pytest
 
 from firsttoken.inputs.media import FetchResponse, MediaNetwork
-from tests.e2e.conftest import LiveServer, image_data_url, make_image, start_server, stop_server
+from tests.e2e.conftest import (
+    LiveServer,
+    image_data_url,
+    make_image,
+    start_server,
+    stop_server,
+)
 from tests.media_fakes import FakeFetcher, FakeResolver, ok, redirect
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "bad_inputs.md"

@@ -11,7 +11,13 @@ import openai
 import pytest
 from PIL import Image
 
-from tests.e2e.conftest import LiveServer, image_data_url, make_image, start_server, stop_server
+from tests.e2e.conftest import (
+    LiveServer,
+    image_data_url,
+    make_image,
+    start_server,
+    stop_server,
+)
 
 CAP, LOW, MAX_IMAGES, MAX_PIXELS, MAX_INPUT, MAX_BODY = 64, 16, 3, 1_000_000, 400, 2 * 2**20
 

@@ -22,7 +22,13 @@ import openai
 import pytest
 
 from tests.conftest import require_program
-from tests.e2e.conftest import LiveServer, image_message, make_image, start_server, stop_server
+from tests.e2e.conftest import (
+    LiveServer,
+    image_message,
+    make_image,
+    start_server,
+    stop_server,
+)
 
 KEY = "sk-test-7f3a"
 AUTH = {"Authorization": f"Bearer {KEY}"}

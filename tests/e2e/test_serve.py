@@ -70,7 +70,9 @@ def test_greedy_output_is_the_same_alone_and_batched_with_seven_others(live_serv
 
 def test_image_prompt_matches_transformers_greedy_generate(live_server: LiveServer, tiny_model_dir):
     from transformers import Qwen2VLForConditionalGeneration
-    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
+        Qwen2VLImageProcessorPil,
+    )
 
     img = make_image(180, 110, seed=5)
     messages = image_message("Describe the picture in detail.", img)

@@ -12,9 +12,9 @@ from transformers import AutoTokenizer
 from firsttoken.api.protocol import ChatCompletionRequest
 from firsttoken.config import CacheConfig, GenerationDefaults, SchedulerConfig
 from firsttoken.engine.engine import EngineConfig, LLMEngine
-from firsttoken.engine.request import Timeline
 from firsttoken.inputs.processor import InputProcessor
 from tests.e2e.conftest import image_data_url, make_image
+from tests.helpers import process
 
 _ids = itertools.count()
 
@@ -33,24 +33,25 @@ class Harness:
                                         max_model_len=self.engine.max_model_len)
 
     def run(self, messages: list[dict], max_tokens: int = 8):
-        """Greedy-generate one chat request to completion; returns (token ids, text, timeline)."""
+        """Greedy-generate one chat request to completion; returns (token ids, text, the engine's stats)."""
         body = ChatCompletionRequest.model_validate(
             {"model": "m", "messages": messages, "max_tokens": max_tokens, "temperature": 0.0}
         )
-        request = self.processor.process_chat(body, f"r{next(_ids)}", Timeline())
+        request = process(self.processor, body, f"r{next(_ids)}")
         self.engine.add_request(request)
-        ids, text = [], ""
+        ids, text, stats = [], "", None
         while self.engine.has_unfinished():
             for out in self.engine.step():
                 ids += out.new_token_ids
                 text += out.new_text
+                stats = out.stats
             self.engine.scheduler.check_invariants()
         assert self.engine.stats().kv_blocks_used == 0
-        return ids, text, request.timeline
+        return ids, text, stats
 
     def prompt_len(self, messages: list[dict]) -> int:
         body = ChatCompletionRequest.model_validate({"model": "m", "messages": messages, "max_tokens": 1})
-        return self.processor.process_chat(body, "count", Timeline()).num_prompt_tokens
+        return process(self.processor, body, "count").num_prompt_tokens
 
     @property
     def vision_calls(self) -> int:
@@ -110,7 +111,7 @@ def test_two_different_images_of_the_same_size_share_neither_kv_nor_embeddings(t
     assert t.num_encoder_cache_hits == 0
     # the shared template head may be reused, but no block that covers image tokens
     body = ChatCompletionRequest.model_validate({"model": "m", "messages": [user("Describe.", b)], "max_tokens": 1})
-    request = h.processor.process_chat(body, "probe", Timeline())
+    request = process(h.processor, body, "probe")
     assert t.num_cached_prompt_tokens <= (request.images[0].offset // 16) * 16
 
 

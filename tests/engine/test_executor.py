@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pickle
 
-from firsttoken.engine.request import FinishReason
-from firsttoken.scheduler.batch import RunnerOutput, ScheduledBatch
+from firsttoken.batch import RunnerOutput, ScheduledBatch
+from firsttoken.types import FinishReason
 from tests.engine.test_faults import build, chat, image_question, run_all
 
 

@@ -9,9 +9,10 @@ import pytest
 from firsttoken.api.protocol import ChatCompletionRequest
 from firsttoken.config import CacheConfig, GenerationDefaults, SchedulerConfig
 from firsttoken.engine.engine import EngineConfig, LLMEngine
-from firsttoken.engine.request import FinishReason, Timeline
 from firsttoken.inputs.processor import InputProcessor
+from firsttoken.types import FinishReason
 from tests.e2e.conftest import image_data_url, make_image
+from tests.helpers import process
 
 
 class FailOne:
@@ -49,8 +50,8 @@ def requests(proc: InputProcessor):
         "d": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": image_data_url(
             make_image(90, 150, seed=4))}}, {"type": "text", "text": "Describe"}]}],
     }
-    return [proc.process_chat(ChatCompletionRequest.model_validate(
-        {"model": "m", "messages": m, "max_tokens": 8, "temperature": 0.0}), rid, Timeline())
+    return [process(proc, ChatCompletionRequest.model_validate(
+        {"model": "m", "messages": m, "max_tokens": 8, "temperature": 0.0}), rid)
         for rid, m in bodies.items()]
 
 
@@ -129,7 +130,7 @@ class FailFirstEncode:
 def chat(proc: InputProcessor, rid: str, content, **sampling):
     body = {"model": "m", "messages": [{"role": "user", "content": content}], "max_tokens": 8, "temperature": 0.0}
     body.update(sampling)
-    return proc.process_chat(ChatCompletionRequest.model_validate(body), rid, Timeline())
+    return process(proc, ChatCompletionRequest.model_validate(body), rid)
 
 
 def image_question(seed: int = 7, text: str = "What is this?"):

@@ -11,10 +11,15 @@ from transformers import AutoTokenizer
 
 from firsttoken.api.protocol import ChatCompletionRequest
 from firsttoken.config import CacheConfig, GenerationDefaults, SchedulerConfig
-from firsttoken.engine.async_engine import ABORT_CLIENT_NOT_READING, DEFAULT_MAX_UNREAD_OUTPUTS, AsyncEngine
+from firsttoken.engine.async_engine import (
+    ABORT_CLIENT_NOT_READING,
+    DEFAULT_MAX_UNREAD_OUTPUTS,
+    AsyncEngine,
+)
 from firsttoken.engine.engine import EngineConfig, LLMEngine
-from firsttoken.engine.request import FinishReason, Timeline
 from firsttoken.inputs.processor import InputProcessor
+from firsttoken.types import FinishReason
+from tests.helpers import process
 
 MAX_UNREAD = 4
 
@@ -36,7 +41,7 @@ def build(model_dir: Path, max_unread: int = MAX_UNREAD) -> tuple[AsyncEngine, I
 def long_request(proc: InputProcessor, request_id: str, max_tokens: int):
     req = ChatCompletionRequest.model_validate({"model": "m", "messages": [{"role": "user", "content": "Go on."}],
                                                 "max_tokens": max_tokens, "ignore_eos": True, "temperature": 0.0})
-    return proc.process_chat(req, request_id, Timeline())
+    return process(proc, req, request_id)
 
 
 async def wait_until(predicate, timeout_s: float = 60.0) -> None:

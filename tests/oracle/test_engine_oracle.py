@@ -21,13 +21,11 @@ import torch
 from PIL import Image
 
 from firsttoken.config import CacheConfig, SchedulerConfig
-from firsttoken.models.registry import load_model_config
-from firsttoken.models.config import ModelConfig
 from firsttoken.engine.engine import EngineConfig, LLMEngine
-from firsttoken.engine.request import EngineRequest, FinishReason, ImageItem, Timeline
+from firsttoken.models.config import ModelConfig
 from firsttoken.models.mrope import compute_mrope_positions
-from firsttoken.models.registry import family_named
-from firsttoken.sampling.params import SamplingParams
+from firsttoken.models.registry import family_named, load_model_config
+from firsttoken.types import EngineRequest, FinishReason, ImageItem, SamplingParams
 
 NUM_NEW = 12
 KV_BYTES_PER_TOKEN = 2 * 2 * 2 * 16 * 4  # tiny: 2 layers x 2 KV heads x head_dim 16, K and V, fp32
@@ -92,7 +90,9 @@ def reference(model_dir: Path):
 def make_prompt(config: ModelConfig, image_sizes: list[tuple[int, int]], seed: int,
                 text_after: list[int] | None = None) -> Prompt:
     """text(9), then per image: vision_start, its pads, vision_end, text(5); then ``text_after`` or text(4)."""
-    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
+        Qwen2VLImageProcessorPil,
+    )
 
     rng = random.Random(seed)
 
@@ -127,7 +127,7 @@ def engine_request(config: ModelConfig, prompt: Prompt, rid: str) -> EngineReque
                                 pixels))
     mrope = compute_mrope_positions(prompt.ids, prompt.grids, config)
     return EngineRequest(rid, prompt.ids, tuple(images), mrope.positions, mrope.delta,
-                         SamplingParams(max_tokens=NUM_NEW, temperature=0.0, ignore_eos=True), Timeline())
+                         SamplingParams(max_tokens=NUM_NEW, temperature=0.0, ignore_eos=True), 0.0, 0.0)
 
 
 def make_engine(model_dir: Path, step_tokens: int, num_blocks: int = 256, **scheduler) -> LLMEngine:
@@ -143,7 +143,8 @@ def make_engine(model_dir: Path, step_tokens: int, num_blocks: int = 256, **sche
     return LLMEngine(model_dir, cfg, AutoTokenizer.from_pretrained(model_dir).backend_tokenizer)
 
 
-def run(engine: LLMEngine, requests: list[EngineRequest]) -> dict[str, list[int]]:
+def run(engine: LLMEngine, requests: list[EngineRequest], stats: dict | None = None) -> dict[str, list[int]]:
+    """Greedy tokens per request; ``stats`` (when given) receives each request's final RequestStats."""
     tokens: dict[str, list[int]] = {r.request_id: [] for r in requests}
     for r in requests:
         engine.add_request(r)
@@ -151,6 +152,8 @@ def run(engine: LLMEngine, requests: list[EngineRequest]) -> dict[str, list[int]
         for out in engine.step():
             assert out.finish_reason in (None, FinishReason.LENGTH), out.error
             tokens[out.request_id] += out.new_token_ids
+            if stats is not None:
+                stats[out.request_id] = out.stats
         engine.scheduler.check_invariants()
     assert engine.stats().kv_blocks_used == 0
     return tokens
@@ -180,9 +183,9 @@ def test_engine_matches_generate_when_the_prefix_cache_hit_ends_inside_an_image(
     for encoder_cache in (True, False):
         engine = make_engine(model_dir, 13, enable_encoder_cache=encoder_cache)
         run(engine, [engine_request(config, first, "first")])
-        follow_request = engine_request(config, follow, "follow")
-        got = run(engine, [follow_request])
-        assert follow_request.timeline.num_cached_prompt_tokens == 32
+        stats: dict = {}
+        got = run(engine, [engine_request(config, follow, "follow")], stats)
+        assert stats["follow"].num_cached_prompt_tokens == 32
         assert got["follow"] == reference(follow)
         assert engine.stats().num_images_encoded == (1 if encoder_cache else 2)
 

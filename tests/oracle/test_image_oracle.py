@@ -6,9 +6,10 @@ import io
 
 import numpy as np
 import pytest
+import transformers.models.qwen2_vl.image_processing_pil_qwen2_vl as qwen2_vl_pil  # noqa: E402
 from PIL import Image
+from transformers.image_transforms import convert_to_rgb  # noqa: E402
 
-from firsttoken.models.config import VisionConfig
 from firsttoken.inputs.image import (
     ImageInputError,
     decode_image,
@@ -17,9 +18,7 @@ from firsttoken.inputs.image import (
     smart_resize,
     to_rgb,
 )
-
-import transformers.models.qwen2_vl.image_processing_pil_qwen2_vl as qwen2_vl_pil  # noqa: E402
-from transformers.image_transforms import convert_to_rgb  # noqa: E402
+from firsttoken.models.config import VisionConfig
 
 Qwen2VLImageProcessorPil = qwen2_vl_pil.Qwen2VLImageProcessorPil
 ref_smart_resize = qwen2_vl_pil.smart_resize

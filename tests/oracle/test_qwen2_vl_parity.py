@@ -20,9 +20,13 @@ from PIL import Image
 
 from firsttoken.attention.base import AttentionMetadata
 from firsttoken.models.config import ModelConfig
-from firsttoken.models.loader import load_model
-from firsttoken.models.mrope import MRopePositions, compute_mrope_positions, decode_positions
 from firsttoken.models.interfaces import ImageEmbeddings, ImageRows
+from firsttoken.models.loader import load_model
+from firsttoken.models.mrope import (
+    MRopePositions,
+    compute_mrope_positions,
+    decode_positions,
+)
 from firsttoken.models.qwen2_vl import Qwen2VLModel
 from firsttoken.runner.kv_cache import allocate_kv_caches
 
@@ -63,7 +67,9 @@ def make_images(sizes: list[tuple[int, int]], seed: int = 0) -> list[Image.Image
 
 
 def preprocess(images: list[Image.Image]) -> tuple[torch.Tensor, list[tuple[int, int, int]]]:
-    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
+        Qwen2VLImageProcessorPil,
+    )
 
     out = Qwen2VLImageProcessorPil()(images=images, return_tensors="pt")
     return out["pixel_values"], [tuple(int(x) for x in g) for g in out["image_grid_thw"].tolist()]
@@ -352,8 +358,9 @@ def test_bf16_load_tracks_fp32_reference(ref, tiny_qwen2_vl_dir: Path) -> None:
 def test_make_model_checkpoints_match_reference(tmp_path: Path, layout: str) -> None:
     """The project's own random checkpoints (O(1) activations, sharp attention, logit std ~10), in both
     config/weight layouts, prefilled in chunks of 7 so chunks start inside images."""
-    from firsttoken.models import checkpoint
     from transformers import Qwen2VLForConditionalGeneration
+
+    from firsttoken.models import checkpoint
 
     model_dir = checkpoint.make_model(tmp_path, size="tiny", seed=0, layout=layout, shards=2)
     reference = Qwen2VLForConditionalGeneration.from_pretrained(

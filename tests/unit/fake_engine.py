@@ -4,11 +4,18 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
-from firsttoken.engine.client import EngineStats
-from firsttoken.engine.request import EngineRequest, FinishReason, RequestOutput, TokenLogprob
+from firsttoken.types import (
+    EngineRequest,
+    EngineStats,
+    FinishReason,
+    RequestOutput,
+    RequestStats,
+    TokenLogprob,
+)
 
 
 @dataclass
@@ -49,18 +56,17 @@ class FakeEngine:
         s = self.script
         if s.raise_error is not None:
             raise s.raise_error
-        timeline = request.timeline
-        timeline.mark("first_scheduled_s")
+        stats = RequestStats(first_scheduled_s=time.monotonic())
         for i, piece in enumerate(s.pieces):
             if s.hang_after is not None and i >= s.hang_after:
                 await asyncio.Event().wait()
             if s.delay_s:
                 await asyncio.sleep(s.delay_s)
-            timeline.mark("prefill_done_s")
-            timeline.mark("first_token_s")
+            if stats.first_token_s is None:
+                stats = replace(stats, prefill_done_s=time.monotonic(), first_token_s=time.monotonic())
             last = i == len(s.pieces) - 1
             if last:
-                timeline.mark("finished_s")
+                stats = replace(stats, finished_s=time.monotonic())
             logprobs = (
                 (TokenLogprob(s.token_id, -0.5, ((s.token_id, -0.5), (s.token_id + 1, -1.5))),) if s.logprobs else ()
             )
@@ -73,6 +79,7 @@ class FakeEngine:
                 num_prompt_tokens=request.num_prompt_tokens,
                 num_output_tokens=i + 1,
                 logprobs=logprobs,
+                stats=stats,
                 error=s.error if last else None,
             )
 

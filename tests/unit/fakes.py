@@ -4,13 +4,11 @@ from __future__ import annotations
 
 import torch
 
+from firsttoken.batch import RunnerOutput, ScheduledBatch
 from firsttoken.config import CacheConfig, SchedulerConfig
-from firsttoken.engine.request import EngineRequest, ImageItem, Timeline
-from firsttoken.models.interfaces import EncoderUnit
-from firsttoken.sampling.params import SamplingParams
-from firsttoken.scheduler.batch import RunnerOutput, ScheduledBatch
 from firsttoken.scheduler.request import Request
 from firsttoken.scheduler.scheduler import Scheduler
+from firsttoken.types import EncoderUnit, EngineRequest, ImageItem, SamplingParams
 
 IMAGE_TOKEN = 99
 
@@ -38,7 +36,8 @@ def fake_request(
         mrope_positions=torch.zeros((3, prompt_len), dtype=torch.long),
         mrope_delta=0,
         sampling=SamplingParams(max_tokens=max_tokens, temperature=0.0),
-        timeline=Timeline(),
+        arrival_s=0.0,
+        preprocessed_s=0.0,
     )
     return Request(er, arrival_seq)
 
@@ -77,7 +76,7 @@ def run_step(sched: Scheduler, token: int = 7) -> ScheduledBatch:
         if chunk.sample:
             req.output_token_ids.append(token)
             if len(req.output_token_ids) >= req.engine_request.sampling.max_tokens:
-                from firsttoken.engine.request import FinishReason
+                from firsttoken.types import FinishReason
 
                 sched.finish(req, FinishReason.LENGTH)
     sched.check_invariants()

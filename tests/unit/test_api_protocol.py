@@ -18,17 +18,17 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-
-from tests.conftest import VLLM_FIXTURES
 import uvicorn
 from PIL import Image
 
 from firsttoken.api.server import build_app
 from firsttoken.api.settings import ServerSettings
 from firsttoken.config import GenerationDefaults
-from firsttoken.models.registry import load_model_config
-from firsttoken.engine.request import FinishReason
 from firsttoken.inputs.processor import ImageSettings, InputProcessor
+from firsttoken.inputs.prompt import TextPrompt
+from firsttoken.models.registry import load_model_config
+from firsttoken.types import FinishReason
+from tests.conftest import VLLM_FIXTURES
 
 from .fake_engine import FakeEngine, Script
 
@@ -201,8 +201,9 @@ def test_stream_framing_matches_vllm(processor: InputProcessor) -> None:
     assert set(t[-1]["usage"]) <= set(o[-1]["usage"]) and "firsttoken" in o[-1]["usage"]
     assert o[-1]["usage"]["completion_tokens"] == t[-1]["usage"]["completion_tokens"] == 6
     assert len({c["id"] for c in o}) == 1 and len({c["created"] for c in o}) == 1
-    timeline = engine.requests[0].timeline
-    assert timeline.first_byte_s is not None and timeline.first_byte_s >= timeline.first_token_s
+    timings = o[-1]["usage"]["firsttoken"]  # the timeline the API assembled: the first byte came after the token
+    phases = ("preprocess", "queue", "encode", "prefill", "sample", "send")
+    assert timings["send_s"] >= 0 and abs(sum(timings[f"{p}_s"] for p in phases) - timings["ttft_s"]) < 1e-9
 
 
 def test_stream_through_the_openai_client(processor: InputProcessor) -> None:
@@ -305,9 +306,9 @@ class ThreadRecordingProcessor(InputProcessor):
 
     threads: list[int]
 
-    def process_chat(self, req, request_id, timeline):
+    def process(self, prompt, sampling, request_id, arrival_s):
         self.threads.append(threading.get_ident())
-        return super().process_chat(req, request_id, timeline)
+        return super().process(prompt, sampling, request_id, arrival_s)
 
 
 def test_preprocessing_runs_off_the_event_loop(tiny_model_dir: Path) -> None:
@@ -736,10 +737,11 @@ class BlockingProcessor(InputProcessor):
         self.held = threading.Semaphore(0)
         self.release = threading.Event()
 
-    def process_completion(self, req, request_id, timeline):
-        self.held.release()
-        assert self.release.wait(30)
-        return super().process_completion(req, request_id, timeline)
+    def process(self, prompt, sampling, request_id, arrival_s):
+        if isinstance(prompt, TextPrompt):  # completions requests
+            self.held.release()
+            assert self.release.wait(30)
+        return super().process(prompt, sampling, request_id, arrival_s)
 
 
 def test_a_short_chat_is_answered_while_heavy_requests_hold_every_heavy_thread(tiny_model_dir: Path) -> None:

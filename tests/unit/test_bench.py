@@ -12,15 +12,24 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import VLLM_FIXTURES
-
 from firsttoken.cli.main import main
-from firsttoken.tools.bench import BenchConfig, format_report, parse_mix, parse_size, run_bench
-from firsttoken.tools.bench.calibrate import CALIBRATION_SEED_OFFSET, calibrate, capacity_rps
+from firsttoken.tools.bench import (
+    BenchConfig,
+    format_report,
+    parse_mix,
+    parse_size,
+    run_bench,
+)
+from firsttoken.tools.bench.calibrate import (
+    CALIBRATION_SEED_OFFSET,
+    calibrate,
+    capacity_rps,
+)
 from firsttoken.tools.bench.client import RequestRecord
 from firsttoken.tools.bench.images import decode_data_url
 from firsttoken.tools.bench.sse import SSEEvent, SSEParser
 from firsttoken.tools.bench.workload import Workload, count_images
+from tests.conftest import VLLM_FIXTURES
 
 FIXTURES = VLLM_FIXTURES
 TIMINGS = {"ttft_s": 0.5, "preprocess_s": 0.1, "queue_s": 0.05, "encode_s": 0.2, "prefill_s": 0.1,

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from firsttoken.models.config import VisionConfig
 from firsttoken.inputs.budget import BudgetError, ImageBudget, plan_image
 from firsttoken.inputs.image import ImageInputError, smart_resize
+from firsttoken.models.config import VisionConfig
 
 VISION = VisionConfig(depth=1, embed_dim=32, num_heads=4, intermediate_size=128, out_hidden_size=64)
 SIZES = [(1, 1), (10, 10), (27, 29), (56, 56), (64, 48), (300, 200), (1024, 1024), (2048, 1536), (4000, 3000),

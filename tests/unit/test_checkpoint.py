@@ -11,13 +11,21 @@ import pytest
 import torch
 from PIL import Image
 from transformers import AutoTokenizer, Qwen2VLForConditionalGeneration
-from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
+    Qwen2VLImageProcessorPil,
+)
 
 from firsttoken.cli.main import main as cli_main
 from firsttoken.config import GenerationDefaults
-from firsttoken.models.registry import load_model_config
+from firsttoken.models.checkpoint import (
+    TOKEN_IDS,
+    VOCAB_SIZE,
+    demo_model_dir,
+    make_model,
+    shard_names,
+)
 from firsttoken.models.config import ModelConfig
-from firsttoken.models.checkpoint import TOKEN_IDS, VOCAB_SIZE, demo_model_dir, make_model, shard_names
+from firsttoken.models.registry import load_model_config
 from firsttoken.models.train_tokenizer import SPECIAL_TOKENS
 
 

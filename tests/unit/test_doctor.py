@@ -8,11 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import VLLM_FIXTURES
-
 from firsttoken.cli.doctor import kv_sizing
 from firsttoken.cli.main import main
 from firsttoken.tools.doctor import Thresholds, doctor_from_texts, format_report
+from tests.conftest import VLLM_FIXTURES
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures" / "doctor"
 VLLM_METRICS = VLLM_FIXTURES / "metrics.txt"

@@ -13,7 +13,6 @@ import pytest
 import torch
 from PIL import Image
 
-from firsttoken.models.config import VisionConfig
 from firsttoken.inputs.image import (
     OPENAI_CLIP_MEAN,
     OPENAI_CLIP_STD,
@@ -28,6 +27,7 @@ from firsttoken.inputs.image import (
     smart_resize,
 )
 from firsttoken.inputs.media import base64_decoded_len, load_image_bytes
+from firsttoken.models.config import VisionConfig
 
 VISION = VisionConfig(depth=1, embed_dim=16, num_heads=1, intermediate_size=64, out_hidden_size=16)
 MAX_PIXELS = 10_000_000

@@ -11,13 +11,13 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
-from firsttoken.api.protocol import ChatCompletionRequest
+from firsttoken.api.protocol import ChatCompletionRequest, to_chat_prompt
 from firsttoken.config import GenerationDefaults
-from firsttoken.models.registry import load_model_config
-from firsttoken.engine.request import Timeline
 from firsttoken.inputs.budget import ImageBudget
 from firsttoken.inputs.image import ImageInputError
 from firsttoken.inputs.processor import ImageSettings, InputError, InputProcessor
+from firsttoken.models.registry import load_model_config
+from tests.helpers import process
 
 
 @pytest.fixture(scope="module")
@@ -64,16 +64,16 @@ def chat(*images: dict, text: str = "What is this?", **fields) -> ChatCompletion
 def test_detail_and_max_visual_tokens_shrink_images_and_tokenize_equals_the_engine_prompt(processor) -> None:
     img = url(png_bytes(800, 600))
     req = chat({"url": img}, {"url": img, "detail": "low"}, {"url": img, "max_visual_tokens": 20})
-    count = processor.count_chat(req.messages)
+    count = processor.count(to_chat_prompt(req.messages))
     assert [(im.num_tokens, im.budget_tokens) for im in count.images] == [(234, 256), (54, 64), (15, 20)]
-    engine_request = processor.process_chat(req, "r", Timeline())
+    engine_request = process(processor, req, "r")
     assert engine_request.prompt_token_ids == count.token_ids
     assert [im.num_tokens for im in engine_request.images] == [234, 54, 15]
 
 
 def test_a_budget_above_the_cap_is_refused_naming_the_field(processor) -> None:
     with pytest.raises(InputError, match="max_visual_tokens=257 is above this server's cap of 256") as err:
-        processor.count_chat(chat({"url": url(png_bytes(64, 64))}, {"url": "x", "max_visual_tokens": 257}).messages)
+        processor.count(to_chat_prompt(chat({"url": url(png_bytes(64, 64))}, {"url": "x", "max_visual_tokens": 257}).messages))
     assert err.value.param == "messages[0].content[1].image_url.max_visual_tokens"
 
 
@@ -81,42 +81,42 @@ def test_the_input_token_limit_is_checked_from_headers_before_decoding(processor
     # Three 560x560 headers with no pixel data: counting needs only the header, and the limit fires first.
     blob = url(header_only_png(560, 560))
     with pytest.raises(InputError) as err:
-        processor.process_chat(chat({"url": blob}, {"url": blob}, {"url": blob}), "r", Timeline())
+        process(processor, chat({"url": blob}, {"url": blob}, {"url": blob}), "r")
     message = str(err.value)
     assert "3 images of 256, 256, 256 visual tokens" in message and "at most 600 input tokens" in message
     assert "detail=low" in message and err.value.param == "messages"
     # Under the limit, the missing pixels are found when decoding.
     with pytest.raises(ImageInputError, match="truncated or corrupt"):
-        processor.process_chat(chat({"url": blob, "detail": "low"}), "r", Timeline())
+        process(processor, chat({"url": blob, "detail": "low"}), "r")
 
 
 def test_text_over_the_input_limit_says_to_shorten_it(processor) -> None:
     with pytest.raises(InputError, match=r"the prompt has \d+ tokens \(\d+ text and template tokens\).*600.*shorten"):
-        processor.process_chat(chat(text="word " * 700), "r", Timeline())
+        process(processor, chat(text="word " * 700), "r")
 
 
 def test_prompt_plus_max_tokens_over_the_context_says_how_much_room_is_left(processor) -> None:
     req = chat({"url": url(png_bytes(100, 100))}, max_tokens=2040)
     with pytest.raises(InputError, match=r"you requested \d+ \(\d+ in the prompt: \d+ text .* \+ 1 image of 16 "
                        r"visual tokens; 2040 for the output\)\. Reduce max_tokens to at most \d+") as err:
-        processor.process_chat(req, "r", Timeline())
+        process(processor, req, "r")
     assert err.value.param == "max_tokens"
 
 
 def test_too_many_images_are_counted_before_any_is_loaded(processor) -> None:
     with pytest.raises(InputError, match="too many images: 4 in this request, the limit is 3.*send at most 3"):
-        processor.count_chat(chat(*[{"url": "data:,not-even-an-image"}] * 4).messages)
+        processor.count(to_chat_prompt(chat(*[{"url": "data:,not-even-an-image"}] * 4).messages))
 
 
 def test_image_pixels_are_refused_from_the_header(processor) -> None:
     big = url(header_only_png(3000, 2000))
     with pytest.raises(ImageInputError, match=r"image 2 of 2: .*3000x2000 = 6000000 pixels; the limit is 4000000.*"
                        "downscale") as err:
-        processor.count_chat(chat({"url": url(png_bytes(8, 8))}, {"url": big}).messages)
+        processor.count(to_chat_prompt(chat({"url": url(png_bytes(8, 8))}, {"url": big}).messages))
     assert err.value.code == "image_too_large"
 
 
 def test_aspect_ratio_over_200_is_refused_and_200_is_served(processor) -> None:
-    assert processor.count_chat(chat({"url": url(header_only_png(5600, 28))}).messages).images[0].num_tokens == 200
+    assert processor.count(to_chat_prompt(chat({"url": url(header_only_png(5600, 28))}).messages)).images[0].num_tokens == 200
     with pytest.raises(ImageInputError, match="aspect ratio 201.0:1; this model accepts at most 200:1"):
-        processor.count_chat(chat({"url": url(header_only_png(28, 5628))}).messages)
+        processor.count(to_chat_prompt(chat({"url": url(header_only_png(28, 5628))}).messages))

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from firsttoken.scheduler.lanes import LONG, SHORT, route_lane
 from firsttoken.config import SchedulerConfig
+from firsttoken.scheduler.lanes import LONG, SHORT, route_lane
 from tests.unit.fakes import fake_request, make_scheduler, run_step
 
 
@@ -136,7 +136,7 @@ def test_a_decode_outgrowing_its_reserve_never_evicts_a_prefill_admitted_whole_p
         batch = run_step(sched)
         preempted += batch.preempted_request_ids
         progress.append(p.num_computed_tokens)
-    assert "p" not in preempted and p.timeline.num_preemptions == 0
+    assert "p" not in preempted and p.stats.num_preemptions == 0
     assert preempted == ["d"]  # the growing request itself: the only decoder
     assert sched.preemptions_by_reason == {"decode_growth": 1}
     assert len(d.output_token_ids) == 30 and len(p.output_token_ids) == 2
@@ -149,7 +149,7 @@ def test_whole_prompt_admission_keeps_its_promise_under_random_arrivals_aborts_a
     # decode's growth, and the pool's invariants hold after every step.
     import random
 
-    from firsttoken.engine.request import FinishReason
+    from firsttoken.types import FinishReason
 
     rng = random.Random(1234)
     sched = lanes_scheduler(num_blocks=30, decode_reserve_tokens=4, max_batched_tokens=48, long_prompt_threshold=120,

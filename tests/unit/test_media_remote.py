@@ -8,6 +8,7 @@ import http.server
 import threading
 import time
 from collections.abc import Iterator
+
 import pytest
 
 from firsttoken.inputs.image import ImageInputError

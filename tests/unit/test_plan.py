@@ -9,14 +9,19 @@ import torch
 
 from firsttoken.cli.main import main
 from firsttoken.config import CacheConfig, SchedulerConfig
-from firsttoken.models.registry import model_config_from_dict
 from firsttoken.engine.engine import EngineConfig, plan_kv_capacity
-from firsttoken.engine.request import EngineRequest, Timeline
 from firsttoken.models.checkpoint import SIZES, build_hf_config
-from firsttoken.sampling.params import SamplingParams
+from firsttoken.models.registry import model_config_from_dict
 from firsttoken.scheduler.request import Request
 from firsttoken.scheduler.scheduler import Scheduler
-from firsttoken.tools.plan import DoesNotFit, ModelShape, PlanInputs, make_plan, parse_bytes
+from firsttoken.tools.plan import (
+    DoesNotFit,
+    ModelShape,
+    PlanInputs,
+    make_plan,
+    parse_bytes,
+)
+from firsttoken.types import EngineRequest, SamplingParams
 
 QWEN25_VL_7B = {
     "model_type": "qwen2_5_vl", "hidden_size": 3584, "intermediate_size": 18944, "num_hidden_layers": 28,
@@ -55,7 +60,7 @@ def _scheduler_admits(config: dict, inputs: PlanInputs, pool_bytes: int, max_mod
     n = inputs.prompt_tokens
     for i in range(num_offered):
         er = EngineRequest(f"r{i}", tuple([7] * n), (), torch.zeros(3, n, dtype=torch.long), 0,
-                           SamplingParams(max_tokens=inputs.output_tokens), Timeline())
+                           SamplingParams(max_tokens=inputs.output_tokens), 0.0, 0.0)
         sched.add(Request(er, arrival_seq=i))
     sched.schedule()
     sched.check_invariants()

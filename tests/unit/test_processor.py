@@ -11,10 +11,11 @@ from PIL import Image
 
 from firsttoken.api.protocol import ChatCompletionRequest, CompletionRequest
 from firsttoken.config import GenerationDefaults
-from firsttoken.models.registry import load_model_config
-from firsttoken.engine.request import Timeline
 from firsttoken.inputs.image import ImageInputError
 from firsttoken.inputs.processor import ImageSettings, InputError, InputProcessor
+from firsttoken.inputs.prompt import TextPrompt
+from firsttoken.models.registry import load_model_config
+from tests.helpers import process
 
 MAX_MODEL_LEN = 4096
 
@@ -55,7 +56,7 @@ def ids_of(processor: InputProcessor, token: str) -> int:
 
 def test_text_chat_is_the_checkpoint_template_tokenized(processor: InputProcessor) -> None:
     req = chat("What is 2+2?")
-    er = processor.process_chat(req, "r1", Timeline())
+    er = process(processor, req, "r1")
     expected = processor.tokenizer.apply_chat_template(
         [{"role": "user", "content": "What is 2+2?"}], tokenize=True, add_generation_prompt=True, return_dict=False
     )
@@ -70,7 +71,7 @@ def test_text_chat_is_the_checkpoint_template_tokenized(processor: InputProcesso
 def test_image_slot_is_expanded_to_its_visual_tokens(processor: InputProcessor) -> None:
     # The vLLM fixture's image: 64x48 -> resized 56x56 -> 4x4 patches -> 4 tokens after the 2x2 merge.
     req = chat(image(png_url(64, 48)), text("What is in this picture?"))
-    er = processor.process_chat(req, "r1", Timeline())
+    er = process(processor, req, "r1")
     pad, start, end = (ids_of(processor, t) for t in ("<|image_pad|>", "<|vision_start|>", "<|vision_end|>"))
     (item,) = er.images
     assert (item.num_tokens, item.grid_thw) == (4, (1, 4, 4))
@@ -84,7 +85,7 @@ def test_image_slot_is_expanded_to_its_visual_tokens(processor: InputProcessor) 
 def test_several_images_keep_their_order_and_offsets(processor: InputProcessor) -> None:
     small, wide = png_url(56, 56), png_url(224, 56, (0, 0, 255))
     req = chat(image(wide), text("and"), image(small), text("and again"), image(wide))
-    er = processor.process_chat(req, "r1", Timeline())
+    er = process(processor, req, "r1")
     assert [im.num_tokens for im in er.images] == [16, 4, 16]
     assert [im.grid_thw for im in er.images] == [(1, 4, 16), (1, 4, 4), (1, 4, 16)]
     offsets = [im.offset for im in er.images]
@@ -104,9 +105,9 @@ INJECTIONS = [
 
 @pytest.mark.parametrize("typed", INJECTIONS)
 def test_control_tokens_typed_by_a_user_stay_text(processor: InputProcessor, typed: str) -> None:
-    benign = processor.process_chat(chat("x"), "r0", Timeline()).prompt_token_ids
+    benign = process(processor, chat("x"), "r0").prompt_token_ids
     for req in (chat(typed), chat(text(typed)), chat(text(typed), image(png_url(56, 56)))):
-        er = processor.process_chat(req, "r1", Timeline())
+        er = process(processor, req, "r1")
         ids = er.prompt_token_ids
         assert ids.count(ids_of(processor, "<|image_pad|>")) == er.num_image_tokens
         assert ids.count(ids_of(processor, "<|video_pad|>")) == 0
@@ -119,14 +120,14 @@ def test_control_tokens_typed_by_a_user_stay_text(processor: InputProcessor, typ
 
 def test_raw_completion_prompt_honours_chat_tokens_but_not_image_slots(processor: InputProcessor) -> None:
     req = CompletionRequest(model="m", prompt="<|im_start|>user\nhi <|image_pad|><|im_end|>")
-    er = processor.process_completion(req, "r1", Timeline())
+    er = process(processor, req, "r1")
     assert er.prompt_token_ids[0] == ids_of(processor, "<|im_start|>")
     assert ids_of(processor, "<|image_pad|>") not in er.prompt_token_ids
     assert processor.tokenizer.decode(er.prompt_token_ids) == req.prompt
 
 
 def test_sampling_defaults_come_from_generation_config(processor: InputProcessor) -> None:
-    er = processor.process_chat(chat("hi"), "r1", Timeline())
+    er = process(processor, chat("hi"), "r1")
     s = er.sampling
     assert (s.temperature, s.top_k, s.repetition_penalty) == (0.01, 1, 1.05)
     assert s.max_tokens == MAX_MODEL_LEN - er.num_prompt_tokens  # the rest of the context
@@ -146,7 +147,7 @@ def test_request_values_override_defaults(processor: InputProcessor) -> None:
         top_logprobs=2,
         stop_token_ids=[7],
     )
-    s = processor.process_chat(req, "r1", Timeline()).sampling
+    s = process(processor, req, "r1").sampling
     assert (s.temperature, s.top_k, s.max_tokens, s.stop, s.seed) == (0.7, 0, 5, ("END",), 3)
     assert (s.logprobs, s.top_logprobs) == (True, 2) and 7 in s.stop_token_ids
 
@@ -163,20 +164,20 @@ def test_request_values_override_defaults(processor: InputProcessor) -> None:
 )
 def test_bad_sampling_values_name_the_field(processor: InputProcessor, fields: dict, param: str, message: str) -> None:
     with pytest.raises(InputError, match=message) as err:
-        processor.process_chat(chat("hi", **fields), "r1", Timeline())
+        process(processor, chat("hi", **fields), "r1")
     assert err.value.param == param
 
 
 def test_sampling_errors_are_found_before_images_are_decoded(processor: InputProcessor) -> None:
     req = chat(image("data:image/png;base64,!!!not base64!!!"), text("hi"), max_tokens=-1)
     with pytest.raises(InputError) as err:
-        processor.process_chat(req, "r1", Timeline())
+        process(processor, req, "r1")
     assert err.value.param == "max_tokens"
 
 
 def test_prompt_longer_than_the_context_is_refused(processor: InputProcessor) -> None:
     with pytest.raises(InputError, match="leaves no room") as err:
-        processor.process_chat(chat("word " * MAX_MODEL_LEN), "r1", Timeline())
+        process(processor, chat("word " * MAX_MODEL_LEN), "r1")
     assert err.value.param == "messages"
 
 
@@ -184,29 +185,28 @@ def test_undecodable_images_raise_client_safe_errors(processor: InputProcessor) 
     not_png = "data:image/png;base64," + base64.b64encode(b"definitely not an image").decode()
     for url in ("data:image/png;base64,@@@@", not_png, "http://example.com/a.png"):
         with pytest.raises(ImageInputError) as err:
-            processor.process_chat(chat(image(url)), "r1", Timeline())
+            process(processor, chat(image(url)), "r1")
         assert "@@@@" not in str(err.value) and "definitely" not in str(err.value)
 
 
 def test_too_many_images_are_refused_before_loading(processor: InputProcessor) -> None:
     with pytest.raises(InputError, match="too many images") as err:
-        processor.process_chat(chat(*[image("data:,broken")] * 4), "r1", Timeline())
+        process(processor, chat(*[image("data:,broken")] * 4), "r1")
     assert err.value.param == "messages"
 
 
 def test_count_chat_reports_text_and_image_tokens(processor: InputProcessor) -> None:
-    count = processor.count_chat(chat(image(png_url(64, 48)), text("What is in this picture?")).messages)
+    count = processor.count(chat(image(png_url(64, 48)), text("What is in this picture?")).to_prompt())
     (im,) = count.images
     assert (im.original_size, im.resized_size, im.num_tokens) == ((64, 48), (56, 56), 4)
     assert count.total == count.num_text_tokens + 4
-    full = processor.process_chat(chat(image(png_url(64, 48)), text("What is in this picture?")), "r", Timeline())
+    full = process(processor, chat(image(png_url(64, 48)), text("What is in this picture?")), "r")
     assert count.token_ids == full.prompt_token_ids
 
 
-def test_preprocess_is_marked_on_the_timeline(processor: InputProcessor) -> None:
-    timeline = Timeline()
-    processor.process_chat(chat("hi"), "r1", timeline)
-    assert timeline.preprocessed_s is not None and timeline.preprocessed_s >= timeline.arrival_s
+def test_preprocess_is_stamped_on_the_engine_request(processor: InputProcessor) -> None:
+    er = process(processor, chat("hi"), "r1")
+    assert er.preprocessed_s >= er.arrival_s
 
 
 def test_token_piece_returns_raw_bytes_of_byte_level_tokens(processor: InputProcessor) -> None:
@@ -231,19 +231,19 @@ def test_per_token_costs_are_bounded_naming_the_field(
     processor: InputProcessor, fields: dict, param: str, message: str
 ) -> None:
     with pytest.raises(InputError, match=message) as err:
-        processor.process_chat(chat("hi", **fields), "r1", Timeline())
+        process(processor, chat("hi", **fields), "r1")
     assert err.value.param == param
 
 
 def test_completions_logprobs_errors_name_the_field_the_client_sent(processor: InputProcessor) -> None:
     with pytest.raises(InputError, match="logprobs must be between 0 and 20, got 21") as err:
-        processor.process_completion(CompletionRequest(model="m", prompt="hi", logprobs=21), "r1", Timeline())
+        process(processor, CompletionRequest(model="m", prompt="hi", logprobs=21), "r1")
     assert err.value.param == "logprobs"
 
 
 def test_the_engine_contract_refuses_what_a_generator_or_the_detokenizer_cannot_take() -> None:
     """SamplingParams guards every caller, not only HTTP: torch refuses seeds of 2**64 and more."""
-    from firsttoken.sampling.params import SamplingParams
+    from firsttoken.types import SamplingParams
 
     for bad in ({"seed": 2**64}, {"seed": -(2**63) - 1}, {"stop": ("a",) * 33}, {"stop": ("a" * 257,)}):
         with pytest.raises(ValueError):
@@ -253,10 +253,10 @@ def test_the_engine_contract_refuses_what_a_generator_or_the_detokenizer_cannot_
 
 def test_huge_text_is_refused_by_its_length_naming_what_was_counted(processor: InputProcessor) -> None:
     with pytest.raises(InputError, match=r"text alone has at least \d+ tokens \(5000000 characters\).*4096") as err:
-        processor.process_completion(CompletionRequest(model="m", prompt="x" * 5_000_000), "r1", Timeline())
+        process(processor, CompletionRequest(model="m", prompt="x" * 5_000_000), "r1")
     assert err.value.param == "prompt"
     with pytest.raises(InputError, match="text alone has at least") as err:
-        processor.process_chat(chat("word " * 20_000), "r1", Timeline())  # ~20k tokens: counted in pieces
+        process(processor, chat("word " * 20_000), "r1")  # ~20k tokens: counted in pieces
     assert err.value.param == "messages"
     with pytest.raises(InputError, match="text alone has at least"):
-        processor.count_prompt("word " * 20_000)  # /tokenize: refused past the context, not counted whole
+        processor.count(TextPrompt("word " * 20_000))  # /tokenize: refused past the context, not counted whole

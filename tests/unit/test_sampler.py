@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from firsttoken.sampling.params import SamplingParams
-from firsttoken.sampling.sampler import SampleRow, Sampler, make_generator
+from firsttoken.sampling.sampler import Sampler, SampleRow, make_generator
+from firsttoken.types import SamplingParams
 
 
 def row(prompt=(), output=(), seed=None, **params) -> SampleRow:

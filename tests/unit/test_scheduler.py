@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from firsttoken.engine.request import FinishReason
 from firsttoken.scheduler.request import RequestStatus
+from firsttoken.types import FinishReason
 from tests.unit.fakes import fake_request, make_scheduler, run_step
 
 
@@ -72,7 +72,7 @@ def test_decode_growth_that_runs_the_pool_dry_preempts_the_latest_by_recompute()
         preempted += batch.preempted_request_ids
     assert not sched.has_work
     assert preempted and set(preempted) == {"b"}
-    assert b.timeline.num_preemptions == len(preempted)
+    assert b.stats.num_preemptions == len(preempted)
     assert len(a.output_token_ids) == len(b.output_token_ids) == 40
     assert sched.kv.num_used_blocks == 0
 
@@ -111,7 +111,7 @@ def test_repeated_image_in_a_later_request_hits_the_encoder_cache():
     second = run_step(sched)
     assert [w.content_hash for w in first.encoder_work] == ["img1"]
     assert second.encoder_work == ()
-    assert b.timeline.num_encoder_cache_hits == 1
+    assert b.stats.num_encoder_cache_hits == 1
 
 
 def test_follow_up_turn_reuses_prompt_blocks_including_image_blocks():
@@ -125,7 +125,7 @@ def test_follow_up_turn_reuses_prompt_blocks_including_image_blocks():
     batch = run_step(sched)
     assert batch.chunks[0].context_len == 96  # 6 full blocks of the first turn's 100-token prompt
     assert batch.chunks[0].num_new_tokens == 130 - 96
-    assert follow.timeline.num_cached_prompt_tokens == 96
+    assert follow.stats.num_cached_prompt_tokens == 96
 
 
 def test_different_image_with_same_placeholders_does_not_reuse_blocks():

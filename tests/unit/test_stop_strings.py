@@ -8,7 +8,7 @@ import random
 import pytest
 
 from firsttoken.engine.stop_strings import StopMatcher
-from firsttoken.sampling.params import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS
+from firsttoken.types import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS
 
 
 def first_stop(text: str, stops: tuple[str, ...]) -> tuple[int, str] | None:

@@ -9,7 +9,13 @@ from collections.abc import Sequence
 import pytest
 from tokenizers import Tokenizer
 
-from firsttoken.inputs.text_size import CUT_SLACK_TOKENS, PIECE_CHARS, longest_token_chars, measure_text, pieces
+from firsttoken.inputs.text_size import (
+    CUT_SLACK_TOKENS,
+    PIECE_CHARS,
+    longest_token_chars,
+    measure_text,
+    pieces,
+)
 from firsttoken.models.train_tokenizer import ASSET_PATH
 
 

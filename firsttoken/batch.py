@@ -1,4 +1,5 @@
-"""What the scheduler hands to the runner for one step, and what the runner reports back."""
+"""What crosses the scheduler -> runner boundary for one step, and what the runner reports back. A leaf module
+(it imports only firsttoken.types): the scheduler builds these, the runner (any Executor) consumes them."""
 
 from __future__ import annotations
 
@@ -6,8 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from firsttoken.engine.request import ImageItem, TokenLogprob
-from firsttoken.sampling.params import SamplingParams
+from firsttoken.types import ImageItem, SamplingParams, TokenLogprob
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,100 @@
+"""What the input processor takes: a prompt and the sampling a client asked for, in no particular API's terms.
+
+The HTTP layer converts OpenAI bodies into these (api/protocol.py), the offline ``LLM`` builds them from Python
+values, and anything else (a replica behind another router, a test) can too, without an HTTP body. Error messages
+name request fields by the paths these values imply (``messages[0].content[1].image_url``) and, for sampling, by the
+name the client used (``SamplingRequest.names``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class TextPart:
+    text: str
+
+
+@dataclass(frozen=True)
+class ImagePart:
+    """An image by reference (``url``: a data: URL, a local path or file:// URL inside the allowed directory, or an
+    http(s) URL of an allowed domain) or by value (``data``: its encoded bytes, for in-process callers)."""
+
+    url: str | None = None
+    data: bytes | None = None
+    detail: str | None = None  # "low" = the server's low-detail budget; "high"/"auto"/None = its cap
+    max_visual_tokens: int | None = None  # at most this many visual tokens (never above the server's cap)
+
+    def __post_init__(self) -> None:
+        if (self.url is None) == (self.data is None):
+            raise ValueError("an image part needs exactly one of url or data")
+
+
+@dataclass(frozen=True)
+class Message:
+    role: str  # system | user | assistant (the chat template prints it verbatim: the API layer restricts it)
+    content: str | tuple[TextPart | ImagePart, ...] | None
+
+    def texts(self) -> list[str]:
+        """Every piece of text in this message (what the tokenizer will see)."""
+        if self.content is None:
+            return []
+        if isinstance(self.content, str):
+            return [self.content]
+        return [p.text for p in self.content if isinstance(p, TextPart)]
+
+
+@dataclass(frozen=True)
+class ChatPrompt:
+    messages: tuple[Message, ...]
+    add_generation_prompt: bool = True
+
+    @property
+    def param(self) -> str:
+        return "messages"
+
+    def texts(self) -> list[str]:
+        return [t for m in self.messages for t in m.texts()]
+
+
+@dataclass(frozen=True)
+class TextPrompt:
+    """A raw completion prompt: chat control tokens are honoured, image slots never."""
+
+    text: str
+
+    @property
+    def param(self) -> str:
+        return "prompt"
+
+    def texts(self) -> list[str]:
+        return [self.text]
+
+
+Prompt = ChatPrompt | TextPrompt
+
+
+@dataclass(frozen=True)
+class SamplingRequest:
+    """Sampling as asked for: None means the checkpoint's default (generation_config.json); ``max_tokens`` None means
+    all the room the context leaves. ``names`` maps a SamplingParams field to the name the client used for it
+    (``max_tokens`` -> ``max_completion_tokens``), so a refusal names what the client sent."""
+
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    logprobs: bool = False
+    top_logprobs: int = 0
+    names: tuple[tuple[str, str], ...] = ()  # (SamplingParams field, client's field)
+
+    def name(self, field: str) -> str:
+        return dict(self.names).get(field, field)

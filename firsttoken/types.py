@@ -1,0 +1,224 @@
+"""The values that cross layer boundaries: what the engine receives, what it hands back, and the verdicts and
+snapshots it answers with. A leaf module: it imports nothing of firsttoken, so every layer may use it.
+
+An EngineRequest is fully preprocessed before it reaches the engine: chat template applied, images decoded, resized
+within their budget and turned into pixel patches, M-RoPE positions computed, sampling parameters resolved. The
+engine never parses or decodes anything.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+
+import torch
+
+# ---------------------------------------------------------------------------------------------- sampling
+
+SAMPLING_EPS = 1e-5  # a temperature below this samples greedily (as vLLM); dividing by it would overflow
+# What one request may make the engine do per token, and what a seeded generator accepts.
+MAX_STOP_STRINGS = 32  # OpenAI allows 4; generous, and stop matching costs O(new text) however many (stop_strings.py)
+MAX_STOP_STRING_CHARS = 256  # each; text held back waiting for a possible stop is shorter than this
+MAX_TOP_LOGPROBS = 20  # alternatives per position, as OpenAI
+SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1  # int64, as vLLM; torch's generator refuses 2**64 and above
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int
+    temperature: float = 1.0  # 0 (or anything below SAMPLING_EPS) = greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = off
+    seed: int | None = None  # a per-request generator: same seed, same output
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()  # EOS ids from generation_config.json + the request's own
+    ignore_eos: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logprobs: bool = False
+    top_logprobs: int = 0  # alternatives per position, 0..20
+
+    def __post_init__(self) -> None:
+        if self.max_tokens < 1:
+            raise ValueError("max_tokens must be at least 1")
+        if not 0.0 <= self.temperature <= 2.0:
+            raise ValueError("temperature must be between 0 and 2")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError("top_p must be in (0, 1]")
+        if self.top_k < 0:
+            raise ValueError("top_k must be >= 0 (0 disables it)")
+        if not -2.0 <= self.presence_penalty <= 2.0:
+            raise ValueError("presence_penalty must be between -2 and 2")
+        if not -2.0 <= self.frequency_penalty <= 2.0:
+            raise ValueError("frequency_penalty must be between -2 and 2")
+        if not 0.0 < self.repetition_penalty <= 10.0:
+            raise ValueError("repetition_penalty must be in (0, 10]")
+        if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"top_logprobs must be between 0 and {MAX_TOP_LOGPROBS}")
+        if self.seed is not None and not SEED_MIN <= self.seed <= SEED_MAX:
+            raise ValueError(f"seed must be a 64-bit signed integer, between {SEED_MIN} and {SEED_MAX}")
+        if len(self.stop) > MAX_STOP_STRINGS:
+            raise ValueError(f"stop may hold at most {MAX_STOP_STRINGS} strings, got {len(self.stop)}")
+        longest = max(map(len, self.stop), default=0)
+        if longest > MAX_STOP_STRING_CHARS:
+            raise ValueError(
+                f"stop strings may be at most {MAX_STOP_STRING_CHARS} characters each, got one of {longest}"
+            )
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature < SAMPLING_EPS or self.top_k == 1
+
+    @property
+    def has_penalties(self) -> bool:
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+
+
+# ---------------------------------------------------------------------------------------------- images
+
+@dataclass(frozen=True)
+class EncoderUnit:
+    """One schedulable piece of an image's vision-tower work (one block today)."""
+
+    num_patches: int  # rows it processes
+    attention_pairs: int  # query-key pairs its attention scores: full = n^2 per frame, windowed = sum of window^2
+    cost_tokens: int  # what it costs against a step's token budget: visual tokens x (its FLOPs / a full block's)
+
+
+@dataclass(frozen=True)
+class ImageItem:
+    """One image of a prompt. Its tokens are prompt_token_ids[offset : offset + num_tokens]."""
+
+    content_hash: str  # identifies the pixels after resizing + the settings that shape its tokens
+    offset: int  # index of the first image-pad token in the prompt
+    num_tokens: int  # visual tokens after the 2x2 merge
+    grid_thw: tuple[int, int, int]  # patch grid before merging
+    encoder_units: tuple[EncoderUnit, ...]  # its vision-tower work, in order (the model family's split)
+    pixel_values: torch.Tensor | None  # [num_patches, C * T * P * P]; None when the encoder output is cached
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.num_tokens
+
+
+def images_in(images: tuple[ImageItem, ...], start: int, end: int) -> list[tuple[int, ImageItem]]:
+    """(index, image) of the images whose tokens overlap prompt indices [start, end)."""
+    return [(i, im) for i, im in enumerate(images) if im.offset < end and im.end > start]
+
+
+# ---------------------------------------------------------------------------------------------- requests
+
+@dataclass(frozen=True)
+class EngineRequest:
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    images: tuple[ImageItem, ...]
+    mrope_positions: torch.Tensor  # [3, num_prompt_tokens] int64 (t, h, w)
+    mrope_delta: int  # decode token i >= num_prompt_tokens sits at position i + mrope_delta on all axes
+    sampling: SamplingParams
+    arrival_s: float  # monotonic time the request reached the server (the API stamps it)
+    preprocessed_s: float  # monotonic time preprocessing ended (the input processor stamps it)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_image_tokens(self) -> int:
+        return sum(im.num_tokens for im in self.images)
+
+
+class FinishReason(str, Enum):
+    STOP = "stop"  # EOS or a stop string
+    LENGTH = "length"  # max_tokens or the context limit
+    ABORT = "abort"  # client went away, timeout, or shutdown
+    ERROR = "error"  # this request failed; others go on
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()  # (token_id, logprob) alternatives, best first
+
+
+@dataclass(frozen=True)
+class RequestStats:
+    """What the engine did for one request so far, stamped on every output it hands on (monotonic seconds; None
+    until it happened). The API assembles the request's timeline from these and its own stamps
+    (metrics/timeline.py); nothing is shared between the engine thread and the event loop."""
+
+    first_scheduled_s: float | None = None
+    encoder_done_s: float | None = None
+    prefill_done_s: float | None = None
+    first_token_s: float | None = None
+    finished_s: float | None = None
+    num_prefill_steps: int = 0  # engine steps that carried this request's prefill chunks
+    num_shared_prefill_steps: int = 0  # of those, steps that also carried other requests' work
+    encoder_s: float = 0.0  # time spent in the vision tower for this request's images
+    num_images_encoded: int = 0
+    num_encoder_cache_hits: int = 0
+    num_cached_prompt_tokens: int = 0
+    num_preemptions: int = 0
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    """What one engine step produced for one request (a delta, not the whole text)."""
+
+    request_id: str
+    new_token_ids: tuple[int, ...]
+    new_text: str
+    finished: bool
+    finish_reason: FinishReason | None
+    num_prompt_tokens: int
+    num_output_tokens: int
+    logprobs: tuple[TokenLogprob, ...] = ()
+    stats: RequestStats = field(default_factory=lambda: RequestStats())  # what the engine did for it so far
+    error: str | None = None  # set with FinishReason.ERROR: a user-safe message
+    error_status: int = 500  # the HTTP status that error maps to (504 for a request timeout)
+
+
+# ---------------------------------------------------------------------------------------------- answers
+
+@dataclass(frozen=True)
+class AdmissionVerdict:
+    """Whether a new request may queue, and if not why: the reason is a metric label and the client's message."""
+
+    admitted: bool
+    lane: str
+    reason: str = ""  # "queue_full" | "never_fits"
+    message: str = ""
+    status: int = 200  # HTTP status the API answers with when refused
+
+    @staticmethod
+    def ok(lane: str) -> "AdmissionVerdict":
+        return AdmissionVerdict(True, lane)
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """A snapshot for /stats-style endpoints and tests: is memory back, who is waiting."""
+
+    kv_blocks_total: int
+    kv_blocks_used: int  # referenced by a live request
+    kv_blocks_cached: int  # unreferenced but holding a reusable prefix (evictable, counted as free)
+    kv_blocks_free: int  # total - used
+    block_size: int
+    num_running: int
+    num_waiting: int
+    num_steps: int
+    num_preemptions: int
+    max_model_len: int
+    num_waiting_by_lane: dict[str, int] = field(default_factory=dict)
+    preemptions_by_reason: dict[str, int] = field(default_factory=dict)
+    num_short_delayed_by_long: int = 0  # short requests that sat out a whole step while long work ran
+    encoder_cache_hits: int = 0
+    encoder_cache_misses: int = 0
+    encoder_cache_bytes: int = 0
+    num_images_encoded: int = 0  # images the vision tower ran for since start (encoder cache misses computed)
+    prefix_cache_hit_tokens: int = 0
+    prefix_cache_query_tokens: int = 0
+
+
