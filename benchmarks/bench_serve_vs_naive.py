@@ -129,9 +129,10 @@ def run_naive(model_dir: str, kinds, levels, max_tokens: int) -> dict:
 
     tok = AutoTokenizer.from_pretrained(model_dir)
     proc = Qwen2VLImageProcessorPil.from_pretrained(model_dir)
-    from firsttoken.engine.engine import EngineConfig
+    from firsttoken.config import EngineConfig
+    from firsttoken.engine.engine import torch_dtype
 
-    dtype = EngineConfig().torch_dtype()  # what `firsttoken serve --dtype auto` picks on this CPU: same math
+    dtype = torch_dtype(EngineConfig().dtype)  # what `firsttoken serve --dtype auto` picks on this CPU: same math
     model = Qwen2VLForConditionalGeneration.from_pretrained(model_dir, dtype=dtype).eval()
     pad = model.config.image_token_id
 

@@ -1,12 +1,357 @@
-"""Frozen configuration values of the engine. The checkpoint's architecture (ModelConfig) is parsed by its model
-family: see firsttoken/models/config.py and models/registry.py."""
+"""One config tree: every option of the server, engine and inputs, with its only default, its range check and its
+flag, in one place. ``firsttoken serve``'s flags are generated from it (cli/serve.py: name, type, help and default
+read off each field), so a default cannot drift between a flag table and a dataclass.
+
+    ServeConfig
+      model, served_model_name
+      engine: EngineConfig       dtype, device, attention backend, threads, seed, timeouts
+        cache: CacheConfig       KV pool, block size, prefix and encoder caches
+        scheduler: SchedulerConfig   step budget, lanes, admission, queues, context length
+      images: ImageConfig        visual-token budget, image and input limits, where images may come from
+      server: ServerConfig       HTTP: bind, bodies, concurrency, shutdown, logs, /stats, API key
+
+Each field's ``option(...)`` metadata gives its help text, and where they differ from the field name, its flag
+(``--kv-cache-memory`` for ``kv_cache_memory_bytes``), a parser (sizes as ``1GiB``) and how its default is shown.
+A ValueError from a ``__post_init__`` names the field first, so the CLI can name the flag (``flag_for_field``).
+The checkpoint's architecture is not configured here: its model family parses it (models/config.py).
+"""
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterator
+from dataclasses import MISSING, dataclass, field, fields, is_dataclass
 from pathlib import Path
 from typing import Any
+
+from firsttoken.units import format_size, parse_bytes
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+DEVICES = ("cpu",)  # where the engine runs; a CUDA runner is the Executor seam's next implementation
+ATTENTION_BACKENDS = ("sdpa",)  # attention/registry.py
+
+
+def option(
+    help: str,
+    *,
+    flag: str | None = None,
+    parse: Callable[[str], Any] | None = None,
+    shown: str | None = None,
+    switch_off: bool = False,
+) -> dict[str, Any]:
+    """Field metadata: ``switch_off`` makes a bool field a ``--no-...`` flag that sets it False."""
+    return {"help": help, "flag": flag, "parse": parse, "shown": shown, "switch_off": switch_off}
+
+
+def _csv(text: str) -> tuple[str, ...]:
+    return tuple(part.strip() for part in text.split(",") if part.strip())
+
+
+def _positive(name: str, value: float | None, allow_none: bool = False) -> None:
+    if value is None and allow_none:
+        return
+    if value is None or not value > 0:
+        raise ValueError(f"{name} must be > 0" + (" (or unset: no limit)" if allow_none else ""))
+
+
+def _at_least(name: str, value: int | None, low: int, allow_none: bool = False) -> None:
+    if value is None and allow_none:
+        return
+    if value is None or value < low:
+        raise ValueError(f"{name} must be >= {low}")
+
+
+# ---------------------------------------------------------------------------------------------- engine
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int = field(default=16, metadata=option("tokens per KV block (a power of two)"))
+    kv_cache_memory_bytes: int = field(
+        default=2**30, metadata=option("bytes for the paged KV cache pool (e.g. 1GiB)", flag="--kv-cache-memory",
+                                       parse=parse_bytes))
+    enable_prefix_caching: bool = field(
+        default=True, metadata=option("disable KV prefix caching (for side-by-side measurement)",
+                                      flag="--no-prefix-cache", switch_off=True))
+    encoder_cache_memory_bytes: int = field(
+        default=512 * 2**20, metadata=option("bytes of vision-encoder outputs kept by image hash",
+                                             flag="--encoder-cache-memory", parse=parse_bytes))
+    enable_encoder_cache: bool = field(
+        default=True, metadata=option("disable the vision-encoder output cache", flag="--no-encoder-cache",
+                                      switch_off=True))
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError("block_size must be a power of two")
+        if self.kv_cache_memory_bytes <= 0:
+            raise ValueError("kv_cache_memory_bytes must be positive")
+        if self.encoder_cache_memory_bytes < 0:
+            raise ValueError("encoder_cache_memory_bytes must be >= 0")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_batched_tokens: int = field(default=2048, metadata=option(
+        "tokens (prefill chunks + decodes) one engine step may run"))
+    max_num_seqs: int = field(default=64, metadata=option("sequences one engine step may run"))
+    decode_reserve_tokens: int = field(default=64, metadata=option(
+        "KV tokens reserved beyond the prompt when a request is admitted"))
+    max_model_len: int | None = field(default=None, metadata=option(
+        "context length; default: the checkpoint's, capped by the KV pool"))
+    scheduling: str = field(default="lanes", metadata=option(
+        "lanes (short/long queues, long work capped per step) or fcfs (one FIFO queue, whole-prompt prefills: the "
+        "seed's starting point, for comparison)"))
+    long_prompt_threshold: int = field(default=1024, metadata=option(
+        "prompt tokens (text + image) from which a request takes the long lane"))
+    long_step_tokens: int = field(default=512, metadata=option(
+        "long-lane work per step: prefill tokens + encoder units' token-equivalent cost (a full vision block of "
+        "an image costs its visual tokens)"))
+    long_step_tokens_idle: int | None = field(default=None, metadata=option(
+        "long-lane work per step when no short request is waiting or prefilling (default: --long-step-tokens)"))
+    long_max_wait_steps: int = field(default=4, metadata=option(
+        "steps in a row long work may be held back for short work (aging)"))
+    kv_admission: str = field(default="whole-prompt", metadata=option(
+        "whole-prompt (start a prefill only when its whole prompt + reserve fits) or optimistic (admit when the "
+        "next chunk fits; preempt by recompute when dry)"))
+    max_queued_requests: int = field(default=256, metadata=option(
+        "requests waiting per lane; beyond it HTTP 429 with Retry-After"))
+
+    def __post_init__(self) -> None:
+        _at_least("max_batched_tokens", self.max_batched_tokens, 1)
+        _at_least("max_num_seqs", self.max_num_seqs, 1)
+        _at_least("decode_reserve_tokens", self.decode_reserve_tokens, 0)
+        _at_least("max_model_len", self.max_model_len, 1, allow_none=True)
+        if self.scheduling not in ("lanes", "fcfs"):
+            raise ValueError("scheduling must be 'lanes' or 'fcfs'")
+        if self.kv_admission not in ("whole-prompt", "optimistic"):
+            raise ValueError("kv_admission must be 'whole-prompt' or 'optimistic'")
+        _at_least("long_prompt_threshold", self.long_prompt_threshold, 1)
+        _at_least("long_step_tokens", self.long_step_tokens, 1)
+        _at_least("long_step_tokens_idle", self.long_step_tokens_idle, 1, allow_none=True)
+        _at_least("long_max_wait_steps", self.long_max_wait_steps, 0)
+        _at_least("max_queued_requests", self.max_queued_requests, 1)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    dtype: str = field(default="auto", metadata=option(
+        "auto (bf16 where the CPU computes bf16 in hardware, else float32), float32 (exact vs transformers), "
+        "bfloat16, float16"))
+    device: str = field(default="cpu", metadata=option(f"where the model runs: {', '.join(DEVICES)}"))
+    attention_backend: str = field(default="sdpa", metadata=option(
+        f"attention implementation over the paged KV cache: {', '.join(ATTENTION_BACKENDS)}"))
+    num_threads: int | None = field(default=None, metadata=option(
+        "torch threads for the engine (default: all cores)"))
+    seed: int | None = field(default=None, metadata=option("seed for requests that bring no seed of their own"))
+    request_timeout_s: float | None = field(default=None, metadata=option(
+        "seconds a request may take from arrival to its last token; later it fails with HTTP 504 (or an error "
+        "event mid-stream) and its KV blocks are freed (default: no limit)", flag="--request-timeout"))
+    max_unread_outputs: int = field(default=256, metadata=option(
+        "outputs (about one per token) a streaming request may leave unread once the connection's buffers are "
+        "full; beyond it the client is not reading: the request is aborted, logged and counted "
+        "(firsttoken_requests_aborted_total{reason=\"client_not_reading\"})"))
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}")
+        if self.device not in DEVICES:
+            raise ValueError(f"device must be one of {', '.join(DEVICES)} (this build runs on the CPU)")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}")
+        _at_least("num_threads", self.num_threads, 1, allow_none=True)
+        _positive("request_timeout_s", self.request_timeout_s, allow_none=True)
+        _at_least("max_unread_outputs", self.max_unread_outputs, 1)
+
+
+# ---------------------------------------------------------------------------------------------- inputs
+
+
+@dataclass(frozen=True)
+class ImageConfig:
+    """The visual-token budget (inputs/budget.py applies it), the limits checked before anything is decoded, and
+    where images may come from."""
+
+    image_max_tokens: int = field(default=1280, metadata=option(
+        "visual tokens per image at most (the cap; images are resized to fit, aspect ratio kept; requests may ask "
+        "for less, never more); 16384 = Qwen2-VL's processor default"))
+    image_min_tokens: int = field(default=4, metadata=option(
+        "visual tokens per image at least (smaller images are scaled up)"))
+    image_low_detail_tokens: int = field(default=256, metadata=option(
+        "the per-image budget of image_url.detail=low"))
+    max_images_per_request: int = field(default=16, metadata=option(
+        "images one request may carry, counted before any is decoded; more gets HTTP 400"))
+    max_image_pixels: int = field(default=40_000_000, metadata=option(
+        "declared width x height per image, checked from the header before decoding; more gets HTTP 400"))
+    max_image_bytes: int = field(default=20 * 2**20, metadata=option(
+        "encoded bytes per image, checked before base64-decoding or reading it; more gets HTTP 400",
+        parse=parse_bytes))
+    max_input_tokens: int | None = field(default=None, metadata=option(
+        "prompt tokens (text + image + chat template) a request may bring; more gets HTTP 400 (default: only the "
+        "context limit applies)"))
+    allowed_media_dir: Path | None = field(default=None, metadata=option(
+        "serve local image paths / file:// URLs only inside this directory (off by default)", parse=Path))
+    allowed_media_domains: tuple[str, ...] = field(default=(), metadata=option(
+        "comma-separated hosts whose http(s) image URLs the server may fetch (off by default); never from "
+        "loopback, private, link-local or metadata addresses, checked after DNS and on every redirect",
+        parse=_csv, shown="none"))
+    media_fetch_timeout_s: float = field(default=5.0, metadata=option(
+        "seconds one remote image fetch may take, redirects included", flag="--media-fetch-timeout"))
+
+    def __post_init__(self) -> None:
+        _at_least("image_max_tokens", self.image_max_tokens, 1)
+        if not 1 <= self.image_min_tokens <= self.image_max_tokens:
+            raise ValueError("image_min_tokens must be >= 1 and <= image_max_tokens")
+        _at_least("image_low_detail_tokens", self.image_low_detail_tokens, 1)
+        _at_least("max_images_per_request", self.max_images_per_request, 0)
+        _at_least("max_image_pixels", self.max_image_pixels, 1)
+        _at_least("max_image_bytes", self.max_image_bytes, 1)
+        _at_least("max_input_tokens", self.max_input_tokens, 1, allow_none=True)
+        _positive("media_fetch_timeout_s", self.media_fetch_timeout_s)
+
+
+# ---------------------------------------------------------------------------------------------- server
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    host: str = field(default="127.0.0.1", metadata=option("address to bind"))
+    port: int = field(default=8000, metadata=option("port to bind"))
+    max_request_bytes: int = field(default=64 * 2**20, metadata=option(
+        "largest request body; larger gets HTTP 413 (base64 images are ~4/3 of their bytes)", parse=parse_bytes))
+    max_concurrent_requests: int = field(default=0, metadata=option(
+        "requests in flight at once (preprocessing + generation), all lanes; beyond it HTTP 429 (0: no cap; the "
+        "per-lane queue bound usually suffices)"))
+    request_body_timeout_s: float | None = field(default=60.0, metadata=option(
+        "seconds from a request's headers to the last byte of its body; later gets HTTP 408 and the connection "
+        "is closed (a body that never ends cannot hold a connection)", flag="--request-body-timeout"))
+    request_header_timeout_s: float = field(default=30.0, metadata=option(
+        "seconds a connection may take to send a request's headers; later it is closed",
+        flag="--request-header-timeout"))
+    shutdown_timeout_s: float = field(default=30.0, metadata=option(
+        "on SIGTERM: seconds in-flight requests get to finish (new ones get 503) before the rest are aborted and "
+        "the server exits 0", flag="--shutdown-timeout"))
+    num_preprocess_threads: int = field(default=2, metadata=option(
+        "threads per preprocessing pool (light and heavy requests have one each), off the event loop",
+        flag="--preprocess-threads"))
+    log_level: str = field(default="info", metadata=option("debug, info, warning, error"))
+    log_format: str = field(default="text", metadata=option(
+        "server log lines: text or json (one object per line); both carry the request id"))
+    request_log: Path | None = field(default=None, metadata=option(
+        "append one JSON line per finished request (outcome, sizes, TTFT phases) to this file; no prompt text or "
+        "image bytes", parse=Path))
+    request_log_content: bool = field(default=False, metadata=option(
+        "also write each prompt's text and image hashes to the request log"))
+    stats_window_s: float = field(default=300.0, metadata=option(
+        "seconds of finished requests that GET /stats and /dashboard summarise", flag="--stats-window"))
+    api_key: str | None = field(default=None, metadata=option(
+        "require 'Authorization: Bearer KEY' on every route but /health and /dashboard (default: "
+        "$FIRSTTOKEN_API_KEY; unset = open)", shown="$FIRSTTOKEN_API_KEY"))
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ValueError("port must be a TCP port (0-65535)")
+        _at_least("max_request_bytes", self.max_request_bytes, 1)
+        _at_least("max_concurrent_requests", self.max_concurrent_requests, 0)
+        _positive("request_body_timeout_s", self.request_body_timeout_s, allow_none=True)
+        _positive("request_header_timeout_s", self.request_header_timeout_s)
+        _positive("shutdown_timeout_s", self.shutdown_timeout_s)
+        _at_least("num_preprocess_threads", self.num_preprocess_threads, 1)
+        _positive("stats_window_s", self.stats_window_s)
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    model: str | None = field(default=None, metadata=option(
+        "checkpoint directory (Hugging Face layout); default: the built-in tiny demo checkpoint with random "
+        "weights, which answers nonsense", shown="demo"))
+    served_model_name: str | None = field(default=None, metadata=option(
+        "model id clients must send (default: the directory name)"))
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    images: ImageConfig = field(default_factory=ImageConfig)
+    server: ServerConfig = field(default_factory=ServerConfig)
+
+
+# ---------------------------------------------------------------------------------------------- flags
+
+
+@dataclass(frozen=True)
+class ConfigFlag:
+    """One leaf field of the tree as a command-line flag."""
+
+    path: tuple[str, ...]  # ("engine", "cache", "kv_cache_memory_bytes")
+    flag: str  # --kv-cache-memory
+    parse: Callable[[str], Any] | None  # None: a switch (store_true, or store_false for switch_off)
+    default: Any
+    help: str
+    shown: str  # the default as --help prints it
+    switch_off: bool = False
+
+    @property
+    def dest(self) -> str:
+        return self.flag.removeprefix("--").replace("-", "_")
+
+    @property
+    def field_name(self) -> str:
+        return self.path[-1]
+
+
+def config_flags(cls: type = ServeConfig, prefix: tuple[str, ...] = ()) -> Iterator[ConfigFlag]:
+    """Every leaf of the tree rooted at ``cls``, in declaration order."""
+    for f in fields(cls):
+        default = f.default_factory() if f.default is MISSING else f.default  # type: ignore[misc]
+        if is_dataclass(default):
+            yield from config_flags(type(default), (*prefix, f.name))
+            continue
+        meta = f.metadata
+        flag = meta.get("flag") or "--" + f.name.replace("_", "-")
+        is_switch = f.type in ("bool", bool)
+        parse = None if is_switch else meta.get("parse") or _parser_of(f.type)
+        shown = meta.get("shown") or _shown(default, parse)
+        yield ConfigFlag((*prefix, f.name), flag, parse, default, meta.get("help", ""), shown,
+                         bool(meta.get("switch_off")))
+
+
+def flag_for_field(field_name: str, cls: type = ServeConfig) -> str | None:
+    """The flag that sets a config field (ValueErrors name fields; users typed flags)."""
+    return next((f.flag for f in config_flags(cls) if f.field_name == field_name), None)
+
+
+def build_config(values: dict[str, Any], cls: type = ServeConfig) -> Any:
+    """The tree from flag values by dest (missing ones keep their default); ValueError names the bad field."""
+    return _build(cls, (), {f.path: values.get(f.dest, f.default) for f in config_flags(cls)})
+
+
+def _build(cls: type, prefix: tuple[str, ...], by_path: dict[tuple[str, ...], Any]) -> Any:
+    kwargs = {}
+    for f in fields(cls):
+        path = (*prefix, f.name)
+        if path in by_path:
+            kwargs[f.name] = by_path[path]
+        else:
+            kwargs[f.name] = _build(type(f.default_factory()), path, by_path)  # type: ignore[misc]
+    return cls(**kwargs)
+
+
+def _parser_of(annotation: Any) -> Callable[[str], Any]:
+    text = str(annotation)
+    if text.startswith("int"):
+        return int
+    if text.startswith("float"):
+        return float
+    return str
+
+
+def _shown(default: Any, parse: Callable[[str], Any] | None) -> str:
+    if default is None:
+        return "none"
+    if parse is parse_bytes:
+        return format_size(default)
+    return str(default)
+
+
+# ---------------------------------------------------------------------------------------------- checkpoint
 
 
 @dataclass(frozen=True)
@@ -40,59 +385,3 @@ class GenerationDefaults:
         )
 
 
-@dataclass(frozen=True)
-class CacheConfig:
-    block_size: int = 16  # tokens per KV block
-    kv_cache_memory_bytes: int = 2 * 1024**3  # physical K/V pool, all layers
-    enable_prefix_caching: bool = True
-    encoder_cache_memory_bytes: int = 512 * 1024**2  # vision-tower outputs kept by image content hash
-    enable_encoder_cache: bool = True
-
-    def __post_init__(self) -> None:
-        if self.block_size < 1 or self.block_size & (self.block_size - 1):
-            raise ValueError("block_size must be a power of two")
-        if self.kv_cache_memory_bytes <= 0:
-            raise ValueError("kv_cache_memory must be positive")
-        if self.encoder_cache_memory_bytes < 0:
-            raise ValueError("encoder_cache_memory must be >= 0")
-
-
-@dataclass(frozen=True)
-class SchedulerConfig:
-    max_batched_tokens: int = 2048  # tokens (prefill chunks + decodes) one engine step may run
-    max_num_seqs: int = 64  # sequences in one step
-    decode_reserve_tokens: int = 64  # KV reserved at admission beyond the prompt, for the first decodes
-    max_model_len: int | None = None  # None: the checkpoint's context, capped by the KV pool
-    # Lanes: "lanes" (default) routes by prompt length into a short and a long lane; "fcfs" is one FIFO queue
-    # with whole-prompt prefills and whole-image encodes (the behaviour the seed's incident started from).
-    scheduling: str = "lanes"
-    long_prompt_threshold: int = 1024  # prompt tokens (text + image) at or above which a request is "long"
-    long_step_tokens: int = 512  # long-lane work per step: prefill tokens + visual tokens x vision layers
-    long_step_tokens_idle: int | None = None  # the same, in steps with no short work anywhere (None: as above)
-    long_max_wait_steps: int = 4  # aging: long work paused this many steps in a row for short work runs anyway
-    kv_admission: str = "whole-prompt"  # or "optimistic": admit when the next chunk fits, preempt when dry
-    max_queued_requests: int = 256  # per lane; beyond it the API answers 429 with Retry-After
-
-    def __post_init__(self) -> None:
-        if self.max_batched_tokens < 1:
-            raise ValueError("max_batched_tokens must be >= 1")
-        if self.max_num_seqs < 1:
-            raise ValueError("max_num_seqs must be >= 1")
-        if self.decode_reserve_tokens < 0:
-            raise ValueError("decode_reserve_tokens must be >= 0")
-        if self.max_model_len is not None and self.max_model_len < 1:
-            raise ValueError("max_model_len must be >= 1")
-        if self.scheduling not in ("lanes", "fcfs"):
-            raise ValueError("scheduling must be 'lanes' or 'fcfs'")
-        if self.kv_admission not in ("whole-prompt", "optimistic"):
-            raise ValueError("kv_admission must be 'whole-prompt' or 'optimistic'")
-        if self.long_prompt_threshold < 1:
-            raise ValueError("long_prompt_threshold must be >= 1")
-        if self.long_step_tokens < 1:
-            raise ValueError("long_step_tokens must be >= 1")
-        if self.long_step_tokens_idle is not None and self.long_step_tokens_idle < 1:
-            raise ValueError("long_step_tokens_idle must be >= 1")
-        if self.long_max_wait_steps < 0:
-            raise ValueError("long_max_wait_steps must be >= 0")
-        if self.max_queued_requests < 1:
-            raise ValueError("max_queued_requests must be >= 1")

@@ -43,6 +43,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from firsttoken.api.errors import REJECT_REASON_KEY, error_response
 from firsttoken.api.logs import current_request_id
 from firsttoken.api.middleware import REQUEST_ID_KEY
+from firsttoken.config import ServerConfig
 from firsttoken.engine.client import EngineClient
 from firsttoken.metrics.prometheus import make_registry
 from firsttoken.metrics.recorder import DEFAULT_LANE, Recorder, RequestRecord
@@ -312,14 +313,14 @@ class RejectionCounter:
         await self.app(scope, receive, counting_send)
 
 
-def observability_from_args(args: Any, tokenizer: Any) -> Observability:
-    """The serve flags' observability part: --stats-window, --request-log[-content], --api-key."""
+def observability_from_config(server: ServerConfig, tokenizer: Any) -> Observability:
+    """The server config's observability part: --stats-window, --request-log[-content], --api-key."""
     import os
 
-    recorder = Recorder(window_s=args.stats_window)
-    api_key = args.api_key or os.environ.get("FIRSTTOKEN_API_KEY") or None
-    detokenize = (lambda ids: tokenizer.decode(ids, skip_special_tokens=True)) if args.request_log_content else None
+    recorder = Recorder(window_s=server.stats_window_s)
+    api_key = server.api_key or os.environ.get("FIRSTTOKEN_API_KEY") or None
+    detokenize = (lambda ids: tokenizer.decode(ids, skip_special_tokens=True)) if server.request_log_content else None
     obs = Observability(recorder, api_key=api_key, detokenize=detokenize)
-    if args.request_log is not None:
-        recorder.sink = RequestLog(Path(args.request_log), obs.content_of if detokenize else None)
+    if server.request_log is not None:
+        recorder.sink = RequestLog(Path(server.request_log), obs.content_of if detokenize else None)
     return obs

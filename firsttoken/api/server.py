@@ -9,7 +9,8 @@ loop, hand the EngineRequest to the engine, frame what comes back.
     GET  /v1/engine/stats       EngineStats as JSON (KV blocks used/free/cached, running, waiting)
     GET  /metrics, /stats, /dashboard   with an Observability: see api/observability.py (also --api-key)
 
-Everything the app uses arrives through ``build_app`` (engine, processor, settings): tests pass fakes there.
+Everything the app uses arrives through ``build_app`` (engine, processor, the served model, the server's config):
+tests pass fakes there.
 Bodies are read by api/body.py (each malformed body gets a message that says what is wrong); preprocessing
 runs on api/preprocess_pools.py's pools (a light request never waits behind a heavy one).
 """
@@ -54,7 +55,7 @@ from firsttoken.api.protocol import (
     TokenizeResponse,
 )
 from firsttoken.api.responses import chat_logprobs, completion_logprobs, usage_of
-from firsttoken.api.settings import ServerSettings
+from firsttoken.api.settings import ServedModel
 from firsttoken.api.streaming import (
     ClientDisconnected,
     EngineStreamResponse,
@@ -64,6 +65,7 @@ from firsttoken.api.streaming import (
     completion_sse,
     engine_failure,
 )
+from firsttoken.config import ServerConfig
 from firsttoken.engine.client import EngineClient
 from firsttoken.inputs.processor import InputProcessor
 from firsttoken.metrics.timeline import Timeline
@@ -92,11 +94,12 @@ class _Slots:
 def build_app(
     engine: EngineClient,
     processor: InputProcessor,
-    settings: ServerSettings,
+    model: ServedModel,
+    server: ServerConfig = ServerConfig(),
     observability: Observability | None = None,
 ) -> FastAPI:
-    pools = PreprocessPools(settings.num_preprocess_threads)
-    slots = _Slots(settings.max_concurrent_requests)  # also what a graceful shutdown waits on (app.state.slots)
+    pools = PreprocessPools(server.num_preprocess_threads)
+    slots = _Slots(server.max_concurrent_requests)  # also what a graceful shutdown waits on (app.state.slots)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -106,8 +109,8 @@ def build_app(
     app = FastAPI(title="firsttoken", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.add_middleware(
         RequestContextMiddleware,
-        max_body_bytes=settings.max_request_body_bytes,
-        body_timeout_s=settings.request_body_timeout_s,
+        max_body_bytes=server.max_request_bytes,
+        body_timeout_s=server.request_body_timeout_s,
     )
     install_error_handlers(app)
     app.state.slots = slots
@@ -127,9 +130,9 @@ def build_app(
     async def off_loop(pool: Executor, fn: Callable[..., T], *args: Any) -> T:
         return await asyncio.get_running_loop().run_in_executor(pool, functools.partial(fn, *args))
 
-    def check_model(model: str | None) -> None:
-        if model is not None and model != settings.served_model_name:
-            raise model_not_found(model, settings.served_model_name)
+    def check_model(requested: str | None) -> None:
+        if requested is not None and requested != model.name:
+            raise model_not_found(requested, model.name)
 
     def check_alive() -> None:
         if not engine.is_alive:
@@ -154,7 +157,7 @@ def build_app(
             engine.release(request_id)  # its admission place, if preprocessing got that far
             raise
         timeline.preprocessed_s = engine_request.preprocessed_s
-        ctx = StreamContext(request_id, int(time.time()), settings.served_model_name, req.include_usage, timeline)
+        ctx = StreamContext(request_id, int(time.time()), model.name, req.include_usage, timeline)
         return engine_request, ctx
 
     async def respond(
@@ -233,7 +236,7 @@ def build_app(
         count = await off_loop(pool, processor.count, req.to_prompt())
         return TokenizeResponse(
             count=count.total,
-            max_model_len=settings.max_model_len,
+            max_model_len=model.max_model_len,
             tokens=list(count.token_ids),
             token_strs=[processor.token_piece(t)[0] for t in count.token_ids] if req.return_token_strs else None,
             num_text_tokens=count.num_text_tokens,
@@ -243,7 +246,7 @@ def build_app(
 
     @app.get("/v1/models")
     async def models() -> ModelList:
-        card = ModelCard(id=settings.served_model_name, root=settings.model_root, max_model_len=settings.max_model_len)
+        card = ModelCard(id=model.name, root=model.root, max_model_len=model.max_model_len)
         return ModelList(data=[card])
 
     @app.get("/health")

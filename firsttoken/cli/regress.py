@@ -67,12 +67,12 @@ def in_process_server(model: str | None, dtype: str, image_max_tokens: int, no_c
     import httpx
     import uvicorn
 
-    from firsttoken.cli.serve import build_server, default_args
+    from firsttoken.cli.serve import build_server, serve_config
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    args = default_args(
+    config = serve_config(
         model=model,
         dtype=dtype,
         port=port,
@@ -82,7 +82,7 @@ def in_process_server(model: str | None, dtype: str, image_max_tokens: int, no_c
         no_prefix_cache=no_caches,
         no_encoder_cache=no_caches,
     )
-    app, engine = build_server(args)
+    app, engine = build_server(config)
     engine.start()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)

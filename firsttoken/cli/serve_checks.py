@@ -13,52 +13,49 @@ import errno
 import socket
 from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, TypeVar
+from typing import TYPE_CHECKING
 
-from firsttoken.cli.usage import (
-    UsageError,
-    existing_dir,
-    from_config_error,
-    parse_model_config,
-    read_config_json,
-)
+from firsttoken.cli.usage import UsageError, existing_dir, parse_model_config, read_config_json
 from firsttoken.units import format_size
 
 if TYPE_CHECKING:
-    from firsttoken.engine.engine import EngineConfig
+    from firsttoken.config import EngineConfig, ServeConfig
     from firsttoken.models.config import ModelConfig
 
-T = TypeVar("T")
-
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
-# config fields whose serve flag is spelled differently (from_config_error maps the rest by name)
-RENAMED_FLAGS = {
-    "max_images_per_prompt": "--max-images-per-request",
-    "max_request_body_bytes": "--max-request-bytes",
-    "allowed_domains": "--allowed-media-domains",
-}
 
 
-def check_serve_args(args: argparse.Namespace, model_dir: Path) -> None:
-    """Raise UsageError for the first flag that cannot work; ``model_dir`` is --model or the demo checkpoint."""
+def flag_error(exc: ValueError, args: argparse.Namespace | None = None) -> UsageError:
+    """A config ValueError ("<field> must ...") as the UsageError of the flag that sets that field."""
+    from firsttoken.config import flag_for_field
+
+    message = str(exc)
+    field, _, rest = message.partition(" ")
+    flag = flag_for_field(field)
+    if flag is None or not rest:
+        return UsageError(None, None, message)
+    dest = flag.removeprefix("--").replace("-", "_")
+    return UsageError(flag, getattr(args, dest, None) if args is not None else None, rest)
+
+
+def check_serve_config(config: "ServeConfig", model_dir: Path) -> None:
+    """Raise UsageError for the first option that cannot work; ``model_dir`` is --model or the demo checkpoint.
+    Range checks already ran when the config tree was built; these need the file system, the checkpoint or the
+    network."""
     from firsttoken.api.logs import LOG_FORMATS
-    from firsttoken.inputs.budget import ImageBudget
 
-    if str(args.log_level).lower() not in LOG_LEVELS:
-        raise UsageError("--log-level", args.log_level, f"unknown level; use one of {', '.join(LOG_LEVELS)}")
-    if args.log_format not in LOG_FORMATS:
-        raise UsageError("--log-format", args.log_format, f"unknown format; use one of {', '.join(LOG_FORMATS)}")
-    if args.num_threads is not None and args.num_threads < 1:
-        raise UsageError("--num-threads", args.num_threads, "must be >= 1 (or leave it out: all cores)")
-    if args.allowed_media_dir is not None:
-        existing_dir("--allowed-media-dir", args.allowed_media_dir)
-    if args.request_log is not None and not Path(args.request_log).parent.is_dir():
-        raise UsageError("--request-log", args.request_log, "its directory does not exist; create it first")
-    model_config = check_checkpoint("--model" if args.model else "(demo checkpoint)", model_dir)
-    config = _engine_config(args)
-    _check_kv(args, model_config, config)
-    _checked(args, lambda: ImageBudget(args.image_max_tokens, args.image_min_tokens, args.image_low_detail_tokens))
-    check_port_free(args.host, args.port)
+    server = config.server
+    if str(server.log_level).lower() not in LOG_LEVELS:
+        raise UsageError("--log-level", server.log_level, f"unknown level; use one of {', '.join(LOG_LEVELS)}")
+    if server.log_format not in LOG_FORMATS:
+        raise UsageError("--log-format", server.log_format, f"unknown format; use one of {', '.join(LOG_FORMATS)}")
+    if config.images.allowed_media_dir is not None:
+        existing_dir("--allowed-media-dir", config.images.allowed_media_dir)
+    if server.request_log is not None and not Path(server.request_log).parent.is_dir():
+        raise UsageError("--request-log", server.request_log, "its directory does not exist; create it first")
+    model_config = check_checkpoint("--model" if config.model else "(demo checkpoint)", model_dir)
+    _check_kv(config.engine, model_config)
+    check_port_free(server.host, server.port)
 
 
 def check_checkpoint(flag: str, model_dir: Path) -> "ModelConfig":
@@ -79,46 +76,26 @@ def check_checkpoint(flag: str, model_dir: Path) -> "ModelConfig":
     return config
 
 
-def _checked(args: argparse.Namespace, build: Callable[[], T]) -> T:
-    """``build()``, its ValueError naming a config field turned into the UsageError of that field's flag."""
-    try:
-        return build()
-    except ValueError as exc:
-        raise from_config_error(exc, args, RENAMED_FLAGS) or UsageError(None, None, str(exc)) from None
-
-
-def _engine_config(args: argparse.Namespace) -> "EngineConfig":
-    from firsttoken.cli.serve import engine_config
-
-    config = _checked(args, lambda: engine_config(args))
-    try:
-        config.torch_dtype()
-    except ValueError:
-        from firsttoken.engine.engine import DTYPES
-
-        raise UsageError("--dtype", args.dtype, f"unknown dtype; use one of auto, {', '.join(DTYPES)}") from None
-    return config
-
-
-def _check_kv(args: argparse.Namespace, model_config: "ModelConfig", config: "EngineConfig") -> None:
+def _check_kv(config: "EngineConfig", model_config: "ModelConfig") -> None:
     """The pool must hold one block, and --max-model-len must fit the model and the pool (the engine's rule)."""
-    from firsttoken.engine.engine import plan_kv_capacity
+    from firsttoken.engine.engine import plan_kv_capacity, torch_dtype
 
-    dtype = config.torch_dtype()
+    dtype = torch_dtype(config.dtype)
     dtype_bytes = dtype.itemsize
     block_bytes = model_config.kv_bytes_per_token(dtype_bytes) * config.cache.block_size
     if config.cache.kv_cache_memory_bytes < block_bytes:
         raise UsageError(
-            "--kv-cache-memory", format_size(args.kv_cache_memory),
+            "--kv-cache-memory", format_size(config.cache.kv_cache_memory_bytes),
             f"smaller than one KV block; this model needs at least {format_size(block_bytes)} "
             f"({config.cache.block_size} tokens x {model_config.kv_bytes_per_token(dtype_bytes)} bytes/token in "
             f"{str(dtype).removeprefix('torch.')})",
         )
     unbounded = replace(config, scheduler=replace(config.scheduler, max_model_len=None))
     capacity = plan_kv_capacity(model_config, unbounded)
-    if args.max_model_len is not None and args.max_model_len > capacity.max_model_len:
+    max_model_len = config.scheduler.max_model_len
+    if max_model_len is not None and max_model_len > capacity.max_model_len:
         raise UsageError(
-            "--max-model-len", args.max_model_len,
+            "--max-model-len", max_model_len,
             f"larger than this model and KV pool allow: {capacity.max_model_len} tokens, the lesser of "
             f"max_position_embeddings ({model_config.max_position_embeddings}) and the KV pool's "
             f"{capacity.num_tokens} tokens; lower it, or raise --kv-cache-memory",

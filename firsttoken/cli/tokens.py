@@ -19,11 +19,12 @@ from firsttoken.cli.usage import (
     parse_model_config,
     read_config_json,
 )
-from firsttoken.inputs.budget import ImageBudget, plan_image
+from firsttoken.config import ImageConfig
+from firsttoken.inputs.budget import image_budget, plan_image
 from firsttoken.inputs.image import ImageInputError, probe_image
 from firsttoken.models.config import VisionConfig
 
-SERVE_DEFAULT = ImageBudget()
+SERVE_DEFAULT = ImageConfig()
 # Only the geometry matters for counting: every Qwen2-VL checkpoint has 14-px patches merged 2x2.
 QWEN2_VL_GEOMETRY = VisionConfig(depth=1, embed_dim=1, num_heads=1, intermediate_size=1, out_hidden_size=1)
 
@@ -54,20 +55,20 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--image-max-tokens",
         type=int,
-        default=SERVE_DEFAULT.max_tokens,
-        help=f"per-image budget (default: {SERVE_DEFAULT.max_tokens}, the server's; 16384 = no budget)",
+        default=SERVE_DEFAULT.image_max_tokens,
+        help=f"per-image budget (default: {SERVE_DEFAULT.image_max_tokens}, the server's; 16384 = no budget)",
     )
     p.add_argument(
         "--image-min-tokens",
         type=int,
-        default=SERVE_DEFAULT.min_tokens,
-        help=f"per-image floor (default: {SERVE_DEFAULT.min_tokens})",
+        default=SERVE_DEFAULT.image_min_tokens,
+        help=f"per-image floor (default: {SERVE_DEFAULT.image_min_tokens})",
     )
     p.add_argument(
         "--detail",
         choices=("auto", "low", "high"),
         default=None,
-        help=f"as image_url.detail (low = {SERVE_DEFAULT.low_detail_tokens} tokens)",
+        help=f"as image_url.detail (low = {SERVE_DEFAULT.image_low_detail_tokens} tokens)",
     )
     p.add_argument("--max-image-pixels", type=int, default=10**9, help="refuse headers declaring more pixels")
     p.add_argument("--json", action="store_true", help="one JSON object instead of a table")
@@ -75,14 +76,14 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def count_images(
-    paths: list[Path], budget: ImageBudget, detail: str | None, vision: VisionConfig, max_image_pixels: int = 10**9
+    paths: list[Path], budget: ImageConfig, detail: str | None, vision: VisionConfig, max_image_pixels: int = 10**9
 ) -> list[ImageRow]:
-    tokens = budget.for_request(detail, None, "image_url")
+    tokens = image_budget(budget, detail, None, "image_url")
     rows = []
     for path in paths:
         try:
             header = probe_image(path.read_bytes(), max_image_pixels)
-            plan = plan_image(header.width, header.height, tokens, budget.min_tokens, vision)
+            plan = plan_image(header.width, header.height, tokens, budget.image_min_tokens, vision)
             rows.append(ImageRow(str(path), plan.original_size, plan.resized_size, plan.num_tokens, tokens))
         except (OSError, ImageInputError) as err:
             rows.append(ImageRow(str(path), None, None, None, tokens, error=str(err)))
@@ -114,9 +115,8 @@ def run(args: argparse.Namespace) -> int:
     if args.model:
         vision = parse_model_config("--model", args.model, read_config_json("--model", args.model)).vision
     try:
-        budget = ImageBudget(
-            args.image_max_tokens, min(args.image_min_tokens, args.image_max_tokens), SERVE_DEFAULT.low_detail_tokens
-        )
+        budget = ImageConfig(image_max_tokens=args.image_max_tokens,
+                             image_min_tokens=min(args.image_min_tokens, args.image_max_tokens))
     except ValueError as exc:
         raise from_config_error(exc, args) or UsageError(None, None, str(exc)) from None
     rows = count_images(args.images, budget, args.detail, vision, args.max_image_pixels)

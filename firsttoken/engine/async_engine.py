@@ -42,7 +42,6 @@ log = logging.getLogger("firsttoken.engine")
 
 
 RESERVATION_TTL_S = 120.0  # an admission place not claimed by generate() within this long is dropped
-DEFAULT_MAX_UNREAD_OUTPUTS = 256  # outputs (~tokens) a request may have waiting unread before it is aborted
 ABORT_CLIENT_NOT_READING = "client_not_reading"  # the abort reason, a metric label
 
 
@@ -77,18 +76,11 @@ class _Abort:
 
 
 class AsyncEngine:
-    def __init__(
-        self,
-        engine: LLMEngine,
-        num_threads: int | None = None,
-        max_unread_outputs: int = DEFAULT_MAX_UNREAD_OUTPUTS,
-        on_abort: Callable[[str, str], None] | None = None,
-    ) -> None:
-        if max_unread_outputs < 1:
-            raise ValueError("max_unread_outputs must be >= 1")
+    def __init__(self, engine: LLMEngine, on_abort: Callable[[str, str], None] | None = None) -> None:
+        """``engine.config`` says the torch threads and how many outputs a request may leave unread."""
         self.engine = engine
-        self.num_threads = num_threads
-        self.max_unread_outputs = max_unread_outputs
+        self.num_threads = engine.config.num_threads
+        self.max_unread_outputs = engine.config.max_unread_outputs
         self._on_abort = on_abort or (lambda request_id, reason: None)  # (request id, reason): for a metric
         self._commands: queue.SimpleQueue[_Add | _Abort | None] = queue.SimpleQueue()
         self._streams: dict[str, _Add] = {}

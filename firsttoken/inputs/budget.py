@@ -1,8 +1,8 @@
 """The visual-token budget: how many LM tokens one image may cost, decided from its header alone.
 
-Policy (server side, ``ImageBudget``): every image gets at most ``max_tokens`` visual tokens (the server's cap)
-and at least ``min_tokens`` (tiny images are scaled *up*, as the reference processor does). A request may ask for
-less, never more: ``image_url.detail = "low"`` means ``low_detail_tokens``, ``"high"``/``"auto"``/absent mean the
+Policy (server side, config.ImageConfig): every image gets at most ``image_max_tokens`` visual tokens (the server's
+cap) and at least ``image_min_tokens`` (tiny images are scaled *up*, as the reference processor does). A request may ask for
+less, never more: ``image_url.detail = "low"`` means ``image_low_detail_tokens``, ``"high"``/``"auto"``/absent mean the
 cap, and the extension ``image_url.max_visual_tokens = N`` asks for at most N (N above the cap is refused, not
 clamped, so a client never believes it got a resolution it did not get).
 
@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from firsttoken.config import ImageConfig
 from firsttoken.inputs.image import (
     MAX_ASPECT_RATIO,
     ImageInputError,
@@ -30,36 +31,21 @@ REFERENCE_MIN_TOKENS = 4
 REFERENCE_MAX_TOKENS = 16384
 
 
-@dataclass(frozen=True)
-class ImageBudget:
-    """The server's per-image policy in visual tokens (one token = a 28x28-pixel cell for Qwen2-VL)."""
-
-    max_tokens: int = 1280  # the cap: 1024x1024 -> 1,225 tokens; 28*28*1280 px is Qwen's recommended max_pixels
-    min_tokens: int = REFERENCE_MIN_TOKENS  # floor: images smaller than this are scaled up
-    low_detail_tokens: int = 256  # detail="low": about a 448x448 picture
-
-    def __post_init__(self) -> None:
-        if self.max_tokens < 1:
-            raise ValueError("image_max_tokens must be >= 1")
-        if not 1 <= self.min_tokens <= self.max_tokens:
-            raise ValueError("image_min_tokens must be >= 1 and <= image_max_tokens")
-        if self.low_detail_tokens < 1:
-            raise ValueError("image_low_detail_tokens must be >= 1")
-
-    def for_request(self, detail: str | None, max_visual_tokens: int | None, param: str) -> int:
-        """The budget of one image part. Raises BudgetError when the request asks for more than the cap."""
-        if max_visual_tokens is not None and max_visual_tokens > self.max_tokens:
-            raise BudgetError(
-                f"{param}.max_visual_tokens={max_visual_tokens} is above this server's cap of {self.max_tokens} "
-                f"visual tokens per image; send at most {self.max_tokens} or leave it out",
-                f"{param}.max_visual_tokens",
-            )
-        budget = self.max_tokens
-        if detail == "low":
-            budget = min(budget, self.low_detail_tokens)
-        if max_visual_tokens is not None:
-            budget = min(budget, max_visual_tokens)
-        return budget
+def image_budget(images: ImageConfig, detail: str | None, max_visual_tokens: int | None, param: str) -> int:
+    """The budget of one image part under the server's policy. Raises BudgetError when the request asks for more
+    than the cap."""
+    if max_visual_tokens is not None and max_visual_tokens > images.image_max_tokens:
+        raise BudgetError(
+            f"{param}.max_visual_tokens={max_visual_tokens} is above this server's cap of {images.image_max_tokens} "
+            f"visual tokens per image; send at most {images.image_max_tokens} or leave it out",
+            f"{param}.max_visual_tokens",
+        )
+    budget = images.image_max_tokens
+    if detail == "low":
+        budget = min(budget, images.image_low_detail_tokens)
+    if max_visual_tokens is not None:
+        budget = min(budget, max_visual_tokens)
+    return budget
 
 
 class BudgetError(ValueError):

@@ -16,6 +16,8 @@ echo payload bytes, URLs, or reveal files outside the dir.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import base64
 import binascii
 import http.client
@@ -277,8 +279,8 @@ class MediaNetwork:
 class RemoteMedia:
     """Remote http(s) image URLs: refused unless ``allowed_domains`` names the exact host (any case, no port)."""
 
-    allowed_domains: frozenset[str] = frozenset()
-    timeout_s: float = 5.0  # the whole fetch: resolution of every hop, connect, redirects, body
+    allowed_domains: frozenset[str]
+    timeout_s: float  # the whole fetch: resolution of every hop, connect, redirects, body
     max_redirects: int = 3
     network: MediaNetwork = field(default_factory=MediaNetwork)
 
@@ -293,10 +295,10 @@ class RemoteMedia:
             raise ValueError("max_redirects must be >= 0")
 
 
-def remote_media(domains_csv: str | None, timeout_s: float, network: MediaNetwork | None = None) -> RemoteMedia:
-    """RemoteMedia from the serve flags: ``--allowed-media-domains a.com,b.org`` and ``--media-fetch-timeout``."""
-    domains = frozenset(d for d in (domains_csv or "").split(",") if d.strip())
-    return RemoteMedia(domains, timeout_s, network=network or MediaNetwork())
+def remote_media(domains: str | Iterable[str], timeout_s: float, network: MediaNetwork | None = None) -> RemoteMedia:
+    """RemoteMedia from a comma-separated host list (``a.com,b.org``) or the config's tuple, and a fetch timeout."""
+    names = domains.split(",") if isinstance(domains, str) else domains
+    return RemoteMedia(frozenset(d for d in names if d.strip()), timeout_s, network=network or MediaNetwork())
 
 
 _REDIRECTS = frozenset({301, 302, 303, 307, 308})

@@ -23,7 +23,6 @@ message is safe to show the client. Nothing here knows any API's request schema.
 
 from __future__ import annotations
 
-import dataclasses
 import re
 import time
 from collections.abc import Callable, Sequence
@@ -34,9 +33,9 @@ from typing import Any
 
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from firsttoken.config import GenerationDefaults
+from firsttoken.config import GenerationDefaults, ImageConfig
 from firsttoken.engine.detokenizer import IncrementalDetokenizer
-from firsttoken.inputs.budget import BudgetError, ImageBudget, ImagePlan, plan_image
+from firsttoken.inputs.budget import BudgetError, ImagePlan, image_budget, plan_image
 from firsttoken.inputs.image import (
     ImageInputError,
     ProcessedImage,
@@ -44,7 +43,7 @@ from firsttoken.inputs.image import (
     preprocess_image,
     probe_image,
 )
-from firsttoken.inputs.media import RemoteMedia, load_image_bytes
+from firsttoken.inputs.media import MediaNetwork, load_image_bytes, remote_media
 from firsttoken.inputs.mm_hash import (
     ProcessedImageCache,
     pixel_content_hash,
@@ -91,22 +90,6 @@ class InputError(ValueError):
     def __init__(self, message: str, param: str | None = None) -> None:
         super().__init__(message)
         self.param = param
-
-
-@dataclass(frozen=True)
-class ImageSettings:
-    budget: ImageBudget = dataclasses.field(default_factory=ImageBudget)  # visual tokens per image: cap, floor, detail=low
-    max_image_pixels: int = 40_000_000  # declared size refused before decoding (decompression bombs)
-    max_image_bytes: int = 20 * 1024 * 1024  # encoded size refused before base64-decoding or reading
-    max_images_per_prompt: int = 16
-    allowed_media_dir: Path | None = None  # local paths / file:// URLs only inside it; None disables them
-    remote: RemoteMedia = dataclasses.field(default_factory=RemoteMedia)  # http(s) URLs: off unless domains listed
-
-    def __post_init__(self) -> None:
-        if self.max_image_pixels < 1 or self.max_image_bytes < 1:
-            raise ValueError("max_image_pixels and max_image_bytes must be >= 1")
-        if self.max_images_per_prompt < 0:
-            raise ValueError("max_images_per_prompt must be >= 0")
 
 
 @dataclass(frozen=True)
@@ -157,8 +140,8 @@ class InputProcessor:
         generation_defaults: GenerationDefaults,
         *,
         max_model_len: int,
-        images: ImageSettings = ImageSettings(),
-        max_input_tokens: int | None = None,
+        images: ImageConfig = ImageConfig(),
+        media_network: MediaNetwork | None = None,
         admission: Callable[[int, str], AdmissionVerdict] | None = None,
         image_cache_bytes: int = 256 * 1024**2,
     ) -> None:
@@ -172,21 +155,21 @@ class InputProcessor:
             raise ValueError("tokenizer's <|image_pad|> id differs from config.json's image_token_id")
         if max_model_len < 2:
             raise ValueError("max_model_len must be >= 2")
-        if max_input_tokens is not None and max_input_tokens < 1:
-            raise ValueError("max_input_tokens must be >= 1")
         self.tokenizer = tokenizer
         self.model_config = model_config
         self.family = family_named(model_config.family)
         self.generation_defaults = generation_defaults
         self.max_model_len = max_model_len
         # Prompt tokens (text + image + template) a request may bring; None: only the context limit applies.
-        self.max_input_tokens = max_input_tokens
+        self.max_input_tokens = images.max_input_tokens
         # Asked with the exact prompt length once it is known from headers + tokenization, before any image is
         # decoded: a full lane (429) or a prompt that can never fit (400) costs no decode work.
         self.admission = admission
         # A follow-up turn re-sends the same image bytes: skip decode + resize + patchify for them.
         self.image_cache = ProcessedImageCache(image_cache_bytes)
-        self.image_settings = images
+        self.images = images
+        # http(s) image URLs: off unless the config lists domains; ``media_network`` is the test seam
+        self.remote = remote_media(images.allowed_media_domains, images.media_fetch_timeout_s, media_network)
         self._vision_tokens_re = re.compile("(" + "|".join(map(re.escape, VISION_CONTROL_TOKENS)) + ")")
         self._special_ids = frozenset(tokenizer.all_special_ids) | frozenset(tokenizer.added_tokens_decoder)
         # Decoding through the Rust tokenizer skips the Python wrapper; the detokenizer calls it every token.
@@ -272,7 +255,7 @@ class InputProcessor:
             for j, part in enumerate(m.content)
             if isinstance(part, ImagePart)
         ]
-        limit = self.image_settings.max_images_per_prompt
+        limit = self.images.max_images_per_request
         if len(image_parts) > limit:
             raise InputError(
                 f"too many images: {len(image_parts)} in this request, the limit is {limit} per request; "
@@ -292,7 +275,7 @@ class InputProcessor:
 
     def _budget_of(self, param: str, part: ImagePart) -> int:
         try:
-            return self.image_settings.budget.for_request(part.detail, part.max_visual_tokens, param)
+            return image_budget(self.images, part.detail, part.max_visual_tokens, param)
         except BudgetError as err:
             raise InputError(str(err), err.param) from None
 
@@ -300,7 +283,7 @@ class InputProcessor:
         self, parts: Sequence[ImagePart], budgets: Sequence[int]
     ) -> tuple[tuple[bytes, ...], tuple[ImagePlan, ...]]:
         """Bytes and resize plans from headers only: every size limit fails here, before any decode."""
-        s = self.image_settings
+        s = self.images
         blobs = tuple(self._image_bytes(part) for part in parts)
         plans = []
         for i, (data, budget) in enumerate(zip(blobs, budgets)):
@@ -311,7 +294,7 @@ class InputProcessor:
                         header.width,
                         header.height,
                         budget,
-                        s.budget.min_tokens,
+                        s.image_min_tokens,
                         self.model_config.vision,
                     )
                 )
@@ -322,9 +305,9 @@ class InputProcessor:
         return blobs, tuple(plans)
 
     def _image_bytes(self, part: ImagePart) -> bytes:
-        s = self.image_settings
+        s = self.images
         if part.data is None:
-            return load_image_bytes(part.url or "", s.allowed_media_dir, s.max_image_bytes, s.remote)
+            return load_image_bytes(part.url or "", s.allowed_media_dir, s.max_image_bytes, self.remote)
         if len(part.data) > s.max_image_bytes:
             raise ImageInputError("image_too_large", f"image is {len(part.data)} bytes; the limit is {s.max_image_bytes}")
         return part.data
@@ -337,7 +320,7 @@ class InputProcessor:
         return tuple(out)
 
     def _decode_one(self, data: bytes, plan: ImagePlan) -> ProcessedImage:
-        image = decode_image(data, self.image_settings.max_image_pixels)
+        image = decode_image(data, self.images.max_image_pixels)
         processed = preprocess_image(image, self.model_config.vision, plan.min_pixels, plan.max_pixels)
         if processed.num_tokens != plan.num_tokens:  # the header lied about the size, or a bug
             raise ImageInputError("invalid_image", "image size differs from the size its header declares")

@@ -17,7 +17,7 @@ import pytest
 import uvicorn
 from PIL import Image, ImageDraw
 
-from firsttoken.cli.serve import build_server, default_args
+from firsttoken.cli.serve import build_server, serve_config
 
 
 class HoldEngine:
@@ -73,8 +73,8 @@ def start_server(
     port = _free_port()
     options = dict(model=str(model_dir), dtype="float32", port=port, kv_cache_memory=16 * 2**20,
                    max_batched_tokens=256, served_model_name="tiny")
-    args = default_args(**{**options, **overrides})
-    app, engine = build_server(args, fault_hook=fault_hook, media_network=media_network)
+    config = serve_config(**{**options, **overrides})
+    app, engine = build_server(config, fault_hook=fault_hook, media_network=media_network)
     engine.start()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)

@@ -10,8 +10,13 @@ import pytest
 from transformers import AutoTokenizer
 
 from firsttoken.api.protocol import ChatCompletionRequest
-from firsttoken.config import CacheConfig, GenerationDefaults, SchedulerConfig
-from firsttoken.engine.engine import EngineConfig, LLMEngine
+from firsttoken.config import (
+    CacheConfig,
+    EngineConfig,
+    GenerationDefaults,
+    SchedulerConfig,
+)
+from firsttoken.engine.engine import LLMEngine
 from firsttoken.inputs.processor import InputProcessor
 from tests.e2e.conftest import image_data_url, make_image
 from tests.helpers import process

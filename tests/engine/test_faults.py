@@ -7,8 +7,13 @@ from pathlib import Path
 import pytest
 
 from firsttoken.api.protocol import ChatCompletionRequest
-from firsttoken.config import CacheConfig, GenerationDefaults, SchedulerConfig
-from firsttoken.engine.engine import EngineConfig, LLMEngine
+from firsttoken.config import (
+    CacheConfig,
+    EngineConfig,
+    GenerationDefaults,
+    SchedulerConfig,
+)
+from firsttoken.engine.engine import LLMEngine
 from firsttoken.inputs.processor import InputProcessor
 from firsttoken.types import FinishReason
 from tests.e2e.conftest import image_data_url, make_image

@@ -10,13 +10,17 @@ from pathlib import Path
 from transformers import AutoTokenizer
 
 from firsttoken.api.protocol import ChatCompletionRequest
-from firsttoken.config import CacheConfig, GenerationDefaults, SchedulerConfig
+from firsttoken.config import (
+    CacheConfig,
+    EngineConfig,
+    GenerationDefaults,
+    SchedulerConfig,
+)
 from firsttoken.engine.async_engine import (
     ABORT_CLIENT_NOT_READING,
-    DEFAULT_MAX_UNREAD_OUTPUTS,
     AsyncEngine,
 )
-from firsttoken.engine.engine import EngineConfig, LLMEngine
+from firsttoken.engine.engine import LLMEngine
 from firsttoken.inputs.processor import InputProcessor
 from firsttoken.types import FinishReason
 from tests.helpers import process
@@ -27,12 +31,10 @@ MAX_UNREAD = 4
 def build(model_dir: Path, max_unread: int = MAX_UNREAD) -> tuple[AsyncEngine, InputProcessor, list[tuple[str, str]]]:
     tok = AutoTokenizer.from_pretrained(model_dir)
     cfg = EngineConfig(dtype="float32", cache=CacheConfig(kv_cache_memory_bytes=8 * 2**20),
-                       scheduler=SchedulerConfig(max_batched_tokens=128))
+                       scheduler=SchedulerConfig(max_batched_tokens=128), max_unread_outputs=max_unread)
     engine = LLMEngine(model_dir, cfg, tok.backend_tokenizer)
     aborts: list[tuple[str, str]] = []
-    async_engine = AsyncEngine(
-        engine, max_unread_outputs=max_unread, on_abort=lambda rid, why: aborts.append((rid, why))
-    )
+    async_engine = AsyncEngine(engine, on_abort=lambda rid, why: aborts.append((rid, why)))
     proc = InputProcessor(tok, engine.model_config, GenerationDefaults.from_pretrained(model_dir),
                           max_model_len=engine.max_model_len)
     return async_engine, proc, aborts
@@ -74,7 +76,7 @@ def test_a_consumer_that_stops_reading_is_aborted_and_its_kv_freed(tiny_model_di
 
 
 def test_a_consumer_that_keeps_reading_is_never_aborted(tiny_model_dir: Path) -> None:
-    engine, proc, aborts = build(tiny_model_dir, DEFAULT_MAX_UNREAD_OUTPUTS)
+    engine, proc, aborts = build(tiny_model_dir, EngineConfig().max_unread_outputs)
     engine.start()
 
     async def go():

@@ -20,8 +20,8 @@ import pytest
 import torch
 from PIL import Image
 
-from firsttoken.config import CacheConfig, SchedulerConfig
-from firsttoken.engine.engine import EngineConfig, LLMEngine
+from firsttoken.config import CacheConfig, EngineConfig, SchedulerConfig
+from firsttoken.engine.engine import LLMEngine
 from firsttoken.models.config import ModelConfig
 from firsttoken.models.mrope import compute_mrope_positions
 from firsttoken.models.registry import family_named, load_model_config

@@ -22,9 +22,9 @@ import uvicorn
 from PIL import Image
 
 from firsttoken.api.server import build_app
-from firsttoken.api.settings import ServerSettings
-from firsttoken.config import GenerationDefaults
-from firsttoken.inputs.processor import ImageSettings, InputProcessor
+from firsttoken.api.settings import ServedModel
+from firsttoken.config import GenerationDefaults, ImageConfig, ServerConfig
+from firsttoken.inputs.processor import InputProcessor
 from firsttoken.inputs.prompt import TextPrompt
 from firsttoken.models.registry import load_model_config
 from firsttoken.types import FinishReason
@@ -47,12 +47,14 @@ def processor(tiny_model_dir: Path) -> InputProcessor:
         load_model_config(tiny_model_dir),
         GenerationDefaults.from_pretrained(tiny_model_dir),
         max_model_len=MAX_MODEL_LEN,
-        images=ImageSettings(),
+        images=ImageConfig(),
     )
 
 
-def settings(**overrides) -> ServerSettings:
-    return ServerSettings(**{"served_model_name": MODEL, "max_model_len": MAX_MODEL_LEN, **overrides})
+def app_of(engine, processor: InputProcessor, **overrides):
+    """build_app with the test model; ``overrides`` are ServerConfig fields, or ``model_root``."""
+    root = overrides.pop("model_root", None)
+    return build_app(engine, processor, ServedModel(MODEL, MAX_MODEL_LEN, root), ServerConfig(**overrides))
 
 
 def fixture(name: str) -> tuple[int, dict[str, str], str]:
@@ -68,7 +70,7 @@ def fixture_request(name: str) -> dict:
 
 
 def asgi_client(engine: FakeEngine, processor: InputProcessor, **overrides) -> httpx.AsyncClient:
-    app = build_app(engine, processor, settings(**overrides))
+    app = app_of(engine, processor, **overrides)
     transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
     return httpx.AsyncClient(transport=transport, base_url="http://test")
 
@@ -113,7 +115,7 @@ def live_server(
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    app = build_app(engine, processor, settings(**overrides))
+    app = app_of(engine, processor, **overrides)
     server = uvicorn.Server(
         uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", **(uvicorn_options or {}))
     )
@@ -427,7 +429,7 @@ def test_bad_image_is_400_through_the_openai_client(processor: InputProcessor) -
 
 def test_body_too_large_is_413(processor: InputProcessor) -> None:
     big = {"model": MODEL, "messages": [{"role": "user", "content": "x" * 5000}]}
-    err = error_of(post(processor, "/v1/chat/completions", json=big, server={"max_request_body_bytes": 1000}), 413)
+    err = error_of(post(processor, "/v1/chat/completions", json=big, server={"max_request_bytes": 1000}), 413)
     assert err["type"] == "RequestTooLargeError"
 
     async def chunks():
@@ -438,7 +440,7 @@ def test_body_too_large_is_413(processor: InputProcessor) -> None:
         "/v1/chat/completions",
         content=chunks(),
         headers={"content-type": "application/json"},
-        server={"max_request_body_bytes": 1000},
+        server={"max_request_bytes": 1000},
     )
     error_of(chunked, 413)
 
@@ -748,7 +750,7 @@ def test_a_short_chat_is_answered_while_heavy_requests_hold_every_heavy_thread(t
     proc = BlockingProcessor(tiny_model_dir, load_model_config(tiny_model_dir), GenerationDefaults(),
                              max_model_len=MAX_MODEL_LEN)
     proc.start_holding()
-    threads = settings().num_preprocess_threads
+    threads = ServerConfig().num_preprocess_threads
     heavy = {"model": MODEL, "prompt": "long document " * 2000, "max_tokens": 2}  # 28,000 characters: heavy
 
     async def go():

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from firsttoken.inputs.budget import BudgetError, ImageBudget, plan_image
+from firsttoken.config import ImageConfig
+from firsttoken.inputs.budget import BudgetError, image_budget, plan_image
 from firsttoken.inputs.image import ImageInputError, smart_resize
 from firsttoken.models.config import VisionConfig
 
@@ -57,20 +58,25 @@ def test_a_strip_that_cannot_fit_a_tiny_budget_is_refused_with_what_it_needs() -
 
 
 def test_request_budget_is_within_the_cap() -> None:
-    budget = ImageBudget(max_tokens=1280, min_tokens=4, low_detail_tokens=256)
-    assert budget.for_request(None, None, "p") == budget.for_request("auto", None, "p") == 1280
-    assert budget.for_request("high", None, "p") == 1280
-    assert budget.for_request("low", None, "p") == 256
-    assert budget.for_request("high", 100, "p") == 100 and budget.for_request("low", 1000, "p") == 256
-    assert budget.for_request(None, 1280, "p") == 1280
+    images = ImageConfig(image_max_tokens=1280, image_min_tokens=4, image_low_detail_tokens=256)
+
+    def budget(detail, max_visual_tokens, param="p"):
+        return image_budget(images, detail, max_visual_tokens, param)
+
+    assert budget(None, None) == budget("auto", None) == 1280
+    assert budget("high", None) == 1280
+    assert budget("low", None) == 256
+    assert budget("high", 100) == 100 and budget("low", 1000) == 256
+    assert budget(None, 1280) == 1280
     with pytest.raises(BudgetError, match="1281 is above this server's cap of 1280") as err:
-        budget.for_request("high", 1281, "messages[0].content[0].image_url")
+        budget("high", 1281, "messages[0].content[0].image_url")
     assert err.value.param == "messages[0].content[0].image_url.max_visual_tokens"
-    assert ImageBudget(max_tokens=100, low_detail_tokens=256).for_request("low", None, "p") == 100
+    small = ImageConfig(image_max_tokens=100, image_low_detail_tokens=256)
+    assert image_budget(small, "low", None, "p") == 100
 
 
 def test_budget_settings_are_validated_by_name() -> None:
     with pytest.raises(ValueError, match="image_min_tokens"):
-        ImageBudget(max_tokens=16, min_tokens=32)
+        ImageConfig(image_max_tokens=16, image_min_tokens=32)
     with pytest.raises(ValueError, match="image_max_tokens"):
-        ImageBudget(max_tokens=0)
+        ImageConfig(image_max_tokens=0)

@@ -76,7 +76,7 @@ def test_serve_kv_pool_smaller_than_one_block_says_the_minimum(tiny_model_dir: P
 
 
 @pytest.mark.parametrize("flags, expected", [
-    (["--dtype", "fp8"], "--dtype fp8: unknown dtype; use one of auto, float32, bfloat16, float16"),
+    (["--dtype", "fp8"], "--dtype fp8: must be one of auto, float32, bfloat16, float16"),
     (["--scheduling", "round-robin"], "--scheduling round-robin: must be 'lanes' or 'fcfs'"),
     (["--kv-admission", "eager"], "--kv-admission eager: must be 'whole-prompt' or 'optimistic'"),
     (["--image-max-tokens", "0"], "--image-max-tokens 0: must be >= 1"),

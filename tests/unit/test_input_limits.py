@@ -12,10 +12,9 @@ import pytest
 from PIL import Image
 
 from firsttoken.api.protocol import ChatCompletionRequest, to_chat_prompt
-from firsttoken.config import GenerationDefaults
-from firsttoken.inputs.budget import ImageBudget
+from firsttoken.config import GenerationDefaults, ImageConfig
 from firsttoken.inputs.image import ImageInputError
-from firsttoken.inputs.processor import ImageSettings, InputError, InputProcessor
+from firsttoken.inputs.processor import InputError, InputProcessor
 from firsttoken.models.registry import load_model_config
 from tests.helpers import process
 
@@ -27,12 +26,8 @@ def processor(tiny_model_dir: Path) -> InputProcessor:
         load_model_config(tiny_model_dir),
         GenerationDefaults.from_pretrained(tiny_model_dir),
         max_model_len=2048,
-        images=ImageSettings(
-            budget=ImageBudget(max_tokens=256, min_tokens=4, low_detail_tokens=64),
-            max_images_per_prompt=3,
-            max_image_pixels=4_000_000,
-        ),
-        max_input_tokens=600,
+        images=ImageConfig(image_max_tokens=256, image_min_tokens=4, image_low_detail_tokens=64,
+                           max_images_per_request=3, max_image_pixels=4_000_000, max_input_tokens=600),
     )
 
 

@@ -68,7 +68,7 @@ def refused(url: str, routes: dict | None = None, **kw) -> tuple[ImageInputError
 
 def test_remote_urls_are_off_by_default_and_nothing_is_resolved() -> None:
     resolver = FakeResolver(DNS)
-    for remote in (None, RemoteMedia(network=MediaNetwork(resolver, FakeFetcher({})))):
+    for remote in (None, RemoteMedia(frozenset(), 5.0, network=MediaNetwork(resolver, FakeFetcher({})))):
         with pytest.raises(ImageInputError) as info:
             load_image_bytes("https://img.example.com/a.png", None, MAX_BYTES, remote)
         assert info.value.code == "media_not_allowed" and "disabled" in str(info.value)

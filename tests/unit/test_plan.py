@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from firsttoken.cli.main import main
-from firsttoken.config import CacheConfig, SchedulerConfig
-from firsttoken.engine.engine import EngineConfig, plan_kv_capacity
+from firsttoken.config import CacheConfig, EngineConfig, SchedulerConfig
+from firsttoken.engine.engine import plan_kv_capacity
 from firsttoken.models.checkpoint import SIZES, build_hf_config
 from firsttoken.models.registry import model_config_from_dict
 from firsttoken.scheduler.request import Request

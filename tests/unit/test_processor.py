@@ -10,9 +10,9 @@ import pytest
 from PIL import Image
 
 from firsttoken.api.protocol import ChatCompletionRequest, CompletionRequest
-from firsttoken.config import GenerationDefaults
+from firsttoken.config import GenerationDefaults, ImageConfig
 from firsttoken.inputs.image import ImageInputError
-from firsttoken.inputs.processor import ImageSettings, InputError, InputProcessor
+from firsttoken.inputs.processor import InputError, InputProcessor
 from firsttoken.inputs.prompt import TextPrompt
 from firsttoken.models.registry import load_model_config
 from tests.helpers import process
@@ -27,7 +27,7 @@ def processor(tiny_model_dir: Path) -> InputProcessor:
         load_model_config(tiny_model_dir),
         GenerationDefaults.from_pretrained(tiny_model_dir),
         max_model_len=MAX_MODEL_LEN,
-        images=ImageSettings(max_images_per_prompt=3),
+        images=ImageConfig(max_images_per_request=3),
     )
 
 

@@ -1,0 +1,121 @@
+"""Developer checks over the source tree. ``python -m firsttoken.tools.devcheck imports`` draws which package imports
+which and lists every import that points up the layers (docs/architecture.md, "Layers"); it exits 1 if there is one.
+
+Layers, top to bottom. A module may import its own package, any package of a lower layer, and nothing above it;
+packages that share a layer may not import each other (they are siblings: scheduler and runner meet only through
+firsttoken/batch.py).
+"""
+
+from __future__ import annotations
+
+import ast
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+PACKAGE_ROOT = Path(__file__).resolve().parents[1]
+
+LAYERS: tuple[tuple[str, ...], ...] = (
+    ("cli",),  # the firsttoken command
+    ("llm", "tools"),  # the offline Python API; operator tools (they talk HTTP or do arithmetic)
+    ("api",),  # the HTTP server
+    ("inputs",),  # prompts -> EngineRequest
+    ("engine",),  # the step loop, the asyncio bridge, detokenizer
+    ("scheduler", "runner"),  # bookkeeping (ints only) / tensors, behind the Executor
+    ("models", "sampling", "kv", "metrics"),
+    ("attention",),  # the backend contract models use
+    ("batch", "config"),  # scheduler -> runner values; the config tree
+    ("types", "quoting", "units"),  # leaves
+)
+LAYER_OF = {pkg: depth for depth, layer in enumerate(LAYERS) for pkg in layer}
+
+
+@dataclass(frozen=True)
+class Import:
+    module: str  # firsttoken.<...> of the importing file
+    imported: str  # firsttoken.<...>
+    line: int
+
+    @property
+    def source(self) -> str:
+        return _package(self.module)
+
+    @property
+    def target(self) -> str:
+        return _package(self.imported)
+
+
+def _package(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "__init__"
+
+
+def _module_name(path: Path, root: Path) -> str:
+    rel = path.relative_to(root.parent).with_suffix("")
+    parts = list(rel.parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def iter_imports(root: Path = PACKAGE_ROOT) -> Iterator[Import]:
+    """Every ``import firsttoken...`` / ``from firsttoken... import`` in the package, lazy imports included."""
+    for path in sorted(root.rglob("*.py")):
+        module = _module_name(path, root)
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("firsttoken"):
+                if node.module == "firsttoken":  # from firsttoken import units
+                    for alias in node.names:
+                        yield Import(module, f"firsttoken.{alias.name}", node.lineno)
+                else:
+                    yield Import(module, node.module, node.lineno)
+            elif isinstance(node, ast.Import):
+                for alias in node.names:
+                    if alias.name.startswith("firsttoken."):
+                        yield Import(module, alias.name, node.lineno)
+
+
+def violations(imports: list[Import]) -> list[str]:
+    out = []
+    for imp in imports:
+        src, dst = imp.source, imp.target
+        if src == dst or src == "__init__":
+            continue
+        if src not in LAYER_OF or dst not in LAYER_OF:
+            out.append(f"{imp.module}:{imp.line}: {src} or {dst} is in no layer (add it to devcheck.LAYERS)")
+        elif LAYER_OF[dst] < LAYER_OF[src]:
+            out.append(f"{imp.module}:{imp.line} imports {imp.imported}: {src} may not import {dst} (upward)")
+        elif LAYER_OF[dst] == LAYER_OF[src]:
+            out.append(f"{imp.module}:{imp.line} imports {imp.imported}: {src} and {dst} are siblings")
+    return out
+
+
+def edges(imports: list[Import]) -> dict[tuple[str, str], int]:
+    counts: dict[tuple[str, str], int] = {}
+    for imp in imports:
+        if imp.source != imp.target and imp.source != "__init__":
+            counts[(imp.source, imp.target)] = counts.get((imp.source, imp.target), 0) + 1
+    return counts
+
+
+def main(argv: list[str]) -> int:
+    if argv != ["imports"]:
+        print("usage: python -m firsttoken.tools.devcheck imports", file=sys.stderr)
+        return 2
+    imports = list(iter_imports())
+    print("package imports (count), layer by layer, top to bottom:")
+    for layer in LAYERS:
+        for pkg in layer:
+            targets = sorted((dst, n) for (src, dst), n in edges(imports).items() if src == pkg)
+            if targets:
+                print(f"  {pkg:10} -> " + ", ".join(f"{dst} ({n})" for dst, n in targets))
+    bad = violations(imports)
+    print(f"{len(bad)} import(s) pointing up or sideways")
+    for line in bad:
+        print("  " + line)
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))
