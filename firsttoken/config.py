@@ -323,6 +323,27 @@ def build_config(values: dict[str, Any], cls: type = ServeConfig) -> Any:
     return _build(cls, (), {f.path: values.get(f.dest, f.default) for f in config_flags(cls)})
 
 
+def config_from_options(base: dict[str, Any] | None = None, **options: Any) -> ServeConfig:
+    """The tree from options named by flag dest (``kv_cache_memory=2**24``, ``no_prefix_cache=True``), values as
+    parsed or as the flag's text (``kv_cache_memory="16MiB"``, ``allowed_media_domains="a.com,b.org"``). ``base``:
+    values already parsed (an argparse namespace's dict, where switches are False unless given). ValueError names
+    the field of a bad value or the unknown option."""
+    flags = {f.dest: f for f in config_flags()}
+    unknown = set(options) - set(flags)
+    if unknown:
+        raise ValueError(f"unknown options: {sorted(unknown)}; known: {sorted(flags)}")
+    values = {k: v for k, v in (base or {}).items() if k in flags}
+    for dest, value in options.items():
+        f = flags[dest]
+        if isinstance(value, str) and f.parse not in (None, str):
+            value = f.parse(value)
+        values[dest] = value
+    for f in flags.values():  # a switch's value says whether its flag was given: the field's non-default value
+        if f.parse is None and f.dest in values:
+            values[f.dest] = (not values[f.dest]) if f.switch_off else bool(values[f.dest])
+    return build_config(values)
+
+
 def _build(cls: type, prefix: tuple[str, ...], by_path: dict[tuple[str, ...], Any]) -> Any:
     kwargs = {}
     for f in fields(cls):

@@ -11,7 +11,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from firsttoken.config import ServeConfig, build_config, config_flags
+from firsttoken.config import ServeConfig, config_flags, config_from_options
 from firsttoken.units import parse_bytes
 
 log = logging.getLogger("firsttoken.serve")
@@ -73,22 +73,8 @@ def _metavar(f: Any) -> str:
 
 
 def serve_config(args: argparse.Namespace | None = None, **overrides: Any) -> ServeConfig:
-    """The config tree from parsed flags and/or overrides by flag dest (``kv_cache_memory=2**24``, or the flag's
-    text: ``allowed_media_domains="a.com,b.org"``). Raises ValueError naming the field of a bad value."""
-    flags = {f.dest: f for f in config_flags()}
-    values = {k: v for k, v in vars(args).items() if k in flags} if args is not None else {}
-    unknown = set(overrides) - set(flags)
-    if unknown:
-        raise ValueError(f"unknown serve options: {sorted(unknown)}")
-    for dest, value in overrides.items():
-        f = flags[dest]
-        if isinstance(value, str) and f.parse not in (None, str):
-            value = f.parse(value)
-        values[dest] = value
-    for f in flags.values():  # a switch given on the command line means its field's non-default value
-        if f.parse is None and f.dest in values:
-            values[f.dest] = (not values[f.dest]) if f.switch_off else bool(values[f.dest])
-    return build_config(values)
+    """The config tree from parsed flags and/or overrides by flag dest (config.config_from_options)."""
+    return config_from_options(vars(args) if args is not None else None, **overrides)
 
 
 def build_server(config: ServeConfig, fault_hook: Any = None, media_network: Any = None):

@@ -250,10 +250,3 @@ class AsyncEngine:
         )
         stream.backlog.delivered += 1
         stream.loop.call_soon_threadsafe(stream.outputs.put_nowait, final)
-
-
-def finish_reason_text(reason: FinishReason | None) -> str | None:
-    """OpenAI's finish_reason for ours."""
-    if reason is None:
-        return None
-    return "length" if reason == FinishReason.LENGTH else "stop"

@@ -34,7 +34,6 @@ from typing import Any
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from firsttoken.config import GenerationDefaults, ImageConfig
-from firsttoken.engine.detokenizer import IncrementalDetokenizer
 from firsttoken.inputs.budget import BudgetError, ImagePlan, image_budget, plan_image
 from firsttoken.inputs.image import (
     ImageInputError,
@@ -172,8 +171,6 @@ class InputProcessor:
         self.remote = remote_media(images.allowed_media_domains, images.media_fetch_timeout_s, media_network)
         self._vision_tokens_re = re.compile("(" + "|".join(map(re.escape, VISION_CONTROL_TOKENS)) + ")")
         self._special_ids = frozenset(tokenizer.all_special_ids) | frozenset(tokenizer.added_tokens_decoder)
-        # Decoding through the Rust tokenizer skips the Python wrapper; the detokenizer calls it every token.
-        self.decoder = getattr(tokenizer, "backend_tokenizer", None) or tokenizer
         # The most characters one token covers: text longer than limit x this is refused untokenized.
         self.max_chars_per_token = longest_token_chars(list(tokenizer.get_vocab()))
 
@@ -197,9 +194,6 @@ class InputProcessor:
             if piece:
                 ids += self.tokenizer.encode(piece, add_special_tokens=False, split_special_tokens=i % 2 == 1)
         return tuple(ids)
-
-    def new_detokenizer(self, request: EngineRequest) -> IncrementalDetokenizer:
-        return IncrementalDetokenizer(self.decoder, request.prompt_token_ids, request.sampling.stop)
 
     def token_piece(self, token_id: int) -> tuple[str, list[int]]:
         """(text, bytes) of one token for logprobs: byte-level pieces are mapped back to their raw bytes."""

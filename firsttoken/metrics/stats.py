@@ -37,11 +37,6 @@ class FinishedRequest:
     lane: str
     timings: dict[str, float | int | None]
 
-    @property
-    def image_class(self) -> str:
-        """The per-class label used everywhere in firsttoken: 0, 1 or 2+ images."""
-        return "0" if self.num_images == 0 else ("1" if self.num_images == 1 else "2+")
-
 
 class StatsObserver(Protocol):
     """Receives metrics data from the engine thread. Must be cheap and must not raise."""

@@ -23,7 +23,7 @@ from PIL import Image
 
 from firsttoken.api.server import build_app
 from firsttoken.api.settings import ServedModel
-from firsttoken.config import GenerationDefaults, ImageConfig, ServerConfig
+from firsttoken.config import GenerationDefaults, ServerConfig
 from firsttoken.inputs.processor import InputProcessor
 from firsttoken.inputs.prompt import TextPrompt
 from firsttoken.models.registry import load_model_config
@@ -35,20 +35,14 @@ from .fake_engine import FakeEngine, Script
 FIXTURES = VLLM_FIXTURES
 MODEL = "qwen2vl"  # the fixtures' served name, so error bodies compare byte for byte
 MAX_MODEL_LEN = 4096
-
+from tests.helpers import make_processor
 
 # ------------------------------------------------------------------------------------------- harness
 
 
 @pytest.fixture(scope="module")
 def processor(tiny_model_dir: Path) -> InputProcessor:
-    return InputProcessor(
-        tiny_model_dir,
-        load_model_config(tiny_model_dir),
-        GenerationDefaults.from_pretrained(tiny_model_dir),
-        max_model_len=MAX_MODEL_LEN,
-        images=ImageConfig(),
-    )
+    return make_processor(tiny_model_dir, MAX_MODEL_LEN)
 
 
 def app_of(engine, processor: InputProcessor, **overrides):

@@ -12,23 +12,15 @@ import pytest
 from PIL import Image
 
 from firsttoken.api.protocol import ChatCompletionRequest, to_chat_prompt
-from firsttoken.config import GenerationDefaults, ImageConfig
 from firsttoken.inputs.image import ImageInputError
 from firsttoken.inputs.processor import InputError, InputProcessor
-from firsttoken.models.registry import load_model_config
-from tests.helpers import process
+from tests.helpers import make_processor, process
 
 
 @pytest.fixture(scope="module")
 def processor(tiny_model_dir: Path) -> InputProcessor:
-    return InputProcessor(
-        tiny_model_dir,
-        load_model_config(tiny_model_dir),
-        GenerationDefaults.from_pretrained(tiny_model_dir),
-        max_model_len=2048,
-        images=ImageConfig(image_max_tokens=256, image_min_tokens=4, image_low_detail_tokens=64,
-                           max_images_per_request=3, max_image_pixels=4_000_000, max_input_tokens=600),
-    )
+    return make_processor(tiny_model_dir, 2048, image_max_tokens=256, image_min_tokens=4, image_low_detail_tokens=64,
+                          max_images_per_request=3, max_image_pixels=4_000_000, max_input_tokens=600)
 
 
 def png_bytes(width: int, height: int) -> bytes:

@@ -10,25 +10,17 @@ import pytest
 from PIL import Image
 
 from firsttoken.api.protocol import ChatCompletionRequest, CompletionRequest
-from firsttoken.config import GenerationDefaults, ImageConfig
 from firsttoken.inputs.image import ImageInputError
 from firsttoken.inputs.processor import InputError, InputProcessor
 from firsttoken.inputs.prompt import TextPrompt
-from firsttoken.models.registry import load_model_config
-from tests.helpers import process
+from tests.helpers import make_processor, process
 
 MAX_MODEL_LEN = 4096
 
 
 @pytest.fixture(scope="module")
 def processor(tiny_model_dir: Path) -> InputProcessor:
-    return InputProcessor(
-        tiny_model_dir,
-        load_model_config(tiny_model_dir),
-        GenerationDefaults.from_pretrained(tiny_model_dir),
-        max_model_len=MAX_MODEL_LEN,
-        images=ImageConfig(max_images_per_request=3),
-    )
+    return make_processor(tiny_model_dir, MAX_MODEL_LEN, max_images_per_request=3)
 
 
 def png_url(width: int, height: int, color: tuple[int, int, int] = (200, 30, 30)) -> str:

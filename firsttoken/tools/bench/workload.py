@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from firsttoken.metrics.window import image_class
 from firsttoken.tools.bench.config import BenchConfig, images_of_class
 from firsttoken.tools.bench.images import encode_data_url, synth_image
 
@@ -47,10 +48,6 @@ class Session:
 def words(n: int, seed: str) -> str:
     rng = random.Random(seed)
     return " ".join(rng.choice(_VOCAB) for _ in range(n))
-
-
-def image_class(num_images: int) -> str:
-    return "0" if num_images == 0 else ("1" if num_images == 1 else "2+")
 
 
 class Workload:

@@ -1,0 +1,65 @@
+"""The offline Python API (``from firsttoken import LLM``): same greedy answers as the server for the same prompts,
+batches through the same scheduler, and the server's validation."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from firsttoken import LLM, SamplingRequest
+from tests.e2e.conftest import LiveServer, image_message, make_image
+
+GREEDY = {"temperature": 0.0, "max_tokens": 12}
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_model_dir: Path) -> LLM:
+    # the options start_server gives the session's live server
+    return LLM(tiny_model_dir, dtype="float32", kv_cache_memory="16MiB", max_batched_tokens=256)
+
+
+def conversations() -> list[list[dict]]:
+    return [
+        [{"role": "user", "content": "Tell me about lighthouses."}],
+        image_message("What is in this picture?", make_image(160, 120, seed=1)),
+        [{"role": "system", "content": "Be brief."}, *image_message("And these?", make_image(96, 200, seed=2),
+                                                                     make_image(140, 140, seed=3))],
+    ]
+
+
+def test_chat_batch_equals_the_servers_answers_one_by_one(llm: LLM, live_server: LiveServer):
+    client = live_server.client()
+    expected = [client.chat.completions.create(model=live_server.model, messages=c, **GREEDY)
+                for c in conversations()]
+    results = llm.chat(conversations(), GREEDY)
+    assert [r.text for r in results] == [e.choices[0].message.content for e in expected]
+    assert [r.finish_reason for r in results] == [e.choices[0].finish_reason for e in expected]
+    assert [r.usage.prompt_tokens for r in results] == [e.usage.prompt_tokens for e in expected]
+    assert all(len(r.token_ids) == r.usage.completion_tokens for r in results)
+    # one batch through the scheduler: the prefills shared steps
+    assert any(r.timings["shared_prefill_steps"] > 0 for r in results)
+    assert all(r.timings["ttft_s"] > 0 and r.timings["images_encoded"] == i for i, r in enumerate(results))
+
+
+def test_completion_and_sampling_request_and_pil_images(llm: LLM, live_server: LiveServer):
+    client = live_server.client()
+    expected = client.completions.create(model=live_server.model, prompt="Once upon a time", **GREEDY)
+    got = llm.complete("Once upon a time", SamplingRequest(temperature=0.0, max_tokens=12))
+    assert got.text == expected.choices[0].text
+    picture = make_image(160, 120, seed=1)
+    by_url = llm.chat(image_message("Describe it.", picture), GREEDY)
+    by_pil = llm.chat([{"role": "user", "content": [{"type": "image_pil", "image_pil": picture},
+                                                     {"type": "text", "text": "Describe it."}]}], GREEDY)
+    assert by_pil.text == by_url.text and by_pil.token_ids == by_url.token_ids
+    # same pixels, same content hash: the second prompt's image blocks come from the prefix cache, no encode
+    assert by_pil.usage.cached_tokens > 0 and by_pil.timings["images_encoded"] == 0
+
+
+def test_bad_input_raises_the_servers_message_before_anything_runs(llm: LLM):
+    steps = llm.engine.stats().num_steps
+    with pytest.raises(ValueError, match="max_tokens"):
+        llm.chat([{"role": "user", "content": "hi"}], {"max_tokens": 10**6})
+    with pytest.raises(ValueError, match="role"):
+        llm.chat([{"role": "wizard", "content": "hi"}])
+    assert llm.engine.stats().num_steps == steps and llm.engine.stats().kv_blocks_used == 0
