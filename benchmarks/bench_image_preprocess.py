@@ -19,10 +19,10 @@ from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
 )
 
 from firsttoken.inputs.image import preprocess_image, smart_resize
-from firsttoken.models.config import VisionConfig
+from firsttoken.models.config import ImageProcessorConfig
 
 SIZES = [(448, 448), (1024, 1024), (2048, 1536)]  # (width, height)
-VISION = VisionConfig(depth=1, embed_dim=16, num_heads=1, intermediate_size=64, out_hidden_size=16)
+VISION = ImageProcessorConfig()  # Qwen2-VL: 14-px patches, 2x2 merge, CLIP mean and std
 
 
 def median_s(fn: Callable[[], object], repeats: int) -> float:

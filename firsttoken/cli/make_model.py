@@ -1,4 +1,4 @@
-"""``firsttoken make-model DIR``: write a random-weight Qwen2-VL checkpoint (see models/checkpoint.py)."""
+"""``firsttoken make-model DIR``: write a random-weight Qwen-VL checkpoint (see models/checkpoint.py)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from firsttoken.cli.usage import UsageError
-from firsttoken.models.checkpoint import LAYOUTS, SIZES, make_model
+from firsttoken.models.checkpoint import LAYOUTS, make_model, recipes
 
 CHECKPOINT_META = "firsttoken_checkpoint.json"  # make_model writes it last: its presence marks our own output
 
@@ -16,11 +16,12 @@ CHECKPOINT_META = "firsttoken_checkpoint.json"  # make_model writes it last: its
 def add_parser(subparsers: Any) -> None:
     parser = subparsers.add_parser(
         "make-model",
-        help="write a random-weight Qwen2-VL checkpoint in Hugging Face format",
-        description="Write a random-weight Qwen2-VL checkpoint that transformers loads unchanged.",
+        help="write a random-weight Qwen-VL checkpoint in Hugging Face format",
+        description="Write a random-weight Qwen-VL checkpoint that transformers loads unchanged.",
     )
     parser.add_argument("dir", help="output directory (created if missing)")
-    parser.add_argument("--size", choices=sorted(SIZES), default="tiny")
+    parser.add_argument("--family", choices=sorted(recipes()), default="qwen2-vl", help="model family")
+    parser.add_argument("--size", choices=("tiny", "small"), default="tiny")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--layout", choices=LAYOUTS, default="transformers")
     parser.add_argument("--shards", type=int, default=1, help="number of safetensors files")
@@ -42,15 +43,17 @@ def run(args: argparse.Namespace) -> int:
     if args.shards < 1:
         raise UsageError("--shards", args.shards, "must be >= 1")
     try:
-        out = make_model(args.dir, size=args.size, seed=args.seed, layout=args.layout, shards=args.shards)
-    except ValueError as exc:  # more --shards than this size has tensors to split
-        raise UsageError("--shards", args.shards, str(exc)) from None
+        out = make_model(args.dir, size=args.size, seed=args.seed, layout=args.layout, shards=args.shards,
+                         family=args.family)
+    except ValueError as exc:  # more --shards than this size has tensors, or a layout the family lacks
+        flag, value = ("--layout", args.layout) if "layout" in str(exc) else ("--shards", args.shards)
+        raise UsageError(flag, value, str(exc)) from None
     except OSError as exc:  # no permission, disk full
         raise UsageError(None, args.dir, f"cannot write the checkpoint here ({exc.strerror or exc})") from None
     meta = json.loads((out / CHECKPOINT_META).read_text())
     params = meta["params"]
     print(
-        f"wrote {out} ({args.size}, seed {args.seed}, {args.layout} layout, {args.shards} shard(s)): "
+        f"wrote {out} ({args.family} {args.size}, seed {args.seed}, {args.layout} layout, {args.shards} shard(s)): "
         f"{params['total']:,} parameters ({params['language_model']:,} language model, {params['vision']:,} vision)"
     )
     return 0

@@ -22,11 +22,12 @@ from firsttoken.cli.usage import (
 from firsttoken.config import ImageConfig
 from firsttoken.inputs.budget import image_budget, plan_image
 from firsttoken.inputs.image import ImageInputError, probe_image
-from firsttoken.models.config import VisionConfig
+from firsttoken.models.config import ImageProcessorConfig
+from firsttoken.models.registry import read_json
 
 SERVE_DEFAULT = ImageConfig()
-# Only the geometry matters for counting: every Qwen2-VL checkpoint has 14-px patches merged 2x2.
-QWEN2_VL_GEOMETRY = VisionConfig(depth=1, embed_dim=1, num_heads=1, intermediate_size=1, out_hidden_size=1)
+# Only the geometry matters for counting: without --model, Qwen2-VL's 14-px patches merged 2x2 (28 px per token).
+QWEN2_VL_GEOMETRY = ImageProcessorConfig()
 
 
 @dataclass(frozen=True)
@@ -76,7 +77,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def count_images(
-    paths: list[Path], budget: ImageConfig, detail: str | None, vision: VisionConfig, max_image_pixels: int = 10**9
+    paths: list[Path], budget: ImageConfig, detail: str | None, vision: ImageProcessorConfig, max_image_pixels: int = 10**9
 ) -> list[ImageRow]:
     tokens = image_budget(budget, detail, None, "image_url")
     rows = []
@@ -113,7 +114,9 @@ def run(args: argparse.Namespace) -> int:
         existing_file(None, path)
     vision = QWEN2_VL_GEOMETRY
     if args.model:
-        vision = parse_model_config("--model", args.model, read_config_json("--model", args.model)).vision
+        model_dir = Path(args.model)
+        vision = parse_model_config("--model", args.model, read_config_json("--model", args.model),
+                                    read_json(model_dir / "preprocessor_config.json")).image_processor
     try:
         budget = ImageConfig(image_max_tokens=args.image_max_tokens,
                              image_min_tokens=min(args.image_min_tokens, args.image_max_tokens))

@@ -106,12 +106,14 @@ def read_config_json(flag: str, path: str | Path, allow_file: bool = False) -> d
     return config
 
 
-def parse_model_config(flag: str, path: str | Path, config_json: dict[str, Any]) -> "ModelConfig":
+def parse_model_config(
+    flag: str, path: str | Path, config_json: dict[str, Any], preprocessor: dict[str, Any] | None = None
+) -> "ModelConfig":
     """config.json's ModelConfig; a missing or malformed field is a sentence naming it, never a bare KeyError."""
     from firsttoken.models.registry import model_config_from_dict
 
     try:
-        return model_config_from_dict(config_json)
+        return model_config_from_dict(config_json, preprocessor)
     except KeyError as exc:
         raise UsageError(flag, path, f"config.json has no {exc.args[0]!s}, which the model needs") from None
     except (ValueError, TypeError) as exc:

@@ -24,7 +24,7 @@ from firsttoken.inputs.image import (
     num_visual_tokens,
     smart_resize,
 )
-from firsttoken.models.config import VisionConfig
+from firsttoken.models.config import ImageProcessorConfig
 
 # Qwen2-VL's own processor defaults (preprocessor_config.json): min_pixels 56*56, max_pixels 12845056.
 REFERENCE_MIN_TOKENS = 4
@@ -68,7 +68,7 @@ class ImagePlan:
     max_pixels: int
 
 
-def plan_image(width: int, height: int, budget_tokens: int, min_tokens: int, vision: VisionConfig) -> ImagePlan:
+def plan_image(width: int, height: int, budget_tokens: int, min_tokens: int, proc: ImageProcessorConfig) -> ImagePlan:
     """Resize plan for a ``width`` x ``height`` image within ``budget_tokens``, aspect ratio kept on the grid."""
     if width <= 0 or height <= 0:
         raise ImageInputError("invalid_image", f"image has an empty size ({width}x{height})")
@@ -80,9 +80,9 @@ def plan_image(width: int, height: int, budget_tokens: int, min_tokens: int, vis
             f"{MAX_ASPECT_RATIO}:1. Crop or pad it.",
         )
     patch, merge, factor = (
-        vision.patch_size,
-        vision.spatial_merge_size,
-        vision.pixels_per_token,
+        proc.patch_size,
+        proc.merge_size,
+        proc.pixels_per_token,
     )
     min_pixels = min(min_tokens, budget_tokens) * factor * factor
     try:

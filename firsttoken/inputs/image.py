@@ -25,7 +25,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from firsttoken.models.config import VisionConfig
+from firsttoken.models.config import ImageProcessorConfig
 
 OPENAI_CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 OPENAI_CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
@@ -216,11 +216,8 @@ class ProcessedImage:
     content_hash: str | None = None
 
 
-_MEAN = np.array(OPENAI_CLIP_MEAN, dtype=np.float32).reshape(1, 3, 1)
-_STD = np.array(OPENAI_CLIP_STD, dtype=np.float32).reshape(1, 3, 1)
-
-
-def _normalize(patches: np.ndarray) -> np.ndarray:
+def _normalize(patches: np.ndarray, mean: tuple[float, ...] = OPENAI_CLIP_MEAN,
+               std: tuple[float, ...] = OPENAI_CLIP_STD) -> np.ndarray:
     """(patches / 255 - mean) / std in float32, channel on axis 1: [n, 3, k] uint8 -> [n, 3, k] float32.
 
     The reference computes float32(float64(x) * (1/255)) then float32 subtract and divide. For bytes
@@ -229,21 +226,20 @@ def _normalize(patches: np.ndarray) -> np.ndarray:
     torch threads hold the cores (torch's OpenMP ops slowed 20x here under such contention)."""
     out = patches.astype(np.float32)
     out /= np.float32(255)
-    out -= _MEAN
-    out /= _STD
+    out -= np.array(mean, dtype=np.float32).reshape(1, -1, 1)
+    out /= np.array(std, dtype=np.float32).reshape(1, -1, 1)
     return out
 
 
 def preprocess_image(
-    image: Image.Image, vision: VisionConfig, min_pixels: int, max_pixels: int
+    image: Image.Image, proc: ImageProcessorConfig, min_pixels: int, max_pixels: int
 ) -> ProcessedImage:
-    """Resize and patchify one image exactly like Qwen2VLImageProcessorPil(min_pixels, max_pixels)."""
-    if vision.in_channels != 3:
-        raise ValueError(f"vision.in_channels must be 3 for RGB input, got {vision.in_channels}")
-    p, m, t, c = vision.patch_size, vision.spatial_merge_size, vision.temporal_patch_size, vision.in_channels
+    """Resize and patchify one image exactly like Qwen2VLImageProcessorPil(min_pixels, max_pixels) configured as
+    ``proc`` (patch size, merge size, mean and std: 14 px and CLIP's for Qwen2/2.5-VL, 16 px and 0.5 for Qwen3-VL)."""
+    p, m, t, c = proc.patch_size, proc.merge_size, proc.temporal_patch_size, 3
     rgb = to_rgb(image)
     width, height = rgb.size
-    resized_h, resized_w = smart_resize(height, width, vision.pixels_per_token, min_pixels, max_pixels)
+    resized_h, resized_w = smart_resize(height, width, proc.pixels_per_token, min_pixels, max_pixels)
     resized = rgb.resize((resized_w, resized_h), Image.Resampling.BICUBIC)
     pixels = np.asarray(resized)  # [resized_h, resized_w, 3] uint8
     grid_h, grid_w = resized_h // p, resized_w // p
@@ -251,7 +247,7 @@ def preprocess_image(
     # Patch order: merge windows row-major, then the m x m patches inside a window, then (channel, row, col).
     windows = pixels.reshape(grid_h // m, m, p, grid_w // m, m, p, c).transpose(0, 3, 1, 4, 6, 2, 5)
     patches = np.ascontiguousarray(windows).reshape(num_patches, c, p * p)  # uint8
-    frame = _normalize(patches)  # [num_patches, c, p*p] float32
+    frame = _normalize(patches, proc.image_mean, proc.image_std)  # [num_patches, c, p*p] float32
     out = np.empty((num_patches, c, t, p * p), dtype=np.float32)
     out[...] = frame[:, :, None, :]  # a still image is the same frame repeated temporal_patch_size times
     return ProcessedImage(

@@ -289,7 +289,7 @@ class InputProcessor:
                         header.height,
                         budget,
                         s.image_min_tokens,
-                        self.model_config.vision,
+                        self.model_config.image_processor,
                     )
                 )
             except ImageInputError as err:
@@ -315,7 +315,7 @@ class InputProcessor:
 
     def _decode_one(self, data: bytes, plan: ImagePlan) -> ProcessedImage:
         image = decode_image(data, self.images.max_image_pixels)
-        processed = preprocess_image(image, self.model_config.vision, plan.min_pixels, plan.max_pixels)
+        processed = preprocess_image(image, self.model_config.image_processor, plan.min_pixels, plan.max_pixels)
         if processed.num_tokens != plan.num_tokens:  # the header lied about the size, or a bug
             raise ImageInputError("invalid_image", "image size differs from the size its header declares")
         return replace(processed, content_hash=pixel_content_hash(processed))

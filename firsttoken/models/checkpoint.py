@@ -1,7 +1,9 @@
-"""Random-weight Qwen2-VL checkpoints in Hugging Face format, built offline.
+"""Random-weight Qwen-VL checkpoints in Hugging Face format, built offline.
 
-``make_model(out_dir, size, seed, layout, shards)`` writes a directory that transformers 5 loads
-unchanged (``AutoTokenizer``, ``Qwen2VLImageProcessorPil``, ``Qwen2VLForConditionalGeneration``):
+``make_model(out_dir, size, seed, layout, shards, family)`` writes a directory that transformers 5 loads
+unchanged (``AutoTokenizer``, ``Qwen2VLImageProcessorPil``, the family's ``...ForConditionalGeneration``); a family
+contributes a ``CheckpointRecipe`` (its shapes, transformers config and model class, second layout if any).
+For Qwen2-VL:
 
     config.json                      layout "transformers" (nested text_config / vision_config) or
                                      "original" (the Qwen2-VL-2B-Instruct release: flat, rope_scaling)
@@ -34,6 +36,7 @@ import tempfile
 import zlib
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -126,32 +129,68 @@ class ParamCounts:
     vision: int  # patch embed + blocks + merger
 
 
+@dataclass(frozen=True)
+class CheckpointRecipe:
+    """What make_model needs of a family: its shapes, its transformers config and model class, and (for families
+    released in a second layout) how the release names weights and lays out config.json."""
+
+    family: str  # registry name
+    sizes: dict[str, Any]  # size name -> the family's shape
+    hf_config: Callable[[Any], Any]  # shape -> transformers PretrainedConfig (with our tokenizer's ids)
+    hf_model_class: Callable[[], type]  # the transformers ...ForConditionalGeneration (imported on call)
+    preprocessor: Callable[[], dict[str, Any]]  # preprocessor_config.json
+    original_config: Callable[[Any, Any], dict[str, Any]] | None = None  # (config, shape) -> release config.json
+    to_original_key: Callable[[str], str] = lambda name: name
+
+
+def recipes() -> dict[str, CheckpointRecipe]:
+    """Every family make_model can build (families register theirs in _RECIPE_MODULES)."""
+    import importlib
+
+    out = {QWEN2_VL_RECIPE.family: QWEN2_VL_RECIPE}
+    for module in _RECIPE_MODULES:
+        recipe = importlib.import_module(module).CHECKPOINT_RECIPE
+        out[recipe.family] = recipe
+    return out
+
+
 def make_model(
-    out_dir: str | Path, size: str = "tiny", seed: int = 0, layout: str = "transformers", shards: int = 1
+    out_dir: str | Path,
+    size: str = "tiny",
+    seed: int = 0,
+    layout: str = "transformers",
+    shards: int = 1,
+    family: str = "qwen2-vl",
 ) -> Path:
-    """Write a random-weight Qwen2-VL checkpoint into ``out_dir`` (created if needed) and return it."""
-    if size not in SIZES:
-        raise ValueError(f"size must be one of {sorted(SIZES)}, got {size!r}")
-    if layout not in LAYOUTS:
-        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+    """Write a random-weight checkpoint of ``family`` into ``out_dir`` (created if needed) and return it."""
+    known = recipes()
+    if family not in known:
+        raise ValueError(f"family must be one of {sorted(known)}, got {family!r}")
+    recipe = known[family]
+    if size not in recipe.sizes:
+        raise ValueError(f"size must be one of {sorted(recipe.sizes)}, got {size!r}")
+    if layout not in LAYOUTS or (layout == "original" and recipe.original_config is None):
+        allowed = LAYOUTS if recipe.original_config is not None else ("transformers",)
+        raise ValueError(f"layout must be one of {allowed} for {family}, got {layout!r}")
     if shards < 1:
         raise ValueError(f"shards must be >= 1, got {shards}")
-    shape = SIZES[size]
+    shape = recipe.sizes[size]
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    config = build_hf_config(shape)
-    tensors = random_state_dict(config, seed, getattr(torch, shape.dtype))
+    config = recipe.hf_config(shape)
+    tensors = random_state_dict(config, seed, getattr(torch, shape.dtype), recipe.hf_model_class())
     if layout == "original":
-        tensors = {to_original_key(k): v for k, v in tensors.items()}
+        tensors = {recipe.to_original_key(k): v for k, v in tensors.items()}
     _write_weights(out, tensors, shards)
-    if layout == "original":
-        _write_json(out / "config.json", original_config_dict(config, shape))
+    if layout == "original" and recipe.original_config is not None:
+        _write_json(out / "config.json", recipe.original_config(config, shape))
     else:
         config.save_pretrained(out)
     _write_generation_config(out)
     _write_tokenizer_files(out)
-    _write_json(out / "preprocessor_config.json", preprocessor_config_dict())
-    meta = {"format_version": FORMAT_VERSION, "size": size, "seed": seed, "layout": layout, "shards": shards}
+    _write_json(out / "preprocessor_config.json", recipe.preprocessor())
+    meta = {"format_version": FORMAT_VERSION, "family": family, "size": size, "seed": seed, "layout": layout,
+            "shards": shards}
     _write_json(out / "firsttoken_checkpoint.json", {**meta, "params": asdict(count_params(tensors))})
     return out
 
@@ -203,12 +242,13 @@ def build_hf_config(shape: CheckpointShape) -> "Qwen2VLConfig":
     return config
 
 
-def random_state_dict(config: "Qwen2VLConfig", seed: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """Seeded weights for every tensor of ``Qwen2VLForConditionalGeneration(config)``, transformers names."""
-    from transformers import Qwen2VLForConditionalGeneration
+def random_state_dict(config: Any, seed: int, dtype: torch.dtype, model_class: type | None = None) -> dict[str, torch.Tensor]:
+    """Seeded weights for every tensor of ``model_class(config)`` (default Qwen2-VL's), transformers names."""
+    if model_class is None:
+        from transformers import Qwen2VLForConditionalGeneration as model_class
 
     with torch.device("meta"):
-        model = Qwen2VLForConditionalGeneration(config)  # names and shapes only
+        model = model_class(config)  # names and shapes only
     hidden_size = config.text_config.hidden_size
     return {
         name: _init_tensor(name, tuple(t.shape), seed, hidden_size).to(dtype)
@@ -404,6 +444,25 @@ def _write_tokenizer_files(out: Path) -> None:
 
 def _write_json(path: Path, data: dict[str, Any]) -> None:
     path.write_text(json.dumps(data, indent=2, sort_keys=False) + "\n")
+
+
+def _qwen2_vl_model_class() -> type:
+    from transformers import Qwen2VLForConditionalGeneration
+
+    return Qwen2VLForConditionalGeneration
+
+
+QWEN2_VL_RECIPE = CheckpointRecipe(
+    family="qwen2-vl",
+    sizes=SIZES,
+    hf_config=lambda shape: build_hf_config(shape),
+    hf_model_class=_qwen2_vl_model_class,
+    preprocessor=lambda: preprocessor_config_dict(),
+    original_config=lambda config, shape: original_config_dict(config, shape),
+    to_original_key=lambda name: to_original_key(name),
+)
+# Modules of other families' recipes (each defines CHECKPOINT_RECIPE), imported when make_model first needs them.
+_RECIPE_MODULES: tuple[str, ...] = ()
 
 
 def demo_model_dir() -> Path:

@@ -66,15 +66,25 @@ def mrope_cos_sin(
     theta: float,
     mrope_section: Sequence[int],
     dtype: torch.dtype,
+    interleaved: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Multimodal rotary tables, each [num_tokens, head_dim].
 
-    The head_dim/2 frequency pairs are split into ``mrope_section`` = (t, h, w) runs; run r rotates by the
-    position on axis r. The same half-table is repeated for the second half (rotate_half layout).
+    Qwen2-VL / Qwen2.5-VL: the head_dim/2 frequency pairs are split into ``mrope_section`` = (t, h, w) runs; run r
+    rotates by the position on axis r. Qwen3-VL (``interleaved``): pair i rotates by the height position when
+    i % 3 == 1 and i < 3 * h, by the width position when i % 3 == 2 and i < 3 * w, else by the time position. The
+    same half-table is repeated for the second half (rotate_half layout).
     """
     inv_freq = rope_inv_freq(head_dim, theta, positions.device)
     freqs = positions[..., None].float() * inv_freq  # [3, num_tokens, head_dim // 2]
-    chunks = freqs.split(list(mrope_section), dim=-1)
-    freqs = torch.cat([chunk[i % 3] for i, chunk in enumerate(chunks)], dim=-1)  # [num_tokens, head_dim // 2]
+    if interleaved:
+        picked = freqs[0].clone()
+        for axis in (1, 2):
+            span = slice(axis, mrope_section[axis] * 3, 3)
+            picked[..., span] = freqs[axis, ..., span]
+        freqs = picked  # [num_tokens, head_dim // 2]
+    else:
+        chunks = freqs.split(list(mrope_section), dim=-1)
+        freqs = torch.cat([chunk[i % 3] for i, chunk in enumerate(chunks)], dim=-1)  # [num_tokens, head_dim // 2]
     emb = torch.cat((freqs, freqs), dim=-1)
     return emb.cos().to(dtype), emb.sin().to(dtype)

@@ -135,7 +135,8 @@ class Qwen2VLModel(nn.Module):
         x = self.embed_tokens(input_ids)  # [num_tokens, hidden]
         for rows in images:
             x[rows.start : rows.start + rows.embeddings.num_tokens] = rows.embeddings.main.to(x.dtype)
-        cos, sin = mrope_cos_sin(positions, self.config.head_dim, self.config.rope_theta, self.config.mrope_section, x.dtype)
+        c = self.config
+        cos, sin = mrope_cos_sin(positions, c.head_dim, c.rope_theta, c.mrope_section, x.dtype, c.mrope_interleaved)
         cos, sin = cos[:, None, :], sin[:, None, :]  # broadcast over heads
         for layer, kv_cache in zip(self.layers, kv_caches):
             x = layer(x, cos, sin, kv_cache, meta)

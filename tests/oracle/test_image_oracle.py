@@ -18,12 +18,12 @@ from firsttoken.inputs.image import (
     smart_resize,
     to_rgb,
 )
-from firsttoken.models.config import VisionConfig
+from firsttoken.models.config import ImageProcessorConfig
 
 Qwen2VLImageProcessorPil = qwen2_vl_pil.Qwen2VLImageProcessorPil
 ref_smart_resize = qwen2_vl_pil.smart_resize
 
-VISION = VisionConfig(depth=1, embed_dim=16, num_heads=1, intermediate_size=64, out_hidden_size=16)
+VISION = ImageProcessorConfig()  # Qwen2-VL: 14-px patches, 2x2 merge, CLIP mean and std
 DEFAULT_MIN, DEFAULT_MAX = 56 * 56, 28 * 28 * 1280
 
 SIDES = [1, 2, 13, 14, 27, 28, 29, 55, 56, 57, 111, 200, 201, 447, 448, 999, 1024, 1536, 2048, 4000]

@@ -7,9 +7,9 @@ import pytest
 from firsttoken.config import ImageConfig
 from firsttoken.inputs.budget import BudgetError, image_budget, plan_image
 from firsttoken.inputs.image import ImageInputError, smart_resize
-from firsttoken.models.config import VisionConfig
+from firsttoken.models.config import ImageProcessorConfig
 
-VISION = VisionConfig(depth=1, embed_dim=32, num_heads=4, intermediate_size=128, out_hidden_size=64)
+VISION = ImageProcessorConfig()  # Qwen2-VL: 14-px patches, 2x2 merge, CLIP mean and std
 SIZES = [(1, 1), (10, 10), (27, 29), (56, 56), (64, 48), (300, 200), (1024, 1024), (2048, 1536), (4000, 3000),
          (1000, 30), (30, 1000), (5600, 28), (28, 5600), (3000, 15), (7, 1400), (999, 1001), (1920, 1080)]
 

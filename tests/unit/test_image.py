@@ -27,9 +27,9 @@ from firsttoken.inputs.image import (
     smart_resize,
 )
 from firsttoken.inputs.media import base64_decoded_len, load_image_bytes
-from firsttoken.models.config import VisionConfig
+from firsttoken.models.config import ImageProcessorConfig
 
-VISION = VisionConfig(depth=1, embed_dim=16, num_heads=1, intermediate_size=64, out_hidden_size=16)
+VISION = ImageProcessorConfig()  # Qwen2-VL: 14-px patches, 2x2 merge, CLIP mean and std
 MAX_PIXELS = 10_000_000
 MB = 1 << 20
 
