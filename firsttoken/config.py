@@ -264,10 +264,13 @@ class ServerConfig:
 @dataclass(frozen=True)
 class ServeConfig:
     model: str | None = field(default=None, metadata=option(
-        "checkpoint directory (Hugging Face layout); default: the built-in tiny demo checkpoint with random "
-        "weights, which answers nonsense", shown="demo"))
+        "checkpoint directory (Hugging Face layout) or Hugging Face repo id (resolved from the local HF cache, "
+        "downloaded when online); default: the built-in tiny demo checkpoint with random weights, which answers "
+        "nonsense", shown="demo"))
     served_model_name: str | None = field(default=None, metadata=option(
-        "model id clients must send (default: the directory name)"))
+        "model id clients must send (default: the repo id, or the directory name)"))
+    chat_template: Path | None = field(default=None, metadata=option(
+        "a Jinja chat template file to use instead of the checkpoint's", parse=Path))
     engine: EngineConfig = field(default_factory=EngineConfig)
     images: ImageConfig = field(default_factory=ImageConfig)
     server: ServerConfig = field(default_factory=ServerConfig)

@@ -28,7 +28,7 @@ from typing import Any
 from firsttoken.api.protocol import ChatMessage
 from firsttoken.config import GenerationDefaults, ServeConfig, config_from_options
 from firsttoken.engine.engine import LLMEngine
-from firsttoken.inputs.processor import InputProcessor
+from firsttoken.inputs.processor import InputProcessor, load_tokenizer
 from firsttoken.inputs.prompt import ChatPrompt, ImagePart, Message, Prompt, SamplingRequest, TextPrompt
 from firsttoken.metrics.timeline import Timeline
 from firsttoken.types import EngineRequest, FinishReason, TokenLogprob
@@ -62,13 +62,12 @@ class LLM:
     """An engine in this process. Not thread-safe: call it from one thread (it runs the engine loop itself)."""
 
     def __init__(self, model: str | Path | None = None, **options: Any) -> None:
-        from transformers import AutoTokenizer
-
         from firsttoken.models.checkpoint import demo_model_dir
+        from firsttoken.models.hub import resolve_model
 
         self.config: ServeConfig = config_from_options(model=None if model is None else str(model), **options)
-        self.model_dir = Path(model) if model is not None else demo_model_dir()
-        self.tokenizer = AutoTokenizer.from_pretrained(str(self.model_dir))
+        self.model_dir = resolve_model(model) if model is not None else demo_model_dir()
+        self.tokenizer = load_tokenizer(self.model_dir, self.config.chat_template)
         decoder = getattr(self.tokenizer, "backend_tokenizer", None) or self.tokenizer
         self.engine = LLMEngine(self.model_dir, self.config.engine, decoder)
         self.processor = InputProcessor(

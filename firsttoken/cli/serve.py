@@ -81,22 +81,19 @@ def build_server(config: ServeConfig, fault_hook: Any = None, media_network: Any
     """Everything `serve` starts, minus uvicorn: (app, async_engine). Tests use it too; `fault_hook` is the
     runner's test seam (see runner.model_runner.FaultHook), None in production; `media_network` replaces
     how remote images reach the network (inputs.media.MediaNetwork: resolver, fetcher), None in production."""
-    from transformers import AutoTokenizer
-
     from firsttoken.api.observability import observability_from_config
     from firsttoken.api.server import build_app
     from firsttoken.api.settings import ServedModel
     from firsttoken.config import GenerationDefaults
     from firsttoken.engine.async_engine import AsyncEngine
     from firsttoken.engine.engine import LLMEngine
-    from firsttoken.inputs.processor import InputProcessor
-    from firsttoken.models.checkpoint import demo_model_dir
+    from firsttoken.inputs.processor import InputProcessor, load_tokenizer
 
-    model_dir = Path(config.model) if config.model else demo_model_dir()
+    model_dir = model_dir_of(config)
     if config.model is None:
         log.warning("no --model given: serving the built-in demo checkpoint (random weights, nonsense answers) "
                     "from %s", model_dir)
-    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    tokenizer = load_tokenizer(model_dir, config.chat_template)
     observability = observability_from_config(config.server, tokenizer)
     engine = LLMEngine(
         model_dir, config.engine, tokenizer=_decoder(tokenizer), fault_hook=fault_hook, observer=observability.recorder
@@ -111,8 +108,26 @@ def build_server(config: ServeConfig, fault_hook: Any = None, media_network: Any
         media_network=media_network,
         admission=async_engine.check_admission,
     )
-    served = ServedModel(config.served_model_name or model_dir.name, engine.max_model_len, str(model_dir))
+    served = ServedModel(served_name_of(config, model_dir), engine.max_model_len, str(model_dir))
     return build_app(async_engine, processor, served, config.server, observability), async_engine
+
+
+def model_dir_of(config: ServeConfig) -> Path:
+    """--model as a local directory: itself, a Hugging Face repo id resolved (models/hub.py), or the demo."""
+    from firsttoken.models.checkpoint import demo_model_dir
+    from firsttoken.models.hub import resolve_model
+
+    return resolve_model(config.model) if config.model else demo_model_dir()
+
+
+def served_name_of(config: ServeConfig, model_dir: Path) -> str:
+    """What clients send as `model`: --served-model-name, else the repo id as given, else the directory's name."""
+    from firsttoken.models.hub import is_repo_id
+
+    if config.served_model_name:
+        return config.served_model_name
+    return config.model if config.model and is_repo_id(config.model) and not Path(config.model).exists() \
+        else model_dir.name
 
 
 def _decoder(tokenizer: Any) -> Any:
@@ -130,13 +145,18 @@ def run(args: argparse.Namespace) -> int:
     from firsttoken.api.logs import configure_logging
     from firsttoken.api.shutdown import DrainingServer
     from firsttoken.cli.serve_checks import check_serve_config, flag_error
-    from firsttoken.models.checkpoint import demo_model_dir
+    from firsttoken.cli.usage import UsageError
+    from firsttoken.models.hub import ModelNotFound
 
     try:
         config = serve_config(args)
     except ValueError as exc:
         raise flag_error(exc, args) from None
-    check_serve_config(config, Path(config.model) if config.model else demo_model_dir())
+    try:
+        model_dir = model_dir_of(config)
+    except ModelNotFound as exc:
+        raise UsageError("--model", config.model, str(exc)) from None
+    check_serve_config(config, model_dir)
     server_cfg = config.server
     configure_logging(server_cfg.log_level, server_cfg.log_format)
     if config.engine.num_threads:

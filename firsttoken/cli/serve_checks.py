@@ -51,6 +51,8 @@ def check_serve_config(config: "ServeConfig", model_dir: Path) -> None:
         raise UsageError("--log-format", server.log_format, f"unknown format; use one of {', '.join(LOG_FORMATS)}")
     if config.images.allowed_media_dir is not None:
         existing_dir("--allowed-media-dir", config.images.allowed_media_dir)
+    if config.chat_template is not None and not Path(config.chat_template).is_file():
+        raise UsageError("--chat-template", config.chat_template, "no such file")
     if server.request_log is not None and not Path(server.request_log).parent.is_dir():
         raise UsageError("--request-log", server.request_log, "its directory does not exist; create it first")
     model_config = check_checkpoint("--model" if config.model else "(demo checkpoint)", model_dir)

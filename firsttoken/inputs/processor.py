@@ -129,6 +129,14 @@ class _Prompt:
         return sum(p.num_tokens for p in self.plans)
 
 
+def load_tokenizer(model_dir: str | Path, chat_template: Path | None = None) -> PreTrainedTokenizerBase:
+    """The checkpoint's tokenizer; ``chat_template`` (a Jinja file) replaces the checkpoint's template."""
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    if chat_template is not None:
+        tokenizer.chat_template = Path(chat_template).read_text()
+    return tokenizer
+
+
 class InputProcessor:
     """Thread-safe after construction: tokenizers encode concurrently, and nothing here mutates state."""
 
