@@ -3,8 +3,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
+import numpy as np
 import torch
 
 from firsttoken.types import ImageItem, SamplingParams, TokenLogprob
@@ -53,6 +54,31 @@ class ScheduledChunk:
 
 
 @dataclass(frozen=True)
+class StepFeatures:
+    """The work one step holds, in the units the cost model prices."""
+
+    sequences: int = 0  # chunks in the forward (prefill chunks + decodes)
+    sampled: int = 0  # rows that reach the lm_head and the sampler
+    prefill_tokens: int = 0
+    prefill_attention: float = 0.0  # query-key pairs scored by prefill chunks
+    decode_tokens: int = 0
+    decode_context: int = 0  # cached tokens the decodes read
+    encoder_patches: int = 0  # patches through vision-tower units
+    encoder_attention: float = 0.0  # query-key pairs scored by those units
+
+    def __add__(self, other: "StepFeatures") -> "StepFeatures":
+        return StepFeatures(*(getattr(self, f.name) + getattr(other, f.name) for f in fields(self)))
+
+    def vector(self) -> np.ndarray:
+        """[1, sequences, sampled, ...] in FEATURE_NAMES order."""
+        return np.array([1.0, *(float(getattr(self, f.name)) for f in fields(self))])
+
+    @property
+    def is_empty(self) -> bool:
+        return not (self.sequences or self.encoder_patches)
+
+
+@dataclass(frozen=True)
 class ScheduledBatch:
     """One step, as plain data (ids, ints, frozen request data): it could cross a thread, a process or a device.
     The runner applies ``new_requests`` and ``finished_request_ids`` (drop their state) before the work."""
@@ -63,6 +89,7 @@ class ScheduledBatch:
     freed_encoder_hashes: tuple[str, ...]  # encoder outputs the runner may drop now
     preempted_request_ids: tuple[str, ...]
     finished_request_ids: tuple[str, ...] = ()  # finished or aborted since the last batch
+    features: StepFeatures = field(default_factory=lambda: StepFeatures())  # the work it holds, as priced
 
     @property
     def has_work(self) -> bool:

@@ -103,18 +103,33 @@ class SchedulerConfig:
         "seed's starting point, for comparison)"))
     long_prompt_threshold: int = field(default=1024, metadata=option(
         "prompt tokens (text + image) from which a request takes the long lane"))
+    step_time_target: str = field(default="auto", metadata=option(
+        "seconds one engine step may take, predicted by the step-cost model fitted online from the engine's own "
+        "step timings; the long lane fills each step up to it (work-conserving), so a short request arriving "
+        "mid-step waits at most one such step. auto: the predicted time of one typical short prompt's prefill; "
+        "off: token budgets only (--long-step-tokens, steps yielded to short prefills)"))
     long_step_tokens: int = field(default=512, metadata=option(
-        "long-lane work per step: prefill tokens + encoder units' token-equivalent cost (a full vision block of "
-        "an image costs its visual tokens)"))
+        "with --step-time-target off: long-lane work per step in tokens (prefill tokens + encoder units' "
+        "token-equivalent cost; a full vision block of an image costs its visual tokens)"))
     long_step_tokens_idle: int | None = field(default=None, metadata=option(
-        "long-lane work per step when no short request is waiting or prefilling (default: --long-step-tokens)"))
+        "with --step-time-target off: long-lane work per step when no short request is waiting or prefilling "
+        "(default: --long-step-tokens)"))
     long_max_wait_steps: int = field(default=4, metadata=option(
-        "steps in a row long work may be held back for short work (aging)"))
+        "steps in a row the long lane may get no work because short work took the step; then it runs anyway "
+        "(aging)"))
+    long_max_passes: int = field(default=8, metadata=option(
+        "the long lane serves the least predicted remaining work first; a request passed over this many steps "
+        "goes first (no starvation)"))
     kv_admission: str = field(default="whole-prompt", metadata=option(
         "whole-prompt (start a prefill only when its whole prompt + reserve fits) or optimistic (admit when the "
         "next chunk fits; preempt by recompute when dry)"))
     max_queued_requests: int = field(default=256, metadata=option(
         "requests waiting per lane; beyond it HTTP 429 with Retry-After"))
+    ttft_slo: str = field(default="", metadata=option(
+        "time-to-first-token objectives per class, e.g. text=1.5,image=12 (seconds). A new request whose predicted "
+        "TTFT exceeds its class's objective first gets a smaller visual-token budget (down to "
+        "--image-min-tokens-under-load), then, if that is not enough, HTTP 429 with Retry-After, before any image "
+        "is decoded (default: off)", shown="off"))
 
     def __post_init__(self) -> None:
         _at_least("max_batched_tokens", self.max_batched_tokens, 1)
@@ -129,6 +144,34 @@ class SchedulerConfig:
         _at_least("long_step_tokens", self.long_step_tokens, 1)
         _at_least("long_step_tokens_idle", self.long_step_tokens_idle, 1, allow_none=True)
         _at_least("long_max_wait_steps", self.long_max_wait_steps, 0)
+        _at_least("long_max_passes", self.long_max_passes, 0)
+        try:
+            slo = self.ttft_slo_s
+        except ValueError:
+            raise ValueError("ttft_slo must look like text=1.5,image=12 (seconds per class)") from None
+        if set(slo) - {"text", "image"} or any(not v > 0 for v in slo.values()):
+            raise ValueError("ttft_slo classes are text and image, each with a positive number of seconds")
+        if self.step_time_target not in ("auto", "off"):
+            try:
+                seconds = float(self.step_time_target)
+            except ValueError:
+                raise ValueError("step_time_target must be auto, off or a number of seconds") from None
+            if not seconds > 0:
+                raise ValueError("step_time_target must be > 0 seconds (or auto, or off)")
+
+    @property
+    def ttft_slo_s(self) -> dict[str, float]:
+        """{"text": seconds, "image": seconds} for the classes given."""
+        out: dict[str, float] = {}
+        for part in filter(None, (p.strip() for p in self.ttft_slo.split(","))):
+            name, _, value = part.partition("=")
+            out[name.strip()] = float(value)
+        return out
+
+    @property
+    def step_time_target_s(self) -> float | None:
+        """The fixed target in seconds, or None for auto / off."""
+        return None if self.step_time_target in ("auto", "off") else float(self.step_time_target)
         _at_least("max_queued_requests", self.max_queued_requests, 1)
 
 
@@ -187,6 +230,9 @@ class ImageConfig:
     max_image_bytes: int = field(default=20 * 2**20, metadata=option(
         "encoded bytes per image, checked before base64-decoding or reading it; more gets HTTP 400",
         parse=parse_bytes))
+    image_min_tokens_under_load: int = field(default=256, metadata=option(
+        "with --ttft-slo: the smallest visual-token budget per image a request's budget is lowered to before it is "
+        "refused (set it to what `firsttoken regress` accepted for this deployment)"))
     max_input_tokens: int | None = field(default=None, metadata=option(
         "prompt tokens (text + image + chat template) a request may bring; more gets HTTP 400 (default: only the "
         "context limit applies)"))
@@ -204,6 +250,7 @@ class ImageConfig:
         if not 1 <= self.image_min_tokens <= self.image_max_tokens:
             raise ValueError("image_min_tokens must be >= 1 and <= image_max_tokens")
         _at_least("image_low_detail_tokens", self.image_low_detail_tokens, 1)
+        _at_least("image_min_tokens_under_load", self.image_min_tokens_under_load, 1)
         _at_least("max_images_per_request", self.max_images_per_request, 0)
         _at_least("max_image_pixels", self.max_image_pixels, 1)
         _at_least("max_image_bytes", self.max_image_bytes, 1)

@@ -29,7 +29,14 @@ from firsttoken.api.protocol import ChatMessage
 from firsttoken.config import GenerationDefaults, ServeConfig, config_from_options
 from firsttoken.engine.engine import LLMEngine
 from firsttoken.inputs.processor import InputProcessor, load_tokenizer
-from firsttoken.inputs.prompt import ChatPrompt, ImagePart, Message, Prompt, SamplingRequest, TextPrompt
+from firsttoken.inputs.prompt import (
+    ChatPrompt,
+    ImagePart,
+    Message,
+    Prompt,
+    SamplingRequest,
+    TextPrompt,
+)
 from firsttoken.metrics.timeline import Timeline
 from firsttoken.types import EngineRequest, FinishReason, TokenLogprob
 
@@ -109,7 +116,9 @@ class LLM:
         for prompt in prompts:
             self._next_id += 1
             requests.append(self.processor.process(prompt, request, f"offline-{self._next_id}", arrival))
-        collected = {r.request_id: _Collected(Timeline(arrival, r.preprocessed_s)) for r in requests}
+        collected = {r.request_id: _Collected(Timeline(arrival)) for r in requests}
+        for r in requests:
+            collected[r.request_id].timeline.take_request(r)
         for r in requests:
             self.engine.add_request(r)
         pending = set(collected)

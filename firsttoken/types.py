@@ -119,6 +119,8 @@ class EngineRequest:
     sampling: SamplingParams
     arrival_s: float  # monotonic time the request reached the server (the API stamps it)
     preprocessed_s: float  # monotonic time preprocessing ended (the input processor stamps it)
+    predicted_ttft_s: float | None = None  # the admission check's prediction, for the timeline beside the measure
+    image_budget_note: str | None = None  # e.g. "degraded 1280->320 tokens per image: predicted TTFT over SLO"
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -183,18 +185,43 @@ class RequestOutput:
 # ---------------------------------------------------------------------------------------------- answers
 
 @dataclass(frozen=True)
+class PromptWork:
+    """What a prompt will cost the engine, known from its token count and image headers before any image is
+    decoded: the admission check's input (and /tokenize's, for a predicted TTFT)."""
+
+    num_prompt_tokens: int
+    num_images: int = 0
+    encoder_patches: int = 0  # patches through every encoder unit of every image
+    encoder_attention_pairs: float = 0.0
+    num_encoder_units: int = 0
+
+    @property
+    def request_class(self) -> str:
+        """The SLO class: "text" or "image"."""
+        return "image" if self.num_images else "text"
+
+    @staticmethod
+    def of(num_prompt_tokens: int, images: "tuple[ImageItem, ...] | list[ImageItem]" = ()) -> "PromptWork":
+        units = [u for im in images for u in im.encoder_units]
+        return PromptWork(num_prompt_tokens, len(images), sum(u.num_patches for u in units),
+                          float(sum(u.attention_pairs for u in units)), len(units))
+
+
+@dataclass(frozen=True)
 class AdmissionVerdict:
     """Whether a new request may queue, and if not why: the reason is a metric label and the client's message."""
 
     admitted: bool
     lane: str
-    reason: str = ""  # "queue_full" | "never_fits"
+    reason: str = ""  # "queue_full" | "never_fits" | "over_slo"
     message: str = ""
     status: int = 200  # HTTP status the API answers with when refused
+    predicted_ttft_s: float | None = None  # from the step-cost model (None before it is fitted)
+    retry_after_s: float | None = None  # for a 429: when the predicted wait would allow it
 
     @staticmethod
-    def ok(lane: str) -> "AdmissionVerdict":
-        return AdmissionVerdict(True, lane)
+    def ok(lane: str, predicted_ttft_s: float | None = None) -> "AdmissionVerdict":
+        return AdmissionVerdict(True, lane, predicted_ttft_s=predicted_ttft_s)
 
 
 @dataclass(frozen=True)
@@ -218,6 +245,8 @@ class EngineStats:
     encoder_cache_misses: int = 0
     encoder_cache_bytes: int = 0
     num_images_encoded: int = 0  # images the vision tower ran for since start (encoder cache misses computed)
+    cost_model: dict[str, float] = field(default_factory=dict)  # step-cost coefficients, seconds per unit of work
+    step_time_target_s: float | None = None  # the step-time bound in force (None: token budgets only)
     prefix_cache_hit_tokens: int = 0
     prefix_cache_query_tokens: int = 0
 

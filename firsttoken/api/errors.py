@@ -23,6 +23,7 @@ Status map:
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -164,7 +165,8 @@ def install_error_handlers(app: FastAPI) -> None:
         request.scope[REJECT_REASON_KEY] = verdict.reason
         response = error_response(verdict.status, verdict.message, "messages" if verdict.status == 400 else None)
         if verdict.status == 429:
-            response.headers["Retry-After"] = str(RETRY_AFTER_S)
+            wait = verdict.retry_after_s
+            response.headers["Retry-After"] = str(max(RETRY_AFTER_S, math.ceil(wait)) if wait else RETRY_AFTER_S)
         return response
 
     @app.exception_handler(ImageInputError)

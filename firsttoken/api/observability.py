@@ -46,7 +46,7 @@ from firsttoken.api.middleware import REQUEST_ID_KEY
 from firsttoken.config import ServerConfig
 from firsttoken.engine.client import EngineClient
 from firsttoken.metrics.prometheus import make_registry
-from firsttoken.metrics.recorder import DEFAULT_LANE, Recorder, RequestRecord
+from firsttoken.metrics.recorder import DEFAULT_LANE, Recorder, RequestRecord, ratio_summary
 from firsttoken.metrics.stats import EngineSnapshot
 from firsttoken.metrics.timeline import Timeline
 from firsttoken.types import EngineRequest, EngineStats, RequestOutput
@@ -80,6 +80,8 @@ def engine_snapshot(stats: EngineStats) -> EngineSnapshot:
         encoder_cache_misses=stats.encoder_cache_misses,
         prefix_cache_hit_tokens=stats.prefix_cache_hit_tokens,
         prefix_cache_query_tokens=stats.prefix_cache_query_tokens,
+        cost_model=dict(stats.cost_model),
+        step_time_target_s=stats.step_time_target_s,
     )
 
 
@@ -211,6 +213,13 @@ class Observability:
             "prefix_cache_query_tokens": g.prefix_cache_query_tokens,
             "encoder_cache_hits": g.encoder_cache_hits,
             "encoder_cache_misses": g.encoder_cache_misses,
+            "image_budget_lowered": int(c["image_budget_lowered"]),
+            "refused_over_slo": s.rejections.get("over_slo", 0),
+        }
+        body["cost_model"] = {
+            "coefficients": g.cost_model,
+            "step_time_target_s": g.step_time_target_s,
+            "step_prediction": ratio_summary(s.step_prediction_ratio),
         }
         return body
 
@@ -230,8 +239,8 @@ class _TokenTimedEngine:
     def is_draining(self) -> bool:
         return self.inner.is_draining
 
-    def check_admission(self, num_prompt_tokens: int, request_id: str | None = None):  # -> AdmissionVerdict
-        return self.inner.check_admission(num_prompt_tokens, request_id)
+    def check_admission(self, work, request_id: str | None = None):  # (PromptWork, ...) -> AdmissionVerdict
+        return self.inner.check_admission(work, request_id)
 
     def release(self, request_id: str) -> None:
         self.inner.release(request_id)

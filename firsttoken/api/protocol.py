@@ -362,7 +362,7 @@ class Usage(_Response):
     completion_tokens: int
     total_tokens: int
     prompt_tokens_details: PromptTokensDetails | None = None
-    firsttoken: dict[str, float | int | None] | None = None  # Timeline.to_dict(); see the module docstring
+    firsttoken: dict[str, float | int | str | None] | None = None  # Timeline.to_dict(); see the module docstring
 
 
 class TopLogprob(_Response):
@@ -487,6 +487,9 @@ class TokenizeResponse(_Response):
     num_text_tokens: int  # extension: count minus the image-pad tokens
     images: list[ImageTokenInfo] = Field(default_factory=list)  # extension
     max_input_tokens: int | None = None  # extension: the server's prompt limit (text + image + template tokens)
+    # extension: seconds to this prompt's first token if it were sent now, from the engine's step-cost model and the
+    # work queued ahead of it (None until the model is fitted)
+    predicted_ttft_s: float | None = None
 
 
 class ErrorInfo(_Response):

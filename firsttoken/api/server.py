@@ -156,7 +156,7 @@ def build_app(
             slots.give_back()
             engine.release(request_id)  # its admission place, if preprocessing got that far
             raise
-        timeline.preprocessed_s = engine_request.preprocessed_s
+        timeline.take_request(engine_request)
         ctx = StreamContext(request_id, int(time.time()), model.name, req.include_usage, timeline)
         return engine_request, ctx
 
@@ -242,6 +242,7 @@ def build_app(
             num_text_tokens=count.num_text_tokens,
             images=[ImageTokenInfo(**dataclasses.asdict(im)) for im in count.images],
             max_input_tokens=processor.max_input_tokens,
+            predicted_ttft_s=count.predicted_ttft_s,
         )
 
     @app.get("/v1/models")

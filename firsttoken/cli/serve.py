@@ -98,6 +98,8 @@ def build_server(config: ServeConfig, fault_hook: Any = None, media_network: Any
     engine = LLMEngine(
         model_dir, config.engine, tokenizer=_decoder(tokenizer), fault_hook=fault_hook, observer=observability.recorder
     )
+    if config.engine.scheduler.step_time_target != "off" or config.engine.scheduler.ttft_slo:
+        engine.calibrate()  # the step-cost model prices steps and predicts TTFT from the first request on
     async_engine = AsyncEngine(engine, on_abort=observability.recorder.on_aborted)
     processor = InputProcessor(
         tokenizer,

@@ -15,7 +15,12 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from firsttoken.cli.usage import UsageError, existing_dir, parse_model_config, read_config_json
+from firsttoken.cli.usage import (
+    UsageError,
+    existing_dir,
+    parse_model_config,
+    read_config_json,
+)
 from firsttoken.units import format_size
 
 if TYPE_CHECKING:

@@ -35,6 +35,7 @@ from firsttoken.types import (
     EngineRequest,
     EngineStats,
     FinishReason,
+    PromptWork,
     RequestOutput,
 )
 
@@ -87,8 +88,8 @@ class AsyncEngine:
         self._alive = False
         self._stopping = False
         self._draining = False
-        # request id -> (lane, monotonic time): admitted but not yet handed to the engine
-        self._reservations: dict[str, tuple[str, float]] = {}
+        # request id -> (lane, monotonic time, its work): admitted but not yet handed to the engine
+        self._reservations: dict[str, tuple[str, float, PromptWork]] = {}
         self._reservations_lock = threading.Lock()
         self._stats = engine.stats()
         self._thread = threading.Thread(target=self._run, name="firsttoken-engine", daemon=True)
@@ -145,19 +146,20 @@ class AsyncEngine:
     def stats(self) -> EngineStats:
         return self._stats
 
-    def check_admission(self, num_prompt_tokens: int, request_id: str | None = None) -> AdmissionVerdict:
-        """Would a prompt of this size be queued now? Counts the lane's queue plus requests already admitted here
-        but still preprocessing (a burst of large images all asks before any is queued). With a request_id an
-        admitted request holds its place until generate() hands it to the engine or release() gives it back."""
+    def check_admission(self, work: PromptWork, request_id: str | None = None) -> AdmissionVerdict:
+        """Would this prompt be queued now, and how long until its first token? Counts the lane's queue plus
+        requests already admitted here but still preprocessing (a burst of large images all asks before any is
+        queued: their work is ahead of this one too). With a request_id an admitted request holds its place until
+        generate() hands it to the engine or release() gives it back."""
         with self._reservations_lock:
             now = time.monotonic()
-            for rid in [r for r, (_, t) in self._reservations.items() if now - t > RESERVATION_TTL_S]:
+            for rid in [r for r, (_, t, _) in self._reservations.items() if now - t > RESERVATION_TTL_S]:
                 del self._reservations[rid]  # never handed over (client left between preprocessing and submit)
-            lane = route_lane(num_prompt_tokens, self.engine.scheduler.config)
-            pending = sum(1 for v, _ in self._reservations.values() if v == lane)
-            verdict = self.engine.scheduler.check_admission(num_prompt_tokens, pending)
+            lane = route_lane(work.num_prompt_tokens, self.engine.scheduler.config)
+            pending = tuple(w for v, _, w in self._reservations.values() if v == lane)
+            verdict = self.engine.scheduler.check_admission(work, len(pending), pending)
             if verdict.admitted and request_id is not None:
-                self._reservations[request_id] = (lane, now)
+                self._reservations[request_id] = (lane, now, work)
             return verdict
 
     def release(self, request_id: str) -> None:

@@ -4,7 +4,13 @@ from __future__ import annotations
 
 from typing import AsyncIterator, Protocol
 
-from firsttoken.types import AdmissionVerdict, EngineRequest, EngineStats, RequestOutput
+from firsttoken.types import (
+    AdmissionVerdict,
+    EngineRequest,
+    EngineStats,
+    PromptWork,
+    RequestOutput,
+)
 
 
 class EngineClient(Protocol):
@@ -25,7 +31,7 @@ class EngineClient(Protocol):
 
     def stats(self) -> EngineStats: ...
 
-    def check_admission(self, num_prompt_tokens: int, request_id: str | None = None) -> AdmissionVerdict:
+    def check_admission(self, work: PromptWork, request_id: str | None = None) -> AdmissionVerdict:
         """May a prompt of this size queue now? Asked before any image is decoded; refusals carry a reason
         (a metric label), a client message and an HTTP status (400 never fits, 429 lane queue full). With a
         request_id an admitted request holds its place until generate() or release()."""

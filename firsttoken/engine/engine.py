@@ -7,6 +7,7 @@ which owns torch's intra-op threads. Everything a request needs was prepared bef
 from __future__ import annotations
 
 import logging
+import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,7 +30,13 @@ from firsttoken.runner.executor import Executor, InProcessExecutor
 from firsttoken.runner.model_runner import FaultHook
 from firsttoken.scheduler.request import Request
 from firsttoken.scheduler.scheduler import Scheduler
-from firsttoken.types import EngineRequest, EngineStats, FinishReason, RequestOutput
+from firsttoken.types import (
+    EngineRequest,
+    EngineStats,
+    FinishReason,
+    PromptWork,
+    RequestOutput,
+)
 
 log = logging.getLogger("firsttoken.engine")
 
@@ -43,6 +50,10 @@ def cpu_has_native_bf16() -> bool:
     except OSError:
         return False
     return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def _finite_or_none(x: float) -> float | None:
+    return x if math.isfinite(x) else None
 
 
 def torch_dtype(name: str) -> torch.dtype:
@@ -134,6 +145,12 @@ class LLMEngine:
         log.info("dtype %s (requested %s)", str(dtype).removeprefix("torch."), config.dtype)
         log.info(self.capacity.describe())
 
+    def calibrate(self) -> None:
+        """Fit the step-cost model on a few synthetic requests before serving (engine/calibration.py)."""
+        from firsttoken.engine.calibration import calibrate
+
+        calibrate(self)
+
     @property
     def max_model_len(self) -> int:
         return self.capacity.max_model_len
@@ -142,7 +159,7 @@ class LLMEngine:
     def add_request(self, request: EngineRequest) -> None:
         if request.request_id in self.requests:
             raise ValueError(f"duplicate request id {request.request_id}")
-        verdict = self.scheduler.check_admission(request.num_prompt_tokens)
+        verdict = self.scheduler.check_admission(PromptWork.of(request.num_prompt_tokens, request.images))
         if not verdict.admitted and verdict.reason == "never_fits":
             raise ValueError(verdict.message)
         detok = IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids, request.sampling.stop)
@@ -165,11 +182,14 @@ class LLMEngine:
 
     # ---- the loop ------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        """schedule -> execute -> update. The step's wall time (all three) and the work it held train the
+        scheduler's cost model, which prices the next steps."""
+        step_start = time.monotonic()
         expired = self._expire()
         batch = self.scheduler.schedule()
         if batch.is_empty:
             return expired
-        step_start = time.monotonic()
+        predicted_s = self.scheduler.cost_model.predict(batch.features)
         try:
             result = self.executor.execute(batch)  # reports per-request failures; raises only on an engine bug
         except Exception:
@@ -177,7 +197,9 @@ class LLMEngine:
         self.scheduler.update(batch, result)
         outputs = self._update(batch, result, step_start)
         if batch.has_work:
-            self._observe_step(batch, result, step_start)
+            duration_s = time.monotonic() - step_start
+            self.scheduler.cost_model.observe(batch.features, duration_s)
+            self._observe_step(batch, result, step_start, duration_s, predicted_s)
         return expired + outputs
 
     def _fail_batch(self, batch: ScheduledBatch) -> list[RequestOutput]:
@@ -199,13 +221,16 @@ class LLMEngine:
         return [self._fail(r, f"the request did not finish within the server's {timeout:g} s request timeout",
                            status=504) for r in late]
 
-    def _observe_step(self, batch: ScheduledBatch, result: RunnerOutput, step_start: float) -> None:
+    def _observe_step(
+        self, batch: ScheduledBatch, result: RunnerOutput, step_start: float, duration_s: float, predicted_s: float
+    ) -> None:
         kv = self.scheduler.kv
         self.observer.on_step(
             StepStats(
                 step=self.scheduler.num_steps,
                 start_s=step_start,
-                duration_s=time.monotonic() - step_start,
+                duration_s=duration_s,
+                predicted_s=predicted_s if self.scheduler.cost_model.is_fitted else None,
                 num_seqs=len(batch.chunks),
                 num_prefill_tokens=batch.num_prefill_tokens,
                 num_decode_tokens=batch.num_decode_tokens,
@@ -317,7 +342,8 @@ class LLMEngine:
                 num_images=len(er.images),
                 num_output_tokens=len(req.output_token_ids),
                 lane=req.lane,
-                timings=Timeline(er.arrival_s, er.preprocessed_s, engine=req.stats).to_dict(),
+                timings=Timeline(er.arrival_s, er.preprocessed_s, engine=req.stats,
+                                 predicted_ttft_s=er.predicted_ttft_s, image_budget_note=er.image_budget_note).to_dict(),
             )
         )
 
@@ -342,6 +368,8 @@ class LLMEngine:
             encoder_cache_misses=self.scheduler.encoder_cache.num_misses,
             encoder_cache_bytes=self.executor.encoder_cache_bytes,
             num_images_encoded=self.num_images_encoded,
+            cost_model=self.scheduler.cost_model.fit().as_dict() if self.scheduler.cost_model.is_fitted else {},
+            step_time_target_s=_finite_or_none(self.scheduler.step_time_target()),
             prefix_cache_hit_tokens=kv.num_prefix_hit_tokens,
             prefix_cache_query_tokens=kv.num_prefix_query_tokens,
         )

@@ -16,8 +16,6 @@ echo payload bytes, URLs, or reveal files outside the dir.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-
 import base64
 import binascii
 import http.client
@@ -27,6 +25,7 @@ import socket
 import ssl
 import stat
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol

@@ -60,7 +60,7 @@ from firsttoken.inputs.text_size import longest_token_chars, measure_text
 from firsttoken.models.config import ModelConfig
 from firsttoken.models.registry import family_named
 from firsttoken.quoting import quote
-from firsttoken.types import AdmissionVerdict, EngineRequest, ImageItem, SamplingParams
+from firsttoken.types import AdmissionVerdict, EngineRequest, ImageItem, PromptWork, SamplingParams
 
 # Control tokens that mark image/video slots: a raw /v1/completions prompt may use the chat control tokens
 # (<|im_start|> ...) but never these, since a slot without pixels would reach the vision path.
@@ -105,6 +105,7 @@ class TokenCount:
 
     token_ids: tuple[int, ...]
     images: tuple[ImageTokens, ...]
+    predicted_ttft_s: float | None = None  # if it were sent now (None: the engine has no cost model yet)
 
     @property
     def total(self) -> int:
@@ -123,6 +124,8 @@ class _Prompt:
     plans: tuple[ImagePlan, ...]
     blobs: tuple[bytes, ...]  # each image's encoded bytes, header already probed
     offsets: tuple[int, ...]  # index of each image's first pad token in token_ids
+    template_ids: tuple[int, ...] = ()  # before expansion: one pad per image (re-expanded when the budget drops)
+    degradable: tuple[bool, ...] = ()  # per image: the client left its budget to the server (no detail, no cap)
 
     @property
     def num_image_tokens(self) -> int:
@@ -149,7 +152,7 @@ class InputProcessor:
         max_model_len: int,
         images: ImageConfig = ImageConfig(),
         media_network: MediaNetwork | None = None,
-        admission: Callable[[int, str], AdmissionVerdict] | None = None,
+        admission: Callable[[PromptWork, str | None], AdmissionVerdict] | None = None,
         image_cache_bytes: int = 256 * 1024**2,
     ) -> None:
         if isinstance(model_dir_or_tokenizer, (str, Path)):
@@ -193,7 +196,9 @@ class InputProcessor:
     def count(self, prompt: Prompt) -> TokenCount:
         """What /tokenize reports; text that cannot fit the context at all is refused before tokenizing it."""
         self._check_text_size(prompt.texts(), self.max_model_len, prompt.param)
-        return _count(self._prompt_ids(prompt))
+        ids = self._prompt_ids(prompt)
+        predicted = self.admission(self._work(ids), None).predicted_ttft_s if self.admission is not None else None
+        return replace(_count(ids), predicted_ttft_s=predicted)
 
     def encode_prompt(self, text: str) -> tuple[int, ...]:
         """A raw prompt: chat control tokens are honoured, vision control tokens are plain text."""
@@ -265,7 +270,8 @@ class InputProcessor:
                 "messages",
             )
         budgets = [self._budget_of(param, part) for param, part in image_parts]
-        blobs, plans = self._plan_images([part for _, part in image_parts], budgets)
+        blobs = tuple(self._image_bytes(part) for _, part in image_parts)
+        plans = self._plan_images(blobs, budgets)
         template_ids = self.tokenizer.apply_chat_template(
             [_template_message(m) for m in prompt.messages],
             tokenize=True,
@@ -273,7 +279,8 @@ class InputProcessor:
             sanitize_control_tokens=True,  # client text can't forge control tokens, image slots included
             return_dict=False,
         )
-        return self._expand_image_pads(list(template_ids), plans, blobs)
+        degradable = tuple(part.detail is None and part.max_visual_tokens is None for _, part in image_parts)
+        return replace(self._expand_image_pads(list(template_ids), plans, blobs), degradable=degradable)
 
     def _budget_of(self, param: str, part: ImagePart) -> int:
         try:
@@ -281,12 +288,9 @@ class InputProcessor:
         except BudgetError as err:
             raise InputError(str(err), err.param) from None
 
-    def _plan_images(
-        self, parts: Sequence[ImagePart], budgets: Sequence[int]
-    ) -> tuple[tuple[bytes, ...], tuple[ImagePlan, ...]]:
-        """Bytes and resize plans from headers only: every size limit fails here, before any decode."""
+    def _plan_images(self, blobs: Sequence[bytes], budgets: Sequence[int]) -> tuple[ImagePlan, ...]:
+        """Resize plans from headers only: every size limit fails here, before any decode."""
         s = self.images
-        blobs = tuple(self._image_bytes(part) for part in parts)
         plans = []
         for i, (data, budget) in enumerate(zip(blobs, budgets)):
             try:
@@ -304,7 +308,7 @@ class InputProcessor:
                 hint = "; downscale it before sending" if err.code == "image_too_large" else ""
                 where = f"image {i + 1} of {len(blobs)}: " if len(blobs) > 1 else ""
                 raise ImageInputError(err.code, f"{where}{err}{hint}") from None
-        return blobs, tuple(plans)
+        return tuple(plans)
 
     def _image_bytes(self, part: ImagePart) -> bytes:
         s = self.images
@@ -343,7 +347,7 @@ class InputProcessor:
             plan = next(next_plan)
             offsets.append(len(out))
             out.extend([pad] * plan.num_tokens)
-        return _Prompt(tuple(out), tuple(plans), blobs, tuple(offsets))
+        return _Prompt(tuple(out), tuple(plans), blobs, tuple(offsets), tuple(ids))
 
     def _check_length(self, prompt: _Prompt, field: str, requested: int | None, prompt_param: str) -> int:
         """Room left for output; every message names what was counted, the limit, and what to do."""
@@ -380,12 +384,10 @@ class InputProcessor:
         self, prompt: Prompt, ids: _Prompt, sampling: SamplingRequest, request_id: str, arrival_s: float
     ) -> EngineRequest:
         field = sampling.name("max_tokens")
-        room = self._check_length(ids, field, sampling.max_tokens, prompt.param)
+        self._check_length(ids, field, sampling.max_tokens, prompt.param)
+        ids, verdict, note = self._admit(ids, request_id)
+        room = self._check_length(ids, field, sampling.max_tokens, prompt.param)  # a lower budget leaves more
         params = self._sampling_params(sampling, _or(sampling.max_tokens, room))
-        if self.admission is not None:
-            verdict = self.admission(len(ids.token_ids), request_id)
-            if not verdict.admitted:
-                raise AdmissionRefused(verdict)
         images = self._decode_images(ids)  # the first expensive step: every limit has passed
         mrope = self.family.positions(ids.token_ids, [im.grid_thw for im in images], self.model_config)
         items = tuple(
@@ -408,7 +410,46 @@ class InputProcessor:
             sampling=params,
             arrival_s=arrival_s,
             preprocessed_s=time.monotonic(),
+            predicted_ttft_s=verdict.predicted_ttft_s if verdict is not None else None,
+            image_budget_note=note,
         )
+
+    def _admit(self, ids: _Prompt, request_id: str) -> tuple[_Prompt, AdmissionVerdict | None, str | None]:
+        """Ask the engine whether the prompt may queue. Over its class's TTFT objective, the images whose budget the
+        client left to the server are re-planned at half the budget, step by step down to
+        --image-min-tokens-under-load, and the engine asked again; still over, or nothing left to lower: the 429."""
+        if self.admission is None:
+            return ids, None, None
+        verdict = self.admission(self._work(ids), request_id)
+        floor = self.images.image_min_tokens_under_load
+        original = max((p.budget_tokens for p, d in zip(ids.plans, ids.degradable) if d), default=0)
+        cap = original
+        while verdict.reason == "over_slo" and cap > floor:
+            cap = max(floor, cap // 2)
+            ids = self._replan(ids, cap)
+            verdict = self.admission(self._work(ids), request_id)
+        if not verdict.admitted:
+            raise AdmissionRefused(verdict)
+        note = None
+        if cap < original:
+            note = (f"visual-token budget lowered from {original} to {cap} per image: the predicted time to first "
+                    "token was over the server's objective")
+        return ids, verdict, note
+
+    def _replan(self, ids: _Prompt, cap: int) -> _Prompt:
+        """The same prompt with each degradable image's budget capped at ``cap`` (from headers: nothing decoded)."""
+        budgets = [min(p.budget_tokens, cap) if d else p.budget_tokens for p, d in zip(ids.plans, ids.degradable)]
+        plans = self._plan_images(ids.blobs, budgets)
+        return replace(self._expand_image_pads(list(ids.template_ids), plans, ids.blobs), degradable=ids.degradable)
+
+    def _work(self, ids: _Prompt) -> PromptWork:
+        """What the prompt costs the engine, from its plans: tokens, and each image's encoder units."""
+        patch = self.model_config.image_processor.patch_size
+        units = [u for p in ids.plans
+                 for u in self.family.encoder_units(self.model_config.vision,
+                                                    (1, p.resized_size[1] // patch, p.resized_size[0] // patch))]
+        return PromptWork(len(ids.token_ids), len(ids.plans), sum(u.num_patches for u in units),
+                          float(sum(u.attention_pairs for u in units)), len(units))
 
     def _sampling_params(self, req: SamplingRequest, max_tokens: int) -> SamplingParams:
         """Request values over the checkpoint's generation_config defaults. ValueError -> InputError(param)."""

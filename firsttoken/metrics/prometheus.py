@@ -112,6 +112,12 @@ class FirsttokenCollector:
                          {(): s.step_tokens})  # fmt: skip
         yield _histogram("firsttoken_step_duration_seconds", "Wall time of one engine step.", [],
                          {(): s.step_duration_s})  # fmt: skip
+        yield _histogram("firsttoken_step_time_prediction_ratio", "The step-cost model's predicted / actual step "
+                         "time (1 = exact).", [], {(): s.step_prediction_ratio})  # fmt: skip
+        yield _histogram("firsttoken_ttft_prediction_ratio", "Predicted TTFT at admission / measured TTFT, per "
+                         "image class (1 = exact).", ["images"], {(k,): h for k, h in s.ttft_prediction_ratio.items()})
+        yield _counter("firsttoken_image_budget_lowered", "Requests whose visual-token budget was lowered to meet "
+                       "their TTFT objective (--ttft-slo).", c["image_budget_lowered"])  # fmt: skip
 
         g = self.engine()
         yield _gauge("firsttoken_kv_cache_used_blocks", "KV blocks referenced by live requests.", g.kv_blocks_used)
@@ -143,6 +149,15 @@ class FirsttokenCollector:
                        g.prefix_cache_hit_tokens)  # fmt: skip
         yield _counter("firsttoken_prefix_cache_query_tokens", "Prompt tokens looked up in the KV prefix cache.",
                        g.prefix_cache_query_tokens)  # fmt: skip
+        coef = GaugeMetricFamily("firsttoken_step_cost_coefficient", "The step-cost model's seconds per unit of each "
+                                 "term (step, sequences, sampled, prefill_tokens, prefill_attention, decode_tokens, "
+                                 "decode_context, encoder_patches, encoder_attention).", labels=["term"])
+        for term, value in sorted(g.cost_model.items()):
+            coef.add_metric([term], value)
+        yield coef
+        if g.step_time_target_s is not None:
+            yield _gauge("firsttoken_step_time_target_seconds", "The step-time bound the scheduler fills steps to.",
+                         g.step_time_target_s)
 
 def make_registry(recorder: Recorder, engine: Callable[[], EngineSnapshot]) -> CollectorRegistry:
     registry = CollectorRegistry(auto_describe=False)

@@ -24,7 +24,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from firsttoken.metrics.histogram import TIME_BUCKETS_S, TOKEN_BUCKETS, Histogram
+from firsttoken.metrics.histogram import RATIO_BUCKETS, TIME_BUCKETS_S, TOKEN_BUCKETS, Histogram
 from firsttoken.metrics.stats import FinishedRequest, StepStats
 from firsttoken.metrics.window import (
     IMAGE_CLASSES,
@@ -99,6 +99,8 @@ class RecorderSnapshot:
     step_tokens: Histogram
     step_duration_s: Histogram
     last_step: StepStats | None
+    step_prediction_ratio: Histogram  # the step-cost model's predicted / actual step time
+    ttft_prediction_ratio: dict[str, Histogram]  # image class -> predicted / actual TTFT
 
 
 class Recorder:
@@ -127,6 +129,8 @@ class Recorder:
         self._step_tokens = Histogram(TOKEN_BUCKETS)
         self._step_duration_s = Histogram(TIME_BUCKETS_S)
         self._last_step: StepStats | None = None
+        self._step_ratio = Histogram(RATIO_BUCKETS)
+        self._ttft_ratio: dict[str, Histogram] = {c: Histogram(RATIO_BUCKETS) for c in IMAGE_CLASSES}
 
     # ---- engine thread ---------------------------------------------------------------------------------
     def on_step(self, stats: StepStats) -> None:
@@ -140,6 +144,8 @@ class Recorder:
             c["step_seconds"] += stats.duration_s
             self._step_tokens.observe(stats.num_prefill_tokens + stats.num_decode_tokens)
             self._step_duration_s.observe(stats.duration_s)
+            if stats.predicted_s is not None and stats.duration_s > 0:
+                self._step_ratio.observe(stats.predicted_s / stats.duration_s)
             self._last_step = stats
 
     def on_finished(self, request: FinishedRequest) -> None:
@@ -201,6 +207,8 @@ class Recorder:
                 step_tokens=self._step_tokens.copy(),
                 step_duration_s=self._step_duration_s.copy(),
                 last_step=self._last_step,
+                step_prediction_ratio=self._step_ratio.copy(),
+                ttft_prediction_ratio={c: h.copy() for c, h in self._ttft_ratio.items()},
             )
 
     # ---- internals (lock held) -------------------------------------------------------------------------
@@ -249,7 +257,11 @@ class Recorder:
         self._hist.output_tokens[(r.lane, r.images)].observe(r.num_output_tokens)
         key = (r.lane, r.images, r.outcome)
         self._requests[key] = self._requests.get(key, 0) + 1
+        predicted = t.get("predicted_ttft_s")
+        if answered and isinstance(predicted, (int, float)) and float(t["ttft_s"]) > 0:  # type: ignore[arg-type]
+            self._ttft_ratio[r.images].observe(float(predicted) / float(t["ttft_s"]))  # type: ignore[arg-type]
         c = self._counters
+        c["image_budget_lowered"] += int("image_budget" in t)
         c["prompt_tokens"] += r.num_prompt_tokens
         c["generation_tokens"] += r.num_output_tokens
         latencies = {k: float(t[k]) for k in LATENCY_KEYS if t.get(k) is not None}  # type: ignore[arg-type]
@@ -277,7 +289,22 @@ COUNTERS: tuple[str, ...] = (
     "step_seconds",
     "prompt_tokens",
     "generation_tokens",
+    "image_budget_lowered",
 )
+
+
+def ratio_summary(h: Histogram) -> dict[str, float | int | None]:
+    """A predicted/actual histogram as {n, share within 15% of actual, share within 35%} (bucket resolution)."""
+    total = h.count
+    if not total:
+        return {"n": 0, "within_15pct": None, "within_35pct": None}
+    cum = dict(h.cumulative())
+
+    def share(lo: float, hi: float) -> float:
+        below = max((n for b, n in cum.items() if b < lo), default=0)
+        return (cum.get(hi, total) - below) / total
+
+    return {"n": total, "within_15pct": round(share(0.9, 1.1), 3), "within_35pct": round(share(0.67, 1.25), 3)}
 
 
 def _record_of(

@@ -3,7 +3,7 @@ the hot path imports prometheus_client."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 
@@ -11,7 +11,8 @@ from typing import Protocol
 class StepStats:
     step: int
     start_s: float  # monotonic
-    duration_s: float
+    duration_s: float  # schedule + execute + update
+    predicted_s: float | None  # what the step-cost model predicted before it ran (None: not fitted yet)
     num_seqs: int
     num_prefill_tokens: int
     num_decode_tokens: int
@@ -70,6 +71,8 @@ class EngineSnapshot:
     encoder_cache_misses: int
     prefix_cache_hit_tokens: int
     prefix_cache_query_tokens: int
+    cost_model: dict[str, float] = field(default_factory=dict)  # step-cost coefficients by term
+    step_time_target_s: float | None = None
 
     @property
     def kv_usage_ratio(self) -> float:

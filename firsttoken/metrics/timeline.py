@@ -24,11 +24,14 @@ class Timeline:
     arrival_unix_s: float = field(default_factory=time.time)
     engine: RequestStats = field(default_factory=RequestStats)
     first_byte_s: float | None = None
+    predicted_ttft_s: float | None = None  # the admission check's prediction (EngineRequest)
+    image_budget_note: str | None = None  # set when the image budget was lowered to meet the TTFT objective
 
-    @staticmethod
-    def of(request: EngineRequest, arrival_unix_s: float | None = None) -> "Timeline":
-        unix = time.time() - (time.monotonic() - request.arrival_s) if arrival_unix_s is None else arrival_unix_s
-        return Timeline(request.arrival_s, request.preprocessed_s, unix)
+    def take_request(self, request: EngineRequest) -> None:
+        """The input processor's stamps, carried on the EngineRequest it made."""
+        self.preprocessed_s = request.preprocessed_s
+        self.predicted_ttft_s = request.predicted_ttft_s
+        self.image_budget_note = request.image_budget_note
 
     def observe(self, output: RequestOutput) -> None:
         """Take the engine's latest stamps (every output carries all of them so far)."""
@@ -71,6 +74,7 @@ class Timeline:
         phases = self.phases()
         return {
             "ttft_s": self.ttft_s(),
+            "predicted_ttft_s": self.predicted_ttft_s,
             **{f"{k}_s": v for k, v in phases.items()},
             "e2e_s": None if e.finished_s is None else e.finished_s - self.arrival_s,
             "encoder_compute_s": e.encoder_s,
@@ -80,4 +84,5 @@ class Timeline:
             "encoder_cache_hits": e.num_encoder_cache_hits,
             "cached_prompt_tokens": e.num_cached_prompt_tokens,
             "preemptions": e.num_preemptions,
+            **({"image_budget": self.image_budget_note} if self.image_budget_note else {}),
         }

@@ -34,9 +34,9 @@ import os
 import shutil
 import tempfile
 import zlib
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch

@@ -1,19 +1,88 @@
-"""A step's token budget: a small object you ask, instead of a counter decremented in five places."""
+"""What one step may still hold: a small object you ask (``granted = budget.chunk_tokens(...)``), instead of
+counters decremented in five places.
+
+Two limits: tokens (``--max-batched-tokens``, a hard cap: the forward's memory) and predicted seconds (the step-time
+target, priced by the CostModel; unlimited when time-bounding is off or the model is not fitted yet). Every grant is
+the most that fits both.
+"""
 
 from __future__ import annotations
 
+import math
+from collections.abc import Sequence
 
-class TokenBudget:
-    def __init__(self, num_tokens: int) -> None:
+from firsttoken.batch import StepFeatures
+from firsttoken.scheduler.cost_model import (
+    CostModel,
+    decode_chunk,
+    encoder_units,
+    prefill_chunk,
+)
+from firsttoken.types import EncoderUnit
+
+
+class StepBudget:
+    def __init__(self, num_tokens: int, seconds: float = math.inf, cost: CostModel | None = None) -> None:
         self.total = num_tokens
-        self.remaining = num_tokens
-
-    def take(self, wanted: int) -> int:
-        """Grant up to `wanted` tokens; returns how many were granted (possibly 0)."""
-        granted = max(0, min(wanted, self.remaining))
-        self.remaining -= granted
-        return granted
+        self.remaining = num_tokens  # tokens
+        self.total_seconds = seconds
+        self.seconds = seconds  # predicted seconds left (inf: no time bound)
+        self.cost = cost if cost is not None and cost.is_fitted and math.isfinite(seconds) else None
+        self.features = StepFeatures()  # everything taken so far
+        self.floor_tokens = 0  # a chunk may always have this many tokens, time or not (progress guarantee)
 
     @property
     def used(self) -> int:
         return self.total - self.remaining
+
+    @property
+    def exhausted(self) -> bool:
+        return self.remaining <= 0 or self.seconds <= 0
+
+    def price(self, features: StepFeatures) -> float:
+        """Predicted seconds of adding ``features`` to a step (the per-step constant is paid once, not per item)."""
+        if self.cost is None:
+            return 0.0
+        return self.cost.predict(features) - self.cost.coef[0]
+
+    def chunk_tokens(self, wanted: int, context: int, samples_at_end: bool) -> int:
+        """The most new tokens (<= wanted) of a prefill chunk at ``context`` that fit; 0 when none do."""
+        n = min(wanted, self.remaining)
+        if n <= 0 or self.cost is None:
+            return max(n, 0)
+        floor = min(n, self.floor_tokens)
+        if self.price(prefill_chunk(n, context, samples_at_end and n == wanted)) <= self.seconds:
+            return n
+        lo, hi = 0, n  # price grows with n: the largest n that fits
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if self.price(prefill_chunk(mid, context, samples_at_end and mid == wanted)) <= self.seconds:
+                lo = mid
+            else:
+                hi = mid - 1
+        return max(lo, floor)
+
+    def units(self, units: Sequence[EncoderUnit]) -> int:
+        """How many of the leading encoder units fit: by predicted time when time-bounded (the vision tower does not
+        use the forward's token budget), else by their token-equivalent cost."""
+        tokens, seconds = self.remaining, self.seconds
+        for i, u in enumerate(units):
+            if self.cost is None:
+                tokens -= u.cost_tokens
+            seconds -= self.price(encoder_units(u.num_patches, u.attention_pairs))
+            if tokens < 0 or seconds < 0:
+                return i
+        return len(units)
+
+    def take_chunk(self, num_new: int, context: int, samples: bool, is_decode: bool) -> None:
+        features = decode_chunk(context) if is_decode else prefill_chunk(num_new, context, samples)
+        self._take(features, num_new)
+
+    def take_units(self, units: Sequence[EncoderUnit]) -> None:
+        for u in units:
+            self._take(encoder_units(u.num_patches, u.attention_pairs), 0 if self.cost is not None else u.cost_tokens)
+
+    def _take(self, features: StepFeatures, tokens: int) -> None:
+        self.remaining -= tokens
+        self.seconds -= self.price(features)
+        self.features = self.features + features

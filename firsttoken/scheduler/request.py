@@ -41,6 +41,7 @@ class Request:
     lane: str = "default"  # set by the scheduler at add()
     arrival_step: int = 0  # scheduler steps completed when the request arrived
     delayed_by_long: bool = False  # sat out a whole step while long work ran (counted once)
+    passed_over: int = 0  # long lane, time-bounded: steps in a row the lane ran without it (aging)
     stats: RequestStats = field(default_factory=RequestStats)  # what the engine did for it; outputs carry it
 
     @property

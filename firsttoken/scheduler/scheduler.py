@@ -1,13 +1,18 @@
-"""The scheduler: one loop, one token budget per step, lanes as policy.
+"""The scheduler: one loop, one budget per step (tokens and predicted seconds), lanes as policy.
 
 Tokens, not phases: a request is ``num_computed_tokens`` chasing ``num_tokens``. Each step:
   1. every running request that is decoding gets its one token;
-  2. the short lane's prefills (running first, then admissions) take what they want of the budget;
-  3. the long lane gets at most ``long_step_tokens`` of work, and only in steps without short prefill work,
-     unless it has been held back ``long_max_wait_steps`` steps in a row (aging: long is never starved).
-Long-lane work counts vision-tower work too: an image is encoded a few units per step (the model family's split,
-e.g. one block per unit, each costing its token-equivalent against the same budget), so a short request never
-waits for someone else's whole encode, only for one step.
+  2. the short lane's prefills (running first, then admissions) take what they want: the step's first short
+     prefill is granted whole (a short prompt is one step), later ones what the step's time bound leaves;
+  3. the long lane fills what is left of the step's time bound (``step_time_target``: the step-cost model's
+     prediction, fitted online from the engine's own timings), least predicted remaining work first, a request
+     passed over ``long_max_passes`` steps first of all; if short work took the whole step ``long_max_wait_steps``
+     times in a row, the long lane runs anyway (aging: long is never starved).
+A short request arriving mid-step therefore waits for at most one bounded step, and the long lane never leaves a
+step's time unused while it has work (work-conserving). Long-lane work counts vision-tower work too: an image is
+encoded a few units per step (the model family's split, each priced by the cost model), so nobody waits for
+someone else's whole encode. With ``step_time_target="off"`` the long lane is budgeted in tokens instead
+(``long_step_tokens``) and yields whole steps to short prefills (the previous policy, for side-by-side runs).
 ``scheduling="fcfs"`` is the seed's starting point: one FIFO queue, whole-prompt prefills, whole-image encodes.
 
 KV admission: with ``kv_admission="whole-prompt"`` a request starts only when blocks for its whole prompt plus
@@ -15,11 +20,13 @@ KV admission: with ``kv_admission="whole-prompt"`` a request starts only when bl
 chunk fits. When a decode's growth still runs the pool dry, the most recently admitted running request that holds no
 promise (a decoder under whole-prompt admission; anyone under optimistic) is preempted by recompute, never swapped,
 and counted with its cause; if there is none, the growing request itself. A request admitted whole-prompt is never
-preempted before its prefill completes. No tensors here: everything is ints and lists.
+preempted before its prefill completes. No tensors here: everything is ints, lists and a small least-squares fit.
 """
 
 from __future__ import annotations
 
+import math
+from collections import deque
 from dataclasses import dataclass, field
 
 from firsttoken.batch import (
@@ -32,11 +39,12 @@ from firsttoken.batch import (
 from firsttoken.config import CacheConfig, SchedulerConfig
 from firsttoken.kv.block_manager import KVCacheManager
 from firsttoken.kv.prefix_cache import ImageSpan, compute_block_hashes
-from firsttoken.scheduler.budget import TokenBudget
+from firsttoken.scheduler.budget import StepBudget
+from firsttoken.scheduler.cost_model import CostModel, encoder_units, prefill_chunk
 from firsttoken.scheduler.encoder_cache import EncoderCacheManager
 from firsttoken.scheduler.lanes import FCFS, LONG, SHORT, LaneQueues, route_lane
 from firsttoken.scheduler.request import Request, RequestStatus
-from firsttoken.types import AdmissionVerdict, FinishReason, ImageItem
+from firsttoken.types import AdmissionVerdict, FinishReason, ImageItem, PromptWork
 
 
 @dataclass
@@ -49,10 +57,35 @@ class _Step:
     finishing_hashes: set[str] = field(default_factory=set)  # images whose last unit runs this step
     scheduled_ids: set[str] = field(default_factory=set)  # requests with a chunk or encoder work in this step
     has_long_work: bool = False
+    has_short_prefill: bool = False  # a short request's prefill chunk is in this step
+    decode_s: float = 0.0  # predicted seconds of this step's decodes, short prefills, long work (lane shares)
+    short_s: float = 0.0
+    long_s: float = 0.0
 
     @property
     def has_prefill(self) -> bool:
         return any(not c.is_decode for c in self.chunks)
+
+    def charge(self, lane: str, is_decode: bool, seconds: float) -> None:
+        if is_decode:
+            self.decode_s += seconds
+        elif lane == SHORT:
+            self.short_s += seconds
+        else:
+            self.long_s += seconds
+
+
+@dataclass(frozen=True)
+class Backlog:
+    """The queue as the admission check reads it, rebuilt by the engine thread after every step and swapped in
+    whole (the API's threads read it without touching live scheduler state)."""
+
+    short_s: float = 0.0  # predicted seconds of prefill + encoder work left in the short (or fcfs) lane
+    long_s: tuple[float, ...] = ()  # each long request's predicted remaining work, seconds
+    decode_share: float = 0.0  # of a busy step's time: decodes (EMA)
+    short_share: float = 0.0  # of a busy step's time: short prefills (EMA)
+    step_s: float = 0.0  # a busy step's predicted seconds (EMA)
+    busy: bool = False  # anything running or waiting
 
 
 class Scheduler:
@@ -63,8 +96,10 @@ class Scheduler:
         num_kv_blocks: int,
         max_model_len: int,
         encoder_capacity_tokens: int,
+        cost_model: CostModel | None = None,
     ) -> None:
         self.config = config
+        self.cost_model = cost_model or CostModel()  # the engine feeds it each step's features and wall time
         self.max_model_len = max_model_len
         self.block_size = cache_config.block_size
         self.kv = KVCacheManager(num_kv_blocks, cache_config.block_size, cache_config.enable_prefix_caching)
@@ -80,11 +115,19 @@ class Scheduler:
         self._preempted: list[str] = []
         self._new: list[NewRequest] = []  # first admissions since the last batch: the runner's first sight
         self._finished_ids: list[str] = []  # requests the runner holds state for that finished since
+        self._short_prompt_lens: deque[int] = deque(maxlen=256)  # recent short prompts: what the time bound serves
+        self.calibrating = False  # engine/calibration.py: token budgets only while the cost model first learns
+        self.backlog = Backlog()
 
     # ---- requests in and out -------------------------------------------------------------------------
-    def check_admission(self, num_prompt_tokens: int, num_pending: int = 0) -> AdmissionVerdict:
-        """May a request of this size queue? Cheap and side-effect free (the API asks before decoding images).
-        num_pending: requests already promised a place in this prompt's lane but not yet queued here."""
+    def check_admission(
+        self, work: PromptWork, num_pending: int = 0, pending: tuple[PromptWork, ...] = ()
+    ) -> AdmissionVerdict:
+        """May a prompt like ``work`` queue now? Cheap and side-effect free (the API asks before decoding images);
+        the verdict carries the predicted TTFT. num_pending: requests already promised a place in this prompt's
+        lane but not yet queued here (``pending``: their work, when known, counted ahead). With --ttft-slo, a prediction over the class's objective is refused
+        ("over_slo", 429): the input processor may lower the image budget and ask again."""
+        num_prompt_tokens = work.num_prompt_tokens
         lane = route_lane(num_prompt_tokens, self.config)
         need = min(num_prompt_tokens + self.config.decode_reserve_tokens, self.max_model_len)
         if self.kv.blocks_needed(need) > self.kv.num_blocks or num_prompt_tokens >= self.max_model_len:
@@ -103,11 +146,23 @@ class Scheduler:
                 "retry later",
                 429,
             )
-        return AdmissionVerdict.ok(lane)
+        predicted = self.predict_ttft(work, pending)
+        slo = self.config.ttft_slo_s.get(work.request_class)
+        if slo is not None and predicted is not None and predicted > slo:
+            wait = predicted - slo
+            return AdmissionVerdict(
+                False, lane, "over_slo",
+                f"the server is busy: this request's predicted time to first token is {predicted:.1f} s, over this "
+                f"server's {slo:g} s objective for {work.request_class} requests; retry in about {math.ceil(wait)} s",
+                429, predicted, wait,
+            )
+        return AdmissionVerdict.ok(lane, predicted)
 
     def add(self, request: Request) -> None:
         request.lane = route_lane(request.num_prompt_tokens, self.config)
         request.arrival_step = self.num_steps
+        if request.lane == SHORT:
+            self._short_prompt_lens.append(request.num_prompt_tokens)
         self.requests[request.request_id] = request
         self.waiting.append(request)
 
@@ -138,24 +193,104 @@ class Scheduler:
 
     # ---- one step ------------------------------------------------------------------------------------
     def schedule(self) -> ScheduledBatch:
-        budget = TokenBudget(self.config.max_batched_tokens)
+        fcfs = self.config.scheduling == "fcfs"
+        target = math.inf if fcfs else self.step_time_target()
+        overhead = self.cost_model.coef[0] if math.isfinite(target) else 0.0  # the per-step constant
+        budget = StepBudget(self.config.max_batched_tokens, max(target - overhead, 0.0), self.cost_model)
         step = _Step()
         for req in [r for r in self.running if _is_decoding(r)]:
             if req.status == RequestStatus.RUNNING and budget.remaining > 0:
                 self._schedule_tokens(req, 1, budget, step)
-        if self.config.scheduling == "fcfs":
+        if fcfs:
             self._serve_lane(FCFS, budget, step, whole_prompt=True)
         else:
             short_work = self._serve_lane(SHORT, budget, step, whole_prompt=False)
-            self._serve_long_lane(budget, step, held_by_short=short_work)
+            self._serve_long_lane(budget, step, held_by_short=short_work, target=target)
         self._count_short_delays(step)
         preempted, self._preempted = tuple(self._preempted), []
         new, self._new = tuple(self._new), []
         finished, self._finished_ids = tuple(self._finished_ids), []
         self.num_steps += int(bool(step.chunks or step.encoder_work))
+        self._update_backlog(step)
         return ScheduledBatch(
-            new, tuple(step.chunks), tuple(step.encoder_work), self.encoder_cache.pop_freed(), preempted, finished
+            new, tuple(step.chunks), tuple(step.encoder_work), self.encoder_cache.pop_freed(), preempted, finished,
+            budget.features,
         )
+
+    def step_time_target(self) -> float:
+        """Seconds a step may take (inf: no time bound). auto: the predicted prefill of a typical (P90 of the recent
+        ones) short prompt, so a short request's own step is about the time its prefill needs anyway."""
+        if self.config.step_time_target == "off" or not self.cost_model.is_trained or self.calibrating:
+            return math.inf
+        fixed = self.config.step_time_target_s
+        if fixed is not None:
+            return fixed
+        lens = sorted(self._short_prompt_lens)
+        typical = lens[int(0.9 * (len(lens) - 1))] if lens else self.config.long_prompt_threshold // 2
+        # at least twice the per-step constant: a step's work is never less than what running a step costs
+        return max(self.cost_model.predict(prefill_chunk(max(typical, 1), 0, True)), 2 * self.cost_model.coef[0])
+
+    def _update_backlog(self, step: _Step, alpha: float = 0.1) -> None:
+        if not self.cost_model.is_trained:
+            return
+        b = self.backlog
+        decode_share, short_share, step_s = b.decode_share, b.short_share, b.step_s
+        total = step.decode_s + step.short_s + step.long_s
+        if total > 0:
+            decode_share += alpha * (step.decode_s / total - decode_share)
+            short_share += alpha * (step.short_s / total - short_share)
+            step_s += alpha * (total + self.cost_model.coef[0] - step_s) if step_s else total + self.cost_model.coef[0]
+        pending = [r for r in self.requests.values() if not _is_decoding(r)]
+        short = sum(self.remaining_work_s(r) for r in pending if r.lane != LONG)
+        long = tuple(sorted(self.remaining_work_s(r) for r in pending if r.lane == LONG))
+        self.backlog = Backlog(short, long, decode_share, short_share, step_s, bool(self.requests))
+
+    def predict_ttft(self, work: PromptWork, pending: tuple[PromptWork, ...] = ()) -> float | None:
+        """Seconds from now to this prompt's first token if it were queued now: the work ahead of it in its lane
+        plus its own encode and prefill, at the share of each step its lane gets (None before the cost model is
+        fitted). Reads only the Backlog snapshot, so any thread may ask."""
+        cost = self.cost_model
+        if not cost.is_trained:
+            return None
+        b = self.backlog
+        overhead = float(cost.coef[0])
+        own = self._work_s(work)
+        queued = [self._work_s(p) for p in pending]  # admitted, still preprocessing: in the queue by the time it is
+        lane = route_lane(work.num_prompt_tokens, self.config)
+        if lane == LONG:
+            ahead = sum(w for w in (*b.long_s, *queued) if w <= own)  # least remaining work first
+            rate = max(1.0 - b.decode_share - b.short_share, LONG_MIN_SHARE)
+        else:
+            ahead = b.short_s + sum(queued)
+            rate = max(1.0 - b.decode_share, LONG_MIN_SHARE)
+        target = self.step_time_target()
+        step_s = target if math.isfinite(target) else max(b.step_s, own + overhead)
+        work_s = (ahead + own) / rate
+        num_steps = max(1, math.ceil(work_s / max(step_s - overhead, 1e-3)))
+        residual = step_s / 2 if b.busy else 0.0  # the step running when it arrives, half done on average
+        return residual + work_s + num_steps * overhead
+
+    def _work_s(self, work: PromptWork) -> float:
+        """Predicted seconds of a whole prompt's prefill and encoder work (no per-step constant)."""
+        features = prefill_chunk(work.num_prompt_tokens, 0, True) + encoder_units(work.encoder_patches,
+                                                                                   work.encoder_attention_pairs)
+        return self.cost_model.predict(features) - self.cost_model.coef[0]
+
+    def remaining_work_s(self, req: Request) -> float:
+        """Predicted seconds of the request's remaining prefill and encoder work (its share of steps, no per-step
+        constant)."""
+        cost = self.cost_model
+        if not cost.is_fitted:
+            return float(req.num_tokens - req.num_computed_tokens)
+        start = req.num_computed_tokens
+        patches, pairs = 0, 0.0
+        for im in req.images:
+            if im.end > start and not self.encoder_cache.is_ready(im.content_hash):
+                for u in im.encoder_units[self.encoder_cache.units_done(im.content_hash):]:
+                    patches += u.num_patches
+                    pairs += u.attention_pairs
+        work = prefill_chunk(max(req.num_tokens - start, 1), start, True) + encoder_units(patches, pairs)
+        return cost.predict(work) - cost.coef[0]
 
     def update(self, batch: ScheduledBatch, result: RunnerOutput) -> None:
         """Follow what the runner reports it did: encoder units actually run, images it holds nothing for, and
@@ -182,7 +317,7 @@ class Scheduler:
                 self.encoder_cache.release(req.request_id, im.content_hash)
 
     # ---- lanes ---------------------------------------------------------------------------------------
-    def _serve_long_lane(self, budget: TokenBudget, step: _Step, held_by_short: bool) -> None:
+    def _serve_long_lane(self, budget: StepBudget, step: _Step, held_by_short: bool, target: float) -> None:
         has_work = bool(self.waiting.queues[LONG]) or any(
             r.lane == LONG and not _is_decoding(r) for r in self.running
         )
@@ -190,6 +325,15 @@ class Scheduler:
             self.long_wait_steps = 0
             return
         aging = self.long_wait_steps >= self.config.long_max_wait_steps
+        if math.isfinite(target):  # time-bounded: fill what the step has left
+            idle = not (step.chunks or step.encoder_work)
+            if aging or idle:  # progress guaranteed: a minimum share, and always at least one block of tokens
+                budget.seconds = max(budget.seconds, target * LONG_MIN_SHARE)
+                budget.remaining = max(budget.remaining, self.block_size)
+                budget.floor_tokens = self.block_size
+            served = budget.seconds > 0 and budget.remaining > 0 and self._serve_lane(LONG, budget, step, False)
+            self.long_wait_steps = 0 if served else self.long_wait_steps + 1
+            return
         if held_by_short and not aging:
             self.long_wait_steps += 1
             return
@@ -197,10 +341,11 @@ class Scheduler:
         if self.config.long_step_tokens_idle is not None and self._short_lane_idle():
             share = self.config.long_step_tokens_idle  # nobody short to protect this step
         share = share if aging else min(share, budget.remaining)
-        long_budget = TokenBudget(share)
+        long_budget = StepBudget(share)
         if self._serve_lane(LONG, long_budget, step, whole_prompt=False):
             self.long_wait_steps = 0
             budget.remaining = max(0, budget.remaining - long_budget.used)
+            budget.features = budget.features + long_budget.features
         else:
             self.long_wait_steps += 1
 
@@ -209,28 +354,46 @@ class Scheduler:
             r.lane == SHORT and not _is_decoding(r) for r in self.running
         )
 
-    def _serve_lane(self, lane: str, budget: TokenBudget, step: _Step, whole_prompt: bool) -> bool:
-        """Prefill work of one lane: running prefills first, then admissions. True if anything was scheduled."""
+    def _serve_lane(self, lane: str, budget: StepBudget, step: _Step, whole_prompt: bool) -> bool:
+        """Prefill work of one lane: running prefills first, then admissions. True if anything was scheduled.
+        The long lane, when time-bounded, goes least predicted remaining work first (passed-over requests first)."""
         before = len(step.chunks) + len(step.encoder_work)
-        for req in [r for r in self.running if r.lane == lane and not _is_decoding(r)]:
+        ordered = lane == LONG and budget.cost is not None
+        running = [r for r in self.running if r.lane == lane and not _is_decoding(r)]
+        if ordered:
+            running.sort(key=self._long_order)
+        def out_of_budget() -> bool:  # a step's first short prefill is whole (a short prompt is one step), time or not
+            if lane == SHORT and not step.has_short_prefill:
+                return budget.remaining <= 0
+            return budget.exhausted and not (whole_prompt and not step.has_prefill)
+
+        for req in running:
             if req.request_id not in step.scheduled_ids and req.status == RequestStatus.RUNNING:
-                if budget.remaining <= 0 and not (whole_prompt and not step.has_prefill):
+                if out_of_budget():
                     break
                 self._prefill(req, budget, step, whole_prompt)
         queue = self.waiting.queues[lane]
         while queue and len(self.running) < self.config.max_num_seqs:
-            if budget.remaining <= 0 and not (whole_prompt and not step.has_prefill):
+            if out_of_budget():
                 break
-            if whole_prompt and step.has_prefill and queue[0].num_tokens > budget.remaining:
+            req = min(queue, key=self._long_order) if ordered else queue[0]
+            if whole_prompt and step.has_prefill and req.num_tokens > budget.remaining:
                 break  # the seed's serial prefill: one whole prompt per step, more only if they fit beside it
-            req = queue[0]
             if not self._admit(req, budget, whole_prompt):
-                break  # head of the lane waits for KV; the wait shows as queue time
+                break  # the lane's next request waits for KV; the wait shows as queue time
             self._prefill(req, budget, step, whole_prompt)
-        return len(step.chunks) + len(step.encoder_work) > before
+        served = len(step.chunks) + len(step.encoder_work) > before
+        if ordered and served:  # the lane ran: whoever got nothing was passed over once more
+            for req in [r for r in self.running if r.lane == LONG and not _is_decoding(r)] + list(queue):
+                req.passed_over = 0 if req.request_id in step.scheduled_ids else req.passed_over + 1
+        return served
+
+    def _long_order(self, req: Request) -> tuple[bool, float, int]:
+        """Passed over too long first, then least predicted remaining work, then arrival."""
+        return (req.passed_over < self.config.long_max_passes, self.remaining_work_s(req), req.arrival_seq)
 
     # ---- admission and prefill -----------------------------------------------------------------------
-    def _admit(self, req: Request, budget: TokenBudget, whole_prompt: bool) -> bool:
+    def _admit(self, req: Request, budget: StepBudget, whole_prompt: bool) -> bool:
         if req.block_hashes is None and self.kv.enable_prefix_caching:
             spans = [ImageSpan(im.content_hash, im.offset, im.num_tokens) for im in req.images]
             req.block_hashes = compute_block_hashes(req.prompt_token_ids, self.block_size, spans)
@@ -258,10 +421,16 @@ class Scheduler:
         self.running.append(req)
         return True
 
-    def _prefill(self, req: Request, budget: TokenBudget, step: _Step, whole_prompt: bool) -> None:
+    def _prefill(self, req: Request, budget: StepBudget, step: _Step, whole_prompt: bool) -> None:
         start = req.num_computed_tokens
         wanted = req.num_tokens - start
-        end = start + (wanted if whole_prompt else min(wanted, budget.remaining))
+        whole_short = req.lane == SHORT and not step.has_short_prefill  # a short prompt is one step
+        if whole_prompt:
+            end = start + wanted
+        elif whole_short:
+            end = start + min(wanted, budget.remaining)
+        else:
+            end = start + budget.chunk_tokens(wanted, start, samples_at_end=True)
         for index, im in req.images_in(start, end):
             if not self._encoder_ready_for(req, index, im, budget, step, all_units=whole_prompt or req.lane == SHORT):
                 end = im.offset
@@ -269,12 +438,12 @@ class Scheduler:
         if req.num_prompt_tokens >= self.config.long_prompt_threshold:
             step.has_long_work = True
         if not whole_prompt:
-            end = min(end, start + budget.remaining)
+            end = min(end, start + (budget.remaining if whole_short else budget.chunk_tokens(wanted, start, True)))
         if end > start:
             self._schedule_tokens(req, end - start, budget, step)
 
     def _encoder_ready_for(
-        self, req: Request, index: int, im: ImageItem, budget: TokenBudget, step: _Step, all_units: bool
+        self, req: Request, index: int, im: ImageItem, budget: StepBudget, step: _Step, all_units: bool
     ) -> bool:
         """Make sure the image's embeddings exist by the time this step's chunks run; schedule encoder units
         if needed. False when the image is still incomplete after this step (the chunk must stop before it)."""
@@ -289,10 +458,12 @@ class Scheduler:
         if h in step.worked_hashes:
             return False  # another request advanced it this step and it is not done yet
         start = self.encoder_cache.units_done(h)
-        costs = [u.cost_tokens for u in im.encoder_units[start:]]
-        num_units = len(costs) if all_units else max(1, _units_within(costs, budget.remaining))
-        budget.take(sum(costs[:num_units]))
-        finishes = num_units >= len(costs)  # progress is recorded from the runner's report, in update()
+        units = im.encoder_units[start:]
+        num_units = len(units) if all_units else max(1, budget.units(units))
+        before = budget.seconds
+        budget.take_units(units[:num_units])
+        step.charge(req.lane, False, before - budget.seconds)
+        finishes = num_units >= len(units)  # progress is recorded from the runner's report, in update()
         step.encoder_work.append(EncoderWork(req.request_id, index, h, start, num_units, finishes))
         step.worked_hashes.add(h)
         step.scheduled_ids.add(req.request_id)
@@ -301,11 +472,16 @@ class Scheduler:
             step.finishing_hashes.add(h)
         return finishes
 
-    def _schedule_tokens(self, req: Request, num_new: int, budget: TokenBudget, step: _Step) -> None:
+    def _schedule_tokens(self, req: Request, num_new: int, budget: StepBudget, step: _Step) -> None:
         if not self._ensure_blocks(req, req.num_computed_tokens + num_new, step):
             return
-        budget.take(num_new)
         start = req.num_computed_tokens
+        is_decode = _is_decoding(req)
+        before = budget.seconds
+        budget.take_chunk(num_new, start, samples=start + num_new == req.num_tokens, is_decode=is_decode)
+        step.charge(req.lane, is_decode, before - budget.seconds)
+        if req.lane == SHORT and not is_decode:
+            step.has_short_prefill = True
         step.scheduled_ids.add(req.request_id)
         step.chunks.append(
             ScheduledChunk(
@@ -314,7 +490,7 @@ class Scheduler:
                 num_new_tokens=num_new,
                 block_table=tuple(self.kv.block_table(req.request_id)),
                 sample=start + num_new == req.num_tokens,
-                is_decode=_is_decoding(req),
+                is_decode=is_decode,
             )
         )
         req.stamp("first_scheduled_s")
@@ -371,14 +547,7 @@ class Scheduler:
         self.encoder_cache.check_invariants()
 
 
-def _units_within(costs: list[int], budget: int) -> int:
-    """How many of the leading units fit in ``budget`` tokens."""
-    total = 0
-    for i, cost in enumerate(costs):
-        total += cost
-        if total > budget:
-            return i
-    return len(costs)
+LONG_MIN_SHARE = 0.25  # of the step-time target, granted to the long lane once it has waited long_max_wait_steps
 
 
 def _is_decoding(req: Request) -> bool:

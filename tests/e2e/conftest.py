@@ -71,8 +71,11 @@ def start_server(
     model_dir: Path, fault_hook=None, media_network=None, **overrides
 ) -> tuple[LiveServer, uvicorn.Server, threading.Thread]:
     port = _free_port()
+    # step_time_target off: steps budgeted in tokens, so the tests that assert the order of events do not depend on
+    # this machine's speed (time-bounded steps are tested with a fixed cost model in tests/unit/test_time_bound.py,
+    # and through the server in test_slo.py)
     options = dict(model=str(model_dir), dtype="float32", port=port, kv_cache_memory=16 * 2**20,
-                   max_batched_tokens=256, served_model_name="tiny")
+                   max_batched_tokens=256, served_model_name="tiny", step_time_target="off")
     config = serve_config(**{**options, **overrides})
     app, engine = build_server(config, fault_hook=fault_hook, media_network=media_network)
     engine.start()

@@ -50,6 +50,7 @@ def make_scheduler(
     prefix_caching: bool = True,
     encoder_capacity_tokens: int = 1000,
     max_num_seqs: int = 64,
+    cost_model=None,
     **scheduler_options,
 ) -> Scheduler:
     return Scheduler(
@@ -63,6 +64,7 @@ def make_scheduler(
         num_kv_blocks=num_blocks,
         max_model_len=num_blocks * block_size,
         encoder_capacity_tokens=encoder_capacity_tokens,
+        cost_model=cost_model,
     )
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from firsttoken.config import SchedulerConfig
+from firsttoken.types import PromptWork
 from firsttoken.scheduler.lanes import LONG, SHORT, route_lane
 from tests.unit.fakes import fake_request, make_scheduler, run_step
 
@@ -161,7 +162,7 @@ def test_whole_prompt_admission_keeps_its_promise_under_random_arrivals_aborts_a
             images = [(f"img{rng.randint(0, 5)}", 3, min(n - 4, rng.randint(4, 60)))] if rng.random() < 0.4 else []
             req = fake_request(f"r{seq}", prompt_len=n, max_tokens=rng.randint(1, 60), images=images, arrival_seq=seq,
                                encoder_depth=4)
-            if sched.check_admission(n).admitted:
+            if sched.check_admission(PromptWork(n)).admitted:
                 sched.add(req)
                 live[req.request_id] = req
             seq += 1
@@ -195,19 +196,19 @@ def test_optimistic_admission_evicts_prefills_halfway_and_counts_it():
 
 def test_a_request_that_can_never_fit_is_refused_with_its_reason():
     sched = lanes_scheduler(num_blocks=10)  # 160 tokens
-    verdict = sched.check_admission(300)
+    verdict = sched.check_admission(PromptWork(300))
     assert not verdict.admitted and verdict.reason == "never_fits" and verdict.status == 400
     assert "300 tokens" in verdict.message
-    assert sched.check_admission(50).admitted
+    assert sched.check_admission(PromptWork(50)).admitted
 
 
 def test_a_full_lane_answers_queue_full_without_touching_the_other_lane():
     sched = lanes_scheduler(max_queued_requests=2)
     for i in range(2):
         sched.add(fake_request(f"l{i}", prompt_len=300, arrival_seq=i))
-    assert sched.check_admission(300).reason == "queue_full"
-    assert sched.check_admission(300).status == 429
-    assert sched.check_admission(20).admitted  # the short lane still takes requests
+    assert sched.check_admission(PromptWork(300)).reason == "queue_full"
+    assert sched.check_admission(PromptWork(300)).status == 429
+    assert sched.check_admission(PromptWork(20)).admitted  # the short lane still takes requests
 
 
 def test_fcfs_admits_a_prompt_larger_than_the_budget_while_others_decode():

@@ -35,7 +35,7 @@ def finished(rid: str, num_images: int = 0, outcome: str = "stop", lane: str = "
 
 
 def step(start_s: float, prefill: int, preempted: int = 0) -> StepStats:
-    return StepStats(0, start_s, 0.01, 1, prefill, 1, 0, 0.0, preempted, 10, 100, 1, 0)
+    return StepStats(0, start_s, 0.01, 0.012, 1, prefill, 1, 0, 0.0, preempted, 10, 100, 1, 0)
 
 
 def test_nearest_rank_percentiles_match_brute_force():

@@ -1,0 +1,48 @@
+"""Predicted TTFT through the real server: /tokenize answers "how long if I send this now?", usage reports the
+prediction beside the measure, and with --ttft-slo a request predicted over its objective gets a 429 with
+Retry-After (and an image request first gets a smaller visual-token budget)."""
+
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+
+from tests.e2e.conftest import image_message, make_image, start_server, stop_server
+
+
+@pytest.fixture(scope="module")
+def timed_server(tiny_model_dir):
+    live, server, thread = start_server(tiny_model_dir, step_time_target="auto")  # the production default
+    yield live
+    stop_server(server, thread, live.engine)
+
+
+def test_tokenize_and_usage_carry_the_predicted_ttft(timed_server):
+    live = timed_server
+    body = {"model": live.model, "messages": image_message("What is this?", make_image(128, 96))}
+    predicted = httpx.post(f"{live.base_url}/tokenize", json=body).json()["predicted_ttft_s"]
+    assert isinstance(predicted, float) and predicted > 0  # the server calibrated its cost model at start-up
+    out = live.client().chat.completions.create(model=live.model, messages=body["messages"], max_tokens=4,
+                                                temperature=0)
+    timings = out.usage.model_extra["firsttoken"]
+    assert timings["predicted_ttft_s"] > 0 and timings["ttft_s"] > 0
+    stats = httpx.get(f"{live.base_url}/stats").json()["cost_model"]
+    assert stats["step_time_target_s"] > 0 and stats["coefficients"]["step"] >= 0
+    assert stats["step_prediction"]["n"] > 0
+
+
+def test_over_the_objective_a_request_is_refused_with_retry_after(tiny_model_dir):
+    live, server, thread = start_server(tiny_model_dir, ttft_slo="text=0.000001,image=0.000001")
+    try:
+        with pytest.raises(openai.RateLimitError) as err:
+            live.client().chat.completions.create(model=live.model, messages=image_message("Hi", make_image(96, 96)),
+                                                  max_tokens=4)
+        response = err.value.response
+        assert int(response.headers["retry-after"]) >= 1
+        assert "objective" in response.json()["error"]["message"]
+        metrics = httpx.get(f"{live.base_url}/metrics").text
+        assert 'firsttoken_rejections_total{reason="over_slo"} 1.0' in metrics
+        assert live.stats()["num_running"] == 0 and live.stats()["num_waiting"] == 0
+    finally:
+        stop_server(server, thread, live.engine)

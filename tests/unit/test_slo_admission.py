@@ -1,0 +1,72 @@
+"""Degrade, then refuse: over its class's TTFT objective, a request's images (those whose budget the client left to
+the server) are re-planned at smaller budgets, from headers only, down to --image-min-tokens-under-load; if the
+prediction is still over, the refusal is a 429 with the predicted wait. The engine's verdicts are scripted here."""
+
+from __future__ import annotations
+
+import pytest
+
+from firsttoken.inputs.processor import AdmissionRefused
+from firsttoken.types import AdmissionVerdict, PromptWork
+from tests.helpers import make_processor, process
+from tests.unit.test_processor import chat, image, png_url, text
+
+
+class ScriptedEngine:
+    """Predicts a TTFT proportional to the prompt's visual work; over ``slo_s`` it says over_slo."""
+
+    def __init__(self, seconds_per_patch: float, slo_s: float) -> None:
+        self.seconds_per_patch = seconds_per_patch
+        self.slo_s = slo_s
+        self.asked: list[PromptWork] = []
+
+    def __call__(self, work: PromptWork, request_id: str | None) -> AdmissionVerdict:
+        self.asked.append(work)
+        predicted = 0.5 + work.encoder_patches * self.seconds_per_patch / 100
+        if predicted > self.slo_s:
+            return AdmissionVerdict(False, "long", "over_slo", "busy", 429, predicted, predicted - self.slo_s)
+        return AdmissionVerdict.ok("short", predicted)
+
+
+@pytest.fixture()
+def processor(tiny_model_dir):
+    return make_processor(tiny_model_dir, 8192, image_max_tokens=1024, image_min_tokens_under_load=64)
+
+
+def test_the_budget_is_lowered_step_by_step_until_the_prediction_fits(processor):
+    engine = ScriptedEngine(seconds_per_patch=0.05, slo_s=2.0)
+    processor.admission = engine
+    er = process(processor, chat(image(png_url(896, 896)), text("What is this?")))
+    budgets = [w.num_prompt_tokens for w in engine.asked]
+    assert budgets == sorted(budgets, reverse=True) and len(engine.asked) >= 2  # asked again after each step
+    assert er.images[0].num_tokens <= 256 < 1024  # 1024 -> 512 -> 256: the first plan whose prediction fits
+    assert er.predicted_ttft_s is not None and er.predicted_ttft_s <= 2.0
+    assert "lowered from 1024 to" in er.image_budget_note
+
+
+def test_at_the_floor_it_refuses_with_the_predicted_wait(processor):
+    processor.admission = ScriptedEngine(seconds_per_patch=1.0, slo_s=2.0)  # nothing fits
+    with pytest.raises(AdmissionRefused) as err:
+        process(processor, chat(image(png_url(896, 896)), text("What is this?")))
+    verdict = err.value.verdict
+    assert verdict.status == 429 and verdict.reason == "over_slo" and verdict.retry_after_s > 0
+    assert processor.admission.asked[-1].encoder_patches <= 64 * 4 * 2  # it went down to the floor first
+
+
+def test_a_request_that_chose_its_detail_is_not_degraded_but_refused(processor):
+    engine = ScriptedEngine(seconds_per_patch=0.05, slo_s=2.0)
+    processor.admission = engine
+    for part in ({"type": "image_url", "image_url": {"url": png_url(896, 896), "detail": "high"}},
+                 {"type": "image_url", "image_url": {"url": png_url(896, 896), "max_visual_tokens": 1024}}):
+        engine.asked.clear()
+        with pytest.raises(AdmissionRefused):
+            process(processor, chat(part, text("What is this?")))
+        assert len(engine.asked) == 1  # asked once: nothing of its own may be lowered
+
+
+def test_text_over_its_objective_is_refused_at_once(processor):
+    engine = ScriptedEngine(seconds_per_patch=0.0, slo_s=0.1)  # 0.5 s predicted for anything
+    processor.admission = engine
+    with pytest.raises(AdmissionRefused):
+        process(processor, chat("hello"))
+    assert len(engine.asked) == 1

@@ -1,0 +1,103 @@
+"""Time-bounded, work-conserving steps on int-only fakes with a known step-cost model (no timing involved): every
+step's predicted time stays within the target, a short request arriving mid-encode runs in the very next step, the
+long lane fills the steps short work leaves, and nobody in the long lane is passed over for ever."""
+
+from __future__ import annotations
+
+import math
+
+from firsttoken.scheduler.cost_model import FEATURE_NAMES, CostModel
+from tests.unit.fakes import fake_request, make_scheduler, run_step
+
+# seconds per unit: 10 ms a step, 1 ms per prefill token, 0.25 ms per encoder patch (a fake image of n visual
+# tokens has 4n patches per unit: 1 ms per visual token per unit); every other term free
+COSTS = {"step": 0.010, "prefill_tokens": 0.001, "encoder_patches": 0.00025}
+PRIOR = tuple(COSTS.get(name, 0.0) for name in FEATURE_NAMES)
+TARGET = 0.25  # seconds a step may take
+
+
+def scheduler(**kw):
+    options = dict(num_blocks=512, max_batched_tokens=4096, long_prompt_threshold=200, step_time_target=str(TARGET),
+                   cost_model=CostModel(prior=PRIOR))
+    options.update(kw)
+    return make_scheduler(**options)
+
+
+def predicted(sched, batch) -> float:
+    return sched.cost_model.predict(batch.features)
+
+
+def test_every_step_stays_within_the_target_and_a_short_request_waits_one_step():
+    sched = scheduler()
+    photo = fake_request("photo", prompt_len=700, max_tokens=1, images=[("img", 20, 100)], encoder_depth=6)
+    sched.add(photo)
+    first = run_step(sched)
+    assert predicted(sched, first) <= TARGET + 1e-9
+    assert [w.num_units for w in first.encoder_work] == [2]  # 100 ms per unit: two fit, a third would not
+    chat = fake_request("chat", prompt_len=120, max_tokens=2, arrival_seq=1)
+    sched.add(chat)  # arrives while the photo's encode is half done
+    second = run_step(sched)
+    assert [c.request_id for c in second.chunks if not c.is_decode] == ["chat"]
+    assert [c.num_new_tokens for c in second.chunks] == [120]  # its whole prompt: its first token comes now
+    assert predicted(sched, second) <= TARGET + 1e-9  # what is left (120 ms) went to one more photo unit
+    assert [w.num_units for w in second.encoder_work] == [1]
+    while sched.has_work:
+        batch = run_step(sched)
+        assert predicted(sched, batch) <= TARGET + 1e-9 or len(batch.encoder_work) + len(batch.chunks) == 1
+
+
+def test_the_long_lane_fills_steps_short_work_leaves():
+    # work-conserving: with nothing short to do, every step carries as much long work as the target allows
+    sched = scheduler()
+    for i in range(3):
+        sched.add(fake_request(f"doc{i}", prompt_len=1000, max_tokens=1, arrival_seq=i))
+    tokens, seconds = [], []
+    while sched.has_work:
+        batch = run_step(sched)
+        tokens.append(sum(c.num_new_tokens for c in batch.chunks if not c.is_decode))
+        seconds.append(predicted(sched, batch))
+    assert sum(tokens) == 3000 and len(tokens) == 13  # 3000 tokens at ~240 per step: 12.5 steps
+    assert all(s >= TARGET - 0.002 for s in seconds[:-1])  # full steps until the last (1 ms rounding per chunk)
+
+
+def test_least_remaining_work_first_and_nobody_passed_over_for_ever():
+    # a big long request among a stream of small ones: the small go first, but the big one is passed over at most
+    # long_max_passes steps in a row before it gets work
+    sched = scheduler(long_max_passes=4)
+    big = fake_request("big", prompt_len=2000, max_tokens=1)
+    sched.add(big)
+    seq, max_gap, gap = 1, 0, 0
+    for step in range(60):
+        if step % 2 == 0:  # a new small long request every other step
+            sched.add(fake_request(f"s{seq}", prompt_len=230, max_tokens=1, arrival_seq=seq))
+            seq += 1
+        batch = run_step(sched)
+        got = any(c.request_id == "big" for c in batch.chunks)
+        gap = 0 if got else gap + 1
+        max_gap = max(max_gap, gap)
+        if big.status.value == "finished":
+            break
+    assert big.num_computed_tokens > 0
+    assert max_gap <= 4 + 1
+
+
+def test_off_keeps_the_token_budgets():
+    sched = scheduler(step_time_target="off", long_step_tokens=64)
+    assert math.isinf(sched.step_time_target())
+    sched.add(fake_request("doc", prompt_len=1000, max_tokens=1))
+    assert [c.num_new_tokens for c in run_step(sched).chunks] == [64]
+
+
+def test_progress_even_when_the_model_says_only_steps_cost_anything():
+    # a tiny model: the fit puts all the time in the per-step constant, so no token "fits" a time budget; every
+    # lane must still move (the short lane's first prefill is whole, the long lane gets at least a block)
+    only_steps = tuple(0.05 if name == "step" else 0.0 for name in FEATURE_NAMES)
+    sched = scheduler(step_time_target="auto", cost_model=CostModel(prior=only_steps))
+    sched.add(fake_request("chat", prompt_len=90, max_tokens=3))
+    sched.add(fake_request("doc", prompt_len=600, max_tokens=3, images=[("img", 20, 60)], encoder_depth=4,
+                           arrival_seq=1))
+    for _ in range(200):
+        if not sched.has_work:
+            break
+        run_step(sched)
+    assert not sched.has_work
