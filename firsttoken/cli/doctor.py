@@ -22,7 +22,8 @@ def add_parser(subparsers: Any) -> None:
     p = subparsers.add_parser(
         "doctor",
         help="read a server's /metrics and /stats: where TTFT goes, ranked causes, one flag change each",
-        description="Diagnose TTFT from a server's /metrics (firsttoken or vLLM names) and firsttoken's /stats.",
+        description="Diagnose TTFT from a server's /metrics (firsttoken, vLLM or llama.cpp names) and "
+        "firsttoken's /stats.",
     )
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--url", help="server root, e.g. http://127.0.0.1:8000")

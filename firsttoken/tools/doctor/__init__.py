@@ -4,8 +4,8 @@
     report = doctor_from_texts(metrics_text, stats_dict_or_None)
     print(format_report(report)); report.to_dict()
 
-Modules: observe (Prometheus text + /stats -> Observation; firsttoken and vLLM names), rules (Observation ->
-ranked Findings), report (Report, text and JSON), fetch (HTTP, --probe).
+Modules: observe (Prometheus text + /stats -> Observation; firsttoken, vLLM and llama.cpp names), rules
+(Observation -> ranked Findings), report (Report, text and JSON), fetch (HTTP, --probe).
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""What doctor knows about a server: its /metrics (firsttoken's or vLLM's names) and, when there, firsttoken's
-/stats, folded into one plain ``Observation``. Nothing here judges; rules.py does.
+"""What doctor knows about a server: its /metrics (firsttoken's, vLLM's or llama.cpp's names) and, when there,
+firsttoken's /stats, folded into one plain ``Observation``. Nothing here judges; rules.py does.
 
 Prometheus text is parsed with ``prometheus_client.parser.text_string_to_metric_families``; samples are kept by
 sample name (``*_total``, ``*_sum``, ``*_count``, ``*_bucket``) with their labels. A quantity the server does not
@@ -88,12 +88,38 @@ class ClassTiming:
     phase_mean_s: dict[str, float]  # phase -> mean seconds per request; vLLM: queue, prefill, other
 
 
+@dataclass(frozen=True)
+class Throughput:
+    """Cumulative prompt and generation work, from a server that exports token and second counters but no
+    per-request latencies (llama.cpp). Seconds are summed per sequence: sequences that overlap in time (parallel
+    slots) each count their own, so tokens / seconds is the rate one sequence saw, not the server's total."""
+
+    prompt_tokens: float  # prompt tokens computed (not taken from a cache), images' tokens included
+    prompt_s: float
+    generated_tokens: float
+    generation_s: float  # from each sequence's last prompt token to its last generated token
+    decode_calls: float | None = None  # model forward calls (prompt batches + generation steps, images excluded)
+    sequences_per_call: float | None = None  # mean sequences busy per forward call: the batch actually run
+    generation_steps: float | None = None  # generated tokens after each request's first; None: unknown
+
+    @property
+    def prompt_tokens_per_s(self) -> float | None:
+        return self.prompt_tokens / self.prompt_s if self.prompt_s else None
+
+    @property
+    def generation_s_per_token(self) -> float | None:
+        """Mean time per output token after the first (TPOT), waits for other sequences' prompts included;
+        over all generated tokens (a little low) when the step count is unknown."""
+        steps = self.generation_steps if self.generation_steps is not None else self.generated_tokens
+        return self.generation_s / steps if steps else None
+
+
 @dataclass
 class Observation:
-    source: str  # "firsttoken" | "vllm" | "prometheus" (neither's names found)
+    source: str  # "firsttoken" | "vllm" | "llamacpp" | "prometheus" (none of their names found)
     has_stats: bool = False
     classes: dict[str, ClassTiming] = field(default_factory=dict)
-    num_requests: int = 0
+    num_requests: int | None = 0  # None: the server exports no request count
     prompt_tokens_mean: float | None = None
     output_tokens_mean: float | None = None
     prompt_tokens_by_class: dict[str, float] = field(default_factory=dict)  # mean per request
@@ -119,6 +145,8 @@ class Observation:
     prefix_cache_enabled: bool | None = None
     e2e_total_s: float | None = None
     busy_s: float | None = None  # engine time inside steps
+    num_running: float | None = None  # requests being processed at scrape time (llama.cpp: busy slots)
+    throughput: Throughput | None = None
     cannot_see: list[str] = field(default_factory=list)
 
     def ttft_total_s(self) -> float:
@@ -135,9 +163,11 @@ def observe(metrics_text: str, stats: dict[str, Any] | None = None) -> Observati
         return _firsttoken(samples, stats)
     if samples.has("vllm:time_to_first_token_seconds_count"):
         return _vllm(samples)
+    if samples.has("llamacpp:prompt_tokens_total"):
+        return _llamacpp(samples)
     return Observation(
         source="prometheus",
-        cannot_see=["no firsttoken_* or vllm:* metrics on this /metrics page"],
+        cannot_see=["no firsttoken_*, vllm:* or llamacpp:* metrics on this /metrics page"],
     )
 
 
@@ -276,3 +306,73 @@ def _vllm(m: Samples) -> Observation:
     if o.encoder_cache_queries is None:
         o.cannot_see.append("multimodal (encoder) cache hits: no vllm:mm_cache_* metrics")
     return o
+
+
+# ---- llama.cpp (llama-server --metrics) -----------------------------------------------------------------
+LLAMACPP_CANNOT_SEE = [
+    ("TTFT and its percentiles: llama.cpp exports no latency histogram (--probe measures TTFT per class from "
+     "the client)"),
+    "per-class split (text / 1 image / 2+ images): no metric carries an image count",
+    "phases (queue, image preprocessing, encode, prefill): only cumulative prompt and generation seconds",
+    "vision-encoder time: an image's encode is counted inside prompt_seconds_total with its tokens' prefill",
+    "visual tokens per image: prompt tokens are not split into text and image",
+    "time queued: requests_deferred is a gauge at scrape time; no wait time is recorded",
+    "KV cache usage and preemptions: this llama-server exports neither (its slots hold a fixed context each)",
+]
+_SIGNIFICANT_DIGITS = 6  # llama-server prints every value through a default C++ stream: %g, 6 significant digits
+
+
+def _llamacpp(m: Samples) -> Observation:
+    o = Observation(source="llamacpp")
+    computed = m.total("llamacpp:prompt_tokens_total") or 0.0
+    cached = m.total("llamacpp:prompt_tokens_cached_total")
+    generated = m.total("llamacpp:tokens_predicted_total") or 0.0
+    o.num_requests = _llamacpp_requests(m)
+    o.throughput = Throughput(
+        computed, m.total("llamacpp:prompt_seconds_total") or 0.0,
+        generated, m.total("llamacpp:tokens_predicted_seconds_total") or 0.0,
+        m.total("llamacpp:n_decode_total"), m.total("llamacpp:n_busy_slots_per_decode"),
+        None if o.num_requests is None else generated - o.num_requests,
+    )  # fmt: skip
+    o.prompt_tokens_total = computed + (cached or 0.0)
+    if o.num_requests:
+        o.prompt_tokens_mean = o.prompt_tokens_total / o.num_requests
+        o.output_tokens_mean = generated / o.num_requests
+    if cached is not None:
+        o.prefix_hit_tokens, o.prefix_query_tokens = cached, o.prompt_tokens_total
+    o.num_running = m.total("llamacpp:requests_processing")
+    deferred = m.total("llamacpp:requests_deferred")
+    o.waiting_by_lane = {"all": deferred} if deferred is not None else {}
+    o.cannot_see = list(LLAMACPP_CANNOT_SEE)
+    if o.num_requests is None:
+        o.cannot_see.insert(0, "requests served: llama.cpp exports no request counter, and this scrape's rate "
+                               "window does not start at the server's start (another scrape reset it)")  # fmt: skip
+    return o
+
+
+def _llamacpp_requests(m: Samples) -> int | None:
+    """Requests finished with at least one token, or None when the page cannot tell.
+
+    llama.cpp counts a request's first generated token as free (it comes from the prompt's logits), so
+    generated tokens - generation steps = finished requests. Steps are exported only as a rate, steps /
+    seconds over the window since the previous /metrics scrape; when that window covers the server's whole
+    life, steps = rate x tokens_predicted_seconds_total. The prompt side proves it: there steps == tokens, so
+    prompt rate x prompt_seconds_total must give prompt_tokens_total back. Both products carry the rounding of
+    6 significant digits; an answer is given only when it is exact to the request."""
+    tokens = m.total("llamacpp:prompt_tokens_total")
+    prompt_s = m.total("llamacpp:prompt_seconds_total")
+    prompt_rate = m.total("llamacpp:prompt_tokens_seconds")
+    generated = m.total("llamacpp:tokens_predicted_total")
+    gen_s = m.total("llamacpp:tokens_predicted_seconds_total")
+    gen_rate = m.total("llamacpp:predicted_tokens_seconds")
+    if None in (tokens, prompt_s, prompt_rate, generated, gen_s, gen_rate):
+        return None
+    if not generated:
+        return 0
+    rel = 2 * 0.5 * 10 ** (1 - _SIGNIFICANT_DIGITS)  # two rounded factors, each off by <= half a unit of the 6th
+    if abs(prompt_rate * prompt_s - tokens) > rel * tokens + 0.5:
+        return None  # the rate window started after the server did
+    steps = gen_rate * gen_s
+    if rel * steps >= 0.5:
+        return None  # too many steps to round to the exact count
+    return round(generated - steps)

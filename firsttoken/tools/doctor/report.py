@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from firsttoken.tools.doctor.observe import PHASES, Observation, observe
+from firsttoken.tools.doctor.observe import PHASES, Observation, Throughput, observe
 from firsttoken.tools.doctor.rules import (
     Context,
     Finding,
@@ -56,7 +56,8 @@ def doctor_from_texts(
     if kv is not None and kv.kv_bytes_per_token:
         obs.cannot_see = [x for x in obs.cannot_see if not x.startswith("KV bytes per block")]
     ctx = Context(obs, th, kv or KVSizing(), measured_reuse, measured_hit_rate)
-    notes = [] if obs.classes else ["no request has reached its first token yet: no TTFT breakdown (try --probe)"]
+    served = obs.prompt_tokens_total if obs.source == "llamacpp" else obs.classes  # llama.cpp has no TTFT at all
+    notes = [] if served else ["no request has reached its first token yet: no TTFT breakdown (try --probe)"]
     return Report(url, obs, diagnose(ctx), th, probe, notes)
 
 
@@ -76,8 +77,19 @@ def _state(o: Observation, th: Thresholds) -> dict[str, Any]:
         "scheduling": sorted(o.scheduling_modes), "short_requests_delayed_by_long": o.short_delayed_by_long,
         "encoder_cache_hits": o.encoder_cache_hits, "encoder_cache_queries": o.encoder_cache_queries,
         "prefix_cache_hit_tokens": o.prefix_hit_tokens, "prefix_cache_query_tokens": o.prefix_query_tokens,
-        "requests": o.num_requests,
+        "requests": o.num_requests, "running": o.num_running,
+        "throughput": _throughput_dict(o.throughput),
     }  # fmt: skip
+
+
+def _throughput_dict(t: Throughput | None) -> dict[str, Any] | None:
+    if t is None:
+        return None
+    return {"prompt_tokens": t.prompt_tokens, "prompt_s": t.prompt_s, "prompt_tokens_per_s": t.prompt_tokens_per_s,
+            "generated_tokens": t.generated_tokens, "generation_s": t.generation_s,
+            "generation_steps": t.generation_steps, "generation_s_per_token": t.generation_s_per_token,
+            "decode_calls": t.decode_calls,
+            "sequences_per_call": t.sequences_per_call}  # fmt: skip
 
 
 # ---- text -------------------------------------------------------------------------------------------------
@@ -92,30 +104,46 @@ def _pct(x: float | None) -> str:
 def format_report(r: Report) -> str:
     o = r.obs
     src = {"firsttoken": "firsttoken (/metrics" + (" + /stats)" if o.has_stats else ", no /stats)"),
-           "vllm": "vLLM (/metrics)", "prometheus": "unknown server"}[o.source]  # fmt: skip
-    lines = [
-        f"firsttoken doctor: {r.url or 'saved metrics'}: {src}, {o.num_requests} requests",
-        "",
-    ]
-    phases = [p for p in (*PHASES, "other") if any(p in c.phase_mean_s for c in o.classes.values())]
-    if o.classes:
-        lines.append("where TTFT goes (share of mean TTFT per class)")
-        lines.append(
-            f"{'class':6s}{'n':>6s}{'P50':>9s}{'P95':>9s}{'P99':>9s} | " + " ".join(f"{p:>10s}" for p in phases)
-        )
-        for k in ("0", "1", "2+", "all"):
-            c = o.classes.get(k)
-            if c is None or not c.count:
-                continue
-            shares = " ".join(f"{_pct(c.phase_mean_s.get(p, 0) / c.ttft_mean_s if c.ttft_mean_s else None):>10s}"
-                              for p in phases)  # fmt: skip
-            lines.append(f"{k:6s}{c.count:>6d}{_s(c.ttft_p50_s):>9s}{_s(c.ttft_p95_s):>9s}{_s(c.ttft_p99_s):>9s} | "
-                         + shares)  # fmt: skip
+           "vllm": "vLLM (/metrics)", "llamacpp": "llama.cpp (/metrics)", "prometheus": "unknown server"}[o.source]
+    served = "requests not exported" if o.num_requests is None else f"{o.num_requests} requests"
+    lines = [f"firsttoken doctor: {r.url or 'saved metrics'}: {src}, {served}", ""]
+    lines += _breakdown_lines(o)
+    lines += _throughput_lines(o) if o.source == "llamacpp" else _state_lines(o, r.thresholds)
+    if r.probe:
+        lines.append(f"probe                   {r.probe.get('summary', '')}")
+    lines.append("")
+    lines += _finding_lines(r.findings)
+    if o.cannot_see:
         lines.append("")
-    st = _state(o, r.thresholds)
-    if st["visual_tokens_per_image"] is not None:
-        lines.append(f"visual tokens / image   {st['visual_tokens_per_image']:,.0f} "
-                     f"(budget reference {r.thresholds.image_budget_tokens:,})")  # fmt: skip
+        lines.append("cannot see here:")
+        lines.extend(f"  - {x}" for x in o.cannot_see)
+    for note in r.notes:
+        lines.append(f"note: {note}")
+    return "\n".join(lines)
+
+
+def _breakdown_lines(o: Observation) -> list[str]:
+    if not o.classes:
+        return []
+    phases = [p for p in (*PHASES, "other") if any(p in c.phase_mean_s for c in o.classes.values())]
+    lines = ["where TTFT goes (share of mean TTFT per class)",
+             f"{'class':6s}{'n':>6s}{'P50':>9s}{'P95':>9s}{'P99':>9s} | " + " ".join(f"{p:>10s}" for p in phases)]
+    for k in ("0", "1", "2+", "all"):
+        c = o.classes.get(k)
+        if c is None or not c.count:
+            continue
+        shares = " ".join(f"{_pct(c.phase_mean_s.get(p, 0) / c.ttft_mean_s if c.ttft_mean_s else None):>10s}"
+                          for p in phases)
+        lines.append(f"{k:6s}{c.count:>6d}{_s(c.ttft_p50_s):>9s}{_s(c.ttft_p95_s):>9s}{_s(c.ttft_p99_s):>9s} | "
+                     + shares)
+    return [*lines, ""]  # fmt: skip
+
+
+def _state_lines(o: Observation, th: Thresholds) -> list[str]:
+    lines = []
+    if o.visual_tokens_per_image is not None:
+        lines.append(f"visual tokens / image   {o.visual_tokens_per_image:,.0f} "
+                     f"(budget reference {th.image_budget_tokens:,})")  # fmt: skip
     kv = f"usage {_pct(o.kv_usage_ratio)}" + (f" of {o.kv_blocks_total:,.0f} blocks" if o.kv_blocks_total else "")
     reasons = ", ".join(f"{k} {v:.0f}" for k, v in (o.preemptions_by_reason or {}).items())
     kv += f"; preemptions {'-' if o.num_preemptions is None else f'{o.num_preemptions:.0f}'}"
@@ -139,24 +167,45 @@ def format_report(r: Report) -> str:
     if o.prefix_cache_enabled is False:
         pre += " (off)"
     lines.append(f"caches                  encoder {enc}; prefix {pre}")
-    if r.probe:
-        lines.append(f"probe                   {r.probe.get('summary', '')}")
-    lines.append("")
-    if not r.findings:
-        lines.append("findings: none")
-    else:
-        lines.append("findings (ranked by estimated share of TTFT)")
-        for i, f in enumerate(r.findings, 1):
-            lines.append(f"{i}. [{f.severity}] ~{f.share:.0%} of TTFT  {f.title}")
-            ev = ", ".join(f"{k}={v}" for k, v in f.evidence.items() if v is not None)
-            lines.append(f"   evidence: {ev}")
-            lines.append(f"   change:   {f.change}")
-            if f.note:
-                lines.append(f"   note:     {f.note}")
-    if o.cannot_see:
-        lines.append("")
-        lines.append("cannot see here:")
-        lines.extend(f"  - {x}" for x in o.cannot_see)
-    for note in r.notes:
-        lines.append(f"note: {note}")
-    return "\n".join(lines)
+    return lines
+
+
+def _throughput_lines(o: Observation) -> list[str]:
+    """llama.cpp: what its counters and gauges give, per sequence (its seconds are summed per slot)."""
+    t = o.throughput
+    if t is None:
+        return []
+    lines = []
+    if o.num_requests is not None:
+        lines.append(f"requests                {o.num_requests} finished (generated tokens - generation steps)")
+    rate = t.prompt_tokens_per_s
+    cached = f"; {o.prefix_hit_tokens:,.0f} from the prompt cache" if o.prefix_hit_tokens is not None else ""
+    lines.append(f"prompt                  {t.prompt_tokens:,.0f} tokens computed in {t.prompt_s:.1f} s"
+                 + (f": {rate:,.0f} tokens/s" if rate else "") + cached)  # fmt: skip
+    per = t.generation_s_per_token
+    lines.append(f"generation              {t.generated_tokens:,.0f} tokens in {t.generation_s:.1f} s"
+                 + (f": {per * 1000:.1f} ms per output token after the first, per sequence" if per else ""))  # fmt: skip
+    if o.prompt_tokens_mean is not None and o.output_tokens_mean is not None:
+        lines.append(f"per request             {o.prompt_tokens_mean:,.0f} prompt tokens, "
+                     f"{o.output_tokens_mean:,.1f} generated (means)")  # fmt: skip
+    if t.decode_calls is not None:
+        busy = f" ({t.sequences_per_call:.2f} sequences per call)" if t.sequences_per_call is not None else ""
+        lines.append(f"forward calls           {t.decode_calls:,.0f}{busy}")
+    waiting = o.waiting_by_lane.get("all")
+    lines.append(f"queue now               {'-' if o.num_running is None else f'{o.num_running:.0f}'} processing, "
+                 f"{'-' if waiting is None else f'{waiting:.0f}'} deferred (waiting for a free slot)")  # fmt: skip
+    return lines
+
+
+def _finding_lines(findings: list[Finding]) -> list[str]:
+    if not findings:
+        return ["findings: none"]
+    lines = ["findings (ranked by estimated share of TTFT)"]
+    for i, f in enumerate(findings, 1):
+        lines.append(f"{i}. [{f.severity}] ~{f.share:.0%} of TTFT  {f.title}")
+        ev = ", ".join(f"{k}={v}" for k, v in f.evidence.items() if v is not None)
+        lines.append(f"   evidence: {ev}")
+        lines.append(f"   change:   {f.change}")
+        if f.note:
+            lines.append(f"   note:     {f.note}")
+    return lines

@@ -154,7 +154,7 @@ def kv_pressure(ctx: Context) -> Finding | None:
     usage = o.kv_usage_ratio
     if preempted <= 0 and waiting <= 0 and (usage is None or usage < th.kv_usage_high):
         return None
-    per_request = preempted / max(1, o.num_requests)
+    per_request = preempted / max(1, o.num_requests or 0)
     share = min(1.0, per_request) * _share(o, ("queue", "encode", "prefill"))
     if preempted <= 0:
         share = th.medium_share  # full but not yet preempting: worth a look, not the first suspect
@@ -180,6 +180,8 @@ def kv_pressure(ctx: Context) -> Finding | None:
 
 def caches(ctx: Context) -> Finding | None:
     o = ctx.obs
+    if o.source == "llamacpp":
+        return None  # its prompt cache is per slot and per request (cache_prompt): no server flag to name
     prefix_off = o.prefix_cache_enabled is False
     encoder_off = o.encoder_cache_bytes == 0 and o.encoder_cache_hits == 0 and (o.encoder_cache_queries or 0) > 0
     if ctx.measured_reuse is not None:
@@ -264,7 +266,7 @@ def _peak(ctx: Context) -> int:
     o = ctx.obs
     if o.e2e_total_s and o.busy_s:
         return max(1, math.ceil(o.e2e_total_s / o.busy_s))
-    return max(1, math.ceil(o.num_requests / 10))
+    return max(1, math.ceil((o.num_requests or 0) / 10))
 
 
 def kv_memory_for(ctx: Context) -> str:
