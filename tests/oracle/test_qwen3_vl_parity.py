@@ -459,3 +459,80 @@ def test_follow_up_reuses_cached_blocks_ending_inside_an_image_and_its_deepstack
         assert got["follow"] == expected
         assert engine.stats().num_images_encoded == (1 if encoder_cache else 2)
         assert hook.by_request["follow"] == (0 if encoder_cache else config.vision.depth)
+
+
+# ---------------------------------------------------------------- make-model's checkpoints in transformers' classes
+
+
+@pytest.mark.parametrize("layout", ["transformers", "original"])
+def test_make_model_checkpoint_loads_unchanged_in_transformers_classes(model_dir, tmp_path, layout) -> None:
+    from transformers import AutoImageProcessor, AutoTokenizer, Qwen3VLForConditionalGeneration
+
+    from firsttoken.models.checkpoint import TOKEN_IDS, VOCAB_SIZE
+
+    out = model_dir if layout == "transformers" else make_model(tmp_path, family="qwen3-vl", layout="original")
+    model, info = Qwen3VLForConditionalGeneration.from_pretrained(out, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
+    text, vision = model.config.text_config, model.config.vision_config
+    assert (text.head_dim, text.hidden_size, text.num_attention_heads, text.vocab_size) == (32, 64, 4, VOCAB_SIZE)
+    assert text.rope_parameters["rope_theta"] == 5_000_000
+    assert text.rope_parameters["mrope_section"] == [6, 5, 5] and text.rope_parameters["mrope_interleaved"]
+    assert list(vision.deepstack_visual_indexes) == [1, 2] and vision.depth == 4
+    assert (vision.num_position_embeddings, vision.patch_size, vision.out_hidden_size) == (64, 16, 64)
+    assert model.config.image_token_id == TOKEN_IDS["<|image_pad|>"] and not model.config.tie_word_embeddings
+    tokenizer = AutoTokenizer.from_pretrained(out)
+    assert tokenizer.convert_tokens_to_ids("<|image_pad|>") == TOKEN_IDS["<|image_pad|>"]
+    processor = AutoImageProcessor.from_pretrained(out)
+    assert (processor.patch_size, processor.merge_size, tuple(processor.image_mean), tuple(processor.image_std)) == (
+        16, 2, (0.5, 0.5, 0.5), (0.5, 0.5, 0.5))
+    assert (processor.size.shortest_edge, processor.size.longest_edge) == (256 * 256, 4096 * 4096)
+    config = load_model_config(out)
+    assert config.vision.deepstack_visual_indexes == (1, 2) and config.mrope_interleaved and config.qk_norm
+    assert (config.head_dim, config.rope_theta, config.image_processor.pixels_per_token) == (32, 5_000_000.0, 32)
+
+
+def test_small_is_the_size_of_qwen2_vl_small() -> None:
+    """Same language model as Qwen2-VL small (39M); the tower's three DeepStack mergers add ~5M."""
+    from transformers import Qwen2VLForConditionalGeneration, Qwen3VLForConditionalGeneration
+
+    from firsttoken.models import checkpoint
+
+    def count(model_class, config) -> tuple[int, int]:
+        with torch.device("meta"):
+            state = model_class(config).state_dict()
+        counts = checkpoint.count_params(state)
+        return counts.total, counts.language_model
+
+    qwen3 = count(Qwen3VLForConditionalGeneration, build_hf_config(SIZES["small"]))
+    qwen2 = count(Qwen2VLForConditionalGeneration, checkpoint.build_hf_config(checkpoint.SIZES["small"]))
+    print(f"small: qwen3-vl {qwen3[0]:,} parameters, qwen2-vl {qwen2[0]:,}")
+    assert abs(qwen3[1] - qwen2[1]) / qwen2[1] < 0.01
+    assert 1.0 < qwen3[0] / qwen2[0] < 1.15
+
+
+def test_cli_make_model_family_qwen3_vl(tmp_path: Path, capsys) -> None:
+    from firsttoken.cli.main import main as cli_main
+
+    assert cli_main(["make-model", str(tmp_path / "m"), "--family", "qwen3-vl", "--layout", "original"]) == 0
+    out = capsys.readouterr().out
+    assert "qwen3-vl tiny" in out and "original layout" in out
+    assert load_model_config(tmp_path / "m").family == "qwen3-vl"
+
+
+def test_moe_variant_and_unsupported_fields_are_refused_by_name(model_dir: Path) -> None:
+    """Qwen3-VL-30B-A3B (MoE) is not served; a field this code would silently get wrong is a ConfigError."""
+    import json
+
+    from firsttoken.models.config import ConfigError
+    from firsttoken.models.registry import model_config_from_dict
+
+    config = json.loads((model_dir / "config.json").read_text())
+    moe = {**config, "architectures": ["Qwen3VLMoeForConditionalGeneration"], "model_type": "qwen3_vl_moe"}
+    with pytest.raises(ConfigError, match="Qwen3VLMoeForConditionalGeneration"):
+        model_config_from_dict(moe)
+    biased = {**config, "text_config": {**config["text_config"], "attention_bias": True}}
+    with pytest.raises(ConfigError, match="attention_bias"):
+        model_config_from_dict(biased)
+    flat = {k: v for k, v in config.items() if k != "text_config"}
+    with pytest.raises(ConfigError, match="text_config"):
+        model_config_from_dict(flat)
