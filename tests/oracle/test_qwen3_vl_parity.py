@@ -536,3 +536,56 @@ def test_moe_variant_and_unsupported_fields_are_refused_by_name(model_dir: Path)
     flat = {k: v for k, v in config.items() if k != "text_config"}
     with pytest.raises(ConfigError, match="text_config"):
         model_config_from_dict(flat)
+
+
+QWEN3_VL_8B_CONFIG = {  # Qwen/Qwen3-VL-8B-Instruct's config.json as published (transformers 4.57 layout)
+    "architectures": ["Qwen3VLForConditionalGeneration"],
+    "image_token_id": 151655,
+    "model_type": "qwen3_vl",
+    "text_config": {
+        "attention_bias": False, "attention_dropout": 0.0, "bos_token_id": 151643, "dtype": "bfloat16",
+        "eos_token_id": 151645, "head_dim": 128, "hidden_act": "silu", "hidden_size": 4096,
+        "initializer_range": 0.02, "intermediate_size": 12288, "max_position_embeddings": 262144,
+        "model_type": "qwen3_vl_text", "num_attention_heads": 32, "num_hidden_layers": 36, "num_key_value_heads": 8,
+        "rms_norm_eps": 1e-06,
+        "rope_scaling": {"mrope_interleaved": True, "mrope_section": [24, 20, 20], "rope_type": "default"},
+        "rope_theta": 5000000, "use_cache": True, "vocab_size": 151936,
+    },
+    "tie_word_embeddings": False,
+    "transformers_version": "4.57.0.dev0",
+    "video_token_id": 151656,
+    "vision_config": {
+        "deepstack_visual_indexes": [8, 16, 24], "depth": 27, "hidden_act": "gelu_pytorch_tanh", "hidden_size": 1152,
+        "in_channels": 3, "initializer_range": 0.02, "intermediate_size": 4304, "model_type": "qwen3_vl",
+        "num_heads": 16, "num_position_embeddings": 2304, "out_hidden_size": 4096, "patch_size": 16,
+        "spatial_merge_size": 2, "temporal_patch_size": 2,
+    },
+    "vision_end_token_id": 151653,
+    "vision_start_token_id": 151652,
+}
+
+
+def test_published_qwen3_vl_8b_config_builds_the_reference_shapes() -> None:
+    """The release's config.json parses to its architecture, and our module built from it (on the meta device)
+    has every parameter transformers' has: the same count per tower."""
+    from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
+
+    from firsttoken.attention.registry import get_backend
+    from firsttoken.models.registry import family_of_config, model_config_from_dict
+
+    config = model_config_from_dict(QWEN3_VL_8B_CONFIG)
+    assert (config.layout, config.head_dim, config.num_key_value_heads, config.rope_theta) == (
+        "original", 128, 8, 5_000_000.0)
+    assert config.mrope_section == (24, 20, 20) and config.mrope_interleaved and config.qk_norm
+    assert config.vision.deepstack_visual_indexes == (8, 16, 24) and config.vision.num_position_embeddings == 2304
+    assert config.kv_bytes_per_token(2) == 2 * 36 * 8 * 128 * 2
+    assert config.image_processor.pixels_per_token == 32  # no preprocessor_config.json: the family's defaults
+    with torch.device("meta"):
+        ours = family_of_config(QWEN3_VL_8B_CONFIG).build(config, get_backend("sdpa"))
+        reference = Qwen3VLForConditionalGeneration(Qwen3VLConfig(**QWEN3_VL_8B_CONFIG))
+
+    def count(model: torch.nn.Module, vision: bool) -> int:
+        return sum(p.numel() for n, p in model.named_parameters() if ("visual." in n) == vision)
+
+    assert count(ours, vision=True) == count(reference, vision=True)
+    assert count(ours, vision=False) == count(reference, vision=False)
