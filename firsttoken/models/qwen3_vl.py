@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from firsttoken.attention.base import AttentionBackend
 from firsttoken.models.config import (
     ConfigError,
     ConfigReader,
@@ -57,11 +58,11 @@ def parse_config(d: dict[str, Any], preprocessor: dict[str, Any] | None) -> Mode
     num_heads = int(t.require("num_attention_heads"))
     head_dim = int(t.get("head_dim", hidden // num_heads))
     vision = VisionConfig(
-        depth=int(vr.require("depth")),
-        embed_dim=int(vr.require("hidden_size")),
-        num_heads=int(vr.require("num_heads")),
-        intermediate_size=int(vr.require("intermediate_size")),
-        out_hidden_size=int(vr.get("out_hidden_size", hidden)),
+        depth=int(vr.get("depth", 27)),  # transformers' Qwen3VLVisionConfig defaults where a field is absent
+        embed_dim=int(vr.get("hidden_size", 1152)),
+        num_heads=int(vr.get("num_heads", 16)),
+        intermediate_size=int(vr.get("intermediate_size", 4304)),
+        out_hidden_size=int(vr.get("out_hidden_size", 3584)),
         in_channels=int(vr.get("in_channels", 3)),
         patch_size=int(vr.get("patch_size", 16)),
         spatial_merge_size=int(vr.get("spatial_merge_size", 2)),
@@ -102,12 +103,19 @@ def parse_config(d: dict[str, Any], preprocessor: dict[str, Any] | None) -> Mode
     )
 
 
+class Qwen3VLModel(Qwen2VLModel):
+    """Qwen2-VL's decoder configured as Qwen3 (see the module docstring) over Qwen3-VL's vision tower."""
+
+    def __init__(self, config: ModelConfig, attn_backend: AttentionBackend) -> None:
+        super().__init__(config, attn_backend, visual=Qwen3VisionTransformer(config.vision))
+
+
 QWEN3_VL = ModelFamily(
     name=QWEN3_VL_NAME,
     architectures=("Qwen3VLForConditionalGeneration",),
     model_types=("qwen3_vl",),
     parse_config=parse_config,
-    build=lambda config, backend: Qwen2VLModel(config, backend, visual=Qwen3VisionTransformer(config.vision)),
+    build=lambda config, backend: Qwen3VLModel(config, backend),
     weights=QWEN_VL_WEIGHTS,
     encoder_units=full_attention_units,
 )

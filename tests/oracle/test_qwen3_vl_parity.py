@@ -33,7 +33,7 @@ from firsttoken.models.interfaces import ImageEmbeddings
 from firsttoken.models.layers import mrope_cos_sin
 from firsttoken.models.loader import load_model
 from firsttoken.models.mrope import compute_mrope_positions
-from firsttoken.models.qwen2_vl import Qwen2VLModel
+from firsttoken.models.qwen3_vl import Qwen3VLModel
 from firsttoken.models.qwen3_vl_checkpoint import SIZES, build_hf_config
 from firsttoken.models.registry import load_model_config
 from tests.oracle.test_engine_oracle import Prompt as EnginePrompt
@@ -69,7 +69,7 @@ def ref(model_dir: Path):
 
 
 @pytest.fixture(scope="module")
-def ours(model_dir: Path) -> Qwen2VLModel:
+def ours(model_dir: Path) -> Qwen3VLModel:
     return load_model(model_dir, torch.float32)
 
 
