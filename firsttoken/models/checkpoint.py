@@ -462,7 +462,7 @@ QWEN2_VL_RECIPE = CheckpointRecipe(
     to_original_key=lambda name: to_original_key(name),
 )
 # Modules of other families' recipes (each defines CHECKPOINT_RECIPE), imported when make_model first needs them.
-_RECIPE_MODULES: tuple[str, ...] = ()
+_RECIPE_MODULES: tuple[str, ...] = ("firsttoken.models.qwen3_vl_checkpoint",)
 
 
 def demo_model_dir() -> Path:

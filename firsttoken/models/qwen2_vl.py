@@ -46,7 +46,8 @@ from firsttoken.models.weights import QKV_AND_GATE_UP, WeightMapping, flatten_co
 
 
 class Qwen2Attention(nn.Module):
-    """q/k/v projections (with bias) stacked in one ``qkv_proj`` = [q; k; v]; o_proj without bias."""
+    """q/k/v projections stacked in one ``qkv_proj`` = [q; k; v] (with bias when ``config.attention_bias``: Qwen2;
+    none: Qwen3); o_proj without bias. ``config.qk_norm`` (Qwen3): RMSNorm over each head of q and k, before rotary."""
 
     def __init__(self, config: ModelConfig, attn_backend: AttentionBackend) -> None:
         super().__init__()
@@ -56,8 +57,10 @@ class Qwen2Attention(nn.Module):
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.scale = self.head_dim**-0.5
-        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=True)
+        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias)
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.attn_backend = attn_backend
 
     def forward(
@@ -70,8 +73,11 @@ class Qwen2Attention(nn.Module):
     ) -> torch.Tensor:
         num_tokens = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = apply_rotary(q.view(num_tokens, self.num_heads, self.head_dim), cos, sin)
-        k = apply_rotary(k.view(num_tokens, self.num_kv_heads, self.head_dim), cos, sin)
+        q = q.view(num_tokens, self.num_heads, self.head_dim)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         out = self.attn_backend.forward(q, k, v, kv_cache, meta, self.scale)
         return self.o_proj(out.reshape(num_tokens, self.q_size))
@@ -99,15 +105,16 @@ class Qwen2DecoderLayer(nn.Module):
 
 class Qwen2VLModel(nn.Module):
     """Parameter names: ``visual.*`` (see qwen2_vl_vision), ``embed_tokens``, ``layers.N.*``, ``norm``,
-    ``lm_head`` (absent when the config ties it to ``embed_tokens``)."""
+    ``lm_head`` (absent when the config ties it to ``embed_tokens``). ``visual`` is another family's tower over the
+    same decoder (Qwen3-VL's); its DeepStack features join the image rows after the first decoder layers."""
 
-    def __init__(self, config: ModelConfig, attn_backend: AttentionBackend) -> None:
+    def __init__(self, config: ModelConfig, attn_backend: AttentionBackend, visual: nn.Module | None = None) -> None:
         super().__init__()
         if config.hidden_act != "silu":
             raise ValueError(f"hidden_act {config.hidden_act!r} unsupported (silu)")
         self.config = config
         self.attn_backend = attn_backend
-        self.visual = Qwen2VisionTransformer(config.vision)
+        self.visual = Qwen2VisionTransformer(config.vision) if visual is None else visual
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
             [Qwen2DecoderLayer(config, attn_backend) for _ in range(config.num_hidden_layers)]
@@ -138,8 +145,11 @@ class Qwen2VLModel(nn.Module):
         c = self.config
         cos, sin = mrope_cos_sin(positions, c.head_dim, c.rope_theta, c.mrope_section, x.dtype, c.mrope_interleaved)
         cos, sin = cos[:, None, :], sin[:, None, :]  # broadcast over heads
-        for layer, kv_cache in zip(self.layers, kv_caches):
+        for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
             x = layer(x, cos, sin, kv_cache, meta)
+            for rows in images:  # DeepStack: an image's feature i is added to its rows' output of layer i
+                if i < len(rows.embeddings.deepstack):
+                    x[rows.start : rows.start + rows.embeddings.num_tokens] += rows.embeddings.deepstack[i].to(x.dtype)
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

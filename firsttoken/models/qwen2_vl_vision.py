@@ -174,13 +174,19 @@ class Qwen2VisionTransformer(nn.Module):
     def rotary_cos_sin(
         self, grid_thw: Sequence[tuple[int, int, int]], device: torch.device
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """fp32 tables [num_patches, 1, 1, head_dim]: the first half of each head's pairs rotates by the patch
-        row, the second half by the patch column."""
-        pos = vision_position_ids(grid_thw, self.config.spatial_merge_size, device)  # [num_patches, 2]
-        inv_freq = rope_inv_freq(self.config.head_dim // 2, VISION_ROPE_THETA, device)  # [head_dim // 4]
-        freqs = (pos[..., None].float() * inv_freq).flatten(1)  # [num_patches, head_dim // 2] = [h freqs, w freqs]
-        emb = torch.cat((freqs, freqs), dim=-1)[:, None, None, :]
-        return emb.cos(), emb.sin()
+        return vision_rotary_cos_sin(self.config, grid_thw, device)
+
+
+def vision_rotary_cos_sin(
+    config: VisionConfig, grid_thw: Sequence[tuple[int, int, int]], device: torch.device | str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 tables [num_patches, 1, 1, head_dim]: the first half of each head's pairs rotates by the patch row,
+    the second half by the patch column (Qwen2-VL's and Qwen3-VL's 2D rotary)."""
+    pos = vision_position_ids(grid_thw, config.spatial_merge_size, device)  # [num_patches, 2]
+    inv_freq = rope_inv_freq(config.head_dim // 2, VISION_ROPE_THETA, device)  # [head_dim // 4]
+    freqs = (pos[..., None].float() * inv_freq).flatten(1)  # [num_patches, head_dim // 2] = [h freqs, w freqs]
+    emb = torch.cat((freqs, freqs), dim=-1)[:, None, None, :]
+    return emb.cos(), emb.sin()
 
 
 def vision_position_ids(

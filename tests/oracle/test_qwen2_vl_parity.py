@@ -121,7 +121,7 @@ class Seq:
     ids: list[int]  # prompt + generated so far
     prompt_len: int
     mrope: MRopePositions
-    image_embeds: torch.Tensor | None  # [image-pad tokens in prompt, hidden], vision tower run once
+    image_embeds: ImageEmbeddings | None  # [image-pad tokens in prompt, hidden] each, vision tower run once
     blocks: list[int] = field(default_factory=list)
     num_computed: int = 0  # tokens whose K/V are in the cache
 
@@ -141,9 +141,14 @@ class TinyRunner:
         image_embeds = None
         if prompt.pixel_values is not None:
             with torch.no_grad():
-                image_embeds = self.model.visual(prompt.pixel_values, prompt.grid_thw)
+                image_embeds = self.encode(prompt)
         mrope = compute_mrope_positions(prompt.ids, prompt.grid_thw, self.config)
         return Seq(list(prompt.ids), len(prompt.ids), mrope, image_embeds)
+
+    def encode(self, prompt: Prompt) -> ImageEmbeddings:
+        """The prompt's images through the whole vision tower at once (a family whose tower returns
+        ImageEmbeddings itself overrides this)."""
+        return ImageEmbeddings(self.model.visual(prompt.pixel_values, prompt.grid_thw))
 
     def step(self, work: list[tuple[Seq, int]]) -> list[torch.Tensor]:
         """Run ``n`` new tokens of each listed sequence in one forward; per sequence its [n, vocab] logits."""
@@ -191,7 +196,7 @@ def image_rows(seq: Seq, a: int, b: int, base: int, image_token_id: int) -> list
         j = i
         while j < b and seq.ids[j] == image_token_id:
             j += 1
-        out.append(ImageRows(base + i - a, ImageEmbeddings(seq.image_embeds[before : before + j - i])))
+        out.append(ImageRows(base + i - a, seq.image_embeds.rows(before, before + j - i)))
         before += j - i
         i = j
     return out

@@ -1,0 +1,121 @@
+"""Qwen3-VL (dense: 2B/4B/8B/32B): a Qwen3 decoder with interleaved M-RoPE and DeepStack, over the Qwen3-VL vision
+tower (qwen3_vl_vision.py); the family's config parsing and its ``ModelFamily`` value (``QWEN3_VL``).
+
+The decoder is Qwen2-VL's (qwen2_vl.py) configured as Qwen3: q/k/v without bias, RMSNorm over each head of q and k
+before rotary (``qk_norm``), an explicit ``head_dim`` (need not be hidden / heads), interleaved M-RoPE sections
+(every third rotary pair per axis, layers.mrope_cos_sin) with its own rope theta, and DeepStack: an image's
+feature k (``ImageEmbeddings.deepstack[k]``) is added to its rows after decoder layer k. Prompt positions are
+Qwen2-VL's (images advance the running position by max(h, w) / merge), weight names are the Qwen-VL ones
+(``model.language_model.*``, ``model.visual.*``, ``lm_head``), encoder units one full-attention block each.
+
+The MoE variant (Qwen3-VL-30B-A3B, ``Qwen3VLMoeForConditionalGeneration``) is not served: its architecture is not
+listed, so the registry refuses it by name.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from firsttoken.attention.base import AttentionBackend
+from firsttoken.models.config import (
+    ConfigError,
+    ConfigReader,
+    ModelConfig,
+    VisionConfig,
+    eos_ids,
+    image_processor_config,
+    text_and_vision_dicts,
+)
+from firsttoken.models.family import ModelFamily
+from firsttoken.models.qwen2_vl import QWEN_VL_WEIGHTS, Qwen2VLModel
+from firsttoken.models.qwen2_vl_vision import VISION_ROPE_THETA, full_attention_units
+from firsttoken.models.qwen3_vl_vision import IMAGE_PROCESSOR, Qwen3VisionTransformer
+
+QWEN3_VL_NAME = "qwen3-vl"
+DEFAULT_ROPE_THETA = 500_000.0  # transformers' Qwen3VLTextConfig default (the releases set 5,000,000)
+DEFAULT_MROPE_SECTION = (24, 20, 20)  # transformers' default for head_dim 128
+
+
+def parse_config(d: dict[str, Any], preprocessor: dict[str, Any] | None) -> ModelConfig:
+    """Qwen3-VL's config.json, nested under ``text_config`` / ``vision_config`` in both layouts it ships in: the
+    releases (transformers 4.57: ``rope_scaling`` with mrope_section / mrope_interleaved and ``rope_theta`` beside
+    it) and transformers 5's ``save_pretrained`` (``rope_parameters`` holding all of them)."""
+    if not isinstance(d.get("text_config"), dict):
+        raise ConfigError("config.json has no 'text_config' (Qwen3-VL nests the language model's fields there)")
+    text, v, _ = text_and_vision_dicts(d)
+    layout = "original" if "rope_parameters" not in d["text_config"] else "transformers"
+    t = ConfigReader(text, "config.json text_config")
+    vr = ConfigReader(v, "config.json vision_config")
+    rope = text.get("rope_parameters") or text.get("rope_scaling") or {}
+    if rope.get("rope_type", rope.get("type", "default")) not in ("default", "mrope"):
+        raise ConfigError(f"config.json text_config: rope_type {rope.get('rope_type')!r} unsupported (default)")
+    if t.get("attention_bias", False):
+        raise ConfigError("config.json text_config: attention_bias=true is unsupported (no Qwen3-VL release has it)")
+    vision_rope = v.get("rope_parameters") or {}
+    if float(vision_rope.get("rope_theta", VISION_ROPE_THETA)) != VISION_ROPE_THETA:
+        raise ConfigError(f"config.json vision_config: rope_theta must be {VISION_ROPE_THETA:g}")
+    hidden = int(t.require("hidden_size"))
+    num_heads = int(t.require("num_attention_heads"))
+    head_dim = int(t.get("head_dim", hidden // num_heads))
+    vision = VisionConfig(
+        depth=int(vr.get("depth", 27)),  # transformers' Qwen3VLVisionConfig defaults where a field is absent
+        embed_dim=int(vr.get("hidden_size", 1152)),
+        num_heads=int(vr.get("num_heads", 16)),
+        intermediate_size=int(vr.get("intermediate_size", 4304)),
+        out_hidden_size=int(vr.get("out_hidden_size", 3584)),
+        in_channels=int(vr.get("in_channels", 3)),
+        patch_size=int(vr.get("patch_size", 16)),
+        spatial_merge_size=int(vr.get("spatial_merge_size", 2)),
+        temporal_patch_size=int(vr.get("temporal_patch_size", 2)),
+        hidden_act=str(vr.get("hidden_act", "gelu_pytorch_tanh")),
+        deepstack_visual_indexes=tuple(int(i) for i in vr.get("deepstack_visual_indexes", (8, 16, 24))),
+        num_position_embeddings=int(vr.get("num_position_embeddings", 2304)),
+    )
+    if vision.out_hidden_size != hidden:
+        raise ConfigError("config.json: vision_config.out_hidden_size must equal text_config.hidden_size")
+    return ModelConfig(
+        family=QWEN3_VL_NAME,
+        vocab_size=int(t.require("vocab_size")),
+        hidden_size=hidden,
+        intermediate_size=int(t.require("intermediate_size")),
+        num_hidden_layers=int(t.require("num_hidden_layers")),
+        num_attention_heads=num_heads,
+        num_key_value_heads=int(t.get("num_key_value_heads", num_heads)),
+        head_dim=head_dim,
+        max_position_embeddings=int(t.get("max_position_embeddings", 128000)),
+        rms_norm_eps=float(t.get("rms_norm_eps", 1e-6)),
+        rope_theta=float(rope.get("rope_theta", text.get("rope_theta", DEFAULT_ROPE_THETA))),
+        mrope_section=tuple(int(x) for x in rope.get("mrope_section") or DEFAULT_MROPE_SECTION),
+        # transformers interleaves whatever mrope_interleaved says (the releases all say true)
+        mrope_interleaved=True,
+        attention_bias=False,
+        qk_norm=True,
+        tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),  # top level only, as transformers reads it
+        image_token_id=int(d.get("image_token_id", 151655)),
+        video_token_id=int(d.get("video_token_id", 151656)),
+        vision_start_token_id=int(d.get("vision_start_token_id", 151652)),
+        vision_end_token_id=int(d.get("vision_end_token_id", 151653)),
+        vision=vision,
+        image_processor=image_processor_config(preprocessor, IMAGE_PROCESSOR),
+        hidden_act=str(t.get("hidden_act", "silu")),
+        eos_token_ids=eos_ids(d["text_config"].get("eos_token_id", d.get("eos_token_id"))),
+        layout=layout,
+    )
+
+
+class Qwen3VLModel(Qwen2VLModel):
+    """Qwen2-VL's decoder configured as Qwen3 (see the module docstring) over Qwen3-VL's vision tower."""
+
+    def __init__(self, config: ModelConfig, attn_backend: AttentionBackend) -> None:
+        super().__init__(config, attn_backend, visual=Qwen3VisionTransformer(config.vision))
+
+
+QWEN3_VL = ModelFamily(
+    name=QWEN3_VL_NAME,
+    architectures=("Qwen3VLForConditionalGeneration",),
+    model_types=("qwen3_vl",),
+    parse_config=parse_config,
+    build=lambda config, backend: Qwen3VLModel(config, backend),
+    weights=QWEN_VL_WEIGHTS,
+    encoder_units=full_attention_units,
+)
