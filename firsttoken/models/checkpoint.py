@@ -195,11 +195,9 @@ def make_model(
     return out
 
 
-def build_hf_config(shape: CheckpointShape) -> "Qwen2VLConfig":
-    """The transformers config object for ``shape``, with this tokenizer's special-token ids."""
-    from transformers import Qwen2VLConfig
-
-    text = {
+def text_config_dict(shape: CheckpointShape) -> dict[str, Any]:
+    """The language model's transformers ``text_config`` for ``shape`` (Qwen2 with M-RoPE), our tokenizer's ids."""
+    return {
         "vocab_size": VOCAB_SIZE,
         "hidden_size": shape.hidden_size,
         "intermediate_size": shape.intermediate_size,
@@ -218,6 +216,13 @@ def build_hf_config(shape: CheckpointShape) -> "Qwen2VLConfig":
         "eos_token_id": TOKEN_IDS["<|im_end|>"],
         "dtype": shape.dtype,
     }
+
+
+def build_hf_config(shape: CheckpointShape) -> "Qwen2VLConfig":
+    """The transformers config object for ``shape``, with this tokenizer's special-token ids."""
+    from transformers import Qwen2VLConfig
+
+    text = text_config_dict(shape)
     vision = {
         "depth": shape.vision_depth,
         "embed_dim": shape.vision_embed_dim,
@@ -462,7 +467,7 @@ QWEN2_VL_RECIPE = CheckpointRecipe(
     to_original_key=lambda name: to_original_key(name),
 )
 # Modules of other families' recipes (each defines CHECKPOINT_RECIPE), imported when make_model first needs them.
-_RECIPE_MODULES: tuple[str, ...] = ()
+_RECIPE_MODULES: tuple[str, ...] = ("firsttoken.models.qwen2_5_vl_checkpoint",)
 
 
 def demo_model_dir() -> Path:

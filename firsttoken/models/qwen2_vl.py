@@ -99,15 +99,16 @@ class Qwen2DecoderLayer(nn.Module):
 
 class Qwen2VLModel(nn.Module):
     """Parameter names: ``visual.*`` (see qwen2_vl_vision), ``embed_tokens``, ``layers.N.*``, ``norm``,
-    ``lm_head`` (absent when the config ties it to ``embed_tokens``)."""
+    ``lm_head`` (absent when the config ties it to ``embed_tokens``). ``visual`` is Qwen2-VL's tower unless a
+    family with the same decoder brings its own (Qwen2.5-VL)."""
 
-    def __init__(self, config: ModelConfig, attn_backend: AttentionBackend) -> None:
+    def __init__(self, config: ModelConfig, attn_backend: AttentionBackend, visual: nn.Module | None = None) -> None:
         super().__init__()
         if config.hidden_act != "silu":
             raise ValueError(f"hidden_act {config.hidden_act!r} unsupported (silu)")
         self.config = config
         self.attn_backend = attn_backend
-        self.visual = Qwen2VisionTransformer(config.vision)
+        self.visual = Qwen2VisionTransformer(config.vision) if visual is None else visual
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
             [Qwen2DecoderLayer(config, attn_backend) for _ in range(config.num_hidden_layers)]
