@@ -58,6 +58,12 @@ RMS_NORM_EPS = 1e-6
 
 TOKEN_IDS: dict[str, int] = {tok: NUM_BPE_TOKENS + i for i, tok in enumerate(SPECIAL_TOKENS)}
 NUM_TOKENIZER_TOKENS = NUM_BPE_TOKENS + len(SPECIAL_TOKENS)
+VISION_TOKEN_IDS: dict[str, int] = {  # a Qwen-VL config's fields naming its image/video tokens
+    "image_token_id": TOKEN_IDS["<|image_pad|>"],
+    "video_token_id": TOKEN_IDS["<|video_pad|>"],
+    "vision_start_token_id": TOKEN_IDS["<|vision_start|>"],
+    "vision_end_token_id": TOKEN_IDS["<|vision_end|>"],
+}
 VOCAB_SIZE = -(-NUM_TOKENIZER_TOKENS // VOCAB_PAD_MULTIPLE) * VOCAB_PAD_MULTIPLE  # rows in embed / lm_head
 
 # Qwen2-VL's chat template (the release's, plus {"type": "image_url"} parts).
@@ -234,14 +240,7 @@ def build_hf_config(shape: CheckpointShape) -> "Qwen2VLConfig":
         "temporal_patch_size": 2,
     }
     config = Qwen2VLConfig(
-        text_config=text,
-        vision_config=vision,
-        image_token_id=TOKEN_IDS["<|image_pad|>"],
-        video_token_id=TOKEN_IDS["<|video_pad|>"],
-        vision_start_token_id=TOKEN_IDS["<|vision_start|>"],
-        vision_end_token_id=TOKEN_IDS["<|vision_end|>"],
-        tie_word_embeddings=False,
-        dtype=shape.dtype,
+        text_config=text, vision_config=vision, tie_word_embeddings=False, dtype=shape.dtype, **VISION_TOKEN_IDS
     )
     config.architectures = ["Qwen2VLForConditionalGeneration"]
     return config

@@ -24,6 +24,7 @@ from firsttoken.models.family import ModelFamily
 from firsttoken.models.qwen2_5_vl_vision import Qwen25VisionTransformer, merged_window_side, window_attention_units
 from firsttoken.models.qwen2_vl import QWEN_VL_WEIGHTS, Qwen2VLModel
 from firsttoken.models.qwen2_vl import parse_config as parse_qwen2_vl_config
+from firsttoken.models.qwen2_vl_vision import VISION_ROPE_THETA
 
 QWEN2_5_VL_NAME = "qwen2.5-vl"
 
@@ -54,6 +55,9 @@ def vision_config(v: dict[str, Any], lm_hidden_size: int) -> VisionConfig:
         window_size=int(vr.get("window_size", DEFAULT_WINDOW_SIZE)),
         fullatt_block_indexes=tuple(int(i) for i in vr.get("fullatt_block_indexes", DEFAULT_FULLATT_BLOCK_INDEXES)),
     )
+    theta = float((v.get("rope_parameters") or {}).get("rope_theta", VISION_ROPE_THETA))
+    if theta != VISION_ROPE_THETA:
+        raise ConfigError(f"config.json vision_config: rope_theta {theta:g} unsupported ({VISION_ROPE_THETA:g})")
     if vision.hidden_act != "silu":
         raise ConfigError(f"config.json vision_config: hidden_act {vision.hidden_act!r} unsupported (silu)")
     if merged_window_side(vision) < 1:

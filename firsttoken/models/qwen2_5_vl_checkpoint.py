@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from firsttoken.models.checkpoint import (
     SIZES,
-    TOKEN_IDS,
+    VISION_TOKEN_IDS,
     CheckpointRecipe,
     CheckpointShape,
     build_hf_config,
@@ -80,24 +80,18 @@ def vision_config_dict(shape: Qwen25Shape) -> dict[str, Any]:
     }
 
 
-def build_qwen2_5_vl_config(shape: Qwen25Shape) -> "Qwen2_5_VLConfig":
+def build_qwen2_5_vl_config(shape: Qwen25Shape) -> Qwen2_5_VLConfig:
     from transformers import Qwen2_5_VLConfig
 
     config = Qwen2_5_VLConfig(
-        text_config=text_config_dict(shape.text),
-        vision_config=vision_config_dict(shape),
-        image_token_id=TOKEN_IDS["<|image_pad|>"],
-        video_token_id=TOKEN_IDS["<|video_pad|>"],
-        vision_start_token_id=TOKEN_IDS["<|vision_start|>"],
-        vision_end_token_id=TOKEN_IDS["<|vision_end|>"],
-        tie_word_embeddings=False,
-        dtype=shape.dtype,
+        text_config=text_config_dict(shape.text), vision_config=vision_config_dict(shape), tie_word_embeddings=False,
+        dtype=shape.dtype, **VISION_TOKEN_IDS,
     )
     config.architectures = ["Qwen2_5_VLForConditionalGeneration"]
     return config
 
 
-def original_layout_config(config: "Qwen2_5_VLConfig", shape: Qwen25Shape) -> dict[str, Any]:
+def original_layout_config(config: Qwen2_5_VLConfig, shape: Qwen25Shape) -> dict[str, Any]:
     """config.json as Qwen2.5-VL-7B-Instruct lays it out: Qwen2-VL's flat text fields, this vision_config."""
     flat = original_config_dict(build_hf_config(shape.text), shape.text)
     vision = vision_config_dict(shape)

@@ -64,16 +64,17 @@ class WindowLayout:
         return units[self.order].reshape(rows.shape)
 
 
-def window_layout(grids: Sequence[Grid], vision: VisionConfig) -> WindowLayout:
-    """The window order of images back to back (attention never crosses an image or a frame)."""
+def window_layout(grids: Sequence[Grid], vision: VisionConfig, device: torch.device | str = "cpu") -> WindowLayout:
+    """The window order of images back to back (attention never crosses an image or a frame). Without windows
+    (``window_size`` 0) a frame is one window and the order is the processor's."""
     merge = vision.spatial_merge_size
-    side = merged_window_side(vision)
     orders: list[torch.Tensor] = []
     window_rows: list[int] = []
     frame_rows: list[int] = []
     offset = 0
     for t, h, w in grids:
         gh, gw = h // merge, w // merge
+        side = merged_window_side(vision) if vision.uses_windows else max(gh, gw)
         index = torch.arange(offset, offset + t * gh * gw).reshape(t, gh, gw)
         for frame in index:
             for r0, rows in zip(range(0, gh, side), window_spans(gh, side)):
@@ -82,7 +83,7 @@ def window_layout(grids: Sequence[Grid], vision: VisionConfig) -> WindowLayout:
                     window_rows.append(rows * cols * merge**2)
             frame_rows.append(h * w)
         offset += t * gh * gw
-    order = torch.cat(orders)
+    order = torch.cat(orders).to(device)  # built on the CPU: one small copy, not a kernel per window
     return WindowLayout(order, torch.argsort(order), window_rows, frame_rows)
 
 
@@ -199,7 +200,7 @@ class Qwen25VisionTransformer(nn.Module):
         num_patches = sum(t * h * w for t, h, w in grids)
         if num_patches != pixel_values.shape[0]:
             raise ValueError(f"grid_thw covers {num_patches} patches but pixel_values has {pixel_values.shape[0]} rows")
-        layout = window_layout(grids, self.config)
+        layout = window_layout(grids, self.config, pixel_values.device)
         cos, sin = self._rotary_cos_sin(grids, pixel_values.device)
         hidden = self.patch_embed(pixel_values)  # [num_patches, embed_dim], processor order
         return WindowedEncodeState(

@@ -1,16 +1,19 @@
 """Our Qwen2.5-VL against transformers' Qwen2_5_VLForConditionalGeneration on make_model's tiny checkpoints (both
 config/weight layouts): the window layout, the vision tower alone (whole, and unit by unit as the engine runs it),
-M-RoPE positions, full-prompt and chunked-prefill logits, mixed batches, greedy decoding, bf16, and the real engine
-with 7/13-token steps and the tower split across steps.
+M-RoPE positions, full-prompt and chunked-prefill logits, mixed batches, greedy decoding, bf16, the image processor,
+and the real engine with 7/13-token steps and the tower split across steps (ours below, and test_engine_oracle.py's
+tests imported and run here on Qwen2.5-VL: chunks inside images, a prefix-cache hit ending inside an image,
+preemption by recompute).
 
 Tolerance: max |Δlogit| <= 1e-4 in fp32 (as Qwen2-VL's, test_qwen2_vl_parity.py), exact greedy ids. Logits are
 compared with transformers' model run in float64 (``ref64``): on these checkpoints (logits up to |50|) transformers'
 own fp32 run is ~9e-5 from its fp64 run on image prompts, and ours ~2e-5 to 5e-5; against transformers' fp32 we
 measure up to ~1.1e-4, the sum of both roundings (the printed figures give both). Greedy ids, the vision tower and
-positions are compared with transformers in fp32. The tiny tower
-has depth 4 with full attention in blocks 1 and 3 and 112-px windows (4 x 4 merged tokens); the images include
-grids whose windows divide evenly, grids with a short last window row and column, and an image smaller than one
-window, so the reorder, the partial windows and the restore all count.
+positions are compared with transformers in fp32.
+
+The tiny tower has depth 4 with full attention in blocks 1 and 3 and 112-px windows (4 x 4 merged tokens); the
+images include grids whose windows divide evenly, grids with a short last window row and column, and an image
+smaller than one window, so the reorder, the partial windows and the restore all count.
 """
 
 from __future__ import annotations
@@ -24,19 +27,30 @@ from safetensors.torch import load_file, save_file
 
 from firsttoken.models.checkpoint import make_model
 from firsttoken.models.loader import load_model
-from firsttoken.models.mrope import compute_mrope_positions
-from firsttoken.models.qwen2_5_vl_vision import block_flops, window_attention_units, window_layout
+from firsttoken.models.qwen2_5_vl_vision import block_flops, window_layout
 from firsttoken.models.qwen2_vl import Qwen2VLModel
-from firsttoken.models.registry import family_named
-from tests.oracle.test_engine_oracle import NUM_NEW, engine_request, make_engine, run
+from firsttoken.models.config import ModelConfig
+from firsttoken.models.registry import family_named, load_model_config
+from tests.oracle.test_engine_oracle import (  # noqa: F401  (its test_* are collected here, on Qwen2.5-VL)
+    engine_request,
+    greedy_oracle,
+    make_engine,
+    run,
+    test_engine_matches_generate_after_preemption_by_recompute,
+    test_engine_matches_generate_when_the_prefix_cache_hit_ends_inside_an_image,
+    test_engine_matches_generate_with_chunks_inside_images_and_encodes_split_across_steps,
+)
 from tests.oracle.test_engine_oracle import make_prompt as make_engine_prompt
 from tests.oracle.test_qwen2_vl_parity import (
-    Prompt,
-    Seq,
     TinyRunner,
+    check_bf16_tracks_fp32,
+    check_mrope_positions,
+    generate_ids,
+    greedy_ids,
     make_images,
     make_prompt,
     max_diff,
+    mixed_batch,
     preprocess,
     ref_logits,
 )
@@ -163,18 +177,7 @@ def test_vision_tower_matches_reference_whole_and_unit_by_unit(ref, ours: Qwen2V
 
 @pytest.mark.parametrize("name", list(PROMPTS))
 def test_mrope_positions_match_get_rope_index(ref, ours: Qwen2VLModel, name: str) -> None:
-    prompt = make_prompt(ours.config, PROMPTS[name])
-    got = compute_mrope_positions(prompt.ids, prompt.grid_thw, ours.config)
-    input_ids = torch.tensor([prompt.ids])
-    if prompt.grid_thw:
-        expected, delta = ref.model.get_rope_index(
-            input_ids, (input_ids == ours.config.image_token_id).long(), torch.tensor(prompt.grid_thw)
-        )
-        assert torch.equal(got.positions, expected[:, 0])
-        assert got.delta == int(delta)
-    else:  # text-only: transformers uses plain 0..L-1 with delta 0
-        assert torch.equal(got.positions, torch.arange(len(prompt.ids)).expand(3, -1))
-        assert got.delta == 0
+    check_mrope_positions(ref, ours.config, make_prompt(ours.config, PROMPTS[name]))
 
 
 @pytest.mark.parametrize("name", list(PROMPTS))
@@ -203,27 +206,8 @@ def test_chunked_prefill_matches_reference_at_every_position(expected_logits, ou
 
 @pytest.mark.parametrize("name", ["text", "one_image"])
 def test_greedy_decode_matches_generate(ref, ours: Qwen2VLModel, name: str) -> None:
-    num_new = 32
     prompt = make_prompt(ours.config, PROMPTS[name], seed=3)
-    input_ids = torch.tensor([prompt.ids])
-    kwargs = dict(mm_token_type_ids=(input_ids == ours.config.image_token_id).long())
-    if prompt.pixel_values is not None:
-        kwargs.update(pixel_values=prompt.pixel_values, image_grid_thw=torch.tensor(prompt.grid_thw))
-    with torch.no_grad():
-        out = ref.generate(input_ids, max_new_tokens=num_new, min_new_tokens=num_new, do_sample=False,
-                           repetition_penalty=1.0, **kwargs)
-    expected = out[0, len(prompt.ids) :].tolist()
-    runner = TinyRunner(ours, seed=5)
-    seq = runner.add(prompt)
-    logits = runner.prefill(seq, chunk=16)[-1]
-    got = []
-    for _ in range(num_new):
-        token = int(logits.argmax())
-        got.append(token)
-        seq.ids.append(token)
-        (logits,) = runner.step([(seq, 1)])
-        logits = logits[-1]
-    assert got == expected
+    assert greedy_ids(ours, prompt, 32) == generate_ids(ref, ours.config, prompt, 32)
 
 
 def test_mixed_batch_matches_each_sequence_alone(ref64, ours: Qwen2VLModel) -> None:
@@ -235,47 +219,16 @@ def test_mixed_batch_matches_each_sequence_alone(ref64, ours: Qwen2VLModel) -> N
         make_prompt(config, [], seed=12),
         make_prompt(config, [(112, 112)], seed=13),
     ]
-    first_chunk = 40  # sequence 1 resumes at token 40, inside its first image (96 pads from index 10)
-    assert prompts[1].ids[first_chunk] == config.image_token_id
-
-    def setup(runner: TinyRunner) -> list[Seq]:
-        seqs = [runner.add(p) for p in prompts]
-        runner.step([(seqs[1], first_chunk)])
-        for s in seqs[2:]:  # fully prefilled, then one generated token each
-            runner.prefill(s, chunk=len(s.ids))
-            s.ids.append(7)
-        return seqs
-
-    def work(seqs: list[Seq]) -> list[tuple[Seq, int]]:
-        return [(seqs[0], len(prompts[0].ids)), (seqs[1], len(prompts[1].ids) - first_chunk), (seqs[2], 1),
-                (seqs[3], 1)]
-
-    batched_runner = TinyRunner(ours, seed=21)
-    batched = batched_runner.step(work(setup(batched_runner)))
-    alone_runner = TinyRunner(ours, seed=22)
-    alone = [alone_runner.step([w])[0] for w in work(setup(alone_runner))]
-    d_alone = max(max_diff(b, a) for b, a in zip(batched, alone))
-    d_ref = 0.0
-    for i, (p, got) in enumerate(zip(prompts, batched)):
-        full = Prompt(p.ids + ([7] if i >= 2 else []), p.pixel_values, p.grid_thw)
-        expected = ref_logits(ref64, config, full)[-got.shape[0] :]
-        d_ref = max(d_ref, max_diff(got, expected))
+    run = mixed_batch(ours, prompts, first_chunk=40)  # sequence 1 resumes inside its first image (pads 10..105)
+    d_alone = max(max_diff(b, a) for b, a in zip(run.batched, run.alone))
+    d_ref = max(max_diff(got, ref_logits(ref64, config, p)[-got.shape[0] :]) for p, got in zip(run.seen, run.batched))
     print(f"mixed batch: max|Δlogit| batched vs alone = {d_alone:.2e}, vs reference = {d_ref:.2e}")
     assert d_alone <= TOL
     assert d_ref <= TOL
 
 
 def test_bf16_load_tracks_fp32_reference(ref, model_dir: Path) -> None:
-    """bf16 is the fast path: same greedy choice at nearly every prompt position (not bit-parity)."""
-    model = load_model(model_dir, torch.bfloat16)
-    assert all(p.dtype == torch.bfloat16 for p in model.parameters())
-    prompt = make_prompt(model.config, PROMPTS["three_images"], seed=6)
-    runner = TinyRunner(model)
-    got = runner.prefill(runner.add(prompt), chunk=32)
-    expected = ref_logits(ref, model.config, prompt)
-    agree = (got.argmax(-1) == expected.argmax(-1)).float().mean().item()
-    print(f"bf16: top-1 agreement {agree:.3f}, max|Δlogit| {max_diff(got, expected):.3f}")
-    assert agree >= 0.9
+    check_bf16_tracks_fp32(ref, model_dir, PROMPTS["three_images"])
 
 
 # ---------------------------------------------------------------- layouts and tied embeddings
@@ -319,41 +272,14 @@ def test_tied_embeddings_match_reference(model_dir: Path, tmp_path: Path) -> Non
 
 
 @pytest.fixture(scope="module")
-def engine_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_model(tmp_path_factory.mktemp("q25-engine"), size="tiny", seed=3, family=FAMILY)
+def config(model_dir: Path) -> ModelConfig:
+    return load_model_config(model_dir)
 
 
 @pytest.fixture(scope="module")
-def greedy(engine_dir: Path):
-    """Greedy tokens by transformers: repeated full forwards (the model's definition; generate departs from it on
-    multi-image prompts, see test_engine_oracle.py), checked against ``generate`` for prompts with one image."""
-    model = load_reference(engine_dir)
-    image_token_id = model.config.image_token_id
-    cache: dict = {}
-
-    def inputs(ids: list[int], prompt) -> dict:
-        input_ids = torch.tensor([ids])
-        kwargs = dict(input_ids=input_ids, mm_token_type_ids=(input_ids == image_token_id).long())
-        if prompt.pixel_values is not None:
-            kwargs.update(pixel_values=prompt.pixel_values, image_grid_thw=torch.tensor(prompt.grids))
-        return kwargs
-
-    def tokens(prompt) -> list[int]:
-        if prompt in cache:
-            return cache[prompt]
-        out: list[int] = []
-        with torch.no_grad():
-            for _ in range(NUM_NEW):
-                out.append(int(model(**inputs(list(prompt.ids) + out, prompt)).logits[0, -1].argmax()))
-            if len(prompt.grids) <= 1:
-                kw = inputs(list(prompt.ids), prompt)
-                generated = model.generate(kw.pop("input_ids"), max_new_tokens=NUM_NEW, min_new_tokens=NUM_NEW,
-                                           do_sample=False, repetition_penalty=1.0, **kw)
-                assert generated[0, len(prompt.ids) :].tolist() == out
-        cache[prompt] = out
-        return out
-
-    return tokens
+def reference(ref):
+    """Greedy tokens by transformers (test_engine_oracle.py's oracle); its tests imported above use it too."""
+    return greedy_oracle(ref)
 
 
 class RecordingExecutor:
@@ -374,9 +300,9 @@ class RecordingExecutor:
 
 @pytest.mark.parametrize("step_tokens", [7, 13])
 def test_engine_matches_transformers_with_chunks_inside_images_and_the_tower_split_across_steps(
-    engine_dir: Path, greedy, step_tokens: int
+    model_dir: Path, reference, step_tokens: int
 ) -> None:
-    engine = make_engine(engine_dir, step_tokens)
+    engine = make_engine(model_dir, step_tokens)
     config = engine.model_config
     prompts = {  # visual tokens 45 (5 x 9 merged: short last window row and column), 32 (two whole windows), 4
         "text": make_engine_prompt(config, [], seed=1),
@@ -387,7 +313,7 @@ def test_engine_matches_transformers_with_chunks_inside_images_and_the_tower_spl
     engine.executor = recorder
     got = run(engine, requests)  # one mixed batch, every prompt on the long lane
     for name, prompt in prompts.items():
-        assert got[name] == greedy(prompt), name
+        assert got[name] == reference(prompt), name
     assert engine.stats().num_images_encoded == 3
     units_per_image = {im.content_hash: ([s[im.content_hash] for s in recorder.units_per_step
                                           if im.content_hash in s], im) for r in requests for im in r.images}
@@ -398,21 +324,6 @@ def test_engine_matches_transformers_with_chunks_inside_images_and_the_tower_spl
     assert sum(steps == [1, 1, 1, 1] for steps, _ in units_per_image.values()) >= 2  # 45 and 32 visual tokens
 
 
-def test_engine_prefix_cache_hit_ending_inside_an_image_matches_transformers(engine_dir: Path, greedy) -> None:
-    # 9 + 1 + 24 pads + 1 + 5 + 4 = 44 tokens: two 16-token blocks (0..31) cached, ending inside the image
-    config = make_engine(engine_dir, 13).model_config
-    first = make_engine_prompt(config, [(168, 112)], seed=4, text_after=[11, 12, 13, 14])
-    follow = make_engine_prompt(config, [(168, 112)], seed=4, text_after=[21, 22, 23, 24, 25, 26, 27])
-    for encoder_cache in (True, False):
-        engine = make_engine(engine_dir, 13, enable_encoder_cache=encoder_cache)
-        run(engine, [engine_request(config, first, "first")])
-        stats: dict = {}
-        got = run(engine, [engine_request(config, follow, "follow")], stats)
-        assert stats["follow"].num_cached_prompt_tokens == 32
-        assert got["follow"] == greedy(follow)
-        assert engine.stats().num_images_encoded == (1 if encoder_cache else 2)
-
-
 # ---------------------------------------------------------------- the image processor
 
 
@@ -421,7 +332,6 @@ def test_checkpoint_image_processor_is_qwen2_vl_s_and_ours_is_bit_identical(mode
     from transformers import AutoImageProcessor
 
     from firsttoken.inputs.image import preprocess_image
-    from firsttoken.models.registry import load_model_config
 
     processor = AutoImageProcessor.from_pretrained(model_dir)
     assert type(processor).__name__.startswith("Qwen2VLImageProcessor")

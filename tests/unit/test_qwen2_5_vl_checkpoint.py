@@ -71,8 +71,8 @@ def test_files_name_weights_as_the_release_does(checkpoints) -> None:
     names = set(json.loads((original / "model.safetensors.index.json").read_text())["weight_map"])
     assert {"model.embed_tokens.weight", "model.layers.0.self_attn.q_proj.bias", "lm_head.weight",
             "visual.patch_embed.proj.weight", "visual.blocks.0.mlp.gate_proj.bias",
-            "visual.blocks.3.mlp.up_proj.weight", "visual.blocks.0.mlp.down_proj.bias", "visual.blocks.0.norm1.weight", "visual.merger.ln_q.weight",
-            "visual.merger.mlp.2.weight"} <= names
+            "visual.blocks.3.mlp.up_proj.weight", "visual.blocks.0.mlp.down_proj.bias", "visual.blocks.0.norm1.weight",
+            "visual.merger.ln_q.weight", "visual.merger.mlp.2.weight"} <= names
     assert not any(n.startswith(("model.language_model.", "model.visual.")) or "ln_q.bias" in n for n in names)
     config = json.loads((original / "config.json").read_text())
     assert config["model_type"] == "qwen2_5_vl" and "text_config" not in config
@@ -124,6 +124,8 @@ def test_published_7b_config_parses_to_its_shapes() -> None:
     ({"vision_config": {**QWEN2_5_VL_7B["vision_config"], "window_size": 20}}, "window_size 20 is smaller than one"),
     ({"vision_config": {**QWEN2_5_VL_7B["vision_config"], "depth": 4}}, "block index 7 is outside depth 4"),
     ({"vision_config": {**QWEN2_5_VL_7B["vision_config"], "out_hidden_size": 2048}}, "out_hidden_size 2048 !="),
+    ({"vision_config": {**QWEN2_5_VL_7B["vision_config"], "rope_parameters": {"rope_theta": 5e5}}},
+     "rope_theta 500000 unsupported"),
 ])
 def test_what_we_do_not_serve_is_refused_by_name(change: dict, message: str) -> None:
     with pytest.raises(ConfigError, match=message):
