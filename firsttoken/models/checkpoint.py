@@ -58,6 +58,12 @@ RMS_NORM_EPS = 1e-6
 
 TOKEN_IDS: dict[str, int] = {tok: NUM_BPE_TOKENS + i for i, tok in enumerate(SPECIAL_TOKENS)}
 NUM_TOKENIZER_TOKENS = NUM_BPE_TOKENS + len(SPECIAL_TOKENS)
+VISION_TOKEN_IDS: dict[str, int] = {  # a Qwen-VL config's fields naming its image/video tokens
+    "image_token_id": TOKEN_IDS["<|image_pad|>"],
+    "video_token_id": TOKEN_IDS["<|video_pad|>"],
+    "vision_start_token_id": TOKEN_IDS["<|vision_start|>"],
+    "vision_end_token_id": TOKEN_IDS["<|vision_end|>"],
+}
 VOCAB_SIZE = -(-NUM_TOKENIZER_TOKENS // VOCAB_PAD_MULTIPLE) * VOCAB_PAD_MULTIPLE  # rows in embed / lm_head
 
 # Qwen2-VL's chat template (the release's, plus {"type": "image_url"} parts).
@@ -195,11 +201,9 @@ def make_model(
     return out
 
 
-def build_hf_config(shape: CheckpointShape) -> "Qwen2VLConfig":
-    """The transformers config object for ``shape``, with this tokenizer's special-token ids."""
-    from transformers import Qwen2VLConfig
-
-    text = {
+def text_config_dict(shape: CheckpointShape) -> dict[str, Any]:
+    """The language model's transformers ``text_config`` for ``shape`` (Qwen2 with M-RoPE), our tokenizer's ids."""
+    return {
         "vocab_size": VOCAB_SIZE,
         "hidden_size": shape.hidden_size,
         "intermediate_size": shape.intermediate_size,
@@ -218,6 +222,13 @@ def build_hf_config(shape: CheckpointShape) -> "Qwen2VLConfig":
         "eos_token_id": TOKEN_IDS["<|im_end|>"],
         "dtype": shape.dtype,
     }
+
+
+def build_hf_config(shape: CheckpointShape) -> "Qwen2VLConfig":
+    """The transformers config object for ``shape``, with this tokenizer's special-token ids."""
+    from transformers import Qwen2VLConfig
+
+    text = text_config_dict(shape)
     vision = {
         "depth": shape.vision_depth,
         "embed_dim": shape.vision_embed_dim,
@@ -229,14 +240,7 @@ def build_hf_config(shape: CheckpointShape) -> "Qwen2VLConfig":
         "temporal_patch_size": 2,
     }
     config = Qwen2VLConfig(
-        text_config=text,
-        vision_config=vision,
-        image_token_id=TOKEN_IDS["<|image_pad|>"],
-        video_token_id=TOKEN_IDS["<|video_pad|>"],
-        vision_start_token_id=TOKEN_IDS["<|vision_start|>"],
-        vision_end_token_id=TOKEN_IDS["<|vision_end|>"],
-        tie_word_embeddings=False,
-        dtype=shape.dtype,
+        text_config=text, vision_config=vision, tie_word_embeddings=False, dtype=shape.dtype, **VISION_TOKEN_IDS
     )
     config.architectures = ["Qwen2VLForConditionalGeneration"]
     return config
@@ -462,7 +466,7 @@ QWEN2_VL_RECIPE = CheckpointRecipe(
     to_original_key=lambda name: to_original_key(name),
 )
 # Modules of other families' recipes (each defines CHECKPOINT_RECIPE), imported when make_model first needs them.
-_RECIPE_MODULES: tuple[str, ...] = ("firsttoken.models.qwen3_vl_checkpoint",)
+_RECIPE_MODULES: tuple[str, ...] = ("firsttoken.models.qwen2_5_vl_checkpoint", "firsttoken.models.qwen3_vl_checkpoint")
 
 
 def demo_model_dir() -> Path:

@@ -105,8 +105,9 @@ class Qwen2DecoderLayer(nn.Module):
 
 class Qwen2VLModel(nn.Module):
     """Parameter names: ``visual.*`` (see qwen2_vl_vision), ``embed_tokens``, ``layers.N.*``, ``norm``,
-    ``lm_head`` (absent when the config ties it to ``embed_tokens``). ``visual`` is another family's tower over the
-    same decoder (Qwen3-VL's); its DeepStack features join the image rows after the first decoder layers."""
+    ``lm_head`` (absent when the config ties it to ``embed_tokens``). ``visual`` is Qwen2-VL's tower unless a
+    family with the same decoder brings its own (Qwen2.5-VL's, Qwen3-VL's); DeepStack features (Qwen3-VL) join the
+    image rows after the first decoder layers."""
 
     def __init__(self, config: ModelConfig, attn_backend: AttentionBackend, visual: nn.Module | None = None) -> None:
         super().__init__()

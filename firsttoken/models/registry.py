@@ -9,10 +9,11 @@ from typing import Any
 
 from firsttoken.models.config import ConfigError, ModelConfig
 from firsttoken.models.family import ModelFamily
+from firsttoken.models.qwen2_5_vl import QWEN2_5_VL
 from firsttoken.models.qwen2_vl import QWEN2_VL
 from firsttoken.models.qwen3_vl import QWEN3_VL
 
-FAMILIES: tuple[ModelFamily, ...] = (QWEN2_VL, QWEN3_VL)
+FAMILIES: tuple[ModelFamily, ...] = (QWEN2_VL, QWEN2_5_VL, QWEN3_VL)
 
 
 def family_for(architectures: Sequence[str] | None, model_type: str | None = None) -> ModelFamily:

@@ -25,13 +25,14 @@ _ids = itertools.count()
 
 
 class Harness:
-    def __init__(self, model_dir: Path, prefix_cache: bool = True, encoder_cache: bool = True) -> None:
+    def __init__(self, model_dir: Path, prefix_cache: bool = True, encoder_cache: bool = True,
+                 scheduler: SchedulerConfig | None = None) -> None:
         tok = AutoTokenizer.from_pretrained(model_dir)
         cfg = EngineConfig(
             dtype="float32",
             cache=CacheConfig(kv_cache_memory_bytes=8 * 2**20, enable_prefix_caching=prefix_cache,
                               enable_encoder_cache=encoder_cache),
-            scheduler=SchedulerConfig(max_batched_tokens=96),
+            scheduler=scheduler or SchedulerConfig(max_batched_tokens=96),
         )
         self.engine = LLMEngine(model_dir, cfg, tok.backend_tokenizer)
         self.processor = InputProcessor(tok, self.engine.model_config, GenerationDefaults.from_pretrained(model_dir),

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import random
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -53,14 +54,17 @@ def config(model_dir: Path) -> ModelConfig:
 
 @pytest.fixture(scope="module")
 def reference(model_dir: Path):
-    """Greedy tokens by transformers: ``generate`` for prompts with at most one image, else greedy by repeated full
-    forwards without a KV cache (the model's definition). transformers 5.24's ``generate`` (with or without its
-    cache) departs from its own forward on prompts with two images after a few tokens (two images, seed 2: at the
-    4th token), so it cannot be the oracle there; where it is, the test checks both agree."""
     from transformers import Qwen2VLForConditionalGeneration
 
-    model = Qwen2VLForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32,
-                                                            attn_implementation="eager").eval()
+    return greedy_oracle(Qwen2VLForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32,
+                                                                         attn_implementation="eager").eval())
+
+
+def greedy_oracle(model) -> Callable[[Prompt], list[int]]:
+    """Greedy tokens by transformers' ``model``: ``generate`` for prompts with at most one image, else greedy by
+    repeated full forwards without a KV cache (the model's definition). transformers 5.24's ``generate`` (with or
+    without its cache) departs from its own forward on prompts with two images after a few tokens (two images,
+    seed 2: at the 4th token), so it cannot be the oracle there; where it is, the oracle checks both agree."""
     cache: dict[Prompt, list[int]] = {}
 
     def inputs(ids: list[int], prompt: Prompt) -> dict:
@@ -79,7 +83,7 @@ def reference(model_dir: Path):
                 if len(prompt.grids) <= 1:
                     kw = inputs(list(prompt.ids), prompt)
                     generated = model.generate(kw.pop("input_ids"), max_new_tokens=NUM_NEW, min_new_tokens=NUM_NEW,
-                                               do_sample=False, **kw)
+                                               do_sample=False, repetition_penalty=1.0, **kw)
                     assert generated[0, len(prompt.ids):].tolist() == out
             cache[prompt] = out
         return cache[prompt]

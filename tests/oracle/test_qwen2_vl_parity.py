@@ -206,6 +206,96 @@ def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     return (a - b).abs().max().item()
 
 
+# ---------------------------------------------------------------- checks every Qwen-VL family's parity tests share
+
+
+def check_mrope_positions(ref, config: ModelConfig, prompt: Prompt) -> None:
+    """Our M-RoPE positions and delta are transformers' ``get_rope_index`` (text only: 0..L-1, delta 0)."""
+    got = compute_mrope_positions(prompt.ids, prompt.grid_thw, config)
+    input_ids = torch.tensor([prompt.ids])
+    if prompt.grid_thw:
+        expected, delta = ref.model.get_rope_index(
+            input_ids, (input_ids == config.image_token_id).long(), torch.tensor(prompt.grid_thw)
+        )
+        assert torch.equal(got.positions, expected[:, 0])
+        assert got.delta == int(delta)
+    else:  # text-only: transformers uses plain 0..L-1 with delta 0
+        assert torch.equal(got.positions, torch.arange(len(prompt.ids)).expand(3, -1))
+        assert got.delta == 0
+
+
+def generate_ids(ref, config: ModelConfig, prompt: Prompt, num_new: int) -> list[int]:
+    """transformers' greedy ``generate`` (no repetition penalty, whatever generation_config.json says)."""
+    input_ids = torch.tensor([prompt.ids])
+    kwargs = dict(mm_token_type_ids=(input_ids == config.image_token_id).long())
+    if prompt.pixel_values is not None:
+        kwargs.update(pixel_values=prompt.pixel_values, image_grid_thw=torch.tensor(prompt.grid_thw))
+    with torch.no_grad():
+        out = ref.generate(input_ids, max_new_tokens=num_new, min_new_tokens=num_new, do_sample=False,
+                           repetition_penalty=1.0, **kwargs)
+    return out[0, len(prompt.ids) :].tolist()
+
+
+def greedy_ids(model: Qwen2VLModel, prompt: Prompt, num_new: int) -> list[int]:
+    """Ours: prefill in chunks of 16 on the paged cache, then one token per step, argmax."""
+    runner = TinyRunner(model, seed=5)
+    seq = runner.add(prompt)
+    logits = runner.prefill(seq, chunk=16)[-1]
+    got = []
+    for _ in range(num_new):
+        token = int(logits.argmax())
+        got.append(token)
+        seq.ids.append(token)
+        (logits,) = runner.step([(seq, 1)])
+        logits = logits[-1]
+    return got
+
+
+def check_bf16_tracks_fp32(ref, model_dir: Path, image_sizes: list[tuple[int, int]]) -> None:
+    """bf16 is the fast path: same greedy choice at nearly every prompt position (not bit-parity)."""
+    model = load_model(model_dir, torch.bfloat16)
+    assert all(p.dtype == torch.bfloat16 for p in model.parameters())
+    prompt = make_prompt(model.config, image_sizes, seed=6)
+    runner = TinyRunner(model)
+    got = runner.prefill(runner.add(prompt), chunk=32)
+    expected = ref_logits(ref, model.config, prompt)
+    agree = (got.argmax(-1) == expected.argmax(-1)).float().mean().item()
+    print(f"bf16: top-1 agreement {agree:.3f}, max|Δlogit| {max_diff(got, expected):.3f}")
+    assert agree >= 0.9
+
+
+@dataclass(frozen=True)
+class MixedBatch:
+    batched: list[torch.Tensor]  # per sequence its logits from one forward carrying all four
+    alone: list[torch.Tensor]  # the same work, one sequence per forward
+    seen: list[Prompt]  # what each sequence's logits are the last rows of (prompt + generated token)
+
+
+def mixed_batch(model: Qwen2VLModel, prompts: list[Prompt], first_chunk: int) -> MixedBatch:
+    """One forward carrying prompt 0 whole, prompt 1 from ``first_chunk`` (inside an image) to its end, and one
+    decode token each for prompts 2 and 3 (fully prefilled first); and the same work one sequence at a time."""
+    assert prompts[1].ids[first_chunk] == model.config.image_token_id
+
+    def setup(runner: TinyRunner) -> list[Seq]:
+        seqs = [runner.add(p) for p in prompts]
+        runner.step([(seqs[1], first_chunk)])
+        for s in seqs[2:]:  # fully prefilled, then one generated token each
+            runner.prefill(s, chunk=len(s.ids))
+            s.ids.append(7)
+        return seqs
+
+    def work(seqs: list[Seq]) -> list[tuple[Seq, int]]:
+        return [(seqs[0], len(prompts[0].ids)), (seqs[1], len(prompts[1].ids) - first_chunk), (seqs[2], 1),
+                (seqs[3], 1)]
+
+    batched_runner = TinyRunner(model, seed=21)
+    batched = batched_runner.step(work(setup(batched_runner)))
+    alone_runner = TinyRunner(model, seed=22)
+    alone = [alone_runner.step([w])[0] for w in work(setup(alone_runner))]
+    seen = [Prompt(p.ids + ([7] if i >= 2 else []), p.pixel_values, p.grid_thw) for i, p in enumerate(prompts)]
+    return MixedBatch(batched, alone, seen)
+
+
 # ---------------------------------------------------------------- tests
 
 
@@ -223,18 +313,7 @@ def test_vision_tower_matches_reference(ref, ours: Qwen2VLModel, sizes) -> None:
 
 @pytest.mark.parametrize("name", list(PROMPTS))
 def test_mrope_positions_match_get_rope_index(ref, ours: Qwen2VLModel, name: str) -> None:
-    prompt = make_prompt(ours.config, PROMPTS[name])
-    got = compute_mrope_positions(prompt.ids, prompt.grid_thw, ours.config)
-    input_ids = torch.tensor([prompt.ids])
-    if prompt.grid_thw:
-        expected, delta = ref.model.get_rope_index(
-            input_ids, (input_ids == ours.config.image_token_id).long(), torch.tensor(prompt.grid_thw)
-        )
-        assert torch.equal(got.positions, expected[:, 0])
-        assert got.delta == int(delta)
-    else:  # text-only: transformers uses plain 0..L-1 with delta 0
-        assert torch.equal(got.positions, torch.arange(len(prompt.ids)).expand(3, -1))
-        assert got.delta == 0
+    check_mrope_positions(ref, ours.config, make_prompt(ours.config, PROMPTS[name]))
 
 
 @pytest.mark.parametrize("name", list(PROMPTS))
@@ -262,27 +341,8 @@ def test_chunked_prefill_matches_reference_at_every_position(ref, ours: Qwen2VLM
 
 @pytest.mark.parametrize("name", ["text", "one_image"])
 def test_greedy_decode_matches_generate(ref, ours: Qwen2VLModel, name: str) -> None:
-    num_new = 32
     prompt = make_prompt(ours.config, PROMPTS[name], seed=3)
-    input_ids = torch.tensor([prompt.ids])
-    kwargs = dict(mm_token_type_ids=(input_ids == ours.config.image_token_id).long())
-    if prompt.pixel_values is not None:
-        kwargs.update(pixel_values=prompt.pixel_values, image_grid_thw=torch.tensor(prompt.grid_thw))
-    with torch.no_grad():
-        out = ref.generate(input_ids, max_new_tokens=num_new, min_new_tokens=num_new, do_sample=False, **kwargs)
-    expected = out[0, len(prompt.ids) :].tolist()
-
-    runner = TinyRunner(ours, seed=5)
-    seq = runner.add(prompt)
-    logits = runner.prefill(seq, chunk=16)[-1]
-    got = []
-    for _ in range(num_new):
-        token = int(logits.argmax())
-        got.append(token)
-        seq.ids.append(token)
-        (logits,) = runner.step([(seq, 1)])
-        logits = logits[-1]
-    assert got == expected
+    assert greedy_ids(ours, prompt, 32) == generate_ids(ref, ours.config, prompt, 32)
 
 
 def test_mixed_batch_matches_each_sequence_alone(ref, ours: Qwen2VLModel) -> None:
@@ -294,31 +354,9 @@ def test_mixed_batch_matches_each_sequence_alone(ref, ours: Qwen2VLModel) -> Non
         make_prompt(config, [], seed=12),
         make_prompt(config, [(112, 112)], seed=13),
     ]
-    first_chunk = 20  # sequence 1 resumes at token 20, inside its first image
-    assert prompts[1].ids[first_chunk] == config.image_token_id
-
-    def setup(runner: TinyRunner) -> list[Seq]:
-        seqs = [runner.add(p) for p in prompts]
-        runner.step([(seqs[1], first_chunk)])
-        for s in seqs[2:]:  # fully prefilled, then one generated token each
-            runner.prefill(s, chunk=len(s.ids))
-            s.ids.append(7)
-        return seqs
-
-    def work(seqs: list[Seq]) -> list[tuple[Seq, int]]:
-        return [(seqs[0], len(prompts[0].ids)), (seqs[1], len(prompts[1].ids) - first_chunk), (seqs[2], 1), (seqs[3], 1)]
-
-    batched_runner = TinyRunner(ours, seed=21)
-    batched = batched_runner.step(work(setup(batched_runner)))
-    alone_runner = TinyRunner(ours, seed=22)
-    alone = [alone_runner.step([w])[0] for w in work(setup(alone_runner))]
-    d_alone = max(max_diff(b, a) for b, a in zip(batched, alone))
-
-    d_ref = 0.0
-    for i, (p, got) in enumerate(zip(prompts, batched)):
-        full = Prompt(p.ids + ([7] if i >= 2 else []), p.pixel_values, p.grid_thw)
-        expected = ref_logits(ref, config, full)[-got.shape[0] :]
-        d_ref = max(d_ref, max_diff(got, expected))
+    run = mixed_batch(ours, prompts, first_chunk=20)  # sequence 1 resumes at token 20, inside its first image
+    d_alone = max(max_diff(b, a) for b, a in zip(run.batched, run.alone))
+    d_ref = max(max_diff(got, ref_logits(ref, config, p)[-got.shape[0] :]) for p, got in zip(run.seen, run.batched))
     print(f"mixed batch: max|Δlogit| batched vs alone = {d_alone:.2e}, vs reference = {d_ref:.2e}")
     assert d_alone <= TOL
     assert d_ref <= TOL
@@ -347,16 +385,7 @@ def test_tied_embeddings_match_reference(tiny_qwen2_vl_tied_dir: Path) -> None:
 
 
 def test_bf16_load_tracks_fp32_reference(ref, tiny_qwen2_vl_dir: Path) -> None:
-    """bf16 is the fast path: same greedy choice at nearly every prompt position (not bit-parity)."""
-    model = load_model(tiny_qwen2_vl_dir, torch.bfloat16)
-    assert all(p.dtype == torch.bfloat16 for p in model.parameters())
-    prompt = make_prompt(model.config, PROMPTS["one_image"], seed=6)
-    runner = TinyRunner(model)
-    got = runner.prefill(runner.add(prompt), chunk=32)
-    expected = ref_logits(ref, model.config, prompt)
-    agree = (got.argmax(-1) == expected.argmax(-1)).float().mean().item()
-    print(f"bf16: top-1 agreement {agree:.3f}, max|Δlogit| {max_diff(got, expected):.3f}")
-    assert agree >= 0.9
+    check_bf16_tracks_fp32(ref, tiny_qwen2_vl_dir, PROMPTS["one_image"])
 
 
 @pytest.mark.parametrize("layout", ["transformers", "original"])

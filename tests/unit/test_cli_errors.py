@@ -22,6 +22,10 @@ QWEN25_VL_CONFIG = {  # what a Qwen2.5-VL checkpoint's config.json says about it
     "vocab_size": 152064, "vision_config": {"depth": 32, "hidden_size": 1280, "num_heads": 16,
                                             "out_hidden_size": 3584, "intermediate_size": 3420},
 }
+LLAVA_CONFIG = {  # an architecture firsttoken does not serve (llava-hf/llava-1.5-7b-hf's config.json, abridged)
+    "architectures": ["LlavaForConditionalGeneration"], "model_type": "llava", "image_token_index": 32000,
+    "text_config": {"model_type": "llama", "vocab_size": 32064}, "vision_config": {"model_type": "clip_vision_model"},
+}
 
 
 def firsttoken(*argv: str) -> subprocess.CompletedProcess[str]:
@@ -60,11 +64,11 @@ def test_serve_model_directory_without_config_json(tmp_path: Path) -> None:
 
 
 def test_serve_unsupported_checkpoint_names_what_is_supported(tmp_path: Path) -> None:
-    (tmp_path / "config.json").write_text(json.dumps(QWEN25_VL_CONFIG))
+    (tmp_path / "config.json").write_text(json.dumps(LLAVA_CONFIG))
     line = error_line(firsttoken("serve", "--model", str(tmp_path)))
     assert line.startswith(f"firsttoken serve: --model {tmp_path}: unsupported model "
-                           "(architectures=['Qwen2_5_VLForConditionalGeneration'], model_type='qwen2_5_vl')")
-    assert "supported architectures: ['Qwen2VLForConditionalGeneration']" in line
+                           "(architectures=['LlavaForConditionalGeneration'], model_type='llava')")
+    assert "supported architectures: ['Qwen2VLForConditionalGeneration', 'Qwen2_5_VLForConditionalGeneration'" in line
 
 
 def test_serve_kv_pool_smaller_than_one_block_says_the_minimum(tiny_model_dir: Path) -> None:

@@ -1,0 +1,222 @@
+"""Qwen2.5-VL vision tower: Qwen2-VL's patch embedding, 2D rotary and attention, with RMSNorm in the blocks and the
+merger, a SwiGLU MLP with biases, and window attention.
+
+Window attention. ``window_size`` pixels per side (112 = 4 x 4 merged tokens at 14-px patches and a 2 x 2 merge).
+``start_encode`` reorders an image's merge units (merge^2 consecutive patch rows, as the processor emits them)
+window by window: windows row-major over the merged-token grid of each frame, tokens row-major inside a window, the
+last window row and column cut short where the grid does not divide. Every window is then a contiguous run of
+rows. Blocks listed in ``fullatt_block_indexes`` attend over the whole frame, the others within each window; both
+see the same reordered rows and rotary tables. ``finish_encode`` runs the merger on the reordered rows (a merge unit
+is never split) and restores the processor's order. This is transformers' ``get_vision_window_index`` without its
+empty padding windows.
+
+Each block is one encoder unit. Its cost against a step's token budget is its share of a full-attention block's
+FLOPs (``block_flops``): a windowed block of a large image costs a fraction of its visual tokens.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from firsttoken.models.config import VisionConfig
+from firsttoken.models.interfaces import EncodeState, ImageEmbeddings
+from firsttoken.models.layers import RMSNorm, SwiGLUMLP, rope_inv_freq
+from firsttoken.models.qwen2_vl_vision import (
+    VISION_ROPE_THETA,
+    PatchEmbed,
+    PatchMerger,
+    VisionAttention,
+    vision_position_ids,
+)
+from firsttoken.types import EncoderUnit
+
+Grid = tuple[int, int, int]
+VISION_NORM_EPS = 1e-6  # RMSNorm in the blocks and the merger
+
+
+def merged_window_side(vision: VisionConfig) -> int:
+    """Merged tokens per window side (4 for 112 px, 14-px patches, 2 x 2 merge); the reference's integer division."""
+    return vision.window_size // vision.spatial_merge_size // vision.patch_size
+
+
+def window_spans(num_tokens: int, side: int) -> list[int]:
+    """Lengths of the windows along one axis of ``num_tokens`` merged tokens: full windows, then the remainder."""
+    full, rest = divmod(num_tokens, side)
+    return [side] * full + ([rest] if rest else [])
+
+
+@dataclass(frozen=True)
+class WindowLayout:
+    """Where every merge unit of a batch of images sits in window order, and which rows attend together."""
+
+    order: torch.Tensor  # [num_merge_units] int64: processor-order index of the unit at each window-order position
+    restore: torch.Tensor  # [num_merge_units] int64: window-order position of each processor-order unit
+    window_rows: list[int]  # patch rows per window, in window order (windowed blocks attend within each)
+    frame_rows: list[int]  # patch rows per frame (full-attention blocks attend within each)
+
+    def reorder(self, rows: torch.Tensor) -> torch.Tensor:
+        """Processor-order patch rows [num_patches, ...] -> window order (merge units move whole)."""
+        units = rows.view(self.order.numel(), -1, *rows.shape[1:])
+        return units[self.order].reshape(rows.shape)
+
+
+def window_layout(grids: Sequence[Grid], vision: VisionConfig, device: torch.device | str = "cpu") -> WindowLayout:
+    """The window order of images back to back (attention never crosses an image or a frame). Without windows
+    (``window_size`` 0) a frame is one window and the order is the processor's."""
+    merge = vision.spatial_merge_size
+    orders: list[torch.Tensor] = []
+    window_rows: list[int] = []
+    frame_rows: list[int] = []
+    offset = 0
+    for t, h, w in grids:
+        gh, gw = h // merge, w // merge
+        side = merged_window_side(vision) if vision.uses_windows else max(gh, gw)
+        index = torch.arange(offset, offset + t * gh * gw).reshape(t, gh, gw)
+        for frame in index:
+            for r0, rows in zip(range(0, gh, side), window_spans(gh, side)):
+                for c0, cols in zip(range(0, gw, side), window_spans(gw, side)):
+                    orders.append(frame[r0 : r0 + rows, c0 : c0 + cols].flatten())
+                    window_rows.append(rows * cols * merge**2)
+            frame_rows.append(h * w)
+        offset += t * gh * gw
+    order = torch.cat(orders).to(device)  # built on the CPU: one small copy, not a kernel per window
+    return WindowLayout(order, torch.argsort(order), window_rows, frame_rows)
+
+
+def block_flops(vision: VisionConfig, num_patches: int, attention_pairs: int) -> int:
+    """Multiply-adds x 2 of one vision block over ``num_patches`` rows whose attention scores ``attention_pairs``
+    query-key pairs: linear layers per patch (qkv 3E^2, proj E^2, gate/up 2EI, down EI) plus attention (QK^T and
+    attention x V: 2 x pairs x head_dim x heads multiply-adds)."""
+    e, i = vision.embed_dim, vision.intermediate_size
+    linear = 2 * (4 * e * e + 3 * e * i)
+    attention = 2 * 2 * attention_pairs * vision.head_dim * vision.num_heads
+    return num_patches * linear + attention
+
+
+def window_attention_units(vision: VisionConfig, grid_thw: Grid) -> tuple[EncoderUnit, ...]:
+    """One unit per block. A full-attention block scores t x (h*w)^2 pairs and costs the image's visual tokens (as a
+    Qwen2-VL block); a windowed block scores the sum of its windows' squares and costs
+    round(visual tokens x its FLOPs / a full block's FLOPs), at least 1."""
+    t, h, w = grid_thw
+    merge = vision.spatial_merge_size
+    num_patches = t * h * w
+    visual_tokens = num_patches // merge**2
+    full_pairs = t * (h * w) ** 2
+    if vision.uses_windows:
+        side = merged_window_side(vision)
+        spans_h, spans_w = window_spans(h // merge, side), window_spans(w // merge, side)
+        window_pairs = t * sum((a * b * merge**2) ** 2 for a in spans_h for b in spans_w)
+    else:
+        window_pairs = full_pairs
+    full_flops = block_flops(vision, num_patches, full_pairs)
+
+    def unit(pairs: int) -> EncoderUnit:
+        share = block_flops(vision, num_patches, pairs) / full_flops
+        return EncoderUnit(num_patches, pairs, max(1, round(visual_tokens * share)))
+
+    full, windowed = unit(full_pairs), unit(window_pairs)
+    return tuple(full if i in vision.fullatt_block_indexes else windowed for i in range(vision.depth))
+
+
+class Qwen25VisionBlock(nn.Module):
+    """RMSNorm -> Qwen2-VL's vision attention over ``segments`` (frames or windows) -> RMSNorm -> SwiGLU (biased)."""
+
+    def __init__(self, config: VisionConfig) -> None:
+        super().__init__()
+        self.norm1 = RMSNorm(config.embed_dim, VISION_NORM_EPS)
+        self.norm2 = RMSNorm(config.embed_dim, VISION_NORM_EPS)
+        self.attn = VisionAttention(config)
+        self.mlp = SwiGLUMLP(config.embed_dim, config.intermediate_size, bias=True)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, segments: list[int]) -> torch.Tensor:
+        x = x + self.attn(self.norm1(x), cos, sin, segments)
+        return x + self.mlp(self.norm2(x))
+
+
+class Qwen25PatchMerger(PatchMerger):
+    """Qwen2-VL's merger (2x2 rows concatenated -> Linear -> GELU -> Linear) behind an RMSNorm, not a LayerNorm."""
+
+    def __init__(self, config: VisionConfig) -> None:
+        super().__init__(config)
+        self.ln_q = RMSNorm(config.embed_dim, VISION_NORM_EPS)
+
+
+@dataclass
+class WindowedEncodeState(EncodeState):
+    hidden: torch.Tensor  # [num_patches, embed_dim] in window order, after ``units_done`` blocks
+    cos: torch.Tensor  # [num_patches, 1, 1, head_dim] fp32, window order
+    sin: torch.Tensor
+    layout: WindowLayout
+    num_units: int
+    units_done: int = 0
+
+
+class Qwen25VisionTransformer(nn.Module):
+    """One encoder unit per block; patch embedding and the window reorder run in ``start_encode``, the merger and
+    the restored order in ``finish_encode``."""
+
+    def __init__(self, config: VisionConfig) -> None:
+        super().__init__()
+        if config.hidden_act != "silu":
+            raise ValueError(f"vision_config.hidden_act {config.hidden_act!r} unsupported (silu)")
+        self.config = config
+        self.full_attention_blocks = frozenset(config.fullatt_block_indexes) if config.uses_windows else None
+        self.patch_embed = PatchEmbed(config)
+        self.blocks = nn.ModuleList([Qwen25VisionBlock(config) for _ in range(config.depth)])
+        self.merger = Qwen25PatchMerger(config)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.patch_embed.proj.weight.dtype
+
+    def start_encode(self, pixel_values: torch.Tensor, grid_thw: Grid) -> WindowedEncodeState:
+        return self._start([grid_thw], pixel_values)
+
+    def run_units(self, state: WindowedEncodeState, num_units: int) -> None:  # type: ignore[override]
+        stop = min(state.units_done + num_units, state.num_units)
+        for i in range(state.units_done, stop):
+            segments = self._segments(i, state.layout)
+            state.hidden = self.blocks[i](state.hidden, state.cos, state.sin, segments)
+        state.units_done = stop
+
+    def finish_encode(self, state: WindowedEncodeState) -> ImageEmbeddings:  # type: ignore[override]
+        return ImageEmbeddings(self.merger(state.hidden)[state.layout.restore])
+
+    def forward(
+        self,
+        pixel_values: torch.Tensor,  # [num_patches, C*T*P*P], images back to back
+        grid_thw: Sequence[Grid],  # per image (t, h, w) in patches
+    ) -> torch.Tensor:
+        """[sum over images of t*h*w / merge^2, out_hidden_size] image tokens in the processor's order."""
+        state = self._start(grid_thw, pixel_values)
+        self.run_units(state, state.num_units)
+        return self.finish_encode(state).main
+
+    def _start(self, grids: Sequence[Grid], pixel_values: torch.Tensor) -> WindowedEncodeState:
+        num_patches = sum(t * h * w for t, h, w in grids)
+        if num_patches != pixel_values.shape[0]:
+            raise ValueError(f"grid_thw covers {num_patches} patches but pixel_values has {pixel_values.shape[0]} rows")
+        layout = window_layout(grids, self.config, pixel_values.device)
+        cos, sin = self._rotary_cos_sin(grids, pixel_values.device)
+        hidden = self.patch_embed(pixel_values)  # [num_patches, embed_dim], processor order
+        return WindowedEncodeState(
+            layout.reorder(hidden), layout.reorder(cos), layout.reorder(sin), layout, num_units=len(self.blocks)
+        )
+
+    def _segments(self, block: int, layout: WindowLayout) -> list[int]:
+        if self.full_attention_blocks is None or block in self.full_attention_blocks:
+            return layout.frame_rows
+        return layout.window_rows
+
+    def _rotary_cos_sin(self, grids: Sequence[Grid], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """fp32 tables [num_patches, 1, 1, head_dim] in processor order: the first half of each head's pairs rotates
+        by the patch row, the second half by the patch column (Qwen2-VL's)."""
+        pos = vision_position_ids(grids, self.config.spatial_merge_size, device)  # [num_patches, 2]
+        inv_freq = rope_inv_freq(self.config.head_dim // 2, VISION_ROPE_THETA, device)  # [head_dim // 4]
+        angles = (pos[..., None].float() * inv_freq).flatten(1)  # [num_patches, head_dim // 2]: h freqs, w freqs
+        table = torch.cat((angles, angles), dim=-1)[:, None, None, :]
+        return table.cos(), table.sin()
