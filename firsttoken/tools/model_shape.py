@@ -1,8 +1,10 @@
-"""A Qwen2-VL-family checkpoint's shapes, from config.json alone: parameter counts, KV bytes per token, and the
-buffers one engine step allocates (the workspace `plan` subtracts from a device's memory).
+"""A Qwen-VL checkpoint's shapes, from config.json alone: parameter counts, KV bytes per token, and the buffers one
+engine step allocates (the workspace `plan` subtracts from a device's memory).
 
-Reads both config layouts (flat, as Qwen ships it, or nested under ``text_config`` as transformers 5 writes it)
-and Qwen2.5-VL's vision tower (gated MLP, RMSNorm). A field the arithmetic needs and the config lacks is a
+Reads both config layouts (flat, as Qwen ships it, or nested under ``text_config`` as transformers 5 writes it),
+Qwen2.5-VL's vision tower (gated MLP) and Qwen3-VL's (explicit head_dim, the tower's width as hidden_size).
+Parameters are counted on our own module of the config's family, built on the meta device, so every family's
+extras (q/k norms, DeepStack mergers, position tables) count. A field the arithmetic needs and the config lacks is a
 ConfigFieldMissing naming the field and what it is needed for, never a bare KeyError.
 """
 
@@ -48,6 +50,7 @@ class ModelShape:
     vision_patch_size: int
     vision_temporal_patch_size: int
     vision_spatial_merge_size: int
+    exact_params: tuple[int, int] | None = None  # (language model, vision) counted on our module when its family parses
 
     @classmethod
     def from_config(cls, d: dict[str, Any]) -> "ModelShape":
@@ -58,12 +61,14 @@ class ModelShape:
         params = "to count the language model's parameters"
         hidden = text.get_int("hidden_size", params)
         heads = text.get_int("num_attention_heads", "to compute head_dim, hence the KV bytes per token")
-        gated = "2_5" in model_type or "intermediate_size" in v.d and "mlp_ratio" not in v.d
+        gated = "2_5" in model_type  # Qwen2.5-VL's gate/up/down vision MLP; Qwen2-VL (mlp_ratio) and Qwen3-VL: fc1/fc2
         tower = "to size the vision tower's weights and workspace"
         # Qwen2.5-VL names the vision width hidden_size; Qwen2-VL names it embed_dim (hidden_size is its output).
         # 1280, the width of every released Qwen2-VL / Qwen2.5-VL tower, when neither is given.
-        width = v.get_int("embed_dim", tower, default=(v.d.get("hidden_size") if gated else None) or 1280)
-        mlp_width = v.get_int("intermediate_size", tower) if gated else int(width * v.get_float("mlp_ratio", tower, 4.0))
+        named_hidden = gated or "qwen3" in model_type  # the tower's width is hidden_size there, embed_dim in Qwen2-VL
+        width = v.get_int("embed_dim", tower, default=(v.d.get("hidden_size") if named_hidden else None) or 1280)
+        mlp_width = (v.get_int("intermediate_size", tower) if named_hidden
+                     else int(width * v.get_float("mlp_ratio", tower, 4.0)))
         return cls(
             model_type=model_type,
             vocab_size=text.get_int("vocab_size", "to count the embedding and lm_head parameters and size the logits"),
@@ -80,15 +85,18 @@ class ModelShape:
             vision_mlp_width=mlp_width,
             vision_gated_mlp=gated,
             vision_out_width=v.get_int("out_hidden_size", tower,
-                                   default=hidden if gated else v.d.get("hidden_size", hidden)),
+                                   default=hidden if named_hidden else v.d.get("hidden_size", hidden)),
             vision_in_channels=v.get_int("in_channels", tower, default=v.d.get("in_chans", 3)),
             vision_patch_size=v.get_int("patch_size", tower, default=v.d.get("spatial_patch_size", 14)),
             vision_temporal_patch_size=v.get_int("temporal_patch_size", tower, default=2),
             vision_spatial_merge_size=v.get_int("spatial_merge_size", tower, default=2),
+            exact_params=exact_param_counts(d),
         )
 
     # ---- parameters, from shapes alone ---------------------------------------------------------------
     def language_model_params(self) -> int:
+        if self.exact_params is not None:
+            return self.exact_params[0]
         h, hd = self.hidden_size, self.head_dim
         q, kv = self.num_attention_heads * hd, self.num_kv_heads * hd
         attn = (h * q + q) + 2 * (h * kv + kv) + q * h  # q/k/v carry biases, o_proj does not
@@ -99,6 +107,8 @@ class ModelShape:
         return embed + self.num_layers * layer + h + lm_head
 
     def vision_params(self) -> int:
+        if self.exact_params is not None:
+            return self.exact_params[1]
         e, m = self.vision_width, self.vision_mlp_width
         patch = self.vision_in_channels * self.vision_temporal_patch_size * self.vision_patch_size**2 * e
         norms = 2 * e if self.vision_gated_mlp else 4 * e  # RMSNorm weight vs LayerNorm weight + bias, x2
@@ -147,6 +157,27 @@ class ModelShape:
         never materializes the patches x patches matrix."""
         mlp = (3 if self.vision_gated_mlp else 2) * self.vision_mlp_width
         return self.vision_patches(visual_tokens) * (6 * self.vision_width + mlp) * dtype_bytes
+
+
+def exact_param_counts(d: dict[str, Any]) -> tuple[int, int] | None:
+    """(language model, vision tower) parameters of our module for this config, built on the meta device (no
+    memory): exact for every family we serve, q/k norms, DeepStack mergers and position tables included. None when
+    no family parses the config (plan then counts from the shapes, Qwen2-VL's way)."""
+    try:
+        from firsttoken.models.registry import family_of_config
+
+        family = family_of_config(d)
+        config = family.parse_config(d, None)
+    except (ValueError, KeyError, TypeError):
+        return None
+    import torch
+
+    from firsttoken.attention.registry import get_backend
+
+    with torch.device("meta"):
+        model = family.build(config, get_backend("sdpa"))
+    vision = sum(p.numel() for n, p in model.named_parameters() if n.startswith("visual."))
+    return sum(p.numel() for p in model.parameters()) - vision, vision
 
 
 class _Fields:

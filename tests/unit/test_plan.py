@@ -22,6 +22,7 @@ from firsttoken.tools.plan import (
     parse_bytes,
 )
 from firsttoken.types import EngineRequest, SamplingParams
+from tests.oracle.test_qwen3_vl_parity import QWEN3_VL_8B_CONFIG as QWEN3_VL_8B
 
 QWEN25_VL_7B = {
     "model_type": "qwen2_5_vl", "hidden_size": 3584, "intermediate_size": 18944, "num_hidden_layers": 28,
@@ -45,8 +46,8 @@ SMALL = {**QWEN2_VL_2B, "hidden_size": 512, "num_hidden_layers": 8, "num_attenti
 
 
 def lm_config(config: dict):
-    """The language model's shape decides KV bytes: parsed as qwen2-vl until the qwen2.5-vl family is registered."""
-    return model_config_from_dict({**config, "model_type": "qwen2_vl"})
+    """The serving engine's own parse of the config: its KV bytes per token are what the real pool is sized by."""
+    return model_config_from_dict(config)
 
 
 def _scheduler_admits(config: dict, inputs: PlanInputs, pool_bytes: int, max_model_len: int, num_offered: int) -> int:
@@ -100,11 +101,12 @@ def test_max_concurrency_equals_what_the_scheduler_admits(config, memory, text, 
     [
         (QWEN25_VL_7B, "80GiB", "bfloat16", 800, 3, 1200),  # the issue's H100: weights 15.45 GiB of 72 usable
         (QWEN25_VL_7B, "24GiB", "bfloat16", 800, 3, 1200),  # a 24 GB card: what is left after the weights
+        (QWEN3_VL_8B, "48GiB", "bfloat16", 800, 3, 1200),  # Qwen3-VL: head_dim 128 explicit, 16-px patches
         (QWEN2_VL_2B, "16G", "float32", 850, 0, 0),  # text only, fp32, decimal gigabytes
         (NO_GQA, "12GiB", "bfloat16", 37, 1, 1369),
         (SMALL, "6GiB", "float32", 400, 2, 300),
     ],
-    ids=["7b-80GiB", "7b-24GiB", "2b-16G-fp32", "nogqa-12GiB", "small-6GiB"],
+    ids=["7b-80GiB", "7b-24GiB", "qwen3-8b-48GiB", "2b-16G-fp32", "nogqa-12GiB", "small-6GiB"],
 )
 def test_device_memory_plan_admits_what_the_scheduler_and_engine_do(config, device, dtype, text, images,
                                                                      image_tokens):
@@ -181,6 +183,22 @@ def test_qwen25_vl_7b_worked_plan():
     # The largest prompt at the peak really admits 32 and one block more does not.
     per_request = plan.num_kv_blocks // 32
     assert -(-(plan.max_prompt_tokens_at_peak + 64) // 16) == per_request
+
+
+def test_qwen3_vl_8b_worked_plan():
+    """Qwen3-VL-8B as published: explicit head_dim 128, 8 KV heads over 36 layers, q/k norms and DeepStack mergers
+    counted in the parameters, 16-px patches in the vision workspace."""
+    inputs = PlanInputs(kv_cache_memory_bytes=parse_bytes("24GiB"), peak_concurrency=16)
+    plan = make_plan(QWEN3_VL_8B, inputs)
+    assert plan.num_params == 8_767_123_696  # the published Qwen3-VL-8B-Instruct count
+    assert plan.kv_bytes_per_token == 2 * 36 * 8 * 128 * 2 == lm_config(QWEN3_VL_8B).kv_bytes_per_token(2)
+    assert plan.seed_overstatement == 4.0  # 32 attention heads over 8 KV heads
+    shape = ModelShape.from_config(QWEN3_VL_8B)
+    assert (shape.vision_patch_size, shape.vision_width, shape.vision_mlp_width) == (16, 1152, 4304)
+    assert shape.vision_patches(1200) == 4 * 1200  # 2x2 merge: four 16-px patches per visual token
+    assert plan.fits and plan.max_concurrency >= 16
+    assert plan.max_concurrency == _scheduler_admits(QWEN3_VL_8B, inputs, _serve_pool_bytes(plan), plan.max_model_len,
+                                                     plan.max_concurrency + 3)
 
 
 def test_qwen2_vl_2b_params_and_gqa():
