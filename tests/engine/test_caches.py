@@ -32,7 +32,7 @@ class Harness:
             dtype="float32",
             cache=CacheConfig(kv_cache_memory_bytes=8 * 2**20, enable_prefix_caching=prefix_cache,
                               enable_encoder_cache=encoder_cache),
-            scheduler=scheduler or SchedulerConfig(max_batched_tokens=96),
+            scheduler=scheduler or SchedulerConfig(max_batched_tokens=96, step_time_target="off"),
         )
         self.engine = LLMEngine(model_dir, cfg, tok.backend_tokenizer)
         self.processor = InputProcessor(tok, self.engine.model_config, GenerationDefaults.from_pretrained(model_dir),

@@ -59,7 +59,7 @@ class RecordingExecutor:
 
 
 def build(model_dir: Path, **scheduler) -> tuple[Harness, RecordingExecutor]:
-    h = Harness(model_dir, scheduler=SchedulerConfig(**scheduler))
+    h = Harness(model_dir, scheduler=SchedulerConfig(**{"step_time_target": "off", **scheduler}))
     recorder = RecordingExecutor(h.engine.executor)
     h.engine.executor = recorder
     return h, recorder

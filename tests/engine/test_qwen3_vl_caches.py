@@ -45,7 +45,7 @@ class EncodeSteps:
 class Qwen3Harness(Harness):
     """test_caches' harness with the scheduler, caches and fault hook chosen by the test."""
 
-    def __init__(self, model_dir: Path, scheduler: SchedulerConfig = SchedulerConfig(max_batched_tokens=96),
+    def __init__(self, model_dir: Path, scheduler: SchedulerConfig = SchedulerConfig(max_batched_tokens=96, step_time_target="off"),
                  prefix_cache: bool = True, encoder_cache: bool = True, hook: EncodeSteps | None = None) -> None:
         tok = AutoTokenizer.from_pretrained(model_dir)
         cache = CacheConfig(kv_cache_memory_bytes=8 * 2**20, enable_prefix_caching=prefix_cache,
@@ -101,7 +101,7 @@ def test_long_lane_splits_each_encode_one_block_per_step_and_answers_as_whole_en
     every image's 4 blocks run in 4 steps, so the encode is split after each DeepStack block too."""
     hook = EncodeSteps()
     lanes = Qwen3Harness(qwen3_dir, hook=hook, scheduler=SchedulerConfig(
-        max_batched_tokens=96, long_prompt_threshold=1, long_step_tokens=16))
+        max_batched_tokens=96, long_prompt_threshold=1, long_step_tokens=16, step_time_target="off"))
     whole = Qwen3Harness(qwen3_dir, scheduler=SchedulerConfig(max_batched_tokens=4096, scheduling="fcfs"))
     messages = [user("Describe both.", pictures[0], pictures[1])]
     ids, _, _ = lanes.run(messages)

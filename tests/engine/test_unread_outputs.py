@@ -31,7 +31,7 @@ MAX_UNREAD = 4
 def build(model_dir: Path, max_unread: int = MAX_UNREAD) -> tuple[AsyncEngine, InputProcessor, list[tuple[str, str]]]:
     tok = AutoTokenizer.from_pretrained(model_dir)
     cfg = EngineConfig(dtype="float32", cache=CacheConfig(kv_cache_memory_bytes=8 * 2**20),
-                       scheduler=SchedulerConfig(max_batched_tokens=128), max_unread_outputs=max_unread)
+                       scheduler=SchedulerConfig(max_batched_tokens=128, step_time_target="off"), max_unread_outputs=max_unread)
     engine = LLMEngine(model_dir, cfg, tok.backend_tokenizer)
     aborts: list[tuple[str, str]] = []
     async_engine = AsyncEngine(engine, on_abort=lambda rid, why: aborts.append((rid, why)))

@@ -137,8 +137,9 @@ def engine_request(config: ModelConfig, prompt: Prompt, rid: str) -> EngineReque
 def make_engine(model_dir: Path, step_tokens: int, num_blocks: int = 256, **scheduler) -> LLMEngine:
     from transformers import AutoTokenizer
 
+    # step_time_target off: steps budgeted in tokens, so which work shares a step is the same on every machine
     options = dict(max_batched_tokens=step_tokens, long_prompt_threshold=1, long_step_tokens=step_tokens,
-                   decode_reserve_tokens=4)
+                   decode_reserve_tokens=4, step_time_target="off")
     options.update(scheduler)
     enable_encoder_cache = options.pop("enable_encoder_cache", True)
     cache = CacheConfig(kv_cache_memory_bytes=num_blocks * 16 * KV_BYTES_PER_TOKEN,

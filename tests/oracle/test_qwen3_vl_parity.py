@@ -401,8 +401,8 @@ def make_engine(model_dir: Path, step_tokens: int, hook: EncodeSteps | None = No
     config = load_model_config(model_dir)
     cache = CacheConfig(kv_cache_memory_bytes=256 * 16 * config.kv_bytes_per_token(4),
                         enable_encoder_cache=enable_encoder_cache)
-    scheduler = SchedulerConfig(max_batched_tokens=step_tokens, long_prompt_threshold=1,
-                                long_step_tokens=step_tokens, decode_reserve_tokens=4)
+    scheduler = SchedulerConfig(max_batched_tokens=step_tokens, long_prompt_threshold=1, long_step_tokens=step_tokens,
+                                decode_reserve_tokens=4, step_time_target="off")  # token budgets: same on any machine
     return LLMEngine(model_dir, EngineConfig(dtype="float32", cache=cache, scheduler=scheduler),
                      AutoTokenizer.from_pretrained(model_dir).backend_tokenizer, fault_hook=hook)
 
