@@ -220,6 +220,7 @@ class Observability:
             "coefficients": g.cost_model,
             "step_time_target_s": g.step_time_target_s,
             "step_prediction": ratio_summary(s.step_prediction_ratio),
+            "ttft_prediction": {cls: ratio_summary(h) for cls, h in s.ttft_prediction_ratio.items()},
         }
         return body
 

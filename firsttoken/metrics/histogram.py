@@ -17,8 +17,10 @@ TIME_BUCKETS_S: tuple[float, ...] = (
 )  # fmt: skip
 # Token counts per request or per step: powers of two up to 128k (a 4k-visual-token image is ~2^12).
 TOKEN_BUCKETS: tuple[float, ...] = tuple(float(2**i) for i in range(0, 18))
-# predicted / actual: 1 is a perfect prediction; resolves +-10% around it and 4x either way.
-RATIO_BUCKETS: tuple[float, ...] = (0.25, 0.5, 0.67, 0.8, 0.9, 0.95, 1.0, 1.05, 1.1, 1.25, 1.5, 2.0, 4.0)
+# predicted / actual: 1 is a perfect prediction; resolves +-5% around it and 4x either way, with edges at +-15% and
+# +-35% (the prediction targets: |predicted - actual| / actual within 15% at the median, 35% at P90).
+RATIO_BUCKETS: tuple[float, ...] = (0.25, 0.5, 0.65, 0.8, 0.85, 0.9, 0.95, 1.0, 1.05, 1.1, 1.15, 1.25, 1.35, 1.5, 2.0,
+                                    4.0)
 
 
 class Histogram:

@@ -86,7 +86,7 @@ class FirsttokenCollector:
         rejections = CounterMetricFamily(
             "firsttoken_rejections", "Requests answered with a 4xx before generating, by reason.", labels=["reason"]
         )
-        for reason, n in sorted(s.rejections.items()):
+        for reason, n in sorted({"over_slo": 0, **s.rejections}.items()):  # over_slo: alertable from zero
             rejections.add_metric([reason], n)
         yield rejections
         aborts = CounterMetricFamily(

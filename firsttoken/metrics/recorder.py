@@ -258,8 +258,11 @@ class Recorder:
         key = (r.lane, r.images, r.outcome)
         self._requests[key] = self._requests.get(key, 0) + 1
         predicted = t.get("predicted_ttft_s")
+        error = None
         if answered and isinstance(predicted, (int, float)) and float(t["ttft_s"]) > 0:  # type: ignore[arg-type]
-            self._ttft_ratio[r.images].observe(float(predicted) / float(t["ttft_s"]))  # type: ignore[arg-type]
+            measured = float(t["ttft_s"])  # type: ignore[arg-type]
+            self._ttft_ratio[r.images].observe(float(predicted) / measured)
+            error = abs(float(predicted) - measured) / measured
         c = self._counters
         c["image_budget_lowered"] += int("image_budget" in t)
         c["prompt_tokens"] += r.num_prompt_tokens
@@ -274,6 +277,8 @@ class Recorder:
                 num_cached_prompt_tokens=int(t.get("cached_prompt_tokens") or 0),
                 num_encoder_cache_hits=int(t.get("encoder_cache_hits") or 0),
                 num_images_encoded=int(t.get("images_encoded") or 0),
+                ttft_prediction_error=error,
+                image_budget_lowered="image_budget" in t,
             )
         )
         if self.sink is not None:
@@ -294,17 +299,17 @@ COUNTERS: tuple[str, ...] = (
 
 
 def ratio_summary(h: Histogram) -> dict[str, float | int | None]:
-    """A predicted/actual histogram as {n, share within 15% of actual, share within 35%} (bucket resolution)."""
+    """A predicted/actual histogram as {n, share within 15% of actual, share within 35%}: the share of
+    observations in (0.85, 1.15] and (0.65, 1.35], both bucket edges, so the shares are exact."""
     total = h.count
     if not total:
         return {"n": 0, "within_15pct": None, "within_35pct": None}
     cum = dict(h.cumulative())
 
     def share(lo: float, hi: float) -> float:
-        below = max((n for b, n in cum.items() if b < lo), default=0)
-        return (cum.get(hi, total) - below) / total
+        return (cum[hi] - cum[lo]) / total
 
-    return {"n": total, "within_15pct": round(share(0.9, 1.1), 3), "within_35pct": round(share(0.67, 1.25), 3)}
+    return {"n": total, "within_15pct": round(share(0.85, 1.15), 3), "within_35pct": round(share(0.65, 1.35), 3)}
 
 
 def _record_of(

@@ -1,4 +1,5 @@
-"""P50/P95/P99 of TTFT and each of its phases over a sliding time window, per image class and overall.
+"""P50/P95/P99 of TTFT and each of its phases over a sliding time window, per image class and overall, with how
+far the admission-time TTFT prediction was off (|predicted - measured| / measured, P50 and P90).
 
 The window holds one small entry per finished request (no prompt, no tokens) for ``window_s`` seconds of the
 injected clock, capped at ``max_entries``. Percentiles are nearest-rank on the entries present at snapshot
@@ -42,6 +43,8 @@ class WindowEntry:
     num_cached_prompt_tokens: int
     num_encoder_cache_hits: int
     num_images_encoded: int
+    ttft_prediction_error: float | None = None  # |predicted - measured| / measured TTFT; None: no prediction
+    image_budget_lowered: bool = False  # the TTFT objective lowered this request's visual-token budget
 
 
 class SlidingWindow:
@@ -85,4 +88,7 @@ def _summary(entries: list[WindowEntry]) -> dict:
     lookups = hits + sum(e.num_images_encoded for e in entries)
     out["prefix_cache_hit_rate"] = sum(e.num_cached_prompt_tokens for e in entries) / prompt if prompt else None
     out["encoder_cache_hit_rate"] = hits / lookups if lookups else None
+    errors = sorted(e.ttft_prediction_error for e in entries if e.ttft_prediction_error is not None)
+    out["ttft_prediction_error"] = {"n": len(errors), "p50": percentile(errors, 50.0), "p90": percentile(errors, 90.0)}
+    out["image_budget_lowered"] = sum(e.image_budget_lowered for e in entries)
     return out

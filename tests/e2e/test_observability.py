@@ -226,3 +226,17 @@ def test_dashboard_in_chromium_plots_what_stats_reports_while_requests_flow(serv
     prompt = sum(r["prompt_tokens"] for r in records)
     assert float(page.values["prefix-hit-rate"]) == pytest.approx(
         sum(r["timings"]["cached_prompt_tokens"] for r in records) / prompt, rel=1e-12)
+    # Predicted vs measured TTFT: the page's error percentiles are the log's, request by request.
+    for cls, sfx in (("all", "all"), ("0", "0"), ("1", "1"), ("2+", "2p")):
+        errors = sorted(abs(r["timings"]["predicted_ttft_s"] - r["timings"]["ttft_s"]) / r["timings"]["ttft_s"]
+                        for r in records if cls in ("all", r["images"])
+                        and r["timings"].get("predicted_ttft_s") is not None)
+        assert int(page.values[f"pred-n-{sfx}"]) == len(errors), cls
+        for q, key in ((50, "p50"), (90, "p90")):
+            want = nearest_rank(errors, q)
+            got = page.values[f"pred-err-{key}-{sfx}"]
+            assert (got == "" if want is None else float(got) == pytest.approx(want, rel=1e-12)), (cls, q)
+        assert int(page.values[f"budget-lowered-{sfx}"]) == 0  # no --ttft-slo: nothing is ever lowered
+    assert int(page.values["pred-n-all"]) > 0, "the cost model must be fitted after the warm-up traffic"
+    assert int(page.values["refused-over-slo"]) == stats["totals"]["refused_over_slo"] == 0
+    assert int(page.values["step-predictions"]) <= stats["cost_model"]["step_prediction"]["n"]

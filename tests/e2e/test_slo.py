@@ -8,6 +8,8 @@ import httpx
 import openai
 import pytest
 
+from firsttoken.tools.doctor import doctor_from_texts
+from firsttoken.tools.doctor.report import format_report
 from tests.e2e.conftest import image_message, make_image, start_server, stop_server
 
 
@@ -30,6 +32,22 @@ def test_tokenize_and_usage_carry_the_predicted_ttft(timed_server):
     stats = httpx.get(f"{live.base_url}/stats").json()["cost_model"]
     assert stats["step_time_target_s"] > 0 and stats["coefficients"]["step"] >= 0
     assert stats["step_prediction"]["n"] > 0
+    assert stats["ttft_prediction"]["1"]["n"] == 1 and stats["ttft_prediction"]["0"]["n"] == 0
+    # doctor shows the fit and the prediction the request got, from the same /metrics
+    report = doctor(live)
+    prediction = report.to_dict()["state"]["prediction"]
+    assert prediction["ttft"]["1"]["n"] == 1 and prediction["ttft"]["0"]["n"] == 0
+    assert prediction["step"]["n"] == stats["step_prediction"]["n"]
+    assert prediction["step_time_target_s"] == pytest.approx(stats["step_time_target_s"])
+    text = format_report(report)
+    assert "step-cost model         predicted/actual step time:" in text
+    assert "predicted TTFT 1 image  predicted/measured:" in text and "(n=1)" in text
+    assert "image budget lowered for 0 requests; 0 refused (429)" in text
+
+
+def doctor(live):
+    return doctor_from_texts(httpx.get(f"{live.base_url}/metrics").text, httpx.get(f"{live.base_url}/stats").json(),
+                             url=live.base_url)
 
 
 def test_over_the_objective_a_request_is_refused_with_retry_after(tiny_model_dir):
@@ -44,5 +62,7 @@ def test_over_the_objective_a_request_is_refused_with_retry_after(tiny_model_dir
         metrics = httpx.get(f"{live.base_url}/metrics").text
         assert 'firsttoken_rejections_total{reason="over_slo"} 1.0' in metrics
         assert live.stats()["num_running"] == 0 and live.stats()["num_waiting"] == 0
+        assert doctor(live).to_dict()["state"]["ttft_objective"] == {"image_budget_lowered": 0, "refused": 1}
+        assert "image budget lowered for 0 requests; 1 refused (429)" in format_report(doctor(live))
     finally:
         stop_server(server, thread, live.engine)

@@ -52,6 +52,23 @@ class Samples:
         rows = self.by_name.get(name)
         return rows[0] if rows else None
 
+    def ratio_view(self, histogram: str, **match: str) -> dict[str, float | None] | None:
+        """A predicted / actual histogram: n, its median (bucket-interpolated), and the shares within 15% and 35%
+        of actual (observations in (0.85, 1.15] and (0.65, 1.35]: firsttoken's bucket edges)."""
+        cum: dict[float, float] = {}
+        for labels, v in self.by_name.get(f"{histogram}_bucket", []):
+            if all(labels.get(k) == want for k, want in match.items()):
+                cum[float(labels["le"])] = cum.get(float(labels["le"]), 0.0) + v
+        n = cum.get(math.inf, 0.0)
+        if not n:
+            return {"n": 0, "p50": None, "within_15pct": None, "within_35pct": None} if cum else None
+
+        def share(lo: float, hi: float) -> float | None:
+            return (cum[hi] - cum[lo]) / n if lo in cum and hi in cum else None
+
+        return {"n": n, "p50": self.quantile(histogram, 0.5, **match), "within_15pct": share(0.85, 1.15),
+                "within_35pct": share(0.65, 1.35)}  # fmt: skip
+
     def quantile(self, histogram: str, q: float, **match: str) -> float | None:
         """histogram_quantile over the buckets matching ``match`` (summed), linear within a bucket."""
         bounds: dict[float, float] = {}
@@ -147,6 +164,12 @@ class Observation:
     busy_s: float | None = None  # engine time inside steps
     num_running: float | None = None  # requests being processed at scrape time (llama.cpp: busy slots)
     throughput: Throughput | None = None
+    # firsttoken's step-cost model and TTFT objective: predicted / actual as {n, p50, within_15pct, within_35pct}
+    step_prediction: dict[str, float | None] | None = None
+    ttft_prediction: dict[str, dict[str, float | None]] = field(default_factory=dict)  # image class -> ratio view
+    step_time_target_s: float | None = None  # None: no time bound (off, or the model not trained yet)
+    image_budget_lowered: float | None = None  # requests whose visual-token budget the TTFT objective lowered
+    refused_over_slo: float | None = None  # requests answered 429 because their predicted TTFT missed the objective
     cannot_see: list[str] = field(default_factory=list)
 
     def ttft_total_s(self) -> float:
@@ -159,7 +182,7 @@ class Observation:
 
 def observe(metrics_text: str, stats: dict[str, Any] | None = None) -> Observation:
     samples = Samples(metrics_text)
-    if samples.has("firsttoken_time_to_first_token_seconds_count"):
+    if samples.has("firsttoken_time_to_first_token_seconds_count") or samples.has("firsttoken_engine_steps_total"):
         return _firsttoken(samples, stats)
     if samples.has("vllm:time_to_first_token_seconds_count"):
         return _vllm(samples)
@@ -217,6 +240,15 @@ def _firsttoken(m: Samples, stats: dict[str, Any] | None) -> Observation:
     o.waiting_by_lane = m.by_label("firsttoken_requests_queued", "lane")
     o.e2e_total_s = m.total("firsttoken_e2e_request_latency_seconds_sum")
     o.busy_s = m.total("firsttoken_step_busy_seconds_total")
+    o.step_prediction = m.ratio_view("firsttoken_step_time_prediction_ratio")
+    for cls in CLASSES:
+        view = m.ratio_view("firsttoken_ttft_prediction_ratio", images=cls)
+        if view is not None:
+            o.ttft_prediction[cls] = view
+    o.step_time_target_s = m.total("firsttoken_step_time_target_seconds")
+    o.image_budget_lowered = m.total("firsttoken_image_budget_lowered_total")
+    if m.has("firsttoken_rejections_total"):
+        o.refused_over_slo = m.total("firsttoken_rejections_total", reason="over_slo")
     o.cannot_see = (
         []
         if stats

@@ -79,6 +79,9 @@ def _state(o: Observation, th: Thresholds) -> dict[str, Any]:
         "prefix_cache_hit_tokens": o.prefix_hit_tokens, "prefix_cache_query_tokens": o.prefix_query_tokens,
         "requests": o.num_requests, "running": o.num_running,
         "throughput": _throughput_dict(o.throughput),
+        "prediction": {"step": o.step_prediction, "ttft": o.ttft_prediction,
+                       "step_time_target_s": o.step_time_target_s},
+        "ttft_objective": {"image_budget_lowered": o.image_budget_lowered, "refused": o.refused_over_slo},
     }  # fmt: skip
 
 
@@ -167,6 +170,35 @@ def _state_lines(o: Observation, th: Thresholds) -> list[str]:
     if o.prefix_cache_enabled is False:
         pre += " (off)"
     lines.append(f"caches                  encoder {enc}; prefix {pre}")
+    return lines + _prediction_lines(o)
+
+
+CLASS_NAMES = {"0": "text", "1": "1 image", "2+": "2+ images"}
+
+
+def _prediction_lines(o: Observation) -> list[str]:
+    """The step-cost model's fit and the admission-time TTFT prediction against what was measured, then what the
+    TTFT objective (--ttft-slo) did: budgets lowered, requests refused."""
+    lines = []
+
+    def view(v: dict) -> str:
+        if not v["n"]:
+            return "no predictions yet"
+        median = "-" if v["p50"] is None else f"{v['p50']:.2f}"
+        return (f"{_pct(v['within_15pct'])} within 15%, {_pct(v['within_35pct'])} within 35%, median {median} "
+                f"(n={v['n']:.0f})")
+
+    if o.step_prediction is not None:
+        target = "off" if o.step_time_target_s is None else _s(o.step_time_target_s)
+        lines.append(f"step-cost model         predicted/actual step time: {view(o.step_prediction)}; "
+                     f"step-time target {target}")  # fmt: skip
+    for cls, v in o.ttft_prediction.items():
+        if v["n"]:
+            lines.append(f"{'predicted TTFT ' + CLASS_NAMES[cls]:24s}predicted/measured: {view(v)}")
+    if o.image_budget_lowered is not None or o.refused_over_slo is not None:
+        lowered = "-" if o.image_budget_lowered is None else f"{o.image_budget_lowered:.0f}"
+        refused = "-" if o.refused_over_slo is None else f"{o.refused_over_slo:.0f}"
+        lines.append(f"TTFT objective          image budget lowered for {lowered} requests; {refused} refused (429)")
     return lines
 
 
