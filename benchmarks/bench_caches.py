@@ -72,6 +72,7 @@ def five_users(base: str, url: str) -> list[dict]:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default=None)
+    ap.add_argument("--json", default=None, help="write each request's server timings here")
     args = ap.parse_args()
     model = small_model(args.model)
     results = {}
@@ -101,6 +102,14 @@ def main() -> None:
     users_on = sum(x["ttft_s"] for x in on[1][1:]) / 4
     users_off = sum(x["ttft_s"] for x in off[1][1:]) / 4
     print(f"follow-up TTFT off/on: {follow_off / follow_on:.1f}x; users 2-5 TTFT off/on: {users_off / users_on:.2f}x")
+    if args.json:
+        from machine import machine_info
+
+        Path(args.json).write_text(json.dumps(
+            {"machine": machine_info(), "model": model,
+             "results": {name: {"conversation": turns, "five_users": users} for name, (turns, users) in results.items()},
+             "follow_up_off_over_on": follow_off / follow_on, "users_2_5_off_over_on": users_off / users_on},
+            indent=1))
 
 
 if __name__ == "__main__":

@@ -30,6 +30,7 @@ class RequestRecord:
     status: int | None = None  # HTTP status; None when no response came
     error: str | None = None  # None: succeeded; else "http_400", "stream_error", "timeout", "connect_error", ...
     error_message: str | None = None
+    retry_after_s: float | None = None  # a refusal's Retry-After header (seconds), when it sent one
     ttft_s: float | None = None
     e2e_s: float | None = None
     itl_s: list[float] = field(default_factory=list)
@@ -72,6 +73,7 @@ async def send_chat(client: httpx.AsyncClient, url: str, body: dict[str, Any], r
                 raw = await resp.aread()
                 record.error = f"http_{resp.status_code}"
                 record.error_message = _error_message(raw)
+                record.retry_after_s = _seconds(resp.headers.get("retry-after"))
                 record.e2e_s = time.perf_counter() - start
                 return record
             parser = SSEParser()
@@ -93,6 +95,13 @@ async def send_chat(client: httpx.AsyncClient, url: str, body: dict[str, Any], r
     if record.completion_tokens is None and record.error is None:
         record.completion_tokens = record.num_content_chunks
     return record
+
+
+def _seconds(header: str | None) -> float | None:
+    try:
+        return float(header) if header is not None else None
+    except ValueError:
+        return None  # an HTTP-date: not what OpenAI-compatible servers send
 
 
 def _on_event(event: SSEEvent, record: RequestRecord, start: float, now: float,
