@@ -82,6 +82,7 @@ def engine_snapshot(stats: EngineStats) -> EngineSnapshot:
         prefix_cache_query_tokens=stats.prefix_cache_query_tokens,
         cost_model=dict(stats.cost_model),
         step_time_target_s=stats.step_time_target_s,
+        block_size=stats.block_size,
     )
 
 
@@ -131,9 +132,10 @@ class Observability:
         self._engine: EngineClient | None = None
 
     # ---- wiring ----------------------------------------------------------------------------------------
-    def install(self, app: FastAPI, engine: EngineClient) -> EngineClient:
+    def install(self, app: FastAPI, engine: EngineClient, model_name: str = "firsttoken") -> EngineClient:
+        """``model_name``: the served model name, the ``model_name`` label of the vLLM-compatible gauges."""
         self._engine = engine
-        registry = make_registry(self.recorder, self.engine_snapshot)
+        registry = make_registry(self.recorder, self.engine_snapshot, model_name)
         app.add_middleware(RejectionCounter, recorder=self.recorder)  # outermost
         app.user_middleware.append(Middleware(ApiKeyMiddleware, api_key=self.api_key))  # innermost
         page = resources.files("firsttoken.api").joinpath("dashboard.html").read_text(encoding="utf-8")

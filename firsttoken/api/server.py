@@ -115,7 +115,7 @@ def build_app(
     install_error_handlers(app)
     app.state.slots = slots
     if observability is not None:  # /metrics /stats /dashboard, API key, per-token timing
-        engine = observability.install(app, engine)
+        engine = observability.install(app, engine, model.name)
     done: Callable[[str, Timeline], None] = observability.request_done if observability else lambda *_: None
 
     def closer(ctx: StreamContext) -> Callable[[], None]:

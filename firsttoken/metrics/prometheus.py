@@ -2,8 +2,9 @@
 families at scrape time. It is the only module that imports prometheus_client; the engine never sees it.
 
 One registry per app (``make_registry``), so two servers in one process (tests) never share series. Names are
-``firsttoken_*`` with unit suffixes; per-request histograms carry ``lane`` and ``images`` (0 | 1 | 2+). The full
-list with meanings is in docs/observability.md.
+``firsttoken_*`` with unit suffixes; per-request histograms carry ``lane`` and ``images`` (0 | 1 | 2+). Beside them,
+four ``vllm:*`` gauges with vLLM's names and meanings, for gateways that route on them (``VllmCompatCollector``).
+The full list with meanings is in docs/observability.md.
 """
 
 from __future__ import annotations
@@ -159,8 +160,52 @@ class FirsttokenCollector:
             yield _gauge("firsttoken_step_time_target_seconds", "The step-time bound the scheduler fills steps to.",
                          g.step_time_target_s)
 
-def make_registry(recorder: Recorder, engine: Callable[[], EngineSnapshot]) -> CollectorRegistry:
+class VllmCompatCollector:
+    """The gauges a Kubernetes inference gateway reads from vLLM pods, with vLLM's names, labels and meanings, so
+    the Gateway API Inference Extension's endpoint picker and llm-d schedule firsttoken pods unchanged:
+
+        vllm:num_requests_waiting   requests queued in the scheduler, not yet admitted (every lane; vLLM: waiting)
+        vllm:num_requests_running   requests in the running batch, prefilling or decoding (vLLM: running)
+        vllm:kv_cache_usage_perc    KV blocks held by live requests / all blocks, 0..1 (cached, unreferenced blocks
+                                    are evictable and count as free, as in vLLM's BlockPool.get_usage)
+        vllm:gpu_cache_usage_perc   the same value under the name vLLM used before 0.10 (older gateways read it)
+        vllm:cache_config_info      1, labelled block_size and num_gpu_blocks (the pool, whatever the device): what a
+                                    prefix-cache-aware endpoint picker reads to hash prompts in the server's blocks
+
+    Labels as vLLM's: ``model_name`` (the served model name) and ``engine`` ("0": one engine per server)."""
+
+    def __init__(self, engine: Callable[[], EngineSnapshot], model_name: str) -> None:
+        self.engine = engine
+        self.model_name = model_name
+
+    def describe(self) -> list[Metric]:
+        return []
+
+    def collect(self) -> Iterator[Metric]:
+        g = self.engine()
+        labels = ["engine", "model_name"]
+        values = ["0", self.model_name]
+        for name, doc, value in (
+            ("vllm:num_requests_running", "Number of requests in model execution batches.", g.num_running),
+            ("vllm:num_requests_waiting", "Number of requests waiting to be processed.",
+             sum(g.num_queued_by_lane.values())),
+            ("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", g.kv_usage_ratio),
+            ("vllm:gpu_cache_usage_perc", "KV-cache usage (vLLM's name before 0.10). 1 means 100 percent usage.",
+             g.kv_usage_ratio),
+        ):
+            family = GaugeMetricFamily(name, doc, labels=labels)
+            family.add_metric(values, value)
+            yield family
+        info = GaugeMetricFamily("vllm:cache_config_info", "Information of the LLMEngine CacheConfig",
+                                 labels=["block_size", "engine", "num_gpu_blocks"])
+        info.add_metric([str(g.block_size), "0", str(g.kv_blocks_total)], 1.0)
+        yield info
+
+
+def make_registry(recorder: Recorder, engine: Callable[[], EngineSnapshot],
+                  model_name: str = "firsttoken") -> CollectorRegistry:
     registry = CollectorRegistry(auto_describe=False)
     registry.register(FirsttokenCollector(recorder, engine))
+    registry.register(VllmCompatCollector(engine, model_name))
     ProcessCollector(registry=registry)
     return registry

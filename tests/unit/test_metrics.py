@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from pathlib import Path
 
 import pytest
 from prometheus_client import generate_latest
@@ -12,6 +13,9 @@ from firsttoken.metrics.prometheus import make_registry
 from firsttoken.metrics.recorder import Recorder, RequestRecord
 from firsttoken.metrics.stats import EngineSnapshot, FinishedRequest, StepStats
 from firsttoken.metrics.window import percentile
+
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 class Clock:
@@ -121,6 +125,28 @@ def test_prometheus_text_has_labelled_histograms_counters_and_gauges():
         "firsttoken_encoder_cache_bytes 4096.0",
     ):
         assert line in text, line
+
+
+def test_vllm_gauges_carry_vllm_names_labels_and_meanings():
+    """What a Kubernetes inference gateway reads from vLLM pods (names, type, labels as vLLM 0.32 exports them in
+    tests/fixtures/vllm-0.32/metrics.txt): waiting = queued in every lane, running = the batch, KV usage 0..1."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    engine = EngineSnapshot(30, 120, 3, {"short": 2, "long": 5}, 0, {}, 0, 0, 0, 0, 0)
+    text = generate_latest(make_registry(Recorder(window_s=60), lambda: engine, "qwen2vl")).decode()
+    families = {f.name: f for f in text_string_to_metric_families(text) if f.name.startswith("vllm:")}
+    got = {name: [(s.labels, s.value) for s in f.samples] for name, f in families.items()}
+    labels = {"engine": "0", "model_name": "qwen2vl"}
+    assert got == {"vllm:num_requests_running": [(labels, 3.0)], "vllm:num_requests_waiting": [(labels, 7.0)],
+                   "vllm:kv_cache_usage_perc": [(labels, 0.25)], "vllm:gpu_cache_usage_perc": [(labels, 0.25)],
+                   "vllm:cache_config_info": [({"block_size": "16", "engine": "0", "num_gpu_blocks": "120"}, 1.0)]}
+    assert {f.type for f in families.values()} == {"gauge"}
+    fixture = (ROOT / "tests/fixtures/vllm-0.32/metrics.txt").read_text()
+    vllm = {f.name: f for f in text_string_to_metric_families(fixture)}
+    for name in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc"):
+        assert vllm[name].type == "gauge" and set(vllm[name].samples[0].labels) == set(labels), name
+    info = vllm["vllm:cache_config_info"].samples[0].labels
+    assert {"block_size", "engine", "num_gpu_blocks"} <= set(info)
 
 
 def test_request_record_log_line_has_no_content():
