@@ -155,6 +155,22 @@ def seed_mix(
     return out
 
 
+def capacity_rps(profile: Profile, workload: Sequence[SimRequest]) -> float:
+    """Requests/s one replica finishes one at a time for this workload's class mix, as `firsttoken bench
+    --utilization` measures a server: 1 / sum(share x unloaded end-to-end seconds), each class's first request
+    simulated alone."""
+    first: dict[str, SimRequest] = {}
+    counts: dict[str, int] = {}
+    for r in workload:
+        first.setdefault(r.cls, r)
+        counts[r.cls] = counts.get(r.cls, 0) + 1
+    mean = 0.0
+    for cls, r in first.items():
+        alone = simulate([replace(r, arrival_s=0.0)], [profile], Router("round-robin")).outcomes[0]
+        mean += counts[cls] / len(workload) * (alone.e2e_s or 0.0)
+    return 1.0 / mean
+
+
 def from_trace(records: Sequence[dict[str, Any]], model: ModelConfig, image_size: tuple[int, int] = (1024, 1024),
                image_budget_tokens: int = 1280) -> list[SimRequest]:
     """A measured run's requests (``firsttoken bench`` records: start_s, cls, num_images, prompt_tokens,
@@ -181,6 +197,7 @@ class Outcome:
     ttft_s: float | None = None
     e2e_s: float | None = None
     refused: str | None = None  # "queue_full" | "over_slo" | "never_fits"
+    predicted_ttft_s: float | None = None  # the admission check's prediction, from arrival (preprocess included)
 
 
 class SimReplica:
@@ -189,8 +206,10 @@ class SimReplica:
     def __init__(self, index: int, profile: Profile, step_noise: float = 0.0, seed: int = 0) -> None:
         self.index = index
         self.profile = profile
+        self.now = 0.0  # the virtual clock, as this replica last saw it
         self.scheduler = Scheduler(profile.scheduler, profile.cache, profile.num_kv_blocks, profile.max_model_len,
-                                   profile.encoder_capacity_tokens, cost_model=CostModel(prior=profile.prior))
+                                   profile.encoder_capacity_tokens, cost_model=CostModel(prior=profile.prior),
+                                   clock=lambda: self.now)
         self.cost = CostModel(prior=profile.prior)  # the price list; the scheduler's copy is its own
         self.step_noise = step_noise
         self.rng = random.Random(seed * 7919 + index)
@@ -222,10 +241,13 @@ class SimReplica:
         return sum(self.scheduler.remaining_work_s(r) for r in self.scheduler.requests.values()
                    if r.num_computed_tokens < r.num_prompt_tokens)
 
-    def add(self, request: SimRequest, outcome: Outcome) -> None:
+    def add(self, request: SimRequest, outcome: Outcome, now: float) -> None:
+        self.now = now
         self.num_inflight -= 1
         er = _engine_request(request)
         verdict = self.scheduler.check_admission(PromptWork.of(er.num_prompt_tokens, er.images))
+        if verdict.predicted_ttft_s is not None:
+            outcome.predicted_ttft_s = now - request.arrival_s + verdict.predicted_ttft_s
         if not verdict.admitted:
             outcome.refused = verdict.reason
             return
@@ -235,6 +257,7 @@ class SimReplica:
 
     def start_step(self, now: float) -> float | None:
         """Schedule the next step at ``now``; returns when it ends (None: nothing to do)."""
+        self.now = now
         batch = self.scheduler.schedule()
         if batch.is_empty:
             return None
@@ -249,6 +272,7 @@ class SimReplica:
         return self.busy_until
 
     def finish_step(self, now: float) -> None:
+        self.now = now
         batch, self._step, self.busy_until = self._step, None, None
         assert batch is not None
         progress = {w.content_hash: w.start_unit + w.num_units for w in batch.encoder_work}
@@ -347,9 +371,13 @@ class SimResult:
         classes = {}
         for cls, outs in self.by_class().items():
             ttft = sorted(o.ttft_s for o in outs if o.ttft_s is not None)
+            errors = sorted(abs(o.predicted_ttft_s - o.ttft_s) / o.ttft_s for o in outs
+                            if o.ttft_s and o.predicted_ttft_s is not None)
             classes[cls] = {"sent": len(outs), "n": len(ttft), "refused": sum(o.refused is not None for o in outs),
                             "p50": nearest_rank(ttft, 50), "p95": nearest_rank(ttft, 95),
-                            "p99": nearest_rank(ttft, 99), "mean": sum(ttft) / len(ttft) if ttft else None}
+                            "p99": nearest_rank(ttft, 99), "mean": sum(ttft) / len(ttft) if ttft else None,
+                            "prediction_error_p50": nearest_rank(errors, 50),
+                            "prediction_error_p90": nearest_rank(errors, 90)}
         span = self.duration_s or 1.0
         return {"classes": classes, "duration_s": self.duration_s,
                 "utilization": [b / span for b in self.replica_busy_s], "steps": self.replica_steps}
@@ -389,7 +417,7 @@ def simulate(workload: Sequence[SimRequest], profiles: Sequence[Profile], router
             continue
         if kind == "ready":
             replica, request, outcome = payload
-            replica.add(request, outcome)
+            replica.add(request, outcome, now)
         else:  # "step_done"
             replica = payload
             replica.finish_step(now)
