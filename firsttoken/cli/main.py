@@ -22,6 +22,7 @@ from firsttoken.cli import doctor as doctor_command
 from firsttoken.cli import make_model, serve
 from firsttoken.cli import plan as plan_command
 from firsttoken.cli import regress as regress_command
+from firsttoken.cli import simulate as simulate_command
 from firsttoken.cli import tokens as tokens_command
 from firsttoken.cli.usage import (
     EXIT_FAILURE,
@@ -32,7 +33,7 @@ from firsttoken.cli.usage import (
 )
 
 COMMANDS: tuple[ModuleType, ...] = (serve, make_model, plan_command, bench_command, tokens_command, regress_command,
-                                     doctor_command)
+                                     doctor_command, simulate_command)
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, as shells report it
 
 

@@ -26,7 +26,9 @@ preempted before its prefill completes. No tensors here: everything is ints, lis
 from __future__ import annotations
 
 import math
+import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from firsttoken.batch import (
@@ -86,6 +88,11 @@ class Backlog:
     short_share: float = 0.0  # of a busy step's time: short prefills (EMA)
     step_s: float = 0.0  # a busy step's predicted seconds (EMA)
     busy: bool = False  # anything running or waiting
+    # time-bounded steps: of a step's predicted seconds (its per-step constant included), what each lane got in the
+    # steps where it ran (EMA): the rate its queue drains at while it has work
+    short_frac: float = 0.0
+    long_frac: float = 0.0
+    step_end_s: float = 0.0  # the step in flight's predicted end, on the scheduler's clock
 
 
 class Scheduler:
@@ -97,8 +104,11 @@ class Scheduler:
         max_model_len: int,
         encoder_capacity_tokens: int,
         cost_model: CostModel | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        """``clock``: the engine's (monotonic seconds); the fleet simulator passes its virtual one."""
         self.config = config
+        self.clock = clock
         self.cost_model = cost_model or CostModel()  # the engine feeds it each step's features and wall time
         self.max_model_len = max_model_len
         self.block_size = cache_config.block_size
@@ -235,15 +245,27 @@ class Scheduler:
             return
         b = self.backlog
         decode_share, short_share, step_s = b.decode_share, b.short_share, b.step_s
+        short_frac, long_frac = b.short_frac, b.long_frac
         total = step.decode_s + step.short_s + step.long_s
         if total > 0:
+            wall = total + self.cost_model.coef[0]
             decode_share += alpha * (step.decode_s / total - decode_share)
             short_share += alpha * (step.short_s / total - short_share)
-            step_s += alpha * (total + self.cost_model.coef[0] - step_s) if step_s else total + self.cost_model.coef[0]
+            step_s += alpha * (wall - step_s) if step_s else wall
+
+            def ema(old: float, new: float) -> float:
+                return old + alpha * (new - old) if old else new
+
+            if step.short_s > 0:
+                short_frac = ema(short_frac, step.short_s / wall)
+            if step.long_s > 0:
+                long_frac = ema(long_frac, step.long_s / wall)
         pending = [r for r in self.requests.values() if not _is_decoding(r)]
         short = sum(self.remaining_work_s(r) for r in pending if r.lane != LONG)
         long = tuple(sorted(self.remaining_work_s(r) for r in pending if r.lane == LONG))
-        self.backlog = Backlog(short, long, decode_share, short_share, step_s, bool(self.requests))
+        step_end = self.clock() + (total + self.cost_model.coef[0] if total > 0 else 0.0)
+        self.backlog = Backlog(short, long, decode_share, short_share, step_s, bool(self.requests), short_frac,
+                               long_frac, step_end)
 
     def predict_ttft(self, work: PromptWork, pending: tuple[PromptWork, ...] = ()) -> float | None:
         """Seconds from now to this prompt's first token if it were queued now: the work ahead of it in its lane
@@ -264,10 +286,17 @@ class Scheduler:
             ahead = b.short_s + sum(queued)
             rate = max(1.0 - b.decode_share, LONG_MIN_SHARE)
         target = self.step_time_target()
-        step_s = target if math.isfinite(target) else max(b.step_s, own + overhead)
+        residual = max(0.0, b.step_end_s - self.clock()) if b.busy else 0.0  # what is left of the step in flight
+        if math.isfinite(target):
+            # time-bounded steps: a lane drains at the share of each step's time it got while it had work (its
+            # first short prefill is granted whole, long units run whole); shares cover the per-step constant
+            frac = b.long_frac if lane == LONG else b.short_frac
+            if frac <= 0:  # no step of this lane seen yet: its prefill alone, one step at a time
+                frac = own / (own + overhead) if own > 0 else 1.0
+            return residual + (ahead + own) / max(frac, LONG_MIN_SHARE)
+        step_s = max(b.step_s, own + overhead)
         work_s = (ahead + own) / rate
         num_steps = max(1, math.ceil(work_s / max(step_s - overhead, 1e-3)))
-        residual = step_s / 2 if b.busy else 0.0  # the step running when it arrives, half done on average
         return residual + work_s + num_steps * overhead
 
     def _work_s(self, work: PromptWork) -> float:

@@ -1,0 +1,435 @@
+"""Fleet planning by simulation: R replicas x lanes x a routing policy, driven by a workload and a step-cost profile
+measured on the deployment's machine.
+
+Each simulated replica is firsttoken's own ``Scheduler`` (ints only: the same lanes, time bound, KV admission and
+caches as the server), run on a virtual clock. A step takes what the step-cost model predicts for the work the
+scheduler put in it; the coefficients come from a real server (``GET /stats``'s ``cost_model``, fitted online from
+its own step timings) or from a start-up calibration of the engine on this machine. Nothing is simulated that the
+server decides: only the model's forward pass is replaced by its measured price. Anchor: Vidur (MLSys 2024) simulates
+serving from profiled operator costs; here the profile is the engine's own cost model, and the simulator is
+validated against measured runs (benchmarks/validate_simulator.py, docs/scaling.md).
+
+    profile   = Profile.from_stats(stats_json, model_config)   # or Profile.from_engine(engine)
+    workload  = seed_mix(profile, rate=2.0, num_requests=500, seed=0)
+    result    = simulate(workload, [profile] * 4, Router("least-loaded"))
+    result.summary()   # TTFT P50/P95/P99 per class, n, refusals
+
+What is not modelled: image decoding and the HTTP hop (a per-class preprocess delay from the profile stands in),
+contention between preprocessing threads and the engine, and noise in step times (``step_noise`` adds lognormal
+noise of a given sigma).
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import math
+import random
+import zlib
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import numpy as np
+import torch
+
+from firsttoken.batch import RunnerOutput, ScheduledBatch
+from firsttoken.config import CacheConfig, SchedulerConfig
+from firsttoken.inputs.budget import plan_image
+from firsttoken.models.config import ModelConfig
+from firsttoken.models.registry import family_named
+from firsttoken.scheduler.cost_model import FEATURE_NAMES, CostModel
+from firsttoken.scheduler.request import Request
+from firsttoken.scheduler.scheduler import Scheduler
+from firsttoken.types import EncoderUnit, EngineRequest, FinishReason, ImageItem, PromptWork, SamplingParams
+
+IMAGE_CLASSES = ("0", "1", "2+")
+TEMPLATE_TOKENS = 21  # the chat template around one user turn (Qwen2-VL's), as tools/plan.py counts it
+IMAGE_WRAPPER_TOKENS = 2  # <|vision_start|> ... <|vision_end|>
+
+
+def image_class(num_images: int) -> str:
+    return "0" if num_images == 0 else "1" if num_images == 1 else "2+"
+
+
+# ---- the replica's measured price list -----------------------------------------------------------------
+@dataclass(frozen=True)
+class Profile:
+    """What one replica is: its step-cost coefficients (seconds per unit of each cost-model term), its scheduler and
+    cache configuration, its KV pool, and the per-class delay before a request reaches the engine."""
+
+    coefficients: dict[str, float]
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    num_kv_blocks: int = 4096
+    max_model_len: int = 32768
+    encoder_capacity_tokens: int = 65536
+    preprocess_s: dict[str, float] = field(default_factory=dict)  # image class -> seconds before the engine sees it
+
+    def __post_init__(self) -> None:
+        unknown = set(self.coefficients) - set(FEATURE_NAMES)
+        if unknown:
+            raise ValueError(f"unknown cost-model terms {sorted(unknown)}; expected {list(FEATURE_NAMES)}")
+        if not any(self.coefficients.values()):
+            raise ValueError("the profile's step-cost coefficients are all zero: the server had not fitted its "
+                             "cost model yet (send it a few requests first)")
+
+    @property
+    def prior(self) -> tuple[float, ...]:
+        return tuple(float(self.coefficients.get(n, 0.0)) for n in FEATURE_NAMES)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"coefficients": self.coefficients, "num_kv_blocks": self.num_kv_blocks,
+                "max_model_len": self.max_model_len, "encoder_capacity_tokens": self.encoder_capacity_tokens,
+                "preprocess_s": self.preprocess_s, "block_size": self.cache.block_size,
+                "scheduler": {k: getattr(self.scheduler, k) for k in self.scheduler.__dataclass_fields__
+                              if k != "ttft_slo"}}  # fmt: skip
+
+    @staticmethod
+    def from_stats(stats: dict[str, Any], scheduler: SchedulerConfig | None = None) -> Profile:
+        """From a live server's ``GET /stats``: its fitted coefficients, its KV pool, and each class's mean
+        preprocess time over the stats window (a server that served no image requests has 0 for them)."""
+        coefficients = dict(stats.get("cost_model", {}).get("coefficients") or {})
+        engine = stats.get("engine", {})
+        preprocess = {c: float((stats.get("classes", {}).get(c, {}).get("preprocess_s") or {}).get("mean") or 0.0)
+                      for c in IMAGE_CLASSES}
+        return Profile(coefficients, scheduler or SchedulerConfig(),
+                       num_kv_blocks=int(engine.get("kv_blocks_total") or 4096), preprocess_s=preprocess)
+
+
+# ---- the workload ----------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class SimImage:
+    num_tokens: int
+    grid_thw: tuple[int, int, int]
+    encoder_units: tuple[EncoderUnit, ...]
+
+
+@dataclass(frozen=True)
+class SimRequest:
+    request_id: str
+    arrival_s: float
+    cls: str  # a label for reporting (text, 1img, 3img, ...)
+    text_tokens: int  # prompt tokens that are not image pads (template included)
+    images: tuple[SimImage, ...]
+    output_tokens: int
+    conversation: str | None = None  # follow-up turns of one conversation share their prefix
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return self.text_tokens + sum(im.num_tokens + IMAGE_WRAPPER_TOKENS for im in self.images)
+
+
+def image_for(model: ModelConfig, width: int, height: int, budget_tokens: int, min_tokens: int = 4) -> SimImage:
+    """The visual tokens and the vision-tower units of one image of this size, planned as the server plans it."""
+    family = family_named(model.family)
+    plan = plan_image(width, height, budget_tokens, min_tokens, model.image_processor)
+    patch = model.image_processor.patch_size
+    grid = (1, plan.resized_size[1] // patch, plan.resized_size[0] // patch)
+    return SimImage(plan.num_tokens, grid, tuple(family.encoder_units(model.vision, grid)))
+
+
+def seed_mix(
+    model: ModelConfig,
+    rate: float,
+    num_requests: int,
+    seed: int = 0,
+    mix: Sequence[tuple[str, int, float]] = (("text", 0, 0.5), ("1img", 1, 0.3), ("3img", 3, 0.2)),
+    text_tokens: int = 800,
+    image_size: tuple[int, int] = (1024, 1024),
+    image_budget_tokens: int = 1280,
+    output_tokens: int = 32,
+) -> list[SimRequest]:
+    """The seed's mix (class, images, share) with Poisson arrivals at ``rate`` requests/s; distinct images."""
+    rng = np.random.default_rng(seed)
+    image = image_for(model, *image_size, image_budget_tokens)
+    names, counts, shares = zip(*mix)
+    p = np.array(shares, dtype=float) / sum(shares)
+    t = 0.0
+    out = []
+    for i in range(num_requests):
+        t += float(rng.exponential(1.0 / rate))
+        k = int(rng.choice(len(names), p=p))
+        out.append(SimRequest(f"r{i}", t, names[k], text_tokens + TEMPLATE_TOKENS, (image,) * counts[k],
+                              output_tokens))
+    return out
+
+
+def capacity_rps(profile: Profile, workload: Sequence[SimRequest]) -> float:
+    """Requests/s one replica finishes one at a time for this workload's class mix, as `firsttoken bench
+    --utilization` measures a server: 1 / sum(share x unloaded end-to-end seconds), each class's first request
+    simulated alone."""
+    first: dict[str, SimRequest] = {}
+    counts: dict[str, int] = {}
+    for r in workload:
+        first.setdefault(r.cls, r)
+        counts[r.cls] = counts.get(r.cls, 0) + 1
+    mean = 0.0
+    for cls, r in first.items():
+        alone = simulate([replace(r, arrival_s=0.0)], [profile], Router("round-robin")).outcomes[0]
+        mean += counts[cls] / len(workload) * (alone.e2e_s or 0.0)
+    return 1.0 / mean
+
+
+def from_trace(records: Sequence[dict[str, Any]], model: ModelConfig, image_size: tuple[int, int] = (1024, 1024),
+               image_budget_tokens: int = 1280) -> list[SimRequest]:
+    """A measured run's requests (``firsttoken bench`` records: start_s, cls, num_images, prompt_tokens,
+    completion_tokens), replayed with the same arrivals, classes and token counts. Records without usage fall back
+    to an 800-token text."""
+    image = image_for(model, *image_size, image_budget_tokens)
+    out = []
+    for r in records:
+        if r.get("warmup"):
+            continue
+        n = int(r.get("num_images") or 0)
+        prompt = r.get("prompt_tokens")
+        text = (int(prompt) - n * (image.num_tokens + IMAGE_WRAPPER_TOKENS)) if prompt else 800 + TEMPLATE_TOKENS
+        out.append(SimRequest(f"t{r['index']}", float(r["start_s"]), str(r.get("cls") or image_class(n)),
+                              max(1, text), (image,) * n, int(r.get("completion_tokens") or 32)))
+    return sorted(out, key=lambda s: s.arrival_s)
+
+
+# ---- one replica -----------------------------------------------------------------------------------------
+@dataclass
+class Outcome:
+    request: SimRequest
+    replica: int
+    ttft_s: float | None = None
+    e2e_s: float | None = None
+    refused: str | None = None  # "queue_full" | "over_slo" | "never_fits"
+    predicted_ttft_s: float | None = None  # the admission check's prediction, from arrival (preprocess included)
+
+
+class SimReplica:
+    """A firsttoken scheduler on a virtual clock; steps cost what the profile's cost model says."""
+
+    def __init__(self, index: int, profile: Profile, step_noise: float = 0.0, seed: int = 0) -> None:
+        self.index = index
+        self.profile = profile
+        self.now = 0.0  # the virtual clock, as this replica last saw it
+        self.scheduler = Scheduler(profile.scheduler, profile.cache, profile.num_kv_blocks, profile.max_model_len,
+                                   profile.encoder_capacity_tokens, cost_model=CostModel(prior=profile.prior),
+                                   clock=lambda: self.now)
+        self.cost = CostModel(prior=profile.prior)  # the price list; the scheduler's copy is its own
+        self.step_noise = step_noise
+        self.rng = random.Random(seed * 7919 + index)
+        self.busy_until: float | None = None  # end of the step in flight
+        self._step: ScheduledBatch | None = None
+        self._outcomes: dict[str, Outcome] = {}
+        self._seq = 0
+        self.num_steps = 0
+        self.busy_s = 0.0
+        self.num_inflight = 0  # routed here, not yet in the scheduler (preprocessing)
+
+    # load signals a router reads (what a replica could report cheaply, plus what the router itself sent)
+    @property
+    def num_queued(self) -> int:
+        """Waiting in the scheduler, plus routed here and still being preprocessed (the router knows those)."""
+        return len(self.scheduler.waiting) + self.num_inflight
+
+    @property
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
+
+    @property
+    def kv_free_ratio(self) -> float:
+        kv = self.scheduler.kv
+        return 1.0 - kv.num_used_blocks / kv.num_blocks
+
+    def pending_work_s(self) -> float:
+        """Predicted seconds of prompt work queued or prefilling here (the scheduler's own estimate)."""
+        return sum(self.scheduler.remaining_work_s(r) for r in self.scheduler.requests.values()
+                   if r.num_computed_tokens < r.num_prompt_tokens)
+
+    def add(self, request: SimRequest, outcome: Outcome, now: float) -> None:
+        self.now = now
+        self.num_inflight -= 1
+        er = _engine_request(request)
+        verdict = self.scheduler.check_admission(PromptWork.of(er.num_prompt_tokens, er.images))
+        if verdict.predicted_ttft_s is not None:
+            outcome.predicted_ttft_s = now - request.arrival_s + verdict.predicted_ttft_s
+        if not verdict.admitted:
+            outcome.refused = verdict.reason
+            return
+        self._outcomes[request.request_id] = outcome
+        self.scheduler.add(Request(er, self._seq))
+        self._seq += 1
+
+    def start_step(self, now: float) -> float | None:
+        """Schedule the next step at ``now``; returns when it ends (None: nothing to do)."""
+        self.now = now
+        batch = self.scheduler.schedule()
+        if batch.is_empty:
+            return None
+        # a step that only releases finished requests' runner state does no model work: (almost) free
+        seconds = max(self.cost.predict(batch.features), 1e-6) if batch.has_work else 1e-6
+        if self.step_noise and batch.has_work:
+            seconds *= math.exp(self.rng.gauss(0.0, self.step_noise))
+        self._step = batch
+        self.busy_until = now + seconds
+        self.busy_s += seconds
+        self.num_steps += 1
+        return self.busy_until
+
+    def finish_step(self, now: float) -> None:
+        self.now = now
+        batch, self._step, self.busy_until = self._step, None, None
+        assert batch is not None
+        progress = {w.content_hash: w.start_unit + w.num_units for w in batch.encoder_work}
+        self.scheduler.update(batch, RunnerOutput({}, {}, {}, encoder_progress=progress))
+        for chunk in batch.chunks:
+            if not chunk.sample:
+                continue
+            req = self.scheduler.requests.get(chunk.request_id)
+            if req is None:
+                continue
+            req.output_token_ids.append(0)
+            outcome = self._outcomes[req.request_id]
+            if outcome.ttft_s is None:
+                outcome.ttft_s = now - outcome.request.arrival_s
+            if len(req.output_token_ids) >= req.engine_request.sampling.max_tokens:
+                outcome.e2e_s = now - outcome.request.arrival_s
+                self.scheduler.finish(req, FinishReason.LENGTH)
+                del self._outcomes[req.request_id]
+
+
+def _engine_request(r: SimRequest) -> EngineRequest:
+    """Token ids the scheduler can hash: distinct per request (no accidental prefix hits), shared within a
+    conversation; image pads where the images are."""
+    if r.text_tokens < 1:
+        raise ValueError(f"request {r.request_id} has no text tokens")
+    key = r.conversation or r.request_id
+    base = 1000 + (zlib.crc32(key.encode()) % 10_000_000) * 8
+    head = min(8, r.text_tokens)
+    ids = [base + i for i in range(head)]
+    items = []
+    for k, im in enumerate(r.images):
+        ids.append(1)
+        items.append(ImageItem(f"{key}/img{k}", len(ids), im.num_tokens, im.grid_thw, im.encoder_units, None))
+        ids += [2] * im.num_tokens
+        ids.append(3)
+    ids += [base + head + i for i in range(r.text_tokens - head)]
+    return EngineRequest(r.request_id, tuple(ids), tuple(items), torch.zeros((3, 0), dtype=torch.long), 0,
+                         SamplingParams(max_tokens=r.output_tokens, temperature=0.0, ignore_eos=True),
+                         r.arrival_s, r.arrival_s)
+
+
+# ---- routing -------------------------------------------------------------------------------------------
+ROUTING_POLICIES = ("round-robin", "least-loaded", "p2c", "least-work")
+
+
+@dataclass
+class Router:
+    """Which replica a request goes to. ``pools``: {"short": [replica indexes], "long": [...]} routes by prompt
+    length against the scheduler's long-prompt threshold first (lane pools); within a pool, ``policy``:
+    round-robin; least-loaded (fewest queued + running, then most free KV); p2c (power of two choices on the same
+    load); least-work (least predicted prompt work pending, the scheduler's own estimate)."""
+
+    policy: str = "least-loaded"
+    pools: dict[str, list[int]] | None = None
+    long_prompt_threshold: int = 1024
+    seed: int = 0
+    _rr: dict[str, itertools.count] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.policy not in ROUTING_POLICIES:
+            raise ValueError(f"routing policy {self.policy!r}: expected one of {', '.join(ROUTING_POLICIES)}")
+        self._rng = random.Random(self.seed)
+
+    def pick(self, request: SimRequest, replicas: Sequence[SimReplica]) -> SimReplica:
+        pool = "all"
+        candidates = list(range(len(replicas)))
+        if self.pools:
+            pool = "long" if request.num_prompt_tokens >= self.long_prompt_threshold else "short"
+            candidates = self.pools[pool] or candidates
+        if self.policy == "round-robin":
+            counter = self._rr.setdefault(pool, itertools.count())
+            return replicas[candidates[next(counter) % len(candidates)]]
+        if self.policy == "p2c" and len(candidates) > 2:
+            candidates = self._rng.sample(candidates, 2)
+        if self.policy == "least-work":
+            return min((replicas[i] for i in candidates), key=lambda r: (r.pending_work_s(), r.num_running))
+        return min((replicas[i] for i in candidates),
+                   key=lambda r: (r.num_queued + r.num_running, -r.kv_free_ratio))
+
+
+# ---- the event loop --------------------------------------------------------------------------------------
+@dataclass
+class SimResult:
+    outcomes: list[Outcome]
+    duration_s: float  # virtual seconds from the first arrival to the last completion
+    replica_busy_s: list[float]
+    replica_steps: list[int]
+
+    def by_class(self) -> dict[str, list[Outcome]]:
+        out: dict[str, list[Outcome]] = {}
+        for o in self.outcomes:
+            out.setdefault(o.request.cls, []).append(o)
+        return out
+
+    def summary(self) -> dict[str, Any]:
+        classes = {}
+        for cls, outs in self.by_class().items():
+            ttft = sorted(o.ttft_s for o in outs if o.ttft_s is not None)
+            errors = sorted(abs(o.predicted_ttft_s - o.ttft_s) / o.ttft_s for o in outs
+                            if o.ttft_s and o.predicted_ttft_s is not None)
+            classes[cls] = {"sent": len(outs), "n": len(ttft), "refused": sum(o.refused is not None for o in outs),
+                            "p50": nearest_rank(ttft, 50), "p95": nearest_rank(ttft, 95),
+                            "p99": nearest_rank(ttft, 99), "mean": sum(ttft) / len(ttft) if ttft else None,
+                            "prediction_error_p50": nearest_rank(errors, 50),
+                            "prediction_error_p90": nearest_rank(errors, 90)}
+        span = self.duration_s or 1.0
+        return {"classes": classes, "duration_s": self.duration_s,
+                "utilization": [b / span for b in self.replica_busy_s], "steps": self.replica_steps}
+
+
+def nearest_rank(values: Sequence[float], q: float) -> float | None:
+    """Nearest-rank percentile of sorted values (q in 0..100), as /stats and the benchmarks report them."""
+    if not values:
+        return None
+    return values[max(1, math.ceil(q / 100 * len(values))) - 1]
+
+
+def simulate(workload: Sequence[SimRequest], profiles: Sequence[Profile], router: Router,
+             step_noise: float = 0.0, seed: int = 0) -> SimResult:
+    """Run the workload through len(profiles) replicas on one virtual clock; every request ends answered or refused.
+
+    Events, in time order: a request arrives at the router (routed at once, on the load the replicas report then);
+    it reaches its replica's scheduler after its class's preprocess delay; an idle replica with work starts a step;
+    a step ends (its prefill chunks and encoder units done, one token for each chunk that samples)."""
+    replicas = [SimReplica(i, p, step_noise, seed) for i, p in enumerate(profiles)]
+    outcomes = []
+    events: list[tuple[float, int, str, Any]] = []
+    seq = itertools.count()
+    for r in workload:
+        heapq.heappush(events, (r.arrival_s, next(seq), "arrive", r))
+    start = workload[0].arrival_s if workload else 0.0
+    now = start
+    while events:
+        now, _, kind, payload = heapq.heappop(events)
+        if kind == "arrive":
+            replica = router.pick(payload, replicas)
+            replica.num_inflight += 1
+            outcome = Outcome(payload, replica.index)
+            outcomes.append(outcome)
+            delay = replica.profile.preprocess_s.get(image_class(len(payload.images)), 0.0)
+            heapq.heappush(events, (now + delay, next(seq), "ready", (replica, payload, outcome)))
+            continue
+        if kind == "ready":
+            replica, request, outcome = payload
+            replica.add(request, outcome, now)
+        else:  # "step_done"
+            replica = payload
+            replica.finish_step(now)
+        if replica.busy_until is None:
+            end = replica.start_step(now)
+            if end is not None:
+                heapq.heappush(events, (end, next(seq), "step_done", replica))
+    for r in replicas:  # nothing may be left behind: the loop drains every replica
+        assert not r.scheduler.has_work, f"replica {r.index} still has work"
+    return SimResult(outcomes, now - start, [r.busy_s for r in replicas], [r.num_steps for r in replicas])
+
+
+def replace_scheduler(profile: Profile, **changes: Any) -> Profile:
+    """The same profile with scheduler options changed (e.g. scheduling="fcfs" for a what-if)."""
+    return replace(profile, scheduler=replace(profile.scheduler, **changes))
