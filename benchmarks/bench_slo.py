@@ -208,9 +208,9 @@ def plot(results: dict, title: str, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, len(results), figsize=(5 * len(results), 4), sharey=True)
+    fig, axes = plt.subplots(1, len(results), figsize=(5 * len(results), 4), sharey=True, squeeze=False)
     colors = {"text": "#1f77b4", "1img": "#ff7f0e", "3img": "#d62728"}
-    for ax, (name, r) in zip(axes, results.items()):
+    for ax, (name, r) in zip(axes[0], results.items()):
         for cls in CLASSES:
             pts = [(x["start_s"], x["ttft_s"]) for x in r["records"] if x["cls"] == cls and not x["warmup"]
                    and x["ttft_s"] is not None]
@@ -267,11 +267,11 @@ def main() -> None:
         print_load(title, results, unloaded)
         if {"fcfs", "default"} <= set(results):
             lines += [f"U={u:g}: {x}" for x in targets_loaded(results, unloaded)]
+        if args.json:  # before plotting: the raw records are what matters
+            Path(args.json).write_text(json.dumps(out, indent=1))
         if args.plot_dir:
             Path(args.plot_dir).mkdir(parents=True, exist_ok=True)
             plot(results, title, Path(args.plot_dir) / f"ttft-over-time-U{u:g}.png")
-        if args.json:
-            Path(args.json).write_text(json.dumps(out, indent=1))
     if args.overload:
         slo = {"text": args.text_slo_x * unloaded["text"], "image": args.image_slo_x * unloaded["3img"]}
         rate = args.overload * cal["capacity_rps"]
