@@ -114,6 +114,26 @@ def summarize(steps: list[dict[str, float]], batch: int, breakdown: bool) -> dic
     return med
 
 
+def count_ops(engine, proc, batch: int, num_steps: int = 10) -> float:
+    """Tensor ops (aten calls, nested ones included) per decode step, by torch's profiler: a count that does not
+    depend on how loaded the machine is."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from firsttoken.inputs.prompt import SamplingRequest, TextPrompt
+
+    sampling = SamplingRequest(max_tokens=num_steps + 8, temperature=0.0, ignore_eos=True)
+    for i in range(batch):
+        engine.add_request(proc.process(TextPrompt(f"{i} {PROMPT}"), sampling, f"ops{batch}-{i}", time.monotonic()))
+    for _ in range(4):  # prefill and the first decodes
+        engine.step()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(num_steps):
+            engine.step()
+    while engine.has_unfinished():
+        engine.step()
+    return sum(e.count for e in prof.key_averages() if e.key.startswith("aten::")) / num_steps
+
+
 def instrument(engine, timer: PhaseTimer) -> None:
     runner = engine.executor.runner
     timer.wrap(engine.scheduler, "schedule", "schedule")
@@ -138,6 +158,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="thread: the engine thread's CPU time (time.thread_time), steady on a loaded machine; "
                          "meaningful with --num-threads 1 only (other torch threads' work is not counted)")
     ap.add_argument("--json", default=None, help="write the results here")
+    ap.add_argument("--count-ops", action="store_true", help="also count tensor ops per decode step")
     args = ap.parse_args(argv)
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from _common import small_model
@@ -158,9 +179,12 @@ def main(argv: list[str] | None = None) -> int:
             out = run_batch(engine, proc, batch, args.max_tokens, f"b{batch}r{rep}", timer, clock)
             steps.extend(out["steps"][args.warmup_steps:])
         med = summarize(steps, batch, timer is not None)
+        if args.count_ops:
+            med["ops_per_step"] = count_ops(engine, proc, batch)
         results[f"batch{batch}"] = med | {"prompt_len": out["prompt_len"], "num_steps": len(steps)}
         print(f"batch {batch} (prompt {out['prompt_len']} tokens, {len(steps)} decode steps): "
-              f"{med['ms_per_step']:.2f} ms/step, {med['tok_per_s']:.1f} tok/s")
+              f"{med['ms_per_step']:.2f} ms/step, {med['tok_per_s']:.1f} tok/s"
+              + (f", {med['ops_per_step']:.0f} tensor ops/step" if args.count_ops else ""))
         if timer is not None:
             print("   " + "  ".join(f"{p} {med[p]:.2f}" for p in PHASES) + "  (ms, medians)")
     if args.json:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Protocol
 
 import torch
@@ -33,22 +34,39 @@ class AttentionMetadata:
     query_start_loc: torch.Tensor  # [num_seqs + 1] int32, cumulative query_lens
     block_size: int
 
+    # Derived values below are computed once per forward (the first layer asks), not once per layer.
     @property
     def num_seqs(self) -> int:
         return len(self.query_lens)
 
-    @property
+    @cached_property
     def num_tokens(self) -> int:
         return sum(self.query_lens)
 
-    @property
+    @cached_property
     def seq_lens(self) -> tuple[int, ...]:
         """Tokens per sequence in the cache after this forward."""
         return tuple(c + q for c, q in zip(self.context_lens, self.query_lens))
 
-    @property
+    @cached_property
     def is_pure_decode(self) -> bool:
         return all(q == 1 for q in self.query_lens)
+
+    @cached_property
+    def padded_kv_blocks(self) -> torch.Tensor:
+        """[num_seqs, blocks covering the longest sequence] int64 block ids, for a gather padded to the longest
+        sequence (a shorter sequence's padding reads block 0: mask it with ``padded_key_mask``)."""
+        num_blocks = -(-max(self.seq_lens, default=0) // self.block_size)
+        return self.block_tables[:, :num_blocks].long()
+
+    @cached_property
+    def padded_key_mask(self) -> torch.Tensor | None:
+        """[num_seqs, 1, 1, longest seq_len] bool, True where key j < seq_lens[i]; None when no sequence is padded."""
+        if len(set(self.seq_lens)) <= 1:
+            return None
+        seq_lens = torch.tensor(self.seq_lens, device=self.block_tables.device)
+        keys = torch.arange(max(self.seq_lens), device=self.block_tables.device)
+        return (keys[None, :] < seq_lens[:, None])[:, None, None, :]
 
     @staticmethod
     def build(
