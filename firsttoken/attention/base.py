@@ -60,6 +60,17 @@ class AttentionMetadata:
         return self.block_tables[:, :num_blocks].long()
 
     @cached_property
+    def single_run_start(self) -> int | None:
+        """For one sequence whose blocks (those ``padded_kv_blocks`` holds) are consecutive ids b, b + 1, ...: b, so
+        its keys and values are a view of the cache, not a gather. None otherwise."""
+        blocks = self.padded_kv_blocks
+        if blocks.shape[0] != 1 or blocks.shape[1] == 0:
+            return None
+        first = int(blocks[0, 0])
+        consecutive = torch.equal(blocks[0], torch.arange(first, first + blocks.shape[1], device=blocks.device))
+        return first if consecutive else None
+
+    @cached_property
     def padded_key_mask(self) -> torch.Tensor | None:
         """[num_seqs, 1, 1, longest seq_len] bool, True where key j < seq_lens[i]; None when no sequence is padded."""
         if len(set(self.seq_lens)) <= 1:

@@ -53,3 +53,11 @@ def test_build_matches_the_per_token_definition(block_size, decode_only):
 def test_a_block_table_too_short_is_refused():
     with pytest.raises(ValueError, match="sequence 1: block table too short for 9 tokens"):
         AttentionMetadata.build([1, 5], [3, 4], [(0,), (1, 2)], 4)
+
+
+def test_one_sequence_on_consecutive_blocks_is_read_in_place():
+    assert AttentionMetadata.build([1], [13], [(5, 6, 7, 8)], 4).single_run_start == 5
+    assert AttentionMetadata.build([1], [13], [(5, 7, 6, 8)], 4).single_run_start is None
+    assert AttentionMetadata.build([1, 1], [3, 3], [(0,), (1,)], 4).single_run_start is None  # a batch gathers
+    # only the blocks the sequence covers count: a spare block after them may be anywhere
+    assert AttentionMetadata.build([1], [3], [(2, 9)], 4).single_run_start == 2
