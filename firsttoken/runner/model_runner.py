@@ -34,6 +34,7 @@ from firsttoken.batch import (
     ScheduledChunk,
 )
 from firsttoken.models.interfaces import EncodeState, ImageEmbeddings, ImageRows
+from firsttoken.sampling.penalties import TokenHistory
 from firsttoken.sampling.sampler import Sampler, SampleRow, make_generator
 from firsttoken.types import ImageItem, SamplingParams, TokenLogprob, images_in
 
@@ -66,12 +67,19 @@ class RequestState:
     mrope_delta: int
     sampling: SamplingParams
     generator: torch.Generator | None  # per-request RNG when sampling.seed is set
+    history: TokenHistory | None  # what penalties read, when the request has any
     output_token_ids: list[int] = field(default_factory=list)  # what this runner sampled for it
 
     @staticmethod
     def of(new: NewRequest) -> "RequestState":
+        history = TokenHistory(new.prompt_token_ids) if new.sampling.has_penalties else None
         return RequestState(new.request_id, new.prompt_token_ids, new.images, new.mrope_positions, new.mrope_delta,
-                            new.sampling, make_generator(new.sampling.seed))
+                            new.sampling, make_generator(new.sampling.seed), history)
+
+    def append(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        if self.history is not None:
+            self.history.append(token_id)
 
     def token_ids(self, start: int, end: int) -> list[int]:
         """Token ids at indices [start, end) of prompt + output."""
@@ -148,7 +156,7 @@ class ModelRunner:
                 for c in chunks:
                     failed[c.request_id] = "internal error while running this request"
         for rid, token in sampled.items():
-            self.requests[rid].output_token_ids.append(token)
+            self.requests[rid].append(token)
         now = time.monotonic()
         return RunnerOutput(
             sampled,
@@ -290,7 +298,7 @@ class ModelRunner:
             return {}, {}
         chunks = [chunks[i] for i in keep]
         states = [self.requests[c.request_id] for c in chunks]
-        rows = [SampleRow(s.sampling, s.generator, s.prompt_token_ids, s.output_token_ids) for s in states]
+        rows = [SampleRow(s.sampling, s.generator, s.prompt_token_ids, s.output_token_ids, s.history) for s in states]
         result = self.sampler.sample(logits if len(keep) == logits.shape[0] else logits[keep], rows)
         for i, message in result.failed.items():
             failed[chunks[i].request_id] = message
