@@ -37,7 +37,7 @@ class SwiGLUMLP(nn.Module):
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # [gate; up], intermediate_size each
         return self.down_proj(F.silu(gate) * up)
 
 
@@ -93,17 +93,21 @@ def mrope_cos_sin(
     Qwen2-VL / Qwen2.5-VL: the head_dim/2 frequency pairs are split into ``mrope_section`` = (t, h, w) runs; run r
     rotates by the position on axis r. Qwen3-VL (``interleaved``): pair i rotates by the height position when
     i % 3 == 1 and i < 3 * h, by the width position when i % 3 == 2 and i < 3 * w, else by the time position. The
-    same half-table is repeated for the second half (rotate_half layout).
+    same half-table is repeated for the second half (rotate_half layout). ``positions`` with stride 0 on its first
+    dim (one row expanded, as the runner passes decode tokens) is read as the same position on every axis.
     """
     inv_freq = rope_inv_freq(head_dim, theta, positions.device)
-    freqs = positions[..., None].float() * inv_freq  # [3, num_tokens, head_dim // 2]
-    if interleaved:
+    if positions.stride(0) == 0:  # one row seen as three (decode: t = h = w): every pair picks the same angle
+        freqs = positions[0, :, None].float() * inv_freq  # [num_tokens, head_dim // 2]
+    elif interleaved:
+        freqs = positions[..., None].float() * inv_freq  # [3, num_tokens, head_dim // 2]
         picked = freqs[0].clone()
         for axis in (1, 2):
             span = slice(axis, mrope_section[axis] * 3, 3)
             picked[..., span] = freqs[axis, ..., span]
         freqs = picked  # [num_tokens, head_dim // 2]
     else:
+        freqs = positions[..., None].float() * inv_freq  # [3, num_tokens, head_dim // 2]
         chunks = freqs.split(list(mrope_section), dim=-1)
         freqs = torch.cat([chunk[i % 3] for i, chunk in enumerate(chunks)], dim=-1)  # [num_tokens, head_dim // 2]
     emb = torch.cat((freqs, freqs), dim=-1)

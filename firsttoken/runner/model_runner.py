@@ -328,7 +328,7 @@ def _positions(
     positions of generated tokens (the same on all three axes)."""
     generated = torch.tensor(generated_pos, dtype=torch.int64)
     if not prompt_parts:  # decode-only: rows are 0 .. num_tokens - 1 in order
-        return generated.expand(3, -1)
+        return generated.expand(3, -1)  # stride 0: mrope_cos_sin reads it as one row
     if len(prompt_parts) == 1 and not generated_rows:
         return prompt_parts[0][1]
     out = torch.empty((3, num_tokens), dtype=torch.int64)
