@@ -57,10 +57,10 @@ class SdpaBackend:
 
 
 def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """Store new keys/values at their flat slots (block * block_size + offset)."""
+    """Store new keys/values at their flat slots (block * block_size + offset): one copy for K and V."""
     num_kv_heads, head_dim = kv_cache.shape[-2:]
-    kv_cache[0].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k.to(kv_cache.dtype))
-    kv_cache[1].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v.to(kv_cache.dtype))
+    kv = torch.stack((k, v)).to(kv_cache.dtype)  # [2, num_tokens, num_kv_heads, head_dim]
+    kv_cache.view(2, -1, num_kv_heads, head_dim).index_copy_(1, slot_mapping, kv)
 
 
 def gather_kv(

@@ -20,10 +20,11 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x32 = x if dtype == torch.float32 else x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * (x32 if dtype == torch.float32 else x32.to(dtype))
+        # x32 * rsqrt(mean(x32^2) + eps), cast back, times weight: the reference's order. torch's rms_norm is that
+        # composite in C++ (bitwise equal on fp32 rows of 64-3584; one call instead of five)
+        if x.dtype == torch.float32:
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+        return self.weight * F.rms_norm(x.float(), self.weight.shape, None, self.eps).to(x.dtype)
 
 
 class SwiGLUMLP(nn.Module):
@@ -73,6 +74,19 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x: [num_tokens, ..., head_dim]; cos/sin broadcast against it (e.g. [num_tokens, 1, head_dim])."""
     return x * cos + rotate_half(x) * sin
+
+
+def rolled_sin(sin: torch.Tensor) -> torch.Tensor:
+    """``sin`` with its first half negated, for ``apply_rotary_rolled``."""
+    half = sin.shape[-1] // 2
+    return torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
+
+
+def apply_rotary_rolled(x: torch.Tensor, cos: torch.Tensor, sin_rolled: torch.Tensor) -> torch.Tensor:
+    """``apply_rotary(x, cos, sin)`` bit for bit, given ``sin_rolled = rolled_sin(sin)`` (made once per forward):
+    rotate_half(x) * sin is roll(x, half) * sin with the first half's sign flipped, and a sign flip is exact.
+    Four tensor ops instead of seven per call."""
+    return x * cos + x.roll(x.shape[-1] // 2, -1) * sin_rolled
 
 
 def rope_inv_freq(dim: int, theta: float, device: torch.device | str = "cpu") -> torch.Tensor:
