@@ -53,6 +53,7 @@ def load_model(
         if tensor.shape != expected[name]:
             raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != model shape {tuple(expected[name])}")
     model.load_state_dict(state, strict=True, assign=True)
+    del state  # the model holds the only reference now: a re-laid-out weight frees its original at once
     model.requires_grad_(False)
     if str(device) == "cpu":
         store_weights_input_major(model, exclude_prefix="visual.")  # the decoder's matmuls are one-row at decode
