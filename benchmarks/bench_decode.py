@@ -56,7 +56,12 @@ def build_engine(model_dir: str, num_threads: int):
     import torch
     from transformers import AutoTokenizer
 
-    from firsttoken.config import CacheConfig, EngineConfig, GenerationDefaults, SchedulerConfig
+    from firsttoken.config import (
+        CacheConfig,
+        EngineConfig,
+        GenerationDefaults,
+        SchedulerConfig,
+    )
     from firsttoken.engine.engine import LLMEngine
     from firsttoken.inputs.processor import InputProcessor
 

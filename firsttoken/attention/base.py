@@ -86,7 +86,7 @@ class AttentionMetadata:
         block_tables: Sequence[Sequence[int]],
         block_size: int,
         device: torch.device | str = "cpu",
-    ) -> "AttentionMetadata":
+    ) -> AttentionMetadata:
         """Metadata from plain per-sequence lists (block_tables[i] covers at least seq_len tokens). A handful of
         tensor ops per step whatever the batch: no per-token Python."""
         num_seqs = len(query_lens)

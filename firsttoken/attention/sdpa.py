@@ -108,7 +108,7 @@ def _decode_batched(
 ) -> torch.Tensor:
     """One query per sequence; keys padded to the longest sequence and masked by length (no mask when none is
     padded, e.g. batch 1). The block ids and the mask come from the metadata, made once per forward."""
-    block_size, num_kv_heads, head_dim = kv_cache.shape[2:]
+    num_kv_heads, head_dim = kv_cache.shape[3:]
     max_len = max(meta.seq_lens)
     num_seqs, num_heads = q.shape[:2]
     blocks = meta.padded_kv_blocks  # [num_seqs, num_blocks]

@@ -257,7 +257,7 @@ class AsyncEngine:
         )
 
 
-def _put_all(items: list[tuple["asyncio.Queue[RequestOutput | BaseException]", RequestOutput]]) -> None:
+def _put_all(items: list[tuple[asyncio.Queue[RequestOutput | BaseException], RequestOutput]]) -> None:
     """On the event loop: one step's outputs into their requests' queues."""
     for outputs, out in items:
         outputs.put_nowait(out)

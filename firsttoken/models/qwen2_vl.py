@@ -36,7 +36,13 @@ from firsttoken.models.config import (
 )
 from firsttoken.models.family import ModelFamily
 from firsttoken.models.interfaces import ImageRows
-from firsttoken.models.layers import RMSNorm, SwiGLUMLP, apply_rotary_rolled, mrope_cos_sin, rolled_sin
+from firsttoken.models.layers import (
+    RMSNorm,
+    SwiGLUMLP,
+    apply_rotary_rolled,
+    mrope_cos_sin,
+    rolled_sin,
+)
 from firsttoken.models.qwen2_vl_vision import (
     IMAGE_PROCESSOR,
     Qwen2VisionTransformer,

@@ -246,7 +246,7 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden)  # [num_sampling, vocab] float32
         return self._sample(logits, [c for _, c in sampling], failed)
 
-    def _pack(self, chunks: list[ScheduledChunk]) -> "_PackedInputs":
+    def _pack(self, chunks: list[ScheduledChunk]) -> _PackedInputs:
         """Every chunk's tokens back to back: ids, M-RoPE positions, image rows, attention metadata. A token past
         its prompt sits at index + mrope_delta on all three axes, so decode positions are plain ints, made into one
         tensor per step; only chunks inside a prompt slice the request's precomputed table."""

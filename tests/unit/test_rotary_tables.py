@@ -6,7 +6,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from firsttoken.models.layers import apply_rotary, apply_rotary_rolled, mrope_cos_sin, rolled_sin
+from firsttoken.models.layers import (
+    apply_rotary,
+    apply_rotary_rolled,
+    mrope_cos_sin,
+    rolled_sin,
+)
 
 
 @pytest.mark.parametrize("interleaved,section", [(False, (4, 6, 6)), (True, (6, 5, 5))])
