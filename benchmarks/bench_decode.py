@@ -119,6 +119,25 @@ def summarize(steps: list[dict[str, float]], batch: int, breakdown: bool) -> dic
     return med
 
 
+def time_prefill(engine, proc, num_words: int, repeats: int, clock: Callable[[], float]) -> dict[str, float]:
+    """Milliseconds of the step that prefills one text prompt of ``num_words`` words (a check that decode work did
+    not slow prefill); a different first word each time, so the prefix cache never hits."""
+    from firsttoken.inputs.prompt import SamplingRequest, TextPrompt
+
+    times = []
+    for rep in range(repeats + 1):
+        text = f"{rep} " + " ".join(["lighthouse", "keeper", "storm", "sea"] * (num_words // 4))
+        req = proc.process(TextPrompt(text), SamplingRequest(max_tokens=1, temperature=0.0), f"pf{rep}",
+                           time.monotonic())
+        engine.add_request(req)
+        t0 = clock()
+        engine.step()
+        times.append(clock() - t0)
+        while engine.has_unfinished():
+            engine.step()
+    return {"prompt_len": req.num_prompt_tokens, "ms": 1e3 * statistics.median(times[1:])}
+
+
 def count_ops(engine, proc, batch: int, num_steps: int = 10) -> float:
     """Tensor ops (aten calls, nested ones included) per decode step, by torch's profiler: a count that does not
     depend on how loaded the machine is."""
@@ -164,6 +183,9 @@ def main(argv: list[str] | None = None) -> int:
                          "meaningful with --num-threads 1 only (other torch threads' work is not counted)")
     ap.add_argument("--json", default=None, help="write the results here")
     ap.add_argument("--count-ops", action="store_true", help="also count tensor ops per decode step")
+    ap.add_argument("--prefill-words", type=int, default=0,
+                    help="also time the prefill step of a text prompt of this many words (0: no; the small "
+                         "checkpoint's tokenizer makes ~3 tokens of each)")
     args = ap.parse_args(argv)
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from _common import small_model
@@ -192,6 +214,9 @@ def main(argv: list[str] | None = None) -> int:
               + (f", {med['ops_per_step']:.0f} tensor ops/step" if args.count_ops else ""))
         if timer is not None:
             print("   " + "  ".join(f"{p} {med[p]:.2f}" for p in PHASES) + "  (ms, medians)")
+    if args.prefill_words:
+        results["prefill"] = time_prefill(engine, proc, args.prefill_words, 3, clock)
+        print(f"prefill of {results['prefill']['prompt_len']} tokens: {results['prefill']['ms']:.1f} ms (median of 3)")
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
     return 0
