@@ -8,10 +8,12 @@ is left (cost model, stats). The phases are timed by wrapping the instance's met
 Medians over the decode steps after the first ``--warmup-steps``.
 
     PYTHONPATH=$PWD python benchmarks/bench_decode.py --num-threads 2
-    # before/after on one machine: the same script against another checkout, rounds alternating
-    PYTHONPATH=/path/to/baseline python benchmarks/bench_decode.py --json base.json
+    # before/after side by side: rounds alternate between this checkout and another one's firsttoken package
+    PYTHONPATH=$PWD python benchmarks/bench_decode.py --baseline /path/to/other/checkout --rounds 3
 
-The breakdown's wrappers cost about a microsecond each; ``--no-breakdown`` times whole steps only.
+The breakdown's wrappers cost about a microsecond each; ``--no-breakdown`` times whole steps only. On a machine
+others load, ``--num-threads 1 --clock thread`` counts this thread's CPU time only (steadier, though a busy
+neighbour still slows memory and caches), and ``--count-ops`` counts tensor ops per step, which load cannot move.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-PROMPT = "Tell me a long story about a lighthouse keeper and a storm at sea, please."  # ~20 tokens with the template
+PROMPT = "Tell me a long story about a lighthouse keeper and a storm at sea, please."  # 28 tokens (small's tokenizer)
 
 PHASES = ("schedule", "forward", "logits", "sample", "runner_other", "sched_update", "engine_update", "other")
 
@@ -169,6 +171,51 @@ def instrument(engine, timer: PhaseTimer) -> None:
     timer.wrap(engine.executor, "execute", "runner_total")
 
 
+def compare(args: argparse.Namespace, argv: list[str]) -> int:
+    """Run this script ``--rounds`` times against each checkout, alternating, and print both medians and the ratio."""
+    import os
+    import subprocess
+    import tempfile
+
+    own = _without(argv, ("--baseline", "--rounds", "--json"))
+    here = str(Path(__file__).resolve().parent.parent)
+    runs: dict[str, list[dict[str, Any]]] = {"baseline": [], "this": []}
+    with tempfile.TemporaryDirectory() as tmp:
+        for rnd in range(args.rounds):
+            for side, root in (("baseline", args.baseline), ("this", here)):
+                out = Path(tmp) / f"{side}-{rnd}.json"
+                env = {**os.environ, "PYTHONPATH": root}
+                subprocess.run([sys.executable, __file__, *own, "--json", str(out)], env=env, check=True)
+                runs[side].append(json.loads(out.read_text()))
+    summary: dict[str, Any] = {}
+    for key in [k for k in runs["this"][0] if k.startswith("batch")] + ["prefill"] * ("prefill" in runs["this"][0]):
+        metric = "ms" if key == "prefill" else "ms_per_step"
+        base = statistics.median(r[key][metric] for r in runs["baseline"])
+        this = statistics.median(r[key][metric] for r in runs["this"])
+        summary[key] = {"baseline_ms": base, "this_ms": this, "ratio": this / base}
+        extra = "" if key == "prefill" else (
+            f"  ({int(key[5:]) * 1e3 / base:.1f} -> {int(key[5:]) * 1e3 / this:.1f} tok/s)")
+        print(f"{key}: baseline {base:.2f} ms, this {this:.2f} ms, this/baseline {this / base:.3f}{extra}"
+              f"  [medians of {args.rounds} rounds each, alternating]")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"rounds": runs, "summary": summary}, indent=1))
+    return 0
+
+
+def _without(argv: list[str], flags: tuple[str, ...]) -> list[str]:
+    """argv minus each of ``flags`` and its value (``--flag value`` or ``--flag=value``)."""
+    out: list[str] = []
+    skip = False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a in flags:
+            skip = True
+        elif not a.startswith(tuple(f + "=" for f in flags)):
+            out.append(a)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None, help="checkpoint dir (default: the `small` one, built once)")
@@ -183,10 +230,14 @@ def main(argv: list[str] | None = None) -> int:
                          "meaningful with --num-threads 1 only (other torch threads' work is not counted)")
     ap.add_argument("--json", default=None, help="write the results here")
     ap.add_argument("--count-ops", action="store_true", help="also count tensor ops per decode step")
+    ap.add_argument("--baseline", default=None, help="a checkout root to compare with, rounds alternating")
+    ap.add_argument("--rounds", type=int, default=3, help="with --baseline: runs of each side")
     ap.add_argument("--prefill-words", type=int, default=0,
                     help="also time the prefill step of a text prompt of this many words (0: no; the small "
                          "checkpoint's tokenizer makes ~3 tokens of each)")
     args = ap.parse_args(argv)
+    if args.baseline:
+        return compare(args, sys.argv[1:] if argv is None else argv)
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from _common import small_model
 
