@@ -10,7 +10,8 @@ Per step: apply new and finished requests; drop encoder outputs the scheduler fr
 units through the model's encode protocol (models/interfaces.py: an image may be encoded over several steps, its
 EncodeState kept in between; a chunk may end inside an image, later chunks slice the stored ImageEmbeddings); pack
 every chunk's tokens into one batch (image rows placed over their pad tokens, M-RoPE positions sliced from the
-request's precomputed table); one forward over the paged KV cache; logits only at the last token of chunks that
+request's precomputed table, a generated token's made from its index: no per-token Python, no per-request tensors
+for a decode); one forward over the paged KV cache; logits only at the last token of chunks that
 sample; the sampler picks tokens. Everything it did is reported back as RunnerOutput, and the scheduler's
 bookkeeping follows that report, not the plan it scheduled.
 """
