@@ -5,7 +5,8 @@ Three paths, chosen per forward from the metadata alone:
   so it never reads the cache back;
 - a pure-decode batch (every ``query_len == 1``, batch 1 included) gathers all sequences' keys/values through the
   block table, padded to the longest sequence, and runs one batched SDPA with a key-padding mask (measured on 2 CPU
-  cores, 16 sequences of 100-1500 tokens: ~5x faster than a per-sequence loop in fp32, on par in bf16);
+  cores, 16 sequences of 100-1500 tokens: ~5x faster than a per-sequence loop in fp32, on par in bf16); the gather
+  copies whole blocks with ``index_select``, and a single sequence on consecutive blocks is read in place;
 - any other sequence (a later prefill chunk) gathers its own keys/values and runs SDPA with a causal mask
   shifted by its context: new token ``j`` sees cached/new tokens ``0 .. context_len + j``.
 GQA goes through SDPA's ``enable_gqa`` for prefill; batched decode folds each KV head's query heads into its
