@@ -176,7 +176,8 @@ class AsyncEngine:
                 block = not self.engine.has_unfinished()
                 if not self._drain_commands(block):
                     break
-                self._deliver(self.engine.step())
+                for out in self.engine.step():
+                    self._deliver(out)
                 self._stats = self.engine.stats()
         except BaseException:  # the loop itself broke: tell everyone, report dead (/health 503); the thread ends
             log.exception("engine loop died")
@@ -217,26 +218,20 @@ class AsyncEngine:
             return
         self._streams[rid] = cmd
 
-    def _deliver(self, outputs: list[RequestOutput]) -> None:
-        """Hand one step's outputs to their queues: one wake-up of each event loop per step, not one per output
-        (each ``call_soon_threadsafe`` writes to the loop's self-pipe); each queue still gets its outputs in order."""
-        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, RequestOutput]]] = {}
-        for out in outputs:
-            stream = self._streams.get(out.request_id)
-            if stream is None:
-                continue
-            if not out.finished and stream.backlog.unread >= self.max_unread_outputs:
-                out = self._abort_unread(stream, out)
-            elif out.finished:
-                del self._streams[out.request_id]
-            stream.backlog.delivered += 1
-            by_loop.setdefault(stream.loop, []).append((stream.outputs, out))
-        for loop, items in by_loop.items():
-            loop.call_soon_threadsafe(_put_all, items)
+    def _deliver(self, out: RequestOutput) -> None:
+        stream = self._streams.get(out.request_id)
+        if stream is None:
+            return
+        if not out.finished and stream.backlog.unread >= self.max_unread_outputs:
+            self._abort_unread(stream, out)
+            return
+        if out.finished:
+            del self._streams[out.request_id]
+        stream.backlog.delivered += 1
+        stream.loop.call_soon_threadsafe(stream.outputs.put_nowait, out)
 
-    def _abort_unread(self, stream: _Add, out: RequestOutput) -> RequestOutput:
-        """The client has not taken its last ``max_unread_outputs`` outputs: abort the request, say so once. Returns
-        the final ``abort`` output to deliver instead of ``out``."""
+    def _abort_unread(self, stream: _Add, out: RequestOutput) -> None:
+        """The client has not taken its last ``max_unread_outputs`` outputs: abort the request, say so once."""
         rid = out.request_id
         del self._streams[rid]
         self.engine.abort(rid)
@@ -246,7 +241,7 @@ class AsyncEngine:
             stream.backlog.unread,
         )
         self._on_abort(rid, ABORT_CLIENT_NOT_READING)
-        return RequestOutput(
+        final = RequestOutput(
             request_id=rid,
             new_token_ids=(),
             new_text="",
@@ -255,9 +250,5 @@ class AsyncEngine:
             num_prompt_tokens=out.num_prompt_tokens,
             num_output_tokens=out.num_output_tokens,
         )
-
-
-def _put_all(items: list[tuple[asyncio.Queue[RequestOutput | BaseException], RequestOutput]]) -> None:
-    """On the event loop: one step's outputs into their requests' queues."""
-    for outputs, out in items:
-        outputs.put_nowait(out)
+        stream.backlog.delivered += 1
+        stream.loop.call_soon_threadsafe(stream.outputs.put_nowait, final)
