@@ -3,9 +3,10 @@
 Three paths, chosen per forward from the metadata alone:
 - a sequence with ``context_len == 0`` (first prefill chunk) attends over its fresh k/v with ``is_causal=True``,
   so it never reads the cache back;
-- a pure-decode batch (every ``query_len == 1``) gathers all sequences' keys/values through the block table,
-  padded to the longest sequence, and runs one batched SDPA with a key-padding mask (measured on 2 CPU cores,
-  16 sequences of 100-1500 tokens: ~5x faster than a per-sequence loop in fp32, on par in bf16);
+- a pure-decode batch (every ``query_len == 1``, batch 1 included) gathers all sequences' keys/values through the
+  block table, padded to the longest sequence, and runs one batched SDPA with a key-padding mask (measured on 2 CPU
+  cores, 16 sequences of 100-1500 tokens: ~5x faster than a per-sequence loop in fp32, on par in bf16); the gather
+  copies whole blocks with ``index_select``, and a single sequence on consecutive blocks is read in place;
 - any other sequence (a later prefill chunk) gathers its own keys/values and runs SDPA with a causal mask
   shifted by its context: new token ``j`` sees cached/new tokens ``0 .. context_len + j``.
 GQA goes through SDPA's ``enable_gqa`` for prefill; batched decode folds each KV head's query heads into its
@@ -35,7 +36,7 @@ class SdpaBackend:
         scale: float,
     ) -> torch.Tensor:
         write_kv(k, v, kv_cache, meta.slot_mapping)
-        if meta.is_pure_decode and meta.num_seqs > 1:
+        if meta.is_pure_decode:
             return _decode_batched(q, kv_cache, meta, scale)
         out = torch.empty_like(q)
         start = 0
@@ -57,22 +58,29 @@ class SdpaBackend:
 
 
 def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """Store new keys/values at their flat slots (block * block_size + offset)."""
+    """Store new keys/values at their flat slots (block * block_size + offset): one copy for K and V."""
     num_kv_heads, head_dim = kv_cache.shape[-2:]
-    kv_cache[0].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k.to(kv_cache.dtype))
-    kv_cache[1].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v.to(kv_cache.dtype))
+    kv = torch.stack((k, v)).to(kv_cache.dtype)  # [2, num_tokens, num_kv_heads, head_dim]
+    kv_cache.view(2, -1, num_kv_heads, head_dim).index_copy_(1, slot_mapping, kv)
 
 
 def gather_kv(
     kv_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """A sequence's first ``seq_len`` keys and values, each [seq_len, num_kv_heads, head_dim]."""
-    block_size, num_kv_heads, head_dim = kv_cache.shape[2:]
+    block_size = kv_cache.shape[2]
     num_blocks = (seq_len + block_size - 1) // block_size
-    blocks = block_table[:num_blocks].long()
-    keys = kv_cache[0, blocks].reshape(-1, num_kv_heads, head_dim)[:seq_len]
-    values = kv_cache[1, blocks].reshape(-1, num_kv_heads, head_dim)[:seq_len]
-    return keys, values
+    kv = gather_blocks(kv_cache, block_table[:num_blocks].long())[:, :seq_len]
+    return kv[0], kv[1]
+
+
+def gather_blocks(kv_cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+    """[2, len(blocks) * block_size, num_kv_heads, head_dim]: K and V of ``blocks`` (int64 [n]) back to back.
+    ``index_select`` copies whole blocks: measured 2.2-2.4x faster than advanced indexing (``kv_cache[:, blocks]``)
+    for 1-8 sequences of 100-1000 tokens."""
+    two, num_cache_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape
+    flat = kv_cache.view(two, num_cache_blocks, block_size * num_kv_heads * head_dim)
+    return flat.index_select(1, blocks).view(two, -1, num_kv_heads, head_dim)
 
 
 def _attend(
@@ -99,22 +107,25 @@ def _attend(
 def _decode_batched(
     q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float
 ) -> torch.Tensor:
-    """One query per sequence; keys padded to the longest sequence and masked by length."""
-    block_size, num_kv_heads, head_dim = kv_cache.shape[2:]
-    seq_lens = torch.tensor(meta.seq_lens, device=q.device)
-    max_len = int(max(meta.seq_lens))
-    num_blocks = (max_len + block_size - 1) // block_size
-    blocks = meta.block_tables[:, :num_blocks].long()  # [num_seqs, num_blocks]; padding entries read block 0
-    keys = kv_cache[0, blocks].reshape(meta.num_seqs, -1, num_kv_heads, head_dim)[:, :max_len]
-    values = kv_cache[1, blocks].reshape(meta.num_seqs, -1, num_kv_heads, head_dim)[:, :max_len]
-    mask = torch.arange(max_len, device=q.device)[None, :] < seq_lens[:, None]  # [num_seqs, max_len]
-    # GQA without repeating K/V: the query heads sharing a KV head become that head's query rows.
+    """One query per sequence; keys padded to the longest sequence and masked by length (no mask when none is
+    padded, e.g. batch 1). The block ids and the mask come from the metadata, made once per forward."""
+    num_kv_heads, head_dim = kv_cache.shape[3:]
+    max_len = max(meta.seq_lens)
     num_seqs, num_heads = q.shape[:2]
+    blocks = meta.padded_kv_blocks  # [num_seqs, num_blocks]
+    run = meta.single_run_start
+    if run is not None:  # one sequence on consecutive blocks: a view of the cache
+        kv = kv_cache[:, run : run + blocks.shape[1]].reshape(2, 1, -1, num_kv_heads, head_dim)
+    else:  # K and V in one gather
+        kv = gather_blocks(kv_cache, blocks.reshape(-1)).view(2, num_seqs, -1, num_kv_heads, head_dim)
+    kv = kv[:, :, :max_len]  # [2, num_seqs, max_len, num_kv_heads, head_dim]
+    mask = meta.padded_key_mask
+    # GQA without repeating K/V: the query heads sharing a KV head become that head's query rows.
     out = F.scaled_dot_product_attention(
-        q.view(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim),
-        keys.transpose(1, 2),  # [num_seqs, num_kv_heads, max_len, head_dim]
-        values.transpose(1, 2),
-        attn_mask=mask[:, None, None, :],
+        q.reshape(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim),
+        kv[0].transpose(1, 2),  # [num_seqs, num_kv_heads, max_len, head_dim]
+        kv[1].transpose(1, 2),
+        attn_mask=mask,
         scale=scale,
     )
     return out.reshape(num_seqs, num_heads, head_dim)

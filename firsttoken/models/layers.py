@@ -20,10 +20,11 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(dtype)
+        # x32 * rsqrt(mean(x32^2) + eps), cast back, times weight: the reference's order. torch's rms_norm is that
+        # composite in C++ (bitwise equal on fp32 rows of 64-3584; one call instead of five)
+        if x.dtype == torch.float32:
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+        return self.weight * F.rms_norm(x.float(), self.weight.shape, None, self.eps).to(x.dtype)
 
 
 class SwiGLUMLP(nn.Module):
@@ -37,8 +38,28 @@ class SwiGLUMLP(nn.Module):
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # [gate; up], intermediate_size each
         return self.down_proj(F.silu(gate) * up)
+
+
+def store_weights_input_major(module: nn.Module, exclude_prefix: str) -> int:
+    """Store fp32 ``nn.Linear`` weights input-major: the same [out, in] parameter (same values, names, shapes),
+    laid out so that ``weight.t()`` is contiguous. ``F.linear`` then hands the BLAS a plain, untransposed [in, out]
+    matrix, and the one-row products of decoding stream it at memory speed: measured on a 2-core AVX2 EPYC (MKL,
+    1 thread, the `small` checkpoint's decoder) 5.5 vs 6.8 ms for batch 1 and 1.3 vs 2.6 ms for its lm_head, equal
+    from 16 rows up. Only float32: the same layout made bf16 (emulated on AVX2) 8x slower. The BLAS then sums in
+    another order: one-row outputs change at rounding level (small checkpoint: max |dlogit| 7e-5, same argmax).
+    Submodules named under ``exclude_prefix`` are left alone. Returns the number of weights changed."""
+    changed = 0
+    for name, sub in module.named_modules():
+        if not isinstance(sub, nn.Linear) or name.startswith(exclude_prefix):
+            continue
+        weight = sub.weight
+        if weight.dtype != torch.float32 or weight.dim() != 2 or weight.t().is_contiguous():
+            continue
+        sub.weight = nn.Parameter(weight.detach().t().contiguous().t(), requires_grad=weight.requires_grad)
+        changed += 1
+    return changed
 
 
 def quick_gelu(x: torch.Tensor) -> torch.Tensor:
@@ -54,6 +75,19 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x: [num_tokens, ..., head_dim]; cos/sin broadcast against it (e.g. [num_tokens, 1, head_dim])."""
     return x * cos + rotate_half(x) * sin
+
+
+def rolled_sin(sin: torch.Tensor) -> torch.Tensor:
+    """``sin`` with its first half negated, for ``apply_rotary_rolled``."""
+    half = sin.shape[-1] // 2
+    return torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
+
+
+def apply_rotary_rolled(x: torch.Tensor, cos: torch.Tensor, sin_rolled: torch.Tensor) -> torch.Tensor:
+    """``apply_rotary(x, cos, sin)`` bit for bit, given ``sin_rolled = rolled_sin(sin)`` (made once per forward):
+    rotate_half(x) * sin is roll(x, half) * sin with the first half's sign flipped, and a sign flip is exact.
+    Four tensor ops instead of seven per call."""
+    return x * cos + x.roll(x.shape[-1] // 2, -1) * sin_rolled
 
 
 def rope_inv_freq(dim: int, theta: float, device: torch.device | str = "cpu") -> torch.Tensor:
@@ -74,17 +108,21 @@ def mrope_cos_sin(
     Qwen2-VL / Qwen2.5-VL: the head_dim/2 frequency pairs are split into ``mrope_section`` = (t, h, w) runs; run r
     rotates by the position on axis r. Qwen3-VL (``interleaved``): pair i rotates by the height position when
     i % 3 == 1 and i < 3 * h, by the width position when i % 3 == 2 and i < 3 * w, else by the time position. The
-    same half-table is repeated for the second half (rotate_half layout).
+    same half-table is repeated for the second half (rotate_half layout). ``positions`` with stride 0 on its first
+    dim (one row expanded, as the runner passes decode tokens) is read as the same position on every axis.
     """
     inv_freq = rope_inv_freq(head_dim, theta, positions.device)
-    freqs = positions[..., None].float() * inv_freq  # [3, num_tokens, head_dim // 2]
-    if interleaved:
+    if positions.stride(0) == 0:  # one row seen as three (decode: t = h = w): every pair picks the same angle
+        freqs = positions[0, :, None].float() * inv_freq  # [num_tokens, head_dim // 2]
+    elif interleaved:
+        freqs = positions[..., None].float() * inv_freq  # [3, num_tokens, head_dim // 2]
         picked = freqs[0].clone()
         for axis in (1, 2):
             span = slice(axis, mrope_section[axis] * 3, 3)
             picked[..., span] = freqs[axis, ..., span]
         freqs = picked  # [num_tokens, head_dim // 2]
     else:
+        freqs = positions[..., None].float() * inv_freq  # [3, num_tokens, head_dim // 2]
         chunks = freqs.split(list(mrope_section), dim=-1)
         freqs = torch.cat([chunk[i % 3] for i, chunk in enumerate(chunks)], dim=-1)  # [num_tokens, head_dim // 2]
     emb = torch.cat((freqs, freqs), dim=-1)

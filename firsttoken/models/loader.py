@@ -17,6 +17,7 @@ from torch import nn
 
 from firsttoken.attention.base import AttentionBackend
 from firsttoken.attention.registry import get_backend
+from firsttoken.models.layers import store_weights_input_major
 from firsttoken.models.registry import family_of, load_model_config
 
 
@@ -52,7 +53,10 @@ def load_model(
         if tensor.shape != expected[name]:
             raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != model shape {tuple(expected[name])}")
     model.load_state_dict(state, strict=True, assign=True)
+    del state  # the model holds the only reference now: a re-laid-out weight frees its original at once
     model.requires_grad_(False)
+    if str(device) == "cpu":
+        store_weights_input_major(model, exclude_prefix="visual.")  # the decoder's matmuls are one-row at decode
     return model.eval()
 
 

@@ -36,7 +36,13 @@ from firsttoken.models.config import (
 )
 from firsttoken.models.family import ModelFamily
 from firsttoken.models.interfaces import ImageRows
-from firsttoken.models.layers import RMSNorm, SwiGLUMLP, apply_rotary, mrope_cos_sin
+from firsttoken.models.layers import (
+    RMSNorm,
+    SwiGLUMLP,
+    apply_rotary_rolled,
+    mrope_cos_sin,
+    rolled_sin,
+)
 from firsttoken.models.qwen2_vl_vision import (
     IMAGE_PROCESSOR,
     Qwen2VisionTransformer,
@@ -67,18 +73,22 @@ class Qwen2Attention(nn.Module):
         self,
         x: torch.Tensor,  # [num_tokens, hidden]
         cos: torch.Tensor,  # [num_tokens, 1, head_dim]
-        sin: torch.Tensor,
+        sin_rolled: torch.Tensor,  # [num_tokens, 1, head_dim]: layers.rolled_sin of the rotary sin table
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         num_tokens = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(num_tokens, self.num_heads, self.head_dim)
-        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        qkv = self.qkv_proj(x)  # [num_tokens, q_size + 2 * kv_size]
+        qk_size = self.q_size + self.kv_size
+        v = qkv[:, qk_size:].view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+            q = self.q_norm(qkv[:, : self.q_size].view(num_tokens, self.num_heads, self.head_dim))
+            k = self.k_norm(qkv[:, self.q_size : qk_size].view(num_tokens, self.num_kv_heads, self.head_dim))
+            q, k = apply_rotary_rolled(q, cos, sin_rolled), apply_rotary_rolled(k, cos, sin_rolled)
+        else:  # q's and k's heads side by side: one elementwise rotary for both (the same per-element math)
+            qk = apply_rotary_rolled(
+                qkv[:, :qk_size].view(num_tokens, self.num_heads + self.num_kv_heads, self.head_dim), cos, sin_rolled)
+            q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         out = self.attn_backend.forward(q, k, v, kv_cache, meta, self.scale)
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 
@@ -95,11 +105,11 @@ class Qwen2DecoderLayer(nn.Module):
         self,
         x: torch.Tensor,
         cos: torch.Tensor,
-        sin: torch.Tensor,
+        sin_rolled: torch.Tensor,
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, meta)
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin_rolled, kv_cache, meta)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -145,9 +155,9 @@ class Qwen2VLModel(nn.Module):
             x[rows.start : rows.start + rows.embeddings.num_tokens] = rows.embeddings.main.to(x.dtype)
         c = self.config
         cos, sin = mrope_cos_sin(positions, c.head_dim, c.rope_theta, c.mrope_section, x.dtype, c.mrope_interleaved)
-        cos, sin = cos[:, None, :], sin[:, None, :]  # broadcast over heads
+        cos, sin_rolled = cos[:, None, :], rolled_sin(sin)[:, None, :]  # broadcast over heads
         for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
-            x = layer(x, cos, sin, kv_cache, meta)
+            x = layer(x, cos, sin_rolled, kv_cache, meta)
             for rows in images:  # DeepStack: an image's feature i is added to its rows' output of layer i
                 if i < len(rows.embeddings.deepstack):
                     x[rows.start : rows.start + rows.embeddings.num_tokens] += rows.embeddings.deepstack[i].to(x.dtype)

@@ -10,7 +10,8 @@ Per step: apply new and finished requests; drop encoder outputs the scheduler fr
 units through the model's encode protocol (models/interfaces.py: an image may be encoded over several steps, its
 EncodeState kept in between; a chunk may end inside an image, later chunks slice the stored ImageEmbeddings); pack
 every chunk's tokens into one batch (image rows placed over their pad tokens, M-RoPE positions sliced from the
-request's precomputed table); one forward over the paged KV cache; logits only at the last token of chunks that
+request's precomputed table, a generated token's made from its index: no per-token Python, no per-request tensors
+for a decode); one forward over the paged KV cache; logits only at the last token of chunks that
 sample; the sampler picks tokens. Everything it did is reported back as RunnerOutput, and the scheduler's
 bookkeeping follows that report, not the plan it scheduled.
 """
@@ -34,7 +35,7 @@ from firsttoken.batch import (
     ScheduledChunk,
 )
 from firsttoken.models.interfaces import EncodeState, ImageEmbeddings, ImageRows
-from firsttoken.models.mrope import decode_positions
+from firsttoken.sampling.penalties import TokenHistory
 from firsttoken.sampling.sampler import Sampler, SampleRow, make_generator
 from firsttoken.types import ImageItem, SamplingParams, TokenLogprob, images_in
 
@@ -67,12 +68,19 @@ class RequestState:
     mrope_delta: int
     sampling: SamplingParams
     generator: torch.Generator | None  # per-request RNG when sampling.seed is set
+    history: TokenHistory | None  # what penalties read, when the request has any
     output_token_ids: list[int] = field(default_factory=list)  # what this runner sampled for it
 
     @staticmethod
     def of(new: NewRequest) -> "RequestState":
+        history = TokenHistory(new.prompt_token_ids) if new.sampling.has_penalties else None
         return RequestState(new.request_id, new.prompt_token_ids, new.images, new.mrope_positions, new.mrope_delta,
-                            new.sampling, make_generator(new.sampling.seed))
+                            new.sampling, make_generator(new.sampling.seed), history)
+
+    def append(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        if self.history is not None:
+            self.history.append(token_id)
 
     def token_ids(self, start: int, end: int) -> list[int]:
         """Token ids at indices [start, end) of prompt + output."""
@@ -81,17 +89,6 @@ class RequestState:
             return list(self.prompt_token_ids[start:end])
         head = list(self.prompt_token_ids[start:n_prompt]) if start < n_prompt else []
         return head + self.output_token_ids[max(start - n_prompt, 0) : end - n_prompt]
-
-    def positions(self, start: int, end: int) -> torch.Tensor:
-        """[3, end - start] M-RoPE positions of tokens [start, end)."""
-        n_prompt = len(self.prompt_token_ids)
-        parts = []
-        if start < n_prompt:
-            parts.append(self.mrope_positions[:, start : min(end, n_prompt)])
-        if end > n_prompt:
-            s = max(start, n_prompt)
-            parts.append(decode_positions(s, end - s, self.mrope_delta))
-        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
 
 
 class ModelRunner:
@@ -160,7 +157,7 @@ class ModelRunner:
                 for c in chunks:
                     failed[c.request_id] = "internal error while running this request"
         for rid, token in sampled.items():
-            self.requests[rid].output_token_ids.append(token)
+            self.requests[rid].append(token)
         now = time.monotonic()
         return RunnerOutput(
             sampled,
@@ -239,33 +236,54 @@ class ModelRunner:
     def _forward_and_sample(
         self, chunks: list[ScheduledChunk], failed: dict[str, str], timing: dict[str, float]
     ) -> tuple[dict[str, int], dict[str, TokenLogprob]]:
+        inputs = self._pack(chunks)
+        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta, inputs.images)
+        timing["forward_done"] = time.monotonic()
+        sampling = [(row, c) for row, c in zip(inputs.last_rows, chunks) if c.sample]
+        if not sampling:
+            return {}, {}
+        if len(sampling) < hidden.shape[0]:  # a decode-only batch samples every row: nothing to pick
+            hidden = hidden[torch.tensor([row for row, _ in sampling])]
+        logits = self.model.compute_logits(hidden)  # [num_sampling, vocab] float32
+        return self._sample(logits, [c for _, c in sampling], failed)
+
+    def _pack(self, chunks: list[ScheduledChunk]) -> _PackedInputs:
+        """Every chunk's tokens back to back: ids, M-RoPE positions, image rows, attention metadata. A token past
+        its prompt sits at index + mrope_delta on all three axes, so decode positions are plain ints, made into one
+        tensor per step; only chunks inside a prompt slice the request's precomputed table."""
         ids: list[int] = []
-        positions: list[torch.Tensor] = []
+        last_rows: list[int] = []
+        generated_rows: list[int] = []  # packed rows of tokens past their prompt
+        generated_pos: list[int] = []  # ... and their position (same on t, h, w)
+        prompt_parts: list[tuple[int, torch.Tensor]] = []  # (first packed row, [3, n] positions)
         images: list[ImageRows] = []
         for chunk in chunks:
             state = self.requests[chunk.request_id]
             base = len(ids)
-            ids.extend(state.token_ids(chunk.context_len, chunk.end))
-            positions.append(state.positions(chunk.context_len, chunk.end))
-            for _, im in images_in(state.images, chunk.context_len, chunk.end):
-                lo, hi = max(im.offset, chunk.context_len), min(im.end, chunk.end)
-                rows = self.encoder_outputs[im.content_hash].rows(lo - im.offset, hi - im.offset)
-                images.append(ImageRows(base + lo - chunk.context_len, rows))
+            start, end = chunk.context_len, chunk.end
+            n_prompt = len(state.prompt_token_ids)
+            ids.extend(state.token_ids(start, end))
+            if start < n_prompt:
+                prompt_parts.append((base, state.mrope_positions[:, start : min(end, n_prompt)]))
+                for _, im in images_in(state.images, start, end):
+                    lo, hi = max(im.offset, start), min(im.end, end)
+                    rows = self.encoder_outputs[im.content_hash].rows(lo - im.offset, hi - im.offset)
+                    images.append(ImageRows(base + lo - start, rows))
+            first_generated = max(start, n_prompt)
+            generated_rows.extend(range(base + first_generated - start, base + end - start))
+            generated_pos.extend(range(first_generated + state.mrope_delta, end + state.mrope_delta))
+            last_rows.append(len(ids) - 1)
         meta = AttentionMetadata.build(
             [c.num_new_tokens for c in chunks],
             [c.context_len for c in chunks],
-            [list(c.block_table) for c in chunks],
+            [c.block_table for c in chunks],
             self.block_size,
         )
-        input_ids = torch.tensor(ids, dtype=torch.long)
-        hidden = self.model(input_ids, torch.cat(positions, dim=1), self.kv_caches, meta, images)
-        timing["forward_done"] = time.monotonic()
-        sampling = [(i, c) for i, c in enumerate(chunks) if c.sample]
-        if not sampling:
-            return {}, {}
-        last_rows = torch.tensor([int(meta.query_start_loc[i + 1]) - 1 for i, _ in sampling])
-        logits = self.model.compute_logits(hidden[last_rows])  # [num_sampling, vocab] float32
-        return self._sample(logits, [c for _, c in sampling], failed)
+        return _PackedInputs(
+            torch.tensor(ids, dtype=torch.long),
+            _positions(len(ids), prompt_parts, generated_rows, generated_pos),
+            meta, images, last_rows,
+        )
 
     def _sample(
         self, logits: torch.Tensor, chunks: list[ScheduledChunk], failed: dict[str, str]
@@ -281,13 +299,45 @@ class ModelRunner:
             return {}, {}
         chunks = [chunks[i] for i in keep]
         states = [self.requests[c.request_id] for c in chunks]
-        rows = [SampleRow(s.sampling, s.generator, s.prompt_token_ids, s.output_token_ids) for s in states]
-        result = self.sampler.sample(logits[keep], rows)
+        rows = [SampleRow(s.sampling, s.generator, s.prompt_token_ids, s.output_token_ids, s.history) for s in states]
+        result = self.sampler.sample(logits if len(keep) == logits.shape[0] else logits[keep], rows)
         for i, message in result.failed.items():
             failed[chunks[i].request_id] = message
         sampled = {c.request_id: t for i, (c, t) in enumerate(zip(chunks, result.token_ids)) if i not in result.failed}
         logprobs = {c.request_id: lp for c, lp in zip(chunks, result.logprobs) if lp is not None}
         return sampled, logprobs
+
+
+@dataclass(frozen=True)
+class _PackedInputs:
+    """One forward's inputs; row r of every [num_tokens, ...] tensor is the r-th token of the packed chunks."""
+
+    input_ids: torch.Tensor  # [num_tokens] int64
+    positions: torch.Tensor  # [3, num_tokens] int64 (t, h, w)
+    meta: AttentionMetadata
+    images: list[ImageRows]
+    last_rows: list[int]  # per chunk, the packed row of its last token
+
+
+def _positions(
+    num_tokens: int,
+    prompt_parts: list[tuple[int, torch.Tensor]],
+    generated_rows: list[int],
+    generated_pos: list[int],
+) -> torch.Tensor:
+    """[3, num_tokens] int64 positions from slices of prompt tables (at their first packed row) and per-row
+    positions of generated tokens (the same on all three axes)."""
+    generated = torch.tensor(generated_pos, dtype=torch.int64)
+    if not prompt_parts:  # decode-only: rows are 0 .. num_tokens - 1 in order
+        return generated.expand(3, -1)  # stride 0: mrope_cos_sin reads it as one row
+    if len(prompt_parts) == 1 and not generated_rows:
+        return prompt_parts[0][1]
+    out = torch.empty((3, num_tokens), dtype=torch.int64)
+    for row, part in prompt_parts:
+        out[:, row : row + part.shape[1]] = part
+    if generated_rows:
+        out[:, torch.tensor(generated_rows, dtype=torch.int64)] = generated
+    return out
 
 
 @dataclass

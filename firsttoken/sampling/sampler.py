@@ -19,6 +19,7 @@ from typing import Sequence
 
 import torch
 
+from firsttoken.sampling.penalties import TokenHistory
 from firsttoken.types import SamplingParams, TokenLogprob
 
 log = logging.getLogger("firsttoken.sampling")
@@ -32,6 +33,7 @@ class SampleRow:
     generator: torch.Generator | None  # per-request, when params.seed is set
     prompt_token_ids: Sequence[int]
     output_token_ids: Sequence[int]
+    history: TokenHistory | None = None  # the same tokens kept incrementally (the runner's); built when absent
 
 
 @dataclass(frozen=True)
@@ -119,13 +121,14 @@ def _clamp_finite(x: torch.Tensor) -> torch.Tensor:
 def _apply_penalties(logits: torch.Tensor, row: SampleRow) -> None:
     """In place on one row [vocab]."""
     p = row.params
+    history = row.history or TokenHistory(row.prompt_token_ids, row.output_token_ids)
     if p.repetition_penalty != 1.0:
-        seen = torch.tensor(sorted(set(row.prompt_token_ids) | set(row.output_token_ids)), dtype=torch.long)
+        seen = history.seen_ids
         if seen.numel():
             vals = logits[seen]
             logits[seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
-    if (p.presence_penalty or p.frequency_penalty) and row.output_token_ids:
-        ids, counts = torch.unique(torch.tensor(list(row.output_token_ids), dtype=torch.long), return_counts=True)
+    if (p.presence_penalty or p.frequency_penalty) and history.output_ids.numel():
+        ids, counts = history.output_ids, history.output_counts
         logits[ids] -= p.presence_penalty + p.frequency_penalty * counts.to(logits.dtype)
 
 

@@ -27,11 +27,13 @@ def plain_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: fl
 
 
 def run_case(
-    query_lens: list[int], context_lens: list[int], num_heads: int, num_kv_heads: int, seed: int
+    query_lens: list[int], context_lens: list[int], num_heads: int, num_kv_heads: int, seed: int,
+    consecutive: bool = False,
 ) -> float:
     gen = torch.Generator().manual_seed(seed)
-    free = list(range(NUM_BLOCKS))
-    random.Random(seed).shuffle(free)  # non-contiguous, out-of-order block assignment
+    free = list(range(NUM_BLOCKS))[::-1]  # popped in order: blocks 0, 1, 2, ...
+    if not consecutive:
+        random.Random(seed).shuffle(free)  # non-contiguous, out-of-order block assignment
     kv_cache = torch.zeros(2, NUM_BLOCKS, BLOCK_SIZE, num_kv_heads, HEAD_DIM)
     scale = HEAD_DIM**-0.5
     tables, full, expected = [], [], []
@@ -70,6 +72,17 @@ def run_case(
 )
 def test_paged_attention_matches_plain_attention(query_lens, context_lens, num_heads, num_kv_heads) -> None:
     assert run_case(query_lens, context_lens, num_heads, num_kv_heads, seed=len(query_lens)) < 1e-5
+
+
+@pytest.mark.parametrize(
+    "query_lens,context_lens",
+    [
+        ([1], [13]),  # one sequence on consecutive blocks: read as a view of the cache
+        ([1, 1, 1], [20, 20, 20]),  # equal lengths: no padding mask
+    ],
+)
+def test_decode_on_consecutive_blocks_matches_plain_attention(query_lens, context_lens) -> None:
+    assert run_case(query_lens, context_lens, 4, 2, seed=3, consecutive=True) < 1e-5
 
 
 def test_unknown_backend_names_the_available_ones() -> None:
