@@ -133,3 +133,13 @@ def test_fleet_stats_sum_counts_and_keep_shared_limits() -> None:
     assert (total.kv_blocks_total, total.num_running, total.num_waiting, total.block_size) == (20, 2, 4, 16)
     assert total.max_model_len == 4096 and total.num_waiting_by_lane == {"short": 4}
     assert total.cost_model == {} and total.step_time_target_s is None
+
+
+def test_a_bad_fleet_flag_is_one_line_naming_it_before_ray_starts(capsys: pytest.CaptureFixture) -> None:
+    from firsttoken.cli.main import main
+
+    assert main(["serve-ray", "--routing", "random"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "firsttoken serve-ray: --routing random: routing must be one of affinity, p2c, round-robin")
+    assert main(["serve-ray", "--short-replicas", "2"]) == 2
+    assert "--short-replicas 2: short_replicas and long_replicas go together" in capsys.readouterr().err
