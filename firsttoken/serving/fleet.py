@@ -81,9 +81,9 @@ class FleetEngineClient:
         self.decode_reserve_tokens = decode_reserve_tokens
         self._alive = True
         self._lock = threading.Lock()  # guards every Pool's num_in_flight and reservations
-        self._stats = EngineStats(facts.kv_blocks_total * len(self.pools), 0, 0,
-                                  facts.kv_blocks_total * len(self.pools), facts.block_size, 0, 0, 0, 0,
-                                  facts.max_model_len)
+        num_blocks = facts.kv_blocks_total * sum(p.num_replicas for p in self.pools.values())
+        self._stats = EngineStats(num_blocks, 0, 0, num_blocks, facts.block_size, 0, 0, 0, 0, facts.max_model_len)
+        # (until the first refresh: an idle fleet)
 
     # ---- EngineClient --------------------------------------------------------------------------------
     @property

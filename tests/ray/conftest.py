@@ -1,5 +1,5 @@
-"""One local Ray cluster and Serve instance for the whole test run (ray.init(num_cpus=2): what CI's runner has),
-with two firsttoken applications on it, started together:
+"""One local Ray cluster and Serve instance for this folder (ray.init(num_cpus=2): what CI's runner has; shut down
+after its last test), with two firsttoken applications on it, started together:
 
     /affinity   2 engine replicas, --routing affinity, --max-num-seqs 1 (a second request on a replica waits
                 in its queue: an accepted, unstarted request, for the replica-failure test)
@@ -93,7 +93,7 @@ def _free_port() -> int:
     raise RuntimeError(f"no free port from {FIRST_PORT}")
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def fleets(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Fleet]]:
     port = _free_port()
     flag = tmp_path_factory.mktemp("pace") / "slow"
@@ -121,11 +121,11 @@ def fleets(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> It
         ray.shutdown()
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def affinity_fleet(fleets: dict[str, Fleet]) -> Fleet:
     return fleets["affinity"]
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def rr_fleet(fleets: dict[str, Fleet]) -> Fleet:
     return fleets["rr"]
