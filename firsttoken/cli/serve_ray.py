@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
+import signal
 from dataclasses import fields
 
 from firsttoken.cli.serve import add_config_flags, serve_config
@@ -85,11 +87,20 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError("--model", config.model, str(exc)) from None
     check_serve_config(config, model_dir)
     configure_logging(config.server.log_level, config.server.log_format)
-    ray.init()  # RAY_ADDRESS: join that cluster; else a local one
+    # RAY_ADDRESS: join that cluster; else a new local one (never a stale `ray start` left on this machine)
+    ray.init(address=None if os.environ.get("RAY_ADDRESS") else "local")
     serve.start(http_options={"host": config.server.host, "port": config.server.port})
     log.info("deploying %s on Ray Serve: pools %s, routing %s", APP_NAME, options.pools(), options.routing)
+    signal.signal(signal.SIGTERM, _exit_on_term)  # as Ctrl-C: stop the application and the local cluster
     try:
         serve.run(build_application(config, options), name=APP_NAME, route_prefix="/", blocking=True)
+    except (KeyboardInterrupt, SystemExit):
+        log.info("stopping %s", APP_NAME)
     finally:
         serve.shutdown()
+        ray.shutdown()
     return 0
+
+
+def _exit_on_term(signum: int, frame: object) -> None:
+    raise SystemExit(0)

@@ -34,7 +34,7 @@ class FleetOptions:
     routing: str = "affinity"
     max_queued_per_replica: int | None = None  # None: the engine's --max-queued-requests
     replica_cpus: float = 1.0  # Ray CPUs reserved per engine replica (its torch threads: --num-threads)
-    ingress_cpus: float = 0.5
+    ingress_cpus: float = 0.0  # the ingress is scheduled anywhere; its preprocessing threads take what is free
 
     def __post_init__(self) -> None:
         if self.routing not in POLICIES:
@@ -81,6 +81,7 @@ def build_application(config: ServeConfig, options: FleetOptions, fault_hook: An
             max_ongoing_requests=capacity,
             max_queued_requests=-1,  # the ingress bounds what it sends (fleet.py): never more than the pool holds
             ray_actor_options={"num_cpus": options.replica_cpus},
+            logging_config={"enable_access_log": False},  # one line per call: the ingress's fan-out each second
             request_router_config=RequestRouterConfig(
                 request_router_class=FirsttokenRouter,
                 request_router_kwargs={"policy": options.routing},
