@@ -5,6 +5,7 @@ after its last test), with two firsttoken applications on it, started together:
                 in its queue: an accepted, unstarted request, for the replica-failure test)
     /rr         2 engine replicas, --routing round-robin, --max-num-seqs 1, --max-queued-per-replica 1 (each
                 replica holds two requests: the pool is full with four in flight)
+    /pools      --short-replicas 1 --long-replicas 1, --long-prompt-threshold 64, --max-num-seqs 1
 
 Replicas get a quarter CPU and one torch thread each; the tiny random checkpoint (tests/conftest.py). Tests talk to
 the ingress over HTTP (Serve's proxy) with the official openai client or httpx, and order events by what the
@@ -18,7 +19,7 @@ import socket
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import httpx
@@ -35,6 +36,7 @@ from tests.ray.pacing import PaceWhileFlag
 
 FIRST_PORT = 18600  # ports below are other servers' on shared machines
 STARTUP_TIMEOUT_S = 600.0  # a bound for a hang, not a speed expectation
+LONG_PROMPT_THRESHOLD = 64  # /pools: prompts of this many tokens or more go to the long pool
 
 
 @dataclass(frozen=True)
@@ -102,12 +104,15 @@ def fleets(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> It
     config = serve_config(model=str(tiny_model_dir), dtype="float32", kv_cache_memory=16 * 2**20,
                           max_batched_tokens=256, served_model_name="tiny", step_time_target="off", num_threads=1,
                           max_num_seqs=1)
-    small = {"replica_cpus": 0.25, "ingress_cpus": 0.25}
+    small = {"replica_cpus": 0.25}
     hook = PaceWhileFlag(str(flag))
     apps = {
         "affinity": build_application(config, FleetOptions(replicas=2, routing="affinity", **small), hook),
         "rr": build_application(config, FleetOptions(replicas=2, routing="round-robin", max_queued_per_replica=1,
                                                      **small), hook),
+        "pools": build_application(replace(config, engine=replace(config.engine, scheduler=replace(
+            config.engine.scheduler, long_prompt_threshold=LONG_PROMPT_THRESHOLD))),
+            FleetOptions(short_replicas=1, long_replicas=1, **small), hook),
     }
     try:
         serve.run_many([RunTarget(app, name=name, route_prefix=f"/{name}") for name, app in apps.items()])
@@ -129,3 +134,8 @@ def affinity_fleet(fleets: dict[str, Fleet]) -> Fleet:
 @pytest.fixture(scope="package")
 def rr_fleet(fleets: dict[str, Fleet]) -> Fleet:
     return fleets["rr"]
+
+
+@pytest.fixture(scope="package")
+def pools_fleet(fleets: dict[str, Fleet]) -> Fleet:
+    return fleets["pools"]

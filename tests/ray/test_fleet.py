@@ -123,3 +123,39 @@ def test_metrics_aggregate_every_replica_with_a_replica_label_and_vllm_gauges(af
     promtool = require_program("promtool", "prometheus")  # the merged text is valid exposition
     check = subprocess.run([promtool, "check", "metrics"], input=text, capture_output=True, text=True, check=False)
     assert "error" not in (check.stdout + check.stderr).lower(), check.stdout + check.stderr
+
+
+def test_a_long_pool_flood_never_queues_a_short_prompt(pools_fleet: Fleet) -> None:
+    """Three long prompts fill the long replica (one running, two waiting); a short one, sent after them, is
+    answered by the short replica while all three are still there."""
+    pools_fleet.wait_idle()
+    long_system = "[flood] " + " ".join(f"Rule {i}: the keeper checks lamp number {i} at dusk." for i in range(12))
+    with pools_fleet.paced(), ExitStack() as clients:
+        held = []
+        for i in range(3):
+            body = {"model": "tiny", "max_tokens": 30_000, "temperature": 0, "stream": True, "ignore_eos": True,
+                    "messages": [{"role": "system", "content": long_system}, {"role": "user", "content": str(i)}]}
+            http = clients.enter_context(httpx.Client(timeout=120))
+            response = http.send(http.build_request("POST", f"{pools_fleet.base_url}/v1/chat/completions",
+                                                    json=body), stream=True)
+            held.append(response.iter_lines())
+            assert '"role":"assistant"' in next(held[-1])
+
+        def long_replica_full() -> bool:
+            waiting = pools_fleet.gauges("vllm:num_requests_waiting")
+            return any(r.startswith("long/") and v == 2 for r, v in waiting.items())
+
+        pools_fleet.wait_for("the long replica to hold the flood", long_replica_full)
+        short = httpx.post(f"{pools_fleet.base_url}/v1/chat/completions", timeout=120,
+                           json={"model": "tiny", "messages": _conversation("short"), "max_tokens": 2})
+        assert short.status_code == 200
+        assert short.json()["usage"]["prompt_tokens"] < 64
+        running = pools_fleet.gauges("vllm:num_requests_running")
+        waiting = pools_fleet.gauges("vllm:num_requests_waiting")
+        long_replica = next(r for r in running if r.startswith("long/"))
+        assert (running[long_replica], waiting[long_replica]) == (1, 2)  # the flood is all still there
+        finished = {s.labels["replica"] for f in text_string_to_metric_families(pools_fleet.get("/metrics").text)
+                    if f.name == "firsttoken_requests" for s in f.samples if s.value > 0}
+        assert finished == {next(r for r in running if r.startswith("short/"))}  # the short replica answered it
+    del held
+    pools_fleet.wait_idle()
