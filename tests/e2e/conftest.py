@@ -80,9 +80,7 @@ def start_server(
     config = serve_config(**{**options, **overrides})
     app, engine = build_server(config, fault_hook=fault_hook, media_network=media_network)
     engine.start()
-    # the HTTP protocol `firsttoken serve` runs (h11 with the header deadline), not uvicorn's auto choice, which
-    # takes httptools whenever it is installed (ray[serve], in the test extra, brings it)
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",  # as serve runs it:
                                            http=header_timeout_protocol(config.server.request_header_timeout_s)))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
