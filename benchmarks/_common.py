@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shlex
 import socket
 import subprocess
 import sys
@@ -25,12 +26,15 @@ def small_model(model: str | None) -> str:
 
 
 def start_server(model: str | Path, extra: list[str], timeout_s: float = 300.0) -> tuple[subprocess.Popen, str]:
-    """`firsttoken serve` in its own process (as deployed), model id "m"; returns (process, base URL)."""
+    """`firsttoken serve` in its own process (as deployed), model id "m"; returns (process, base URL).
+    $FIRSTTOKEN_BENCH_SERVE_ARGS adds flags to every server a benchmark starts (e.g. "--num-threads 1" when the
+    benchmark is pinned to one core with `taskset -c 0`, so other work on the machine cannot stall its threads)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     proc = subprocess.Popen([sys.executable, "-m", "firsttoken.cli.main", "serve", "--model", str(model), "--port",
-                             str(port), "--served-model-name", "m", "--log-level", "warning", *extra])
+                             str(port), "--served-model-name", "m", "--log-level", "warning", *extra,
+                             *shlex.split(os.environ.get("FIRSTTOKEN_BENCH_SERVE_ARGS", ""))])
     base = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:

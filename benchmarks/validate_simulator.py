@@ -135,12 +135,15 @@ def main() -> None:
     ap.add_argument("--output-tokens", type=int, default=32)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--replicas", default="1,2", help="which measured runs: 1,2 (default), 1 or 2; two replicas "
+                    "take one core each, so run them only when both cores are free")
     args = ap.parse_args()
+    runs = set(args.replicas.split(","))
     model_dir = small_model(args.model)
     model = load_model_config(model_dir)
     out: dict = {"machine": machine_info(), "args": vars(args)}
 
-    # 1 replica
+    # the unloaded service times and the rate: measured on one default server (as bench_slo calibrates)
     proc, base = start_server(model_dir, [])
     try:
         service = unloaded(base, args)
@@ -148,38 +151,45 @@ def main() -> None:
         capacity = 1.0 / sum(SHARES[c] * service[c] for c in CLASSES)
         rate = args.utilization * capacity
         bodies, arrivals = workload(args, rate)
-        records = asyncio.run(replay([base], bodies, arrivals))
-        after = sim.Profile.from_stats(stats(base))
+        if "1" in runs:  # 1 replica: the same server, loaded
+            records = asyncio.run(replay([base], bodies, arrivals))
+            after = sim.Profile.from_stats(stats(base))
     finally:
         stop_server(proc)
-    out["one"] = {"service_s": service, "capacity_rps": capacity, "rate": rate, "records": records,
-                  "profile_before": before.to_dict(), "profile_after": after.to_dict(),
-                  "out_of_sample": compare(records, [before], model), "in_sample": compare(records, [after], model)}
+    out["calibration"] = {"service_s": service, "capacity_rps": capacity, "rate": rate}
+    if "1" in runs:
+        out["one"] = {"service_s": service, "capacity_rps": capacity, "rate": rate, "records": records,
+                      "profile_before": before.to_dict(), "profile_after": after.to_dict(),
+                      "out_of_sample": compare(records, [before], model),
+                      "in_sample": compare(records, [after], model)}
 
-    # 2 replicas, one core each, round-robin
-    procs, bases = [], []
-    try:
-        for _ in range(2):
-            p, b = start_server(model_dir, ["--num-threads", "1"])
-            procs.append(p)
-            bases.append(b)
-        befores = []
-        for b in bases:
-            unloaded(b, args)
-            befores.append(sim.Profile.from_stats(stats(b)))
-        records2 = asyncio.run(replay(bases, bodies, arrivals))
-        afters = [sim.Profile.from_stats(stats(b)) for b in bases]
-    finally:
-        for p in procs:
-            stop_server(p)
-    out["two"] = {"rate": rate, "records": records2, "profiles_before": [p.to_dict() for p in befores],
-                  "out_of_sample": compare(records2, befores, model), "in_sample": compare(records2, afters, model)}
+    if "2" in runs:  # 2 replicas, one core each, round-robin
+        procs, bases = [], []
+        try:
+            for _ in range(2):
+                p, b = start_server(model_dir, ["--num-threads", "1"])
+                procs.append(p)
+                bases.append(b)
+            befores = []
+            for b in bases:
+                unloaded(b, args)
+                befores.append(sim.Profile.from_stats(stats(b)))
+            records2 = asyncio.run(replay(bases, bodies, arrivals))
+            afters = [sim.Profile.from_stats(stats(b)) for b in bases]
+        finally:
+            for p in procs:
+                stop_server(p)
+        out["two"] = {"rate": rate, "records": records2, "profiles_before": [p.to_dict() for p in befores],
+                      "out_of_sample": compare(records2, befores, model),
+                      "in_sample": compare(records2, afters, model)}
 
     print(f"machine: {out['machine']}")
     print(f"seed mix, {args.num_requests} requests, Poisson {rate:.4f}/s = U {args.utilization:g} x capacity "
           f"{capacity:.4f}/s (unloaded e2e " + ", ".join(f"{c} {s:.2f} s" for c, s in service.items()) + ")")
     print("replicas profile        class    n | measured P50    P99 | simulated P50    P99 | error P50    P99")
     for key, label in (("one", "1"), ("two", "2 (rr)")):
+        if key not in out:
+            continue
         for which in ("out_of_sample", "in_sample"):
             for cls in CLASSES:
                 r = out[key][which][cls]

@@ -7,20 +7,32 @@ file descriptor, forever: the app is not called until the headers are complete, 
 moment a connection opens or finishes a response, the next request's headers must be complete within
 ``seconds``, else the connection is closed without a response (there is no request to answer). The body's
 own deadline is the middleware's (``--request-body-timeout``, api/middleware.py).
+
+It also caps each connection's kernel send buffer (``SEND_BUFFER_BYTES``). Linux grows a loopback or LAN socket's
+send buffer up to 4 MiB, ~20,000 streamed token chunks: a client that stops reading would have the server generate
+all of them before its writes block and ``--max-unread-outputs`` can notice (api/ takes outputs only as fast as the
+socket accepts them). A token stream needs a few KB/s, so a small buffer costs nothing and bounds what a stalled
+reader can make the server produce.
 """
 
 from __future__ import annotations
 
 import asyncio
+import socket
 
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
+
+SEND_BUFFER_BYTES = 64 * 1024  # per connection; the kernel doubles it for bookkeeping (128 KiB in effect)
 
 
 class _HeaderDeadlineProtocol(H11Protocol):
     header_timeout_s: float = 30.0  # set per server by header_timeout_protocol
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        sock = transport.get_extra_info("socket")
+        if sock is not None:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SEND_BUFFER_BYTES)
         super().connection_made(transport)
         self._header_timer: asyncio.TimerHandle | None = None
         self._arm_header_timer()

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from firsttoken.cli.usage import UsageError, existing_dir, existing_file, first_line
+from firsttoken.config import ImageConfig
 
 DEFAULT_TARGETS = "text=1.5,image=12"
 
@@ -38,7 +39,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--output-tokens", type=int, default=32, help="with --rate: tokens generated per request")
     p.add_argument("--text-tokens", type=int, default=800, help="with --rate: text tokens per prompt (default 800)")
     p.add_argument("--image-size", default="1024x1024", help="WIDTHxHEIGHT of every image (default 1024x1024)")
-    p.add_argument("--image-max-tokens", type=int, default=1280, help="the replicas' per-image budget")
+    p.add_argument("--image-max-tokens", type=int, default=ImageConfig().image_max_tokens,
+                   help="the replicas' per-image budget (default: serve's)")
     p.add_argument("--replicas", default="1", help="replica counts to simulate, e.g. 1,2,4,8 (default 1)")
     p.add_argument("--pools", default=None, help="SHORT,LONG: replicas in the short and long lane pools "
                    "(default: one pool of all replicas)")

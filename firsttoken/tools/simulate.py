@@ -34,8 +34,9 @@ import numpy as np
 import torch
 
 from firsttoken.batch import RunnerOutput, ScheduledBatch
-from firsttoken.config import CacheConfig, SchedulerConfig
+from firsttoken.config import CacheConfig, ImageConfig, SchedulerConfig
 from firsttoken.inputs.budget import plan_image
+from firsttoken.metrics.window import IMAGE_CLASSES, image_class
 from firsttoken.models.config import ModelConfig
 from firsttoken.models.registry import family_named
 from firsttoken.scheduler.cost_model import FEATURE_NAMES, CostModel
@@ -43,13 +44,9 @@ from firsttoken.scheduler.request import Request
 from firsttoken.scheduler.scheduler import Scheduler
 from firsttoken.types import EncoderUnit, EngineRequest, FinishReason, ImageItem, PromptWork, SamplingParams
 
-IMAGE_CLASSES = ("0", "1", "2+")
+DEFAULT_IMAGE_BUDGET = ImageConfig().image_max_tokens  # serve's default visual tokens per image
 TEMPLATE_TOKENS = 21  # the chat template around one user turn (Qwen2-VL's), as tools/plan.py counts it
 IMAGE_WRAPPER_TOKENS = 2  # <|vision_start|> ... <|vision_end|>
-
-
-def image_class(num_images: int) -> str:
-    return "0" if num_images == 0 else "1" if num_images == 1 else "2+"
 
 
 # ---- the replica's measured price list -----------------------------------------------------------------
@@ -137,7 +134,7 @@ def seed_mix(
     mix: Sequence[tuple[str, int, float]] = (("text", 0, 0.5), ("1img", 1, 0.3), ("3img", 3, 0.2)),
     text_tokens: int = 800,
     image_size: tuple[int, int] = (1024, 1024),
-    image_budget_tokens: int = 1280,
+    image_budget_tokens: int = DEFAULT_IMAGE_BUDGET,
     output_tokens: int = 32,
 ) -> list[SimRequest]:
     """The seed's mix (class, images, share) with Poisson arrivals at ``rate`` requests/s; distinct images."""
@@ -172,7 +169,7 @@ def capacity_rps(profile: Profile, workload: Sequence[SimRequest]) -> float:
 
 
 def from_trace(records: Sequence[dict[str, Any]], model: ModelConfig, image_size: tuple[int, int] = (1024, 1024),
-               image_budget_tokens: int = 1280) -> list[SimRequest]:
+               image_budget_tokens: int = DEFAULT_IMAGE_BUDGET) -> list[SimRequest]:
     """A measured run's requests (``firsttoken bench`` records: start_s, cls, num_images, prompt_tokens,
     completion_tokens), replayed with the same arrivals, classes and token counts. Records without usage fall back
     to an 800-token text."""
@@ -327,7 +324,7 @@ class Router:
 
     policy: str = "least-loaded"
     pools: dict[str, list[int]] | None = None
-    long_prompt_threshold: int = 1024
+    long_prompt_threshold: int = SchedulerConfig().long_prompt_threshold
     seed: int = 0
     _rr: dict[str, itertools.count] = field(default_factory=dict)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 
 import pytest
@@ -13,6 +14,7 @@ from firsttoken.config import (
     GenerationDefaults,
     SchedulerConfig,
 )
+from firsttoken.engine.async_engine import AsyncEngine
 from firsttoken.engine.engine import LLMEngine
 from firsttoken.inputs.processor import InputProcessor
 from firsttoken.types import FinishReason
@@ -187,3 +189,58 @@ def test_sampling_values_the_schema_accepts_never_fail_their_batch_mates(tiny_mo
                            chat(proc, "b", image_question())])
     assert out["h"][1] in (FinishReason.STOP, FinishReason.LENGTH) and out["h"][2] is None
     assert out["a"] == reference["a"] and out["b"] == reference["b"]
+
+
+HANG_S = 300.0  # far beyond what these few tiny requests need on any machine: only a hang reaches it
+
+
+class AddFails:
+    """The engine, except that adding one request id raises an error that is not an admission refusal (a bug in
+    building its bookkeeping, say). AsyncEngine only sees the engine it is given: this is its seam."""
+
+    def __init__(self, engine: LLMEngine, request_id: str) -> None:
+        self._engine = engine
+        self._request_id = request_id
+
+    def __getattr__(self, name: str):
+        return getattr(self._engine, name)
+
+    def add_request(self, request) -> None:
+        if request.request_id == self._request_id:
+            raise RuntimeError("injected add failure")
+        self._engine.add_request(request)
+
+
+def test_a_request_that_fails_to_be_added_fails_alone_and_the_loop_keeps_serving(tiny_model_dir):
+    engine, proc = build(tiny_model_dir)
+    reference = run_all(engine, requests(proc))
+    engine, proc = build(tiny_model_dir)
+    async_engine = AsyncEngine(AddFails(engine, "b"))
+    async_engine.start()
+
+    async def collect(request):
+        try:
+            return [out async for out in async_engine.generate(request)]
+        except Exception as e:  # noqa: BLE001 - the failed request's error is what the test looks at
+            return e
+
+    async def go():
+        together = await asyncio.gather(*(collect(r) for r in requests(proc)))
+        after = await collect(requests(proc)[0])  # the loop is still serving
+        return together, after
+
+    async def bounded():  # a dead loop would leave every stream waiting forever: fail instead of hanging
+        return await asyncio.wait_for(go(), timeout=HANG_S)
+
+    try:
+        together, after = asyncio.run(bounded())
+    finally:
+        async_engine.shutdown()
+    by_id = dict(zip("abcd", together, strict=True))
+    assert isinstance(by_id["b"], RuntimeError)
+    for rid in "acd":
+        tokens = [t for out in by_id[rid] for t in out.new_token_ids]
+        assert (tokens, by_id[rid][-1].finish_reason) == reference[rid][:2]
+    assert [t for out in after for t in out.new_token_ids] == reference["a"][0]
+    stats = engine.stats()
+    assert stats.kv_blocks_used == 0 and stats.num_running == 0 and stats.num_waiting == 0

@@ -18,6 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from firsttoken.config import ImageConfig
 from firsttoken.tools.doctor.observe import Observation
 
 SEVERITIES = ("high", "medium", "low")
@@ -25,7 +26,7 @@ SEVERITIES = ("high", "medium", "low")
 
 @dataclass(frozen=True)
 class Thresholds:
-    image_budget_tokens: int = 1280  # the visual tokens per image doctor recommends (firsttoken's default)
+    image_budget_tokens: int = ImageConfig().image_max_tokens  # the visual tokens per image doctor recommends (serve's)
     image_budget_factor: float = 1.5  # per-image visual tokens above factor x budget: no effective budget
     high_share: float = 0.25  # estimated share of TTFT from which a finding is high severity
     medium_share: float = 0.10
@@ -113,7 +114,7 @@ def image_budget(ctx: Context) -> Finding | None:
          "excess_visual_tokens_share": _r(share),
          "encode_prefill_share_of_image_ttft": _r(_share(o, ("encode", "prefill"), ("1", "2+")))},
         f"--image-max-tokens {th.image_budget_tokens}",
-        "check answers at the budget first: firsttoken regress --budgets 16384,1280,400",
+        f"check answers at the budget first: firsttoken regress --budgets 16384,{th.image_budget_tokens},400",
     )  # fmt: skip
 
 

@@ -1,0 +1,50 @@
+"""One config tree: every option's only default lives in firsttoken/config.py, and `firsttoken serve`'s flags are
+generated from it, so a flag cannot exist without a config field, nor a field without a flag and its default."""
+
+from __future__ import annotations
+
+from dataclasses import fields, is_dataclass
+
+from firsttoken.cli.main import build_parser
+from firsttoken.cli.serve import serve_config
+from firsttoken.config import ServeConfig, config_flags
+
+
+def _leaves(obj: object, prefix: tuple[str, ...] = ()) -> list[tuple[str, ...]]:
+    out: list[tuple[str, ...]] = []
+    for f in fields(obj):  # type: ignore[arg-type]
+        value = getattr(obj, f.name)
+        out += _leaves(value, (*prefix, f.name)) if is_dataclass(value) else [(*prefix, f.name)]
+    return out
+
+
+def test_every_leaf_of_the_tree_is_one_serve_flag() -> None:
+    flags = list(config_flags())
+    assert [f.path for f in flags] == _leaves(ServeConfig())
+    assert len({f.flag for f in flags}) == len(flags)  # no two fields share a flag
+    serve = build_parser()._subparsers._group_actions[0].choices["serve"]  # type: ignore[union-attr]
+    options = {opt for action in serve._actions for opt in action.option_strings} - {"-h", "--help"}
+    assert options == {f.flag for f in flags}
+
+
+def test_serve_without_flags_is_the_trees_defaults() -> None:
+    args = build_parser().parse_args(["serve"])
+    assert serve_config(args) == ServeConfig()
+
+
+def test_help_shows_each_flags_default() -> None:
+    serve = build_parser()._subparsers._group_actions[0].choices["serve"]  # type: ignore[union-attr]
+    text = " ".join(serve.format_help().split())
+    for f in config_flags():
+        assert f.flag in text
+        if f.parse is not None and "default:" not in f.help:
+            assert f"(default: {' '.join(f.shown.split())})" in text, f.flag
+
+
+def test_an_option_by_flag_name_sets_the_same_field_as_the_flag() -> None:
+    args = build_parser().parse_args(["serve", "--long-prompt-threshold", "2048", "--kv-cache-memory", "16MiB"])
+    from_flags = serve_config(args)
+    from_options = serve_config(long_prompt_threshold=2048, kv_cache_memory="16MiB")
+    assert from_flags == from_options
+    assert from_flags.engine.scheduler.long_prompt_threshold == 2048
+    assert from_flags.engine.cache.kv_cache_memory_bytes == 16 * 2**20
