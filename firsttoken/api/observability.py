@@ -28,7 +28,7 @@ import json
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import aclosing
 from importlib import resources
 from pathlib import Path
@@ -119,13 +119,17 @@ class Observability:
         recorder: Recorder,
         api_key: str | None = None,
         detokenize: Callable[[list[int]], str] | None = None,
+        merge_metrics: Callable[[bytes], Awaitable[bytes]] | None = None,
     ) -> None:
-        """``detokenize`` given: the request log carries each prompt's text (``--request-log-content``)."""
+        """``detokenize`` given: the request log carries each prompt's text (``--request-log-content``).
+        ``merge_metrics`` given: /metrics answers what it makes of this app's own exposition (a fleet's ingress
+        merges its replicas' in: serving/ingress.py)."""
         if api_key is not None and not api_key:
             raise ValueError("api_key must not be empty")
         self.recorder = recorder
         self.api_key = api_key
         self.detokenize = detokenize
+        self.merge_metrics = merge_metrics
         self._lock = threading.Lock()
         self._gaps: _Bounded = _Bounded()  # request id -> inter-token gaps, once its last token arrived
         self._content: _Bounded = _Bounded()  # request id -> logged content (only with detokenize)
@@ -142,7 +146,10 @@ class Observability:
 
         @app.get("/metrics")
         async def metrics() -> Response:
-            return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+            body = generate_latest(registry)
+            if self.merge_metrics is not None:
+                body = await self.merge_metrics(body)
+            return Response(body, media_type=CONTENT_TYPE_LATEST)
 
         @app.get("/stats")
         async def stats() -> JSONResponse:
@@ -325,14 +332,15 @@ class RejectionCounter:
         await self.app(scope, receive, counting_send)
 
 
-def observability_from_config(server: ServerConfig, tokenizer: Any) -> Observability:
+def observability_from_config(server: ServerConfig, tokenizer: Any,
+                              merge_metrics: Callable[[bytes], Awaitable[bytes]] | None = None) -> Observability:
     """The server config's observability part: --stats-window, --request-log[-content], --api-key."""
     import os
 
     recorder = Recorder(window_s=server.stats_window_s)
     api_key = server.api_key or os.environ.get("FIRSTTOKEN_API_KEY") or None
     detokenize = (lambda ids: tokenizer.decode(ids, skip_special_tokens=True)) if server.request_log_content else None
-    obs = Observability(recorder, api_key=api_key, detokenize=detokenize)
+    obs = Observability(recorder, api_key=api_key, detokenize=detokenize, merge_metrics=merge_metrics)
     if server.request_log is not None:
         recorder.sink = RequestLog(Path(server.request_log), obs.content_of if detokenize else None)
     return obs

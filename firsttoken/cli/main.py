@@ -19,7 +19,7 @@ from types import ModuleType
 
 from firsttoken.cli import bench as bench_command
 from firsttoken.cli import doctor as doctor_command
-from firsttoken.cli import make_model, serve
+from firsttoken.cli import make_model, serve, serve_ray
 from firsttoken.cli import plan as plan_command
 from firsttoken.cli import regress as regress_command
 from firsttoken.cli import simulate as simulate_command
@@ -32,8 +32,8 @@ from firsttoken.cli.usage import (
     first_line,
 )
 
-COMMANDS: tuple[ModuleType, ...] = (serve, make_model, plan_command, bench_command, tokens_command, regress_command,
-                                     doctor_command, simulate_command)
+COMMANDS: tuple[ModuleType, ...] = (serve, serve_ray, make_model, plan_command, bench_command, tokens_command,
+                                     regress_command, doctor_command, simulate_command)
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, as shells report it
 
 

@@ -12,7 +12,10 @@ from pathlib import Path
 from typing import Any
 
 from firsttoken.config import ServeConfig, config_flags, config_from_options
+from firsttoken.serving.build import model_dir_of, served_name_of
 from firsttoken.units import parse_bytes
+
+__all__ = ["add_config_flags", "add_parser", "build_server", "model_dir_of", "run", "serve_config", "served_name_of"]
 
 log = logging.getLogger("firsttoken.serve")
 
@@ -35,6 +38,12 @@ def _argparse_type(parse: Any) -> Any:
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("serve", help="run the OpenAI-compatible server",
                               description="Serve a Qwen-VL checkpoint over an OpenAI-compatible HTTP API.")
+    add_config_flags(p)
+    p.set_defaults(handler=run)
+
+
+def add_config_flags(p: argparse.ArgumentParser) -> None:
+    """Every option of the config tree as a flag, grouped by section (``serve`` and ``serve-ray`` share them)."""
     groups: dict[tuple[str, ...], argparse._ArgumentGroup] = {}
     for f in config_flags():
         section = f.path[:-1]
@@ -47,7 +56,6 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
             group.add_argument(f.flag, dest=f.dest, type=_argparse_type(f.parse), default=f.default,
                                metavar=_metavar(f),
                                help=f.help if "default:" in f.help else f"{f.help} (default: {f.shown})")
-    p.set_defaults(handler=run)
 
 
 GROUP_TITLES = {
@@ -84,57 +92,18 @@ def build_server(config: ServeConfig, fault_hook: Any = None, media_network: Any
     from firsttoken.api.observability import observability_from_config
     from firsttoken.api.server import build_app
     from firsttoken.api.settings import ServedModel
-    from firsttoken.config import GenerationDefaults
-    from firsttoken.engine.async_engine import AsyncEngine
-    from firsttoken.engine.engine import LLMEngine
-    from firsttoken.inputs.processor import InputProcessor, load_tokenizer
+    from firsttoken.inputs.processor import load_tokenizer
+    from firsttoken.serving.build import build_engine, build_processor
 
     model_dir = model_dir_of(config)
-    if config.model is None:
-        log.warning("no --model given: serving the built-in demo checkpoint (random weights, nonsense answers) "
-                    "from %s", model_dir)
     tokenizer = load_tokenizer(model_dir, config.chat_template)
     observability = observability_from_config(config.server, tokenizer)
-    engine = LLMEngine(
-        model_dir, config.engine, tokenizer=_decoder(tokenizer), fault_hook=fault_hook, observer=observability.recorder
-    )
-    if config.engine.scheduler.step_time_target != "off" or config.engine.scheduler.ttft_slo:
-        engine.calibrate()  # the step-cost model prices steps and predicts TTFT from the first request on
-    async_engine = AsyncEngine(engine, on_abort=observability.recorder.on_aborted)
-    processor = InputProcessor(
-        tokenizer,
-        engine.model_config,
-        GenerationDefaults.from_pretrained(model_dir),
-        max_model_len=engine.max_model_len,
-        images=config.images,
-        media_network=media_network,
-        admission=async_engine.check_admission,
-    )
+    async_engine = build_engine(config, model_dir, tokenizer, observability.recorder, fault_hook)
+    engine = async_engine.engine
+    processor = build_processor(config, model_dir, tokenizer, engine.model_config, engine.max_model_len,
+                                async_engine.check_admission, media_network)
     served = ServedModel(served_name_of(config, model_dir), engine.max_model_len, str(model_dir))
     return build_app(async_engine, processor, served, config.server, observability), async_engine
-
-
-def model_dir_of(config: ServeConfig) -> Path:
-    """--model as a local directory: itself, a Hugging Face repo id resolved (models/hub.py), or the demo."""
-    from firsttoken.models.checkpoint import demo_model_dir
-    from firsttoken.models.hub import resolve_model
-
-    return resolve_model(config.model) if config.model else demo_model_dir()
-
-
-def served_name_of(config: ServeConfig, model_dir: Path) -> str:
-    """What clients send as `model`: --served-model-name, else the repo id as given, else the directory's name."""
-    from firsttoken.models.hub import is_repo_id
-
-    if config.served_model_name:
-        return config.served_model_name
-    return config.model if config.model and is_repo_id(config.model) and not Path(config.model).exists() \
-        else model_dir.name
-
-
-def _decoder(tokenizer: Any) -> Any:
-    """The Rust tokenizer decodes without the Python wrapper's overhead; the detokenizer calls it per token."""
-    return getattr(tokenizer, "backend_tokenizer", None) or tokenizer
 
 
 def run(args: argparse.Namespace) -> int:

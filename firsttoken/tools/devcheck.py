@@ -18,7 +18,8 @@ PACKAGE_ROOT = Path(__file__).resolve().parents[1]
 
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("cli",),  # the firsttoken command
-    ("llm", "tools"),  # the offline Python API; operator tools (they talk HTTP or do arithmetic)
+    ("llm", "tools", "serving"),  # the offline Python API; operator tools (they talk HTTP or do arithmetic); how a
+    # server is assembled from the config (one engine, or replicas on Ray Serve)
     ("api",),  # the HTTP server
     ("inputs",),  # prompts -> EngineRequest
     ("engine",),  # the step loop, the asyncio bridge, detokenizer
