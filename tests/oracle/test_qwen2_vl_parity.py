@@ -236,9 +236,11 @@ def generate_ids(ref, config: ModelConfig, prompt: Prompt, num_new: int) -> list
     return out[0, len(prompt.ids) :].tolist()
 
 
-def greedy_ids(model: Qwen2VLModel, prompt: Prompt, num_new: int) -> list[int]:
-    """Ours: prefill in chunks of 16 on the paged cache, then one token per step, argmax."""
-    runner = TinyRunner(model, seed=5)
+def greedy_ids(model: Qwen2VLModel, prompt: Prompt, num_new: int, runner_cls: type[TinyRunner] | None = None
+               ) -> list[int]:
+    """Ours: prefill in chunks of 16 on the paged cache, then one token per step, argmax (``runner_cls``: a
+    family's TinyRunner subclass)."""
+    runner = (runner_cls or TinyRunner)(model, seed=5)
     seq = runner.add(prompt)
     logits = runner.prefill(seq, chunk=16)[-1]
     got = []

@@ -38,7 +38,15 @@ from firsttoken.models.qwen3_vl_checkpoint import SIZES, build_hf_config
 from firsttoken.models.registry import load_model_config
 from tests.oracle.test_engine_oracle import Prompt as EnginePrompt
 from tests.oracle.test_engine_oracle import engine_request, run
-from tests.oracle.test_qwen2_vl_parity import Prompt, TinyRunner, make_images, max_diff, ref_logits
+from tests.oracle.test_qwen2_vl_parity import (
+    Prompt,
+    TinyRunner,
+    generate_ids,
+    greedy_ids,
+    make_images,
+    max_diff,
+    ref_logits,
+)
 
 TOL = 1e-4  # max |Δlogit|, fp32
 VISION_TOL = 1e-5
@@ -270,25 +278,8 @@ def test_mixed_batch_matches_each_sequence_alone_and_the_reference(ref, ours, mo
 
 @pytest.mark.parametrize("name", ["text", "one_image"])
 def test_32_greedy_tokens_match_generate(ref, ours, model_dir, name) -> None:
-    num_new = 32
     prompt = as_runner_prompt(make_prompt(model_dir, ours.config, PROMPTS[name], seed=3))
-    input_ids = torch.tensor([prompt.ids])
-    kwargs = dict(mm_token_type_ids=(input_ids == ours.config.image_token_id).long())
-    if prompt.pixel_values is not None:
-        kwargs.update(pixel_values=prompt.pixel_values, image_grid_thw=torch.tensor(prompt.grid_thw))
-    with torch.no_grad():
-        out = ref.generate(input_ids, max_new_tokens=num_new, min_new_tokens=num_new, do_sample=False, **kwargs)
-    expected = out[0, len(prompt.ids) :].tolist()
-    runner = Qwen3Runner(ours, seed=5)
-    seq = runner.add(prompt)
-    logits = runner.prefill(seq, chunk=16)[-1]
-    got = []
-    for _ in range(num_new):
-        token = int(logits.argmax())
-        got.append(token)
-        seq.ids.append(token)
-        logits = runner.step([(seq, 1)])[0][-1]
-    assert got == expected
+    assert greedy_ids(ours, prompt, 32, Qwen3Runner) == generate_ids(ref, ours.config, prompt, 32)
 
 
 # ---------------------------------------------------------------- layouts, tying, bf16, preprocessing
