@@ -36,18 +36,24 @@ def start_server(model: str | Path, extra: list[str], timeout_s: float = 300.0) 
                              str(port), "--served-model-name", "m", "--log-level", "warning", *extra,
                              *shlex.split(os.environ.get("FIRSTTOKEN_BENCH_SERVE_ARGS", ""))])
     base = f"http://127.0.0.1:{port}"
+    return proc, wait_healthy(proc, base, timeout_s, "server")
+
+
+def wait_healthy(proc: subprocess.Popen, base: str, timeout_s: float, what: str, log_hint: str = "") -> str:
+    """Poll ``base``/health until it answers 200 (returns ``base``); a process that exits or never gets there is a
+    RuntimeError naming ``what`` (and ``log_hint``, e.g. where its log is), and the process is killed."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         try:
-            if httpx.get(f"{base}/health").status_code == 200:
-                return proc, base
+            if httpx.get(f"{base}/health", timeout=5).status_code == 200:
+                return base
         except httpx.HTTPError:
             pass
         if proc.poll() is not None:
-            raise RuntimeError(f"server exited with {proc.returncode}")
+            raise RuntimeError(f"{what} exited with {proc.returncode}{log_hint}")
         time.sleep(0.2)
     proc.kill()
-    raise RuntimeError("server did not start")
+    raise RuntimeError(f"{what} did not become healthy in {timeout_s:.0f} s{log_hint}")
 
 
 def stop_server(proc: subprocess.Popen) -> None:

@@ -19,11 +19,12 @@ import socket
 import subprocess
 import sys
 import tarfile
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import wait_healthy  # noqa: E402
 
 LLAMA_CPP_PYTHON = "llama-cpp-python==0.3.36"
 SDIST = "llama_cpp_python-0.3.36"
@@ -135,15 +136,4 @@ def start_llama_server(
     log = open(gguf.model.with_suffix(f".np{parallel}.log"), "w")  # noqa: SIM115 - lives as long as the server
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
     base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(f"{base}/health", timeout=5).status_code == 200:
-                return proc, base
-        except httpx.HTTPError:
-            pass
-        if proc.poll() is not None:
-            raise RuntimeError(f"llama-server exited with {proc.returncode}: see {log.name}")
-        time.sleep(0.2)
-    proc.kill()
-    raise RuntimeError(f"llama-server did not become healthy in {timeout_s:.0f} s: see {log.name}")
+    return proc, wait_healthy(proc, base, timeout_s, "llama-server", f": see {log.name}")
