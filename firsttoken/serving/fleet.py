@@ -8,8 +8,10 @@ Per request:
    - a prompt no replica can ever hold (400, the engine's own rule over the replicas' KV pool and context), and
    - any request when the pool is full (429 with Retry-After): every replica already holds its capacity
      (``max_num_seqs`` running + ``max_queued_per_replica`` waiting). The router never sends a replica more than its
-     capacity (Serve's ``max_ongoing_requests``), so "in flight from this ingress == replicas x capacity" means
-     every replica is full. An admitted request holds its place until ``generate`` or ``release``.
+     capacity (serving/router.py), so "in flight from this ingress == replicas x capacity" means
+     every replica is full. An autoscaled pool's bound is its *largest* size: what the replicas running now cannot
+     hold waits at Serve's handle, which is the queue its autoscaler reads to add replicas (serving/autoscale.py).
+     An admitted request holds its place until ``generate`` or ``release``.
 2. ``generate`` sends it to the pool's handle with its ``RoutingHints`` (the router picks the replica) and streams
    the outputs. A replica that dies, or answers 503 because its engine stopped, before any output reached here:
    the request is sent again (Serve has dropped the dead replica; up to ``MAX_RESENDS`` times). After an output has
@@ -37,6 +39,7 @@ from typing import Any
 from ray.exceptions import RayActorError
 
 from firsttoken.api.errors import RETRY_AFTER_S
+from firsttoken.serving.app import ReplicaCount
 from firsttoken.serving.replica import ENGINE_STOPPED, ReplicaFacts, ReplicaReport
 from firsttoken.serving.router import HINTS_KWARG
 from firsttoken.serving.routing import pool_for, routing_hints
@@ -57,14 +60,14 @@ class Pool:
 
     name: str
     handle: Any  # ray.serve.handle.DeploymentHandle to EngineReplica
-    num_replicas: int
+    replicas: ReplicaCount
     capacity: int
     num_in_flight: int = 0
     reservations: dict[str, float] = field(default_factory=dict)  # request id -> monotonic time admitted
 
     @property
     def limit(self) -> int:
-        return self.num_replicas * self.capacity
+        return self.replicas.high * self.capacity  # an autoscaled pool: its largest size (see above)
 
     def num_held(self, now_s: float) -> int:
         for rid in [r for r, t in self.reservations.items() if now_s - t > RESERVATION_TTL_S]:
@@ -81,7 +84,7 @@ class FleetEngineClient:
         self.decode_reserve_tokens = decode_reserve_tokens
         self._alive = True
         self._lock = threading.Lock()  # guards every Pool's num_in_flight and reservations
-        num_blocks = facts.kv_blocks_total * sum(p.num_replicas for p in self.pools.values())
+        num_blocks = facts.kv_blocks_total * sum(p.replicas.low for p in self.pools.values())
         self._stats = EngineStats(num_blocks, 0, 0, num_blocks, facts.block_size, 0, 0, 0, 0, facts.max_model_len)
         # (until the first refresh: an idle fleet)
 
@@ -113,7 +116,7 @@ class FleetEngineClient:
             if held >= pool.limit:
                 return AdmissionVerdict(
                     False, pool.name, "queue_full",
-                    f"every replica of the {pool.name} pool is full ({held} requests for {pool.num_replicas} "
+                    f"every replica of the {pool.name} pool is full ({held} requests for {pool.replicas} "
                     f"replicas of {pool.capacity}); retry later", 429, retry_after_s=float(RETRY_AFTER_S))
             if request_id is not None:
                 pool.reservations[request_id] = now

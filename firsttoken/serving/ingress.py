@@ -22,6 +22,7 @@ from firsttoken.api.server import build_app
 from firsttoken.api.settings import ServedModel
 from firsttoken.config import ServeConfig
 from firsttoken.inputs.processor import load_tokenizer
+from firsttoken.serving.app import ReplicaCount
 from firsttoken.serving.build import build_processor, model_dir_of
 from firsttoken.serving.fleet import FleetEngineClient, Pool
 from firsttoken.serving.metrics import merge_expositions
@@ -29,11 +30,11 @@ from firsttoken.serving.replica import ReplicaFacts
 
 
 class Ingress:
-    def __init__(self, config: ServeConfig, pools: Mapping[str, tuple[Any, int]], capacity: int) -> None:
-        """``pools``: pool name -> (handle to its EngineReplica deployment, its number of replicas); ``capacity``:
+    def __init__(self, config: ServeConfig, pools: Mapping[str, tuple[Any, ReplicaCount]], capacity: int) -> None:
+        """``pools``: pool name -> (handle to its EngineReplica deployment, its replica count); ``capacity``:
         requests one replica holds (running + waiting)."""
         self.config = config
-        self.pools = {name: Pool(name, handle, n, capacity) for name, (handle, n) in pools.items()}
+        self.pools = {name: Pool(name, handle, count, capacity) for name, (handle, count) in pools.items()}
         self._refresh: asyncio.Task | None = None
 
     async def __serve_build_asgi_app__(self) -> FastAPI:

@@ -10,6 +10,8 @@ Contract:
   generator, which aborts the request in the engine (its blocks freed within one step).
 - ``record_routing_stats`` (called by Serve every ``request_routing_stats_period_s``) reports the load the router
   balances on: running, waiting, free KV blocks.
+- ``record_autoscaling_stats`` (called by Serve every metrics interval of an autoscaled pool) reports waiting and
+  running requests, what serving/autoscale.py's policy scales on.
 - ``check_health`` (called by Serve) fails once the engine loop has died: Serve replaces the replica.
 - ``facts``, ``stats`` and ``metrics`` answer the ingress's start-up question and its fan-out (``handle.broadcast``)
   for /v1/engine/stats and /metrics.
@@ -31,6 +33,7 @@ from firsttoken.inputs.processor import load_tokenizer
 from firsttoken.metrics.prometheus import make_registry
 from firsttoken.metrics.recorder import Recorder
 from firsttoken.models.config import ModelConfig
+from firsttoken.serving.autoscale import NUM_RUNNING, NUM_WAITING
 from firsttoken.serving.build import build_engine, model_dir_of, served_name_of
 from firsttoken.serving.routing import RoutingHints
 from firsttoken.types import EngineRequest, EngineStats, FinishReason, RequestOutput
@@ -98,6 +101,11 @@ class EngineReplica:
     def record_routing_stats(self) -> dict[str, int]:
         s = self.engine.stats()
         return {"num_running": s.num_running, "num_waiting": s.num_waiting, "num_free_kv_blocks": s.kv_blocks_free}
+
+    def record_autoscaling_stats(self) -> dict[str, float]:
+        """What an autoscaled pool's policy reads (serving/autoscale.py); Serve asks every metrics interval."""
+        s = self.engine.stats()
+        return {NUM_WAITING: float(s.num_waiting), NUM_RUNNING: float(s.num_running)}
 
     def check_health(self) -> None:
         if not self.engine.is_alive:

@@ -3,7 +3,9 @@ Serve calls ``choose_replicas`` for every request a handle sends to a pool; the 
 ``routing.rank_replicas`` (affinity, p2c or round-robin, see routing.py) over what this router knows:
 
 - in flight per replica: Serve's own queue-length cache (requests sent and not finished, corrected by Serve's probes),
-  else the replica's last ``record_routing_stats`` report (running + waiting);
+  else the replica's last ``record_routing_stats`` report (running + waiting); a replica holding its capacity
+  (``--max-num-seqs`` + ``--max-queued-per-replica``) is left out of the ranking (Serve's max_ongoing_requests is
+  higher by the ingress's control calls, serving/app.py);
 - free KV blocks per replica: its last ``record_routing_stats`` report (``request_routing_stats_period_s``);
 - where each prefix went: remembered here when a request is ranked (the first replica of the ranking is the one
   Serve takes unless it is full at that instant; the capacity check before ranking makes that rare), and forgotten
@@ -34,10 +36,13 @@ DEFAULT_MAX_IMBALANCE = 8  # in-flight requests the prefix holder may have beyon
 
 
 class FirsttokenRouter(RequestRouter):
-    def initialize_state(self, policy: str = "affinity", max_imbalance: int = DEFAULT_MAX_IMBALANCE,
-                         memory_entries: int = DEFAULT_MEMORY_ENTRIES, seed: int | None = None, **_: Any) -> None:
-        """``request_router_kwargs`` of the deployment (serving/app.py)."""
+    def initialize_state(self, policy: str = "affinity", capacity: int | None = None,
+                         max_imbalance: int = DEFAULT_MAX_IMBALANCE, memory_entries: int = DEFAULT_MEMORY_ENTRIES,
+                         seed: int | None = None, **_: Any) -> None:
+        """``request_router_kwargs`` of the deployment (serving/app.py). ``capacity``: requests a replica may hold
+        (None: Serve's max_ongoing_requests)."""
         self.policy = policy
+        self.capacity = capacity
         self.max_imbalance = max_imbalance
         self.state = RoutingState(PrefixMemory(memory_entries))
         self.rng = random.Random(seed)
@@ -47,8 +52,10 @@ class FirsttokenRouter(RequestRouter):
     ) -> list[list[RunningReplica]]:
         hints = _hints_of(pending_request)
         by_id = {r.replica_id: r for r in candidate_replicas}
-        ranked = rank_replicas(self.policy, [self._load(r) for r in candidate_replicas], hints, self.state,
-                               self.max_imbalance, self.rng)
+        # only replicas with room: when none has any, the request waits at the handle (what an autoscaled pool's
+        # policy counts as queued) and Serve asks again
+        loads = [load for load in map(self._load, candidate_replicas) if load.num_in_flight < load.capacity]
+        ranked = rank_replicas(self.policy, loads, hints, self.state, self.max_imbalance, self.rng)
         if hints is not None and ranked:
             self.state.memory.remember(hints.prefix_keys, ranked[0])
         if pending_request is not None:
@@ -64,8 +71,8 @@ class FirsttokenRouter(RequestRouter):
         in_flight = self.replica_queue_len_cache.get(replica.replica_id)
         if in_flight is None:
             in_flight = int(stats.get("num_running", 0)) + int(stats.get("num_waiting", 0))
-        return ReplicaLoad(replica.replica_id, in_flight, replica.max_ongoing_requests,
-                           int(stats.get("num_free_kv_blocks", 0)))
+        capacity = self.capacity if self.capacity is not None else replica.max_ongoing_requests
+        return ReplicaLoad(replica.replica_id, in_flight, capacity, int(stats.get("num_free_kv_blocks", 0)))
 
 
 def _hints_of(pending_request: PendingRequest | None) -> RoutingHints | None:

@@ -60,7 +60,7 @@ class ReplicaLoad:
 
     replica: Hashable  # the replica's id
     num_in_flight: int  # requests this router sent it that have not completed
-    capacity: int  # requests it takes at once (Serve's max_ongoing_requests)
+    capacity: int  # requests it may hold at once (running + queued in its engine)
     num_free_kv_blocks: int  # as the replica last reported it (0 before its first report)
 
 

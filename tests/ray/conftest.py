@@ -6,6 +6,8 @@ after its last test), with two firsttoken applications on it, started together:
     /rr         2 engine replicas, --routing round-robin, --max-num-seqs 1, --max-queued-per-replica 1 (each
                 replica holds two requests: the pool is full with four in flight)
     /pools      --short-replicas 1 --long-replicas 1, --long-prompt-threshold 64, --max-num-seqs 1
+    /scale      --replicas 1:2 (autoscaled on queued requests: target 1 per replica, no delays, a 1 s window),
+                --max-num-seqs 1, --max-queued-per-replica 2
 
 Replicas get a quarter CPU and one torch thread each; the tiny random checkpoint (tests/conftest.py). Tests talk to
 the ingress over HTTP (Serve's proxy) with the official openai client or httpx, and order events by what the
@@ -113,6 +115,9 @@ def fleets(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> It
         "pools": build_application(replace(config, engine=replace(config.engine, scheduler=replace(
             config.engine.scheduler, long_prompt_threshold=LONG_PROMPT_THRESHOLD))),
             FleetOptions(short_replicas=1, long_replicas=1, **small), hook),
+        "scale": build_application(config, FleetOptions(
+            replicas="1:2", max_queued_per_replica=2, autoscale_target_queued=1, upscale_delay_s=0,
+            downscale_delay_s=0, autoscale_window_s=1, **small), hook),
     }
     try:
         serve.run_many([RunTarget(app, name=name, route_prefix=f"/{name}") for name, app in apps.items()])
@@ -139,3 +144,8 @@ def rr_fleet(fleets: dict[str, Fleet]) -> Fleet:
 @pytest.fixture(scope="package")
 def pools_fleet(fleets: dict[str, Fleet]) -> Fleet:
     return fleets["pools"]
+
+
+@pytest.fixture(scope="package")
+def scale_fleet(fleets: dict[str, Fleet]) -> Fleet:
+    return fleets["scale"]

@@ -11,6 +11,7 @@ import torch
 from ray.exceptions import ActorDiedError
 
 from firsttoken.models.config import ModelConfig
+from firsttoken.serving.app import ReplicaCount
 from firsttoken.serving.fleet import FleetEngineClient, Pool
 from firsttoken.serving.replica import ReplicaFacts
 from firsttoken.serving.routing import LONG_POOL, SHORT_POOL, SINGLE_POOL
@@ -67,9 +68,10 @@ def _out(text: str, finished: bool = False, rid: str = "r", **kw) -> RequestOutp
     return RequestOutput(rid, (1,), text, finished, FinishReason.LENGTH if finished else None, 40, 1, **kw)
 
 
-def _fleet(pools: dict[str, FakeHandle], capacity: int = 1, replicas: int = 2) -> FleetEngineClient:
+def _fleet(pools: dict[str, FakeHandle], capacity: int = 1, replicas: int | str = 2) -> FleetEngineClient:
     facts = ReplicaFacts(ModelConfig.__new__(ModelConfig), 4096, "tiny", "/m", 64, 16)
-    return FleetEngineClient({n: Pool(n, h, replicas, capacity) for n, h in pools.items()}, facts, THRESHOLD, 16)
+    count = ReplicaCount.parse(replicas)
+    return FleetEngineClient({n: Pool(n, h, count, capacity) for n, h in pools.items()}, facts, THRESHOLD, 16)
 
 
 def _collect(fleet: FleetEngineClient, request: EngineRequest) -> list[RequestOutput]:
@@ -87,6 +89,14 @@ def test_full_pool_answers_429_with_retry_after_and_a_place_is_held_until_releas
     assert refused.retry_after_s == 1 and "full" in refused.message
     fleet.release("a")
     assert fleet.check_admission(work, "c").admitted
+
+
+def test_an_autoscaled_pool_admits_up_to_its_largest_size_so_the_autoscaler_sees_the_queue() -> None:
+    fleet = _fleet({SINGLE_POOL: FakeHandle([])}, capacity=2, replicas="1:3")
+    work = PromptWork(40)
+    assert all(fleet.check_admission(work, f"r{i}").admitted for i in range(6))  # 3 replicas x 2, not 1 x 2
+    refused = fleet.check_admission(work, "r6")
+    assert (refused.status, refused.reason) == (429, "queue_full") and "1:3 replicas" in refused.message
 
 
 def test_a_prompt_no_replica_can_hold_is_400_before_any_replica_is_asked() -> None:

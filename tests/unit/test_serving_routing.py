@@ -11,7 +11,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from firsttoken.cli.main import build_parser
 from firsttoken.cli.serve import serve_config
-from firsttoken.serving.app import FleetOptions
+from firsttoken.serving.app import FleetOptions, ReplicaCount
 from firsttoken.serving.fleet import sum_stats
 from firsttoken.serving.metrics import merge_expositions
 from firsttoken.serving.routing import (
@@ -94,8 +94,9 @@ def test_pools_by_counted_length_with_the_engine_threshold() -> None:
 
 def test_fleet_options_pools_capacity_and_refusals() -> None:
     config = serve_config(max_num_seqs=4, max_queued_requests=10)
-    assert FleetOptions().pools() == {SINGLE_POOL: 2}
-    assert FleetOptions(short_replicas=3, long_replicas=1).pools() == {SHORT_POOL: 3, LONG_POOL: 1}
+    assert FleetOptions().pools() == {SINGLE_POOL: ReplicaCount(2, 2)}
+    assert FleetOptions(short_replicas=3, long_replicas=1).pools() == {SHORT_POOL: ReplicaCount(3, 3),
+                                                                       LONG_POOL: ReplicaCount(1, 1)}
     assert FleetOptions().capacity(config) == 14
     assert FleetOptions(max_queued_per_replica=0).capacity(config) == 4
     for bad, field in (({"routing": "random"}, "routing"), ({"short_replicas": 2}, "short_replicas"),
