@@ -79,11 +79,14 @@ class SamplingParams:
 
 @dataclass(frozen=True)
 class EncoderUnit:
-    """One schedulable piece of an image's vision-tower work (one block today)."""
+    """One schedulable piece of an image's vision-tower work: a block, or a slice of a block's query rows
+    (models/vision_units.py)."""
 
-    num_patches: int  # rows it processes
+    num_patches: int  # rows whose linear work it does
     attention_pairs: int  # query-key pairs its attention scores: full = n^2 per frame, windowed = sum of window^2
     cost_tokens: int  # what it costs against a step's token budget: visual tokens x (its FLOPs / a full block's)
+    block: int = 0  # the vision block it belongs to
+    rows: tuple[int, int] | None = None  # query rows [lo, hi) of that block; None: the whole block
 
 
 @dataclass(frozen=True)

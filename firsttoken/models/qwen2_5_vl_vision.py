@@ -17,7 +17,7 @@ FLOPs (``block_flops``): a windowed block of a large image costs a fraction of i
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
@@ -32,6 +32,7 @@ from firsttoken.models.qwen2_vl_vision import (
     VisionAttention,
     vision_position_ids,
 )
+from firsttoken.models.vision_units import PartialBlock, qkv_share, run_units, split_block, whole_blocks
 from firsttoken.types import EncoderUnit
 
 Grid = tuple[int, int, int]
@@ -98,7 +99,8 @@ def block_flops(vision: VisionConfig, num_patches: int, attention_pairs: int) ->
 
 
 def window_attention_units(vision: VisionConfig, grid_thw: Grid) -> tuple[EncoderUnit, ...]:
-    """One unit per block. A full-attention block scores t x (h*w)^2 pairs and costs the image's visual tokens (as a
+    """One unit per block (a large image's full-attention blocks: their query-row slices, models/vision_units.py).
+    A full-attention block scores t x (h*w)^2 pairs and costs the image's visual tokens (as a
     Qwen2-VL block); a windowed block scores the sum of its windows' squares and costs
     round(visual tokens x its FLOPs / a full block's FLOPs), at least 1."""
     t, h, w = grid_thw
@@ -119,7 +121,11 @@ def window_attention_units(vision: VisionConfig, grid_thw: Grid) -> tuple[Encode
         return EncoderUnit(num_patches, pairs, max(1, round(visual_tokens * share)))
 
     full, windowed = unit(full_pairs), unit(window_pairs)
-    return tuple(full if i in vision.fullatt_block_indexes else windowed for i in range(vision.depth))
+    share = qkv_share(vision, mlp_matrices=3)
+    attends_fully = set(vision.fullatt_block_indexes) if vision.uses_windows else set(range(vision.depth))
+    return tuple(
+        u for b in range(vision.depth)
+        for u in (split_block(full, b, [h * w] * t, share) if b in attends_fully else (replace(windowed, block=b),)))
 
 
 class Qwen25VisionBlock(nn.Module):
@@ -147,12 +153,14 @@ class Qwen25PatchMerger(PatchMerger):
 
 @dataclass
 class WindowedEncodeState(EncodeState):
-    hidden: torch.Tensor  # [num_patches, embed_dim] in window order, after ``units_done`` blocks
+    hidden: torch.Tensor  # [num_patches, embed_dim] in window order, after the blocks finished so far
     cos: torch.Tensor  # [num_patches, 1, 1, head_dim] fp32, window order
     sin: torch.Tensor
     layout: WindowLayout
+    units: tuple[EncoderUnit, ...]  # window_attention_units of the image (whole blocks for several images at once)
     num_units: int
     units_done: int = 0
+    partial: PartialBlock | None = None  # a block part-way through its row slices
 
 
 class Qwen25VisionTransformer(nn.Module):
@@ -174,14 +182,11 @@ class Qwen25VisionTransformer(nn.Module):
         return self.patch_embed.proj.weight.dtype
 
     def start_encode(self, pixel_values: torch.Tensor, grid_thw: Grid) -> WindowedEncodeState:
-        return self._start([grid_thw], pixel_values)
+        return self._start([grid_thw], pixel_values, window_attention_units(self.config, grid_thw))
 
     def run_units(self, state: WindowedEncodeState, num_units: int) -> None:  # type: ignore[override]
-        stop = min(state.units_done + num_units, state.num_units)
-        for i in range(state.units_done, stop):
-            segments = self._segments(i, state.layout)
-            state.hidden = self.blocks[i](state.hidden, state.cos, state.sin, segments)
-        state.units_done = stop
+        run_units(state, num_units, self.blocks, lambda b, hidden: self.blocks[b](
+            hidden, state.cos, state.sin, self._segments(b, state.layout)))
 
     def finish_encode(self, state: WindowedEncodeState) -> ImageEmbeddings:  # type: ignore[override]
         return ImageEmbeddings(self.merger(state.hidden)[state.layout.restore])
@@ -192,11 +197,12 @@ class Qwen25VisionTransformer(nn.Module):
         grid_thw: Sequence[Grid],  # per image (t, h, w) in patches
     ) -> torch.Tensor:
         """[sum over images of t*h*w / merge^2, out_hidden_size] image tokens in the processor's order."""
-        state = self._start(grid_thw, pixel_values)
+        state = self._start(grid_thw, pixel_values, whole_blocks(self.config.depth))
         self.run_units(state, state.num_units)
         return self.finish_encode(state).main
 
-    def _start(self, grids: Sequence[Grid], pixel_values: torch.Tensor) -> WindowedEncodeState:
+    def _start(self, grids: Sequence[Grid], pixel_values: torch.Tensor, units: tuple[EncoderUnit, ...]
+               ) -> WindowedEncodeState:
         num_patches = sum(t * h * w for t, h, w in grids)
         if num_patches != pixel_values.shape[0]:
             raise ValueError(f"grid_thw covers {num_patches} patches but pixel_values has {pixel_values.shape[0]} rows")
@@ -204,7 +210,7 @@ class Qwen25VisionTransformer(nn.Module):
         cos, sin = self._rotary_cos_sin(grids, pixel_values.device)
         hidden = self.patch_embed(pixel_values)  # [num_patches, embed_dim], processor order
         return WindowedEncodeState(
-            layout.reorder(hidden), layout.reorder(cos), layout.reorder(sin), layout, num_units=len(self.blocks)
+            layout.reorder(hidden), layout.reorder(cos), layout.reorder(sin), layout, units, num_units=len(units)
         )
 
     def _segments(self, block: int, layout: WindowLayout) -> list[int]:

@@ -18,6 +18,7 @@ from torch import nn
 from firsttoken.models.config import ImageProcessorConfig, VisionConfig
 from firsttoken.models.interfaces import EncodeState, ImageEmbeddings
 from firsttoken.models.layers import apply_rotary, quick_gelu, rope_inv_freq
+from firsttoken.models.vision_units import PartialBlock, qkv_share, run_units, split_block
 from firsttoken.types import EncoderUnit
 
 VISION_ROPE_THETA = 10000.0
@@ -53,26 +54,32 @@ class VisionAttention(nn.Module):
         sin: torch.Tensor,
         patches_per_image: list[int],
     ) -> torch.Tensor:
+        return self.attend(*self.project(x, cos, sin), patches_per_image)
+
+    def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q, k, v [1, num_heads, num_patches, head_dim]: 4-D so CPU SDPA takes its flash kernel."""
         num_patches = x.shape[0]
         qkv = self.qkv(x).view(num_patches, 3, self.num_heads, self.head_dim)
         # rotary in fp32 like the reference, on q and k together
         qk = apply_rotary(qkv[:, :2].float(), cos, sin).to(x.dtype)
-        # [1, num_heads, num_patches, head_dim]: 4-D so CPU SDPA takes its flash kernel
         q, k = qk.permute(1, 2, 0, 3).unsqueeze(1).unbind(0)
-        v = qkv[:, 2].transpose(0, 1).unsqueeze(0)
-        if len(patches_per_image) == 1:
+        return q, k, qkv[:, 2].transpose(0, 1).unsqueeze(0)
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segments: list[int]) -> torch.Tensor:
+        """[query rows, embed_dim]: each segment's queries over its own keys (one segment: every query row over
+        every key, also when ``q`` holds a slice of the rows)."""
+        if len(segments) == 1:
             out = F.scaled_dot_product_attention(q, k, v)
         else:
             out = torch.cat(
                 [
                     F.scaled_dot_product_attention(qi, ki, vi)
-                    for qi, ki, vi in zip(
-                        q.split(patches_per_image, 2), k.split(patches_per_image, 2), v.split(patches_per_image, 2)
-                    )
+                    for qi, ki, vi in zip(q.split(segments, 2), k.split(segments, 2), v.split(segments, 2))
                 ],
                 dim=2,
             )
-        return self.proj(out[0].transpose(0, 1).reshape(num_patches, -1))
+        return self.proj(out[0].transpose(0, 1).reshape(q.shape[2], -1))
 
 
 class VisionMLP(nn.Module):
@@ -122,11 +129,13 @@ class PatchMerger(nn.Module):
 
 @dataclass
 class Qwen2EncodeState(EncodeState):
-    hidden: torch.Tensor  # [num_patches, embed_dim] after ``units_done`` blocks
+    hidden: torch.Tensor  # [num_patches, embed_dim] after the blocks finished so far
     cos: torch.Tensor  # [num_patches, 1, 1, head_dim] fp32
     sin: torch.Tensor
+    units: tuple[EncoderUnit, ...]  # the image's units (full_attention_units)
     num_units: int
     units_done: int = 0
+    partial: PartialBlock | None = None  # a block part-way through its row slices
 
 
 class Qwen2VisionTransformer(nn.Module):
@@ -147,13 +156,13 @@ class Qwen2VisionTransformer(nn.Module):
         _check_patches(pixel_values, [grid_thw])
         cos, sin = self.rotary_cos_sin([grid_thw], pixel_values.device)
         hidden = self.patch_embed(pixel_values)  # [num_patches, embed_dim]
-        return Qwen2EncodeState(hidden, cos, sin, num_units=len(self.blocks))
+        units = full_attention_units(self.config, grid_thw)
+        return Qwen2EncodeState(hidden, cos, sin, units, num_units=len(units))
 
     def run_units(self, state: Qwen2EncodeState, num_units: int) -> None:  # type: ignore[override]
         patches = [state.hidden.shape[0]]
-        for block in self.blocks[state.units_done : state.units_done + num_units]:
-            state.hidden = block(state.hidden, state.cos, state.sin, patches)
-        state.units_done = min(state.units_done + num_units, state.num_units)
+        run_units(state, num_units, self.blocks,
+                  lambda b, hidden: self.blocks[b](hidden, state.cos, state.sin, patches))
 
     def finish_encode(self, state: Qwen2EncodeState) -> ImageEmbeddings:  # type: ignore[override]
         return ImageEmbeddings(self.merger(state.hidden))
@@ -214,8 +223,10 @@ def _check_patches(pixel_values: torch.Tensor, grid_thw: Sequence[tuple[int, int
 
 
 def full_attention_units(vision: VisionConfig, grid_thw: tuple[int, int, int]) -> tuple[EncoderUnit, ...]:
-    """Qwen2-VL: ``depth`` equal units, each a block attending over the whole image (frame by frame)."""
+    """Qwen2-VL (and Qwen3-VL): each block attends over the whole image (frame by frame): one unit per block, or
+    its query-row slices for a large image (models/vision_units.py)."""
     t, h, w = grid_thw
     num_patches = t * h * w
     unit = EncoderUnit(num_patches, t * (h * w) ** 2, num_patches // vision.spatial_merge_size**2)
-    return (unit,) * vision.depth
+    share = qkv_share(vision, mlp_matrices=2)
+    return tuple(u for b in range(vision.depth) for u in split_block(unit, b, [h * w] * t, share))

@@ -32,9 +32,12 @@ from firsttoken.models.qwen2_vl_vision import (
     VISION_LN_EPS,
     VisionAttention,
     _check_patches,
+    full_attention_units,
     vision_position_ids,
     vision_rotary_cos_sin,
 )
+from firsttoken.models.vision_units import PartialBlock, run_units
+from firsttoken.types import EncoderUnit
 
 # Qwen3-VL's preprocessor_config.json: 16-px patches, 2x2 merge, mean = std = 0.5, size {shortest_edge: 256^2
 # (64 tokens), longest_edge: 4096^2 (16384 tokens)}.
@@ -116,12 +119,14 @@ class PatchMerger(nn.Module):
 
 @dataclass
 class Qwen3EncodeState(EncodeState):
-    hidden: torch.Tensor  # [num_patches, embed_dim] after ``units_done`` blocks
+    hidden: torch.Tensor  # [num_patches, embed_dim] after the blocks finished so far
     cos: torch.Tensor  # [num_patches, 1, 1, head_dim] fp32
     sin: torch.Tensor
+    units: tuple[EncoderUnit, ...]  # the image's units (full_attention_units)
     num_units: int
     units_done: int = 0
     deepstack: list[torch.Tensor] = field(default_factory=list)  # features of the DeepStack blocks run so far
+    partial: PartialBlock | None = None  # a block part-way through its row slices
 
 
 class Qwen3VisionTransformer(nn.Module):
@@ -151,15 +156,18 @@ class Qwen3VisionTransformer(nn.Module):
     def start_encode(self, pixel_values: torch.Tensor, grid_thw: tuple[int, int, int]) -> Qwen3EncodeState:
         _check_patches(pixel_values, [grid_thw])
         cos, sin = vision_rotary_cos_sin(self.config, [grid_thw], pixel_values.device)
-        return Qwen3EncodeState(self.embed(pixel_values, [grid_thw]), cos, sin, num_units=len(self.blocks))
+        units = full_attention_units(self.config, grid_thw)
+        return Qwen3EncodeState(self.embed(pixel_values, [grid_thw]), cos, sin, units, num_units=len(units))
 
     def run_units(self, state: Qwen3EncodeState, num_units: int) -> None:  # type: ignore[override]
         patches = [state.hidden.shape[0]]
-        for b in range(state.units_done, min(state.units_done + num_units, state.num_units)):
-            state.hidden = self.blocks[b](state.hidden, state.cos, state.sin, patches)
+
+        def deepstack(b: int, hidden: torch.Tensor) -> None:
             if b in self._deepstack_of_block:
-                state.deepstack.append(self.deepstack_merger_list[self._deepstack_of_block[b]](state.hidden))
-        state.units_done = min(state.units_done + num_units, state.num_units)
+                state.deepstack.append(self.deepstack_merger_list[self._deepstack_of_block[b]](hidden))
+
+        run_units(state, num_units, self.blocks,
+                  lambda b, hidden: self.blocks[b](hidden, state.cos, state.sin, patches), deepstack)
 
     def finish_encode(self, state: Qwen3EncodeState) -> ImageEmbeddings:  # type: ignore[override]
         return ImageEmbeddings(self.merger(state.hidden), tuple(state.deepstack))

@@ -21,6 +21,7 @@ def fake_request(
     arrival_seq: int = 0,
     shared_prefix: bool = False,
     encoder_depth: int = 1,  # encoder units per image, each costing its visual tokens
+    units: tuple[EncoderUnit, ...] | None = None,  # every image's units instead (a model family's, e.g.)
 ) -> Request:
     salt = 0 if shared_prefix else sum(map(ord, rid)) * 7  # distinct prompts unless asked to share
     ids = [1 + ((i + salt) % 50) for i in range(prompt_len)]
@@ -28,7 +29,7 @@ def fake_request(
     for h, off, n in images:
         ids[off : off + n] = [IMAGE_TOKEN] * n
         unit = EncoderUnit(4 * n, 16 * n * n, n)
-        items.append(ImageItem(h, off, n, (1, 2, 2 * n), (unit,) * encoder_depth, None))
+        items.append(ImageItem(h, off, n, (1, 2, 2 * n), units or (unit,) * encoder_depth, None))
     er = EngineRequest(
         request_id=rid,
         prompt_token_ids=tuple(ids),

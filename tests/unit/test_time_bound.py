@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import math
 
-from firsttoken.scheduler.cost_model import FEATURE_NAMES, CostModel
+from firsttoken.models.config import VisionConfig
+from firsttoken.models.qwen2_vl_vision import full_attention_units
+from firsttoken.scheduler.cost_model import FEATURE_NAMES, CostModel, encoder_units
 from tests.unit.fakes import fake_request, make_scheduler, run_step
 
 # seconds per unit: 10 ms a step, 1 ms per prefill token, 0.25 ms per encoder patch (a fake image of n visual
@@ -44,6 +46,36 @@ def test_every_step_stays_within_the_target_and_a_short_request_waits_one_step()
     while sched.has_work:
         batch = run_step(sched)
         assert predicted(sched, batch) <= TARGET + 1e-9 or len(batch.encoder_work) + len(batch.chunks) == 1
+
+
+def test_a_block_longer_than_the_bound_runs_in_row_slices_so_a_short_request_waits_one_bounded_step():
+    # the `small` checkpoint's tower (4 full-attention blocks of width 256) over a 1024² image (74 x 74 patches),
+    # priced at 10 us per patch and 20 ns per query-key pair: one whole block is 0.66 s, over the 0.25 s bound, and a
+    # step that has to run one holds a short request arriving meanwhile for all of it. Its 4 query-row slices are
+    # 0.16-0.17 s each: a step is the bound, plus at most one slice (the long lane always moves by a unit)
+    costs = {"step": 0.010, "prefill_tokens": 0.001, "encoder_patches": 1e-5, "encoder_attention": 2e-8}
+    model = CostModel(prior=tuple(costs.get(name, 0.0) for name in FEATURE_NAMES))
+    vision = VisionConfig(depth=4, embed_dim=256, num_heads=4, intermediate_size=1024, out_hidden_size=512)
+    units = full_attention_units(vision, (1, 74, 74))
+    assert len(units) == 4 * 4 and [u.block for u in units] == [b for b in range(4) for _ in range(4)]
+    block_s = model.predict(encoder_units(74 * 74, (74 * 74) ** 2)) - costs["step"]
+    slice_s = max(model.predict(encoder_units(u.num_patches, u.attention_pairs)) - costs["step"] for u in units)
+    assert block_s > TARGET and slice_s < TARGET and slice_s < block_s / 3
+    sched = scheduler(cost_model=model, encoder_capacity_tokens=4096)
+    photo = fake_request("photo", prompt_len=1369 + 100, max_tokens=1, images=[("img", 20, 1369)], units=units)
+    sched.add(photo)
+    first = run_step(sched)
+    assert [(w.start_unit, w.num_units) for w in first.encoder_work] == [(0, 1)]  # one slice of block 0
+    sched.add(fake_request("chat", prompt_len=120, max_tokens=2, arrival_seq=1))  # arrives mid-block
+    second = run_step(sched)
+    assert [(c.request_id, c.num_new_tokens) for c in second.chunks] == [("chat", 120)]  # its first token now
+    done = sum(w.num_units for w in first.encoder_work + second.encoder_work)
+    steps = [first, second]
+    while sched.has_work:
+        steps.append(run_step(sched))
+        done += sum(w.num_units for w in steps[-1].encoder_work)
+    assert done == 16  # every slice ran once
+    assert all(predicted(sched, b) <= TARGET + slice_s + 1e-9 for b in steps)  # never a whole block's 0.66 s
 
 
 def test_the_long_lane_fills_steps_short_work_leaves():
