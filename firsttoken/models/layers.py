@@ -43,19 +43,24 @@ class SwiGLUMLP(nn.Module):
 
 
 def store_weights_input_major(module: nn.Module, exclude_prefix: str) -> int:
-    """Store fp32 ``nn.Linear`` weights input-major: the same [out, in] parameter (same values, names, shapes),
-    laid out so that ``weight.t()`` is contiguous. ``F.linear`` then hands the BLAS a plain, untransposed [in, out]
-    matrix, and the one-row products of decoding stream it at memory speed: measured on a 2-core AVX2 EPYC (MKL,
-    1 thread, the `small` checkpoint's decoder) 5.5 vs 6.8 ms for batch 1 and 1.3 vs 2.6 ms for its lm_head, equal
-    from 16 rows up. Only float32: the same layout made bf16 (emulated on AVX2) 8x slower. The BLAS then sums in
-    another order: one-row outputs change at rounding level (small checkpoint: max |dlogit| 7e-5, same argmax).
-    Submodules named under ``exclude_prefix`` are left alone. Returns the number of weights changed."""
+    """Store the fp32 ``nn.Linear`` weights that widen (out_features >= in_features) input-major: the same
+    [out, in] parameter (same values, names, shapes), laid out so that ``weight.t()`` is contiguous. ``F.linear``
+    then hands the BLAS a plain, untransposed [in, out] matrix, and the one-row products of decoding stream it at
+    memory speed: measured on a 2-core AVX2 EPYC (MKL, 1 thread, the `small` checkpoint's decoder) 5.5 vs 6.8 ms
+    for batch 1 and 1.3 vs 2.6 ms for its lm_head, equal from 16 rows up. A narrowing weight (the MLP's
+    down_proj, 1408 -> 512) is the other way round: there MKL's row-major dot products are faster (1 thread, weights
+    out of cache: 159 vs 224 us per one-row product, and faster at 8 rows; a whole batch-1 forward 0.96x), so it
+    keeps the checkpoint's layout. Only float32: the same layout made bf16 (emulated on AVX2) 8x slower. The BLAS
+    then sums in another order: one-row outputs change at rounding level (small checkpoint: max |dlogit| 7e-5,
+    same argmax). Submodules named under ``exclude_prefix`` are left alone. Returns the number of weights changed."""
     changed = 0
     for name, sub in module.named_modules():
         if not isinstance(sub, nn.Linear) or name.startswith(exclude_prefix):
             continue
         weight = sub.weight
         if weight.dtype != torch.float32 or weight.dim() != 2 or weight.t().is_contiguous():
+            continue
+        if sub.in_features > sub.out_features:
             continue
         sub.weight = nn.Parameter(weight.detach().t().contiguous().t(), requires_grad=weight.requires_grad)
         changed += 1
