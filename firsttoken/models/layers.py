@@ -63,8 +63,10 @@ class SwiGLUMLP(nn.Module):
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # [gate; up], intermediate_size each
-        return self.down_proj(F.silu(gate) * up)
+        gate_up = self.gate_up_proj(x)  # [..., gate; up], intermediate_size each
+        # two slices, not chunk (split, narrows: 7 tensor ops); silu's fresh output takes the product in place
+        gate, up = gate_up[..., : self.intermediate_size], gate_up[..., self.intermediate_size :]
+        return self.down_proj(F.silu(gate).mul_(up))
 
 
 def store_weights_input_major(module: nn.Module, exclude_prefix: str) -> int:
