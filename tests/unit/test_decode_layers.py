@@ -8,7 +8,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from firsttoken.models.layers import SMALL_NORM_ELEMENTS, RMSNorm, SwiGLUMLP, store_weights_input_major
+from firsttoken.models.layers import (
+    SMALL_NORM_ELEMENTS,
+    RMSNorm,
+    SwiGLUMLP,
+    store_weights_input_major,
+)
 
 
 @pytest.mark.parametrize("shape", [(1, 512), (8, 512), (3, 8, 64), (5, 2, 128), (1, 3584), (129, 512)])
