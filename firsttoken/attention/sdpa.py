@@ -112,20 +112,20 @@ def _decode_batched(
     num_kv_heads, head_dim = kv_cache.shape[3:]
     max_len = max(meta.seq_lens)
     num_seqs, num_heads = q.shape[:2]
-    blocks = meta.padded_kv_blocks  # [num_seqs, num_blocks]
     run = meta.single_run_start
-    if run is not None:  # one sequence on consecutive blocks: a view of the cache
-        kv = kv_cache[:, run : run + blocks.shape[1]].reshape(2, 1, -1, num_kv_heads, head_dim)
+    if run is not None:  # one sequence on consecutive blocks: its tokens are a view of the cache
+        start = run * meta.block_size
+        kv = kv_cache.view(2, 1, -1, num_kv_heads, head_dim)[:, :, start : start + max_len]
     else:  # K and V in one gather
-        kv = gather_blocks(kv_cache, blocks.reshape(-1)).view(2, num_seqs, -1, num_kv_heads, head_dim)
-    kv = kv[:, :, :max_len]  # [2, num_seqs, max_len, num_kv_heads, head_dim]
-    mask = meta.padded_key_mask
+        kv = gather_blocks(kv_cache, meta.padded_kv_blocks.reshape(-1)).view(2, num_seqs, -1, num_kv_heads, head_dim)
+        kv = kv[:, :, :max_len]
+    kv = kv.transpose(2, 3)  # [2, num_seqs, num_kv_heads, max_len, head_dim]
     # GQA without repeating K/V: the query heads sharing a KV head become that head's query rows.
     out = F.scaled_dot_product_attention(
         q.reshape(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim),
-        kv[0].transpose(1, 2),  # [num_seqs, num_kv_heads, max_len, head_dim]
-        kv[1].transpose(1, 2),
-        attn_mask=mask,
+        kv[0],
+        kv[1],
+        attn_mask=meta.padded_key_mask,
         scale=scale,
     )
     return out.reshape(num_seqs, num_heads, head_dim)

@@ -6,11 +6,15 @@ the activation dtype in the LM and kept in fp32 in the vision tower), so fp32 ru
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+# Below this many elements an RMSNorm input is a decode step's few rows: the op count, not memory, sets its time.
+SMALL_NORM_ELEMENTS = 16 * 4096
 
 
 class RMSNorm(nn.Module):
@@ -22,9 +26,29 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x32 * rsqrt(mean(x32^2) + eps), cast back, times weight: the reference's order. torch's rms_norm is that
         # composite in C++ (bitwise equal on fp32 rows of 64-3584; one call instead of five)
-        if x.dtype == torch.float32:
-            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
-        return self.weight * F.rms_norm(x.float(), self.weight.shape, None, self.eps).to(x.dtype)
+        if x.dtype != torch.float32:
+            return self.weight * F.rms_norm(x.float(), self.weight.shape, None, self.eps).to(x.dtype)
+        if x.numel() <= SMALL_NORM_ELEMENTS:
+            return _rms_norm_few_rows(x, self.weight, self.eps)
+        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+
+
+def _rms_norm_few_rows(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``F.rms_norm(x, weight.shape, weight, eps)`` bit for bit on fp32 (the same ops: sum of squares, divided by
+    the row length, plus eps, rsqrt, times x, times weight) in 7 aten calls instead of rms_norm's ~24 (nested ones
+    counted): the row length and eps come as cached 0-dim tensors, where rms_norm wraps each Python number in a new
+    tensor every call. On a 2-core AVX2 EPYC, 1 thread: 9.6 vs 15.1 us for one 512-wide row; no faster for a
+    prefill's rows (F.rms_norm there)."""
+    inv = torch.sum(x * x, -1, keepdim=True).div_(_scalar(x.shape[-1], x.device)).add_(_scalar(eps, x.device))
+    return (x * inv.rsqrt_()).mul_(weight)
+
+
+@functools.lru_cache(maxsize=64)
+def _scalar(value: float, device: torch.device) -> torch.Tensor:
+    """A 0-dim float32 tensor holding ``value``; shared and never written (made outside inference mode, so callers
+    in and out of it may share it)."""
+    with torch.inference_mode(False):
+        return torch.tensor(float(value), dtype=torch.float32, device=device)
 
 
 class SwiGLUMLP(nn.Module):
@@ -38,24 +62,31 @@ class SwiGLUMLP(nn.Module):
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # [gate; up], intermediate_size each
-        return self.down_proj(F.silu(gate) * up)
+        gate_up = self.gate_up_proj(x)  # [..., gate; up], intermediate_size each
+        # two slices, not chunk (split, narrows: 7 tensor ops); silu's fresh output takes the product in place
+        gate, up = gate_up[..., : self.intermediate_size], gate_up[..., self.intermediate_size :]
+        return self.down_proj(F.silu(gate).mul_(up))
 
 
 def store_weights_input_major(module: nn.Module, exclude_prefix: str) -> int:
-    """Store fp32 ``nn.Linear`` weights input-major: the same [out, in] parameter (same values, names, shapes),
-    laid out so that ``weight.t()`` is contiguous. ``F.linear`` then hands the BLAS a plain, untransposed [in, out]
-    matrix, and the one-row products of decoding stream it at memory speed: measured on a 2-core AVX2 EPYC (MKL,
-    1 thread, the `small` checkpoint's decoder) 5.5 vs 6.8 ms for batch 1 and 1.3 vs 2.6 ms for its lm_head, equal
-    from 16 rows up. Only float32: the same layout made bf16 (emulated on AVX2) 8x slower. The BLAS then sums in
-    another order: one-row outputs change at rounding level (small checkpoint: max |dlogit| 7e-5, same argmax).
-    Submodules named under ``exclude_prefix`` are left alone. Returns the number of weights changed."""
+    """Store the fp32 ``nn.Linear`` weights that widen (out_features >= in_features) input-major: the same
+    [out, in] parameter (same values, names, shapes), laid out so that ``weight.t()`` is contiguous. ``F.linear``
+    then hands the BLAS a plain, untransposed [in, out] matrix, and the one-row products of decoding stream it at
+    memory speed: measured on a 2-core AVX2 EPYC (MKL, 1 thread, the `small` checkpoint's decoder) 5.5 vs 6.8 ms
+    for batch 1 and 1.3 vs 2.6 ms for its lm_head, equal from 16 rows up. A narrowing weight (the MLP's
+    down_proj, 1408 -> 512) is the other way round: there MKL's row-major dot products are faster (1 thread, weights
+    out of cache: 159 vs 224 us per one-row product, and faster at 8 rows; a whole batch-1 forward 0.96x), so it
+    keeps the checkpoint's layout. Only float32: the same layout made bf16 (emulated on AVX2) 8x slower. The BLAS
+    then sums in another order: one-row outputs change at rounding level (small checkpoint: max |dlogit| 7e-5,
+    same argmax). Submodules named under ``exclude_prefix`` are left alone. Returns the number of weights changed."""
     changed = 0
     for name, sub in module.named_modules():
         if not isinstance(sub, nn.Linear) or name.startswith(exclude_prefix):
             continue
         weight = sub.weight
         if weight.dtype != torch.float32 or weight.dim() != 2 or weight.t().is_contiguous():
+            continue
+        if sub.in_features > sub.out_features:
             continue
         sub.weight = nn.Parameter(weight.detach().t().contiguous().t(), requires_grad=weight.requires_grad)
         changed += 1
@@ -95,6 +126,14 @@ def rope_inv_freq(dim: int, theta: float, device: torch.device | str = "cpu") ->
     return 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float, device=device) / dim))
 
 
+@functools.lru_cache(maxsize=16)
+def _cached_inv_freq(dim: int, theta: float, device: torch.device) -> torch.Tensor:
+    """``rope_inv_freq`` made once per (dim, theta, device): the language model asks every step. Never written;
+    made outside inference mode, so callers in and out of it may share it."""
+    with torch.inference_mode(False):
+        return rope_inv_freq(dim, theta, device)
+
+
 def mrope_cos_sin(
     positions: torch.Tensor,  # [3, num_tokens] int64 (t, h, w)
     head_dim: int,
@@ -111,7 +150,7 @@ def mrope_cos_sin(
     same half-table is repeated for the second half (rotate_half layout). ``positions`` with stride 0 on its first
     dim (one row expanded, as the runner passes decode tokens) is read as the same position on every axis.
     """
-    inv_freq = rope_inv_freq(head_dim, theta, positions.device)
+    inv_freq = _cached_inv_freq(head_dim, theta, positions.device)
     if positions.stride(0) == 0:  # one row seen as three (decode: t = h = w): every pair picks the same angle
         freqs = positions[0, :, None].float() * inv_freq  # [num_tokens, head_dim // 2]
     elif interleaved:

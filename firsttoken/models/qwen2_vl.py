@@ -78,16 +78,14 @@ class Qwen2Attention(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         num_tokens = x.shape[0]
-        qkv = self.qkv_proj(x)  # [num_tokens, q_size + 2 * kv_size]
-        qk_size = self.q_size + self.kv_size
-        v = qkv[:, qk_size:].view(num_tokens, self.num_kv_heads, self.head_dim)
+        qk_heads = self.num_heads + self.num_kv_heads
+        qkv = self.qkv_proj(x).view(num_tokens, qk_heads + self.num_kv_heads, self.head_dim)  # heads: [q; k; v]
+        v = qkv[:, qk_heads:]
         if self.q_norm is not None and self.k_norm is not None:
-            q = self.q_norm(qkv[:, : self.q_size].view(num_tokens, self.num_heads, self.head_dim))
-            k = self.k_norm(qkv[:, self.q_size : qk_size].view(num_tokens, self.num_kv_heads, self.head_dim))
+            q, k = self.q_norm(qkv[:, : self.num_heads]), self.k_norm(qkv[:, self.num_heads : qk_heads])
             q, k = apply_rotary_rolled(q, cos, sin_rolled), apply_rotary_rolled(k, cos, sin_rolled)
         else:  # q's and k's heads side by side: one elementwise rotary for both (the same per-element math)
-            qk = apply_rotary_rolled(
-                qkv[:, :qk_size].view(num_tokens, self.num_heads + self.num_kv_heads, self.head_dim), cos, sin_rolled)
+            qk = apply_rotary_rolled(qkv[:, :qk_heads], cos, sin_rolled)
             q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         out = self.attn_backend.forward(q, k, v, kv_cache, meta, self.scale)
         return self.o_proj(out.reshape(num_tokens, self.q_size))

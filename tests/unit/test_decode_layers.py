@@ -1,0 +1,53 @@
+"""The decode-step shortcuts in models/layers.py compute what the plain ops compute: RMSNorm on a few rows equals
+torch's rms_norm bit for bit (fp32), and only widening fp32 linears are re-laid out input-major (same values)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from firsttoken.models.layers import (
+    SMALL_NORM_ELEMENTS,
+    RMSNorm,
+    SwiGLUMLP,
+    store_weights_input_major,
+)
+
+
+@pytest.mark.parametrize("shape", [(1, 512), (8, 512), (3, 8, 64), (5, 2, 128), (1, 3584), (129, 512)])
+def test_rms_norm_equals_torch_rms_norm_bit_for_bit(shape):
+    gen = torch.Generator().manual_seed(sum(shape))
+    norm = RMSNorm(shape[-1], 1e-6)
+    norm.weight.data = torch.randn(shape[-1], generator=gen)
+    x = torch.randn(*shape, generator=gen) * 4
+    expected = F.rms_norm(x, norm.weight.shape, norm.weight, 1e-6)
+    with torch.inference_mode():
+        assert torch.equal(norm(x), expected)
+    assert torch.equal(norm(x), expected)  # outside inference mode too (the cached constants are shared)
+
+
+def test_small_and_large_inputs_take_different_paths_and_agree():
+    norm = RMSNorm(512, 1e-5)
+    rows = SMALL_NORM_ELEMENTS // 512
+    x = torch.randn(rows + 1, 512)
+    assert torch.equal(norm(x[:rows]), norm(x)[:rows])
+
+
+def test_only_widening_linears_are_stored_input_major_with_the_same_values():
+    model = nn.ModuleDict({"up": nn.Linear(4, 12), "down": nn.Linear(12, 4), "square": nn.Linear(6, 6),
+                           "visual": nn.Linear(4, 12)})
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    assert store_weights_input_major(model, exclude_prefix="visual") == 2
+    assert model["up"].weight.t().is_contiguous() and model["square"].weight.t().is_contiguous()
+    assert model["down"].weight.is_contiguous() and model["visual"].weight.is_contiguous()
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+def test_swiglu_is_down_of_silu_gate_times_up():
+    torch.manual_seed(0)
+    mlp = SwiGLUMLP(16, 24)
+    x = torch.randn(3, 16)
+    gate, up = F.linear(x, mlp.gate_up_proj.weight).chunk(2, dim=-1)
+    assert torch.equal(mlp(x), F.linear(F.silu(gate) * up, mlp.down_proj.weight))
