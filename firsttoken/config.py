@@ -125,6 +125,10 @@ class SchedulerConfig:
         "next chunk fits; preempt by recompute when dry)"))
     max_queued_requests: int = field(default=256, metadata=option(
         "requests waiting per lane; beyond it HTTP 429 with Retry-After"))
+    ttft_bias_step: float = field(default=0.05, metadata=option(
+        "the predicted TTFT learns its own error per class (0, 1, 2+ images) from every first token: each moves "
+        "its class's correction factor up or down by this much in log space, towards the median of measured / "
+        "predicted (0: no correction)"))
     ttft_slo: str = field(default="", metadata=option(
         "time-to-first-token objectives per class, e.g. text=1.5,image=12 (seconds). A new request whose predicted "
         "TTFT exceeds its class's objective first gets a smaller visual-token budget (down to "
@@ -133,6 +137,8 @@ class SchedulerConfig:
 
     def __post_init__(self) -> None:
         _at_least("max_batched_tokens", self.max_batched_tokens, 1)
+        if not 0 <= self.ttft_bias_step <= 1:
+            raise ValueError("ttft_bias_step must be between 0 and 1")
         _at_least("max_num_seqs", self.max_num_seqs, 1)
         _at_least("decode_reserve_tokens", self.decode_reserve_tokens, 0)
         _at_least("max_model_len", self.max_model_len, 1, allow_none=True)

@@ -82,6 +82,7 @@ def engine_snapshot(stats: EngineStats) -> EngineSnapshot:
         prefix_cache_query_tokens=stats.prefix_cache_query_tokens,
         cost_model=dict(stats.cost_model),
         step_time_target_s=stats.step_time_target_s,
+        ttft_bias=dict(stats.ttft_bias),
         block_size=stats.block_size,
     )
 
@@ -230,6 +231,7 @@ class Observability:
             "step_time_target_s": g.step_time_target_s,
             "step_prediction": ratio_summary(s.step_prediction_ratio),
             "ttft_prediction": {cls: ratio_summary(h) for cls, h in s.ttft_prediction_ratio.items()},
+            "ttft_bias": g.ttft_bias,  # by number of images: the factor learnt predictions are multiplied by
         }
         return body
 

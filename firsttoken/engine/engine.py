@@ -279,6 +279,9 @@ class LLMEngine:
     def _append_token(self, req: Request, token_id: int, result: RunnerOutput) -> RequestOutput:
         req.output_token_ids.append(token_id)
         req.stamp("first_token_s", result.sample_done_s)
+        er = req.engine_request
+        if len(req.output_token_ids) == 1 and er.predicted_ttft_s is not None:  # the prediction learns its error
+            self.scheduler.observe_ttft(len(er.images), er.predicted_ttft_s, result.sample_done_s - er.arrival_s)
         params = req.engine_request.sampling
         reason: FinishReason | None = None
         is_eos = token_id in params.stop_token_ids and not params.ignore_eos
@@ -370,6 +373,7 @@ class LLMEngine:
             num_images_encoded=self.num_images_encoded,
             cost_model=self.scheduler.cost_model.fit().as_dict() if self.scheduler.cost_model.is_fitted else {},
             step_time_target_s=_finite_or_none(self.scheduler.step_time_target()),
+            ttft_bias=self.scheduler.ttft_bias.as_dict(),
             prefix_cache_hit_tokens=kv.num_prefix_hit_tokens,
             prefix_cache_query_tokens=kv.num_prefix_query_tokens,
         )

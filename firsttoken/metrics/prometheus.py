@@ -54,6 +54,14 @@ def _counter(name: str, doc: str, value: float) -> Metric:
     return CounterMetricFamily(name, doc, value=value)
 
 
+def _gauge_by(name: str, documentation: str, label: str, values: dict[str, float]) -> GaugeMetricFamily:
+    """One gauge family with a sample per key of ``values``, labelled ``label``."""
+    family = GaugeMetricFamily(name, documentation, labels=[label])
+    for key, value in sorted(values.items()):
+        family.add_metric([key], value)
+    return family
+
+
 def _gauge(name: str, doc: str, value: float) -> Metric:
     return GaugeMetricFamily(name, doc, value=value)
 
@@ -150,12 +158,12 @@ class FirsttokenCollector:
                        g.prefix_cache_hit_tokens)  # fmt: skip
         yield _counter("firsttoken_prefix_cache_query_tokens", "Prompt tokens looked up in the KV prefix cache.",
                        g.prefix_cache_query_tokens)  # fmt: skip
-        coef = GaugeMetricFamily("firsttoken_step_cost_coefficient", "The step-cost model's seconds per unit of each "
-                                 "term (step, sequences, sampled, prefill_tokens, prefill_attention, decode_tokens, "
-                                 "decode_context, encoder_patches, encoder_attention).", labels=["term"])
-        for term, value in sorted(g.cost_model.items()):
-            coef.add_metric([term], value)
-        yield coef
+        yield _gauge_by("firsttoken_step_cost_coefficient", "The step-cost model's seconds per unit of each term "
+                        "(step, sequences, sampled, prefill_tokens, prefill_attention, decode_tokens, decode_context, "
+                        "encoder_patches, encoder_attention).", "term", g.cost_model)
+        yield _gauge_by("firsttoken_ttft_prediction_bias", "The factor predicted TTFTs of each class (by number of "
+                        "images: 0, 1, 2+) are multiplied by, learnt online from measured first tokens (1: no "
+                        "correction).", "images", g.ttft_bias)
         if g.step_time_target_s is not None:
             yield _gauge("firsttoken_step_time_target_seconds", "The step-time bound the scheduler fills steps to.",
                          g.step_time_target_s)

@@ -73,6 +73,7 @@ class EngineSnapshot:
     prefix_cache_query_tokens: int
     cost_model: dict[str, float] = field(default_factory=dict)  # step-cost coefficients by term
     step_time_target_s: float | None = None
+    ttft_bias: dict[str, float] = field(default_factory=dict)  # images class -> the predicted TTFT's learnt factor
     block_size: int = 16  # tokens per KV block
 
     @property

@@ -46,6 +46,7 @@ from firsttoken.scheduler.cost_model import CostModel, encoder_units, prefill_ch
 from firsttoken.scheduler.encoder_cache import EncoderCacheManager
 from firsttoken.scheduler.lanes import FCFS, LONG, SHORT, LaneQueues, route_lane
 from firsttoken.scheduler.request import Request, RequestStatus
+from firsttoken.scheduler.ttft_bias import TtftBias
 from firsttoken.types import AdmissionVerdict, FinishReason, ImageItem, PromptWork
 
 
@@ -128,6 +129,7 @@ class Scheduler:
         self._short_prompt_lens: deque[int] = deque(maxlen=256)  # recent short prompts: what the time bound serves
         self.calibrating = False  # engine/calibration.py: token budgets only while the cost model first learns
         self.backlog = Backlog()
+        self.ttft_bias = TtftBias(config.ttft_bias_step)  # the prediction's error per class (ttft_bias.py)
 
     # ---- requests in and out -------------------------------------------------------------------------
     def check_admission(
@@ -272,8 +274,17 @@ class Scheduler:
 
     def predict_ttft(self, work: PromptWork, pending: tuple[PromptWork, ...] = ()) -> float | None:
         """Seconds from now to this prompt's first token if it were queued now: the work ahead of it in its lane
-        plus its own encode and prefill, at the share of each step its lane gets (None before the cost model is
-        fitted). Reads only the Backlog snapshot, so any thread may ask."""
+        plus its own encode and prefill, at the share of each step its lane gets, times its class's learnt bias
+        (None before the cost model is fitted). Reads only the Backlog snapshot and the bias, so any thread may
+        ask."""
+        raw = self._predict_ttft_raw(work, pending)
+        return None if raw is None else raw * self.ttft_bias.factor(work.num_images)
+
+    def observe_ttft(self, num_images: int, predicted_s: float, measured_s: float) -> None:
+        """A first token: the prediction given at admission against the TTFT measured from arrival."""
+        self.ttft_bias.observe(num_images, predicted_s, measured_s)
+
+    def _predict_ttft_raw(self, work: PromptWork, pending: tuple[PromptWork, ...]) -> float | None:
         cost = self.cost_model
         if not cost.is_trained:
             return None

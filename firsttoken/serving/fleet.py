@@ -209,13 +209,13 @@ _SAME = frozenset({"block_size", "max_model_len"})  # equal on every replica: ke
 
 def sum_stats(stats: Sequence[EngineStats]) -> EngineStats:
     """The fleet as one engine: counts summed, per-key counts summed per key, the shared limits kept; the step-cost
-    model is per replica and is left out."""
+    model and the prediction's bias are per replica and are left out."""
     values: dict[str, Any] = {}
     for f in fields(EngineStats):
         column = [getattr(s, f.name) for s in stats]
         if f.name in _SAME:
             values[f.name] = column[0]
-        elif f.name == "cost_model":
+        elif f.name in ("cost_model", "ttft_bias"):
             values[f.name] = {}
         elif f.name == "step_time_target_s":
             values[f.name] = None

@@ -284,6 +284,8 @@ class SimReplica:
             outcome = self._outcomes[req.request_id]
             if outcome.ttft_s is None:
                 outcome.ttft_s = now - outcome.request.arrival_s
+                if outcome.predicted_ttft_s is not None:  # the prediction learns its error, as on a server
+                    self.scheduler.observe_ttft(len(req.images), outcome.predicted_ttft_s, outcome.ttft_s)
             if len(req.output_token_ids) >= req.engine_request.sampling.max_tokens:
                 outcome.e2e_s = now - outcome.request.arrival_s
                 self.scheduler.finish(req, FinishReason.LENGTH)

@@ -4,9 +4,12 @@ Retry-After (and an image request first gets a smaller visual-token budget)."""
 
 from __future__ import annotations
 
+import math
+
 import httpx
 import openai
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from firsttoken.tools.doctor import doctor_from_texts
 from firsttoken.tools.doctor.report import format_report
@@ -33,6 +36,13 @@ def test_tokenize_and_usage_carry_the_predicted_ttft(timed_server):
     assert stats["step_time_target_s"] > 0 and stats["coefficients"]["step"] >= 0
     assert stats["step_prediction"]["n"] > 0
     assert stats["ttft_prediction"]["1"]["n"] == 1 and stats["ttft_prediction"]["0"]["n"] == 0
+    # the first token taught the one-image class's correction one step (up or down), and /metrics shows it
+    assert list(stats["ttft_bias"]) == ["1"]
+    assert stats["ttft_bias"]["1"] == pytest.approx(math.exp(0.05)) or \
+        stats["ttft_bias"]["1"] == pytest.approx(math.exp(-0.05))
+    metrics = {s.labels["images"]: s.value for f in text_string_to_metric_families(
+        httpx.get(f"{live.base_url}/metrics").text) if f.name == "firsttoken_ttft_prediction_bias" for s in f.samples}
+    assert metrics == pytest.approx(stats["ttft_bias"])
     # doctor shows the fit and the prediction the request got, from the same /metrics
     report = doctor(live)
     prediction = report.to_dict()["state"]["prediction"]
