@@ -222,8 +222,8 @@ def plot(results: dict, title: str, path: Path) -> None:
         ax.set_xlabel("arrival (s)")
         ax.set_yscale("log")
         ax.grid(alpha=0.3)
-    axes[0].set_ylabel("TTFT (s), x = refused (429)")
-    axes[0].legend()
+    axes[0, 0].set_ylabel("TTFT (s), x = refused (429)")  # squeeze=False: a 1 x n grid, one config or several
+    axes[0, 0].legend()
     fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(path, dpi=90)
