@@ -7,6 +7,9 @@ Workload: one random image per size, resized by the checkpoint's own processor d
 14-px patches), through ``model.visual`` of each family's ``small`` random checkpoint (built once into
 $FIRSTTOKEN_CACHE, default /tmp). A family whose tower has windows (Qwen2.5-VL) is also timed with the same
 weights forced to full attention in every block (``window_size`` 0), and the ratio full / windowed is printed.
+Every tower is also run as the engine runs it, unit by unit (``start_encode``, ``run_units`` one unit per call,
+``finish_encode``: a large image's full-attention blocks in query-row slices, models/vision_units.py), and the
+ratio by-units / whole (``model.visual`` over whole blocks) is printed: what slicing costs.
 Every family with a make-model recipe is timed (qwen3-vl too, once registered). Prints the median of --repeats
 runs (the variants of one image alternate, after one warm-up at the first size) and the CPU's vector flags;
 the machine may be shared, so read the ratios, not the absolute seconds.
@@ -39,7 +42,7 @@ CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_t
 @dataclass(frozen=True)
 class Timing:
     family: str
-    variant: str  # "tower" (as configured), "windowed", or "full attention" (same weights, window_size 0)
+    variant: str  # "tower" (as configured), "windowed", "full attention" (same weights, window_size 0); "... by units"
     image: str  # "WxH" before resizing
     grid_thw: tuple[int, int, int]
     visual_tokens: int
@@ -87,6 +90,16 @@ def timed(fn: Callable[..., object], *args: object) -> float:
     return time.perf_counter() - start
 
 
+def by_units(tower: torch.nn.Module) -> Callable[[torch.Tensor, list], object]:
+    """The tower as the engine's runner drives it: one encoder unit per call (one image)."""
+    def run(pixels: torch.Tensor, grids: list) -> object:
+        state = tower.start_encode(pixels, grids[0])
+        while not state.done:
+            tower.run_units(state, 1)
+        return tower.finish_encode(state)
+    return run
+
+
 def towers(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
     """The tower as configured, plus (when it has windows) the same weights attending fully in every block."""
     visual = model.visual
@@ -112,12 +125,13 @@ def main() -> None:
     cpu = cpu_flags()
     print(f"cpu: {cpu['processor']}, torch {cpu['torch_cpu_capability']}, flags {' '.join(cpu['flags'])}; "
           f"{args.threads} threads; fp32; median of {args.repeats}; load average {cpu['load_average_1m']:.2f}")
-    print(f"{'family':11} {'image':10} {'grid':>13} {'tokens':>6} {'variant':15} {'median_s':>9}")
+    print(f"{'family':11} {'image':10} {'grid':>13} {'tokens':>6} {'variant':24} {'median_s':>9}")
     timings: list[Timing] = []
     for family in args.families.split(","):
         model = load_model(small_checkpoint(family, cache), torch.float32)
         proc = model.config.image_processor
         variants = towers(model)
+        variants.update({f"{name} by units": by_units(tower) for name, tower in list(variants.items())})
         for i, size in enumerate(args.images.split(",")):
             image = preprocess_image(random_image(size), proc, proc.min_pixels, proc.max_pixels)
             pixels, grid = image.pixel_values, tuple(image.grid_thw)
@@ -132,10 +146,13 @@ def main() -> None:
             for name, times in runs.items():
                 t = Timing(family, name, size, grid, image.num_tokens, tuple(times))
                 timings.append(t)
-                print(f"{family:11} {size:10} {grid!s:>13} {t.visual_tokens:6} {name:15} {t.median_s:9.3f}")
+                print(f"{family:11} {size:10} {grid!s:>13} {t.visual_tokens:6} {name:24} {t.median_s:9.3f}")
             if "windowed" in runs:
                 ratio = statistics.median(runs["full attention"]) / statistics.median(runs["windowed"])
                 print(f"{family:11} {size:10} full attention / windowed = {ratio:.2f}x")
+            for name in [n for n in runs if not n.endswith(" by units")]:
+                ratio = statistics.median(runs[f"{name} by units"]) / statistics.median(runs[name])
+                print(f"{family:11} {size:10} {name} by units / whole = {ratio:.2f}x")
         del model, variants
     print(f"load average at the end {os.getloadavg()[0]:.2f} (a shared machine: compare ratios, not seconds)")
     if args.json:
