@@ -95,7 +95,6 @@ def fleet_options(args: argparse.Namespace) -> FleetOptions:
 def options_from_args(values: Mapping[str, Any]) -> tuple[ServeConfig, FleetOptions]:
     """A Serve config file's ``args`` (flag names with or without dashes -> values; ``true`` for a switch) checked
     exactly as ``firsttoken serve-ray`` checks its command line. ValueError says which flag is wrong."""
-    from firsttoken.cli.serve_checks import flag_error
     from firsttoken.cli.usage import UsageError
 
     argv: list[str] = []
@@ -108,14 +107,30 @@ def options_from_args(values: Mapping[str, Any]) -> tuple[ServeConfig, FleetOpti
     parser = _ArgsParser(prog="firsttoken.cli.serve_ray:app_builder", add_help=False, allow_abbrev=False)
     add_flags(parser)
     try:
-        args = parser.parse_args(argv)
-        try:
-            config = serve_config(args)
-        except ValueError as exc:
-            raise flag_error(exc, args) from None
-        return config, fleet_options(args)
+        return checked_options(parser.parse_args(argv))
     except UsageError as exc:
         raise ValueError(exc.line("serve-ray")) from None
+
+
+def checked_options(args: argparse.Namespace) -> tuple[ServeConfig, FleetOptions]:
+    """The config tree and the fleet's options from parsed flags, and the model directory and config checked
+    (cheap: before Ray starts or a replica loads anything). A mistake is a UsageError naming its flag."""
+    from firsttoken.cli.serve_checks import check_serve_config, flag_error
+    from firsttoken.cli.usage import UsageError
+    from firsttoken.models.hub import ModelNotFound
+    from firsttoken.serving.build import model_dir_of
+
+    try:
+        config = serve_config(args)
+    except ValueError as exc:
+        raise flag_error(exc, args) from None
+    options = fleet_options(args)
+    try:
+        model_dir = model_dir_of(config)
+    except ModelNotFound as exc:
+        raise UsageError("--model", config.model, str(exc)) from None
+    check_serve_config(config, model_dir)
+    return config, options
 
 
 def app_builder(args: Mapping[str, Any]):  # -> ray.serve.Application
@@ -139,22 +154,9 @@ def run(args: argparse.Namespace) -> int:
     from ray import serve
 
     from firsttoken.api.logs import configure_logging
-    from firsttoken.cli.serve_checks import check_serve_config, flag_error
-    from firsttoken.cli.usage import UsageError
-    from firsttoken.models.hub import ModelNotFound
     from firsttoken.serving.app import APP_NAME, build_application
-    from firsttoken.serving.build import model_dir_of
 
-    try:
-        config = serve_config(args)
-    except ValueError as exc:
-        raise flag_error(exc, args) from None
-    options = fleet_options(args)
-    try:
-        model_dir = model_dir_of(config)
-    except ModelNotFound as exc:
-        raise UsageError("--model", config.model, str(exc)) from None
-    check_serve_config(config, model_dir)
+    config, options = checked_options(args)
     configure_logging(config.server.log_level, config.server.log_format)
     # RAY_ADDRESS: join that cluster; else a new local one (never a stale `ray start` left on this machine)
     ray.init(address=None if os.environ.get("RAY_ADDRESS") else "local")

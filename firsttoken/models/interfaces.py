@@ -25,6 +25,7 @@ from typing import Protocol
 import torch
 
 from firsttoken.attention.base import AttentionMetadata
+from firsttoken.types import EncoderUnit
 
 
 @dataclass(frozen=True)
@@ -58,8 +59,12 @@ class ImageRows:
 class EncodeState:
     """An image part-way through a vision tower; families subclass it with their tensors."""
 
-    num_units: int
+    units: tuple[EncoderUnit, ...]  # the image's units, in order (the family's encoder_units)
     units_done: int
+
+    @property
+    def num_units(self) -> int:
+        return len(self.units)
 
     @property
     def done(self) -> bool:

@@ -158,7 +158,6 @@ class WindowedEncodeState(EncodeState):
     sin: torch.Tensor
     layout: WindowLayout
     units: tuple[EncoderUnit, ...]  # window_attention_units of the image (whole blocks for several images at once)
-    num_units: int
     units_done: int = 0
     partial: PartialBlock | None = None  # a block part-way through its row slices
 
@@ -210,7 +209,7 @@ class Qwen25VisionTransformer(nn.Module):
         cos, sin = self._rotary_cos_sin(grids, pixel_values.device)
         hidden = self.patch_embed(pixel_values)  # [num_patches, embed_dim], processor order
         return WindowedEncodeState(
-            layout.reorder(hidden), layout.reorder(cos), layout.reorder(sin), layout, units, num_units=len(units)
+            layout.reorder(hidden), layout.reorder(cos), layout.reorder(sin), layout, units
         )
 
     def _segments(self, block: int, layout: WindowLayout) -> list[int]:

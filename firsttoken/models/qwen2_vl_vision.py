@@ -133,7 +133,6 @@ class Qwen2EncodeState(EncodeState):
     cos: torch.Tensor  # [num_patches, 1, 1, head_dim] fp32
     sin: torch.Tensor
     units: tuple[EncoderUnit, ...]  # the image's units (full_attention_units)
-    num_units: int
     units_done: int = 0
     partial: PartialBlock | None = None  # a block part-way through its row slices
 
@@ -157,7 +156,7 @@ class Qwen2VisionTransformer(nn.Module):
         cos, sin = self.rotary_cos_sin([grid_thw], pixel_values.device)
         hidden = self.patch_embed(pixel_values)  # [num_patches, embed_dim]
         units = full_attention_units(self.config, grid_thw)
-        return Qwen2EncodeState(hidden, cos, sin, units, num_units=len(units))
+        return Qwen2EncodeState(hidden, cos, sin, units)
 
     def run_units(self, state: Qwen2EncodeState, num_units: int) -> None:  # type: ignore[override]
         patches = [state.hidden.shape[0]]

@@ -123,7 +123,6 @@ class Qwen3EncodeState(EncodeState):
     cos: torch.Tensor  # [num_patches, 1, 1, head_dim] fp32
     sin: torch.Tensor
     units: tuple[EncoderUnit, ...]  # the image's units (full_attention_units)
-    num_units: int
     units_done: int = 0
     deepstack: list[torch.Tensor] = field(default_factory=list)  # features of the DeepStack blocks run so far
     partial: PartialBlock | None = None  # a block part-way through its row slices
@@ -157,7 +156,7 @@ class Qwen3VisionTransformer(nn.Module):
         _check_patches(pixel_values, [grid_thw])
         cos, sin = vision_rotary_cos_sin(self.config, [grid_thw], pixel_values.device)
         units = full_attention_units(self.config, grid_thw)
-        return Qwen3EncodeState(self.embed(pixel_values, [grid_thw]), cos, sin, units, num_units=len(units))
+        return Qwen3EncodeState(self.embed(pixel_values, [grid_thw]), cos, sin, units)
 
     def run_units(self, state: Qwen3EncodeState, num_units: int) -> None:  # type: ignore[override]
         patches = [state.hidden.shape[0]]

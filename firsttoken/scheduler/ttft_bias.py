@@ -23,11 +23,9 @@ from __future__ import annotations
 
 import math
 
+from firsttoken.metrics.window import image_class
+
 MAX_FACTOR = 3.0  # the correction never scales a prediction by more than this, either way
-
-
-def bias_class(num_images: int) -> str:
-    return "0" if num_images <= 0 else "1" if num_images == 1 else "2+"
 
 
 class TtftBias:
@@ -40,13 +38,13 @@ class TtftBias:
         """One first token: its class, the prediction given at admission, the TTFT measured from arrival."""
         if self.step <= 0 or not (predicted_s > 0 and measured_s > 0) or measured_s == predicted_s:
             return
-        key = bias_class(num_images)
+        key = image_class(num_images)
         log = self._log.get(key, 0.0) + (self.step if measured_s > predicted_s else -self.step)
         self._log[key] = max(-self.max_log, min(self.max_log, log))
 
     def factor(self, num_images: int) -> float:
         """What a raw prediction for this class is multiplied by (1.0 before its first observation)."""
-        return math.exp(self._log.get(bias_class(num_images), 0.0))
+        return math.exp(self._log.get(image_class(num_images), 0.0))
 
     def as_dict(self) -> dict[str, float]:
         """class -> its factor, for the classes seen so far (/stats, /metrics)."""

@@ -27,9 +27,8 @@ NUM_RUNNING = "num_running"  # replica metric: requests its engine is running (p
 
 
 def desired_replicas(current: int, queued: float, running: float, target_queued: float, max_num_seqs: int) -> int:
-    """How many replicas the pool should have, before Serve's bounds and delays (see the module's table)."""
-    if current <= 0:
-        return 1 if queued > 0 or running > 0 else 0
+    """How many replicas the pool should have, before Serve's bounds and delays (see the module's table). Serve
+    scales a pool up from zero replicas itself, without asking the policy."""
     if queued > target_queued * current:
         return math.ceil(queued / target_queued)
     if queued <= 0 and current > 1 and running <= (current - 1) * max_num_seqs:

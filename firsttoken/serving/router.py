@@ -36,11 +36,10 @@ DEFAULT_MAX_IMBALANCE = 8  # in-flight requests the prefix holder may have beyon
 
 
 class FirsttokenRouter(RequestRouter):
-    def initialize_state(self, policy: str = "affinity", capacity: int | None = None,
-                         max_imbalance: int = DEFAULT_MAX_IMBALANCE, memory_entries: int = DEFAULT_MEMORY_ENTRIES,
-                         seed: int | None = None, **_: Any) -> None:
+    def initialize_state(self, capacity: int, policy: str = "affinity", max_imbalance: int = DEFAULT_MAX_IMBALANCE,
+                         memory_entries: int = DEFAULT_MEMORY_ENTRIES, seed: int | None = None, **_: Any) -> None:
         """``request_router_kwargs`` of the deployment (serving/app.py). ``capacity``: requests a replica may hold
-        (None: Serve's max_ongoing_requests)."""
+        (Serve's max_ongoing_requests is higher by the ingress's control calls)."""
         self.policy = policy
         self.capacity = capacity
         self.max_imbalance = max_imbalance
@@ -71,8 +70,7 @@ class FirsttokenRouter(RequestRouter):
         in_flight = self.replica_queue_len_cache.get(replica.replica_id)
         if in_flight is None:
             in_flight = int(stats.get("num_running", 0)) + int(stats.get("num_waiting", 0))
-        capacity = self.capacity if self.capacity is not None else replica.max_ongoing_requests
-        return ReplicaLoad(replica.replica_id, in_flight, capacity, int(stats.get("num_free_kv_blocks", 0)))
+        return ReplicaLoad(replica.replica_id, in_flight, self.capacity, int(stats.get("num_free_kv_blocks", 0)))
 
 
 def _hints_of(pending_request: PendingRequest | None) -> RoutingHints | None:

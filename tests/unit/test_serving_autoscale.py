@@ -85,6 +85,8 @@ def test_the_serve_config_file_is_valid_for_serve_and_its_args_are_the_command_l
         options_from_args({**args, "max_num_seqs": 0})
     with pytest.raises(ValueError, match="unrecognized arguments: --replica 2"):
         options_from_args({**args, "replica": 2})
+    with pytest.raises(ValueError, match="--model /nonexistent/model"):  # the model is checked too, not only flags
+        options_from_args({**args, "model": "/nonexistent/model"})
     switched_config, switched = options_from_args({**args, "no-prefix-cache": True})
     assert switched_config.engine.cache.enable_prefix_caching is False and switched == options
     # what `serve run` / `serve deploy` do with import_path and args (no cluster needed to build the graph)
