@@ -191,6 +191,9 @@ class EngineConfig:
         f"attention implementation over the paged KV cache: {', '.join(ATTENTION_BACKENDS)}"))
     num_threads: int | None = field(default=None, metadata=option(
         "torch threads for the engine (default: all cores)"))
+    decode_threads: int | None = field(default=None, metadata=option(
+        "torch threads for steps that only decode (default: one fewer than --num-threads, at least 1: a "
+        "decode step is bound by memory bandwidth, and the server's own threads stream its tokens meanwhile)"))
     seed: int | None = field(default=None, metadata=option("seed for requests that bring no seed of their own"))
     request_timeout_s: float | None = field(default=None, metadata=option(
         "seconds a request may take from arrival to its last token; later it fails with HTTP 504 (or an error "
@@ -210,6 +213,7 @@ class EngineConfig:
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}")
         _at_least("num_threads", self.num_threads, 1, allow_none=True)
+        _at_least("decode_threads", self.decode_threads, 1, allow_none=True)
         _positive("request_timeout_s", self.request_timeout_s, allow_none=True)
         _at_least("max_unread_outputs", self.max_unread_outputs, 1)
 

@@ -21,9 +21,11 @@ from __future__ import annotations
 import io
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
+
+import torch
 
 from firsttoken.api.protocol import ChatMessage
 from firsttoken.config import GenerationDefaults, ServeConfig, config_from_options
@@ -76,7 +78,10 @@ class LLM:
         self.model_dir = resolve_model(model) if model is not None else demo_model_dir()
         self.tokenizer = load_tokenizer(self.model_dir, self.config.chat_template)
         decoder = getattr(self.tokenizer, "backend_tokenizer", None) or self.tokenizer
-        self.engine = LLMEngine(self.model_dir, self.config.engine, decoder)
+        engine_config = self.config.engine
+        if engine_config.decode_threads is None:  # no server threads to leave a core to: decode on all of them
+            engine_config = replace(engine_config, decode_threads=engine_config.num_threads or torch.get_num_threads())
+        self.engine = LLMEngine(self.model_dir, engine_config, decoder)
         self.processor = InputProcessor(
             self.tokenizer,
             self.engine.model_config,
@@ -122,19 +127,26 @@ class LLM:
         for r in requests:
             self.engine.add_request(r)
         pending = set(collected)
-        while pending:
-            for out in self.engine.step():
-                c = collected.get(out.request_id)
-                if c is None:
-                    continue
-                c.timeline.observe(out)
-                c.text.append(out.new_text)
-                c.token_ids.extend(out.new_token_ids)
-                c.logprobs.extend(out.logprobs)
-                if out.finished:
-                    c.final = out
-                    pending.discard(out.request_id)
+        threads = torch.get_num_threads()
+        try:
+            while pending:
+                self._step(collected, pending)
+        finally:  # the engine may have changed this thread's torch threads (--decode-threads): give them back
+            torch.set_num_threads(threads)
         return [collected[r.request_id].result(r.request_id) for r in requests]
+
+    def _step(self, collected: dict[str, "_Collected"], pending: set[str]) -> None:
+        for out in self.engine.step():
+            c = collected.get(out.request_id)
+            if c is None:
+                continue
+            c.timeline.observe(out)
+            c.text.append(out.new_text)
+            c.token_ids.extend(out.new_token_ids)
+            c.logprobs.extend(out.logprobs)
+            if out.finished:
+                c.final = out
+                pending.discard(out.request_id)
 
 
 @dataclass

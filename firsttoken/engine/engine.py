@@ -27,7 +27,7 @@ from firsttoken.metrics.timeline import Timeline
 from firsttoken.models.config import ModelConfig
 from firsttoken.models.registry import load_model_config
 from firsttoken.runner.executor import Executor, InProcessExecutor
-from firsttoken.runner.model_runner import FaultHook
+from firsttoken.runner.model_runner import FaultHook, ThreadPlan
 from firsttoken.scheduler.request import Request
 from firsttoken.scheduler.scheduler import Scheduler
 from firsttoken.types import (
@@ -125,7 +125,7 @@ class LLMEngine:
         self.capacity = plan_kv_capacity(self.model_config, config)
         self.executor: Executor = InProcessExecutor(
             model_dir, self.model_config, dtype, self.capacity.num_blocks, self.capacity.block_size, config.seed,
-            fault_hook,
+            fault_hook, threads=ThreadPlan(config.num_threads or torch.get_num_threads(), config.decode_threads),
         )
         dtype_bytes = torch.tensor([], dtype=dtype).element_size()
         num_tensors = 1 + len(self.model_config.vision.deepstack_visual_indexes)  # main + DeepStack features

@@ -16,7 +16,7 @@ from firsttoken.batch import RunnerOutput, ScheduledBatch
 from firsttoken.models.config import ModelConfig
 from firsttoken.models.loader import load_model
 from firsttoken.runner.kv_cache import allocate_kv_caches
-from firsttoken.runner.model_runner import FaultHook, ModelRunner
+from firsttoken.runner.model_runner import FaultHook, ModelRunner, ThreadPlan
 from firsttoken.sampling.sampler import Sampler
 
 
@@ -44,10 +44,11 @@ class InProcessExecutor:
         seed: int | None = None,
         fault_hook: FaultHook | None = None,
         device: str = "cpu",
+        threads: ThreadPlan | None = None,
     ) -> None:
         model = load_model(model_dir, dtype, device)
         kv_caches = allocate_kv_caches(model_config, num_kv_blocks, block_size, dtype, device)
-        self.runner = ModelRunner(model, kv_caches, block_size, Sampler(seed), fault_hook)
+        self.runner = ModelRunner(model, kv_caches, block_size, Sampler(seed), fault_hook, threads)
 
     def execute(self, batch: ScheduledBatch) -> RunnerOutput:
         return self.runner.execute(batch)

@@ -91,6 +91,26 @@ class RequestState:
         return head + self.output_token_ids[max(start - n_prompt, 0) : end - n_prompt]
 
 
+class ThreadPlan:
+    """torch's intra-op threads per step. A step that only decodes reads every weight once for a few rows: it is
+    bound by memory bandwidth, which one thread fewer barely lowers, while the server's own threads (HTTP,
+    streaming, detokenizing what that step produced) need a core at exactly that time; an OpenMP team spread over
+    every core then waits at each op's barrier for whichever thread they preempted. So decode-only steps run on
+    ``decode_threads`` (default: all but one, at least one), every other step (prefill, vision) on all ``threads``.
+    Applied in the thread that runs the model, only when a step's kind changes the count."""
+
+    def __init__(self, threads: int, decode_threads: int | None = None) -> None:
+        self.threads = threads
+        self.decode_threads = max(1, min(threads - 1 if decode_threads is None else decode_threads, threads))
+        self.switches = 0  # tests read it: how often the count changed
+
+    def apply(self, decode_only: bool) -> None:
+        want = self.decode_threads if decode_only else self.threads
+        if want != torch.get_num_threads():  # 0.3 us; the running thread's own count, whoever set it
+            torch.set_num_threads(want)
+            self.switches += 1
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -99,6 +119,7 @@ class ModelRunner:
         block_size: int,
         sampler: Sampler,
         fault_hook: FaultHook | None = None,
+        threads: ThreadPlan | None = None,
     ) -> None:
         self.model = model
         self.kv_caches = kv_caches
@@ -109,6 +130,8 @@ class ModelRunner:
         self.encoder_outputs: dict[str, ImageEmbeddings] = {}  # content hash -> the image's embeddings
         self._encode_jobs: dict[str, EncodeState] = {}  # images part-way through the vision tower
         self.num_vision_calls = 0  # images fully encoded by the vision tower; tests read it to prove reuse
+        # Without a plan every step keeps the count the running thread has.
+        self.threads = threads or ThreadPlan(torch.get_num_threads(), decode_threads=torch.get_num_threads())
 
     @property
     def encoder_cache_bytes(self) -> int:
@@ -125,6 +148,7 @@ class ModelRunner:
         for h in batch.freed_encoder_hashes:
             self.encoder_outputs.pop(h, None)
             self._encode_jobs.pop(h, None)
+        self.threads.apply(decode_only=not batch.encoder_work and all(c.is_decode for c in batch.chunks))
         enc = self._run_encoder_work(batch.encoder_work)
         failed = enc.failed
         chunks: list[ScheduledChunk] = []

@@ -63,3 +63,19 @@ def test_bad_input_raises_the_servers_message_before_anything_runs(llm: LLM):
     with pytest.raises(ValueError, match="role"):
         llm.chat([{"role": "wizard", "content": "hi"}])
     assert llm.engine.stats().num_steps == steps and llm.engine.stats().kv_blocks_used == 0
+
+
+def test_the_callers_torch_threads_are_the_same_after_a_call(tiny_model_dir: Path):
+    import torch
+
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        llm = LLM(tiny_model_dir, dtype="float32", kv_cache_memory="16MiB")
+        assert llm.engine.executor.runner.threads.decode_threads == 2  # offline, no server: decode on all
+        fewer = LLM(tiny_model_dir, dtype="float32", kv_cache_memory="16MiB", decode_threads=1)
+        fewer.chat([{"role": "user", "content": "hi"}], GREEDY)
+        assert fewer.engine.executor.runner.threads.switches == 1  # prefill on 2, decode on 1, ...
+        assert torch.get_num_threads() == 2  # ... and the caller's count given back
+    finally:
+        torch.set_num_threads(before)

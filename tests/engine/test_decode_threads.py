@@ -1,0 +1,102 @@
+"""Steps that only decode run on fewer torch threads than prefill and vision steps (--decode-threads), and the
+answers do not change."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoTokenizer
+
+from firsttoken.config import CacheConfig, EngineConfig, GenerationDefaults, SchedulerConfig
+from firsttoken.engine.engine import LLMEngine
+from firsttoken.inputs.processor import InputProcessor
+from tests.engine.test_faults import chat, image_question, run_all
+
+
+@pytest.fixture
+def two_threads():
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(before)
+
+
+def build(model_dir: Path, decode_threads: int | None):
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    cfg = EngineConfig(dtype="float32", decode_threads=decode_threads,
+                       cache=CacheConfig(kv_cache_memory_bytes=8 * 2**20),
+                       scheduler=SchedulerConfig(max_batched_tokens=128, step_time_target="off"))
+    engine = LLMEngine(model_dir, cfg, tok.backend_tokenizer)
+    proc = InputProcessor(tok, engine.model_config, GenerationDefaults.from_pretrained(model_dir),
+                          max_model_len=engine.max_model_len)
+    return engine, proc
+
+
+def record_threads(engine: LLMEngine) -> list[tuple[str, int]]:
+    """(what ran, torch threads at that moment) for every forward and vision-tower call, in order."""
+    runner = engine.executor.runner
+    calls: list[tuple[str, int]] = []
+    forward, run_units = runner.model.forward, runner.model.visual.run_units
+
+    def recorded_forward(input_ids, *args, **kwargs):
+        calls.append((f"forward:{input_ids.shape[0]}", torch.get_num_threads()))
+        return forward(input_ids, *args, **kwargs)
+
+    def recorded_units(*args, **kwargs):
+        calls.append(("vision", torch.get_num_threads()))
+        return run_units(*args, **kwargs)
+
+    runner.model.forward = recorded_forward
+    runner.model.visual.run_units = recorded_units
+    return calls
+
+
+def requests(proc):
+    return [chat(proc, "text", "Tell me about the sea."), chat(proc, "img", image_question())]
+
+
+def test_decode_only_steps_run_on_one_thread_fewer_and_everything_else_on_all(tiny_model_dir, two_threads):
+    engine, proc = build(tiny_model_dir, decode_threads=None)  # the default: all but one
+    calls = record_threads(engine)
+    answers = run_all(engine, requests(proc))
+    vision = [n for what, n in calls if what == "vision"]
+    prefill = [n for what, n in calls if what.startswith("forward:") and int(what.split(":")[1]) > 2]
+    decode = [n for what, n in calls if what in ("forward:1", "forward:2")]
+    assert vision and set(vision) == {2}  # the image's tower ran on both threads
+    assert prefill and set(prefill) == {2}  # so did every prefill forward
+    assert len(decode) >= 7 and set(decode) == {1}  # 8 tokens each: the decode-only steps ran on one
+    # The count changes only when a step's kind changes, not every step.
+    assert engine.executor.runner.threads.switches <= 4
+    assert torch.get_num_threads() == 1  # left as the last (decode) step set it, for this thread only
+
+    torch.set_num_threads(2)
+    engine, proc = build(tiny_model_dir, decode_threads=2)  # every step on all threads: the same answers
+    calls = record_threads(engine)
+    assert run_all(engine, requests(proc)) == answers
+    assert {n for _, n in calls} == {2}
+    assert engine.executor.runner.threads.switches == 0
+
+
+def test_decode_threads_never_exceed_the_engine_threads_and_one_thread_stays_one(tiny_model_dir):
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        engine, proc = build(tiny_model_dir, decode_threads=None)
+        calls = record_threads(engine)
+        run_all(engine, [chat(proc, "text", "Hello there.")])
+        assert {n for _, n in calls} == {1}
+        assert engine.executor.runner.threads.switches == 0
+        torch.set_num_threads(2)
+        engine, proc = build(tiny_model_dir, decode_threads=8)  # asks for more than the engine has: all of them
+        calls = record_threads(engine)
+        run_all(engine, [chat(proc, "text", "Hello there.")])
+        assert {n for _, n in calls} == {2}
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_decode_threads_must_be_at_least_one():
+    with pytest.raises(ValueError, match="decode_threads"):
+        EngineConfig(decode_threads=0)
