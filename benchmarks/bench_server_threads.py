@@ -8,8 +8,8 @@ once, requests alternating between them round by round (so load on the machine h
 
 Per round and server: one streamed 128-token answer (`ignore_eos`), its time per token from the first content chunk
 to the last (batch 1); then 8 such requests at once, non-streamed, output tokens / wall time (batch 8, prefill of
-the 8 short prompts included); and the time to first token of an ~800-token text prompt sent alone (prefill; a one-token answer).
-Prints the median of the rounds and every round. A benchmark, not a test.
+the 8 short prompts included); and the time to first token of an ~800-token text prompt sent alone (prefill; a
+one-token answer). Prints the median of the rounds and every round. A benchmark, not a test.
 """
 
 from __future__ import annotations
