@@ -10,9 +10,10 @@
     print(out.text, out.usage, out.timings["ttft_s"])
 
 ``chat`` takes one conversation or a list of them; a list runs as one batch through the same scheduler the server
-uses (continuous batching, chunked prefill, lanes, prefix and encoder caches). ``complete`` does the same for raw
-prompts. Options are the ``firsttoken serve`` flags by name (``kv_cache_memory="2GiB"``, ``image_max_tokens=1280``,
-``no_prefix_cache=True``), so every default is the server's. Inputs are validated exactly as the server validates
+uses (continuous batching, chunked prefill, lanes, prefix and encoder caches), with one sampling for all or a list
+of them, one per conversation (as vLLM's ``LLM.generate`` takes a list of ``SamplingParams``). ``complete`` does
+the same for raw prompts. Options are the ``firsttoken serve`` flags by name (``kv_cache_memory="2GiB"``,
+``image_max_tokens=1280``, ``no_prefix_cache=True``), so every default is the server's. Inputs are validated exactly as the server validates
 an HTTP body: a bad request raises ``ValueError`` with the server's 400 message before anything runs.
 """
 
@@ -65,6 +66,7 @@ class RequestResult:
 
 
 Conversation = Sequence[Mapping[str, Any]]
+Sampling = SamplingRequest | Mapping[str, Any] | None
 
 
 class LLM:
@@ -95,9 +97,10 @@ class LLM:
     def chat(
         self,
         messages: Conversation | Sequence[Conversation],
-        sampling: SamplingRequest | Mapping[str, Any] | None = None,
+        sampling: Sampling | Sequence[Sampling] = None,
     ) -> RequestResult | list[RequestResult]:
-        """One conversation -> one result; a list of conversations -> a list of results, run as one batch."""
+        """One conversation -> one result; a list of conversations -> a list of results, run as one batch.
+        ``sampling``: one for every conversation, or a list with one per conversation."""
         batch = _is_batch(messages)
         conversations = list(messages) if batch else [messages]
         prompts = [ChatPrompt(tuple(_message(m) for m in c)) for c in conversations]
@@ -105,20 +108,21 @@ class LLM:
         return results if batch else results[0]
 
     def complete(
-        self, prompts: str | Sequence[str], sampling: SamplingRequest | Mapping[str, Any] | None = None
+        self, prompts: str | Sequence[str], sampling: Sampling | Sequence[Sampling] = None
     ) -> RequestResult | list[RequestResult]:
-        """Raw text prompts (chat control tokens honoured, as /v1/completions)."""
+        """Raw text prompts (chat control tokens honoured, as /v1/completions); ``sampling`` as for ``chat``."""
         batch = not isinstance(prompts, str)
         texts = list(prompts) if batch else [prompts]
         results = self.run([TextPrompt(t) for t in texts], sampling)
         return results if batch else results[0]
 
-    def run(self, prompts: Sequence[Prompt], sampling: SamplingRequest | Mapping[str, Any] | None) -> list[RequestResult]:
-        """Preprocess every prompt (any refusal raises before anything runs), then step the engine until all finish."""
-        request = _sampling(sampling)
+    def run(self, prompts: Sequence[Prompt], sampling: Sampling | Sequence[Sampling]) -> list[RequestResult]:
+        """Preprocess every prompt (any refusal raises before anything runs), then step the engine until all
+        finish."""
+        per_prompt = _per_prompt(sampling, len(prompts))
         arrival = time.monotonic()
         requests: list[EngineRequest] = []
-        for prompt in prompts:
+        for prompt, request in zip(prompts, per_prompt):
             self._next_id += 1
             requests.append(self.processor.process(prompt, request, f"offline-{self._next_id}", arrival))
         collected = {r.request_id: _Collected(Timeline(arrival)) for r in requests}
@@ -205,7 +209,17 @@ def _is_pil_part(part: Any) -> bool:
     return isinstance(part, Mapping) and part.get("type") == "image_pil"
 
 
-def _sampling(sampling: SamplingRequest | Mapping[str, Any] | None) -> SamplingRequest:
+def _per_prompt(sampling: Sampling | Sequence[Sampling], num_prompts: int) -> list[SamplingRequest]:
+    """One SamplingRequest per prompt: the same one for all, or a list (or tuple) with one per prompt."""
+    if isinstance(sampling, (list, tuple)):
+        if len(sampling) != num_prompts:
+            raise ValueError(f"got {len(sampling)} sampling settings for {num_prompts} prompts: give one for all, "
+                             "or one per prompt")
+        return [_sampling(s) for s in sampling]
+    return [_sampling(sampling)] * num_prompts
+
+
+def _sampling(sampling: Sampling) -> SamplingRequest:
     """A SamplingRequest as given, or from OpenAI-style fields (``temperature``, ``max_tokens``, ``stop``, ...)."""
     if sampling is None:
         return SamplingRequest()

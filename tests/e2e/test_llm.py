@@ -79,3 +79,17 @@ def test_the_callers_torch_threads_are_the_same_after_a_call(tiny_model_dir: Pat
         assert torch.get_num_threads() == 2  # ... and the caller's count given back
     finally:
         torch.set_num_threads(before)
+
+
+def test_a_batch_takes_one_sampling_per_conversation(llm: LLM):
+    convs = conversations()[:2]
+    alone = [llm.chat(convs[0], {"temperature": 0.0, "max_tokens": 3}),
+             llm.chat(convs[1], {"temperature": 0.0, "max_tokens": 7, "stop": ["\n"]})]
+    both = llm.chat(convs, [{"temperature": 0.0, "max_tokens": 3},
+                            SamplingRequest(temperature=0.0, max_tokens=7, stop=("\n",))])
+    assert [r.token_ids for r in both] == [r.token_ids for r in alone]
+    assert both[0].usage.completion_tokens == 3
+    steps = llm.engine.stats().num_steps
+    with pytest.raises(ValueError, match="2 sampling settings for 3 prompts"):
+        llm.complete(["a", "b", "c"], [GREEDY, GREEDY])
+    assert llm.engine.stats().num_steps == steps  # refused before anything ran
