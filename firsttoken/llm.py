@@ -11,10 +11,11 @@
 
 ``chat`` takes one conversation or a list of them; a list runs as one batch through the same scheduler the server
 uses (continuous batching, chunked prefill, lanes, prefix and encoder caches), with one sampling for all or a list
-of them, one per conversation (as vLLM's ``LLM.generate`` takes a list of ``SamplingParams``). ``complete`` does
-the same for raw prompts. Options are the ``firsttoken serve`` flags by name (``kv_cache_memory="2GiB"``,
-``image_max_tokens=1280``, ``no_prefix_cache=True``), so every default is the server's. Inputs are validated exactly as the server validates
-an HTTP body: a bad request raises ``ValueError`` with the server's 400 message before anything runs.
+of them, one per conversation (as vLLM's ``LLM.generate`` takes a list of ``SamplingParams``). ``complete`` does the
+same for raw prompts. Options are the ``firsttoken serve`` flags by name (``kv_cache_memory="2GiB"``,
+``image_max_tokens=1280``, ``no_prefix_cache=True``), so every default is the server's. Inputs are validated exactly
+as the server validates an HTTP body: a bad request raises ``ValueError`` with the server's 400 message before
+anything runs.
 """
 
 from __future__ import annotations
