@@ -3,7 +3,7 @@ TTFT (text ~800 tokens, one 1024x1024 image, three), decode time per token at ba
 batch 8. Prints the ratios against issue 17's targets and the CPU flags; writes JSON. A benchmark, not a test.
 
     python benchmarks/bench_llamacpp.py --work-dir /work/peers/llamacpp --convert-venv /work/peers/convert-venv \
-        [--build] [--quant q8_0] [--json OUT]
+        [--build] [--quant q8_0|f16] [--ours-fp16] [--json OUT]
     # reuse an existing build and GGUFs:
     python benchmarks/bench_llamacpp.py --llama-dir /work/peers/llamacpp \
         --gguf /work/peers/llamacpp/gguf/qwen2vl-small-orig-f32.gguf \
@@ -11,9 +11,10 @@ batch 8. Prints the ratios against issue 17's targets and the CPU flags; writes 
 
 The servers (all started first; an idle one costs no CPU):
 - llama.cpp: llama-server -t 2 -tb 2, -np 1 for TTFT and batch-1 decode, -np 8 for batch 8; f32 GGUF (and, with
-  --quant q8_0, a Q8_0 one with the same f32 vision projector); requests carry "cache_prompt": false.
+  --quant q8_0 or f16, a Q8_0 or F16 one with the same f32 vision projector); requests carry "cache_prompt": false.
 - firsttoken: serve --dtype float32 --num-threads 2 --image-max-tokens 16384 (no budget: 1,369 visual tokens per
-  1024x1024 image, as llama.cpp), caches off; and again with the default image budget for a separate TTFT column.
+  1024x1024 image, as llama.cpp), caches off; and again with the default image budget for a separate TTFT column;
+  with --ours-fp16, a third with --quantization fp16 (float16 weights, FBGEMM) in every measurement.
 Each measurement runs 1 warm-up + --repeats (3) rounds; a round sends the same prompt to every server in turn (the
 order rotating), so load from other processes on a shared machine falls on all alike; medians are reported, and
 the load average before and after. Prompts differ between rounds, so no cache can hit. One code path measures
@@ -224,20 +225,24 @@ def run_all(tree: LlamaCppTree, model: Path, llama: dict[str, GGUFPair], args: a
     with ExitStack() as stack:
         single = {name: start_llama(stack, tree.server, gguf, 1) for name, gguf in llama.items()}
         batched = {name: start_llama(stack, tree.server, gguf, BATCH) for name, gguf in llama.items()}
-        ours = start_firsttoken(stack, model, no_budget)
-        ttft_bases = {**single, "firsttoken_fp32": ours}
+        ours = {"firsttoken_fp32": start_firsttoken(stack, model, no_budget)}
+        if args.ours_fp16:
+            ours["firsttoken_fp16"] = start_firsttoken(stack, model, [*no_budget, "--quantization", "fp16"])
+        ttft_bases = {**single, **ours}
         if not args.no_budget_column:
             ttft_bases["firsttoken_budget"] = start_firsttoken(stack, model, list(FIRSTTOKEN_FLAGS))
         results["machine_before"] = machine_info()
         ttft = measure_ttft(ttft_bases, args.repeats, args.timeout)
-        b1 = measure_decode_b1({**single, "firsttoken_fp32": ours}, args.repeats, args.timeout)
-        b8 = measure_decode_batch({**batched, "firsttoken_fp32": ours}, args.repeats, args.timeout)
+        b1 = measure_decode_b1({**single, **ours}, args.repeats, args.timeout)
+        b8 = measure_decode_batch({**batched, **ours}, args.repeats, args.timeout)
         results["machine_after"] = machine_info()
     for name in ttft_bases:
         results[name] = {"ttft": ttft[name]} | ({"decode_b1": b1[name], "decode_b8": b8[name]} if name in b1 else {})
     for name, gguf in llama.items():
         results[name] |= {"gguf": str(gguf.model), "mmproj": str(gguf.mmproj)}
     results["firsttoken_fp32"]["flags"] = no_budget
+    if "firsttoken_fp16" in results:
+        results["firsttoken_fp16"]["flags"] = [*no_budget, "--quantization", "fp16"]
     if "firsttoken_budget" in results:
         results["firsttoken_budget"]["flags"] = list(FIRSTTOKEN_FLAGS)
     return results
@@ -261,19 +266,29 @@ def ratios(results: dict[str, Any]) -> dict[str, dict[str, Any]]:
     out = {f"ttft_{cls}": _ratio(ours["ttft"][cls], llama["ttft"][cls], TARGETS[cls], True) for cls, _ in PROMPTS}
     out["decode_b1"] = _ratio(ours["decode_b1"], llama["decode_b1"], TARGETS["decode_b1"], True)
     out["decode_b8"] = _ratio(ours["decode_b8"], llama["decode_b8"], TARGETS["decode_b8"], False)
+    fp16 = results.get("firsttoken_fp16")
+    if fp16 is not None:  # against llama.cpp f32 (the same targets) and against our fp32 (int8's TTFT target: 0.6)
+        for cls, _ in PROMPTS:
+            out[f"fp16_ttft_{cls}"] = _ratio(fp16["ttft"][cls], llama["ttft"][cls], TARGETS[cls], True)
+            out[f"fp16_vs_fp32_ttft_{cls}"] = _ratio(fp16["ttft"][cls], ours["ttft"][cls], 0.6, True)
+        out["fp16_decode_b1"] = _ratio(fp16["decode_b1"], llama["decode_b1"], TARGETS["decode_b1"], True)
+        out["fp16_decode_b8"] = _ratio(fp16["decode_b8"], llama["decode_b8"], TARGETS["decode_b8"], False)
+        out["fp16_vs_fp32_decode_b1"] = _ratio(fp16["decode_b1"], ours["decode_b1"], 1.0, True)
+        out["fp16_vs_fp32_decode_b8"] = _ratio(fp16["decode_b8"], ours["decode_b8"], 1.0, False)
     return out
 
 
 def print_table(results: dict[str, Any]) -> None:
     llama, ours, budget = results["llama_f32"], results["firsttoken_fp32"], results.get("firsttoken_budget")
-    q8 = results.get("llama_q8_0")
+    quant_name = next((k for k in ("llama_q8_0", "llama_f16") if k in results), None)
+    q8 = results.get(quant_name) if quant_name else None
     rat = ratios(results)
     m = results["machine"]
     print(f"\nCPU {m['cpu']}, {m['cores']} cores, flags {' '.join(m['cpu_flags']) or '(none of avx2/avx512/amx)'}; "
           f"llama.cpp {results.get('llama_commit') or '?'}; medians of {results['repeats']} after 1 warm-up")  # fmt: skip
     head = (f"{'':19s}{'tokens':>11s}{'llama f32':>11s}{'ours fp32':>11s}{'ours/llama':>12s}{'(best)':>8s}  "
             f"{'target':17s}")  # fmt: skip
-    head += f"{'llama q8_0':>11s}" if q8 else ""
+    head += f"{quant_name.replace('_', ' '):>11s}" if q8 else ""
     head += f"{'ours budget':>13s}{'tokens':>8s}" if budget else ""
     print(head)
 
@@ -293,6 +308,16 @@ def print_table(results: dict[str, Any]) -> None:
     a, b = llama["decode_b8"].median, ours["decode_b8"].median
     row(f"decode b{BATCH} tokens/s", "decode_b8", "", a, b, " ", f"{q8['decode_b8'].median:10.3f}" if q8 else "")
     print("(ours/llama: TTFT and ms/token lower is better, tokens/s higher; (best) = ratio of the fastest runs)")
+    fp16 = results.get("firsttoken_fp16")
+    if fp16 is not None:
+        print(f"\nours --quantization fp16{'':8s}{'ours fp16':>11s}{'/ llama f32':>13s}{'/ ours fp32':>13s}")
+        for cls, _ in PROMPTS:
+            print(f"TTFT {cls:27s}{fp16['ttft'][cls].median:10.3f}s{rat[f'fp16_ttft_{cls}']['ratio']:12.2f}x"
+                  f"{rat[f'fp16_vs_fp32_ttft_{cls}']['ratio']:12.2f}x")
+        decodes = (("decode b1 ms/token", "decode_b1", 1e3), (f"decode b{BATCH} tokens/s", "decode_b8", 1))
+        for label, key, scale in decodes:
+            print(f"{label:32s}{fp16[key].median * scale:10.3f} {rat[f'fp16_{key}']['ratio']:12.2f}x"
+                  f"{rat[f'fp16_vs_fp32_{key}']['ratio']:12.2f}x")
 
 
 def _jsonable(x: Any) -> Any:
@@ -317,7 +342,9 @@ def main() -> None:
                    "small into WORK/small-orig)")  # fmt: skip
     p.add_argument("--gguf", type=Path, default=None, help="an existing f32 language-model GGUF (skips conversion)")
     p.add_argument("--mmproj", type=Path, default=None, help="with --gguf: its vision projector GGUF")
-    p.add_argument("--quant", choices=["q8_0"], default=None, help="also measure llama.cpp on this quantization")
+    p.add_argument("--quant", choices=["q8_0", "f16"], default=None,
+                   help="also measure llama.cpp on this quantization")
+    p.add_argument("--ours-fp16", action="store_true", help="also measure firsttoken with --quantization fp16")
     p.add_argument("--gguf-quant", type=Path, default=None, help="with --quant: an existing quantized GGUF")
     p.add_argument("--no-budget-column", action="store_true", help="skip our default-budget TTFT run")
     p.add_argument("--repeats", type=int, default=3)

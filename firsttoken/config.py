@@ -27,6 +27,7 @@ from typing import Any
 from firsttoken.units import format_size, parse_bytes
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+QUANTIZATIONS = ("none", "fp16")  # models/quant.py
 DEVICES = ("cpu",)  # where the engine runs; a CUDA runner is the Executor seam's next implementation
 ATTENTION_BACKENDS = ("sdpa",)  # attention/registry.py
 
@@ -186,6 +187,11 @@ class EngineConfig:
     dtype: str = field(default="auto", metadata=option(
         "auto (bf16 where the CPU computes bf16 in hardware, else float32), float32 (exact vs transformers), "
         "bfloat16, float16"))
+    quantization: str = field(default="none", metadata=option(
+        "none, or fp16: the language model's linear layers keep float16 weights (half the bytes a decode step "
+        "reads), multiplied in float32 by FBGEMM's AVX2 kernel; activations float32 (--dtype auto picks it). "
+        "Faster decode on CPUs; not exact against transformers (~2e-4 relative error per product; top-1 "
+        "agreement in docs/performance.md)"))
     device: str = field(default="cpu", metadata=option(f"where the model runs: {', '.join(DEVICES)}"))
     attention_backend: str = field(default="sdpa", metadata=option(
         f"attention implementation over the paged KV cache: {', '.join(ATTENTION_BACKENDS)}"))
@@ -208,6 +214,10 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}")
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}")
+        if self.quantization == "fp16" and self.dtype not in ("auto", "float32"):
+            raise ValueError("quantization fp16 runs float32 activations: use --dtype float32 (or auto)")
         if self.device not in DEVICES:
             raise ValueError(f"device must be one of {', '.join(DEVICES)} (this build runs on the CPU)")
         if self.attention_backend not in ATTENTION_BACKENDS:

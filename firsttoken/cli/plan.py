@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from firsttoken.cli.usage import UsageError, from_config_error, read_config_json
+from firsttoken.config import QUANTIZATIONS
 from firsttoken.tools.plan import (
     DTYPE_BYTES,
     MEMORY_UTILIZATION,
@@ -54,6 +55,9 @@ def add_parser(subparsers: Any) -> None:
                         help="vision-encoder output cache (default: serve's, "
                              f"{format_size(_DEFAULTS.encoder_cache_memory_bytes)})")
     parser.add_argument("--dtype", choices=sorted(DTYPE_BYTES), default=_DEFAULTS.dtype)
+    parser.add_argument("--quantization", choices=QUANTIZATIONS, default=_DEFAULTS.quantization,
+                        help="serve --quantization: fp16 counts the language model's linear layers at 2 bytes "
+                             "(with --dtype float32)")
     parser.add_argument("--block-size", type=int, default=_DEFAULTS.block_size)
     parser.add_argument("--decode-reserve-tokens", type=int, default=_DEFAULTS.decode_reserve_tokens)
     parser.add_argument("--json", metavar="FILE", help="also write the plan as JSON ('-': JSON on stdout only)")
@@ -74,6 +78,7 @@ def run(args: argparse.Namespace) -> int:
             image_tokens=args.image_tokens,
             output_tokens=args.output_tokens,
             dtype=args.dtype,
+            quantization=args.quantization,
             block_size=args.block_size,
             decode_reserve_tokens=args.decode_reserve_tokens,
             template_overhead_tokens=args.template_overhead_tokens,

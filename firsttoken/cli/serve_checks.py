@@ -62,6 +62,12 @@ def check_serve_config(config: "ServeConfig", model_dir: Path) -> None:
         raise UsageError("--request-log", server.request_log, "its directory does not exist; create it first")
     model_config = check_checkpoint("--model" if config.model else "(demo checkpoint)", model_dir)
     _check_kv(config.engine, model_config)
+    if config.engine.quantization == "fp16":
+        from firsttoken.models.quant import fp16_supported
+
+        reason = fp16_supported()
+        if reason is not None:
+            raise UsageError("--quantization", "fp16", reason)
     check_port_free(server.host, server.port)
 
 
@@ -87,7 +93,7 @@ def _check_kv(config: "EngineConfig", model_config: "ModelConfig") -> None:
     """The pool must hold one block, and --max-model-len must fit the model and the pool (the engine's rule)."""
     from firsttoken.engine.engine import plan_kv_capacity, torch_dtype
 
-    dtype = torch_dtype(config.dtype)
+    dtype = torch_dtype(config.dtype, config.quantization)
     dtype_bytes = dtype.itemsize
     block_bytes = model_config.kv_bytes_per_token(dtype_bytes) * config.cache.block_size
     if config.cache.kv_cache_memory_bytes < block_bytes:

@@ -56,9 +56,12 @@ def _finite_or_none(x: float) -> float | None:
     return x if math.isfinite(x) else None
 
 
-def torch_dtype(name: str) -> torch.dtype:
-    """The torch dtype of an EngineConfig.dtype ("auto": bf16 where the CPU computes it in hardware, else fp32)."""
+def torch_dtype(name: str, quantization: str = "none") -> torch.dtype:
+    """The torch dtype of an EngineConfig.dtype ("auto": bf16 where the CPU computes it in hardware, else fp32;
+    always fp32 with --quantization fp16, whose kernel takes float32 activations)."""
     if name == "auto":
+        if quantization == "fp16":
+            return torch.float32
         return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
     return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
 
@@ -92,7 +95,7 @@ class KVCapacity:
 
 
 def plan_kv_capacity(model: ModelConfig, config: EngineConfig) -> KVCapacity:
-    dtype_bytes = torch.tensor([], dtype=torch_dtype(config.dtype)).element_size()
+    dtype_bytes = torch.tensor([], dtype=torch_dtype(config.dtype, config.quantization)).element_size()
     per_token = model.kv_bytes_per_token(dtype_bytes)
     block_size = config.cache.block_size
     num_blocks = config.cache.kv_cache_memory_bytes // (per_token * block_size)
@@ -121,11 +124,12 @@ class LLMEngine:
         self.observer: StatsObserver = observer or NullObserver()
         self.model_config = load_model_config(model_dir)
         self.tokenizer = tokenizer
-        dtype = torch_dtype(config.dtype)
+        dtype = torch_dtype(config.dtype, config.quantization)
         self.capacity = plan_kv_capacity(self.model_config, config)
         self.executor: Executor = InProcessExecutor(
             model_dir, self.model_config, dtype, self.capacity.num_blocks, self.capacity.block_size, config.seed,
             fault_hook, threads=ThreadPlan(config.num_threads or torch.get_num_threads(), config.decode_threads),
+            quantization=config.quantization,
         )
         dtype_bytes = torch.tensor([], dtype=dtype).element_size()
         num_tensors = 1 + len(self.model_config.vision.deepstack_visual_indexes)  # main + DeepStack features

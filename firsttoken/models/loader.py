@@ -18,6 +18,7 @@ from torch import nn
 from firsttoken.attention.base import AttentionBackend
 from firsttoken.attention.registry import get_backend
 from firsttoken.models.layers import store_weights_input_major
+from firsttoken.models.quant import QUANTIZATIONS, quantize_fp16
 from firsttoken.models.registry import family_of, load_model_config
 
 
@@ -26,8 +27,15 @@ def load_model(
     dtype: torch.dtype,
     device: torch.device | str = "cpu",
     attn_backend: AttentionBackend | None = None,
+    quantization: str = "none",
 ) -> nn.Module:
-    """The family's model in eval mode with weights from model_dir; attn_backend defaults to "sdpa"."""
+    """The family's model in eval mode with weights from model_dir; attn_backend defaults to "sdpa";
+    ``quantization`` one of models/quant.py's QUANTIZATIONS ("fp16": the language model's linear layers hold float16
+    weights, float32 activations)."""
+    if quantization not in QUANTIZATIONS:
+        raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}")
+    if quantization == "fp16" and dtype != torch.float32:
+        raise ValueError("--quantization fp16 runs float32 activations: use --dtype float32 (or auto)")
     model_dir = Path(model_dir)
     family = family_of(model_dir)
     config = load_model_config(model_dir)
@@ -55,6 +63,8 @@ def load_model(
     model.load_state_dict(state, strict=True, assign=True)
     del state  # the model holds the only reference now: a re-laid-out weight frees its original at once
     model.requires_grad_(False)
+    if quantization == "fp16":
+        quantize_fp16(model, exclude_prefix="visual.")
     if str(device) == "cpu":
         store_weights_input_major(model, exclude_prefix="visual.")  # the decoder's matmuls are one-row at decode
     return model.eval()

@@ -163,8 +163,9 @@ class Qwen2VLModel(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[n, hidden] -> [n, vocab] float32."""
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        if self.lm_head is None:  # tied to the embeddings
+            return F.linear(hidden, self.embed_tokens.weight).float()
+        return self.lm_head(hidden).float()  # an nn.Linear, or models/quant.py's packed float16 one
 
 
 def parse_config(d: dict[str, Any], preprocessor: dict[str, Any] | None) -> ModelConfig:

@@ -45,8 +45,9 @@ class InProcessExecutor:
         fault_hook: FaultHook | None = None,
         device: str = "cpu",
         threads: ThreadPlan | None = None,
+        quantization: str = "none",
     ) -> None:
-        model = load_model(model_dir, dtype, device)
+        model = load_model(model_dir, dtype, device, quantization=quantization)
         kv_caches = allocate_kv_caches(model_config, num_kv_blocks, block_size, dtype, device)
         self.runner = ModelRunner(model, kv_caches, block_size, Sampler(seed), fault_hook, threads)
 

@@ -15,7 +15,8 @@ The pool is either given (``kv_cache_memory_bytes``, what ``serve --kv-cache-mem
 memory leaves, as vLLM's --gpu-memory-utilization reads it:
 
     KV pool = memory x utilization - weights - workspace - encoder cache     (rounded down to a MiB)
-    weights = parameters (LM + vision tower + lm_head unless tied) x dtype bytes
+    weights = parameters (LM + vision tower + lm_head unless tied) x dtype bytes; with --quantization fp16 the
+              language model's linear layers (and the lm_head, a float16 copy when tied) count 2 bytes each
     workspace = max(LM step, vision tower): the tower runs before the step's forward, not beside it
       LM step = activations (T tokens x (2 hidden + 2 q + 2 kv + 3 intermediate) x B)
               + attention scores of one chunk (2 x heads x T x max_model_len x B, the CPU SDPA path)
@@ -33,7 +34,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from firsttoken.config import CacheConfig, SchedulerConfig
+from firsttoken.config import QUANTIZATIONS, CacheConfig, SchedulerConfig
 from firsttoken.tools.model_shape import (  # noqa: F401  (re-exported: doctor and the benchmarks read them here)
     DTYPE_BYTES,
     ConfigFieldMissing,
@@ -74,6 +75,7 @@ class PlanInputs:
     image_tokens: int = 1200  # per-image visual-token budget (--image-max-tokens)
     output_tokens: int = 256
     dtype: str = "bfloat16"
+    quantization: str = "none"  # serve --quantization; fp16 runs float32 activations
     block_size: int = _CACHE_DEFAULTS.block_size
     decode_reserve_tokens: int = _SCHEDULER_DEFAULTS.decode_reserve_tokens
     template_overhead_tokens: int | None = None  # None: TEMPLATE_BASE_TOKENS + 2 per image
@@ -87,6 +89,10 @@ class PlanInputs:
                              "exactly one")
         if self.dtype not in DTYPE_BYTES:
             raise ValueError(f"dtype must be one of {sorted(DTYPE_BYTES)}, got {self.dtype!r}")
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}")
+        if self.quantization == "fp16" and self.dtype != "float32":
+            raise ValueError("quantization fp16 runs float32 activations: plan with --dtype float32")
         if self.block_size < 1:
             raise ValueError("block_size must be >= 1")
         if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes <= 0:
@@ -179,6 +185,17 @@ class MemoryBudget:
         return _ceil_div(self.used_bytes * 10**6, round(self.memory_utilization * 10**6))
 
 
+def _weights_bytes(shape: ModelShape, inputs: PlanInputs, lm: int, vision: int) -> int:
+    """Parameters x dtype bytes; with fp16 quantization everything of the language model but its embeddings (its
+    linear layers and norms) at 2 bytes, plus a float16 lm_head beside tied embeddings (models/quant.py)."""
+    dtype_bytes = DTYPE_BYTES[inputs.dtype]
+    if inputs.quantization != "fp16":
+        return (lm + vision) * dtype_bytes
+    embed = shape.vocab_size * shape.hidden_size
+    tied_head = embed if shape.tie_word_embeddings else 0
+    return (vision + embed) * dtype_bytes + (lm - embed + tied_head) * 2
+
+
 def _memory_budget(inputs: PlanInputs, weights: int, num_params: int, workspace: int, block_bytes: int
                    ) -> MemoryBudget:
     """The KV pool: given, or the device's usable memory minus the rest; DoesNotFit when that is under a block."""
@@ -192,7 +209,9 @@ def _memory_budget(inputs: PlanInputs, weights: int, num_params: int, workspace:
     if weights > usable:
         raise DoesNotFit(
             f"the weights alone need {format_bytes(weights)} ({num_params:,} parameters x "
-            f"{DTYPE_BYTES[inputs.dtype]} B in {inputs.dtype}) but {usable_text}; plan for a larger device")
+            f"{DTYPE_BYTES[inputs.dtype]} B in {inputs.dtype}"
+            f"{'; the language model linear layers x 2 B' if inputs.quantization == 'fp16' else ''}) but "
+            f"{usable_text}; plan for a larger device")
     free = usable - weights - workspace - encoder
     if free < block_bytes:
         raise DoesNotFit(
@@ -211,7 +230,7 @@ class Plan:
     num_params: int  # from config shapes
     num_params_language_model: int
     num_params_vision: int
-    weights_bytes: int  # num_params x dtype bytes
+    weights_bytes: int  # num_params x dtype bytes (fp16 quantization: the LM's linear layers x 2)
     safetensors_params: int | None  # summed from safetensors headers when the model dir has them
     safetensors_bytes: int | None
     # memory
@@ -262,7 +281,8 @@ def make_plan(config: dict[str, Any], inputs: PlanInputs, model_dir: str | Path 
     full_blocks = _ceil_div(min(prompt + inputs.output_tokens, max_model_len), bs)
     block_bytes = kv_tok * bs
     workspace = Workspace.estimate(shape, inputs, max_model_len)
-    memory = _memory_budget(inputs, (lm + vision) * dtype_bytes, lm + vision, workspace.peak_bytes, block_bytes)
+    memory = _memory_budget(inputs, _weights_bytes(shape, inputs, lm, vision), lm + vision, workspace.peak_bytes,
+                            block_bytes)
     num_blocks = memory.kv_cache_memory_bytes // block_bytes
 
     blocks_each_at_peak = num_blocks // inputs.peak_concurrency
@@ -286,6 +306,8 @@ def make_plan(config: dict[str, Any], inputs: PlanInputs, model_dir: str | Path 
         "--decode-reserve-tokens": str(inputs.decode_reserve_tokens),
         "--dtype": inputs.dtype,
     }
+    if inputs.quantization != "none":
+        flags["--quantization"] = inputs.quantization
     return Plan(
         inputs=inputs,
         model_type=shape.model_type,
@@ -325,7 +347,8 @@ def _memory_rows(plan: Plan) -> list[tuple[str, str]]:
     image = (f"1 image of {i.image_tokens} tokens = {w.num_image_patches:,} patches" if w.num_image_patches
              else "no images")
     terms = [  # (nested under the workspace, label, value)
-        (False, f"weights ({plan.num_params:,} params x {DTYPE_BYTES[i.dtype]} B)", format_bytes(m.weights_bytes)),
+        (False, f"weights ({plan.num_params:,} params x {DTYPE_BYTES[i.dtype]} B"
+                f"{'; LM linear layers x 2 B' if i.quantization == 'fp16' else ''})", format_bytes(m.weights_bytes)),
         (False, "step workspace = max(LM step, vision tower)", format_bytes(m.workspace_bytes)),
         (True, f"LM activations ({w.num_batched_tokens} tokens)", format_bytes(w.lm_activation_bytes)),
         (True, f"LM attention scores ({w.num_batched_tokens} x {plan.max_model_len} context)",

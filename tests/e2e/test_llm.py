@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 
 from firsttoken import LLM, SamplingRequest
 from tests.e2e.conftest import LiveServer, image_message, make_image
@@ -66,8 +67,6 @@ def test_bad_input_raises_the_servers_message_before_anything_runs(llm: LLM):
 
 
 def test_the_callers_torch_threads_are_the_same_after_a_call(tiny_model_dir: Path):
-    import torch
-
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(2)
@@ -93,3 +92,17 @@ def test_a_batch_takes_one_sampling_per_conversation(llm: LLM):
     with pytest.raises(ValueError, match="2 sampling settings for 3 prompts"):
         llm.complete(["a", "b", "c"], [GREEDY, GREEDY])
     assert llm.engine.stats().num_steps == steps  # refused before anything ran
+
+
+def test_fp16_weights_through_the_engine_give_the_float32_answers(llm: LLM, tiny_model_dir: Path):
+    from firsttoken.models.quant import Fp16Linear
+
+    fp16 = LLM(tiny_model_dir, quantization="fp16", kv_cache_memory="16MiB", max_batched_tokens=256)
+    model = fp16.engine.executor.runner.model
+    assert isinstance(model.layers[0].mlp.gate_up_proj, Fp16Linear) and isinstance(model.lm_head, Fp16Linear)
+    assert model.embed_tokens.weight.dtype == torch.float32  # --dtype auto is float32 with fp16 weights
+    got = fp16.chat(conversations(), GREEDY)
+    expected = llm.chat(conversations(), GREEDY)
+    assert [r.token_ids for r in got] == [r.token_ids for r in expected]
+    with pytest.raises(ValueError, match="float32"):
+        LLM(tiny_model_dir, quantization="fp16", dtype="bfloat16")

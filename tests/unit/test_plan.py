@@ -286,3 +286,17 @@ def test_cli_device_memory_prints_each_term_and_json_to_stdout(tmp_path, capsys)
     assert main([*argv, "--json", "-"]) == 0
     data = json.loads(capsys.readouterr().out)  # JSON alone on stdout
     assert data["memory"]["device_memory_bytes"] == 80 * 2**30 and data["max_concurrency"] == plan.max_concurrency
+
+
+def test_fp16_quantization_counts_the_language_models_linear_layers_at_two_bytes():
+    f32 = make_plan(QWEN2_VL_2B, PlanInputs(kv_cache_memory_bytes=parse_bytes("8G"), peak_concurrency=4,
+                                            dtype="float32"))
+    fp16 = make_plan(QWEN2_VL_2B, PlanInputs(kv_cache_memory_bytes=parse_bytes("8G"), peak_concurrency=4,
+                                             dtype="float32", quantization="fp16"))
+    embed = 151_936 * 1536  # tied: looked up in float32, and a float16 copy packed as the lm_head
+    lm, vision = fp16.num_params_language_model, fp16.num_params_vision
+    assert fp16.weights_bytes == 4 * (vision + embed) + 2 * (lm - embed) + 2 * embed
+    assert f32.weights_bytes == 4 * (lm + vision) and fp16.weights_bytes < 0.8 * f32.weights_bytes  # tower: fp32
+    assert fp16.serve_flags["--quantization"] == "fp16" and "--quantization" not in f32.serve_flags
+    with pytest.raises(ValueError, match="float32"):
+        PlanInputs(kv_cache_memory_bytes=1, peak_concurrency=1, dtype="bfloat16", quantization="fp16")
