@@ -12,6 +12,7 @@ from torch import nn
 
 from firsttoken.models.loader import load_model
 from firsttoken.models.quant import Fp16Linear
+from tests.oracle import test_qwen2_vl_parity as parity
 from tests.oracle.test_qwen2_vl_parity import (
     PROMPTS,
     TinyRunner,
@@ -22,14 +23,7 @@ from tests.oracle.test_qwen2_vl_parity import (
     ref_logits,
 )
 
-
-@pytest.fixture(scope="module")
-def ref(tiny_qwen2_vl_dir: Path):
-    from transformers import Qwen2VLForConditionalGeneration
-
-    return Qwen2VLForConditionalGeneration.from_pretrained(
-        tiny_qwen2_vl_dir, dtype=torch.float32, attn_implementation="eager"
-    ).eval()
+ref = parity.ref  # the transformers float32 reference (a module fixture)
 
 
 @pytest.fixture(scope="module")
