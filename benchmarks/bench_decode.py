@@ -10,6 +10,8 @@ Medians over the decode steps after the first ``--warmup-steps``.
     PYTHONPATH=$PWD python benchmarks/bench_decode.py --num-threads 2
     # before/after side by side: rounds alternate between this checkout and another one's firsttoken package
     PYTHONPATH=$PWD python benchmarks/bench_decode.py --baseline /path/to/other/checkout --rounds 3
+    # two configurations of this checkout: float32 weights vs --quantization fp16, rounds alternating
+    PYTHONPATH=$PWD python benchmarks/bench_decode.py --baseline . --this-args "--quantization fp16" --rounds 3
 
 The breakdown's wrappers cost about a microsecond each; ``--no-breakdown`` times whole steps only. On a machine
 others load, ``--num-threads 1 --clock thread`` counts this thread's CPU time only (steadier, though a busy
@@ -54,7 +56,7 @@ class PhaseTimer:
         setattr(obj, name, timed)
 
 
-def build_engine(model_dir: str, num_threads: int):
+def build_engine(model_dir: str, num_threads: int, quantization: str = "none"):
     import torch
     from transformers import AutoTokenizer
 
@@ -70,7 +72,8 @@ def build_engine(model_dir: str, num_threads: int):
     torch.set_num_threads(num_threads)
     tok = AutoTokenizer.from_pretrained(model_dir)
     cfg = EngineConfig(dtype="float32", num_threads=num_threads, cache=CacheConfig(kv_cache_memory_bytes=256 * 2**20),
-                       scheduler=SchedulerConfig(step_time_target="off"))
+                       scheduler=SchedulerConfig(step_time_target="off"),
+                       **({"quantization": quantization} if quantization != "none" else {}))
     engine = LLMEngine(model_dir, cfg, tok.backend_tokenizer)
     proc = InputProcessor(tok, engine.model_config, GenerationDefaults.from_pretrained(model_dir),
                           max_model_len=engine.max_model_len)
@@ -177,7 +180,7 @@ def compare(args: argparse.Namespace, argv: list[str]) -> int:
     import subprocess
     import tempfile
 
-    own = _without(argv, ("--baseline", "--rounds", "--json"))
+    own = _without(argv, ("--baseline", "--rounds", "--json", "--this-args"))
     here = str(Path(__file__).resolve().parent.parent)
     runs: dict[str, list[dict[str, Any]]] = {"baseline": [], "this": []}
     with tempfile.TemporaryDirectory() as tmp:
@@ -185,7 +188,8 @@ def compare(args: argparse.Namespace, argv: list[str]) -> int:
             for side, root in (("baseline", args.baseline), ("this", here)):
                 out = Path(tmp) / f"{side}-{rnd}.json"
                 env = {**os.environ, "PYTHONPATH": root}
-                subprocess.run([sys.executable, __file__, *own, "--json", str(out)], env=env, check=True)
+                extra = args.this_args.split() if side == "this" and args.this_args else []
+                subprocess.run([sys.executable, __file__, *own, *extra, "--json", str(out)], env=env, check=True)
                 runs[side].append(json.loads(out.read_text()))
     summary: dict[str, Any] = {}
     for key in [k for k in runs["this"][0] if k.startswith("batch")] + ["prefill"] * ("prefill" in runs["this"][0]):
@@ -232,6 +236,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--count-ops", action="store_true", help="also count tensor ops per decode step")
     ap.add_argument("--baseline", default=None, help="a checkout root to compare with, rounds alternating")
     ap.add_argument("--rounds", type=int, default=3, help="with --baseline: runs of each side")
+    ap.add_argument("--this-args", default=None,
+                    help="with --baseline: flags only this side gets, e.g. \"--quantization fp16\" with --baseline . "
+                         "to compare two configurations of one checkout")
+    ap.add_argument("--quantization", default="none", help="serve --quantization (none, fp16)")
     ap.add_argument("--prefill-words", type=int, default=0,
                     help="also time the prefill step of a text prompt of this many words (0: no; the small "
                          "checkpoint's tokenizer makes ~3 tokens of each)")
@@ -243,7 +251,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import firsttoken
 
-    engine, proc = build_engine(small_model(args.model), args.num_threads)
+    engine, proc = build_engine(small_model(args.model), args.num_threads, args.quantization)
     clock = time.thread_time if args.clock == "thread" else time.perf_counter
     timer = None if args.no_breakdown else PhaseTimer(clock)
     if timer is not None:
