@@ -146,7 +146,8 @@ class LLMEngine:
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._arrivals = 0
         self.num_images_encoded = 0  # images the vision tower ran for (cache misses that were computed)
-        log.info("dtype %s (requested %s)", str(dtype).removeprefix("torch."), config.dtype)
+        log.info("dtype %s (requested %s)%s", str(dtype).removeprefix("torch."), config.dtype,
+                 "; language model linear layers: float16 weights (FBGEMM)" if config.quantization == "fp16" else "")
         log.info(self.capacity.describe())
 
     def calibrate(self) -> None:

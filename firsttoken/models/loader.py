@@ -28,10 +28,12 @@ def load_model(
     device: torch.device | str = "cpu",
     attn_backend: AttentionBackend | None = None,
     quantization: str = "none",
+    num_threads: int | None = None,
 ) -> nn.Module:
     """The family's model in eval mode with weights from model_dir; attn_backend defaults to "sdpa";
     ``quantization`` one of models/quant.py's QUANTIZATIONS ("fp16": the language model's linear layers hold float16
-    weights, float32 activations)."""
+    weights, float32 activations; ``num_threads`` 1: the engine runs on one torch thread, so its single-threaded
+    kernel, cheaper per call, is taken)."""
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}")
     if quantization == "fp16" and dtype != torch.float32:
@@ -64,7 +66,7 @@ def load_model(
     del state  # the model holds the only reference now: a re-laid-out weight frees its original at once
     model.requires_grad_(False)
     if quantization == "fp16":
-        quantize_fp16(model, exclude_prefix="visual.")
+        quantize_fp16(model, exclude_prefix="visual.", multithreaded=num_threads != 1)
     if str(device) == "cpu":
         store_weights_input_major(model, exclude_prefix="visual.")  # the decoder's matmuls are one-row at decode
     return model.eval()

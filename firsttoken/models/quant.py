@@ -3,9 +3,9 @@
 ``fp16``: every linear layer of the language model (attention q/k/v and output, the MLP, the lm_head) keeps its
 weight as float16, packed once at load for FBGEMM's AVX2 kernel, which converts the weights to float32 on the fly
 and multiplies in float32; activations stay float32. Half the bytes for the weights a decode step streams. Measured
-on a 2-core AVX2 EPYC, one thread, a 512 -> 2,816 weight out of cache: one row 141 vs 215 us (MKL, float32), 8 rows
-348 vs 772 us, 805 rows 0.97x. Not exact against float32 (each product's relative error ~2e-4); the vision tower
-keeps float32.
+on a 2-core AVX2 EPYC, a 512 -> 2,816 weight out of cache, against MKL's float32 product: one thread 1 row 0.61x,
+8 rows 0.47x, 805 rows 0.91x; two threads 0.34x, 0.31x, 0.91x. Not exact against float32 (each product's relative
+error ~2e-4); the vision tower keeps float32.
 
 A weight's float16 copy is rounded (the checkpoint's values beyond float16's range or precision are lost); weights
 whose magnitude exceeds float16's range are refused at load.
@@ -22,9 +22,13 @@ from firsttoken.config import QUANTIZATIONS  # noqa: F401  (the choices, where t
 
 FP16_MAX = 65504.0
 
-# torch 2.13 marks the fbgemm fp16 entry points deprecated (a warning once per process, on first use: fp16_supported
-# makes that use, quietly); they are the fast ones: 4 us of overhead per call against 22 us for
-# torch.ops.quantized.linear_dynamic_fp16, the same kernel with the same result.
+# Two entry points to the same FBGEMM kernel (same results), measured on a 2-core AVX2 EPYC, 512 -> 2,816, weights
+# out of cache: torch.ops.quantized.linear_dynamic_fp16 splits the product over torch's threads (2 threads: 1 row
+# 106 us, 8 rows 232 us, 805 rows 0.91x MKL's float32) at ~21 us per call; torch.fbgemm_linear_fp16_weight_fp32_
+# activation costs 4 us per call but runs on one thread (2 threads, 805 rows: 1.7x MKL's time). The engine takes the
+# second only when it runs on one thread. torch 2.13 marks the second deprecated (a warning once per process, on
+# first use: fp16_supported makes that use, quietly).
+_LINEAR_DYNAMIC_FP16 = torch.ops.quantized.linear_dynamic_fp16.default
 
 
 def fp16_supported() -> str | None:
@@ -37,10 +41,11 @@ def fp16_supported() -> str | None:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)
             packed = torch.fbgemm_pack_gemm_matrix_fp16(torch.ones(8, 8))
-            out = torch.fbgemm_linear_fp16_weight_fp32_activation(torch.ones(1, 8), packed, torch.zeros(8))
+            one = torch.fbgemm_linear_fp16_weight_fp32_activation(torch.ones(1, 8), packed, torch.zeros(8))
+        many = _LINEAR_DYNAMIC_FP16(torch.ones(1, 8), torch.ops.quantized.linear_prepack_fp16(torch.ones(8, 8), None))
     except RuntimeError as e:  # e.g. a CPU without AVX2
         return f"FBGEMM cannot run here: {e}"
-    if not torch.equal(out, torch.full((1, 8), 8.0)):
+    if not (torch.equal(one, torch.full((1, 8), 8.0)) and torch.equal(many, one)):
         return "FBGEMM's fp16 GEMM gave a wrong result on this CPU"
     return None
 
@@ -49,38 +54,47 @@ class Fp16Linear(nn.Module):
     """``nn.Linear``'s forward with the weight held as packed float16 (no parameters left: the float32 weight is
     freed). Inputs are float32 of any leading shape."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, multithreaded: bool = True) -> None:
         super().__init__()
         self.out_features, self.in_features = weight.shape
         w = weight.detach().float().contiguous()
         peak = float(w.abs().max()) if w.numel() else 0.0
         if not peak <= FP16_MAX:
             raise ValueError(f"a weight of magnitude {peak:g} does not fit float16 (max {FP16_MAX:g})")
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", UserWarning)
-            self.packed = torch.fbgemm_pack_gemm_matrix_fp16(w)
-        self.bias = (bias.detach().float().contiguous() if bias is not None
-                     else torch.zeros(self.out_features))  # the kernel takes a bias tensor always
+        b = bias.detach().float().contiguous() if bias is not None else None
+        self.multithreaded = multithreaded
+        if multithreaded:  # splits the product over torch's threads; ~17 us more per call than the other one
+            self.packed = torch.ops.quantized.linear_prepack_fp16(w, b)
+            self.bias = None
+        else:  # one thread only (2 threads: 1.7x MKL's time at prefill sizes), 4 us per call
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", UserWarning)
+                self.packed = torch.fbgemm_pack_gemm_matrix_fp16(w)
+            self.bias = b if b is not None else torch.zeros(self.out_features)  # it takes a bias always
 
     @classmethod
-    def of(cls, linear: nn.Linear) -> Fp16Linear:
-        return cls(linear.weight, linear.bias)
+    def of(cls, linear: nn.Linear, multithreaded: bool = True) -> Fp16Linear:
+        return cls(linear.weight, linear.bias, multithreaded)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
         if rows.dtype != torch.float32:
             raise TypeError(f"--quantization fp16 runs float32 activations, got {rows.dtype}")
-        out = torch.fbgemm_linear_fp16_weight_fp32_activation(rows, self.packed, self.bias)
+        if self.multithreaded:
+            out = _LINEAR_DYNAMIC_FP16(rows, self.packed)
+        else:
+            out = torch.fbgemm_linear_fp16_weight_fp32_activation(rows, self.packed, self.bias)
         return out.view(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, weight=float16 (FBGEMM)"
 
 
-def quantize_fp16(model: nn.Module, exclude_prefix: str = "visual.") -> int:
+def quantize_fp16(model: nn.Module, exclude_prefix: str = "visual.", multithreaded: bool = True) -> int:
     """Replace every ``nn.Linear`` outside ``exclude_prefix`` by an ``Fp16Linear``; a model whose lm_head is tied to
-    its embeddings gets a packed float16 lm_head for its logits (the embeddings stay float32 for lookups). Returns
-    the number of linear layers replaced."""
+    its embeddings gets a packed float16 lm_head for its logits (the embeddings stay float32 for lookups).
+    ``multithreaded``: False when the model will only ever run on one torch thread. Returns the number of linear
+    layers replaced."""
     reason = fp16_supported()
     if reason is not None:
         raise ValueError(f"--quantization fp16 is not available: {reason}")
@@ -89,8 +103,8 @@ def quantize_fp16(model: nn.Module, exclude_prefix: str = "visual.") -> int:
     for name, sub in targets:
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, child, Fp16Linear.of(sub))
+        setattr(parent, child, Fp16Linear.of(sub, multithreaded))
     if getattr(model, "lm_head", False) is None:  # tied: logits from a packed copy of the embeddings
-        model.lm_head = Fp16Linear(model.embed_tokens.weight, None)
+        model.lm_head = Fp16Linear(model.embed_tokens.weight, None, multithreaded)
         return len(targets) + 1
     return len(targets)

@@ -47,7 +47,8 @@ class InProcessExecutor:
         threads: ThreadPlan | None = None,
         quantization: str = "none",
     ) -> None:
-        model = load_model(model_dir, dtype, device, quantization=quantization)
+        model = load_model(model_dir, dtype, device, quantization=quantization,
+                           num_threads=threads.threads if threads is not None else None)
         kv_caches = allocate_kv_caches(model_config, num_kv_blocks, block_size, dtype, device)
         self.runner = ModelRunner(model, kv_caches, block_size, Sampler(seed), fault_hook, threads)
 

@@ -81,3 +81,11 @@ def test_fp16_with_tied_embeddings_packs_a_float16_lm_head_and_keeps_lookups_flo
 def test_fp16_refuses_bfloat16_activations(tiny_qwen2_vl_dir: Path):
     with pytest.raises(ValueError, match="float32"):
         load_model(tiny_qwen2_vl_dir, torch.bfloat16, quantization="fp16")
+
+
+def test_the_one_thread_kernel_gives_the_same_logits(fp16, tiny_qwen2_vl_dir: Path):
+    one = load_model(tiny_qwen2_vl_dir, torch.float32, quantization="fp16", num_threads=1)
+    assert not one.lm_head.multithreaded and fp16.lm_head.multithreaded
+    prompt = make_prompt(fp16.config, PROMPTS["one_image"], seed=7)
+    a, b = TinyRunner(fp16), TinyRunner(one)
+    assert torch.equal(a.prefill(a.add(prompt), chunk=32), b.prefill(b.add(prompt), chunk=32))
