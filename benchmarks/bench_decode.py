@@ -3,9 +3,10 @@
 Drives ``LLMEngine`` directly (no HTTP, no engine thread): each batch size runs requests of ~20 prompt tokens,
 greedy, ``ignore_eos``, ``--max-tokens`` output tokens each, ``step_time_target="off"``, float32. A step's time is
 split into the scheduler (``schedule`` + ``update``), the model's forward, the lm_head, the sampler, the rest of the
-runner (inputs, metadata, bookkeeping) and the engine's own update (detokenizer, stop checks, outputs) plus what
-is left (cost model, stats). The phases are timed by wrapping the instance's methods here, in the benchmark only.
-Medians over the decode steps after the first ``--warmup-steps``.
+runner (inputs, metadata, bookkeeping) and the engine's own update (detokenizer, stop checks, outputs) plus what is
+left (cost model, stats). Decode steps run on ``--num-threads`` too (``decode_threads`` = it: the server's default
+of one fewer is for its own threads, absent here). The phases are timed by wrapping the instance's methods here, in
+the benchmark only. Medians over the decode steps after the first ``--warmup-steps``.
 
     PYTHONPATH=$PWD python benchmarks/bench_decode.py --num-threads 2
     # before/after side by side: rounds alternate between this checkout and another one's firsttoken package
@@ -57,6 +58,8 @@ class PhaseTimer:
 
 
 def build_engine(model_dir: str, num_threads: int, quantization: str = "none"):
+    from dataclasses import fields
+
     import torch
     from transformers import AutoTokenizer
 
@@ -71,9 +74,11 @@ def build_engine(model_dir: str, num_threads: int, quantization: str = "none"):
 
     torch.set_num_threads(num_threads)
     tok = AutoTokenizer.from_pretrained(model_dir)
+    extra = {"quantization": quantization} if quantization != "none" else {}
+    if "decode_threads" in {f.name for f in fields(EngineConfig)}:  # decode on --num-threads, as before it existed
+        extra["decode_threads"] = num_threads
     cfg = EngineConfig(dtype="float32", num_threads=num_threads, cache=CacheConfig(kv_cache_memory_bytes=256 * 2**20),
-                       scheduler=SchedulerConfig(step_time_target="off"),
-                       **({"quantization": quantization} if quantization != "none" else {}))
+                       scheduler=SchedulerConfig(step_time_target="off"), **extra)
     engine = LLMEngine(model_dir, cfg, tok.backend_tokenizer)
     proc = InputProcessor(tok, engine.model_config, GenerationDefaults.from_pretrained(model_dir),
                           max_model_len=engine.max_model_len)

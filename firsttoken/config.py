@@ -224,6 +224,8 @@ class EngineConfig:
             raise ValueError(f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}")
         _at_least("num_threads", self.num_threads, 1, allow_none=True)
         _at_least("decode_threads", self.decode_threads, 1, allow_none=True)
+        if self.num_threads is not None and self.decode_threads is not None and self.decode_threads > self.num_threads:
+            raise ValueError(f"decode_threads ({self.decode_threads}) must not exceed num_threads ({self.num_threads})")
         _positive("request_timeout_s", self.request_timeout_s, allow_none=True)
         _at_least("max_unread_outputs", self.max_unread_outputs, 1)
 

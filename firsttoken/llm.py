@@ -13,7 +13,8 @@
 uses (continuous batching, chunked prefill, lanes, prefix and encoder caches), with one sampling for all or a list
 of them, one per conversation (as vLLM's ``LLM.generate`` takes a list of ``SamplingParams``). ``complete`` does the
 same for raw prompts. Options are the ``firsttoken serve`` flags by name (``kv_cache_memory="2GiB"``,
-``image_max_tokens=1280``, ``no_prefix_cache=True``), so every default is the server's. Inputs are validated exactly
+``image_max_tokens=1280``, ``no_prefix_cache=True``), so every default is the server's (but ``decode_threads``:
+with no server threads to leave a core to, decoding uses all of them). Inputs are validated exactly
 as the server validates an HTTP body: a bad request raises ``ValueError`` with the server's 400 message before
 anything runs.
 """
@@ -42,6 +43,7 @@ from firsttoken.inputs.prompt import (
     TextPrompt,
 )
 from firsttoken.metrics.timeline import Timeline
+from firsttoken.runner.model_runner import DEFAULT_THREADS
 from firsttoken.types import EngineRequest, FinishReason, TokenLogprob
 
 
@@ -83,7 +85,7 @@ class LLM:
         decoder = getattr(self.tokenizer, "backend_tokenizer", None) or self.tokenizer
         engine_config = self.config.engine
         if engine_config.decode_threads is None:  # no server threads to leave a core to: decode on all of them
-            engine_config = replace(engine_config, decode_threads=engine_config.num_threads or torch.get_num_threads())
+            engine_config = replace(engine_config, decode_threads=engine_config.num_threads or DEFAULT_THREADS)
         self.engine = LLMEngine(self.model_dir, engine_config, decoder)
         self.processor = InputProcessor(
             self.tokenizer,

@@ -128,7 +128,7 @@ class LLMEngine:
         self.capacity = plan_kv_capacity(self.model_config, config)
         self.executor: Executor = InProcessExecutor(
             model_dir, self.model_config, dtype, self.capacity.num_blocks, self.capacity.block_size, config.seed,
-            fault_hook, threads=ThreadPlan(config.num_threads or torch.get_num_threads(), config.decode_threads),
+            fault_hook, threads=ThreadPlan(config.num_threads, config.decode_threads),
             quantization=config.quantization,
         )
         dtype_bytes = torch.tensor([], dtype=dtype).element_size()

@@ -26,26 +26,35 @@ FP16_MAX = 65504.0
 # out of cache: torch.ops.quantized.linear_dynamic_fp16 splits the product over torch's threads (2 threads: 1 row
 # 106 us, 8 rows 232 us, 805 rows 0.91x MKL's float32) at ~21 us per call; torch.fbgemm_linear_fp16_weight_fp32_
 # activation costs 4 us per call but runs on one thread (2 threads, 805 rows: 1.7x MKL's time). The engine takes the
-# second only when it runs on one thread. torch 2.13 marks the second deprecated (a warning once per process, on
-# first use: fp16_supported makes that use, quietly).
-_LINEAR_DYNAMIC_FP16 = torch.ops.quantized.linear_dynamic_fp16.default
+# second only when it runs on one thread (and where torch still has it: 2.13 marks it deprecated, with a warning once
+# per process on first use, which fp16_supported makes quietly).
+
+
+def _linear_dynamic_fp16():
+    """The multithreaded entry point, resolved when first used (a torch build without FBGEMM lacks it)."""
+    return torch.ops.quantized.linear_dynamic_fp16.default
+
+
+def _single_thread_entry_point() -> bool:
+    return all(hasattr(torch, f) for f in ("fbgemm_pack_gemm_matrix_fp16", "fbgemm_linear_fp16_weight_fp32_activation"))
 
 
 def fp16_supported() -> str | None:
-    """None when this torch build and CPU run FBGEMM's fp16 GEMM, else why not."""
+    """None when this torch build and CPU run FBGEMM's fp16 GEMM (the multithreaded entry point, and the
+    single-threaded one where torch still has it), else why not."""
     if "fbgemm" not in torch.backends.quantized.supported_engines:
         return "this torch build has no FBGEMM (x86 only)"
-    if not hasattr(torch, "fbgemm_pack_gemm_matrix_fp16"):
-        return "this torch version has no FBGEMM fp16 GEMM"
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", UserWarning)
-            packed = torch.fbgemm_pack_gemm_matrix_fp16(torch.ones(8, 8))
-            one = torch.fbgemm_linear_fp16_weight_fp32_activation(torch.ones(1, 8), packed, torch.zeros(8))
-        many = _LINEAR_DYNAMIC_FP16(torch.ones(1, 8), torch.ops.quantized.linear_prepack_fp16(torch.ones(8, 8), None))
-    except RuntimeError as e:  # e.g. a CPU without AVX2
-        return f"FBGEMM cannot run here: {e}"
-    if not (torch.equal(one, torch.full((1, 8), 8.0)) and torch.equal(many, one)):
+        w, x = torch.ones(8, 8), torch.ones(1, 8)
+        results = [_linear_dynamic_fp16()(x, torch.ops.quantized.linear_prepack_fp16(w, None))]
+        if _single_thread_entry_point():
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", UserWarning)
+                packed = torch.fbgemm_pack_gemm_matrix_fp16(w)
+                results.append(torch.fbgemm_linear_fp16_weight_fp32_activation(x, packed, torch.zeros(8)))
+    except (RuntimeError, AttributeError) as e:  # e.g. a CPU without AVX2, a build without the ops
+        return f"FBGEMM's fp16 GEMM cannot run here: {e}"
+    if not all(torch.equal(r, torch.full((1, 8), 8.0)) for r in results):
         return "FBGEMM's fp16 GEMM gave a wrong result on this CPU"
     return None
 
@@ -62,10 +71,11 @@ class Fp16Linear(nn.Module):
         if not peak <= FP16_MAX:
             raise ValueError(f"a weight of magnitude {peak:g} does not fit float16 (max {FP16_MAX:g})")
         b = bias.detach().float().contiguous() if bias is not None else None
-        self.multithreaded = multithreaded
-        if multithreaded:  # splits the product over torch's threads; ~17 us more per call than the other one
+        self.multithreaded = multithreaded or not _single_thread_entry_point()
+        if self.multithreaded:  # splits the product over torch's threads; ~17 us more per call than the other one
             self.packed = torch.ops.quantized.linear_prepack_fp16(w, b)
             self.bias = None
+            self._linear = _linear_dynamic_fp16()
         else:  # one thread only (2 threads: 1.7x MKL's time at prefill sizes), 4 us per call
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", UserWarning)
@@ -81,7 +91,7 @@ class Fp16Linear(nn.Module):
         if rows.dtype != torch.float32:
             raise TypeError(f"--quantization fp16 runs float32 activations, got {rows.dtype}")
         if self.multithreaded:
-            out = _LINEAR_DYNAMIC_FP16(rows, self.packed)
+            out = self._linear(rows, self.packed)
         else:
             out = torch.fbgemm_linear_fp16_weight_fp32_activation(rows, self.packed, self.bias)
         return out.view(*x.shape[:-1], self.out_features)
@@ -98,13 +108,13 @@ def quantize_fp16(model: nn.Module, exclude_prefix: str = "visual.", multithread
     reason = fp16_supported()
     if reason is not None:
         raise ValueError(f"--quantization fp16 is not available: {reason}")
-    targets = [(name, sub) for name, sub in model.named_modules()
-               if isinstance(sub, nn.Linear) and not name.startswith(exclude_prefix)]
-    for name, sub in targets:
+    names = [name for name, sub in model.named_modules()
+             if isinstance(sub, nn.Linear) and not name.startswith(exclude_prefix)]
+    for name in names:  # one at a time: each float32 weight is freed once its float16 copy is packed
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, child, Fp16Linear.of(sub, multithreaded))
+        setattr(parent, child, Fp16Linear.of(getattr(parent, child), multithreaded))
     if getattr(model, "lm_head", False) is None:  # tied: logits from a packed copy of the embeddings
         model.lm_head = Fp16Linear(model.embed_tokens.weight, None, multithreaded)
-        return len(targets) + 1
-    return len(targets)
+        return len(names) + 1
+    return len(names)

@@ -91,20 +91,37 @@ class RequestState:
         return head + self.output_token_ids[max(start - n_prompt, 0) : end - n_prompt]
 
 
+# torch's intra-op threads when this module was first imported (its default: the cores, or $OMP_NUM_THREADS): what
+# "all threads" means for an engine given no --num-threads. Read once, because a decode step changes the running
+# thread's count, and an engine built later in the same thread must not take that for the default.
+DEFAULT_THREADS = torch.get_num_threads()
+
+
 class ThreadPlan:
     """torch's intra-op threads per step. A step that only decodes reads every weight once for a few rows: it is
     bound by memory bandwidth, which one thread fewer barely lowers, while the server's own threads (HTTP,
     streaming, detokenizing what that step produced) need a core at exactly that time; an OpenMP team spread over
     every core then waits at each op's barrier for whichever thread they preempted. So decode-only steps run on
-    ``decode_threads`` (default: all but one, at least one), every other step (prefill, vision) on all ``threads``.
-    Applied in the thread that runs the model, only when a step's kind changes the count."""
+    ``decode_threads`` (default: all but one, at least one), every other step (prefill, vision) on all ``threads``
+    (default: DEFAULT_THREADS). Applied in the thread that runs the model, only when a step's kind changes the count.
+    ``ThreadPlan.unmanaged()`` never touches the count."""
 
-    def __init__(self, threads: int, decode_threads: int | None = None) -> None:
-        self.threads = threads
-        self.decode_threads = max(1, min(threads - 1 if decode_threads is None else decode_threads, threads))
+    def __init__(self, threads: int | None = None, decode_threads: int | None = None) -> None:
+        self.threads = threads or DEFAULT_THREADS
+        self.decode_threads = max(1, min(self.threads - 1 if decode_threads is None else decode_threads,
+                                         self.threads))
+        self.managed = True
         self.switches = 0  # tests read it: how often the count changed
 
+    @classmethod
+    def unmanaged(cls) -> ThreadPlan:
+        plan = cls()
+        plan.managed = False
+        return plan
+
     def apply(self, decode_only: bool) -> None:
+        if not self.managed:
+            return
         want = self.decode_threads if decode_only else self.threads
         if want != torch.get_num_threads():  # 0.3 us; the running thread's own count, whoever set it
             torch.set_num_threads(want)
@@ -130,8 +147,7 @@ class ModelRunner:
         self.encoder_outputs: dict[str, ImageEmbeddings] = {}  # content hash -> the image's embeddings
         self._encode_jobs: dict[str, EncodeState] = {}  # images part-way through the vision tower
         self.num_vision_calls = 0  # images fully encoded by the vision tower; tests read it to prove reuse
-        # Without a plan every step keeps the count the running thread has.
-        self.threads = threads or ThreadPlan(torch.get_num_threads(), decode_threads=torch.get_num_threads())
+        self.threads = threads or ThreadPlan.unmanaged()  # without a plan every step keeps the thread's count
 
     @property
     def encoder_cache_bytes(self) -> int:

@@ -186,8 +186,9 @@ class MemoryBudget:
 
 
 def _weights_bytes(shape: ModelShape, inputs: PlanInputs, lm: int, vision: int) -> int:
-    """Parameters x dtype bytes; with fp16 quantization everything of the language model but its embeddings (its
-    linear layers and norms) at 2 bytes, plus a float16 lm_head beside tied embeddings (models/quant.py)."""
+    """Parameters x dtype bytes; with fp16 quantization the language model's linear layers at 2 bytes, plus a float16
+    lm_head beside tied embeddings (models/quant.py); its norms and biases (float32 there, a few thousand parameters)
+    are counted at 2 bytes too."""
     dtype_bytes = DTYPE_BYTES[inputs.dtype]
     if inputs.quantization != "fp16":
         return (lm + vision) * dtype_bytes
@@ -206,6 +207,10 @@ def _memory_budget(inputs: PlanInputs, weights: int, num_params: int, workspace:
     assert device is not None  # PlanInputs holds exactly one of the two
     usable = int(device * util)
     usable_text = f"{format_bytes(device)} x {util:g} utilization = {format_bytes(usable)} usable"
+    if inputs.quantization == "fp16" and num_params * DTYPE_BYTES[inputs.dtype] > usable:
+        raise DoesNotFit(
+            f"loading reads the float32 weights first ({format_bytes(num_params * DTYPE_BYTES[inputs.dtype])}) and "
+            f"packs them to float16 one layer at a time, but {usable_text}; plan for a larger device")
     if weights > usable:
         raise DoesNotFit(
             f"the weights alone need {format_bytes(weights)} ({num_params:,} parameters x "
