@@ -300,3 +300,10 @@ def test_fp16_quantization_counts_the_language_models_linear_layers_at_two_bytes
     assert fp16.serve_flags["--quantization"] == "fp16" and "--quantization" not in f32.serve_flags
     with pytest.raises(ValueError, match="float32"):
         PlanInputs(kv_cache_memory_bytes=1, peak_concurrency=1, dtype="bfloat16", quantization="fp16")
+
+
+def test_fp16_plans_for_the_float32_load_peak():
+    # 2B: 8.8 GB of float32 weights, 6.7 GB once packed; 9 GiB x 0.9 holds the second, not the first
+    with pytest.raises(DoesNotFit, match="loading reads the float32 weights first"):
+        make_plan(QWEN2_VL_2B, PlanInputs(device_memory_bytes=parse_bytes("9GiB"), peak_concurrency=1,
+                                          dtype="float32", quantization="fp16"))
