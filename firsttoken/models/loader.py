@@ -17,8 +17,9 @@ from torch import nn
 
 from firsttoken.attention.base import AttentionBackend
 from firsttoken.attention.registry import get_backend
+from firsttoken.config import QUANTIZATIONS
 from firsttoken.models.layers import store_weights_input_major
-from firsttoken.models.quant import QUANTIZATIONS, quantize_fp16
+from firsttoken.models.quant import quantize_fp16
 from firsttoken.models.registry import family_of, load_model_config
 
 

@@ -18,8 +18,6 @@ import warnings
 import torch
 from torch import nn
 
-from firsttoken.config import QUANTIZATIONS  # noqa: F401  (the choices, where the config checks them)
-
 FP16_MAX = 65504.0
 
 # Two entry points to the same FBGEMM kernel (same results), measured on a 2-core AVX2 EPYC, 512 -> 2,816, weights
@@ -61,7 +59,7 @@ def fp16_supported() -> str | None:
 
 class Fp16Linear(nn.Module):
     """``nn.Linear``'s forward with the weight held as packed float16 (no parameters left: the float32 weight is
-    freed). Inputs are float32 of any leading shape."""
+    freed). Inputs are float32 of any leading shape (load_model refuses fp16 weights beside another dtype)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, multithreaded: bool = True) -> None:
         super().__init__()
@@ -88,8 +86,6 @@ class Fp16Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
-        if rows.dtype != torch.float32:
-            raise TypeError(f"--quantization fp16 runs float32 activations, got {rows.dtype}")
         if self.multithreaded:
             out = self._linear(rows, self.packed)
         else:

@@ -104,24 +104,15 @@ class ThreadPlan:
     every core then waits at each op's barrier for whichever thread they preempted. So decode-only steps run on
     ``decode_threads`` (default: all but one, at least one), every other step (prefill, vision) on all ``threads``
     (default: DEFAULT_THREADS). Applied in the thread that runs the model, only when a step's kind changes the count.
-    ``ThreadPlan.unmanaged()`` never touches the count."""
+    A runner without a plan never touches the count."""
 
     def __init__(self, threads: int | None = None, decode_threads: int | None = None) -> None:
         self.threads = threads or DEFAULT_THREADS
         self.decode_threads = max(1, min(self.threads - 1 if decode_threads is None else decode_threads,
                                          self.threads))
-        self.managed = True
         self.switches = 0  # tests read it: how often the count changed
 
-    @classmethod
-    def unmanaged(cls) -> ThreadPlan:
-        plan = cls()
-        plan.managed = False
-        return plan
-
     def apply(self, decode_only: bool) -> None:
-        if not self.managed:
-            return
         want = self.decode_threads if decode_only else self.threads
         if want != torch.get_num_threads():  # 0.3 us; the running thread's own count, whoever set it
             torch.set_num_threads(want)
@@ -147,7 +138,7 @@ class ModelRunner:
         self.encoder_outputs: dict[str, ImageEmbeddings] = {}  # content hash -> the image's embeddings
         self._encode_jobs: dict[str, EncodeState] = {}  # images part-way through the vision tower
         self.num_vision_calls = 0  # images fully encoded by the vision tower; tests read it to prove reuse
-        self.threads = threads or ThreadPlan.unmanaged()  # without a plan every step keeps the thread's count
+        self.threads = threads
 
     @property
     def encoder_cache_bytes(self) -> int:
@@ -164,7 +155,8 @@ class ModelRunner:
         for h in batch.freed_encoder_hashes:
             self.encoder_outputs.pop(h, None)
             self._encode_jobs.pop(h, None)
-        self.threads.apply(decode_only=not batch.encoder_work and all(c.is_decode for c in batch.chunks))
+        if self.threads is not None and batch.has_work:  # a bookkeeping-only batch leaves the count alone
+            self.threads.apply(decode_only=not batch.encoder_work and all(c.is_decode for c in batch.chunks))
         enc = self._run_encoder_work(batch.encoder_work)
         failed = enc.failed
         chunks: list[ScheduledChunk] = []

@@ -207,6 +207,7 @@ def _memory_budget(inputs: PlanInputs, weights: int, num_params: int, workspace:
     assert device is not None  # PlanInputs holds exactly one of the two
     usable = int(device * util)
     usable_text = f"{format_bytes(device)} x {util:g} utilization = {format_bytes(usable)} usable"
+    # fp16 loads the float32 weights first: when they fit, the packed ones do too (the check below is for the rest)
     if inputs.quantization == "fp16" and num_params * DTYPE_BYTES[inputs.dtype] > usable:
         raise DoesNotFit(
             f"loading reads the float32 weights first ({format_bytes(num_params * DTYPE_BYTES[inputs.dtype])}) and "
@@ -214,9 +215,7 @@ def _memory_budget(inputs: PlanInputs, weights: int, num_params: int, workspace:
     if weights > usable:
         raise DoesNotFit(
             f"the weights alone need {format_bytes(weights)} ({num_params:,} parameters x "
-            f"{DTYPE_BYTES[inputs.dtype]} B in {inputs.dtype}"
-            f"{'; the language model linear layers x 2 B' if inputs.quantization == 'fp16' else ''}) but "
-            f"{usable_text}; plan for a larger device")
+            f"{DTYPE_BYTES[inputs.dtype]} B in {inputs.dtype}) but {usable_text}; plan for a larger device")
     free = usable - weights - workspace - encoder
     if free < block_bytes:
         raise DoesNotFit(
