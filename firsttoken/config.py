@@ -118,9 +118,16 @@ class SchedulerConfig:
     long_max_wait_steps: int = field(default=4, metadata=option(
         "steps in a row the long lane may get no work because short work took the step; then it runs anyway "
         "(aging)"))
+    long_order: str = field(default="deadline", metadata=option(
+        "the order of the long lane's work (time-bounded steps). deadline: each request gets a place in line when "
+        "it arrives, its arrival time plus --long-slack times its own predicted work; earliest place first, so a "
+        "later request overtakes it only if that one is enough smaller to make up the difference (no "
+        "starvation). least-work: least predicted remaining work first, with --long-max-passes"))
+    long_slack: float = field(default=1.0, metadata=option(
+        "with --long-order deadline: seconds of place in line per second of the request's own predicted work "
+        "(0: first come, first served within the lane; larger: smaller requests overtake more)"))
     long_max_passes: int = field(default=8, metadata=option(
-        "the long lane serves the least predicted remaining work first; a request passed over this many steps "
-        "goes first (no starvation)"))
+        "with --long-order least-work: a request passed over this many steps in a row goes first (no starvation)"))
     kv_admission: str = field(default="whole-prompt", metadata=option(
         "whole-prompt (start a prefill only when its whole prompt + reserve fits) or optimistic (admit when the "
         "next chunk fits; preempt by recompute when dry)"))
@@ -152,6 +159,10 @@ class SchedulerConfig:
         _at_least("long_step_tokens_idle", self.long_step_tokens_idle, 1, allow_none=True)
         _at_least("long_max_wait_steps", self.long_max_wait_steps, 0)
         _at_least("long_max_passes", self.long_max_passes, 0)
+        if self.long_order not in ("deadline", "least-work"):
+            raise ValueError("long_order must be 'deadline' or 'least-work'")
+        if not self.long_slack >= 0:
+            raise ValueError("long_slack must be >= 0")
         try:
             slo = self.ttft_slo_s
         except ValueError:

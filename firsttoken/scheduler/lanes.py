@@ -1,9 +1,10 @@
 """Lanes: where a request waits, decided once at admission by a pure function of its prompt length.
 
 With ``scheduling="lanes"`` a prompt (text + image tokens) shorter than ``long_prompt_threshold`` goes to the
-short lane, others to the long lane. Each lane has its own FIFO queue; the scheduler's one loop serves the short
-lane first each step and caps long-lane work per step (``long_step_tokens``), with aging so that long work runs at
-least every ``long_max_wait_steps + 1`` steps. ``scheduling="fcfs"`` puts everyone in one queue.
+short lane, others to the long lane. Each lane has its own queue (arrival order; the scheduler serves the long lane
+in its own order when steps are time-bounded); the scheduler's one loop serves the short lane first each step and
+bounds long-lane work per step, with aging so that long work runs at least every ``long_max_wait_steps + 1`` steps.
+``scheduling="fcfs"`` puts everyone in one queue.
 """
 
 from __future__ import annotations

@@ -42,6 +42,8 @@ class Request:
     arrival_step: int = 0  # scheduler steps completed when the request arrived
     delayed_by_long: bool = False  # sat out a whole step while long work ran (counted once)
     passed_over: int = 0  # long lane, time-bounded: steps in a row the lane ran without it (aging)
+    queued_s: float = 0.0  # when the scheduler got it, on the scheduler's clock
+    long_place_s: float | None = None  # long lane, deadline order: its place in line (set once, when first ordered)
     stats: RequestStats = field(default_factory=RequestStats)  # what the engine did for it; outputs carry it
 
     @property

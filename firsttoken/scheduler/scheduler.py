@@ -5,9 +5,12 @@ Tokens, not phases: a request is ``num_computed_tokens`` chasing ``num_tokens``.
   2. the short lane's prefills (running first, then admissions) take what they want: the step's first short
      prefill is granted whole (a short prompt is one step), later ones what the step's time bound leaves;
   3. the long lane fills what is left of the step's time bound (``step_time_target``: the step-cost model's
-     prediction, fitted online from the engine's own timings), least predicted remaining work first, a request
-     passed over ``long_max_passes`` steps first of all; if short work took the whole step ``long_max_wait_steps``
-     times in a row, the long lane runs anyway (aging: long is never starved).
+     prediction, fitted online from the engine's own timings), in deadline order: each request's place in line is
+     its arrival plus ``long_slack`` times its own predicted work, earliest first, so a later request goes first
+     only while its place is earlier (smaller requests overtake a bigger one for a bounded time, nobody starves);
+     ``long_order="least-work"`` is the previous order (least predicted remaining work, a request passed over
+     ``long_max_passes`` steps first). If short work took the whole step ``long_max_wait_steps`` times in a row,
+     the long lane runs anyway (aging: long is never starved).
 A short request arriving mid-step therefore waits for at most one bounded step, and the long lane never leaves a
 step's time unused while it has work (work-conserving). Long-lane work counts vision-tower work too: an image is
 encoded a few units per step (the model family's split, each priced by the cost model), so nobody waits for
@@ -85,6 +88,7 @@ class Backlog:
 
     short_s: float = 0.0  # predicted seconds of prefill + encoder work left in the short (or fcfs) lane
     long_s: tuple[float, ...] = ()  # each long request's predicted remaining work, seconds
+    long_places: tuple[float, ...] = ()  # deadline order: each long request's place in line, as long_s
     decode_share: float = 0.0  # of a busy step's time: decodes (EMA)
     short_share: float = 0.0  # of a busy step's time: short prefills (EMA)
     step_s: float = 0.0  # a busy step's predicted seconds (EMA)
@@ -173,6 +177,7 @@ class Scheduler:
     def add(self, request: Request) -> None:
         request.lane = route_lane(request.num_prompt_tokens, self.config)
         request.arrival_step = self.num_steps
+        request.queued_s = self.clock()
         if request.lane == SHORT:
             self._short_prompt_lens.append(request.num_prompt_tokens)
         self.requests[request.request_id] = request
@@ -267,9 +272,11 @@ class Scheduler:
             if step.long_s > 0 or any(r.lane == LONG for r in pending):
                 long_frac = ema(long_frac, step.long_s / wall)
         short = sum(self.remaining_work_s(r) for r in pending if r.lane != LONG)
-        long = tuple(sorted(self.remaining_work_s(r) for r in pending if r.lane == LONG))
+        long_reqs = [r for r in pending if r.lane == LONG]
+        long = tuple(self.remaining_work_s(r) for r in long_reqs)
+        places = tuple(self.long_place_s(r) for r in long_reqs) if self.config.long_order == "deadline" else ()
         step_end = self.clock() + (total + self.cost_model.coef[0] if total > 0 else 0.0)
-        self.backlog = Backlog(short, long, decode_share, short_share, step_s, bool(self.requests), short_frac,
+        self.backlog = Backlog(short, long, places, decode_share, short_share, step_s, bool(self.requests), short_frac,
                                long_frac, step_end)
 
     def predict_ttft(self, work: PromptWork, pending: tuple[PromptWork, ...] = ()) -> float | None:
@@ -293,7 +300,13 @@ class Scheduler:
         own = self._work_s(work)
         queued = [self._work_s(p) for p in pending]  # admitted, still preprocessing: in the queue by the time it is
         lane = route_lane(work.num_prompt_tokens, self.config)
-        if lane == LONG:
+        if lane == LONG and self.config.long_order == "deadline":
+            # earliest place in line first: queued requests whose place comes before this one's, and those still
+            # preprocessing that will get an earlier place (less work: they arrived first)
+            place = self.clock() + self.config.long_slack * own
+            ahead = sum(w for w, p in zip(b.long_s, b.long_places) if p <= place) + sum(w for w in queued if w <= own)
+            rate = max(1.0 - b.decode_share - b.short_share, LONG_MIN_SHARE)
+        elif lane == LONG:
             ahead = sum(w for w in (*b.long_s, *queued) if w <= own)  # least remaining work first
             rate = max(1.0 - b.decode_share - b.short_share, LONG_MIN_SHARE)
         else:
@@ -398,42 +411,76 @@ class Scheduler:
         )
 
     def _serve_lane(self, lane: str, budget: StepBudget, step: _Step, whole_prompt: bool) -> bool:
-        """Prefill work of one lane: running prefills first, then admissions. True if anything was scheduled.
-        The long lane, when time-bounded, goes least predicted remaining work first (passed-over requests first)."""
+        """Prefill work of one lane: running prefills first, then admissions, in arrival order. True if anything was
+        scheduled. The long lane, when time-bounded, goes in its order (``_long_order``), running and waiting
+        requests alike: a waiting request whose turn has come is admitted before a running one's next chunk."""
         before = len(step.chunks) + len(step.encoder_work)
         ordered = lane == LONG and budget.cost is not None
         running = [r for r in self.running if r.lane == lane and not _is_decoding(r)]
-        if ordered:
-            running.sort(key=self._long_order)
+        queue = self.waiting.queues[lane]
+
         def out_of_budget() -> bool:  # a step's first short prefill is whole (a short prompt is one step), time or not
             if lane == SHORT and not step.has_short_prefill:
                 return budget.remaining <= 0
             return budget.exhausted and not (whole_prompt and not step.has_prefill)
 
+        if ordered:
+            self._serve_in_order(sorted(running + list(queue), key=self._long_order), budget, step, out_of_budget)
+            served = len(step.chunks) + len(step.encoder_work) > before
+            if served:  # the lane ran: whoever got nothing was passed over once more
+                for req in [r for r in self.running if r.lane == LONG and not _is_decoding(r)] + list(queue):
+                    req.passed_over = 0 if req.request_id in step.scheduled_ids else req.passed_over + 1
+            return served
         for req in running:
             if req.request_id not in step.scheduled_ids and req.status == RequestStatus.RUNNING:
                 if out_of_budget():
                     break
                 self._prefill(req, budget, step, whole_prompt)
-        queue = self.waiting.queues[lane]
         while queue and len(self.running) < self.config.max_num_seqs:
             if out_of_budget():
                 break
-            req = min(queue, key=self._long_order) if ordered else queue[0]
+            req = queue[0]
             if whole_prompt and step.has_prefill and req.num_tokens > budget.remaining:
                 break  # the seed's serial prefill: one whole prompt per step, more only if they fit beside it
             if not self._admit(req, budget, whole_prompt):
                 break  # the lane's next request waits for KV; the wait shows as queue time
             self._prefill(req, budget, step, whole_prompt)
-        served = len(step.chunks) + len(step.encoder_work) > before
-        if ordered and served:  # the lane ran: whoever got nothing was passed over once more
-            for req in [r for r in self.running if r.lane == LONG and not _is_decoding(r)] + list(queue):
-                req.passed_over = 0 if req.request_id in step.scheduled_ids else req.passed_over + 1
-        return served
+        return len(step.chunks) + len(step.encoder_work) > before
+
+    def _serve_in_order(self, ordered: list[Request], budget: StepBudget, step: _Step,
+                        out_of_budget: Callable[[], bool]) -> None:
+        """The time-bounded long lane: each in turn gets its next chunk, a waiting one admitted first. Once one
+        waits for KV, nobody after it is admitted (it keeps its turn), but running ones still fill the step."""
+        admitting = True
+        for req in ordered:
+            if out_of_budget():
+                break
+            if req.status == RequestStatus.RUNNING:
+                if req.request_id not in step.scheduled_ids:
+                    self._prefill(req, budget, step, False)
+            elif admitting and len(self.running) < self.config.max_num_seqs:
+                if self._admit(req, budget, False):
+                    self._prefill(req, budget, step, False)
+                else:
+                    admitting = False  # the wait shows as queue time
 
     def _long_order(self, req: Request) -> tuple[bool, float, int]:
-        """Passed over too long first, then least predicted remaining work, then arrival."""
+        """deadline: earliest place in line (arrival + slack x own predicted work, fixed once given), then arrival.
+        least-work: passed over too long first, then least predicted remaining work, then arrival."""
+        if self.config.long_order == "deadline":
+            return (False, self.long_place_s(req), req.arrival_seq)
         return (req.passed_over < self.config.long_max_passes, self.remaining_work_s(req), req.arrival_seq)
+
+    def long_place_s(self, req: Request) -> float:
+        """A long request's place in line under the deadline order: when it reached the scheduler plus
+        ``long_slack`` times its predicted work (images already encoded cost nothing), fixed the first time it is
+        asked for, so later arrivals can pass it only while their own place is earlier: a request waits at most for
+        the work that reaches the lane before its place comes up (no starvation)."""
+        if req.long_place_s is None:
+            if not self.cost_model.is_fitted:  # no price yet: arrival order, decided later
+                return req.queued_s
+            req.long_place_s = req.queued_s + self.config.long_slack * float(self.remaining_work_s(req))
+        return req.long_place_s
 
     # ---- admission and prefill -----------------------------------------------------------------------
     def _admit(self, req: Request, budget: StepBudget, whole_prompt: bool) -> bool:

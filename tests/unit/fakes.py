@@ -52,6 +52,7 @@ def make_scheduler(
     encoder_capacity_tokens: int = 1000,
     max_num_seqs: int = 64,
     cost_model=None,
+    clock=None,
     **scheduler_options,
 ) -> Scheduler:
     return Scheduler(
@@ -66,6 +67,7 @@ def make_scheduler(
         max_model_len=num_blocks * block_size,
         encoder_capacity_tokens=encoder_capacity_tokens,
         cost_model=cost_model,
+        **({"clock": clock} if clock is not None else {}),
     )
 
 

@@ -149,10 +149,12 @@ SMALL_AVX2 = {"step": 0.01745, "sequences": 0.0, "sampled": 0.0, "prefill_tokens
 def test_predicted_ttft_matches_a_world_that_costs_what_the_model_says(utilization):
     """The admission check's prediction, for the seed mix with time-bounded steps (the default), in a world whose
     steps cost exactly what the cost model predicts. At U = 0.6 issue 15's targets hold per class (median |error|
-    <= 15%, P90 <= 35%); at U = 0.8 the medians hold and the P90 does not for every class (later arrivals that
-    overtake a request, short ones or smaller long ones, are not foreseen: 28-53% here). Before each lane's share
-    was measured over the steps it ran in, the prediction was 3-4x too high in this mode, as measured on the
-    server (docs/performance.md)."""
+    <= 15%, P90 <= 35%); at U = 0.8 the medians hold, and the P90 for the image classes (text's does not: a text
+    request's wait is whatever short work happens to arrive beside it, not foreseen: 37% here). With the long lane
+    in least-remaining-work order the image classes' P90 was 34-49% at U = 0.8 (later, smaller requests overtook
+    without bound); in deadline order only those whose place comes first can. Before each lane's share was
+    measured over the steps it ran in, the prediction was 3-4x too high in this mode, as measured on the server
+    (docs/performance.md)."""
     from firsttoken.models.checkpoint import SIZES, build_hf_config
     from firsttoken.models.registry import model_config_from_dict
 
@@ -162,10 +164,10 @@ def test_predicted_ttft_matches_a_world_that_costs_what_the_model_says(utilizati
                     preprocess_s={"0": 0.01, "1": 0.12, "2+": 0.4})
     capacity = sim.capacity_rps(p, sim.seed_mix(model, rate=1.0, num_requests=300, seed=1))
     assert 0.2 < capacity < 1.0  # requests/s (the server these coefficients came from measured 0.36 under load)
-    workload = sim.seed_mix(model, rate=utilization * capacity, num_requests=300, seed=1)
+    workload = sim.seed_mix(model, rate=utilization * capacity, num_requests=600, seed=1)
     classes = sim.simulate(workload, [p], sim.Router("round-robin")).summary()["classes"]
     errors = {cls: (c["prediction_error_p50"], c["prediction_error_p90"]) for cls, c in classes.items()}
     assert set(errors) == {"text", "1img", "3img"}
     assert all(p50 <= 0.15 for p50, _ in errors.values()), errors
-    if utilization <= 0.6:
-        assert all(p90 <= 0.35 for _, p90 in errors.values()), errors
+    checked = errors if utilization <= 0.6 else {cls: e for cls, e in errors.items() if cls != "text"}
+    assert all(p90 <= 0.35 for _, p90 in checked.values()), errors

@@ -6,9 +6,13 @@ from __future__ import annotations
 
 import math
 
+import pytest
+
 from firsttoken.models.config import VisionConfig
 from firsttoken.models.qwen2_vl_vision import full_attention_units
 from firsttoken.scheduler.cost_model import FEATURE_NAMES, CostModel, encoder_units
+from firsttoken.scheduler.scheduler import LONG_MIN_SHARE
+from firsttoken.types import PromptWork
 from tests.unit.fakes import fake_request, make_scheduler, run_step
 
 # seconds per unit: 10 ms a step, 1 ms per prefill token, 0.25 ms per encoder patch (a fake image of n visual
@@ -95,7 +99,7 @@ def test_the_long_lane_fills_steps_short_work_leaves():
 def test_least_remaining_work_first_and_nobody_passed_over_for_ever():
     # a big long request among a stream of small ones: the small go first, but the big one is passed over at most
     # long_max_passes steps in a row before it gets work
-    sched = scheduler(long_max_passes=4)
+    sched = scheduler(long_order="least-work", long_max_passes=4)
     big = fake_request("big", prompt_len=2000, max_tokens=1)
     sched.add(big)
     seq, max_gap, gap = 1, 0, 0
@@ -111,6 +115,90 @@ def test_least_remaining_work_first_and_nobody_passed_over_for_ever():
             break
     assert big.num_computed_tokens > 0
     assert max_gap <= 4 + 1
+
+
+class Clock:
+    """The scheduler's clock, moved by the test: by hand, or by each step's predicted time."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def long_chunks(batch) -> list[str]:
+    return [c.request_id for c in batch.chunks if not c.is_decode]
+
+
+def test_deadline_order_a_later_request_goes_first_only_while_its_place_is_earlier():
+    # places in line: arrival + 1 x own predicted work (1 ms per token). big: 0 + 2.0 s. quick (0.5 s later,
+    # 0.23 s of work): 0.73 s, ahead of big. late (1.9 s later): 2.13 s, behind big, although smaller
+    clock = Clock()
+    sched = scheduler(clock=clock)
+    sched.add(fake_request("big", prompt_len=2000, max_tokens=1))
+    assert long_chunks(run_step(sched)) == ["big"]
+    clock.now = 0.5
+    sched.add(fake_request("quick", prompt_len=230, max_tokens=1, arrival_seq=1))
+    assert long_chunks(run_step(sched)) == ["quick", "big"]  # all of quick's 230 tokens first, big fills the rest
+    clock.now = 1.9
+    sched.add(fake_request("late", prompt_len=230, max_tokens=1, arrival_seq=2))
+    order = []
+    while sched.has_work:
+        order += [rid for rid in long_chunks(run_step(sched)) if not order or order[-1] != rid]
+    assert order == ["big", "late"]  # big's prefill runs to its end before late gets a token
+
+
+def test_deadline_order_nobody_waits_for_work_that_arrives_after_its_place():
+    # a stream of small long requests, one per step (~92% of what the lane can do): least-remaining-work order
+    # would serve each of them first. In deadline order big's place is 2.0 s, a small one's its arrival + 0.23 s:
+    # those arriving before 1.77 s go first, every later one waits for big
+    clock = Clock()
+    sched = scheduler(clock=clock)
+    big = fake_request("big", prompt_len=2000, max_tokens=1)
+    sched.add(big)
+    assert sched.long_place_s(big) == pytest.approx(2.0)
+    arrived, ran_first, steps = {}, set(), 0
+    while big.status.value != "finished":
+        rid = f"s{len(arrived)}"
+        arrived[rid] = clock.now
+        sched.add(fake_request(rid, prompt_len=230, max_tokens=1, arrival_seq=len(arrived)))
+        batch = run_step(sched)
+        steps += 1
+        if big.status.value != "finished":  # (its last step's spare time goes to the next in line)
+            ran_first |= {r for r in long_chunks(batch) if r != "big"}
+        clock.now += predicted(sched, batch)
+    assert ran_first == {rid for rid, t in arrived.items() if t + 0.23 < 2.0}  # exactly those placed before it
+    assert len(ran_first) == 7
+    assert steps == 15  # its own 2.0 s and theirs (7 x 0.23 s) at 0.24 s of work per step: big is not starved
+
+
+def test_deadline_order_with_no_slack_is_first_come_first_served_within_the_lane():
+    clock = Clock()
+    sched = scheduler(clock=clock, long_slack=0.0)
+    sched.add(fake_request("big", prompt_len=2000, max_tokens=1))
+    run_step(sched)
+    clock.now = 0.01
+    sched.add(fake_request("small", prompt_len=230, max_tokens=1, arrival_seq=1))
+    order = []
+    while sched.has_work:
+        order += [rid for rid in long_chunks(run_step(sched)) if not order or order[-1] != rid]
+    assert order == ["big", "small"]
+
+
+def test_the_predicted_wait_counts_only_the_queued_work_whose_place_comes_first():
+    # a queued big request (2 s of work, place 2.0): a small newcomer's place (0.23 s) is ahead of it, so big's
+    # work is not in its prediction; with slack 0 the newcomer's place is behind big's and it is
+    def predicted_small(slack: float) -> float:
+        clock = Clock()
+        sched = scheduler(clock=clock, long_slack=slack)
+        sched.add(fake_request("big", prompt_len=2000, max_tokens=1))
+        run_step(sched)
+        return sched.predict_ttft(PromptWork(230))
+
+    ahead, alone = predicted_small(0.0), predicted_small(1.0)
+    assert alone < 0.23 / LONG_MIN_SHARE + TARGET  # its own work (at worst the lane's minimum share) and one step
+    assert ahead - alone >= 2.0 - 0.24  # big's remaining prefill (one chunk done) is in front of it
 
 
 def test_off_keeps_the_token_budgets():
