@@ -304,7 +304,9 @@ class Scheduler:
             # earliest place in line first: queued requests whose place comes before this one's, and those still
             # preprocessing that will get an earlier place (less work: they arrived first)
             place = self.clock() + self.config.long_slack * own
-            ahead = sum(w for w, p in zip(b.long_s, b.long_places) if p <= place) + sum(w for w in queued if w <= own)
+            slack = self.config.long_slack
+            ahead = sum(w for w, p in zip(b.long_s, b.long_places) if p <= place)
+            ahead += sum(w for w in queued if slack * w <= slack * own)  # slack 0: arrival order, all of them
             rate = max(1.0 - b.decode_share - b.short_share, LONG_MIN_SHARE)
         elif lane == LONG:
             ahead = sum(w for w in (*b.long_s, *queued) if w <= own)  # least remaining work first
@@ -332,13 +334,13 @@ class Scheduler:
                                                                                    work.encoder_attention_pairs)
         return self.cost_model.predict(features) - self.cost_model.coef[0]
 
-    def remaining_work_s(self, req: Request) -> float:
+    def remaining_work_s(self, req: Request, start: int | None = None) -> float:
         """Predicted seconds of the request's remaining prefill and encoder work (its share of steps, no per-step
-        constant)."""
+        constant), from ``start`` tokens (default: those computed)."""
         cost = self.cost_model
+        start = req.num_computed_tokens if start is None else start
         if not cost.is_fitted:
-            return float(req.num_tokens - req.num_computed_tokens)
-        start = req.num_computed_tokens
+            return float(req.num_tokens - start)
         patches, pairs = 0, 0.0
         for im in req.images:
             if im.end > start and not self.encoder_cache.is_ready(im.content_hash):
@@ -412,25 +414,25 @@ class Scheduler:
 
     def _serve_lane(self, lane: str, budget: StepBudget, step: _Step, whole_prompt: bool) -> bool:
         """Prefill work of one lane: running prefills first, then admissions, in arrival order. True if anything was
-        scheduled. The long lane, when time-bounded, goes in its order (``_long_order``), running and waiting
-        requests alike: a waiting request whose turn has come is admitted before a running one's next chunk."""
+        scheduled. The long lane, when time-bounded, goes in its order (``_long_order``): in deadline order running
+        and waiting requests alike (a waiting request whose turn has come is admitted before a running one's next
+        chunk); in least-work order running prefills first, as before."""
         before = len(step.chunks) + len(step.encoder_work)
         ordered = lane == LONG and budget.cost is not None
         running = [r for r in self.running if r.lane == lane and not _is_decoding(r)]
         queue = self.waiting.queues[lane]
+        merged = ordered and self.config.long_order == "deadline"
 
         def out_of_budget() -> bool:  # a step's first short prefill is whole (a short prompt is one step), time or not
             if lane == SHORT and not step.has_short_prefill:
                 return budget.remaining <= 0
             return budget.exhausted and not (whole_prompt and not step.has_prefill)
 
-        if ordered:
+        if merged:
             self._serve_in_order(sorted(running + list(queue), key=self._long_order), budget, step, out_of_budget)
-            served = len(step.chunks) + len(step.encoder_work) > before
-            if served:  # the lane ran: whoever got nothing was passed over once more
-                for req in [r for r in self.running if r.lane == LONG and not _is_decoding(r)] + list(queue):
-                    req.passed_over = 0 if req.request_id in step.scheduled_ids else req.passed_over + 1
-            return served
+            return len(step.chunks) + len(step.encoder_work) > before
+        if ordered:  # least-work: running prefills first, each in the order, then admissions in the order
+            running.sort(key=self._long_order)
         for req in running:
             if req.request_id not in step.scheduled_ids and req.status == RequestStatus.RUNNING:
                 if out_of_budget():
@@ -439,13 +441,17 @@ class Scheduler:
         while queue and len(self.running) < self.config.max_num_seqs:
             if out_of_budget():
                 break
-            req = queue[0]
+            req = min(queue, key=self._long_order) if ordered else queue[0]
             if whole_prompt and step.has_prefill and req.num_tokens > budget.remaining:
                 break  # the seed's serial prefill: one whole prompt per step, more only if they fit beside it
             if not self._admit(req, budget, whole_prompt):
                 break  # the lane's next request waits for KV; the wait shows as queue time
             self._prefill(req, budget, step, whole_prompt)
-        return len(step.chunks) + len(step.encoder_work) > before
+        served = len(step.chunks) + len(step.encoder_work) > before
+        if ordered and served:  # the lane ran: whoever got nothing was passed over once more (least-work's aging)
+            for req in [r for r in self.running if r.lane == LONG and not _is_decoding(r)] + list(queue):
+                req.passed_over = 0 if req.request_id in step.scheduled_ids else req.passed_over + 1
+        return served
 
     def _serve_in_order(self, ordered: list[Request], budget: StepBudget, step: _Step,
                         out_of_budget: Callable[[], bool]) -> None:
@@ -479,14 +485,22 @@ class Scheduler:
         if req.long_place_s is None:
             if not self.cost_model.is_fitted:  # no price yet: arrival order, decided later
                 return req.queued_s
-            req.long_place_s = req.queued_s + self.config.long_slack * float(self.remaining_work_s(req))
+            start = req.num_computed_tokens
+            if not start and self.kv.enable_prefix_caching:  # still waiting: what the prefix cache will serve
+                start = self.kv.num_cached_prefix_tokens(self._block_hashes(req), req.num_prompt_tokens - 1)
+            req.long_place_s = req.queued_s + self.config.long_slack * float(self.remaining_work_s(req, start))
         return req.long_place_s
 
     # ---- admission and prefill -----------------------------------------------------------------------
-    def _admit(self, req: Request, budget: StepBudget, whole_prompt: bool) -> bool:
+    def _block_hashes(self, req: Request) -> list | None:
+        """The prompt's full blocks' hashes, computed once (None without prefix caching)."""
         if req.block_hashes is None and self.kv.enable_prefix_caching:
             spans = [ImageSpan(im.content_hash, im.offset, im.num_tokens) for im in req.images]
             req.block_hashes = compute_block_hashes(req.prompt_token_ids, self.block_size, spans)
+        return req.block_hashes
+
+    def _admit(self, req: Request, budget: StepBudget, whole_prompt: bool) -> bool:
+        self._block_hashes(req)
         max_cached = req.num_prompt_tokens - 1  # at least one token is computed, to sample from
         if self.config.kv_admission == "whole-prompt":
             want = min(req.num_tokens + self.config.decode_reserve_tokens, self.max_model_len)

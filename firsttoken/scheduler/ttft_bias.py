@@ -2,11 +2,11 @@
 
 The admission check's prediction (Scheduler.predict_ttft) prices the work queued ahead of a request and its own
 encode and prefill with the step-cost model. What it cannot see runs it low under load, by an amount that depends
-on the class: later arrivals that overtake (the long lane serves least remaining work first, so a three-image
-request is passed by one-image requests arriving after it), steps that scatter around their predicted time, image
-decoding and preprocessing contending for the same cores. Measured on the server (docs/performance.md, issue 15):
-median predicted / measured 0.87 for one image and 0.72-0.77 for three at U 0.6-0.8, while text predictions were
-unbiased. So every first token nudges a correction for its class:
+on the class: later arrivals that overtake (short requests; in the long lane smaller ones whose place in line
+comes first, and under the earlier least-remaining-work order any smaller one), steps that scatter around their
+predicted time, image decoding and preprocessing contending for the same cores. Measured on the server
+(docs/performance.md, issue 15): median predicted / measured 0.87 for one image and 0.72-0.77 for three at U
+0.6-0.8, while text predictions were unbiased. So every first token nudges a correction for its class:
 
     predicted = raw x exp(bias[class])           exp(bias) kept within [1 / MAX_FACTOR, MAX_FACTOR]
     bias[class] += step   if measured > predicted, else -= step            (--ttft-bias-step, 0.05)

@@ -201,6 +201,45 @@ def test_the_predicted_wait_counts_only_the_queued_work_whose_place_comes_first(
     assert ahead - alone >= 2.0 - 0.24  # big's remaining prefill (one chunk done) is in front of it
 
 
+def test_least_work_order_still_gives_running_prefills_their_chunk_first():
+    # the earlier order, kept for side-by-side runs: a running prefill's next chunk (the whole step) before a
+    # smaller newcomer; in deadline order the newcomer, whose place is earlier, goes first
+    def second_step(order: str) -> list[str]:
+        sched = scheduler(long_order=order, clock=Clock())
+        sched.add(fake_request("running", prompt_len=600, max_tokens=1))
+        assert long_chunks(run_step(sched)) == ["running"]
+        sched.add(fake_request("newcomer", prompt_len=230, max_tokens=1, arrival_seq=1))
+        return long_chunks(run_step(sched))
+
+    assert second_step("least-work") == ["running"]
+    assert second_step("deadline") == ["newcomer", "running"]
+
+
+def test_a_prompt_the_prefix_cache_serves_gets_the_place_of_its_uncached_work():
+    # a follow-up turn: 2,000 tokens shared with a finished request, 16 new. Its place is its arrival plus the
+    # work the cache does not serve (16 tokens + the last block recomputed), not 2 s of prefill it will not run
+    clock = Clock()
+    sched = scheduler(clock=clock)
+    sched.add(fake_request("first", prompt_len=2000, max_tokens=1, shared_prefix=True))
+    while sched.has_work:
+        run_step(sched)
+    clock.now = 10.0
+    follow = fake_request("follow", prompt_len=2016, max_tokens=1, shared_prefix=True, arrival_seq=1)
+    sched.add(follow)
+    assert sched.long_place_s(follow) - 10.0 < 0.05
+    fresh = fake_request("fresh", prompt_len=2016, max_tokens=1, arrival_seq=2)
+    sched.add(fresh)
+    assert sched.long_place_s(fresh) > 10.0 + 2.0
+
+
+def test_with_no_slack_every_request_still_preprocessing_counts_as_ahead():
+    clock = Clock()
+    sched = scheduler(clock=clock, long_slack=0.0)
+    alone = sched.predict_ttft(PromptWork(230))
+    behind_big = sched.predict_ttft(PromptWork(230), pending=(PromptWork(2000),))
+    assert behind_big - alone >= 2.0  # first come, first served: the bigger one admitted first is ahead
+
+
 def test_off_keeps_the_token_budgets():
     sched = scheduler(step_time_target="off", long_step_tokens=64)
     assert math.isinf(sched.step_time_target())
