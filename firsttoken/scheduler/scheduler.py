@@ -563,7 +563,13 @@ class Scheduler:
             return False  # another request advanced it this step and it is not done yet
         start = self.encoder_cache.units_done(h)
         units = im.encoder_units[start:]
-        num_units = len(units) if all_units else max(1, budget.units(units))
+        num_units = len(units) if all_units else budget.units(units)
+        if num_units == 0:
+            # the long lane moves by at least a unit per step it runs in (progress), except past the bound of a
+            # step that holds a short prefill: that step is the short request's time to first token
+            if step.has_short_prefill and not budget.floor_tokens:
+                return False
+            num_units = 1
         before = budget.seconds
         budget.take_units(units[:num_units])
         step.charge(req.lane, False, before - budget.seconds)

@@ -52,6 +52,21 @@ def test_every_step_stays_within_the_target_and_a_short_request_waits_one_step()
         assert predicted(sched, batch) <= TARGET + 1e-9 or len(batch.encoder_work) + len(batch.chunks) == 1
 
 
+def test_a_step_holding_a_short_prefill_gets_no_long_unit_that_does_not_fit():
+    # a chat of 180 tokens (180 ms) leaves 60 ms of the 240 ms bound: the photo's next unit (100 ms) would make the
+    # chat's first-token step 290 ms; it waits for the next step instead (the long lane's one-unit progress rule
+    # applies to steps without a short prefill)
+    sched = scheduler()
+    sched.add(fake_request("photo", prompt_len=700, max_tokens=1, images=[("img", 20, 100)], encoder_depth=6))
+    assert [w.num_units for w in run_step(sched).encoder_work] == [2]
+    sched.add(fake_request("chat", prompt_len=180, max_tokens=2, arrival_seq=1))
+    second = run_step(sched)
+    assert [(c.request_id, c.num_new_tokens) for c in second.chunks] == [("chat", 180)]
+    assert second.encoder_work == () and predicted(sched, second) <= TARGET + 1e-9
+    third = run_step(sched)
+    assert [(w.start_unit, w.num_units) for w in third.encoder_work] == [(2, 2)]  # the photo goes on at once
+
+
 def test_a_block_longer_than_the_bound_runs_in_row_slices_so_a_short_request_waits_one_bounded_step():
     # the `small` checkpoint's tower (4 full-attention blocks of width 256) over a 1024² image (74 x 74 patches),
     # priced at 10 us per patch and 20 ns per query-key pair: one whole block is 0.66 s, over the 0.25 s bound, and a
