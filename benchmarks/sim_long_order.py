@@ -55,14 +55,17 @@ def main() -> None:
     ap.add_argument("--num-requests", type=int, default=600)
     ap.add_argument("--step-noise", type=float, default=0.1, help="lognormal sigma of step times around the model")
     ap.add_argument("--configs", default=DEFAULT_CONFIGS, help="name=JSON scheduler options;...")
+    ap.add_argument("--zero-step-constant", action="store_true",
+                    help="price steps without the per-step constant (what the time bound's extra steps cost)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     model = model_config_from_dict(build_hf_config(SIZES["small"]).to_dict())
-    base = sim.Profile(SMALL_AVX2, SchedulerConfig(), num_kv_blocks=8192, preprocess_s=PREPROCESS_S)
+    coefficients = {**SMALL_AVX2, "step": 0.0} if args.zero_step_constant else SMALL_AVX2
+    base = sim.Profile(coefficients, SchedulerConfig(), num_kv_blocks=8192, preprocess_s=PREPROCESS_S)
     configs = {"fcfs": {"scheduling": "fcfs"}, **parse_configs(args.configs)}
     alone = sim.simulate(sim.seed_mix(model, rate=0.001, num_requests=30, seed=1), [base], sim.Router("round-robin"))
     unloaded = {c: sorted(o.ttft_s for o in outs)[len(outs) // 2] for c, outs in alone.by_class().items()}
-    out: dict = {"args": vars(args), "coefficients": SMALL_AVX2, "unloaded_ttft_s": unloaded, "runs": []}
+    out: dict = {"args": vars(args), "coefficients": coefficients, "unloaded_ttft_s": unloaded, "runs": []}
     print("unloaded TTFT: " + ", ".join(f"{c} {t:.2f} s" for c, t in sorted(unloaded.items())))
     print(f"{'U':>4s} {'seed':>4s} {'config':16s} | text P99/unloaded | 1img P99/fcfs | 3img P99/fcfs | "
           f"pred err P50/P90: text, 1img, 3img")
