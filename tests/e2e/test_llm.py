@@ -70,9 +70,10 @@ def test_the_callers_torch_threads_are_the_same_after_a_call(tiny_model_dir: Pat
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(2)
-        llm = LLM(tiny_model_dir, dtype="float32", kv_cache_memory="16MiB")
+        # (num_threads given: the default is the machine's count at import, 1 under `taskset -c 0`, 4 on 4 cores)
+        llm = LLM(tiny_model_dir, dtype="float32", kv_cache_memory="16MiB", num_threads=2)
         assert llm.engine.executor.runner.threads.decode_threads == 2  # offline, no server: decode on all
-        fewer = LLM(tiny_model_dir, dtype="float32", kv_cache_memory="16MiB", decode_threads=1)
+        fewer = LLM(tiny_model_dir, dtype="float32", kv_cache_memory="16MiB", num_threads=2, decode_threads=1)
         fewer.chat([{"role": "user", "content": "hi"}], GREEDY)
         assert fewer.engine.executor.runner.threads.switches == 1  # prefill on 2, decode on 1, ...
         assert torch.get_num_threads() == 2  # ... and the caller's count given back
