@@ -1,10 +1,16 @@
-"""What image preprocessing costs the engine's steps when both share a core, at --preprocess-nice 0 vs 10.
+"""What image preprocessing costs the engine's steps when both share a core, with the preprocessing thread at
+nice 0 vs 10 (per-thread nice, Linux).
 
 One process pinned to one core (as a server on a busy or small machine): an "engine" thread runs steps of the
 `small` checkpoint's language-model matmul shapes (one 512-token chunk through 8 layers' projections, 1 torch
-thread) and times each, while firsttoken's heavy preprocessing pool (PreprocessPools, the server's own) decodes and
-preprocesses 1024² JPEGs (decode_image + preprocess_image, as a request's images are) back to back. Configurations
-alternate round by round; each prints the median and P90 step time and its ratio to the steps run alone.
+thread) and times each, while a second thread decodes and preprocesses 1024² JPEGs (decode_image +
+preprocess_image, as a request's images are) back to back. Configurations alternate round by round; each prints
+the median and P90 step time and its ratio to the steps run alone.
+
+These steps are GIL-free matmuls: here a lower priority for the preprocessing thread protects them (2.00x vs
+1.14x the steps alone, docs/runs/preprocess-nice.json). The server's steps are not (Python scheduling and small
+tensor ops hold the GIL): a niced preprocessing pool made text TTFT worse on the server (bench_slo, U 0.8, default
+vs nice 0; docs/performance.md), so the server does not nice its threads.
 
     python benchmarks/bench_preprocess_nice.py --rounds 3 --json out.json
 """
@@ -28,7 +34,6 @@ from PIL import Image
 sys.path.insert(0, str(Path(__file__).parent))
 from machine import machine_info  # noqa: E402
 
-from firsttoken.api.preprocess_pools import PreprocessPools  # noqa: E402
 from firsttoken.inputs.image import decode_image, preprocess_image  # noqa: E402
 from firsttoken.models.config import ImageProcessorConfig  # noqa: E402
 
@@ -64,26 +69,26 @@ def make_step():
 def run_config(step, nice: int | None, data: bytes, num_steps: int) -> list[float]:
     """Steps timed while the heavy pool preprocesses images back to back (nice None: no preprocessing)."""
     stop = threading.Event()
-    pools = None
-    done = [0]
+    worker = None
     if nice is not None:
-        pools = PreprocessPools(1, heavy_nice=nice)
         proc = ImageProcessorConfig()
 
         def preprocess_forever() -> None:
+            if nice:
+                tid = threading.get_native_id()
+                os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + nice))
             while not stop.is_set():
                 preprocess_image(decode_image(data, 10**8), proc, 4 * 28 * 28, 1280 * 28 * 28)
-                done[0] += 1
 
-        job = pools.heavy.submit(preprocess_forever)
+        worker = threading.Thread(target=preprocess_forever, daemon=True)
+        worker.start()
         time.sleep(0.3)
     try:
         return [step() for _ in range(num_steps)]
     finally:
         stop.set()
-        if pools is not None:
-            job.result()
-            pools.shutdown()
+        if worker is not None:
+            worker.join()
 
 
 def main() -> None:

@@ -47,8 +47,7 @@ CLASSES = ("text", "1img", "3img")
 WORDS_FOR_800_TOKENS = 512  # bench's English words -> ~800 tokens of the checkpoint's tokenizer (see bench_lanes)
 LOADED = {"fcfs": ["--scheduling", "fcfs"], "lanes-tokens": ["--step-time-target", "off"], "default": [],
           "no-bias": ["--ttft-bias-step", "0"],  # no-bias: the predicted TTFT without its learnt correction
-          "least-work": ["--long-order", "least-work"],  # the long lane's order before the deadline order
-          "nice0": ["--preprocess-nice", "0"]}  # image decoding at the engine's CPU priority
+          "least-work": ["--long-order", "least-work"]}  # the long lane's order before the deadline order
 LOWERED = re.compile(r"lowered from (\d+) to (\d+) per image")
 
 

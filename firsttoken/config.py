@@ -315,11 +315,6 @@ class ServerConfig:
     num_preprocess_threads: int = field(default=2, metadata=option(
         "threads per preprocessing pool (light and heavy requests have one each), off the event loop",
         flag="--preprocess-threads"))
-    preprocess_nice: int = field(default=10, metadata=option(
-        "niceness (Linux) added to the heavy preprocessing pool's threads (image decoding and resizing, long prompts' "
-        "tokenization): when they and the engine want the same core, the engine's steps win, so decoding a "
-        "three-image request does not stretch the step that carries someone's first token or next token (0: same "
-        "priority as the engine; 1-19: lower)"))
     log_level: str = field(default="info", metadata=option("debug, info, warning, error"))
     log_format: str = field(default="text", metadata=option(
         "server log lines: text or json (one object per line); both carry the request id"))
@@ -343,8 +338,6 @@ class ServerConfig:
         _positive("request_header_timeout_s", self.request_header_timeout_s)
         _positive("shutdown_timeout_s", self.shutdown_timeout_s)
         _at_least("num_preprocess_threads", self.num_preprocess_threads, 1)
-        if not 0 <= self.preprocess_nice <= 19:
-            raise ValueError("preprocess_nice must be between 0 and 19")
         _positive("stats_window_s", self.stats_window_s)
 
 

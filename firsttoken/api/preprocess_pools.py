@@ -5,18 +5,10 @@ carrying megabytes of text (or a few large photos) occupied every thread while a
 it. Light requests, text-only and at most ``LIGHT_MAX_CHARS`` characters, get a pool of their own, where each
 job costs little: a light request always finds a thread within a few light jobs, whatever heavy work is
 running. Heavy requests share the other pool. Which pool is a pure function of the parsed request.
-
-The heavy pool's threads run at a lower CPU priority (``nice``, Linux): decoding and resizing a request's images
-is 0.1-0.5 s of CPU per 1024² image, and on a core the engine also wants, an equal share stretched whichever step
-ran meanwhile, the step carrying another request's first token or every stream's next token (one core, a matmul
-"step" beside a thread decoding JPEGs: 1.8x as long at equal priority, unchanged at nice 10). At a lower priority
-the images are decoded in the engine's idle time first, and only their own request waits longer for it.
 """
 
 from __future__ import annotations
 
-import os
-import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Protocol
 
@@ -46,22 +38,10 @@ def is_light(request: SizedRequest) -> bool:
     return True
 
 
-def lower_priority(nice: int) -> None:
-    """Add this much niceness to the calling thread (not the process; at most 19), where the OS has per-thread nice
-    values (Linux)."""
-    if nice and hasattr(os, "setpriority") and hasattr(threading, "get_native_id"):
-        try:
-            tid = threading.get_native_id()
-            os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + nice))
-        except OSError:
-            pass  # not allowed here: the pool still works, at the engine's priority
-
-
 class PreprocessPools:
-    def __init__(self, num_threads: int, heavy_nice: int = 0) -> None:
+    def __init__(self, num_threads: int) -> None:
         self.light = ThreadPoolExecutor(max_workers=num_threads, thread_name_prefix="ft-preprocess-light")
-        self.heavy = ThreadPoolExecutor(max_workers=num_threads, thread_name_prefix="ft-preprocess",
-                                        initializer=lower_priority, initargs=(heavy_nice,))
+        self.heavy = ThreadPoolExecutor(max_workers=num_threads, thread_name_prefix="ft-preprocess")
 
     def for_request(self, request: SizedRequest) -> ThreadPoolExecutor:
         return self.light if is_light(request) else self.heavy

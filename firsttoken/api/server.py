@@ -98,7 +98,7 @@ def build_app(
     server: ServerConfig = ServerConfig(),
     observability: Observability | None = None,
 ) -> FastAPI:
-    pools = PreprocessPools(server.num_preprocess_threads, server.preprocess_nice)
+    pools = PreprocessPools(server.num_preprocess_threads)
     slots = _Slots(server.max_concurrent_requests)  # also what a graceful shutdown waits on (app.state.slots)
 
     @asynccontextmanager
