@@ -300,16 +300,16 @@ class Scheduler:
         own = self._work_s(work)
         queued = [self._work_s(p) for p in pending]  # admitted, still preprocessing: in the queue by the time it is
         lane = route_lane(work.num_prompt_tokens, self.config)
-        if lane == LONG and self.config.long_order == "deadline":
-            # earliest place in line first: queued requests whose place comes before this one's, and those still
-            # preprocessing that will get an earlier place (less work: they arrived first)
-            place = self.clock() + self.config.long_slack * own
-            slack = self.config.long_slack
-            ahead = sum(w for w, p in zip(b.long_s, b.long_places) if p <= place)
-            ahead += sum(w for w in queued if slack * w <= slack * own)  # slack 0: arrival order, all of them
-            rate = max(1.0 - b.decode_share - b.short_share, LONG_MIN_SHARE)
-        elif lane == LONG:
-            ahead = sum(w for w in (*b.long_s, *queued) if w <= own)  # least remaining work first
+        if lane == LONG:
+            if self.config.long_order == "deadline":
+                # earliest place in line first: queued requests whose place comes before this one's, and those
+                # still preprocessing that will get an earlier place (less work: they arrived first)
+                slack = self.config.long_slack
+                place = self.clock() + slack * own
+                ahead = sum(w for w, p in zip(b.long_s, b.long_places) if p <= place)
+                ahead += sum(w for w in queued if slack * w <= slack * own)  # slack 0: arrival order, all of them
+            else:
+                ahead = sum(w for w in (*b.long_s, *queued) if w <= own)  # least remaining work first
             rate = max(1.0 - b.decode_share - b.short_share, LONG_MIN_SHARE)
         else:
             ahead = b.short_s + sum(queued)
@@ -470,11 +470,11 @@ class Scheduler:
                 else:
                     admitting = False  # the wait shows as queue time
 
-    def _long_order(self, req: Request) -> tuple[bool, float, int]:
+    def _long_order(self, req: Request) -> tuple:
         """deadline: earliest place in line (arrival + slack x own predicted work, fixed once given), then arrival.
         least-work: passed over too long first, then least predicted remaining work, then arrival."""
         if self.config.long_order == "deadline":
-            return (False, self.long_place_s(req), req.arrival_seq)
+            return (self.long_place_s(req), req.arrival_seq)
         return (req.passed_over < self.config.long_max_passes, self.remaining_work_s(req), req.arrival_seq)
 
     def long_place_s(self, req: Request) -> float:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from firsttoken.batch import RunnerOutput, ScheduledBatch
@@ -43,6 +45,16 @@ def fake_request(
     return Request(er, arrival_seq)
 
 
+class ManualClock:
+    """A clock a test moves by hand (``clock.now += 61``), for whatever takes a ``clock`` callable."""
+
+    def __init__(self, start: float = 0.0) -> None:
+        self.now = start
+
+    def __call__(self) -> float:
+        return self.now
+
+
 def make_scheduler(
     num_blocks: int = 64,
     block_size: int = 16,
@@ -67,7 +79,7 @@ def make_scheduler(
         max_model_len=num_blocks * block_size,
         encoder_capacity_tokens=encoder_capacity_tokens,
         cost_model=cost_model,
-        **({"clock": clock} if clock is not None else {}),
+        clock=clock or time.monotonic,
     )
 
 

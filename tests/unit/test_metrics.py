@@ -13,17 +13,9 @@ from firsttoken.metrics.prometheus import make_registry
 from firsttoken.metrics.recorder import Recorder, RequestRecord
 from firsttoken.metrics.stats import EngineSnapshot, FinishedRequest, StepStats
 from firsttoken.metrics.window import percentile
-
+from tests.unit.fakes import ManualClock
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.t = 1000.0
-
-    def __call__(self) -> float:
-        return self.t
 
 
 def timings(ttft: float, queue: float = 0.0, **extra) -> dict:
@@ -62,7 +54,7 @@ def test_histogram_buckets_resolve_50ms_and_150s():
 
 
 def test_completion_uses_the_final_timeline_and_window_is_per_class_and_slides():
-    clock, log = Clock(), []
+    clock, log = ManualClock(1000.0), []
     rec = Recorder(window_s=60, clock=clock, sink=log.append)
     rec.on_finished(finished("a", 0, ttft=0.1))
     rec.on_finished(finished("b", 1, ttft=2.0))
@@ -80,18 +72,18 @@ def test_completion_uses_the_final_timeline_and_window_is_per_class_and_slides()
     assert [r.request_id for r in log] == ["a", "b", "c"] and log[0].http_request_id == "h-a"
     line = log[0].log_line()
     assert line["itl_mean_s"] == pytest.approx(0.015) and "prompt" not in line
-    clock.t += 61
+    clock.now += 61
     assert rec.window_snapshot()["classes"]["all"]["count"] == 0
 
 
 def test_aborts_are_recorded_from_engine_data_and_stragglers_after_the_grace_period():
-    clock, log = Clock(), []
+    clock, log = ManualClock(1000.0), []
     rec = Recorder(window_s=60, clock=clock, sink=log.append, grace_s=30)
     rec.on_finished(finished("gone", 1, outcome="abort"))
     rec.on_finished(finished("slow", 0, ttft=0.3))  # finished in the engine, HTTP never completed it
     rec.flush()
     assert [r.outcome for r in log] == ["abort"]
-    clock.t += 31
+    clock.now += 31
     rec.flush()
     assert [r.request_id for r in log] == ["gone", "slow"]
     assert rec.complete("slow", timings(0.4)) is None  # already recorded: no double count
@@ -99,7 +91,7 @@ def test_aborts_are_recorded_from_engine_data_and_stragglers_after_the_grace_per
 
 
 def test_prometheus_text_has_labelled_histograms_counters_and_gauges():
-    rec = Recorder(window_s=60, clock=Clock())
+    rec = Recorder(window_s=60, clock=ManualClock(1000.0))
     rec.on_step(step(1.0, prefill=300, preempted=2))
     rec.on_finished(finished("a", 2, ttft=0.05, hits=1, encoded=1, cached=16))
     rec.complete("a", timings(0.05, hits=1, encoded=1, cached=16), token_gaps_s=(0.02,))
@@ -160,7 +152,7 @@ def test_request_log_writes_content_only_when_asked(tmp_path):
 
     from firsttoken.api.observability import Observability, RequestLog
 
-    rec = Recorder(window_s=60, clock=Clock())
+    rec = Recorder(window_s=60, clock=ManualClock(1000.0))
     obs = Observability(rec, detokenize=lambda ids: f"prompt of {len(ids)} tokens")
     plain = RequestLog(tmp_path / "plain.jsonl")
     with_content = RequestLog(tmp_path / "content.jsonl", obs.content_of)

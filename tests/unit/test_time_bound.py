@@ -13,7 +13,7 @@ from firsttoken.models.qwen2_vl_vision import full_attention_units
 from firsttoken.scheduler.cost_model import FEATURE_NAMES, CostModel, encoder_units
 from firsttoken.scheduler.scheduler import LONG_MIN_SHARE
 from firsttoken.types import PromptWork
-from tests.unit.fakes import fake_request, make_scheduler, run_step
+from tests.unit.fakes import ManualClock, fake_request, make_scheduler, run_step
 
 # seconds per unit: 10 ms a step, 1 ms per prefill token, 0.25 ms per encoder patch (a fake image of n visual
 # tokens has 4n patches per unit: 1 ms per visual token per unit); every other term free
@@ -132,16 +132,6 @@ def test_least_remaining_work_first_and_nobody_passed_over_for_ever():
     assert max_gap <= 4 + 1
 
 
-class Clock:
-    """The scheduler's clock, moved by the test: by hand, or by each step's predicted time."""
-
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 def long_chunks(batch) -> list[str]:
     return [c.request_id for c in batch.chunks if not c.is_decode]
 
@@ -149,7 +139,7 @@ def long_chunks(batch) -> list[str]:
 def test_deadline_order_a_later_request_goes_first_only_while_its_place_is_earlier():
     # places in line: arrival + 1 x own predicted work (1 ms per token). big: 0 + 2.0 s. quick (0.5 s later,
     # 0.23 s of work): 0.73 s, ahead of big. late (1.9 s later): 2.13 s, behind big, although smaller
-    clock = Clock()
+    clock = ManualClock()
     sched = scheduler(clock=clock)
     sched.add(fake_request("big", prompt_len=2000, max_tokens=1))
     assert long_chunks(run_step(sched)) == ["big"]
@@ -168,7 +158,7 @@ def test_deadline_order_nobody_waits_for_work_that_arrives_after_its_place():
     # a stream of small long requests, one per step (~92% of what the lane can do): least-remaining-work order
     # would serve each of them first. In deadline order big's place is 2.0 s, a small one's its arrival + 0.23 s:
     # those arriving before 1.77 s go first, every later one waits for big
-    clock = Clock()
+    clock = ManualClock()
     sched = scheduler(clock=clock)
     big = fake_request("big", prompt_len=2000, max_tokens=1)
     sched.add(big)
@@ -189,7 +179,7 @@ def test_deadline_order_nobody_waits_for_work_that_arrives_after_its_place():
 
 
 def test_deadline_order_with_no_slack_is_first_come_first_served_within_the_lane():
-    clock = Clock()
+    clock = ManualClock()
     sched = scheduler(clock=clock, long_slack=0.0)
     sched.add(fake_request("big", prompt_len=2000, max_tokens=1))
     run_step(sched)
@@ -205,7 +195,7 @@ def test_the_predicted_wait_counts_only_the_queued_work_whose_place_comes_first(
     # a queued big request (2 s of work, place 2.0): a small newcomer's place (0.23 s) is ahead of it, so big's
     # work is not in its prediction; with slack 0 the newcomer's place is behind big's and it is
     def predicted_small(slack: float) -> float:
-        clock = Clock()
+        clock = ManualClock()
         sched = scheduler(clock=clock, long_slack=slack)
         sched.add(fake_request("big", prompt_len=2000, max_tokens=1))
         run_step(sched)
@@ -220,7 +210,7 @@ def test_least_work_order_still_gives_running_prefills_their_chunk_first():
     # the earlier order, kept for side-by-side runs: a running prefill's next chunk (the whole step) before a
     # smaller newcomer; in deadline order the newcomer, whose place is earlier, goes first
     def second_step(order: str) -> list[str]:
-        sched = scheduler(long_order=order, clock=Clock())
+        sched = scheduler(long_order=order, clock=ManualClock())
         sched.add(fake_request("running", prompt_len=600, max_tokens=1))
         assert long_chunks(run_step(sched)) == ["running"]
         sched.add(fake_request("newcomer", prompt_len=230, max_tokens=1, arrival_seq=1))
@@ -233,7 +223,7 @@ def test_least_work_order_still_gives_running_prefills_their_chunk_first():
 def test_a_prompt_the_prefix_cache_serves_gets_the_place_of_its_uncached_work():
     # a follow-up turn: 2,000 tokens shared with a finished request, 16 new. Its place is its arrival plus the
     # work the cache does not serve (16 tokens + the last block recomputed), not 2 s of prefill it will not run
-    clock = Clock()
+    clock = ManualClock()
     sched = scheduler(clock=clock)
     sched.add(fake_request("first", prompt_len=2000, max_tokens=1, shared_prefix=True))
     while sched.has_work:
@@ -248,7 +238,7 @@ def test_a_prompt_the_prefix_cache_serves_gets_the_place_of_its_uncached_work():
 
 
 def test_with_no_slack_every_request_still_preprocessing_counts_as_ahead():
-    clock = Clock()
+    clock = ManualClock()
     sched = scheduler(clock=clock, long_slack=0.0)
     alone = sched.predict_ttft(PromptWork(230))
     behind_big = sched.predict_ttft(PromptWork(230), pending=(PromptWork(2000),))
