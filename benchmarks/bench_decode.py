@@ -13,6 +13,8 @@ the benchmark only. Medians over the decode steps after the first ``--warmup-ste
     PYTHONPATH=$PWD python benchmarks/bench_decode.py --baseline /path/to/other/checkout --rounds 3
     # two configurations of this checkout: float32 weights vs --quantization fp16, rounds alternating
     PYTHONPATH=$PWD python benchmarks/bench_decode.py --baseline . --this-args "--quantization fp16" --rounds 3
+    # MKL's products vs the few-rows kernels (firsttoken/kernels/cpu_linear.py) on one checkout
+    PYTHONPATH=$PWD python benchmarks/bench_decode.py --baseline . --cpu-kernels off --this-args "--cpu-kernels auto"
 
 The breakdown's wrappers cost about a microsecond each; ``--no-breakdown`` times whole steps only. On a machine
 others load, ``--num-threads 1 --clock thread`` counts this thread's CPU time only (steadier, though a busy
@@ -57,7 +59,7 @@ class PhaseTimer:
         setattr(obj, name, timed)
 
 
-def build_engine(model_dir: str, num_threads: int, quantization: str = "none"):
+def build_engine(model_dir: str, num_threads: int, quantization: str = "none", cpu_kernels: str = "auto"):
     from dataclasses import fields
 
     import torch
@@ -75,8 +77,11 @@ def build_engine(model_dir: str, num_threads: int, quantization: str = "none"):
     torch.set_num_threads(num_threads)
     tok = AutoTokenizer.from_pretrained(model_dir)
     extra = {"quantization": quantization} if quantization != "none" else {}
-    if "decode_threads" in {f.name for f in fields(EngineConfig)}:  # decode on --num-threads, as before it existed
+    names = {f.name for f in fields(EngineConfig)}
+    if "decode_threads" in names:  # decode on --num-threads, as before it existed
         extra["decode_threads"] = num_threads
+    if "cpu_kernels" in names:  # a checkout from before the few-rows kernels has no such field (and no kernels)
+        extra["cpu_kernels"] = cpu_kernels
     cfg = EngineConfig(dtype="float32", num_threads=num_threads, cache=CacheConfig(kv_cache_memory_bytes=256 * 2**20),
                        scheduler=SchedulerConfig(step_time_target="off"), **extra)
     engine = LLMEngine(model_dir, cfg, tok.backend_tokenizer)
@@ -245,6 +250,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="with --baseline: flags only this side gets, e.g. \"--quantization fp16\" with --baseline . "
                          "to compare two configurations of one checkout")
     ap.add_argument("--quantization", default="none", help="serve --quantization (none, fp16)")
+    ap.add_argument("--cpu-kernels", default="auto", help="serve --cpu-kernels (auto, off)")
     ap.add_argument("--prefill-words", type=int, default=0,
                     help="also time the prefill step of a text prompt of this many words (0: no; the small "
                          "checkpoint's tokenizer makes ~3 tokens of each)")
@@ -256,7 +262,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import firsttoken
 
-    engine, proc = build_engine(small_model(args.model), args.num_threads, args.quantization)
+    engine, proc = build_engine(small_model(args.model), args.num_threads, args.quantization, args.cpu_kernels)
     clock = time.thread_time if args.clock == "thread" else time.perf_counter
     timer = None if args.no_breakdown else PhaseTimer(clock)
     if timer is not None:

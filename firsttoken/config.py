@@ -28,6 +28,7 @@ from firsttoken.units import format_size, parse_bytes
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 QUANTIZATIONS = ("none", "fp16")  # models/quant.py
+CPU_KERNELS = ("auto", "off")  # kernels/cpu_linear.py
 DEVICES = ("cpu",)  # where the engine runs; a CUDA runner is the Executor seam's next implementation
 ATTENTION_BACKENDS = ("sdpa",)  # attention/registry.py
 
@@ -203,6 +204,10 @@ class EngineConfig:
         "reads), multiplied in float32 by FBGEMM's AVX2 kernel; activations float32 (--dtype auto picks it). "
         "Faster decode on CPUs; not exact against transformers (~2e-4 relative error per product; top-1 "
         "agreement in docs/performance.md)"))
+    cpu_kernels: str = field(default="auto", metadata=option(
+        "auto: decode steps' products of at most 16 rows run firsttoken's AVX2 kernel (float32 language model on "
+        "an AVX2 + FMA CPU; built once with the machine's C compiler, $CC or cc; where it cannot be built, torch's "
+        "product, and the log says why); off: torch's product (MKL) always. Prefill is MKL's either way"))
     device: str = field(default="cpu", metadata=option(f"where the model runs: {', '.join(DEVICES)}"))
     attention_backend: str = field(default="sdpa", metadata=option(
         f"attention implementation over the paged KV cache: {', '.join(ATTENTION_BACKENDS)}"))
@@ -229,6 +234,8 @@ class EngineConfig:
             raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}")
         if self.quantization == "fp16" and self.dtype not in ("auto", "float32"):
             raise ValueError("quantization fp16 runs float32 activations: use --dtype float32 (or auto)")
+        if self.cpu_kernels not in CPU_KERNELS:
+            raise ValueError(f"cpu_kernels must be one of {', '.join(CPU_KERNELS)}")
         if self.device not in DEVICES:
             raise ValueError(f"device must be one of {', '.join(DEVICES)} (this build runs on the CPU)")
         if self.attention_backend not in ATTENTION_BACKENDS:

@@ -17,6 +17,7 @@ import torch
 from firsttoken.batch import RunnerOutput, ScheduledBatch, ScheduledChunk
 from firsttoken.config import EngineConfig
 from firsttoken.engine.detokenizer import IncrementalDetokenizer, TokenDecoder
+from firsttoken.kernels.cpu_linear import kernel_unavailable
 from firsttoken.metrics.stats import (
     FinishedRequest,
     NullObserver,
@@ -129,7 +130,7 @@ class LLMEngine:
         self.executor: Executor = InProcessExecutor(
             model_dir, self.model_config, dtype, self.capacity.num_blocks, self.capacity.block_size, config.seed,
             fault_hook, threads=ThreadPlan(config.num_threads, config.decode_threads),
-            quantization=config.quantization,
+            quantization=config.quantization, cpu_kernels=config.cpu_kernels,
         )
         dtype_bytes = torch.tensor([], dtype=dtype).element_size()
         num_tensors = 1 + len(self.model_config.vision.deepstack_visual_indexes)  # main + DeepStack features
@@ -148,6 +149,10 @@ class LLMEngine:
         self.num_images_encoded = 0  # images the vision tower ran for (cache misses that were computed)
         log.info("dtype %s (requested %s)%s", str(dtype).removeprefix("torch."), config.dtype,
                  "; language model linear layers: float16 weights (FBGEMM)" if config.quantization == "fp16" else "")
+        if config.cpu_kernels == "auto" and config.quantization == "none" and dtype == torch.float32:
+            reason = kernel_unavailable()
+            log.info("decode steps' products: %s", "firsttoken's few-rows AVX2 kernel" if reason is None
+                     else f"torch's (the few-rows kernel is not available: {reason})")
         log.info(self.capacity.describe())
 
     def calibrate(self) -> None:

@@ -17,7 +17,8 @@ from torch import nn
 
 from firsttoken.attention.base import AttentionBackend
 from firsttoken.attention.registry import get_backend
-from firsttoken.config import QUANTIZATIONS
+from firsttoken.config import CPU_KERNELS, QUANTIZATIONS
+from firsttoken.kernels.cpu_linear import kernel_unavailable, use_few_rows_kernel
 from firsttoken.models.layers import store_weights_input_major
 from firsttoken.models.quant import quantize_fp16
 from firsttoken.models.registry import family_of, load_model_config
@@ -30,11 +31,16 @@ def load_model(
     attn_backend: AttentionBackend | None = None,
     quantization: str = "none",
     num_threads: int | None = None,
+    cpu_kernels: str = "auto",
 ) -> nn.Module:
     """The family's model in eval mode with weights from model_dir; attn_backend defaults to "sdpa";
     ``quantization`` one of models/quant.py's QUANTIZATIONS ("fp16": the language model's linear layers hold float16
     weights, float32 activations; ``num_threads`` 1: the engine runs on one torch thread, so its single-threaded
-    kernel, cheaper per call, is taken)."""
+    kernel, cheaper per call, is taken). ``cpu_kernels`` "auto": a float32 language model on the CPU takes
+    kernels/cpu_linear.py's few-rows products for decode steps where they build here (else MKL's, as with
+    "off"; prefill is MKL's either way)."""
+    if cpu_kernels not in CPU_KERNELS:
+        raise ValueError(f"cpu_kernels must be one of {', '.join(CPU_KERNELS)}")
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}")
     if quantization == "fp16" and dtype != torch.float32:
@@ -70,6 +76,8 @@ def load_model(
         quantize_fp16(model, exclude_prefix="visual.", multithreaded=num_threads != 1)
     if str(device) == "cpu":
         store_weights_input_major(model, exclude_prefix="visual.")  # the decoder's matmuls are one-row at decode
+        if cpu_kernels == "auto" and quantization == "none" and dtype == torch.float32 and kernel_unavailable() is None:
+            use_few_rows_kernel(model, exclude_prefix="visual.")  # decode's few-row products; prefill stays MKL's
     return model.eval()
 
 

@@ -46,9 +46,10 @@ class InProcessExecutor:
         device: str = "cpu",
         threads: ThreadPlan | None = None,
         quantization: str = "none",
+        cpu_kernels: str = "auto",
     ) -> None:
         model = load_model(model_dir, dtype, device, quantization=quantization,
-                           num_threads=threads.threads if threads is not None else None)
+                           num_threads=threads.threads if threads is not None else None, cpu_kernels=cpu_kernels)
         kv_caches = allocate_kv_caches(model_config, num_kv_blocks, block_size, dtype, device)
         self.runner = ModelRunner(model, kv_caches, block_size, Sampler(seed), fault_hook, threads)
 

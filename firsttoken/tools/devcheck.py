@@ -25,7 +25,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("engine",),  # the step loop, the asyncio bridge, detokenizer
     ("scheduler", "runner"),  # bookkeeping (ints only) / tensors, behind the Executor
     ("models", "sampling", "kv", "metrics"),
-    ("attention",),  # the backend contract models use
+    ("attention", "kernels"),  # the backend contract models use; the CPU kernels models' layers call
     ("batch", "config"),  # scheduler -> runner values; the config tree
     ("types", "quoting", "units"),  # leaves
 )

@@ -378,7 +378,7 @@ def test_tied_embeddings_match_reference(tiny_qwen2_vl_tied_dir: Path) -> None:
         tiny_qwen2_vl_tied_dir, dtype=torch.float32, attn_implementation="eager"
     ).eval()
     tied = load_model(tiny_qwen2_vl_tied_dir, torch.float32)
-    assert tied.lm_head is None
+    assert tied.lm_head is None or tied.lm_head.weight is tied.embed_tokens.weight  # logits from the embeddings
     prompt = make_prompt(tied.config, PROMPTS["one_image"], seed=4)
     runner = TinyRunner(tied)
     d = max_diff(runner.prefill(runner.add(prompt), chunk=32), ref_logits(tied_ref, tied.config, prompt))

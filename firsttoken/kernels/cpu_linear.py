@@ -1,0 +1,213 @@
+"""The few-rows float32 products of decode steps on x86 CPUs (``cpu_linear.c``), built on first use.
+
+A decode step multiplies a handful of rows (one per running request) by every weight of the language model. MKL's
+sgemm has no good path for 2-16 rows on an AVX2 CPU: its time grows almost linearly with the rows. The kernels read
+each weight once, in one sequential sweep, and let every row use it while it is in cache. Measured on a 2-core AVX2
+EPYC, all linear layers of the `small` checkpoint plus its lm_head (123 MB of float32 weights, out of cache), against
+MKL on the same layouts (``python benchmarks/bench_cpu_linear.py``): one thread, 1 row 1.01x, 2 rows 0.63x, 4 rows
+0.50x, 8 rows 0.65x, 16 rows 0.77x; two threads 0.70x, 0.46x, 0.53x (8), 0.69x (16). Products of at most
+``MAX_ROWS`` rows take the kernels; prefill stays with MKL.
+
+The weights keep the layouts models/layers.py's ``store_weights_input_major`` gives them (widening layers
+input-major, the narrowing down projection row-major); each layout has its kernel. Every output is summed in the
+same order whatever the number of rows and threads, so a request's decode products are bitwise the same whichever
+requests share its step.
+
+Built with the machine's C compiler (``$CC``, else ``cc``/``gcc``: Debian's ``gcc`` package) into
+``$FIRSTTOKEN_CACHE/kernels`` (default ``~/.cache/firsttoken/kernels``), once per source and flags, about a second;
+loaded with ctypes (the call releases the GIL). Where the CPU lacks AVX2/FMA, no compiler is found, the build fails
+or the built kernels disagree with torch on check products, ``kernel_unavailable()`` says why and the engine keeps
+torch's product (``--cpu-kernels off`` asks for that).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+log = logging.getLogger("firsttoken.kernels")
+
+MAX_ROWS = 16  # 16 rows: 0.77x MKL's time at one thread; above, MKL's GEMM catches up
+SOURCE = Path(__file__).with_name("cpu_linear.c")
+CFLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC", "-std=gnu11")
+
+
+def cpu_has_avx2_fma() -> bool:
+    """AVX2 and FMA on this CPU (Linux: /proc/cpuinfo's flags; elsewhere torch's own dispatch level)."""
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return False
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    flags = set(line.split(":", 1)[1].split())
+                    return {"avx2", "fma"} <= flags
+    except OSError:
+        pass
+    return torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
+
+
+def cache_dir() -> Path:
+    """Where built kernels live: the user cache the demo checkpoint uses too."""
+    return Path(os.environ.get("FIRSTTOKEN_CACHE") or Path.home() / ".cache" / "firsttoken") / "kernels"
+
+
+def compiler() -> str | None:
+    for candidate in (os.environ.get("CC"), "cc", "gcc"):
+        if candidate and shutil.which(candidate):
+            return candidate
+    return None
+
+
+class _Kernel:
+    def __init__(self, path: Path) -> None:
+        self.lib = ctypes.CDLL(str(path))  # CDLL: the GIL is released during the call
+        args = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
+                ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int]
+        self.input_major, self.row_major = self.lib.ft_linear_im, self.lib.ft_linear_rm
+        for fn in (self.input_major, self.row_major):
+            fn.restype, fn.argtypes = None, args
+
+    def linear(self, rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """rows [M, K] float32 with unit column stride; weight [N, K] float32, row-major or input-major (its
+        transpose contiguous: ``layout(weight)``); bias [N] contiguous or None."""
+        m, k = rows.shape
+        n = weight.shape[0]
+        fn = self.row_major if weight.is_contiguous() else self.input_major
+        out = torch.empty(m, n, dtype=torch.float32)
+        fn(rows.data_ptr(), rows.stride(0), weight.data_ptr(), 0 if bias is None else bias.data_ptr(),
+           out.data_ptr(), n, m, n, k, torch.get_num_threads())
+        return out
+
+
+def _build() -> tuple[_Kernel | None, str | None]:
+    if not cpu_has_avx2_fma():
+        return None, "this CPU has no AVX2 + FMA"
+    cc = compiler()
+    if cc is None:
+        return None, "no C compiler on PATH (set $CC, or install Debian's gcc package)"
+    source = SOURCE.read_bytes()
+    digest = hashlib.sha256(source + " ".join((cc, *CFLAGS)).encode()).hexdigest()[:16]
+    target = cache_dir() / f"cpu_linear-{digest}.so"
+    if not target.exists():
+        reason = _compile(cc, target)
+        if reason is not None:
+            return None, reason
+    try:
+        kernel = _Kernel(target)
+    except (OSError, AttributeError) as e:  # not a library, or not ours
+        return None, f"loading {target} failed: {e}"
+    reason = _check(kernel)
+    return (kernel, None) if reason is None else (None, reason)
+
+
+def _compile(cc: str, target: Path) -> str | None:
+    """Build into ``target``: aside first, then renamed, so processes building at once race safely."""
+    tmp = None
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+        os.close(fd)
+        done = subprocess.run([cc, *CFLAGS, str(SOURCE), "-o", tmp], capture_output=True, text=True, timeout=120)
+        if done.returncode != 0:
+            return f"{cc} failed: {done.stderr.strip()[-400:]}"
+        os.replace(tmp, target)
+        return None
+    except (OSError, subprocess.TimeoutExpired) as e:  # an unwritable cache, a compiler that hangs
+        return f"building with {cc} into {target.parent} failed: {e}"
+    finally:
+        if tmp is not None and os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def _check(kernel: _Kernel) -> str | None:
+    """The kernels against torch's product: both layouts, rows 1-5, with and without bias, a strided input."""
+    g = torch.Generator().manual_seed(0)
+    weight, bias = torch.randn(40, 48, generator=g), torch.randn(40, generator=g)
+    x = torch.randn(5, 64, generator=g)[:, :48]  # row stride 64
+    for w in (weight, weight.t().contiguous().t()):
+        for m in range(1, 6):
+            for b in (None, bias):
+                got, want = kernel.linear(x[:m], w, b), F.linear(x[:m], w, b)
+                if not torch.allclose(got, want, rtol=1e-5, atol=1e-5):
+                    return f"the built kernels disagree with torch (max |diff| {(got - want).abs().max():.3g})"
+    return None
+
+
+@functools.lru_cache(maxsize=1)
+def _kernel() -> tuple[_Kernel | None, str | None]:
+    kernel, reason = _build()
+    if reason is not None:
+        log.info("few-rows CPU kernel not used: %s", reason)
+    return kernel, reason
+
+
+def kernel_unavailable() -> str | None:
+    """None when the kernel is built and checked on this machine, else why not (builds it on first call)."""
+    return _kernel()[1]
+
+
+def kernel_applies(weight: torch.Tensor) -> bool:
+    """A float32 CPU weight [N, K] the kernels take: row-major with K % 16 == 0, or input-major (``weight.t()``
+    contiguous) with K % 8 == 0 and N % 8 == 0."""
+    if weight.dtype != torch.float32 or weight.device.type != "cpu" or weight.dim() != 2:
+        return False
+    n, k = weight.shape
+    if weight.is_contiguous():
+        return k % 16 == 0
+    return weight.t().is_contiguous() and k % 8 == 0 and n % 8 == 0
+
+
+class FewRowsLinear(nn.Linear):
+    """``nn.Linear`` (the same parameters, in either layout ``kernel_applies`` takes) whose products of at most
+    ``MAX_ROWS`` rows run the kernels; larger inputs, and anything autograd must see, take ``F.linear``."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features)
+        if rows.shape[0] > MAX_ROWS or rows.shape[0] == 0 or x.dtype != torch.float32 or (
+                torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad)):
+            return F.linear(x, self.weight, self.bias)
+        if rows.stride(-1) != 1:
+            rows = rows.contiguous()
+        out = _kernel()[0].linear(rows, self.weight, self.bias)
+        return out.view(*x.shape[:-1], self.out_features)
+
+    @classmethod
+    def sharing(cls, weight: nn.Parameter, bias: nn.Parameter | None) -> FewRowsLinear:
+        """A module holding these very parameters (no copy)."""
+        out_features, in_features = weight.shape
+        with torch.device("meta"):
+            module = cls(in_features, out_features, bias=bias is not None)
+        module.weight = weight
+        module.bias = bias
+        return module
+
+
+def use_few_rows_kernel(model: nn.Module, exclude_prefix: str) -> int:
+    """Give every float32 ``nn.Linear`` outside ``exclude_prefix`` (and a tied lm_head: a module sharing the
+    embeddings) the kernel for decode-sized products. The caller checks ``kernel_unavailable()`` first. Returns the
+    number of layers changed."""
+    names = [name for name, sub in model.named_modules() if type(sub) is nn.Linear
+             and not name.startswith(exclude_prefix) and kernel_applies(sub.weight)]
+    for name in names:
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        sub = getattr(parent, child)
+        setattr(parent, child, FewRowsLinear.sharing(sub.weight, sub.bias))
+    embed = getattr(model, "embed_tokens", None)
+    if getattr(model, "lm_head", False) is None and embed is not None and kernel_applies(embed.weight):
+        model.lm_head = FewRowsLinear.sharing(embed.weight, None)  # tied: logits through the kernel too
+        return len(names) + 1
+    return len(names)

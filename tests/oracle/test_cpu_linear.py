@@ -1,0 +1,197 @@
+"""The few-rows float32 kernel of decode steps (firsttoken/kernels/cpu_linear.py): built once, checked against
+torch, bitwise the same for a row whatever shares its product, and absent cleanly where it cannot be built."""
+
+from __future__ import annotations
+
+import logging
+import subprocess
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from firsttoken.kernels import cpu_linear
+from firsttoken.kernels.cpu_linear import MAX_ROWS, FewRowsLinear, kernel_unavailable, use_few_rows_kernel
+from firsttoken.models.loader import load_model
+from tests.conftest import require_program
+
+
+@pytest.fixture(scope="module")
+def kernel_built() -> None:
+    """The kernel needs an x86 CPU with AVX2 + FMA (every machine CI runs on) and a C compiler."""
+    require_program("cc", "gcc", "gcc")
+    assert cpu_linear.cpu_has_avx2_fma(), "CI's machines have AVX2 + FMA; this one does not"
+    assert kernel_unavailable() is None
+
+
+def _linear(in_features: int, out_features: int, bias: bool, input_major: bool = False, seed: int = 0
+            ) -> FewRowsLinear:
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(out_features, in_features, generator=g) / in_features**0.5  # outputs of order 1
+    weight = nn.Parameter(w.t().contiguous().t() if input_major else w, requires_grad=False)
+    b = nn.Parameter(torch.randn(out_features, generator=g), requires_grad=False) if bias else None
+    return FewRowsLinear.sharing(weight, b)
+
+
+@pytest.mark.parametrize("input_major", [True, False], ids=["input-major", "row-major"])
+@pytest.mark.parametrize("in_features,out_features,bias", [(64, 48, True), (176, 64, False), (512, 96, True)])
+def test_matches_torch_for_every_row_count(kernel_built, in_features, out_features, bias, input_major):
+    layer = _linear(in_features, out_features, bias, input_major)
+    x = torch.randn(MAX_ROWS + 4, in_features)
+    with torch.inference_mode():
+        for rows in range(1, MAX_ROWS + 5):
+            got, want = layer(x[:rows]), F.linear(x[:rows], layer.weight, layer.bias)
+            assert got.shape == want.shape == (rows, out_features)
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+            if rows > MAX_ROWS:  # prefill-sized inputs are torch's own product
+                assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("input_major", [True, False], ids=["input-major", "row-major"])
+def test_leading_dims_and_strided_rows(kernel_built, input_major):
+    layer = _linear(64, 32, True, input_major)
+    x = torch.randn(2, 3, 128)[..., ::2]  # not contiguous in the last dim
+    with torch.inference_mode():
+        got = layer(x)
+    assert got.shape == (2, 3, 32)
+    torch.testing.assert_close(got, F.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-5)
+    rows = torch.randn(4, 96)[:, :64]  # row stride 96, unit column stride: read in place
+    with torch.inference_mode():
+        torch.testing.assert_close(layer(rows), F.linear(rows, layer.weight, layer.bias), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("input_major", [True, False], ids=["input-major", "row-major"])
+def test_a_row_is_bitwise_the_same_whatever_shares_its_step(kernel_built, input_major):
+    """A request's products do not depend on how many others are decoding beside it, nor on the thread count."""
+    layer = _linear(512, 80, True, input_major)
+    x = torch.randn(MAX_ROWS, 512)
+    before = torch.get_num_threads()
+    try:
+        with torch.inference_mode():
+            torch.set_num_threads(1)
+            alone = layer(x[3:4])
+            for rows in (4, 5, 8, 9, MAX_ROWS):
+                assert torch.equal(layer(x[:rows])[3], alone[0])
+            assert torch.equal(layer(x[2:5])[1], alone[0])  # as the second row of three, not only the fourth
+            torch.set_num_threads(2)
+            assert torch.equal(layer(x)[3], alone[0])
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_autograd_inputs_take_torch(kernel_built):
+    layer = _linear(64, 16, False)
+    layer.weight.requires_grad_(True)
+    x = torch.randn(2, 64, requires_grad=True)
+    layer(x).sum().backward()  # F.linear: gradients flow
+    assert x.grad is not None and layer.weight.grad is not None
+
+
+def test_built_once_and_reused(kernel_built, tmp_path, monkeypatch):
+    monkeypatch.setenv("FIRSTTOKEN_CACHE", str(tmp_path))
+    builds = []
+    real_run = subprocess.run
+
+    def counting_run(cmd, *args, **kwargs):
+        builds.append(cmd)
+        return real_run(cmd, *args, **kwargs)
+
+    monkeypatch.setattr(cpu_linear.subprocess, "run", counting_run)
+    for _ in range(2):
+        kernel, reason = cpu_linear._build()
+        assert reason is None and kernel is not None
+    assert len(builds) == 1  # the second load found the cached library
+    files = [p.name for p in (tmp_path / "kernels").iterdir()]
+    assert len(files) == 1 and files[0].startswith("cpu_linear-") and files[0].endswith(".so")  # no temporary left
+
+
+def test_a_failing_compiler_says_why(tmp_path, monkeypatch):
+    require_program("false", "coreutils")
+    monkeypatch.setenv("FIRSTTOKEN_CACHE", str(tmp_path))
+    monkeypatch.setenv("CC", "false")  # a "compiler" that always fails
+    kernel, reason = cpu_linear._build()
+    if not cpu_linear.cpu_has_avx2_fma():
+        assert kernel is None and "AVX2" in reason
+        return
+    assert kernel is None and reason.startswith("false failed")
+    assert not list((tmp_path / "kernels").glob("*"))  # nothing half-built left behind
+
+
+def test_an_unwritable_cache_says_why(tmp_path, monkeypatch):
+    require_program("cc", "gcc", "gcc")
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_text("")
+    monkeypatch.setenv("FIRSTTOKEN_CACHE", str(blocker))  # kernels/ cannot be made under a file
+    monkeypatch.setattr(cpu_linear, "cpu_has_avx2_fma", lambda: True)
+    kernel, reason = cpu_linear._build()
+    assert kernel is None and "failed" in reason and str(blocker) in reason
+
+
+def test_no_compiler_says_which_package(tmp_path, monkeypatch):
+    monkeypatch.setenv("PATH", str(tmp_path))  # nothing on PATH
+    monkeypatch.delenv("CC", raising=False)
+    monkeypatch.setattr(cpu_linear, "cpu_has_avx2_fma", lambda: True)
+    kernel, reason = cpu_linear._build()
+    assert kernel is None and "gcc" in reason
+
+
+def test_load_model_uses_it_for_the_language_model_only(kernel_built, tiny_qwen2_vl_dir):
+    model = load_model(tiny_qwen2_vl_dir, torch.float32)
+    lm = [m for n, m in model.named_modules() if isinstance(m, nn.Linear) and not n.startswith("visual.")]
+    vision = [m for n, m in model.named_modules() if isinstance(m, nn.Linear) and n.startswith("visual.")]
+    assert lm and all(type(m) is FewRowsLinear for m in lm)
+    # the layouts store_weights_input_major gives: widening weights input-major, the down projection row-major
+    layer = model.layers[0]
+    assert layer.mlp.gate_up_proj.weight.t().is_contiguous() and layer.self_attn.qkv_proj.weight.t().is_contiguous()
+    assert layer.mlp.down_proj.weight.is_contiguous()
+    assert vision and all(type(m) is nn.Linear for m in vision)
+    off = load_model(tiny_qwen2_vl_dir, torch.float32, cpu_kernels="off")
+    assert not any(isinstance(m, FewRowsLinear) for m in off.modules())
+    # a decode step's rows: the same logits to rounding, the same argmax
+    hidden = torch.randn(5, model.config.hidden_size)
+    with torch.inference_mode():
+        a, b = model.compute_logits(hidden), off.compute_logits(hidden)
+    torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    assert torch.equal(a.argmax(-1), b.argmax(-1))
+
+
+def test_tied_lm_head_shares_the_embeddings(kernel_built, tiny_qwen2_vl_tied_dir):
+    model = load_model(tiny_qwen2_vl_tied_dir, torch.float32)
+    assert type(model.lm_head) is FewRowsLinear
+    assert model.lm_head.weight is model.embed_tokens.weight  # no copy
+    hidden = torch.randn(3, model.config.hidden_size)
+    with torch.inference_mode():
+        torch.testing.assert_close(model.compute_logits(hidden), F.linear(hidden, model.embed_tokens.weight),
+                                   rtol=1e-5, atol=1e-5)
+
+
+def test_not_for_other_dtypes_or_fp16(kernel_built, tiny_qwen2_vl_dir):
+    bf16 = load_model(tiny_qwen2_vl_dir, torch.bfloat16)
+    assert not any(isinstance(m, FewRowsLinear) for m in bf16.modules())
+    fp16 = load_model(tiny_qwen2_vl_dir, torch.float32, quantization="fp16")
+    assert not any(isinstance(m, FewRowsLinear) for m in fp16.modules())
+
+
+def test_unavailable_kernel_falls_back_and_the_engine_says_why(tiny_qwen2_vl_dir, monkeypatch, caplog):
+    from firsttoken.config import EngineConfig
+    from firsttoken.engine.engine import LLMEngine
+    from firsttoken.inputs.processor import load_tokenizer
+
+    monkeypatch.setattr(cpu_linear, "_kernel", lambda: (None, "no C compiler on PATH (test)"))
+    model = load_model(tiny_qwen2_vl_dir, torch.float32)
+    assert not any(isinstance(m, FewRowsLinear) for m in model.modules())
+    assert model.layers[0].mlp.gate_up_proj.weight.t().is_contiguous()  # MKL's one-row layout all the same
+    with caplog.at_level(logging.INFO, logger="firsttoken.engine"):
+        LLMEngine(tiny_qwen2_vl_dir, EngineConfig(dtype="float32"), load_tokenizer(tiny_qwen2_vl_dir).backend_tokenizer)
+    assert "few-rows kernel is not available: no C compiler on PATH (test)" in caplog.text
+
+
+def test_use_few_rows_kernel_skips_unfit_layers():
+    model = nn.Sequential(nn.Linear(64, 8), nn.Linear(24, 8), nn.Linear(24, 8), nn.Linear(24, 12),
+                          nn.Linear(64, 8).to(torch.bfloat16))
+    for i in (2, 3):  # input-major
+        model[i].weight = nn.Parameter(model[i].weight.detach().t().contiguous().t())
+    # row-major needs K % 16, input-major K % 8 and N % 8; float32 only
+    assert use_few_rows_kernel(model, exclude_prefix="none.") == 2
+    assert [type(m).__name__ for m in model] == ["FewRowsLinear", "Linear", "FewRowsLinear", "Linear", "Linear"]
