@@ -47,7 +47,8 @@ CLASSES = ("text", "1img", "3img")
 WORDS_FOR_800_TOKENS = 512  # bench's English words -> ~800 tokens of the checkpoint's tokenizer (see bench_lanes)
 LOADED = {"fcfs": ["--scheduling", "fcfs"], "lanes-tokens": ["--step-time-target", "off"], "default": [],
           "no-bias": ["--ttft-bias-step", "0"],  # no-bias: the predicted TTFT without its learnt correction
-          "least-work": ["--long-order", "least-work"]}  # the long lane's order before the deadline order
+          "least-work": ["--long-order", "least-work"],  # the long lane's order before the deadline order
+          "mkl": ["--cpu-kernels", "off"]}  # decode steps' products by MKL, as before the few-rows kernels
 LOWERED = re.compile(r"lowered from (\d+) to (\d+) per image")
 
 
