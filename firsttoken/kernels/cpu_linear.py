@@ -3,10 +3,10 @@
 A decode step multiplies a handful of rows (one per running request) by every weight of the language model. MKL's
 sgemm has no good path for 2-16 rows on an AVX2 CPU: its time grows almost linearly with the rows. The kernels read
 each weight once, in one sequential sweep, and let every row use it while it is in cache. Measured on a 2-core AVX2
-EPYC, all linear layers of the `small` checkpoint plus its lm_head (123 MB of float32 weights, out of cache), against
-MKL on the same layouts (``python benchmarks/bench_cpu_linear.py``): one thread, 1 row 1.01x, 2 rows 0.63x, 4 rows
-0.50x, 8 rows 0.65x, 16 rows 0.77x; two threads 0.70x, 0.46x, 0.53x (8), 0.69x (16). Products of at most
-``MAX_ROWS`` rows take the kernels; prefill stays with MKL.
+EPYC, all linear layers of the `small` checkpoint plus its lm_head (117 MiB of float32 weights, out of cache), against
+MKL on the same layouts (``python benchmarks/bench_cpu_linear.py``, docs/performance.md#few-rows-kernels): one thread,
+1 row 0.98x, 2 rows 0.72x, 4 rows 0.56x, 8 rows 0.67x, 16 rows 0.91x; two threads 0.86x, 0.53x, 0.37x, 0.51x, 0.64x.
+Products of at most ``MAX_ROWS`` rows take the kernels; prefill stays with MKL.
 
 The weights keep the layouts models/layers.py's ``store_weights_input_major`` gives them (widening layers
 input-major, the narrowing down projection row-major); each layout has its kernel. Every output is summed in the
@@ -39,7 +39,7 @@ from torch import nn
 
 log = logging.getLogger("firsttoken.kernels")
 
-MAX_ROWS = 16  # 16 rows: 0.77x MKL's time at one thread; above, MKL's GEMM catches up
+MAX_ROWS = 16  # 16 rows: 0.91x MKL's time at one thread (24 rows: 1.09x in an earlier check)
 SOURCE = Path(__file__).with_name("cpu_linear.c")
 CFLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC", "-std=gnu11")
 
@@ -82,7 +82,7 @@ class _Kernel:
 
     def linear(self, rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """rows [M, K] float32 with unit column stride; weight [N, K] float32, row-major or input-major (its
-        transpose contiguous: ``layout(weight)``); bias [N] contiguous or None."""
+        transpose contiguous), shaped as ``kernel_applies`` requires; bias [N] contiguous or None."""
         m, k = rows.shape
         n = weight.shape[0]
         fn = self.row_major if weight.is_contiguous() else self.input_major
@@ -200,7 +200,8 @@ def use_few_rows_kernel(model: nn.Module, exclude_prefix: str) -> int:
     embeddings) the kernel for decode-sized products. The caller checks ``kernel_unavailable()`` first. Returns the
     number of layers changed."""
     names = [name for name, sub in model.named_modules() if type(sub) is nn.Linear
-             and not name.startswith(exclude_prefix) and kernel_applies(sub.weight)]
+             and not name.startswith(exclude_prefix) and kernel_applies(sub.weight)
+             and (sub.bias is None or sub.bias.is_contiguous())]
     for name in names:
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
