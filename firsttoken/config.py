@@ -28,7 +28,7 @@ from firsttoken.units import format_size, parse_bytes
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 QUANTIZATIONS = ("none", "fp16")  # models/quant.py
-CPU_KERNELS = ("auto", "off")  # kernels/cpu_linear.py
+CPU_KERNELS = ("auto", "on", "off")  # kernels/cpu_linear.py
 DEVICES = ("cpu",)  # where the engine runs; a CUDA runner is the Executor seam's next implementation
 ATTENTION_BACKENDS = ("sdpa",)  # attention/registry.py
 
@@ -205,9 +205,10 @@ class EngineConfig:
         "Faster decode on CPUs; not exact against transformers (~2e-4 relative error per product; top-1 "
         "agreement in docs/performance.md)"))
     cpu_kernels: str = field(default="auto", metadata=option(
-        "auto: decode steps' products of at most 16 rows run firsttoken's AVX2 kernel (float32 language model on "
-        "an AVX2 + FMA CPU; built once with the machine's C compiler, $CC or cc; where it cannot be built, torch's "
-        "product, and the log says why); off: torch's product (MKL) always. Prefill is MKL's either way"))
+        "auto: decode steps' products of at most 16 rows run firsttoken's AVX2 kernels (float32 language model on "
+        "an AVX2 + FMA CPU without AVX-512, where they were measured; built once with the machine's C compiler, $CC "
+        "or cc; where they cannot be built, torch's product, and the log says why); on: the kernels on AVX-512 CPUs "
+        "too; off: torch's product (MKL) always. Prefill is MKL's either way"))
     device: str = field(default="cpu", metadata=option(f"where the model runs: {', '.join(DEVICES)}"))
     attention_backend: str = field(default="sdpa", metadata=option(
         f"attention implementation over the paged KV cache: {', '.join(ATTENTION_BACKENDS)}"))

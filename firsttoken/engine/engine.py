@@ -17,7 +17,7 @@ import torch
 from firsttoken.batch import RunnerOutput, ScheduledBatch, ScheduledChunk
 from firsttoken.config import EngineConfig
 from firsttoken.engine.detokenizer import IncrementalDetokenizer, TokenDecoder
-from firsttoken.kernels.cpu_linear import kernel_unavailable
+from firsttoken.kernels.cpu_linear import kernels_skipped
 from firsttoken.metrics.stats import (
     FinishedRequest,
     NullObserver,
@@ -149,10 +149,10 @@ class LLMEngine:
         self.num_images_encoded = 0  # images the vision tower ran for (cache misses that were computed)
         log.info("dtype %s (requested %s)%s", str(dtype).removeprefix("torch."), config.dtype,
                  "; language model linear layers: float16 weights (FBGEMM)" if config.quantization == "fp16" else "")
-        if config.cpu_kernels == "auto" and config.quantization == "none" and dtype == torch.float32:
-            reason = kernel_unavailable()
-            log.info("decode steps' products: %s", "firsttoken's few-rows AVX2 kernel" if reason is None
-                     else f"torch's (the few-rows kernel is not available: {reason})")
+        if config.quantization == "none" and dtype == torch.float32:
+            reason = kernels_skipped(config.cpu_kernels)
+            log.info("decode steps' products: %s", "firsttoken's few-rows AVX2 kernels" if reason is None
+                     else f"torch's (few-rows kernels not used: {reason})")
         log.info(self.capacity.describe())
 
     def calibrate(self) -> None:

@@ -17,7 +17,8 @@ Built with the machine's C compiler (``$CC``, else ``cc``/``gcc``: Debian's ``gc
 ``$FIRSTTOKEN_CACHE/kernels`` (default ``~/.cache/firsttoken/kernels``), once per source and flags, about a second;
 loaded with ctypes (the call releases the GIL). Where the CPU lacks AVX2/FMA, no compiler is found, the build fails
 or the built kernels disagree with torch on check products, ``kernel_unavailable()`` says why and the engine keeps
-torch's product (``--cpu-kernels off`` asks for that).
+torch's product (``--cpu-kernels off`` asks for that). ``auto`` also leaves AVX-512 CPUs to MKL (measured on AVX2
+only; ``--cpu-kernels on`` takes the kernels there).
 """
 
 from __future__ import annotations
@@ -44,19 +45,44 @@ SOURCE = Path(__file__).with_name("cpu_linear.c")
 CFLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC", "-std=gnu11")
 
 
-def cpu_has_avx2_fma() -> bool:
-    """AVX2 and FMA on this CPU (Linux: /proc/cpuinfo's flags; elsewhere torch's own dispatch level)."""
-    if platform.machine().lower() not in ("x86_64", "amd64"):
-        return False
+@functools.lru_cache(maxsize=1)
+def cpu_flags() -> frozenset[str] | None:
+    """This CPU's feature flags (Linux: /proc/cpuinfo), or None where they cannot be read."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
                 if line.startswith("flags"):
-                    flags = set(line.split(":", 1)[1].split())
-                    return {"avx2", "fma"} <= flags
+                    return frozenset(line.split(":", 1)[1].split())
     except OSError:
         pass
+    return None
+
+
+def cpu_has_avx2_fma() -> bool:
+    """AVX2 and FMA on this CPU (its flags; where they cannot be read, torch's own dispatch level)."""
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return False
+    flags = cpu_flags()
+    if flags is not None:
+        return {"avx2", "fma"} <= flags
     return torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
+
+
+def cpu_has_avx512() -> bool:
+    flags = cpu_flags()
+    return flags is not None and "avx512f" in flags
+
+
+def kernels_skipped(setting: str) -> str | None:
+    """None when ``--cpu-kernels setting`` uses the kernels on this machine, else why not. ``auto`` leaves AVX-512
+    CPUs to MKL: there its products use AVX-512 and the kernels (AVX2) have not been measured against them; ``on``
+    takes the kernels wherever they build."""
+    if setting == "off":
+        return "--cpu-kernels off"
+    if setting == "auto" and cpu_has_avx512():
+        return "this CPU has AVX-512, where MKL's products have not been measured against these AVX2 kernels " \
+               "(--cpu-kernels on uses them)"
+    return kernel_unavailable()
 
 
 def cache_dir() -> Path:

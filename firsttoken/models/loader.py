@@ -18,7 +18,7 @@ from torch import nn
 from firsttoken.attention.base import AttentionBackend
 from firsttoken.attention.registry import get_backend
 from firsttoken.config import CPU_KERNELS, QUANTIZATIONS
-from firsttoken.kernels.cpu_linear import kernel_unavailable, use_few_rows_kernel
+from firsttoken.kernels.cpu_linear import kernels_skipped, use_few_rows_kernel
 from firsttoken.models.layers import store_weights_input_major
 from firsttoken.models.quant import quantize_fp16
 from firsttoken.models.registry import family_of, load_model_config
@@ -36,9 +36,9 @@ def load_model(
     """The family's model in eval mode with weights from model_dir; attn_backend defaults to "sdpa";
     ``quantization`` one of models/quant.py's QUANTIZATIONS ("fp16": the language model's linear layers hold float16
     weights, float32 activations; ``num_threads`` 1: the engine runs on one torch thread, so its single-threaded
-    kernel, cheaper per call, is taken). ``cpu_kernels`` "auto": a float32 language model on the CPU takes
-    kernels/cpu_linear.py's few-rows products for decode steps where they build here (else MKL's, as with
-    "off"; prefill is MKL's either way)."""
+    kernel, cheaper per call, is taken). ``cpu_kernels`` ("auto", "on", "off"; kernels/cpu_linear.py's
+    ``kernels_skipped``): whether a float32 language model on the CPU takes the few-rows kernels for decode steps
+    (prefill is MKL's either way)."""
     if cpu_kernels not in CPU_KERNELS:
         raise ValueError(f"cpu_kernels must be one of {', '.join(CPU_KERNELS)}")
     if quantization not in QUANTIZATIONS:
@@ -76,7 +76,7 @@ def load_model(
         quantize_fp16(model, exclude_prefix="visual.", multithreaded=num_threads != 1)
     if str(device) == "cpu":
         store_weights_input_major(model, exclude_prefix="visual.")  # the decoder's matmuls are one-row at decode
-        if cpu_kernels == "auto" and quantization == "none" and dtype == torch.float32 and kernel_unavailable() is None:
+        if quantization == "none" and dtype == torch.float32 and kernels_skipped(cpu_kernels) is None:
             use_few_rows_kernel(model, exclude_prefix="visual.")  # decode's few-row products; prefill stays MKL's
     return model.eval()
 

@@ -137,7 +137,7 @@ def test_no_compiler_says_which_package(tmp_path, monkeypatch):
 
 
 def test_load_model_uses_it_for_the_language_model_only(kernel_built, tiny_qwen2_vl_dir):
-    model = load_model(tiny_qwen2_vl_dir, torch.float32)
+    model = load_model(tiny_qwen2_vl_dir, torch.float32, cpu_kernels="on")
     lm = [m for n, m in model.named_modules() if isinstance(m, nn.Linear) and not n.startswith("visual.")]
     vision = [m for n, m in model.named_modules() if isinstance(m, nn.Linear) and n.startswith("visual.")]
     assert lm and all(type(m) is FewRowsLinear for m in lm)
@@ -157,7 +157,7 @@ def test_load_model_uses_it_for_the_language_model_only(kernel_built, tiny_qwen2
 
 
 def test_tied_lm_head_shares_the_embeddings(kernel_built, tiny_qwen2_vl_tied_dir):
-    model = load_model(tiny_qwen2_vl_tied_dir, torch.float32)
+    model = load_model(tiny_qwen2_vl_tied_dir, torch.float32, cpu_kernels="on")
     assert type(model.lm_head) is FewRowsLinear
     assert model.lm_head.weight is model.embed_tokens.weight  # no copy
     hidden = torch.randn(3, model.config.hidden_size)
@@ -167,9 +167,9 @@ def test_tied_lm_head_shares_the_embeddings(kernel_built, tiny_qwen2_vl_tied_dir
 
 
 def test_not_for_other_dtypes_or_fp16(kernel_built, tiny_qwen2_vl_dir):
-    bf16 = load_model(tiny_qwen2_vl_dir, torch.bfloat16)
+    bf16 = load_model(tiny_qwen2_vl_dir, torch.bfloat16, cpu_kernels="on")
     assert not any(isinstance(m, FewRowsLinear) for m in bf16.modules())
-    fp16 = load_model(tiny_qwen2_vl_dir, torch.float32, quantization="fp16")
+    fp16 = load_model(tiny_qwen2_vl_dir, torch.float32, quantization="fp16", cpu_kernels="on")
     assert not any(isinstance(m, FewRowsLinear) for m in fp16.modules())
 
 
@@ -179,12 +179,26 @@ def test_unavailable_kernel_falls_back_and_the_engine_says_why(tiny_qwen2_vl_dir
     from firsttoken.inputs.processor import load_tokenizer
 
     monkeypatch.setattr(cpu_linear, "_kernel", lambda: (None, "no C compiler on PATH (test)"))
-    model = load_model(tiny_qwen2_vl_dir, torch.float32)
+    model = load_model(tiny_qwen2_vl_dir, torch.float32, cpu_kernels="on")
     assert not any(isinstance(m, FewRowsLinear) for m in model.modules())
     assert model.layers[0].mlp.gate_up_proj.weight.t().is_contiguous()  # MKL's one-row layout all the same
     with caplog.at_level(logging.INFO, logger="firsttoken.engine"):
-        LLMEngine(tiny_qwen2_vl_dir, EngineConfig(dtype="float32"), load_tokenizer(tiny_qwen2_vl_dir).backend_tokenizer)
-    assert "few-rows kernel is not available: no C compiler on PATH (test)" in caplog.text
+        LLMEngine(tiny_qwen2_vl_dir, EngineConfig(dtype="float32", cpu_kernels="on"),
+                  load_tokenizer(tiny_qwen2_vl_dir).backend_tokenizer)
+    assert "few-rows kernels not used: no C compiler on PATH (test)" in caplog.text
+
+
+@pytest.mark.parametrize("avx512", [False, True])
+def test_auto_leaves_avx512_cpus_to_mkl(kernel_built, tiny_qwen2_vl_dir, monkeypatch, avx512):
+    """Measured on AVX2-only CPUs: auto takes the kernels there and leaves AVX-512 CPUs to MKL; on takes them on
+    both; off on neither."""
+    monkeypatch.setattr(cpu_linear, "cpu_has_avx512", lambda: avx512)
+    used = {setting: any(isinstance(m, FewRowsLinear) for m in load_model(tiny_qwen2_vl_dir, torch.float32,
+                                                                          cpu_kernels=setting).modules())
+            for setting in ("auto", "on", "off")}
+    assert used == {"auto": not avx512, "on": True, "off": False}
+    reason = cpu_linear.kernels_skipped("auto")
+    assert (reason is None) == (not avx512) and (not avx512 or "--cpu-kernels on" in reason)
 
 
 def test_use_few_rows_kernel_skips_unfit_layers():
