@@ -17,7 +17,7 @@ import torch
 from firsttoken.batch import RunnerOutput, ScheduledBatch, ScheduledChunk
 from firsttoken.config import EngineConfig
 from firsttoken.engine.detokenizer import IncrementalDetokenizer, TokenDecoder
-from firsttoken.kernels.cpu_linear import kernels_skipped
+from firsttoken.kernels.cpu_linear import cpu_flags
 from firsttoken.metrics.stats import (
     FinishedRequest,
     NullObserver,
@@ -45,11 +45,7 @@ def cpu_has_native_bf16() -> bool:
     """True when the CPU computes bf16 in hardware (AVX512-BF16 or AMX). Without it (e.g. an AVX-512 Xeon lacking
     avx512_bf16) torch emulates bf16 and ran ~3.5x *slower* than fp32 (measured: 20 vs 71 GFLOP/s at 2048^2), so
     `--dtype auto` picks float32 there. CUDA devices are not considered here: the engine runs on the CPU."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = f.read()
-    except OSError:
-        return False
+    flags = cpu_flags() or frozenset()
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
@@ -149,10 +145,6 @@ class LLMEngine:
         self.num_images_encoded = 0  # images the vision tower ran for (cache misses that were computed)
         log.info("dtype %s (requested %s)%s", str(dtype).removeprefix("torch."), config.dtype,
                  "; language model linear layers: float16 weights (FBGEMM)" if config.quantization == "fp16" else "")
-        if config.quantization == "none" and dtype == torch.float32:
-            reason = kernels_skipped(config.cpu_kernels)
-            log.info("decode steps' products: %s", "firsttoken's few-rows AVX2 kernels" if reason is None
-                     else f"torch's (few-rows kernels not used: {reason})")
         log.info(self.capacity.describe())
 
     def calibrate(self) -> None:

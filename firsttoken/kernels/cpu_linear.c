@@ -21,8 +21,6 @@
 
 #define KB 8
 
-int ft_kernels_version(void) { return 2; }
-
 /* ---- input-major: rows of x against a [K, N] weight, outputs n0 <= n < n1 ---- */
 
 static void im_range(const float *x, int64_t ldx, const float *wt, const float *bias, float *out, int64_t ldo,

@@ -8,6 +8,7 @@ bf16 load never holds an fp32 copy of the model.
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -22,6 +23,8 @@ from firsttoken.kernels.cpu_linear import kernels_skipped, use_few_rows_kernel
 from firsttoken.models.layers import store_weights_input_major
 from firsttoken.models.quant import quantize_fp16
 from firsttoken.models.registry import family_of, load_model_config
+
+log = logging.getLogger("firsttoken.models")
 
 
 def load_model(
@@ -76,8 +79,12 @@ def load_model(
         quantize_fp16(model, exclude_prefix="visual.", multithreaded=num_threads != 1)
     if str(device) == "cpu":
         store_weights_input_major(model, exclude_prefix="visual.")  # the decoder's matmuls are one-row at decode
-        if quantization == "none" and dtype == torch.float32 and kernels_skipped(cpu_kernels) is None:
-            use_few_rows_kernel(model, exclude_prefix="visual.")  # decode's few-row products; prefill stays MKL's
+        if quantization == "none" and dtype == torch.float32:
+            reason = kernels_skipped(cpu_kernels)
+            if reason is None:
+                use_few_rows_kernel(model, exclude_prefix="visual.")  # decode's few-row products; prefill: MKL's
+            log.info("decode steps' products: %s", "firsttoken's few-rows AVX2 kernels" if reason is None
+                     else f"torch's (few-rows kernels not used: {reason})")
     return model.eval()
 
 

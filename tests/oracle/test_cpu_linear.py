@@ -173,7 +173,7 @@ def test_not_for_other_dtypes_or_fp16(kernel_built, tiny_qwen2_vl_dir):
     assert not any(isinstance(m, FewRowsLinear) for m in fp16.modules())
 
 
-def test_unavailable_kernel_falls_back_and_the_engine_says_why(tiny_qwen2_vl_dir, monkeypatch, caplog):
+def test_unavailable_kernel_falls_back_and_the_log_says_why(tiny_qwen2_vl_dir, monkeypatch, caplog):
     from firsttoken.config import EngineConfig
     from firsttoken.engine.engine import LLMEngine
     from firsttoken.inputs.processor import load_tokenizer
@@ -182,7 +182,7 @@ def test_unavailable_kernel_falls_back_and_the_engine_says_why(tiny_qwen2_vl_dir
     model = load_model(tiny_qwen2_vl_dir, torch.float32, cpu_kernels="on")
     assert not any(isinstance(m, FewRowsLinear) for m in model.modules())
     assert model.layers[0].mlp.gate_up_proj.weight.t().is_contiguous()  # MKL's one-row layout all the same
-    with caplog.at_level(logging.INFO, logger="firsttoken.engine"):
+    with caplog.at_level(logging.INFO, logger="firsttoken.models"):
         LLMEngine(tiny_qwen2_vl_dir, EngineConfig(dtype="float32", cpu_kernels="on"),
                   load_tokenizer(tiny_qwen2_vl_dir).backend_tokenizer)
     assert "few-rows kernels not used: no C compiler on PATH (test)" in caplog.text
