@@ -26,10 +26,10 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from firsttoken.models.checkpoint import make_model
+from firsttoken.models.config import ModelConfig
 from firsttoken.models.loader import load_model
 from firsttoken.models.qwen2_5_vl_vision import block_flops, window_layout
 from firsttoken.models.qwen2_vl import Qwen2VLModel
-from firsttoken.models.config import ModelConfig
 from firsttoken.models.registry import family_named, load_model_config
 from tests.oracle.test_engine_oracle import (  # noqa: F401  (its test_* are collected here, on Qwen2.5-VL)
     engine_request,
@@ -157,19 +157,26 @@ def test_vision_tower_matches_reference_whole_and_unit_by_unit(ref, ours: Qwen2V
     with torch.no_grad():
         expected = torch.cat(ref.model.get_image_features(pixel_values, torch.tensor(grids)).pooler_output)
         whole = ours.visual(pixel_values, grids)
-        by_units, start = [], 0
+        by_units, alone, start = [], [], 0
         for grid, step in zip(grids, (1, 2, 3, 4)):  # one image a unit per call, the next two at a time, ...
             num_patches = grid[0] * grid[1] * grid[2]
-            state = ours.visual.start_encode(pixel_values[start : start + num_patches], grid)
+            pixels = pixel_values[start : start + num_patches]
+            state = ours.visual.start_encode(pixels, grid)
             start += num_patches
             while not state.done:
                 ours.visual.run_units(state, step)
             by_units.append(ours.visual.finish_encode(state).main)
+            alone.append(ours.visual(pixels, [grid]))
     d = max_diff(whole, expected)
     print(f"vision {sizes}: max|Δ| = {d:.2e} (max |out| {expected.abs().max():.2f})")
     assert whole.shape == expected.shape
     assert d <= 1e-5
-    assert torch.equal(torch.cat(by_units), whole)
+    # unit by unit is the same arithmetic as the image's whole encode: bitwise. Several images in one call share
+    # each linear layer's product, whose summation order the BLAS may pick by row count (MKL's AVX-512 paths do):
+    # as close as the reference, not bitwise
+    for got, want in zip(by_units, alone):
+        assert torch.equal(got, want)
+    assert max_diff(torch.cat(by_units), whole) <= 1e-5
 
 
 # ---------------------------------------------------------------- the language model with images

@@ -24,7 +24,10 @@ def test_a_queue_adds_a_replica_which_takes_the_next_request_and_an_idle_pool_sh
         held = [_hold(scale_fleet, clients.enter_context(httpx.Client(timeout=STARTUP_TIMEOUT_S)), f"scale-{i}")
                 for i in range(3)]
         first = next(iter(scale_fleet.gauges(RUNNING)))
-        assert (scale_fleet.gauges(RUNNING)[first], scale_fleet.gauges(WAITING)[first]) == (1, 2)
+        # the role chunk is streamed before the replica's engine has queued the request (seen once: 1 running,
+        # 1 waiting right after the third chunk): poll until the gauges show all three on the first replica
+        scale_fleet.wait_for("1 running + 2 waiting on the first replica", lambda: (
+            scale_fleet.gauges(RUNNING).get(first), scale_fleet.gauges(WAITING).get(first)) == (1, 2))
         scale_fleet.wait_for("a second replica", lambda: len(scale_fleet.gauges(RUNNING)) == 2, STARTUP_TIMEOUT_S)
         (second,) = set(scale_fleet.gauges(RUNNING)) - {first}
         # the first replica holds its capacity (1 + 2): the next request can only go to the new one
