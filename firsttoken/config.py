@@ -27,7 +27,7 @@ from typing import Any
 from firsttoken.units import format_size, parse_bytes
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-QUANTIZATIONS = ("none", "fp16")  # models/quant.py
+QUANTIZATIONS = ("none", "fp16", "int8")  # models/quant.py
 CPU_KERNELS = ("auto", "on", "off")  # kernels/cpu_linear.py
 DEVICES = ("cpu",)  # where the engine runs; a CUDA runner is the Executor seam's next implementation
 ATTENTION_BACKENDS = ("sdpa",)  # attention/registry.py
@@ -203,7 +203,10 @@ class EngineConfig:
         "none, or fp16: the language model's linear layers keep float16 weights (half the bytes a decode step "
         "reads), multiplied in float32 by FBGEMM's AVX2 kernel; activations float32 (--dtype auto picks it). "
         "Faster decode on CPUs; not exact against transformers (~2e-4 relative error per product; top-1 "
-        "agreement in docs/performance.md)"))
+        "agreement in docs/performance.md); or int8: every linear layer of the language model and the vision "
+        "tower keeps int8 weights (one scale per output row) and quantizes its input per call (FBGEMM's dynamic "
+        "int8 GEMM): faster prefill, image encoding and decode on CPUs, a quarter of float32's weight bytes; "
+        "activations float32 (--dtype auto picks it); not exact (top-1 agreement in docs/performance.md)"))
     cpu_kernels: str = field(default="auto", metadata=option(
         "auto: decode steps' products of at most 16 rows run firsttoken's AVX2 kernels (float32 language model on "
         "an AVX2 + FMA CPU without AVX-512, where they were measured; built once with the machine's C compiler, $CC "
@@ -233,8 +236,9 @@ class EngineConfig:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}")
         if self.quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}")
-        if self.quantization == "fp16" and self.dtype not in ("auto", "float32"):
-            raise ValueError("quantization fp16 runs float32 activations: use --dtype float32 (or auto)")
+        if self.quantization in ("fp16", "int8") and self.dtype not in ("auto", "float32"):
+            raise ValueError(f"quantization {self.quantization} runs float32 activations: use --dtype float32 "
+                             "(or auto)")
         if self.cpu_kernels not in CPU_KERNELS:
             raise ValueError(f"cpu_kernels must be one of {', '.join(CPU_KERNELS)}")
         if self.device not in DEVICES:

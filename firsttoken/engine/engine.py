@@ -55,9 +55,9 @@ def _finite_or_none(x: float) -> float | None:
 
 def torch_dtype(name: str, quantization: str = "none") -> torch.dtype:
     """The torch dtype of an EngineConfig.dtype ("auto": bf16 where the CPU computes it in hardware, else fp32;
-    always fp32 with --quantization fp16, whose kernel takes float32 activations)."""
+    always fp32 with --quantization fp16 or int8, whose kernels take float32 activations)."""
     if name == "auto":
-        if quantization == "fp16":
+        if quantization in ("fp16", "int8"):
             return torch.float32
         return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
     return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
@@ -143,8 +143,10 @@ class LLMEngine:
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._arrivals = 0
         self.num_images_encoded = 0  # images the vision tower ran for (cache misses that were computed)
-        log.info("dtype %s (requested %s)%s", str(dtype).removeprefix("torch."), config.dtype,
-                 "; language model linear layers: float16 weights (FBGEMM)" if config.quantization == "fp16" else "")
+        weights = {"fp16": "; language model linear layers: float16 weights (FBGEMM)",
+                   "int8": "; language model and vision tower linear layers: int8 weights, inputs quantized per call "
+                           "(FBGEMM)"}.get(config.quantization, "")
+        log.info("dtype %s (requested %s)%s", str(dtype).removeprefix("torch."), config.dtype, weights)
         log.info(self.capacity.describe())
 
     def calibrate(self) -> None:

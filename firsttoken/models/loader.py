@@ -21,7 +21,7 @@ from firsttoken.attention.registry import get_backend
 from firsttoken.config import CPU_KERNELS, QUANTIZATIONS
 from firsttoken.kernels.cpu_linear import kernels_skipped, use_few_rows_kernel
 from firsttoken.models.layers import store_weights_input_major
-from firsttoken.models.quant import quantize_fp16
+from firsttoken.models.quant import quantize_fp16, quantize_int8
 from firsttoken.models.registry import family_of, load_model_config
 
 log = logging.getLogger("firsttoken.models")
@@ -39,15 +39,16 @@ def load_model(
     """The family's model in eval mode with weights from model_dir; attn_backend defaults to "sdpa";
     ``quantization`` one of models/quant.py's QUANTIZATIONS ("fp16": the language model's linear layers hold float16
     weights, float32 activations; ``num_threads`` 1: the engine runs on one torch thread, so its single-threaded
-    kernel, cheaper per call, is taken). ``cpu_kernels`` ("auto", "on", "off"; kernels/cpu_linear.py's
+    kernel, cheaper per call, is taken; "int8": the linear layers of both the language model and the vision tower
+    hold per-row int8 weights, inputs quantized per call). ``cpu_kernels`` ("auto", "on", "off"; kernels/cpu_linear.py's
     ``kernels_skipped``): whether a float32 language model on the CPU takes the few-rows kernels for decode steps
     (prefill is MKL's either way)."""
     if cpu_kernels not in CPU_KERNELS:
         raise ValueError(f"cpu_kernels must be one of {', '.join(CPU_KERNELS)}")
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}")
-    if quantization == "fp16" and dtype != torch.float32:
-        raise ValueError("--quantization fp16 runs float32 activations: use --dtype float32 (or auto)")
+    if quantization in ("fp16", "int8") and dtype != torch.float32:
+        raise ValueError(f"--quantization {quantization} runs float32 activations: use --dtype float32 (or auto)")
     model_dir = Path(model_dir)
     family = family_of(model_dir)
     config = load_model_config(model_dir)
@@ -77,6 +78,8 @@ def load_model(
     model.requires_grad_(False)
     if quantization == "fp16":
         quantize_fp16(model, exclude_prefix="visual.", multithreaded=num_threads != 1)
+    elif quantization == "int8":
+        quantize_int8(model)  # the vision tower too: its encode is most of an image request's TTFT
     if str(device) == "cpu":
         store_weights_input_major(model, exclude_prefix="visual.")  # the decoder's matmuls are one-row at decode
         if quantization == "none" and dtype == torch.float32:

@@ -75,7 +75,7 @@ class PlanInputs:
     image_tokens: int = 1200  # per-image visual-token budget (--image-max-tokens)
     output_tokens: int = 256
     dtype: str = "bfloat16"
-    quantization: str = "none"  # serve --quantization; fp16 runs float32 activations
+    quantization: str = "none"  # serve --quantization; fp16 and int8 run float32 activations
     block_size: int = _CACHE_DEFAULTS.block_size
     decode_reserve_tokens: int = _SCHEDULER_DEFAULTS.decode_reserve_tokens
     template_overhead_tokens: int | None = None  # None: TEMPLATE_BASE_TOKENS + 2 per image
@@ -91,8 +91,8 @@ class PlanInputs:
             raise ValueError(f"dtype must be one of {sorted(DTYPE_BYTES)}, got {self.dtype!r}")
         if self.quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}")
-        if self.quantization == "fp16" and self.dtype != "float32":
-            raise ValueError("quantization fp16 runs float32 activations: plan with --dtype float32")
+        if self.quantization in ("fp16", "int8") and self.dtype != "float32":
+            raise ValueError(f"quantization {self.quantization} runs float32 activations: plan with --dtype float32")
         if self.block_size < 1:
             raise ValueError("block_size must be >= 1")
         if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes <= 0:
@@ -188,12 +188,16 @@ class MemoryBudget:
 def _weights_bytes(shape: ModelShape, inputs: PlanInputs, lm: int, vision: int) -> int:
     """Parameters x dtype bytes; with fp16 quantization the language model's linear layers at 2 bytes, plus a float16
     lm_head beside tied embeddings (models/quant.py); its norms and biases (float32 there, a few thousand parameters)
-    are counted at 2 bytes too."""
+    are counted at 2 bytes too. With int8 the vision tower's parameters are counted at 1 byte as well, and the
+    language model's at 1 (float32 embeddings kept for lookups; an int8 lm_head beside tied ones); norms, biases,
+    the patch embedding and the per-row scales (4 bytes per output row, under 1% of a layer) are not told apart."""
     dtype_bytes = DTYPE_BYTES[inputs.dtype]
-    if inputs.quantization != "fp16":
+    if inputs.quantization == "none":
         return (lm + vision) * dtype_bytes
     embed = shape.vocab_size * shape.hidden_size
     tied_head = embed if shape.tie_word_embeddings else 0
+    if inputs.quantization == "int8":
+        return embed * dtype_bytes + (lm - embed + tied_head) + vision
     return (vision + embed) * dtype_bytes + (lm - embed + tied_head) * 2
 
 
@@ -207,11 +211,13 @@ def _memory_budget(inputs: PlanInputs, weights: int, num_params: int, workspace:
     assert device is not None  # PlanInputs holds exactly one of the two
     usable = int(device * util)
     usable_text = f"{format_bytes(device)} x {util:g} utilization = {format_bytes(usable)} usable"
-    # fp16 loads the float32 weights first: when they fit, the packed ones do too (the check below is for the rest)
-    if inputs.quantization == "fp16" and num_params * DTYPE_BYTES[inputs.dtype] > usable:
+    # fp16 and int8 load the float32 weights first: when they fit, the packed ones do too (the check below is for
+    # the rest)
+    if inputs.quantization != "none" and num_params * DTYPE_BYTES[inputs.dtype] > usable:
         raise DoesNotFit(
             f"loading reads the float32 weights first ({format_bytes(num_params * DTYPE_BYTES[inputs.dtype])}) and "
-            f"packs them to float16 one layer at a time, but {usable_text}; plan for a larger device")
+            f"packs them to {'float16' if inputs.quantization == 'fp16' else 'int8'} one layer at a time, but "
+            f"{usable_text}; plan for a larger device")
     if weights > usable:
         raise DoesNotFit(
             f"the weights alone need {format_bytes(weights)} ({num_params:,} parameters x "
@@ -234,7 +240,7 @@ class Plan:
     num_params: int  # from config shapes
     num_params_language_model: int
     num_params_vision: int
-    weights_bytes: int  # num_params x dtype bytes (fp16 quantization: the LM's linear layers x 2)
+    weights_bytes: int  # num_params x dtype bytes (fp16 quantization: the LM's linear layers x 2; int8: x 1)
     safetensors_params: int | None  # summed from safetensors headers when the model dir has them
     safetensors_bytes: int | None
     # memory
@@ -345,6 +351,9 @@ def make_plan(config: dict[str, Any], inputs: PlanInputs, model_dir: str | Path 
     )
 
 
+_QUANTIZED_WEIGHTS = {"fp16": "; LM linear layers x 2 B", "int8": "; LM and vision linear layers x 1 B"}
+
+
 def _memory_rows(plan: Plan) -> list[tuple[str, str]]:
     """Where the memory goes, one term a row; the pool's row says whether it was given or derived."""
     i, m, w = plan.inputs, plan.memory, plan.workspace
@@ -352,7 +361,7 @@ def _memory_rows(plan: Plan) -> list[tuple[str, str]]:
              else "no images")
     terms = [  # (nested under the workspace, label, value)
         (False, f"weights ({plan.num_params:,} params x {DTYPE_BYTES[i.dtype]} B"
-                f"{'; LM linear layers x 2 B' if i.quantization == 'fp16' else ''})", format_bytes(m.weights_bytes)),
+                f"{_QUANTIZED_WEIGHTS.get(i.quantization, '')})", format_bytes(m.weights_bytes)),
         (False, "step workspace = max(LM step, vision tower)", format_bytes(m.workspace_bytes)),
         (True, f"LM activations ({w.num_batched_tokens} tokens)", format_bytes(w.lm_activation_bytes)),
         (True, f"LM attention scores ({w.num_batched_tokens} x {plan.max_model_len} context)",

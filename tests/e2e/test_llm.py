@@ -3,6 +3,7 @@ batches through the same scheduler, and the server's validation."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -107,3 +108,41 @@ def test_fp16_weights_through_the_engine_give_the_float32_answers(llm: LLM, tiny
     assert [r.token_ids for r in got] == [r.token_ids for r in expected]
     with pytest.raises(ValueError, match="float32"):
         LLM(tiny_model_dir, quantization="fp16", dtype="bfloat16")
+
+
+def test_int8_weights_through_the_engine_answer_like_float32_and_regress_runs_unchanged(
+        llm: LLM, tiny_model_dir: Path, tmp_path: Path, capsys):
+    from firsttoken.cli.main import main
+    from firsttoken.models.quant import Int8Linear
+    from tests.e2e.conftest import start_server, stop_server
+
+    int8 = LLM(tiny_model_dir, quantization="int8", kv_cache_memory="16MiB", max_batched_tokens=256)
+    model = int8.engine.executor.runner.model
+    assert isinstance(model.layers[0].mlp.gate_up_proj, Int8Linear) and isinstance(model.lm_head, Int8Linear)
+    assert isinstance(model.visual.blocks[0].mlp.fc1, Int8Linear)
+    assert model.embed_tokens.weight.dtype == torch.float32  # --dtype auto is float32 with int8 weights
+    got = int8.chat(conversations(), {"temperature": 0.0, "max_tokens": 8})
+    expected = llm.chat(conversations(), {"temperature": 0.0, "max_tokens": 8})
+    assert [r.finish_reason for r in got] == ["length"] * 3
+    assert [r.usage.prompt_tokens for r in got] == [r.usage.prompt_tokens for r in expected]
+    # not exact: the first token of each answer (the prompt's last position) is what top-1 agreement measures
+    print("int8 vs float32 answers:", [(g.token_ids, e.token_ids) for g, e in zip(got, expected)])
+    assert sum(g.token_ids[0] == e.token_ids[0] for g, e in zip(got, expected)) >= 2
+    with pytest.raises(ValueError, match="float32"):
+        LLM(tiny_model_dir, quantization="int8", dtype="bfloat16")
+    # the quality tool takes an int8 server as it takes any other: the same pixels give the same answers
+    live, srv, thread = start_server(tiny_model_dir, quantization="int8", image_max_tokens=1280)
+    try:
+        images = tmp_path / "images"
+        images.mkdir()
+        for seed in range(2):
+            make_image(448, 448, seed=seed).save(images / f"im{seed}.png")
+        prompts = tmp_path / "prompts.txt"
+        prompts.write_text("What is in this picture?\n")
+        capsys.readouterr()  # what was printed before: the report alone is read back
+        code = main(["regress", "--url", live.base_url, "--images", str(images), "--prompts", str(prompts),
+                     "--max-tokens", "4", "--budgets", "1280,400", "--json"])
+        report = json.loads(capsys.readouterr().out)
+    finally:
+        stop_server(srv, thread, live.engine)
+    assert code == 0 and [b["mean_visual_tokens"] for b in report["budgets"]] == [256, 256]

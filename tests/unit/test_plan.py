@@ -18,6 +18,7 @@ from firsttoken.tools.plan import (
     DoesNotFit,
     ModelShape,
     PlanInputs,
+    format_plan,
     make_plan,
     parse_bytes,
 )
@@ -300,6 +301,24 @@ def test_fp16_quantization_counts_the_language_models_linear_layers_at_two_bytes
     assert fp16.serve_flags["--quantization"] == "fp16" and "--quantization" not in f32.serve_flags
     with pytest.raises(ValueError, match="float32"):
         PlanInputs(kv_cache_memory_bytes=1, peak_concurrency=1, dtype="bfloat16", quantization="fp16")
+
+
+def test_int8_quantization_counts_both_towers_linear_layers_at_one_byte():
+    f32 = make_plan(QWEN2_VL_2B, PlanInputs(kv_cache_memory_bytes=parse_bytes("8G"), peak_concurrency=4,
+                                            dtype="float32"))
+    int8 = make_plan(QWEN2_VL_2B, PlanInputs(kv_cache_memory_bytes=parse_bytes("8G"), peak_concurrency=4,
+                                             dtype="float32", quantization="int8"))
+    embed = 151_936 * 1536  # tied: looked up in float32, and an int8 copy packed as the lm_head
+    lm, vision = int8.num_params_language_model, int8.num_params_vision
+    assert int8.weights_bytes == 4 * embed + (lm - embed) + embed + vision
+    assert int8.weights_bytes < 0.4 * f32.weights_bytes
+    assert int8.serve_flags["--quantization"] == "int8"
+    assert "LM and vision linear layers x 1 B" in format_plan(int8)
+    with pytest.raises(ValueError, match="float32"):
+        PlanInputs(kv_cache_memory_bytes=1, peak_concurrency=1, dtype="bfloat16", quantization="int8")
+    with pytest.raises(DoesNotFit, match="packs them to int8"):  # 8.8 GB of float32 weights read first
+        make_plan(QWEN2_VL_2B, PlanInputs(device_memory_bytes=parse_bytes("6GiB"), peak_concurrency=1,
+                                          dtype="float32", quantization="int8"))
 
 
 def test_fp16_plans_for_the_float32_load_peak():
