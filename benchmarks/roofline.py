@@ -2,26 +2,40 @@
 model code, achieved GFLOP/s and % of this machine's measured matmul peak, and its share of the prefill's time.
 
     python benchmarks/roofline.py [--model DIR] [--image 1024x1024 ...] [--text-tokens 800] [--dtype float32]
-                                  [--chunk-tokens server|0|N] [--threads 2] [--repeats 3] [--json OUT]
+                                  [--quantization none|fp16|int8] [--chunk-tokens server|0|N] [--threads 2]
+                                  [--repeats 3] [--json OUT]
 
-The prefill is what the runner does for a request's first token: vision tower per image (patch embed, blocks,
-merger), token embeddings with the image rows replaced, the language model over the paged KV cache through the
-SDPA backend, and the lm_head on the one sampled row. ``--chunk-tokens server`` (default) splits the language
-model's pass as `firsttoken serve` does by default: whole below --long-prompt-threshold (1,024 tokens), else
-long-lane steps of 512 tokens whose later chunks read earlier keys/values from the cache; 0 = one pass.
+The prefill is what the runner does for a request's first token: vision tower per image through the encode
+protocol (``start_encode``: patch embed; ``run_units`` over the family's encoder units: the blocks, a large image's
+in query-row slices; ``finish_encode``: merger), then the language model over the paged KV cache through the SDPA
+backend (token embeddings with the image rows placed, ``ImageRows`` per chunk), and the lm_head on the one sampled
+row. Qwen2-VL checkpoints only (the FLOP count and the hooks follow its tower). ``--chunk-tokens server``
+(default) splits the language model's pass as `firsttoken serve` does by default: whole below
+--long-prompt-threshold (1,024 tokens), else long-lane steps of 512 tokens whose later chunks read earlier
+keys/values from the cache; 0 = one pass.
 
 Parts are timed during real prefills with forward hooks (PyTorch's public API) on the model's modules and an
 attention backend wrapper passed to ``load_model`` (its designed seam); nothing in firsttoken changes. A part's
 seconds are wall time inside its modules, so "other" parts hold what sits between the matmuls (norms, rotary,
-activations, residual adds, reshapes). The prefill total comes from runs without hooks, alternating with the
-hooked ones. Every time is the best of --repeats runs (load from other processes only adds time).
+activations, residual adds, reshapes). A sliced vision block never calls its attention module's forward (the
+slices call its ``project`` and ``attend``), so vision attention is the blocks' time less their linears, norms
+and MLP activation: SDPA, rotary, reshapes and the blocks' residual adds. The prefill total comes from runs
+without hooks, alternating with the hooked ones. Every time is the best of --repeats runs (load from other
+processes only adds time).
 
 FLOPs count a multiply-add as 2 and only useful work: causal attention counts the keys each query may see;
 norms, rotary and activations count 0 (they are "other": memory-bound work with no matmul peak to compare).
 Peak: the best GFLOP/s that a 2048x2048x2048 matmul (measured between the prefill runs) or one of the model's own
 GEMM shapes reached at --threads, in --dtype; load from other processes only lowers a rate, so the best is the
-estimate. A part timed inside the model in a quieter moment can still exceed it on a shared machine. bf16 is measured only where the CPU computes it natively
-(avx512_bf16 / amx_bf16); elsewhere torch emulates it slower than fp32.
+estimate. A part timed inside the model in a quieter moment can still exceed it on a shared machine. bf16 is
+measured only where the CPU computes it natively (avx512_bf16 / amx_bf16); elsewhere torch emulates it slower than
+fp32.
+
+``--quantization`` (float32 only) loads the model as the server's flag does (models/quant.py): int8 turns every
+linear layer but the patch embedding into FBGEMM's dynamic int8 GEMM, fp16 the language model's (lm_head
+included) into packed float16 weights. FLOPs are counted the same; % of peak stays against the float32 peak, and
+each row is labelled with the weights its modules actually hold ([int8], [fp16]), so an int8 row above 100% is
+the integer GEMM's gain. The quantized GEMM's own 2048^3 rate is printed beside the peak.
 """
 
 from __future__ import annotations
@@ -46,12 +60,16 @@ from machine import machine_info  # noqa: E402
 
 from firsttoken.attention.base import AttentionBackend, AttentionMetadata
 from firsttoken.attention.registry import get_backend
-from firsttoken.config import ModelConfig, SchedulerConfig
+from firsttoken.config import QUANTIZATIONS, SchedulerConfig
 from firsttoken.engine.engine import cpu_has_native_bf16
-from firsttoken.inputs.budget import REFERENCE_MAX_TOKENS, plan_image
+from firsttoken.inputs.budget import REFERENCE_MAX_TOKENS, REFERENCE_MIN_TOKENS, plan_image
 from firsttoken.inputs.image import ProcessedImage, preprocess_image
+from firsttoken.models.config import ModelConfig
+from firsttoken.models.interfaces import ImageEmbeddings, ImageRows
 from firsttoken.models.loader import load_model
 from firsttoken.models.mrope import compute_mrope_positions
+from firsttoken.models.quant import Fp16Linear, Int8Linear
+from firsttoken.models.registry import load_model_config
 from firsttoken.runner.kv_cache import allocate_kv_caches
 from firsttoken.tools.bench.images import synth_image
 
@@ -62,16 +80,17 @@ PEAK_SIDE = 2048
 PARTS = (
     ("patch_embed", "Linear over flattened 14x14x2x3 patches"),
     ("vision_linear", "vision blocks' qkv, proj, fc1, fc2"),
-    ("vision_attention", "vision SDPA per image + rotary + reshapes (attn minus qkv/proj)"),
-    ("vision_other", "vision LayerNorms, GELU, residual adds"),
+    ("vision_attention", "vision SDPA + rotary + reshapes + residual adds (blocks minus linears, norms, GELU)"),
+    ("vision_other", "vision rotary tables, LayerNorms, GELU"),
     ("merger", "LayerNorm + 2x2 merge MLP"),
-    ("inputs", "token embeddings, image rows merged, M-RoPE positions, attention metadata"),
+    ("inputs", "token embeddings, image rows per chunk, M-RoPE positions, attention metadata"),
     ("lm_linear", "LM qkv_proj, o_proj, gate_up_proj, down_proj"),
     ("lm_attention", "LM KV-cache write + causal SDPA (the attention backend)"),
-    ("lm_other", "LM RMSNorms, rotary, SiLU*up, residual adds"),
+    ("lm_other", "LM image rows placed, rotary tables, RMSNorms, rotary, SiLU*up, residual adds"),
     ("lm_head", "lm_head on the sampled row"),
 )
 LINEAR_PARTS = ("patch_embed", "vision_linear", "merger", "lm_linear", "lm_head")
+QUANT_GEMMS = {"int8": "FBGEMM's dynamic int8 GEMM", "fp16": "FBGEMM's float16-weight GEMM"}
 
 
 # ---- the prompt ------------------------------------------------------------------------------------------------
@@ -91,9 +110,10 @@ def build_prompt(config: ModelConfig, sizes: list[tuple[int, int]], text_tokens:
     """Text (random ids) split around the images, each image in vision start/end markers; chunk_tokens None =
     the server's default split."""
     images = []
+    proc = config.image_processor
     for i, (w, h) in enumerate(sizes):
-        plan = plan_image(w, h, image_max_tokens, 4, config.vision)
-        images.append(preprocess_image(synth_image(w, h, f"roofline:{i}"), config.vision, plan.min_pixels,
+        plan = plan_image(w, h, image_max_tokens, REFERENCE_MIN_TOKENS, proc)
+        images.append(preprocess_image(synth_image(w, h, f"roofline:{i}"), proc, plan.min_pixels,
                                        plan.max_pixels))  # fmt: skip
     gen = torch.Generator().manual_seed(0)
     text = torch.randint(0, min(config.vocab_size, 1000), (text_tokens,), generator=gen).tolist()
@@ -114,7 +134,7 @@ def build_prompt(config: ModelConfig, sizes: list[tuple[int, int]], text_tokens:
 def count_flops(config: ModelConfig, prompt: Prompt) -> dict[str, float]:
     """Useful FLOPs per part (multiply-add = 2)."""
     v = config.vision
-    e, mlp = v.embed_dim, int(v.embed_dim * v.mlp_ratio)
+    e, mlp = v.embed_dim, v.intermediate_size
     patch_dim = v.in_channels * v.temporal_patch_size * v.patch_size**2
     merged = e * v.spatial_merge_size**2
     flops: dict[str, float] = defaultdict(float)
@@ -179,43 +199,97 @@ class TimedBackend:
             return self.inner.forward(q, k, v, kv_cache, meta, scale)
 
 
-def watch_model(model: nn.Module, clock: PartClock) -> None:
-    """Hooks per part; groups starting with "_" are enclosing totals that _split turns into parts."""
+LINEAR_MODULES = (nn.Linear, Int8Linear, Fp16Linear)  # what load_model leaves at a linear layer's place
+
+
+def linear_modules(model: nn.Module) -> dict[str, list[nn.Module]]:
+    """The modules doing each linear part's products, whichever class quantization left there (nn.Linear and its
+    subclasses, Int8Linear, Fp16Linear: none of the latter two has a ``.weight``); found by their place in the
+    model, not by type, and checked so a refactor that moves them fails loudly instead of timing nothing."""
     vis = model.visual
-    clock.watch(vis, "_visual")
-    clock.watch(vis.patch_embed, "patch_embed")
-    clock.watch(vis.merger, "merger")
+    parts = {
+        "patch_embed": [vis.patch_embed.proj],
+        "_vision_attn_linear": [m for b in vis.blocks for m in (b.attn.qkv, b.attn.proj)],
+        "_vision_mlp_linear": [m for b in vis.blocks for m in (b.mlp.fc1, b.mlp.fc2)],
+        "merger": [m for m in vis.merger.mlp if isinstance(m, LINEAR_MODULES)],
+        "lm_linear": [m for layer in model.layers for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
+                                                           layer.mlp.gate_up_proj, layer.mlp.down_proj)],
+        "lm_head": [model.lm_head] if model.lm_head is not None else [],  # None: tied, F.linear on the embeddings
+    }  # fmt: skip
+    for name, mods in parts.items():
+        for m in mods:
+            if not isinstance(m, LINEAR_MODULES):
+                raise TypeError(f"{name}: {type(m).__name__} is not a linear layer this script knows")
+    return parts
+
+
+def weights_of(model: nn.Module, dtype: str) -> dict[str, str]:
+    """Per linear part, what its products ran with: ``dtype`` (a float weight), "int8" or "fp16" (or a mix)."""
+
+    def kind(m: nn.Module) -> str:
+        return "int8" if isinstance(m, Int8Linear) else "fp16" if isinstance(m, Fp16Linear) else dtype
+
+    mods = linear_modules(model)
+    out = {}
+    for part in LINEAR_PARTS:
+        found = mods["_vision_attn_linear"] + mods["_vision_mlp_linear"] if part == "vision_linear" else mods[part]
+        out[part] = "+".join(sorted({kind(m) for m in found})) or dtype  # a tied lm_head: the embeddings' dtype
+    return out
+
+
+def watch_model(model: nn.Module, clock: PartClock) -> None:
+    """Hooks per part; groups starting with "_" are enclosing totals that _split turns into parts. The vision
+    encode's own spans ("_visual", "_vision_blocks") and the LM forward's ("_lm_forward") come from prefill."""
+    linears = linear_modules(model)  # the merger and lm_head are timed whole (a module hook, prefill's span)
+    for group in ("patch_embed", "_vision_attn_linear", "_vision_mlp_linear", "lm_linear"):
+        for m in linears[group]:
+            clock.watch(m, group)
+    vis = model.visual
+    clock.watch(vis.merger, "merger")  # its LayerNorm and GELU too
     for block in vis.blocks:
-        clock.watch(block, "_vision_blocks")
-        clock.watch(block.attn, "_vision_attn")
-        clock.watch(block.attn.qkv, "_vision_attn_linear")
-        clock.watch(block.attn.proj, "_vision_attn_linear")
-        clock.watch(block.mlp.fc1, "_vision_mlp_linear")
-        clock.watch(block.mlp.fc2, "_vision_mlp_linear")
-    for layer in model.layers:
-        for lin in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
-            clock.watch(lin, "lm_linear")
+        clock.watch(block.norm1, "_vision_norms")
+        clock.watch(block.norm2, "_vision_norms")
+        clock.watch(block.mlp, "_vision_mlp")
+    clock.watch(model.embed_tokens, "_lm_embed")
+
+
+def encode(model: nn.Module, image: ProcessedImage, span: Callable[[str], object]) -> ImageEmbeddings:
+    """One image through the vision tower as the runner's ``_run_encoder`` drives it, all its units in one go."""
+    visual = model.visual
+    with span("_visual"):
+        state = visual.start_encode(image.pixel_values.to(model.dtype), image.grid_thw)
+        with span("_vision_blocks"):
+            visual.run_units(state, state.num_units)
+        return visual.finish_encode(state)
 
 
 def prefill(model: nn.Module, config: ModelConfig, prompt: Prompt, clock: PartClock | None) -> torch.Tensor:
-    """One request's prefill to its first-token logits, as the runner does it (encode, embed, LM chunks, head)."""
+    """One request's prefill to its first-token logits, as the runner does it (encode, LM chunks with their image
+    rows, head)."""
     span = clock.span if clock else _no_span
     num_blocks = -(-len(prompt.ids) // BLOCK_SIZE)
     kv_caches = allocate_kv_caches(config, num_blocks, BLOCK_SIZE, model.dtype, "cpu")
     with torch.inference_mode():
-        embeds = [model.visual(im.pixel_values, [im.grid_thw]) for im in prompt.images]
+        embeds = [encode(model, im, span) for im in prompt.images]
         with span("inputs"):
             input_ids = torch.tensor(prompt.ids)
-            x = model.embed_tokens(input_ids)
-            if embeds:
-                x[input_ids == config.image_token_id] = torch.cat(embeds).to(x.dtype)
             positions = compute_mrope_positions(prompt.ids, prompt.grids, config).positions
+            offsets, at = [], 0  # each image's first pad token
+            for im in prompt.images:
+                at = prompt.ids.index(config.image_token_id, at)
+                offsets.append(at)
+                at += im.num_tokens
         table = [list(range(num_blocks))]
         for start, end in prompt.chunks:
             with span("inputs"):
                 meta = AttentionMetadata.build([end - start], [start], table, BLOCK_SIZE)
+                rows = []  # the image rows this chunk covers, as the runner's _pack places them
+                for off, emb in zip(offsets, embeds):
+                    lo, hi = max(off, start), min(off + emb.num_tokens, end)
+                    if lo < hi:
+                        rows.append(ImageRows(lo - start, emb.rows(lo - off, hi - off)))
             with span("_lm_forward"):
-                hidden = model(x[start:end], positions[:, start:end], kv_caches, meta)
+                hidden = model(input_ids[start:end], positions[:, start:end], kv_caches, meta, rows)
         with span("lm_head"):
             return model.compute_logits(hidden[-1:])
 
@@ -254,15 +328,18 @@ def time_parts(model: nn.Module, config: ModelConfig, prompt: Prompt, backend: T
 
 def _split(s: dict[str, float], wall: float) -> dict[str, float]:
     """Raw hook totals -> the PARTS: an "other" part is what its enclosing modules spent outside the parts
-    inside them (vision: rotary tables, norms, GELU, residuals; LM: norms, rotary, SiLU, residuals)."""
+    inside them (vision: rotary tables, norms, GELU; LM: image rows placed, norms, rotary, SiLU, residuals)."""
     parts = {name: s.get(name, 0.0) for name, _ in PARTS}
     attn_linear, mlp_linear = s.get("_vision_attn_linear", 0.0), s.get("_vision_mlp_linear", 0.0)
+    blocks, norms, mlp = s.get("_vision_blocks", 0.0), s.get("_vision_norms", 0.0), s.get("_vision_mlp", 0.0)
     parts["vision_linear"] = attn_linear + mlp_linear
-    parts["vision_attention"] = max(0.0, s.get("_vision_attn", 0.0) - attn_linear)
-    outside_blocks = s.get("_visual", 0.0) - s.get("_vision_blocks", 0.0) - parts["patch_embed"] - parts["merger"]
-    inside_blocks = s.get("_vision_blocks", 0.0) - s.get("_vision_attn", 0.0) - mlp_linear
-    parts["vision_other"] = max(0.0, outside_blocks + inside_blocks)
-    parts["lm_other"] = max(0.0, s.get("_lm_forward", 0.0) - s.get("lm_linear", 0.0) - s.get("lm_attention", 0.0))
+    parts["vision_attention"] = max(0.0, blocks - norms - mlp - attn_linear)
+    outside_blocks = s.get("_visual", 0.0) - blocks - parts["patch_embed"] - parts["merger"]
+    parts["vision_other"] = max(0.0, outside_blocks + norms + mlp - mlp_linear)
+    embed = s.get("_lm_embed", 0.0)
+    parts["inputs"] += embed
+    lm_forward = s.get("_lm_forward", 0.0)
+    parts["lm_other"] = max(0.0, lm_forward - embed - s.get("lm_linear", 0.0) - s.get("lm_attention", 0.0))
     parts["_hooked_wall"] = wall
     return parts
 
@@ -272,14 +349,28 @@ def matmul_gflops(m: int, k: int, n: int, dtype: torch.dtype, repeats: int = 5, 
     """Best GFLOP/s of [m, k] rows through a [n, k] weight, as nn.Linear runs it (F.linear, no bias), over
     ``repeats`` timed batches of >= min_s each."""
     x, weight = torch.randn(m, k).to(dtype), torch.randn(n, k).to(dtype)
-    F.linear(x, weight)
+    return _best_gflops(lambda: F.linear(x, weight), 2 * m * k * n, repeats, min_s)
+
+
+def quantized_gflops(m: int, k: int, n: int, kind: str, threads: int, repeats: int = 5, min_s: float = 0.2) -> float:
+    """The same for load_model's quantized linear layer ``kind`` ("int8": Int8Linear, "fp16": Fp16Linear as the
+    server builds it at --threads), float32 [m, k] rows in; FLOPs counted as float32's."""
+    weight = torch.randn(n, k)
+    layer = Int8Linear(weight, None) if kind == "int8" else Fp16Linear(weight, None, multithreaded=threads != 1)
+    x = torch.randn(m, k)
+    with torch.inference_mode():
+        return _best_gflops(lambda: layer(x), 2 * m * k * n, repeats, min_s)
+
+
+def _best_gflops(call: Callable[[], object], flop: int, repeats: int, min_s: float) -> float:
+    call()
     best = 0.0
     for _ in range(repeats):
         calls, start = 0, time.perf_counter()
         while (elapsed := time.perf_counter() - start) < min_s or calls == 0:
-            F.linear(x, weight)
+            call()
             calls += 1
-        best = max(best, 2 * m * k * n * calls / elapsed / 1e9)
+        best = max(best, flop * calls / elapsed / 1e9)
     return best
 
 
@@ -296,7 +387,7 @@ def model_shapes(config: ModelConfig, prompt: Prompt) -> dict[str, tuple[int, in
         "lm down_proj": (m, config.intermediate_size, hid),
     }
     if n:
-        e, mlp = v.embed_dim, int(v.embed_dim * v.mlp_ratio)
+        e, mlp = v.embed_dim, v.intermediate_size
         shapes |= {
             "patch_embed": (n, v.in_channels * v.temporal_patch_size * v.patch_size**2, e),
             "vision qkv": (n, e, 3 * e),
@@ -316,16 +407,24 @@ class PartRow:
     gflops: float | None  # achieved GFLOP/s (None for parts with no counted FLOPs)
     pct_of_peak: float | None
     share_of_time: float
+    weights: str | None = None  # linear parts: what their products ran with (--dtype, "int8", "fp16")
 
 
-def rows_for(flops: dict[str, float], seconds: dict[str, float], wall_s: float, peak: float) -> list[PartRow]:
+def rows_for(flops: dict[str, float], seconds: dict[str, float], wall_s: float, peak: float,
+             weights: dict[str, str]) -> list[PartRow]:  # fmt: skip
     """Per part; its share is of the parts' sum (each part's best comes from its own fastest run)."""
     rows = []
     for name, covers in PARTS:
         s, f = seconds[name], flops[name]
         rate = f / s / 1e9 if f and s else None
-        rows.append(PartRow(name, covers, f / 1e9, s, rate, rate / peak if rate else None, s / wall_s))
+        rows.append(PartRow(name, covers, f / 1e9, s, rate, rate / peak if rate else None, s / wall_s,
+                            weights.get(name)))  # fmt: skip
     return rows
+
+
+def label(part: str, weights: str | None, dtype: str) -> str:
+    """A part's name, with its weights' kind in brackets where they are not --dtype (a quantized part)."""
+    return part if weights in (None, dtype) else f"{part} [{weights}]"
 
 
 def aggregate(rows: list[PartRow], names: tuple[str, ...] | None, total_s: float, peak: float) -> dict[str, float]:
@@ -339,24 +438,35 @@ def print_report(result: dict) -> None:
     m, p = result["machine"], result["prompt"]
     print(f"CPU {m['cpu']}, {m['cores']} cores, flags {' '.join(m['cpu_flags']) or '-'}; threads {result['threads']}; "
           f"load {m['loadavg']}")  # fmt: skip
+    quant, dtype = result["quantization"], result["dtype"]
     print(f"prompt: {p['tokens']} tokens ({p['text_tokens']} text, {p['visual_tokens']} visual from "
-          f"{p['images']}), LM passes {p['chunks']}; dtype {result['dtype']}; best of {result['repeats']}")
+          f"{p['images']}), LM passes {p['chunks']}; dtype {dtype}; quantization {quant}; "
+          f"best of {result['repeats']}")  # fmt: skip
     peak = result["peak"]
-    print(f"matmul peak ({result['dtype']}, best of {PEAK_SIDE}^3 and the model's shapes): {peak['gflops']:.1f} "
+    print(f"matmul peak ({dtype}, best of {PEAK_SIDE}^3 and the model's shapes): {peak['gflops']:.1f} "
           f"GFLOP/s ({PEAK_SIDE}^3: {peak['square_gflops']:.1f})"
           + (f"; bf16 {peak['bf16_gflops']:.1f}" if peak.get("bf16_gflops") else f"; bf16: {peak['bf16_note']}"))
+    if quant != "none":
+        rate = peak[f"{quant}_gflops"]
+        print(f"{quant} linear layer ({QUANT_GEMMS[quant]}) at {PEAK_SIDE}^3: {rate:.1f} GFLOP/s "
+              f"({rate / peak['gflops']:.0%} of the {dtype} peak); rows marked [{quant}] ran it, their % peak is "
+              f"against the {dtype} peak")  # fmt: skip
     for name, (shape, rate) in result["shapes"].items():
         print(f"  {name:16s} {'x'.join(map(str, shape)):>16s}  {rate:7.1f} GFLOP/s ({rate / peak['gflops']:.0%})")
-    print(f"\n{'part':18s}{'GFLOP':>9s}{'seconds':>9s}{'GFLOP/s':>9s}{'% peak':>8s}{'% time':>8s}  covers")
-    for r in result["rows"]:
+    labels = [label(r["part"], r["weights"], dtype) for r in result["rows"]]
+    lm_label = label("LM linear layers", next(r["weights"] for r in result["rows"] if r["part"] == "lm_linear"),
+                     dtype)  # fmt: skip
+    width = max(18, *(len(x) + 2 for x in (*labels, lm_label)))
+    print(f"\n{'part':{width}s}{'GFLOP':>9s}{'seconds':>9s}{'GFLOP/s':>9s}{'% peak':>8s}{'% time':>8s}  covers")
+    for name, r in zip(labels, result["rows"]):
         rate = "-" if r["gflops"] is None else f"{r['gflops']:.1f}"
         pct = "-" if r["pct_of_peak"] is None else f"{r['pct_of_peak']:.0%}"
-        print(f"{r['part']:18s}{r['gflop']:9.2f}{r['seconds']:9.3f}{rate:>9s}{pct:>8s}{r['share_of_time']:8.0%}  "
+        print(f"{name:{width}s}{r['gflop']:9.2f}{r['seconds']:9.3f}{rate:>9s}{pct:>8s}{r['share_of_time']:8.0%}  "
               f"{r['covers']}")  # fmt: skip
-    for label, key, target in (("LM linear layers", "lm_linear", 0.6), ("whole prefill", "total", 0.4)):
+    for name, key, target in ((lm_label, "lm_linear", 0.6), ("whole prefill", "total", 0.4)):
         a = result["aggregates"][key]
         verdict = "met" if a["pct_of_peak"] >= target else "MISS"
-        print(f"{label:18s}{a['gflop']:9.2f}{a['seconds']:9.3f}{a['gflops']:9.1f}{a['pct_of_peak']:8.0%}"
+        print(f"{name:{width}s}{a['gflop']:9.2f}{a['seconds']:9.3f}{a['gflops']:9.1f}{a['pct_of_peak']:8.0%}"
               f"          target >= {target:.0%}: {verdict}")  # fmt: skip
     parts_s = sum(r["seconds"] for r in result["rows"])
     print(f"(whole prefill: best hook-free run {result['hook_free_s']:.3f} s; best hooked run "
@@ -381,9 +491,13 @@ def parse_chunk(text: str) -> int | None:
 def run(args: argparse.Namespace, model_dir: Path) -> dict:
     torch.set_num_threads(args.threads)
     dtype = DTYPES[args.dtype]
-    config = ModelConfig.from_pretrained(model_dir)
+    config = load_model_config(model_dir)
+    if config.family != "qwen2-vl":
+        raise SystemExit(f"{model_dir} is a {config.family} checkpoint; roofline.py counts and hooks Qwen2-VL's parts")
     backend = TimedBackend(get_backend("sdpa"))
-    model = load_model(model_dir, dtype, attn_backend=backend)
+    model = load_model(model_dir, dtype, attn_backend=backend, quantization=args.quantization,
+                       num_threads=args.threads)  # fmt: skip
+    weights = weights_of(model, args.dtype)
     sizes = args.image if args.image is not None else [(1024, 1024)]
     prompt = build_prompt(config, sizes, args.text_tokens, args.image_max_tokens, args.chunk_tokens)
     flops = count_flops(config, prompt)
@@ -399,13 +513,15 @@ def run(args: argparse.Namespace, model_dir: Path) -> dict:
         peak["bf16_gflops"] = matmul_gflops(*cube, torch.bfloat16)
     else:
         peak["bf16_note"] = "not native on this CPU (no avx512_bf16/amx_bf16): not measured"
-    rows = rows_for(flops, seconds, sum(seconds[name] for name, _ in PARTS), peak["gflops"])
+    if args.quantization != "none":  # what the quantized rows' own GEMM reaches (the reference stays float32)
+        peak[f"{args.quantization}_gflops"] = quantized_gflops(*cube, args.quantization, args.threads)
+    rows = rows_for(flops, seconds, sum(seconds[name] for name, _ in PARTS), peak["gflops"], weights)
     # hooks add no measurable time (the parts add up to the hooked wall), so the fastest run of either kind counts
     whole_s = min(total_s, seconds["_hooked_wall"])
     visual = sum(im.num_tokens for im in prompt.images)
     return {
-        "machine": machine_info(), "threads": args.threads, "dtype": args.dtype, "repeats": args.repeats,
-        "model": str(model_dir),
+        "machine": machine_info(), "threads": args.threads, "dtype": args.dtype,
+        "quantization": args.quantization, "weights": weights, "repeats": args.repeats, "model": str(model_dir),
         "prompt": {"tokens": len(prompt.ids), "text_tokens": args.text_tokens, "visual_tokens": visual,
                    "images": [f"{w}x{h}" for w, h in sizes], "grids": prompt.grids,
                    "chunks": [e - s for s, e in prompt.chunks]},
@@ -429,10 +545,14 @@ def main(argv: list[str] | None = None) -> None:
                    help="visual tokens per image at most (default %(default)s: no budget, 1,369 per 1024x1024)")
     p.add_argument("--chunk-tokens", type=parse_chunk, default=None, help="'server' (default), 0 = one LM pass, N")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
+    p.add_argument("--quantization", choices=QUANTIZATIONS, default="none",
+                   help="as `firsttoken serve --quantization` (models/quant.py); needs --dtype float32")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args(argv)
+    if args.quantization != "none" and args.dtype != "float32":
+        p.error(f"--quantization {args.quantization} runs float32 activations: use --dtype float32")
     with tempfile.TemporaryDirectory() as tmp:
         if args.model is None:
             from firsttoken.models.checkpoint import make_model
