@@ -3,7 +3,7 @@ TTFT (text ~800 tokens, one 1024x1024 image, three), decode time per token at ba
 batch 8. Prints the ratios against issue 17's targets and the CPU flags; writes JSON. A benchmark, not a test.
 
     python benchmarks/bench_llamacpp.py --work-dir /work/peers/llamacpp --convert-venv /work/peers/convert-venv \
-        [--build] [--quant q8_0|f16] [--ours-fp16] [--json OUT]
+        [--build] [--quant q8_0|f16] [--ours-fp16] [--ours-int8] [--json OUT]
     # reuse an existing build and GGUFs:
     python benchmarks/bench_llamacpp.py --llama-dir /work/peers/llamacpp \
         --gguf /work/peers/llamacpp/gguf/qwen2vl-small-orig-f32.gguf \
@@ -14,7 +14,9 @@ The servers (all started first; an idle one costs no CPU):
   --quant q8_0 or f16, a Q8_0 or F16 one with the same f32 vision projector); requests carry "cache_prompt": false.
 - firsttoken: serve --dtype float32 --num-threads 2 --image-max-tokens 16384 (no budget: 1,369 visual tokens per
   1024x1024 image, as llama.cpp), caches off; and again with the default image budget for a separate TTFT column;
-  with --ours-fp16, a third with --quantization fp16 (float16 weights, FBGEMM) in every measurement.
+  with --ours-fp16, another with --quantization fp16 (float16 weights, FBGEMM) in every measurement; with
+  --ours-int8, another with --quantization int8 (int8 weights in both towers, FBGEMM's dynamic int8 GEMM), set
+  beside llama.cpp's Q8_0 when --quant q8_0 is given.
 Each measurement runs 1 warm-up + --repeats (3) rounds; a round sends the same prompt to every server in turn (the
 order rotating), so load from other processes on a shared machine falls on all alike; medians are reported, and
 the load average before and after. Prompts differ between rounds, so no cache can hit. One code path measures
@@ -206,8 +208,9 @@ async def _one(base: str, body: dict[str, Any], timeout_s: float) -> Timing:
 
 
 # ---- the servers ------------------------------------------------------------------------------------------------
-def start_llama(stack: ExitStack, server: Path, gguf: GGUFPair, parallel: int) -> str:
-    proc, base = start_llama_server(server, gguf, threads=THREADS, parallel=parallel, ctx_len=LLAMA_CTX)
+def start_llama(stack: ExitStack, server: Path, gguf: GGUFPair, parallel: int, extra_args: tuple[str, ...]) -> str:
+    proc, base = start_llama_server(server, gguf, threads=THREADS, parallel=parallel, ctx_len=LLAMA_CTX,
+                                    extra_args=extra_args)
     stack.callback(stop_server, proc)
     return base
 
@@ -223,11 +226,12 @@ def run_all(tree: LlamaCppTree, model: Path, llama: dict[str, GGUFPair], args: a
     results: dict[str, Any] = {}
     no_budget = [*FIRSTTOKEN_FLAGS, "--image-max-tokens", str(NO_BUDGET_TOKENS)]
     with ExitStack() as stack:
-        single = {name: start_llama(stack, tree.server, gguf, 1) for name, gguf in llama.items()}
-        batched = {name: start_llama(stack, tree.server, gguf, BATCH) for name, gguf in llama.items()}
+        extra = tuple(args.llama_args.split())
+        single = {name: start_llama(stack, tree.server, gguf, 1, extra) for name, gguf in llama.items()}
+        batched = {name: start_llama(stack, tree.server, gguf, BATCH, extra) for name, gguf in llama.items()}
         ours = {"firsttoken_fp32": start_firsttoken(stack, model, no_budget)}
-        if args.ours_fp16:
-            ours["firsttoken_fp16"] = start_firsttoken(stack, model, [*no_budget, "--quantization", "fp16"])
+        for quant in _ours_quants(args):
+            ours[f"firsttoken_{quant}"] = start_firsttoken(stack, model, [*no_budget, "--quantization", quant])
         ttft_bases = {**single, **ours}
         if not args.no_budget_column:
             ttft_bases["firsttoken_budget"] = start_firsttoken(stack, model, list(FIRSTTOKEN_FLAGS))
@@ -241,8 +245,8 @@ def run_all(tree: LlamaCppTree, model: Path, llama: dict[str, GGUFPair], args: a
     for name, gguf in llama.items():
         results[name] |= {"gguf": str(gguf.model), "mmproj": str(gguf.mmproj)}
     results["firsttoken_fp32"]["flags"] = no_budget
-    if "firsttoken_fp16" in results:
-        results["firsttoken_fp16"]["flags"] = [*no_budget, "--quantization", "fp16"]
+    for quant in _ours_quants(args):
+        results[f"firsttoken_{quant}"]["flags"] = [*no_budget, "--quantization", quant]
     if "firsttoken_budget" in results:
         results["firsttoken_budget"]["flags"] = list(FIRSTTOKEN_FLAGS)
     return results
@@ -266,16 +270,25 @@ def ratios(results: dict[str, Any]) -> dict[str, dict[str, Any]]:
     out = {f"ttft_{cls}": _ratio(ours["ttft"][cls], llama["ttft"][cls], TARGETS[cls], True) for cls, _ in PROMPTS}
     out["decode_b1"] = _ratio(ours["decode_b1"], llama["decode_b1"], TARGETS["decode_b1"], True)
     out["decode_b8"] = _ratio(ours["decode_b8"], llama["decode_b8"], TARGETS["decode_b8"], False)
-    fp16 = results.get("firsttoken_fp16")
-    if fp16 is not None:  # against llama.cpp f32 (the same targets) and against our fp32 (int8's TTFT target: 0.6)
+    for quant in ("fp16", "int8"):
+        q = results.get(f"firsttoken_{quant}")
+        if q is None:
+            continue
+        # against llama.cpp f32 (the same targets; int8 against llama.cpp's Q8_0 when measured) and against our
+        # fp32 (int8's TTFT target: 0.6)
+        peer = results.get("llama_q8_0", llama) if quant == "int8" else llama
         for cls, _ in PROMPTS:
-            out[f"fp16_ttft_{cls}"] = _ratio(fp16["ttft"][cls], llama["ttft"][cls], TARGETS[cls], True)
-            out[f"fp16_vs_fp32_ttft_{cls}"] = _ratio(fp16["ttft"][cls], ours["ttft"][cls], 0.6, True)
-        out["fp16_decode_b1"] = _ratio(fp16["decode_b1"], llama["decode_b1"], TARGETS["decode_b1"], True)
-        out["fp16_decode_b8"] = _ratio(fp16["decode_b8"], llama["decode_b8"], TARGETS["decode_b8"], False)
-        out["fp16_vs_fp32_decode_b1"] = _ratio(fp16["decode_b1"], ours["decode_b1"], 1.0, True)
-        out["fp16_vs_fp32_decode_b8"] = _ratio(fp16["decode_b8"], ours["decode_b8"], 1.0, False)
+            out[f"{quant}_ttft_{cls}"] = _ratio(q["ttft"][cls], peer["ttft"][cls], TARGETS[cls], True)
+            out[f"{quant}_vs_fp32_ttft_{cls}"] = _ratio(q["ttft"][cls], ours["ttft"][cls], 0.6, True)
+        out[f"{quant}_decode_b1"] = _ratio(q["decode_b1"], peer["decode_b1"], TARGETS["decode_b1"], True)
+        out[f"{quant}_decode_b8"] = _ratio(q["decode_b8"], peer["decode_b8"], TARGETS["decode_b8"], False)
+        out[f"{quant}_vs_fp32_decode_b1"] = _ratio(q["decode_b1"], ours["decode_b1"], 1.0, True)
+        out[f"{quant}_vs_fp32_decode_b8"] = _ratio(q["decode_b8"], ours["decode_b8"], 1.0, False)
     return out
+
+
+def _ours_quants(args: argparse.Namespace) -> list[str]:
+    return [q for q, on in (("fp16", args.ours_fp16), ("int8", args.ours_int8)) if on]
 
 
 def print_table(results: dict[str, Any]) -> None:
@@ -308,16 +321,19 @@ def print_table(results: dict[str, Any]) -> None:
     a, b = llama["decode_b8"].median, ours["decode_b8"].median
     row(f"decode b{BATCH} tokens/s", "decode_b8", "", a, b, " ", f"{q8['decode_b8'].median:10.3f}" if q8 else "")
     print("(ours/llama: TTFT and ms/token lower is better, tokens/s higher; (best) = ratio of the fastest runs)")
-    fp16 = results.get("firsttoken_fp16")
-    if fp16 is not None:
-        print(f"\nours --quantization fp16{'':8s}{'ours fp16':>11s}{'/ llama f32':>13s}{'/ ours fp32':>13s}")
+    for quant in ("fp16", "int8"):
+        q = results.get(f"firsttoken_{quant}")
+        if q is None:
+            continue
+        peer = "llama q8_0" if quant == "int8" and "llama_q8_0" in results else "llama f32"
+        print(f"\nours --quantization {quant}{'':8s}{f'ours {quant}':>11s}{f'/ {peer}':>13s}{'/ ours fp32':>13s}")
         for cls, _ in PROMPTS:
-            print(f"TTFT {cls:27s}{fp16['ttft'][cls].median:10.3f}s{rat[f'fp16_ttft_{cls}']['ratio']:12.2f}x"
-                  f"{rat[f'fp16_vs_fp32_ttft_{cls}']['ratio']:12.2f}x")
+            print(f"TTFT {cls:27s}{q['ttft'][cls].median:10.3f}s{rat[f'{quant}_ttft_{cls}']['ratio']:12.2f}x"
+                  f"{rat[f'{quant}_vs_fp32_ttft_{cls}']['ratio']:12.2f}x")
         decodes = (("decode b1 ms/token", "decode_b1", 1e3), (f"decode b{BATCH} tokens/s", "decode_b8", 1))
         for label, key, scale in decodes:
-            print(f"{label:32s}{fp16[key].median * scale:10.3f} {rat[f'fp16_{key}']['ratio']:12.2f}x"
-                  f"{rat[f'fp16_vs_fp32_{key}']['ratio']:12.2f}x")
+            print(f"{label:32s}{q[key].median * scale:10.3f} {rat[f'{quant}_{key}']['ratio']:12.2f}x"
+                  f"{rat[f'{quant}_vs_fp32_{key}']['ratio']:12.2f}x")
 
 
 def _jsonable(x: Any) -> Any:
@@ -345,6 +361,9 @@ def main() -> None:
     p.add_argument("--quant", choices=["q8_0", "f16"], default=None,
                    help="also measure llama.cpp on this quantization")
     p.add_argument("--ours-fp16", action="store_true", help="also measure firsttoken with --quantization fp16")
+    p.add_argument("--ours-int8", action="store_true", help="also measure firsttoken with --quantization int8")
+    p.add_argument("--llama-args", default="", help="more llama-server flags for every llama.cpp server, e.g. "
+                   "--no-repack (its Q8_0 weight repacking crashed at load on an AVX-512 AMX Xeon)")
     p.add_argument("--gguf-quant", type=Path, default=None, help="with --quant: an existing quantized GGUF")
     p.add_argument("--no-budget-column", action="store_true", help="skip our default-budget TTFT run")
     p.add_argument("--repeats", type=int, default=3)
@@ -368,6 +387,7 @@ def main() -> None:
         quant = args.gguf_quant or convert(tree, python, model, work / "gguf", args.quant).model
         llama[f"llama_{args.quant}"] = GGUFPair(quant, f32.mmproj)
     results: dict[str, Any] = {"machine": machine_info(), "llama_commit": tree.commit(), "repeats": args.repeats,
+                               "llama_args": args.llama_args,
                                "model": str(model), "threads": THREADS}  # fmt: skip
     print(f"machine: {results['machine']}", flush=True)
     results |= run_all(tree, model, llama, args)

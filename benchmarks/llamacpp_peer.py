@@ -125,14 +125,15 @@ def free_port() -> int:
 
 
 def start_llama_server(
-    server: Path, gguf: GGUFPair, *, threads: int, parallel: int, ctx_len: int, timeout_s: float = 120.0
+    server: Path, gguf: GGUFPair, *, threads: int, parallel: int, ctx_len: int, timeout_s: float = 120.0,
+    extra_args: tuple[str, ...] = (),
 ) -> tuple[subprocess.Popen, str]:
     """llama-server on a free port with /metrics on and its host-memory prompt cache off (-cram 0);
     returns (process, base URL) once /health answers 200. Its log goes to a file beside the GGUF."""
     port = free_port()
     cmd = [str(server), "-m", str(gguf.model), "--mmproj", str(gguf.mmproj), "--host", "127.0.0.1", "--port",
            str(port), "-t", str(threads), "-tb", str(threads), "-c", str(ctx_len), "-np", str(parallel),
-           "-cram", "0", "--metrics"]  # fmt: skip
+           "-cram", "0", "--metrics", *extra_args]  # fmt: skip
     log = open(gguf.model.with_suffix(f".np{parallel}.log"), "w")  # noqa: SIM115 - lives as long as the server
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
     base = f"http://127.0.0.1:{port}"
