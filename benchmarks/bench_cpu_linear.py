@@ -41,7 +41,7 @@ def main() -> None:
     reason = kernel_unavailable()
     if reason is not None:
         raise SystemExit(f"the kernels are not available here: {reason}")
-    model = load_model(small_model(args.model), torch.float32)
+    model = load_model(small_model(args.model), torch.float32, cpu_kernels="on")  # on: AVX-512 CPUs too
     layers = [m for name, m in model.named_modules() if isinstance(m, FewRowsLinear)]
     if model.lm_head is None:
         raise SystemExit("expected the kernels on the lm_head too")
