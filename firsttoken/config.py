@@ -204,9 +204,10 @@ class EngineConfig:
         "reads), multiplied in float32 by FBGEMM's AVX2 kernel; activations float32 (--dtype auto picks it). "
         "Faster decode on CPUs; not exact against transformers (~2e-4 relative error per product; top-1 "
         "agreement in docs/performance.md); or int8: every linear layer of the language model and the vision "
-        "tower keeps int8 weights (one scale per output row) and quantizes its input per call (FBGEMM's dynamic "
-        "int8 GEMM): faster prefill, image encoding and decode on CPUs, a quarter of float32's weight bytes; "
-        "activations float32 (--dtype auto picks it); not exact (top-1 agreement in docs/performance.md)"))
+        "tower keeps int8 weights (one scale per output row), each input row is quantized with its own scale and "
+        "multiplied exactly in int32 (torch._int_mm for prefill, firsttoken's kernels for decode steps): faster "
+        "prefill and decode on CPUs, a quarter of float32's weight bytes; activations float32 (--dtype auto picks "
+        "it); not exact (top-1 agreement in docs/performance.md)"))
     cpu_kernels: str = field(default="auto", metadata=option(
         "auto: decode steps' products of at most 16 rows run firsttoken's AVX2 kernels (float32 language model on "
         "an AVX2 + FMA CPU without AVX-512, where they were measured; built once with the machine's C compiler, $CC "

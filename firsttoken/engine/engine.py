@@ -144,8 +144,8 @@ class LLMEngine:
         self._arrivals = 0
         self.num_images_encoded = 0  # images the vision tower ran for (cache misses that were computed)
         weights = {"fp16": "; language model linear layers: float16 weights (FBGEMM)",
-                   "int8": "; language model and vision tower linear layers: int8 weights, inputs quantized per call "
-                           "(FBGEMM)"}.get(config.quantization, "")
+                   "int8": "; language model and vision tower linear layers: int8 weights, each input row quantized "
+                           "with its own scale"}.get(config.quantization, "")
         log.info("dtype %s (requested %s)%s", str(dtype).removeprefix("torch."), config.dtype, weights)
         log.info(self.capacity.describe())
 

@@ -20,6 +20,7 @@
 #include <string.h>
 
 #define KB 8
+#define MAX_INT8_ROWS 16 /* cpu_linear.py's MAX_ROWS */
 
 /* ---- input-major: rows of x against a [K, N] weight, outputs n0 <= n < n1 ---- */
 
@@ -135,3 +136,175 @@ void ft_linear_rm(const float *x, int64_t ldx, const float *w, const float *bias
         }
     }
 }
+
+/* ---- int8 weights (--quantization int8; models/quant.py) ----
+
+   Weights are int8, input-major ([K, N], the layout torch._int_mm takes), one float scale per output column n;
+   each input row is quantized to int8 with its own scale, and out = (float)(xq @ wq) * xscale[m] * wscale[n]
+   (+ bias[n]), in that order. torch._int_mm computes the int32 products of prefill; ft_int8_rows computes the same
+   (exact) sums for the few rows of a decode step, streaming a quarter of float32's bytes.
+   - ft_quant_rows: each row of x to int8 with its own symmetric scale (max |x| / 127; q = x * (1 / scale)
+     rounded half to even).
+   - ft_dequant: the scaling above, after torch._int_mm.
+   All three have torch twins in models/quant.py with the same arithmetic (bitwise the same results, for machines
+   without the kernels). A row's outputs depend on that row alone, whichever path and whatever shares the step. */
+
+static inline int32_t int16_pair(int8_t lo, int8_t hi) {
+    return (int32_t)((uint32_t)(uint16_t)(int16_t)lo | ((uint32_t)(uint16_t)(int16_t)hi << 16));
+}
+
+/* acc[m, n] = sum_k xq[m, k] * wt[k, n] in int32 (exact, so in any order), outputs n0 <= n < n1. The weights of a
+   block of 8 k are widened to int16 once, interleaved by pairs of k, and every row's pairs multiply them with
+   vpmaddwd (16 products a instruction, summed in pairs into 32 bits). acc is the caller's float output, reused. */
+static void int8_rows_range(const int8_t *xq, const int8_t *wt, int32_t *acc, int64_t ldo, int64_t M, int64_t N,
+                            int64_t K, int64_t n0, int64_t n1) {
+    int32_t xp[MAX_INT8_ROWS][4];
+    for (int64_t m = 0; m < M; m++) memset(acc + m * ldo + n0, 0, (size_t)(n1 - n0) * sizeof(int32_t));
+    for (int64_t k = 0; k < K; k += 8) {
+        for (int64_t m = 0; m < M; m++)
+            for (int j = 0; j < 4; j++) xp[m][j] = int16_pair(xq[m * K + k + 2 * j], xq[m * K + k + 2 * j + 1]);
+        const int8_t *w = wt + k * N;
+        for (int64_t n = n0; n < n1; n += 8) {
+            __m256i wp[4];
+            for (int j = 0; j < 4; j++) {
+                __m128i a = _mm_cvtepi8_epi16(_mm_loadl_epi64((const __m128i *)(w + (2 * j) * N + n)));
+                __m128i b = _mm_cvtepi8_epi16(_mm_loadl_epi64((const __m128i *)(w + (2 * j + 1) * N + n)));
+                wp[j] = _mm256_set_m128i(_mm_unpackhi_epi16(a, b), _mm_unpacklo_epi16(a, b));
+            }
+            for (int64_t m = 0; m < M; m++) {
+                __m256i s = _mm256_madd_epi16(_mm256_set1_epi32(xp[m][0]), wp[0]);
+                s = _mm256_add_epi32(s, _mm256_madd_epi16(_mm256_set1_epi32(xp[m][1]), wp[1]));
+                s = _mm256_add_epi32(s, _mm256_madd_epi16(_mm256_set1_epi32(xp[m][2]), wp[2]));
+                s = _mm256_add_epi32(s, _mm256_madd_epi16(_mm256_set1_epi32(xp[m][3]), wp[3]));
+                __m256i *o = (__m256i *)(acc + m * ldo + n);
+                _mm256_storeu_si256(o, _mm256_add_epi32(_mm256_loadu_si256(o), s));
+            }
+        }
+    }
+}
+
+/* The same sums with AVX-512 VNNI (vpdpwssd: 32 products summed into 16 lanes of 32 bits, one instruction), 16
+   columns and 16 k a pass; K % 16 == 0, N % 16 == 0 and the thread's columns in whole vectors of 16. */
+__attribute__((target("avx512f,avx512bw,avx512vnni")))
+static void int8_rows_range_vnni(const int8_t *xq, const int8_t *wt, int32_t *acc, int64_t ldo, int64_t M,
+                                 int64_t N, int64_t K, int64_t n0, int64_t n1) {
+    int32_t xp[MAX_INT8_ROWS][8];
+    /* after widening 16 int8 of rows k and k+1 and interleaving them within 128-bit lanes, the 32-bit pairs hold
+       columns 0-3, 8-11 | 4-7, 12-15: this puts them back in order */
+    const __m512i order = _mm512_setr_epi32(0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 12, 13, 14, 15);
+    for (int64_t m = 0; m < M; m++) memset(acc + m * ldo + n0, 0, (size_t)(n1 - n0) * sizeof(int32_t));
+    for (int64_t k = 0; k < K; k += 16) {
+        for (int64_t m = 0; m < M; m++)
+            for (int j = 0; j < 8; j++) xp[m][j] = int16_pair(xq[m * K + k + 2 * j], xq[m * K + k + 2 * j + 1]);
+        const int8_t *w = wt + k * N;
+        for (int64_t n = n0; n < n1; n += 16) {
+            __m512i wp[8];
+            for (int j = 0; j < 8; j++) {
+                __m256i a = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(w + (2 * j) * N + n)));
+                __m256i b = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(w + (2 * j + 1) * N + n)));
+                __m512i ab = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_unpacklo_epi16(a, b)),
+                                                _mm256_unpackhi_epi16(a, b), 1);
+                wp[j] = _mm512_permutexvar_epi32(order, ab);
+            }
+            for (int64_t m = 0; m < M; m++) {
+                int32_t *o = acc + m * ldo + n;
+                __m512i s = _mm512_loadu_si512(o);
+                for (int j = 0; j < 8; j++) s = _mm512_dpwssd_epi32(s, _mm512_set1_epi32(xp[m][j]), wp[j]);
+                _mm512_storeu_si512(o, s);
+            }
+        }
+    }
+}
+
+static int has_vnni(void) {
+    static int known = -1;
+    if (known < 0) {
+        __builtin_cpu_init();
+        known = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                __builtin_cpu_supports("avx512vnni");
+    }
+    return known;
+}
+
+/* out [M, N] float32 = (float)(xq @ wt) * xscale[m] * wscale[n] (+ bias[n]): the same numbers as torch._int_mm
+   followed by ft_dequant, for the few rows of a decode step (M <= MAX_INT8_ROWS; K % 8 == 0, N % 8 == 0). */
+void ft_int8_rows(const int8_t *xq, const float *xscale, const int8_t *wt, const float *wscale, const float *bias,
+                  float *out, int64_t M, int64_t N, int64_t K, int threads) {
+    int32_t *acc = (int32_t *)out; /* int32 sums in the output's own memory, then turned into floats in place */
+    int vnni = K % 16 == 0 && N % 16 == 0 && has_vnni();
+    int64_t vec = vnni ? 16 : 8;
+    int64_t per = threads <= 1 ? N : (N / vec + threads - 1) / threads * vec;
+    int nt = threads <= 1 ? 1 : threads;
+#pragma omp parallel for schedule(static) num_threads(nt) if (nt > 1)
+    for (int t = 0; t < nt; t++) {
+        int64_t n0 = t * per, n1 = n0 + per < N ? n0 + per : N;
+        if (n0 >= n1) continue;
+        if (vnni)
+            int8_rows_range_vnni(xq, wt, acc, N, M, N, K, n0, n1);
+        else
+            int8_rows_range(xq, wt, acc, N, M, N, K, n0, n1);
+        for (int64_t m = 0; m < M; m++) {
+            __m256 sr = _mm256_set1_ps(xscale[m]);
+            for (int64_t n = n0; n < n1; n += 8) {
+                __m256 v = _mm256_mul_ps(_mm256_mul_ps(
+                    _mm256_cvtepi32_ps(_mm256_loadu_si256((const __m256i *)(acc + m * N + n))), sr),
+                    _mm256_loadu_ps(wscale + n));
+                if (bias) v = _mm256_add_ps(v, _mm256_loadu_ps(bias + n));
+                _mm256_storeu_ps(out + m * N + n, v);
+            }
+        }
+    }
+}
+
+void ft_quant_rows(const float *x, int64_t ldx, int8_t *q, float *scales, int64_t M, int64_t K, int threads) {
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && M > 16)
+    for (int64_t m = 0; m < M; m++) {
+        const float *r = x + m * ldx;
+        const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+        __m256 mx = _mm256_setzero_ps();
+        int64_t k = 0;
+        for (; k + 8 <= K; k += 8) mx = _mm256_max_ps(mx, _mm256_and_ps(abs_mask, _mm256_loadu_ps(r + k)));
+        float lanes[8], amax = 0.f;
+        _mm256_storeu_ps(lanes, mx);
+        for (int j = 0; j < 8; j++) amax = lanes[j] > amax ? lanes[j] : amax;
+        for (; k < K; k++) {
+            float a = r[k] < 0 ? -r[k] : r[k];
+            amax = a > amax ? a : amax;
+        }
+        float s = amax / 127.f;
+        if (!(s > 0.f)) s = 1.f; /* an all-zero row (or NaN): zeros, a harmless scale */
+        scales[m] = s;
+        float inv = 1.f / s;
+        __m256 vinv = _mm256_set1_ps(inv);
+        int8_t *o = q + m * K;
+        for (k = 0; k + 8 <= K; k += 8) {
+            __m256i i32 = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(r + k), vinv)); /* half to even */
+            __m128i w16 = _mm_packs_epi32(_mm256_castsi256_si128(i32), _mm256_extracti128_si256(i32, 1));
+            _mm_storel_epi64((__m128i *)(o + k), _mm_packs_epi16(w16, w16));
+        }
+        for (; k < K; k++) {
+            __m128 v = _mm_set_ss(r[k] * inv);
+            o[k] = (int8_t)_mm_cvtss_si32(v); /* the same rounding as the vector lanes */
+        }
+    }
+}
+
+void ft_dequant(const int32_t *acc, const float *srow, const float *scol, const float *bias, float *out, int64_t M,
+                int64_t N, int threads) {
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && M > 16)
+    for (int64_t m = 0; m < M; m++) {
+        const int32_t *a = acc + m * N;
+        float *o = out + m * N;
+        __m256 sr = _mm256_set1_ps(srow[m]);
+        int64_t n = 0;
+        for (; n + 8 <= N; n += 8) {
+            __m256 v = _mm256_mul_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_loadu_si256((const __m256i *)(a + n))),
+                                                   sr), _mm256_loadu_ps(scol + n));
+            if (bias) v = _mm256_add_ps(v, _mm256_loadu_ps(bias + n));
+            _mm256_storeu_ps(o + n, v);
+        }
+        for (; n < N; n++) o[n] = (float)a[n] * srow[m] * scol[n] + (bias ? bias[n] : 0.f);
+    }
+}
+
+int ft_int8_vnni(void) { return has_vnni(); } /* which path ft_int8_rows takes where the shapes allow (for the log) */

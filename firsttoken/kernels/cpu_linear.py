@@ -13,6 +13,10 @@ input-major, the narrowing down projection row-major); each layout has its kerne
 same order whatever the number of rows and threads, so a request's decode products are bitwise the same whichever
 requests share its step.
 
+The same library holds ``--quantization int8``'s arithmetic (models/quant.py): each input row quantized to int8
+with its own scale, the few rows of a decode step multiplied exactly in int32 against int8 weights (AVX-512 VNNI
+where the CPU has it, else AVX2), and the int32 products scaled back; each bitwise the same as its torch twin.
+
 Built with the machine's C compiler (``$CC``, else ``cc``/``gcc``: Debian's ``gcc`` package) into
 ``$FIRSTTOKEN_CACHE/kernels`` (default ``~/.cache/firsttoken/kernels``), once per source and flags, about a second;
 loaded with ctypes (the call releases the GIL). Where the CPU lacks AVX2/FMA, no compiler is found, the build fails
@@ -42,7 +46,8 @@ log = logging.getLogger("firsttoken.kernels")
 
 MAX_ROWS = 16  # 16 rows: 0.91x MKL's time at one thread (24 rows: 1.09x in an earlier check)
 SOURCE = Path(__file__).with_name("cpu_linear.c")
-CFLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC", "-std=gnu11")
+CFLAGS = ("-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC", "-std=gnu11")  # no fused
+# multiply-adds beyond the ones written: the int8 kernels are bitwise twins of torch ops
 
 
 @functools.lru_cache(maxsize=1)
@@ -105,6 +110,11 @@ class _Kernel:
         self.input_major, self.row_major = self.lib.ft_linear_im, self.lib.ft_linear_rm
         for fn in (self.input_major, self.row_major):
             fn.restype, fn.argtypes = None, args
+        p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+        self.int8_rows, self.quant, self.dequant = self.lib.ft_int8_rows, self.lib.ft_quant_rows, self.lib.ft_dequant
+        self.int8_rows.restype, self.int8_rows.argtypes = None, [p, p, p, p, p, p, i64, i64, i64, i32]
+        self.quant.restype, self.quant.argtypes = None, [p, i64, p, p, i64, i64, i32]
+        self.dequant.restype, self.dequant.argtypes = None, [p, p, p, p, p, i64, i64, i32]
 
     def linear(self, rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """rows [M, K] float32 with unit column stride; weight [N, K] float32, row-major or input-major (its
@@ -115,6 +125,35 @@ class _Kernel:
         out = torch.empty(m, n, dtype=torch.float32)
         fn(rows.data_ptr(), rows.stride(0), weight.data_ptr(), 0 if bias is None else bias.data_ptr(),
            out.data_ptr(), n, m, n, k, torch.get_num_threads())
+        return out
+
+
+    def int8_linear(self, q: torch.Tensor, row_scale: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
+                    bias: torch.Tensor | None) -> torch.Tensor:
+        """q [M, K] int8 contiguous (M <= MAX_ROWS) with row_scale [M]; qweight [K, N] int8 contiguous (K % 8 == 0,
+        N % 8 == 0) with scale [N]; bias [N] float32 or None: (q @ qweight) * row_scale * scale + bias, the same
+        numbers as torch._int_mm followed by ``dequant_rows``."""
+        m, k = q.shape
+        n = qweight.shape[1]
+        out = torch.empty(m, n, dtype=torch.float32)
+        self.int8_rows(q.data_ptr(), row_scale.data_ptr(), qweight.data_ptr(), scale.data_ptr(),
+                       0 if bias is None else bias.data_ptr(), out.data_ptr(), m, n, k, torch.get_num_threads())
+        return out
+
+    def quant_rows(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """rows [M, K] float32, unit column stride -> (int8 [M, K], float32 scales [M])."""
+        m, k = rows.shape
+        q, scales = torch.empty(m, k, dtype=torch.int8), torch.empty(m, dtype=torch.float32)
+        self.quant(rows.data_ptr(), rows.stride(0), q.data_ptr(), scales.data_ptr(), m, k, torch.get_num_threads())
+        return q, scales
+
+    def dequant_rows(self, acc: torch.Tensor, row_scale: torch.Tensor, col_scale: torch.Tensor,
+                     bias: torch.Tensor | None) -> torch.Tensor:
+        """acc [M, N] int32 contiguous -> float32 acc * row_scale[m] * col_scale[n] (+ bias[n])."""
+        m, n = acc.shape
+        out = torch.empty(m, n, dtype=torch.float32)
+        self.dequant(acc.data_ptr(), row_scale.data_ptr(), col_scale.data_ptr(), 0 if bias is None else
+                     bias.data_ptr(), out.data_ptr(), m, n, torch.get_num_threads())
         return out
 
 
@@ -169,6 +208,17 @@ def _check(kernel: _Kernel) -> str | None:
                 got, want = kernel.linear(x[:m], w, b), F.linear(x[:m], w, b)
                 if not torch.allclose(got, want, rtol=1e-5, atol=1e-5):
                     return f"the built kernels disagree with torch (max |diff| {(got - want).abs().max():.3g})"
+    qweight = torch.randint(-127, 128, (48, 40), generator=g, dtype=torch.int8)
+    scale = torch.rand(40, generator=g) + 0.5
+    q, scales = kernel.quant_rows(x)
+    acc = q.int() @ qweight.int()
+    want = acc.float() * scales[:, None] * scale + bias
+    if not torch.equal(q, torch.round(x * (1 / scales)[:, None]).to(torch.int8)) or not torch.equal(
+            kernel.dequant_rows(acc, scales, scale, bias), want):
+        return "the built int8 quantize / dequantize kernels disagree with torch"
+    for m in range(1, 6):
+        if not torch.equal(kernel.int8_linear(q[:m], scales[:m], qweight, scale, bias), want[:m]):
+            return "the built int8 few-rows kernel disagrees with torch"
     return None
 
 

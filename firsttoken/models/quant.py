@@ -12,12 +12,14 @@ whose magnitude exceeds float16's range are refused at load.
 
 ``int8``: every linear layer of the language model (the lm_head included) and of the vision tower (its blocks and
 the merger; the patch embedding stays float32) keeps its weight as int8, one scale per output row (symmetric:
-|w| max / 127), packed once at load for FBGEMM. Each product quantizes its input on the fly (dynamic: one uint8
-scale and zero point per call, from the input's min and max) and multiplies in integers, so prefill and the vision
-tower run integer GEMMs (about 4x fewer bytes and up to 4x the multiply rate of float32), and a decode step streams
-a quarter of float32's bytes. Activations between products stay float32 (norms, attention, rotary). Not exact: on
-the oracle prompts the top-1 token agrees with float32 at 95-98% of positions on the 2-layer test checkpoint
-(tests/oracle/test_quantization.py; docs/performance.md has the `small` checkpoint's figures).
+|w| max / 127), stored input-major. Each product quantizes every input row to int8 with that row's own scale
+(dynamic, per token), multiplies exactly in int32 and scales back: prefill and the vision tower through
+``torch._int_mm`` (oneDNN), the few rows of a decode step through firsttoken's kernel (kernels/cpu_linear.c: a
+quarter of float32's weight bytes; AVX-512 VNNI where the CPU has it, else AVX2). The int32 sums are exact, so a row's
+outputs are bitwise the same on either path and whatever shares its step; without the kernels (no compiler,
+``--cpu-kernels off``) torch's ops compute the very same numbers, slower. Activations between products stay float32
+(norms, attention, rotary). Not exact against float32: top-1 agreement in docs/performance.md (on the 2-layer test
+checkpoint 97-98% of the oracle prompts' positions, tests/oracle/test_quantization.py).
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ import warnings
 
 import torch
 from torch import nn
+
+from firsttoken.kernels.cpu_linear import MAX_ROWS
 
 FP16_MAX = 65504.0
 
@@ -128,69 +132,91 @@ def quantize_fp16(model: nn.Module, exclude_prefix: str = "visual.", multithread
 # ---------------------------------------------------------------- int8
 
 
-def _vnni() -> bool:
-    """AVX-512 VNNI: FBGEMM multiplies uint8 by int8 into 32 bits. Without it (AVX2, plain AVX-512), its kernel
-    sums pairs of products into saturating 16 bits, which a full-range uint8 input can overflow: inputs are then
-    quantized to 7 bits (torch's ``reduce_range``, as its own dynamic quantization does for FBGEMM)."""
-    from firsttoken.kernels.cpu_linear import cpu_flags
+def _int8_kernel():
+    """The built kernels (kernels/cpu_linear.py), or None where they are unavailable (the torch twins run)."""
+    from firsttoken.kernels.cpu_linear import _kernel
 
-    flags = cpu_flags()
-    return flags is not None and "avx512_vnni" in flags
+    return _kernel()[0]
 
 
-def _quantize_rows(weight: torch.Tensor) -> torch.Tensor:
-    """A float weight [N, K] as a per-row (axis 0) symmetric qint8 tensor: scale |w| max / 127 per row."""
-    w = weight.detach().float().contiguous()
-    scales = (w.abs().amax(dim=1) / 127.0).clamp_min(1e-12).double()  # an all-zero row keeps a usable scale
-    with warnings.catch_warnings():  # torch 2.13 marks quantized tensors deprecated (a warning per process)
-        warnings.simplefilter("ignore", UserWarning)
-        return torch.quantize_per_channel(w, scales, torch.zeros(w.shape[0], dtype=torch.long), 0, torch.qint8)
+def quantize_rows(rows: torch.Tensor, kernel=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row of a float32 [M, K] (unit column stride) to int8 with its own symmetric scale (max |x| / 127; an
+    all-zero row gets 1): q = x * (1 / scale) rounded half to even. ``kernel`` (kernels/cpu_linear.py's) where
+    given, else the same arithmetic in torch (bitwise the same)."""
+    if kernel is not None:
+        return kernel.quant_rows(rows)
+    scales = rows.abs().amax(dim=1) / 127.0
+    scales = torch.where(scales > 0, scales, torch.ones_like(scales))
+    return torch.round(rows * (1 / scales)[:, None]).to(torch.int8), scales
+
+
+def dequantize_rows(acc: torch.Tensor, row_scale: torch.Tensor, col_scale: torch.Tensor,
+                    bias: torch.Tensor | None, kernel=None) -> torch.Tensor:
+    """int32 [M, N] products to float32: acc * row_scale[m] * col_scale[n] (+ bias[n]), in that order (``kernel``
+    as in ``quantize_rows``)."""
+    if kernel is not None:
+        return kernel.dequant_rows(acc, row_scale, col_scale, bias)
+    out = acc.float().mul_(row_scale[:, None]).mul_(col_scale)
+    return out.add_(bias) if bias is not None else out
 
 
 def int8_supported() -> str | None:
-    """None when this torch build and CPU run FBGEMM's dynamic int8 GEMM correctly, else why not."""
-    if "fbgemm" not in torch.backends.quantized.supported_engines:
-        return "this torch build has no FBGEMM (x86 only)"
+    """None when this torch build multiplies int8 matrices exactly on this CPU (``torch._int_mm``), else why not."""
     try:
-        w = torch.tensor([[1.0, -2.0, 0.5, 0.0]] * 8)
-        packed = torch.ops.quantized.linear_prepack(_quantize_rows(w), None)
-        got = torch.ops.quantized.linear_dynamic(torch.ones(2, 4), packed, not _vnni())
-    except (RuntimeError, AttributeError) as e:  # a build without the ops, a CPU FBGEMM cannot run on
-        return f"FBGEMM's int8 GEMM cannot run here: {e}"
-    if not torch.allclose(got, torch.full((2, 8), -0.5), atol=2e-2):
-        return "FBGEMM's int8 GEMM gave a wrong result on this CPU"
+        a = torch.tensor([[1, -2, 3, 127]] * 2, dtype=torch.int8)
+        got = torch._int_mm(a, a.t().contiguous())
+    except (RuntimeError, AttributeError) as e:
+        return f"torch cannot multiply int8 matrices here: {e}"
+    if not torch.equal(got, torch.full((2, 2), 1 + 4 + 9 + 127 * 127, dtype=torch.int32)):
+        return "torch._int_mm gave a wrong result on this CPU"
     return None
 
 
 class Int8Linear(nn.Module):
-    """``nn.Linear``'s forward with the weight held as packed per-row int8 (the float weight is freed); the input
-    is quantized per call (dynamic), the output is float32. Inputs are float32 of any leading shape."""
+    """``nn.Linear``'s forward with the weight held as int8 (one symmetric scale per output row: |w| max / 127),
+    stored input-major [K, N] (the float weight is freed). Products of more than ``MAX_ROWS`` rows (prefill, the
+    vision tower) quantize each input row to int8 with its own scale and multiply exactly in int32
+    (``torch._int_mm``), then scale back; fewer rows (decode steps) keep float32 inputs and run the few-rows kernel
+    over the int8 weight (a quarter of float32's bytes), where the kernels are built. Either way a row's output
+    depends on that row alone, not on what shares the product. Inputs float32 of any leading shape."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, use_kernels: bool = True) -> None:
         super().__init__()
         self.out_features, self.in_features = weight.shape
-        b = bias.detach().float().contiguous() if bias is not None else None
-        self.packed = torch.ops.quantized.linear_prepack(_quantize_rows(weight), b)
-        self.reduce_range = not _vnni()
-        self._linear = torch.ops.quantized.linear_dynamic.default
+        self.use_kernels = use_kernels  # False: torch's ops only (--cpu-kernels off)
+        w = weight.detach().float()
+        scale = w.abs().amax(dim=1) / 127.0
+        scale = torch.where(scale > 0, scale, torch.ones_like(scale))  # an all-zero row: zeros, scale 1
+        self.qweight = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8).t().contiguous()
+        self.scale = scale.contiguous()
+        self.bias = bias.detach().float().contiguous() if bias is not None else None
+        self.few_rows = self.in_features % 8 == 0 and self.out_features % 8 == 0  # the kernel's shapes
 
     @classmethod
-    def of(cls, linear: nn.Linear) -> Int8Linear:
-        return cls(linear.weight, linear.bias)
+    def of(cls, linear: nn.Linear, use_kernels: bool = True) -> Int8Linear:
+        return cls(linear.weight, linear.bias, use_kernels)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self._linear(x.reshape(-1, self.in_features), self.packed, self.reduce_range)
+        rows = x.reshape(-1, self.in_features)
+        if rows.stride(-1) != 1:
+            rows = rows.contiguous()
+        kernel = _int8_kernel() if self.use_kernels else None
+        q, row_scale = quantize_rows(rows, kernel)
+        if kernel is not None and self.few_rows and 0 < rows.shape[0] <= MAX_ROWS:
+            out = kernel.int8_linear(q, row_scale, self.qweight, self.scale, self.bias)  # the same numbers
+        else:
+            out = dequantize_rows(torch._int_mm(q, self.qweight), row_scale, self.scale, self.bias, kernel)
         return out.view(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, weight=int8 per row (FBGEMM)"
+        return f"in_features={self.in_features}, out_features={self.out_features}, weight=int8 per row"
 
 
 INT8_KEEPS_FLOAT = ("visual.patch_embed.",)  # read as a float weight by the vision towers (its dtype); ~6% of a
 # 1024² image's encoder FLOPs
 
 
-def quantize_int8(model: nn.Module, keep_float: tuple[str, ...] = INT8_KEEPS_FLOAT) -> int:
+def quantize_int8(model: nn.Module, keep_float: tuple[str, ...] = INT8_KEEPS_FLOAT, use_kernels: bool = True) -> int:
     """Replace every ``nn.Linear`` (language model and vision tower) whose name starts with none of ``keep_float``
     by an ``Int8Linear``; a model whose lm_head is tied to its embeddings gets an int8 lm_head for its logits (the
     embeddings stay float32 for lookups). Returns the number of linear layers replaced."""
@@ -202,8 +228,8 @@ def quantize_int8(model: nn.Module, keep_float: tuple[str, ...] = INT8_KEEPS_FLO
     for name in names:  # one at a time: each float weight is freed once its int8 copy is packed
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, child, Int8Linear.of(getattr(parent, child)))
+        setattr(parent, child, Int8Linear.of(getattr(parent, child), use_kernels))
     if getattr(model, "lm_head", False) is None:  # tied: logits from a packed int8 copy of the embeddings
-        model.lm_head = Int8Linear(model.embed_tokens.weight, None)
+        model.lm_head = Int8Linear(model.embed_tokens.weight, None, use_kernels)
         return len(names) + 1
     return len(names)

@@ -2,10 +2,12 @@
 exact, so its quality is checked against transformers' float32 forward on the oracle prompts: the same top-1 token
 at (nearly) every prompt position, and the same greedy continuation.
 
---quantization int8: the linear layers of the language model and the vision tower hold per-row int8 weights, inputs
-quantized per call. Checked the same way, with the bounds this 2-layer, 64-wide checkpoint meets (its top-1 agreement
-is 95-98% per prompt: its logits have a median top-1/top-2 gap of ~1.5 and int8 moves the largest logit by ~1-3%);
-docs/performance.md has the `small` checkpoint's figures."""
+--quantization int8: the linear layers of the language model and the vision tower hold per-row int8 weights, each
+input row is quantized with its own scale, products are exact int32. Checked the same way, with the bounds this
+2-layer, 64-wide checkpoint meets (its top-1 agreement is 97-98% per prompt: its logits have a median top-1/top-2 gap
+of ~1.5 and int8 moves the largest logit by ~1.5%); docs/performance.md has the `small` checkpoint's figures. And the
+arithmetic: a row's outputs are bitwise the same whichever path computes them (the few-rows kernel, torch._int_mm,
+the torch twins of the kernels) and whatever shares the product."""
 
 from __future__ import annotations
 
@@ -15,8 +17,10 @@ import pytest
 import torch
 from torch import nn
 
+from firsttoken.kernels import cpu_linear
 from firsttoken.models.loader import load_model
-from firsttoken.models.quant import Fp16Linear, Int8Linear
+from firsttoken.models.quant import Fp16Linear, Int8Linear, dequantize_rows, quantize_rows
+from tests.conftest import require_program
 from tests.oracle import test_qwen2_vl_parity as parity
 from tests.oracle.test_qwen2_vl_parity import (
     PROMPTS,
@@ -160,3 +164,55 @@ def test_int8_with_tied_embeddings_packs_an_int8_lm_head_and_keeps_lookups_float
 def test_int8_refuses_bfloat16_activations(tiny_qwen2_vl_dir: Path):
     with pytest.raises(ValueError, match="float32"):
         load_model(tiny_qwen2_vl_dir, torch.bfloat16, quantization="int8")
+
+
+def _int8_layer(in_features: int, out_features: int, use_kernels: bool, seed: int = 0) -> Int8Linear:
+    g = torch.Generator().manual_seed(seed)
+    weight = torch.randn(out_features, in_features, generator=g) / in_features**0.5
+    return Int8Linear(weight, torch.randn(out_features, generator=g), use_kernels)
+
+
+@pytest.fixture(scope="module")
+def int8_kernels() -> None:
+    require_program("cc", "gcc", "gcc")
+    assert cpu_linear.kernel_unavailable() is None
+
+
+@pytest.mark.parametrize("shape", [(64, 48), (512, 768), (1408, 512), (72, 40), (40, 36)])
+def test_an_int8_row_is_bitwise_the_same_alone_batched_and_on_every_path(int8_kernels, shape):
+    # K and N multiples of 16: the AVX-512 VNNI few-rows loop where the CPU has it; (72, 40): the AVX2 loop;
+    # (40, 36): no few-rows kernel (N % 8), torch._int_mm for every row count
+    k, n = shape
+    fast, twins = _int8_layer(k, n, use_kernels=True), _int8_layer(k, n, use_kernels=False)
+    x = torch.randn(40, k, generator=torch.Generator().manual_seed(1)) * torch.logspace(-2, 2, 40)[:, None]
+    with torch.no_grad():
+        every = fast(x)  # 40 rows: torch._int_mm
+        assert torch.equal(twins(x), every)  # --cpu-kernels off: the same numbers from torch's ops alone
+        for rows in (1, 2, 5, 8, 16, 17):  # the few-rows kernel up to 16 rows, then _int_mm again
+            assert torch.equal(fast(x[:rows]), every[:rows])
+            assert torch.equal(fast(x[-rows:]), every[-rows:])  # with other batch-mates
+            assert torch.equal(twins(x[:rows]), every[:rows])
+        assert torch.equal(fast(x[3:4].expand(4, k)), every[3:4].expand(4, n))  # one row read 4 times (row stride 0)
+
+
+def test_int8_rows_are_quantized_each_with_its_own_scale(int8_kernels):
+    x = torch.tensor([[0.0] * 8, [1.0, -2.0, 0.5, 0.0, 0.0, 0.0, 0.0, 127.0], [1e-3, -1e-3] * 4])
+    kernel = cpu_linear._kernel()[0]
+    q, scales = quantize_rows(x, kernel)
+    assert torch.equal((q, scales)[1], torch.tensor([1.0, 1.0, 1e-3 / 127]))  # an all-zero row keeps scale 1
+    assert q[0].abs().max() == 0 and q[1].tolist() == [1, -2, 0, 0, 0, 0, 0, 127]  # 0.5 rounds half to even
+    assert q[2].tolist() == [127, -127] * 4
+    assert all(torch.equal(a, b) for a, b in zip((q, scales), quantize_rows(x)))  # the torch twin
+    acc = torch.randint(-2**20, 2**20, (3, 8), dtype=torch.int32)
+    col, bias = torch.rand(8) + 0.5, torch.randn(8)
+    assert torch.equal(dequantize_rows(acc, scales, col, bias, kernel), dequantize_rows(acc, scales, col, bias))
+    assert torch.equal(dequantize_rows(acc, scales, col, None, kernel), acc.float() * scales[:, None] * col)
+
+
+def test_int8_cpu_kernels_off_gives_the_same_logits(tiny_qwen2_vl_dir: Path, int8_kernels):
+    fast = load_model(tiny_qwen2_vl_dir, torch.float32, quantization="int8")
+    twins = load_model(tiny_qwen2_vl_dir, torch.float32, quantization="int8", cpu_kernels="off")
+    assert fast.lm_head.use_kernels and not twins.lm_head.use_kernels
+    prompt = make_prompt(fast.config, PROMPTS["one_image"], seed=7)
+    a, b = TinyRunner(fast), TinyRunner(twins)
+    assert torch.equal(a.prefill(a.add(prompt), chunk=32), b.prefill(b.add(prompt), chunk=32))
