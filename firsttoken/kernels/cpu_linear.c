@@ -17,6 +17,7 @@
    checks K % KB == 0 and N % 8 == 0 (im), K % 16 == 0 (rm). */
 #include <immintrin.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #define KB 8
@@ -189,9 +190,6 @@ __attribute__((target("avx512f,avx512bw,avx512vnni")))
 static void int8_rows_range_vnni(const int8_t *xq, const int8_t *wt, int32_t *acc, int64_t ldo, int64_t M,
                                  int64_t N, int64_t K, int64_t n0, int64_t n1) {
     int32_t xp[MAX_INT8_ROWS][8];
-    /* after widening 16 int8 of rows k and k+1 and interleaving them within 128-bit lanes, the 32-bit pairs hold
-       columns 0-3, 8-11 | 4-7, 12-15: this puts them back in order */
-    const __m512i order = _mm512_setr_epi32(0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 12, 13, 14, 15);
     for (int64_t m = 0; m < M; m++) memset(acc + m * ldo + n0, 0, (size_t)(n1 - n0) * sizeof(int32_t));
     for (int64_t k = 0; k < K; k += 16) {
         for (int64_t m = 0; m < M; m++)
@@ -202,9 +200,10 @@ static void int8_rows_range_vnni(const int8_t *xq, const int8_t *wt, int32_t *ac
             for (int j = 0; j < 8; j++) {
                 __m256i a = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(w + (2 * j) * N + n)));
                 __m256i b = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(w + (2 * j + 1) * N + n)));
-                __m512i ab = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_unpacklo_epi16(a, b)),
-                                                _mm256_unpackhi_epi16(a, b), 1);
-                wp[j] = _mm512_permutexvar_epi32(order, ab);
+                /* 16 pairs (k, k+1), columns in the order 0-3, 8-11, 4-7, 12-15 (unpack works within 128-bit
+                   lanes); the sums stay in that order until vnni_finish puts them back */
+                wp[j] = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_unpacklo_epi16(a, b)),
+                                           _mm256_unpackhi_epi16(a, b), 1);
             }
             for (int64_t m = 0; m < M; m++) {
                 int32_t *o = acc + m * ldo + n;
@@ -212,6 +211,22 @@ static void int8_rows_range_vnni(const int8_t *xq, const int8_t *wt, int32_t *ac
                 for (int j = 0; j < 8; j++) s = _mm512_dpwssd_epi32(s, _mm512_set1_epi32(xp[m][j]), wp[j]);
                 _mm512_storeu_si512(o, s);
             }
+        }
+    }
+}
+
+/* out = (float)acc * xscale[m] * wscale[n] (+ bias[n]) for the VNNI loop's sums, columns put back in order */
+__attribute__((target("avx512f,avx512bw,avx512vnni")))
+static void vnni_finish(const int32_t *acc, const float *xscale, const float *wscale, const float *bias, float *out,
+                        int64_t M, int64_t N, int64_t n0, int64_t n1) {
+    const __m512i order = _mm512_setr_epi32(0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 12, 13, 14, 15);
+    for (int64_t m = 0; m < M; m++) {
+        __m512 sr = _mm512_set1_ps(xscale[m]);
+        for (int64_t n = n0; n < n1; n += 16) {
+            __m512i a = _mm512_permutexvar_epi32(order, _mm512_loadu_si512(acc + m * N + n));
+            __m512 v = _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(a), sr), _mm512_loadu_ps(wscale + n));
+            if (bias) v = _mm512_add_ps(v, _mm512_loadu_ps(bias + n));
+            _mm512_storeu_ps(out + m * N + n, v);
         }
     }
 }
@@ -239,10 +254,12 @@ void ft_int8_rows(const int8_t *xq, const float *xscale, const int8_t *wt, const
     for (int t = 0; t < nt; t++) {
         int64_t n0 = t * per, n1 = n0 + per < N ? n0 + per : N;
         if (n0 >= n1) continue;
-        if (vnni)
+        if (vnni) {
             int8_rows_range_vnni(xq, wt, acc, N, M, N, K, n0, n1);
-        else
-            int8_rows_range(xq, wt, acc, N, M, N, K, n0, n1);
+            vnni_finish(acc, xscale, wscale, bias, out, M, N, n0, n1);
+            continue;
+        }
+        int8_rows_range(xq, wt, acc, N, M, N, K, n0, n1);
         for (int64_t m = 0; m < M; m++) {
             __m256 sr = _mm256_set1_ps(xscale[m]);
             for (int64_t n = n0; n < n1; n += 8) {
@@ -308,3 +325,17 @@ void ft_dequant(const int32_t *acc, const float *srow, const float *scol, const 
 }
 
 int ft_int8_vnni(void) { return has_vnni(); } /* which path ft_int8_rows takes where the shapes allow (for the log) */
+
+/* ft_quant_rows then ft_int8_rows in one call, for a decode step's few float32 rows (one fewer call per product). */
+void ft_int8_linear(const float *x, int64_t ldx, const int8_t *wt, const float *wscale, const float *bias, float *out,
+                    int64_t M, int64_t N, int64_t K, int threads) {
+    float xs[MAX_INT8_ROWS];
+    int8_t *xq = malloc((size_t)(M * K));
+    if (!xq) { /* no memory for a few rows: NaNs say so rather than wrong numbers */
+        for (int64_t i = 0; i < M * N; i++) out[i] = __builtin_nanf("");
+        return;
+    }
+    ft_quant_rows(x, ldx, xq, xs, M, K, 1);
+    ft_int8_rows(xq, xs, wt, wscale, bias, out, M, N, K, threads);
+    free(xq);
+}

@@ -111,8 +111,8 @@ class _Kernel:
         for fn in (self.input_major, self.row_major):
             fn.restype, fn.argtypes = None, args
         p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-        self.int8_rows, self.quant, self.dequant = self.lib.ft_int8_rows, self.lib.ft_quant_rows, self.lib.ft_dequant
-        self.int8_rows.restype, self.int8_rows.argtypes = None, [p, p, p, p, p, p, i64, i64, i64, i32]
+        self.int8_rows, self.quant, self.dequant = self.lib.ft_int8_linear, self.lib.ft_quant_rows, self.lib.ft_dequant
+        self.int8_rows.restype, self.int8_rows.argtypes = None, [p, i64, p, p, p, p, i64, i64, i64, i32]
         self.quant.restype, self.quant.argtypes = None, [p, i64, p, p, i64, i64, i32]
         self.dequant.restype, self.dequant.argtypes = None, [p, p, p, p, p, i64, i64, i32]
 
@@ -128,15 +128,15 @@ class _Kernel:
         return out
 
 
-    def int8_linear(self, q: torch.Tensor, row_scale: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
+    def int8_linear(self, rows: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
                     bias: torch.Tensor | None) -> torch.Tensor:
-        """q [M, K] int8 contiguous (M <= MAX_ROWS) with row_scale [M]; qweight [K, N] int8 contiguous (K % 8 == 0,
-        N % 8 == 0) with scale [N]; bias [N] float32 or None: (q @ qweight) * row_scale * scale + bias, the same
-        numbers as torch._int_mm followed by ``dequant_rows``."""
-        m, k = q.shape
+        """rows [M, K] float32 with unit column stride (M <= MAX_ROWS), each quantized as ``quant_rows`` does;
+        qweight [K, N] int8 contiguous (K % 8 == 0, N % 8 == 0) with scale [N]; bias [N] float32 or None: the same
+        numbers as ``quant_rows``, torch._int_mm and ``dequant_rows`` in turn."""
+        m, k = rows.shape
         n = qweight.shape[1]
         out = torch.empty(m, n, dtype=torch.float32)
-        self.int8_rows(q.data_ptr(), row_scale.data_ptr(), qweight.data_ptr(), scale.data_ptr(),
+        self.int8_rows(rows.data_ptr(), rows.stride(0), qweight.data_ptr(), scale.data_ptr(),
                        0 if bias is None else bias.data_ptr(), out.data_ptr(), m, n, k, torch.get_num_threads())
         return out
 
@@ -217,7 +217,7 @@ def _check(kernel: _Kernel) -> str | None:
             kernel.dequant_rows(acc, scales, scale, bias), want):
         return "the built int8 quantize / dequantize kernels disagree with torch"
     for m in range(1, 6):
-        if not torch.equal(kernel.int8_linear(q[:m], scales[:m], qweight, scale, bias), want[:m]):
+        if not torch.equal(kernel.int8_linear(x[:m], qweight, scale, bias), want[:m]):
             return "the built int8 few-rows kernel disagrees with torch"
     return None
 

@@ -201,10 +201,10 @@ class Int8Linear(nn.Module):
         if rows.stride(-1) != 1:
             rows = rows.contiguous()
         kernel = _int8_kernel() if self.use_kernels else None
-        q, row_scale = quantize_rows(rows, kernel)
         if kernel is not None and self.few_rows and 0 < rows.shape[0] <= MAX_ROWS:
-            out = kernel.int8_linear(q, row_scale, self.qweight, self.scale, self.bias)  # the same numbers
+            out = kernel.int8_linear(rows, self.qweight, self.scale, self.bias)  # the same numbers
         else:
+            q, row_scale = quantize_rows(rows, kernel)
             out = dequantize_rows(torch._int_mm(q, self.qweight), row_scale, self.scale, self.bias, kernel)
         return out.view(*x.shape[:-1], self.out_features)
 
