@@ -15,7 +15,7 @@ The servers (all started first; an idle one costs no CPU):
 - firsttoken: serve --dtype float32 --num-threads 2 --image-max-tokens 16384 (no budget: 1,369 visual tokens per
   1024x1024 image, as llama.cpp), caches off; and again with the default image budget for a separate TTFT column;
   with --ours-fp16, another with --quantization fp16 (float16 weights, FBGEMM) in every measurement; with
-  --ours-int8, another with --quantization int8 (int8 weights in both towers, FBGEMM's dynamic int8 GEMM), set
+  --ours-int8, another with --quantization int8 (int8 weights in both towers, inputs quantized per row), set
   beside llama.cpp's Q8_0 when --quant q8_0 is given.
 Each measurement runs 1 warm-up + --repeats (3) rounds; a round sends the same prompt to every server in turn (the
 order rotating), so load from other processes on a shared machine falls on all alike; medians are reported, and

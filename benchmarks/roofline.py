@@ -32,10 +32,10 @@ measured only where the CPU computes it natively (avx512_bf16 / amx_bf16); elsew
 fp32.
 
 ``--quantization`` (float32 only) loads the model as the server's flag does (models/quant.py): int8 turns every
-linear layer but the patch embedding into FBGEMM's dynamic int8 GEMM, fp16 the language model's (lm_head
-included) into packed float16 weights. FLOPs are counted the same; % of peak stays against the float32 peak, and
-each row is labelled with the weights its modules actually hold ([int8], [fp16]), so an int8 row above 100% is
-the integer GEMM's gain. The quantized GEMM's own 2048^3 rate is printed beside the peak.
+linear layer but the patch embedding into int8 (per-row weights and inputs, int32 products), fp16 the language
+model's (lm_head included) into packed float16 weights. FLOPs are counted the same; % of peak stays against the
+float32 peak, and each row is labelled with the weights its modules actually hold ([int8], [fp16]), so an int8 row
+above 100% is the integer GEMM's gain. The quantized GEMM's own 2048^3 rate is printed beside the peak.
 """
 
 from __future__ import annotations
@@ -90,7 +90,7 @@ PARTS = (
     ("lm_head", "lm_head on the sampled row"),
 )
 LINEAR_PARTS = ("patch_embed", "vision_linear", "merger", "lm_linear", "lm_head")
-QUANT_GEMMS = {"int8": "FBGEMM's dynamic int8 GEMM", "fp16": "FBGEMM's float16-weight GEMM"}
+QUANT_GEMMS = {"int8": "the int8 linear layer (per-row inputs, torch._int_mm)", "fp16": "FBGEMM's float16-weight GEMM"}
 
 
 # ---- the prompt ------------------------------------------------------------------------------------------------
