@@ -142,12 +142,15 @@ void ft_linear_rm(const float *x, int64_t ldx, const float *w, const float *bias
 
    Weights are int8, input-major ([K, N], the layout torch._int_mm takes), one float scale per output column n;
    each input row is quantized to int8 with its own scale, and out = (float)(xq @ wq) * xscale[m] * wscale[n]
-   (+ bias[n]), in that order. torch._int_mm computes the int32 products of prefill; ft_int8_rows computes the same
-   (exact) sums for the few rows of a decode step, streaming a quarter of float32's bytes.
+   (+ bias[n]), in that order. The int32 sums are exact, so any correct product gives the same numbers:
+   torch._int_mm for prefill where oneDNN multiplies int8 exactly (VNNI or AMX CPUs: models/quant.py decides),
+   ft_int8_rows otherwise and for the few rows of a decode step (a quarter of float32's bytes).
    - ft_quant_rows: each row of x to int8 with its own symmetric scale (max |x| / 127; q = x * (1 / scale)
-     rounded half to even).
+     rounded half to even); a row holding a NaN or an infinity gets scale NaN and zeros (its outputs are NaN), a row
+     whose max |x| is under 127 x FLT_MIN gets scale 1 (zeros: its outputs are the bias).
    - ft_dequant: the scaling above, after torch._int_mm.
-   All three have torch twins in models/quant.py with the same arithmetic (bitwise the same results, for machines
+   - ft_int8_rows / ft_int8_linear: the products and the scaling, from int8 rows / from float rows.
+   All have torch twins in models/quant.py with the same arithmetic (bitwise the same results, for machines
    without the kernels). A row's outputs depend on that row alone, whichever path and whatever shares the step. */
 
 static inline int32_t int16_pair(int8_t lo, int8_t hi) {
@@ -231,22 +234,18 @@ static void vnni_finish(const int32_t *acc, const float *xscale, const float *ws
     }
 }
 
-static int has_vnni(void) {
-    static int known = -1;
-    if (known < 0) {
-        __builtin_cpu_init();
-        known = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-                __builtin_cpu_supports("avx512vnni");
-    }
-    return known;
+static int vnni_cpu;
+__attribute__((constructor)) static void detect_vnni(void) { /* once, at load: no race among callers */
+    __builtin_cpu_init();
+    vnni_cpu = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+               __builtin_cpu_supports("avx512vnni");
 }
 
-/* out [M, N] float32 = (float)(xq @ wt) * xscale[m] * wscale[n] (+ bias[n]): the same numbers as torch._int_mm
-   followed by ft_dequant, for the few rows of a decode step (M <= MAX_INT8_ROWS; K % 8 == 0, N % 8 == 0). */
-void ft_int8_rows(const int8_t *xq, const float *xscale, const int8_t *wt, const float *wscale, const float *bias,
-                  float *out, int64_t M, int64_t N, int64_t K, int threads) {
+/* out [M, N] float32 = (float)(xq @ wt) * xscale[m] * wscale[n] (+ bias[n]) for M <= MAX_INT8_ROWS rows */
+static void int8_rows_block(const int8_t *xq, const float *xscale, const int8_t *wt, const float *wscale,
+                            const float *bias, float *out, int64_t M, int64_t N, int64_t K, int threads) {
     int32_t *acc = (int32_t *)out; /* int32 sums in the output's own memory, then turned into floats in place */
-    int vnni = K % 16 == 0 && N % 16 == 0 && has_vnni();
+    int vnni = K % 16 == 0 && N % 16 == 0 && vnni_cpu;
     int64_t vec = vnni ? 16 : 8;
     int64_t per = threads <= 1 ? N : (N / vec + threads - 1) / threads * vec;
     int nt = threads <= 1 ? 1 : threads;
@@ -273,36 +272,60 @@ void ft_int8_rows(const int8_t *xq, const float *xscale, const int8_t *wt, const
     }
 }
 
+/* The same numbers as torch._int_mm followed by ft_dequant, for any M, in blocks of MAX_INT8_ROWS rows (each
+   block reads the weights once: a decode step's few rows stream them; prefill on a CPU where torch._int_mm is not
+   exact rereads them from cache). K % 8 == 0 and N % 8 == 0, else every output is NaN. */
+void ft_int8_rows(const int8_t *xq, const float *xscale, const int8_t *wt, const float *wscale, const float *bias,
+                  float *out, int64_t M, int64_t N, int64_t K, int threads) {
+    if (K % 8 || N % 8) {
+        for (int64_t i = 0; i < M * N; i++) out[i] = __builtin_nanf("");
+        return;
+    }
+    for (int64_t m0 = 0; m0 < M; m0 += MAX_INT8_ROWS) {
+        int64_t rows = M - m0 < MAX_INT8_ROWS ? M - m0 : MAX_INT8_ROWS;
+        int8_rows_block(xq + m0 * K, xscale + m0, wt, wscale, bias, out + m0 * N, rows, N, K, threads);
+    }
+}
+
 void ft_quant_rows(const float *x, int64_t ldx, int8_t *q, float *scales, int64_t M, int64_t K, int threads) {
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && M > 16)
     for (int64_t m = 0; m < M; m++) {
         const float *r = x + m * ldx;
+        int8_t *o = q + m * K;
         const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
-        __m256 mx = _mm256_setzero_ps();
+        const __m256 inf = _mm256_set1_ps(__builtin_inff());
+        __m256 mx = _mm256_setzero_ps(), bad = _mm256_setzero_ps();
         int64_t k = 0;
-        for (; k + 8 <= K; k += 8) mx = _mm256_max_ps(mx, _mm256_and_ps(abs_mask, _mm256_loadu_ps(r + k)));
+        for (; k + 8 <= K; k += 8) {
+            __m256 a = _mm256_and_ps(abs_mask, _mm256_loadu_ps(r + k));
+            bad = _mm256_or_ps(bad, _mm256_cmp_ps(a, inf, _CMP_NLT_UQ)); /* NaN or infinity */
+            mx = _mm256_max_ps(mx, a);
+        }
         float lanes[8], amax = 0.f;
+        int nonfinite = _mm256_movemask_ps(bad) != 0;
         _mm256_storeu_ps(lanes, mx);
         for (int j = 0; j < 8; j++) amax = lanes[j] > amax ? lanes[j] : amax;
         for (; k < K; k++) {
             float a = r[k] < 0 ? -r[k] : r[k];
+            nonfinite |= !(a < __builtin_inff());
             amax = a > amax ? a : amax;
         }
+        if (nonfinite) { /* NaN scale, zeros: the row's outputs are NaN, as a float product's would be */
+            scales[m] = __builtin_nanf("");
+            memset(o, 0, (size_t)K);
+            continue;
+        }
         float s = amax / 127.f;
-        if (!(s > 0.f)) s = 1.f; /* an all-zero row (or NaN): zeros, a harmless scale */
+        if (!(s >= __FLT_MIN__)) s = 1.f; /* all zeros, or so small that 1 / s overflows: zeros */
         scales[m] = s;
         float inv = 1.f / s;
         __m256 vinv = _mm256_set1_ps(inv);
-        int8_t *o = q + m * K;
         for (k = 0; k + 8 <= K; k += 8) {
             __m256i i32 = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(r + k), vinv)); /* half to even */
             __m128i w16 = _mm_packs_epi32(_mm256_castsi256_si128(i32), _mm256_extracti128_si256(i32, 1));
             _mm_storel_epi64((__m128i *)(o + k), _mm_packs_epi16(w16, w16));
         }
-        for (; k < K; k++) {
-            __m128 v = _mm_set_ss(r[k] * inv);
-            o[k] = (int8_t)_mm_cvtss_si32(v); /* the same rounding as the vector lanes */
-        }
+        for (; k < K; k++) o[k] = (int8_t)_mm_cvtss_si32(_mm_set_ss(r[k] * inv)); /* the lanes' rounding */
     }
 }
 
@@ -324,18 +347,18 @@ void ft_dequant(const int32_t *acc, const float *srow, const float *scol, const 
     }
 }
 
-int ft_int8_vnni(void) { return has_vnni(); } /* which path ft_int8_rows takes where the shapes allow (for the log) */
+int ft_int8_vnni(void) { return vnni_cpu; } /* which loop ft_int8_rows takes where the shapes allow (the log) */
 
-/* ft_quant_rows then ft_int8_rows in one call, for a decode step's few float32 rows (one fewer call per product). */
+/* ft_quant_rows then ft_int8_rows in one call, from float32 rows (a decode step: one call per product). */
 void ft_int8_linear(const float *x, int64_t ldx, const int8_t *wt, const float *wscale, const float *bias, float *out,
                     int64_t M, int64_t N, int64_t K, int threads) {
-    float xs[MAX_INT8_ROWS];
-    int8_t *xq = malloc((size_t)(M * K));
-    if (!xq) { /* no memory for a few rows: NaNs say so rather than wrong numbers */
+    float *xs = malloc((size_t)M * sizeof(float) + (size_t)(M * K)); /* the scales, then the int8 rows */
+    if (!xs) { /* no memory for the quantized rows: NaNs say so rather than wrong numbers */
         for (int64_t i = 0; i < M * N; i++) out[i] = __builtin_nanf("");
         return;
     }
-    ft_quant_rows(x, ldx, xq, xs, M, K, 1);
+    int8_t *xq = (int8_t *)(xs + M);
+    ft_quant_rows(x, ldx, xq, xs, M, K, threads);
     ft_int8_rows(xq, xs, wt, wscale, bias, out, M, N, K, threads);
-    free(xq);
+    free(xs);
 }

@@ -115,6 +115,9 @@ class _Kernel:
         self.int8_rows.restype, self.int8_rows.argtypes = None, [p, i64, p, p, p, p, i64, i64, i64, i32]
         self.quant.restype, self.quant.argtypes = None, [p, i64, p, p, i64, i64, i32]
         self.dequant.restype, self.dequant.argtypes = None, [p, p, p, p, p, i64, i64, i32]
+        self.int8_rows_q = self.lib.ft_int8_rows
+        self.int8_rows_q.restype, self.int8_rows_q.argtypes = None, [p, p, p, p, p, p, i64, i64, i64, i32]
+        self.int8_vnni = bool(self.lib.ft_int8_vnni())  # which loop the int8 products take (AVX-512 VNNI or AVX2)
 
     def linear(self, rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """rows [M, K] float32 with unit column stride; weight [N, K] float32, row-major or input-major (its
@@ -130,9 +133,10 @@ class _Kernel:
 
     def int8_linear(self, rows: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
                     bias: torch.Tensor | None) -> torch.Tensor:
-        """rows [M, K] float32 with unit column stride (M <= MAX_ROWS), each quantized as ``quant_rows`` does;
-        qweight [K, N] int8 contiguous (K % 8 == 0, N % 8 == 0) with scale [N]; bias [N] float32 or None: the same
-        numbers as ``quant_rows``, torch._int_mm and ``dequant_rows`` in turn."""
+        """rows [M, K] float32 on the CPU with unit column stride, each quantized as ``quant_rows`` does; qweight
+        [K, N] int8 contiguous (K % 8 == 0, N % 8 == 0) with scale [N]; bias [N] float32 or None: the same numbers
+        as ``quant_rows``, an exact int32 product and ``dequant_rows`` in turn."""
+        assert rows.dtype == torch.float32 and rows.device.type == "cpu" and rows.stride(-1) == 1
         m, k = rows.shape
         n = qweight.shape[1]
         out = torch.empty(m, n, dtype=torch.float32)
@@ -140,8 +144,19 @@ class _Kernel:
                        0 if bias is None else bias.data_ptr(), out.data_ptr(), m, n, k, torch.get_num_threads())
         return out
 
+    def int8_products(self, q: torch.Tensor, row_scale: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
+                      bias: torch.Tensor | None) -> torch.Tensor:
+        """``int8_linear`` from rows already quantized: q [M, K] int8 contiguous with row_scale [M]."""
+        m, k = q.shape
+        n = qweight.shape[1]
+        out = torch.empty(m, n, dtype=torch.float32)
+        self.int8_rows_q(q.data_ptr(), row_scale.data_ptr(), qweight.data_ptr(), scale.data_ptr(),
+                         0 if bias is None else bias.data_ptr(), out.data_ptr(), m, n, k, torch.get_num_threads())
+        return out
+
     def quant_rows(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """rows [M, K] float32, unit column stride -> (int8 [M, K], float32 scales [M])."""
+        assert rows.dtype == torch.float32 and rows.device.type == "cpu" and rows.stride(-1) == 1
         m, k = rows.shape
         q, scales = torch.empty(m, k, dtype=torch.int8), torch.empty(m, dtype=torch.float32)
         self.quant(rows.data_ptr(), rows.stride(0), q.data_ptr(), scales.data_ptr(), m, k, torch.get_num_threads())
@@ -208,17 +223,21 @@ def _check(kernel: _Kernel) -> str | None:
                 got, want = kernel.linear(x[:m], w, b), F.linear(x[:m], w, b)
                 if not torch.allclose(got, want, rtol=1e-5, atol=1e-5):
                     return f"the built kernels disagree with torch (max |diff| {(got - want).abs().max():.3g})"
-    qweight = torch.randint(-127, 128, (48, 40), generator=g, dtype=torch.int8)
-    scale = torch.rand(40, generator=g) + 0.5
     q, scales = kernel.quant_rows(x)
-    acc = q.int() @ qweight.int()
-    want = acc.float() * scales[:, None] * scale + bias
-    if not torch.equal(q, torch.round(x * (1 / scales)[:, None]).to(torch.int8)) or not torch.equal(
-            kernel.dequant_rows(acc, scales, scale, bias), want):
-        return "the built int8 quantize / dequantize kernels disagree with torch"
-    for m in range(1, 6):
-        if not torch.equal(kernel.int8_linear(x[:m], qweight, scale, bias), want[:m]):
-            return "the built int8 few-rows kernel disagrees with torch"
+    if not torch.equal(q, torch.round(x * (1 / scales)[:, None]).to(torch.int8)):
+        return "the built int8 quantize kernel disagrees with torch"
+    for n in (40, 48):  # N % 16 == 8: the AVX2 loop; 48: the AVX-512 VNNI loop where the CPU has it
+        qweight = torch.randint(-127, 128, (48, n), generator=g, dtype=torch.int8)
+        scale, b = torch.rand(n, generator=g) + 0.5, torch.randn(n, generator=g)
+        acc = (q.long() @ qweight.long()).int()
+        plain = acc.float() * scales[:, None] * scale
+        want = plain + b
+        if not torch.equal(kernel.dequant_rows(acc, scales, scale, b), want):
+            return "the built int8 dequantize kernel disagrees with torch"
+        for m in range(1, 6):
+            if not torch.equal(kernel.int8_linear(x[:m], qweight, scale, b), want[:m]) or not torch.equal(
+                    kernel.int8_linear(x[:m], qweight, scale, None), plain[:m]):
+                return "the built int8 products disagree with torch"
     return None
 
 

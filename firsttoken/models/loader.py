@@ -21,7 +21,7 @@ from firsttoken.attention.registry import get_backend
 from firsttoken.config import CPU_KERNELS, QUANTIZATIONS
 from firsttoken.kernels.cpu_linear import kernel_unavailable, kernels_skipped, use_few_rows_kernel
 from firsttoken.models.layers import store_weights_input_major
-from firsttoken.models.quant import quantize_fp16, quantize_int8
+from firsttoken.models.quant import int8_paths, quantize_fp16, quantize_int8
 from firsttoken.models.registry import family_of, load_model_config
 
 log = logging.getLogger("firsttoken.models")
@@ -81,9 +81,7 @@ def load_model(
     elif quantization == "int8":  # the vision tower too: its encode is most of an image request's TTFT
         reason = "--cpu-kernels off" if cpu_kernels == "off" else kernel_unavailable()
         quantize_int8(model, use_kernels=reason is None)
-        log.info("int8 products: %s", "input rows quantized and decode steps' products run by firsttoken's kernels "
-                 "(prefill: torch._int_mm)" if reason is None
-                 else f"torch's ops only, the same numbers slower (firsttoken's kernels not used: {reason})")
+        log.info("int8 products: %s", int8_paths(reason))
     if str(device) == "cpu":
         store_weights_input_major(model, exclude_prefix="visual.")  # the decoder's matmuls are one-row at decode
         if quantization == "none" and dtype == torch.float32:

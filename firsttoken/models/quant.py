@@ -13,17 +13,20 @@ whose magnitude exceeds float16's range are refused at load.
 ``int8``: every linear layer of the language model (the lm_head included) and of the vision tower (its blocks and
 the merger; the patch embedding stays float32) keeps its weight as int8, one scale per output row (symmetric:
 |w| max / 127), stored input-major. Each product quantizes every input row to int8 with that row's own scale
-(dynamic, per token), multiplies exactly in int32 and scales back: prefill and the vision tower through
-``torch._int_mm`` (oneDNN), the few rows of a decode step through firsttoken's kernel (kernels/cpu_linear.c: a
-quarter of float32's weight bytes; AVX-512 VNNI where the CPU has it, else AVX2). The int32 sums are exact, so a row's
-outputs are bitwise the same on either path and whatever shares its step; without the kernels (no compiler,
-``--cpu-kernels off``) torch's ops compute the very same numbers, slower. Activations between products stay float32
-(norms, attention, rotary). Not exact against float32: top-1 agreement in docs/performance.md (on the 2-layer test
-checkpoint 97-98% of the oracle prompts' positions, tests/oracle/test_quantization.py).
+(dynamic, per token), multiplies exactly in int32 and scales back. The few rows of a decode step run firsttoken's
+kernel (kernels/cpu_linear.c: a quarter of float32's weight bytes; AVX-512 VNNI where the CPU has it, else AVX2);
+prefill and the vision tower run ``torch._int_mm`` where it is exact (CPUs with VNNI or AMX: oneDNN's path without
+them saturates 16-bit pair sums), else the same kernel. Integer sums are exact, so a row's outputs are bitwise the
+same on every path and whatever shares its step; without the kernels (no compiler, ``--cpu-kernels off``) torch's
+ops compute the very same numbers, slower (prefill in float64 where torch._int_mm is not exact). Activations between
+products stay float32 (norms, attention, rotary). Not exact against float32: top-1 agreement in
+docs/performance.md (on the 2-layer test checkpoint 97-98% of the oracle prompts' positions,
+tests/oracle/test_quantization.py).
 """
 
 from __future__ import annotations
 
+import functools
 import warnings
 
 import torch
@@ -140,14 +143,20 @@ def _int8_kernel():
 
 
 def quantize_rows(rows: torch.Tensor, kernel=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each row of a float32 [M, K] (unit column stride) to int8 with its own symmetric scale (max |x| / 127; an
-    all-zero row gets 1): q = x * (1 / scale) rounded half to even. ``kernel`` (kernels/cpu_linear.py's) where
-    given, else the same arithmetic in torch (bitwise the same)."""
+    """Each row of a float32 [M, K] (unit column stride) to int8 with its own symmetric scale, max |x| / 127:
+    q = x * (1 / scale) rounded half to even. A row holding a NaN or an infinity gets scale NaN and zeros (its
+    outputs are NaN, as a float product's would be); a row whose max |x| is under 127 x the smallest normal float
+    (all zeros included) gets scale 1 and zeros. ``kernel`` (kernels/cpu_linear.py's) where given, else the same
+    arithmetic in torch (bitwise the same)."""
     if kernel is not None:
         return kernel.quant_rows(rows)
+    finite = torch.isfinite(rows).all(dim=1)
     scales = rows.abs().amax(dim=1) / 127.0
-    scales = torch.where(scales > 0, scales, torch.ones_like(scales))
-    return torch.round(rows * (1 / scales)[:, None]).to(torch.int8), scales
+    scales = torch.where(scales >= torch.finfo(torch.float32).tiny, scales, torch.ones_like(scales))
+    scales = torch.where(finite, scales, torch.full_like(scales, float("nan")))
+    q = torch.round(rows * (1 / scales)[:, None])
+    q = torch.where(finite[:, None], q, torch.zeros_like(q))
+    return q.to(torch.int8), scales
 
 
 def dequantize_rows(acc: torch.Tensor, row_scale: torch.Tensor, col_scale: torch.Tensor,
@@ -160,25 +169,43 @@ def dequantize_rows(acc: torch.Tensor, row_scale: torch.Tensor, col_scale: torch
     return out.add_(bias) if bias is not None else out
 
 
-def int8_supported() -> str | None:
-    """None when this torch build multiplies int8 matrices exactly on this CPU (``torch._int_mm``), else why not."""
+@functools.lru_cache(maxsize=1)
+def int_mm_exact() -> bool:
+    """Whether torch._int_mm multiplies int8 matrices exactly here. oneDNN's path on CPUs without VNNI (AVX2, plain
+    AVX-512) sums pairs of products in saturating 16 bits and gets full-range inputs wrong; with AVX-512 VNNI,
+    AVX-VNNI or AMX it is exact. Checked on full-range products besides the flags."""
+    from firsttoken.kernels.cpu_linear import cpu_flags
+
+    flags = cpu_flags() or frozenset()
+    if not flags & {"avx512_vnni", "avx_vnni", "amx_int8"}:
+        return False
+    g = torch.Generator().manual_seed(0)
+    cases = [(torch.full((17, 64), 127, dtype=torch.int8), torch.full((64, 16), 127, dtype=torch.int8)),
+             (torch.full((17, 64), -127, dtype=torch.int8), torch.full((64, 16), 127, dtype=torch.int8)),
+             (torch.randint(-127, 128, (33, 136), generator=g, dtype=torch.int8),
+              torch.randint(-127, 128, (136, 40), generator=g, dtype=torch.int8))]
     try:
-        a = torch.tensor([[1, -2, 3, 127]] * 2, dtype=torch.int8)
-        got = torch._int_mm(a, a.t().contiguous())
-    except (RuntimeError, AttributeError) as e:
-        return f"torch cannot multiply int8 matrices here: {e}"
-    if not torch.equal(got, torch.full((2, 2), 1 + 4 + 9 + 127 * 127, dtype=torch.int32)):
-        return "torch._int_mm gave a wrong result on this CPU"
-    return None
+        return all(torch.equal(torch._int_mm(a, b), (a.long() @ b.long()).int()) for a, b in cases)
+    except (RuntimeError, AttributeError):  # a build without it
+        return False
+
+
+def exact_products(q: torch.Tensor, qweight: torch.Tensor) -> torch.Tensor:
+    """q @ qweight in int32, exactly, by torch alone: torch._int_mm where it is exact, else float64 (every product
+    and sum of int8 values stays below 2^53 there)."""
+    if int_mm_exact():
+        return torch._int_mm(q, qweight)
+    return (q.double() @ qweight.double()).to(torch.int32)
 
 
 class Int8Linear(nn.Module):
     """``nn.Linear``'s forward with the weight held as int8 (one symmetric scale per output row: |w| max / 127),
-    stored input-major [K, N] (the float weight is freed). Products of more than ``MAX_ROWS`` rows (prefill, the
-    vision tower) quantize each input row to int8 with its own scale and multiply exactly in int32
-    (``torch._int_mm``), then scale back; fewer rows (decode steps) keep float32 inputs and run the few-rows kernel
-    over the int8 weight (a quarter of float32's bytes), where the kernels are built. Either way a row's output
-    depends on that row alone, not on what shares the product. Inputs float32 of any leading shape."""
+    stored input-major [K, N] (the float weight is freed). Each input row is quantized to int8 with its own scale
+    (``quantize_rows``), multiplied exactly in int32 and scaled back (``dequantize_rows``): through the kernels
+    (kernels/cpu_linear.c) for the few rows of a decode step (a quarter of float32's bytes streamed) and, where
+    torch._int_mm is not exact, for every product; else through torch._int_mm; without the kernels, torch's ops
+    alone. Integer sums are exact, so every path gives the same numbers, and a row's output depends on that row
+    alone, not on what shares the product. Inputs float32 of any leading shape."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, use_kernels: bool = True) -> None:
         super().__init__()
@@ -187,10 +214,11 @@ class Int8Linear(nn.Module):
         w = weight.detach().float()
         scale = w.abs().amax(dim=1) / 127.0
         scale = torch.where(scale > 0, scale, torch.ones_like(scale))  # an all-zero row: zeros, scale 1
-        self.qweight = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8).t().contiguous()
+        q = w.div(scale[:, None]).round_().clamp_(-127, 127)  # one float temporary of the layer
+        self.qweight = q.to(torch.int8).t().contiguous()
         self.scale = scale.contiguous()
         self.bias = bias.detach().float().contiguous() if bias is not None else None
-        self.few_rows = self.in_features % 8 == 0 and self.out_features % 8 == 0  # the kernel's shapes
+        self.kernel_shape = self.in_features % 8 == 0 and self.out_features % 8 == 0
 
     @classmethod
     def of(cls, linear: nn.Linear, use_kernels: bool = True) -> Int8Linear:
@@ -201,15 +229,29 @@ class Int8Linear(nn.Module):
         if rows.stride(-1) != 1:
             rows = rows.contiguous()
         kernel = _int8_kernel() if self.use_kernels else None
-        if kernel is not None and self.few_rows and 0 < rows.shape[0] <= MAX_ROWS:
-            out = kernel.int8_linear(rows, self.qweight, self.scale, self.bias)  # the same numbers
+        if kernel is not None and self.kernel_shape and (rows.shape[0] <= MAX_ROWS or not int_mm_exact()):
+            out = kernel.int8_linear(rows, self.qweight, self.scale, self.bias)
         else:
             q, row_scale = quantize_rows(rows, kernel)
-            out = dequantize_rows(torch._int_mm(q, self.qweight), row_scale, self.scale, self.bias, kernel)
+            out = dequantize_rows(exact_products(q, self.qweight), row_scale, self.scale, self.bias, kernel)
         return out.view(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, weight=int8 per row"
+
+
+def int8_paths(kernels_skipped: str | None) -> str:
+    """What computes the int8 products on this machine, for the start-up log (``kernels_skipped``: why the kernels
+    are not used, or None)."""
+    prefill = "torch._int_mm (exact here)" if int_mm_exact() else None
+    if kernels_skipped is not None:
+        return (f"torch's ops only, the same numbers slower (firsttoken's kernels not used: {kernels_skipped}); "
+                f"prefill {prefill or 'in float64 (torch._int_mm is not exact on this CPU)'}")
+    from firsttoken.kernels.cpu_linear import _kernel
+
+    loop = "AVX-512 VNNI" if _kernel()[0].int8_vnni else "AVX2"
+    return (f"decode steps by firsttoken's {loop} kernel; prefill by "
+            f"{prefill or 'the same kernel (torch._int_mm is not exact on this CPU)'}")
 
 
 INT8_KEEPS_FLOAT = ("visual.patch_embed.",)  # read as a float weight by the vision towers (its dtype); ~6% of a
@@ -220,12 +262,9 @@ def quantize_int8(model: nn.Module, keep_float: tuple[str, ...] = INT8_KEEPS_FLO
     """Replace every ``nn.Linear`` (language model and vision tower) whose name starts with none of ``keep_float``
     by an ``Int8Linear``; a model whose lm_head is tied to its embeddings gets an int8 lm_head for its logits (the
     embeddings stay float32 for lookups). Returns the number of linear layers replaced."""
-    reason = int8_supported()
-    if reason is not None:
-        raise ValueError(f"--quantization int8 is not available: {reason}")
     names = [name for name, sub in model.named_modules()
              if isinstance(sub, nn.Linear) and not name.startswith(keep_float)]
-    for name in names:  # one at a time: each float weight is freed once its int8 copy is packed
+    for name in names:  # one at a time: each float weight is freed once its int8 copy is made
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         setattr(parent, child, Int8Linear.of(getattr(parent, child), use_kernels))

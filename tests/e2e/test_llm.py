@@ -125,6 +125,10 @@ def test_int8_weights_through_the_engine_answer_like_float32_and_regress_runs_un
     expected = llm.chat(conversations(), {"temperature": 0.0, "max_tokens": 8})
     assert [r.finish_reason for r in got] == ["length"] * 3
     assert [r.usage.prompt_tokens for r in got] == [r.usage.prompt_tokens for r in expected]
+    # the same numbers from torch's ops alone, decode steps included: the same tokens
+    twins = LLM(tiny_model_dir, quantization="int8", cpu_kernels="off", kv_cache_memory="16MiB", max_batched_tokens=256)
+    assert [r.token_ids for r in twins.chat(conversations(), {"temperature": 0.0, "max_tokens": 8})] == [
+        r.token_ids for r in got]
     # not exact: the first token of each answer (the prompt's last position) is what top-1 agreement measures
     print("int8 vs float32 answers:", [(g.token_ids, e.token_ids) for g, e in zip(got, expected)])
     assert sum(g.token_ids[0] == e.token_ids[0] for g, e in zip(got, expected)) >= 2

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from firsttoken.kernels import cpu_linear
+from firsttoken.models import quant
 from firsttoken.models.loader import load_model
 from firsttoken.models.quant import Fp16Linear, Int8Linear, dequantize_rows, quantize_rows
 from tests.conftest import require_program
@@ -178,15 +179,25 @@ def int8_kernels() -> None:
     assert cpu_linear.kernel_unavailable() is None
 
 
+@pytest.mark.parametrize("int_mm", ["as this CPU", "not exact"])
+@pytest.mark.parametrize("threads", [1, 3])
 @pytest.mark.parametrize("shape", [(64, 48), (512, 768), (1408, 512), (72, 40), (40, 36)])
-def test_an_int8_row_is_bitwise_the_same_alone_batched_and_on_every_path(int8_kernels, shape):
+def test_an_int8_row_is_bitwise_the_same_alone_batched_and_on_every_path(int8_kernels, shape, threads, int_mm,
+                                                                        monkeypatch):
     # K and N multiples of 16: the AVX-512 VNNI few-rows loop where the CPU has it; (72, 40): the AVX2 loop;
-    # (40, 36): no few-rows kernel (N % 8), torch._int_mm for every row count
+    # (40, 36): no kernel (N % 8), exact products by torch for every row count. "not exact": as on a CPU without
+    # VNNI, where torch._int_mm saturates and prefill takes the kernel (or, without it, float64)
+    if int_mm == "not exact":
+        monkeypatch.setattr(quant, "int_mm_exact", lambda: False)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: threads)  # the kernels split columns by this count
     k, n = shape
     fast, twins = _int8_layer(k, n, use_kernels=True), _int8_layer(k, n, use_kernels=False)
     x = torch.randn(40, k, generator=torch.Generator().manual_seed(1)) * torch.logspace(-2, 2, 40)[:, None]
     with torch.no_grad():
-        every = fast(x)  # 40 rows: torch._int_mm
+        every = fast(x)  # 40 rows: prefill's path
+        q, row_scale = quantize_rows(x)  # an independent reference: exact products in int64
+        reference = dequantize_rows((q.long() @ fast.qweight.long()).int(), row_scale, fast.scale, fast.bias)
+        assert torch.equal(every, reference)
         assert torch.equal(twins(x), every)  # --cpu-kernels off: the same numbers from torch's ops alone
         for rows in (1, 2, 5, 8, 16, 17):  # the few-rows kernel up to 16 rows, then _int_mm again
             assert torch.equal(fast(x[:rows]), every[:rows])
@@ -216,3 +227,26 @@ def test_int8_cpu_kernels_off_gives_the_same_logits(tiny_qwen2_vl_dir: Path, int
     prompt = make_prompt(fast.config, PROMPTS["one_image"], seed=7)
     a, b = TinyRunner(fast), TinyRunner(twins)
     assert torch.equal(a.prefill(a.add(prompt), chunk=32), b.prefill(b.add(prompt), chunk=32))
+
+
+def test_int8_rows_with_nan_or_infinity_give_nan_and_tiny_rows_give_the_bias(int8_kernels):
+    fast, twins = _int8_layer(64, 48, use_kernels=True), _int8_layer(64, 48, use_kernels=False)
+    x = torch.randn(6, 64, generator=torch.Generator().manual_seed(2))
+    x[1, 60] = float("nan")  # in the last vector: the kernel's max must not hide it
+    x[2, 3] = float("inf")
+    x[3, 0] = -float("inf")
+    x[4] = 1e-39  # subnormal: 1 / scale would overflow
+    kernel = cpu_linear._kernel()[0]
+    for rows in (x, x[1:5]):
+        for got in (quantize_rows(rows, kernel), quantize_rows(rows)):
+            q, scales = got
+            assert q.abs().max() <= 127
+        (qk, sk), (qt, st) = quantize_rows(x, kernel), quantize_rows(x)
+        assert torch.equal(qk, qt) and torch.equal(sk.isnan(), st.isnan())
+        assert sk[1:4].isnan().all() and (qk[1:4] == 0).all() and sk[4] == 1 and (qk[4] == 0).all()
+    with torch.no_grad():
+        for layer in (fast, twins):
+            for rows in (x, x.repeat(4, 1)):  # the few-rows kernel, then prefill's path
+                out = layer(rows)[:6]
+                assert out[1:4].isnan().all()
+                assert torch.equal(out[4], layer.bias) and torch.isfinite(out[[0, 5]]).all()
