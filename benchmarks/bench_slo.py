@@ -30,8 +30,10 @@ import argparse
 import json
 import math
 import re
+import shlex
 import sys
 import time
+import urllib.request
 from dataclasses import replace
 from pathlib import Path
 
@@ -89,7 +91,11 @@ def run(model: str, flags: list[str], rate: float, args: argparse.Namespace) -> 
         started = time.time()
         report = run_bench(config(base, args, rate=rate, num_requests=args.num_requests))
         records = [r.to_dict() for r in report.records]
-        return {"flags": flags, "rate": rate, "started_unix_s": started, "records": records}
+        # what the server ended with: its step-cost model, the step-time bound in force, engine totals
+        with urllib.request.urlopen(f"{base}/stats", timeout=30) as resp:
+            stats = json.load(resp)
+        server = {"cost_model": stats.get("cost_model"), "totals": stats.get("totals")}
+        return {"flags": flags, "rate": rate, "started_unix_s": started, "records": records, "server": server}
     finally:
         stop_server(proc)
 
@@ -152,6 +158,9 @@ def print_load(title: str, results: dict, unloaded: dict) -> None:
             budget = "-" if c["mean_image_budget"] is None else f"{c['mean_image_budget']:.0f}"
             print(f"{name:13s} {cls:5s} {c['sent']:5d} {c['n']:4d} | {c['p50']:6.2f} {c['p95']:6.2f} {c['p99']:6.2f} | "
                   f"{c['p99'] / unloaded[cls]:6.2f}x {pred:>20s} | {c['refused_429']:3d} {c['degraded']:4d} {budget:>6s}")
+        cm = (r.get("server") or {}).get("cost_model") or {}
+        if cm.get("step_time_target_s") is not None:
+            print(f"{name:13s} step-time bound at the end {cm['step_time_target_s'] * 1e3:.0f} ms")
         if "goodput_rps" in s:
             print(f"{name:13s} goodput {s['goodput_rps']:.4f} requests/s meeting their objective "
                   f"(arrival span {s['arrival_span_s']:.0f} s)")
@@ -247,7 +256,13 @@ def main() -> None:
     ap.add_argument("--json", default=None)
     ap.add_argument("--plot-dir", default=None)
     ap.add_argument("--configs", default=",".join(LOADED), help="which loaded configurations to run")
+    ap.add_argument("--config", action="append", default=[], metavar="NAME=FLAGS",
+                    help="another loaded configuration: a name and the serve flags it adds, e.g. "
+                         "'t0.1=--step-time-target 0.1' (repeatable; add NAME to --configs to run it)")
     args = ap.parse_args()
+    for item in args.config:
+        name, _, flags = item.partition("=")
+        LOADED[name] = shlex.split(flags)
     model = small_model(args.model)
     out: dict = {"machine": machine_info(), "model": Path(model).name, "args": vars(args)}
     cal = calibrate(model, args)
