@@ -1,8 +1,8 @@
 """Decode speed in-process: ms per decode step at batch 1 and tokens/s at batch 8, with where the step's time goes.
 
 Drives ``LLMEngine`` directly (no HTTP, no engine thread): each batch size runs requests of ~20 prompt tokens,
-greedy, ``ignore_eos``, ``--max-tokens`` output tokens each, ``step_time_target="off"``, float32. A step's time is
-split into the scheduler (``schedule`` + ``update``), the model's forward, the lm_head, the sampler, the rest of the
+greedy, ``ignore_eos``, ``--max-tokens`` output tokens each, ``step_time_target="off"``, float32 (``--dtype``).
+A step's time is split into the scheduler (``schedule`` + ``update``), the model's forward, the lm_head, the sampler, the rest of the
 runner (inputs, metadata, bookkeeping) and the engine's own update (detokenizer, stop checks, outputs) plus what is
 left (cost model, stats). Decode steps run on ``--num-threads`` too (``decode_threads`` = it: the server's default
 of one fewer is for its own threads, absent here). The phases are timed by wrapping the instance's methods here, in
@@ -59,7 +59,8 @@ class PhaseTimer:
         setattr(obj, name, timed)
 
 
-def build_engine(model_dir: str, num_threads: int, quantization: str = "none", cpu_kernels: str = "auto"):
+def build_engine(model_dir: str, num_threads: int, quantization: str = "none", cpu_kernels: str = "auto",
+                 dtype: str = "float32"):
     from dataclasses import fields
 
     import torch
@@ -82,7 +83,7 @@ def build_engine(model_dir: str, num_threads: int, quantization: str = "none", c
         extra["decode_threads"] = num_threads
     if "cpu_kernels" in names:  # a checkout from before the few-rows kernels has no such field (and no kernels)
         extra["cpu_kernels"] = cpu_kernels
-    cfg = EngineConfig(dtype="float32", num_threads=num_threads, cache=CacheConfig(kv_cache_memory_bytes=256 * 2**20),
+    cfg = EngineConfig(dtype=dtype, num_threads=num_threads, cache=CacheConfig(kv_cache_memory_bytes=256 * 2**20),
                        scheduler=SchedulerConfig(step_time_target="off"), **extra)
     engine = LLMEngine(model_dir, cfg, tok.backend_tokenizer)
     proc = InputProcessor(tok, engine.model_config, GenerationDefaults.from_pretrained(model_dir),
@@ -251,6 +252,7 @@ def main(argv: list[str] | None = None) -> int:
                          "to compare two configurations of one checkout")
     ap.add_argument("--quantization", default="none", help="serve --quantization (none, fp16)")
     ap.add_argument("--cpu-kernels", default="auto", help="serve --cpu-kernels (auto, off)")
+    ap.add_argument("--dtype", default="float32", help="serve --dtype (float32, bfloat16, auto)")
     ap.add_argument("--prefill-words", type=int, default=0,
                     help="also time the prefill step of a text prompt of this many words (0: no; the small "
                          "checkpoint's tokenizer makes ~3 tokens of each)")
@@ -262,7 +264,8 @@ def main(argv: list[str] | None = None) -> int:
 
     import firsttoken
 
-    engine, proc = build_engine(small_model(args.model), args.num_threads, args.quantization, args.cpu_kernels)
+    engine, proc = build_engine(small_model(args.model), args.num_threads, args.quantization, args.cpu_kernels,
+                                dtype=args.dtype)
     clock = time.thread_time if args.clock == "thread" else time.perf_counter
     timer = None if args.no_breakdown else PhaseTimer(clock)
     if timer is not None:

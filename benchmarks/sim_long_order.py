@@ -5,6 +5,8 @@ calibrated to U x the simulated capacity. Deterministic (seeded arrivals, seeded
 
     python benchmarks/sim_long_order.py --json out.json
     python benchmarks/sim_long_order.py --configs 'deadline=;least-work={"long_order":"least-work"}'
+    # priced by another machine's fitted model: a server's /stats, a bench_slo.py JSON, or a JSON of coefficients
+    python benchmarks/sim_long_order.py --coefficients docs/runs/slo/bench_slo-epyc-bf16-U0.8-n120-b.json
 
 Why a simulator: a server run of 160 requests takes ~15 minutes per configuration and its P99 of 27 three-image
 requests is their maximum; here every configuration sees 600 requests, three seeds, in a world whose steps cost
@@ -39,6 +41,17 @@ def parse_configs(text: str) -> dict[str, dict]:
     return configs
 
 
+def load_coefficients(text: str) -> dict[str, float]:
+    path = Path(text)
+    data = json.loads(path.read_text() if path.exists() else text)
+    if "cost_model" in data:  # a server's /stats
+        data = data["cost_model"]["coefficients"]
+    elif "machine" in data:  # a bench_slo.py JSON: the last load's `default` server
+        runs = [v["default"] for k, v in data.items() if k.startswith("U=") and "server" in v.get("default", {})]
+        data = runs[-1]["server"]["cost_model"]["coefficients"]
+    return {k: float(v) for k, v in data.items()}
+
+
 def class_stats(outcomes) -> dict[str, float | int | None]:
     ttft = sorted(o.ttft_s for o in outcomes if o.ttft_s is not None)
     err = sorted(abs(o.predicted_ttft_s - o.ttft_s) / o.ttft_s for o in outcomes
@@ -57,10 +70,15 @@ def main() -> None:
     ap.add_argument("--configs", default=DEFAULT_CONFIGS, help="name=JSON scheduler options;...")
     ap.add_argument("--zero-step-constant", action="store_true",
                     help="price steps without the per-step constant (what the time bound's extra steps cost)")
+    ap.add_argument("--coefficients", default=None,
+                    help="the step-cost model to price steps with: a JSON object of coefficients, or a file holding "
+                         "one, a server's /stats, or a bench_slo.py JSON (its last `default` run's server); default: "
+                         "the small checkpoint's on an AVX2 machine")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     model = model_config_from_dict(build_hf_config(SIZES["small"]).to_dict())
-    coefficients = {**SMALL_AVX2, "step": 0.0} if args.zero_step_constant else SMALL_AVX2
+    coefficients = load_coefficients(args.coefficients) if args.coefficients else SMALL_AVX2
+    coefficients = {**coefficients, "step": 0.0} if args.zero_step_constant else coefficients
     base = sim.Profile(coefficients, SchedulerConfig(), num_kv_blocks=8192, preprocess_s=PREPROCESS_S)
     configs = {"fcfs": {"scheduling": "fcfs"}, **parse_configs(args.configs)}
     alone = sim.simulate(sim.seed_mix(model, rate=0.001, num_requests=30, seed=1), [base], sim.Router("round-robin"))

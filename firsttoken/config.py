@@ -108,8 +108,8 @@ class SchedulerConfig:
     step_time_target: str = field(default="auto", metadata=option(
         "seconds one engine step may take, predicted by the step-cost model fitted online from the engine's own "
         "step timings; the long lane fills each step up to it (work-conserving), so a short request arriving "
-        "mid-step waits at most one such step. auto: the predicted time of one typical short prompt's prefill, at least 10x the "
-        "smallest step's; off: token budgets only (--long-step-tokens, steps yielded to short prefills)"))
+        "mid-step waits at most one such step. auto: the predicted time of one typical short prompt's prefill; "
+        "off: token budgets only (--long-step-tokens, steps yielded to short prefills)"))
     long_step_tokens: int = field(default=512, metadata=option(
         "with --step-time-target off: long-lane work per step in tokens (prefill tokens + encoder units' "
         "token-equivalent cost; a full vision block of an image costs its visual tokens)"))

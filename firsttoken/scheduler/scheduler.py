@@ -45,7 +45,7 @@ from firsttoken.config import CacheConfig, SchedulerConfig
 from firsttoken.kv.block_manager import KVCacheManager
 from firsttoken.kv.prefix_cache import ImageSpan, compute_block_hashes
 from firsttoken.scheduler.budget import StepBudget
-from firsttoken.scheduler.cost_model import CostModel, decode_chunk, encoder_units, prefill_chunk
+from firsttoken.scheduler.cost_model import CostModel, encoder_units, prefill_chunk
 from firsttoken.scheduler.encoder_cache import EncoderCacheManager
 from firsttoken.scheduler.lanes import FCFS, LONG, SHORT, LaneQueues, route_lane
 from firsttoken.scheduler.request import Request, RequestStatus
@@ -244,15 +244,8 @@ class Scheduler:
             return fixed
         lens = sorted(self._short_prompt_lens)
         typical = lens[int(0.9 * (len(lens) - 1))] if lens else self.config.long_prompt_threshold // 2
-        return max(self.cost_model.predict(prefill_chunk(max(typical, 1), 0, True)), self.min_step_s())
-
-    def min_step_s(self) -> float:
-        """The shortest step worth running: STEP_COST_FACTOR times the predicted cost of the smallest one (one
-        sequence's decode token: the per-step constant, one sequence, the sampler), so what every step costs
-        anyway stays a small part of it. On a fast machine a typical short prefill is only a few times that
-        constant, and steps bounded by it spent up to half their time on it (a three-image request alone: 131
-        steps, 1.6x its whole-prompt time, bf16 on an AMX Xeon)."""
-        return STEP_COST_FACTOR * self.cost_model.predict(decode_chunk(1))
+        # at least twice the per-step constant: a step's work is never less than what running a step costs
+        return max(self.cost_model.predict(prefill_chunk(max(typical, 1), 0, True)), 2 * self.cost_model.coef[0])
 
     def _update_backlog(self, step: _Step, alpha: float = 0.1) -> None:
         if not self.cost_model.is_trained:
@@ -664,7 +657,6 @@ class Scheduler:
         self.encoder_cache.check_invariants()
 
 
-STEP_COST_FACTOR = 10.0  # a time-bounded step is at least this many times the smallest step's predicted cost
 LONG_MIN_SHARE = 0.25  # of the step-time target, granted to the long lane once it has waited long_max_wait_steps
 
 

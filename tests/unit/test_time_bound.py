@@ -11,7 +11,7 @@ import pytest
 from firsttoken.models.config import VisionConfig
 from firsttoken.models.qwen2_vl_vision import full_attention_units
 from firsttoken.scheduler.cost_model import FEATURE_NAMES, CostModel, encoder_units
-from firsttoken.scheduler.scheduler import LONG_MIN_SHARE, STEP_COST_FACTOR
+from firsttoken.scheduler.scheduler import LONG_MIN_SHARE
 from firsttoken.types import PromptWork
 from tests.unit.fakes import ManualClock, fake_request, make_scheduler, run_step
 
@@ -265,22 +265,3 @@ def test_progress_even_when_the_model_says_only_steps_cost_anything():
             break
         run_step(sched)
     assert not sched.has_work
-
-
-def test_auto_target_is_at_least_ten_smallest_steps_so_a_long_prompt_is_not_cut_into_slivers():
-    # a fast machine: a typical short prompt (100 tokens, 10 ms of work) costs little more than running any step
-    # (20 ms). Bounding steps by it alone cut a long prompt into ~100-token chunks each paying the 20 ms again; the
-    # auto target is at least STEP_COST_FACTOR times the smallest step (one decode token), and the prompt goes in a
-    # few steps of that bound
-    costs = {"step": 0.020, "prefill_tokens": 0.0001}
-    sched = scheduler(step_time_target="auto", cost_model=CostModel(prior=tuple(costs.get(n, 0.0) for n in FEATURE_NAMES)))
-    sched.add(fake_request("chat", prompt_len=100, max_tokens=1))
-    assert [c.num_new_tokens for c in run_step(sched).chunks] == [100]
-    assert sched.step_time_target() == pytest.approx(STEP_COST_FACTOR * costs["step"])
-    sched.add(fake_request("doc", prompt_len=4000, max_tokens=1, arrival_seq=1))
-    steps = []
-    while sched.has_work:
-        batch = run_step(sched)
-        steps.append(sum(c.num_new_tokens for c in batch.chunks if not c.is_decode))
-        assert predicted(sched, batch) <= sched.step_time_target() + 1e-9
-    assert sum(steps) == 4000 and len(steps) == 3  # 1800 + 1800 + 400 tokens, not 40 steps of 100
