@@ -3,7 +3,7 @@ TTFT (text ~800 tokens, one 1024x1024 image, three), decode time per token at ba
 batch 8. Prints the ratios against issue 17's targets and the CPU flags; writes JSON. A benchmark, not a test.
 
     python benchmarks/bench_llamacpp.py --work-dir /work/peers/llamacpp --convert-venv /work/peers/convert-venv \
-        [--build] [--quant q8_0|f16] [--ours-fp16] [--ours-int8] [--json OUT]
+        [--build] [--quant q8_0|f16|bf16] [--ours-fp16] [--ours-int8] [--ours-bf16] [--json OUT]
     # reuse an existing build and GGUFs:
     python benchmarks/bench_llamacpp.py --llama-dir /work/peers/llamacpp \
         --gguf /work/peers/llamacpp/gguf/qwen2vl-small-orig-f32.gguf \
@@ -16,7 +16,9 @@ The servers (all started first; an idle one costs no CPU):
   1024x1024 image, as llama.cpp), caches off; and again with the default image budget for a separate TTFT column;
   with --ours-fp16, another with --quantization fp16 (float16 weights, FBGEMM) in every measurement; with
   --ours-int8, another with --quantization int8 (int8 weights in both towers, inputs quantized per row), set
-  beside llama.cpp's Q8_0 when --quant q8_0 is given.
+  beside llama.cpp's Q8_0 when --quant q8_0 is given; with --ours-bf16, another with --dtype bfloat16 (both towers
+  in bf16: --dtype auto's choice on a CPU with native bf16), set beside llama.cpp's BF16 language model (its vision
+  projector stays f32) when --quant bf16 is given.
 Each measurement runs 1 warm-up + --repeats (3) rounds; a round sends the same prompt to every server in turn (the
 order rotating), so load from other processes on a shared machine falls on all alike; medians are reported, and
 the load average before and after. Prompts differ between rounds, so no cache can hit. One code path measures
@@ -231,7 +233,7 @@ def run_all(tree: LlamaCppTree, model: Path, llama: dict[str, GGUFPair], args: a
         batched = {name: start_llama(stack, tree.server, gguf, BATCH, extra) for name, gguf in llama.items()}
         ours = {"firsttoken_fp32": start_firsttoken(stack, model, no_budget)}
         for quant in _ours_quants(args):
-            ours[f"firsttoken_{quant}"] = start_firsttoken(stack, model, [*no_budget, "--quantization", quant])
+            ours[f"firsttoken_{quant}"] = start_firsttoken(stack, model, _variant_flags(no_budget, quant))
         ttft_bases = {**single, **ours}
         if not args.no_budget_column:
             ttft_bases["firsttoken_budget"] = start_firsttoken(stack, model, list(FIRSTTOKEN_FLAGS))
@@ -246,7 +248,7 @@ def run_all(tree: LlamaCppTree, model: Path, llama: dict[str, GGUFPair], args: a
         results[name] |= {"gguf": str(gguf.model), "mmproj": str(gguf.mmproj)}
     results["firsttoken_fp32"]["flags"] = no_budget
     for quant in _ours_quants(args):
-        results[f"firsttoken_{quant}"]["flags"] = [*no_budget, "--quantization", quant]
+        results[f"firsttoken_{quant}"]["flags"] = _variant_flags(no_budget, quant)
     if "firsttoken_budget" in results:
         results["firsttoken_budget"]["flags"] = list(FIRSTTOKEN_FLAGS)
     return results
@@ -270,13 +272,13 @@ def ratios(results: dict[str, Any]) -> dict[str, dict[str, Any]]:
     out = {f"ttft_{cls}": _ratio(ours["ttft"][cls], llama["ttft"][cls], TARGETS[cls], True) for cls, _ in PROMPTS}
     out["decode_b1"] = _ratio(ours["decode_b1"], llama["decode_b1"], TARGETS["decode_b1"], True)
     out["decode_b8"] = _ratio(ours["decode_b8"], llama["decode_b8"], TARGETS["decode_b8"], False)
-    for quant in ("fp16", "int8"):
+    for quant in VARIANTS:
         q = results.get(f"firsttoken_{quant}")
         if q is None:
             continue
-        # against llama.cpp f32 (the same targets; int8 against llama.cpp's Q8_0 when measured) and against our
-        # fp32 (int8's TTFT target: 0.6)
-        peer = results.get("llama_q8_0", llama) if quant == "int8" else llama
+        # against llama.cpp f32 (the same targets; int8 against llama.cpp's Q8_0 and bf16 against its BF16 when
+        # measured) and against our fp32 (int8's TTFT target: 0.6)
+        peer = results.get(PEER.get(quant, "llama_f32"), llama)
         for cls, _ in PROMPTS:
             out[f"{quant}_ttft_{cls}"] = _ratio(q["ttft"][cls], peer["ttft"][cls], TARGETS[cls], True)
             out[f"{quant}_vs_fp32_ttft_{cls}"] = _ratio(q["ttft"][cls], ours["ttft"][cls], 0.6, True)
@@ -287,13 +289,23 @@ def ratios(results: dict[str, Any]) -> dict[str, dict[str, Any]]:
     return out
 
 
+VARIANTS = ("fp16", "int8", "bf16")  # our servers beside fp32: --quantization fp16 / int8, --dtype bfloat16
+PEER = {"int8": "llama_q8_0", "bf16": "llama_bf16"}  # the llama.cpp GGUF each is set beside, when it was measured
+
+
 def _ours_quants(args: argparse.Namespace) -> list[str]:
-    return [q for q, on in (("fp16", args.ours_fp16), ("int8", args.ours_int8)) if on]
+    return [q for q, on in zip(VARIANTS, (args.ours_fp16, args.ours_int8, args.ours_bf16)) if on]
+
+
+def _variant_flags(base: list[str], variant: str) -> list[str]:
+    if variant == "bf16":  # the later --dtype wins
+        return [*base, "--dtype", "bfloat16"]
+    return [*base, "--quantization", variant]
 
 
 def print_table(results: dict[str, Any]) -> None:
     llama, ours, budget = results["llama_f32"], results["firsttoken_fp32"], results.get("firsttoken_budget")
-    quant_name = next((k for k in ("llama_q8_0", "llama_f16") if k in results), None)
+    quant_name = next((k for k in ("llama_q8_0", "llama_f16", "llama_bf16") if k in results), None)
     q8 = results.get(quant_name) if quant_name else None
     rat = ratios(results)
     m = results["machine"]
@@ -321,12 +333,14 @@ def print_table(results: dict[str, Any]) -> None:
     a, b = llama["decode_b8"].median, ours["decode_b8"].median
     row(f"decode b{BATCH} tokens/s", "decode_b8", "", a, b, " ", f"{q8['decode_b8'].median:10.3f}" if q8 else "")
     print("(ours/llama: TTFT and ms/token lower is better, tokens/s higher; (best) = ratio of the fastest runs)")
-    for quant in ("fp16", "int8"):
+    for quant in VARIANTS:
         q = results.get(f"firsttoken_{quant}")
         if q is None:
             continue
-        peer = "llama q8_0" if quant == "int8" and "llama_q8_0" in results else "llama f32"
-        print(f"\nours --quantization {quant}{'':8s}{f'ours {quant}':>11s}{f'/ {peer}':>13s}{'/ ours fp32':>13s}")
+        peer = PEER.get(quant, "llama_f32")
+        peer = (peer if peer in results else "llama_f32").replace("_", " ")
+        label = "--dtype bfloat16" if quant == "bf16" else f"--quantization {quant}"
+        print(f"\nours {label:27s}{f'ours {quant}':>11s}{f'/ {peer}':>13s}{'/ ours fp32':>13s}")
         for cls, _ in PROMPTS:
             print(f"TTFT {cls:27s}{q['ttft'][cls].median:10.3f}s{rat[f'{quant}_ttft_{cls}']['ratio']:12.2f}x"
                   f"{rat[f'{quant}_vs_fp32_ttft_{cls}']['ratio']:12.2f}x")
@@ -358,10 +372,12 @@ def main() -> None:
                    "small into WORK/small-orig)")  # fmt: skip
     p.add_argument("--gguf", type=Path, default=None, help="an existing f32 language-model GGUF (skips conversion)")
     p.add_argument("--mmproj", type=Path, default=None, help="with --gguf: its vision projector GGUF")
-    p.add_argument("--quant", choices=["q8_0", "f16"], default=None,
+    p.add_argument("--quant", choices=["q8_0", "f16", "bf16"], default=None,
                    help="also measure llama.cpp on this quantization")
     p.add_argument("--ours-fp16", action="store_true", help="also measure firsttoken with --quantization fp16")
     p.add_argument("--ours-int8", action="store_true", help="also measure firsttoken with --quantization int8")
+    p.add_argument("--ours-bf16", action="store_true", help="also measure firsttoken with --dtype bfloat16 (set "
+                   "beside llama.cpp's BF16 GGUF when --quant bf16 is given)")
     p.add_argument("--llama-args", default="", help="more llama-server flags for every llama.cpp server, e.g. "
                    "--no-repack (its Q8_0 weight repacking crashed at load on an AVX-512 AMX Xeon)")
     p.add_argument("--gguf-quant", type=Path, default=None, help="with --quant: an existing quantized GGUF")
