@@ -97,16 +97,18 @@ static inline float hsum(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
-#define ROWS(MB)                                                                                                 \
-    static void rows##MB(const float *x, int64_t ldx, const float *r, float *o, int64_t ldo, int64_t K,        \
-                         float b) {                                                                              \
+static inline __m256 f32x8(const float *p) { return _mm256_loadu_ps(p); }
+
+/* rows NAME##MB: MB rows of x dotted with one weight row r of type WT, its 16-wide blocks read by LOAD as float32 */
+#define ROWS(NAME, WT, LOAD, MB)                                                                                 \
+    static void NAME##MB(const float *x, int64_t ldx, const WT *r, float *o, int64_t ldo, int64_t K, float b) { \
         __m256 a[MB][2];                                                                                         \
         for (int i = 0; i < MB; i++) {                                                                           \
             a[i][0] = _mm256_setzero_ps();                                                                       \
             a[i][1] = _mm256_setzero_ps();                                                                       \
         }                                                                                                        \
         for (int64_t k = 0; k < K; k += 16) {                                                                    \
-            __m256 v0 = _mm256_loadu_ps(r + k), v1 = _mm256_loadu_ps(r + k + 8);                                 \
+            __m256 v0 = LOAD(r + k), v1 = LOAD(r + k + 8);                                                       \
             for (int i = 0; i < MB; i++) {                                                                       \
                 a[i][0] = _mm256_fmadd_ps(_mm256_loadu_ps(x + i * ldx + k), v0, a[i][0]);                        \
                 a[i][1] = _mm256_fmadd_ps(_mm256_loadu_ps(x + i * ldx + k + 8), v1, a[i][1]);                    \
@@ -114,29 +116,50 @@ static inline float hsum(__m256 v) {
         }                                                                                                        \
         for (int i = 0; i < MB; i++) o[i * ldo] = hsum(_mm256_add_ps(a[i][0], a[i][1])) + b;                    \
     }
-ROWS(1)
-ROWS(2)
-ROWS(3)
-ROWS(4)
 
-void ft_linear_rm(const float *x, int64_t ldx, const float *w, const float *bias, float *out, int64_t ldo,
-                  int64_t M, int64_t N, int64_t K, int threads) {
-#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
-    for (int64_t n = 0; n < N; n++) {
-        const float *r = w + n * K;
-        float b = bias ? bias[n] : 0.f;
-        for (int64_t m = 0; m < M; m += 4) {
-            const float *xm = x + m * ldx;
-            float *om = out + m * ldo + n;
-            switch (M - m < 4 ? M - m : 4) {
-                case 4: rows4(xm, ldx, r, om, ldo, K, b); break;
-                case 3: rows3(xm, ldx, r, om, ldo, K, b); break;
-                case 2: rows2(xm, ldx, r, om, ldo, K, b); break;
-                default: rows1(xm, ldx, r, om, ldo, K, b); break;
-            }
-        }
+/* FN: every row of x against a row-major [N, K] weight of type WT, four rows of x per weight row at a time */
+#define LINEAR_RM(FN, WT, NAME)                                                                                  \
+    void FN(const float *x, int64_t ldx, const WT *w, const float *bias, float *out, int64_t ldo, int64_t M,    \
+            int64_t N, int64_t K, int threads) {                                                                 \
+        _Pragma("omp parallel for schedule(static) num_threads(threads) if (threads > 1)")                       \
+        for (int64_t n = 0; n < N; n++) {                                                                        \
+            const WT *r = w + n * K;                                                                             \
+            float b = bias ? bias[n] : 0.f;                                                                      \
+            for (int64_t m = 0; m < M; m += 4) {                                                                 \
+                const float *xm = x + m * ldx;                                                                   \
+                float *om = out + m * ldo + n;                                                                   \
+                switch (M - m < 4 ? M - m : 4) {                                                                 \
+                    case 4: NAME##4(xm, ldx, r, om, ldo, K, b); break;                                           \
+                    case 3: NAME##3(xm, ldx, r, om, ldo, K, b); break;                                           \
+                    case 2: NAME##2(xm, ldx, r, om, ldo, K, b); break;                                           \
+                    default: NAME##1(xm, ldx, r, om, ldo, K, b); break;                                          \
+                }                                                                                                \
+            }                                                                                                    \
+        }                                                                                                        \
     }
+
+ROWS(rows, float, f32x8, 1)
+ROWS(rows, float, f32x8, 2)
+ROWS(rows, float, f32x8, 3)
+ROWS(rows, float, f32x8, 4)
+LINEAR_RM(ft_linear_rm, float, rows)
+
+/* ---- bfloat16 weights, row-major [N, K] (--dtype bfloat16: the checkpoint's layout) ----
+
+   The same dot products as ft_linear_rm, the weights read as bf16 (half the bytes) and widened exactly to float32
+   (a bf16 is the top half of a float32) before the same multiply-adds; x and out are float32 (the caller widens
+   the few rows and rounds the outputs back to bf16, as torch's bf16 product rounds its float32 sums). Every output
+   is summed in the same order whatever M and the thread count. The Python side checks K % 16 == 0. */
+
+static inline __m256 bf16x8(const uint16_t *p) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
 }
+
+ROWS(rows_bf16_, uint16_t, bf16x8, 1)
+ROWS(rows_bf16_, uint16_t, bf16x8, 2)
+ROWS(rows_bf16_, uint16_t, bf16x8, 3)
+ROWS(rows_bf16_, uint16_t, bf16x8, 4)
+LINEAR_RM(ft_linear_rm_bf16, uint16_t, rows_bf16_)
 
 /* ---- int8 weights (--quantization int8; models/quant.py) ----
 

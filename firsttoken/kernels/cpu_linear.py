@@ -8,6 +8,13 @@ MKL on the same layouts (``python benchmarks/bench_cpu_linear.py``, docs/perform
 1 row 0.98x, 2 rows 0.72x, 4 rows 0.56x, 8 rows 0.67x, 16 rows 0.91x; two threads 0.86x, 0.53x, 0.37x, 0.51x, 0.64x.
 Products of at most ``MAX_ROWS`` rows take the kernels; prefill stays with MKL.
 
+bfloat16 weights (``--dtype bfloat16``, ``auto``'s choice on CPUs with native bf16) keep the checkpoint's row-major
+layout; their kernel reads them as bf16 (half float32's bytes), widens each exactly to float32 and sums as the
+float32 one; the outputs are rounded to bf16 as torch's bf16 product rounds its float32 sums. Measured on a 2-vCPU
+AVX512-BF16 EPYC, a whole decode step of the `small` checkpoint at one thread (``python benchmarks/bench_decode.py
+--baseline . --dtype bfloat16 --cpu-kernels off --this-args "--cpu-kernels on" --num-threads 1``): 1 row 0.51x
+torch's time, 2 rows 0.59x, 4 rows 0.63x, 8 rows 1.11x, hence ``MAX_ROWS_BF16``.
+
 The weights keep the layouts models/layers.py's ``store_weights_input_major`` gives them (widening layers
 input-major, the narrowing down projection row-major); each layout has its kernel. Every output is summed in the
 same order whatever the number of rows and threads, so a request's decode products are bitwise the same whichever
@@ -45,6 +52,7 @@ from torch import nn
 log = logging.getLogger("firsttoken.kernels")
 
 MAX_ROWS = 16  # 16 rows: 0.91x MKL's time at one thread (24 rows: 1.09x in an earlier check)
+MAX_ROWS_BF16 = 4  # bf16 decode step, 1 thread: 4 rows 0.63x torch's time, 8 rows 1.11x (AVX512-BF16 EPYC)
 SOURCE = Path(__file__).with_name("cpu_linear.c")
 CFLAGS = ("-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC", "-std=gnu11")  # no fused
 # multiply-adds beyond the ones written: the int8 kernels are bitwise twins of torch ops
@@ -78,13 +86,20 @@ def cpu_has_avx512() -> bool:
     return flags is not None and "avx512f" in flags
 
 
-def kernels_skipped(setting: str) -> str | None:
-    """None when ``--cpu-kernels setting`` uses the kernels on this machine, else why not. ``auto`` leaves AVX-512
-    CPUs to MKL: there its products use AVX-512 and the kernels (AVX2) have not been measured against them; ``on``
-    takes the kernels wherever they build."""
+def kernels_skipped(setting: str, dtype: torch.dtype = torch.float32) -> str | None:
+    """None when ``--cpu-kernels setting`` uses the kernels on this machine for a ``dtype`` language model, else
+    why not. float32: ``auto`` leaves AVX-512 CPUs to MKL (there its products use AVX-512 and the kernels, AVX2, lost
+    on an AVX-512 Xeon). bfloat16: ``auto`` takes the kernels on CPUs with native bf16 (AVX512-BF16) but no AMX,
+    where they were measured (2-vCPU EPYC, one thread, `small` checkpoint: 0.51-0.63x torch's decode step at 1-4
+    rows), and leaves other CPUs to torch. ``on`` takes the kernels wherever they build."""
     if setting == "off":
         return "--cpu-kernels off"
-    if setting == "auto" and cpu_has_avx512():
+    if setting == "auto" and dtype == torch.bfloat16:
+        flags = cpu_flags() or frozenset()
+        if "avx512_bf16" not in flags or "amx_bf16" in flags:
+            return "bf16 products measured against torch's only on AVX512-BF16 CPUs without AMX " \
+                   "(--cpu-kernels on uses them)"
+    elif setting == "auto" and cpu_has_avx512():
         return "this CPU has AVX-512, where MKL's products have not been measured against these AVX2 kernels " \
                "(--cpu-kernels on uses them)"
     return kernel_unavailable()
@@ -108,7 +123,8 @@ class _Kernel:
         args = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
                 ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int]
         self.input_major, self.row_major = self.lib.ft_linear_im, self.lib.ft_linear_rm
-        for fn in (self.input_major, self.row_major):
+        self.row_major_bf16 = self.lib.ft_linear_rm_bf16
+        for fn in (self.input_major, self.row_major, self.row_major_bf16):
             fn.restype, fn.argtypes = None, args
         p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
         self.int8_rows, self.quant, self.dequant = self.lib.ft_int8_linear, self.lib.ft_quant_rows, self.lib.ft_dequant
@@ -124,7 +140,10 @@ class _Kernel:
         transpose contiguous), shaped as ``kernel_applies`` requires; bias [N] contiguous or None."""
         m, k = rows.shape
         n = weight.shape[0]
-        fn = self.row_major if weight.is_contiguous() else self.input_major
+        if weight.dtype == torch.bfloat16:  # row-major only; rows and bias float32, outputs float32
+            fn = self.row_major_bf16
+        else:
+            fn = self.row_major if weight.is_contiguous() else self.input_major
         out = torch.empty(m, n, dtype=torch.float32)
         fn(rows.data_ptr(), rows.stride(0), weight.data_ptr(), 0 if bias is None else bias.data_ptr(),
            out.data_ptr(), n, m, n, k, torch.get_num_threads())
@@ -223,6 +242,11 @@ def _check(kernel: _Kernel) -> str | None:
                 got, want = kernel.linear(x[:m], w, b), F.linear(x[:m], w, b)
                 if not torch.allclose(got, want, rtol=1e-5, atol=1e-5):
                     return f"the built kernels disagree with torch (max |diff| {(got - want).abs().max():.3g})"
+    w16 = weight.to(torch.bfloat16)
+    for m in range(1, 6):
+        got, want = kernel.linear(x[:m], w16, bias), F.linear(x[:m], w16.float(), bias)
+        if not torch.allclose(got, want, rtol=1e-5, atol=1e-5):
+            return f"the built bf16 kernel disagrees with torch (max |diff| {(got - want).abs().max():.3g})"
     q, scales = kernel.quant_rows(x)
     if not torch.equal(q, torch.round(x * (1 / scales)[:, None]).to(torch.int8)):
         return "the built int8 quantize kernel disagrees with torch"
@@ -255,13 +279,15 @@ def kernel_unavailable() -> str | None:
 
 
 def kernel_applies(weight: torch.Tensor) -> bool:
-    """A float32 CPU weight [N, K] the kernels take: row-major with K % 16 == 0, or input-major (``weight.t()``
-    contiguous) with K % 8 == 0 and N % 8 == 0."""
-    if weight.dtype != torch.float32 or weight.device.type != "cpu" or weight.dim() != 2:
+    """A CPU weight [N, K] the kernels take: float32 row-major with K % 16 == 0, or input-major (``weight.t()``
+    contiguous) with K % 8 == 0 and N % 8 == 0; bfloat16 row-major with K % 16 == 0."""
+    if weight.dtype not in (torch.float32, torch.bfloat16) or weight.device.type != "cpu" or weight.dim() != 2:
         return False
     n, k = weight.shape
     if weight.is_contiguous():
         return k % 16 == 0
+    if weight.dtype == torch.bfloat16:
+        return False
     return weight.t().is_contiguous() and k % 8 == 0 and n % 8 == 0
 
 
@@ -269,11 +295,17 @@ class FewRowsLinear(nn.Linear):
     """``nn.Linear`` (the same parameters, in either layout ``kernel_applies`` takes) whose products of at most
     ``MAX_ROWS`` rows run the kernels; larger inputs, and anything autograd must see, take ``F.linear``."""
 
+    bias32: torch.Tensor | None = None  # a bfloat16 weight's bias, widened once (the kernel sums in float32)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
-        if rows.shape[0] > MAX_ROWS or rows.shape[0] == 0 or x.dtype != torch.float32 or (
+        limit = MAX_ROWS_BF16 if x.dtype == torch.bfloat16 else MAX_ROWS
+        if rows.shape[0] > limit or rows.shape[0] == 0 or x.dtype != self.weight.dtype or (
                 torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad)):
             return F.linear(x, self.weight, self.bias)
+        if x.dtype == torch.bfloat16:  # float32 sums rounded to bf16 at the end, as torch's bf16 product
+            out = _kernel()[0].linear(rows.float(), self.weight, self.bias32)
+            return out.to(torch.bfloat16).view(*x.shape[:-1], self.out_features)
         if rows.stride(-1) != 1:
             rows = rows.contiguous()
         out = _kernel()[0].linear(rows, self.weight, self.bias)
@@ -287,13 +319,15 @@ class FewRowsLinear(nn.Linear):
             module = cls(in_features, out_features, bias=bias is not None)
         module.weight = weight
         module.bias = bias
+        if weight.dtype == torch.bfloat16 and bias is not None:
+            module.bias32 = bias.detach().float().contiguous()
         return module
 
 
 def use_few_rows_kernel(model: nn.Module, exclude_prefix: str) -> int:
-    """Give every float32 ``nn.Linear`` outside ``exclude_prefix`` (and a tied lm_head: a module sharing the
-    embeddings) the kernel for decode-sized products. The caller checks ``kernel_unavailable()`` first. Returns the
-    number of layers changed."""
+    """Give every float32 or bfloat16 ``nn.Linear`` the kernels take (``kernel_applies``) outside ``exclude_prefix``
+    (and a tied lm_head: a module sharing the embeddings) the kernel for decode-sized products. The caller checks
+    ``kernel_unavailable()`` first. Returns the number of layers changed."""
     names = [name for name, sub in model.named_modules() if type(sub) is nn.Linear
              and not name.startswith(exclude_prefix) and kernel_applies(sub.weight)
              and (sub.bias is None or sub.bias.is_contiguous())]

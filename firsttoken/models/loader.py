@@ -84,8 +84,8 @@ def load_model(
         log.info("int8 products: %s", int8_paths(reason))
     if str(device) == "cpu":
         store_weights_input_major(model, exclude_prefix="visual.")  # the decoder's matmuls are one-row at decode
-        if quantization == "none" and dtype == torch.float32:
-            reason = kernels_skipped(cpu_kernels)
+        if quantization == "none" and dtype in (torch.float32, torch.bfloat16):
+            reason = kernels_skipped(cpu_kernels, dtype)
             if reason is None:
                 use_few_rows_kernel(model, exclude_prefix="visual.")  # decode's few-row products; prefill: MKL's
             log.info("decode steps' products: %s", "firsttoken's few-rows AVX2 kernels" if reason is None

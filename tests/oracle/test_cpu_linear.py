@@ -12,7 +12,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from firsttoken.kernels import cpu_linear
-from firsttoken.kernels.cpu_linear import MAX_ROWS, FewRowsLinear, kernel_unavailable, use_few_rows_kernel
+from firsttoken.kernels.cpu_linear import (
+    MAX_ROWS,
+    MAX_ROWS_BF16,
+    FewRowsLinear,
+    kernel_unavailable,
+    use_few_rows_kernel,
+)
 from firsttoken.models.loader import load_model
 from tests.conftest import require_program
 
@@ -156,6 +162,75 @@ def test_load_model_uses_it_for_the_language_model_only(kernel_built, tiny_qwen2
     assert torch.equal(a.argmax(-1), b.argmax(-1))
 
 
+def _bf16_linear(in_features: int, out_features: int, bias: bool, seed: int = 0) -> FewRowsLinear:
+    g = torch.Generator().manual_seed(seed)
+    w = (torch.randn(out_features, in_features, generator=g) / in_features**0.5).to(torch.bfloat16)
+    b = nn.Parameter(torch.randn(out_features, generator=g).to(torch.bfloat16), requires_grad=False) if bias else None
+    return FewRowsLinear.sharing(nn.Parameter(w, requires_grad=False), b)
+
+
+@pytest.mark.parametrize("in_features,out_features,bias", [(64, 48, True), (512, 1408, False), (1408, 512, True)])
+def test_bf16_rows_are_the_exact_sums_rounded_once(kernel_built, in_features, out_features, bias):
+    """bf16 weights and rows: each output is the float32 sum of the exact products, rounded to bf16 once (torch's
+    bf16 product rounds its own float32 sums: the same to within one bf16 step); more rows than the kernel takes
+    go to torch's own product."""
+    layer = _bf16_linear(in_features, out_features, bias)
+    x = torch.randn(MAX_ROWS_BF16 + 3, in_features).to(torch.bfloat16)
+    b = None if layer.bias is None else layer.bias.double()
+    with torch.inference_mode():
+        for rows in range(1, MAX_ROWS_BF16 + 4):
+            got = layer(x[:rows])
+            assert got.dtype == torch.bfloat16 and got.shape == (rows, out_features)
+            exact = F.linear(x[:rows].double(), layer.weight.double(), b)
+            if rows > MAX_ROWS_BF16:
+                assert torch.equal(got, F.linear(x[:rows], layer.weight, layer.bias))
+            else:  # float32 sums: within 1e-5 of exact before the one rounding to bf16 (2^-8 relative)
+                torch.testing.assert_close(got.double(), exact, rtol=2**-8, atol=1e-5)
+                torch.testing.assert_close(got, F.linear(x[:rows], layer.weight, layer.bias), rtol=2**-7, atol=1e-2)
+
+
+def test_bf16_row_is_bitwise_the_same_whatever_shares_its_step(kernel_built):
+    layer = _bf16_linear(512, 80, True)
+    x = torch.randn(MAX_ROWS_BF16, 512).to(torch.bfloat16)
+    before = torch.get_num_threads()
+    try:
+        with torch.inference_mode():
+            torch.set_num_threads(1)
+            alone = layer(x[2:3])
+            for rows in range(3, MAX_ROWS_BF16 + 1):
+                assert torch.equal(layer(x[:rows])[2], alone[0])
+            torch.set_num_threads(2)
+            assert torch.equal(layer(x)[2], alone[0])
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("flags,used", [({"avx2", "avx512f", "avx512_bf16"}, True),
+                                         ({"avx2", "avx512f", "avx512_bf16", "amx_bf16"}, False),
+                                         ({"avx2", "avx512f"}, False), ({"avx2"}, False)],
+                         ids=["avx512-bf16", "amx", "avx512", "avx2"])
+def test_auto_takes_bf16_kernels_where_they_were_measured(kernel_built, tiny_qwen2_vl_dir, monkeypatch, flags, used):
+    """bf16: auto takes the kernels on AVX512-BF16 CPUs without AMX (measured there), not elsewhere; on takes them
+    everywhere; the float32 rule is its own."""
+    monkeypatch.setattr(cpu_linear, "cpu_flags", lambda: frozenset(flags))
+    model = load_model(tiny_qwen2_vl_dir, torch.bfloat16, cpu_kernels="auto")
+    layers = [m for m in model.modules() if isinstance(m, FewRowsLinear)]
+    assert bool(layers) == used
+    assert all(m.weight.dtype == torch.bfloat16 for m in layers)
+    assert any(isinstance(m, FewRowsLinear) for m in load_model(tiny_qwen2_vl_dir, torch.bfloat16,
+                                                                cpu_kernels="on").modules())
+
+
+def test_bf16_model_logits_with_and_without_the_kernels(kernel_built, tiny_qwen2_vl_dir):
+    on = load_model(tiny_qwen2_vl_dir, torch.bfloat16, cpu_kernels="on")
+    off = load_model(tiny_qwen2_vl_dir, torch.bfloat16, cpu_kernels="off")
+    assert type(on.lm_head) is FewRowsLinear and not any(isinstance(m, FewRowsLinear) for m in off.modules())
+    hidden = torch.randn(3, on.config.hidden_size).to(torch.bfloat16)
+    with torch.inference_mode():
+        a, b = on.compute_logits(hidden), off.compute_logits(hidden)
+    torch.testing.assert_close(a.float(), b.float(), rtol=2**-7, atol=2e-2)
+
+
 def test_tied_lm_head_shares_the_embeddings(kernel_built, tiny_qwen2_vl_tied_dir):
     model = load_model(tiny_qwen2_vl_tied_dir, torch.float32, cpu_kernels="on")
     assert type(model.lm_head) is FewRowsLinear
@@ -166,9 +241,9 @@ def test_tied_lm_head_shares_the_embeddings(kernel_built, tiny_qwen2_vl_tied_dir
                                    rtol=1e-5, atol=1e-5)
 
 
-def test_not_for_other_dtypes_or_fp16(kernel_built, tiny_qwen2_vl_dir):
+def test_not_for_fp16_or_the_vision_tower(kernel_built, tiny_qwen2_vl_dir):
     bf16 = load_model(tiny_qwen2_vl_dir, torch.bfloat16, cpu_kernels="on")
-    assert not any(isinstance(m, FewRowsLinear) for m in bf16.modules())
+    assert not any(isinstance(m, FewRowsLinear) for name, m in bf16.named_modules() if name.startswith("visual."))
     fp16 = load_model(tiny_qwen2_vl_dir, torch.float32, quantization="fp16", cpu_kernels="on")
     assert not any(isinstance(m, FewRowsLinear) for m in fp16.modules())
 
@@ -203,9 +278,11 @@ def test_auto_leaves_avx512_cpus_to_mkl(kernel_built, tiny_qwen2_vl_dir, monkeyp
 
 def test_use_few_rows_kernel_skips_unfit_layers():
     model = nn.Sequential(nn.Linear(64, 8), nn.Linear(24, 8), nn.Linear(24, 8), nn.Linear(24, 12),
-                          nn.Linear(64, 8).to(torch.bfloat16))
+                          nn.Linear(64, 8).to(torch.bfloat16), nn.Linear(24, 8).to(torch.bfloat16),
+                          nn.Linear(64, 8).half())
     for i in (2, 3):  # input-major
         model[i].weight = nn.Parameter(model[i].weight.detach().t().contiguous().t())
-    # row-major needs K % 16, input-major K % 8 and N % 8; float32 only
-    assert use_few_rows_kernel(model, exclude_prefix="none.") == 2
-    assert [type(m).__name__ for m in model] == ["FewRowsLinear", "Linear", "FewRowsLinear", "Linear", "Linear"]
+    # row-major needs K % 16, input-major K % 8 and N % 8 (float32; bfloat16 row-major only); no float16
+    assert use_few_rows_kernel(model, exclude_prefix="none.") == 3
+    assert [type(m).__name__ for m in model] == ["FewRowsLinear", "Linear", "FewRowsLinear", "Linear",
+                                                 "FewRowsLinear", "Linear", "Linear"]
