@@ -2,11 +2,12 @@
 
 Drives ``LLMEngine`` directly (no HTTP, no engine thread): each batch size runs requests of ~20 prompt tokens,
 greedy, ``ignore_eos``, ``--max-tokens`` output tokens each, ``step_time_target="off"``, float32 (``--dtype``).
-A step's time is split into the scheduler (``schedule`` + ``update``), the model's forward, the lm_head, the sampler, the rest of the
-runner (inputs, metadata, bookkeeping) and the engine's own update (detokenizer, stop checks, outputs) plus what is
-left (cost model, stats). Decode steps run on ``--num-threads`` too (``decode_threads`` = it: the server's default
-of one fewer is for its own threads, absent here). The phases are timed by wrapping the instance's methods here, in
-the benchmark only. Medians over the decode steps after the first ``--warmup-steps``.
+A step's time is split into the scheduler (``schedule`` + ``update``), the model's forward, the lm_head, the
+sampler, the rest of the runner (inputs, metadata, bookkeeping) and the engine's own update (detokenizer, stop
+checks, outputs) plus what is left (cost model, stats). Decode steps run on ``--num-threads`` too
+(``decode_threads`` = it: the server's default of one fewer is for its own threads, absent here). The phases are
+timed by wrapping the instance's methods here, in the benchmark only. Medians over the decode steps after the
+first ``--warmup-steps``.
 
     PYTHONPATH=$PWD python benchmarks/bench_decode.py --num-threads 2
     # before/after side by side: rounds alternate between this checkout and another one's firsttoken package

@@ -232,7 +232,7 @@ def run_all(tree: LlamaCppTree, model: Path, llama: dict[str, GGUFPair], args: a
         single = {name: start_llama(stack, tree.server, gguf, 1, extra) for name, gguf in llama.items()}
         batched = {name: start_llama(stack, tree.server, gguf, BATCH, extra) for name, gguf in llama.items()}
         ours = {"firsttoken_fp32": start_firsttoken(stack, model, no_budget)}
-        for quant in _ours_quants(args):
+        for quant in _ours_variants(args):
             ours[f"firsttoken_{quant}"] = start_firsttoken(stack, model, _variant_flags(no_budget, quant))
         ttft_bases = {**single, **ours}
         if not args.no_budget_column:
@@ -247,7 +247,7 @@ def run_all(tree: LlamaCppTree, model: Path, llama: dict[str, GGUFPair], args: a
     for name, gguf in llama.items():
         results[name] |= {"gguf": str(gguf.model), "mmproj": str(gguf.mmproj)}
     results["firsttoken_fp32"]["flags"] = no_budget
-    for quant in _ours_quants(args):
+    for quant in _ours_variants(args):
         results[f"firsttoken_{quant}"]["flags"] = _variant_flags(no_budget, quant)
     if "firsttoken_budget" in results:
         results["firsttoken_budget"]["flags"] = list(FIRSTTOKEN_FLAGS)
@@ -293,7 +293,7 @@ VARIANTS = ("fp16", "int8", "bf16")  # our servers beside fp32: --quantization f
 PEER = {"int8": "llama_q8_0", "bf16": "llama_bf16"}  # the llama.cpp GGUF each is set beside, when it was measured
 
 
-def _ours_quants(args: argparse.Namespace) -> list[str]:
+def _ours_variants(args: argparse.Namespace) -> list[str]:
     return [q for q, on in zip(VARIANTS, (args.ours_fp16, args.ours_int8, args.ours_bf16)) if on]
 
 

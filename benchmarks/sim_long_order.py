@@ -42,13 +42,13 @@ def parse_configs(text: str) -> dict[str, dict]:
 
 
 def load_coefficients(text: str) -> dict[str, float]:
+    """A JSON object of coefficients, or a file holding one, a server's /stats, or a bench_slo.py JSON."""
     path = Path(text)
     data = json.loads(path.read_text() if path.exists() else text)
-    if "cost_model" in data:  # a server's /stats
-        data = data["cost_model"]["coefficients"]
-    elif "machine" in data:  # a bench_slo.py JSON: the last load's `default` server
-        runs = [v["default"] for k, v in data.items() if k.startswith("U=") and "server" in v.get("default", {})]
-        data = runs[-1]["server"]["cost_model"]["coefficients"]
+    if "machine" in data:  # a bench_slo.py JSON: the server of its last load's `default` run
+        data = [v["default"]["server"] for k, v in data.items() if k.startswith("U=") and "server" in v["default"]][-1]
+    if "cost_model" in data:  # a server's /stats (or the part of it a bench_slo.py run keeps)
+        return sim.Profile.from_stats(data).coefficients
     return {k: float(v) for k, v in data.items()}
 
 

@@ -293,7 +293,8 @@ def kernel_applies(weight: torch.Tensor) -> bool:
 
 class FewRowsLinear(nn.Linear):
     """``nn.Linear`` (the same parameters, in either layout ``kernel_applies`` takes) whose products of at most
-    ``MAX_ROWS`` rows run the kernels; larger inputs, and anything autograd must see, take ``F.linear``."""
+    ``MAX_ROWS`` rows (``MAX_ROWS_BF16`` for bfloat16) run the kernels; larger inputs, and anything autograd must
+    see, take ``F.linear``."""
 
     bias32: torch.Tensor | None = None  # a bfloat16 weight's bias, widened once (the kernel sums in float32)
 
