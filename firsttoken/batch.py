@@ -27,7 +27,12 @@ class NewRequest:
 @dataclass(frozen=True)
 class EncoderWork:
     """Run encoder units [start_unit, start_unit + num_units) of image ``image_index`` of a request. Unit 0 starts
-    from the pixels; after the last one the image's embeddings exist and chunks may cover its tokens."""
+    from the pixels; after the last one the image's embeddings exist and chunks may cover its tokens.
+
+    ``interruptible``: the runner may stop between this work's units when a short request arrives during the step
+    (its ``interrupt`` signal), once the step has run at least one unit; it reports the units actually run in
+    ``RunnerOutput.encoder_progress``. The scheduler sets it only for long-lane work whose image no chunk of the
+    same step covers."""
 
     request_id: str
     image_index: int
@@ -35,6 +40,7 @@ class EncoderWork:
     start_unit: int
     num_units: int
     finishes: bool
+    interruptible: bool = False
 
 
 @dataclass(frozen=True)
@@ -68,6 +74,9 @@ class StepFeatures:
 
     def __add__(self, other: "StepFeatures") -> "StepFeatures":
         return StepFeatures(*(getattr(self, f.name) + getattr(other, f.name) for f in fields(self)))
+
+    def __sub__(self, other: "StepFeatures") -> "StepFeatures":
+        return StepFeatures(*(getattr(self, f.name) - getattr(other, f.name) for f in fields(self)))
 
     def vector(self) -> np.ndarray:
         """[1, sequences, sampled, ...] in FEATURE_NAMES order."""

@@ -110,6 +110,10 @@ class SchedulerConfig:
         "step timings; the long lane fills each step up to it (work-conserving), so a short request arriving "
         "mid-step waits at most one such step. auto: the predicted time of one typical short prompt's prefill; "
         "off: token budgets only (--long-step-tokens, steps yielded to short prefills)"))
+    encoder_interrupt: bool = field(default=True, metadata=option(
+        "do not stop the long lane's vision-tower work for a short request (by default a short request that arrives "
+        "while a step runs image encoder units stops that step at the next unit; its prefill runs next step and the "
+        "image resumes after it); for side-by-side measurement", flag="--no-encoder-interrupt", switch_off=True))
     long_step_tokens: int = field(default=512, metadata=option(
         "with --step-time-target off: long-lane work per step in tokens (prefill tokens + encoder units' "
         "token-equivalent cost; a full vision block of an image costs its visual tokens)"))

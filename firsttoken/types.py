@@ -244,6 +244,7 @@ class EngineStats:
     num_waiting_by_lane: dict[str, int] = field(default_factory=dict)
     preemptions_by_reason: dict[str, int] = field(default_factory=dict)
     num_short_delayed_by_long: int = 0  # short requests that sat out a whole step while long work ran
+    num_encoder_interrupts: int = 0  # steps whose long-lane encoder work a short arrival cut short
     encoder_cache_hits: int = 0
     encoder_cache_misses: int = 0
     encoder_cache_bytes: int = 0

@@ -29,7 +29,7 @@ from typing import AsyncIterator
 import torch
 
 from firsttoken.engine.engine import LLMEngine
-from firsttoken.scheduler.lanes import route_lane
+from firsttoken.scheduler.lanes import SHORT, route_lane
 from firsttoken.types import (
     AdmissionVerdict,
     EngineRequest,
@@ -92,6 +92,12 @@ class AsyncEngine:
         self._reservations: dict[str, tuple[str, float, PromptWork]] = {}
         self._reservations_lock = threading.Lock()
         self._stats = engine.stats()
+        # short requests sent by generate() (event loop) and handed to the engine (engine thread): while more were
+        # sent than handed over, a short request is waiting for the step in flight, and the runner may cut the
+        # long lane's encoder work at its next unit (--no-encoder-interrupt turns that off in the scheduler)
+        self._short_sent = 0
+        self._short_added = 0
+        engine.short_request_pending = lambda: self._short_sent > self._short_added
         self._thread = threading.Thread(target=self._run, name="firsttoken-engine", daemon=True)
 
     # ---- lifecycle -----------------------------------------------------------------------------------
@@ -126,6 +132,7 @@ class AsyncEngine:
             raise EngineDeadError("the engine is not running")
         outputs: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         backlog = _Backlog()
+        self._short_sent += self._is_short(request)
         self._commands.put(_Add(request, asyncio.get_running_loop(), outputs, backlog))
         finished = False
         try:
@@ -206,6 +213,7 @@ class AsyncEngine:
             self.engine.abort(cmd.request_id)
             return
         rid = cmd.request.request_id
+        self._short_added += self._is_short(cmd.request)
         self.release(rid)  # from here on the lane queue itself counts it
         try:
             self.engine.add_request(cmd.request)
@@ -217,6 +225,9 @@ class AsyncEngine:
             cmd.loop.call_soon_threadsafe(cmd.outputs.put_nowait, e)
             return
         self._streams[rid] = cmd
+
+    def _is_short(self, request: EngineRequest) -> bool:
+        return route_lane(request.num_prompt_tokens, self.engine.scheduler.config) == SHORT
 
     def _deliver(self, out: RequestOutput) -> None:
         stream = self._streams.get(out.request_id)

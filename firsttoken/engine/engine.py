@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -121,12 +122,15 @@ class LLMEngine:
         self.observer: StatsObserver = observer or NullObserver()
         self.model_config = load_model_config(model_dir)
         self.tokenizer = tokenizer
+        # asked by the runner between interruptible encoder units: is a short request on its way to add_request?
+        # (set by the serving side, AsyncEngine; None: never)
+        self.short_request_pending: Callable[[], bool] | None = None
         dtype = torch_dtype(config.dtype, config.quantization)
         self.capacity = plan_kv_capacity(self.model_config, config)
         self.executor: Executor = InProcessExecutor(
             model_dir, self.model_config, dtype, self.capacity.num_blocks, self.capacity.block_size, config.seed,
             fault_hook, threads=ThreadPlan(config.num_threads, config.decode_threads),
-            quantization=config.quantization, cpu_kernels=config.cpu_kernels,
+            quantization=config.quantization, cpu_kernels=config.cpu_kernels, interrupt=self._interrupt,
         )
         dtype_bytes = torch.tensor([], dtype=dtype).element_size()
         num_tensors = 1 + len(self.model_config.vision.deepstack_visual_indexes)  # main + DeepStack features
@@ -154,6 +158,10 @@ class LLMEngine:
         from firsttoken.engine.calibration import calibrate
 
         calibrate(self)
+
+    def _interrupt(self) -> bool:
+        pending = self.short_request_pending
+        return pending is not None and pending()
 
     @property
     def max_model_len(self) -> int:
@@ -193,16 +201,17 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         if batch.is_empty:
             return expired
-        predicted_s = self.scheduler.cost_model.predict(batch.features)
         try:
             result = self.executor.execute(batch)  # reports per-request failures; raises only on an engine bug
         except Exception:
             return expired + self._fail_batch(batch)
+        features = self.scheduler.features_run(batch, result)  # less any encoder units an interrupt cut
+        predicted_s = self.scheduler.cost_model.predict(features)
         self.scheduler.update(batch, result)
         outputs = self._update(batch, result, step_start)
         if batch.has_work:
             duration_s = time.monotonic() - step_start
-            self.scheduler.cost_model.observe(batch.features, duration_s)
+            self.scheduler.cost_model.observe(features, duration_s)
             self._observe_step(batch, result, step_start, duration_s, predicted_s)
         return expired + outputs
 
@@ -371,6 +380,7 @@ class LLMEngine:
             num_waiting_by_lane=self.scheduler.waiting.depths(),
             preemptions_by_reason=dict(self.scheduler.preemptions_by_reason),
             num_short_delayed_by_long=self.scheduler.num_short_delayed_by_long,
+            num_encoder_interrupts=self.scheduler.num_encoder_interrupts,
             encoder_cache_hits=self.scheduler.encoder_cache.num_hits,
             encoder_cache_misses=self.scheduler.encoder_cache.num_misses,
             encoder_cache_bytes=self.executor.encoder_cache_bytes,

@@ -150,6 +150,10 @@ class FirsttokenCollector:
                        "Short-lane requests that sat out a whole step while long work held it (the scheduler "
                        "counts it; sharing a step is normal, waiting behind it is not).",
                        g.num_short_delayed_by_long)  # fmt: skip
+        yield _counter("firsttoken_encoder_interrupts",
+                       "Steps whose long-lane vision-tower work stopped at an encoder unit because a short request "
+                       "arrived (it runs next step; the image resumes after it).",
+                       g.num_encoder_interrupts)  # fmt: skip
         yield _counter("firsttoken_encoder_cache_hits", "Images whose vision-encoder output was reused.",
                        g.encoder_cache_hits)  # fmt: skip
         yield _counter("firsttoken_encoder_cache_misses", "Images that had to go through the vision tower.",

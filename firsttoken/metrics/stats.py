@@ -75,6 +75,7 @@ class EngineSnapshot:
     step_time_target_s: float | None = None
     ttft_bias: dict[str, float] = field(default_factory=dict)  # images class -> the predicted TTFT's learnt factor
     block_size: int = 16  # tokens per KV block
+    num_encoder_interrupts: int = 0  # steps whose long-lane encoder work a short arrival cut short
 
     @property
     def kv_usage_ratio(self) -> float:

@@ -7,6 +7,7 @@ process, a Ray actor or a GPU worker can implement the same two members without 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Protocol
 
@@ -47,11 +48,13 @@ class InProcessExecutor:
         threads: ThreadPlan | None = None,
         quantization: str = "none",
         cpu_kernels: str = "auto",
+        interrupt: Callable[[], bool] | None = None,
     ) -> None:
+        """``interrupt``: the runner asks it between interruptible encoder units (ModelRunner)."""
         model = load_model(model_dir, dtype, device, quantization=quantization,
                            num_threads=threads.threads if threads is not None else None, cpu_kernels=cpu_kernels)
         kv_caches = allocate_kv_caches(model_config, num_kv_blocks, block_size, dtype, device)
-        self.runner = ModelRunner(model, kv_caches, block_size, Sampler(seed), fault_hook, threads)
+        self.runner = ModelRunner(model, kv_caches, block_size, Sampler(seed), fault_hook, threads, interrupt)
 
     def execute(self, batch: ScheduledBatch) -> RunnerOutput:
         return self.runner.execute(batch)

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -128,7 +128,10 @@ class ModelRunner:
         sampler: Sampler,
         fault_hook: FaultHook | None = None,
         threads: ThreadPlan | None = None,
+        interrupt: Callable[[], bool] | None = None,
     ) -> None:
+        """``interrupt``: asked between the units of encoder work the scheduler marked interruptible; True (a short
+        request arrived) stops that work once the step has run at least one encoder unit."""
         self.model = model
         self.kv_caches = kv_caches
         self.block_size = block_size
@@ -139,6 +142,9 @@ class ModelRunner:
         self._encode_jobs: dict[str, EncodeState] = {}  # images part-way through the vision tower
         self.num_vision_calls = 0  # images fully encoded by the vision tower; tests read it to prove reuse
         self.threads = threads
+        self.interrupt = interrupt
+        self._step_units = 0  # encoder units run so far in this step (an interrupt never leaves a step with none)
+        self.num_encoder_interrupts = 0  # steps whose encoder work stopped early on an interrupt; tests read it
 
     @property
     def encoder_cache_bytes(self) -> int:
@@ -207,6 +213,7 @@ class ModelRunner:
 
     def _run_encoder_work(self, work_items: Sequence[EncoderWork]) -> "_EncodeReport":
         report = _EncodeReport()
+        self._step_units = 0
         for work in work_items:
             rid = work.request_id
             h = work.content_hash
@@ -217,7 +224,9 @@ class ModelRunner:
                 t0 = time.perf_counter()
                 report.progress[h] = self._run_encoder(work)
                 report.seconds[rid] = report.seconds.get(rid, 0.0) + time.perf_counter() - t0
-                if work.finishes:
+                if report.progress[h] < work.start_unit + work.num_units:
+                    report.interrupted = True
+                elif work.finishes:
                     report.num_encoded[rid] = report.num_encoded.get(rid, 0) + 1
                     report.done_s[rid] = time.monotonic()
             except RequestFailure as e:
@@ -229,7 +238,12 @@ class ModelRunner:
                 self._encode_jobs.pop(h, None)
                 report.progress.pop(h, None)
                 report.discarded.add(h)
+        self.num_encoder_interrupts += int(report.interrupted)
         return report
+
+    def _should_stop(self, work: EncoderWork) -> bool:
+        return (work.interruptible and self.interrupt is not None and self._step_units > 0
+                and self.interrupt())
 
     def _hook(self, stage: str, request_id: str) -> None:
         if self.fault_hook is None:
@@ -246,6 +260,8 @@ class ModelRunner:
         visual = self.model.visual
         if image.content_hash in self.encoder_outputs:
             return len(image.encoder_units)
+        if self._should_stop(work):  # interrupted before this work began: its state (if any) stays as it was
+            return work.start_unit
         job = self._encode_jobs.get(image.content_hash)
         if job is not None and job.units_done != work.start_unit:
             if work.start_unit != 0:
@@ -258,7 +274,16 @@ class ModelRunner:
                 raise RequestFailure(work.request_id, "image pixels are missing and its encoding is not cached")
             job = visual.start_encode(image.pixel_values.to(self.model.dtype), image.grid_thw)
             self._encode_jobs[image.content_hash] = job
-        visual.run_units(job, work.num_units)
+        if not work.interruptible or self.interrupt is None:
+            before = job.units_done
+            visual.run_units(job, work.num_units)
+            self._step_units += job.units_done - before
+        else:  # unit by unit, asking between them
+            for i in range(work.num_units):
+                if i > 0 and self._should_stop(work):
+                    break
+                visual.run_units(job, 1)
+                self._step_units += 1
         if job.done:
             self.encoder_outputs[image.content_hash] = visual.finish_encode(job)
             del self._encode_jobs[image.content_hash]
@@ -382,3 +407,4 @@ class _EncodeReport:
     seconds: dict[str, float] = field(default_factory=dict)
     num_encoded: dict[str, int] = field(default_factory=dict)
     done_s: dict[str, float] = field(default_factory=dict)
+    interrupted: bool = False  # some work stopped before its last scheduled unit

@@ -12,10 +12,14 @@ Tokens, not phases: a request is ``num_computed_tokens`` chasing ``num_tokens``.
      ``long_max_passes`` steps first). If short work took the whole step ``long_max_wait_steps`` times in a row,
      the long lane runs anyway (aging: long is never starved).
 A short request arriving mid-step therefore waits for at most one bounded step, and the long lane never leaves a
-step's time unused while it has work (work-conserving). Long-lane work counts vision-tower work too: an image is
-encoded a few units per step (the model family's split, each priced by the cost model), so nobody waits for
-someone else's whole encode. With ``step_time_target="off"`` the long lane is budgeted in tokens instead
-(``long_step_tokens``) and yields whole steps to short prefills (the previous policy, for side-by-side runs).
+step's time unused while it has work (work-conserving); with ``encoder_interrupt`` (the default) a step that runs
+the long lane's vision-tower work is cut at the next encoder unit when a short request arrives during it (the runner
+checks between units; only work whose image no chunk of the same step covers), so the short request waits for one
+unit rather than the whole step. The step's cost is learnt from the units that actually ran (``features_run``).
+Long-lane work counts vision-tower work too: an image is encoded a few units per step (the model family's split,
+each priced by the cost model), so nobody waits for someone else's whole encode. With ``step_time_target="off"``
+the long lane is budgeted in tokens instead (``long_step_tokens``) and yields whole steps to short prefills (the
+previous policy, for side-by-side runs).
 ``scheduling="fcfs"`` is the seed's starting point: one FIFO queue, whole-prompt prefills, whole-image encodes.
 
 KV admission: with ``kv_admission="whole-prompt"`` a request starts only when blocks for its whole prompt plus
@@ -32,7 +36,7 @@ import math
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from firsttoken.batch import (
     EncoderWork,
@@ -40,6 +44,7 @@ from firsttoken.batch import (
     RunnerOutput,
     ScheduledBatch,
     ScheduledChunk,
+    StepFeatures,
 )
 from firsttoken.config import CacheConfig, SchedulerConfig
 from firsttoken.kv.block_manager import KVCacheManager
@@ -67,6 +72,8 @@ class _Step:
     decode_s: float = 0.0  # predicted seconds of this step's decodes, short prefills, long work (lane shares)
     short_s: float = 0.0
     long_s: float = 0.0
+    # the interruptible encoder work's span in the step (predicted seconds from its start) and its mean unit
+    cut_span: tuple[float, float, float] = (0.0, 0.0, 0.0)
 
     @property
     def has_prefill(self) -> bool:
@@ -98,6 +105,9 @@ class Backlog:
     short_frac: float = 0.0
     long_frac: float = 0.0
     step_end_s: float = 0.0  # the step in flight's predicted end, on the scheduler's clock
+    # the step in flight's interruptible encoder work: (start, end) on the scheduler's clock and its mean unit's
+    # seconds; a short request arriving inside it waits for the unit in progress, not for the rest of the span
+    cut_span: tuple[float, float, float] = (0.0, 0.0, 0.0)
 
 
 class Scheduler:
@@ -126,6 +136,7 @@ class Scheduler:
         self.num_preemptions = 0
         self.preemptions_by_reason: dict[str, int] = {}
         self.num_short_delayed_by_long = 0  # short requests that waited a whole step while long work ran
+        self.num_encoder_interrupts = 0  # steps whose long-lane encoder work a short arrival cut short
         self.long_wait_steps = 0  # consecutive steps the long lane had work but was held back
         self._preempted: list[str] = []
         self._new: list[NewRequest] = []  # first admissions since the last batch: the runner's first sight
@@ -224,6 +235,8 @@ class Scheduler:
             short_work = self._serve_lane(SHORT, budget, step, whole_prompt=False)
             self._serve_long_lane(budget, step, held_by_short=short_work, target=target)
         self._count_short_delays(step)
+        if self.config.encoder_interrupt and not fcfs and step.encoder_work:
+            self._mark_interruptible(step)
         preempted, self._preempted = tuple(self._preempted), []
         new, self._new = tuple(self._new), []
         finished, self._finished_ids = tuple(self._finished_ids), []
@@ -233,6 +246,51 @@ class Scheduler:
             new, tuple(step.chunks), tuple(step.encoder_work), self.encoder_cache.pop_freed(), preempted, finished,
             budget.features,
         )
+
+    def _mark_interruptible(self, step: _Step) -> None:
+        """Long-lane encoder work may be cut between units, unless a chunk of this step covers its image (that
+        chunk needs the embeddings the work finishes)."""
+        covered: set[str] = set()
+        for c in step.chunks:
+            if not c.is_decode:
+                req = self.requests[c.request_id]
+                covered.update(im.content_hash for im in req.images if im.offset < c.end and im.end > c.context_len)
+        step.encoder_work = [
+            replace(w, interruptible=True)
+            if self.requests[w.request_id].lane == LONG and w.content_hash not in covered else w
+            for w in step.encoder_work
+        ]
+        if self.cost_model.is_trained:  # where the interruptible units sit in the step (encoder work runs first)
+            t, lo, span, units = 0.0, None, 0.0, 0
+            for w in step.encoder_work:
+                work = self.requests[w.request_id].images[w.image_index].encoder_units
+                seconds = sum(self.cost_model.predict(encoder_units(u.num_patches, u.attention_pairs))
+                              - self.cost_model.coef[0] for u in work[w.start_unit : w.start_unit + w.num_units])
+                if w.interruptible:
+                    lo = t if lo is None else lo
+                    span, units = span + seconds, units + w.num_units
+                t += seconds
+            if lo is not None and units:
+                step.cut_span = (lo, lo + span, span / units)
+
+    def features_run(self, batch: ScheduledBatch, result: RunnerOutput) -> StepFeatures:
+        """The work a step actually did: what it was scheduled with, less the encoder units an interrupt cut (what
+        the cost model must learn the step's time from)."""
+        features = batch.features
+        for w in self._cut_work(batch, result):
+            units = self.requests[w.request_id].images[w.image_index].encoder_units
+            done = max(result.encoder_progress[w.content_hash], w.start_unit)
+            for u in units[done : w.start_unit + w.num_units]:
+                features = features - encoder_units(u.num_patches, u.attention_pairs)
+        return features
+
+    def _cut_work(self, batch: ScheduledBatch, result: RunnerOutput) -> list[EncoderWork]:
+        def cut(w: EncoderWork) -> bool:
+            end = w.start_unit + w.num_units
+            return result.encoder_progress.get(w.content_hash, end) < end
+
+        return [w for w in batch.encoder_work if w.interruptible and w.request_id not in result.failed
+                and w.request_id in self.requests and cut(w)]
 
     def step_time_target(self) -> float:
         """Seconds a step may take (inf: no time bound). auto: the predicted prefill of a typical (P90 of the recent
@@ -275,9 +333,11 @@ class Scheduler:
         long_reqs = [r for r in pending if r.lane == LONG]
         long = tuple(self.remaining_work_s(r) for r in long_reqs)
         places = tuple(self.long_place_s(r) for r in long_reqs) if self.config.long_order == "deadline" else ()
-        step_end = self.clock() + (total + self.cost_model.coef[0] if total > 0 else 0.0)
+        now = self.clock()
+        step_end = now + (total + self.cost_model.coef[0] if total > 0 else 0.0)
+        lo, hi, unit = step.cut_span
         self.backlog = Backlog(short, long, places, decode_share, short_share, step_s, bool(self.requests), short_frac,
-                               long_frac, step_end)
+                               long_frac, step_end, (now + lo, now + hi, unit) if unit else (0.0, 0.0, 0.0))
 
     def predict_ttft(self, work: PromptWork, pending: tuple[PromptWork, ...] = ()) -> float | None:
         """Seconds from now to this prompt's first token if it were queued now: the work ahead of it in its lane
@@ -315,7 +375,11 @@ class Scheduler:
             ahead = b.short_s + sum(queued)
             rate = max(1.0 - b.decode_share, LONG_MIN_SHARE)
         target = self.step_time_target()
-        residual = max(0.0, b.step_end_s - self.clock()) if b.busy else 0.0  # what is left of the step in flight
+        now = self.clock()
+        residual = max(0.0, b.step_end_s - now) if b.busy else 0.0  # what is left of the step in flight
+        lo, hi, unit = b.cut_span
+        if lane == SHORT and unit and now < hi:  # it stops that step's interruptible units: half a unit on average
+            residual = max(0.0, residual - (hi - max(now, lo + unit)) + unit / 2)
         if math.isfinite(target):
             # time-bounded steps: a lane drains at the share of each step's time it got while it had work (its
             # first short prefill is granted whole, long units run whole); shares cover the per-step constant
@@ -353,7 +417,8 @@ class Scheduler:
     def update(self, batch: ScheduledBatch, result: RunnerOutput) -> None:
         """Follow what the runner reports it did: encoder units actually run, images it holds nothing for, and
         the chunks it ran (a failed or skipped chunk computed nothing; it is scheduled again or its request is
-        finished by the engine)."""
+        finished by the engine). Encoder work an interrupt cut resumes next step from the units reported done."""
+        self.num_encoder_interrupts += int(bool(self._cut_work(batch, result)))
         for work in batch.encoder_work:
             h = work.content_hash
             if h in result.encoder_progress:

@@ -39,7 +39,8 @@ from firsttoken.inputs.budget import plan_image
 from firsttoken.metrics.window import IMAGE_CLASSES, image_class
 from firsttoken.models.config import ModelConfig
 from firsttoken.models.registry import family_named
-from firsttoken.scheduler.cost_model import FEATURE_NAMES, CostModel
+from firsttoken.scheduler.cost_model import FEATURE_NAMES, CostModel, encoder_units
+from firsttoken.scheduler.lanes import SHORT, route_lane
 from firsttoken.scheduler.request import Request
 from firsttoken.scheduler.scheduler import Scheduler
 from firsttoken.types import EncoderUnit, EngineRequest, FinishReason, ImageItem, PromptWork, SamplingParams
@@ -212,6 +213,11 @@ class SimReplica:
         self.rng = random.Random(seed * 7919 + index)
         self.busy_until: float | None = None  # end of the step in flight
         self._step: ScheduledBatch | None = None
+        self._step_start = 0.0
+        self._scale = 1.0  # the step in flight's noise factor
+        self._progress: dict[str, int] = {}  # the step in flight's encoder units done at its end, per image hash
+        self.generation = 0  # bumped when the step in flight's end moves (an interrupt): older end events are stale
+        self.num_interrupts = 0
         self._outcomes: dict[str, Outcome] = {}
         self._seq = 0
         self.num_steps = 0
@@ -263,17 +269,47 @@ class SimReplica:
         if self.step_noise and batch.has_work:
             seconds *= math.exp(self.rng.gauss(0.0, self.step_noise))
         self._step = batch
+        self._step_start, self._scale = now, seconds / max(self.cost.predict(batch.features), 1e-9)
+        self._progress = {w.content_hash: w.start_unit + w.num_units for w in batch.encoder_work}
         self.busy_until = now + seconds
         self.busy_s += seconds
         self.num_steps += 1
+        return self.busy_until
+
+    def interrupt(self, now: float) -> float | None:
+        """A short request reached the scheduler at ``now`` while a step runs: as the runner does, stop the step's
+        interruptible encoder work after the unit in progress (encoder work runs first, unit by unit, then the
+        chunks; the per-step constant last). Returns the step's new end, or None when nothing was cut."""
+        batch = self._step
+        if batch is None or not any(w.interruptible for w in batch.encoder_work):
+            return None
+        t = self._step_start
+        cut = 0.0
+        progress = dict(self._progress)
+        for w in batch.encoder_work:
+            units = self.scheduler.requests[w.request_id].images[w.image_index].encoder_units
+            for k in range(w.start_unit, w.start_unit + w.num_units):
+                price = self._scale * (self.cost.predict(encoder_units(units[k].num_patches, units[k].attention_pairs))
+                                       - self.cost.coef[0])
+                if w.interruptible and t >= now and t > self._step_start:  # starts after the arrival: cut
+                    progress[w.content_hash] = min(progress[w.content_hash], k)
+                    cut += price
+                else:
+                    t += price
+        if cut <= 0:
+            return None
+        self._progress = progress
+        self.busy_until = max(now, self.busy_until - cut)
+        self.busy_s -= cut
+        self.generation += 1
+        self.num_interrupts += 1
         return self.busy_until
 
     def finish_step(self, now: float) -> None:
         self.now = now
         batch, self._step, self.busy_until = self._step, None, None
         assert batch is not None
-        progress = {w.content_hash: w.start_unit + w.num_units for w in batch.encoder_work}
-        self.scheduler.update(batch, RunnerOutput({}, {}, {}, encoder_progress=progress))
+        self.scheduler.update(batch, RunnerOutput({}, {}, {}, encoder_progress=self._progress))
         for chunk in batch.chunks:
             if not chunk.sample:
                 continue
@@ -417,13 +453,20 @@ def simulate(workload: Sequence[SimRequest], profiles: Sequence[Profile], router
         if kind == "ready":
             replica, request, outcome = payload
             replica.add(request, outcome, now)
+            if (replica.busy_until is not None and replica.profile.scheduler.encoder_interrupt
+                    and route_lane(request.num_prompt_tokens, replica.profile.scheduler) == SHORT):
+                end = replica.interrupt(now)  # as the serving side signals the runner
+                if end is not None:
+                    heapq.heappush(events, (end, next(seq), "step_done", (replica, replica.generation)))
         else:  # "step_done"
-            replica = payload
+            replica, generation = payload
+            if generation != replica.generation:
+                continue  # the step's end moved (interrupted): a later event ends it
             replica.finish_step(now)
         if replica.busy_until is None:
             end = replica.start_step(now)
             if end is not None:
-                heapq.heappush(events, (end, next(seq), "step_done", replica))
+                heapq.heappush(events, (end, next(seq), "step_done", (replica, replica.generation)))
     for r in replicas:  # nothing may be left behind: the loop drains every replica
         assert not r.scheduler.has_work, f"replica {r.index} still has work"
     return SimResult(outcomes, now - start, [r.busy_s for r in replicas], [r.num_steps for r in replicas])

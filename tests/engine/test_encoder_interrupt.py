@@ -1,0 +1,131 @@
+"""A short request arriving while a step runs the long lane's vision-tower work stops that work at the next encoder
+unit (the runner asks the serving side's signal between units): counted by units run per step, and the answer is
+the same token for token as without interruptions."""
+
+from __future__ import annotations
+
+from firsttoken.api.protocol import ChatCompletionRequest
+from firsttoken.config import SchedulerConfig
+from tests.e2e.conftest import make_image
+from tests.engine.test_caches import Harness, user
+from tests.helpers import process
+
+PICTURE = make_image(224, 224, seed=5)
+MESSAGES = [user("Describe the picture.", PICTURE)]
+
+
+def long_all(harness_dir, **changes) -> SchedulerConfig:
+    """Every request in the long lane (threshold 1), token budgets, and a long-lane share per step of exactly the
+    image's encoder units: each step's encoder work has all of them to cut between, and no chunk over the image
+    (it could not start before the image is done)."""
+    probe = Harness(harness_dir)
+    body = ChatCompletionRequest.model_validate({"model": "m", "messages": MESSAGES, "max_tokens": 1})
+    units = process(probe.processor, body, "probe").images[0].encoder_units
+    return SchedulerConfig(**{"max_batched_tokens": 4096, "long_prompt_threshold": 1, "step_time_target": "off",
+                              "long_step_tokens": sum(u.cost_tokens for u in units), **changes})
+
+
+def encoder_steps(harness: Harness, pending) -> tuple[list[int], list[tuple[int, ...]], list[int]]:
+    """Run one image request with ``pending`` as the signal; returns (its tokens, units scheduled per step with
+    encoder work, units run per such step)."""
+    engine = harness.engine
+    engine.short_request_pending = pending
+    scheduled, ran = [], []
+    runner = engine.executor.runner
+    execute = runner.execute
+
+    def spy(batch):
+        before = {h: j.units_done for h, j in runner._encode_jobs.items()}
+        out = execute(batch)
+        if batch.encoder_work:
+            scheduled.append(tuple(w.num_units for w in batch.encoder_work))
+            ran.append(sum(out.encoder_progress[w.content_hash] - before.get(w.content_hash, 0)
+                           for w in batch.encoder_work))
+        return out
+
+    engine.executor.execute = spy
+    ids, _, _ = harness.run(MESSAGES, max_tokens=6)
+    return ids, scheduled, ran
+
+
+def test_a_short_arrival_stops_the_step_at_the_next_unit_and_the_answer_is_unchanged(tiny_model_dir):
+    quiet = Harness(tiny_model_dir, scheduler=long_all(tiny_model_dir))
+    ids, scheduled, ran = encoder_steps(quiet, lambda: False)
+    num_units = sum(scheduled[0])
+    assert num_units >= 2 and len(scheduled) == 1 and ran == [num_units]  # one step ran the whole encode
+
+    busy = Harness(tiny_model_dir, scheduler=long_all(tiny_model_dir))
+    asked = []
+    ids_cut, scheduled_cut, ran_cut = encoder_steps(busy, lambda: asked.append(1) or True)  # always a short waiting
+    assert ran_cut == [1] * num_units  # one unit per step: each step stopped right after its first unit
+    assert [sum(s) for s in scheduled_cut] == list(range(num_units, 0, -1))  # each resumed where the last stopped
+    assert ids_cut == ids  # the same encoder outputs, the same greedy answer
+    assert busy.engine.stats().num_encoder_interrupts == num_units - 1
+    assert busy.engine.executor.runner.num_vision_calls == 1  # one image encoded, in pieces, not restarted
+
+
+def test_the_step_cost_is_learnt_from_the_units_that_ran(tiny_model_dir):
+    h = Harness(tiny_model_dir, scheduler=long_all(tiny_model_dir))
+    observed = []
+    model = h.engine.scheduler.cost_model
+    observe = model.observe
+    model.observe = lambda features, seconds: observed.append(features) or observe(features, seconds)
+    _, scheduled, ran = encoder_steps(h, lambda: True)
+    body = ChatCompletionRequest.model_validate({"model": "m", "messages": MESSAGES, "max_tokens": 1})
+    units = process(h.processor, body, "probe").images[0].encoder_units
+    # scheduled: all the units left, every step; learnt: the one unit each step ran
+    assert [sum(s) for s in scheduled] == list(range(len(units), 0, -1))
+    assert [f.encoder_patches for f in observed if f.encoder_patches] == [u.num_patches for u in units]
+    assert [f.encoder_attention for f in observed if f.encoder_patches] == [u.attention_pairs for u in units]
+
+
+def test_no_interrupt_without_the_flag_or_when_a_chunk_needs_the_image_this_step(tiny_model_dir):
+    off = Harness(tiny_model_dir, scheduler=long_all(tiny_model_dir, encoder_interrupt=False))
+    _, scheduled, ran = encoder_steps(off, lambda: True)
+    assert len(scheduled) == 1 and ran == [sum(scheduled[0])]  # --no-encoder-interrupt: the step runs whole
+    assert off.engine.stats().num_encoder_interrupts == 0
+    # a budget that holds the whole prompt: the image's last units and the chunk over its tokens share the step,
+    # so none of them may be cut (the chunk needs the embeddings)
+    whole = Harness(tiny_model_dir, scheduler=long_all(tiny_model_dir, long_step_tokens=100_000))
+    batches = []
+    execute = whole.engine.executor.runner.execute
+    whole.engine.executor.runner.execute = lambda b: batches.append(b) or execute(b)
+    _, scheduled, ran = encoder_steps(whole, lambda: True)
+    with_chunk = [b for b in batches if b.encoder_work and any(not c.is_decode for c in b.chunks)]
+    assert with_chunk and not any(w.interruptible for b in with_chunk for w in b.encoder_work)
+    assert ran == [sum(s) for s in scheduled]
+
+
+def test_the_serving_side_signals_only_short_requests_not_yet_handed_to_the_engine(tiny_model_dir, monkeypatch):
+    import asyncio
+
+    from firsttoken.engine.async_engine import AsyncEngine
+
+    h = Harness(tiny_model_dir, scheduler=SchedulerConfig(long_prompt_threshold=40, step_time_target="off"))
+    bridge = AsyncEngine(h.engine)  # its thread is not started: the test applies the commands itself
+    monkeypatch.setattr(AsyncEngine, "is_alive", property(lambda self: True))
+    pending = h.engine.short_request_pending
+    short_body = ChatCompletionRequest.model_validate(
+        {"model": "m", "messages": [user("Hi")], "max_tokens": 1})
+    short = process(h.processor, short_body, "short")
+    long = process(h.processor, ChatCompletionRequest.model_validate(
+        {"model": "m", "messages": MESSAGES, "max_tokens": 1}), "long")
+    assert short.num_prompt_tokens < 40 <= long.num_prompt_tokens
+
+    async def send(request):
+        stream = bridge.generate(request)
+        task = asyncio.ensure_future(stream.__anext__())  # runs generate() up to its first wait: the add is queued
+        await asyncio.sleep(0)
+        return task
+
+    async def scenario():
+        tasks = [await send(long)]
+        assert not pending()  # a long request never cuts the long lane's work
+        tasks.append(await send(short))
+        assert pending()  # a short one is on its way: the step in flight may stop at its next unit
+        bridge._drain_commands(block=False)  # the engine thread takes it in, between steps
+        assert not pending() and h.engine.scheduler.has_work
+        for t in tasks:
+            t.cancel()
+
+    asyncio.run(scenario())
