@@ -114,6 +114,10 @@ class SchedulerConfig:
         "do not stop the long lane's vision-tower work for a short request (by default a short request that arrives "
         "while a step runs image encoder units stops that step at the next unit; its prefill runs next step and the "
         "image resumes after it); for side-by-side measurement", flag="--no-encoder-interrupt", switch_off=True))
+    long_chunk_share: float = field(default=1.0, metadata=option(
+        "with a step-time bound: the share of it the long lane's prefill chunks may take in one step (the rest goes "
+        "to its vision-tower units, which a short arrival cuts at the next unit); below 1 a short request waits "
+        "less behind a long prompt's prefill, and long prompts prefill in more, smaller chunks"))
     long_step_tokens: int = field(default=512, metadata=option(
         "with --step-time-target off: long-lane work per step in tokens (prefill tokens + encoder units' "
         "token-equivalent cost; a full vision block of an image costs its visual tokens)"))
@@ -166,6 +170,8 @@ class SchedulerConfig:
         _at_least("long_max_passes", self.long_max_passes, 0)
         if self.long_order not in ("deadline", "least-work"):
             raise ValueError("long_order must be 'deadline' or 'least-work'")
+        if not 0 < self.long_chunk_share <= 1:
+            raise ValueError("long_chunk_share must be in (0, 1]")
         if not self.long_slack >= 0:
             raise ValueError("long_slack must be >= 0")
         try:

@@ -30,6 +30,7 @@ class StepBudget:
         self.cost = cost if cost is not None and cost.is_fitted and math.isfinite(seconds) else None
         self.features = StepFeatures()  # everything taken so far
         self.floor_tokens = 0  # a chunk may always have this many tokens, time or not (progress guarantee)
+        self.chunk_seconds = math.inf  # predicted seconds prefill chunks may still take (on top of ``seconds``)
 
     @property
     def used(self) -> int:
@@ -51,12 +52,13 @@ class StepBudget:
         if n <= 0 or self.cost is None:
             return max(n, 0)
         floor = min(n, self.floor_tokens)
-        if self.price(prefill_chunk(n, context, samples_at_end and n == wanted)) <= self.seconds:
+        seconds = min(self.seconds, self.chunk_seconds)
+        if self.price(prefill_chunk(n, context, samples_at_end and n == wanted)) <= seconds:
             return n
         lo, hi = 0, n  # price grows with n: the largest n that fits
         while lo < hi:
             mid = (lo + hi + 1) // 2
-            if self.price(prefill_chunk(mid, context, samples_at_end and mid == wanted)) <= self.seconds:
+            if self.price(prefill_chunk(mid, context, samples_at_end and mid == wanted)) <= seconds:
                 lo = mid
             else:
                 hi = mid - 1
@@ -76,6 +78,8 @@ class StepBudget:
 
     def take_chunk(self, num_new: int, context: int, samples: bool, is_decode: bool) -> None:
         features = decode_chunk(context) if is_decode else prefill_chunk(num_new, context, samples)
+        if not is_decode:
+            self.chunk_seconds -= self.price(features)
         self._take(features, num_new)
 
     def take_units(self, units: Sequence[EncoderUnit]) -> None:

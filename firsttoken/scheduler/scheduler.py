@@ -454,6 +454,8 @@ class Scheduler:
                 budget.seconds = max(budget.seconds, target * LONG_MIN_SHARE)
                 budget.remaining = max(budget.remaining, self.block_size)
                 budget.floor_tokens = self.block_size
+            if self.config.long_chunk_share < 1:
+                budget.chunk_seconds = self.config.long_chunk_share * target
             served = budget.seconds > 0 and budget.remaining > 0 and self._serve_lane(LONG, budget, step, False)
             self.long_wait_steps = 0 if served else self.long_wait_steps + 1
             return

@@ -278,24 +278,29 @@ class SimReplica:
 
     def interrupt(self, now: float) -> float | None:
         """A short request reached the scheduler at ``now`` while a step runs: as the runner does, stop the step's
-        interruptible encoder work after the unit in progress (encoder work runs first, unit by unit, then the
-        chunks; the per-step constant last). Returns the step's new end, or None when nothing was cut."""
+        interruptible encoder work at the next unit (the runner's order: the encoder work, unit by unit, then the
+        forward with the per-step constant; a unit is cut when it would start after the arrival, once the step has
+        run a unit). Returns the step's new end, or None when nothing was cut."""
         batch = self._step
         if batch is None or not any(w.interruptible for w in batch.encoder_work):
             return None
-        t = self._step_start
-        cut = 0.0
-        progress = dict(self._progress)
+        items = []  # (work or None for the forward, unit index, seconds)
         for w in batch.encoder_work:
             units = self.scheduler.requests[w.request_id].images[w.image_index].encoder_units
             for k in range(w.start_unit, w.start_unit + w.num_units):
-                price = self._scale * (self.cost.predict(encoder_units(units[k].num_patches, units[k].attention_pairs))
-                                       - self.cost.coef[0])
-                if w.interruptible and t >= now and t > self._step_start:  # starts after the arrival: cut
-                    progress[w.content_hash] = min(progress[w.content_hash], k)
-                    cut += price
-                else:
-                    t += price
+                u = units[k]
+                items.append((w, k, self._scale * (self.cost.predict(encoder_units(u.num_patches, u.attention_pairs))
+                                                   - self.cost.coef[0])))
+        forward = self._scale * self.cost.predict(batch.features) - sum(s for _, _, s in items)
+        items.append((None, 0, forward))
+        t, cut = self._step_start, 0.0
+        progress = dict(self._progress)
+        for w, k, seconds in items:
+            if w is not None and w.interruptible and t >= now and t > self._step_start:  # starts after the arrival
+                progress[w.content_hash] = min(progress[w.content_hash], k)
+                cut += seconds
+            else:
+                t += seconds
         if cut <= 0:
             return None
         self._progress = progress
