@@ -183,7 +183,7 @@ class AsyncEngine:
                 block = not self.engine.has_unfinished()
                 if not self._drain_commands(block):
                     break
-                for out in self.engine.step():
+                for out in self.engine.step(deliver=self._deliver_all):  # tokens leave before deferred work
                     self._deliver(out)
                 self._stats = self.engine.stats()
         except BaseException:  # the loop itself broke: tell everyone, report dead (/health 503); the thread ends
@@ -228,6 +228,10 @@ class AsyncEngine:
 
     def _is_short(self, request: EngineRequest) -> bool:
         return route_lane(request.num_prompt_tokens, self.engine.scheduler.config) == SHORT
+
+    def _deliver_all(self, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            self._deliver(out)
 
     def _deliver(self, out: RequestOutput) -> None:
         stream = self._streams.get(out.request_id)

@@ -10,7 +10,7 @@ import logging
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -48,6 +48,19 @@ def cpu_has_native_bf16() -> bool:
     `--dtype auto` picks float32 there. CUDA devices are not considered here: the engine runs on the CPU."""
     flags = cpu_flags() or frozenset()
     return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def merge_outputs(first: RunnerOutput, late: RunnerOutput) -> RunnerOutput:
+    """A step's runner output with what its deferred encoder work reported after it."""
+    def add(a: dict, b: dict) -> dict:
+        return {k: a.get(k, 0) + b.get(k, 0) for k in a.keys() | b.keys()}
+
+    return replace(first, failed={**first.failed, **late.failed},
+                   encoder_progress={**first.encoder_progress, **late.encoder_progress},
+                   discarded_encoder_hashes=first.discarded_encoder_hashes | late.discarded_encoder_hashes,
+                   encoder_s=add(first.encoder_s, late.encoder_s),
+                   num_images_encoded=add(first.num_images_encoded, late.num_images_encoded),
+                   encoder_done_s={**first.encoder_done_s, **late.encoder_done_s})
 
 
 def _finite_or_none(x: float) -> float | None:
@@ -193,9 +206,11 @@ class LLMEngine:
         return self.scheduler.has_work or self.scheduler.has_releases
 
     # ---- the loop ------------------------------------------------------------------------------------
-    def step(self) -> list[RequestOutput]:
+    def step(self, deliver: Callable[[list[RequestOutput]], None] | None = None) -> list[RequestOutput]:
         """schedule -> execute -> update. The step's wall time (all three) and the work it held train the
-        scheduler's cost model, which prices the next steps."""
+        scheduler's cost model, which prices the next steps. With ``deliver``, the step's outputs go to it as soon
+        as its tokens are sampled, before the encoder work the runner left for after them (interruptible long-lane
+        units: no chunk of this step needs them); what comes after (failures of that work) is returned."""
         step_start = time.monotonic()
         expired = self._expire()
         batch = self.scheduler.schedule()
@@ -205,15 +220,27 @@ class LLMEngine:
             result = self.executor.execute(batch)  # reports per-request failures; raises only on an engine bug
         except Exception:
             return expired + self._fail_batch(batch)
+        self.scheduler.update(batch, result)
+        outputs = expired + self._update(batch, result, step_start)
+        if any(w.interruptible for w in batch.encoder_work):
+            if deliver is not None:
+                deliver(outputs)
+                outputs = []
+            try:
+                late = self.executor.finish_step()
+            except Exception:
+                return outputs + self._fail_batch(batch)
+            if late is not None:
+                self.scheduler.update_encoder(batch, late)
+                outputs += self._update(batch, late, step_start, chunks=False)
+                result = merge_outputs(result, late)
         features = self.scheduler.features_run(batch, result)  # less any encoder units an interrupt cut
         predicted_s = self.scheduler.cost_model.predict(features)
-        self.scheduler.update(batch, result)
-        outputs = self._update(batch, result, step_start)
         if batch.has_work:
             duration_s = time.monotonic() - step_start
             self.scheduler.cost_model.observe(features, duration_s)
             self._observe_step(batch, result, step_start, duration_s, predicted_s)
-        return expired + outputs
+        return outputs
 
     def _fail_batch(self, batch: ScheduledBatch) -> list[RequestOutput]:
         """Last resort when the runner itself broke: fail the batch's requests, forget the step's encoder work (the
@@ -257,7 +284,8 @@ class LLMEngine:
             )
         )
 
-    def _update(self, batch: ScheduledBatch, result: RunnerOutput, step_start: float) -> list[RequestOutput]:
+    def _update(self, batch: ScheduledBatch, result: RunnerOutput, step_start: float,
+                chunks: bool = True) -> list[RequestOutput]:
         outputs: list[RequestOutput] = []
         for rid, message in result.failed.items():
             if rid in self.requests:
@@ -268,7 +296,7 @@ class LLMEngine:
                 self.requests[rid].count("num_images_encoded", result.num_images_encoded.get(rid, 0))
         shared = len({c.request_id for c in batch.chunks} | {w.request_id for w in batch.encoder_work}) > 1
         self.num_images_encoded += sum(result.num_images_encoded.values())
-        for chunk in batch.chunks:
+        for chunk in batch.chunks if chunks else ():
             req = self.requests.get(chunk.request_id)
             if req is None or req.request_id in result.failed or req.request_id in result.skipped_request_ids:
                 continue

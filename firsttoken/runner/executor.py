@@ -26,6 +26,11 @@ class Executor(Protocol):
         """Run one step; per-request failures are reported in the output, never raised."""
         ...
 
+    def finish_step(self) -> RunnerOutput | None:
+        """Run what ``execute`` left for after the step's tokens went out (interruptible encoder work); None when
+        nothing was left. Per-request failures are reported, never raised."""
+        ...
+
     @property
     def encoder_cache_bytes(self) -> int:
         """Bytes of vision-tower outputs held (for /v1/engine/stats)."""
@@ -58,6 +63,9 @@ class InProcessExecutor:
 
     def execute(self, batch: ScheduledBatch) -> RunnerOutput:
         return self.runner.execute(batch)
+
+    def finish_step(self) -> RunnerOutput | None:
+        return self.runner.finish_step()
 
     @property
     def encoder_cache_bytes(self) -> int:

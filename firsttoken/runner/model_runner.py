@@ -143,7 +143,8 @@ class ModelRunner:
         self.num_vision_calls = 0  # images fully encoded by the vision tower; tests read it to prove reuse
         self.threads = threads
         self.interrupt = interrupt
-        self._step_units = 0  # encoder units run so far in this step (an interrupt never leaves a step with none)
+        self._step_units = 0  # model work run so far in this step: encoder units, and the forward as one
+        self._deferred: list[EncoderWork] = []  # this step's interruptible encoder work, run by finish_step()
         self.num_encoder_interrupts = 0  # steps whose encoder work stopped early on an interrupt; tests read it
 
     @property
@@ -152,7 +153,9 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> RunnerOutput:
-        """Never raises for one request's sake: encode, forward and sampling failures are reported per request in
+        """The step's encoder work that its chunks need, then the forward and sampling. Its interruptible encoder
+        work (no chunk of the step needs it) is kept for ``finish_step``, so the sampled tokens can go out first.
+        Never raises for one request's sake: encode, forward and sampling failures are reported per request in
         ``failed``; chunks whose image embeddings are missing are reported in ``skipped_request_ids``."""
         for rid in batch.finished_request_ids:
             self.requests.pop(rid, None)
@@ -163,7 +166,9 @@ class ModelRunner:
             self._encode_jobs.pop(h, None)
         if self.threads is not None and batch.has_work:  # a bookkeeping-only batch leaves the count alone
             self.threads.apply(decode_only=not batch.encoder_work and all(c.is_decode for c in batch.chunks))
-        enc = self._run_encoder_work(batch.encoder_work)
+        self._step_units = 0
+        self._deferred = [w for w in batch.encoder_work if w.interruptible]
+        enc = self._run_encoder_work([w for w in batch.encoder_work if not w.interruptible])
         failed = enc.failed
         chunks: list[ScheduledChunk] = []
         skipped: set[str] = set()
@@ -188,6 +193,7 @@ class ModelRunner:
         sampled: dict[str, int] = {}
         logprobs: dict[str, TokenLogprob] = {}
         if chunks:
+            self._step_units += 1  # the forward is work done: the deferred units may all be cut after it
             try:
                 sampled, logprobs = self._forward_and_sample(chunks, failed, timing)
             except Exception:  # the batched forward itself broke: it cannot be pinned on one request
@@ -211,9 +217,20 @@ class ModelRunner:
             sample_done_s=now,
         )
 
+    @torch.inference_mode()
+    def finish_step(self) -> RunnerOutput | None:
+        """The step's interruptible encoder work, after its tokens went out: unit by unit, stopping at the next unit
+        once a short request is waiting (``interrupt``) and the step has done any work. None when there is none."""
+        work, self._deferred = self._deferred, []
+        if not work:
+            return None
+        enc = self._run_encoder_work(work)
+        return RunnerOutput({}, {}, enc.failed, encoder_progress=enc.progress,
+                            discarded_encoder_hashes=frozenset(enc.discarded), encoder_s=enc.seconds,
+                            num_images_encoded=enc.num_encoded, encoder_done_s=enc.done_s)
+
     def _run_encoder_work(self, work_items: Sequence[EncoderWork]) -> "_EncodeReport":
         report = _EncodeReport()
-        self._step_units = 0
         for work in work_items:
             rid = work.request_id
             h = work.content_hash

@@ -72,8 +72,8 @@ class _Step:
     decode_s: float = 0.0  # predicted seconds of this step's decodes, short prefills, long work (lane shares)
     short_s: float = 0.0
     long_s: float = 0.0
-    # the interruptible encoder work's span in the step (predicted seconds from its start) and its mean unit
-    cut_span: tuple[float, float, float] = (0.0, 0.0, 0.0)
+    # the interruptible encoder work's predicted seconds and its mean unit's (the runner runs it last in the step)
+    cut_span: tuple[float, float] = (0.0, 0.0)
 
     @property
     def has_prefill(self) -> bool:
@@ -105,9 +105,9 @@ class Backlog:
     short_frac: float = 0.0
     long_frac: float = 0.0
     step_end_s: float = 0.0  # the step in flight's predicted end, on the scheduler's clock
-    # the step in flight's interruptible encoder work: (start, end) on the scheduler's clock and its mean unit's
-    # seconds; a short request arriving inside it waits for the unit in progress, not for the rest of the span
-    cut_span: tuple[float, float, float] = (0.0, 0.0, 0.0)
+    # the step in flight's interruptible encoder work, run last: its start on the scheduler's clock and its mean
+    # unit's seconds; a short request arriving before it waits for the step up to there, inside it for one unit
+    cut_span: tuple[float, float] = (0.0, 0.0)
 
 
 class Scheduler:
@@ -260,18 +260,16 @@ class Scheduler:
             if self.requests[w.request_id].lane == LONG and w.content_hash not in covered else w
             for w in step.encoder_work
         ]
-        if self.cost_model.is_trained:  # where the interruptible units sit in the step (encoder work runs first)
-            t, lo, span, units = 0.0, None, 0.0, 0
+        if self.cost_model.is_trained:  # what the interruptible units take (the runner runs them last)
+            span, units = 0.0, 0
             for w in step.encoder_work:
-                work = self.requests[w.request_id].images[w.image_index].encoder_units
-                seconds = sum(self.cost_model.predict(encoder_units(u.num_patches, u.attention_pairs))
-                              - self.cost_model.coef[0] for u in work[w.start_unit : w.start_unit + w.num_units])
                 if w.interruptible:
-                    lo = t if lo is None else lo
-                    span, units = span + seconds, units + w.num_units
-                t += seconds
-            if lo is not None and units:
-                step.cut_span = (lo, lo + span, span / units)
+                    work = self.requests[w.request_id].images[w.image_index].encoder_units
+                    span += sum(self.cost_model.predict(encoder_units(u.num_patches, u.attention_pairs))
+                                - self.cost_model.coef[0] for u in work[w.start_unit : w.start_unit + w.num_units])
+                    units += w.num_units
+            if units:
+                step.cut_span = (span, span / units)
 
     def features_run(self, batch: ScheduledBatch, result: RunnerOutput) -> StepFeatures:
         """The work a step actually did: what it was scheduled with, less the encoder units an interrupt cut (what
@@ -335,9 +333,9 @@ class Scheduler:
         places = tuple(self.long_place_s(r) for r in long_reqs) if self.config.long_order == "deadline" else ()
         now = self.clock()
         step_end = now + (total + self.cost_model.coef[0] if total > 0 else 0.0)
-        lo, hi, unit = step.cut_span
+        span, unit = step.cut_span
         self.backlog = Backlog(short, long, places, decode_share, short_share, step_s, bool(self.requests), short_frac,
-                               long_frac, step_end, (now + lo, now + hi, unit) if unit else (0.0, 0.0, 0.0))
+                               long_frac, step_end, (step_end - span, unit) if unit else (0.0, 0.0))
 
     def predict_ttft(self, work: PromptWork, pending: tuple[PromptWork, ...] = ()) -> float | None:
         """Seconds from now to this prompt's first token if it were queued now: the work ahead of it in its lane
@@ -377,9 +375,9 @@ class Scheduler:
         target = self.step_time_target()
         now = self.clock()
         residual = max(0.0, b.step_end_s - now) if b.busy else 0.0  # what is left of the step in flight
-        lo, hi, unit = b.cut_span
-        if lane == SHORT and unit and now < hi:  # it stops that step's interruptible units: half a unit on average
-            residual = max(0.0, residual - (hi - max(now, lo + unit)) + unit / 2)
+        start, unit = b.cut_span
+        if lane == SHORT and unit and now < b.step_end_s:  # it cuts the step's last, interruptible units
+            residual = start - now if now < start else unit / 2  # the step up to them, or half the unit in progress
         if math.isfinite(target):
             # time-bounded steps: a lane drains at the share of each step's time it got while it had work (its
             # first short prefill is granted whole, long units run whole); shares cover the per-step constant
@@ -418,6 +416,14 @@ class Scheduler:
         """Follow what the runner reports it did: encoder units actually run, images it holds nothing for, and
         the chunks it ran (a failed or skipped chunk computed nothing; it is scheduled again or its request is
         finished by the engine). Encoder work an interrupt cut resumes next step from the units reported done."""
+        self.update_encoder(batch, result)
+        for chunk in batch.chunks:
+            rid = chunk.request_id
+            if rid not in result.failed and rid not in result.skipped_request_ids and rid in self.requests:
+                self._on_chunk_done(self.requests[rid], chunk)
+
+    def update_encoder(self, batch: ScheduledBatch, result: RunnerOutput) -> None:
+        """The encoder part of ``update``; alone for the work the runner ran after the step's tokens went out."""
         self.num_encoder_interrupts += int(bool(self._cut_work(batch, result)))
         for work in batch.encoder_work:
             h = work.content_hash
@@ -425,10 +431,6 @@ class Scheduler:
                 self.encoder_cache.record_progress(h, result.encoder_progress[h])
         for h in result.discarded_encoder_hashes:
             self.encoder_cache.reset(h)
-        for chunk in batch.chunks:
-            rid = chunk.request_id
-            if rid not in result.failed and rid not in result.skipped_request_ids and rid in self.requests:
-                self._on_chunk_done(self.requests[rid], chunk)
 
     def _on_chunk_done(self, req: Request, chunk: ScheduledChunk) -> None:
         """KV for the chunk is written: publish full blocks, release images the prefill has passed."""

@@ -198,6 +198,11 @@ class Outcome:
     predicted_ttft_s: float | None = None  # the admission check's prediction, from arrival (preprocess included)
 
 
+# the runner runs interruptible encoder units after the step's forward and sampling (False: first, the order before;
+# for what-if runs)
+INTERRUPTIBLE_UNITS_LAST = True
+
+
 class SimReplica:
     """A firsttoken scheduler on a virtual clock; steps cost what the profile's cost model says."""
 
@@ -271,6 +276,9 @@ class SimReplica:
         self._step = batch
         self._step_start, self._scale = now, seconds / max(self.cost.predict(batch.features), 1e-9)
         self._progress = {w.content_hash: w.start_unit + w.num_units for w in batch.encoder_work}
+        deferred = sum(s for w, _, s in self._timeline() if w is not None and w.interruptible)
+        deferred = deferred if INTERRUPTIBLE_UNITS_LAST else 0.0
+        self._forward_end = now + seconds - deferred  # sampled tokens leave here; deferred units run after
         self.busy_until = now + seconds
         self.busy_s += seconds
         self.num_steps += 1
@@ -278,21 +286,13 @@ class SimReplica:
 
     def interrupt(self, now: float) -> float | None:
         """A short request reached the scheduler at ``now`` while a step runs: as the runner does, stop the step's
-        interruptible encoder work at the next unit (the runner's order: the encoder work, unit by unit, then the
-        forward with the per-step constant; a unit is cut when it would start after the arrival, once the step has
-        run a unit). Returns the step's new end, or None when nothing was cut."""
+        interruptible encoder work at the next unit (the runner's order: the encoder work a chunk needs, the forward
+        with the per-step constant, then the interruptible units; a unit is cut when it would start after the
+        arrival, unless nothing ran before it). Returns the step's new end, or None when nothing was cut."""
         batch = self._step
         if batch is None or not any(w.interruptible for w in batch.encoder_work):
             return None
-        items = []  # (work or None for the forward, unit index, seconds)
-        for w in batch.encoder_work:
-            units = self.scheduler.requests[w.request_id].images[w.image_index].encoder_units
-            for k in range(w.start_unit, w.start_unit + w.num_units):
-                u = units[k]
-                items.append((w, k, self._scale * (self.cost.predict(encoder_units(u.num_patches, u.attention_pairs))
-                                                   - self.cost.coef[0])))
-        forward = self._scale * self.cost.predict(batch.features) - sum(s for _, _, s in items)
-        items.append((None, 0, forward))
+        items = self._timeline()
         t, cut = self._step_start, 0.0
         progress = dict(self._progress)
         for w, k, seconds in items:
@@ -310,6 +310,22 @@ class SimReplica:
         self.num_interrupts += 1
         return self.busy_until
 
+    def _timeline(self) -> list:
+        """The step in flight as the runner runs it: (work or None for the forward, unit index, seconds)."""
+        batch = self._step
+        items = []
+        for w in batch.encoder_work:
+            units = self.scheduler.requests[w.request_id].images[w.image_index].encoder_units
+            for k in range(w.start_unit, w.start_unit + w.num_units):
+                u = units[k]
+                items.append((w, k, self._scale * (self.cost.predict(encoder_units(u.num_patches, u.attention_pairs))
+                                                   - self.cost.coef[0])))
+        forward = self._scale * self.cost.predict(batch.features) - sum(s for _, _, s in items)
+        if INTERRUPTIBLE_UNITS_LAST:
+            return ([i for i in items if not i[0].interruptible] + [(None, 0, forward)]
+                    + [i for i in items if i[0].interruptible])
+        return items + [(None, 0, forward)]
+
     def finish_step(self, now: float) -> None:
         self.now = now
         batch, self._step, self.busy_until = self._step, None, None
@@ -324,7 +340,7 @@ class SimReplica:
             req.output_token_ids.append(0)
             outcome = self._outcomes[req.request_id]
             if outcome.ttft_s is None:
-                outcome.ttft_s = now - outcome.request.arrival_s
+                outcome.ttft_s = (self._forward_end if INTERRUPTIBLE_UNITS_LAST else now) - outcome.request.arrival_s
                 if outcome.predicted_ttft_s is not None:  # the prediction learns its error, as on a server
                     self.scheduler.observe_ttft(len(req.images), outcome.predicted_ttft_s, outcome.ttft_s)
             if len(req.output_token_ids) >= req.engine_request.sampling.max_tokens:

@@ -32,18 +32,26 @@ def encoder_steps(harness: Harness, pending) -> tuple[list[int], list[tuple[int,
     engine.short_request_pending = pending
     scheduled, ran = [], []
     runner = engine.executor.runner
-    execute = runner.execute
+    execute, finish_step = runner.execute, runner.finish_step
+    before: dict[str, int] = {}
 
-    def spy(batch):
-        before = {h: j.units_done for h, j in runner._encode_jobs.items()}
+    def spy_execute(batch):
+        before.clear()
+        before.update({h: j.units_done for h, j in runner._encode_jobs.items()})
         out = execute(batch)
         if batch.encoder_work:
             scheduled.append(tuple(w.num_units for w in batch.encoder_work))
             ran.append(sum(out.encoder_progress[w.content_hash] - before.get(w.content_hash, 0)
-                           for w in batch.encoder_work))
+                           for w in batch.encoder_work if w.content_hash in out.encoder_progress))
         return out
 
-    engine.executor.execute = spy
+    def spy_finish():
+        late = finish_step()
+        if late is not None:
+            ran[-1] += sum(n - before.get(h, 0) for h, n in late.encoder_progress.items())
+        return late
+
+    engine.executor.execute, engine.executor.finish_step = spy_execute, spy_finish
     ids, _, _ = harness.run(MESSAGES, max_tokens=6)
     return ids, scheduled, ran
 
@@ -129,3 +137,29 @@ def test_the_serving_side_signals_only_short_requests_not_yet_handed_to_the_engi
             t.cancel()
 
     asyncio.run(scenario())
+
+
+def test_a_short_requests_first_token_leaves_before_the_long_lanes_units_in_its_step(tiny_model_dir):
+    # aging every step (long_max_wait_steps 0): the long lane's units share the step that holds the short prefill
+    config = long_all(tiny_model_dir, long_prompt_threshold=40, long_max_wait_steps=0)
+    h = Harness(tiny_model_dir, scheduler=config)
+    engine, runner = h.engine, h.engine.executor.runner
+    photo = process(h.processor, ChatCompletionRequest.model_validate(
+        {"model": "m", "messages": MESSAGES, "max_tokens": 1}), "photo")
+    chat = process(h.processor, ChatCompletionRequest.model_validate(
+        {"model": "m", "messages": [user("Hi")], "max_tokens": 2}), "chat")
+    engine.add_request(photo)
+    engine.add_request(chat)
+    seen = []
+
+    def deliver(outputs):
+        seen.append(([o.request_id for o in outputs], dict((h, j.units_done) for h, j in runner._encode_jobs.items()),
+                     len(runner.encoder_outputs)))
+
+    late = engine.step(deliver=deliver)
+    assert seen == [(["chat"], {}, 0)]  # chat's first token went out before any of the photo's units ran
+    assert late == []
+    assert len(runner.encoder_outputs) == 1  # then the photo's units ran, in the same step
+    while engine.has_unfinished():
+        engine.step(deliver=lambda outputs: None)
+    assert engine.stats().kv_blocks_used == 0

@@ -22,6 +22,9 @@ class PickledExecutor:
         batch = pickle.loads(pickle.dumps(batch))
         return pickle.loads(pickle.dumps(self.inner.execute(batch)))
 
+    def finish_step(self) -> RunnerOutput | None:
+        return pickle.loads(pickle.dumps(self.inner.finish_step()))
+
     @property
     def encoder_cache_bytes(self) -> int:
         return self.inner.encoder_cache_bytes

@@ -53,6 +53,9 @@ class RecordingExecutor:
         self.steps.append(({c.request_id for c in batch.chunks}, list(batch.encoder_work)))
         return self.inner.execute(batch)
 
+    def finish_step(self):
+        return self.inner.finish_step()
+
     @property
     def encoder_cache_bytes(self) -> int:
         return self.inner.encoder_cache_bytes

@@ -300,6 +300,9 @@ class RecordingExecutor:
         self.units_per_step.append({w.content_hash: w.num_units for w in batch.encoder_work})
         return self.inner.execute(batch)
 
+    def finish_step(self):
+        return self.inner.finish_step()
+
     @property
     def encoder_cache_bytes(self) -> int:
         return self.inner.encoder_cache_bytes

@@ -28,6 +28,19 @@ def test_rms_norm_equals_torch_rms_norm_bit_for_bit(shape):
     assert torch.equal(norm(x), expected)  # outside inference mode too (the cached constants are shared)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shape", [(1, 512), (4, 512), (3, 8, 64), (129, 512)])
+def test_rms_norm_of_half_precision_rows_equals_the_reference_composite_bit_for_bit(shape, dtype):
+    gen = torch.Generator().manual_seed(sum(shape))
+    norm = RMSNorm(shape[-1], 1e-6).to(dtype)
+    norm.weight.data = torch.randn(shape[-1], generator=gen).to(dtype)
+    x = (torch.randn(*shape, generator=gen) * 4).to(dtype)
+    x32 = x.float()  # transformers: fp32, x * rsqrt(mean(x^2) + eps), cast back, times the weight
+    expected = norm.weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + 1e-6)).to(dtype)
+    with torch.inference_mode():
+        assert torch.equal(norm(x), expected)
+
+
 def test_small_and_large_inputs_take_different_paths_and_agree():
     norm = RMSNorm(512, 1e-5)
     rows = SMALL_NORM_ELEMENTS // 512

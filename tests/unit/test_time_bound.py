@@ -265,3 +265,25 @@ def test_progress_even_when_the_model_says_only_steps_cost_anything():
             break
         run_step(sched)
     assert not sched.has_work
+
+
+def test_long_chunk_share_caps_the_long_prefill_chunk_and_leaves_the_rest_to_encoder_units():
+    # 240 ms of work per step (the 250 ms bound less the 10 ms constant), 1 ms per prefill token
+    whole = scheduler()
+    whole.add(fake_request("doc", prompt_len=700, max_tokens=1))
+    assert [c.num_new_tokens for c in run_step(whole).chunks] == [240]
+    half = scheduler(long_chunk_share=0.5)
+    half.add(fake_request("doc", prompt_len=700, max_tokens=1))
+    sizes = []
+    while half.has_work:
+        sizes += [c.num_new_tokens for c in run_step(half).chunks if not c.is_decode]
+    assert sizes == [125] * 5 + [75]  # at most half the bound (125 ms) per step, the whole prompt in the end
+    # beside a photo's encode: the document's chunk takes its half, the photo's 100 ms units what the bound leaves
+    mixed = scheduler(long_chunk_share=0.5)
+    mixed.add(fake_request("doc", prompt_len=700, max_tokens=1))
+    mixed.add(fake_request("photo", prompt_len=700, max_tokens=1, images=[("img", 0, 100)], encoder_depth=6,
+                           arrival_seq=1))
+    first = run_step(mixed)
+    assert [c.num_new_tokens for c in first.chunks] == [125]
+    assert [w.num_units for w in first.encoder_work] == [1]  # 125 + 100 ms fit in 240, a second unit would not
+    assert predicted(mixed, first) <= TARGET + 1e-9
