@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 
 import numpy as np
 import torch
@@ -30,7 +30,7 @@ class EncoderWork:
     from the pixels; after the last one the image's embeddings exist and chunks may cover its tokens.
 
     ``interruptible``: the runner may stop between this work's units when a short request arrives during the step
-    (its ``interrupt`` signal), once the step has run at least one unit; it reports the units actually run in
+    (its ``interrupt`` signal), once the step has done any work (a unit or its forward); it reports the units actually run in
     ``RunnerOutput.encoder_progress``. The scheduler sets it only for long-lane work whose image no chunk of the
     same step covers."""
 
@@ -141,3 +141,15 @@ class RunnerOutput:
     encoder_done_s: dict[str, float] = field(default_factory=dict)  # request_id -> monotonic end of its encodes
     forward_done_s: float = 0.0  # monotonic time the forward pass finished (before sampling)
     sample_done_s: float = 0.0
+
+    def merged(self, late: "RunnerOutput") -> "RunnerOutput":
+        """This step's output with what its deferred encoder work (``Executor.finish_step``) reported after it."""
+        def add(a: dict, b: dict) -> dict:
+            return {k: a.get(k, 0) + b.get(k, 0) for k in a.keys() | b.keys()}
+
+        return replace(self, failed={**self.failed, **late.failed},
+                       encoder_progress={**self.encoder_progress, **late.encoder_progress},
+                       discarded_encoder_hashes=self.discarded_encoder_hashes | late.discarded_encoder_hashes,
+                       encoder_s=add(self.encoder_s, late.encoder_s),
+                       num_images_encoded=add(self.num_images_encoded, late.num_images_encoded),
+                       encoder_done_s={**self.encoder_done_s, **late.encoder_done_s})

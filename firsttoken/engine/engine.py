@@ -10,7 +10,7 @@ import logging
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -48,19 +48,6 @@ def cpu_has_native_bf16() -> bool:
     `--dtype auto` picks float32 there. CUDA devices are not considered here: the engine runs on the CPU."""
     flags = cpu_flags() or frozenset()
     return "avx512_bf16" in flags or "amx_bf16" in flags
-
-
-def merge_outputs(first: RunnerOutput, late: RunnerOutput) -> RunnerOutput:
-    """A step's runner output with what its deferred encoder work reported after it."""
-    def add(a: dict, b: dict) -> dict:
-        return {k: a.get(k, 0) + b.get(k, 0) for k in a.keys() | b.keys()}
-
-    return replace(first, failed={**first.failed, **late.failed},
-                   encoder_progress={**first.encoder_progress, **late.encoder_progress},
-                   discarded_encoder_hashes=first.discarded_encoder_hashes | late.discarded_encoder_hashes,
-                   encoder_s=add(first.encoder_s, late.encoder_s),
-                   num_images_encoded=add(first.num_images_encoded, late.num_images_encoded),
-                   encoder_done_s={**first.encoder_done_s, **late.encoder_done_s})
 
 
 def _finite_or_none(x: float) -> float | None:
@@ -233,7 +220,7 @@ class LLMEngine:
             if late is not None:
                 self.scheduler.update_encoder(batch, late)
                 outputs += self._update(batch, late, step_start, chunks=False)
-                result = merge_outputs(result, late)
+                result = result.merged(late)
         features = self.scheduler.features_run(batch, result)  # less any encoder units an interrupt cut
         predicted_s = self.scheduler.cost_model.predict(features)
         if batch.has_work:

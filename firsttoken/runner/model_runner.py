@@ -131,7 +131,7 @@ class ModelRunner:
         interrupt: Callable[[], bool] | None = None,
     ) -> None:
         """``interrupt``: asked between the units of encoder work the scheduler marked interruptible; True (a short
-        request arrived) stops that work once the step has run at least one encoder unit."""
+        request arrived) stops that work once the step has done any work (an encoder unit or its forward)."""
         self.model = model
         self.kv_caches = kv_caches
         self.block_size = block_size
@@ -145,7 +145,6 @@ class ModelRunner:
         self.interrupt = interrupt
         self._step_units = 0  # model work run so far in this step: encoder units, and the forward as one
         self._deferred: list[EncoderWork] = []  # this step's interruptible encoder work, run by finish_step()
-        self.num_encoder_interrupts = 0  # steps whose encoder work stopped early on an interrupt; tests read it
 
     @property
     def encoder_cache_bytes(self) -> int:
@@ -241,9 +240,7 @@ class ModelRunner:
                 t0 = time.perf_counter()
                 report.progress[h] = self._run_encoder(work)
                 report.seconds[rid] = report.seconds.get(rid, 0.0) + time.perf_counter() - t0
-                if report.progress[h] < work.start_unit + work.num_units:
-                    report.interrupted = True
-                elif work.finishes:
+                if work.finishes and report.progress[h] >= work.start_unit + work.num_units:  # not cut short
                     report.num_encoded[rid] = report.num_encoded.get(rid, 0) + 1
                     report.done_s[rid] = time.monotonic()
             except RequestFailure as e:
@@ -255,7 +252,6 @@ class ModelRunner:
                 self._encode_jobs.pop(h, None)
                 report.progress.pop(h, None)
                 report.discarded.add(h)
-        self.num_encoder_interrupts += int(report.interrupted)
         return report
 
     def _should_stop(self, work: EncoderWork) -> bool:
@@ -291,16 +287,11 @@ class ModelRunner:
                 raise RequestFailure(work.request_id, "image pixels are missing and its encoding is not cached")
             job = visual.start_encode(image.pixel_values.to(self.model.dtype), image.grid_thw)
             self._encode_jobs[image.content_hash] = job
-        if not work.interruptible or self.interrupt is None:
-            before = job.units_done
-            visual.run_units(job, work.num_units)
-            self._step_units += job.units_done - before
-        else:  # unit by unit, asking between them
-            for i in range(work.num_units):
-                if i > 0 and self._should_stop(work):
-                    break
-                visual.run_units(job, 1)
-                self._step_units += 1
+        for _ in range(work.num_units):  # unit by unit: interruptible work asks between them
+            visual.run_units(job, 1)
+            self._step_units += 1
+            if self._should_stop(work):
+                break
         if job.done:
             self.encoder_outputs[image.content_hash] = visual.finish_encode(job)
             del self._encode_jobs[image.content_hash]
@@ -424,4 +415,3 @@ class _EncodeReport:
     seconds: dict[str, float] = field(default_factory=dict)
     num_encoded: dict[str, int] = field(default_factory=dict)
     done_s: dict[str, float] = field(default_factory=dict)
-    interrupted: bool = False  # some work stopped before its last scheduled unit

@@ -44,7 +44,7 @@ class StepBudget:
         """Predicted seconds of adding ``features`` to a step (the per-step constant is paid once, not per item)."""
         if self.cost is None:
             return 0.0
-        return self.cost.predict(features) - self.cost.coef[0]
+        return self.cost.work_s(features)
 
     def chunk_tokens(self, wanted: int, context: int, samples_at_end: bool) -> int:
         """The most new tokens (<= wanted) of a prefill chunk at ``context`` that fit; 0 when none do."""

@@ -111,6 +111,10 @@ class CostModel:
     def predict(self, features: StepFeatures) -> float:
         return float(features.vector() @ self.coef)
 
+    def work_s(self, features: StepFeatures) -> float:
+        """Predicted seconds of ``features`` as part of a step: without the per-step constant, paid once a step."""
+        return self.predict(features) - float(self.coef[0])
+
     def observe(self, features: StepFeatures, seconds: float) -> None:
         """One step ran ``features`` in ``seconds``."""
         if seconds <= 0 or features.is_empty:

@@ -260,16 +260,13 @@ class Scheduler:
             if self.requests[w.request_id].lane == LONG and w.content_hash not in covered else w
             for w in step.encoder_work
         ]
-        if self.cost_model.is_trained:  # what the interruptible units take (the runner runs them last)
-            span, units = 0.0, 0
-            for w in step.encoder_work:
-                if w.interruptible:
-                    work = self.requests[w.request_id].images[w.image_index].encoder_units
-                    span += sum(self.cost_model.predict(encoder_units(u.num_patches, u.attention_pairs))
-                                - self.cost_model.coef[0] for u in work[w.start_unit : w.start_unit + w.num_units])
-                    units += w.num_units
-            if units:
-                step.cut_span = (span, span / units)
+        units = [u for w in step.encoder_work if w.interruptible
+                 for u in self.requests[w.request_id].images[w.image_index].encoder_units[
+                     w.start_unit : w.start_unit + w.num_units]]
+        if units and self.cost_model.is_trained:  # what they take (the runner runs them last in the step)
+            span = self.cost_model.work_s(encoder_units(sum(u.num_patches for u in units),
+                                                        sum(u.attention_pairs for u in units)))
+            step.cut_span = (span, span / len(units))
 
     def features_run(self, batch: ScheduledBatch, result: RunnerOutput) -> StepFeatures:
         """The work a step actually did: what it was scheduled with, less the encoder units an interrupt cut (what
@@ -277,9 +274,8 @@ class Scheduler:
         features = batch.features
         for w in self._cut_work(batch, result):
             units = self.requests[w.request_id].images[w.image_index].encoder_units
-            done = max(result.encoder_progress[w.content_hash], w.start_unit)
-            for u in units[done : w.start_unit + w.num_units]:
-                features = features - encoder_units(u.num_patches, u.attention_pairs)
+            cut = units[max(result.encoder_progress[w.content_hash], w.start_unit) : w.start_unit + w.num_units]
+            features = features - encoder_units(sum(u.num_patches for u in cut), sum(u.attention_pairs for u in cut))
         return features
 
     def _cut_work(self, batch: ScheduledBatch, result: RunnerOutput) -> list[EncoderWork]:
@@ -394,7 +390,7 @@ class Scheduler:
         """Predicted seconds of a whole prompt's prefill and encoder work (no per-step constant)."""
         features = prefill_chunk(work.num_prompt_tokens, 0, True) + encoder_units(work.encoder_patches,
                                                                                    work.encoder_attention_pairs)
-        return self.cost_model.predict(features) - self.cost_model.coef[0]
+        return self.cost_model.work_s(features)
 
     def remaining_work_s(self, req: Request, start: int | None = None) -> float:
         """Predicted seconds of the request's remaining prefill and encoder work (its share of steps, no per-step
@@ -410,7 +406,7 @@ class Scheduler:
                     patches += u.num_patches
                     pairs += u.attention_pairs
         work = prefill_chunk(max(req.num_tokens - start, 1), start, True) + encoder_units(patches, pairs)
-        return cost.predict(work) - cost.coef[0]
+        return cost.work_s(work)
 
     def update(self, batch: ScheduledBatch, result: RunnerOutput) -> None:
         """Follow what the runner reports it did: encoder units actually run, images it holds nothing for, and

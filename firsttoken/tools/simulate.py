@@ -276,8 +276,9 @@ class SimReplica:
         self._step = batch
         self._step_start, self._scale = now, seconds / max(self.cost.predict(batch.features), 1e-9)
         self._progress = {w.content_hash: w.start_unit + w.num_units for w in batch.encoder_work}
-        deferred = sum(s for w, _, s in self._timeline() if w is not None and w.interruptible)
-        deferred = deferred if INTERRUPTIBLE_UNITS_LAST else 0.0
+        deferred = 0.0
+        if INTERRUPTIBLE_UNITS_LAST and any(w.interruptible for w in batch.encoder_work):
+            deferred = sum(s for w, _, s in self._timeline() if w is not None and w.interruptible)
         self._forward_end = now + seconds - deferred  # sampled tokens leave here; deferred units run after
         self.busy_until = now + seconds
         self.busy_s += seconds
@@ -318,8 +319,7 @@ class SimReplica:
             units = self.scheduler.requests[w.request_id].images[w.image_index].encoder_units
             for k in range(w.start_unit, w.start_unit + w.num_units):
                 u = units[k]
-                items.append((w, k, self._scale * (self.cost.predict(encoder_units(u.num_patches, u.attention_pairs))
-                                                   - self.cost.coef[0])))
+                items.append((w, k, self._scale * self.cost.work_s(encoder_units(u.num_patches, u.attention_pairs))))
         forward = self._scale * self.cost.predict(batch.features) - sum(s for _, _, s in items)
         if INTERRUPTIBLE_UNITS_LAST:
             return ([i for i in items if not i[0].interruptible] + [(None, 0, forward)]
