@@ -16,6 +16,7 @@
    step. Threads split the outputs n (OpenMP: the runtime torch already loaded, libgomp.so.1). The Python side
    checks K % KB == 0 and N % 8 == 0 (im), K % 16 == 0 (rm). */
 #include <immintrin.h>
+#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -384,4 +385,259 @@ void ft_int8_linear(const float *x, int64_t ldx, const int8_t *wt, const float *
     ft_quant_rows(x, ldx, xq, xs, M, K, threads);
     ft_int8_rows(xq, xs, wt, wscale, bias, out, M, N, K, threads);
     free(xs);
+}
+
+/* ---- a whole bf16 decode step's decoder layers in one call (firsttoken/kernels/fused_decode.py) ----
+
+   A decode step of a few rows spends most of its time outside the products when every op is a separate torch
+   call (~1,400 per step for 8 layers). ft_decode_layers_bf16 runs the decoder layers of Qwen2VLModel (Qwen2,
+   Qwen2.5-VL and Qwen3-VL's decoders) for M <= 4 decode rows in one call, with the eager bf16 path's rounding
+   points: every value that is a bf16 tensor there is rounded to bf16 here (held in float32), every product sums
+   as ft_linear_rm_bf16 does. Per layer and row:
+     h = w_in * bf16(x * rsqrt(mean(x^2) + eps))         (the norm in float32, its output and the weighting in bf16)
+     qkv = bf16(h . Wqkv + b)                            (ft_linear_rm_bf16)
+     q, k = bf16(q_norm/k_norm) per head (Qwen3), then rotary: bf16(bf16(x * cos) + bf16(roll(x) * sin_rolled))
+     k, v -> the paged cache at the row's slot
+     a = bf16(softmax(scale * q . K^T) V)                (float32; each query head over its KV head, GQA)
+     x = bf16(x + bf16(a . Wo)); h = w_post * norm(x)
+     x = bf16(x + bf16(bf16(bf16(silu(gate)) * up) . Wdown))
+   The attention sums in float32 in another order than torch's SDPA and the norm's sum of squares in another
+   order than torch.sum, so outputs may differ from the eager path by a rounding step; the rest is the same
+   arithmetic. The Python side checks the shapes (K % 16 == 0 for every product, head_dim % 8 == 0). */
+
+typedef struct {
+    const uint16_t *in_norm, *post_norm; /* [H] */
+    const uint16_t *qkv_w;               /* [(nh + 2 nkv) D, H] */
+    const float *qkv_b;                  /* float32 [(nh + 2 nkv) D] or NULL */
+    const uint16_t *q_norm, *k_norm;     /* [D] or NULL (Qwen3's per-head norms) */
+    const uint16_t *o_w;                 /* [H, nh D] */
+    const uint16_t *gate_up_w;           /* [2 I, H] */
+    const uint16_t *down_w;              /* [H, I] */
+} ft_layer_bf16;
+
+static inline float bf16_round(float f) { /* torch's float -> bf16 (round to nearest even; NaN -> 0x7fc0) */
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u)
+        u = 0x7fc00000u;
+    else
+        u = (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static inline float bf16_value(uint16_t b) {
+    uint32_t u = (uint32_t)b << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static inline uint16_t bf16_bits(float rounded) {
+    uint32_t u;
+    memcpy(&u, &rounded, 4);
+    return (uint16_t)(u >> 16);
+}
+
+/* out[i] = w[i] * bf16(x[i] * rsqrt(mean(x^2) + eps)), every product rounded to bf16 */
+static void norm_row(const float *x, const uint16_t *w, float *out, int64_t n, float eps) {
+    __m256 s0 = _mm256_setzero_ps(), s1 = _mm256_setzero_ps();
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) {
+        __m256 a = _mm256_loadu_ps(x + i), b = _mm256_loadu_ps(x + i + 8);
+        s0 = _mm256_add_ps(s0, _mm256_mul_ps(a, a));
+        s1 = _mm256_add_ps(s1, _mm256_mul_ps(b, b));
+    }
+    float ss = hsum(_mm256_add_ps(s0, s1));
+    for (; i < n; i++) ss += x[i] * x[i];
+    float inv = 1.0f / sqrtf(ss / (float)n + eps);
+    for (i = 0; i < n; i++) out[i] = bf16_round(bf16_value(w[i]) * bf16_round(x[i] * inv));
+}
+
+/* e^x for 8 floats (Cephes' expf as in avx_mathfun: range reduction by ln 2, a degree-5 polynomial; ~2 ulp),
+   inputs clamped to [-88.38, 88.38] */
+static inline __m256 exp8(__m256 x) {
+    x = _mm256_max_ps(_mm256_min_ps(x, _mm256_set1_ps(88.3762626647949f)), _mm256_set1_ps(-88.3762626647949f));
+    __m256 fx = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
+    x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
+    x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), x);
+    __m256 z = _mm256_mul_ps(x, x), y = _mm256_set1_ps(1.9875691500e-4f);
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
+    y = _mm256_add_ps(_mm256_fmadd_ps(y, z, x), _mm256_set1_ps(1.0f));
+    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(fx), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+}
+
+/* the 8 sums of a[0..7]'s lanes, in order */
+static inline __m256 hsum8(const __m256 a[8]) {
+    __m256 s01 = _mm256_hadd_ps(a[0], a[1]), s23 = _mm256_hadd_ps(a[2], a[3]);
+    __m256 s45 = _mm256_hadd_ps(a[4], a[5]), s67 = _mm256_hadd_ps(a[6], a[7]);
+    __m256 lo = _mm256_hadd_ps(s01, s23), hi = _mm256_hadd_ps(s45, s67);
+    return _mm256_add_ps(_mm256_permute2f128_ps(lo, hi, 0x20), _mm256_permute2f128_ps(lo, hi, 0x31));
+}
+
+
+/* one row's query heads of KV head h over its seq_len cached keys/values; q [G, D] (bf16 values), out [G, D]
+   float32 (the caller rounds); at[j]: where key j of KV head 0 sits in the cache (from the block table, made
+   once per call); scores: G * (seq_len rounded up to 8) floats of scratch. Keys 8 at a time (one
+   vector of 8 scores per query head), the softmax in vectors, values two vectors of D at a time for every head. */
+static void attend_group(const float *q, int64_t G, const uint16_t *kc, const uint16_t *vc, const int64_t *at,
+                         int64_t seq_len, int64_t h, int64_t D, float scale, float *scores, float *out) {
+    int64_t padded = (seq_len + 7) / 8 * 8;
+    float keys[8 * 512]; /* 8 keys widened once, read by every query head */
+    for (int64_t j0 = 0; j0 < seq_len; j0 += 8) {
+        for (int t = 0; t < 8; t++) { /* past the end: repeat the last key (its scores are dropped below) */
+            const uint16_t *row = kc + at[j0 + t < seq_len ? j0 + t : seq_len - 1] + h * D;
+            for (int64_t i = 0; i < D; i += 8) _mm256_storeu_ps(keys + t * D + i, bf16x8(row + i));
+        }
+        for (int64_t g = 0; g < G; g++) {
+            __m256 acc[8];
+            for (int t = 0; t < 8; t++) acc[t] = _mm256_setzero_ps();
+            for (int64_t i = 0; i < D; i += 8) {
+                __m256 qv = _mm256_loadu_ps(q + g * D + i);
+                for (int t = 0; t < 8; t++) acc[t] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(keys + t * D + i), acc[t]);
+            }
+            _mm256_storeu_ps(scores + g * padded + j0, _mm256_mul_ps(hsum8(acc), _mm256_set1_ps(scale)));
+        }
+    }
+    for (int64_t g = 0; g < G; g++) {
+        float *s = scores + g * padded, mx = -INFINITY;
+        for (int64_t j = seq_len; j < padded; j++) s[j] = -INFINITY;
+        __m256 m8 = _mm256_set1_ps(-INFINITY);
+        for (int64_t j = 0; j < padded; j += 8) m8 = _mm256_max_ps(m8, _mm256_loadu_ps(s + j));
+        float lanes[8];
+        _mm256_storeu_ps(lanes, m8);
+        for (int t = 0; t < 8; t++) mx = lanes[t] > mx ? lanes[t] : mx;
+        __m256 sum8 = _mm256_setzero_ps(), mxv = _mm256_set1_ps(mx);
+        for (int64_t j = 0; j < padded; j += 8) {
+            __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + j), mxv));
+            if (j + 8 > seq_len) /* the padding: exactly zero */
+                e = _mm256_and_ps(e, _mm256_cmp_ps(_mm256_loadu_ps(s + j), _mm256_set1_ps(-INFINITY), _CMP_NEQ_OQ));
+            _mm256_storeu_ps(s + j, e);
+            sum8 = _mm256_add_ps(sum8, e);
+        }
+        __m256 inv = _mm256_set1_ps(1.0f / hsum(sum8));
+        for (int64_t j = 0; j < padded; j += 8) _mm256_storeu_ps(s + j, _mm256_mul_ps(_mm256_loadu_ps(s + j), inv));
+    }
+    for (int64_t i = 0; i < D; i += 16) {
+        for (int64_t g0 = 0; g0 < G; g0 += 4) {
+            int64_t ng = G - g0 < 4 ? G - g0 : 4;
+            __m256 a[4][2];
+            for (int g = 0; g < 4; g++) a[g][0] = a[g][1] = _mm256_setzero_ps();
+            for (int64_t j = 0; j < seq_len; j++) {
+                const uint16_t *v = vc + at[j] + h * D + i;
+                __m256 v0 = bf16x8(v), v1 = D - i > 8 ? bf16x8(v + 8) : _mm256_setzero_ps();
+                for (int g = 0; g < ng; g++) {
+                    __m256 p = _mm256_set1_ps(scores[(g0 + g) * padded + j]);
+                    a[g][0] = _mm256_fmadd_ps(p, v0, a[g][0]);
+                    a[g][1] = _mm256_fmadd_ps(p, v1, a[g][1]);
+                }
+            }
+            for (int g = 0; g < ng; g++) {
+                _mm256_storeu_ps(out + (g0 + g) * D + i, a[g][0]);
+                if (D - i > 8) _mm256_storeu_ps(out + (g0 + g) * D + i + 8, a[g][1]);
+            }
+        }
+    }
+}
+
+/* rotary in place on one head of D values (bf16 values): x * cos + roll(x, D / 2) * sin_rolled, each op rounded */
+static void rotary_head(float *x, const uint16_t *cos, const uint16_t *sin_rolled, int64_t D) {
+    float rolled[512];
+    int64_t half = D / 2;
+    for (int64_t i = 0; i < D; i++) rolled[i] = x[(i + half) % D];
+    for (int64_t i = 0; i < D; i++)
+        x[i] = bf16_round(bf16_round(x[i] * bf16_value(cos[i])) + bf16_round(rolled[i] * bf16_value(sin_rolled[i])));
+}
+
+static void round_rows(float *x, int64_t n) {
+    for (int64_t i = 0; i < n; i++) x[i] = bf16_round(x[i]);
+}
+
+/* x: [M, H] bf16, the rows' hidden states in, the last layer's output out. kv: L pointers to each layer's cache
+   [2, num_blocks, block_size, nkv, D] bf16, V at kv_half elements after K. cos, sin_rolled: [M, D] bf16.
+   block_tables: [M, bt_stride] int32; seq_lens: tokens in each row's sequence with this one; slots: where each row's
+   key/value goes. Returns 0, or -1 when scratch memory could not be had (x untouched then). */
+int ft_decode_layers_bf16(const ft_layer_bf16 *layers, int64_t L, uint16_t *const *kv, int64_t kv_half, uint16_t *x,
+                          int64_t M, int64_t H, int64_t nh, int64_t nkv, int64_t D, int64_t I, float eps,
+                          const uint16_t *cos, const uint16_t *sin_rolled, const int32_t *block_tables,
+                          int64_t bt_stride, const int64_t *seq_lens, const int64_t *slots, int64_t block_size,
+                          float scale, int threads) {
+    int64_t nqkv = (nh + 2 * nkv) * D, G = nh / nkv, max_len = 0;
+    for (int64_t m = 0; m < M; m++) max_len = seq_lens[m] > max_len ? seq_lens[m] : max_len;
+    int64_t tasks = M * nkv;
+    if (D > 512 || D % 8 || nh % nkv) return -1;
+    int64_t total_len = 0;
+    for (int64_t m = 0; m < M; m++) total_len += seq_lens[m];
+    size_t floats = (size_t)(M * (H + H + nqkv + nh * D + 2 * I + H) + tasks * G * ((max_len + 7) / 8 * 8));
+    float *buf = malloc(floats * sizeof(float));
+    int64_t *at = malloc((size_t)total_len * sizeof(int64_t)), *row_at[4 * 64];
+    if (!buf || !at || M > 4 * 64) {
+        free(buf);
+        free(at);
+        return -1;
+    }
+    for (int64_t m = 0, n = 0; m < M; n += seq_lens[m], m++) { /* token j of row m: [block, offset] -> elements */
+        row_at[m] = at + n;
+        const int32_t *table = block_tables + m * bt_stride;
+        for (int64_t j = 0; j < seq_lens[m]; j++)
+            at[n + j] = ((int64_t)table[j / block_size] * block_size + j % block_size) * nkv * D;
+    }
+    float *xf = buf, *h = xf + M * H, *qkv = h + M * H, *att = qkv + M * nqkv, *gu = att + M * nh * D,
+          *y = gu + M * 2 * I, *scores = y + M * H;
+    for (int64_t i = 0; i < M * H; i++) xf[i] = bf16_value(x[i]);
+    for (int64_t l = 0; l < L; l++) {
+        const ft_layer_bf16 *p = layers + l;
+        uint16_t *kc = kv[l], *vc = kv[l] + kv_half;
+        for (int64_t m = 0; m < M; m++) norm_row(xf + m * H, p->in_norm, h + m * H, H, eps);
+        ft_linear_rm_bf16(h, H, p->qkv_w, p->qkv_b, qkv, nqkv, M, nqkv, H, threads);
+        round_rows(qkv, M * nqkv);
+        for (int64_t m = 0; m < M; m++) {
+            float *r = qkv + m * nqkv;
+            for (int64_t hd = 0; hd < nh + nkv; hd++) {
+                float *head = r + hd * D;
+                const uint16_t *w = hd < nh ? p->q_norm : p->k_norm;
+                if (w) {
+                    float tmp[512];
+                    norm_row(head, w, tmp, D, eps);
+                    memcpy(head, tmp, (size_t)D * sizeof(float));
+                }
+                rotary_head(head, cos + m * D, sin_rolled + m * D, D);
+            }
+            uint16_t *kd = kc + slots[m] * nkv * D, *vd = vc + slots[m] * nkv * D; /* [block_size, nkv, D] blocks */
+            for (int64_t i = 0; i < nkv * D; i++) {
+                kd[i] = bf16_bits(r[nh * D + i]);
+                vd[i] = bf16_bits(r[(nh + nkv) * D + i]);
+            }
+        }
+        _Pragma("omp parallel for schedule(static) num_threads(threads) if (threads > 1 && tasks > 1)")
+        for (int64_t t = 0; t < tasks; t++) {
+            int64_t m = t / nkv, kvh = t % nkv;
+            float *o = att + m * nh * D + kvh * G * D;
+            attend_group(qkv + m * nqkv + kvh * G * D, G, kc, vc, row_at[m], seq_lens[m], kvh, D, scale,
+                         scores + t * G * ((max_len + 7) / 8 * 8), o);
+            round_rows(o, G * D);
+        }
+        ft_linear_rm_bf16(att, nh * D, p->o_w, NULL, y, H, M, H, nh * D, threads);
+        for (int64_t i = 0; i < M * H; i++) xf[i] = bf16_round(xf[i] + bf16_round(y[i]));
+        for (int64_t m = 0; m < M; m++) norm_row(xf + m * H, p->post_norm, h + m * H, H, eps);
+        ft_linear_rm_bf16(h, H, p->gate_up_w, NULL, gu, 2 * I, M, 2 * I, H, threads);
+        for (int64_t m = 0; m < M; m++) {
+            float *g = gu + m * 2 * I, *u = g + I;
+            for (int64_t i = 0; i < I; i++) {
+                float a = bf16_round(g[i]), b = bf16_round(u[i]);
+                g[i] = bf16_round(bf16_round(a / (1.0f + expf(-a))) * b);
+            }
+        }
+        ft_linear_rm_bf16(gu, 2 * I, p->down_w, NULL, y, H, M, H, I, threads);
+        for (int64_t i = 0; i < M * H; i++) xf[i] = bf16_round(xf[i] + bf16_round(y[i]));
+    }
+    for (int64_t i = 0; i < M * H; i++) x[i] = bf16_bits(xf[i]);
+    free(buf);
+    free(at);
+    return 0;
 }

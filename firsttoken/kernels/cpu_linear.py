@@ -24,6 +24,9 @@ The same library holds ``--quantization int8``'s arithmetic (models/quant.py): e
 with its own scale, the few rows of a decode step multiplied exactly in int32 against int8 weights (AVX-512 VNNI
 where the CPU has it, else AVX2), and the int32 products scaled back; each bitwise the same as its torch twin.
 
+The library also holds ``ft_decode_layers_bf16``: a bf16 decode step's decoder layers in one call around these
+products (kernels/fused_decode.py).
+
 Built with the machine's C compiler (``$CC``, else ``cc``/``gcc``: Debian's ``gcc`` package) into
 ``$FIRSTTOKEN_CACHE/kernels`` (default ``~/.cache/firsttoken/kernels``), once per source and flags, about a second;
 loaded with ctypes (the call releases the GIL). Where the CPU lacks AVX2/FMA, no compiler is found, the build fails
@@ -219,7 +222,8 @@ def _compile(cc: str, target: Path) -> str | None:
         target.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
         os.close(fd)
-        done = subprocess.run([cc, *CFLAGS, str(SOURCE), "-o", tmp], capture_output=True, text=True, timeout=120)
+        done = subprocess.run([cc, *CFLAGS, str(SOURCE), "-o", tmp, "-lm"], capture_output=True, text=True,
+                              timeout=120)
         if done.returncode != 0:
             return f"{cc} failed: {done.stderr.strip()[-400:]}"
         os.replace(tmp, target)

@@ -115,7 +115,10 @@ class Qwen2VLModel(nn.Module):
     """Parameter names: ``visual.*`` (see qwen2_vl_vision), ``embed_tokens``, ``layers.N.*``, ``norm``,
     ``lm_head`` (absent when the config ties it to ``embed_tokens``). ``visual`` is Qwen2-VL's tower unless a
     family with the same decoder brings its own (Qwen2.5-VL's, Qwen3-VL's); DeepStack features (Qwen3-VL) join the
-    image rows after the first decoder layers."""
+    image rows after the first decoder layers. ``fused_decode`` (kernels/fused_decode.py, set by the loader where
+    it applies) runs the decoder layers of a pure-decode step of a few rows in one C call."""
+
+    fused_decode: Any = None
 
     def __init__(self, config: ModelConfig, attn_backend: AttentionBackend, visual: nn.Module | None = None) -> None:
         super().__init__()
@@ -153,6 +156,9 @@ class Qwen2VLModel(nn.Module):
             x[rows.start : rows.start + rows.embeddings.num_tokens] = rows.embeddings.main.to(x.dtype)
         c = self.config
         cos, sin = mrope_cos_sin(positions, c.head_dim, c.rope_theta, c.mrope_section, x.dtype, c.mrope_interleaved)
+        fused = self.fused_decode
+        if fused is not None and not images and fused.applies(x, meta, kv_caches):
+            return self.norm(fused(x, cos, rolled_sin(sin), kv_caches, meta))
         cos, sin_rolled = cos[:, None, :], rolled_sin(sin)[:, None, :]  # broadcast over heads
         for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
             x = layer(x, cos, sin_rolled, kv_cache, meta)

@@ -1,0 +1,136 @@
+"""A bf16 decode step's decoder layers in one C call (``ft_decode_layers_bf16`` in cpu_linear.c).
+
+At batch 1 a decode step of the `small` checkpoint in bf16 issued ~1,440 tensor ops: per layer two norms, the
+rotary, the cache write, SDPA, residuals and the MLP's activation around the four products. Each costs ~1-3 us of
+dispatch whatever its size, so outside the products the step's forward spent ~2 ms (one thread, AVX512-BF16 EPYC:
+forward 4.4 ms, of which the products' weights at memory speed ~2.6). ``FusedDecoder`` hands the whole stack of
+layers to one C function for pure-decode steps of at most ``MAX_ROWS_BF16`` rows: the same products
+(``ft_linear_rm_bf16``, the few-rows kernel the step used already), the eager path's bf16 rounding points
+everywhere else, and attention straight from the paged cache (no gather, no mask). The attention's and the norm's
+float32 sums go in another order than torch's, so a hidden state may differ from the eager path's by a rounding
+step (tests/unit/test_fused_decode.py bounds it and checks greedy tokens agree).
+
+Taken where the few-rows kernels are (``--cpu-kernels``: ``auto`` on AVX512-BF16 CPUs without AMX, ``on``
+anywhere they build) for a bfloat16 language model on the CPU with the SDPA backend; prefill, mixed steps, steps
+of more rows and every other dtype keep the eager layers.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+from torch import nn
+
+from firsttoken.attention.base import AttentionMetadata
+from firsttoken.kernels.cpu_linear import MAX_ROWS_BF16, _kernel
+
+_P = ctypes.c_void_p
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [("in_norm", _P), ("post_norm", _P), ("qkv_w", _P), ("qkv_b", _P), ("q_norm", _P), ("k_norm", _P),
+                ("o_w", _P), ("gate_up_w", _P), ("down_w", _P)]
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+class FusedDecoder:
+    """The decoder layers of a ``Qwen2VLModel`` (any family built on it) as one C call per decode step. Holds
+    references to the parameters it points at (the model keeps them too) and the float32 copies of biases it made."""
+
+    def __init__(self, model: nn.Module) -> None:
+        lib = _kernel()[0]
+        assert lib is not None
+        self._fn = lib.lib.ft_decode_layers_bf16
+        i64, p = ctypes.c_int64, ctypes.c_void_p
+        self._fn.restype = ctypes.c_int
+        self._fn.argtypes = [p, i64, p, i64, p, i64, i64, i64, i64, i64, i64, ctypes.c_float, p, p, p, i64, p, p,
+                             i64, ctypes.c_float, ctypes.c_int]
+        c = model.config
+        self.hidden, self.heads, self.kv_heads, self.head_dim = c.hidden_size, c.num_attention_heads, \
+            c.num_key_value_heads, c.head_dim
+        self.intermediate, self.eps = c.intermediate_size, float(c.rms_norm_eps)
+        self.num_layers = len(model.layers)
+        self._keep: list[torch.Tensor] = []
+        layers = (_Layer * self.num_layers)()
+        for i, layer in enumerate(model.layers):
+            attn, mlp = layer.self_attn, layer.mlp
+            bias = attn.qkv_proj.bias
+            bias32 = None if bias is None else getattr(attn.qkv_proj, "bias32", None)
+            if bias is not None and bias32 is None:
+                bias32 = bias.detach().float().contiguous()
+            if bias32 is not None:
+                self._keep.append(bias32)
+            layers[i] = _Layer(
+                _ptr(layer.input_layernorm.weight), _ptr(layer.post_attention_layernorm.weight),
+                _ptr(attn.qkv_proj.weight), _ptr(bias32), _ptr(attn.q_norm.weight if attn.q_norm else None),
+                _ptr(attn.k_norm.weight if attn.k_norm else None), _ptr(attn.o_proj.weight),
+                _ptr(mlp.gate_up_proj.weight), _ptr(mlp.down_proj.weight))
+        self._layers = layers
+        self.scale = model.layers[0].self_attn.scale
+        self.steps = 0  # pure-decode steps taken here (tests read it)
+
+    def applies(self, x: torch.Tensor, meta: AttentionMetadata, kv_caches: list[torch.Tensor]) -> bool:
+        return (0 < x.shape[0] <= MAX_ROWS_BF16 and meta.is_pure_decode and kv_caches[0].dtype == torch.bfloat16
+                and kv_caches[0].is_contiguous() and meta.block_tables.dtype == torch.int32
+                and meta.block_tables.is_contiguous())
+
+    def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin_rolled: torch.Tensor, kv_caches: list[torch.Tensor],
+                 meta: AttentionMetadata) -> torch.Tensor:
+        """x [M, hidden] bf16 contiguous, the step's embeddings: overwritten with the last layer's output (the
+        final norm is the caller's). cos, sin_rolled [M, head_dim] bf16 contiguous. Writes the rows' keys and
+        values into ``kv_caches``."""
+        m = x.shape[0]
+        kv = (ctypes.c_void_p * self.num_layers)(*(t.data_ptr() for t in kv_caches))
+        seq_lens = (ctypes.c_int64 * m)(*meta.seq_lens)
+        slots = meta.slot_mapping
+        if slots.dtype != torch.int64 or not slots.is_contiguous():
+            slots = slots.to(torch.int64).contiguous()
+        table = meta.block_tables
+        rc = self._fn(self._layers, self.num_layers, kv, kv_caches[0].stride(0), x.data_ptr(), m, self.hidden,
+                      self.heads, self.kv_heads, self.head_dim, self.intermediate, self.eps, cos.data_ptr(),
+                      sin_rolled.data_ptr(), table.data_ptr(), table.stride(0), seq_lens, slots.data_ptr(),
+                      meta.block_size, self.scale, torch.get_num_threads())
+        if rc != 0:
+            raise MemoryError("fused decode layers: no scratch memory")
+        self.steps += 1
+        return x
+
+
+def fused_decode_unsupported(model: nn.Module) -> str | None:
+    """None when ``FusedDecoder`` takes this model's decode steps, else why not. The caller checked that the
+    few-rows kernels are in use (``kernels_skipped``)."""
+    from firsttoken.attention.sdpa import SdpaBackend
+
+    if _kernel()[0] is None:
+        return "the few-rows kernels are not built"
+    c = getattr(model, "config", None)
+    layers = getattr(model, "layers", None)
+    if c is None or layers is None or not isinstance(getattr(model, "attn_backend", None), SdpaBackend):
+        return "not a Qwen2VLModel decoder on the SDPA backend"
+    if c.head_dim % 8 or c.head_dim > 512 or c.num_attention_heads % c.num_key_value_heads:
+        return f"head_dim {c.head_dim} / heads {c.num_attention_heads}:{c.num_key_value_heads} unsupported"
+    for layer in layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        for lin in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
+            w = lin.weight
+            if w.dtype != torch.bfloat16 or w.device.type != "cpu" or not w.is_contiguous() or w.shape[1] % 16:
+                return "decoder weights are not row-major bf16 on the CPU with K % 16 == 0"
+        if mlp.gate_up_proj.bias is not None or mlp.down_proj.bias is not None or attn.o_proj.bias is not None:
+            return "biases outside qkv_proj unsupported"
+        norms = [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
+        norms += [n.weight for n in (attn.q_norm, attn.k_norm) if n is not None]
+        if any(t.dtype != torch.bfloat16 or not t.is_contiguous() for t in norms):
+            return "norm weights are not bf16"
+    return None
+
+
+def use_fused_decode(model: nn.Module) -> str | None:
+    """Give ``model`` a ``FusedDecoder`` for its pure-decode steps; returns None, or why not (nothing changed)."""
+    reason = fused_decode_unsupported(model)
+    if reason is None:
+        model.fused_decode = FusedDecoder(model)
+    return reason

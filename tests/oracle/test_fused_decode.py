@@ -1,0 +1,156 @@
+"""A bf16 decode step's decoder layers in one C call (firsttoken/kernels/fused_decode.py): as accurate as the eager
+bf16 layers against a float64 model holding the same weights, a row bitwise the same whatever shares its step,
+the paged cache written at the rows' slots only, and taken exactly where it applies."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from firsttoken.attention.base import AttentionMetadata
+from firsttoken.models.checkpoint import make_model
+from firsttoken.models.loader import load_model
+from tests.oracle.test_cpu_linear import kernel_built  # noqa: F401  (fixture)
+
+BLOCK = 16
+
+
+@pytest.fixture(scope="module", params=["qwen2-vl", "qwen3-vl"])
+def models(request, tmp_path_factory: pytest.TempPathFactory, kernel_built):  # noqa: F811
+    """(bf16 model with the fused layers, float64 model holding the very same bf16-rounded weights)."""
+    d: Path = make_model(tmp_path_factory.mktemp(f"fused-{request.param}"), size="tiny", seed=1,
+                         family=request.param)
+    fused = load_model(d, torch.bfloat16, cpu_kernels="on")
+    assert fused.fused_decode is not None
+    ref = load_model(d, torch.float64, cpu_kernels="off")
+    ref.load_state_dict({k: v.double() for k, v in fused.state_dict().items()})
+    return fused, ref
+
+
+def _cache(model, num_blocks: int = 48) -> list[torch.Tensor]:
+    c = model.config
+    return [torch.zeros(2, num_blocks, BLOCK, c.num_key_value_heads, c.head_dim, dtype=torch.bfloat16)
+            for _ in model.layers]
+
+
+def _prefill(model, kv, lengths, tables, seed=0):
+    """Each sequence's prompt through the eager layers (a prefill step): the cache the decode step reads."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, model.config.vocab_size, (sum(lengths),), generator=g)
+    pos = torch.cat([torch.arange(n) for n in lengths])[None].expand(3, -1)
+    with torch.inference_mode():
+        model(ids, pos, kv, AttentionMetadata.build(lengths, [0] * len(lengths), tables, BLOCK))
+
+
+def _decode(model, kv, lengths, tables, fused: bool, seed=1):
+    """One decode token per sequence; returns (final hidden [M, hidden], logits [M, vocab] float64)."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, model.config.vocab_size, (len(lengths),), generator=g)
+    pos = torch.tensor(lengths)[None].expand(3, -1)
+    meta = AttentionMetadata.build([1] * len(lengths), lengths, tables, BLOCK)
+    keep = model.fused_decode
+    model.fused_decode = keep if fused else None
+    try:
+        with torch.inference_mode():
+            hidden = model(ids, pos, kv, meta)
+            return hidden, model.compute_logits(hidden).double()
+    finally:
+        model.fused_decode = keep
+
+
+# scattered, non-consecutive blocks; lengths across block boundaries
+LENGTHS = [5, 33, 16, 70]
+TABLES = [[7], [2, 9, 4], [11, 3], [20, 1, 30, 25, 14]]
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4])
+def test_as_accurate_as_the_eager_layers(models, rows):
+    """Against float64 arithmetic on the same weights and the same cache, the fused step's logits err no more than
+    the eager bf16 layers' (both round every bf16 tensor; they sum in different orders) and pick the same token."""
+    fused, ref = models
+    lengths, tables = LENGTHS[:rows], TABLES[:rows]
+    kv = _cache(fused)
+    _prefill(fused, kv, lengths, tables)
+    steps = fused.fused_decode.steps
+    _, got = _decode(fused, [t.clone() for t in kv], lengths, tables, fused=True)
+    assert fused.fused_decode.steps == steps + 1
+    _, eager = _decode(fused, [t.clone() for t in kv], lengths, tables, fused=False)
+    _, want = _decode(ref, [t.double() for t in kv], lengths, tables, fused=False)
+    err_fused, err_eager = (got - want).abs().max().item(), (eager - want).abs().max().item()
+    assert err_fused <= 1.5 * err_eager + 0.02, (err_fused, err_eager)
+    top2 = want.topk(2, dim=-1).values
+    decided = (top2[:, 0] - top2[:, 1]) > 2 * err_fused
+    assert torch.equal(got.argmax(-1)[decided], want.argmax(-1)[decided])
+
+
+def test_a_row_is_bitwise_the_same_whatever_shares_its_step(models):
+    """A request's hidden state and cache writes do not depend on the other rows of its decode step, nor on the
+    thread count."""
+    fused, _ = models
+    kv = _cache(fused)
+    _prefill(fused, kv, LENGTHS, TABLES)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        alone_kv = [t.clone() for t in kv]
+        alone, _ = _decode(fused, alone_kv, LENGTHS[2:3], TABLES[2:3], fused=True, seed=5)
+        torch.set_num_threads(2)
+        together_kv = [t.clone() for t in kv]
+        ids_seed = 5  # the same token for row 2: decode rows drawn from one generator, row 2 fed alone above
+        g = torch.Generator().manual_seed(ids_seed)
+        token = torch.randint(0, fused.config.vocab_size, (1,), generator=g)
+        ids = torch.cat([torch.tensor([3, 4]), token, torch.tensor([6])])
+        meta = AttentionMetadata.build([1] * 4, LENGTHS, TABLES, BLOCK)
+        with torch.inference_mode():
+            together = fused(ids, torch.tensor(LENGTHS)[None].expand(3, -1), together_kv, meta)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(together[2], alone[0])
+    slot = TABLES[2][LENGTHS[2] // BLOCK] * BLOCK + LENGTHS[2] % BLOCK
+    for a, b in zip(alone_kv, together_kv):
+        assert torch.equal(a.view(2, -1, *a.shape[3:])[:, slot], b.view(2, -1, *b.shape[3:])[:, slot])
+
+
+def test_the_cache_changes_at_the_rows_slots_only(models):
+    fused, _ = models
+    kv = _cache(fused)
+    _prefill(fused, kv, LENGTHS, TABLES)
+    after = [t.clone() for t in kv]
+    eager = [t.clone() for t in kv]
+    _decode(fused, after, LENGTHS, TABLES, fused=True)
+    _decode(fused, eager, LENGTHS, TABLES, fused=False)
+    slots = [t[n // BLOCK] * BLOCK + n % BLOCK for n, t in zip(LENGTHS, TABLES)]
+    for layer, (old, new, ref) in enumerate(zip(kv, after, eager)):
+        old, new, ref = (t.view(2, -1, *t.shape[3:]) for t in (old, new, ref))
+        changed = (old != new).flatten(2).any(-1).any(0).nonzero().flatten().tolist()
+        assert sorted(changed) == sorted(slots), layer
+        # the same keys and values as the eager layers wrote, up to their rounding differences
+        torch.testing.assert_close(new[:, slots].float(), ref[:, slots].float(), rtol=0.05, atol=0.05)
+
+
+def test_taken_for_pure_decode_steps_of_at_most_four_rows_only(models):
+    fused, _ = models
+    decoder = fused.fused_decode
+    kv = _cache(fused, 64)
+    lengths, tables = [3, 4, 5, 6, 7], [[i] for i in range(1, 6)]
+    _prefill(fused, kv, lengths, tables)
+    steps = decoder.steps
+    _decode(fused, kv, lengths, tables, fused=True)  # five rows: the eager layers
+    assert decoder.steps == steps
+    _decode(fused, kv, [n + 1 for n in lengths[:4]], tables[:4], fused=True)
+    assert decoder.steps == steps + 1
+    # a step mixing a prefill chunk with a decode token: eager
+    ids, pos = torch.arange(4), torch.tensor([9, 10, 11, 5])[None].expand(3, -1)
+    meta = AttentionMetadata.build([3, 1], [9, 5], [[10], [1]], BLOCK)
+    with torch.inference_mode():
+        fused(ids, pos, kv, meta)
+    assert decoder.steps == steps + 1
+
+
+def test_only_for_bf16_with_the_kernels(kernel_built, tiny_qwen2_vl_dir):  # noqa: F811
+    assert load_model(tiny_qwen2_vl_dir, torch.bfloat16, cpu_kernels="on").fused_decode is not None
+    assert load_model(tiny_qwen2_vl_dir, torch.bfloat16, cpu_kernels="off").fused_decode is None
+    assert load_model(tiny_qwen2_vl_dir, torch.float32, cpu_kernels="on").fused_decode is None
+    assert load_model(tiny_qwen2_vl_dir, torch.float16, cpu_kernels="on").fused_decode is None
