@@ -387,33 +387,47 @@ void ft_int8_linear(const float *x, int64_t ldx, const int8_t *wt, const float *
     free(xs);
 }
 
-/* ---- a whole bf16 decode step's decoder layers in one call (firsttoken/kernels/fused_decode.py) ----
+/* ---- a whole decode step's decoder layers in one call (firsttoken/models/fused_decode.py) ----
 
    A decode step of a few rows spends most of its time outside the products when every op is a separate torch
-   call (~1,400 per step for 8 layers). ft_decode_layers_bf16 runs the decoder layers of Qwen2VLModel (Qwen2,
-   Qwen2.5-VL and Qwen3-VL's decoders) for M <= 4 decode rows in one call, with the eager bf16 path's rounding
-   points: every value that is a bf16 tensor there is rounded to bf16 here (held in float32), every product sums
-   as ft_linear_rm_bf16 does. Per layer and row:
-     h = w_in * bf16(x * rsqrt(mean(x^2) + eps))         (the norm in float32, its output and the weighting in bf16)
-     qkv = bf16(h . Wqkv + b)                            (ft_linear_rm_bf16)
-     q, k = bf16(q_norm/k_norm) per head (Qwen3), then rotary: bf16(bf16(x * cos) + bf16(roll(x) * sin_rolled))
+   call (~1,400 per step for 8 layers). ft_decode_layers runs the decoder layers of Qwen2VLModel (Qwen2,
+   Qwen2.5-VL and Qwen3-VL's decoders) for a few decode rows in one call, in the model's activation dtype: bf16
+   (every value that is a bf16 tensor on the eager path is rounded to bf16 here, held in float32) or float32 (no
+   rounding). Products are this file's few-rows kernels, each layer's in the layout it is stored in (KIND_*): the
+   same calls the eager path's FewRowsLinear makes. Per layer and row (R = the rounding to the activation dtype):
+     h = R(w_in * R(x * rsqrt(mean(x^2) + eps)))
+     qkv = R(h . Wqkv + b)
+     q, k = R(q_norm/k_norm) per head (Qwen3), then rotary: R(R(x * cos) + R(roll(x) * sin_rolled))
      k, v -> the paged cache at the row's slot
-     a = bf16(softmax(scale * q . K^T) V)                (float32; each query head over its KV head, GQA)
-     x = bf16(x + bf16(a . Wo)); h = w_post * norm(x)
-     x = bf16(x + bf16(bf16(bf16(silu(gate)) * up) . Wdown))
-   The attention sums in float32 in another order than torch's SDPA and the norm's sum of squares in another
-   order than torch.sum, so outputs may differ from the eager path by a rounding step; the rest is the same
-   arithmetic. The Python side checks the shapes (K % 16 == 0 for every product, head_dim % 8 == 0). */
+     a = R(softmax(scale * q . K^T) V)                   (float32; each query head over its KV head, GQA)
+     x = R(x + R(a . Wo)); h = R(w_post * R(norm(x)))
+     x = R(x + R(R(R(silu(gate)) * up) . Wdown))
+   The attention sums in float32 in another order than torch's SDPA (and its exp is a polynomial), the norm's sum
+   of squares in another order than torch.sum: outputs may differ from the eager path's by a rounding step; the
+   rest is the same arithmetic. The Python side checks the shapes (each kernel's, head_dim % 8 == 0). */
+
+enum { KIND_BF16_RM = 0, KIND_F32_RM = 1, KIND_F32_IM = 2 }; /* a weight's dtype and layout: which product */
 
 typedef struct {
-    const uint16_t *in_norm, *post_norm; /* [H] */
-    const uint16_t *qkv_w;               /* [(nh + 2 nkv) D, H] */
-    const float *qkv_b;                  /* float32 [(nh + 2 nkv) D] or NULL */
-    const uint16_t *q_norm, *k_norm;     /* [D] or NULL (Qwen3's per-head norms) */
-    const uint16_t *o_w;                 /* [H, nh D] */
-    const uint16_t *gate_up_w;           /* [2 I, H] */
-    const uint16_t *down_w;              /* [H, I] */
-} ft_layer_bf16;
+    const void *in_norm, *post_norm; /* [H], the activation dtype */
+    const void *qkv_w;               /* [(nh + 2 nkv) D, H] */
+    const float *qkv_b;              /* float32 [(nh + 2 nkv) D] or NULL */
+    const void *q_norm, *k_norm;     /* [D] or NULL (Qwen3's per-head norms) */
+    const void *o_w;                 /* [H, nh D] */
+    const void *gate_up_w;           /* [2 I, H] */
+    const void *down_w;              /* [H, I] */
+    int32_t qkv_kind, o_kind, gate_up_kind, down_kind;
+} ft_layer;
+
+static void product(int32_t kind, const float *x, int64_t ldx, const void *w, const float *bias, float *out,
+                    int64_t ldo, int64_t M, int64_t N, int64_t K, int threads) {
+    if (kind == KIND_BF16_RM)
+        ft_linear_rm_bf16(x, ldx, (const uint16_t *)w, bias, out, ldo, M, N, K, threads);
+    else if (kind == KIND_F32_RM)
+        ft_linear_rm(x, ldx, (const float *)w, bias, out, ldo, M, N, K, threads);
+    else
+        ft_linear_im(x, ldx, (const float *)w, bias, out, ldo, M, N, K, threads);
+}
 
 static inline float bf16_round(float f) { /* torch's float -> bf16 (round to nearest even; NaN -> 0x7fc0) */
     uint32_t u;
@@ -439,8 +453,19 @@ static inline uint16_t bf16_bits(float rounded) {
     return (uint16_t)(u >> 16);
 }
 
-/* out[i] = w[i] * bf16(x[i] * rsqrt(mean(x^2) + eps)), every product rounded to bf16 */
-static void norm_row(const float *x, const uint16_t *w, float *out, int64_t n, float eps) {
+static inline float rnd(float f, int bf16) { return bf16 ? bf16_round(f) : f; }
+
+static inline float elem(const void *p, int64_t i, int bf16) { /* element i of a bf16 or float32 array */
+    return bf16 ? bf16_value(((const uint16_t *)p)[i]) : ((const float *)p)[i];
+}
+
+/* 8 elements of a bf16 or float32 array, as float32 */
+static inline __m256 load8(const void *p, int64_t i, int bf16) {
+    return bf16 ? bf16x8((const uint16_t *)p + i) : _mm256_loadu_ps((const float *)p + i);
+}
+
+/* out[i] = R(w[i] * R(x[i] * rsqrt(mean(x^2) + eps))) */
+static void norm_row(const float *x, const void *w, float *out, int64_t n, float eps, int bf16) {
     __m256 s0 = _mm256_setzero_ps(), s1 = _mm256_setzero_ps();
     int64_t i = 0;
     for (; i + 16 <= n; i += 16) {
@@ -451,7 +476,7 @@ static void norm_row(const float *x, const uint16_t *w, float *out, int64_t n, f
     float ss = hsum(_mm256_add_ps(s0, s1));
     for (; i < n; i++) ss += x[i] * x[i];
     float inv = 1.0f / sqrtf(ss / (float)n + eps);
-    for (i = 0; i < n; i++) out[i] = bf16_round(bf16_value(w[i]) * bf16_round(x[i] * inv));
+    for (i = 0; i < n; i++) out[i] = rnd(elem(w, i, bf16) * rnd(x[i] * inv, bf16), bf16);
 }
 
 /* e^x for 8 floats (Cephes' expf as in avx_mathfun: range reduction by ln 2, a degree-5 polynomial; ~2 ulp),
@@ -482,17 +507,17 @@ static inline __m256 hsum8(const __m256 a[8]) {
 
 
 /* one row's query heads of KV head h over its seq_len cached keys/values; q [G, D] (bf16 values), out [G, D]
-   float32 (the caller rounds); at[j]: where key j of KV head 0 sits in the cache (from the block table, made
+   float32 (the caller rounds); kc, vc: bf16 or float32; at[j]: where key j of KV head 0 sits in the cache (from the block table, made
    once per call); scores: G * (seq_len rounded up to 8) floats of scratch. Keys 8 at a time (one
    vector of 8 scores per query head), the softmax in vectors, values two vectors of D at a time for every head. */
-static void attend_group(const float *q, int64_t G, const uint16_t *kc, const uint16_t *vc, const int64_t *at,
-                         int64_t seq_len, int64_t h, int64_t D, float scale, float *scores, float *out) {
+static void attend_group(const float *q, int64_t G, const void *kc, const void *vc, const int64_t *at,
+                         int64_t seq_len, int64_t h, int64_t D, float scale, float *scores, float *out, int bf16) {
     int64_t padded = (seq_len + 7) / 8 * 8;
     float keys[8 * 512]; /* 8 keys widened once, read by every query head */
     for (int64_t j0 = 0; j0 < seq_len; j0 += 8) {
         for (int t = 0; t < 8; t++) { /* past the end: repeat the last key (its scores are dropped below) */
-            const uint16_t *row = kc + at[j0 + t < seq_len ? j0 + t : seq_len - 1] + h * D;
-            for (int64_t i = 0; i < D; i += 8) _mm256_storeu_ps(keys + t * D + i, bf16x8(row + i));
+            int64_t row = at[j0 + t < seq_len ? j0 + t : seq_len - 1] + h * D;
+            for (int64_t i = 0; i < D; i += 8) _mm256_storeu_ps(keys + t * D + i, load8(kc, row + i, bf16));
         }
         for (int64_t g = 0; g < G; g++) {
             __m256 acc[8];
@@ -529,8 +554,8 @@ static void attend_group(const float *q, int64_t G, const uint16_t *kc, const ui
             __m256 a[4][2];
             for (int g = 0; g < 4; g++) a[g][0] = a[g][1] = _mm256_setzero_ps();
             for (int64_t j = 0; j < seq_len; j++) {
-                const uint16_t *v = vc + at[j] + h * D + i;
-                __m256 v0 = bf16x8(v), v1 = D - i > 8 ? bf16x8(v + 8) : _mm256_setzero_ps();
+                int64_t v = at[j] + h * D + i;
+                __m256 v0 = load8(vc, v, bf16), v1 = D - i > 8 ? load8(vc, v + 8, bf16) : _mm256_setzero_ps();
                 for (int g = 0; g < ng; g++) {
                     __m256 p = _mm256_set1_ps(scores[(g0 + g) * padded + j]);
                     a[g][0] = _mm256_fmadd_ps(p, v0, a[g][0]);
@@ -545,38 +570,41 @@ static void attend_group(const float *q, int64_t G, const uint16_t *kc, const ui
     }
 }
 
-/* rotary in place on one head of D values (bf16 values): x * cos + roll(x, D / 2) * sin_rolled, each op rounded */
-static void rotary_head(float *x, const uint16_t *cos, const uint16_t *sin_rolled, int64_t D) {
+/* rotary in place on one head of D values: R(R(x * cos) + R(roll(x, D / 2) * sin_rolled)); cos, sin_rolled at
+   element offset t of their tables */
+static void rotary_head(float *x, const void *cos, const void *sin_rolled, int64_t t, int64_t D, int bf16) {
     float rolled[512];
     int64_t half = D / 2;
     for (int64_t i = 0; i < D; i++) rolled[i] = x[(i + half) % D];
     for (int64_t i = 0; i < D; i++)
-        x[i] = bf16_round(bf16_round(x[i] * bf16_value(cos[i])) + bf16_round(rolled[i] * bf16_value(sin_rolled[i])));
+        x[i] = rnd(rnd(x[i] * elem(cos, t + i, bf16), bf16) + rnd(rolled[i] * elem(sin_rolled, t + i, bf16), bf16),
+                   bf16);
 }
 
-static void round_rows(float *x, int64_t n) {
-    for (int64_t i = 0; i < n; i++) x[i] = bf16_round(x[i]);
+static void round_rows(float *x, int64_t n, int bf16) {
+    if (bf16)
+        for (int64_t i = 0; i < n; i++) x[i] = bf16_round(x[i]);
 }
 
-/* x: [M, H] bf16, the rows' hidden states in, the last layer's output out. kv: L pointers to each layer's cache
-   [2, num_blocks, block_size, nkv, D] bf16, V at kv_half elements after K. cos, sin_rolled: [M, D] bf16.
-   block_tables: [M, bt_stride] int32; seq_lens: tokens in each row's sequence with this one; slots: where each row's
-   key/value goes. Returns 0, or -1 when scratch memory could not be had (x untouched then). */
-int ft_decode_layers_bf16(const ft_layer_bf16 *layers, int64_t L, uint16_t *const *kv, int64_t kv_half, uint16_t *x,
-                          int64_t M, int64_t H, int64_t nh, int64_t nkv, int64_t D, int64_t I, float eps,
-                          const uint16_t *cos, const uint16_t *sin_rolled, const int32_t *block_tables,
-                          int64_t bt_stride, const int64_t *seq_lens, const int64_t *slots, int64_t block_size,
-                          float scale, int threads) {
-    int64_t nqkv = (nh + 2 * nkv) * D, G = nh / nkv, max_len = 0;
-    for (int64_t m = 0; m < M; m++) max_len = seq_lens[m] > max_len ? seq_lens[m] : max_len;
-    int64_t tasks = M * nkv;
-    if (D > 512 || D % 8 || nh % nkv) return -1;
-    int64_t total_len = 0;
-    for (int64_t m = 0; m < M; m++) total_len += seq_lens[m];
-    size_t floats = (size_t)(M * (H + H + nqkv + nh * D + 2 * I + H) + tasks * G * ((max_len + 7) / 8 * 8));
-    float *buf = malloc(floats * sizeof(float));
-    int64_t *at = malloc((size_t)total_len * sizeof(int64_t)), *row_at[4 * 64];
-    if (!buf || !at || M > 4 * 64) {
+/* x: [M, H] in the activation dtype (bf16 when bf16 != 0, else float32), the rows' hidden states in, the last
+   layer's output out. kv: L pointers to each layer's cache [2, num_blocks, block_size, nkv, D] in the activation
+   dtype, V at kv_half elements after K. cos, sin_rolled: [M, D] in the activation dtype. block_tables:
+   [M, bt_stride] int32; seq_lens: tokens in each row's sequence with this one; slots: where each row's key/value
+   goes. Returns 0, or -1 when scratch memory could not be had or the shapes are not these loops' (x untouched). */
+int ft_decode_layers(const ft_layer *layers, int64_t L, void *const *kv, int64_t kv_half, void *x, int64_t M,
+                     int64_t H, int64_t nh, int64_t nkv, int64_t D, int64_t I, float eps, const void *cos,
+                     const void *sin_rolled, const int32_t *block_tables, int64_t bt_stride, const int64_t *seq_lens,
+                     const int64_t *slots, int64_t block_size, float scale, int bf16, int threads) {
+    int64_t nqkv = (nh + 2 * nkv) * D, G = nh / nkv, max_len = 0, total_len = 0;
+    if (D > 512 || D % 8 || nh % nkv || M > 64) return -1;
+    for (int64_t m = 0; m < M; m++) {
+        max_len = seq_lens[m] > max_len ? seq_lens[m] : max_len;
+        total_len += seq_lens[m];
+    }
+    int64_t tasks = M * nkv, padded = (max_len + 7) / 8 * 8;
+    float *buf = malloc((size_t)(M * (H + H + nqkv + nh * D + 2 * I + H) + tasks * G * padded) * sizeof(float));
+    int64_t *at = malloc((size_t)total_len * sizeof(int64_t)), *row_at[64];
+    if (!buf || !at) {
         free(buf);
         free(at);
         return -1;
@@ -589,29 +617,35 @@ int ft_decode_layers_bf16(const ft_layer_bf16 *layers, int64_t L, uint16_t *cons
     }
     float *xf = buf, *h = xf + M * H, *qkv = h + M * H, *att = qkv + M * nqkv, *gu = att + M * nh * D,
           *y = gu + M * 2 * I, *scores = y + M * H;
-    for (int64_t i = 0; i < M * H; i++) xf[i] = bf16_value(x[i]);
+    for (int64_t i = 0; i < M * H; i++) xf[i] = elem(x, i, bf16);
+    size_t esize = bf16 ? 2 : 4;
     for (int64_t l = 0; l < L; l++) {
-        const ft_layer_bf16 *p = layers + l;
-        uint16_t *kc = kv[l], *vc = kv[l] + kv_half;
-        for (int64_t m = 0; m < M; m++) norm_row(xf + m * H, p->in_norm, h + m * H, H, eps);
-        ft_linear_rm_bf16(h, H, p->qkv_w, p->qkv_b, qkv, nqkv, M, nqkv, H, threads);
-        round_rows(qkv, M * nqkv);
+        const ft_layer *p = layers + l;
+        char *kc = kv[l], *vc = (char *)kv[l] + kv_half * esize;
+        for (int64_t m = 0; m < M; m++) norm_row(xf + m * H, p->in_norm, h + m * H, H, eps, bf16);
+        product(p->qkv_kind, h, H, p->qkv_w, p->qkv_b, qkv, nqkv, M, nqkv, H, threads);
+        round_rows(qkv, M * nqkv, bf16);
         for (int64_t m = 0; m < M; m++) {
             float *r = qkv + m * nqkv;
             for (int64_t hd = 0; hd < nh + nkv; hd++) {
                 float *head = r + hd * D;
-                const uint16_t *w = hd < nh ? p->q_norm : p->k_norm;
+                const void *w = hd < nh ? p->q_norm : p->k_norm;
                 if (w) {
                     float tmp[512];
-                    norm_row(head, w, tmp, D, eps);
+                    norm_row(head, w, tmp, D, eps, bf16);
                     memcpy(head, tmp, (size_t)D * sizeof(float));
                 }
-                rotary_head(head, cos + m * D, sin_rolled + m * D, D);
+                rotary_head(head, cos, sin_rolled, m * D, D, bf16);
             }
-            uint16_t *kd = kc + slots[m] * nkv * D, *vd = vc + slots[m] * nkv * D; /* [block_size, nkv, D] blocks */
+            int64_t at_slot = slots[m] * nkv * D; /* the cache's [block_size, nkv, D] blocks, flat */
             for (int64_t i = 0; i < nkv * D; i++) {
-                kd[i] = bf16_bits(r[nh * D + i]);
-                vd[i] = bf16_bits(r[(nh + nkv) * D + i]);
+                if (bf16) {
+                    ((uint16_t *)kc)[at_slot + i] = bf16_bits(r[nh * D + i]);
+                    ((uint16_t *)vc)[at_slot + i] = bf16_bits(r[(nh + nkv) * D + i]);
+                } else {
+                    ((float *)kc)[at_slot + i] = r[nh * D + i];
+                    ((float *)vc)[at_slot + i] = r[(nh + nkv) * D + i];
+                }
             }
         }
         _Pragma("omp parallel for schedule(static) num_threads(threads) if (threads > 1 && tasks > 1)")
@@ -619,24 +653,29 @@ int ft_decode_layers_bf16(const ft_layer_bf16 *layers, int64_t L, uint16_t *cons
             int64_t m = t / nkv, kvh = t % nkv;
             float *o = att + m * nh * D + kvh * G * D;
             attend_group(qkv + m * nqkv + kvh * G * D, G, kc, vc, row_at[m], seq_lens[m], kvh, D, scale,
-                         scores + t * G * ((max_len + 7) / 8 * 8), o);
-            round_rows(o, G * D);
+                         scores + t * G * padded, o, bf16);
+            round_rows(o, G * D, bf16);
         }
-        ft_linear_rm_bf16(att, nh * D, p->o_w, NULL, y, H, M, H, nh * D, threads);
-        for (int64_t i = 0; i < M * H; i++) xf[i] = bf16_round(xf[i] + bf16_round(y[i]));
-        for (int64_t m = 0; m < M; m++) norm_row(xf + m * H, p->post_norm, h + m * H, H, eps);
-        ft_linear_rm_bf16(h, H, p->gate_up_w, NULL, gu, 2 * I, M, 2 * I, H, threads);
+        product(p->o_kind, att, nh * D, p->o_w, NULL, y, H, M, H, nh * D, threads);
+        for (int64_t i = 0; i < M * H; i++) xf[i] = rnd(xf[i] + rnd(y[i], bf16), bf16);
+        for (int64_t m = 0; m < M; m++) norm_row(xf + m * H, p->post_norm, h + m * H, H, eps, bf16);
+        product(p->gate_up_kind, h, H, p->gate_up_w, NULL, gu, 2 * I, M, 2 * I, H, threads);
         for (int64_t m = 0; m < M; m++) {
             float *g = gu + m * 2 * I, *u = g + I;
             for (int64_t i = 0; i < I; i++) {
-                float a = bf16_round(g[i]), b = bf16_round(u[i]);
-                g[i] = bf16_round(bf16_round(a / (1.0f + expf(-a))) * b);
+                float a = rnd(g[i], bf16), b = rnd(u[i], bf16);
+                g[i] = rnd(rnd(a / (1.0f + expf(-a)), bf16) * b, bf16);
             }
         }
-        ft_linear_rm_bf16(gu, 2 * I, p->down_w, NULL, y, H, M, H, I, threads);
-        for (int64_t i = 0; i < M * H; i++) xf[i] = bf16_round(xf[i] + bf16_round(y[i]));
+        product(p->down_kind, gu, 2 * I, p->down_w, NULL, y, H, M, H, I, threads);
+        for (int64_t i = 0; i < M * H; i++) xf[i] = rnd(xf[i] + rnd(y[i], bf16), bf16);
     }
-    for (int64_t i = 0; i < M * H; i++) x[i] = bf16_bits(xf[i]);
+    for (int64_t i = 0; i < M * H; i++) {
+        if (bf16)
+            ((uint16_t *)x)[i] = bf16_bits(xf[i]);
+        else
+            ((float *)x)[i] = xf[i];
+    }
     free(buf);
     free(at);
     return 0;

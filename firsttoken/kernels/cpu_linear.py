@@ -24,15 +24,16 @@ The same library holds ``--quantization int8``'s arithmetic (models/quant.py): e
 with its own scale, the few rows of a decode step multiplied exactly in int32 against int8 weights (AVX-512 VNNI
 where the CPU has it, else AVX2), and the int32 products scaled back; each bitwise the same as its torch twin.
 
-The library also holds ``ft_decode_layers_bf16``: a bf16 decode step's decoder layers in one call around these
-products (kernels/fused_decode.py).
+The library also holds ``ft_decode_layers``: a decode step's decoder layers in one call around these products
+(models/fused_decode.py).
 
 Built with the machine's C compiler (``$CC``, else ``cc``/``gcc``: Debian's ``gcc`` package) into
 ``$FIRSTTOKEN_CACHE/kernels`` (default ``~/.cache/firsttoken/kernels``), once per source and flags, about a second;
 loaded with ctypes (the call releases the GIL). Where the CPU lacks AVX2/FMA, no compiler is found, the build fails
 or the built kernels disagree with torch on check products, ``kernel_unavailable()`` says why and the engine keeps
-torch's product (``--cpu-kernels off`` asks for that). ``auto`` also leaves AVX-512 CPUs to MKL (measured on AVX2
-only; ``--cpu-kernels on`` takes the kernels there).
+torch's product (``--cpu-kernels off`` asks for that). For float32, ``auto`` also leaves Intel's AVX-512 CPUs to MKL
+(it won on the Xeon measured; ``--cpu-kernels on`` takes the kernels there); AMD's AVX-512 EPYC was measured faster
+with them.
 """
 
 from __future__ import annotations
@@ -74,6 +75,19 @@ def cpu_flags() -> frozenset[str] | None:
     return None
 
 
+@functools.lru_cache(maxsize=1)
+def cpu_vendor() -> str | None:
+    """/proc/cpuinfo's vendor_id (``GenuineIntel``, ``AuthenticAMD``), or None where it cannot be read."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("vendor_id"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return None
+
+
 def cpu_has_avx2_fma() -> bool:
     """AVX2 and FMA on this CPU (its flags; where they cannot be read, torch's own dispatch level)."""
     if platform.machine().lower() not in ("x86_64", "amd64"):
@@ -91,10 +105,12 @@ def cpu_has_avx512() -> bool:
 
 def kernels_skipped(setting: str, dtype: torch.dtype = torch.float32) -> str | None:
     """None when ``--cpu-kernels setting`` uses the kernels on this machine for a ``dtype`` language model, else
-    why not. float32: ``auto`` leaves AVX-512 CPUs to MKL (there its products use AVX-512 and the kernels, AVX2, lost
-    on an AVX-512 Xeon). bfloat16: ``auto`` takes the kernels on CPUs with native bf16 (AVX512-BF16) but no AMX,
-    where they were measured (2-vCPU EPYC, one thread, `small` checkpoint: 0.51-0.63x torch's decode step at 1-4
-    rows), and leaves other CPUs to torch. ``on`` takes the kernels wherever they build."""
+    why not. float32: ``auto`` leaves Intel's AVX-512 CPUs to MKL (there its products use AVX-512 and the kernels,
+    AVX2, lost on an AVX-512 Xeon) and takes them on AMD's (a 2-vCPU AVX-512 EPYC, one thread, `small` checkpoint,
+    whole decode steps with the fused layers: 0.57-0.78x MKL's at 1-16 rows). bfloat16: ``auto`` takes the kernels
+    on CPUs with native bf16 (AVX512-BF16) but no AMX, where they were measured (2-vCPU EPYC, one thread, `small`
+    checkpoint: 0.51-0.63x torch's decode step at 1-4 rows), and leaves other CPUs to torch. ``on`` takes the
+    kernels wherever they build."""
     if setting == "off":
         return "--cpu-kernels off"
     if setting == "auto" and dtype == torch.bfloat16:
@@ -102,9 +118,9 @@ def kernels_skipped(setting: str, dtype: torch.dtype = torch.float32) -> str | N
         if "avx512_bf16" not in flags or "amx_bf16" in flags:
             return "bf16 products measured against torch's only on AVX512-BF16 CPUs without AMX " \
                    "(--cpu-kernels on uses them)"
-    elif setting == "auto" and cpu_has_avx512():
-        return "this CPU has AVX-512, where MKL's products have not been measured against these AVX2 kernels " \
-               "(--cpu-kernels on uses them)"
+    elif setting == "auto" and cpu_has_avx512() and cpu_vendor() != "AuthenticAMD":
+        return "this CPU has AVX-512 (not AMD's), where MKL's products beat these AVX2 kernels on the Xeon " \
+               "measured (--cpu-kernels on uses them)"
     return kernel_unavailable()
 
 

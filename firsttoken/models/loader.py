@@ -20,7 +20,7 @@ from firsttoken.attention.base import AttentionBackend
 from firsttoken.attention.registry import get_backend
 from firsttoken.config import CPU_KERNELS, QUANTIZATIONS
 from firsttoken.kernels.cpu_linear import kernel_unavailable, kernels_skipped, use_few_rows_kernel
-from firsttoken.kernels.fused_decode import use_fused_decode
+from firsttoken.models.fused_decode import use_fused_decode
 from firsttoken.models.layers import store_weights_input_major
 from firsttoken.models.quant import int8_paths, quantize_fp16, quantize_int8
 from firsttoken.models.registry import family_of, load_model_config
@@ -89,10 +89,8 @@ def load_model(
             reason = kernels_skipped(cpu_kernels, dtype)
             if reason is None:
                 use_few_rows_kernel(model, exclude_prefix="visual.")  # decode's few-row products; prefill: MKL's
-                if dtype == torch.bfloat16:  # and a pure-decode step's decoder layers in one call
-                    fused = use_fused_decode(model)
-                    log.info("bf16 decode steps' layers: %s", "one fused call" if fused is None
-                             else f"eager ({fused})")
+                fused = use_fused_decode(model)  # and a pure-decode step's decoder layers in one call
+                log.info("decode steps' decoder layers: %s", "one fused call" if fused is None else f"eager ({fused})")
             log.info("decode steps' products: %s", "firsttoken's few-rows AVX2 kernels" if reason is None
                      else f"torch's (few-rows kernels not used: {reason})")
     return model.eval()

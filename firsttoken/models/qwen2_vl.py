@@ -115,7 +115,7 @@ class Qwen2VLModel(nn.Module):
     """Parameter names: ``visual.*`` (see qwen2_vl_vision), ``embed_tokens``, ``layers.N.*``, ``norm``,
     ``lm_head`` (absent when the config ties it to ``embed_tokens``). ``visual`` is Qwen2-VL's tower unless a
     family with the same decoder brings its own (Qwen2.5-VL's, Qwen3-VL's); DeepStack features (Qwen3-VL) join the
-    image rows after the first decoder layers. ``fused_decode`` (kernels/fused_decode.py, set by the loader where
+    image rows after the first decoder layers. ``fused_decode`` (models/fused_decode.py, set by the loader where
     it applies) runs the decoder layers of a pure-decode step of a few rows in one C call."""
 
     fused_decode: Any = None

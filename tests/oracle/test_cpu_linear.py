@@ -263,17 +263,20 @@ def test_unavailable_kernel_falls_back_and_the_log_says_why(tiny_qwen2_vl_dir, m
     assert "few-rows kernels not used: no C compiler on PATH (test)" in caplog.text
 
 
-@pytest.mark.parametrize("avx512", [False, True])
-def test_auto_leaves_avx512_cpus_to_mkl(kernel_built, tiny_qwen2_vl_dir, monkeypatch, avx512):
-    """Measured on AVX2-only CPUs: auto takes the kernels there and leaves AVX-512 CPUs to MKL; on takes them on
-    both; off on neither."""
+@pytest.mark.parametrize("avx512,vendor", [(False, "GenuineIntel"), (True, "GenuineIntel"), (False, "AuthenticAMD"),
+                                           (True, "AuthenticAMD")])
+def test_auto_leaves_intel_avx512_cpus_to_mkl(kernel_built, tiny_qwen2_vl_dir, monkeypatch, avx512, vendor):
+    """float32: auto takes the kernels on AVX2-only CPUs and AMD's AVX-512 ones (measured on both) and leaves
+    Intel's AVX-512 CPUs to MKL (it won on a Xeon); on takes them everywhere; off nowhere."""
     monkeypatch.setattr(cpu_linear, "cpu_has_avx512", lambda: avx512)
+    monkeypatch.setattr(cpu_linear, "cpu_vendor", lambda: vendor)
     used = {setting: any(isinstance(m, FewRowsLinear) for m in load_model(tiny_qwen2_vl_dir, torch.float32,
                                                                           cpu_kernels=setting).modules())
             for setting in ("auto", "on", "off")}
-    assert used == {"auto": not avx512, "on": True, "off": False}
+    mkl = avx512 and vendor == "GenuineIntel"
+    assert used == {"auto": not mkl, "on": True, "off": False}
     reason = cpu_linear.kernels_skipped("auto")
-    assert (reason is None) == (not avx512) and (not avx512 or "--cpu-kernels on" in reason)
+    assert (reason is None) == (not mkl) and (not mkl or "--cpu-kernels on" in reason)
 
 
 def test_use_few_rows_kernel_skips_unfit_layers():

@@ -1,6 +1,6 @@
-"""A bf16 decode step's decoder layers in one C call (firsttoken/kernels/fused_decode.py): as accurate as the eager
-bf16 layers against a float64 model holding the same weights, a row bitwise the same whatever shares its step,
-the paged cache written at the rows' slots only, and taken exactly where it applies."""
+"""A decode step's decoder layers in one C call (firsttoken/models/fused_decode.py), bf16 and float32: as accurate
+as the eager layers against a float64 model holding the same weights, a row bitwise the same whatever shares its
+step, the paged cache written at the rows' slots only, and taken exactly where it applies."""
 
 from __future__ import annotations
 
@@ -17,12 +17,14 @@ from tests.oracle.test_cpu_linear import kernel_built  # noqa: F401  (fixture)
 BLOCK = 16
 
 
-@pytest.fixture(scope="module", params=["qwen2-vl", "qwen3-vl"])
+@pytest.fixture(scope="module", params=[("qwen2-vl", torch.bfloat16), ("qwen3-vl", torch.bfloat16),
+                                        ("qwen2-vl", torch.float32), ("qwen3-vl", torch.float32)],
+                ids=["qwen2-vl-bf16", "qwen3-vl-bf16", "qwen2-vl-fp32", "qwen3-vl-fp32"])
 def models(request, tmp_path_factory: pytest.TempPathFactory, kernel_built):  # noqa: F811
-    """(bf16 model with the fused layers, float64 model holding the very same bf16-rounded weights)."""
-    d: Path = make_model(tmp_path_factory.mktemp(f"fused-{request.param}"), size="tiny", seed=1,
-                         family=request.param)
-    fused = load_model(d, torch.bfloat16, cpu_kernels="on")
+    """(model with the fused layers, float64 model holding the very same weights)."""
+    family, dtype = request.param
+    d: Path = make_model(tmp_path_factory.mktemp(f"fused-{family}"), size="tiny", seed=1, family=family)
+    fused = load_model(d, dtype, cpu_kernels="on")
     assert fused.fused_decode is not None
     ref = load_model(d, torch.float64, cpu_kernels="off")
     ref.load_state_dict({k: v.double() for k, v in fused.state_dict().items()})
@@ -31,7 +33,7 @@ def models(request, tmp_path_factory: pytest.TempPathFactory, kernel_built):  # 
 
 def _cache(model, num_blocks: int = 48) -> list[torch.Tensor]:
     c = model.config
-    return [torch.zeros(2, num_blocks, BLOCK, c.num_key_value_heads, c.head_dim, dtype=torch.bfloat16)
+    return [torch.zeros(2, num_blocks, BLOCK, c.num_key_value_heads, c.head_dim, dtype=model.dtype)
             for _ in model.layers]
 
 
@@ -68,7 +70,8 @@ TABLES = [[7], [2, 9, 4], [11, 3], [20, 1, 30, 25, 14]]
 @pytest.mark.parametrize("rows", [1, 2, 3, 4])
 def test_as_accurate_as_the_eager_layers(models, rows):
     """Against float64 arithmetic on the same weights and the same cache, the fused step's logits err no more than
-    the eager bf16 layers' (both round every bf16 tensor; they sum in different orders) and pick the same token."""
+    the eager layers' (in bf16 both round every bf16 tensor; they sum in different orders) and pick the same
+    token."""
     fused, ref = models
     lengths, tables = LENGTHS[:rows], TABLES[:rows]
     kv = _cache(fused)
@@ -79,7 +82,8 @@ def test_as_accurate_as_the_eager_layers(models, rows):
     _, eager = _decode(fused, [t.clone() for t in kv], lengths, tables, fused=False)
     _, want = _decode(ref, [t.double() for t in kv], lengths, tables, fused=False)
     err_fused, err_eager = (got - want).abs().max().item(), (eager - want).abs().max().item()
-    assert err_fused <= 1.5 * err_eager + 0.02, (err_fused, err_eager)
+    slack = 0.02 if fused.dtype == torch.bfloat16 else 1e-5
+    assert err_fused <= 1.5 * err_eager + slack, (err_fused, err_eager)
     top2 = want.topk(2, dim=-1).values
     decided = (top2[:, 0] - top2[:, 1]) > 2 * err_fused
     assert torch.equal(got.argmax(-1)[decided], want.argmax(-1)[decided])
@@ -130,27 +134,31 @@ def test_the_cache_changes_at_the_rows_slots_only(models):
         torch.testing.assert_close(new[:, slots].float(), ref[:, slots].float(), rtol=0.05, atol=0.05)
 
 
-def test_taken_for_pure_decode_steps_of_at_most_four_rows_only(models):
+def test_taken_for_pure_decode_steps_of_at_most_max_rows_only(models):
+    """bf16: at most 4 rows (MAX_ROWS_BF16: where its product beats torch's), float32 16 (MAX_ROWS)."""
     fused, _ = models
     decoder = fused.fused_decode
+    assert decoder.max_rows == (4 if fused.dtype == torch.bfloat16 else 16)
+    rows = decoder.max_rows + 1
     kv = _cache(fused, 64)
-    lengths, tables = [3, 4, 5, 6, 7], [[i] for i in range(1, 6)]
+    lengths, tables = [3 + i % 8 for i in range(rows)], [[1 + i * 2] for i in range(rows)]
     _prefill(fused, kv, lengths, tables)
     steps = decoder.steps
-    _decode(fused, kv, lengths, tables, fused=True)  # five rows: the eager layers
+    _decode(fused, kv, lengths, tables, fused=True)  # one row too many: the eager layers
     assert decoder.steps == steps
-    _decode(fused, kv, [n + 1 for n in lengths[:4]], tables[:4], fused=True)
+    _decode(fused, kv, [n + 1 for n in lengths[:-1]], tables[:-1], fused=True)
     assert decoder.steps == steps + 1
     # a step mixing a prefill chunk with a decode token: eager
     ids, pos = torch.arange(4), torch.tensor([9, 10, 11, 5])[None].expand(3, -1)
-    meta = AttentionMetadata.build([3, 1], [9, 5], [[10], [1]], BLOCK)
+    meta = AttentionMetadata.build([3, 1], [9, 5], [[2], [1]], BLOCK)
     with torch.inference_mode():
         fused(ids, pos, kv, meta)
     assert decoder.steps == steps + 1
 
 
-def test_only_for_bf16_with_the_kernels(kernel_built, tiny_qwen2_vl_dir):  # noqa: F811
-    assert load_model(tiny_qwen2_vl_dir, torch.bfloat16, cpu_kernels="on").fused_decode is not None
-    assert load_model(tiny_qwen2_vl_dir, torch.bfloat16, cpu_kernels="off").fused_decode is None
-    assert load_model(tiny_qwen2_vl_dir, torch.float32, cpu_kernels="on").fused_decode is None
+def test_only_with_the_kernels_and_not_for_fp16_or_quantized_weights(kernel_built, tiny_qwen2_vl_dir):  # noqa: F811
+    for dtype in (torch.bfloat16, torch.float32):
+        assert load_model(tiny_qwen2_vl_dir, dtype, cpu_kernels="on").fused_decode is not None
+        assert load_model(tiny_qwen2_vl_dir, dtype, cpu_kernels="off").fused_decode is None
     assert load_model(tiny_qwen2_vl_dir, torch.float16, cpu_kernels="on").fused_decode is None
+    assert load_model(tiny_qwen2_vl_dir, torch.float32, cpu_kernels="on", quantization="fp16").fused_decode is None

@@ -1,4 +1,4 @@
-"""A bf16 decode step's decoder layers in one C call (``ft_decode_layers_bf16`` in cpu_linear.c).
+"""A decode step's decoder layers in one C call (``ft_decode_layers`` in cpu_linear.c), bf16 or float32.
 
 At batch 1 a decode step of the `small` checkpoint in bf16 issued ~1,440 tensor ops: per layer two norms, the
 rotary, the cache write, SDPA, residuals and the MLP's activation around the four products. Each costs ~1-3 us of
@@ -23,14 +23,24 @@ import torch
 from torch import nn
 
 from firsttoken.attention.base import AttentionMetadata
-from firsttoken.kernels.cpu_linear import MAX_ROWS_BF16, _kernel
+from firsttoken.kernels.cpu_linear import MAX_ROWS, MAX_ROWS_BF16, _kernel, kernel_applies
 
 _P = ctypes.c_void_p
 
 
+KIND_BF16_RM, KIND_F32_RM, KIND_F32_IM = 0, 1, 2  # cpu_linear.c's KIND_*: a weight's dtype and layout
+
+
 class _Layer(ctypes.Structure):
     _fields_ = [("in_norm", _P), ("post_norm", _P), ("qkv_w", _P), ("qkv_b", _P), ("q_norm", _P), ("k_norm", _P),
-                ("o_w", _P), ("gate_up_w", _P), ("down_w", _P)]
+                ("o_w", _P), ("gate_up_w", _P), ("down_w", _P), ("qkv_kind", ctypes.c_int32),
+                ("o_kind", ctypes.c_int32), ("gate_up_kind", ctypes.c_int32), ("down_kind", ctypes.c_int32)]
+
+
+def _kind(weight: torch.Tensor) -> int:
+    if weight.dtype == torch.bfloat16:
+        return KIND_BF16_RM
+    return KIND_F32_RM if weight.is_contiguous() else KIND_F32_IM
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:
@@ -38,17 +48,20 @@ def _ptr(t: torch.Tensor | None) -> int | None:
 
 
 class FusedDecoder:
-    """The decoder layers of a ``Qwen2VLModel`` (any family built on it) as one C call per decode step. Holds
-    references to the parameters it points at (the model keeps them too) and the float32 copies of biases it made."""
+    """The decoder layers of a ``Qwen2VLModel`` (any family built on it) as one C call per decode step, in the
+    model's dtype (bfloat16 or float32). Holds references to the parameters it points at (the model keeps them
+    too) and the float32 copies of biases it made."""
 
     def __init__(self, model: nn.Module) -> None:
         lib = _kernel()[0]
         assert lib is not None
-        self._fn = lib.lib.ft_decode_layers_bf16
+        self._fn = lib.lib.ft_decode_layers
         i64, p = ctypes.c_int64, ctypes.c_void_p
         self._fn.restype = ctypes.c_int
         self._fn.argtypes = [p, i64, p, i64, p, i64, i64, i64, i64, i64, i64, ctypes.c_float, p, p, p, i64, p, p,
-                             i64, ctypes.c_float, ctypes.c_int]
+                             i64, ctypes.c_float, ctypes.c_int, ctypes.c_int]
+        self.dtype = model.embed_tokens.weight.dtype
+        self.max_rows = MAX_ROWS_BF16 if self.dtype == torch.bfloat16 else MAX_ROWS
         c = model.config
         self.hidden, self.heads, self.kv_heads, self.head_dim = c.hidden_size, c.num_attention_heads, \
             c.num_key_value_heads, c.head_dim
@@ -60,7 +73,7 @@ class FusedDecoder:
             attn, mlp = layer.self_attn, layer.mlp
             bias = attn.qkv_proj.bias
             bias32 = None if bias is None else getattr(attn.qkv_proj, "bias32", None)
-            if bias is not None and bias32 is None:
+            if bias is not None and bias32 is None:  # float32 biases are used as they are
                 bias32 = bias.detach().float().contiguous()
             if bias32 is not None:
                 self._keep.append(bias32)
@@ -68,21 +81,22 @@ class FusedDecoder:
                 _ptr(layer.input_layernorm.weight), _ptr(layer.post_attention_layernorm.weight),
                 _ptr(attn.qkv_proj.weight), _ptr(bias32), _ptr(attn.q_norm.weight if attn.q_norm else None),
                 _ptr(attn.k_norm.weight if attn.k_norm else None), _ptr(attn.o_proj.weight),
-                _ptr(mlp.gate_up_proj.weight), _ptr(mlp.down_proj.weight))
+                _ptr(mlp.gate_up_proj.weight), _ptr(mlp.down_proj.weight), _kind(attn.qkv_proj.weight),
+                _kind(attn.o_proj.weight), _kind(mlp.gate_up_proj.weight), _kind(mlp.down_proj.weight))
         self._layers = layers
         self.scale = model.layers[0].self_attn.scale
         self.steps = 0  # pure-decode steps taken here (tests read it)
 
     def applies(self, x: torch.Tensor, meta: AttentionMetadata, kv_caches: list[torch.Tensor]) -> bool:
-        return (0 < x.shape[0] <= MAX_ROWS_BF16 and meta.is_pure_decode and kv_caches[0].dtype == torch.bfloat16
+        return (0 < x.shape[0] <= self.max_rows and meta.is_pure_decode and kv_caches[0].dtype == self.dtype
                 and kv_caches[0].is_contiguous() and meta.block_tables.dtype == torch.int32
                 and meta.block_tables.is_contiguous())
 
     def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin_rolled: torch.Tensor, kv_caches: list[torch.Tensor],
                  meta: AttentionMetadata) -> torch.Tensor:
-        """x [M, hidden] bf16 contiguous, the step's embeddings: overwritten with the last layer's output (the
-        final norm is the caller's). cos, sin_rolled [M, head_dim] bf16 contiguous. Writes the rows' keys and
-        values into ``kv_caches``."""
+        """x [M, hidden] contiguous in the model's dtype, the step's embeddings: overwritten with the last layer's
+        output (the final norm is the caller's). cos, sin_rolled [M, head_dim] contiguous, the same dtype. Writes the
+        rows' keys and values into ``kv_caches``."""
         m = x.shape[0]
         kv = (ctypes.c_void_p * self.num_layers)(*(t.data_ptr() for t in kv_caches))
         seq_lens = (ctypes.c_int64 * m)(*meta.seq_lens)
@@ -93,7 +107,7 @@ class FusedDecoder:
         rc = self._fn(self._layers, self.num_layers, kv, kv_caches[0].stride(0), x.data_ptr(), m, self.hidden,
                       self.heads, self.kv_heads, self.head_dim, self.intermediate, self.eps, cos.data_ptr(),
                       sin_rolled.data_ptr(), table.data_ptr(), table.stride(0), seq_lens, slots.data_ptr(),
-                      meta.block_size, self.scale, torch.get_num_threads())
+                      meta.block_size, self.scale, self.dtype == torch.bfloat16, torch.get_num_threads())
         if rc != 0:
             raise MemoryError("fused decode layers: no scratch memory")
         self.steps += 1
@@ -113,18 +127,21 @@ def fused_decode_unsupported(model: nn.Module) -> str | None:
         return "not a Qwen2VLModel decoder on the SDPA backend"
     if c.head_dim % 8 or c.head_dim > 512 or c.num_attention_heads % c.num_key_value_heads:
         return f"head_dim {c.head_dim} / heads {c.num_attention_heads}:{c.num_key_value_heads} unsupported"
+    dtype = model.embed_tokens.weight.dtype
+    if dtype not in (torch.bfloat16, torch.float32):
+        return f"{dtype} activations (bfloat16 and float32 only)"
     for layer in layers:
         attn, mlp = layer.self_attn, layer.mlp
         for lin in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
             w = lin.weight
-            if w.dtype != torch.bfloat16 or w.device.type != "cpu" or not w.is_contiguous() or w.shape[1] % 16:
-                return "decoder weights are not row-major bf16 on the CPU with K % 16 == 0"
+            if w.dtype != dtype or not kernel_applies(w):
+                return "decoder weights the few-rows kernels do not take"
         if mlp.gate_up_proj.bias is not None or mlp.down_proj.bias is not None or attn.o_proj.bias is not None:
             return "biases outside qkv_proj unsupported"
         norms = [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
         norms += [n.weight for n in (attn.q_norm, attn.k_norm) if n is not None]
-        if any(t.dtype != torch.bfloat16 or not t.is_contiguous() for t in norms):
-            return "norm weights are not bf16"
+        if any(t.dtype != dtype or not t.is_contiguous() for t in norms):
+            return f"norm weights are not {dtype}"
     return None
 
 
