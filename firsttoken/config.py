@@ -224,7 +224,7 @@ class EngineConfig:
         "or cc; where they cannot be built, torch's product, and the log says why); on: the kernels on every CPU. A "
         "bfloat16 language model's products of at most 4 rows take a bf16 kernel under auto on CPUs with "
         "AVX512-BF16 and no AMX (measured there), under on anywhere. Where the kernels are taken, a pure-decode "
-        "step's decoder layers run as one C call (16 rows at most; bfloat16 4). off: torch's ops (MKL) always. "
+        "step's decoder layers run as one C call (16 rows at most; bfloat16 8). off: torch's ops (MKL) always. "
         "Prefill is MKL's either way. With --quantization int8, auto and on "
         "take firsttoken's int8 kernels on any CPU (AVX-512 VNNI or AVX2), off computes the same numbers with "
         "torch's ops alone"))

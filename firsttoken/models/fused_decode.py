@@ -1,18 +1,20 @@
 """A decode step's decoder layers in one C call (``ft_decode_layers`` in cpu_linear.c), bf16 or float32.
 
-At batch 1 a decode step of the `small` checkpoint in bf16 issued ~1,440 tensor ops: per layer two norms, the
-rotary, the cache write, SDPA, residuals and the MLP's activation around the four products. Each costs ~1-3 us of
-dispatch whatever its size, so outside the products the step's forward spent ~2 ms (one thread, AVX512-BF16 EPYC:
-forward 4.4 ms, of which the products' weights at memory speed ~2.6). ``FusedDecoder`` hands the whole stack of
-layers to one C function for pure-decode steps of at most ``MAX_ROWS_BF16`` rows: the same products
-(``ft_linear_rm_bf16``, the few-rows kernel the step used already), the eager path's bf16 rounding points
-everywhere else, and attention straight from the paged cache (no gather, no mask). The attention's and the norm's
-float32 sums go in another order than torch's, so a hidden state may differ from the eager path's by a rounding
-step (tests/unit/test_fused_decode.py bounds it and checks greedy tokens agree).
+At batch 1 a decode step of the `small` checkpoint in bf16 issued ~1,440 tensor ops (float32 ~1,030): per layer two
+norms, the rotary, the cache write, SDPA, residuals and the MLP's activation around the four products. Each costs
+~1-3 us of dispatch whatever its size, so outside the products the step's forward spent ~2 ms (one thread,
+AVX512-BF16 EPYC: forward 4.4 ms, of which the products' weights at memory speed ~2.6). ``FusedDecoder`` hands the
+whole stack of layers to one C function for pure-decode steps of at most ``MAX_ROWS_FUSED_BF16`` rows (float32:
+``MAX_ROWS``): the same products (the few-rows kernels the eager step calls, each weight in its stored layout), the
+eager path's rounding points everywhere else (bf16: every bf16 tensor rounded; float32: none), and attention
+straight from the paged cache (no gather, no mask). The attention's and the norm's float32 sums go in another order
+than torch's, so a hidden state may differ from the eager path's by a rounding step (tests/oracle/
+test_fused_decode.py bounds it against float64 arithmetic on the same weights). A row's results do not depend on
+the other rows of its step.
 
-Taken where the few-rows kernels are (``--cpu-kernels``: ``auto`` on AVX512-BF16 CPUs without AMX, ``on``
-anywhere they build) for a bfloat16 language model on the CPU with the SDPA backend; prefill, mixed steps, steps
-of more rows and every other dtype keep the eager layers.
+Taken where the few-rows kernels are (``--cpu-kernels``: see ``kernels_skipped``) for a bfloat16 or float32
+language model on the CPU with the SDPA backend; prefill, mixed steps, steps of more rows, fp16/int8 weights keep
+the eager layers.
 """
 
 from __future__ import annotations
@@ -23,7 +25,12 @@ import torch
 from torch import nn
 
 from firsttoken.attention.base import AttentionMetadata
-from firsttoken.kernels.cpu_linear import MAX_ROWS, MAX_ROWS_BF16, _kernel, kernel_applies
+from firsttoken.kernels.cpu_linear import MAX_ROWS, _kernel, kernel_applies
+
+# bf16 steps of up to 8 rows: the fused layers (their products the AVX2 bf16 kernel's) against the eager layers
+# (torch's AVX512-BF16 products above MAX_ROWS_BF16 = 4 rows), whole in-process decode steps, one thread, `small`
+# checkpoint, AVX512-BF16 EPYC: 6 rows 0.61x, 8 rows 0.82x, 12 rows 0.97x, 16 rows 1.28x the eager step's time
+MAX_ROWS_FUSED_BF16 = 8
 
 _P = ctypes.c_void_p
 
@@ -61,7 +68,7 @@ class FusedDecoder:
         self._fn.argtypes = [p, i64, p, i64, p, i64, i64, i64, i64, i64, i64, ctypes.c_float, p, p, p, i64, p, p,
                              i64, ctypes.c_float, ctypes.c_int, ctypes.c_int]
         self.dtype = model.embed_tokens.weight.dtype
-        self.max_rows = MAX_ROWS_BF16 if self.dtype == torch.bfloat16 else MAX_ROWS
+        self.max_rows = MAX_ROWS_FUSED_BF16 if self.dtype == torch.bfloat16 else MAX_ROWS
         c = model.config
         self.hidden, self.heads, self.kv_heads, self.head_dim = c.hidden_size, c.num_attention_heads, \
             c.num_key_value_heads, c.head_dim
