@@ -14,6 +14,8 @@ first ``--warmup-steps``.
     PYTHONPATH=$PWD python benchmarks/bench_decode.py --baseline /path/to/other/checkout --rounds 3
     # two configurations of this checkout: float32 weights vs --quantization fp16, rounds alternating
     PYTHONPATH=$PWD python benchmarks/bench_decode.py --baseline . --this-args "--quantization fp16" --rounds 3
+    # decode after a ~3,900-token prompt (attention's share grows with the context)
+    PYTHONPATH=$PWD python benchmarks/bench_decode.py --context-words 1300 --batch-sizes 1,4
     # MKL's products vs the few-rows kernels (firsttoken/kernels/cpu_linear.py) on one checkout
     PYTHONPATH=$PWD python benchmarks/bench_decode.py --baseline . --cpu-kernels off --this-args "--cpu-kernels auto"
 
@@ -92,13 +94,20 @@ def build_engine(model_dir: str, num_threads: int, quantization: str = "none", c
     return engine, proc
 
 
+def context_text(words: int) -> str:
+    """``words`` filler words (~3 tokens each with the small checkpoint's tokenizer) put before the prompt."""
+    return " ".join(["lighthouse", "keeper", "storm", "sea"] * (words // 4)) + " " if words else ""
+
+
 def run_batch(engine, proc, batch: int, max_tokens: int, tag: str, timer: PhaseTimer | None,
-              clock: Callable[[], float] = time.perf_counter) -> dict[str, Any]:
+              clock: Callable[[], float] = time.perf_counter, context_words: int = 0) -> dict[str, Any]:
     """One batch of identical-length requests to completion; per decode step its wall time and phases."""
     from firsttoken.inputs.prompt import SamplingRequest, TextPrompt
 
     sampling = SamplingRequest(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-    reqs = [proc.process(TextPrompt(f"{i} {PROMPT}"), sampling, f"{tag}-{i}", time.monotonic()) for i in range(batch)]
+    filler = context_text(context_words)
+    reqs = [proc.process(TextPrompt(f"{i} {filler}{PROMPT}"), sampling, f"{tag}-{i}", time.monotonic())
+            for i in range(batch)]
     for r in reqs:
         engine.add_request(r)
     steps: list[dict[str, float]] = []
@@ -254,6 +263,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quantization", default="none", help="serve --quantization (none, fp16)")
     ap.add_argument("--cpu-kernels", default="auto", help="serve --cpu-kernels (auto, off)")
     ap.add_argument("--dtype", default="float32", help="serve --dtype (float32, bfloat16, auto)")
+    ap.add_argument("--context-words", type=int, default=0,
+                    help="decode after a prompt this many words longer (~3 tokens each): decode attention's cost "
+                         "grows with the context")
     ap.add_argument("--prefill-words", type=int, default=0,
                     help="also time the prefill step of a text prompt of this many words (0: no; the small "
                          "checkpoint's tokenizer makes ~3 tokens of each)")
@@ -277,7 +289,8 @@ def main(argv: list[str] | None = None) -> int:
     for batch in (int(b) for b in args.batch_sizes.split(",")):
         steps: list[dict[str, float]] = []
         for rep in range(args.repeats):
-            out = run_batch(engine, proc, batch, args.max_tokens, f"b{batch}r{rep}", timer, clock)
+            out = run_batch(engine, proc, batch, args.max_tokens, f"b{batch}r{rep}", timer, clock,
+                            args.context_words)
             steps.extend(out["steps"][args.warmup_steps:])
         med = summarize(steps, batch, timer is not None)
         if args.count_ops:
