@@ -30,9 +30,9 @@ class EncoderWork:
     from the pixels; after the last one the image's embeddings exist and chunks may cover its tokens.
 
     ``interruptible``: the runner may stop between this work's units when a short request arrives during the step
-    (its ``interrupt`` signal), once the step has done any work (a unit or its forward); it reports the units actually run in
-    ``RunnerOutput.encoder_progress``. The scheduler sets it only for long-lane work whose image no chunk of the
-    same step covers."""
+    (its ``interrupt`` signal), once the step has done any work (a unit or its forward); it reports the units
+    actually run in ``RunnerOutput.encoder_progress``. The scheduler sets it only for long-lane work whose image no
+    chunk of the same step covers."""
 
     request_id: str
     image_index: int

@@ -459,12 +459,20 @@ static inline float elem(const void *p, int64_t i, int bf16) { /* element i of a
     return bf16 ? bf16_value(((const uint16_t *)p)[i]) : ((const float *)p)[i];
 }
 
+/* dst[at .. at + n) of a bf16 or float32 array = src (values already in its dtype) */
+static void store(void *dst, int64_t at, const float *src, int64_t n, int bf16) {
+    if (bf16)
+        for (int64_t i = 0; i < n; i++) ((uint16_t *)dst)[at + i] = bf16_bits(src[i]);
+    else
+        memcpy((float *)dst + at, src, (size_t)n * sizeof(float));
+}
+
 /* 8 elements of a bf16 or float32 array, as float32 */
 static inline __m256 load8(const void *p, int64_t i, int bf16) {
     return bf16 ? bf16x8((const uint16_t *)p + i) : _mm256_loadu_ps((const float *)p + i);
 }
 
-/* out[i] = R(w[i] * R(x[i] * rsqrt(mean(x^2) + eps))) */
+/* out[i] = R(w[i] * R(x[i] * rsqrt(mean(x^2) + eps))); out may be x */
 static void norm_row(const float *x, const void *w, float *out, int64_t n, float eps, int bf16) {
     __m256 s0 = _mm256_setzero_ps(), s1 = _mm256_setzero_ps();
     int64_t i = 0;
@@ -505,11 +513,11 @@ static inline __m256 hsum8(const __m256 a[8]) {
     return _mm256_add_ps(_mm256_permute2f128_ps(lo, hi, 0x20), _mm256_permute2f128_ps(lo, hi, 0x31));
 }
 
-
-/* one row's query heads of KV head h over its seq_len cached keys/values; q [G, D] (bf16 values), out [G, D]
-   float32 (the caller rounds); kc, vc: bf16 or float32; at[j]: where key j of KV head 0 sits in the cache (from the block table, made
-   once per call); scores: G * (seq_len rounded up to 8) floats of scratch. Keys 8 at a time (one
-   vector of 8 scores per query head), the softmax in vectors, values two vectors of D at a time for every head. */
+/* one row's query heads of KV head h over its seq_len cached keys/values; q [G, D] (activation-dtype values), out
+   [G, D] float32 (the caller rounds); kc, vc: bf16 or float32; at[j]: where key j of KV head 0 sits in the cache
+   (from the block table, made once per call); scores: G * (seq_len rounded up to 8) floats of scratch. Keys 8 at a
+   time (one vector of 8 scores per query head), the softmax in vectors, values two vectors of D at a time for every
+   head. */
 static void attend_group(const float *q, int64_t G, const void *kc, const void *vc, const int64_t *at,
                          int64_t seq_len, int64_t h, int64_t D, float scale, float *scores, float *out, int bf16) {
     int64_t padded = (seq_len + 7) / 8 * 8;
@@ -630,23 +638,12 @@ int ft_decode_layers(const ft_layer *layers, int64_t L, void *const *kv, int64_t
             for (int64_t hd = 0; hd < nh + nkv; hd++) {
                 float *head = r + hd * D;
                 const void *w = hd < nh ? p->q_norm : p->k_norm;
-                if (w) {
-                    float tmp[512];
-                    norm_row(head, w, tmp, D, eps, bf16);
-                    memcpy(head, tmp, (size_t)D * sizeof(float));
-                }
+                if (w) norm_row(head, w, head, D, eps, bf16);
                 rotary_head(head, cos, sin_rolled, m * D, D, bf16);
             }
             int64_t at_slot = slots[m] * nkv * D; /* the cache's [block_size, nkv, D] blocks, flat */
-            for (int64_t i = 0; i < nkv * D; i++) {
-                if (bf16) {
-                    ((uint16_t *)kc)[at_slot + i] = bf16_bits(r[nh * D + i]);
-                    ((uint16_t *)vc)[at_slot + i] = bf16_bits(r[(nh + nkv) * D + i]);
-                } else {
-                    ((float *)kc)[at_slot + i] = r[nh * D + i];
-                    ((float *)vc)[at_slot + i] = r[(nh + nkv) * D + i];
-                }
-            }
+            store(kc, at_slot, r + nh * D, nkv * D, bf16);
+            store(vc, at_slot, r + (nh + nkv) * D, nkv * D, bf16);
         }
         _Pragma("omp parallel for schedule(static) num_threads(threads) if (threads > 1 && tasks > 1)")
         for (int64_t t = 0; t < tasks; t++) {
@@ -670,12 +667,7 @@ int ft_decode_layers(const ft_layer *layers, int64_t L, void *const *kv, int64_t
         product(p->down_kind, gu, 2 * I, p->down_w, NULL, y, H, M, H, I, threads);
         for (int64_t i = 0; i < M * H; i++) xf[i] = rnd(xf[i] + rnd(y[i], bf16), bf16);
     }
-    for (int64_t i = 0; i < M * H; i++) {
-        if (bf16)
-            ((uint16_t *)x)[i] = bf16_bits(xf[i]);
-        else
-            ((float *)x)[i] = xf[i];
-    }
+    store(x, 0, xf, M * H, bf16);
     free(buf);
     free(at);
     return 0;

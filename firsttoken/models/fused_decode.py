@@ -56,8 +56,8 @@ def _ptr(t: torch.Tensor | None) -> int | None:
 
 class FusedDecoder:
     """The decoder layers of a ``Qwen2VLModel`` (any family built on it) as one C call per decode step, in the
-    model's dtype (bfloat16 or float32). Holds references to the parameters it points at (the model keeps them
-    too) and the float32 copies of biases it made."""
+    model's dtype (bfloat16 or float32). Points at the model's parameters (and a bf16 qkv bias's float32 copy, which
+    its FewRowsLinear holds); whatever replaces one after load must build a new FusedDecoder."""
 
     def __init__(self, model: nn.Module) -> None:
         lib = _kernel()[0]
@@ -74,16 +74,12 @@ class FusedDecoder:
             c.num_key_value_heads, c.head_dim
         self.intermediate, self.eps = c.intermediate_size, float(c.rms_norm_eps)
         self.num_layers = len(model.layers)
-        self._keep: list[torch.Tensor] = []
         layers = (_Layer * self.num_layers)()
         for i, layer in enumerate(model.layers):
             attn, mlp = layer.self_attn, layer.mlp
-            bias = attn.qkv_proj.bias
-            bias32 = None if bias is None else getattr(attn.qkv_proj, "bias32", None)
-            if bias is not None and bias32 is None:  # float32 biases are used as they are
-                bias32 = bias.detach().float().contiguous()
-            if bias32 is not None:
-                self._keep.append(bias32)
+            bias32 = attn.qkv_proj.bias  # the kernels sum in float32: a bf16 bias's float32 copy, made at load
+            if bias32 is not None and bias32.dtype != torch.float32:
+                bias32 = attn.qkv_proj.bias32
             layers[i] = _Layer(
                 _ptr(layer.input_layernorm.weight), _ptr(layer.post_attention_layernorm.weight),
                 _ptr(attn.qkv_proj.weight), _ptr(bias32), _ptr(attn.q_norm.weight if attn.q_norm else None),
@@ -96,8 +92,7 @@ class FusedDecoder:
 
     def applies(self, x: torch.Tensor, meta: AttentionMetadata, kv_caches: list[torch.Tensor]) -> bool:
         return (0 < x.shape[0] <= self.max_rows and meta.is_pure_decode and kv_caches[0].dtype == self.dtype
-                and kv_caches[0].is_contiguous() and meta.block_tables.dtype == torch.int32
-                and meta.block_tables.is_contiguous())
+                and kv_caches[0].is_contiguous())
 
     def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin_rolled: torch.Tensor, kv_caches: list[torch.Tensor],
                  meta: AttentionMetadata) -> torch.Tensor:
@@ -107,10 +102,7 @@ class FusedDecoder:
         m = x.shape[0]
         kv = (ctypes.c_void_p * self.num_layers)(*(t.data_ptr() for t in kv_caches))
         seq_lens = (ctypes.c_int64 * m)(*meta.seq_lens)
-        slots = meta.slot_mapping
-        if slots.dtype != torch.int64 or not slots.is_contiguous():
-            slots = slots.to(torch.int64).contiguous()
-        table = meta.block_tables
+        table, slots = meta.block_tables, meta.slot_mapping  # int32 [M, blocks], int64 [M]: AttentionMetadata.build
         rc = self._fn(self._layers, self.num_layers, kv, kv_caches[0].stride(0), x.data_ptr(), m, self.hidden,
                       self.heads, self.kv_heads, self.head_dim, self.intermediate, self.eps, cos.data_ptr(),
                       sin_rolled.data_ptr(), table.data_ptr(), table.stride(0), seq_lens, slots.data_ptr(),
@@ -145,6 +137,9 @@ def fused_decode_unsupported(model: nn.Module) -> str | None:
                 return "decoder weights the few-rows kernels do not take"
         if mlp.gate_up_proj.bias is not None or mlp.down_proj.bias is not None or attn.o_proj.bias is not None:
             return "biases outside qkv_proj unsupported"
+        bias = attn.qkv_proj.bias
+        if bias is not None and bias.dtype != torch.float32 and getattr(attn.qkv_proj, "bias32", None) is None:
+            return "a bf16 qkv bias without its float32 copy (not a FewRowsLinear)"
         norms = [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
         norms += [n.weight for n in (attn.q_norm, attn.k_norm) if n is not None]
         if any(t.dtype != dtype or not t.is_contiguous() for t in norms):

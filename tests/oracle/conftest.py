@@ -88,3 +88,15 @@ def tiny_qwen2_vl_sharded_dir(tiny_qwen2_vl_dir: Path, tmp_path_factory: pytest.
 @pytest.fixture(scope="session")
 def tiny_qwen2_vl_tied_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_tiny_checkpoint(tmp_path_factory.mktemp("tiny_qwen2_vl_tied"), tie_word_embeddings=True, seed=1)
+
+
+@pytest.fixture(scope="module")
+def kernel_built() -> None:
+    """firsttoken's CPU kernels (firsttoken/kernels/cpu_linear.py) need an x86 CPU with AVX2 + FMA (every machine CI
+    runs on) and a C compiler."""
+    from firsttoken.kernels import cpu_linear
+    from tests.conftest import require_program
+
+    require_program("cc", "gcc", "gcc")
+    assert cpu_linear.cpu_has_avx2_fma(), "CI's machines have AVX2 + FMA; this one does not"
+    assert cpu_linear.kernel_unavailable() is None

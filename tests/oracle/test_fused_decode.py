@@ -12,7 +12,6 @@ import torch
 from firsttoken.attention.base import AttentionMetadata
 from firsttoken.models.checkpoint import make_model
 from firsttoken.models.loader import load_model
-from tests.oracle.test_cpu_linear import kernel_built  # noqa: F401  (fixture)
 
 BLOCK = 16
 
@@ -20,7 +19,7 @@ BLOCK = 16
 @pytest.fixture(scope="module", params=[("qwen2-vl", torch.bfloat16), ("qwen3-vl", torch.bfloat16),
                                         ("qwen2-vl", torch.float32), ("qwen3-vl", torch.float32)],
                 ids=["qwen2-vl-bf16", "qwen3-vl-bf16", "qwen2-vl-fp32", "qwen3-vl-fp32"])
-def models(request, tmp_path_factory: pytest.TempPathFactory, kernel_built):  # noqa: F811
+def models(request, tmp_path_factory: pytest.TempPathFactory, kernel_built):
     """(model with the fused layers, float64 model holding the very same weights)."""
     family, dtype = request.param
     d: Path = make_model(tmp_path_factory.mktemp(f"fused-{family}"), size="tiny", seed=1, family=family)
@@ -156,7 +155,7 @@ def test_taken_for_pure_decode_steps_of_at_most_max_rows_only(models):
     assert decoder.steps == steps + 1
 
 
-def test_only_with_the_kernels_and_not_for_fp16_or_quantized_weights(kernel_built, tiny_qwen2_vl_dir):  # noqa: F811
+def test_only_with_the_kernels_and_not_for_fp16_or_quantized_weights(kernel_built, tiny_qwen2_vl_dir):
     for dtype in (torch.bfloat16, torch.float32):
         assert load_model(tiny_qwen2_vl_dir, dtype, cpu_kernels="on").fused_decode is not None
         assert load_model(tiny_qwen2_vl_dir, dtype, cpu_kernels="off").fused_decode is None
