@@ -100,9 +100,18 @@ def test_profile_from_a_live_servers_stats_drives_the_cli(tiny_model_dir, tmp_pa
         stop_server(server, thread, live.engine)
     assert code == 0
     text = capsys.readouterr().out
-    assert "fewest replicas meeting P99 text=600,image=600: 1 (one pool)" in text
     rows = json.loads(out.read_text())["rows"]
     assert [(r["replicas"], r["pools"]) for r in rows] == [(1, None), (2, None), (2, {"short": 1, "long": 1})]
+    # which rows meet the target depends on the coefficients the live server fitted from its own step timings (a
+    # few noisy steps on a loaded machine once predicted minutes per request): the conclusion must be the rows' own
+    assert all(r["meets"] is not None for r in rows)
+    meeting = [r for r in rows if r["meets"]]
+    if meeting:
+        best = min(meeting, key=lambda r: (r["replicas"], max(c["p99"] or 0 for c in r["classes"].values())))
+        pools = f"{best['pools']['short']} short + {best['pools']['long']} long" if best["pools"] else "one pool"
+        assert f"fewest replicas meeting P99 text=600,image=600: {best['replicas']} ({pools})" in text
+    else:
+        assert "no configuration simulated meets P99 text=600,image=600" in text
     assert sum(c["n"] for c in rows[0]["classes"].values()) == 30
     # the saved profile reproduces the same simulation
     assert main(["simulate", "--model", str(tiny_model_dir), "--profile", str(saved), "--rate", "2",
