@@ -9,6 +9,9 @@ work dir), or pass them.
 
     python benchmarks/bench_llamacpp_decode.py --work-dir /work/peers/llamacpp --baseline /path/to/old/checkout \\
         --json docs/runs/llamacpp-decode.json
+    # more firsttoken servers of this checkout, each with its own flags (compared with llama.cpp's GGUF of their dtype)
+    python benchmarks/bench_llamacpp_decode.py --work-dir /work/peers/llamacpp \\
+        --configs "bf16_d2=--dtype bfloat16 --decode-threads 2"
 """
 
 from __future__ import annotations
@@ -55,6 +58,7 @@ def main() -> None:
     p.add_argument("--work-dir", type=Path, required=True, help="bench_llamacpp.py's work dir: build/bin/llama-"
                    "server, small-orig/, gguf/qwen2vl-small-orig-{f32,bf16}.gguf and its mmproj")  # fmt: skip
     p.add_argument("--baseline", type=Path, default=None, help="another checkout's root: its firsttoken too")
+    p.add_argument("--configs", default="", help="more firsttoken servers: label=serve flags, separated by ';'")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--timeout", type=float, default=120.0)
     p.add_argument("--json", type=Path, default=None)
@@ -64,10 +68,14 @@ def main() -> None:
     mmproj = gguf / "mmproj-small-orig-f32.gguf"
     llama = {f"llama_{q}": GGUFPair(gguf / f"qwen2vl-small-orig-{q}.gguf", mmproj) for q in ("f32", "bf16")}
     model = work / "small-orig"
+    flags = dict(OURS)
+    for item in filter(None, (c.strip() for c in args.configs.split(";"))):
+        label, _, extra = item.partition("=")
+        flags[label.strip()] = [*b.FIRSTTOKEN_FLAGS, *extra.split()]
     with ExitStack() as stack:
         single = {k: b.start_llama(stack, tree.server, v, 1, ()) for k, v in llama.items()}
         batched = {k: b.start_llama(stack, tree.server, v, b.BATCH, ()) for k, v in llama.items()}
-        ours = {f"ours_{k}": b.start_firsttoken(stack, model, v) for k, v in OURS.items()}
+        ours = {f"ours_{k}": b.start_firsttoken(stack, model, v) for k, v in flags.items()}
         if args.baseline is not None:
             with checkout(args.baseline.resolve()):
                 ours |= {f"baseline_{k}": b.start_firsttoken(stack, model, v) for k, v in OURS.items()}
@@ -77,14 +85,15 @@ def main() -> None:
         after = machine_info()
     results: dict[str, Any] = {"argv": sys.argv, "machine_before": before, "machine_after": after,
                                "llama_commit": tree.commit(), "repeats": args.repeats,
-                               "flags": OURS, "baseline": str(args.baseline) if args.baseline else None}
+                               "flags": flags, "baseline": str(args.baseline) if args.baseline else None}
     m = before
     print(f"\nCPU {m['cpu']}, {m['cores']} cores, flags {' '.join(m['cpu_flags'])}; medians of {args.repeats}")
-    print(f"{'':14s}{'b1 ms/token':>12s}{'/ llama':>9s}{f'b{b.BATCH} tokens/s':>15s}{'/ llama':>9s}")
+    print(f"{'':16s}{'b1 ms/token':>12s}{'/ llama':>9s}{f'b{b.BATCH} tokens/s':>15s}{'/ llama':>9s}")
     for name in b1:
-        peer = "llama_bf16" if name.endswith("bf16") else "llama_f32"
+        label = name.split("_", 1)[1]
+        peer = "llama_bf16" if "bfloat16" in flags.get(label, OURS["fp32"]) else "llama_f32"
         results[name] = {"decode_b1_s_per_token": b1[name].runs, "decode_b8_tokens_per_s": b8[name].runs}
-        print(f"{name:14s}{b1[name].median * 1e3:12.2f}{b1[name].median / b1[peer].median:8.2f}x"
+        print(f"{name:16s}{b1[name].median * 1e3:12.2f}{b1[name].median / b1[peer].median:8.2f}x"
               f"{b8[name].median:15.1f}{b8[name].median / b8[peer].median:8.2f}x")
     print(f"(targets, issue 17: b1 <= 1.0x llama.cpp's ms/token, b{b.BATCH} >= 2x its tokens/s)")
     if args.json:

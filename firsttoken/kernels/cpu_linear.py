@@ -13,7 +13,11 @@ layout; their kernel reads them as bf16 (half float32's bytes), widens each exac
 float32 one; the outputs are rounded to bf16 as torch's bf16 product rounds its float32 sums. Measured on a 2-vCPU
 AVX512-BF16 EPYC, a whole decode step of the `small` checkpoint at one thread (``python benchmarks/bench_decode.py
 --baseline . --dtype bfloat16 --cpu-kernels off --this-args "--cpu-kernels on" --num-threads 1``): 1 row 0.51x
-torch's time, 2 rows 0.59x, 4 rows 0.63x, 8 rows 1.11x, hence ``MAX_ROWS_BF16``.
+torch's time, 2 rows 0.59x, 4 rows 0.63x, 8 rows 1.11x, hence ``MAX_ROWS_BF16``. On CPUs with AVX512-BF16 the same
+products take dot-product instructions instead (vdpbf16ps: 32 bf16 products an instruction, no widening; each
+weight row still read once in one stream, up to 16 rows of x against it): all the `small` checkpoint's bf16
+products streamed from memory, one thread, 8 rows ~0.65x the AVX2 loop's time (1 row the same: memory-bound), so
+there bf16 products of up to ``MAX_ROWS_BF16_DP`` rows take the kernels (``max_rows_bf16()``).
 
 The weights keep the layouts models/layers.py's ``store_weights_input_major`` gives them (widening layers
 input-major, the narrowing down projection row-major); each layout has its kernel. Every output is summed in the
@@ -57,6 +61,7 @@ log = logging.getLogger("firsttoken.kernels")
 
 MAX_ROWS = 16  # 16 rows: 0.91x MKL's time at one thread (24 rows: 1.09x in an earlier check)
 MAX_ROWS_BF16 = 4  # bf16 decode step, 1 thread: 4 rows 0.63x torch's time, 8 rows 1.11x (AVX512-BF16 EPYC)
+MAX_ROWS_BF16_DP = 16  # the AVX512-BF16 dot-product loop (ft_bf16_dp): see max_rows_bf16
 SOURCE = Path(__file__).with_name("cpu_linear.c")
 CFLAGS = ("-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC", "-std=gnu11")  # no fused
 # multiply-adds beyond the ones written: the int8 kernels are bitwise twins of torch ops
@@ -153,6 +158,7 @@ class _Kernel:
         self.int8_rows_q = self.lib.ft_int8_rows
         self.int8_rows_q.restype, self.int8_rows_q.argtypes = None, [p, p, p, p, p, p, i64, i64, i64, i32]
         self.int8_vnni = bool(self.lib.ft_int8_vnni())  # which loop the int8 products take (AVX-512 VNNI or AVX2)
+        self.bf16_dp = bool(self.lib.ft_bf16_dp())  # bf16 products: AVX512-BF16 dot products (K % 32 == 0) or AVX2
 
     def linear(self, rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """rows [M, K] float32 with unit column stride; weight [N, K] float32, row-major or input-major (its
@@ -262,11 +268,13 @@ def _check(kernel: _Kernel) -> str | None:
                 got, want = kernel.linear(x[:m], w, b), F.linear(x[:m], w, b)
                 if not torch.allclose(got, want, rtol=1e-5, atol=1e-5):
                     return f"the built kernels disagree with torch (max |diff| {(got - want).abs().max():.3g})"
-    w16 = weight.to(torch.bfloat16)
-    for m in range(1, 6):
-        got, want = kernel.linear(x[:m], w16, bias), F.linear(x[:m], w16.float(), bias)
-        if not torch.allclose(got, want, rtol=1e-5, atol=1e-5):
-            return f"the built bf16 kernel disagrees with torch (max |diff| {(got - want).abs().max():.3g})"
+    rows16 = torch.randn(5, 64, generator=g).to(torch.bfloat16).float()  # bf16 values, as a bf16 model's rows
+    for k in (48, 64):  # K % 32 != 0: the AVX2 loop; 64: the dot-product loop where the CPU has AVX512-BF16
+        w16 = torch.randn(40, k, generator=g).to(torch.bfloat16)
+        for m in range(1, 6):
+            got, want = kernel.linear(rows16[:m, :k], w16, bias), F.linear(rows16[:m, :k], w16.float(), bias)
+            if not torch.allclose(got, want, rtol=1e-5, atol=1e-5):
+                return f"the built bf16 kernel disagrees with torch (max |diff| {(got - want).abs().max():.3g})"
     q, scales = kernel.quant_rows(x)
     if not torch.equal(q, torch.round(x * (1 / scales)[:, None]).to(torch.int8)):
         return "the built int8 quantize kernel disagrees with torch"
@@ -298,6 +306,14 @@ def kernel_unavailable() -> str | None:
     return _kernel()[1]
 
 
+def max_rows_bf16() -> int:
+    """The most rows a bfloat16 product takes the kernels for: ``MAX_ROWS_BF16_DP`` where the dot-product loop runs
+    (AVX512-BF16; whole bf16 decode steps on a 2-vCPU EPYC, one thread: see docs/performance.md), else
+    ``MAX_ROWS_BF16`` (the AVX2 loop: 8 rows took 1.11x torch's time)."""
+    kernel = _kernel()[0]
+    return MAX_ROWS_BF16_DP if kernel is not None and kernel.bf16_dp else MAX_ROWS_BF16
+
+
 def kernel_applies(weight: torch.Tensor) -> bool:
     """A CPU weight [N, K] the kernels take: float32 row-major with K % 16 == 0, or input-major (``weight.t()``
     contiguous) with K % 8 == 0 and N % 8 == 0; bfloat16 row-major with K % 16 == 0."""
@@ -313,14 +329,14 @@ def kernel_applies(weight: torch.Tensor) -> bool:
 
 class FewRowsLinear(nn.Linear):
     """``nn.Linear`` (the same parameters, in either layout ``kernel_applies`` takes) whose products of at most
-    ``MAX_ROWS`` rows (``MAX_ROWS_BF16`` for bfloat16) run the kernels; larger inputs, and anything autograd must
+    ``MAX_ROWS`` rows (``max_rows_bf16()`` for bfloat16) run the kernels; larger inputs, and anything autograd must
     see, take ``F.linear``."""
 
     bias32: torch.Tensor | None = None  # a bfloat16 weight's bias, widened once (the kernel sums in float32)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
-        limit = MAX_ROWS_BF16 if x.dtype == torch.bfloat16 else MAX_ROWS
+        limit = max_rows_bf16() if x.dtype == torch.bfloat16 else MAX_ROWS
         if rows.shape[0] > limit or rows.shape[0] == 0 or x.dtype != self.weight.dtype or (
                 torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad)):
             return F.linear(x, self.weight, self.bias)

@@ -4,13 +4,13 @@ At batch 1 a decode step of the `small` checkpoint in bf16 issued ~1,440 tensor 
 norms, the rotary, the cache write, SDPA, residuals and the MLP's activation around the four products. Each costs
 ~1-3 us of dispatch whatever its size, so outside the products the step's forward spent ~2 ms (one thread,
 AVX512-BF16 EPYC: forward 4.4 ms, of which the products' weights at memory speed ~2.6). ``FusedDecoder`` hands the
-whole stack of layers to one C function for pure-decode steps of at most ``MAX_ROWS_FUSED_BF16`` rows (float32:
-``MAX_ROWS``): the same products (the few-rows kernels the eager step calls, each weight in its stored layout), the
-eager path's rounding points everywhere else (bf16: every bf16 tensor rounded; float32: none), and attention
-straight from the paged cache (no gather, no mask). The attention's and the norm's float32 sums go in another order
-than torch's, so a hidden state may differ from the eager path's by a rounding step (tests/oracle/
-test_fused_decode.py bounds it against float64 arithmetic on the same weights). A row's results do not depend on
-the other rows of its step.
+whole stack of layers to one C function for pure-decode steps of at most ``MAX_ROWS_FUSED_BF16`` rows (16 where the
+bf16 products take AVX512-BF16 dot products; float32: ``MAX_ROWS``): the same products (the few-rows kernels the
+eager step calls, each weight in its stored layout), the eager path's rounding points everywhere else (bf16: every
+bf16 tensor rounded; float32: none), and attention straight from the paged cache (no gather, no mask). The
+attention's and the norm's float32 sums go in another order than torch's, so a hidden state may differ from the
+eager path's by a rounding step (tests/oracle/test_fused_decode.py bounds it against float64 arithmetic on the same
+weights). A row's results do not depend on the other rows of its step.
 
 Taken where the few-rows kernels are (``--cpu-kernels``: see ``kernels_skipped``) for a bfloat16 or float32
 language model on the CPU with the SDPA backend; prefill, mixed steps, steps of more rows, fp16/int8 weights keep
@@ -25,11 +25,13 @@ import torch
 from torch import nn
 
 from firsttoken.attention.base import AttentionMetadata
-from firsttoken.kernels.cpu_linear import MAX_ROWS, _kernel, kernel_applies
+from firsttoken.kernels.cpu_linear import MAX_ROWS, MAX_ROWS_BF16_DP, _kernel, kernel_applies
 
-# bf16 steps of up to 8 rows: the fused layers (their products the AVX2 bf16 kernel's) against the eager layers
+# bf16 steps of up to 8 rows where the bf16 products take the AVX2 loop: the fused layers against the eager layers
 # (torch's AVX512-BF16 products above MAX_ROWS_BF16 = 4 rows), whole in-process decode steps, one thread, `small`
-# checkpoint, AVX512-BF16 EPYC: 6 rows 0.61x, 8 rows 0.82x, 12 rows 0.97x, 16 rows 1.28x the eager step's time
+# checkpoint, AVX512-BF16 EPYC: 6 rows 0.61x, 8 rows 0.82x, 12 rows 0.97x, 16 rows 1.28x the eager step's time.
+# With the dot-product loop (CPUs with AVX512-BF16): up to MAX_ROWS_BF16_DP = 16 rows (8 / 12 / 16 rows 0.61x /
+# 0.59x / 0.66x the eager step of the commit before, whose 12 and 16 rows were torch's products; docs/performance.md)
 MAX_ROWS_FUSED_BF16 = 8
 
 _P = ctypes.c_void_p
@@ -68,7 +70,10 @@ class FusedDecoder:
         self._fn.argtypes = [p, i64, p, i64, p, i64, i64, i64, i64, i64, i64, ctypes.c_float, p, p, p, i64, p, p,
                              i64, ctypes.c_float, ctypes.c_int, ctypes.c_int]
         self.dtype = model.embed_tokens.weight.dtype
-        self.max_rows = MAX_ROWS_FUSED_BF16 if self.dtype == torch.bfloat16 else MAX_ROWS
+        if self.dtype != torch.bfloat16:
+            self.max_rows = MAX_ROWS
+        else:  # the dot-product loop's products beat torch's up to its own limit; the AVX2 loop's up to 8 rows
+            self.max_rows = MAX_ROWS_BF16_DP if lib.bf16_dp else MAX_ROWS_FUSED_BF16
         c = model.config
         self.hidden, self.heads, self.kv_heads, self.head_dim = c.hidden_size, c.num_attention_heads, \
             c.num_key_value_heads, c.head_dim

@@ -15,7 +15,9 @@ from firsttoken.kernels import cpu_linear
 from firsttoken.kernels.cpu_linear import (
     MAX_ROWS,
     MAX_ROWS_BF16,
+    MAX_ROWS_BF16_DP,
     FewRowsLinear,
+    max_rows_bf16,
     use_few_rows_kernel,
 )
 from firsttoken.models.loader import load_model
@@ -160,20 +162,23 @@ def _bf16_linear(in_features: int, out_features: int, bias: bool, seed: int = 0)
     return FewRowsLinear.sharing(nn.Parameter(w, requires_grad=False), b)
 
 
-@pytest.mark.parametrize("in_features,out_features,bias", [(64, 48, True), (512, 1408, False), (1408, 512, True)])
+# K % 32 == 0 takes the AVX512-BF16 dot-product loop where the CPU has it; K = 80 the AVX2 loop everywhere
+@pytest.mark.parametrize("in_features,out_features,bias", [(64, 48, True), (80, 48, True), (512, 1408, False),
+                                                           (1408, 512, True)])
 def test_bf16_rows_are_the_exact_sums_rounded_once(kernel_built, in_features, out_features, bias):
     """bf16 weights and rows: each output is the float32 sum of the exact products, rounded to bf16 once (torch's
     bf16 product rounds its own float32 sums: the same to within one bf16 step); more rows than the kernel takes
     go to torch's own product."""
+    limit = max_rows_bf16()
     layer = _bf16_linear(in_features, out_features, bias)
-    x = torch.randn(MAX_ROWS_BF16 + 3, in_features).to(torch.bfloat16)
+    x = torch.randn(limit + 3, in_features).to(torch.bfloat16)
     b = None if layer.bias is None else layer.bias.double()
     with torch.inference_mode():
-        for rows in range(1, MAX_ROWS_BF16 + 4):
+        for rows in range(1, limit + 4):
             got = layer(x[:rows])
             assert got.dtype == torch.bfloat16 and got.shape == (rows, out_features)
             exact = F.linear(x[:rows].double(), layer.weight.double(), b)
-            if rows > MAX_ROWS_BF16:
+            if rows > limit:
                 assert torch.equal(got, F.linear(x[:rows], layer.weight, layer.bias))
             else:  # float32 sums: within 1e-5 of exact before the one rounding to bf16 (2^-8 relative)
                 torch.testing.assert_close(got.double(), exact, rtol=2**-8, atol=1e-5)
@@ -181,19 +186,52 @@ def test_bf16_rows_are_the_exact_sums_rounded_once(kernel_built, in_features, ou
 
 
 def test_bf16_row_is_bitwise_the_same_whatever_shares_its_step(kernel_built):
+    limit = max_rows_bf16()
     layer = _bf16_linear(512, 80, True)
-    x = torch.randn(MAX_ROWS_BF16, 512).to(torch.bfloat16)
+    x = torch.randn(limit, 512).to(torch.bfloat16)
     before = torch.get_num_threads()
     try:
         with torch.inference_mode():
             torch.set_num_threads(1)
             alone = layer(x[2:3])
-            for rows in range(3, MAX_ROWS_BF16 + 1):
+            for rows in range(3, limit + 1):
                 assert torch.equal(layer(x[:rows])[2], alone[0])
             torch.set_num_threads(2)
             assert torch.equal(layer(x)[2], alone[0])
     finally:
         torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("in_features", [96, 80], ids=["k%32==0", "k%32!=0"])
+def test_bf16_kernel_row_is_the_same_bits_at_every_place_and_count(kernel_built, in_features):
+    """Whichever loop the CPU takes, a row's outputs are the same bits whether it is alone, first, last or in the
+    middle of 1-40 rows (the dot-product loop reads 16 rows a pass: 40 takes three passes, the last of 8), at one
+    thread or two; the lanes' sums come out in the right outputs (37 outputs: not a multiple of any vector)."""
+    kernel = cpu_linear._kernel()[0]
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(37, in_features, generator=g).to(torch.bfloat16)
+    bias = torch.randn(37, generator=g)
+    x = torch.randn(40, in_features, generator=g).to(torch.bfloat16).float()
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        alone = torch.cat([kernel.linear(x[i:i + 1], w, bias) for i in range(40)])
+        torch.testing.assert_close(alone.double(), F.linear(x.double(), w.double(), bias.double()), rtol=1e-5,
+                                   atol=1e-5)
+        for start, count in [(0, 2), (5, 3), (1, 8), (3, 9), (0, 16), (7, 17), (0, 40)]:
+            assert torch.equal(kernel.linear(x[start:start + count], w, bias), alone[start:start + count])
+        torch.set_num_threads(2)
+        assert torch.equal(kernel.linear(x, w, bias), alone)
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_bf16_dot_product_loop_where_the_cpu_has_avx512_bf16(kernel_built):
+    """The kernel takes AVX512-BF16 dot products exactly where the CPU reports avx512_bf16 (and then lets bf16
+    products of up to MAX_ROWS_BF16_DP rows take the kernels; the AVX2 loop MAX_ROWS_BF16)."""
+    has = "avx512_bf16" in (cpu_linear.cpu_flags() or frozenset())
+    assert cpu_linear._kernel()[0].bf16_dp == has
+    assert max_rows_bf16() == (MAX_ROWS_BF16_DP if has else MAX_ROWS_BF16)
 
 
 @pytest.mark.parametrize("flags,used", [({"avx2", "avx512f", "avx512_bf16"}, True),
