@@ -80,3 +80,69 @@ def test_extreme_accepted_values_sample_a_real_token():
     ):
         result = Sampler(seed=0).sample(logits, [SampleRow(params, None, [3, 4, 5], [6])])
         assert not result.failed and 0 <= result.token_ids[0] < 50
+
+
+def _kept_distribution(logits: torch.Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
+    """The distribution top-k then top-p keep, by a full sort in float64 (vLLM's and transformers' rule)."""
+    scaled = logits.double() / temperature
+    if top_k:
+        kth = torch.topk(scaled, top_k).values[-1]
+        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+    probs = torch.softmax(scaled, -1)
+    sorted_probs, order = torch.sort(probs, descending=True)
+    drop = sorted_probs.cumsum(-1) - sorted_probs > top_p
+    kept = torch.zeros_like(probs).scatter_(0, order, sorted_probs.masked_fill(drop, 0.0))
+    return kept / kept.sum()
+
+
+def test_sampled_tokens_follow_the_kept_distribution():
+    """Over 6,000 seeded draws each, the frequency of every token is its probability under the top-k / top-p rule
+    (within 4 standard errors), and no token outside what the rule keeps is ever drawn."""
+    logits = torch.linspace(2.0, -2.0, 12)[None]
+    for params in ({"temperature": 1.0}, {"temperature": 0.7, "top_k": 4}, {"temperature": 1.3, "top_p": 0.6},
+                   {"temperature": 0.9, "top_k": 6, "top_p": 0.8}):
+        want = _kept_distribution(logits[0], params["temperature"], params.get("top_k", 0), params.get("top_p", 1.0))
+        sampler, n = Sampler(seed=5), 6000
+        counts = torch.bincount(torch.tensor([sampler.sample(logits, [row(**params)]).token_ids[0]
+                                              for _ in range(n)]), minlength=12).double()
+        assert (counts[want == 0] == 0).all(), params
+        se = (want * (1 - want) / n).sqrt()
+        assert ((counts / n - want).abs() <= 4 * se + 1e-9).all(), (params, counts / n, want)
+
+
+def test_top_p_alone_keeps_its_whole_prefix_when_that_is_more_than_the_first_candidates():
+    """A nearly flat distribution: top-p 0.5 over 1,000 tokens keeps 380 of them, more than the 64 and then 256
+    most probable the sampler looks at first; draws spread over that whole prefix and never beyond it."""
+    logits = (-1e-3 * torch.arange(1000.0))[None]
+    kept = _kept_distribution(logits[0], 1.0, top_p=0.5) > 0
+    sampler = Sampler(seed=2)
+    drawn = {sampler.sample(logits, [row(temperature=1.0, top_p=0.5)]).token_ids[0] for _ in range(1500)}
+    assert all(kept[t] for t in drawn)
+    assert int(kept.sum()) == 380 and max(drawn) > 256
+
+
+def test_penalties_of_rows_sharing_a_step_are_each_rows_own():
+    """Rows with different repetition, presence and frequency penalties in one step: each row's logits are
+    penalised by its own parameters and tokens only (checked against the rule applied to each row alone)."""
+    gen = torch.Generator().manual_seed(4)
+    logits = torch.randn(4, 30, generator=gen) * 3
+    specs = [dict(prompt=[1, 2, 3], output=[4, 4, 5], repetition_penalty=1.3),
+             dict(prompt=[7], output=[8, 9, 9, 9], presence_penalty=0.5, frequency_penalty=0.7),
+             dict(prompt=[2, 10], output=[11], temperature=0.0),  # no penalties: untouched
+             dict(prompt=[12, 13], output=[13, 14], repetition_penalty=0.8, frequency_penalty=-0.4)]
+    want = logits.clone()
+    for i, spec in enumerate(specs):
+        seen = sorted(set(spec["prompt"]) | set(spec["output"]))
+        rp = spec.get("repetition_penalty", 1.0)
+        if rp != 1.0:
+            v = want[i, seen]
+            want[i, seen] = torch.where(v > 0, v / rp, v * rp)
+        for t in set(spec["output"]):
+            count = spec["output"].count(t)
+            want[i, t] -= spec.get("presence_penalty", 0.0) + spec.get("frequency_penalty", 0.0) * count
+    rows = [row(temperature=0.0, logprobs=True, top_logprobs=1, **{k: v for k, v in s.items() if k != "temperature"})
+            for s in specs]
+    got = Sampler(0).sample(logits, rows)
+    assert got.token_ids == want.argmax(-1).tolist()
+    for i, spec in enumerate(specs):  # each row alone gives the same token
+        assert Sampler(0).sample(logits[i:i + 1], [rows[i]]).token_ids == [got.token_ids[i]]
