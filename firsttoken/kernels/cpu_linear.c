@@ -176,6 +176,7 @@ LINEAR_RM(ft_linear_rm_bf16_avx2, uint16_t, rows_bf16_)
    row and ~1.35x at eight on a 2-vCPU EPYC, the `small` checkpoint's weights coming from memory: the hardware
    prefetcher keeps up with one sequential stream, not with several interleaved. */
 #define DPBF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")))
+#define AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq"))) /* a subset: inlined by DPBF16 ones */
 #define DP_INLINE __attribute__((always_inline)) static inline
 #define DP_ROWS 16 /* rows of x per pass over a weight row */
 /* passes of at least DP_PF_ROWS rows prefetch the weight row DP_PF rows ahead: they compute long enough per row for
@@ -183,27 +184,27 @@ LINEAR_RM(ft_linear_rm_bf16_avx2, uint16_t, rows_bf16_)
 #define DP_PF 2
 #define DP_PF_ROWS 5
 
-DPBF16 DP_INLINE __m512 pair8(__m512 x, __m512 y) { /* lanes 0-7: x_l + x_l+8; lanes 8-15: the same of y */
+AVX512 DP_INLINE __m512 pair8(__m512 x, __m512 y) { /* lanes 0-7: x_l + x_l+8; lanes 8-15: the same of y */
     return _mm512_add_ps(_mm512_shuffle_f32x4(x, y, 0x44), _mm512_shuffle_f32x4(x, y, 0xEE));
 }
-DPBF16 DP_INLINE __m512 pair4(__m512 x, __m512 y) { /* blocks of 4: x.lo, x.hi, y.lo, y.hi, each l + l+4 */
+AVX512 DP_INLINE __m512 pair4(__m512 x, __m512 y) { /* blocks of 4: x.lo, x.hi, y.lo, y.hi, each l + l+4 */
     return _mm512_add_ps(_mm512_shuffle_f32x4(x, y, 0x88), _mm512_shuffle_f32x4(x, y, 0xDD));
 }
-DPBF16 DP_INLINE __m512 pair2(__m512 x, __m512 y) { /* each block: x_0 + x_2, x_1 + x_3, y_0 + y_2, y_1 + y_3 */
+AVX512 DP_INLINE __m512 pair2(__m512 x, __m512 y) { /* each block: x_0 + x_2, x_1 + x_3, y_0 + y_2, y_1 + y_3 */
     return _mm512_add_ps(_mm512_shuffle_ps(x, y, 0x44), _mm512_shuffle_ps(x, y, 0xEE));
 }
-DPBF16 DP_INLINE __m512 pair1(__m512 x, __m512 y) { /* each block: x_0 + x_1, x_2 + x_3, y_0 + y_1, y_2 + y_3 */
+AVX512 DP_INLINE __m512 pair1(__m512 x, __m512 y) { /* each block: x_0 + x_1, x_2 + x_3, y_0 + y_1, y_2 + y_3 */
     return _mm512_add_ps(_mm512_shuffle_ps(x, y, 0x88), _mm512_shuffle_ps(x, y, 0xDD));
 }
-DPBF16 DP_INLINE float red1(__m512 v) { return _mm512_cvtss_f32(pair1(pair2(pair4(pair8(v, v), v), v), v)); }
+AVX512 DP_INLINE float red1(__m512 v) { return _mm512_cvtss_f32(pair1(pair2(pair4(pair8(v, v), v), v), v)); }
 static const int RED8_LANE[8] = {0, 1, 8, 9, 4, 5, 12, 13}; /* vector i's sum: in this lane */
 static const int RED16_LANE[16] = {0, 2, 1, 3, 8, 10, 9, 11, 4, 6, 5, 7, 12, 14, 13, 15};
-DPBF16 DP_INLINE __m512 red8(const __m512 *v) { /* the sums of 8 vectors (RED8_LANE says where) */
+AVX512 DP_INLINE __m512 red8(const __m512 *v) { /* the sums of 8 vectors (RED8_LANE says where) */
     __m512 b0 = pair4(pair8(v[0], v[4]), pair8(v[2], v[6])), b1 = pair4(pair8(v[1], v[5]), pair8(v[3], v[7]));
     __m512 c = pair2(b0, b1);
     return pair1(c, c);
 }
-DPBF16 DP_INLINE __m512 red16(const __m512 *v) { /* the sums of 16 vectors (RED16_LANE says where) */
+AVX512 DP_INLINE __m512 red16(const __m512 *v) { /* the sums of 16 vectors (RED16_LANE says where) */
     __m512 b[4];
     for (int j = 0; j < 4; j++) b[j] = pair4(pair8(v[j], v[j + 8]), pair8(v[j + 4], v[j + 12]));
     return pair1(pair2(b[0], b[2]), pair2(b[1], b[3]));
@@ -697,6 +698,119 @@ static void attend_group(const float *q, int64_t G, const void *kc, const void *
     }
 }
 
+/* attend_group with AVX-512 (CPUs with AVX-512F/BW/VL/DQ, D % 64 == 0, any G): the same three
+   phases, 16 lanes wide. Scores 16 keys at a time: every key's 16-lane products of q . k (d in chunks of 16, in
+   order) reduced by red16's fixed tree, one vector of 16 scores per query head. The softmax 16 lanes at a time (the
+   same exp polynomial). Values: each value row widened once and used by every query head of the group (4 vectors of
+   16 dims a pass; a dims' sum over j in order, as attend_group's), instead of re-read per 16 dims. Outputs may
+   differ from attend_group's by float32 rounding (another summation order for the scores and the softmax's sum). */
+AVX512 static inline __m512 load16(const void *p, int64_t i, int bf16) {
+    if (!bf16) return _mm512_loadu_ps((const float *)p + i);
+    __m256i b = _mm256_loadu_si256((const __m256i *)((const uint16_t *)p + i));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16));
+}
+
+AVX512 static inline __m512 exp16(__m512 x) { /* exp8's polynomial, 16 lanes */
+    x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.3762626647949f)), _mm512_set1_ps(-88.3762626647949f));
+    __m512 fx = _mm512_roundscale_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f)),
+                                     _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+    x = _mm512_fnmadd_ps(fx, _mm512_set1_ps(0.693359375f), x);
+    x = _mm512_fnmadd_ps(fx, _mm512_set1_ps(-2.12194440e-4f), x);
+    __m512 z = _mm512_mul_ps(x, x), y = _mm512_set1_ps(1.9875691500e-4f);
+    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.3981999507e-3f));
+    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(8.3334519073e-3f));
+    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(4.1665795894e-2f));
+    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.6666665459e-1f));
+    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(5.0000001201e-1f));
+    y = _mm512_add_ps(_mm512_fmadd_ps(y, z, x), _mm512_set1_ps(1.0f));
+    __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(fx), _mm512_set1_epi32(127)), 23);
+    return _mm512_mul_ps(y, _mm512_castsi512_ps(e));
+}
+
+AVX512 static void attend_group16(const float *q, int64_t G, const void *kc, const void *vc, const int64_t *at,
+                                  int64_t seq_len, int64_t h, int64_t D, float scale, float *scores, float *out,
+                                  int bf16) {
+    int64_t padded = (seq_len + 15) / 16 * 16;
+    float keys[16 * 512]; /* 16 keys widened once, read by every query head */
+    const __m512i order = _mm512_loadu_si512(RED16_LANE); /* red16's lanes back in key order (an involution) */
+    for (int64_t j0 = 0; j0 < seq_len; j0 += 16) {
+        for (int t = 0; t < 16; t++) { /* past the end: repeat the last key (its scores are dropped below) */
+            int64_t row = at[j0 + t < seq_len ? j0 + t : seq_len - 1] + h * D;
+            for (int64_t i = 0; i < D; i += 16) _mm512_storeu_ps(keys + t * D + i, load16(kc, row + i, bf16));
+        }
+        for (int64_t g = 0; g < G; g++) {
+            __m512 acc[16];
+            for (int t = 0; t < 16; t++) acc[t] = _mm512_setzero_ps();
+            for (int64_t i = 0; i < D; i += 16) {
+                __m512 qv = _mm512_loadu_ps(q + g * D + i);
+                for (int t = 0; t < 16; t++) acc[t] = _mm512_fmadd_ps(qv, _mm512_loadu_ps(keys + t * D + i), acc[t]);
+            }
+            __m512 sc = _mm512_permutexvar_ps(order, red16(acc));
+            _mm512_storeu_ps(scores + g * padded + j0, _mm512_mul_ps(sc, _mm512_set1_ps(scale)));
+        }
+    }
+    for (int64_t g = 0; g < G; g++) {
+        float *s = scores + g * padded;
+        for (int64_t j = seq_len; j < padded; j++) s[j] = -INFINITY;
+        __m512 m16 = _mm512_set1_ps(-INFINITY);
+        for (int64_t j = 0; j < padded; j += 16) m16 = _mm512_max_ps(m16, _mm512_loadu_ps(s + j));
+        __m512 mxv = _mm512_set1_ps(_mm512_reduce_max_ps(m16)), sum16 = _mm512_setzero_ps();
+        for (int64_t j = 0; j < padded; j += 16) {
+            __m512 v = _mm512_loadu_ps(s + j);
+            __m512 e = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(v, _mm512_set1_ps(-INFINITY), _CMP_NEQ_OQ),
+                                           exp16(_mm512_sub_ps(v, mxv))); /* the padding: exactly zero */
+            _mm512_storeu_ps(s + j, e);
+            sum16 = _mm512_add_ps(sum16, e);
+        }
+        __m512 inv = _mm512_set1_ps(1.0f / red1(sum16));
+        for (int64_t j = 0; j < padded; j += 16) _mm512_storeu_ps(s + j, _mm512_mul_ps(_mm512_loadu_ps(s + j), inv));
+    }
+    for (int64_t i = 0; i < D; i += 64) {
+        for (int64_t g0 = 0; g0 < G; g0 += 4) {
+            int64_t ng = G - g0 < 4 ? G - g0 : 4;
+            __m512 a[4][4];
+            for (int g = 0; g < 4; g++)
+                for (int c = 0; c < 4; c++) a[g][c] = _mm512_setzero_ps();
+            const float *p0 = scores + g0 * padded;
+            for (int64_t j = 0; j < seq_len; j++) {
+                int64_t v = at[j] + h * D + i;
+                __m512 v0 = load16(vc, v, bf16), v1 = load16(vc, v + 16, bf16), v2 = load16(vc, v + 32, bf16),
+                       v3 = load16(vc, v + 48, bf16);
+                for (int g = 0; g < 4; g++) {
+                    if (g >= ng) break;
+                    __m512 p = _mm512_set1_ps(p0[g * padded + j]);
+                    a[g][0] = _mm512_fmadd_ps(p, v0, a[g][0]);
+                    a[g][1] = _mm512_fmadd_ps(p, v1, a[g][1]);
+                    a[g][2] = _mm512_fmadd_ps(p, v2, a[g][2]);
+                    a[g][3] = _mm512_fmadd_ps(p, v3, a[g][3]);
+                }
+            }
+            for (int g = 0; g < ng; g++)
+                for (int c = 0; c < 4; c++) _mm512_storeu_ps(out + (g0 + g) * D + i + 16 * c, a[g][c]);
+        }
+    }
+}
+
+static int avx512_cpu;
+__attribute__((constructor)) static void detect_avx512(void) {
+    __builtin_cpu_init();
+    avx512_cpu = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                 __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
+}
+int ft_attention_avx512(void) { return avx512_cpu; } /* which attention loop ft_decode_layers takes (D % 64 == 0) */
+
+/* One row's query heads of KV head h through attend_group16 (wide != 0: needs ft_attention_avx512() and
+   D % 64 == 0) or attend_group; for tests. Returns -1 when the loop asked for cannot run here or scratch fails. */
+int ft_attend(const float *q, int64_t G, const void *kc, const void *vc, const int64_t *at, int64_t seq_len,
+              int64_t h, int64_t D, float scale, float *out, int bf16, int wide) {
+    if (seq_len < 1 || D > 512 || D % 8 || (wide && (!avx512_cpu || D % 64))) return -1;
+    float *scores = malloc((size_t)(G * ((seq_len + 15) / 16 * 16)) * sizeof(float));
+    if (!scores) return -1;
+    (wide ? attend_group16 : attend_group)(q, G, kc, vc, at, seq_len, h, D, scale, scores, out, bf16);
+    free(scores);
+    return 0;
+}
+
 /* rotary in place on one head of D values: R(R(x * cos) + R(roll(x, D / 2) * sin_rolled)); cos, sin_rolled at
    element offset t of their tables */
 static void rotary_head(float *x, const void *cos, const void *sin_rolled, int64_t t, int64_t D, int bf16) {
@@ -728,7 +842,8 @@ int ft_decode_layers(const ft_layer *layers, int64_t L, void *const *kv, int64_t
         max_len = seq_lens[m] > max_len ? seq_lens[m] : max_len;
         total_len += seq_lens[m];
     }
-    int64_t tasks = M * nkv, padded = (max_len + 7) / 8 * 8;
+    int64_t tasks = M * nkv, padded = (max_len + 15) / 16 * 16; /* scores scratch per query head */
+    int wide = avx512_cpu && D % 64 == 0; /* attend_group16 */
     float *buf = malloc((size_t)(M * (H + H + nqkv + nh * D + 2 * I + H) + tasks * G * padded) * sizeof(float));
     int64_t *at = malloc((size_t)total_len * sizeof(int64_t)), *row_at[64];
     if (!buf || !at) {
@@ -768,8 +883,8 @@ int ft_decode_layers(const ft_layer *layers, int64_t L, void *const *kv, int64_t
         for (int64_t t = 0; t < tasks; t++) {
             int64_t m = t / nkv, kvh = t % nkv;
             float *o = att + m * nh * D + kvh * G * D;
-            attend_group(qkv + m * nqkv + kvh * G * D, G, kc, vc, row_at[m], seq_lens[m], kvh, D, scale,
-                         scores + t * G * padded, o, bf16);
+            (wide ? attend_group16 : attend_group)(qkv + m * nqkv + kvh * G * D, G, kc, vc, row_at[m], seq_lens[m],
+                                                   kvh, D, scale, scores + t * G * padded, o, bf16);
             round_rows(o, G * D, bf16);
         }
         product(p->o_kind, att, nh * D, p->o_w, NULL, y, H, M, H, nh * D, threads);

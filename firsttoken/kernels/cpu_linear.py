@@ -159,6 +159,7 @@ class _Kernel:
         self.int8_rows_q.restype, self.int8_rows_q.argtypes = None, [p, p, p, p, p, p, i64, i64, i64, i32]
         self.int8_vnni = bool(self.lib.ft_int8_vnni())  # which loop the int8 products take (AVX-512 VNNI or AVX2)
         self.bf16_dp = bool(self.lib.ft_bf16_dp())  # bf16 products: AVX512-BF16 dot products (K % 32 == 0) or AVX2
+        self.attention_avx512 = bool(self.lib.ft_attention_avx512())  # the fused step's attention loop (D % 64 == 0)
 
     def linear(self, rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """rows [M, K] float32 with unit column stride; weight [N, K] float32, row-major or input-major (its

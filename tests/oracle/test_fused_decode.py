@@ -4,6 +4,7 @@ step, the paged cache written at the rows' slots only, and taken exactly where i
 
 from __future__ import annotations
 
+import ctypes
 from pathlib import Path
 
 import pytest
@@ -164,3 +165,41 @@ def test_only_with_the_kernels_and_not_for_fp16_or_quantized_weights(kernel_buil
         assert load_model(tiny_qwen2_vl_dir, dtype, cpu_kernels="off").fused_decode is None
     assert load_model(tiny_qwen2_vl_dir, torch.float16, cpu_kernels="on").fused_decode is None
     assert load_model(tiny_qwen2_vl_dir, torch.float32, cpu_kernels="on", quantization="fp16").fused_decode is None
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_decode_attention_loops_match_float64_attention(kernel_built, dtype):
+    """The fused step's attention loops (the AVX-512 one where the CPU has AVX-512 and head_dim % 64 == 0, the AVX2
+    one everywhere) against float64 softmax attention over cache rows scattered like a block table's: 1-100 keys
+    (around the 8- and 16-key groups), 1, 4 and 6 query heads per KV head, head_dim 64 and 128, the second KV
+    head. Where the CPU lacks AVX-512 the wide loop refuses instead of running."""
+    lib = cpu_linear._kernel()[0]
+    flags = cpu_linear.cpu_flags() or frozenset()
+    assert lib.attention_avx512 == ({"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= flags)
+    fn = lib.lib.ft_attend
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    fn.restype = ctypes.c_int
+    fn.argtypes = [ptr, i64, ptr, ptr, ptr, i64, i64, i64, ctypes.c_float, ptr, ctypes.c_int, ctypes.c_int]
+    g = torch.Generator().manual_seed(0)
+    slots, nkv, h = 160, 2, 1
+    for d in (64, 128):
+        keys = torch.randn(slots, nkv, d, generator=g).to(dtype)
+        values = torch.randn(slots, nkv, d, generator=g).to(dtype)
+        for heads in (1, 4, 6):
+            q = torch.randn(heads, d, generator=g).to(dtype).float()
+            for n in (1, 7, 15, 16, 17, 100):
+                rows = torch.randperm(slots, generator=g)[:n]
+                at = (rows * nkv * d).contiguous()
+                scale = d ** -0.5
+                k, v = keys[rows, h].double(), values[rows, h].double()
+                want = torch.softmax(q.double() @ k.T * scale, -1) @ v
+                for wide in ((0, 1) if lib.attention_avx512 else (0,)):
+                    out = torch.empty(heads, d)
+                    rc = fn(q.data_ptr(), heads, keys.data_ptr(), values.data_ptr(), at.data_ptr(), n, h, d, scale,
+                            out.data_ptr(), int(dtype == torch.bfloat16), wide)
+                    assert rc == 0
+                    torch.testing.assert_close(out.double(), want, rtol=1e-4, atol=2e-5, msg=f"{d} {heads} {n} {wide}")
+                if not lib.attention_avx512:
+                    out = torch.empty(heads, d)
+                    assert fn(q.data_ptr(), heads, keys.data_ptr(), values.data_ptr(), at.data_ptr(), n, h, d, scale,
+                              out.data_ptr(), int(dtype == torch.bfloat16), 1) == -1
