@@ -250,6 +250,7 @@ class EngineStats:
     encoder_cache_bytes: int = 0
     num_images_encoded: int = 0  # images the vision tower ran for since start (encoder cache misses computed)
     cost_model: dict[str, float] = field(default_factory=dict)  # step-cost coefficients, seconds per unit of work
+    cost_model_coverage: dict[str, dict[str, float]] = field(default_factory=dict)  # term -> steps, max seen
     step_time_target_s: float | None = None  # the step-time bound in force (None: token budgets only)
     ttft_bias: dict[str, float] = field(default_factory=dict)  # images "0"/"1"/"2+" -> predicted TTFT's factor
     prefix_cache_hit_tokens: int = 0

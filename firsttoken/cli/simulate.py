@@ -93,17 +93,25 @@ def run(args: argparse.Namespace) -> int:
     counts = _ints("--replicas", args.replicas)
     targets = _targets(args.target_p99) if args.target_p99 else None
     rows = []
+    priced: dict[str, float] = {}
     for n in counts:
         for pools in _splits(n, args.pools, args.search_pools):
             router = sim.Router(args.routing, pools, scheduler.long_prompt_threshold, args.seed)
             result = sim.simulate(workload, [profile] * n, router, args.step_noise, args.seed)
+            priced = {k: max(v, priced.get(k, 0.0)) for k, v in result.max_terms.items()}
             summary = result.summary()
             rows.append({"replicas": n, "pools": pools and {k: len(v) for k, v in pools.items()},
                          "routing": args.routing, **summary,
                          "meets": None if targets is None else _meets(summary, targets)})
+    warnings = profile.extrapolations(priced)
+    for w in warnings:  # before the table: its numbers rest on these prices
+        print(f"warning: {w}")
+    if warnings:
+        print("(profile a server that has served requests like these: its /stats then covers them)")
     _print(rows, targets, workload, args)
     if args.json:
-        Path(args.json).write_text(json.dumps({"profile": profile.to_dict(), "rows": rows}, indent=1))
+        Path(args.json).write_text(json.dumps({"profile": profile.to_dict(), "rows": rows, "warnings": warnings},
+                                              indent=1))
     return 0
 
 
@@ -140,7 +148,7 @@ def _profile(source: str, scheduler: Any) -> Any:
         return sim.Profile(dict(stats["coefficients"]), scheduler, num_kv_blocks=int(stats["num_kv_blocks"]),
                            max_model_len=int(stats.get("max_model_len", 32768)),
                            encoder_capacity_tokens=int(stats.get("encoder_capacity_tokens", 65536)),
-                           preprocess_s=dict(stats.get("preprocess_s", {})))
+                           preprocess_s=dict(stats.get("preprocess_s", {})), coverage=dict(stats.get("coverage", {})))
     except (KeyError, TypeError, ValueError) as exc:
         raise UsageError("--profile", source, f"not a profile: {first_line(str(exc))}")
 

@@ -72,6 +72,7 @@ class EngineSnapshot:
     prefix_cache_hit_tokens: int
     prefix_cache_query_tokens: int
     cost_model: dict[str, float] = field(default_factory=dict)  # step-cost coefficients by term
+    cost_model_coverage: dict[str, dict[str, float]] = field(default_factory=dict)  # term -> steps, max
     step_time_target_s: float | None = None
     ttft_bias: dict[str, float] = field(default_factory=dict)  # images class -> the predicted TTFT's learnt factor
     block_size: int = 16  # tokens per KV block

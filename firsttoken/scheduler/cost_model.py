@@ -89,12 +89,14 @@ class CostModel:
         self.num_observed = 0
         # predicted / actual of each observation, made with the coefficients of that moment (an honest error)
         self.ratios: deque[float] = deque(maxlen=window)
+        self.coverage: dict[str, dict[str, float]] = {}  # term -> steps in the window with it, its largest value
 
     def reset(self) -> None:
         """Forget every observation and go back to the prior."""
         self._x.clear()
         self._y.clear()
         self.ratios.clear()
+        self.coverage = {}
         self.coef = self.prior.copy()
         self.num_observed = 0
         self._since_fit = 0
@@ -132,7 +134,12 @@ class CostModel:
     def refit(self) -> Fit:
         self._since_fit = 0
         if self._x:
-            self.coef = fit_coefficients(np.array(self._x), np.array(self._y), self.prior, self.scales, self.ridge)
+            x = np.array(self._x)
+            self.coef = fit_coefficients(x, np.array(self._y), self.prior, self.scales, self.ridge)
+            # what the fit has seen, per term: a price for work far beyond it is an extrapolation (the simulator
+            # says so when it prices a workload with it)
+            self.coverage = {name: {"steps": int(n), "max": float(m)}
+                             for name, n, m in zip(FEATURE_NAMES[1:], (x[:, 1:] != 0).sum(0), x[:, 1:].max(0))}
         return self.fit()
 
     def fit(self) -> Fit:

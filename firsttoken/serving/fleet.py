@@ -215,7 +215,7 @@ def sum_stats(stats: Sequence[EngineStats]) -> EngineStats:
         column = [getattr(s, f.name) for s in stats]
         if f.name in _SAME:
             values[f.name] = column[0]
-        elif f.name in ("cost_model", "ttft_bias"):
+        elif f.name in ("cost_model", "cost_model_coverage", "ttft_bias"):
             values[f.name] = {}
         elif f.name == "step_time_target_s":
             values[f.name] = None

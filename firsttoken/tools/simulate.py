@@ -45,6 +45,7 @@ from firsttoken.scheduler.request import Request
 from firsttoken.scheduler.scheduler import Scheduler
 from firsttoken.types import EncoderUnit, EngineRequest, FinishReason, ImageItem, PromptWork, SamplingParams
 
+EXTRAPOLATION_FACTOR = 4.0  # a term priced beyond this x the largest the profile's fit saw: a warning
 DEFAULT_IMAGE_BUDGET = ImageConfig().image_max_tokens  # serve's default visual tokens per image
 TEMPLATE_TOKENS = 21  # the chat template around one user turn (Qwen2-VL's), as tools/plan.py counts it
 IMAGE_WRAPPER_TOKENS = 2  # <|vision_start|> ... <|vision_end|>
@@ -63,6 +64,8 @@ class Profile:
     max_model_len: int = 32768
     encoder_capacity_tokens: int = 65536
     preprocess_s: dict[str, float] = field(default_factory=dict)  # image class -> seconds before the engine sees it
+    # what the profiled server's fit had seen per term ({"steps": n, "max": largest value}); empty: not known
+    coverage: dict[str, dict[str, float]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         unknown = set(self.coefficients) - set(FEATURE_NAMES)
@@ -79,7 +82,7 @@ class Profile:
     def to_dict(self) -> dict[str, Any]:
         return {"coefficients": self.coefficients, "num_kv_blocks": self.num_kv_blocks,
                 "max_model_len": self.max_model_len, "encoder_capacity_tokens": self.encoder_capacity_tokens,
-                "preprocess_s": self.preprocess_s, "block_size": self.cache.block_size,
+                "preprocess_s": self.preprocess_s, "block_size": self.cache.block_size, "coverage": self.coverage,
                 "scheduler": {k: getattr(self.scheduler, k) for k in self.scheduler.__dataclass_fields__
                               if k != "ttft_slo"}}  # fmt: skip
 
@@ -91,8 +94,27 @@ class Profile:
         engine = stats.get("engine", {})
         preprocess = {c: float((stats.get("classes", {}).get(c, {}).get("preprocess_s") or {}).get("mean") or 0.0)
                       for c in IMAGE_CLASSES}
+        coverage = dict(stats.get("cost_model", {}).get("coverage") or {})
         return Profile(coefficients, scheduler or SchedulerConfig(),
-                       num_kv_blocks=int(engine.get("kv_blocks_total") or 4096), preprocess_s=preprocess)
+                       num_kv_blocks=int(engine.get("kv_blocks_total") or 4096), preprocess_s=preprocess,
+                       coverage=coverage)
+
+    def extrapolations(self, priced: dict[str, float], factor: float = EXTRAPOLATION_FACTOR) -> list[str]:
+        """Terms a simulation priced beyond what this profile's fit had seen: never seen (its price is the prior
+        or zero), or more than ``factor`` x the largest value seen in a step. ``priced``: the largest value of each
+        term in one simulated step (``SimResult.max_terms``). Empty when the profile does not say (an older file)."""
+        out = []
+        for name, need in priced.items():
+            seen = self.coverage.get(name)
+            if not self.coverage or need <= 0 or seen is None:
+                continue
+            if seen["steps"] == 0:
+                out.append(f"{name}: the profile's fit saw no step with it (its price is the start-up prior's, "
+                           f"or 0), the workload needs up to {need:.3g} per step")
+            elif need > factor * seen["max"]:
+                out.append(f"{name}: the workload needs up to {need:.3g} per step, {need / seen['max']:.0f}x the "
+                           f"largest the profile's fit saw ({seen['max']:.3g}): its price is extrapolated")
+        return out
 
 
 # ---- the workload ----------------------------------------------------------------------------------------
@@ -228,6 +250,7 @@ class SimReplica:
         self.num_steps = 0
         self.busy_s = 0.0
         self.num_inflight = 0  # routed here, not yet in the scheduler (preprocessing)
+        self.max_terms = np.zeros(len(FEATURE_NAMES))  # the largest of each cost-model term in one step priced
 
     # load signals a router reads (what a replica could report cheaply, plus what the router itself sent)
     @property
@@ -271,6 +294,8 @@ class SimReplica:
             return None
         # a step that only releases finished requests' runner state does no model work: (almost) free
         seconds = max(self.cost.predict(batch.features), 1e-6) if batch.has_work else 1e-6
+        if batch.has_work:
+            np.maximum(self.max_terms, batch.features.vector(), out=self.max_terms)
         if self.step_noise and batch.has_work:
             seconds *= math.exp(self.rng.gauss(0.0, self.step_noise))
         self._step = batch
@@ -416,6 +441,7 @@ class SimResult:
     duration_s: float  # virtual seconds from the first arrival to the last completion
     replica_busy_s: list[float]
     replica_steps: list[int]
+    max_terms: dict[str, float] = field(default_factory=dict)  # the largest of each cost-model term in one step
 
     def by_class(self) -> dict[str, list[Outcome]]:
         out: dict[str, list[Outcome]] = {}
@@ -490,7 +516,9 @@ def simulate(workload: Sequence[SimRequest], profiles: Sequence[Profile], router
                 heapq.heappush(events, (end, next(seq), "step_done", (replica, replica.generation)))
     for r in replicas:  # nothing may be left behind: the loop drains every replica
         assert not r.scheduler.has_work, f"replica {r.index} still has work"
-    return SimResult(outcomes, now - start, [r.busy_s for r in replicas], [r.num_steps for r in replicas])
+    most = np.max([r.max_terms for r in replicas], axis=0)
+    return SimResult(outcomes, now - start, [r.busy_s for r in replicas], [r.num_steps for r in replicas],
+                     {name: float(v) for name, v in zip(FEATURE_NAMES[1:], most[1:])})
 
 
 def replace_scheduler(profile: Profile, **changes: Any) -> Profile:

@@ -113,6 +113,13 @@ def test_profile_from_a_live_servers_stats_drives_the_cli(tiny_model_dir, tmp_pa
     else:
         assert "no configuration simulated meets P99 text=600,image=600" in text
     assert sum(c["n"] for c in rows[0]["classes"].values()) == 30
+    # the server saw chat prompts (and at most its start-up calibration's small image): the workload's 1024x1024
+    # images need vision-tower work far beyond what its fit saw, and the CLI says so before the table
+    coverage = stats["cost_model"]["coverage"]
+    assert coverage["prefill_tokens"]["steps"] > 0 and coverage["prefill_tokens"]["max"] > 0
+    warned = json.loads(out.read_text())["warnings"]
+    assert any(w.startswith("encoder_attention: ") for w in warned)
+    assert text.index("warning: encoder_attention: ") < text.index("fewest replicas") if meeting else True
     # the saved profile reproduces the same simulation
     assert main(["simulate", "--model", str(tiny_model_dir), "--profile", str(saved), "--rate", "2",
                  "--num-requests", "30", "--json", str(tmp_path / "again.json")]) == 0
@@ -180,3 +187,50 @@ def test_predicted_ttft_matches_a_world_that_costs_what_the_model_says(utilizati
     assert all(p50 <= 0.15 for p50, _ in errors.values()), errors
     checked = errors if utilization <= 0.6 else {cls: e for cls, e in errors.items() if cls != "text"}
     assert all(p90 <= 0.35 for _, p90 in checked.values()), errors
+
+
+def test_the_cost_model_reports_what_its_fit_has_seen_per_term():
+    cm = CostModel(refit_every=1)
+    for tokens in (100, 300, 200):
+        cm.observe(prefill_chunk(tokens, 0, True), 0.01 + tokens * 1e-4)
+    coverage = cm.coverage
+    assert coverage["prefill_tokens"] == {"steps": 3, "max": 300.0}
+    assert coverage["encoder_patches"] == {"steps": 0, "max": 0.0}
+    cm.reset()
+    assert cm.coverage == {}
+
+
+def test_a_simulation_reports_the_largest_work_it_priced_per_term():
+    result = sim.simulate([text_request("a", 0.0, tokens=300, output=3)], [profile()], sim.Router("round-robin"))
+    assert result.max_terms["prefill_tokens"] == 300 and result.max_terms["decode_tokens"] == 1
+    assert result.max_terms["decode_context"] == 301  # the last decode step: the prompt and one generated token
+    assert result.max_terms["encoder_patches"] == 0 == result.max_terms["encoder_attention"]
+
+
+def test_prices_beyond_what_the_profile_saw_are_named():
+    seen = {"prefill_tokens": {"steps": 40, "max": 1000.0}, "encoder_patches": {"steps": 0, "max": 0.0},
+            "encoder_attention": {"steps": 5, "max": 1e5}}
+    p = profile(coverage=seen)
+    warned = p.extrapolations({"prefill_tokens": 3000.0, "encoder_patches": 5000.0, "encoder_attention": 3e7,
+                               "decode_tokens": 0.0})
+    assert len(warned) == 2
+    assert warned[0].startswith("encoder_patches: the profile's fit saw no step with it")
+    assert warned[1].startswith("encoder_attention: the workload needs up to 3e+07 per step, 300x the largest")
+    assert p.extrapolations({"prefill_tokens": 4000.0}) == []  # 4x what was seen: still within the factor
+    assert profile().extrapolations({"encoder_patches": 5000.0}) == []  # a profile that does not say: no guess
+
+
+def test_the_cli_warns_before_the_table_when_the_profile_never_saw_the_workloads_images(tiny_model_dir, tmp_path,
+                                                                                      capsys):
+    prof = tmp_path / "p.json"
+    prof.write_text(json.dumps({"coefficients": COEF, "num_kv_blocks": 512, "coverage": {
+        "prefill_tokens": {"steps": 50, "max": 2048.0}, "encoder_patches": {"steps": 0, "max": 0.0},
+        "encoder_attention": {"steps": 0, "max": 0.0}}}))
+    out = tmp_path / "sim.json"
+    assert main(["simulate", "--model", str(tiny_model_dir), "--profile", str(prof), "--rate", "1",
+                 "--num-requests", "12", "--json", str(out)]) == 0
+    text = capsys.readouterr().out.splitlines()
+    assert text[0].startswith("warning: encoder_patches: the profile's fit saw no step with it")
+    assert text[1].startswith("warning: encoder_attention: the profile's fit saw no step with it")
+    assert [w.split(":")[0] for w in json.loads(out.read_text())["warnings"]] == ["encoder_patches",
+                                                                                 "encoder_attention"]
