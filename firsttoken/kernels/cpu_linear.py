@@ -61,6 +61,9 @@ log = logging.getLogger("firsttoken.kernels")
 
 MAX_ROWS = 16  # 16 rows: 0.91x MKL's time at one thread (24 rows: 1.09x in an earlier check)
 MAX_ROWS_BF16 = 4  # bf16 decode step, 1 thread: 4 rows 0.63x torch's time, 8 rows 1.11x (AVX512-BF16 EPYC)
+# the sampler's top-k through ft_topk up to this k: its insertions cost ~k ln(n/k) x k/2 moves, so beyond a few
+# hundred torch's topk is faster (152k logits, top-p growing to k = 4,096: 1.7x torch's time)
+TOPK_MAX = 256
 MAX_ROWS_BF16_DP = 16  # the AVX512-BF16 dot-product loop (ft_bf16_dp): see max_rows_bf16
 SOURCE = Path(__file__).with_name("cpu_linear.c")
 CFLAGS = ("-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC", "-std=gnu11")  # no fused
@@ -160,6 +163,7 @@ class _Kernel:
         self.int8_vnni = bool(self.lib.ft_int8_vnni())  # which loop the int8 products take (AVX-512 VNNI or AVX2)
         self.bf16_dp = bool(self.lib.ft_bf16_dp())  # bf16 products: AVX512-BF16 dot products (K % 32 == 0) or AVX2
         self.attention_avx512 = bool(self.lib.ft_attention_avx512())  # the fused step's attention loop (D % 64 == 0)
+        self.lib.ft_topk.restype, self.lib.ft_topk.argtypes = ctypes.c_int64, [p, i64, i64, p, p]
 
     def linear(self, rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """rows [M, K] float32 with unit column stride; weight [N, K] float32, row-major or input-major (its
@@ -175,6 +179,18 @@ class _Kernel:
            out.data_ptr(), n, m, n, k, torch.get_num_threads())
         return out
 
+
+    def topk(self, row: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """torch.topk(row, k) for a contiguous float32 CPU row [n] (largest first; ties: the earlier index first;
+        k = 1: argmax's first maximum), or None where it does not apply (k above ``TOPK_MAX``, NaNs leaving fewer
+        than k values): the caller takes torch's."""
+        n = row.numel()
+        if not 1 <= k <= min(n, TOPK_MAX) or row.dtype != torch.float32 or not row.is_contiguous():
+            return None
+        vals, ids = torch.empty(k, dtype=torch.float32), torch.empty(k, dtype=torch.int64)
+        if self.lib.ft_topk(row.data_ptr(), n, k, vals.data_ptr(), ids.data_ptr()) != k:
+            return None
+        return vals, ids
 
     def int8_linear(self, rows: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
                     bias: torch.Tensor | None) -> torch.Tensor:

@@ -59,7 +59,8 @@ class InProcessExecutor:
         model = load_model(model_dir, dtype, device, quantization=quantization,
                            num_threads=threads.threads if threads is not None else None, cpu_kernels=cpu_kernels)
         kv_caches = allocate_kv_caches(model_config, num_kv_blocks, block_size, dtype, device)
-        self.runner = ModelRunner(model, kv_caches, block_size, Sampler(seed), fault_hook, threads, interrupt)
+        sampler = Sampler(seed, kernels=cpu_kernels != "off" and device == "cpu")
+        self.runner = ModelRunner(model, kv_caches, block_size, sampler, fault_hook, threads, interrupt)
 
     def execute(self, batch: ScheduledBatch) -> RunnerOutput:
         return self.runner.execute(batch)

@@ -1,6 +1,6 @@
 """Turns the last-position logits of a batch into one token per sequence.
 
-Greedy rows are one batched argmax. Rows with temperature draw from their own torch.Generator when the
+Greedy rows take their argmax (the first maximum). Rows with temperature draw from their own torch.Generator when the
 request carries a seed (same seed, same output, whatever else shares the batch), else from the sampler's.
 Penalties follow OpenAI (presence/frequency on generated tokens) and transformers (repetition penalty on
 prompt + generated tokens), applied to every penalised row of the step at once. Logprobs are reported from the
@@ -26,7 +26,7 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 
@@ -55,12 +55,29 @@ class SampleResult:
 
 
 class Sampler:
-    def __init__(self, seed: int | None = None) -> None:
+    def __init__(self, seed: int | None = None, kernels: bool = True) -> None:
+        """``kernels``: top-k and argmax through firsttoken's CPU kernel (one vectorized pass; torch's are scalar
+        loops on the CPU) where it is built, else torch's (``--cpu-kernels off``); the same tokens either way."""
         self._generator = torch.Generator()
         if seed is not None:
             self._generator.manual_seed(seed)
         else:
             self._generator.seed()
+        self._kernels = kernels
+        self._kernel: Any = None  # resolved on first use (building it is the loader's business, normally done)
+
+    def _topk(self, x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """torch.topk(x, k) of one row (largest first)."""
+        if self._kernels and x.device.type == "cpu":
+            if self._kernel is None:
+                from firsttoken.kernels.cpu_linear import _kernel
+
+                self._kernel = _kernel()[0] or False
+            if self._kernel:
+                got = self._kernel.topk(x, k)
+                if got is not None:
+                    return got
+        return torch.topk(x, k)
 
     def sample(self, logits: torch.Tensor, rows: Sequence[SampleRow]) -> SampleResult:
         """logits: [num_rows, vocab] float32."""
@@ -69,10 +86,11 @@ class Sampler:
         if any(r.params.has_penalties for r in rows):
             logits = _apply_penalties(logits.clone(), rows)
             _clamp_finite(logits)  # a tiny repetition penalty divides by ~0
-        token_ids = torch.argmax(logits, dim=-1).tolist()
+        token_ids = [0] * len(rows)
         failed: dict[int, str] = {}
         for i, r in enumerate(rows):
             if r.params.is_greedy:
+                token_ids[i] = int(self._topk(logits[i], 1)[1][0])  # argmax: the first maximum
                 continue
             try:
                 token_ids[i] = self._sample_row(logits[i], r)
@@ -89,11 +107,11 @@ class Sampler:
         scaled = _clamp_finite(logits / p.temperature)
         ids = None  # the candidates' token ids, when not the whole vocabulary
         if 0 < p.top_k < scaled.numel():
-            scaled, ids = torch.topk(scaled, p.top_k)  # sorted, largest first
+            scaled, ids = self._topk(scaled, p.top_k)  # sorted, largest first
         probs = torch.softmax(scaled, dim=-1)
         if p.top_p < 1.0:
             if ids is None:
-                probs, ids = _top_p_candidates(probs, p.top_p)
+                probs, ids = self._top_p_candidates(probs, p.top_p)
             drop = probs.cumsum(-1) - probs > p.top_p  # keep the smallest prefix reaching top_p
             probs = probs.masked_fill(drop, 0.0)
         cdf = probs.cumsum(-1)
@@ -104,6 +122,17 @@ class Sampler:
         u = torch.rand(1, generator=gen, dtype=cdf.dtype) * total  # the first token whose cumulative mass passes u
         choice = min(int(torch.searchsorted(cdf, u, right=True)), cdf.numel() - 1)
         return choice if ids is None else int(ids[choice])
+
+    def _top_p_candidates(self, probs: torch.Tensor, top_p: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """The most probable tokens, sorted, enough of them that top-p keeps none beyond: 64, then 4x more until
+        they hold more than top_p of the mass (top-p keeps a token while the mass before it is at most top_p)."""
+        n = probs.numel()
+        k = min(64, n)
+        while True:
+            vals, ids = self._topk(probs, k)
+            if k == n or float(vals.cumsum(-1)[-1]) > top_p:
+                return vals, ids
+            k = min(n, k * 4)
 
     @staticmethod
     def _logprobs(
@@ -127,18 +156,6 @@ def _clamp_finite(x: torch.Tensor) -> torch.Tensor:
     """In place: +-inf -> the dtype's largest finite magnitude, NaN -> its lowest (never chosen)."""
     info = torch.finfo(x.dtype)
     return torch.nan_to_num_(x, nan=info.min, posinf=info.max, neginf=info.min)
-
-
-def _top_p_candidates(probs: torch.Tensor, top_p: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """The most probable tokens, sorted, enough of them that top-p keeps none beyond: 64, then 4x more until they
-    hold more than top_p of the mass (top-p keeps a token while the mass before it is at most top_p)."""
-    n = probs.numel()
-    k = min(64, n)
-    while True:
-        vals, ids = torch.topk(probs, k)
-        if k == n or float(vals.cumsum(-1)[-1]) > top_p:
-            return vals, ids
-        k = min(n, k * 4)
 
 
 def _apply_penalties(logits: torch.Tensor, rows: Sequence[SampleRow]) -> torch.Tensor:

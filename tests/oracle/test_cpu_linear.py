@@ -318,3 +318,27 @@ def test_use_few_rows_kernel_skips_unfit_layers():
     assert use_few_rows_kernel(model, exclude_prefix="none.") == 3
     assert [type(m).__name__ for m in model] == ["FewRowsLinear", "Linear", "FewRowsLinear", "Linear",
                                                  "FewRowsLinear", "Linear", "Linear"]
+
+
+def test_topk_kernel_is_torchs_topk_and_argmax(kernel_built):
+    """The sampler's top-k (ft_topk): torch.topk's values and ids, largest first, for rows of any length (not a
+    multiple of the 8-lane pass) and k from 1 (argmax: the first maximum among ties) to TOPK_MAX (beyond: torch's);
+    ties in index order; -inf is a value like any other, NaN is never chosen (a row with fewer than k other values is
+    left to torch)."""
+    kernel = cpu_linear._kernel()[0]
+    g = torch.Generator().manual_seed(0)
+    for n in (1, 7, 8, 9, 100, 16064):
+        row = torch.randn(n, generator=g) * 3
+        for k in sorted({1, 2, 5, 20, 64, 256, n} & set(range(1, min(n, 256) + 1))):
+            vals, ids = kernel.topk(row, k)
+            want_vals, want_ids = torch.topk(row, k)
+            assert torch.equal(vals, want_vals) and torch.equal(ids, want_ids), (n, k)
+    ties = torch.tensor([1.0, 3.0, 2.0, 3.0, 3.0, float("-inf"), 0.5, 3.0, 2.0, 1.0])
+    vals, ids = kernel.topk(ties, 5)
+    assert ids.tolist() == [1, 3, 4, 7, 2] and vals.tolist() == [3.0, 3.0, 3.0, 3.0, 2.0]
+    assert kernel.topk(ties, 1)[1].tolist() == [int(torch.argmax(ties))] == [1]
+    assert kernel.topk(ties, 10)[1].tolist()[-1] == 5  # -inf last, still a value
+    nan = torch.tensor([0.5, float("nan"), 2.0, float("nan")])
+    assert kernel.topk(nan, 2)[1].tolist() == [2, 0] and kernel.topk(nan, 3) is None
+    assert kernel.topk(torch.randn(10)[::2], 1) is None  # not contiguous: torch's
+    assert kernel.topk(torch.randn(1000), cpu_linear.TOPK_MAX + 1) is None

@@ -146,3 +146,17 @@ def test_penalties_of_rows_sharing_a_step_are_each_rows_own():
     assert got.token_ids == want.argmax(-1).tolist()
     for i, spec in enumerate(specs):  # each row alone gives the same token
         assert Sampler(0).sample(logits[i:i + 1], [rows[i]]).token_ids == [got.token_ids[i]]
+
+
+def test_the_kernel_and_torch_give_the_same_tokens():
+    """Sampler(kernels=False) (--cpu-kernels off) and the default (top-k and argmax through firsttoken's kernel where
+    it is built) choose the same tokens: greedy, top-k, top-p alone, with the same seeds."""
+    logits = torch.randn(6, 3000, generator=torch.Generator().manual_seed(9)) * 4
+    settings = [{"temperature": 0.0}, {"temperature": 0.8, "top_k": 20}, {"temperature": 0.7, "top_p": 0.9},
+                {"temperature": 1.0, "top_k": 40, "top_p": 0.8}, {"temperature": 0.0, "repetition_penalty": 1.2},
+                {"temperature": 1.0}]
+    for step in range(20):
+        def rows():  # fresh per-request generators for each side
+            return [row(prompt=[1, 2, 3], output=[step], seed=100 * step + i, **s) for i, s in enumerate(settings)]
+
+        assert Sampler(0).sample(logits, rows()).token_ids == Sampler(0, kernels=False).sample(logits, rows()).token_ids
