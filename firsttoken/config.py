@@ -225,7 +225,8 @@ class EngineConfig:
         "bfloat16 language model's products take a bf16 kernel under auto on CPUs with AVX512-BF16 and no AMX "
         "(measured there), under on anywhere: at most 16 rows with the CPU's AVX512-BF16 dot products, else 4. "
         "Where the kernels are taken, a pure-decode step's decoder layers run as one C call (16 rows at most; "
-        "bfloat16 without AVX512-BF16 8). off: torch's ops (MKL) always. "
+        "bfloat16 without AVX512-BF16 8); the sampler's argmax and top-k (k <= 256) take a one-pass kernel (the "
+        "same tokens). off: torch's ops (MKL) always. "
         "Prefill is MKL's either way. With --quantization int8, auto and on "
         "take firsttoken's int8 kernels on any CPU (AVX-512 VNNI or AVX2), off computes the same numbers with "
         "torch's ops alone"))
