@@ -3,6 +3,7 @@ torch, bitwise the same for a row whatever shares its product, and absent cleanl
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import subprocess
 
@@ -342,3 +343,32 @@ def test_topk_kernel_is_torchs_topk_and_argmax(kernel_built):
     assert kernel.topk(nan, 2)[1].tolist() == [2, 0] and kernel.topk(nan, 3) is None
     assert kernel.topk(torch.randn(10)[::2], 1) is None  # not contiguous: torch's
     assert kernel.topk(torch.randn(1000), cpu_linear.TOPK_MAX + 1) is None
+
+
+def test_input_major_avx512_loop_is_bitwise_the_avx2_loop(kernel_built):
+    """Where the CPU has AVX-512, input-major float32 products take 16 outputs a pass with the same operations per
+    output as the 8-wide AVX2 loop: the same bits for every row count, widths that are and are not multiples of 16,
+    with and without bias, at one and two threads. Elsewhere the switch reports the AVX2 loop and changes nothing."""
+    kernel = cpu_linear._kernel()[0]
+    switch = kernel.lib.ft_im16
+    switch.restype, switch.argtypes = ctypes.c_int, [ctypes.c_int]
+    flags = cpu_linear.cpu_flags() or frozenset()
+    assert bool(switch(-1)) == ({"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= flags)
+    g = torch.Generator().manual_seed(1)
+    before = torch.get_num_threads()
+    try:
+        for n, k in ((48, 64), (40, 176), (1408, 512)):
+            weight = (torch.randn(n, k, generator=g) / k**0.5).t().contiguous().t()  # input-major
+            bias = torch.randn(n, generator=g)
+            x = torch.randn(16, k, generator=g)
+            for threads in (1, 2):
+                torch.set_num_threads(threads)
+                for rows in (1, 2, 3, 8, 16):
+                    for b in (None, bias):
+                        switch(0)
+                        avx2 = kernel.linear(x[:rows], weight, b)
+                        switch(1)
+                        assert torch.equal(kernel.linear(x[:rows], weight, b), avx2), (n, k, threads, rows)
+    finally:
+        switch(1)
+        torch.set_num_threads(before)
