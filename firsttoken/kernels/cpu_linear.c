@@ -23,6 +23,18 @@
 #include <string.h>
 
 #define KB 8
+
+/* What this CPU runs beyond AVX2, found once at load (no race among callers): AVX-512 F/BW/VL/DQ (the 16-wide
+   input-major products, the decode attention), with AVX512-BF16 (bf16 dot products), with AVX-512 VNNI (int8). */
+static int avx512_cpu, avx512_bf16_cpu, vnni_cpu;
+__attribute__((constructor)) static void detect_cpu(void) {
+    __builtin_cpu_init();
+    avx512_cpu = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                 __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
+    avx512_bf16_cpu = avx512_cpu && __builtin_cpu_supports("avx512bf16");
+    vnni_cpu = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+               __builtin_cpu_supports("avx512vnni");
+}
 #define MAX_INT8_ROWS 16 /* cpu_linear.py's MAX_ROWS */
 
 /* ---- input-major: rows of x against a [K, N] weight, outputs n0 <= n < n1 ---- */
@@ -141,22 +153,16 @@ static void im_range16(const float *x, int64_t ldx, const float *wt, const float
     }
 }
 
-static int im16_cpu;
-__attribute__((constructor)) static void detect_im16(void) {
-    __builtin_cpu_init();
-    im16_cpu = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-               __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
-}
 static int im16_off; /* tests: ft_im16(0) compares the AVX2 loop */
 int ft_im16(int on) { /* which input-major loop runs: on < 0 asks, 0/1 sets (where the CPU has AVX-512) */
     if (on >= 0) im16_off = !on;
-    return im16_cpu && !im16_off;
+    return avx512_cpu && !im16_off;
 }
 
 void ft_linear_im(const float *x, int64_t ldx, const float *wt, const float *bias, float *out, int64_t ldo,
                   int64_t M, int64_t N, int64_t K, int threads) {
     void (*range)(const float *, int64_t, const float *, const float *, float *, int64_t, int64_t, int64_t, int64_t,
-                  int64_t, int64_t) = im16_cpu && !im16_off ? im_range16 : im_range;
+                  int64_t, int64_t) = avx512_cpu && !im16_off ? im_range16 : im_range;
     if (threads <= 1) {
         range(x, ldx, wt, bias, out, ldo, M, N, K, 0, N);
         return;
@@ -345,18 +351,11 @@ DPBF16 static void linear_rm_bf16_dp(const float *x, int64_t ldx, const uint16_t
     }
 }
 
-static int bf16dp_cpu;
-__attribute__((constructor)) static void detect_bf16dp(void) {
-    __builtin_cpu_init();
-    bf16dp_cpu = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-                 __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
-                 __builtin_cpu_supports("avx512bf16");
-}
-int ft_bf16_dp(void) { return bf16dp_cpu; } /* which loop ft_linear_rm_bf16 takes where K % 32 == 0 (the log) */
+int ft_bf16_dp(void) { return avx512_bf16_cpu; } /* ft_linear_rm_bf16's loop where K % 32 == 0 (the log) */
 
 void ft_linear_rm_bf16(const float *x, int64_t ldx, const uint16_t *w, const float *bias, float *out, int64_t ldo,
                        int64_t M, int64_t N, int64_t K, int threads) {
-    uint16_t *xb = bf16dp_cpu && K % 32 == 0 ? malloc((size_t)(M * K) * sizeof(uint16_t)) : NULL;
+    uint16_t *xb = avx512_bf16_cpu && K % 32 == 0 ? malloc((size_t)(M * K) * sizeof(uint16_t)) : NULL;
     if (xb == NULL) {
         ft_linear_rm_bf16_avx2(x, ldx, w, bias, out, ldo, M, N, K, threads);
         return;
@@ -461,12 +460,6 @@ static void vnni_finish(const int32_t *acc, const float *xscale, const float *ws
     }
 }
 
-static int vnni_cpu;
-__attribute__((constructor)) static void detect_vnni(void) { /* once, at load: no race among callers */
-    __builtin_cpu_init();
-    vnni_cpu = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-               __builtin_cpu_supports("avx512vnni");
-}
 
 /* out [M, N] float32 = (float)(xq @ wt) * xscale[m] * wscale[n] (+ bias[n]) for M <= MAX_INT8_ROWS rows */
 static void int8_rows_block(const int8_t *xq, const float *xscale, const int8_t *wt, const float *wscale,
@@ -874,12 +867,6 @@ AVX512 static void attend_group16(const float *q, int64_t G, const void *kc, con
     }
 }
 
-static int avx512_cpu;
-__attribute__((constructor)) static void detect_avx512(void) {
-    __builtin_cpu_init();
-    avx512_cpu = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-                 __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
-}
 int ft_attention_avx512(void) { return avx512_cpu; } /* which attention loop ft_decode_layers takes (D % 64 == 0) */
 
 /* One row's query heads of KV head h through attend_group16 (wide != 0: needs ft_attention_avx512() and

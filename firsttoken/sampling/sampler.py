@@ -66,18 +66,28 @@ class Sampler:
         self._kernels = kernels
         self._kernel: Any = None  # resolved on first use (building it is the loader's business, normally done)
 
+    def _cpu_kernel(self, x: torch.Tensor) -> Any:
+        """firsttoken's CPU kernel library for a tensor on the CPU, when it is to be used and is built, else None."""
+        if not self._kernels or x.device.type != "cpu":
+            return None
+        if self._kernel is None:
+            from firsttoken.kernels.cpu_linear import _kernel
+
+            self._kernel = _kernel()[0] or False
+        return self._kernel or None
+
     def _topk(self, x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """torch.topk(x, k) of one row (largest first)."""
-        if self._kernels and x.device.type == "cpu":
-            if self._kernel is None:
-                from firsttoken.kernels.cpu_linear import _kernel
+        kernel = self._cpu_kernel(x)
+        got = kernel.topk(x, k) if kernel is not None else None
+        return got if got is not None else torch.topk(x, k)
 
-                self._kernel = _kernel()[0] or False
-            if self._kernel:
-                got = self._kernel.topk(x, k)
-                if got is not None:
-                    return got
-        return torch.topk(x, k)
+    def _argmax(self, logits: torch.Tensor, rows: list[int]) -> list[int]:
+        """The first maximum of each of these rows: the kernel row by row, else one batched torch.argmax."""
+        if self._cpu_kernel(logits) is not None:
+            return [int(self._topk(logits[i], 1)[1][0]) for i in rows]
+        picked = logits if len(rows) == logits.shape[0] else logits[rows]
+        return torch.argmax(picked, dim=-1).tolist()
 
     def sample(self, logits: torch.Tensor, rows: Sequence[SampleRow]) -> SampleResult:
         """logits: [num_rows, vocab] float32."""
@@ -87,10 +97,12 @@ class Sampler:
             logits = _apply_penalties(logits.clone(), rows)
             _clamp_finite(logits)  # a tiny repetition penalty divides by ~0
         token_ids = [0] * len(rows)
+        greedy = [i for i, r in enumerate(rows) if r.params.is_greedy]
+        for i, token in zip(greedy, self._argmax(logits, greedy) if greedy else ()):
+            token_ids[i] = token
         failed: dict[int, str] = {}
         for i, r in enumerate(rows):
             if r.params.is_greedy:
-                token_ids[i] = int(self._topk(logits[i], 1)[1][0])  # argmax: the first maximum
                 continue
             try:
                 token_ids[i] = self._sample_row(logits[i], r)
