@@ -42,6 +42,7 @@ from firsttoken.inputs.prompt import (
     SamplingRequest,
     TextPrompt,
 )
+from firsttoken.kernels.cpu_linear import set_kernel_threads
 from firsttoken.metrics.timeline import Timeline
 from firsttoken.runner.model_runner import DEFAULT_THREADS
 from firsttoken.types import EngineRequest, FinishReason, TokenLogprob
@@ -134,12 +135,13 @@ class LLM:
         for r in requests:
             self.engine.add_request(r)
         pending = set(collected)
-        threads = torch.get_num_threads()
+        threads, kernel_threads = torch.get_num_threads(), set_kernel_threads(None)
         try:
             while pending:
                 self._step(collected, pending)
-        finally:  # the engine may have changed this thread's torch threads (--decode-threads): give them back
+        finally:  # the engine changes this thread's torch and kernel threads (--decode-threads): give them back
             torch.set_num_threads(threads)
+            set_kernel_threads(kernel_threads)
         return [collected[r.request_id].result(r.request_id) for r in requests]
 
     def _step(self, collected: dict[str, "_Collected"], pending: set[str]) -> None:

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from firsttoken.kernels.cpu_linear import set_kernel_threads
 from firsttoken.models.checkpoint import make_model
 
 # The recorded vLLM exchanges, inside the repository (see the README there for where they came from).
@@ -16,6 +17,15 @@ VLLM_FIXTURES = Path(__file__).resolve().parent / "fixtures" / "vllm-0.32"
 # CI sets this to 1: a test whose system program is missing then fails instead of skipping, so CI cannot pass
 # by skipping the dashboard and alert-rule tests.
 REQUIRE_SYSTEM_TOOLS_ENV = "FIRSTTOKEN_REQUIRE_SYSTEM_TOOLS"
+
+
+@pytest.fixture(autouse=True)
+def _kernel_threads_follow_torch():
+    """An engine stepped in the test's thread sets that thread's kernel threads (ThreadPlan): the next test starts
+    with the default again (torch's count), as the kernel tests that vary torch's threads expect."""
+    previous = set_kernel_threads(None)
+    yield
+    set_kernel_threads(previous)
 
 
 @pytest.fixture(scope="session")

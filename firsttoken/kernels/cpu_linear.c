@@ -14,13 +14,21 @@
    Every output (m, n) is summed the same way whatever M and the thread count (im: k in order, in blocks of KB,
    each block's products summed in order then added to the running sum; rm: two 8-lane partial sums over k % 16,
    then a fixed reduction), so a request's decode products are bitwise the same whichever requests share its
-   step. Threads split the outputs n (OpenMP: the runtime torch already loaded, libgomp.so.1). The Python side
-   checks K % KB == 0 and N % 8 == 0 (im), K % 16 == 0 (rm). */
+   step. Threads split the outputs n into chunks (this file's own threads, ft_parallel below; the int8 kernels:
+   OpenMP). The Python side checks K % KB == 0 and N % 8 == 0 (im), K % 16 == 0 (rm). */
 #include <immintrin.h>
+#include <limits.h>
+#include <linux/futex.h>
 #include <math.h>
+#include <pthread.h>
+#include <signal.h>
+#include <stdatomic.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/syscall.h>
+#include <time.h>
+#include <unistd.h>
 
 #define KB 8
 
@@ -36,6 +44,166 @@ __attribute__((constructor)) static void detect_cpu(void) {
                __builtin_cpu_supports("avx512vnni");
 }
 #define MAX_INT8_ROWS 16 /* cpu_linear.py's MAX_ROWS */
+
+/* ---- the kernels' threads: ft_parallel ----
+
+   fn(ctx, i) for i in [0, n), on up to `threads` threads: the caller and persistent workers, each claiming the next
+   index from one atomic counter until none is left. Why not OpenMP's parallel for: its team ends at a barrier
+   that waits for every thread of the team, so a worker the OS pre-empted (a served decode step shares two cores
+   with the event loop that streams the tokens and with the clients) stalls the step until it runs again, and
+   its idle workers spin for milliseconds after each region, taking the core that the event loop needs while the
+   engine runs Python. Here a worker is optional: the caller claims indices too and returns when all are done,
+   so a worker that is late or pre-empted between indices costs nothing (only one pre-empted while holding an
+   index is waited for: indices are a few microseconds of work); an idle worker spins POOL_SPIN_NS for the next
+   region (a decode step's regions follow each other within microseconds) and then sleeps on a futex until a
+   caller publishes work. Which thread computes an index never changes what it computes.
+
+   Publication: a region's (fn, ctx, n, width) goes to slot[gen & 1], then `claim` = gen << 32 (index 0). A worker
+   reads claim, then the slot of its generation, and takes index i only by a compare-and-swap of (gen, i) to
+   (gen, i + 1): if the caller has moved on (the slot may be mid-rewrite for gen + 2), the generation differs and
+   what it read is dropped. Indices are counted done after they ran; the caller waits for all n. One caller at a
+   time (a mutex, tried: a second concurrent caller runs its region alone). */
+typedef void (*task_fn)(void *ctx, int64_t i);
+typedef struct {
+    _Atomic(task_fn) fn;
+    _Atomic(void *) ctx;
+    _Atomic int64_t n;
+    _Atomic int width; /* threads taking part: worker w when w + 1 < width */
+} pool_slot;
+#define POOL_MAX_WORKERS 63
+#define POOL_SPIN_NS 100000 /* an idle worker spins this long before it sleeps */
+static struct {
+    pthread_mutex_t busy;
+    pthread_mutex_t start; /* starting workers */
+    _Atomic uint64_t claim; /* (generation << 32) | next index */
+    _Atomic int64_t done;
+    _Atomic uint32_t wake; /* the futex word: the generation last published */
+    _Atomic int sleepers;
+    _Atomic int workers; /* started */
+    pool_slot slot[2];
+    _Atomic uint64_t regions, helped; /* regions run on more than one thread; indices the workers took (tests) */
+    _Atomic int held; /* tests: workers take no index while set (the caller must do all) */
+} pool = {.busy = PTHREAD_MUTEX_INITIALIZER, .start = PTHREAD_MUTEX_INITIALIZER};
+
+static int64_t now_ns(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (int64_t)t.tv_sec * 1000000000 + t.tv_nsec;
+}
+
+/* take and run indices of the region published as `c`'s generation; returns how many this thread ran */
+static int64_t pool_work(uint64_t c, int worker) {
+    uint32_t gen = (uint32_t)(c >> 32);
+    pool_slot *s = &pool.slot[gen & 1];
+    task_fn fn = atomic_load(&s->fn);
+    void *ctx = atomic_load(&s->ctx);
+    int64_t n = atomic_load(&s->n), ran = 0;
+    if (worker >= 0 && (worker + 1 >= atomic_load(&s->width) || atomic_load(&pool.held))) return 0;
+    for (;;) {
+        if ((uint32_t)(c >> 32) != gen || (int64_t)(c & 0xffffffffu) >= n) return ran;
+        if (atomic_compare_exchange_weak(&pool.claim, &c, c + 1)) {
+            fn(ctx, (int64_t)(c & 0xffffffffu));
+            atomic_fetch_add(&pool.done, 1);
+            ran++;
+            c = atomic_load(&pool.claim);
+        }
+    }
+}
+
+static void *pool_worker(void *arg) {
+    int w = (int)(intptr_t)arg;
+    uint32_t seen = atomic_load(&pool.wake);
+    for (;;) {
+        int64_t since = now_ns();
+        uint32_t gen;
+        for (int spins = 1; (gen = atomic_load(&pool.wake)) == seen; spins++) {
+            _mm_pause();
+            if (spins % 64 == 0 && now_ns() - since > POOL_SPIN_NS) {
+                atomic_fetch_add(&pool.sleepers, 1);
+                if (atomic_load(&pool.wake) == seen)
+                    syscall(SYS_futex, &pool.wake, FUTEX_WAIT_PRIVATE, seen, NULL, NULL, 0);
+                atomic_fetch_sub(&pool.sleepers, 1);
+                since = now_ns();
+            }
+        }
+        seen = gen;
+        int64_t ran = pool_work(atomic_load(&pool.claim), w);
+        if (ran) atomic_fetch_add(&pool.helped, (uint64_t)ran);
+    }
+    return NULL;
+}
+
+static void pool_after_fork(void) { /* the child has none of the parent's threads */
+    atomic_store(&pool.workers, 0);
+    atomic_store(&pool.sleepers, 0);
+    pthread_mutex_init(&pool.busy, NULL);
+    pthread_mutex_init(&pool.start, NULL);
+}
+
+static void pool_start(int want) { /* workers 0 .. want - 1, started once; fewer if threads cannot be had */
+    if (want > POOL_MAX_WORKERS) want = POOL_MAX_WORKERS;
+    if (atomic_load(&pool.workers) >= want) return;
+    pthread_mutex_lock(&pool.start);
+    static int at_fork;
+    if (!at_fork) at_fork = !pthread_atfork(NULL, NULL, pool_after_fork);
+    sigset_t all, old;
+    sigfillset(&all);
+    pthread_sigmask(SIG_BLOCK, &all, &old); /* workers never take a signal meant for the process */
+    pthread_attr_t attr;
+    pthread_attr_init(&attr);
+    pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+    pthread_attr_setstacksize(&attr, 1 << 20);
+    for (int w = atomic_load(&pool.workers); w < want; w++) {
+        pthread_t t;
+        if (pthread_create(&t, &attr, pool_worker, (void *)(intptr_t)w)) break;
+        atomic_fetch_add(&pool.workers, 1);
+    }
+    pthread_attr_destroy(&attr);
+    pthread_sigmask(SIG_SETMASK, &old, NULL);
+    pthread_mutex_unlock(&pool.start);
+}
+
+static void ft_parallel(int threads, int64_t n, task_fn fn, void *ctx) {
+    if (threads > POOL_MAX_WORKERS + 1) threads = POOL_MAX_WORKERS + 1;
+    if (threads <= 1 || n <= 1 || pthread_mutex_trylock(&pool.busy)) {
+        for (int64_t i = 0; i < n; i++) fn(ctx, i);
+        return;
+    }
+    pool_start(threads - 1);
+    uint32_t gen = (uint32_t)(atomic_load(&pool.claim) >> 32) + 1;
+    pool_slot *s = &pool.slot[gen & 1];
+    atomic_store(&s->fn, fn);
+    atomic_store(&s->ctx, ctx);
+    atomic_store(&s->n, n);
+    atomic_store(&s->width, threads);
+    atomic_store(&pool.done, 0);
+    atomic_store(&pool.claim, (uint64_t)gen << 32);
+    atomic_store(&pool.wake, gen);
+    if (atomic_load(&pool.sleepers)) syscall(SYS_futex, &pool.wake, FUTEX_WAKE_PRIVATE, INT_MAX, NULL, NULL, 0);
+    int64_t ran = pool_work((uint64_t)gen << 32, -1);
+    while (atomic_load(&pool.done) < n) _mm_pause();
+    atomic_fetch_add(&pool.regions, 1);
+    (void)ran;
+    pthread_mutex_unlock(&pool.busy);
+}
+
+/* tests: hold the workers (1: they take no index) or let them go (0) */
+void ft_pool_hold(int held) { atomic_store(&pool.held, held); }
+
+/* tests: regions run on more than one thread, indices the workers ran, workers started */
+void ft_pool_stats(int64_t *out) {
+    out[0] = (int64_t)atomic_load(&pool.regions);
+    out[1] = (int64_t)atomic_load(&pool.helped);
+    out[2] = atomic_load(&pool.workers);
+}
+
+/* chunks of at most `per` outputs (a multiple of `align`) over N outputs: ~4 a thread, at least `least` outputs */
+static int64_t chunk_size(int64_t N, int threads, int64_t least, int64_t align) {
+    if (threads <= 1) return N > 0 ? N : 1;
+    int64_t per = (N + 4 * threads - 1) / (4 * threads);
+    if (per < least) per = least;
+    return (per + align - 1) / align * align;
+}
 
 /* ---- input-major: rows of x against a [K, N] weight, outputs n0 <= n < n1 ---- */
 
@@ -154,6 +322,21 @@ static void im_range16(const float *x, int64_t ldx, const float *wt, const float
 }
 
 static int im16_off; /* tests: ft_im16(0) compares the AVX2 loop */
+typedef void (*im_range_fn)(const float *, int64_t, const float *, const float *, float *, int64_t, int64_t, int64_t,
+                            int64_t, int64_t, int64_t);
+typedef struct { /* ft_linear_im's chunks: outputs [i per, (i + 1) per) */
+    im_range_fn range;
+    const float *x;
+    int64_t ldx;
+    const float *wt, *bias;
+    float *out;
+    int64_t ldo, M, N, K, per;
+} im_task;
+static void im_chunk(void *ctx, int64_t i) {
+    const im_task *t = ctx;
+    int64_t n0 = i * t->per, n1 = n0 + t->per < t->N ? n0 + t->per : t->N;
+    t->range(t->x, t->ldx, t->wt, t->bias, t->out, t->ldo, t->M, t->N, t->K, n0, n1);
+}
 int ft_im16(int on) { /* which input-major loop runs: on < 0 asks, 0/1 sets (where the CPU has AVX-512) */
     if (on >= 0) im16_off = !on;
     return avx512_cpu && !im16_off;
@@ -161,18 +344,13 @@ int ft_im16(int on) { /* which input-major loop runs: on < 0 asks, 0/1 sets (whe
 
 void ft_linear_im(const float *x, int64_t ldx, const float *wt, const float *bias, float *out, int64_t ldo,
                   int64_t M, int64_t N, int64_t K, int threads) {
-    void (*range)(const float *, int64_t, const float *, const float *, float *, int64_t, int64_t, int64_t, int64_t,
-                  int64_t, int64_t) = avx512_cpu && !im16_off ? im_range16 : im_range;
+    im_range_fn range = avx512_cpu && !im16_off ? im_range16 : im_range;
     if (threads <= 1) {
         range(x, ldx, wt, bias, out, ldo, M, N, K, 0, N);
         return;
     }
-    int64_t per = (N / 8 + threads - 1) / threads * 8; /* whole vectors per thread */
-#pragma omp parallel for schedule(static) num_threads(threads)
-    for (int t = 0; t < threads; t++) {
-        int64_t n0 = t * per, n1 = n0 + per < N ? n0 + per : N;
-        if (n0 < n1) range(x, ldx, wt, bias, out, ldo, M, N, K, n0, n1);
-    }
+    im_task t = {range, x, ldx, wt, bias, out, ldo, M, N, K, chunk_size(N, threads, 64, 16)};
+    ft_parallel(threads, (N + t.per - 1) / t.per, im_chunk, &t);
 }
 
 /* ---- row-major: rows of x against a [N, K] weight ---- */
@@ -207,17 +385,27 @@ static inline __m256 f32x8(const float *p) { return _mm256_loadu_ps(p); }
         for (int i = 0; i < MB; i++) o[i * ldo] = hsum(_mm256_add_ps(a[i][0], a[i][1])) + b;                    \
     }
 
+typedef struct { /* a row-major product's chunks: outputs [i per, (i + 1) per) */
+    const float *x;
+    int64_t ldx;
+    const void *w;
+    const float *bias;
+    float *out;
+    int64_t ldo, M, N, K, per;
+    const uint16_t *xb; /* the dot-product loop's packed rows */
+} rm_task;
+
 /* FN: every row of x against a row-major [N, K] weight of type WT, four rows of x per weight row at a time */
 #define LINEAR_RM(FN, WT, NAME)                                                                                  \
-    void FN(const float *x, int64_t ldx, const WT *w, const float *bias, float *out, int64_t ldo, int64_t M,    \
-            int64_t N, int64_t K, int threads) {                                                                 \
-        _Pragma("omp parallel for schedule(static) num_threads(threads) if (threads > 1)")                       \
-        for (int64_t n = 0; n < N; n++) {                                                                        \
-            const WT *r = w + n * K;                                                                             \
-            float b = bias ? bias[n] : 0.f;                                                                      \
+    static void NAME##chunk(void *ctx, int64_t i) {                                                              \
+        const rm_task *t = ctx;                                                                                  \
+        int64_t M = t->M, K = t->K, ldx = t->ldx, ldo = t->ldo, n1 = (i + 1) * t->per;                           \
+        for (int64_t n = i * t->per; n < (n1 < t->N ? n1 : t->N); n++) {                                         \
+            const WT *r = (const WT *)t->w + n * K;                                                              \
+            float b = t->bias ? t->bias[n] : 0.f;                                                                \
             for (int64_t m = 0; m < M; m += 4) {                                                                 \
-                const float *xm = x + m * ldx;                                                                   \
-                float *om = out + m * ldo + n;                                                                   \
+                const float *xm = t->x + m * ldx;                                                                \
+                float *om = t->out + m * ldo + n;                                                                \
                 switch (M - m < 4 ? M - m : 4) {                                                                 \
                     case 4: NAME##4(xm, ldx, r, om, ldo, K, b); break;                                           \
                     case 3: NAME##3(xm, ldx, r, om, ldo, K, b); break;                                           \
@@ -226,6 +414,11 @@ static inline __m256 f32x8(const float *p) { return _mm256_loadu_ps(p); }
                 }                                                                                                \
             }                                                                                                    \
         }                                                                                                        \
+    }                                                                                                            \
+    void FN(const float *x, int64_t ldx, const WT *w, const float *bias, float *out, int64_t ldo, int64_t M,    \
+            int64_t N, int64_t K, int threads) {                                                                 \
+        rm_task t = {x, ldx, w, bias, out, ldo, M, N, K, chunk_size(N, threads, 16, 1), NULL};                   \
+        ft_parallel(threads, (N + t.per - 1) / t.per, NAME##chunk, &t);                                          \
     }
 
 ROWS(rows, float, f32x8, 1)
@@ -332,6 +525,18 @@ static const dp_pass_fn DP_PASSES[DP_ROWS + 1] = {
     0, dp_pass_1, dp_pass_2, dp_pass_3, dp_pass_4, dp_pass_5, dp_pass_6, dp_pass_7, dp_pass_8,
     dp_pass_9, dp_pass_10, dp_pass_11, dp_pass_12, dp_pass_13, dp_pass_14, dp_pass_15, dp_pass_16};
 
+DPBF16 static void dp_chunk(void *ctx, int64_t i) {
+    const rm_task *t = ctx;
+    int64_t M = t->M, K = t->K, n1 = (i + 1) * t->per < t->N ? (i + 1) * t->per : t->N;
+    for (int64_t n = i * t->per; n < n1; n++) {
+        float b = t->bias ? t->bias[n] : 0.f;
+        for (int64_t m0 = 0; m0 < M; m0 += DP_ROWS) {
+            int64_t mr = M - m0 < DP_ROWS ? M - m0 : DP_ROWS;
+            DP_PASSES[mr](t->xb + m0 * K, K, (const uint16_t *)t->w + n * K, t->out + m0 * t->ldo + n, t->ldo, b);
+        }
+    }
+}
+
 DPBF16 static void linear_rm_bf16_dp(const float *x, int64_t ldx, const uint16_t *w, const float *bias, float *out,
                                      int64_t ldo, int64_t M, int64_t N, int64_t K, int threads, uint16_t *xb) {
     for (int64_t m = 0; m < M; m++) { /* pass p's rows (DP_ROWS each, the last fewer) interleaved as DP_PASS reads */
@@ -341,14 +546,8 @@ DPBF16 static void linear_rm_bf16_dp(const float *x, int64_t ldx, const uint16_t
                                 (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(x + m * ldx + k + 16),
                                                              _mm512_loadu_ps(x + m * ldx + k)));
     }
-#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
-    for (int64_t n = 0; n < N; n++) {
-        float b = bias ? bias[n] : 0.f;
-        for (int64_t m0 = 0; m0 < M; m0 += DP_ROWS) {
-            int64_t mr = M - m0 < DP_ROWS ? M - m0 : DP_ROWS;
-            DP_PASSES[mr](xb + m0 * K, K, w + n * K, out + m0 * ldo + n, ldo, b);
-        }
-    }
+    rm_task t = {x, ldx, w, bias, out, ldo, M, N, K, chunk_size(N, threads, 16, 1), xb};
+    ft_parallel(threads, (N + t.per - 1) / t.per, dp_chunk, &t);
 }
 
 int ft_bf16_dp(void) { return avx512_bf16_cpu; } /* ft_linear_rm_bf16's loop where K % 32 == 0 (the log) */
@@ -897,6 +1096,28 @@ static void round_rows(float *x, int64_t n, int bf16) {
         for (int64_t i = 0; i < n; i++) x[i] = bf16_round(x[i]);
 }
 
+typedef struct { /* one layer's attention, task t = (row t / nkv, KV head t % nkv) */
+    const float *qkv;
+    float *att;
+    const void *kc, *vc;
+    int64_t *const *row_at;
+    const int64_t *seq_lens;
+    float *scores;
+    int64_t nqkv, nh, nkv, G, D, padded;
+    float scale;
+    int bf16, wide;
+} attend_task;
+
+static void attend_one(void *ctx, int64_t t) {
+    const attend_task *a = ctx;
+    int64_t m = t / a->nkv, kvh = t % a->nkv;
+    float *o = a->att + m * a->nh * a->D + kvh * a->G * a->D;
+    (a->wide ? attend_group16 : attend_group)(a->qkv + m * a->nqkv + kvh * a->G * a->D, a->G, a->kc, a->vc,
+                                              a->row_at[m], a->seq_lens[m], kvh, a->D, a->scale,
+                                              a->scores + t * a->G * a->padded, o, a->bf16);
+    round_rows(o, a->G * a->D, a->bf16);
+}
+
 /* x: [M, H] in the activation dtype (bf16 when bf16 != 0, else float32), the rows' hidden states in, the last
    layer's output out. kv: L pointers to each layer's cache [2, num_blocks, block_size, nkv, D] in the activation
    dtype, V at kv_half elements after K. cos, sin_rolled: [M, D] in the activation dtype. block_tables:
@@ -949,14 +1170,9 @@ int ft_decode_layers(const ft_layer *layers, int64_t L, void *const *kv, int64_t
             store(kc, at_slot, r + nh * D, nkv * D, bf16);
             store(vc, at_slot, r + (nh + nkv) * D, nkv * D, bf16);
         }
-        _Pragma("omp parallel for schedule(static) num_threads(threads) if (threads > 1 && tasks > 1)")
-        for (int64_t t = 0; t < tasks; t++) {
-            int64_t m = t / nkv, kvh = t % nkv;
-            float *o = att + m * nh * D + kvh * G * D;
-            (wide ? attend_group16 : attend_group)(qkv + m * nqkv + kvh * G * D, G, kc, vc, row_at[m], seq_lens[m],
-                                                   kvh, D, scale, scores + t * G * padded, o, bf16);
-            round_rows(o, G * D, bf16);
-        }
+        attend_task at_task = {qkv, att, kc, vc, row_at, seq_lens, scores, nqkv, nh, nkv, G, D, padded, scale, bf16,
+                               wide};
+        ft_parallel(threads, tasks, attend_one, &at_task);
         product(p->o_kind, att, nh * D, p->o_w, NULL, y, H, M, H, nh * D, threads);
         for (int64_t i = 0; i < M * H; i++) xf[i] = rnd(xf[i] + rnd(y[i], bf16), bf16);
         for (int64_t m = 0; m < M; m++) norm_row(xf + m * H, p->post_norm, h + m * H, H, eps, bf16);

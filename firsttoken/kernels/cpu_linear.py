@@ -51,6 +51,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+import threading
 from pathlib import Path
 
 import torch
@@ -66,6 +67,21 @@ MAX_ROWS_BF16 = 4  # bf16 decode step, 1 thread: 4 rows 0.63x torch's time, 8 ro
 TOPK_MAX = 256
 MAX_ROWS_BF16_DP = 16  # the AVX512-BF16 dot-product loop (ft_bf16_dp): see max_rows_bf16
 SOURCE = Path(__file__).with_name("cpu_linear.c")
+_plan = threading.local()  # this thread's kernel threads (set_kernel_threads)
+
+
+def set_kernel_threads(n: int | None) -> int | None:
+    """Threads for the running thread's calls into the float32/bf16 products and the fused decode layers (their own
+    workers, ft_parallel in cpu_linear.c: a pre-empted worker does not stall a call, so a decode step may use every
+    core while torch's own ops take one fewer). None: torch's count (get_num_threads), the default. Returns the
+    setting it replaces."""
+    previous = getattr(_plan, "n", None)
+    _plan.n = n
+    return previous
+
+
+def kernel_threads() -> int:
+    return getattr(_plan, "n", None) or torch.get_num_threads()
 CFLAGS = ("-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC", "-std=gnu11")  # no fused
 # multiply-adds beyond the ones written: the int8 kernels are bitwise twins of torch ops
 
@@ -164,6 +180,15 @@ class _Kernel:
         self.bf16_dp = bool(self.lib.ft_bf16_dp())  # bf16 products: AVX512-BF16 dot products (K % 32 == 0) or AVX2
         self.attention_avx512 = bool(self.lib.ft_attention_avx512())  # the fused step's attention loop (D % 64 == 0)
         self.lib.ft_topk.restype, self.lib.ft_topk.argtypes = ctypes.c_int64, [p, i64, i64, p, p]
+        self.lib.ft_pool_stats.restype, self.lib.ft_pool_stats.argtypes = None, [p]
+        self.lib.ft_pool_hold.restype, self.lib.ft_pool_hold.argtypes = None, [ctypes.c_int]
+
+    def pool_stats(self) -> dict[str, int]:
+        """The kernels' own threads (ft_parallel): regions run on more than one thread so far, work items the
+        workers (not the caller) took, workers started."""
+        out = (ctypes.c_int64 * 3)()
+        self.lib.ft_pool_stats(out)
+        return {"regions": out[0], "worker_items": out[1], "workers": out[2]}
 
     def linear(self, rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """rows [M, K] float32 with unit column stride; weight [N, K] float32, row-major or input-major (its
@@ -176,7 +201,7 @@ class _Kernel:
             fn = self.row_major if weight.is_contiguous() else self.input_major
         out = torch.empty(m, n, dtype=torch.float32)
         fn(rows.data_ptr(), rows.stride(0), weight.data_ptr(), 0 if bias is None else bias.data_ptr(),
-           out.data_ptr(), n, m, n, k, torch.get_num_threads())
+           out.data_ptr(), n, m, n, k, kernel_threads())
         return out
 
 

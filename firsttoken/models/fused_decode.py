@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from firsttoken.attention.base import AttentionMetadata
-from firsttoken.kernels.cpu_linear import MAX_ROWS, MAX_ROWS_BF16_DP, _kernel, kernel_applies
+from firsttoken.kernels.cpu_linear import MAX_ROWS, MAX_ROWS_BF16_DP, _kernel, kernel_applies, kernel_threads
 
 # bf16 steps of up to 8 rows where the bf16 products take the AVX2 loop: the fused layers against the eager layers
 # (torch's AVX512-BF16 products above MAX_ROWS_BF16 = 4 rows), whole in-process decode steps, one thread, `small`
@@ -111,7 +111,7 @@ class FusedDecoder:
         rc = self._fn(self._layers, self.num_layers, kv, kv_caches[0].stride(0), x.data_ptr(), m, self.hidden,
                       self.heads, self.kv_heads, self.head_dim, self.intermediate, self.eps, cos.data_ptr(),
                       sin_rolled.data_ptr(), table.data_ptr(), table.stride(0), seq_lens, slots.data_ptr(),
-                      meta.block_size, self.scale, self.dtype == torch.bfloat16, torch.get_num_threads())
+                      meta.block_size, self.scale, self.dtype == torch.bfloat16, kernel_threads())
         if rc != 0:
             raise MemoryError("fused decode layers: no scratch memory")
         self.steps += 1

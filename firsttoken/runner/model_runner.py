@@ -34,6 +34,7 @@ from firsttoken.batch import (
     ScheduledBatch,
     ScheduledChunk,
 )
+from firsttoken.kernels.cpu_linear import set_kernel_threads
 from firsttoken.models.interfaces import EncodeState, ImageEmbeddings, ImageRows
 from firsttoken.sampling.penalties import TokenHistory
 from firsttoken.sampling.sampler import Sampler, SampleRow, make_generator
@@ -98,13 +99,16 @@ DEFAULT_THREADS = torch.get_num_threads()
 
 
 class ThreadPlan:
-    """torch's intra-op threads per step. A step that only decodes reads every weight once for a few rows: it is
-    bound by memory bandwidth, which one thread fewer barely lowers, while the server's own threads (HTTP,
+    """Threads per step. torch's intra-op threads: a step that only decodes reads every weight once for a few rows:
+    it is bound by memory bandwidth, which one thread fewer barely lowers, while the server's own threads (HTTP,
     streaming, detokenizing what that step produced) need a core at exactly that time; an OpenMP team spread over
-    every core then waits at each op's barrier for whichever thread they preempted. So decode-only steps run on
-    ``decode_threads`` (default: all but one, at least one), every other step (prefill, vision) on all ``threads``
-    (default: DEFAULT_THREADS). Applied in the thread that runs the model, only when a step's kind changes the count.
-    A runner without a plan never touches the count."""
+    every core then waits at each op's barrier for whichever thread they preempted. So torch's ops in decode-only
+    steps run on ``decode_threads`` (default: all but one, at least one), every other step (prefill, vision) on all
+    ``threads`` (default: DEFAULT_THREADS). firsttoken's own CPU kernels (the bf16/float32 few-rows products and the
+    fused decode layers, kernels/cpu_linear.py) take ``threads`` in every step: their workers are optional (the
+    calling thread takes the work a pre-empted one has not started), so a decode step's products stream weights
+    on every core without waiting for the event loop's. Applied in the thread that runs the model, torch's count
+    only when a step's kind changes it. A runner without a plan never touches either."""
 
     def __init__(self, threads: int | None = None, decode_threads: int | None = None) -> None:
         self.threads = threads or DEFAULT_THREADS
@@ -117,6 +121,7 @@ class ThreadPlan:
         if want != torch.get_num_threads():  # 0.3 us; the running thread's own count, whoever set it
             torch.set_num_threads(want)
             self.switches += 1
+        set_kernel_threads(self.threads)
 
 
 class ModelRunner:

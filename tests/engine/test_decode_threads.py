@@ -1,5 +1,5 @@
-"""Steps that only decode run on fewer torch threads than prefill and vision steps (--decode-threads), and the
-answers do not change."""
+"""Steps that only decode run on fewer torch threads than prefill and vision steps (--decode-threads), while
+firsttoken's own kernels keep every thread, and the answers do not change."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from transformers import AutoTokenizer
 from firsttoken.config import CacheConfig, EngineConfig, GenerationDefaults, SchedulerConfig
 from firsttoken.engine.engine import LLMEngine
 from firsttoken.inputs.processor import InputProcessor
+from firsttoken.kernels.cpu_linear import kernel_threads
 from firsttoken.runner.model_runner import DEFAULT_THREADS
 from tests.engine.test_faults import chat, image_question, run_all
 
@@ -34,14 +35,17 @@ def build(model_dir: Path, decode_threads: int | None, num_threads: int | None =
     return engine, proc
 
 
-def record_threads(engine: LLMEngine) -> list[tuple[str, int]]:
-    """(what ran, torch threads at that moment) for every forward and vision-tower call, in order."""
+def record_threads(engine: LLMEngine, kernels: list[tuple[str, int]] | None = None) -> list[tuple[str, int]]:
+    """(what ran, torch threads at that moment) for every forward and vision-tower call, in order; into ``kernels``
+    (what ran, the kernels' threads) for every forward."""
     runner = engine.executor.runner
     calls: list[tuple[str, int]] = []
     forward, run_units = runner.model.forward, runner.model.visual.run_units
 
     def recorded_forward(input_ids, *args, **kwargs):
         calls.append((f"forward:{input_ids.shape[0]}", torch.get_num_threads()))
+        if kernels is not None:
+            kernels.append((f"forward:{input_ids.shape[0]}", kernel_threads()))
         return forward(input_ids, *args, **kwargs)
 
     def recorded_units(*args, **kwargs):
@@ -60,7 +64,8 @@ def requests(proc):
 def test_decode_only_steps_run_on_one_thread_fewer_and_everything_else_on_all(tiny_model_dir):
     torch.set_num_threads(1)  # whatever the calling thread had, the engine's steps run on its plan
     engine, proc = build(tiny_model_dir, decode_threads=None)  # --num-threads 2, decode: the default, all but one
-    calls = record_threads(engine)
+    kernels: list[tuple[str, int]] = []
+    calls = record_threads(engine, kernels)
     answers = run_all(engine, requests(proc))
     vision = [n for what, n in calls if what == "vision"]
     prefill = [n for what, n in calls if what.startswith("forward:") and int(what.split(":")[1]) > 2]
@@ -68,6 +73,7 @@ def test_decode_only_steps_run_on_one_thread_fewer_and_everything_else_on_all(ti
     assert vision and set(vision) == {2}  # the image's tower ran on both threads
     assert prefill and set(prefill) == {2}  # so did every prefill forward
     assert len(decode) >= 7 and set(decode) == {1}  # 8 tokens each: the decode-only steps ran on one
+    assert len(kernels) == len(calls) - len(vision) and {n for _, n in kernels} == {2}  # the kernels: on both
     # The count changes only when a step's kind changes, not every step.
     assert engine.executor.runner.threads.switches <= 5
 

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import multiprocessing
 import subprocess
+import threading
 
 import pytest
 import torch
@@ -372,3 +374,94 @@ def test_input_major_avx512_loop_is_bitwise_the_avx2_loop(kernel_built):
     finally:
         switch(1)
         torch.set_num_threads(before)
+
+
+# ---- the kernels' own threads (ft_parallel) -------------------------------------------------------------------------
+def _products() -> list[tuple[str, torch.Tensor, torch.Tensor]]:
+    """One weight per loop the pool runs: float32 row-major and input-major, bf16 row-major (the dot-product loop
+    where the CPU has it)."""
+    g = torch.Generator().manual_seed(7)
+    w32 = torch.randn(1000, 512, generator=g)
+    return [("f32-rm", torch.randn(6, 512, generator=g), w32),
+            ("f32-im", torch.randn(6, 512, generator=g), w32.t().contiguous().t()),
+            ("bf16", torch.randn(6, 512, generator=g), torch.randn(1000, 512, generator=g).to(torch.bfloat16))]
+
+
+def _product(kernel: cpu_linear._Kernel, x: torch.Tensor, w: torch.Tensor, threads: int) -> torch.Tensor:
+    cpu_linear.set_kernel_threads(threads)
+    try:
+        return kernel.linear(x, w, None)
+    finally:
+        cpu_linear.set_kernel_threads(None)
+
+
+def test_kernel_threads_are_set_per_thread_apart_from_torch(kernel_built):
+    """set_kernel_threads (ThreadPlan sets it per step) decides the kernels' threads, not torch's count."""
+    kernel = cpu_linear._kernel()[0]
+    x, w = _products()[0][1:]
+    before = kernel.pool_stats()
+    torch_threads = torch.get_num_threads()
+    one = _product(kernel, x, w, 1)
+    assert kernel.pool_stats()["regions"] == before["regions"]  # one thread: the caller alone, no region
+    two = _product(kernel, x, w, 2)
+    after = kernel.pool_stats()
+    assert after["regions"] == before["regions"] + 1 and after["workers"] >= 1
+    assert torch.get_num_threads() == torch_threads and torch.equal(one, two)
+
+
+def test_a_region_never_waits_for_a_worker(kernel_built):
+    """Workers are optional: with them held (as if pre-empted before taking any work) every product still completes,
+    the caller having done all of it, bitwise the same."""
+    kernel = cpu_linear._kernel()[0]
+    for name, x, w in _products():
+        alone = _product(kernel, x, w, 1)
+        kernel.lib.ft_pool_hold(1)
+        try:
+            items = kernel.pool_stats()["worker_items"]
+            held = _product(kernel, x, w, 2)
+            assert kernel.pool_stats()["worker_items"] == items, name
+        finally:
+            kernel.lib.ft_pool_hold(0)
+        assert torch.equal(held, alone), name
+        assert torch.equal(_product(kernel, x, w, 2), alone), name
+
+
+def test_concurrent_callers_each_get_their_own_products(kernel_built):
+    """Several threads calling the kernels at once (two engines in one process): one runs its regions on the pool,
+    the others alone; every result is bitwise the single-thread one."""
+    kernel = cpu_linear._kernel()[0]
+    products = _products()
+    expected = [_product(kernel, x, w, 1) for _, x, w in products]
+    failures: list[str] = []
+
+    def caller(c: int) -> None:
+        for i in range(40):
+            name, x, w = products[(c + i) % len(products)]
+            if not torch.equal(_product(kernel, x, w, 2), expected[(c + i) % len(products)]):
+                failures.append(f"caller {c} call {i} ({name})")
+
+    threads = [threading.Thread(target=caller, args=(c,)) for c in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not failures
+
+
+def test_a_forked_child_starts_its_own_workers(kernel_built):
+    """fork copies the pool's state but not its threads: the child's first region starts a worker of its own."""
+    kernel = cpu_linear._kernel()[0]
+    _, x, w = _products()[2]
+    expected = _product(kernel, x, w, 1)
+    assert torch.equal(_product(kernel, x, w, 2), expected) and kernel.pool_stats()["workers"] >= 1  # the parent's
+    ctx = multiprocessing.get_context("fork")
+    with ctx.Pool(1) as pool:
+        workers_before, workers_after, same = pool.apply(_child_product, (x, w, expected))
+    assert (workers_before, workers_after, same) == (0, 1, True)
+
+
+def _child_product(x: torch.Tensor, w: torch.Tensor, expected: torch.Tensor) -> tuple[int, int, bool]:
+    kernel = cpu_linear._kernel()[0]
+    before = kernel.pool_stats()["workers"]
+    out = _product(kernel, x, w, 2)
+    return before, kernel.pool_stats()["workers"], bool(torch.equal(out, expected))
