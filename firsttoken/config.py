@@ -239,7 +239,8 @@ class EngineConfig:
         "torch threads for steps that only decode (default: one fewer than --num-threads, at least 1: a "
         "decode step is bound by memory bandwidth, and the server's own threads stream its tokens meanwhile); "
         "firsttoken's own CPU kernels (few-rows products, fused decode layers) take all --num-threads in every "
-        "step: their workers are optional, so a pre-empted one does not stall the step"))
+        "step: their workers are optional, so a pre-empted one does not stall the step; decode steps that the "
+        "fused layers take leave torch one thread"))
     seed: int | None = field(default=None, metadata=option("seed for requests that bring no seed of their own"))
     request_timeout_s: float | None = field(default=None, metadata=option(
         "seconds a request may take from arrival to its last token; later it fails with HTTP 504 (or an error "

@@ -54,9 +54,8 @@ __attribute__((constructor)) static void detect_cpu(void) {
    its idle workers spin for milliseconds after each region, taking the core that the event loop needs while the
    engine runs Python. Here a worker is optional: the caller claims indices too and returns when all are done,
    so a worker that is late or pre-empted between indices costs nothing (only one pre-empted while holding an
-   index is waited for: indices are a few microseconds of work); an idle worker spins POOL_SPIN_NS for the next
-   region (a decode step's regions follow each other within microseconds) and then sleeps on a futex until a
-   caller publishes work. Which thread computes an index never changes what it computes.
+   index is waited for: indices are a few microseconds of work); an idle worker spins for the next region (0.1 ms;
+   2 ms in decode steps: ft_pool_spin) and then sleeps on a futex until a caller publishes work. Which thread computes an index never changes what it computes.
 
    Publication: a region's (fn, ctx, n, width) goes to slot[gen & 1], then `claim` = gen << 32 (index 0). A worker
    reads claim, then the slot of its generation, and takes index i only by a compare-and-swap of (gen, i) to
@@ -71,7 +70,7 @@ typedef struct {
     _Atomic int width; /* threads taking part: worker w when w + 1 < width */
 } pool_slot;
 #define POOL_MAX_WORKERS 63
-#define POOL_SPIN_NS 100000 /* an idle worker spins this long before it sleeps */
+#define POOL_SPIN_NS 100000 /* an idle worker spins this long before it sleeps (ft_pool_spin changes it) */
 static struct {
     pthread_mutex_t busy;
     pthread_mutex_t start; /* starting workers */
@@ -84,6 +83,12 @@ static struct {
     _Atomic uint64_t regions, helped; /* regions run on more than one thread; indices the workers took (tests) */
     _Atomic int held; /* tests: workers take no index while set (the caller must do all) */
 } pool = {.busy = PTHREAD_MUTEX_INITIALIZER, .start = PTHREAD_MUTEX_INITIALIZER};
+
+static _Atomic int64_t pool_spin_ns = POOL_SPIN_NS;
+/* how long idle workers spin before they sleep: long in decode steps (the next step's regions begin within a few
+   milliseconds of Python, and a sleeping worker takes ~0.1 ms or more to wake), short elsewhere (a prefill's torch
+   ops need every core for OpenMP's own team) */
+void ft_pool_spin(int64_t ns) { atomic_store(&pool_spin_ns, ns); }
 
 static int64_t now_ns(void) {
     struct timespec t;
@@ -118,7 +123,7 @@ static void *pool_worker(void *arg) {
         uint32_t gen;
         for (int spins = 1; (gen = atomic_load(&pool.wake)) == seen; spins++) {
             _mm_pause();
-            if (spins % 64 == 0 && now_ns() - since > POOL_SPIN_NS) {
+            if (spins % 64 == 0 && now_ns() - since > atomic_load(&pool_spin_ns)) {
                 atomic_fetch_add(&pool.sleepers, 1);
                 if (atomic_load(&pool.wake) == seen)
                     syscall(SYS_futex, &pool.wake, FUTEX_WAIT_PRIVATE, seen, NULL, NULL, 0);

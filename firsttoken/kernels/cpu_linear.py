@@ -82,6 +82,24 @@ def set_kernel_threads(n: int | None) -> int | None:
 
 def kernel_threads() -> int:
     return getattr(_plan, "n", None) or torch.get_num_threads()
+
+
+POOL_SPIN_S = {"decode": 2e-3, "other": 1e-4}
+_spin = ["other"]
+
+
+def set_kernel_spin(mode: str) -> None:
+    """How long the kernels' idle workers spin before sleeping: "decode" (2 ms: a decode step's next regions begin
+    within a few milliseconds of Python, and waking a sleeping worker took ~0.1 ms or more on the 2-vCPU VMs
+    measured; spinning one costs nothing it would not yield, since a pre-empted worker never stalls a region) or
+    "other" (0.1 ms: prefill and vision steps run torch's OpenMP team on every core). Applied once the kernels are
+    built (never builds them), only when it changes."""
+    if mode == _spin[0] or not _kernel.cache_info().currsize:
+        return
+    kernel = _kernel()[0]
+    if kernel is not None:
+        kernel.lib.ft_pool_spin(int(POOL_SPIN_S[mode] * 1e9))
+        _spin[0] = mode
 CFLAGS = ("-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC", "-std=gnu11")  # no fused
 # multiply-adds beyond the ones written: the int8 kernels are bitwise twins of torch ops
 
@@ -182,6 +200,7 @@ class _Kernel:
         self.lib.ft_topk.restype, self.lib.ft_topk.argtypes = ctypes.c_int64, [p, i64, i64, p, p]
         self.lib.ft_pool_stats.restype, self.lib.ft_pool_stats.argtypes = None, [p]
         self.lib.ft_pool_hold.restype, self.lib.ft_pool_hold.argtypes = None, [ctypes.c_int]
+        self.lib.ft_pool_spin.restype, self.lib.ft_pool_spin.argtypes = None, [i64]
 
     def pool_stats(self) -> dict[str, int]:
         """The kernels' own threads (ft_parallel): regions run on more than one thread so far, work items the

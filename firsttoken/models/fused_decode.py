@@ -95,6 +95,10 @@ class FusedDecoder:
         self.scale = model.layers[0].self_attn.scale
         self.steps = 0  # pure-decode steps taken here (tests read it)
 
+    def takes(self, num_rows: int) -> bool:
+        """Would a pure-decode step of this many rows come here (the runner sets its threads by it)?"""
+        return 0 < num_rows <= self.max_rows
+
     def applies(self, x: torch.Tensor, meta: AttentionMetadata, kv_caches: list[torch.Tensor]) -> bool:
         return (0 < x.shape[0] <= self.max_rows and meta.is_pure_decode and kv_caches[0].dtype == self.dtype
                 and kv_caches[0].is_contiguous())

@@ -34,7 +34,7 @@ from firsttoken.batch import (
     ScheduledBatch,
     ScheduledChunk,
 )
-from firsttoken.kernels.cpu_linear import set_kernel_threads
+from firsttoken.kernels.cpu_linear import set_kernel_spin, set_kernel_threads
 from firsttoken.models.interfaces import EncodeState, ImageEmbeddings, ImageRows
 from firsttoken.sampling.penalties import TokenHistory
 from firsttoken.sampling.sampler import Sampler, SampleRow, make_generator
@@ -107,8 +107,11 @@ class ThreadPlan:
     ``threads`` (default: DEFAULT_THREADS). firsttoken's own CPU kernels (the bf16/float32 few-rows products and the
     fused decode layers, kernels/cpu_linear.py) take ``threads`` in every step: their workers are optional (the
     calling thread takes the work a pre-empted one has not started), so a decode step's products stream weights
-    on every core without waiting for the event loop's. Applied in the thread that runs the model, torch's count
-    only when a step's kind changes it. A runner without a plan never touches either."""
+    on every core without waiting for the event loop's. A decode step the fused layers take leaves torch one thread
+    (its ops there are a few small ones around the kernels, and an OpenMP team spinning beside the kernels' workers
+    took cores from them: batch 8 in process took 1.6x the time) and lets the kernels' idle workers spin between
+    steps (``set_kernel_spin``). Applied in the thread that runs the model, torch's count only when it changes. A
+    runner without a plan never touches either."""
 
     def __init__(self, threads: int | None = None, decode_threads: int | None = None) -> None:
         self.threads = threads or DEFAULT_THREADS
@@ -116,12 +119,14 @@ class ThreadPlan:
                                          self.threads))
         self.switches = 0  # tests read it: how often the count changed
 
-    def apply(self, decode_only: bool) -> None:
-        want = self.decode_threads if decode_only else self.threads
+    def apply(self, decode_only: bool, fused: bool = False) -> None:
+        """``fused``: a decode-only step that the fused decode layers take."""
+        want = 1 if fused else self.decode_threads if decode_only else self.threads
         if want != torch.get_num_threads():  # 0.3 us; the running thread's own count, whoever set it
             torch.set_num_threads(want)
             self.switches += 1
         set_kernel_threads(self.threads)
+        set_kernel_spin("decode" if fused else "other")
 
 
 class ModelRunner:
@@ -169,7 +174,9 @@ class ModelRunner:
             self.encoder_outputs.pop(h, None)
             self._encode_jobs.pop(h, None)
         if self.threads is not None and batch.has_work:  # a bookkeeping-only batch leaves the count alone
-            self.threads.apply(decode_only=not batch.encoder_work and all(c.is_decode for c in batch.chunks))
+            decode_only = not batch.encoder_work and all(c.is_decode for c in batch.chunks)
+            fused = getattr(self.model, "fused_decode", None)
+            self.threads.apply(decode_only, fused=decode_only and fused is not None and fused.takes(len(batch.chunks)))
         self._step_units = 0
         self._deferred = [w for w in batch.encoder_work if w.interruptible]
         enc = self._run_encoder_work([w for w in batch.encoder_work if not w.interruptible])

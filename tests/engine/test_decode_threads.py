@@ -12,6 +12,7 @@ from transformers import AutoTokenizer
 from firsttoken.config import CacheConfig, EngineConfig, GenerationDefaults, SchedulerConfig
 from firsttoken.engine.engine import LLMEngine
 from firsttoken.inputs.processor import InputProcessor
+from firsttoken.kernels import cpu_linear
 from firsttoken.kernels.cpu_linear import kernel_threads
 from firsttoken.runner.model_runner import DEFAULT_THREADS
 from tests.engine.test_faults import chat, image_question, run_all
@@ -24,9 +25,9 @@ def restore_threads():
     torch.set_num_threads(before)
 
 
-def build(model_dir: Path, decode_threads: int | None, num_threads: int | None = 2):
+def build(model_dir: Path, decode_threads: int | None, num_threads: int | None = 2, cpu_kernels: str = "auto"):
     tok = AutoTokenizer.from_pretrained(model_dir)
-    cfg = EngineConfig(dtype="float32", num_threads=num_threads, decode_threads=decode_threads,
+    cfg = EngineConfig(dtype="float32", num_threads=num_threads, decode_threads=decode_threads, cpu_kernels=cpu_kernels,
                        cache=CacheConfig(kv_cache_memory_bytes=8 * 2**20),
                        scheduler=SchedulerConfig(max_batched_tokens=128, step_time_target="off"))
     engine = LLMEngine(model_dir, cfg, tok.backend_tokenizer)
@@ -35,9 +36,9 @@ def build(model_dir: Path, decode_threads: int | None, num_threads: int | None =
     return engine, proc
 
 
-def record_threads(engine: LLMEngine, kernels: list[tuple[str, int]] | None = None) -> list[tuple[str, int]]:
+def record_threads(engine: LLMEngine, kernels: list[tuple[str, int, str]] | None = None) -> list[tuple[str, int]]:
     """(what ran, torch threads at that moment) for every forward and vision-tower call, in order; into ``kernels``
-    (what ran, the kernels' threads) for every forward."""
+    (what ran, the kernels' threads, how long their idle workers spin) for every forward."""
     runner = engine.executor.runner
     calls: list[tuple[str, int]] = []
     forward, run_units = runner.model.forward, runner.model.visual.run_units
@@ -45,7 +46,7 @@ def record_threads(engine: LLMEngine, kernels: list[tuple[str, int]] | None = No
     def recorded_forward(input_ids, *args, **kwargs):
         calls.append((f"forward:{input_ids.shape[0]}", torch.get_num_threads()))
         if kernels is not None:
-            kernels.append((f"forward:{input_ids.shape[0]}", kernel_threads()))
+            kernels.append((f"forward:{input_ids.shape[0]}", kernel_threads(), cpu_linear._spin[0]))
         return forward(input_ids, *args, **kwargs)
 
     def recorded_units(*args, **kwargs):
@@ -63,9 +64,9 @@ def requests(proc):
 
 def test_decode_only_steps_run_on_one_thread_fewer_and_everything_else_on_all(tiny_model_dir):
     torch.set_num_threads(1)  # whatever the calling thread had, the engine's steps run on its plan
-    engine, proc = build(tiny_model_dir, decode_threads=None)  # --num-threads 2, decode: the default, all but one
-    kernels: list[tuple[str, int]] = []
-    calls = record_threads(engine, kernels)
+    # torch's product (no fused decode layers): decode steps on --decode-threads (default all but one)
+    engine, proc = build(tiny_model_dir, decode_threads=None, cpu_kernels="off")
+    calls = record_threads(engine)
     answers = run_all(engine, requests(proc))
     vision = [n for what, n in calls if what == "vision"]
     prefill = [n for what, n in calls if what.startswith("forward:") and int(what.split(":")[1]) > 2]
@@ -73,15 +74,33 @@ def test_decode_only_steps_run_on_one_thread_fewer_and_everything_else_on_all(ti
     assert vision and set(vision) == {2}  # the image's tower ran on both threads
     assert prefill and set(prefill) == {2}  # so did every prefill forward
     assert len(decode) >= 7 and set(decode) == {1}  # 8 tokens each: the decode-only steps ran on one
-    assert len(kernels) == len(calls) - len(vision) and {n for _, n in kernels} == {2}  # the kernels: on both
     # The count changes only when a step's kind changes, not every step.
     assert engine.executor.runner.threads.switches <= 5
 
-    engine, proc = build(tiny_model_dir, decode_threads=2)  # every step on all threads: the same answers
+    engine, proc = build(tiny_model_dir, decode_threads=2, cpu_kernels="off")  # every step on all: the same answers
     calls = record_threads(engine)
     assert run_all(engine, requests(proc)) == answers
     assert {n for _, n in calls} == {2}
     assert engine.executor.runner.threads.switches == 1  # once: from the 1 the previous engine's decode left
+
+
+def test_the_kernels_take_every_thread_and_fused_decode_steps_leave_torch_one(tiny_model_dir):
+    """firsttoken's kernels run on all --num-threads in every step; a decode step the fused layers take gives
+    torch's few ops one thread whatever --decode-threads says, and the kernels' idle workers spin between such
+    steps only (elsewhere torch's OpenMP team needs the cores)."""
+    assert cpu_linear.kernel_unavailable() is None  # CI's machines have AVX2 and gcc
+    for decode_threads in (None, 2):
+        engine, proc = build(tiny_model_dir, decode_threads=decode_threads, cpu_kernels="on")
+        assert engine.executor.runner.model.fused_decode is not None
+        kernels: list[tuple[str, int, str]] = []
+        calls = record_threads(engine, kernels)
+        run_all(engine, requests(proc))
+        decode = [n for what, n in calls if what in ("forward:1", "forward:2")]
+        prefill = [n for what, n in calls if what.startswith("forward:") and int(what.split(":")[1]) > 2]
+        assert len(decode) >= 7 and set(decode) == {1} and prefill and set(prefill) == {2}
+        assert len(kernels) == len(decode) + len(prefill) and {n for _, n, _ in kernels} == {2}
+        assert [spin for what, _, spin in kernels] == ["decode" if what in ("forward:1", "forward:2") else "other"
+                                                       for what, _, _ in kernels]
 
 
 def test_one_thread_stays_one_and_no_engine_inherits_a_decode_step_count(tiny_model_dir):
@@ -91,8 +110,8 @@ def test_one_thread_stays_one_and_no_engine_inherits_a_decode_step_count(tiny_mo
     assert {n for _, n in calls} == {1}
     # No --num-threads: "all" is torch's count when firsttoken was imported, not what the last decode step left in
     # this thread (an engine built after another one in the same thread used to start one thread short).
-    engine, proc = build(tiny_model_dir, decode_threads=8, num_threads=None)  # more than there are: all
-    assert engine.executor.runner.threads.threads == DEFAULT_THREADS
+    engine, proc = build(tiny_model_dir, decode_threads=8, num_threads=None, cpu_kernels="off")  # more than there
+    assert engine.executor.runner.threads.threads == DEFAULT_THREADS  # are: all
     calls = record_threads(engine)
     run_all(engine, [chat(proc, "text", "Hello there.")])
     assert {n for _, n in calls} == {DEFAULT_THREADS}
