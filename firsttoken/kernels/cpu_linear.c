@@ -16,11 +16,13 @@
    then a fixed reduction), so a request's decode products are bitwise the same whichever requests share its
    step. Threads split the outputs n into chunks (this file's own threads, ft_parallel below; the int8 kernels:
    OpenMP). The Python side checks K % KB == 0 and N % 8 == 0 (im), K % 16 == 0 (rm). */
+#define _GNU_SOURCE /* sched_getaffinity */
 #include <immintrin.h>
 #include <limits.h>
 #include <linux/futex.h>
 #include <math.h>
 #include <pthread.h>
+#include <sched.h>
 #include <signal.h>
 #include <stdatomic.h>
 #include <stdint.h>
@@ -168,8 +170,20 @@ static void pool_start(int want) { /* workers 0 .. want - 1, started once; fewer
     pthread_mutex_unlock(&pool.start);
 }
 
+static int pool_cpus(void) { /* CPUs this process may run on: more threads than that only spin against each other */
+    static _Atomic int cpus;
+    int c = atomic_load(&cpus);
+    if (!c) {
+        cpu_set_t set;
+        c = sched_getaffinity(0, sizeof set, &set) == 0 && CPU_COUNT(&set) > 0 ? CPU_COUNT(&set) : INT_MAX;
+        atomic_store(&cpus, c);
+    }
+    return c;
+}
+
 static void ft_parallel(int threads, int64_t n, task_fn fn, void *ctx) {
     if (threads > POOL_MAX_WORKERS + 1) threads = POOL_MAX_WORKERS + 1;
+    if (threads > pool_cpus()) threads = pool_cpus();
     if (threads <= 1 || n <= 1 || pthread_mutex_trylock(&pool.busy)) {
         for (int64_t i = 0; i < n; i++) fn(ctx, i);
         return;

@@ -465,3 +465,23 @@ def _child_product(x: torch.Tensor, w: torch.Tensor, expected: torch.Tensor) -> 
     before = kernel.pool_stats()["workers"]
     out = _product(kernel, x, w, 2)
     return before, kernel.pool_stats()["workers"], bool(torch.equal(out, expected))
+
+
+def test_no_more_threads_than_cpus_the_process_may_use(kernel_built):
+    """A process limited to one CPU (taskset, a container's cpuset) asking for two threads gets one: no worker is
+    started to spin against the caller."""
+    x, w = _products()[0][1:]
+    ctx = multiprocessing.get_context("spawn")
+    with ctx.Pool(1) as pool:
+        workers, regions, same = pool.apply(_one_cpu_product, (x, w, _product(cpu_linear._kernel()[0], x, w, 1)))
+    assert (workers, regions, same) == (0, 0, True)
+
+
+def _one_cpu_product(x: torch.Tensor, w: torch.Tensor, expected: torch.Tensor) -> tuple[int, int, bool]:
+    import os
+
+    os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
+    kernel = cpu_linear._kernel()[0]
+    out = _product(kernel, x, w, 2)
+    stats = kernel.pool_stats()
+    return stats["workers"], stats["regions"], bool(torch.equal(out, expected))
