@@ -238,9 +238,8 @@ class EngineConfig:
     decode_threads: int | None = field(default=None, metadata=option(
         "torch threads for steps that only decode (default: one fewer than --num-threads, at least 1: a "
         "decode step is bound by memory bandwidth, and the server's own threads stream its tokens meanwhile); "
-        "firsttoken's own CPU kernels (few-rows products, fused decode layers) take all --num-threads in every "
-        "step: their workers are optional, so a pre-empted one does not stall the step; decode steps that the "
-        "fused layers take leave torch one thread"))
+        "decode steps that firsttoken's fused decode layers take give torch one thread and those kernels all "
+        "--num-threads as workers of their own, which a pre-empted one never stalls"))
     seed: int | None = field(default=None, metadata=option("seed for requests that bring no seed of their own"))
     request_timeout_s: float | None = field(default=None, metadata=option(
         "seconds a request may take from arrival to its last token; later it fails with HTTP 504 (or an error "

@@ -49,8 +49,9 @@ __attribute__((constructor)) static void detect_cpu(void) {
 
 /* ---- the kernels' threads: ft_parallel ----
 
-   fn(ctx, i) for i in [0, n), on up to `threads` threads: the caller and persistent workers, each claiming the next
-   index from one atomic counter until none is left. Why not OpenMP's parallel for: its team ends at a barrier
+   fn(ctx, i) for i in [0, n). With threads < 0, on up to -threads threads: the caller and persistent workers, each
+   claiming the next index from one atomic counter until none is left (threads > 0: an OpenMP parallel for, see
+   ft_parallel). Why not OpenMP's parallel for: its team ends at a barrier
    that waits for every thread of the team, so a worker the OS pre-empted (a served decode step shares two cores
    with the event loop that streams the tokens and with the clients) stalls the step until it runs again, and
    its idle workers spin for milliseconds after each region, taking the core that the event loop needs while the
@@ -181,7 +182,15 @@ static int pool_cpus(void) { /* CPUs this process may run on: more threads than 
     return c;
 }
 
+/* threads > 0: OpenMP (the team torch's own ops use, so nothing else spins beside it: steps whose torch ops run
+   on several threads); threads < 0: the pool with -threads (decode steps whose work is all this file's) */
 static void ft_parallel(int threads, int64_t n, task_fn fn, void *ctx) {
+    if (threads >= 0) {
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && n > 1)
+        for (int64_t i = 0; i < n; i++) fn(ctx, i);
+        return;
+    }
+    threads = -threads;
     if (threads > POOL_MAX_WORKERS + 1) threads = POOL_MAX_WORKERS + 1;
     if (threads > pool_cpus()) threads = pool_cpus();
     if (threads <= 1 || n <= 1 || pthread_mutex_trylock(&pool.busy)) {
@@ -218,6 +227,7 @@ void ft_pool_stats(int64_t *out) {
 
 /* chunks of at most `per` outputs (a multiple of `align`) over N outputs: ~4 a thread, at least `least` outputs */
 static int64_t chunk_size(int64_t N, int threads, int64_t least, int64_t align) {
+    threads = threads < 0 ? -threads : threads; /* the pool's count (ft_parallel) */
     if (threads <= 1) return N > 0 ? N : 1;
     int64_t per = (N + 4 * threads - 1) / (4 * threads);
     if (per < least) per = least;
@@ -364,7 +374,7 @@ int ft_im16(int on) { /* which input-major loop runs: on < 0 asks, 0/1 sets (whe
 void ft_linear_im(const float *x, int64_t ldx, const float *wt, const float *bias, float *out, int64_t ldo,
                   int64_t M, int64_t N, int64_t K, int threads) {
     im_range_fn range = avx512_cpu && !im16_off ? im_range16 : im_range;
-    if (threads <= 1) {
+    if (threads == 1 || threads == -1 || threads == 0) {
         range(x, ldx, wt, bias, out, ldo, M, N, K, 0, N);
         return;
     }

@@ -71,17 +71,27 @@ _plan = threading.local()  # this thread's kernel threads (set_kernel_threads)
 
 
 def set_kernel_threads(n: int | None) -> int | None:
-    """Threads for the running thread's calls into the float32/bf16 products and the fused decode layers (their own
-    workers, ft_parallel in cpu_linear.c: a pre-empted worker does not stall a call, so a decode step may use every
-    core while torch's own ops take one fewer). None: torch's count (get_num_threads), the default. Returns the
-    setting it replaces."""
+    """How the running thread's calls into the float32/bf16 products and the fused decode layers split their work.
+    n: on n threads of their own (ft_parallel in cpu_linear.c: the caller plus workers that are optional, so one
+    the OS pre-empts never stalls a call); for steps whose work is all these kernels' (decode steps the fused layers
+    take), where torch's ops run on one thread. None (the default): on torch's OpenMP team at torch's count, the
+    team its own ops use, for steps where those run on several threads (workers of another pool spinning beside
+    that team took its cores: prefill steps of a few new tokens after a cached prefix took 1.5x the time). Returns
+    the setting it replaces."""
     previous = getattr(_plan, "n", None)
     _plan.n = n
     return previous
 
 
+def kernel_pool_threads() -> int | None:
+    """The running thread's setting (``set_kernel_threads``)."""
+    return getattr(_plan, "n", None)
+
+
 def kernel_threads() -> int:
-    return getattr(_plan, "n", None) or torch.get_num_threads()
+    """The kernels' ``threads`` argument: -n for n threads of their own, else torch's count (OpenMP)."""
+    n = getattr(_plan, "n", None)
+    return -n if n else torch.get_num_threads()
 
 
 POOL_SPIN_S = {"decode": 2e-3, "other": 1e-4}

@@ -104,14 +104,13 @@ class ThreadPlan:
     streaming, detokenizing what that step produced) need a core at exactly that time; an OpenMP team spread over
     every core then waits at each op's barrier for whichever thread they preempted. So torch's ops in decode-only
     steps run on ``decode_threads`` (default: all but one, at least one), every other step (prefill, vision) on all
-    ``threads`` (default: DEFAULT_THREADS). firsttoken's own CPU kernels (the bf16/float32 few-rows products and the
-    fused decode layers, kernels/cpu_linear.py) take ``threads`` in every step: their workers are optional (the
-    calling thread takes the work a pre-empted one has not started), so a decode step's products stream weights
-    on every core without waiting for the event loop's. A decode step the fused layers take leaves torch one thread
-    (its ops there are a few small ones around the kernels, and an OpenMP team spinning beside the kernels' workers
-    took cores from them: batch 8 in process took 1.6x the time) and lets the kernels' idle workers spin between
-    steps (``set_kernel_spin``). Applied in the thread that runs the model, torch's count only when it changes. A
-    runner without a plan never touches either."""
+    ``threads`` (default: DEFAULT_THREADS). A decode step that the fused decode layers take is different: its work
+    is firsttoken's own kernels (kernels/cpu_linear.py) but for a few small torch ops, so torch gets one thread and
+    the kernels all ``threads`` as workers of their own, which are optional (the calling thread takes the work a
+    pre-empted one has not started: a step streams weights on every core without waiting for the event loop's)
+    and spin between such steps (``set_kernel_spin``). In every other step the kernels run on torch's OpenMP team
+    at torch's count (another pool spinning beside that team took its cores). Applied in the thread that runs the
+    model, torch's count only when it changes. A runner without a plan never touches either."""
 
     def __init__(self, threads: int | None = None, decode_threads: int | None = None) -> None:
         self.threads = threads or DEFAULT_THREADS
@@ -125,7 +124,7 @@ class ThreadPlan:
         if want != torch.get_num_threads():  # 0.3 us; the running thread's own count, whoever set it
             torch.set_num_threads(want)
             self.switches += 1
-        set_kernel_threads(self.threads)
+        set_kernel_threads(self.threads if fused else None)
         set_kernel_spin("decode" if fused else "other")
 
 
