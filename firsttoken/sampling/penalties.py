@@ -33,6 +33,10 @@ class TokenHistory:
         self.output_ids = torch.tensor(out_ids, dtype=torch.long)  # [distinct output tokens]
         self.output_counts = torch.tensor(out_counts, dtype=torch.long)  # [distinct output tokens], >= 1
 
+    def has_seen(self, token_id: int) -> bool:
+        """Is this token in the prompt or the output so far?"""
+        return token_id in self._seen
+
     def append(self, token_id: int) -> None:
         """One more output token."""
         if token_id not in self._seen:

@@ -93,11 +93,12 @@ class Sampler:
         """logits: [num_rows, vocab] float32."""
         logits = logits.float()
         raw = logits
-        if any(r.params.has_penalties for r in rows):
-            logits = _apply_penalties(logits.clone(), rows)
-            _clamp_finite(logits)  # a tiny repetition penalty divides by ~0
         token_ids = [0] * len(rows)
-        greedy = [i for i, r in enumerate(rows) if r.params.is_greedy]
+        done = self._greedy_unseen_maximum(raw, rows, token_ids)
+        if any(r.params.has_penalties for i, r in enumerate(rows) if i not in done):
+            logits = _apply_penalties(logits.clone(), rows, skip=done)
+            _clamp_finite(logits)  # a tiny repetition penalty divides by ~0
+        greedy = [i for i, r in enumerate(rows) if r.params.is_greedy and i not in done]
         for i, token in zip(greedy, self._argmax(logits, greedy) if greedy else ()):
             token_ids[i] = token
         failed: dict[int, str] = {}
@@ -113,6 +114,27 @@ class Sampler:
         if any(r.params.logprobs for r in rows):
             logprobs = self._logprobs(raw, rows, token_ids, failed)
         return SampleResult(token_ids=token_ids, logprobs=logprobs, failed=failed)
+
+    def _greedy_unseen_maximum(self, raw: torch.Tensor, rows: Sequence[SampleRow], token_ids: list[int]) -> set[int]:
+        """Greedy rows whose only penalty is a repetition penalty >= 1 (Qwen2-VL's default: top-k 1, 1.05): such a
+        penalty only lowers the logits of tokens the request has seen, so when the first maximum of the raw logits
+        is a token it has not seen, that token is also the first maximum of the penalised ones (every earlier logit
+        was below it and can only go lower; clamping changes nothing finite). Those rows take it without the
+        penalty's clone, gather/scatter and clamp over the vocabulary; the others go the whole way. Only where the
+        CPU kernel takes the argmax (it never picks a NaN, as the clamped path never does). Returns the rows done."""
+        done: set[int] = set()
+        if self._cpu_kernel(raw) is None:
+            return done
+        for i, r in enumerate(rows):
+            p = r.params
+            if (r.history is None or not p.is_greedy or p.repetition_penalty < 1.0 or p.presence_penalty
+                    or p.frequency_penalty or not p.has_penalties):
+                continue
+            token = self._argmax(raw, [i])[0]
+            if not r.history.has_seen(token):
+                token_ids[i] = token
+                done.add(i)
+        return done
 
     def _sample_row(self, logits: torch.Tensor, row: SampleRow) -> int:
         p = row.params
@@ -170,9 +192,9 @@ def _clamp_finite(x: torch.Tensor) -> torch.Tensor:
     return torch.nan_to_num_(x, nan=info.min, posinf=info.max, neginf=info.min)
 
 
-def _apply_penalties(logits: torch.Tensor, rows: Sequence[SampleRow]) -> torch.Tensor:
-    """In place on logits [rows, vocab], every penalised row at once: one gather and one scatter for the
-    repetition penalty, one index_put for presence/frequency. Returns logits."""
+def _apply_penalties(logits: torch.Tensor, rows: Sequence[SampleRow], skip: set[int] = frozenset()) -> torch.Tensor:
+    """In place on logits [rows, vocab], every penalised row at once (but those in ``skip``): one gather and one
+    scatter for the repetition penalty, one index_put for presence/frequency. Returns logits."""
     vocab = logits.shape[-1]
     flat = logits.view(-1)
     seen: list[torch.Tensor] = []
@@ -181,7 +203,7 @@ def _apply_penalties(logits: torch.Tensor, rows: Sequence[SampleRow]) -> torch.T
     out_sub: list[torch.Tensor] = []
     for i, r in enumerate(rows):
         p = r.params
-        if not p.has_penalties:
+        if not p.has_penalties or i in skip:
             continue
         history = r.history or TokenHistory(r.prompt_token_ids, r.output_token_ids)
         if p.repetition_penalty != 1.0 and history.seen_ids.numel():

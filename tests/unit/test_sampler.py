@@ -160,3 +160,38 @@ def test_the_kernel_and_torch_give_the_same_tokens():
             return [row(prompt=[1, 2, 3], output=[step], seed=100 * step + i, **s) for i, s in enumerate(settings)]
 
         assert Sampler(0).sample(logits, rows()).token_ids == Sampler(0, kernels=False).sample(logits, rows()).token_ids
+
+
+def test_greedy_rows_with_a_repetition_penalty_skip_it_when_their_maximum_is_unseen(monkeypatch):
+    """Qwen2-VL's default (greedy, repetition 1.05): when the first maximum of the raw logits is a token the request
+    has not seen, it is the penalised first maximum too, and the penalty's work over the vocabulary is skipped; when
+    it has been seen, the row goes the whole way. Same tokens as the full rule either way (ties included)."""
+    from firsttoken.sampling import sampler as sampler_module
+    from firsttoken.sampling.penalties import TokenHistory
+
+    penalised_rows: list[int] = []
+    full = sampler_module._apply_penalties
+
+    def counting(logits, rows, skip=frozenset()):
+        penalised_rows.extend(i for i, r in enumerate(rows) if r.params.has_penalties and i not in skip)
+        return full(logits, rows, skip)
+
+    g = torch.Generator().manual_seed(3)
+    logits = (torch.randn(8, 500, generator=g) * 3).round()  # rounded: ties between seen and unseen tokens
+    top = logits.argmax(-1).tolist()
+    prompts = [[top[i]] if i % 2 else [(top[i] + 1) % 500] for i in range(8)]  # odd rows have seen their maximum
+    rows = [SampleRow(SamplingParams(max_tokens=8, temperature=0.0, repetition_penalty=1.05 + 0.1 * (i % 3)), None,
+                      prompts[i], (5, 6), TokenHistory(prompts[i], [5, 6])) for i in range(8)]
+    seen_top = [i for i, r in enumerate(rows) if r.history.has_seen(top[i])]
+    expected = []
+    for i, r in enumerate(rows):  # the full rule: penalise every seen token, clamp, first maximum
+        x = logits[i].clone()
+        seen = r.history.seen_ids
+        x[seen] = torch.where(x[seen] > 0, x[seen] / r.params.repetition_penalty, x[seen] * r.params.repetition_penalty)
+        expected.append(int(torch.argmax(x)))
+    monkeypatch.setattr(sampler_module, "_apply_penalties", counting)
+    sampler = Sampler(0)
+    assert sampler._cpu_kernel(logits) is not None  # the kernel is built (CI's machines)
+    assert sampler.sample(logits, rows).token_ids == expected
+    assert penalised_rows == seen_top and {1, 3, 5, 7} <= set(seen_top) and len(seen_top) < 8  # the others skipped
+    assert Sampler(0, kernels=False).sample(logits, rows).token_ids == expected  # no kernel: the whole way, same
