@@ -26,6 +26,7 @@
 #include <signal.h>
 #include <stdatomic.h>
 #include <stdint.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/syscall.h>
@@ -171,12 +172,39 @@ static void pool_start(int want) { /* workers 0 .. want - 1, started once; fewer
     pthread_mutex_unlock(&pool.start);
 }
 
-static int pool_cpus(void) { /* CPUs this process may run on: more threads than that only spin against each other */
+static int64_t read_int(const char *path, int field) { /* a file's field-th whitespace-separated integer, or -1 */
+    FILE *f = fopen(path, "r");
+    if (!f) return -1;
+    char word[64];
+    int64_t v = -1;
+    for (int i = 0; i <= field && fscanf(f, "%63s", word) == 1; i++)
+        if (i == field) v = strcmp(word, "max") == 0 ? -1 : strtoll(word, NULL, 10);
+    fclose(f);
+    return v;
+}
+
+/* The CPUs a cgroup CPU quota allows, rounded up (cgroup v2 cpu.max "quota period", or v1 cfs_quota_us and
+   cfs_period_us), or 0 when there is no quota. A container limited with --cpus sees every core of its host in its
+   affinity mask; workers beyond its quota spin away the time it is allowed. */
+int ft_quota_cpus(const char *cpu_max, const char *v1_quota, const char *v1_period) {
+    int64_t quota = read_int(cpu_max, 0), period = read_int(cpu_max, 1);
+    if (quota <= 0 || period <= 0) {
+        quota = read_int(v1_quota, 0);
+        period = read_int(v1_period, 0);
+    }
+    if (quota <= 0 || period <= 0) return 0;
+    return (int)((quota + period - 1) / period);
+}
+
+static int pool_cpus(void) { /* CPUs this process may use: more threads than that only spin against each other */
     static _Atomic int cpus;
     int c = atomic_load(&cpus);
     if (!c) {
         cpu_set_t set;
         c = sched_getaffinity(0, sizeof set, &set) == 0 && CPU_COUNT(&set) > 0 ? CPU_COUNT(&set) : INT_MAX;
+        int quota = ft_quota_cpus("/sys/fs/cgroup/cpu.max", "/sys/fs/cgroup/cpu/cpu.cfs_quota_us",
+                                  "/sys/fs/cgroup/cpu/cpu.cfs_period_us");
+        if (quota > 0 && quota < c) c = quota;
         atomic_store(&cpus, c);
     }
     return c;

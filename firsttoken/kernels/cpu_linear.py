@@ -211,6 +211,8 @@ class _Kernel:
         self.lib.ft_pool_stats.restype, self.lib.ft_pool_stats.argtypes = None, [p]
         self.lib.ft_pool_hold.restype, self.lib.ft_pool_hold.argtypes = None, [ctypes.c_int]
         self.lib.ft_pool_spin.restype, self.lib.ft_pool_spin.argtypes = None, [i64]
+        self.lib.ft_quota_cpus.restype = ctypes.c_int
+        self.lib.ft_quota_cpus.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p]
 
     def pool_stats(self) -> dict[str, int]:
         """The kernels' own threads (ft_parallel): regions run on more than one thread so far, work items the

@@ -485,3 +485,21 @@ def _one_cpu_product(x: torch.Tensor, w: torch.Tensor, expected: torch.Tensor) -
     out = _product(kernel, x, w, 2)
     stats = kernel.pool_stats()
     return stats["workers"], stats["regions"], bool(torch.equal(out, expected))
+
+
+def test_a_cgroup_cpu_quota_caps_the_kernels_threads(kernel_built, tmp_path):
+    """A container limited with --cpus sees its host's every core: the quota (cgroup v2 cpu.max, else v1's
+    cfs_quota_us / cfs_period_us), rounded up, is the most threads the kernels' workers use."""
+    quota = cpu_linear._kernel()[0].lib.ft_quota_cpus
+
+    def write(name: str, text: str) -> bytes:
+        (tmp_path / name).write_text(text)
+        return str(tmp_path / name).encode()
+
+    missing = str(tmp_path / "absent").encode()
+    assert quota(write("max2", "200000 100000\n"), missing, missing) == 2
+    assert quota(write("max15", "150000 100000\n"), missing, missing) == 2  # 1.5 CPUs: two threads
+    assert quota(write("unlimited", "max 100000\n"), missing, missing) == 0
+    assert quota(missing, write("q", "300000\n"), write("p", "100000\n")) == 3  # cgroup v1
+    assert quota(missing, write("q1", "-1\n"), write("p1", "100000\n")) == 0  # v1, no quota
+    assert quota(missing, missing, missing) == 0
