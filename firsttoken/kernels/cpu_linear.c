@@ -1179,11 +1179,15 @@ static void attend_one(void *ctx, int64_t t) {
    layer's output out. kv: L pointers to each layer's cache [2, num_blocks, block_size, nkv, D] in the activation
    dtype, V at kv_half elements after K. cos, sin_rolled: [M, D] in the activation dtype. block_tables:
    [M, bt_stride] int32; seq_lens: tokens in each row's sequence with this one; slots: where each row's key/value
-   goes. Returns 0, or -1 when scratch memory could not be had or the shapes are not these loops' (x untouched). */
+   goes. final_norm (or NULL): the model's final norm weight [H]: x out is then the normed rows, and with head_w
+   (the lm_head's weight in its stored layout, head_kind) logits [M, vocab] float32 get the lm_head's outputs (bf16:
+   rounded to bf16, as the eager lm_head's). Returns 0, or -1 when scratch memory could not be had or the shapes
+   are not these loops' (x untouched). */
 int ft_decode_layers(const ft_layer *layers, int64_t L, void *const *kv, int64_t kv_half, void *x, int64_t M,
                      int64_t H, int64_t nh, int64_t nkv, int64_t D, int64_t I, float eps, const void *cos,
                      const void *sin_rolled, const int32_t *block_tables, int64_t bt_stride, const int64_t *seq_lens,
-                     const int64_t *slots, int64_t block_size, float scale, int bf16, int threads) {
+                     const int64_t *slots, int64_t block_size, float scale, int bf16, int threads,
+                     const void *final_norm, const void *head_w, int32_t head_kind, int64_t vocab, float *logits) {
     int64_t nqkv = (nh + 2 * nkv) * D, G = nh / nkv, max_len = 0, total_len = 0;
     if (D > 512 || D % 8 || nh % nkv || M > 64) return -1;
     for (int64_t m = 0; m < M; m++) {
@@ -1243,6 +1247,14 @@ int ft_decode_layers(const ft_layer *layers, int64_t L, void *const *kv, int64_t
         }
         product(p->down_kind, gu, 2 * I, p->down_w, NULL, y, H, M, H, I, threads);
         for (int64_t i = 0; i < M * H; i++) xf[i] = rnd(xf[i] + rnd(y[i], bf16), bf16);
+    }
+    if (final_norm) { /* the model's final norm, then (head_w) its lm_head: the hidden states are the normed rows */
+        for (int64_t m = 0; m < M; m++) norm_row(xf + m * H, final_norm, h + m * H, H, eps, bf16);
+        memcpy(xf, h, (size_t)(M * H) * sizeof(float));
+        if (head_w) {
+            product(head_kind, h, H, head_w, NULL, logits, vocab, M, vocab, H, threads);
+            round_rows(logits, M * vocab, bf16); /* as the eager lm_head's bf16 output, widened by .float() */
+        }
     }
     store(x, 0, xf, M * H, bf16);
     free(buf);

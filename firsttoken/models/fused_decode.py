@@ -10,7 +10,10 @@ eager step calls, each weight in its stored layout), the eager path's rounding p
 bf16 tensor rounded; float32: none), and attention straight from the paged cache (no gather, no mask). The
 attention's and the norm's float32 sums go in another order than torch's, so a hidden state may differ from the
 eager path's by a rounding step (tests/oracle/test_fused_decode.py bounds it against float64 arithmetic on the same
-weights). A row's results do not depend on the other rows of its step.
+weights). A row's results do not depend on the other rows of its step. Where the lm_head is the kernels'
+(``FewRowsLinear``), the model's final norm and its lm_head run in the same call, and ``compute_logits`` returns
+those logits for the step's rows: Python is entered once per step, after the logits, instead of once more between
+two calls that stream weights (the first op after one runs from cold caches).
 
 Taken where the few-rows kernels are (``--cpu-kernels``: see ``kernels_skipped``) for a bfloat16 or float32
 language model on the CPU with the SDPA backend; prefill, mixed steps, steps of more rows, fp16/int8 weights keep
@@ -25,7 +28,14 @@ import torch
 from torch import nn
 
 from firsttoken.attention.base import AttentionMetadata
-from firsttoken.kernels.cpu_linear import MAX_ROWS, MAX_ROWS_BF16_DP, _kernel, kernel_applies, kernel_threads
+from firsttoken.kernels.cpu_linear import (
+    MAX_ROWS,
+    MAX_ROWS_BF16_DP,
+    FewRowsLinear,
+    _kernel,
+    kernel_applies,
+    kernel_threads,
+)
 
 # bf16 steps of up to 8 rows where the bf16 products take the AVX2 loop: the fused layers against the eager layers
 # (torch's AVX512-BF16 products above MAX_ROWS_BF16 = 4 rows), whole in-process decode steps, one thread, `small`
@@ -68,7 +78,7 @@ class FusedDecoder:
         i64, p = ctypes.c_int64, ctypes.c_void_p
         self._fn.restype = ctypes.c_int
         self._fn.argtypes = [p, i64, p, i64, p, i64, i64, i64, i64, i64, i64, ctypes.c_float, p, p, p, i64, p, p,
-                             i64, ctypes.c_float, ctypes.c_int, ctypes.c_int]
+                             i64, ctypes.c_float, ctypes.c_int, ctypes.c_int, p, p, ctypes.c_int32, i64, p]
         self.dtype = model.embed_tokens.weight.dtype
         if self.dtype != torch.bfloat16:
             self.max_rows = MAX_ROWS
@@ -93,6 +103,13 @@ class FusedDecoder:
                 _kind(attn.o_proj.weight), _kind(mlp.gate_up_proj.weight), _kind(mlp.down_proj.weight))
         self._layers = layers
         self.scale = model.layers[0].self_attn.scale
+        # the final norm and the lm_head in the same call, where the eager lm_head is these kernels' (FewRowsLinear):
+        # the first Python after a call that streamed every weight runs from cold caches (the eager final norm of
+        # one row took ~0.1-0.2 ms there, ~27 us warm), so one re-entry per step instead of two
+        head = model.lm_head
+        self.head = head if isinstance(head, FewRowsLinear) and head.bias is None and head.weight.dtype == self.dtype \
+            and model.norm.weight.dtype == self.dtype and model.norm.weight.is_contiguous() else None
+        self._norm = model.norm.weight
         self.steps = 0  # pure-decode steps taken here (tests read it)
 
     def takes(self, num_rows: int) -> bool:
@@ -104,22 +121,30 @@ class FusedDecoder:
                 and kv_caches[0].is_contiguous())
 
     def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin_rolled: torch.Tensor, kv_caches: list[torch.Tensor],
-                 meta: AttentionMetadata) -> torch.Tensor:
+                 meta: AttentionMetadata, with_head: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """x [M, hidden] contiguous in the model's dtype, the step's embeddings: overwritten with the last layer's
         output (the final norm is the caller's). cos, sin_rolled [M, head_dim] contiguous, the same dtype. Writes the
-        rows' keys and values into ``kv_caches``."""
+        rows' keys and values into ``kv_caches``. ``with_head`` (only where ``self.head`` is set): x is overwritten
+        with the final norm's output instead, and the lm_head's logits [M, vocab] float32 come back beside it."""
         m = x.shape[0]
         kv = (ctypes.c_void_p * self.num_layers)(*(t.data_ptr() for t in kv_caches))
         seq_lens = (ctypes.c_int64 * m)(*meta.seq_lens)
         table, slots = meta.block_tables, meta.slot_mapping  # int32 [M, blocks], int64 [M]: AttentionMetadata.build
+        logits = None
+        if with_head:
+            logits = torch.empty(m, self.head.out_features, dtype=torch.float32)
+        head = self.head if with_head else None
         rc = self._fn(self._layers, self.num_layers, kv, kv_caches[0].stride(0), x.data_ptr(), m, self.hidden,
                       self.heads, self.kv_heads, self.head_dim, self.intermediate, self.eps, cos.data_ptr(),
                       sin_rolled.data_ptr(), table.data_ptr(), table.stride(0), seq_lens, slots.data_ptr(),
-                      meta.block_size, self.scale, self.dtype == torch.bfloat16, kernel_threads())
+                      meta.block_size, self.scale, self.dtype == torch.bfloat16, kernel_threads(),
+                      self._norm.data_ptr() if with_head else None, _ptr(head.weight) if head is not None else None,
+                      _kind(head.weight) if head is not None else 0, head.out_features if head is not None else 0,
+                      _ptr(logits))
         if rc != 0:
             raise MemoryError("fused decode layers: no scratch memory")
         self.steps += 1
-        return x
+        return x if logits is None else (x, logits)
 
 
 def fused_decode_unsupported(model: nn.Module) -> str | None:

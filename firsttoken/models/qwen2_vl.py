@@ -119,6 +119,7 @@ class Qwen2VLModel(nn.Module):
     it applies) runs the decoder layers of a pure-decode step of a few rows in one C call."""
 
     fused_decode: Any = None
+    _step_logits: tuple[torch.Tensor, torch.Tensor] | None = None  # the fused step's (hidden, logits)
 
     def __init__(self, config: ModelConfig, attn_backend: AttentionBackend, visual: nn.Module | None = None) -> None:
         super().__init__()
@@ -158,7 +159,11 @@ class Qwen2VLModel(nn.Module):
         cos, sin = mrope_cos_sin(positions, c.head_dim, c.rope_theta, c.mrope_section, x.dtype, c.mrope_interleaved)
         fused = self.fused_decode
         if fused is not None and not images and fused.applies(x, meta, kv_caches):
-            return self.norm(fused(x, cos, rolled_sin(sin), kv_caches, meta))
+            if fused.head is None:
+                return self.norm(fused(x, cos, rolled_sin(sin), kv_caches, meta))
+            hidden, logits = fused(x, cos, rolled_sin(sin), kv_caches, meta, with_head=True)
+            self._step_logits = (hidden, logits)  # compute_logits of these very rows returns them
+            return hidden
         cos, sin_rolled = cos[:, None, :], rolled_sin(sin)[:, None, :]  # broadcast over heads
         for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
             x = layer(x, cos, sin_rolled, kv_cache, meta)
@@ -169,6 +174,9 @@ class Qwen2VLModel(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[n, hidden] -> [n, vocab] float32."""
+        step, self._step_logits = self._step_logits, None
+        if step is not None and step[0] is hidden:  # the fused decode step computed them (its lm_head, same kernel)
+            return step[1]
         if self.lm_head is None:  # tied to the embeddings
             return F.linear(hidden, self.embed_tokens.weight).float()
         return self.lm_head(hidden).float()  # an nn.Linear, or models/quant.py's packed float16 one

@@ -90,6 +90,22 @@ def test_as_accurate_as_the_eager_layers(models, rows):
     assert torch.equal(got.argmax(-1)[decided], want.argmax(-1)[decided])
 
 
+def test_the_final_norm_and_lm_head_ride_in_the_same_call(models):
+    """Where the lm_head is the kernels' (FewRowsLinear), the fused call also runs the final norm and the lm_head:
+    its logits are bitwise what the eager lm_head gives for the step's hidden states, and compute_logits hands them
+    out once, for those very rows only (a subset of rows is computed as before)."""
+    fused, _ = models
+    assert fused.fused_decode.head is not None
+    kv = _cache(fused)
+    _prefill(fused, kv, LENGTHS, TABLES)
+    hidden, logits = _decode(fused, kv, LENGTHS, TABLES, fused=True)  # compute_logits took the call's logits
+    assert fused._step_logits is None  # handed out once
+    with torch.inference_mode():
+        eager = fused.compute_logits(hidden.clone()).double()  # another tensor: the eager lm_head, same kernel
+        rows = fused.compute_logits(hidden[[1, 3]]).double()
+    assert torch.equal(eager, logits) and torch.equal(rows, logits[[1, 3]])
+
+
 def test_a_row_is_bitwise_the_same_whatever_shares_its_step(models):
     """A request's hidden state and cache writes do not depend on the other rows of its decode step, nor on the
     thread count."""
