@@ -52,14 +52,15 @@ __attribute__((constructor)) static void detect_cpu(void) {
 
    fn(ctx, i) for i in [0, n). With threads < 0, on up to -threads threads: the caller and persistent workers, each
    claiming the next index from one atomic counter until none is left (threads > 0: an OpenMP parallel for, see
-   ft_parallel). Why not OpenMP's parallel for: its team ends at a barrier
-   that waits for every thread of the team, so a worker the OS pre-empted (a served decode step shares two cores
-   with the event loop that streams the tokens and with the clients) stalls the step until it runs again, and
-   its idle workers spin for milliseconds after each region, taking the core that the event loop needs while the
-   engine runs Python. Here a worker is optional: the caller claims indices too and returns when all are done,
-   so a worker that is late or pre-empted between indices costs nothing (only one pre-empted while holding an
-   index is waited for: indices are a few microseconds of work); an idle worker spins for the next region (0.1 ms;
-   2 ms in decode steps: ft_pool_spin) and then sleeps on a futex until a caller publishes work. Which thread computes an index never changes what it computes.
+   ft_parallel). Why not OpenMP's parallel for there: its team ends at a barrier that waits for every thread of the
+   team, so a worker the OS pre-empted (a served decode step shares two cores with the event loop that streams the
+   tokens and with the clients) stalls the step until it runs again, and its idle workers spin for milliseconds
+   after each region, taking the core that the event loop needs while the engine runs Python. Here a worker is
+   optional: the caller claims indices too and returns when all are done, so a worker that is late or pre-empted
+   between indices costs nothing (only one pre-empted while holding an index is waited for: indices are a few
+   microseconds of work); an idle worker spins for the next region (0.1 ms; 2 ms in decode steps: ft_pool_spin)
+   and then sleeps on a futex until a caller publishes work. Which thread computes an index never changes what it
+   computes.
 
    Publication: a region's (fn, ctx, n, width) goes to slot[gen & 1], then `claim` = gen << 32 (index 0). A worker
    reads claim, then the slot of its generation, and takes index i only by a compare-and-swap of (gen, i) to
@@ -236,10 +237,9 @@ static void ft_parallel(int threads, int64_t n, task_fn fn, void *ctx) {
     atomic_store(&pool.claim, (uint64_t)gen << 32);
     atomic_store(&pool.wake, gen);
     if (atomic_load(&pool.sleepers)) syscall(SYS_futex, &pool.wake, FUTEX_WAKE_PRIVATE, INT_MAX, NULL, NULL, 0);
-    int64_t ran = pool_work((uint64_t)gen << 32, -1);
+    pool_work((uint64_t)gen << 32, -1);
     while (atomic_load(&pool.done) < n) _mm_pause();
     atomic_fetch_add(&pool.regions, 1);
-    (void)ran;
     pthread_mutex_unlock(&pool.busy);
 }
 
@@ -315,13 +315,15 @@ static void im_range(const float *x, int64_t ldx, const float *wt, const float *
     }
 }
 
-/* im_range with 16 outputs a pass where the CPU has AVX-512 (the tail of 8 as im_range): every output's sums are
-   the same operations in the same order as im_range's (a lane's block: a multiply, 7 multiply-adds in k order, then
-   added to the running sum), so the results are bitwise im_range's; half the instructions per output. */
+/* im_range with 16 outputs a pass where the CPU has AVX-512, a last 8 (n1 - n0 not a multiple of 16) through
+   im_range itself: every output's sums are the same operations in the same order as im_range's (a lane's block: a
+   multiply, 7 multiply-adds in k order, then added to the running sum), so the results are bitwise im_range's;
+   half the instructions per output. */
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq")))
 static void im_range16(const float *x, int64_t ldx, const float *wt, const float *bias, float *out, int64_t ldo,
                        int64_t M, int64_t N, int64_t K, int64_t n0, int64_t n1) {
-    init_outputs(bias, out, ldo, M, n0, n1);
+    int64_t n16 = n0 + (n1 - n0) / 16 * 16;
+    init_outputs(bias, out, ldo, M, n0, n16);
     for (int64_t k = 0; k < K; k += KB) {
         const float *w = wt + k * N;
         int64_t m = 0;
@@ -333,8 +335,7 @@ static void im_range16(const float *x, int64_t ldx, const float *wt, const float
                 bb[j] = _mm512_set1_ps(xb[j]);
             }
             float *oa = out + m * ldo, *ob = oa + ldo;
-            int64_t n = n0;
-            for (; n + 16 <= n1; n += 16) {
+            for (int64_t n = n0; n < n16; n += 16) {
                 __m512 v = _mm512_loadu_ps(w + n);
                 __m512 sa = _mm512_mul_ps(ba[0], v), sb = _mm512_mul_ps(bb[0], v);
                 for (int j = 1; j < KB; j++) {
@@ -345,37 +346,20 @@ static void im_range16(const float *x, int64_t ldx, const float *wt, const float
                 _mm512_storeu_ps(oa + n, _mm512_add_ps(_mm512_loadu_ps(oa + n), sa));
                 _mm512_storeu_ps(ob + n, _mm512_add_ps(_mm512_loadu_ps(ob + n), sb));
             }
-            for (; n < n1; n += 8) { /* a last 8 */
-                __m256 v = _mm256_loadu_ps(w + n);
-                __m256 sa = _mm256_mul_ps(_mm256_set1_ps(xa[0]), v), sb = _mm256_mul_ps(_mm256_set1_ps(xb[0]), v);
-                for (int j = 1; j < KB; j++) {
-                    v = _mm256_loadu_ps(w + j * N + n);
-                    sa = _mm256_fmadd_ps(_mm256_set1_ps(xa[j]), v, sa);
-                    sb = _mm256_fmadd_ps(_mm256_set1_ps(xb[j]), v, sb);
-                }
-                _mm256_storeu_ps(oa + n, _mm256_add_ps(_mm256_loadu_ps(oa + n), sa));
-                _mm256_storeu_ps(ob + n, _mm256_add_ps(_mm256_loadu_ps(ob + n), sb));
-            }
         }
         for (; m < M; m++) { /* the same sums, one row */
             const float *xa = x + m * ldx + k;
             __m512 ba[KB];
             for (int j = 0; j < KB; j++) ba[j] = _mm512_set1_ps(xa[j]);
             float *oa = out + m * ldo;
-            int64_t n = n0;
-            for (; n + 16 <= n1; n += 16) {
+            for (int64_t n = n0; n < n16; n += 16) {
                 __m512 sa = _mm512_mul_ps(ba[0], _mm512_loadu_ps(w + n));
                 for (int j = 1; j < KB; j++) sa = _mm512_fmadd_ps(ba[j], _mm512_loadu_ps(w + j * N + n), sa);
                 _mm512_storeu_ps(oa + n, _mm512_add_ps(_mm512_loadu_ps(oa + n), sa));
             }
-            for (; n < n1; n += 8) {
-                __m256 sa = _mm256_mul_ps(_mm256_set1_ps(xa[0]), _mm256_loadu_ps(w + n));
-                for (int j = 1; j < KB; j++)
-                    sa = _mm256_fmadd_ps(_mm256_set1_ps(xa[j]), _mm256_loadu_ps(w + j * N + n), sa);
-                _mm256_storeu_ps(oa + n, _mm256_add_ps(_mm256_loadu_ps(oa + n), sa));
-            }
         }
     }
+    if (n16 < n1) im_range(x, ldx, wt, bias, out, ldo, M, N, K, n16, n1);
 }
 
 static int im16_off; /* tests: ft_im16(0) compares the AVX2 loop */
@@ -402,10 +386,6 @@ int ft_im16(int on) { /* which input-major loop runs: on < 0 asks, 0/1 sets (whe
 void ft_linear_im(const float *x, int64_t ldx, const float *wt, const float *bias, float *out, int64_t ldo,
                   int64_t M, int64_t N, int64_t K, int threads) {
     im_range_fn range = avx512_cpu && !im16_off ? im_range16 : im_range;
-    if (threads == 1 || threads == -1 || threads == 0) {
-        range(x, ldx, wt, bias, out, ldo, M, N, K, 0, N);
-        return;
-    }
     im_task t = {range, x, ldx, wt, bias, out, ldo, M, N, K, chunk_size(N, threads, 64, 16)};
     ft_parallel(threads, (N + t.per - 1) / t.per, im_chunk, &t);
 }

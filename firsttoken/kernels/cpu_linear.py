@@ -67,6 +67,8 @@ MAX_ROWS_BF16 = 4  # bf16 decode step, 1 thread: 4 rows 0.63x torch's time, 8 ro
 TOPK_MAX = 256
 MAX_ROWS_BF16_DP = 16  # the AVX512-BF16 dot-product loop (ft_bf16_dp): see max_rows_bf16
 SOURCE = Path(__file__).with_name("cpu_linear.c")
+CFLAGS = ("-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC", "-std=gnu11")  # no fused
+# multiply-adds beyond the ones written: the int8 kernels are bitwise twins of torch ops
 _plan = threading.local()  # this thread's kernel threads (set_kernel_threads)
 
 
@@ -90,7 +92,7 @@ def kernel_pool_threads() -> int | None:
 
 def kernel_threads() -> int:
     """The kernels' ``threads`` argument: -n for n threads of their own, else torch's count (OpenMP)."""
-    n = getattr(_plan, "n", None)
+    n = kernel_pool_threads()
     return -n if n else torch.get_num_threads()
 
 
@@ -110,8 +112,7 @@ def set_kernel_spin(mode: str) -> None:
     if kernel is not None:
         kernel.lib.ft_pool_spin(int(POOL_SPIN_S[mode] * 1e9))
         _spin[0] = mode
-CFLAGS = ("-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC", "-std=gnu11")  # no fused
-# multiply-adds beyond the ones written: the int8 kernels are bitwise twins of torch ops
+
 
 
 @functools.lru_cache(maxsize=1)
@@ -234,7 +235,6 @@ class _Kernel:
         fn(rows.data_ptr(), rows.stride(0), weight.data_ptr(), 0 if bias is None else bias.data_ptr(),
            out.data_ptr(), n, m, n, k, kernel_threads())
         return out
-
 
     def topk(self, row: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         """torch.topk(row, k) for a contiguous float32 CPU row [n] (largest first; ties: the earlier index first;

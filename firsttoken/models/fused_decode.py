@@ -109,7 +109,9 @@ class FusedDecoder:
         head = model.lm_head
         self.head = head if isinstance(head, FewRowsLinear) and head.bias is None and head.weight.dtype == self.dtype \
             and model.norm.weight.dtype == self.dtype and model.norm.weight.is_contiguous() else None
-        self._norm = model.norm.weight
+        # ft_decode_layers' last arguments but the logits: (final norm, lm_head weight, its kind, vocabulary)
+        self._head_args = (None, None, 0, 0) if self.head is None else (
+            model.norm.weight.data_ptr(), self.head.weight.data_ptr(), _kind(self.head.weight), self.head.out_features)
         self.steps = 0  # pure-decode steps taken here (tests read it)
 
     def takes(self, num_rows: int) -> bool:
@@ -117,7 +119,7 @@ class FusedDecoder:
         return 0 < num_rows <= self.max_rows
 
     def applies(self, x: torch.Tensor, meta: AttentionMetadata, kv_caches: list[torch.Tensor]) -> bool:
-        return (0 < x.shape[0] <= self.max_rows and meta.is_pure_decode and kv_caches[0].dtype == self.dtype
+        return (self.takes(x.shape[0]) and meta.is_pure_decode and kv_caches[0].dtype == self.dtype
                 and kv_caches[0].is_contiguous())
 
     def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin_rolled: torch.Tensor, kv_caches: list[torch.Tensor],
@@ -130,17 +132,12 @@ class FusedDecoder:
         kv = (ctypes.c_void_p * self.num_layers)(*(t.data_ptr() for t in kv_caches))
         seq_lens = (ctypes.c_int64 * m)(*meta.seq_lens)
         table, slots = meta.block_tables, meta.slot_mapping  # int32 [M, blocks], int64 [M]: AttentionMetadata.build
-        logits = None
-        if with_head:
-            logits = torch.empty(m, self.head.out_features, dtype=torch.float32)
-        head = self.head if with_head else None
+        logits = torch.empty(m, self.head.out_features, dtype=torch.float32) if with_head else None
         rc = self._fn(self._layers, self.num_layers, kv, kv_caches[0].stride(0), x.data_ptr(), m, self.hidden,
                       self.heads, self.kv_heads, self.head_dim, self.intermediate, self.eps, cos.data_ptr(),
                       sin_rolled.data_ptr(), table.data_ptr(), table.stride(0), seq_lens, slots.data_ptr(),
                       meta.block_size, self.scale, self.dtype == torch.bfloat16, kernel_threads(),
-                      self._norm.data_ptr() if with_head else None, _ptr(head.weight) if head is not None else None,
-                      _kind(head.weight) if head is not None else 0, head.out_features if head is not None else 0,
-                      _ptr(logits))
+                      *(self._head_args if with_head else (None, None, 0, 0)), _ptr(logits))
         if rc != 0:
             raise MemoryError("fused decode layers: no scratch memory")
         self.steps += 1

@@ -116,7 +116,7 @@ class Sampler:
         return SampleResult(token_ids=token_ids, logprobs=logprobs, failed=failed)
 
     def _greedy_unseen_maximum(self, raw: torch.Tensor, rows: Sequence[SampleRow], token_ids: list[int]) -> set[int]:
-        """Greedy rows whose only penalty is a repetition penalty >= 1 (Qwen2-VL's default: top-k 1, 1.05): such a
+        """Greedy rows whose only penalty is a repetition penalty > 1 (Qwen2-VL's default: top-k 1, 1.05): such a
         penalty only lowers the logits of tokens the request has seen, so when the first maximum of the raw logits
         is a token it has not seen, that token is also the first maximum of the penalised ones (every earlier logit
         was below it and can only go lower; clamping changes nothing finite). Those rows take it without the
@@ -127,8 +127,8 @@ class Sampler:
             return done
         for i, r in enumerate(rows):
             p = r.params
-            if (r.history is None or not p.is_greedy or p.repetition_penalty < 1.0 or p.presence_penalty
-                    or p.frequency_penalty or not p.has_penalties):
+            if (r.history is None or not p.is_greedy or p.repetition_penalty <= 1.0 or p.presence_penalty
+                    or p.frequency_penalty):
                 continue
             token = self._argmax(raw, [i])[0]
             if not r.history.has_seen(token):
