@@ -3,7 +3,8 @@ TTFT (text ~800 tokens, one 1024x1024 image, three), decode time per token at ba
 batch 8. Prints the ratios against issue 17's targets and the CPU flags; writes JSON. A benchmark, not a test.
 
     python benchmarks/bench_llamacpp.py --work-dir /work/peers/llamacpp --convert-venv /work/peers/convert-venv \
-        [--build] [--quant q8_0|f16|bf16] [--ours-fp16] [--ours-int8] [--ours-bf16] [--json OUT]
+        [--build] [--quant q8_0|f16|bf16] [--ours-fp16] [--ours-int8] [--ours-bf16] [--ours-bf16-weights]
+        [--json OUT]
     # reuse an existing build and GGUFs:
     python benchmarks/bench_llamacpp.py --llama-dir /work/peers/llamacpp \
         --gguf /work/peers/llamacpp/gguf/qwen2vl-small-orig-f32.gguf \
@@ -18,7 +19,9 @@ The servers (all started first; an idle one costs no CPU):
   --ours-int8, another with --quantization int8 (int8 weights in both towers, inputs quantized per row), set
   beside llama.cpp's Q8_0 when --quant q8_0 is given; with --ours-bf16, another with --dtype bfloat16 (both towers
   in bf16: --dtype auto's choice on a CPU with native bf16), set beside llama.cpp's BF16 language model (its vision
-  projector stays f32) when --quant bf16 is given.
+  projector stays f32) when --quant bf16 is given; with --ours-bf16-weights, another with --quantization bf16
+  (the language model's linear weights bf16, activations float32: the weight bytes of llama.cpp's BF16 GGUF, set
+  beside it when --quant bf16 is given).
 Each measurement runs 1 warm-up + --repeats (3) rounds; a round sends the same prompt to every server in turn (the
 order rotating), so load from other processes on a shared machine falls on all alike; medians are reported, and
 the load average before and after. Prompts differ between rounds, so no cache can hit. One code path measures
@@ -289,17 +292,22 @@ def ratios(results: dict[str, Any]) -> dict[str, dict[str, Any]]:
     return out
 
 
-VARIANTS = ("fp16", "int8", "bf16")  # our servers beside fp32: --quantization fp16 / int8, --dtype bfloat16
-PEER = {"int8": "llama_q8_0", "bf16": "llama_bf16"}  # the llama.cpp GGUF each is set beside, when it was measured
+VARIANTS = ("fp16", "int8", "bf16", "bf16w")  # our servers beside fp32: --quantization fp16 / int8, --dtype
+# bfloat16, --quantization bf16 (bf16 weights, float32 activations)
+PEER = {"int8": "llama_q8_0", "bf16": "llama_bf16", "bf16w": "llama_bf16"}  # the llama.cpp GGUF each is set
+# beside, when it was measured
 
 
 def _ours_variants(args: argparse.Namespace) -> list[str]:
-    return [q for q, on in zip(VARIANTS, (args.ours_fp16, args.ours_int8, args.ours_bf16)) if on]
+    return [q for q, on in zip(VARIANTS, (args.ours_fp16, args.ours_int8, args.ours_bf16, args.ours_bf16_weights))
+            if on]
 
 
 def _variant_flags(base: list[str], variant: str) -> list[str]:
     if variant == "bf16":  # the later --dtype wins
         return [*base, "--dtype", "bfloat16"]
+    if variant == "bf16w":
+        return [*base, "--quantization", "bf16"]
     return [*base, "--quantization", variant]
 
 
@@ -339,7 +347,7 @@ def print_table(results: dict[str, Any]) -> None:
             continue
         peer = PEER.get(quant, "llama_f32")
         peer = (peer if peer in results else "llama_f32").replace("_", " ")
-        label = "--dtype bfloat16" if quant == "bf16" else f"--quantization {quant}"
+        label = {"bf16": "--dtype bfloat16", "bf16w": "--quantization bf16"}.get(quant, f"--quantization {quant}")
         print(f"\nours {label:27s}{f'ours {quant}':>11s}{f'/ {peer}':>13s}{'/ ours fp32':>13s}")
         for cls, _ in PROMPTS:
             print(f"TTFT {cls:27s}{q['ttft'][cls].median:10.3f}s{rat[f'{quant}_ttft_{cls}']['ratio']:12.2f}x"
@@ -378,6 +386,8 @@ def main() -> None:
     p.add_argument("--ours-int8", action="store_true", help="also measure firsttoken with --quantization int8")
     p.add_argument("--ours-bf16", action="store_true", help="also measure firsttoken with --dtype bfloat16 (set "
                    "beside llama.cpp's BF16 GGUF when --quant bf16 is given)")
+    p.add_argument("--ours-bf16-weights", action="store_true", help="also measure firsttoken with --quantization "
+                   "bf16 (bf16 weights, float32 activations; beside llama.cpp's BF16 GGUF when --quant bf16 is given)")
     p.add_argument("--llama-args", default="", help="more llama-server flags for every llama.cpp server, e.g. "
                    "--no-repack (its Q8_0 weight repacking crashed at load on an AVX-512 AMX Xeon)")
     p.add_argument("--gguf-quant", type=Path, default=None, help="with --quant: an existing quantized GGUF")

@@ -27,7 +27,8 @@ from typing import Any
 from firsttoken.units import format_size, parse_bytes
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-QUANTIZATIONS = ("none", "fp16", "int8")  # models/quant.py
+QUANTIZATIONS = ("none", "fp16", "int8", "bf16")  # models/quant.py
+FLOAT32_ACTIVATIONS = ("fp16", "int8", "bf16")  # quantizations whose products take float32 activations
 CPU_KERNELS = ("auto", "on", "off")  # kernels/cpu_linear.py
 DEVICES = ("cpu",)  # where the engine runs; a CUDA runner is the Executor seam's next implementation
 ATTENTION_BACKENDS = ("sdpa",)  # attention/registry.py
@@ -217,7 +218,11 @@ class EngineConfig:
         "tower keeps int8 weights (one scale per output row), each input row is quantized with its own scale and "
         "multiplied exactly in int32 (torch._int_mm for prefill, firsttoken's kernels for decode steps): faster "
         "prefill and decode on CPUs, a quarter of float32's weight bytes; activations float32 (--dtype auto picks "
-        "it); not exact (top-1 agreement in docs/performance.md)"))
+        "it); not exact (top-1 agreement in docs/performance.md); or bf16: the language model's linear layers keep "
+        "bfloat16 weights (half the bytes a decode step reads, widened exactly to float32 by firsttoken's kernels; "
+        "prefill widens each weight for torch's float32 product), activations, norms and the KV cache float32 "
+        "(--dtype auto picks it): for a checkpoint published in bf16 the same weights and arithmetic as float32, "
+        "on any AVX2 CPU"))
     cpu_kernels: str = field(default="auto", metadata=option(
         "auto: decode steps' products of at most 16 rows run firsttoken's AVX2 kernels (float32 language model on "
         "an AVX2 + FMA CPU, except Intel's AVX-512 ones, where MKL won; built once with the machine's C compiler, $CC "
@@ -256,7 +261,7 @@ class EngineConfig:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}")
         if self.quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}")
-        if self.quantization in ("fp16", "int8") and self.dtype not in ("auto", "float32"):
+        if self.quantization in FLOAT32_ACTIVATIONS and self.dtype not in ("auto", "float32"):
             raise ValueError(f"quantization {self.quantization} runs float32 activations: use --dtype float32 "
                              "(or auto)")
         if self.cpu_kernels not in CPU_KERNELS:

@@ -56,7 +56,7 @@ def add_parser(subparsers: Any) -> None:
                              f"{format_size(_DEFAULTS.encoder_cache_memory_bytes)})")
     parser.add_argument("--dtype", choices=sorted(DTYPE_BYTES), default=_DEFAULTS.dtype)
     parser.add_argument("--quantization", choices=QUANTIZATIONS, default=_DEFAULTS.quantization,
-                        help="serve --quantization: fp16 counts the language model's linear layers at 2 bytes, "
+                        help="serve --quantization: fp16 and bf16 count the language model's linear layers at 2 bytes, "
                              "int8 those of the language model and the vision tower at 1 byte (with --dtype "
                              "float32)")
     parser.add_argument("--block-size", type=int, default=_DEFAULTS.block_size)

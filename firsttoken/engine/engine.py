@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from firsttoken.batch import RunnerOutput, ScheduledBatch, ScheduledChunk
-from firsttoken.config import EngineConfig
+from firsttoken.config import FLOAT32_ACTIVATIONS, EngineConfig
 from firsttoken.engine.detokenizer import IncrementalDetokenizer, TokenDecoder
 from firsttoken.kernels.cpu_linear import cpu_flags
 from firsttoken.metrics.stats import (
@@ -56,9 +56,9 @@ def _finite_or_none(x: float) -> float | None:
 
 def torch_dtype(name: str, quantization: str = "none") -> torch.dtype:
     """The torch dtype of an EngineConfig.dtype ("auto": bf16 where the CPU computes it in hardware, else fp32;
-    always fp32 with --quantization fp16 or int8, whose kernels take float32 activations)."""
+    always fp32 with --quantization fp16, int8 or bf16, whose kernels take float32 activations)."""
     if name == "auto":
-        if quantization in ("fp16", "int8"):
+        if quantization in FLOAT32_ACTIVATIONS:
             return torch.float32
         return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
     return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
@@ -149,7 +149,9 @@ class LLMEngine:
         self.num_images_encoded = 0  # images the vision tower ran for (cache misses that were computed)
         weights = {"fp16": "; language model linear layers: float16 weights (FBGEMM)",
                    "int8": "; language model and vision tower linear layers: int8 weights, each input row quantized "
-                           "with its own scale"}.get(config.quantization, "")
+                           "with its own scale",
+                   "bf16": "; language model linear layers: bf16 weights, float32 activations",
+                   }.get(config.quantization, "")
         log.info("dtype %s (requested %s)%s", str(dtype).removeprefix("torch."), config.dtype, weights)
         log.info(self.capacity.describe())
 

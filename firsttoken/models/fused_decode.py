@@ -16,8 +16,9 @@ those logits for the step's rows: Python is entered once per step, after the log
 two calls that stream weights (the first op after one runs from cold caches).
 
 Taken where the few-rows kernels are (``--cpu-kernels``: see ``kernels_skipped``) for a bfloat16 or float32
-language model on the CPU with the SDPA backend; prefill, mixed steps, steps of more rows, fp16/int8 weights keep
-the eager layers.
+language model on the CPU with the SDPA backend, and for float32 activations with bf16 weights (``--quantization
+bf16``: each product reads its bf16 weight as the eager ``Bf16WeightLinear`` does); prefill, mixed steps, steps of
+more rows, fp16/int8 weights keep the eager layers.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from firsttoken.kernels.cpu_linear import (
     kernel_applies,
     kernel_threads,
 )
+from firsttoken.models.quant import Bf16WeightLinear
 
 # bf16 steps of up to 8 rows where the bf16 products take the AVX2 loop: the fused layers against the eager layers
 # (torch's AVX512-BF16 products above MAX_ROWS_BF16 = 4 rows), whole in-process decode steps, one thread, `small`
@@ -60,6 +62,13 @@ def _kind(weight: torch.Tensor) -> int:
     if weight.dtype == torch.bfloat16:
         return KIND_BF16_RM
     return KIND_F32_RM if weight.is_contiguous() else KIND_F32_IM
+
+
+def _weight_takes(weight: torch.Tensor, dtype: torch.dtype) -> bool:
+    """A weight the fused layers multiply by for ``dtype`` activations: the kernels' layouts of that dtype, or a
+    row-major bf16 one beside float32 activations (--quantization bf16: widened exactly, float32 sums)."""
+    same = weight.dtype == dtype or (dtype == torch.float32 and weight.dtype == torch.bfloat16)
+    return same and kernel_applies(weight)
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:
@@ -107,8 +116,9 @@ class FusedDecoder:
         # the first Python after a call that streamed every weight runs from cold caches (the eager final norm of
         # one row took ~0.1-0.2 ms there, ~27 us warm), so one re-entry per step instead of two
         head = model.lm_head
-        self.head = head if isinstance(head, FewRowsLinear) and head.bias is None and head.weight.dtype == self.dtype \
-            and model.norm.weight.dtype == self.dtype and model.norm.weight.is_contiguous() else None
+        self.head = head if isinstance(head, (FewRowsLinear, Bf16WeightLinear)) and head.bias is None \
+            and _weight_takes(head.weight, self.dtype) and model.norm.weight.dtype == self.dtype \
+            and model.norm.weight.is_contiguous() else None
         # ft_decode_layers' last arguments but the logits: (final norm, lm_head weight, its kind, vocabulary)
         self._head_args = (None, None, 0, 0) if self.head is None else (
             model.norm.weight.data_ptr(), self.head.weight.data_ptr(), _kind(self.head.weight), self.head.out_features)
@@ -164,7 +174,7 @@ def fused_decode_unsupported(model: nn.Module) -> str | None:
         attn, mlp = layer.self_attn, layer.mlp
         for lin in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
             w = lin.weight
-            if w.dtype != dtype or not kernel_applies(w):
+            if not _weight_takes(w, dtype):
                 return "decoder weights the few-rows kernels do not take"
         if mlp.gate_up_proj.bias is not None or mlp.down_proj.bias is not None or attn.o_proj.bias is not None:
             return "biases outside qkv_proj unsupported"

@@ -18,11 +18,11 @@ from torch import nn
 
 from firsttoken.attention.base import AttentionBackend
 from firsttoken.attention.registry import get_backend
-from firsttoken.config import CPU_KERNELS, QUANTIZATIONS
+from firsttoken.config import CPU_KERNELS, FLOAT32_ACTIVATIONS, QUANTIZATIONS
 from firsttoken.kernels.cpu_linear import kernel_unavailable, kernels_skipped, use_few_rows_kernel
 from firsttoken.models.fused_decode import use_fused_decode
 from firsttoken.models.layers import store_weights_input_major
-from firsttoken.models.quant import int8_paths, quantize_fp16, quantize_int8
+from firsttoken.models.quant import int8_paths, quantize_bf16, quantize_fp16, quantize_int8
 from firsttoken.models.registry import family_of, load_model_config
 
 log = logging.getLogger("firsttoken.models")
@@ -41,14 +41,15 @@ def load_model(
     ``quantization`` one of models/quant.py's QUANTIZATIONS ("fp16": the language model's linear layers hold float16
     weights, float32 activations; ``num_threads`` 1: the engine runs on one torch thread, so its single-threaded
     kernel, cheaper per call, is taken; "int8": the linear layers of both the language model and the vision tower
-    hold per-row int8 weights, inputs quantized per call). ``cpu_kernels`` ("auto", "on", "off"; kernels/cpu_linear.py's
+    hold per-row int8 weights, inputs quantized per call; "bf16": the language model's linear layers hold bfloat16
+weights, float32 activations). ``cpu_kernels`` ("auto", "on", "off"; kernels/cpu_linear.py's
     ``kernels_skipped``): whether a float32 language model on the CPU takes the few-rows kernels for decode steps
     (prefill is MKL's either way)."""
     if cpu_kernels not in CPU_KERNELS:
         raise ValueError(f"cpu_kernels must be one of {', '.join(CPU_KERNELS)}")
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}")
-    if quantization in ("fp16", "int8") and dtype != torch.float32:
+    if quantization in FLOAT32_ACTIVATIONS and dtype != torch.float32:
         raise ValueError(f"--quantization {quantization} runs float32 activations: use --dtype float32 (or auto)")
     model_dir = Path(model_dir)
     family = family_of(model_dir)
@@ -83,6 +84,13 @@ def load_model(
         reason = "--cpu-kernels off" if cpu_kernels == "off" else kernel_unavailable()
         quantize_int8(model, use_kernels=reason is None)
         log.info("int8 products: %s", int8_paths(reason))
+    elif quantization == "bf16":  # decode reads half the bytes; the fused layers take bf16 weights beside float32
+        reason = "--cpu-kernels off" if cpu_kernels == "off" else kernel_unavailable()
+        quantize_bf16(model, exclude_prefix="visual.", use_kernels=reason is None)
+        fused = use_fused_decode(model) if reason is None else reason
+        log.info("bf16 weights: decode steps' products %s; decoder layers %s",
+                 "by firsttoken's kernels" if reason is None else f"widened for torch's ({reason})",
+                 "in one fused call" if fused is None else f"eager ({fused})")
     if str(device) == "cpu":
         store_weights_input_major(model, exclude_prefix="visual.")  # the decoder's matmuls are one-row at decode
         if quantization == "none" and dtype in (torch.float32, torch.bfloat16):

@@ -22,17 +22,27 @@ ops compute the very same numbers, slower (prefill in float64 where torch._int_m
 products stay float32 (norms, attention, rotary). Not exact against float32: top-1 agreement in
 docs/performance.md (on the 2-layer test checkpoint 97-98% of the oracle prompts' positions,
 tests/oracle/test_quantization.py).
+
+``bf16``: every linear layer of the language model (the lm_head included) keeps its weight as bfloat16, row-major;
+activations, biases, norms and the KV cache stay float32, and every product sums in float32. The few rows of a
+decode step run firsttoken's kernel, which reads the bf16 weights (half float32's bytes: what bounds a decode step
+on a CPU) and widens each exactly to float32 (AVX2; the fused decode layers take them the same way); a prefill's
+product widens the weight to a float32 temporary and runs torch's float32 product. For a checkpoint published in
+bf16 (Qwen2-VL's are) this is the checkpoint's very weights: the same arithmetic as float32 inference, sums in
+another order. A float32 checkpoint's weights are rounded to bf16 (relative error up to 2^-9 per weight).
 """
 
 from __future__ import annotations
 
 import functools
 import warnings
+from collections.abc import Callable
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
-from firsttoken.kernels.cpu_linear import MAX_ROWS
+from firsttoken.kernels.cpu_linear import MAX_ROWS, _kernel, kernel_applies
 
 FP16_MAX = 65504.0
 
@@ -96,10 +106,6 @@ class Fp16Linear(nn.Module):
                 self.packed = torch.fbgemm_pack_gemm_matrix_fp16(w)
             self.bias = b if b is not None else torch.zeros(self.out_features)  # it takes a bias always
 
-    @classmethod
-    def of(cls, linear: nn.Linear, multithreaded: bool = True) -> Fp16Linear:
-        return cls(linear.weight, linear.bias, multithreaded)
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
         if self.multithreaded:
@@ -112,6 +118,24 @@ class Fp16Linear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, weight=float16 (FBGEMM)"
 
 
+def _replace_linears(model: nn.Module, takes: Callable[[str], bool],
+                     make: Callable[[torch.Tensor, torch.Tensor | None], nn.Module]) -> int:
+    """Replace every ``nn.Linear`` whose name ``takes`` accepts by ``make(weight, bias)``, one at a time (each
+    float32 weight is freed once its copy is made); a model whose lm_head is tied to its embeddings gets
+    ``make(embeddings, None)`` as its lm_head (the embeddings stay float32 for lookups). Returns how many modules
+    were made."""
+    names = [name for name, sub in model.named_modules() if isinstance(sub, nn.Linear) and takes(name)]
+    for name in names:
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        linear = getattr(parent, child)
+        setattr(parent, child, make(linear.weight, linear.bias))
+    if getattr(model, "lm_head", False) is None:  # tied: logits from a copy of the embeddings
+        model.lm_head = make(model.embed_tokens.weight, None)
+        return len(names) + 1
+    return len(names)
+
+
 def quantize_fp16(model: nn.Module, exclude_prefix: str = "visual.", multithreaded: bool = True) -> int:
     """Replace every ``nn.Linear`` outside ``exclude_prefix`` by an ``Fp16Linear``; a model whose lm_head is tied to
     its embeddings gets a packed float16 lm_head for its logits (the embeddings stay float32 for lookups).
@@ -120,16 +144,47 @@ def quantize_fp16(model: nn.Module, exclude_prefix: str = "visual.", multithread
     reason = fp16_supported()
     if reason is not None:
         raise ValueError(f"--quantization fp16 is not available: {reason}")
-    names = [name for name, sub in model.named_modules()
-             if isinstance(sub, nn.Linear) and not name.startswith(exclude_prefix)]
-    for name in names:  # one at a time: each float32 weight is freed once its float16 copy is packed
-        parent_name, _, child = name.rpartition(".")
-        parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, child, Fp16Linear.of(getattr(parent, child), multithreaded))
-    if getattr(model, "lm_head", False) is None:  # tied: logits from a packed copy of the embeddings
-        model.lm_head = Fp16Linear(model.embed_tokens.weight, None, multithreaded)
-        return len(names) + 1
-    return len(names)
+    return _replace_linears(model, lambda name: not name.startswith(exclude_prefix),
+                            lambda w, b: Fp16Linear(w, b, multithreaded))
+
+
+# ---------------------------------------------------------------- bf16 weights, float32 activations
+
+
+class Bf16WeightLinear(nn.Module):
+    """``nn.Linear``'s forward with the weight held as bfloat16 [N, K] row-major (the float32 weight is freed) and
+    float32 inputs, bias and outputs. Products of at most ``MAX_ROWS`` rows run firsttoken's kernel (the bf16 weight
+    read once, each value widened exactly, float32 sums), larger ones torch's float32 product of the weight widened
+    into a temporary (the same values; a prefill's product is compute-bound, the widening ~1% of it). Without the
+    kernels (``use_kernels`` False, or a shape they do not take) every product widens."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, use_kernels: bool = True) -> None:
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        self.weight = nn.Parameter(weight.detach().to(torch.bfloat16).contiguous(), requires_grad=False)
+        self.bias = None if bias is None else nn.Parameter(bias.detach().float().contiguous(), requires_grad=False)
+        self.use_kernels = use_kernels and kernel_applies(self.weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features)
+        if self.use_kernels and 0 < rows.shape[0] <= MAX_ROWS:
+            if rows.stride(-1) != 1:
+                rows = rows.contiguous()
+            out = _kernel()[0].linear(rows, self.weight, self.bias)
+        else:
+            out = F.linear(rows, self.weight.float(), self.bias)
+        return out.view(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, weight=bfloat16"
+
+
+def quantize_bf16(model: nn.Module, exclude_prefix: str = "visual.", use_kernels: bool = True) -> int:
+    """Replace every ``nn.Linear`` outside ``exclude_prefix`` by a ``Bf16WeightLinear``; a model whose lm_head is
+    tied to its embeddings gets a bf16 copy of them as its lm_head (the embeddings stay float32 for lookups).
+    Returns the number of linear layers replaced."""
+    return _replace_linears(model, lambda name: not name.startswith(exclude_prefix),
+                            lambda w, b: Bf16WeightLinear(w, b, use_kernels))
 
 
 # ---------------------------------------------------------------- int8
@@ -220,10 +275,6 @@ class Int8Linear(nn.Module):
         self.bias = bias.detach().float().contiguous() if bias is not None else None
         self.kernel_shape = self.in_features % 8 == 0 and self.out_features % 8 == 0
 
-    @classmethod
-    def of(cls, linear: nn.Linear, use_kernels: bool = True) -> Int8Linear:
-        return cls(linear.weight, linear.bias, use_kernels)
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
         if rows.stride(-1) != 1:
@@ -262,13 +313,5 @@ def quantize_int8(model: nn.Module, keep_float: tuple[str, ...] = INT8_KEEPS_FLO
     """Replace every ``nn.Linear`` (language model and vision tower) whose name starts with none of ``keep_float``
     by an ``Int8Linear``; a model whose lm_head is tied to its embeddings gets an int8 lm_head for its logits (the
     embeddings stay float32 for lookups). Returns the number of linear layers replaced."""
-    names = [name for name, sub in model.named_modules()
-             if isinstance(sub, nn.Linear) and not name.startswith(keep_float)]
-    for name in names:  # one at a time: each float weight is freed once its int8 copy is made
-        parent_name, _, child = name.rpartition(".")
-        parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, child, Int8Linear.of(getattr(parent, child), use_kernels))
-    if getattr(model, "lm_head", False) is None:  # tied: logits from a packed int8 copy of the embeddings
-        model.lm_head = Int8Linear(model.embed_tokens.weight, None, use_kernels)
-        return len(names) + 1
-    return len(names)
+    return _replace_linears(model, lambda name: not name.startswith(keep_float),
+                            lambda w, b: Int8Linear(w, b, use_kernels))

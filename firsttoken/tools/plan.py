@@ -15,8 +15,8 @@ The pool is either given (``kv_cache_memory_bytes``, what ``serve --kv-cache-mem
 memory leaves, as vLLM's --gpu-memory-utilization reads it:
 
     KV pool = memory x utilization - weights - workspace - encoder cache     (rounded down to a MiB)
-    weights = parameters (LM + vision tower + lm_head unless tied) x dtype bytes; with --quantization fp16 the
-              language model's linear layers (and the lm_head, a float16 copy when tied) count 2 bytes each
+    weights = parameters (LM + vision tower + lm_head unless tied) x dtype bytes; with --quantization fp16 or bf16 the
+              language model's linear layers (and the lm_head, a 2-byte copy when tied) count 2 bytes each
     workspace = max(LM step, vision tower): the tower runs before the step's forward, not beside it
       LM step = activations (T tokens x (2 hidden + 2 q + 2 kv + 3 intermediate) x B)
               + attention scores of one chunk (2 x heads x T x max_model_len x B, the CPU SDPA path)
@@ -34,7 +34,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from firsttoken.config import QUANTIZATIONS, CacheConfig, SchedulerConfig
+from firsttoken.config import FLOAT32_ACTIVATIONS, QUANTIZATIONS, CacheConfig, SchedulerConfig
 from firsttoken.tools.model_shape import (  # noqa: F401  (re-exported: doctor and the benchmarks read them here)
     DTYPE_BYTES,
     ConfigFieldMissing,
@@ -75,7 +75,7 @@ class PlanInputs:
     image_tokens: int = 1200  # per-image visual-token budget (--image-max-tokens)
     output_tokens: int = 256
     dtype: str = "bfloat16"
-    quantization: str = "none"  # serve --quantization; fp16 and int8 run float32 activations
+    quantization: str = "none"  # serve --quantization; fp16, int8 and bf16 run float32 activations
     block_size: int = _CACHE_DEFAULTS.block_size
     decode_reserve_tokens: int = _SCHEDULER_DEFAULTS.decode_reserve_tokens
     template_overhead_tokens: int | None = None  # None: TEMPLATE_BASE_TOKENS + 2 per image
@@ -91,7 +91,7 @@ class PlanInputs:
             raise ValueError(f"dtype must be one of {sorted(DTYPE_BYTES)}, got {self.dtype!r}")
         if self.quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}")
-        if self.quantization in ("fp16", "int8") and self.dtype != "float32":
+        if self.quantization in FLOAT32_ACTIVATIONS and self.dtype != "float32":
             raise ValueError(f"quantization {self.quantization} runs float32 activations: plan with --dtype float32")
         if self.block_size < 1:
             raise ValueError("block_size must be >= 1")
@@ -186,10 +186,10 @@ class MemoryBudget:
 
 
 def _weights_bytes(shape: ModelShape, inputs: PlanInputs, lm: int, vision: int) -> int:
-    """Parameters x dtype bytes; with fp16 quantization the language model's linear layers at 2 bytes, plus a float16
-    lm_head beside tied embeddings (models/quant.py); its norms and biases (float32 there, a few thousand parameters)
-    are counted at 2 bytes too. With int8 the vision tower's parameters are counted at 1 byte as well, and the
-    language model's at 1 (float32 embeddings kept for lookups; an int8 lm_head beside tied ones); norms, biases,
+    """Parameters x dtype bytes; with fp16 or bf16 quantization the language model's linear layers at 2 bytes, plus
+    a 2-byte lm_head beside tied embeddings (models/quant.py); its norms and biases (float32 there, a few thousand
+    parameters) are counted at 2 bytes too. With int8 the vision tower's parameters are counted at 1 byte as well,
+    and the language model's at 1 (float32 embeddings kept for lookups; an int8 lm_head beside tied ones); norms, biases,
     the patch embedding and the per-row scales (4 bytes per output row, under 1% of a layer) are not told apart."""
     dtype_bytes = DTYPE_BYTES[inputs.dtype]
     if inputs.quantization == "none":
@@ -199,6 +199,9 @@ def _weights_bytes(shape: ModelShape, inputs: PlanInputs, lm: int, vision: int) 
     if inputs.quantization == "int8":
         return embed * dtype_bytes + (lm - embed + tied_head) + vision
     return (vision + embed) * dtype_bytes + (lm - embed + tied_head) * 2
+
+
+_PACKED = {"fp16": "float16", "bf16": "bfloat16", "int8": "int8"}
 
 
 def _memory_budget(inputs: PlanInputs, weights: int, num_params: int, workspace: int, block_bytes: int
@@ -211,12 +214,12 @@ def _memory_budget(inputs: PlanInputs, weights: int, num_params: int, workspace:
     assert device is not None  # PlanInputs holds exactly one of the two
     usable = int(device * util)
     usable_text = f"{format_bytes(device)} x {util:g} utilization = {format_bytes(usable)} usable"
-    # fp16 and int8 load the float32 weights first: when they fit, the packed ones do too (the check below is for
+    # fp16, bf16 and int8 load the float32 weights first: when they fit, the packed ones do too (the check below is for
     # the rest)
     if inputs.quantization != "none" and num_params * DTYPE_BYTES[inputs.dtype] > usable:
         raise DoesNotFit(
             f"loading reads the float32 weights first ({format_bytes(num_params * DTYPE_BYTES[inputs.dtype])}) and "
-            f"packs them to {'float16' if inputs.quantization == 'fp16' else 'int8'} one layer at a time, but "
+            f"packs them to {_PACKED[inputs.quantization]} one layer at a time, but "
             f"{usable_text}; plan for a larger device")
     if weights > usable:
         raise DoesNotFit(
@@ -240,7 +243,7 @@ class Plan:
     num_params: int  # from config shapes
     num_params_language_model: int
     num_params_vision: int
-    weights_bytes: int  # num_params x dtype bytes (fp16 quantization: the LM's linear layers x 2; int8: x 1)
+    weights_bytes: int  # num_params x dtype bytes (fp16 or bf16 quantization: the LM's linear layers x 2; int8: x 1)
     safetensors_params: int | None  # summed from safetensors headers when the model dir has them
     safetensors_bytes: int | None
     # memory
@@ -351,7 +354,8 @@ def make_plan(config: dict[str, Any], inputs: PlanInputs, model_dir: str | Path 
     )
 
 
-_QUANTIZED_WEIGHTS = {"fp16": "; LM linear layers x 2 B", "int8": "; LM and vision linear layers x 1 B"}
+_QUANTIZED_WEIGHTS = {"fp16": "; LM linear layers x 2 B", "bf16": "; LM linear layers x 2 B",
+                      "int8": "; LM and vision linear layers x 1 B"}
 
 
 def _memory_rows(plan: Plan) -> list[tuple[str, str]]:

@@ -110,6 +110,28 @@ def test_fp16_weights_through_the_engine_give_the_float32_answers(llm: LLM, tiny
         LLM(tiny_model_dir, quantization="fp16", dtype="bfloat16")
 
 
+def test_bf16_weights_through_the_engine_decode_in_the_fused_layers(llm: LLM, tiny_model_dir: Path):
+    """--quantization bf16: float32 activations (--dtype auto), bf16 linear weights; decode steps take the fused
+    layers. The tiny checkpoint is float32, so its weights are rounded: the answers are close to float32's (exact
+    against a checkpoint of bf16 values: tests/oracle/test_quantization.py)."""
+    from firsttoken.models.quant import Bf16WeightLinear
+
+    bf16w = LLM(tiny_model_dir, quantization="bf16", kv_cache_memory="16MiB", max_batched_tokens=256)
+    model = bf16w.engine.executor.runner.model
+    assert isinstance(model.layers[0].mlp.gate_up_proj, Bf16WeightLinear) and isinstance(model.lm_head,
+                                                                                        Bf16WeightLinear)
+    assert model.embed_tokens.weight.dtype == torch.float32 and model.fused_decode is not None
+    steps = model.fused_decode.steps
+    got = bf16w.chat(conversations(), {"temperature": 0.0, "max_tokens": 8})
+    assert model.fused_decode.steps > steps
+    expected = llm.chat(conversations(), {"temperature": 0.0, "max_tokens": 8})
+    assert [r.finish_reason for r in got] == ["length"] * 3
+    print("bf16 weights vs float32 answers:", [(g.token_ids, e.token_ids) for g, e in zip(got, expected)])
+    assert sum(g.token_ids[0] == e.token_ids[0] for g, e in zip(got, expected)) >= 2
+    with pytest.raises(ValueError, match="float32"):
+        LLM(tiny_model_dir, quantization="bf16", dtype="bfloat16")
+
+
 def test_int8_weights_through_the_engine_answer_like_float32_and_regress_runs_unchanged(
         llm: LLM, tiny_model_dir: Path, tmp_path: Path, capsys):
     from firsttoken.cli.main import main

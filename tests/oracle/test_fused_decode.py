@@ -18,14 +18,16 @@ from firsttoken.models.loader import load_model
 BLOCK = 16
 
 
-@pytest.fixture(scope="module", params=[("qwen2-vl", torch.bfloat16), ("qwen3-vl", torch.bfloat16),
-                                        ("qwen2-vl", torch.float32), ("qwen3-vl", torch.float32)],
-                ids=["qwen2-vl-bf16", "qwen3-vl-bf16", "qwen2-vl-fp32", "qwen3-vl-fp32"])
+@pytest.fixture(scope="module", params=[("qwen2-vl", torch.bfloat16, "none"), ("qwen3-vl", torch.bfloat16, "none"),
+                                        ("qwen2-vl", torch.float32, "none"), ("qwen3-vl", torch.float32, "none"),
+                                        ("qwen2-vl", torch.float32, "bf16")],
+                ids=["qwen2-vl-bf16", "qwen3-vl-bf16", "qwen2-vl-fp32", "qwen3-vl-fp32", "qwen2-vl-bf16-weights"])
 def models(request, tmp_path_factory: pytest.TempPathFactory, kernel_built):
-    """(model with the fused layers, float64 model holding the very same weights)."""
-    family, dtype = request.param
+    """(model with the fused layers, float64 model holding the very same weights). bf16-weights: float32
+    activations, the linear layers' weights bf16 (--quantization bf16)."""
+    family, dtype, quantization = request.param
     d: Path = make_model(tmp_path_factory.mktemp(f"fused-{family}"), size="tiny", seed=1, family=family)
-    fused = load_model(d, dtype, cpu_kernels="on")
+    fused = load_model(d, dtype, cpu_kernels="on", quantization=quantization)
     assert fused.fused_decode is not None
     ref = load_model(d, torch.float64, cpu_kernels="off")
     ref.load_state_dict({k: v.double() for k, v in fused.state_dict().items()})
@@ -175,12 +177,16 @@ def test_taken_for_pure_decode_steps_of_at_most_max_rows_only(models):
     assert decoder.steps == steps + 1
 
 
-def test_only_with_the_kernels_and_not_for_fp16_or_quantized_weights(kernel_built, tiny_qwen2_vl_dir):
+def test_only_with_the_kernels_and_not_for_fp16_or_int8_weights(kernel_built, tiny_qwen2_vl_dir):
     for dtype in (torch.bfloat16, torch.float32):
         assert load_model(tiny_qwen2_vl_dir, dtype, cpu_kernels="on").fused_decode is not None
         assert load_model(tiny_qwen2_vl_dir, dtype, cpu_kernels="off").fused_decode is None
     assert load_model(tiny_qwen2_vl_dir, torch.float16, cpu_kernels="on").fused_decode is None
     assert load_model(tiny_qwen2_vl_dir, torch.float32, cpu_kernels="on", quantization="fp16").fused_decode is None
+    assert load_model(tiny_qwen2_vl_dir, torch.float32, cpu_kernels="on", quantization="int8").fused_decode is None
+    bf16_weights = load_model(tiny_qwen2_vl_dir, torch.float32, cpu_kernels="on", quantization="bf16")
+    assert bf16_weights.fused_decode is not None and bf16_weights.fused_decode.head is not None
+    assert load_model(tiny_qwen2_vl_dir, torch.float32, cpu_kernels="off", quantization="bf16").fused_decode is None
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])

@@ -20,7 +20,7 @@ from torch import nn
 from firsttoken.kernels import cpu_linear
 from firsttoken.models import quant
 from firsttoken.models.loader import load_model
-from firsttoken.models.quant import Fp16Linear, Int8Linear, dequantize_rows, quantize_rows
+from firsttoken.models.quant import Bf16WeightLinear, Fp16Linear, Int8Linear, dequantize_rows, quantize_rows
 from tests.conftest import require_program
 from tests.oracle import test_qwen2_vl_parity as parity
 from tests.oracle.test_qwen2_vl_parity import (
@@ -36,6 +36,27 @@ from tests.oracle.test_qwen2_vl_parity import (
 ref = parity.ref  # the transformers float32 reference (a module fixture)
 
 
+def _against_transformers(ref, model, name: str, label: str) -> tuple[float, float]:
+    """The oracle prompt's prefill logits against transformers' float32 ones: (top-1 agreement over its positions,
+    max |Δlogit| / the largest logit), printed."""
+    prompt = make_prompt(model.config, PROMPTS[name], seed=6)
+    runner = TinyRunner(model)
+    got = runner.prefill(runner.add(prompt), chunk=32)
+    expected = ref_logits(ref, model.config, prompt)
+    agree = (got.argmax(-1) == expected.argmax(-1)).float().mean().item()
+    rel = max_diff(got, expected) / expected.abs().max().item()
+    print(f"{label}, {name} ({len(prompt.ids)} positions): top-1 agreement {agree:.4f}, "
+          f"max|Δlogit| {max_diff(got, expected):.2e} ({rel:.1e} of the largest logit)")
+    return agree, rel
+
+
+def _assert_the_vision_tower_is_float32s(model, model_dir: Path) -> None:
+    exact = load_model(model_dir, torch.float32)
+    pixels = torch.randn(16, exact.visual.patch_embed.proj.in_features)
+    with torch.no_grad():
+        assert torch.equal(model.visual(pixels, [(1, 4, 4)]), exact.visual(pixels, [(1, 4, 4)]))
+
+
 @pytest.fixture(scope="module")
 def fp16(tiny_qwen2_vl_dir: Path):
     return load_model(tiny_qwen2_vl_dir, torch.float32, quantization="fp16")
@@ -47,22 +68,12 @@ def test_every_language_model_linear_is_float16_and_the_vision_tower_is_untouche
     assert linears and all(n.startswith("visual.") for n in linears)
     # 2 layers x (qkv, o, gate_up, down) + lm_head
     assert len(packed) == 2 * 4 + 1 and "lm_head" in packed
-    exact = load_model(tiny_qwen2_vl_dir, torch.float32)
-    pixels = torch.randn(16, exact.visual.patch_embed.proj.in_features)
-    with torch.no_grad():
-        assert torch.equal(fp16.visual(pixels, [(1, 4, 4)]), exact.visual(pixels, [(1, 4, 4)]))
+    _assert_the_vision_tower_is_float32s(fp16, tiny_qwen2_vl_dir)
 
 
 @pytest.mark.parametrize("name", list(PROMPTS))
 def test_fp16_weights_keep_the_top1_token_at_every_prompt_position(ref, fp16, name: str):
-    prompt = make_prompt(fp16.config, PROMPTS[name], seed=6)
-    runner = TinyRunner(fp16)
-    got = runner.prefill(runner.add(prompt), chunk=32)
-    expected = ref_logits(ref, fp16.config, prompt)
-    agree = (got.argmax(-1) == expected.argmax(-1)).float().mean().item()
-    rel = max_diff(got, expected) / expected.abs().max().item()
-    print(f"fp16 weights, {name} ({len(prompt.ids)} positions): top-1 agreement {agree:.4f}, "
-          f"max|Δlogit| {max_diff(got, expected):.2e} ({rel:.1e} of the largest logit)")
+    agree, rel = _against_transformers(ref, fp16, name, "fp16 weights")
     assert agree >= 0.99
     assert rel <= 1e-2
 
@@ -101,6 +112,92 @@ def test_the_one_thread_kernel_gives_the_same_logits(fp16, tiny_qwen2_vl_dir: Pa
     assert torch.equal(a.prefill(a.add(prompt), chunk=32), b.prefill(b.add(prompt), chunk=32))
 
 
+# ---------------------------------------------------------------- bf16 weights, float32 activations
+
+
+@pytest.fixture(scope="module")
+def bf16w(tiny_qwen2_vl_dir: Path, kernel_built):
+    return load_model(tiny_qwen2_vl_dir, torch.float32, quantization="bf16")
+
+
+def _bf16_checkpoint(model_dir: Path, cpu_kernels: str = "off") -> nn.Module:
+    """The float32 model whose language-model linear weights hold bf16 values: what float32 inference of a checkpoint
+    published in bf16 computes with."""
+    model = load_model(model_dir, torch.float32, cpu_kernels=cpu_kernels)
+    with torch.no_grad():
+        for name, sub in model.named_modules():
+            if isinstance(sub, nn.Linear) and not name.startswith("visual."):
+                sub.weight.copy_(sub.weight.to(torch.bfloat16).float())
+    return model
+
+
+@pytest.fixture(scope="module")
+def bf16_checkpoint(tiny_qwen2_vl_dir: Path):
+    return _bf16_checkpoint(tiny_qwen2_vl_dir)
+
+
+def test_every_language_model_linear_holds_bf16_weights_and_the_rest_stays_float32(bf16w, tiny_qwen2_vl_dir: Path):
+    linears = [n for n, m in bf16w.named_modules() if isinstance(m, nn.Linear)]
+    halves = {n: m for n, m in bf16w.named_modules() if isinstance(m, Bf16WeightLinear)}
+    assert linears and all(n.startswith("visual.") for n in linears)
+    assert len(halves) == 2 * 4 + 1 and "lm_head" in halves  # 2 layers x (qkv, o, gate_up, down) + lm_head
+    assert all(m.weight.dtype == torch.bfloat16 and m.weight.is_contiguous() for m in halves.values())
+    assert all(m.bias is None or m.bias.dtype == torch.float32 for m in halves.values())
+    assert bf16w.embed_tokens.weight.dtype == torch.float32 and bf16w.norm.weight.dtype == torch.float32
+    _assert_the_vision_tower_is_float32s(bf16w, tiny_qwen2_vl_dir)
+
+
+@pytest.mark.parametrize("name", list(PROMPTS))
+def test_bf16_weights_compute_what_float32_computes_on_a_bf16_checkpoint(bf16w, bf16_checkpoint, name: str):
+    """For a checkpoint whose weights are bf16 values, bf16 storage changes nothing but the order of float32 sums:
+    prefill (weights widened for torch's product) and the decode steps (the kernels, the fused layers) give the
+    float32 model's logits to rounding and its greedy tokens."""
+    prompt = make_prompt(bf16w.config, PROMPTS[name], seed=6)
+    a, b = TinyRunner(bf16w), TinyRunner(bf16_checkpoint)
+    got, want = a.prefill(a.add(prompt), chunk=32), b.prefill(b.add(prompt), chunk=32)
+    assert max_diff(got, want) <= 1e-5 * want.abs().max().item()
+    assert torch.equal(got.argmax(-1), want.argmax(-1))
+    steps = bf16w.fused_decode.steps
+    assert greedy_ids(bf16w, prompt, 24) == greedy_ids(bf16_checkpoint, prompt, 24)
+    assert bf16w.fused_decode.steps > steps  # the decode steps took the fused layers
+
+
+@pytest.mark.parametrize("name", list(PROMPTS))
+def test_bf16_weights_of_a_float32_checkpoint_keep_the_top1_token(ref, bf16w, name: str):
+    """A float32 checkpoint's weights are rounded to bf16: close to transformers' float32 forward, not equal."""
+    agree, rel = _against_transformers(ref, bf16w, name, "bf16 weights")
+    assert agree >= 0.99
+    assert 0 < rel <= 1e-2
+
+
+def test_bf16_weights_without_the_kernels_give_the_same_tokens(bf16w, tiny_qwen2_vl_dir: Path):
+    off = load_model(tiny_qwen2_vl_dir, torch.float32, quantization="bf16", cpu_kernels="off")
+    assert off.fused_decode is None and not off.lm_head.use_kernels
+    prompt = make_prompt(off.config, PROMPTS["one_image"], seed=8)
+    a, b = TinyRunner(bf16w), TinyRunner(off)
+    got, want = a.prefill(a.add(prompt), chunk=32), b.prefill(b.add(prompt), chunk=32)
+    assert max_diff(got, want) <= 1e-5 * want.abs().max().item()
+    assert greedy_ids(bf16w, prompt, 16) == greedy_ids(off, prompt, 16)
+
+
+def test_bf16_weights_with_tied_embeddings_get_a_bf16_lm_head_and_keep_lookups_float32(tiny_qwen2_vl_tied_dir: Path,
+                                                                                         kernel_built):
+    model = load_model(tiny_qwen2_vl_tied_dir, torch.float32, quantization="bf16")
+    assert isinstance(model.lm_head, Bf16WeightLinear) and model.lm_head.weight.dtype == torch.bfloat16
+    assert model.embed_tokens.weight.dtype == torch.float32
+    assert model.fused_decode is not None and model.fused_decode.head is model.lm_head
+    rows = torch.randn(3, model.config.hidden_size, generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        want = rows @ model.embed_tokens.weight.to(torch.bfloat16).float().T
+        torch.testing.assert_close(model.lm_head(rows), want, rtol=1e-5, atol=1e-5)  # the kernel: 3 rows
+        torch.testing.assert_close(model.lm_head(rows.repeat(8, 1)), want.repeat(8, 1), rtol=1e-5, atol=1e-5)
+
+
+def test_bf16_weights_refuse_bfloat16_activations(tiny_qwen2_vl_dir: Path):
+    with pytest.raises(ValueError, match="float32"):
+        load_model(tiny_qwen2_vl_dir, torch.bfloat16, quantization="bf16")
+
+
 # ---------------------------------------------------------------- int8
 
 
@@ -135,14 +232,7 @@ def test_int8_vision_tower_is_close_to_float32_but_not_equal(int8, tiny_qwen2_vl
 
 @pytest.mark.parametrize("name", list(PROMPTS))
 def test_int8_weights_keep_the_top1_token_at_most_prompt_positions(ref, int8, name: str):
-    prompt = make_prompt(int8.config, PROMPTS[name], seed=6)
-    runner = TinyRunner(int8)
-    got = runner.prefill(runner.add(prompt), chunk=32)
-    expected = ref_logits(ref, int8.config, prompt)
-    agree = (got.argmax(-1) == expected.argmax(-1)).float().mean().item()
-    rel = max_diff(got, expected) / expected.abs().max().item()
-    print(f"int8 weights, {name} ({len(prompt.ids)} positions): top-1 agreement {agree:.4f}, "
-          f"max|Δlogit| {max_diff(got, expected):.2e} ({rel:.1e} of the largest logit)")
+    agree, rel = _against_transformers(ref, int8, name, "int8 weights")
     assert agree >= 0.9
     assert rel <= 5e-2
 

@@ -303,6 +303,20 @@ def test_fp16_quantization_counts_the_language_models_linear_layers_at_two_bytes
         PlanInputs(kv_cache_memory_bytes=1, peak_concurrency=1, dtype="bfloat16", quantization="fp16")
 
 
+def test_bf16_quantization_counts_the_language_models_linear_layers_at_two_bytes():
+    fp16 = make_plan(QWEN2_VL_2B, PlanInputs(kv_cache_memory_bytes=parse_bytes("8G"), peak_concurrency=4,
+                                             dtype="float32", quantization="fp16"))
+    bf16 = make_plan(QWEN2_VL_2B, PlanInputs(kv_cache_memory_bytes=parse_bytes("8G"), peak_concurrency=4,
+                                             dtype="float32", quantization="bf16"))
+    assert bf16.weights_bytes == fp16.weights_bytes and bf16.serve_flags["--quantization"] == "bf16"
+    assert "LM linear layers x 2 B" in format_plan(bf16)
+    with pytest.raises(ValueError, match="float32"):
+        PlanInputs(kv_cache_memory_bytes=1, peak_concurrency=1, dtype="bfloat16", quantization="bf16")
+    with pytest.raises(DoesNotFit, match="packs them to bfloat16"):
+        make_plan(QWEN2_VL_2B, PlanInputs(device_memory_bytes=parse_bytes("6GiB"), peak_concurrency=1,
+                                          dtype="float32", quantization="bf16"))
+
+
 def test_int8_quantization_counts_both_towers_linear_layers_at_one_byte():
     f32 = make_plan(QWEN2_VL_2B, PlanInputs(kv_cache_memory_bytes=parse_bytes("8G"), peak_concurrency=4,
                                             dtype="float32"))
