@@ -27,7 +27,7 @@ from typing import Any
 from firsttoken.units import format_size, parse_bytes
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-QUANTIZATIONS = ("none", "fp16", "int8", "bf16")  # models/quant.py
+QUANTIZATIONS = ("auto", "none", "fp16", "int8", "bf16")  # models/quant.py
 FLOAT32_ACTIVATIONS = ("fp16", "int8", "bf16")  # quantizations whose products take float32 activations
 CPU_KERNELS = ("auto", "on", "off")  # kernels/cpu_linear.py
 DEVICES = ("cpu",)  # where the engine runs; a CUDA runner is the Executor seam's next implementation
@@ -210,8 +210,11 @@ class EngineConfig:
     dtype: str = field(default="auto", metadata=option(
         "auto (bf16 where the CPU computes bf16 in hardware, else float32), float32 (exact vs transformers), "
         "bfloat16, float16"))
-    quantization: str = field(default="none", metadata=option(
-        "none, or fp16: the language model's linear layers keep float16 weights (half the bytes a decode step "
+    quantization: str = field(default="auto", metadata=option(
+        "auto: bf16 (below) where the checkpoint stores the language model's linear weights in bf16 and the engine "
+        "runs float32 activations (--dtype auto on a CPU without native bf16, or --dtype float32) with firsttoken's "
+        "kernels: the checkpoint's own weights at their own bytes; else none. none: weights in --dtype; "
+        "fp16: the language model's linear layers keep float16 weights (half the bytes a decode step "
         "reads), multiplied in float32 by FBGEMM's AVX2 kernel; activations float32 (--dtype auto picks it). "
         "Faster decode on CPUs; not exact against transformers (~2e-4 relative error per product; top-1 "
         "agreement in docs/performance.md); or int8: every linear layer of the language model and the vision "

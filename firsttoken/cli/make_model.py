@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from firsttoken.cli.usage import UsageError
-from firsttoken.models.checkpoint import LAYOUTS, make_model, recipes
+from firsttoken.models.checkpoint import CHECKPOINT_DTYPES, LAYOUTS, make_model, recipes
 
 CHECKPOINT_META = "firsttoken_checkpoint.json"  # make_model writes it last: its presence marks our own output
 
@@ -25,6 +25,8 @@ def add_parser(subparsers: Any) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--layout", choices=LAYOUTS, default="transformers")
     parser.add_argument("--shards", type=int, default=1, help="number of safetensors files")
+    parser.add_argument("--dtype", choices=CHECKPOINT_DTYPES, default="float32",
+                        help="the weights' dtype on disk (published Qwen-VL checkpoints are bfloat16)")
     parser.set_defaults(handler=run)
 
 
@@ -44,7 +46,7 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError("--shards", args.shards, "must be >= 1")
     try:
         out = make_model(args.dir, size=args.size, seed=args.seed, layout=args.layout, shards=args.shards,
-                         family=args.family)
+                         family=args.family, dtype=args.dtype)
     except ValueError as exc:  # more --shards than this size has tensors, or a layout the family lacks
         flag, value = ("--layout", args.layout) if "layout" in str(exc) else ("--shards", args.shards)
         raise UsageError(flag, value, str(exc)) from None
@@ -53,7 +55,8 @@ def run(args: argparse.Namespace) -> int:
     meta = json.loads((out / CHECKPOINT_META).read_text())
     params = meta["params"]
     print(
-        f"wrote {out} ({args.family} {args.size}, seed {args.seed}, {args.layout} layout, {args.shards} shard(s)): "
+        f"wrote {out} ({args.family} {args.size}, seed {args.seed}, {args.layout} layout, {args.shards} shard(s)"
+        f"{'' if args.dtype == 'float32' else ', ' + args.dtype}): "
         f"{params['total']:,} parameters ({params['language_model']:,} language model, {params['vision']:,} vision)"
     )
     return 0

@@ -58,7 +58,8 @@ def add_parser(subparsers: Any) -> None:
     parser.add_argument("--quantization", choices=QUANTIZATIONS, default=_DEFAULTS.quantization,
                         help="serve --quantization: fp16 and bf16 count the language model's linear layers at 2 bytes, "
                              "int8 those of the language model and the vision tower at 1 byte (with --dtype "
-                             "float32)")
+                             "float32); auto counts as none (serve may keep a bf16 checkpoint's weights at 2 "
+                             "bytes: the plan's figure is the larger)")
     parser.add_argument("--block-size", type=int, default=_DEFAULTS.block_size)
     parser.add_argument("--decode-reserve-tokens", type=int, default=_DEFAULTS.decode_reserve_tokens)
     parser.add_argument("--json", metavar="FILE", help="also write the plan as JSON ('-': JSON on stdout only)")

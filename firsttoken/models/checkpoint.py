@@ -35,7 +35,7 @@ import shutil
 import tempfile
 import zlib
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -97,6 +97,7 @@ GENERATION_SAMPLING: dict[str, Any] = {
 CLIP_MEAN = [0.48145466, 0.4578275, 0.40821073]
 CLIP_STD = [0.26862954, 0.26130258, 0.27577711]
 MIN_PIXELS = 3136  # 56 * 56
+CHECKPOINT_DTYPES = ("float32", "bfloat16")
 MAX_PIXELS = 12845056  # 14 * 14 * 4 * 16384
 
 
@@ -167,8 +168,11 @@ def make_model(
     layout: str = "transformers",
     shards: int = 1,
     family: str = "qwen2-vl",
+    dtype: str | None = None,
 ) -> Path:
-    """Write a random-weight checkpoint of ``family`` into ``out_dir`` (created if needed) and return it."""
+    """Write a random-weight checkpoint of ``family`` into ``out_dir`` (created if needed) and return it. ``dtype``
+    ("float32", "bfloat16"): the tensors' dtype on disk and the config's (default: the size's, float32); Qwen-VL
+    checkpoints are published in bfloat16."""
     known = recipes()
     if family not in known:
         raise ValueError(f"family must be one of {sorted(known)}, got {family!r}")
@@ -181,6 +185,11 @@ def make_model(
     if shards < 1:
         raise ValueError(f"shards must be >= 1, got {shards}")
     shape = recipe.sizes[size]
+    if dtype is not None:
+        if dtype not in CHECKPOINT_DTYPES:
+            raise ValueError(f"dtype must be one of {CHECKPOINT_DTYPES}, got {dtype!r}")
+        text = getattr(shape, "text", None)  # Qwen2.5-VL's shape holds its language model's, which holds the dtype
+        shape = replace(shape, text=replace(text, dtype=dtype)) if text is not None else replace(shape, dtype=dtype)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     config = recipe.hf_config(shape)

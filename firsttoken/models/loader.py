@@ -52,6 +52,9 @@ weights, float32 activations). ``cpu_kernels`` ("auto", "on", "off"; kernels/cpu
     if quantization in FLOAT32_ACTIVATIONS and dtype != torch.float32:
         raise ValueError(f"--quantization {quantization} runs float32 activations: use --dtype float32 (or auto)")
     model_dir = Path(model_dir)
+    if quantization == "auto":
+        quantization, why = auto_quantization(model_dir, dtype, device, cpu_kernels)
+        log.info("--quantization auto: %s (%s)", quantization, why)
     family = family_of(model_dir)
     config = load_model_config(model_dir)
     with torch.device("meta"):
@@ -101,7 +104,39 @@ weights, float32 activations). ``cpu_kernels`` ("auto", "on", "off"; kernels/cpu
                 log.info("decode steps' decoder layers: %s", "one fused call" if fused is None else f"eager ({fused})")
             log.info("decode steps' products: %s", "firsttoken's few-rows AVX2 kernels" if reason is None
                      else f"torch's (few-rows kernels not used: {reason})")
+    model.quantization = quantization  # what was applied (auto resolved): the engine's start-up log reads it
     return model.eval()
+
+
+def auto_quantization(model_dir: Path, dtype: torch.dtype, device: torch.device | str, cpu_kernels: str
+                      ) -> tuple[str, str]:
+    """What ``--quantization auto`` applies, and why: "bf16" where the checkpoint stores its language model's
+    linear weights in bf16 and the model runs float32 activations on the CPU with firsttoken's kernels (those
+    weights at their own bytes: decode steps read half of float32's; the same values, so float32 inference's
+    arithmetic), else "none"."""
+    if str(device) != "cpu":
+        return "none", f"device {device}"
+    if dtype != torch.float32:
+        return "none", f"{str(dtype).removeprefix('torch.')} activations: weights in that dtype"
+    reason = "--cpu-kernels off" if cpu_kernels == "off" else kernel_unavailable()
+    if reason is not None:
+        return "none", f"firsttoken's kernels not used: {reason}"
+    stored = stored_linear_dtypes(model_dir)
+    if stored != {"BF16"}:
+        return "none", f"the checkpoint's language-model linear weights are {'/'.join(sorted(stored)) or 'absent'}"
+    return "bf16", "the checkpoint stores its language model's linear weights in bf16; float32 activations"
+
+
+def stored_linear_dtypes(model_dir: Path) -> set[str]:
+    """The safetensors dtypes ("BF16", "F32", ...) of the checkpoint's language-model projection weights (every
+    ``*_proj.weight`` outside the vision tower, and the lm_head), read from the files' headers."""
+    dtypes: set[str] = set()
+    for file in _safetensors_files(model_dir):
+        with safe_open(str(file), framework="pt") as f:
+            for key in f.keys():
+                if "visual" not in key and (key.endswith("_proj.weight") or key.endswith("lm_head.weight")):
+                    dtypes.add(f.get_slice(key).get_dtype())
+    return dtypes
 
 
 def _safetensors_files(model_dir: Path) -> list[Path]:

@@ -23,11 +23,13 @@ products stay float32 (norms, attention, rotary). Not exact against float32: top
 docs/performance.md (on the 2-layer test checkpoint 97-98% of the oracle prompts' positions,
 tests/oracle/test_quantization.py).
 
-``bf16``: every linear layer of the language model (the lm_head included) keeps its weight as bfloat16, row-major;
-activations, biases, norms and the KV cache stay float32, and every product sums in float32. The few rows of a
-decode step run firsttoken's kernel, which reads the bf16 weights (half float32's bytes: what bounds a decode step
-on a CPU) and widens each exactly to float32 (AVX2; the fused decode layers take them the same way); a prefill's
-product widens the weight to a float32 temporary and runs torch's float32 product. For a checkpoint published in
+``bf16`` (what ``auto`` picks for a checkpoint stored in bf16 run with float32 activations: ``auto_quantization`` in
+models/loader.py): every linear layer of the language model (the lm_head included) keeps its weight as bfloat16,
+row-major; activations, biases, norms and the KV cache stay float32, and every product sums in float32. The few rows
+of a decode step run firsttoken's kernel, which reads the bf16 weights (half float32's bytes: what bounds a decode
+step on a CPU) and widens each exactly to float32 (AVX2; the fused decode layers take them the same way); a
+prefill's product widens the weight into a reused float32 buffer and runs torch's float32 product. For a checkpoint
+published in
 bf16 (Qwen2-VL's are) this is the checkpoint's very weights: the same arithmetic as float32 inference, sums in
 another order. A float32 checkpoint's weights are rounded to bf16 (relative error up to 2^-9 per weight).
 """
@@ -35,6 +37,7 @@ another order. A float32 checkpoint's weights are rounded to bf16 (relative erro
 from __future__ import annotations
 
 import functools
+import threading
 import warnings
 from collections.abc import Callable
 
@@ -155,8 +158,8 @@ class Bf16WeightLinear(nn.Module):
     """``nn.Linear``'s forward with the weight held as bfloat16 [N, K] row-major (the float32 weight is freed) and
     float32 inputs, bias and outputs. Products of at most ``MAX_ROWS`` rows run firsttoken's kernel (the bf16 weight
     read once, each value widened exactly, float32 sums), larger ones torch's float32 product of the weight widened
-    into a temporary (the same values; a prefill's product is compute-bound, the widening ~1% of it). Without the
-    kernels (``use_kernels`` False, or a shape they do not take) every product widens."""
+    into a reused buffer (the same values; a prefill's product is compute-bound, the widening a few % of it).
+    Without the kernels (``use_kernels`` False, or a shape they do not take) every product widens."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, use_kernels: bool = True) -> None:
         super().__init__()
@@ -172,11 +175,26 @@ class Bf16WeightLinear(nn.Module):
                 rows = rows.contiguous()
             out = _kernel()[0].linear(rows, self.weight, self.bias)
         else:
-            out = F.linear(rows, self.weight.float(), self.bias)
+            out = F.linear(rows, _widened(self.weight), self.bias)
         return out.view(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, weight=bfloat16"
+
+
+_scratch = threading.local()  # per thread (an engine runs its steps on one): a float32 buffer products widen into
+
+
+def _widened(weight: torch.Tensor) -> torch.Tensor:
+    """``weight.float()`` in a buffer reused across products (grown to the largest weight seen). A fresh float32
+    temporary per product is megabytes, above malloc's mmap threshold: a new mapping whose pages fault in on every
+    call (one noisy in-process run had the prefill at 1.28x float32's that way, 0.79-0.94x with the buffer reused;
+    docs/performance.md)."""
+    buf = getattr(_scratch, "buf", None)
+    if buf is None or buf.numel() < weight.numel():
+        with torch.inference_mode(False):  # a normal tensor: written in and out of inference mode alike
+            buf = _scratch.buf = torch.empty(weight.numel(), dtype=torch.float32)
+    return buf[: weight.numel()].view(weight.shape).copy_(weight)
 
 
 def quantize_bf16(model: nn.Module, exclude_prefix: str = "visual.", use_kernels: bool = True) -> int:

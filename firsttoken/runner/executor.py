@@ -58,6 +58,7 @@ class InProcessExecutor:
         """``interrupt``: the runner asks it between interruptible encoder units (ModelRunner)."""
         model = load_model(model_dir, dtype, device, quantization=quantization,
                            num_threads=threads.threads if threads is not None else None, cpu_kernels=cpu_kernels)
+        self.quantization: str = model.quantization  # what load_model applied (--quantization auto resolved)
         kv_caches = allocate_kv_caches(model_config, num_kv_blocks, block_size, dtype, device)
         sampler = Sampler(seed, kernels=cpu_kernels != "off" and device == "cpu")
         self.runner = ModelRunner(model, kv_caches, block_size, sampler, fault_hook, threads, interrupt)

@@ -75,7 +75,7 @@ class PlanInputs:
     image_tokens: int = 1200  # per-image visual-token budget (--image-max-tokens)
     output_tokens: int = 256
     dtype: str = "bfloat16"
-    quantization: str = "none"  # serve --quantization; fp16, int8 and bf16 run float32 activations
+    quantization: str = "none"  # serve --quantization; fp16, int8 and bf16 run float32 activations; auto = none
     block_size: int = _CACHE_DEFAULTS.block_size
     decode_reserve_tokens: int = _SCHEDULER_DEFAULTS.decode_reserve_tokens
     template_overhead_tokens: int | None = None  # None: TEMPLATE_BASE_TOKENS + 2 per image
@@ -189,10 +189,11 @@ def _weights_bytes(shape: ModelShape, inputs: PlanInputs, lm: int, vision: int) 
     """Parameters x dtype bytes; with fp16 or bf16 quantization the language model's linear layers at 2 bytes, plus
     a 2-byte lm_head beside tied embeddings (models/quant.py); its norms and biases (float32 there, a few thousand
     parameters) are counted at 2 bytes too. With int8 the vision tower's parameters are counted at 1 byte as well,
-    and the language model's at 1 (float32 embeddings kept for lookups; an int8 lm_head beside tied ones); norms, biases,
-    the patch embedding and the per-row scales (4 bytes per output row, under 1% of a layer) are not told apart."""
+    and the language model's at 1 (float32 embeddings kept for lookups; an int8 lm_head beside tied ones); norms,
+    biases, the patch embedding and the per-row scales (4 bytes per output row, under 1% of a layer) are not told
+    apart."""
     dtype_bytes = DTYPE_BYTES[inputs.dtype]
-    if inputs.quantization == "none":
+    if inputs.quantization in UNQUANTIZED:  # auto: counted as none (an upper bound: see UNQUANTIZED)
         return (lm + vision) * dtype_bytes
     embed = shape.vocab_size * shape.hidden_size
     tied_head = embed if shape.tie_word_embeddings else 0
@@ -202,6 +203,9 @@ def _weights_bytes(shape: ModelShape, inputs: PlanInputs, lm: int, vision: int) 
 
 
 _PACKED = {"fp16": "float16", "bf16": "bfloat16", "int8": "int8"}
+# serve's --quantization auto picks bf16 weights only for a checkpoint stored in bf16 on a CPU that runs float32
+# activations, which a plan cannot know: it counts auto as none, the larger of the two
+UNQUANTIZED = ("none", "auto")
 
 
 def _memory_budget(inputs: PlanInputs, weights: int, num_params: int, workspace: int, block_bytes: int
@@ -216,7 +220,7 @@ def _memory_budget(inputs: PlanInputs, weights: int, num_params: int, workspace:
     usable_text = f"{format_bytes(device)} x {util:g} utilization = {format_bytes(usable)} usable"
     # fp16, bf16 and int8 load the float32 weights first: when they fit, the packed ones do too (the check below is for
     # the rest)
-    if inputs.quantization != "none" and num_params * DTYPE_BYTES[inputs.dtype] > usable:
+    if inputs.quantization not in UNQUANTIZED and num_params * DTYPE_BYTES[inputs.dtype] > usable:
         raise DoesNotFit(
             f"loading reads the float32 weights first ({format_bytes(num_params * DTYPE_BYTES[inputs.dtype])}) and "
             f"packs them to {_PACKED[inputs.quantization]} one layer at a time, but "
@@ -319,7 +323,7 @@ def make_plan(config: dict[str, Any], inputs: PlanInputs, model_dir: str | Path 
         "--decode-reserve-tokens": str(inputs.decode_reserve_tokens),
         "--dtype": inputs.dtype,
     }
-    if inputs.quantization != "none":
+    if inputs.quantization not in UNQUANTIZED:
         flags["--quantization"] = inputs.quantization
     return Plan(
         inputs=inputs,

@@ -132,6 +132,24 @@ def test_bf16_weights_through_the_engine_decode_in_the_fused_layers(llm: LLM, ti
         LLM(tiny_model_dir, quantization="bf16", dtype="bfloat16")
 
 
+def test_a_bf16_checkpoint_keeps_its_bf16_weights_by_default_where_activations_are_float32(tmp_path: Path):
+    """--quantization auto (the default): a checkpoint published in bf16, run with float32 activations (--dtype
+    auto on a CPU without native bf16; float32 here, whatever this CPU has), keeps its linear weights bf16; a
+    float32 checkpoint keeps float32 weights."""
+    from firsttoken.models.checkpoint import make_model
+
+    published = make_model(tmp_path / "bf16", size="tiny", seed=3, dtype="bfloat16")
+    llm = LLM(published, dtype="float32", kv_cache_memory="16MiB", max_batched_tokens=256)
+    assert llm.engine.config.quantization == "auto" and llm.engine.executor.quantization == "bf16"
+    answers = llm.chat(conversations(), {"temperature": 0.0, "max_tokens": 4})
+    assert [r.finish_reason for r in answers] == ["length"] * 3
+    explicit = LLM(published, dtype="float32", quantization="none", kv_cache_memory="16MiB", max_batched_tokens=256)
+    assert explicit.engine.executor.quantization == "none"
+    f32 = make_model(tmp_path / "f32", size="tiny", seed=3)
+    assert LLM(f32, dtype="float32", kv_cache_memory="16MiB",
+               max_batched_tokens=256).engine.executor.quantization == "none"
+
+
 def test_int8_weights_through_the_engine_answer_like_float32_and_regress_runs_unchanged(
         llm: LLM, tiny_model_dir: Path, tmp_path: Path, capsys):
     from firsttoken.cli.main import main

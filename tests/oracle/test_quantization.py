@@ -19,7 +19,8 @@ from torch import nn
 
 from firsttoken.kernels import cpu_linear
 from firsttoken.models import quant
-from firsttoken.models.loader import load_model
+from firsttoken.models.checkpoint import make_model
+from firsttoken.models.loader import load_model, stored_linear_dtypes
 from firsttoken.models.quant import Bf16WeightLinear, Fp16Linear, Int8Linear, dequantize_rows, quantize_rows
 from tests.conftest import require_program
 from tests.oracle import test_qwen2_vl_parity as parity
@@ -196,6 +197,43 @@ def test_bf16_weights_with_tied_embeddings_get_a_bf16_lm_head_and_keep_lookups_f
 def test_bf16_weights_refuse_bfloat16_activations(tiny_qwen2_vl_dir: Path):
     with pytest.raises(ValueError, match="float32"):
         load_model(tiny_qwen2_vl_dir, torch.bfloat16, quantization="bf16")
+
+
+@pytest.fixture(scope="module")
+def bf16_published(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A checkpoint stored in bf16, as Qwen-VL checkpoints are published."""
+    return make_model(tmp_path_factory.mktemp("bf16-published"), size="tiny", seed=2, dtype="bfloat16")
+
+
+def test_auto_takes_bf16_weights_only_for_a_bf16_checkpoint_with_float32_activations(
+        bf16_published: Path, tiny_qwen2_vl_dir: Path, kernel_built):
+    assert stored_linear_dtypes(bf16_published) == {"BF16"} and stored_linear_dtypes(tiny_qwen2_vl_dir) == {"F32"}
+    auto = load_model(bf16_published, torch.float32, quantization="auto")
+    assert auto.quantization == "bf16" and isinstance(auto.lm_head, Bf16WeightLinear)
+    assert auto.fused_decode is not None and auto.embed_tokens.weight.dtype == torch.float32
+    # a float32 checkpoint, bf16 activations, or no kernels: the weights stay in the model's dtype
+    assert load_model(tiny_qwen2_vl_dir, torch.float32, quantization="auto").quantization == "none"
+    as_bf16 = load_model(bf16_published, torch.bfloat16, quantization="auto")
+    assert as_bf16.quantization == "none" and as_bf16.layers[0].mlp.down_proj.weight.dtype == torch.bfloat16
+    assert load_model(bf16_published, torch.float32, quantization="auto", cpu_kernels="off").quantization == "none"
+
+
+def test_auto_on_a_bf16_checkpoint_is_float32_inference_of_it(bf16_published: Path, kernel_built):
+    """transformers' float32 forward of the bf16 checkpoint (its weights widened) against --quantization auto's
+    (the same weights kept bf16, float32 sums): the same logits to rounding, the same greedy continuation."""
+    from transformers import Qwen2VLForConditionalGeneration
+
+    ref32 = Qwen2VLForConditionalGeneration.from_pretrained(bf16_published, dtype=torch.float32,
+                                                            attn_implementation="eager").eval()
+    auto = load_model(bf16_published, torch.float32, quantization="auto")
+    for name in ("text", "one_image"):
+        prompt = make_prompt(auto.config, PROMPTS[name], seed=6)
+        runner = TinyRunner(auto)
+        got = runner.prefill(runner.add(prompt), chunk=32)
+        want = ref_logits(ref32, auto.config, prompt)
+        assert max_diff(got, want) <= 1e-4 * want.abs().max().item(), name
+        assert torch.equal(got.argmax(-1), want.argmax(-1))
+        assert greedy_ids(auto, prompt, 24) == generate_ids(ref32, auto.config, prompt, 24)
 
 
 # ---------------------------------------------------------------- int8

@@ -174,6 +174,22 @@ def test_cli_make_model(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> N
     assert "2,228,480 parameters" in capsys.readouterr().out
 
 
+@pytest.mark.parametrize("family", ["qwen2-vl", "qwen2.5-vl", "qwen3-vl"])
+def test_cli_make_model_in_bf16_stores_every_tensor_in_bf16(family: str, tmp_path: Path,
+                                                            capsys: pytest.CaptureFixture[str]) -> None:
+    """Published Qwen-VL checkpoints are bf16: --dtype bfloat16 writes one like them, and transformers reads its
+    config's dtype as bfloat16."""
+    from safetensors import safe_open
+    from transformers import AutoConfig
+
+    out = tmp_path / family
+    assert cli_main(["make-model", str(out), "--family", family, "--dtype", "bfloat16"]) == 0
+    assert ", bfloat16)" in capsys.readouterr().out
+    with safe_open(str(out / "model.safetensors"), framework="pt") as f:
+        assert {f.get_slice(k).get_dtype() for k in f.keys()} == {"BF16"}
+    assert AutoConfig.from_pretrained(out).dtype == torch.bfloat16
+
+
 def test_demo_model_dir_builds_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("FIRSTTOKEN_CACHE", str(tmp_path))
     first = demo_model_dir()
