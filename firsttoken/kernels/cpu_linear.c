@@ -14,8 +14,8 @@
    Every output (m, n) is summed the same way whatever M and the thread count (im: k in order, in blocks of KB,
    each block's products summed in order then added to the running sum; rm: two 8-lane partial sums over k % 16,
    then a fixed reduction), so a request's decode products are bitwise the same whichever requests share its
-   step. Threads split the outputs n into chunks (this file's own threads, ft_parallel below; the int8 kernels:
-   OpenMP). The Python side checks K % KB == 0 and N % 8 == 0 (im), K % 16 == 0 (rm). */
+   step. Threads split the outputs n into chunks (ft_parallel below: OpenMP's team, or this file's own threads in
+   fused decode steps; the int8 products' too, their row quantization on OpenMP). The Python side checks K % KB == 0 and N % 8 == 0 (im), K % 16 == 0 (rm). */
 #define _GNU_SOURCE /* sched_getaffinity */
 #include <immintrin.h>
 #include <limits.h>
@@ -697,35 +697,47 @@ static void vnni_finish(const int32_t *acc, const float *xscale, const float *ws
 }
 
 
-/* out [M, N] float32 = (float)(xq @ wt) * xscale[m] * wscale[n] (+ bias[n]) for M <= MAX_INT8_ROWS rows */
-static void int8_rows_block(const int8_t *xq, const float *xscale, const int8_t *wt, const float *wscale,
-                            const float *bias, float *out, int64_t M, int64_t N, int64_t K, int threads) {
-    int32_t *acc = (int32_t *)out; /* int32 sums in the output's own memory, then turned into floats in place */
-    int vnni = K % 16 == 0 && N % 16 == 0 && vnni_cpu;
-    int64_t vec = vnni ? 16 : 8;
-    int64_t per = threads <= 1 ? N : (N / vec + threads - 1) / threads * vec;
-    int nt = threads <= 1 ? 1 : threads;
-#pragma omp parallel for schedule(static) num_threads(nt) if (nt > 1)
-    for (int t = 0; t < nt; t++) {
-        int64_t n0 = t * per, n1 = n0 + per < N ? n0 + per : N;
-        if (n0 >= n1) continue;
-        if (vnni) {
-            int8_rows_range_vnni(xq, wt, acc, N, M, N, K, n0, n1);
-            vnni_finish(acc, xscale, wscale, bias, out, M, N, n0, n1);
-            continue;
-        }
-        int8_rows_range(xq, wt, acc, N, M, N, K, n0, n1);
-        for (int64_t m = 0; m < M; m++) {
-            __m256 sr = _mm256_set1_ps(xscale[m]);
-            for (int64_t n = n0; n < n1; n += 8) {
-                __m256 v = _mm256_mul_ps(_mm256_mul_ps(
-                    _mm256_cvtepi32_ps(_mm256_loadu_si256((const __m256i *)(acc + m * N + n))), sr),
-                    _mm256_loadu_ps(wscale + n));
-                if (bias) v = _mm256_add_ps(v, _mm256_loadu_ps(bias + n));
-                _mm256_storeu_ps(out + m * N + n, v);
-            }
+typedef struct { /* int8_rows_block's chunks: outputs [i per, (i + 1) per) */
+    const int8_t *xq, *wt;
+    const float *xscale, *wscale, *bias;
+    float *out;
+    int64_t M, N, K, per;
+    int vnni;
+} i8_task;
+
+static void i8_chunk(void *ctx, int64_t i) {
+    const i8_task *t = ctx;
+    int64_t M = t->M, N = t->N, n0 = i * t->per, n1 = n0 + t->per < N ? n0 + t->per : N;
+    int32_t *acc = (int32_t *)t->out; /* int32 sums in the output's own memory, then turned into floats in place */
+    if (n0 >= n1) return;
+    if (t->vnni) {
+        int8_rows_range_vnni(t->xq, t->wt, acc, N, M, N, t->K, n0, n1);
+        vnni_finish(acc, t->xscale, t->wscale, t->bias, t->out, M, N, n0, n1);
+        return;
+    }
+    int8_rows_range(t->xq, t->wt, acc, N, M, N, t->K, n0, n1);
+    for (int64_t m = 0; m < M; m++) {
+        __m256 sr = _mm256_set1_ps(t->xscale[m]);
+        for (int64_t n = n0; n < n1; n += 8) {
+            __m256 v = _mm256_mul_ps(_mm256_mul_ps(
+                _mm256_cvtepi32_ps(_mm256_loadu_si256((const __m256i *)(acc + m * N + n))), sr),
+                _mm256_loadu_ps(t->wscale + n));
+            if (t->bias) v = _mm256_add_ps(v, _mm256_loadu_ps(t->bias + n));
+            _mm256_storeu_ps(t->out + m * N + n, v);
         }
     }
+}
+
+/* out [M, N] float32 = (float)(xq @ wt) * xscale[m] * wscale[n] (+ bias[n]) for M <= MAX_INT8_ROWS rows; threads
+   as ft_parallel's (one chunk of outputs per thread, whole vectors) */
+static void int8_rows_block(const int8_t *xq, const float *xscale, const int8_t *wt, const float *wscale,
+                            const float *bias, float *out, int64_t M, int64_t N, int64_t K, int threads) {
+    int vnni = K % 16 == 0 && N % 16 == 0 && vnni_cpu;
+    int64_t vec = vnni ? 16 : 8;
+    int nt = threads < 0 ? -threads : threads <= 1 ? 1 : threads;
+    int64_t per = nt <= 1 ? N : (N / vec + nt - 1) / nt * vec;
+    i8_task t = {xq, wt, xscale, wscale, bias, out, M, N, K, per, vnni};
+    ft_parallel(threads, (N + per - 1) / per, i8_chunk, &t);
 }
 
 /* The same numbers as torch._int_mm followed by ft_dequant, for any M, in blocks of MAX_INT8_ROWS rows (each
@@ -838,7 +850,9 @@ void ft_int8_linear(const float *x, int64_t ldx, const int8_t *wt, const float *
    of squares in another order than torch.sum: outputs may differ from the eager path's by a rounding step; the
    rest is the same arithmetic. The Python side checks the shapes (each kernel's, head_dim % 8 == 0). */
 
-enum { KIND_BF16_RM = 0, KIND_F32_RM = 1, KIND_F32_IM = 2 }; /* a weight's dtype and layout: which product */
+enum { KIND_BF16_RM = 0, KIND_F32_RM = 1, KIND_F32_IM = 2, KIND_I8_IM = 3 }; /* a weight's dtype and layout: which
+   product (KIND_I8_IM: --quantization int8's [K, N] int8 weight with a float32 scale per output; each row of x is
+   quantized with its own scale, as ft_int8_linear) */
 
 typedef struct {
     const void *in_norm, *post_norm; /* [H], the activation dtype */
@@ -849,11 +863,14 @@ typedef struct {
     const void *gate_up_w;           /* [2 I, H] */
     const void *down_w;              /* [H, I] */
     int32_t qkv_kind, o_kind, gate_up_kind, down_kind;
+    const float *qkv_s, *o_s, *gate_up_s, *down_s; /* KIND_I8_IM's scales per output, else NULL */
 } ft_layer;
 
-static void product(int32_t kind, const float *x, int64_t ldx, const void *w, const float *bias, float *out,
-                    int64_t ldo, int64_t M, int64_t N, int64_t K, int threads) {
-    if (kind == KIND_BF16_RM)
+static void product(int32_t kind, const float *x, int64_t ldx, const void *w, const float *scale, const float *bias,
+                    float *out, int64_t ldo, int64_t M, int64_t N, int64_t K, int threads) {
+    if (kind == KIND_I8_IM) /* ldo == N at every call below */
+        ft_int8_linear(x, ldx, (const int8_t *)w, scale, bias, out, M, N, K, threads);
+    else if (kind == KIND_BF16_RM)
         ft_linear_rm_bf16(x, ldx, (const uint16_t *)w, bias, out, ldo, M, N, K, threads);
     else if (kind == KIND_F32_RM)
         ft_linear_rm(x, ldx, (const float *)w, bias, out, ldo, M, N, K, threads);
@@ -1167,7 +1184,8 @@ int ft_decode_layers(const ft_layer *layers, int64_t L, void *const *kv, int64_t
                      int64_t H, int64_t nh, int64_t nkv, int64_t D, int64_t I, float eps, const void *cos,
                      const void *sin_rolled, const int32_t *block_tables, int64_t bt_stride, const int64_t *seq_lens,
                      const int64_t *slots, int64_t block_size, float scale, int bf16, int threads,
-                     const void *final_norm, const void *head_w, int32_t head_kind, int64_t vocab, float *logits) {
+                     const void *final_norm, const void *head_w, int32_t head_kind, const float *head_s, int64_t vocab,
+                     float *logits) {
     int64_t nqkv = (nh + 2 * nkv) * D, G = nh / nkv, max_len = 0, total_len = 0;
     if (D > 512 || D % 8 || nh % nkv || M > 64) return -1;
     for (int64_t m = 0; m < M; m++) {
@@ -1197,7 +1215,7 @@ int ft_decode_layers(const ft_layer *layers, int64_t L, void *const *kv, int64_t
         const ft_layer *p = layers + l;
         char *kc = kv[l], *vc = (char *)kv[l] + kv_half * esize;
         for (int64_t m = 0; m < M; m++) norm_row(xf + m * H, p->in_norm, h + m * H, H, eps, bf16);
-        product(p->qkv_kind, h, H, p->qkv_w, p->qkv_b, qkv, nqkv, M, nqkv, H, threads);
+        product(p->qkv_kind, h, H, p->qkv_w, p->qkv_s, p->qkv_b, qkv, nqkv, M, nqkv, H, threads);
         round_rows(qkv, M * nqkv, bf16);
         for (int64_t m = 0; m < M; m++) {
             float *r = qkv + m * nqkv;
@@ -1214,10 +1232,10 @@ int ft_decode_layers(const ft_layer *layers, int64_t L, void *const *kv, int64_t
         attend_task at_task = {qkv, att, kc, vc, row_at, seq_lens, scores, nqkv, nh, nkv, G, D, padded, scale, bf16,
                                wide};
         ft_parallel(threads, tasks, attend_one, &at_task);
-        product(p->o_kind, att, nh * D, p->o_w, NULL, y, H, M, H, nh * D, threads);
+        product(p->o_kind, att, nh * D, p->o_w, p->o_s, NULL, y, H, M, H, nh * D, threads);
         for (int64_t i = 0; i < M * H; i++) xf[i] = rnd(xf[i] + rnd(y[i], bf16), bf16);
         for (int64_t m = 0; m < M; m++) norm_row(xf + m * H, p->post_norm, h + m * H, H, eps, bf16);
-        product(p->gate_up_kind, h, H, p->gate_up_w, NULL, gu, 2 * I, M, 2 * I, H, threads);
+        product(p->gate_up_kind, h, H, p->gate_up_w, p->gate_up_s, NULL, gu, 2 * I, M, 2 * I, H, threads);
         for (int64_t m = 0; m < M; m++) {
             float *g = gu + m * 2 * I, *u = g + I;
             for (int64_t i = 0; i < I; i++) {
@@ -1225,14 +1243,14 @@ int ft_decode_layers(const ft_layer *layers, int64_t L, void *const *kv, int64_t
                 g[i] = rnd(rnd(a / (1.0f + expf(-a)), bf16) * b, bf16);
             }
         }
-        product(p->down_kind, gu, 2 * I, p->down_w, NULL, y, H, M, H, I, threads);
+        product(p->down_kind, gu, 2 * I, p->down_w, p->down_s, NULL, y, H, M, H, I, threads);
         for (int64_t i = 0; i < M * H; i++) xf[i] = rnd(xf[i] + rnd(y[i], bf16), bf16);
     }
     if (final_norm) { /* the model's final norm, then (head_w) its lm_head: the hidden states are the normed rows */
         for (int64_t m = 0; m < M; m++) norm_row(xf + m * H, final_norm, h + m * H, H, eps, bf16);
         memcpy(xf, h, (size_t)(M * H) * sizeof(float));
         if (head_w) {
-            product(head_kind, h, H, head_w, NULL, logits, vocab, M, vocab, H, threads);
+            product(head_kind, h, H, head_w, head_s, NULL, logits, vocab, M, vocab, H, threads);
             round_rows(logits, M * vocab, bf16); /* as the eager lm_head's bf16 output, widened by .float() */
         }
     }

@@ -258,7 +258,7 @@ class _Kernel:
         n = qweight.shape[1]
         out = torch.empty(m, n, dtype=torch.float32)
         self.int8_rows(rows.data_ptr(), rows.stride(0), qweight.data_ptr(), scale.data_ptr(),
-                       0 if bias is None else bias.data_ptr(), out.data_ptr(), m, n, k, torch.get_num_threads())
+                       0 if bias is None else bias.data_ptr(), out.data_ptr(), m, n, k, kernel_threads())
         return out
 
     def int8_products(self, q: torch.Tensor, row_scale: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,

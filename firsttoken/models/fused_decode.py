@@ -17,8 +17,9 @@ two calls that stream weights (the first op after one runs from cold caches).
 
 Taken where the few-rows kernels are (``--cpu-kernels``: see ``kernels_skipped``) for a bfloat16 or float32
 language model on the CPU with the SDPA backend, and for float32 activations with bf16 weights (``--quantization
-bf16``: each product reads its bf16 weight as the eager ``Bf16WeightLinear`` does); prefill, mixed steps, steps of
-more rows, fp16/int8 weights keep the eager layers.
+bf16``: each product reads its bf16 weight as the eager ``Bf16WeightLinear`` does) or int8 weights (``--quantization
+int8``: each product quantizes its rows and multiplies as the eager ``Int8Linear``'s kernel does: the same numbers);
+prefill, mixed steps, steps of more rows, fp16 weights keep the eager layers.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ from firsttoken.kernels.cpu_linear import (
     kernel_applies,
     kernel_threads,
 )
-from firsttoken.models.quant import Bf16WeightLinear
+from firsttoken.models.quant import Bf16WeightLinear, Int8Linear
 
 # bf16 steps of up to 8 rows where the bf16 products take the AVX2 loop: the fused layers against the eager layers
 # (torch's AVX512-BF16 products above MAX_ROWS_BF16 = 4 rows), whole in-process decode steps, one thread, `small`
@@ -49,24 +50,41 @@ MAX_ROWS_FUSED_BF16 = 8
 _P = ctypes.c_void_p
 
 
-KIND_BF16_RM, KIND_F32_RM, KIND_F32_IM = 0, 1, 2  # cpu_linear.c's KIND_*: a weight's dtype and layout
+KIND_BF16_RM, KIND_F32_RM, KIND_F32_IM, KIND_I8_IM = 0, 1, 2, 3  # cpu_linear.c's KIND_*: a weight's dtype and layout
 
 
 class _Layer(ctypes.Structure):
     _fields_ = [("in_norm", _P), ("post_norm", _P), ("qkv_w", _P), ("qkv_b", _P), ("q_norm", _P), ("k_norm", _P),
                 ("o_w", _P), ("gate_up_w", _P), ("down_w", _P), ("qkv_kind", ctypes.c_int32),
-                ("o_kind", ctypes.c_int32), ("gate_up_kind", ctypes.c_int32), ("down_kind", ctypes.c_int32)]
+                ("o_kind", ctypes.c_int32), ("gate_up_kind", ctypes.c_int32), ("down_kind", ctypes.c_int32),
+                ("qkv_s", _P), ("o_s", _P), ("gate_up_s", _P), ("down_s", _P)]
 
 
 def _kind(weight: torch.Tensor) -> int:
+    if weight.dtype == torch.int8:
+        return KIND_I8_IM
     if weight.dtype == torch.bfloat16:
         return KIND_BF16_RM
     return KIND_F32_RM if weight.is_contiguous() else KIND_F32_IM
 
 
-def _weight_takes(weight: torch.Tensor, dtype: torch.dtype) -> bool:
-    """A weight the fused layers multiply by for ``dtype`` activations: the kernels' layouts of that dtype, or a
-    row-major bf16 one beside float32 activations (--quantization bf16: widened exactly, float32 sums)."""
+def _weight(lin: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(the weight a fused product reads, its per-output scales or None): an Int8Linear's [K, N] int8 weight."""
+    if isinstance(lin, Int8Linear):
+        return lin.qweight, lin.scale
+    return lin.weight, None
+
+
+def _takes(lin: nn.Module, dtype: torch.dtype) -> bool:
+    """A linear layer whose product the fused layers run for ``dtype`` activations: the kernels' layouts of that
+    dtype; beside float32 activations also a row-major bf16 weight (--quantization bf16: widened exactly, float32
+    sums) and an Int8Linear the kernels take (--quantization int8: each row quantized with its own scale, exact
+    int32 sums, as its eager product)."""
+    if isinstance(lin, Int8Linear):
+        return dtype == torch.float32 and lin.use_kernels and lin.kernel_shape
+    weight = getattr(lin, "weight", None)
+    if not isinstance(weight, torch.Tensor):
+        return False
     same = weight.dtype == dtype or (dtype == torch.float32 and weight.dtype == torch.bfloat16)
     return same and kernel_applies(weight)
 
@@ -87,7 +105,7 @@ class FusedDecoder:
         i64, p = ctypes.c_int64, ctypes.c_void_p
         self._fn.restype = ctypes.c_int
         self._fn.argtypes = [p, i64, p, i64, p, i64, i64, i64, i64, i64, i64, ctypes.c_float, p, p, p, i64, p, p,
-                             i64, ctypes.c_float, ctypes.c_int, ctypes.c_int, p, p, ctypes.c_int32, i64, p]
+                             i64, ctypes.c_float, ctypes.c_int, ctypes.c_int, p, p, ctypes.c_int32, p, i64, p]
         self.dtype = model.embed_tokens.weight.dtype
         if self.dtype != torch.bfloat16:
             self.max_rows = MAX_ROWS
@@ -104,24 +122,29 @@ class FusedDecoder:
             bias32 = attn.qkv_proj.bias  # the kernels sum in float32: a bf16 bias's float32 copy, made at load
             if bias32 is not None and bias32.dtype != torch.float32:
                 bias32 = attn.qkv_proj.bias32
+            (qkv, qkv_s), (o, o_s), (gu, gu_s), (down, down_s) = (
+                _weight(lin) for lin in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj))
             layers[i] = _Layer(
-                _ptr(layer.input_layernorm.weight), _ptr(layer.post_attention_layernorm.weight),
-                _ptr(attn.qkv_proj.weight), _ptr(bias32), _ptr(attn.q_norm.weight if attn.q_norm else None),
-                _ptr(attn.k_norm.weight if attn.k_norm else None), _ptr(attn.o_proj.weight),
-                _ptr(mlp.gate_up_proj.weight), _ptr(mlp.down_proj.weight), _kind(attn.qkv_proj.weight),
-                _kind(attn.o_proj.weight), _kind(mlp.gate_up_proj.weight), _kind(mlp.down_proj.weight))
+                _ptr(layer.input_layernorm.weight), _ptr(layer.post_attention_layernorm.weight), _ptr(qkv),
+                _ptr(bias32), _ptr(attn.q_norm.weight if attn.q_norm else None),
+                _ptr(attn.k_norm.weight if attn.k_norm else None), _ptr(o), _ptr(gu), _ptr(down), _kind(qkv),
+                _kind(o), _kind(gu), _kind(down), _ptr(qkv_s), _ptr(o_s), _ptr(gu_s), _ptr(down_s))
         self._layers = layers
         self.scale = model.layers[0].self_attn.scale
         # the final norm and the lm_head in the same call, where the eager lm_head is these kernels' (FewRowsLinear):
         # the first Python after a call that streamed every weight runs from cold caches (the eager final norm of
         # one row took ~0.1-0.2 ms there, ~27 us warm), so one re-entry per step instead of two
         head = model.lm_head
-        self.head = head if isinstance(head, (FewRowsLinear, Bf16WeightLinear)) and head.bias is None \
-            and _weight_takes(head.weight, self.dtype) and model.norm.weight.dtype == self.dtype \
+        self.head = head if isinstance(head, (FewRowsLinear, Bf16WeightLinear, Int8Linear)) and head.bias is None \
+            and _takes(head, self.dtype) and model.norm.weight.dtype == self.dtype \
             and model.norm.weight.is_contiguous() else None
-        # ft_decode_layers' last arguments but the logits: (final norm, lm_head weight, its kind, vocabulary)
-        self._head_args = (None, None, 0, 0) if self.head is None else (
-            model.norm.weight.data_ptr(), self.head.weight.data_ptr(), _kind(self.head.weight), self.head.out_features)
+        # ft_decode_layers' last arguments but the logits: (final norm, lm_head weight, its kind, its scales,
+        # vocabulary)
+        self._head_args = (None, None, 0, None, 0)
+        if self.head is not None:
+            w, scales = _weight(self.head)
+            self._head_args = (model.norm.weight.data_ptr(), w.data_ptr(), _kind(w), _ptr(scales),
+                               self.head.out_features)
         self.steps = 0  # pure-decode steps taken here (tests read it)
 
     def takes(self, num_rows: int) -> bool:
@@ -147,7 +170,7 @@ class FusedDecoder:
                       self.heads, self.kv_heads, self.head_dim, self.intermediate, self.eps, cos.data_ptr(),
                       sin_rolled.data_ptr(), table.data_ptr(), table.stride(0), seq_lens, slots.data_ptr(),
                       meta.block_size, self.scale, self.dtype == torch.bfloat16, kernel_threads(),
-                      *(self._head_args if with_head else (None, None, 0, 0)), _ptr(logits))
+                      *(self._head_args if with_head else (None, None, 0, None, 0)), _ptr(logits))
         if rc != 0:
             raise MemoryError("fused decode layers: no scratch memory")
         self.steps += 1
@@ -173,8 +196,7 @@ def fused_decode_unsupported(model: nn.Module) -> str | None:
     for layer in layers:
         attn, mlp = layer.self_attn, layer.mlp
         for lin in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
-            w = lin.weight
-            if not _weight_takes(w, dtype):
+            if not _takes(lin, dtype):
                 return "decoder weights the few-rows kernels do not take"
         if mlp.gate_up_proj.bias is not None or mlp.down_proj.bias is not None or attn.o_proj.bias is not None:
             return "biases outside qkv_proj unsupported"

@@ -87,6 +87,9 @@ weights, float32 activations). ``cpu_kernels`` ("auto", "on", "off"; kernels/cpu
         reason = "--cpu-kernels off" if cpu_kernels == "off" else kernel_unavailable()
         quantize_int8(model, use_kernels=reason is None)
         log.info("int8 products: %s", int8_paths(reason))
+        if reason is None:  # a pure-decode step's decoder layers in one call, the int8 products inside it
+            fused = use_fused_decode(model)
+            log.info("int8 decode steps' decoder layers: %s", "one fused call" if fused is None else f"eager ({fused})")
     elif quantization == "bf16":  # decode reads half the bytes; the fused layers take bf16 weights beside float32
         reason = "--cpu-kernels off" if cpu_kernels == "off" else kernel_unavailable()
         quantize_bf16(model, exclude_prefix="visual.", use_kernels=reason is None)

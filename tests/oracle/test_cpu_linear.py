@@ -395,6 +395,29 @@ def _product(kernel: cpu_linear._Kernel, x: torch.Tensor, w: torch.Tensor, threa
         cpu_linear.set_kernel_threads(None)
 
 
+def test_int8_products_on_the_kernels_own_threads_are_bitwise_openmps(kernel_built):
+    """--quantization int8's products in a fused decode step run on the kernels' own threads: the same numbers."""
+    from firsttoken.models.quant import Int8Linear
+
+    g = torch.Generator().manual_seed(8)
+    layer = Int8Linear(torch.randn(1000, 512, generator=g), torch.randn(1000, generator=g))
+    x = torch.randn(6, 512, generator=g)
+    kernel = cpu_linear._kernel()[0]
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        omp = kernel.int8_linear(x, layer.qweight, layer.scale, layer.bias)
+        torch.set_num_threads(1)
+        for threads in (2, 3):
+            cpu_linear.set_kernel_threads(threads)
+            try:
+                assert torch.equal(kernel.int8_linear(x, layer.qweight, layer.scale, layer.bias), omp), threads
+            finally:
+                cpu_linear.set_kernel_threads(None)
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_kernel_threads_are_set_per_thread_apart_from_torch(kernel_built):
     """set_kernel_threads (ThreadPlan sets it per step) decides the kernels' threads, not torch's count."""
     kernel = cpu_linear._kernel()[0]
