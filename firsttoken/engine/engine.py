@@ -151,7 +151,7 @@ class LLMEngine:
                    "int8": "; language model and vision tower linear layers: int8 weights, each input row quantized "
                            "with its own scale",
                    "bf16": "; language model linear layers: bf16 weights, float32 activations",
-                   }.get(getattr(self.executor, "quantization", config.quantization), "")
+                   }.get(self.executor.quantization, "")
         log.info("dtype %s (requested %s)%s", str(dtype).removeprefix("torch."), config.dtype, weights)
         log.info(self.capacity.describe())
 

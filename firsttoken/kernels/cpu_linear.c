@@ -15,7 +15,8 @@
    each block's products summed in order then added to the running sum; rm: two 8-lane partial sums over k % 16,
    then a fixed reduction), so a request's decode products are bitwise the same whichever requests share its
    step. Threads split the outputs n into chunks (ft_parallel below: OpenMP's team, or this file's own threads in
-   fused decode steps; the int8 products' too, their row quantization on OpenMP). The Python side checks K % KB == 0 and N % 8 == 0 (im), K % 16 == 0 (rm). */
+   fused decode steps; the int8 products' too, their row quantization on OpenMP). The Python side checks
+   K % KB == 0 and N % 8 == 0 (im), K % 16 == 0 (rm). */
 #define _GNU_SOURCE /* sched_getaffinity */
 #include <immintrin.h>
 #include <limits.h>
@@ -729,13 +730,11 @@ static void i8_chunk(void *ctx, int64_t i) {
 }
 
 /* out [M, N] float32 = (float)(xq @ wt) * xscale[m] * wscale[n] (+ bias[n]) for M <= MAX_INT8_ROWS rows; threads
-   as ft_parallel's (one chunk of outputs per thread, whole vectors) */
+   as ft_parallel's, over chunks of whole vectors of outputs */
 static void int8_rows_block(const int8_t *xq, const float *xscale, const int8_t *wt, const float *wscale,
                             const float *bias, float *out, int64_t M, int64_t N, int64_t K, int threads) {
     int vnni = K % 16 == 0 && N % 16 == 0 && vnni_cpu;
-    int64_t vec = vnni ? 16 : 8;
-    int nt = threads < 0 ? -threads : threads <= 1 ? 1 : threads;
-    int64_t per = nt <= 1 ? N : (N / vec + nt - 1) / nt * vec;
+    int64_t vec = vnni ? 16 : 8, per = chunk_size(N, threads, vec, vec);
     i8_task t = {xq, wt, xscale, wscale, bias, out, M, N, K, per, vnni};
     ft_parallel(threads, (N + per - 1) / per, i8_chunk, &t);
 }

@@ -42,9 +42,9 @@ def load_model(
     weights, float32 activations; ``num_threads`` 1: the engine runs on one torch thread, so its single-threaded
     kernel, cheaper per call, is taken; "int8": the linear layers of both the language model and the vision tower
     hold per-row int8 weights, inputs quantized per call; "bf16": the language model's linear layers hold bfloat16
-weights, float32 activations). ``cpu_kernels`` ("auto", "on", "off"; kernels/cpu_linear.py's
-    ``kernels_skipped``): whether a float32 language model on the CPU takes the few-rows kernels for decode steps
-    (prefill is MKL's either way)."""
+    weights, float32 activations; "auto": ``auto_quantization``'s choice). ``cpu_kernels`` ("auto", "on", "off";
+    kernels/cpu_linear.py's ``kernels_skipped``): whether a float32 language model on the CPU takes the few-rows
+    kernels for decode steps (prefill is MKL's either way)."""
     if cpu_kernels not in CPU_KERNELS:
         raise ValueError(f"cpu_kernels must be one of {', '.join(CPU_KERNELS)}")
     if quantization not in QUANTIZATIONS:
@@ -81,32 +81,30 @@ weights, float32 activations). ``cpu_kernels`` ("auto", "on", "off"; kernels/cpu
     model.load_state_dict(state, strict=True, assign=True)
     del state  # the model holds the only reference now: a re-laid-out weight frees its original at once
     model.requires_grad_(False)
+    kernels_off = _kernels_off(cpu_kernels)  # why int8 or bf16 weights would go without the kernels, or None
     if quantization == "fp16":
         quantize_fp16(model, exclude_prefix="visual.", multithreaded=num_threads != 1)
     elif quantization == "int8":  # the vision tower too: its encode is most of an image request's TTFT
-        reason = "--cpu-kernels off" if cpu_kernels == "off" else kernel_unavailable()
-        quantize_int8(model, use_kernels=reason is None)
-        log.info("int8 products: %s", int8_paths(reason))
-        if reason is None:  # a pure-decode step's decoder layers in one call, the int8 products inside it
-            fused = use_fused_decode(model)
-            log.info("int8 decode steps' decoder layers: %s", "one fused call" if fused is None else f"eager ({fused})")
+        quantize_int8(model, use_kernels=kernels_off is None)
+        log.info("int8 products: %s", int8_paths(kernels_off))
     elif quantization == "bf16":  # decode reads half the bytes; the fused layers take bf16 weights beside float32
-        reason = "--cpu-kernels off" if cpu_kernels == "off" else kernel_unavailable()
-        quantize_bf16(model, exclude_prefix="visual.", use_kernels=reason is None)
-        fused = use_fused_decode(model) if reason is None else reason
-        log.info("bf16 weights: decode steps' products %s; decoder layers %s",
-                 "by firsttoken's kernels" if reason is None else f"widened for torch's ({reason})",
-                 "in one fused call" if fused is None else f"eager ({fused})")
+        quantize_bf16(model, exclude_prefix="visual.", use_kernels=kernels_off is None)
+        log.info("bf16 weights: decode steps' products %s", "by firsttoken's kernels" if kernels_off is None
+                 else f"widened for torch's ({kernels_off})")
     if str(device) == "cpu":
         store_weights_input_major(model, exclude_prefix="visual.")  # the decoder's matmuls are one-row at decode
-        if quantization == "none" and dtype in (torch.float32, torch.bfloat16):
-            reason = kernels_skipped(cpu_kernels, dtype)
-            if reason is None:
+        # why a pure-decode step's decoder layers would not run as one call (None: try it)
+        unfused = {"fp16": "float16 weights (FBGEMM)", "int8": kernels_off, "bf16": kernels_off}.get(quantization)
+        if quantization == "none":
+            unfused = kernels_skipped(cpu_kernels, dtype) if dtype in (torch.float32, torch.bfloat16) \
+                else f"{str(dtype).removeprefix('torch.')} weights"
+            if unfused is None:
                 use_few_rows_kernel(model, exclude_prefix="visual.")  # decode's few-row products; prefill: MKL's
-                fused = use_fused_decode(model)  # and a pure-decode step's decoder layers in one call
-                log.info("decode steps' decoder layers: %s", "one fused call" if fused is None else f"eager ({fused})")
-            log.info("decode steps' products: %s", "firsttoken's few-rows AVX2 kernels" if reason is None
-                     else f"torch's (few-rows kernels not used: {reason})")
+            log.info("decode steps' products: %s", "firsttoken's few-rows AVX2 kernels" if unfused is None
+                     else f"torch's (few-rows kernels not used: {unfused})")
+        if unfused is None:
+            unfused = use_fused_decode(model)
+        log.info("decode steps' decoder layers: %s", "one fused call" if unfused is None else f"eager ({unfused})")
     model.quantization = quantization  # what was applied (auto resolved): the engine's start-up log reads it
     return model.eval()
 
@@ -121,13 +119,19 @@ def auto_quantization(model_dir: Path, dtype: torch.dtype, device: torch.device 
         return "none", f"device {device}"
     if dtype != torch.float32:
         return "none", f"{str(dtype).removeprefix('torch.')} activations: weights in that dtype"
-    reason = "--cpu-kernels off" if cpu_kernels == "off" else kernel_unavailable()
+    reason = _kernels_off(cpu_kernels)
     if reason is not None:
         return "none", f"firsttoken's kernels not used: {reason}"
     stored = stored_linear_dtypes(model_dir)
     if stored != {"BF16"}:
         return "none", f"the checkpoint's language-model linear weights are {'/'.join(sorted(stored)) or 'absent'}"
     return "bf16", "the checkpoint stores its language model's linear weights in bf16; float32 activations"
+
+
+def _kernels_off(cpu_kernels: str) -> str | None:
+    """Why quantized weights (int8, bf16) go without firsttoken's kernels, or None: they take them on any CPU the
+    kernels build for, whatever ``kernels_skipped`` says of float32 (their alternative is no MKL product)."""
+    return "--cpu-kernels off" if cpu_kernels == "off" else kernel_unavailable()
 
 
 def stored_linear_dtypes(model_dir: Path) -> set[str]:

@@ -29,9 +29,8 @@ row-major; activations, biases, norms and the KV cache stay float32, and every p
 of a decode step run firsttoken's kernel, which reads the bf16 weights (half float32's bytes: what bounds a decode
 step on a CPU) and widens each exactly to float32 (AVX2; the fused decode layers take them the same way); a
 prefill's product widens the weight into a reused float32 buffer and runs torch's float32 product. For a checkpoint
-published in
-bf16 (Qwen2-VL's are) this is the checkpoint's very weights: the same arithmetic as float32 inference, sums in
-another order. A float32 checkpoint's weights are rounded to bf16 (relative error up to 2^-9 per weight).
+published in bf16 (Qwen2-VL's are) this is the checkpoint's very weights: the same arithmetic as float32 inference,
+sums in another order. A float32 checkpoint's weights are rounded to bf16 (relative error up to 2^-9 per weight).
 """
 
 from __future__ import annotations

@@ -36,6 +36,8 @@ class Executor(Protocol):
         """Bytes of vision-tower outputs held (for /v1/engine/stats)."""
         ...
 
+    quantization: str  # the weights' quantization the model was loaded with (--quantization auto resolved)
+
 
 class InProcessExecutor:
     """Loads the checkpoint, allocates the paged KV cache, and runs batches in the calling thread."""
