@@ -730,11 +730,14 @@ static void i8_chunk(void *ctx, int64_t i) {
 }
 
 /* out [M, N] float32 = (float)(xq @ wt) * xscale[m] * wscale[n] (+ bias[n]) for M <= MAX_INT8_ROWS rows; threads
-   as ft_parallel's, over chunks of whole vectors of outputs */
+   as ft_parallel's, one chunk of whole vectors of outputs per thread: each chunk packs the rows' input pairs again,
+   and chunk_size's four chunks a thread measured slower (batch 1 1.18x, batch 8 1.23x, in process, AVX2 EPYC) */
 static void int8_rows_block(const int8_t *xq, const float *xscale, const int8_t *wt, const float *wscale,
                             const float *bias, float *out, int64_t M, int64_t N, int64_t K, int threads) {
     int vnni = K % 16 == 0 && N % 16 == 0 && vnni_cpu;
-    int64_t vec = vnni ? 16 : 8, per = chunk_size(N, threads, vec, vec);
+    int64_t vec = vnni ? 16 : 8;
+    int nt = threads < 0 ? -threads : threads <= 1 ? 1 : threads;
+    int64_t per = nt <= 1 ? N : (N / vec + nt - 1) / nt * vec;
     i8_task t = {xq, wt, xscale, wscale, bias, out, M, N, K, per, vnni};
     ft_parallel(threads, (N + per - 1) / per, i8_chunk, &t);
 }
