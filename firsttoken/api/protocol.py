@@ -503,5 +503,35 @@ class ErrorResponse(_Response):
     error: ErrorInfo
 
 
-def _dumps(body: dict[str, Any]) -> str:
+class StreamFrames:
+    """One stream's token chunks as SSE frames, rendered without the response models: every chunk of a stream
+    shares its id, object, created and model, so that head is rendered once, and a chunk carrying no logprobs is
+    the head plus its delta (chat) or text (completions) and finish reason. The bytes are the models' own
+    (``ChatCompletionChunk.to_json``, ``CompletionResponse.to_json``; tests/unit/test_api_protocol.py compares
+    them): the models cost ~0.1 ms a chunk, paid on the event loop once per token per stream while the engine's
+    step runs on the same cores. Chunks with logprobs and the usage chunk still go through the models."""
+
+    __slots__ = ("_head",)
+
+    def __init__(self, obj: Literal["chat.completion.chunk", "text_completion"], response_id: str, created: int,
+                 model: str) -> None:
+        head = _dumps({"id": response_id, "object": obj, "created": created, "model": model})
+        self._head = "data: " + head[:-1] + ',"choices":[{"index":0,'
+
+    def chat(self, content: str | None, finish_reason: str | None = None, role: bool = False) -> str:
+        """``delta`` holds the role when ``role`` and the content unless it is None (the models' exclude_none)."""
+        delta = '"role":"assistant"' if role else ""
+        if content is not None:
+            delta += ("," if role else "") + '"content":' + _dumps(content)
+        return self._head + '"delta":{' + delta + '},"logprobs":null,"finish_reason":' + _finish(finish_reason)
+
+    def completion(self, text: str, finish_reason: str | None = None) -> str:
+        return self._head + '"text":' + _dumps(text) + ',"logprobs":null,"finish_reason":' + _finish(finish_reason)
+
+
+def _finish(reason: str | None) -> str:
+    return ("null" if reason is None else _dumps(reason)) + "}]}\n\n"
+
+
+def _dumps(body: Any) -> str:
     return json.dumps(body, ensure_ascii=False, separators=(",", ":"))

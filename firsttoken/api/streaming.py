@@ -36,6 +36,7 @@ from firsttoken.api.protocol import (
     CompletionChoice,
     CompletionResponse,
     DeltaMessage,
+    StreamFrames,
 )
 from firsttoken.api.responses import (
     TokenPieceFn,
@@ -155,14 +156,19 @@ async def collect_outputs(
 async def chat_sse(
     engine: EngineClient, request: EngineRequest, ctx: StreamContext, piece: TokenPieceFn
 ) -> AsyncIterator[str]:
-    def chunk(delta: DeltaMessage, finish_reason: str | None = None, out: RequestOutput | None = None) -> str:
-        logprobs = chat_logprobs(out.logprobs, piece) if out is not None else None
-        choice = ChatChunkChoice(delta=delta, logprobs=logprobs, finish_reason=finish_reason)
+    frames = StreamFrames("chat.completion.chunk", ctx.response_id, ctx.created, ctx.model)
+
+    def chunk(out: RequestOutput, finish_reason: str | None) -> str:
+        content = out.new_text or None
+        if not out.logprobs:
+            return frames.chat(content, finish_reason)
+        logprobs = chat_logprobs(out.logprobs, piece)
+        choice = ChatChunkChoice(delta=DeltaMessage(content=content), logprobs=logprobs, finish_reason=finish_reason)
         return sse(
             ChatCompletionChunk(id=ctx.response_id, created=ctx.created, model=ctx.model, choices=[choice]).to_json()
         )
 
-    yield chunk(DeltaMessage(role="assistant", content=""))
+    yield frames.chat("", role=True)
     async with aclosing(_guarded(engine, request)) as outputs:
         async for out in outputs:
             if isinstance(out, str):  # an error event
@@ -172,7 +178,7 @@ async def chat_sse(
             finish = out.finish_reason.value if out.finished and out.finish_reason else None
             ctx.timeline.observe(out)
             if out.new_text or out.logprobs or finish:
-                yield chunk(DeltaMessage(content=out.new_text or None), finish, out)
+                yield chunk(out, finish)
                 if out.new_text:
                     ctx.timeline.mark_first_byte()  # resumed: the chunk has been handed to the transport
             if out.finished and ctx.include_usage:
@@ -189,6 +195,7 @@ async def completion_sse(
     engine: EngineClient, request: EngineRequest, ctx: StreamContext, piece: TokenPieceFn
 ) -> AsyncIterator[str]:
     text_len = 0
+    frames = StreamFrames("text_completion", ctx.response_id, ctx.created, ctx.model)
     async with aclosing(_guarded(engine, request)) as outputs:
         async for out in outputs:
             if isinstance(out, str):
@@ -198,15 +205,15 @@ async def completion_sse(
             ctx.timeline.observe(out)
             finish = out.finish_reason.value if out.finished and out.finish_reason else None
             if out.new_text or out.logprobs or finish:
-                choice = CompletionChoice(
-                    text=out.new_text, logprobs=completion_logprobs(out.logprobs, piece, text_len), finish_reason=finish
-                )
+                if out.logprobs:
+                    choice = CompletionChoice(text=out.new_text, finish_reason=finish,
+                                              logprobs=completion_logprobs(out.logprobs, piece, text_len))
+                    body = CompletionResponse(id=ctx.response_id, created=ctx.created, model=ctx.model,
+                                              choices=[choice])
+                    yield sse(body.to_json())
+                else:
+                    yield frames.completion(out.new_text, finish)
                 text_len += len(out.new_text)
-                yield sse(
-                    CompletionResponse(
-                        id=ctx.response_id, created=ctx.created, model=ctx.model, choices=[choice]
-                    ).to_json()
-                )
                 if out.new_text:
                     ctx.timeline.mark_first_byte()
             if out.finished and ctx.include_usage:

@@ -21,6 +21,14 @@ import pytest
 import uvicorn
 from PIL import Image
 
+from firsttoken.api.protocol import (
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    CompletionChoice,
+    CompletionResponse,
+    DeltaMessage,
+    StreamFrames,
+)
 from firsttoken.api.server import build_app
 from firsttoken.api.settings import ServedModel
 from firsttoken.config import GenerationDefaults, ServerConfig
@@ -200,6 +208,26 @@ def test_stream_framing_matches_vllm(processor: InputProcessor) -> None:
     timings = o[-1]["usage"]["firsttoken"]  # the timeline the API assembled: the first byte came after the token
     phases = ("preprocess", "queue", "encode", "prefill", "sample", "send")
     assert timings["send_s"] >= 0 and abs(sum(timings[f"{p}_s"] for p in phases) - timings["ttft_s"]) < 1e-9
+
+
+@pytest.mark.parametrize("text", ["", "Hi", ' "quoted"\\ and\nnew line\t', "naïve 汉字 🙂", "\x00\x1f\u2028"])
+@pytest.mark.parametrize("finish", [None, "stop", "length"])
+def test_stream_frames_are_the_response_models_bytes(text: str, finish: str | None) -> None:
+    """The streaming fast path renders chunks without pydantic; a client must not see one byte of difference."""
+    rid, created, model = 'chatcmpl-"x"\u00e9', 1_700_000_000, "m/ödel"
+    chat = StreamFrames("chat.completion.chunk", rid, created, model)
+    content = text or None
+
+    def chat_model(delta: DeltaMessage) -> str:
+        choice = ChatChunkChoice(delta=delta, finish_reason=finish)
+        return "data: " + ChatCompletionChunk(id=rid, created=created, model=model, choices=[choice]).to_json() + "\n\n"
+
+    assert chat.chat(content, finish) == chat_model(DeltaMessage(content=content))
+    assert chat.chat(text, finish, role=True) == chat_model(DeltaMessage(role="assistant", content=text))
+    completion = StreamFrames("text_completion", rid, created, model)
+    choice = CompletionChoice(text=text, finish_reason=finish)
+    body = CompletionResponse(id=rid, created=created, model=model, choices=[choice]).to_json()
+    assert completion.completion(text, finish) == "data: " + body + "\n\n"
 
 
 def test_stream_through_the_openai_client(processor: InputProcessor) -> None:
