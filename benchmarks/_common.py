@@ -8,6 +8,8 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
@@ -23,6 +25,26 @@ def small_model(model: str | None) -> str:
     if not (path / "config.json").exists():
         make_model(path, size="small")
     return str(path)
+
+
+@contextmanager
+def checkout(root: Path | None) -> Iterator[None]:
+    """Servers started inside run ``root``'s firsttoken package (python -m puts the cwd first on sys.path, ahead
+    of an editable install); a relative model path must be made absolute first. None: this checkout."""
+    if root is None:
+        yield
+        return
+    cwd, path = os.getcwd(), os.environ.get("PYTHONPATH")
+    os.chdir(root)
+    os.environ["PYTHONPATH"] = str(root)
+    try:
+        yield
+    finally:
+        os.chdir(cwd)
+        if path is None:
+            del os.environ["PYTHONPATH"]
+        else:
+            os.environ["PYTHONPATH"] = path
 
 
 def start_server(model: str | Path, extra: list[str], timeout_s: float = 300.0) -> tuple[subprocess.Popen, str]:

@@ -18,39 +18,19 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import bench_llamacpp as b  # noqa: E402
+from _common import checkout  # noqa: E402
 from llamacpp_peer import GGUFPair, LlamaCppTree  # noqa: E402
 from machine import machine_info  # noqa: E402
 
 OURS = {"fp32": list(b.FIRSTTOKEN_FLAGS), "bf16": [*b.FIRSTTOKEN_FLAGS, "--dtype", "bfloat16"]}
-
-
-@contextmanager
-def checkout(root: Path | None):
-    """Servers started inside run ``root``'s firsttoken package (python -m puts the cwd first on sys.path, ahead
-    of an editable install)."""
-    if root is None:
-        yield
-        return
-    cwd, path = os.getcwd(), os.environ.get("PYTHONPATH")
-    os.chdir(root)
-    os.environ["PYTHONPATH"] = str(root)
-    try:
-        yield
-    finally:
-        os.chdir(cwd)
-        if path is None:
-            del os.environ["PYTHONPATH"]
-        else:
-            os.environ["PYTHONPATH"] = path
 
 
 def main() -> None:

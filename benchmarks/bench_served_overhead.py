@@ -33,7 +33,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_llamacpp as peer  # noqa: E402
-from _common import small_model, start_server, stop_server  # noqa: E402
+from _common import checkout, small_model, start_server, stop_server  # noqa: E402
 from machine import machine_info  # noqa: E402
 
 FLAGS = ["--dtype", "float32", "--num-threads", "2", "--no-prefix-cache", "--no-encoder-cache"]
@@ -102,26 +102,15 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
-    model = small_model(args.model)
+    model = str(Path(small_model(args.model)).resolve())
     flags = args.flags.split()
     sides = {"this": None, **({"baseline": str(Path(args.baseline).resolve())} if args.baseline else {})}
     results: dict = {"machine": machine_info(), "flags": flags, "rounds": {name: [] for name in sides}}
     with ExitStack() as stack:
         servers = {}
         for name, root in sides.items():
-            # `python -m` puts the working directory first on sys.path: the baseline's server starts in its root
-            saved, cwd = os.environ.get("PYTHONPATH"), os.getcwd()
-            if root is not None:
-                os.environ["PYTHONPATH"] = root + (os.pathsep + saved if saved else "")
-                os.chdir(root)
-            try:
-                proc, base = start_server(str(Path(model).resolve()) if cwd != os.getcwd() else model, flags)
-            finally:
-                os.chdir(cwd)
-                if saved is None:
-                    os.environ.pop("PYTHONPATH", None)
-                else:
-                    os.environ["PYTHONPATH"] = saved
+            with checkout(Path(root) if root else None):
+                proc, base = start_server(model, flags)
             stack.callback(stop_server, proc)
             servers[name] = (proc.pid, base)
         for r in range(args.rounds + 1):  # round 0 warms every server up and is dropped
