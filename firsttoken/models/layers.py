@@ -82,7 +82,9 @@ def store_weights_input_major(module: nn.Module, exclude_prefix: str) -> int:
     out of cache: 159 vs 224 us per one-row product, and faster at 8 rows; a whole batch-1 forward 0.96x), so it
     keeps the checkpoint's layout. Only float32: the same layout made bf16 (emulated on AVX2) 8x slower. The BLAS
     then sums in another order: one-row outputs change at rounding level (small checkpoint: max |dlogit| 7e-5,
-    same argmax). Submodules named under ``exclude_prefix`` are left alone. Returns the number of weights changed."""
+    same argmax). Submodules named under ``exclude_prefix`` are left alone. Returns the number of weights changed.
+    The loader skips it where firsttoken's kernels take the decode products on an AVX2 CPU
+    (``loader.keeps_row_major``): their row-major loop is faster there."""
     changed = 0
     for name, sub in module.named_modules():
         if not isinstance(sub, nn.Linear) or name.startswith(exclude_prefix):

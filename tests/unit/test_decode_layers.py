@@ -64,3 +64,25 @@ def test_swiglu_is_down_of_silu_gate_times_up():
     x = torch.randn(3, 16)
     gate, up = F.linear(x, mlp.gate_up_proj.weight).chunk(2, dim=-1)
     assert torch.equal(mlp(x), F.linear(F.silu(gate) * up, mlp.down_proj.weight))
+
+
+@pytest.mark.parametrize("avx512", [False, True], ids=["avx2", "avx512"])
+def test_float32_weights_stay_row_major_where_the_kernels_decode_without_avx512(tiny_model_dir, monkeypatch, avx512):
+    """Where firsttoken's kernels take the decode products on an AVX2 CPU, the widening decoder weights keep the
+    checkpoint's row-major layout (that loop streams them faster); elsewhere (AVX-512, MKL's products, quantized
+    weights) they are stored input-major as before. The values never change."""
+    from firsttoken.models import loader
+    from tests.conftest import require_program
+
+    require_program("cc", "gcc", "gcc")  # the kernels are built with it
+    monkeypatch.setattr(loader, "cpu_has_avx512", lambda: avx512)
+    assert loader.keeps_row_major("none", None) is not avx512
+    assert not loader.keeps_row_major("none", "--cpu-kernels off") and not loader.keeps_row_major("int8", None)
+    on = loader.load_model(tiny_model_dir, torch.float32, cpu_kernels="on")
+    off = loader.load_model(tiny_model_dir, torch.float32, cpu_kernels="off")
+    for name in ("self_attn.qkv_proj", "mlp.gate_up_proj"):
+        w_on, w_off = on.get_submodule(f"layers.0.{name}").weight, off.get_submodule(f"layers.0.{name}").weight
+        assert torch.equal(w_on, w_off)
+        assert w_off.t().is_contiguous() and not w_off.is_contiguous()  # MKL's decode products: input-major
+        assert w_on.is_contiguous() is not avx512
+    assert on.fused_decode is not None  # the fused decode layers take either layout
