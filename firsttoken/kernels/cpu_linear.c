@@ -3,8 +3,9 @@
 
    out[m, n] = sum_k x[m, k] * W[n, k] (+ bias[n]) for the few rows of a decode step (M <= 16), in two layouts:
    - ft_linear_im: W stored input-major, wt = W^T as a contiguous [K, N] (the widening layers: q/k/v, gate/up,
-     lm_head, on CPUs with AVX-512; on AVX2 CPUs the loader keeps every weight row-major, loader.keeps_row_major). Blocks of KB rows of wt are read from memory once, in one sequential sweep, and every row of x
-     accumulates its KB products into its output row (in L1/L2), two rows of x per pass over the block.
+     lm_head, on CPUs with AVX-512; on AVX2 CPUs the loader keeps every weight row-major, loader.keeps_row_major).
+     Blocks of KB rows of wt are read from memory once, in one sequential sweep, and every row of x accumulates its
+     KB products into its output row (in L1/L2), two rows of x per pass over the block.
    - ft_linear_rm: W row-major [N, K] (the narrowing down projection). Rows of W are read one by one, one
      sequential stream, and each is dotted with up to four rows of x while in L1.
    (ft_linear_im takes 16 outputs a pass where the CPU has AVX-512: im_range16, bitwise the same sums.)

@@ -98,10 +98,12 @@ def load_model(
                  else f"widened for torch's ({kernels_off})")
     if str(device) == "cpu":
         # why a pure-decode step's decoder layers would not run as one call (None: try it)
-        unfused = {"fp16": "float16 weights (FBGEMM)", "int8": kernels_off, "bf16": kernels_off}.get(quantization)
-        if quantization == "none":
-            unfused = kernels_skipped(cpu_kernels, dtype) if dtype in (torch.float32, torch.bfloat16) \
-                else f"{str(dtype).removeprefix('torch.')} weights"
+        if quantization != "none":
+            unfused = {"fp16": "float16 weights (FBGEMM)", "int8": kernels_off, "bf16": kernels_off}[quantization]
+        elif dtype in (torch.float32, torch.bfloat16):
+            unfused = kernels_skipped(cpu_kernels, dtype)
+        else:
+            unfused = f"{str(dtype).removeprefix('torch.')} weights"
         if not keeps_row_major(quantization, unfused):
             store_weights_input_major(model, exclude_prefix="visual.")  # MKL's one-row products at decode
         if quantization == "none":
