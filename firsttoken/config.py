@@ -152,9 +152,15 @@ class SchedulerConfig:
         "TTFT exceeds its class's objective first gets a smaller visual-token budget (down to "
         "--image-min-tokens-under-load), then, if that is not enough, HTTP 429 with Retry-After, before any image "
         "is decoded (default: off)", shown="off"))
+    ttft_slo_wait_margin: float = field(default=2.0, metadata=option(
+        "with --ttft-slo: an image request's budget is lowered until its predicted TTFT plus this many times its "
+        "predicted wait (the part beyond its own work, where the predictions' error lies) fits the objective; "
+        "refused only when the prediction itself is over it at the lowest budget (0: lower only while over)"))
 
     def __post_init__(self) -> None:
         _at_least("max_batched_tokens", self.max_batched_tokens, 1)
+        if not self.ttft_slo_wait_margin >= 0:
+            raise ValueError("ttft_slo_wait_margin must be >= 0")
         if not 0 <= self.ttft_bias_step <= 1:
             raise ValueError("ttft_bias_step must be between 0 and 1")
         _at_least("max_num_seqs", self.max_num_seqs, 1)

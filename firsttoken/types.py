@@ -124,6 +124,7 @@ class EngineRequest:
     preprocessed_s: float  # monotonic time preprocessing ended (the input processor stamps it)
     predicted_ttft_s: float | None = None  # the admission check's prediction, for the timeline beside the measure
     image_budget_note: str | None = None  # e.g. "degraded 1280->320 tokens per image: predicted TTFT over SLO"
+    long_place_s: float | None = None  # with --ttft-slo, a long prompt's place in line as its admission decided it
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -197,6 +198,10 @@ class PromptWork:
     encoder_patches: int = 0  # patches through every encoder unit of every image
     encoder_attention_pairs: float = 0.0
     num_encoder_units: int = 0
+    # when it was admitted, on the scheduler's clock, once it has been (a request still preprocessing, counted ahead
+    # of later ones): its TTFT objective runs from there
+    admitted_s: float | None = None
+    long_place_s: float | None = None  # and the place in line its admission gave it (--ttft-slo, deadline order)
 
     @property
     def request_class(self) -> str:
@@ -221,10 +226,18 @@ class AdmissionVerdict:
     status: int = 200  # HTTP status the API answers with when refused
     predicted_ttft_s: float | None = None  # from the step-cost model (None before it is fitted)
     retry_after_s: float | None = None  # for a 429: when the predicted wait would allow it
+    # admitted, but with --ttft-slo its predicted wait (with the margin) is over the objective: an image request
+    # whose budget the server may lower is asked again at a lower one
+    lower_budget: bool = False
+    # with --ttft-slo, deadline order: the long prompt's place in line its prediction assumed (the scheduler's
+    # clock); the request keeps it, so the prediction and the order agree
+    long_place_s: float | None = None
 
     @staticmethod
-    def ok(lane: str, predicted_ttft_s: float | None = None) -> "AdmissionVerdict":
-        return AdmissionVerdict(True, lane, predicted_ttft_s=predicted_ttft_s)
+    def ok(lane: str, predicted_ttft_s: float | None = None, lower_budget: bool = False,
+           long_place_s: float | None = None) -> "AdmissionVerdict":
+        return AdmissionVerdict(True, lane, predicted_ttft_s=predicted_ttft_s, lower_budget=lower_budget,
+                                long_place_s=long_place_s)
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import AsyncIterator
 
 import torch
@@ -166,7 +166,8 @@ class AsyncEngine:
             pending = tuple(w for v, _, w in self._reservations.values() if v == lane)
             verdict = self.engine.scheduler.check_admission(work, len(pending), pending)
             if verdict.admitted and request_id is not None:
-                self._reservations[request_id] = (lane, now, work)
+                self._reservations[request_id] = (lane, now, replace(work, admitted_s=now,
+                                                                     long_place_s=verdict.long_place_s))
             return verdict
 
     def release(self, request_id: str) -> None:

@@ -411,6 +411,7 @@ class InputProcessor:
             arrival_s=arrival_s,
             preprocessed_s=time.monotonic(),
             predicted_ttft_s=verdict.predicted_ttft_s if verdict is not None else None,
+            long_place_s=verdict.long_place_s if verdict is not None else None,
             image_budget_note=note,
         )
 
@@ -424,7 +425,7 @@ class InputProcessor:
         floor = self.images.image_min_tokens_under_load
         original = max((p.budget_tokens for p, d in zip(ids.plans, ids.degradable) if d), default=0)
         cap = original
-        while verdict.reason == "over_slo" and cap > floor:
+        while (verdict.reason == "over_slo" or verdict.lower_budget) and cap > floor:
             cap = max(floor, cap // 2)
             ids = self._replan(ids, cap)
             verdict = self.admission(self._work(ids), request_id)
@@ -433,7 +434,7 @@ class InputProcessor:
         note = None
         if cap < original:
             note = (f"visual-token budget lowered from {original} to {cap} per image: the predicted time to first "
-                    "token was over the server's objective")
+                    "token, with its predicted wait counted with the server's margin, was over its objective")
         return ids, verdict, note
 
     def _replan(self, ids: _Prompt, cap: int) -> _Prompt:

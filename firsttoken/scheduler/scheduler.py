@@ -35,7 +35,7 @@ from __future__ import annotations
 import math
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 
 from firsttoken.batch import (
@@ -108,6 +108,8 @@ class Backlog:
     # the step in flight's interruptible encoder work, run last: its start on the scheduler's clock and its mean
     # unit's seconds; a short request arriving before it waits for the step up to there, inside it for one unit
     cut_span: tuple[float, float] = (0.0, 0.0)
+    # with --ttft-slo, deadline order: each long request's objective as a time on the scheduler's clock, as long_s
+    long_deadlines: tuple[float, ...] = ()
 
 
 class Scheduler:
@@ -152,8 +154,11 @@ class Scheduler:
     ) -> AdmissionVerdict:
         """May a prompt like ``work`` queue now? Cheap and side-effect free (the API asks before decoding images);
         the verdict carries the predicted TTFT. num_pending: requests already promised a place in this prompt's
-        lane but not yet queued here (``pending``: their work, when known, counted ahead). With --ttft-slo, a prediction over the class's objective is refused
-        ("over_slo", 429): the input processor may lower the image budget and ask again."""
+        lane but not yet queued here (``pending``: their work, when known, counted ahead). With --ttft-slo, a
+        prediction over the class's objective is refused ("over_slo", 429): the input processor may lower the image
+        budget and ask again; under it, an image prompt whose wait (with --ttft-slo-wait-margin) is over is admitted
+        with ``lower_budget`` (the processor may ask again at a lower budget), and a long prompt gets the place in
+        line its prediction assumed (``long_place_s``)."""
         num_prompt_tokens = work.num_prompt_tokens
         lane = route_lane(num_prompt_tokens, self.config)
         need = min(num_prompt_tokens + self.config.decode_reserve_tokens, self.max_model_len)
@@ -183,7 +188,17 @@ class Scheduler:
                 f"server's {slo:g} s objective for {work.request_class} requests; retry in about {math.ceil(wait)} s",
                 429, predicted, wait,
             )
-        return AdmissionVerdict.ok(lane, predicted)
+        place = None
+        if self.config.ttft_slo and predicted is not None and lane == LONG and self.config.long_order == "deadline":
+            queued = [self._work_s(p) for p in pending]
+            place = self._admission_place(self._work_s(work), self._long_line(self.backlog, queued, pending))
+        lower = False
+        if slo is not None and predicted is not None and work.num_images and self.config.ttft_slo_wait_margin:
+            # the prediction's error lies in its wait (work ahead, arrivals that will pass it, the lane's share):
+            # aim the image's budget at an objective that holds with that wait counted (1 + margin) times
+            alone = self._work_s(work) * self.ttft_bias.factor(work.num_images)
+            lower = bool(predicted + self.config.ttft_slo_wait_margin * max(predicted - alone, 0.0) > slo)
+        return AdmissionVerdict.ok(lane, predicted, lower, place)
 
     def add(self, request: Request) -> None:
         request.lane = route_lane(request.num_prompt_tokens, self.config)
@@ -191,6 +206,8 @@ class Scheduler:
         request.queued_s = self.clock()
         if request.lane == SHORT:
             self._short_prompt_lens.append(request.num_prompt_tokens)
+        elif request.engine_request.long_place_s is not None and self.config.long_order == "deadline":
+            request.long_place_s = request.engine_request.long_place_s  # the place its admission's prediction assumed
         self.requests[request.request_id] = request
         self.waiting.append(request)
 
@@ -327,11 +344,12 @@ class Scheduler:
         long_reqs = [r for r in pending if r.lane == LONG]
         long = tuple(self.remaining_work_s(r) for r in long_reqs)
         places = tuple(self.long_place_s(r) for r in long_reqs) if self.config.long_order == "deadline" else ()
+        deadlines = tuple(self._objective_at(r) for r in long_reqs) if places and self.config.ttft_slo else ()
         now = self.clock()
         step_end = now + (total + self.cost_model.coef[0] if total > 0 else 0.0)
         span, unit = step.cut_span
         self.backlog = Backlog(short, long, places, decode_share, short_share, step_s, bool(self.requests), short_frac,
-                               long_frac, step_end, (step_end - span, unit) if unit else (0.0, 0.0))
+                               long_frac, step_end, (step_end - span, unit) if unit else (0.0, 0.0), deadlines)
 
     def predict_ttft(self, work: PromptWork, pending: tuple[PromptWork, ...] = ()) -> float | None:
         """Seconds from now to this prompt's first token if it were queued now: the work ahead of it in its lane
@@ -358,10 +376,9 @@ class Scheduler:
             if self.config.long_order == "deadline":
                 # earliest place in line first: queued requests whose place comes before this one's, and those
                 # still preprocessing that will get an earlier place (less work: they arrived first)
-                slack = self.config.long_slack
-                place = self.clock() + slack * own
-                ahead = sum(w for w, p in zip(b.long_s, b.long_places) if p <= place)
-                ahead += sum(w for w in queued if slack * w <= slack * own)  # slack 0: arrival order, all of them
+                line = self._long_line(b, queued, pending)
+                place = self._admission_place(own, line)
+                ahead = sum(w for w, p, _ in line if p <= place)  # slack 0: arrival order, all of those waiting
             else:
                 ahead = sum(w for w in (*b.long_s, *queued) if w <= own)  # least remaining work first
             rate = max(1.0 - b.decode_share - b.short_share, LONG_MIN_SHARE)
@@ -385,6 +402,26 @@ class Scheduler:
         work_s = (ahead + own) / rate
         num_steps = max(1, math.ceil(work_s / max(step_s - overhead, 1e-3)))
         return residual + work_s + num_steps * overhead
+
+    def _long_line(self, b: Backlog, queued: list[float], pending: tuple[PromptWork, ...]) -> list[tuple[float, ...]]:
+        """The long lane in deadline order as an admission sees it: (work seconds, place, objective's deadline) of
+        each waiting request and of each admitted one still preprocessing (its place: the one its admission gave it,
+        else now + slack x its work)."""
+        slack, now, slo = self.config.long_slack, self.clock(), self.config.ttft_slo_s
+        deadlines = b.long_deadlines or (math.inf,) * len(b.long_s)
+        preprocessing = [(w, _or_now(p.long_place_s, now + slack * w),
+                          _or_now(p.admitted_s, now) + slo.get(p.request_class, math.inf))
+                         for w, p in zip(queued, pending)]
+        return [*zip(b.long_s, b.long_places, deadlines), *preprocessing]
+
+    def _admission_place(self, own: float, line: list[tuple[float, ...]]) -> float:
+        """A new long prompt's place in deadline order: now + slack x its work; with --ttft-slo not before a
+        request it would push past its objective (``protected_place``)."""
+        now = self.clock()
+        place = now + self.config.long_slack * own
+        if self.config.ttft_slo:
+            place = protected_place(place, own, line, now, _drain_rate(self.backlog.long_frac))
+        return place
 
     def _work_s(self, work: PromptWork) -> float:
         """Predicted seconds of a whole prompt's prefill and encoder work (no per-step constant)."""
@@ -541,6 +578,11 @@ class Scheduler:
         if self.config.long_order == "deadline":
             return (self.long_place_s(req), req.arrival_seq)
         return (req.passed_over < self.config.long_max_passes, self.remaining_work_s(req), req.arrival_seq)
+
+    def _objective_at(self, req: Request) -> float:
+        """When the request's class objective (--ttft-slo) runs out, on the scheduler's clock (inf: none)."""
+        slo = self.config.ttft_slo_s.get("image" if req.images else "text")
+        return math.inf if slo is None else min(req.engine_request.arrival_s, req.queued_s) + slo
 
     def long_place_s(self, req: Request) -> float:
         """A long request's place in line under the deadline order: when it reached the scheduler plus
@@ -720,6 +762,29 @@ class Scheduler:
     def check_invariants(self) -> None:
         self.kv.check_invariants()
         self.encoder_cache.check_invariants()
+
+
+def _or_now(t: float | None, now: float) -> float:
+    return now if t is None else t
+
+
+def _drain_rate(long_frac: float) -> float:
+    """Seconds of long-lane work done per second of wall time: the share the lane got while it had work."""
+    return max(long_frac, LONG_MIN_SHARE) if long_frac > 0 else 1.0
+
+
+def protected_place(place: float, own: float, queue: Iterable[tuple[float, float, float]], now: float,
+                    rate: float) -> float:
+    """A newcomer's place in the deadline order when admitted requests hold objectives: ``place`` unless a queued
+    request it would pass (``queue``: each one's remaining work seconds, place and objective's deadline) meets its
+    deadline without the newcomer's ``own`` work ahead of it and misses it with it; then the place of the last
+    such request (ties go to the earlier arrival, so the newcomer is behind it)."""
+    out, done = place, 0.0
+    for work, at, deadline in sorted(queue, key=lambda q: q[1]):
+        done += work
+        if at > place and now + done / rate <= deadline < now + (done + own) / rate:
+            out = max(out, at)
+    return out
 
 
 LONG_MIN_SHARE = 0.25  # of the step-time target, granted to the long lane once it has waited long_max_wait_steps

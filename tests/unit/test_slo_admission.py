@@ -70,3 +70,41 @@ def test_text_over_its_objective_is_refused_at_once(processor):
     with pytest.raises(AdmissionRefused):
         process(processor, chat("hello"))
     assert len(engine.asked) == 1
+
+
+class MarginEngine(ScriptedEngine):
+    """Admits everything under ``slo_s``, but says lower the budget while the visual work is over ``aim_s``."""
+
+    def __init__(self, seconds_per_patch: float, slo_s: float, aim_s: float) -> None:
+        super().__init__(seconds_per_patch, slo_s)
+        self.aim_s = aim_s
+
+    def __call__(self, work: PromptWork, request_id: str | None) -> AdmissionVerdict:
+        verdict = super().__call__(work, request_id)
+        if verdict.admitted and work.num_images and verdict.predicted_ttft_s > self.aim_s:
+            return AdmissionVerdict.ok(verdict.lane, verdict.predicted_ttft_s, lower_budget=True)
+        return verdict
+
+
+def test_admitted_but_asked_to_lower_it_the_budget_comes_down_until_the_margin_fits(processor):
+    engine = MarginEngine(seconds_per_patch=0.05, slo_s=100.0, aim_s=2.0)  # never refused; the margin aims at 2 s
+    processor.admission = engine
+    er = process(processor, chat(image(png_url(896, 896)), text("What is this?")))
+    assert len(engine.asked) >= 2 and er.images[0].num_tokens <= 256 < 1024
+    assert "lowered from 1024 to" in er.image_budget_note and "margin" in er.image_budget_note
+
+
+def test_at_the_floor_still_asked_to_lower_it_is_admitted_not_refused(processor):
+    engine = MarginEngine(seconds_per_patch=1.0, slo_s=100.0, aim_s=0.1)  # nothing meets the margin's aim
+    processor.admission = engine
+    er = process(processor, chat(image(png_url(896, 896)), text("What is this?")))
+    assert engine.asked[-1].encoder_patches <= 64 * 4 * 2  # down to the floor, then admitted as it is
+    assert er.predicted_ttft_s is not None and "lowered from 1024 to 64" in er.image_budget_note
+
+
+def test_a_request_that_chose_its_detail_keeps_it_when_only_the_margin_asks(processor):
+    engine = MarginEngine(seconds_per_patch=0.05, slo_s=100.0, aim_s=0.1)
+    processor.admission = engine
+    part = {"type": "image_url", "image_url": {"url": png_url(896, 896), "detail": "high"}}
+    er = process(processor, chat(part, text("What is this?")))
+    assert len(engine.asked) == 1 and er.image_budget_note is None  # admitted at the detail it asked for

@@ -287,3 +287,57 @@ def test_long_chunk_share_caps_the_long_prefill_chunk_and_leaves_the_rest_to_enc
     assert [c.num_new_tokens for c in first.chunks] == [125]
     assert [w.num_units for w in first.encoder_work] == [1]  # 125 + 100 ms fit in 240, a second unit would not
     assert predicted(mixed, first) <= TARGET + 1e-9
+
+
+def test_with_an_objective_an_image_prompt_is_asked_to_lower_its_budget_only_when_its_wait_counted_twice_is_over():
+    # an image prompt: 600 tokens (0.6 s of prefill) + 1,000 patches (0.25 s): 0.85 s of its own work, objective
+    # 2 s. Alone it fits with room (no wait to count); behind a 0.3 s request (queued first: no slack, arrival order)
+    # its predicted TTFT still fits, but with the margin (2 x its wait) it is over: admitted, asked to lower its budget
+    image = PromptWork(600, 1, 1000)
+
+    def verdict(queued: int, **kw):
+        clock = ManualClock()
+        sched = scheduler(clock=clock, ttft_slo="text=1,image=2", long_slack=0.0, **kw)
+        if queued:
+            sched.add(fake_request("ahead", prompt_len=queued, max_tokens=1))
+            run_step(sched)
+        return sched.check_admission(image)
+
+    alone, behind = verdict(0), verdict(300)
+    # its prediction is over a third of the objective, yet nothing is lowered: the margin counts only its wait
+    assert alone.admitted and not alone.lower_budget and alone.predicted_ttft_s > 2.0 / 3
+    assert behind.admitted and behind.lower_budget and behind.predicted_ttft_s <= 2.0
+    assert not verdict(300, ttft_slo_wait_margin=0.0).lower_budget  # margin 0: lower only while over
+    assert not verdict(300, ttft_slo_wait_margin=0.5).lower_budget  # its wait counted 1.5 times fits
+    over = verdict(3000)
+    assert not over.admitted and over.reason == "over_slo"  # the prediction itself over: refused, as before
+    text = scheduler(clock=ManualClock(), ttft_slo="text=1,image=2")
+    text.add(fake_request("ahead", prompt_len=150, max_tokens=1))
+    run_step(text)
+    assert not text.check_admission(PromptWork(150)).lower_budget  # text has no budget to lower
+
+
+def test_with_objectives_a_newcomer_does_not_pass_a_request_it_would_push_past_its_objective():
+    # "big" (2 s of prefill, its place 2.0) is admitted at t = 0 under a 3.5 s objective; at t = 1 a 0.85 s prompt
+    # arrives, whose own place (1.85) is earlier. Passing would finish big at ~4 s, past its objective, so the
+    # newcomer's admission gives it big's place (behind it: the earlier arrival first) and its prediction counts
+    # big's remaining work; it still meets its own objective. Without objectives it passes, as before.
+    from dataclasses import replace
+
+    def second_step(slo: str) -> tuple[list[str], float]:
+        clock = ManualClock()
+        sched = scheduler(clock=clock, ttft_slo=slo)
+        sched.add(fake_request("big", prompt_len=2000, max_tokens=1))
+        run_step(sched)
+        clock.now = 1.0
+        verdict = sched.check_admission(PromptWork(850))
+        assert verdict.admitted
+        newcomer = fake_request("newcomer", prompt_len=850, max_tokens=1, arrival_seq=1)
+        newcomer.engine_request = replace(newcomer.engine_request, arrival_s=1.0, long_place_s=verdict.long_place_s)
+        sched.add(newcomer)
+        return long_chunks(run_step(sched)), verdict.predicted_ttft_s
+
+    protected, predicted = second_step("text=3.5,image=3.5")
+    assert protected[0] == "big" and 2.0 + 0.85 <= predicted <= 3.5  # big's work (as last scheduled) ahead of it
+    free, predicted_free = second_step("")
+    assert free[0] == "newcomer" and predicted_free < 1.0
