@@ -66,6 +66,10 @@ class Profile:
     preprocess_s: dict[str, float] = field(default_factory=dict)  # image class -> seconds before the engine sees it
     # what the profiled server's fit had seen per term ({"steps": n, "max": largest value}); empty: not known
     coverage: dict[str, dict[str, float]] = field(default_factory=dict)
+    # the checkpoint's config, where known: admission over a TTFT objective re-plans images at lower budgets down to
+    # image_min_tokens_under_load, as the server does (None: it refuses them at once)
+    model: ModelConfig | None = None
+    image_min_tokens_under_load: int = ImageConfig().image_min_tokens_under_load
 
     def __post_init__(self) -> None:
         unknown = set(self.coefficients) - set(FEATURE_NAMES)
@@ -123,6 +127,8 @@ class SimImage:
     num_tokens: int
     grid_thw: tuple[int, int, int]
     encoder_units: tuple[EncoderUnit, ...]
+    size: tuple[int, int] | None = None  # the image's width and height, where known: it can be re-planned
+    budget_tokens: int | None = None  # the visual-token budget it was planned at
 
 
 @dataclass(frozen=True)
@@ -146,7 +152,8 @@ def image_for(model: ModelConfig, width: int, height: int, budget_tokens: int, m
     plan = plan_image(width, height, budget_tokens, min_tokens, model.image_processor)
     patch = model.image_processor.patch_size
     grid = (1, plan.resized_size[1] // patch, plan.resized_size[0] // patch)
-    return SimImage(plan.num_tokens, grid, tuple(family.encoder_units(model.vision, grid)))
+    return SimImage(plan.num_tokens, grid, tuple(family.encoder_units(model.vision, grid)), (width, height),
+                    budget_tokens)
 
 
 def seed_mix(
@@ -218,6 +225,7 @@ class Outcome:
     e2e_s: float | None = None
     refused: str | None = None  # "queue_full" | "over_slo" | "never_fits"
     predicted_ttft_s: float | None = None  # the admission check's prediction, from arrival (preprocess included)
+    image_budget: int | None = None  # the visual-token budget per image admission lowered it to (None: not lowered)
 
 
 # the runner runs interruptible encoder units after the step's forward and sampling (False: first, the order before;
@@ -251,6 +259,9 @@ class SimReplica:
         self.busy_s = 0.0
         self.num_inflight = 0  # routed here, not yet in the scheduler (preprocessing)
         self.max_terms = np.zeros(len(FEATURE_NAMES))  # the largest of each cost-model term in one step priced
+        # admitted since the last schedule built the backlog the admission check reads: passed as pending, as the
+        # server's admission counts requests admitted and not yet in its scheduler's snapshot
+        self._unscheduled: list[tuple[str, PromptWork]] = []
 
     # load signals a router reads (what a replica could report cheaply, plus what the router itself sent)
     @property
@@ -276,13 +287,31 @@ class SimReplica:
         self.now = now
         self.num_inflight -= 1
         er = _engine_request(request)
-        verdict = self.scheduler.check_admission(PromptWork.of(er.num_prompt_tokens, er.images))
+        lane = route_lane(er.num_prompt_tokens, self.scheduler.config)
+        pending = tuple(w for v, w in self._unscheduled if v == lane)
+        verdict = self.scheduler.check_admission(PromptWork.of(er.num_prompt_tokens, er.images), len(pending), pending)
+        model, floor = self.profile.model, self.profile.image_min_tokens_under_load
+        if model is not None and request.images and all(im.size and im.budget_tokens for im in request.images):
+            # as the server's processor: over the objective, the images' budget halved step by step to the floor
+            original = cap = max(im.budget_tokens or 0 for im in request.images)
+            while (verdict.reason == "over_slo" or verdict.lower_budget) and cap > floor:
+                cap = max(floor, cap // 2)
+                images = tuple(image_for(model, *im.size, min(im.budget_tokens or cap, cap))  # type: ignore[misc]
+                               for im in request.images)
+                er = _engine_request(replace(request, images=images))
+                verdict = self.scheduler.check_admission(PromptWork.of(er.num_prompt_tokens, er.images), len(pending),
+                                                         pending)
+            outcome.image_budget = cap if cap < original else None
         if verdict.predicted_ttft_s is not None:
             outcome.predicted_ttft_s = now - request.arrival_s + verdict.predicted_ttft_s
         if not verdict.admitted:
             outcome.refused = verdict.reason
             return
         self._outcomes[request.request_id] = outcome
+        er = replace(er, long_place_s=verdict.long_place_s)
+        work = replace(PromptWork.of(er.num_prompt_tokens, er.images), admitted_s=request.arrival_s,
+                       long_place_s=verdict.long_place_s)
+        self._unscheduled.append((route_lane(er.num_prompt_tokens, self.scheduler.config), work))
         self.scheduler.add(Request(er, self._seq))
         self._seq += 1
 
@@ -290,6 +319,7 @@ class SimReplica:
         """Schedule the next step at ``now``; returns when it ends (None: nothing to do)."""
         self.now = now
         batch = self.scheduler.schedule()
+        self._unscheduled.clear()  # in the backlog the schedule built
         if batch.is_empty:
             return None
         # a step that only releases finished requests' runner state does no model work: (almost) free

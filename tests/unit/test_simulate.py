@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 from collections import Counter
+from dataclasses import replace
 
 import httpx
 import pytest
@@ -234,3 +235,25 @@ def test_the_cli_warns_before_the_table_when_the_profile_never_saw_the_workloads
     assert text[1].startswith("warning: encoder_attention: the profile's fit saw no step with it")
     assert [w.split(":")[0] for w in json.loads(out.read_text())["warnings"]] == ["encoder_patches",
                                                                                  "encoder_attention"]
+
+
+def test_over_its_objective_an_image_request_is_re_planned_at_lower_budgets_before_it_is_refused():
+    """As the server's input processor: a burst of three-image requests against an objective of 1.5 x one alone.
+    With the checkpoint's config in the profile the later ones are admitted at halved budgets (the outcome says
+    which); without it (a profile that cannot re-plan images) they are refused."""
+    from firsttoken.models.checkpoint import SIZES, build_hf_config
+    from firsttoken.models.registry import model_config_from_dict
+
+    model = model_config_from_dict(build_hf_config(SIZES["small"]).to_dict())
+    burst = [replace(r, arrival_s=0.1 * i) for i, r in
+             enumerate(sim.seed_mix(model, rate=1.0, num_requests=8, seed=0, mix=(("3img", 3, 1.0),)))]
+    base = sim.Profile(SMALL_AVX2, SchedulerConfig(), num_kv_blocks=8192)
+    alone = sim.simulate(burst[:1], [base], sim.Router("round-robin")).outcomes[0].ttft_s
+    slo = SchedulerConfig(ttft_slo=f"text=10,image={1.5 * alone:.3f}", ttft_slo_wait_margin=0.0)
+    refusing = sim.simulate(burst, [replace(base, scheduler=slo)], sim.Router("round-robin")).outcomes
+    degrading = sim.simulate(burst, [replace(base, scheduler=slo, model=model)], sim.Router("round-robin")).outcomes
+    assert [o.image_budget for o in refusing] == [None] * 8 and sum(o.refused == "over_slo" for o in refusing) >= 4
+    lowered = [o.image_budget for o in degrading if o.image_budget is not None]
+    assert lowered and all(b in (640, 320, 256) for b in lowered)  # 1280 halved, down to the floor (256)
+    assert sum(o.refused is None for o in degrading) > sum(o.refused is None for o in refusing)
+    assert all(o.ttft_s <= 1.2 * 1.5 * alone for o in degrading if o.refused is None)
