@@ -259,6 +259,9 @@ def main() -> None:
     ap.add_argument("--config", action="append", default=[], metavar="NAME=FLAGS",
                     help="another loaded configuration: a name and the serve flags it adds, e.g. "
                          "'t0.1=--step-time-target 0.1' (repeatable; add NAME to --configs to run it)")
+    ap.add_argument("--overload-config", action="append", default=[], metavar="NAME=FLAGS",
+                    help="another configuration of the overload run, with --ttft-slo as `slo` has it, e.g. "
+                         "'margin0=--ttft-slo-wait-margin 0' (repeatable; compared with `slo` on the same arrivals)")
     args = ap.parse_args()
     for item in args.config:
         name, _, flags = item.partition("=")
@@ -295,13 +298,17 @@ def main() -> None:
         rate = args.overload * cal["capacity_rps"]
         flag = f"text={slo['text']:.3f},image={slo['image']:.3f}"
         results = {}
-        for name, flags in (("fcfs", LOADED["fcfs"]), ("lanes", []), ("slo", ["--ttft-slo", flag])):
+        extra = [(name, ["--ttft-slo", flag, *shlex.split(flags)])
+                 for name, _, flags in (item.partition("=") for item in args.overload_config)]
+        for name, flags in (("fcfs", LOADED["fcfs"]), ("lanes", []), ("slo", ["--ttft-slo", flag]), *extra):
             results[name] = run(model, flags, rate, args)
             results[name]["summary"] = summarize(results[name], slo, image_max)
         out[f"overload U={args.overload:g}"] = {"slo_s": slo, **results}
         title = f"overload U={args.overload:g}: Poisson {rate:.4f}/s, {args.num_requests} requests, --ttft-slo {flag}"
         print_load(title, results, unloaded)
         lines += [f"U={args.overload:g} (--ttft-slo {flag}): {x}" for x in targets_overload(results)]
+        for name, _ in extra:  # the same targets for each extra configuration, read as `slo`'s
+            lines += [f"U={args.overload:g} {name}: {x}" for x in targets_overload({**results, "slo": results[name]})]
         if args.plot_dir:
             plot(results, title, Path(args.plot_dir) / f"ttft-over-time-U{args.overload:g}-slo.png")
     print("\ntargets")
