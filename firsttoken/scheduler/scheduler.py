@@ -419,7 +419,7 @@ class Scheduler:
         request it would push past its objective (``protected_place``)."""
         now = self.clock()
         place = now + self.config.long_slack * own
-        if self.config.ttft_slo:
+        if self.config.ttft_slo and PROTECT_OBJECTIVES:
             place = protected_place(place, own, line, now, _drain_rate(self.backlog.long_frac))
         return place
 
@@ -762,6 +762,11 @@ class Scheduler:
     def check_invariants(self) -> None:
         self.kv.check_invariants()
         self.encoder_cache.check_invariants()
+
+
+# with --ttft-slo, admissions keep waiting long requests' objectives (protected_place); False: for side-by-side runs
+# (benchmarks/sim_overload.py), the deadline order without it
+PROTECT_OBJECTIVES = True
 
 
 def _or_now(t: float | None, now: float) -> float:
