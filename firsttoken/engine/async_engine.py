@@ -163,7 +163,8 @@ class AsyncEngine:
             for rid in [r for r, (_, t, _) in self._reservations.items() if now - t > RESERVATION_TTL_S]:
                 del self._reservations[rid]  # never handed over (client left between preprocessing and submit)
             lane = route_lane(work.num_prompt_tokens, self.engine.scheduler.config)
-            pending = tuple(w for v, _, w in self._reservations.values() if v == lane)
+            # a request asked again at a lower image budget holds a reservation already: not ahead of itself
+            pending = tuple(w for rid, (v, _, w) in self._reservations.items() if v == lane and rid != request_id)
             verdict = self.engine.scheduler.check_admission(work, len(pending), pending)
             if verdict.admitted and request_id is not None:
                 self._reservations[request_id] = (lane, now, replace(work, admitted_s=now,

@@ -178,7 +178,9 @@ class Scheduler:
                 "retry later",
                 429,
             )
-        predicted = self.predict_ttft(work, pending)
+        raw = self._predict_ttft_raw(work, pending)
+        bias = self.ttft_bias.factor(work.num_images)
+        predicted = None if raw is None else raw[0] * bias
         slo = self.config.ttft_slo_s.get(work.request_class)
         if slo is not None and predicted is not None and predicted > slo:
             wait = predicted - slo
@@ -188,16 +190,13 @@ class Scheduler:
                 f"server's {slo:g} s objective for {work.request_class} requests; retry in about {math.ceil(wait)} s",
                 429, predicted, wait,
             )
-        place = None
-        if self.config.ttft_slo and predicted is not None and lane == LONG and self.config.long_order == "deadline":
-            queued = [self._work_s(p) for p in pending]
-            place = self._admission_place(self._work_s(work), self._long_line(self.backlog, queued, pending))
         lower = False
-        if slo is not None and predicted is not None and work.num_images and self.config.ttft_slo_wait_margin:
+        if slo is not None and raw is not None and work.num_images and self.config.ttft_slo_wait_margin:
             # the prediction's error lies in its wait (work ahead, arrivals that will pass it, the lane's share):
             # aim the image's budget at an objective that holds with that wait counted (1 + margin) times
-            alone = self._work_s(work) * self.ttft_bias.factor(work.num_images)
-            lower = bool(predicted + self.config.ttft_slo_wait_margin * max(predicted - alone, 0.0) > slo)
+            wait = max(raw[0] - raw[1], 0.0) * bias
+            lower = bool(predicted + self.config.ttft_slo_wait_margin * wait > slo)
+        place = raw[2] if raw is not None else None  # only where protecting objectives moved it back
         return AdmissionVerdict.ok(lane, predicted, lower, place)
 
     def add(self, request: Request) -> None:
@@ -207,7 +206,9 @@ class Scheduler:
         if request.lane == SHORT:
             self._short_prompt_lens.append(request.num_prompt_tokens)
         elif request.engine_request.long_place_s is not None and self.config.long_order == "deadline":
-            request.long_place_s = request.engine_request.long_place_s  # the place its admission's prediction assumed
+            # the place its admission's prediction assumed, where protecting objectives moved it back (otherwise the
+            # usual one, which discounts a cached prefix and encoded images)
+            request.long_place_s = request.engine_request.long_place_s
         self.requests[request.request_id] = request
         self.waiting.append(request)
 
@@ -357,17 +358,22 @@ class Scheduler:
         (None before the cost model is fitted). Reads only the Backlog snapshot and the bias, so any thread may
         ask."""
         raw = self._predict_ttft_raw(work, pending)
-        return None if raw is None else raw * self.ttft_bias.factor(work.num_images)
+        return None if raw is None else raw[0] * self.ttft_bias.factor(work.num_images)
 
     def observe_ttft(self, num_images: int, predicted_s: float, measured_s: float) -> None:
         """A first token: the prediction given at admission against the TTFT measured from arrival."""
         self.ttft_bias.observe(num_images, predicted_s, measured_s)
 
-    def _predict_ttft_raw(self, work: PromptWork, pending: tuple[PromptWork, ...]) -> float | None:
+    def _predict_ttft_raw(self, work: PromptWork,
+                          pending: tuple[PromptWork, ...]) -> tuple[float, float, float | None] | None:
+        """(seconds to the first token, the part of them its own work takes at its lane's rate, its place in the
+        long lane's deadline order when protecting objectives moved it back, else None), from one read of the
+        Backlog snapshot; None before the cost model is fitted."""
         cost = self.cost_model
         if not cost.is_trained:
             return None
         b = self.backlog
+        moved = None
         overhead = float(cost.coef[0])
         own = self._work_s(work)
         queued = [self._work_s(p) for p in pending]  # admitted, still preprocessing: in the queue by the time it is
@@ -377,7 +383,11 @@ class Scheduler:
                 # earliest place in line first: queued requests whose place comes before this one's, and those
                 # still preprocessing that will get an earlier place (less work: they arrived first)
                 line = self._long_line(b, queued, pending)
-                place = self._admission_place(own, line)
+                natural = self.clock() + self.config.long_slack * own
+                place = natural
+                if self.config.ttft_slo and PROTECT_OBJECTIVES:  # not before one it would push past its objective
+                    place = protected_place(natural, own, line, self.clock(), _drain_rate(b.long_frac))
+                    moved = place if place > natural else None
                 ahead = sum(w for w, p, _ in line if p <= place)  # slack 0: arrival order, all of those waiting
             else:
                 ahead = sum(w for w in (*b.long_s, *queued) if w <= own)  # least remaining work first
@@ -397,31 +407,24 @@ class Scheduler:
             frac = b.long_frac if lane == LONG else b.short_frac
             if frac <= 0:  # no step of this lane seen yet: its prefill alone, one step at a time
                 frac = own / (own + overhead) if own > 0 else 1.0
-            return residual + (ahead + own) / max(frac, LONG_MIN_SHARE)
+            frac = max(frac, LONG_MIN_SHARE)
+            return residual + (ahead + own) / frac, own / frac, moved
         step_s = max(b.step_s, own + overhead)
         work_s = (ahead + own) / rate
         num_steps = max(1, math.ceil(work_s / max(step_s - overhead, 1e-3)))
-        return residual + work_s + num_steps * overhead
+        own_steps = max(1, math.ceil(own / rate / max(step_s - overhead, 1e-3)))
+        return residual + work_s + num_steps * overhead, own / rate + own_steps * overhead, moved
 
     def _long_line(self, b: Backlog, queued: list[float], pending: tuple[PromptWork, ...]) -> list[tuple[float, ...]]:
         """The long lane in deadline order as an admission sees it: (work seconds, place, objective's deadline) of
         each waiting request and of each admitted one still preprocessing (its place: the one its admission gave it,
-        else now + slack x its work)."""
+        else its admission (or now) + slack x its work)."""
         slack, now, slo = self.config.long_slack, self.clock(), self.config.ttft_slo_s
         deadlines = b.long_deadlines or (math.inf,) * len(b.long_s)
-        preprocessing = [(w, _or_now(p.long_place_s, now + slack * w),
+        preprocessing = [(w, _or_now(p.long_place_s, _or_now(p.admitted_s, now) + slack * w),
                           _or_now(p.admitted_s, now) + slo.get(p.request_class, math.inf))
                          for w, p in zip(queued, pending)]
         return [*zip(b.long_s, b.long_places, deadlines), *preprocessing]
-
-    def _admission_place(self, own: float, line: list[tuple[float, ...]]) -> float:
-        """A new long prompt's place in deadline order: now + slack x its work; with --ttft-slo not before a
-        request it would push past its objective (``protected_place``)."""
-        now = self.clock()
-        place = now + self.config.long_slack * own
-        if self.config.ttft_slo and PROTECT_OBJECTIVES:
-            place = protected_place(place, own, line, now, _drain_rate(self.backlog.long_frac))
-        return place
 
     def _work_s(self, work: PromptWork) -> float:
         """Predicted seconds of a whole prompt's prefill and encoder work (no per-step constant)."""

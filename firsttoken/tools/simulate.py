@@ -259,8 +259,9 @@ class SimReplica:
         self.busy_s = 0.0
         self.num_inflight = 0  # routed here, not yet in the scheduler (preprocessing)
         self.max_terms = np.zeros(len(FEATURE_NAMES))  # the largest of each cost-model term in one step priced
-        # admitted since the last schedule built the backlog the admission check reads: passed as pending, as the
-        # server's admission counts requests admitted and not yet in its scheduler's snapshot
+        # admitted since the last schedule built the backlog the admission check reads: their work passed as
+        # pending, as the server's admission counts requests admitted and not yet in its scheduler's snapshot (not
+        # in the queue depth: they are in the scheduler's queue already)
         self._unscheduled: list[tuple[str, PromptWork]] = []
 
     # load signals a router reads (what a replica could report cheaply, plus what the router itself sent)
@@ -289,7 +290,7 @@ class SimReplica:
         er = _engine_request(request)
         lane = route_lane(er.num_prompt_tokens, self.scheduler.config)
         pending = tuple(w for v, w in self._unscheduled if v == lane)
-        verdict = self.scheduler.check_admission(PromptWork.of(er.num_prompt_tokens, er.images), len(pending), pending)
+        verdict = self.scheduler.check_admission(PromptWork.of(er.num_prompt_tokens, er.images), 0, pending)
         model, floor = self.profile.model, self.profile.image_min_tokens_under_load
         if model is not None and request.images and all(im.size and im.budget_tokens for im in request.images):
             # as the server's processor: over the objective, the images' budget halved step by step to the floor
@@ -299,8 +300,7 @@ class SimReplica:
                 images = tuple(image_for(model, *im.size, min(im.budget_tokens or cap, cap))  # type: ignore[misc]
                                for im in request.images)
                 er = _engine_request(replace(request, images=images))
-                verdict = self.scheduler.check_admission(PromptWork.of(er.num_prompt_tokens, er.images), len(pending),
-                                                         pending)
+                verdict = self.scheduler.check_admission(PromptWork.of(er.num_prompt_tokens, er.images), 0, pending)
             outcome.image_budget = cap if cap < original else None
         if verdict.predicted_ttft_s is not None:
             outcome.predicted_ttft_s = now - request.arrival_s + verdict.predicted_ttft_s

@@ -108,3 +108,28 @@ def test_a_request_that_chose_its_detail_keeps_it_when_only_the_margin_asks(proc
     part = {"type": "image_url", "image_url": {"url": png_url(896, 896), "detail": "high"}}
     er = process(processor, chat(part, text("What is this?")))
     assert len(engine.asked) == 1 and er.image_budget_note is None  # admitted at the detail it asked for
+
+
+def test_a_request_asked_again_is_not_ahead_of_itself_but_others_admitted_are():
+    """The async engine counts the lane's admitted-but-not-queued requests ahead of a new one; a request whose
+    budget the processor lowers holds such a reservation from its first ask, and its later asks must not count it."""
+    from types import SimpleNamespace
+
+    from firsttoken.config import SchedulerConfig
+    from firsttoken.engine.async_engine import AsyncEngine
+
+    seen: list[tuple[PromptWork, ...]] = []
+
+    def check_admission(work, num_pending=0, pending=()):
+        seen.append(pending)
+        return AdmissionVerdict.ok("long", 1.0, lower_budget=True)
+
+    scheduler = SimpleNamespace(config=SchedulerConfig(long_prompt_threshold=100), check_admission=check_admission)
+    engine = SimpleNamespace(config=SimpleNamespace(num_threads=0, max_unread_outputs=64), scheduler=scheduler,
+                             stats=lambda: None)
+    bridge = AsyncEngine(engine)  # its thread is not started
+    bridge.check_admission(PromptWork(900, 1, 4000), "other")
+    bridge.check_admission(PromptWork(900, 1, 4000), "me")
+    bridge.check_admission(PromptWork(500, 1, 1000), "me")  # asked again at a lower budget
+    assert [len(p) for p in seen] == [0, 1, 1]  # "other" ahead each time, "me" never ahead of itself
+    assert all(p.admitted_s is not None for p in seen[-1])  # reservations carry their admission time

@@ -309,6 +309,13 @@ def test_with_an_objective_an_image_prompt_is_asked_to_lower_its_budget_only_whe
     assert behind.admitted and behind.lower_budget and behind.predicted_ttft_s <= 2.0
     assert not verdict(300, ttft_slo_wait_margin=0.0).lower_budget  # margin 0: lower only while over
     assert not verdict(300, ttft_slo_wait_margin=0.5).lower_budget  # its wait counted 1.5 times fits
+    # idle after a busy spell: the long lane's remembered share (0.6) stretches its own work, which is not wait
+    from firsttoken.scheduler.scheduler import Backlog
+
+    idle = scheduler(clock=ManualClock(), ttft_slo="text=1,image=2")
+    idle.backlog = Backlog(long_frac=0.6)
+    after_busy = idle.check_admission(image)
+    assert after_busy.admitted and not after_busy.lower_budget and after_busy.predicted_ttft_s > 0.85 / 0.6 - 0.01
     over = verdict(3000)
     assert not over.admitted and over.reason == "over_slo"  # the prediction itself over: refused, as before
     text = scheduler(clock=ManualClock(), ttft_slo="text=1,image=2")
