@@ -52,6 +52,12 @@ def load_coefficients(text: str) -> dict[str, float]:
     return {k: float(v) for k, v in data.items()}
 
 
+def unloaded_ttft(base: sim.Profile, model) -> dict[str, float]:
+    """Each class's median TTFT with requests arriving far apart (30 of the seed's mix, one at a time)."""
+    alone = sim.simulate(sim.seed_mix(model, rate=0.001, num_requests=30, seed=1), [base], sim.Router("round-robin"))
+    return {c: sorted(o.ttft_s for o in outs)[len(outs) // 2] for c, outs in alone.by_class().items()}
+
+
 def class_stats(outcomes) -> dict[str, float | int | None]:
     ttft = sorted(o.ttft_s for o in outcomes if o.ttft_s is not None)
     err = sorted(abs(o.predicted_ttft_s - o.ttft_s) / o.ttft_s for o in outcomes
@@ -81,8 +87,7 @@ def main() -> None:
     coefficients = {**coefficients, "step": 0.0} if args.zero_step_constant else coefficients
     base = sim.Profile(coefficients, SchedulerConfig(), num_kv_blocks=8192, preprocess_s=PREPROCESS_S)
     configs = {"fcfs": {"scheduling": "fcfs"}, **parse_configs(args.configs)}
-    alone = sim.simulate(sim.seed_mix(model, rate=0.001, num_requests=30, seed=1), [base], sim.Router("round-robin"))
-    unloaded = {c: sorted(o.ttft_s for o in outs)[len(outs) // 2] for c, outs in alone.by_class().items()}
+    unloaded = unloaded_ttft(base, model)
     out: dict = {"args": vars(args), "coefficients": coefficients, "unloaded_ttft_s": unloaded, "runs": []}
     print("unloaded TTFT: " + ", ".join(f"{c} {t:.2f} s" for c, t in sorted(unloaded.items())))
     print(f"{'U':>4s} {'seed':>4s} {'config':16s} | text P99/unloaded | 1img P99/fcfs | 3img P99/fcfs | "

@@ -20,7 +20,7 @@ import argparse
 import json
 from pathlib import Path
 
-from sim_long_order import PREPROCESS_S, SMALL_AVX2, load_coefficients, parse_configs
+from sim_long_order import PREPROCESS_S, SMALL_AVX2, load_coefficients, parse_configs, unloaded_ttft
 
 import firsttoken.scheduler.scheduler as scheduler
 import firsttoken.tools.simulate as sim
@@ -46,8 +46,7 @@ def main() -> None:
     model = model_config_from_dict(build_hf_config(SIZES["small"]).to_dict())
     coefficients = load_coefficients(args.coefficients) if args.coefficients else SMALL_AVX2
     base = sim.Profile(coefficients, SchedulerConfig(), num_kv_blocks=8192, preprocess_s=PREPROCESS_S, model=model)
-    alone = sim.simulate(sim.seed_mix(model, rate=0.001, num_requests=30, seed=1), [base], sim.Router("round-robin"))
-    unloaded = {c: sorted(o.ttft_s for o in outs)[len(outs) // 2] for c, outs in alone.by_class().items()}
+    unloaded = unloaded_ttft(base, model)
     objective = {"text": 3 * unloaded["text"], "image": 1.5 * unloaded["3img"]}
     flag = f"text={objective['text']:.3f},image={objective['image']:.3f}"
     configs = {"fcfs": {"scheduling": "fcfs"}, "lanes": {}}

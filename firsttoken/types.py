@@ -233,6 +233,11 @@ class AdmissionVerdict:
     # clock); the request keeps it, so the prediction and the order agree
     long_place_s: float | None = None
 
+    @property
+    def asks_lower_budget(self) -> bool:
+        """Over the objective, or admitted with a wait over it: a lower image budget is worth asking about."""
+        return self.reason == "over_slo" or self.lower_budget
+
     @staticmethod
     def ok(lane: str, predicted_ttft_s: float | None = None, lower_budget: bool = False,
            long_place_s: float | None = None) -> "AdmissionVerdict":

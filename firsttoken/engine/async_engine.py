@@ -88,8 +88,8 @@ class AsyncEngine:
         self._alive = False
         self._stopping = False
         self._draining = False
-        # request id -> (lane, monotonic time, its work): admitted but not yet handed to the engine
-        self._reservations: dict[str, tuple[str, float, PromptWork]] = {}
+        # request id -> (lane, its work with admitted_s: when): admitted but not yet handed to the engine
+        self._reservations: dict[str, tuple[str, PromptWork]] = {}
         self._reservations_lock = threading.Lock()
         self._stats = engine.stats()
         # short requests sent by generate() (event loop) and handed to the engine (engine thread): while more were
@@ -160,15 +160,15 @@ class AsyncEngine:
         generate() hands it to the engine or release() gives it back."""
         with self._reservations_lock:
             now = time.monotonic()
-            for rid in [r for r, (_, t, _) in self._reservations.items() if now - t > RESERVATION_TTL_S]:
+            for rid in [r for r, (_, w) in self._reservations.items() if now - w.admitted_s > RESERVATION_TTL_S]:
                 del self._reservations[rid]  # never handed over (client left between preprocessing and submit)
             lane = route_lane(work.num_prompt_tokens, self.engine.scheduler.config)
             # a request asked again at a lower image budget holds a reservation already: not ahead of itself
-            pending = tuple(w for rid, (v, _, w) in self._reservations.items() if v == lane and rid != request_id)
+            pending = tuple(w for rid, (v, w) in self._reservations.items() if v == lane and rid != request_id)
             verdict = self.engine.scheduler.check_admission(work, len(pending), pending)
             if verdict.admitted and request_id is not None:
-                self._reservations[request_id] = (lane, now, replace(work, admitted_s=now,
-                                                                     long_place_s=verdict.long_place_s))
+                held = replace(work, admitted_s=now, long_place_s=verdict.long_place_s)
+                self._reservations[request_id] = (lane, held)
             return verdict
 
     def release(self, request_id: str) -> None:

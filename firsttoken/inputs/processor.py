@@ -425,7 +425,7 @@ class InputProcessor:
         floor = self.images.image_min_tokens_under_load
         original = max((p.budget_tokens for p, d in zip(ids.plans, ids.degradable) if d), default=0)
         cap = original
-        while (verdict.reason == "over_slo" or verdict.lower_budget) and cap > floor:
+        while verdict.asks_lower_budget and cap > floor:
             cap = max(floor, cap // 2)
             ids = self._replan(ids, cap)
             verdict = self.admission(self._work(ids), request_id)

@@ -128,6 +128,7 @@ class Scheduler:
         self.clock = clock
         self.cost_model = cost_model or CostModel()  # the engine feeds it each step's features and wall time
         self.max_model_len = max_model_len
+        self.objectives = config.ttft_slo_s  # --ttft-slo per class, parsed once (the config is frozen)
         self.block_size = cache_config.block_size
         self.kv = KVCacheManager(num_kv_blocks, cache_config.block_size, cache_config.enable_prefix_caching)
         self.encoder_cache = EncoderCacheManager(encoder_capacity_tokens)
@@ -181,7 +182,7 @@ class Scheduler:
         raw = self._predict_ttft_raw(work, pending)
         bias = self.ttft_bias.factor(work.num_images)
         predicted = None if raw is None else raw[0] * bias
-        slo = self.config.ttft_slo_s.get(work.request_class)
+        slo = self.objectives.get(work.request_class)
         if slo is not None and predicted is not None and predicted > slo:
             wait = predicted - slo
             return AdmissionVerdict(
@@ -345,7 +346,7 @@ class Scheduler:
         long_reqs = [r for r in pending if r.lane == LONG]
         long = tuple(self.remaining_work_s(r) for r in long_reqs)
         places = tuple(self.long_place_s(r) for r in long_reqs) if self.config.long_order == "deadline" else ()
-        deadlines = tuple(self._objective_at(r) for r in long_reqs) if places and self.config.ttft_slo else ()
+        deadlines = tuple(self._objective_at(r) for r in long_reqs) if places and self.objectives else ()
         now = self.clock()
         step_end = now + (total + self.cost_model.coef[0] if total > 0 else 0.0)
         span, unit = step.cut_span
@@ -382,11 +383,12 @@ class Scheduler:
             if self.config.long_order == "deadline":
                 # earliest place in line first: queued requests whose place comes before this one's, and those
                 # still preprocessing that will get an earlier place (less work: they arrived first)
-                line = self._long_line(b, queued, pending)
-                natural = self.clock() + self.config.long_slack * own
+                now = self.clock()
+                line = self._long_line(b, queued, pending, now)
+                natural = now + self.config.long_slack * own
                 place = natural
-                if self.config.ttft_slo and PROTECT_OBJECTIVES:  # not before one it would push past its objective
-                    place = protected_place(natural, own, line, self.clock(), _drain_rate(b.long_frac))
+                if self.objectives and PROTECT_OBJECTIVES:  # not before one it would push past its objective
+                    place = protected_place(natural, own, line, now, _drain_rate(b.long_frac))
                     moved = place if place > natural else None
                 ahead = sum(w for w, p, _ in line if p <= place)  # slack 0: arrival order, all of those waiting
             else:
@@ -415,11 +417,12 @@ class Scheduler:
         own_steps = max(1, math.ceil(own / rate / max(step_s - overhead, 1e-3)))
         return residual + work_s + num_steps * overhead, own / rate + own_steps * overhead, moved
 
-    def _long_line(self, b: Backlog, queued: list[float], pending: tuple[PromptWork, ...]) -> list[tuple[float, ...]]:
+    def _long_line(self, b: Backlog, queued: list[float], pending: tuple[PromptWork, ...],
+                   now: float) -> list[tuple[float, ...]]:
         """The long lane in deadline order as an admission sees it: (work seconds, place, objective's deadline) of
         each waiting request and of each admitted one still preprocessing (its place: the one its admission gave it,
         else its admission (or now) + slack x its work)."""
-        slack, now, slo = self.config.long_slack, self.clock(), self.config.ttft_slo_s
+        slack, slo = self.config.long_slack, self.objectives
         deadlines = b.long_deadlines or (math.inf,) * len(b.long_s)
         preprocessing = [(w, _or_now(p.long_place_s, _or_now(p.admitted_s, now) + slack * w),
                           _or_now(p.admitted_s, now) + slo.get(p.request_class, math.inf))
@@ -584,7 +587,7 @@ class Scheduler:
 
     def _objective_at(self, req: Request) -> float:
         """When the request's class objective (--ttft-slo) runs out, on the scheduler's clock (inf: none)."""
-        slo = self.config.ttft_slo_s.get("image" if req.images else "text")
+        slo = self.objectives.get("image" if req.images else "text")
         return math.inf if slo is None else min(req.engine_request.arrival_s, req.queued_s) + slo
 
     def long_place_s(self, req: Request) -> float:

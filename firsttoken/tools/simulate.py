@@ -295,7 +295,7 @@ class SimReplica:
         if model is not None and request.images and all(im.size and im.budget_tokens for im in request.images):
             # as the server's processor: over the objective, the images' budget halved step by step to the floor
             original = cap = max(im.budget_tokens or 0 for im in request.images)
-            while (verdict.reason == "over_slo" or verdict.lower_budget) and cap > floor:
+            while verdict.asks_lower_budget and cap > floor:
                 cap = max(floor, cap // 2)
                 images = tuple(image_for(model, *im.size, min(im.budget_tokens or cap, cap))  # type: ignore[misc]
                                for im in request.images)
@@ -311,7 +311,8 @@ class SimReplica:
         er = replace(er, long_place_s=verdict.long_place_s)
         work = replace(PromptWork.of(er.num_prompt_tokens, er.images), admitted_s=request.arrival_s,
                        long_place_s=verdict.long_place_s)
-        self._unscheduled.append((route_lane(er.num_prompt_tokens, self.scheduler.config), work))
+        lane = route_lane(er.num_prompt_tokens, self.scheduler.config)  # its final plan's lane
+        self._unscheduled.append((lane, work))
         self.scheduler.add(Request(er, self._seq))
         self._seq += 1
 
