@@ -11,7 +11,7 @@ import pytest
 from firsttoken.models.config import VisionConfig
 from firsttoken.models.qwen2_vl_vision import full_attention_units
 from firsttoken.scheduler.cost_model import FEATURE_NAMES, CostModel, encoder_units
-from firsttoken.scheduler.scheduler import LONG_MIN_SHARE
+from firsttoken.scheduler.scheduler import LONG_MIN_SHARE, protected_place
 from firsttoken.types import PromptWork
 from tests.unit.fakes import ManualClock, fake_request, make_scheduler, run_step
 
@@ -348,3 +348,20 @@ def test_with_objectives_a_newcomer_does_not_pass_a_request_it_would_push_past_i
     assert protected[0] == "big" and 2.0 + 0.85 <= predicted <= 3.5  # big's work (as last scheduled) ahead of it
     free, predicted_free = second_step("")
     assert free[0] == "newcomer" and predicted_free < 1.0
+
+
+def test_with_objectives_a_newcomer_does_not_pass_a_request_already_late_for_its_objective():
+    # a queued request with 2 s of work left, its place at 2.0, its objective's deadline at 2.9: at t = 1 it misses
+    # even if nobody passes it (1 + 2 = 3.0). A 0.85 s newcomer whose own place (1.85) is earlier goes behind it all
+    # the same: passing would make the late request later still. One that is not late and keeps its deadline with
+    # the newcomer ahead is passed; a request with no objective (deadline inf) never holds a newcomer back.
+    late = [(2.0, 2.0, 2.9)]
+    assert protected_place(1.85, 0.85, late, now=1.0, rate=1.0) == 2.0
+    roomy = [(2.0, 2.0, 4.0)]  # 1 + 2 + 0.85 = 3.85 <= 4.0: still on time with the newcomer ahead
+    assert protected_place(1.85, 0.85, roomy, now=1.0, rate=1.0) == 1.85
+    assert protected_place(1.85, 0.85, [(2.0, 2.0, math.inf)], now=1.0, rate=1.0) == 1.85
+    # only those it would pass: a late request whose place is already earlier is ahead of it anyway
+    assert protected_place(2.5, 0.85, late, now=1.0, rate=1.0) == 2.5
+    # the last protected one sets the place: behind both late requests, ahead of the roomy one after them
+    queue = [(0.5, 2.0, 2.0), (0.5, 2.2, 2.6), (0.2, 3.0, 9.0)]
+    assert protected_place(1.9, 0.85, queue, now=1.0, rate=1.0) == 2.2
