@@ -651,6 +651,77 @@ static void int8_rows_range(const int8_t *xq, const int8_t *wt, int32_t *acc, in
     }
 }
 
+/* The same sums as int8_rows_range, 32 columns and 8 k a pass, for inputs and weights in [-127, 127] (what both
+   quantizers give; -128 never occurs): each 32-byte load of 4 rows of weights is interleaved so every 32-bit lane
+   holds one column's 4 consecutive k, and a row's 4 inputs (broadcast) multiply it with vpmaddubsw (32 products a
+   instruction, summed in pairs into 16 bits: |x| unsigned against w carrying x's sign, at most 2 x 127 x 127, so
+   never saturating) then vpmaddwd against ones (pairs into 32 bits). No weight is widened to 16 bits first: about a
+   third of the old loop's instructions at one row. The sums sit in acc permuted within each 32 columns (vector i
+   of a block: columns 4i..4i+3 and 16+4i..16+4i+3); x32_finish puts them back. N % 32 == 0, the thread's columns
+   in whole blocks of 32. */
+static void int8_rows_range_x32(const int8_t *xq, const int8_t *wt, int32_t *acc, int64_t ldo, int64_t M, int64_t N,
+                                int64_t K, int64_t n0, int64_t n1) {
+    __m256i xs[MAX_INT8_ROWS][2], xa[MAX_INT8_ROWS][2];
+    const __m256i ones = _mm256_set1_epi16(1);
+    for (int64_t m = 0; m < M; m++) memset(acc + m * ldo + n0, 0, (size_t)(n1 - n0) * sizeof(int32_t));
+    for (int64_t k = 0; k < K; k += 8) {
+        for (int64_t m = 0; m < M; m++)
+            for (int h = 0; h < 2; h++) {
+                int32_t v;
+                memcpy(&v, xq + m * K + k + 4 * h, 4);
+                xs[m][h] = _mm256_set1_epi32(v);
+                xa[m][h] = _mm256_abs_epi8(xs[m][h]);
+            }
+        const int8_t *w = wt + k * N;
+        for (int64_t n = n0; n < n1; n += 32) {
+            __m256i u[2][4];
+            for (int h = 0; h < 2; h++) {
+                const int8_t *r = w + 4 * h * N + n;
+                __m256i r0 = _mm256_loadu_si256((const __m256i *)r);
+                __m256i r1 = _mm256_loadu_si256((const __m256i *)(r + N));
+                __m256i r2 = _mm256_loadu_si256((const __m256i *)(r + 2 * N));
+                __m256i r3 = _mm256_loadu_si256((const __m256i *)(r + 3 * N));
+                __m256i t0 = _mm256_unpacklo_epi8(r0, r1), t1 = _mm256_unpackhi_epi8(r0, r1);
+                __m256i t2 = _mm256_unpacklo_epi8(r2, r3), t3 = _mm256_unpackhi_epi8(r2, r3);
+                u[h][0] = _mm256_unpacklo_epi16(t0, t2);
+                u[h][1] = _mm256_unpackhi_epi16(t0, t2);
+                u[h][2] = _mm256_unpacklo_epi16(t1, t3);
+                u[h][3] = _mm256_unpackhi_epi16(t1, t3);
+            }
+            for (int64_t m = 0; m < M; m++) {
+                __m256i *o = (__m256i *)(acc + m * ldo + n);
+                for (int i = 0; i < 4; i++) {
+                    __m256i s = _mm256_madd_epi16(
+                        _mm256_maddubs_epi16(xa[m][0], _mm256_sign_epi8(u[0][i], xs[m][0])), ones);
+                    s = _mm256_add_epi32(s, _mm256_madd_epi16(
+                        _mm256_maddubs_epi16(xa[m][1], _mm256_sign_epi8(u[1][i], xs[m][1])), ones));
+                    _mm256_storeu_si256(o + i, _mm256_add_epi32(_mm256_loadu_si256(o + i), s));
+                }
+            }
+        }
+    }
+}
+
+/* out = (float)acc * xscale[m] * wscale[n] (+ bias[n]) for int8_rows_range_x32's sums, columns put back in order */
+static void x32_finish(const int32_t *acc, const float *xscale, const float *wscale, const float *bias, float *out,
+                       int64_t M, int64_t N, int64_t n0, int64_t n1) {
+    for (int64_t m = 0; m < M; m++) {
+        __m256 sr = _mm256_set1_ps(xscale[m]);
+        for (int64_t n = n0; n < n1; n += 32) {
+            const __m256i *a = (const __m256i *)(acc + m * N + n);
+            __m256i p0 = _mm256_loadu_si256(a), p1 = _mm256_loadu_si256(a + 1);
+            __m256i p2 = _mm256_loadu_si256(a + 2), p3 = _mm256_loadu_si256(a + 3);
+            __m256i v[4] = {_mm256_permute2x128_si256(p0, p1, 0x20), _mm256_permute2x128_si256(p2, p3, 0x20),
+                            _mm256_permute2x128_si256(p0, p1, 0x31), _mm256_permute2x128_si256(p2, p3, 0x31)};
+            for (int i = 0; i < 4; i++) {
+                __m256 f = _mm256_mul_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(v[i]), sr), _mm256_loadu_ps(wscale + n + 8 * i));
+                if (bias) f = _mm256_add_ps(f, _mm256_loadu_ps(bias + n + 8 * i));
+                _mm256_storeu_ps(out + m * N + n + 8 * i, f);
+            }
+        }
+    }
+}
+
 /* The same sums with AVX-512 VNNI (vpdpwssd: 32 products summed into 16 lanes of 32 bits, one instruction), 16
    columns and 16 k a pass; K % 16 == 0, N % 16 == 0 and the thread's columns in whole vectors of 16. */
 __attribute__((target("avx512f,avx512bw,avx512vnni")))
@@ -717,6 +788,11 @@ static void i8_chunk(void *ctx, int64_t i) {
         vnni_finish(acc, t->xscale, t->wscale, t->bias, t->out, M, N, n0, n1);
         return;
     }
+    if (N % 32 == 0) { /* chunks in whole blocks of 32 (int8_rows_block) */
+        int8_rows_range_x32(t->xq, t->wt, acc, N, M, N, t->K, n0, n1);
+        x32_finish(acc, t->xscale, t->wscale, t->bias, t->out, M, N, n0, n1);
+        return;
+    }
     int8_rows_range(t->xq, t->wt, acc, N, M, N, t->K, n0, n1);
     for (int64_t m = 0; m < M; m++) {
         __m256 sr = _mm256_set1_ps(t->xscale[m]);
@@ -736,7 +812,7 @@ static void i8_chunk(void *ctx, int64_t i) {
 static void int8_rows_block(const int8_t *xq, const float *xscale, const int8_t *wt, const float *wscale,
                             const float *bias, float *out, int64_t M, int64_t N, int64_t K, int threads) {
     int vnni = K % 16 == 0 && N % 16 == 0 && vnni_cpu;
-    int64_t vec = vnni ? 16 : 8;
+    int64_t vec = vnni ? 16 : N % 32 == 0 ? 32 : 8;
     int nt = threads < 0 ? -threads : threads <= 1 ? 1 : threads;
     int64_t per = nt <= 1 ? N : (N / vec + nt - 1) / nt * vec;
     i8_task t = {xq, wt, xscale, wscale, bias, out, M, N, K, per, vnni};

@@ -351,7 +351,8 @@ def _check(kernel: _Kernel) -> str | None:
     q, scales = kernel.quant_rows(x)
     if not torch.equal(q, torch.round(x * (1 / scales)[:, None]).to(torch.int8)):
         return "the built int8 quantize kernel disagrees with torch"
-    for n in (40, 48):  # N % 16 == 8: the AVX2 loop; 48: the AVX-512 VNNI loop where the CPU has it
+    for n in (40, 48, 64):  # N % 16 == 8: the AVX2 loop; 48: the AVX-512 VNNI loop where the CPU has it; 64:
+        # the AVX2 32-column loop on CPUs without VNNI
         qweight = torch.randint(-127, 128, (48, n), generator=g, dtype=torch.int8)
         scale, b = torch.rand(n, generator=g) + 0.5, torch.randn(n, generator=g)
         acc = (q.long() @ qweight.long()).int()

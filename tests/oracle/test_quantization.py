@@ -334,6 +334,26 @@ def test_an_int8_row_is_bitwise_the_same_alone_batched_and_on_every_path(int8_ke
         assert torch.equal(fast(x[3:4].expand(4, k)), every[3:4].expand(4, n))  # one row read 4 times (row stride 0)
 
 
+def test_int8_products_at_the_ends_of_the_range_are_exact(int8_kernels):
+    # every input and weight at +-127, signs arranged so neighbouring products add up (the largest pair sums the
+    # AVX2 loops form in 16 bits: 2 x 127 x 127) and cancel; N = 64 and 96: the 32-column loop, 40: the 8-column one
+    kernel = cpu_linear._kernel()[0]
+    for n in (40, 64, 96):
+        k = 64
+        signs = torch.tensor([1, 1, -1, -1, 1, -1, -1, 1], dtype=torch.int8)
+        q = torch.stack([torch.full((k,), 127, dtype=torch.int8), -torch.full((k,), 127, dtype=torch.int8),
+                         127 * signs.repeat(k // 8), torch.zeros(k, dtype=torch.int8)])
+        weight = torch.full((k, n), 127, dtype=torch.int8)
+        weight[:, 1::2] = -127
+        weight[::3] *= -1
+        weight[:, 5] = 127 * signs.repeat(k // 8)
+        row_scale, col_scale = torch.ones(4), torch.ones(n)
+        want = (q.long() @ weight.long()).float()
+        for rows in (1, 2, 4):
+            got = kernel.int8_products(q[:rows].contiguous(), row_scale[:rows], weight, col_scale, None)
+            assert torch.equal(got, want[:rows]), (n, rows)
+
+
 def test_int8_rows_are_quantized_each_with_its_own_scale(int8_kernels):
     x = torch.tensor([[0.0] * 8, [1.0, -2.0, 0.5, 0.0, 0.0, 0.0, 0.0, 127.0], [1e-3, -1e-3] * 4])
     kernel = cpu_linear._kernel()[0]
