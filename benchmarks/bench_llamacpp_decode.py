@@ -12,6 +12,10 @@ work dir), or pass them.
     # more firsttoken servers of this checkout, each with its own flags (compared with llama.cpp's GGUF of their dtype)
     python benchmarks/bench_llamacpp_decode.py --work-dir /work/peers/llamacpp \\
         --configs "bf16_d2=--dtype bfloat16 --decode-threads 2"
+    # --quantization int8 beside llama.cpp's Q8_0 (gguf/qwen2vl-small-orig-q8_0.gguf, e.g. bench_llamacpp.py --quant
+    # q8_0's), before/after: our int8 servers are compared with Q8_0, fp32 with f32
+    python benchmarks/bench_llamacpp_decode.py --work-dir /work/peers/llamacpp --quants f32,q8_0 --ours int8 \\
+        --baseline /path/to/old/checkout
 """
 
 from __future__ import annotations
@@ -30,7 +34,8 @@ from _common import checkout  # noqa: E402
 from llamacpp_peer import GGUFPair, LlamaCppTree  # noqa: E402
 from machine import machine_info  # noqa: E402
 
-OURS = {"fp32": list(b.FIRSTTOKEN_FLAGS), "bf16": [*b.FIRSTTOKEN_FLAGS, "--dtype", "bfloat16"]}
+OURS = {"fp32": list(b.FIRSTTOKEN_FLAGS), "bf16": [*b.FIRSTTOKEN_FLAGS, "--dtype", "bfloat16"],
+        "int8": [*b.FIRSTTOKEN_FLAGS, "--quantization", "int8"]}
 
 
 def main() -> None:
@@ -39,6 +44,9 @@ def main() -> None:
                    "server, small-orig/, gguf/qwen2vl-small-orig-{f32,bf16}.gguf and its mmproj")  # fmt: skip
     p.add_argument("--baseline", type=Path, default=None, help="another checkout's root: its firsttoken too")
     p.add_argument("--configs", default="", help="more firsttoken servers: label=serve flags, separated by ';'")
+    p.add_argument("--quants", default="f32,bf16", help="llama.cpp's GGUFs to serve (f32, bf16, q8_0)")
+    p.add_argument("--ours", default="fp32,bf16", help="our servers of this checkout (and --baseline's): fp32, bf16, "
+                   "int8")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--timeout", type=float, default=120.0)
     p.add_argument("--json", type=Path, default=None)
@@ -46,9 +54,10 @@ def main() -> None:
     work = args.work_dir.resolve()
     tree, gguf = LlamaCppTree(work), work / "gguf"
     mmproj = gguf / "mmproj-small-orig-f32.gguf"
-    llama = {f"llama_{q}": GGUFPair(gguf / f"qwen2vl-small-orig-{q}.gguf", mmproj) for q in ("f32", "bf16")}
+    llama = {f"llama_{q}": GGUFPair(gguf / f"qwen2vl-small-orig-{q}.gguf", mmproj) for q in args.quants.split(",")}
     model = work / "small-orig"
-    flags = dict(OURS)
+    flags = {k: OURS[k] for k in args.ours.split(",")}
+    baseline_flags = dict(flags)
     for item in filter(None, (c.strip() for c in args.configs.split(";"))):
         label, _, extra = item.partition("=")
         flags[label.strip()] = [*b.FIRSTTOKEN_FLAGS, *extra.split()]
@@ -58,7 +67,7 @@ def main() -> None:
         ours = {f"ours_{k}": b.start_firsttoken(stack, model, v) for k, v in flags.items()}
         if args.baseline is not None:
             with checkout(args.baseline.resolve()):
-                ours |= {f"baseline_{k}": b.start_firsttoken(stack, model, v) for k, v in OURS.items()}
+                ours |= {f"baseline_{k}": b.start_firsttoken(stack, model, v) for k, v in baseline_flags.items()}
         before = machine_info()
         b1 = b.measure_decode_b1({**single, **ours}, args.repeats, args.timeout)
         b8 = b.measure_decode_batch({**batched, **ours}, args.repeats, args.timeout)
@@ -71,7 +80,9 @@ def main() -> None:
     print(f"{'':16s}{'b1 ms/token':>12s}{'/ llama':>9s}{f'b{b.BATCH} tokens/s':>15s}{'/ llama':>9s}")
     for name in b1:
         label = name.split("_", 1)[1]
-        peer = "llama_bf16" if "bfloat16" in flags.get(label, OURS["fp32"]) else "llama_f32"
+        own = flags.get(label, OURS["fp32"])
+        peer = "llama_bf16" if "bfloat16" in own else "llama_q8_0" if "int8" in own else "llama_f32"
+        peer = peer if peer in b1 else "llama_f32"
         results[name] = {"decode_b1_s_per_token": b1[name].runs, "decode_b8_tokens_per_s": b8[name].runs}
         print(f"{name:16s}{b1[name].median * 1e3:12.2f}{b1[name].median / b1[peer].median:8.2f}x"
               f"{b8[name].median:15.1f}{b8[name].median / b8[peer].median:8.2f}x")
