@@ -82,7 +82,7 @@ def main() -> None:
         label = name.split("_", 1)[1]
         own = flags.get(label, OURS["fp32"])
         peer = "llama_bf16" if "bfloat16" in own else "llama_q8_0" if "int8" in own else "llama_f32"
-        peer = peer if peer in b1 else "llama_f32"
+        peer = peer if peer in b1 else next(k for k in b1 if k.startswith("llama_"))  # its GGUF not served
         results[name] = {"decode_b1_s_per_token": b1[name].runs, "decode_b8_tokens_per_s": b8[name].runs}
         print(f"{name:16s}{b1[name].median * 1e3:12.2f}{b1[name].median / b1[peer].median:8.2f}x"
               f"{b8[name].median:15.1f}{b8[name].median / b8[peer].median:8.2f}x")

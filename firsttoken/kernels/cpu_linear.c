@@ -657,7 +657,7 @@ static void int8_rows_range(const int8_t *xq, const int8_t *wt, int32_t *acc, in
    instruction, summed in pairs into 16 bits: |x| unsigned against w carrying x's sign, at most 2 x 127 x 127, so
    never saturating) then vpmaddwd against ones (pairs into 32 bits). No weight is widened to 16 bits first: about a
    third of the old loop's instructions at one row. The sums sit in acc permuted within each 32 columns (vector i
-   of a block: columns 4i..4i+3 and 16+4i..16+4i+3); x32_finish puts them back. N % 32 == 0, the thread's columns
+   of a block: columns 4i..4i+3 and 16+4i..16+4i+3); x32_unpermute puts them back. N % 32 == 0, the thread's columns
    in whole blocks of 32. */
 static void int8_rows_range_x32(const int8_t *xq, const int8_t *wt, int32_t *acc, int64_t ldo, int64_t M, int64_t N,
                                 int64_t K, int64_t n0, int64_t n1) {
@@ -702,24 +702,18 @@ static void int8_rows_range_x32(const int8_t *xq, const int8_t *wt, int32_t *acc
     }
 }
 
-/* out = (float)acc * xscale[m] * wscale[n] (+ bias[n]) for int8_rows_range_x32's sums, columns put back in order */
-static void x32_finish(const int32_t *acc, const float *xscale, const float *wscale, const float *bias, float *out,
-                       int64_t M, int64_t N, int64_t n0, int64_t n1) {
-    for (int64_t m = 0; m < M; m++) {
-        __m256 sr = _mm256_set1_ps(xscale[m]);
+/* int8_rows_range_x32's sums back in column order, in place (4 lane swaps per 32 columns a row) */
+static void x32_unpermute(int32_t *acc, int64_t ldo, int64_t M, int64_t n0, int64_t n1) {
+    for (int64_t m = 0; m < M; m++)
         for (int64_t n = n0; n < n1; n += 32) {
-            const __m256i *a = (const __m256i *)(acc + m * N + n);
+            __m256i *a = (__m256i *)(acc + m * ldo + n);
             __m256i p0 = _mm256_loadu_si256(a), p1 = _mm256_loadu_si256(a + 1);
             __m256i p2 = _mm256_loadu_si256(a + 2), p3 = _mm256_loadu_si256(a + 3);
-            __m256i v[4] = {_mm256_permute2x128_si256(p0, p1, 0x20), _mm256_permute2x128_si256(p2, p3, 0x20),
-                            _mm256_permute2x128_si256(p0, p1, 0x31), _mm256_permute2x128_si256(p2, p3, 0x31)};
-            for (int i = 0; i < 4; i++) {
-                __m256 f = _mm256_mul_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(v[i]), sr), _mm256_loadu_ps(wscale + n + 8 * i));
-                if (bias) f = _mm256_add_ps(f, _mm256_loadu_ps(bias + n + 8 * i));
-                _mm256_storeu_ps(out + m * N + n + 8 * i, f);
-            }
+            _mm256_storeu_si256(a, _mm256_permute2x128_si256(p0, p1, 0x20));
+            _mm256_storeu_si256(a + 1, _mm256_permute2x128_si256(p2, p3, 0x20));
+            _mm256_storeu_si256(a + 2, _mm256_permute2x128_si256(p0, p1, 0x31));
+            _mm256_storeu_si256(a + 3, _mm256_permute2x128_si256(p2, p3, 0x31));
         }
-    }
 }
 
 /* The same sums with AVX-512 VNNI (vpdpwssd: 32 products summed into 16 lanes of 32 bits, one instruction), 16
@@ -790,10 +784,10 @@ static void i8_chunk(void *ctx, int64_t i) {
     }
     if (N % 32 == 0) { /* chunks in whole blocks of 32 (int8_rows_block) */
         int8_rows_range_x32(t->xq, t->wt, acc, N, M, N, t->K, n0, n1);
-        x32_finish(acc, t->xscale, t->wscale, t->bias, t->out, M, N, n0, n1);
-        return;
+        x32_unpermute(acc, N, M, n0, n1);
+    } else {
+        int8_rows_range(t->xq, t->wt, acc, N, M, N, t->K, n0, n1);
     }
-    int8_rows_range(t->xq, t->wt, acc, N, M, N, t->K, n0, n1);
     for (int64_t m = 0; m < M; m++) {
         __m256 sr = _mm256_set1_ps(t->xscale[m]);
         for (int64_t n = n0; n < n1; n += 8) {
