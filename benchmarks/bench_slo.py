@@ -50,7 +50,8 @@ WORDS_FOR_800_TOKENS = 512  # bench's English words -> ~800 tokens of the checkp
 LOADED = {"fcfs": ["--scheduling", "fcfs"], "lanes-tokens": ["--step-time-target", "off"], "default": [],
           "no-bias": ["--ttft-bias-step", "0"],  # no-bias: the predicted TTFT without its learnt correction
           "least-work": ["--long-order", "least-work"],  # the long lane's order before the deadline order
-          "mkl": ["--cpu-kernels", "off"]}  # decode steps' products by MKL, as before the few-rows kernels
+          "mkl": ["--cpu-kernels", "off"],  # decode steps' products by MKL, as before the few-rows kernels
+          "itl-off": ["--itl-target", "off"], "itl-auto": ["--itl-target", "auto"]}  # streaming answers' pace
 LOWERED = re.compile(r"lowered from (\d+) to (\d+) per image")
 
 
@@ -127,6 +128,7 @@ def summarize(result: dict, slo: dict[str, float] | None, image_max_tokens: int)
              "prediction_n": len(errors), "prediction_err_p50": nearest_rank(errors, 50),
              "prediction_err_p90": nearest_rank(errors, 90),
              "degraded": sum(bool((r["server_timings"] or {}).get("image_budget")) for r in ok),
+             **itl_summary([g for r in ok for g in r.get("itl_s") or []]),
              "mean_image_budget": sum(budgets) / len(budgets) if budgets else None}
         if slo is not None:
             limit = slo["text" if cls == "text" else "image"]
@@ -137,6 +139,13 @@ def summarize(result: dict, slo: dict[str, float] | None, image_max_tokens: int)
     if slo is not None:
         out["goodput_rps"] = met_total / span if span > 0 else None
     return out
+
+
+def itl_summary(gaps: list[float]) -> dict:
+    """Gaps between a class's consecutive streamed tokens, pooled over its requests: the reading speed."""
+    gaps = sorted(gaps)
+    return {"itl_n": len(gaps), "itl_mean": sum(gaps) / len(gaps) if gaps else None,
+            "itl_p90": nearest_rank(gaps, 90), "itl_p99": nearest_rank(gaps, 99)}
 
 
 def verdict(ok: bool) -> str:
@@ -151,13 +160,19 @@ def print_load(title: str, results: dict, unloaded: dict) -> None:
         for cls in CLASSES:
             c = s[cls]
             if not c["n"]:
-                print(f"{name:13s} {cls:5s} {c['sent']:5d} {0:4d} |  (no successful requests)  | 429 {c['refused_429']}")
+                print(f"{name:13s} {cls:5s} {c['sent']:5d} {0:4d} |  (no successful requests)  | "
+                      f"429 {c['refused_429']}")
                 continue
             pred = (f"{c['prediction_err_p50']:9.1%} {c['prediction_err_p90']:5.1%} ({c['prediction_n']})"
                     if c["prediction_n"] else f"{'-':>9s} {'-':>5s} (0)")
             budget = "-" if c["mean_image_budget"] is None else f"{c['mean_image_budget']:.0f}"
             print(f"{name:13s} {cls:5s} {c['sent']:5d} {c['n']:4d} | {c['p50']:6.2f} {c['p95']:6.2f} {c['p99']:6.2f} | "
-                  f"{c['p99'] / unloaded[cls]:6.2f}x {pred:>20s} | {c['refused_429']:3d} {c['degraded']:4d} {budget:>6s}")
+                  f"{c['p99'] / unloaded[cls]:6.2f}x {pred:>20s} | {c['refused_429']:3d} {c['degraded']:4d} "
+                  f"{budget:>6s}")
+        itl = ", ".join(f"{cls} {s[cls]['itl_mean']:.3f} / {s[cls]['itl_p90']:.3f} / {s[cls]['itl_p99']:.3f} "
+                        f"(n={s[cls]['itl_n']})" for cls in CLASSES if s[cls].get("itl_n"))
+        if itl:
+            print(f"{name:13s} ITL mean / P90 / P99 s: {itl}")
         cm = (r.get("server") or {}).get("cost_model") or {}
         if cm.get("step_time_target_s") is not None:
             print(f"{name:13s} step-time bound at the end {cm['step_time_target_s'] * 1e3:.0f} ms")

@@ -57,6 +57,17 @@ def _positive(name: str, value: float | None, allow_none: bool = False) -> None:
         raise ValueError(f"{name} must be > 0" + (" (or unset: no limit)" if allow_none else ""))
 
 
+def _auto_off_or_seconds(name: str, value: str) -> None:
+    if value in ("auto", "off"):
+        return
+    try:
+        seconds = float(value)
+    except ValueError:
+        raise ValueError(f"{name} must be auto, off or a number of seconds") from None
+    if not seconds > 0:
+        raise ValueError(f"{name} must be > 0 seconds (or auto, or off)")
+
+
 def _at_least(name: str, value: int | None, low: int, allow_none: bool = False) -> None:
     if value is None and allow_none:
         return
@@ -111,6 +122,14 @@ class SchedulerConfig:
         "step timings; the long lane fills each step up to it (work-conserving), so a short request arriving "
         "mid-step waits at most one such step. auto: the predicted time of one typical short prompt's prefill; "
         "off: token budgets only (--long-step-tokens, steps yielded to short prefills)"))
+    itl_target: str = field(default="off", metadata=option(
+        "with a step-time bound: seconds per token each streaming answer should average, counted from its first "
+        "decode step. A step that carries decodes is bounded so that each one's next token is on time by that pace "
+        "(an answer that got tokens faster, in decode-only steps, lets steps run up to --step-time-target again; "
+        "one behind gets steps of at least 4 per-step constants until it catches up); a short request's own prefill "
+        "is still granted whole. Costs image prompts throughput (more steps, each with its fixed cost: "
+        "docs/scheduling.md). auto: 0.2 s (5 tokens/s), at least 4x the per-step constant the step-cost model "
+        "measured; off: decodes take whole --step-time-target steps"))
     encoder_interrupt: bool = field(default=True, metadata=option(
         "do not stop the long lane's vision-tower work for a short request (by default a short request that arrives "
         "while a step runs image encoder units stops that step at the next unit; its prefill runs next step and the "
@@ -187,13 +206,8 @@ class SchedulerConfig:
             raise ValueError("ttft_slo must look like text=1.5,image=12 (seconds per class)") from None
         if set(slo) - {"text", "image"} or any(not v > 0 for v in slo.values()):
             raise ValueError("ttft_slo classes are text and image, each with a positive number of seconds")
-        if self.step_time_target not in ("auto", "off"):
-            try:
-                seconds = float(self.step_time_target)
-            except ValueError:
-                raise ValueError("step_time_target must be auto, off or a number of seconds") from None
-            if not seconds > 0:
-                raise ValueError("step_time_target must be > 0 seconds (or auto, or off)")
+        _auto_off_or_seconds("itl_target", self.itl_target)
+        _auto_off_or_seconds("step_time_target", self.step_time_target)
 
     @property
     def ttft_slo_s(self) -> dict[str, float]:

@@ -270,6 +270,7 @@ class EngineStats:
     cost_model: dict[str, float] = field(default_factory=dict)  # step-cost coefficients, seconds per unit of work
     cost_model_coverage: dict[str, dict[str, float]] = field(default_factory=dict)  # term -> steps, max seen
     step_time_target_s: float | None = None  # the step-time bound in force (None: token budgets only)
+    itl_target_s: float | None = None  # --itl-target's pace in force (None: off)
     ttft_bias: dict[str, float] = field(default_factory=dict)  # images "0"/"1"/"2+" -> predicted TTFT's factor
     prefix_cache_hit_tokens: int = 0
     prefix_cache_query_tokens: int = 0

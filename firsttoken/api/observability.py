@@ -84,6 +84,7 @@ def engine_snapshot(stats: EngineStats) -> EngineSnapshot:
         cost_model=dict(stats.cost_model),
         cost_model_coverage=dict(stats.cost_model_coverage),
         step_time_target_s=stats.step_time_target_s,
+        itl_target_s=stats.itl_target_s,
         ttft_bias=dict(stats.ttft_bias),
         block_size=stats.block_size,
     )
@@ -233,6 +234,7 @@ class Observability:
             "coefficients": g.cost_model,
             "coverage": g.cost_model_coverage,  # per term: steps in the fit's window with it, its largest value
             "step_time_target_s": g.step_time_target_s,
+            "itl_target_s": g.itl_target_s,
             "step_prediction": ratio_summary(s.step_prediction_ratio),
             "ttft_prediction": {cls: ratio_summary(h) for cls, h in s.ttft_prediction_ratio.items()},
             "ttft_bias": g.ttft_bias,  # by number of images: the factor learnt predictions are multiplied by

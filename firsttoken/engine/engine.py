@@ -405,6 +405,7 @@ class LLMEngine:
             cost_model=self.scheduler.cost_model.fit().as_dict() if self.scheduler.cost_model.is_fitted else {},
             cost_model_coverage=self.scheduler.cost_model.coverage,
             step_time_target_s=_finite_or_none(self.scheduler.step_time_target()),
+            itl_target_s=_finite_or_none(self.scheduler.itl_bound()),
             ttft_bias=self.scheduler.ttft_bias.as_dict(),
             prefix_cache_hit_tokens=kv.num_prefix_hit_tokens,
             prefix_cache_query_tokens=kv.num_prefix_query_tokens,

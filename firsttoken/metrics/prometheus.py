@@ -171,6 +171,9 @@ class FirsttokenCollector:
         if g.step_time_target_s is not None:
             yield _gauge("firsttoken_step_time_target_seconds", "The step-time bound the scheduler fills steps to.",
                          g.step_time_target_s)
+        if g.itl_target_s is not None:
+            yield _gauge("firsttoken_itl_target_seconds", "The pace per output token (--itl-target) the scheduler "
+                         "bounds steps that carry decodes to.", g.itl_target_s)
 
 class VllmCompatCollector:
     """The gauges a Kubernetes inference gateway reads from vLLM pods, with vLLM's names, labels and meanings, so

@@ -74,6 +74,7 @@ class EngineSnapshot:
     cost_model: dict[str, float] = field(default_factory=dict)  # step-cost coefficients by term
     cost_model_coverage: dict[str, dict[str, float]] = field(default_factory=dict)  # term -> steps, max
     step_time_target_s: float | None = None
+    itl_target_s: float | None = None
     ttft_bias: dict[str, float] = field(default_factory=dict)  # images class -> the predicted TTFT's learnt factor
     block_size: int = 16  # tokens per KV block
     num_encoder_interrupts: int = 0  # steps whose long-lane encoder work a short arrival cut short

@@ -242,12 +242,16 @@ class Scheduler:
     def schedule(self) -> ScheduledBatch:
         fcfs = self.config.scheduling == "fcfs"
         target = math.inf if fcfs else self.step_time_target()
+        decoding = [r for r in self.running if _is_decoding(r)]
+        if math.isfinite(target) and decoding:
+            target = min(target, self._itl_step_bound(decoding))  # streaming answers' next tokens wait for this step
         overhead = self.cost_model.coef[0] if math.isfinite(target) else 0.0  # the per-step constant
         budget = StepBudget(self.config.max_batched_tokens, max(target - overhead, 0.0), self.cost_model)
         step = _Step()
-        for req in [r for r in self.running if _is_decoding(r)]:
+        for req in decoding:
             if req.status == RequestStatus.RUNNING and budget.remaining > 0:
                 self._schedule_tokens(req, 1, budget, step)
+                req.decode_steps += 1
         if fcfs:
             self._serve_lane(FCFS, budget, step, whole_prompt=True)
         else:
@@ -317,6 +321,31 @@ class Scheduler:
         typical = lens[int(0.9 * (len(lens) - 1))] if lens else self.config.long_prompt_threshold // 2
         # at least twice the per-step constant: a step's work is never less than what running a step costs
         return max(self.cost_model.predict(prefill_chunk(max(typical, 1), 0, True)), 2 * self.cost_model.coef[0])
+
+    def itl_bound(self) -> float:
+        """Seconds a step may take while a request is decoding (inf: no bound of its own). auto: ITL_AUTO_S, never
+        below ITL_MIN_STEPS x the per-step constant (the fixed cost of a step stays a small share of it)."""
+        if self.config.itl_target == "off" or not self.cost_model.is_trained:
+            return math.inf
+        if self.config.itl_target != "auto":
+            return float(self.config.itl_target)
+        return max(ITL_AUTO_S, ITL_MIN_STEPS * float(self.cost_model.coef[0]))
+
+    def _itl_step_bound(self, decoding: list[Request]) -> float:
+        """Seconds this step may take for the decoding requests to keep their token schedules: each one's k-th
+        decode token is due ``itl_bound()`` x k after its first decode step was scheduled, so a request that got
+        tokens faster than that (decode-only steps) lets steps run long until it is back on schedule, and one behind
+        it gets short steps (never shorter than ITL_MIN_STEPS per-step constants) until it has caught up."""
+        itl = self.itl_bound()
+        if not math.isfinite(itl):
+            return math.inf
+        now = self.clock()
+        due = math.inf
+        for req in decoding:
+            if req.decode_origin_s is None:
+                req.decode_origin_s, req.decode_steps = now, 0
+            due = min(due, req.decode_origin_s + (req.decode_steps + 1) * itl if ITL_AVERAGED else now + itl)
+        return max(due - now, min(itl, ITL_MIN_STEPS * float(self.cost_model.coef[0])))
 
     def _update_backlog(self, step: _Step, alpha: float = 0.1) -> None:
         if not self.cost_model.is_trained:
@@ -749,6 +778,7 @@ class Scheduler:
         self.kv.free(req.request_id)
         self.encoder_cache.release_all(req.request_id)
         req.num_computed_tokens = 0
+        req.decode_origin_s, req.decode_steps = None, 0  # its token schedule restarts after the recompute
         req.status = RequestStatus.WAITING
         req.count("num_preemptions")
         self.num_preemptions += 1
@@ -800,6 +830,9 @@ def protected_place(place: float, own: float, queue: Iterable[tuple[float, float
     return out
 
 
+ITL_AUTO_S = 0.2  # --itl-target auto: 5 tokens/s, about reading speed
+ITL_AVERAGED = True  # --itl-target holds each answer's average from its first decode step (False: every step; what-if)
+ITL_MIN_STEPS = 4  # ... but at least this many per-step constants (steps mostly work, not fixed cost)
 LONG_MIN_SHARE = 0.25  # of the step-time target, granted to the long lane once it has waited long_max_wait_steps
 
 

@@ -217,7 +217,7 @@ def sum_stats(stats: Sequence[EngineStats]) -> EngineStats:
             values[f.name] = column[0]
         elif f.name in ("cost_model", "cost_model_coverage", "ttft_bias"):
             values[f.name] = {}
-        elif f.name == "step_time_target_s":
+        elif f.name in ("step_time_target_s", "itl_target_s"):
             values[f.name] = None
         elif isinstance(column[0], dict):
             merged: dict[str, int] = {}

@@ -226,6 +226,12 @@ class Outcome:
     refused: str | None = None  # "queue_full" | "over_slo" | "never_fits"
     predicted_ttft_s: float | None = None  # the admission check's prediction, from arrival (preprocess included)
     image_budget: int | None = None  # the visual-token budget per image admission lowered it to (None: not lowered)
+    token_s: list[float] = field(default_factory=list)  # each output token's time from arrival
+
+    @property
+    def itl_s(self) -> list[float]:
+        """Gaps between consecutive output tokens (the reading speed a streaming client sees)."""
+        return [b - a for a, b in zip(self.token_s, self.token_s[1:])]
 
 
 # the runner runs interruptible encoder units after the step's forward and sampling (False: first, the order before;
@@ -395,8 +401,9 @@ class SimReplica:
                 continue
             req.output_token_ids.append(0)
             outcome = self._outcomes[req.request_id]
+            outcome.token_s.append((self._forward_end if INTERRUPTIBLE_UNITS_LAST else now) - outcome.request.arrival_s)
             if outcome.ttft_s is None:
-                outcome.ttft_s = (self._forward_end if INTERRUPTIBLE_UNITS_LAST else now) - outcome.request.arrival_s
+                outcome.ttft_s = outcome.token_s[0]
                 if outcome.predicted_ttft_s is not None:  # the prediction learns its error, as on a server
                     self.scheduler.observe_ttft(len(req.images), outcome.predicted_ttft_s, outcome.ttft_s)
             if len(req.output_token_ids) >= req.engine_request.sampling.max_tokens:
@@ -491,6 +498,9 @@ class SimResult:
                             "p99": nearest_rank(ttft, 99), "mean": sum(ttft) / len(ttft) if ttft else None,
                             "prediction_error_p50": nearest_rank(errors, 50),
                             "prediction_error_p90": nearest_rank(errors, 90)}
+            itl = sorted(g for o in outs for g in o.itl_s)
+            classes[cls].update({"itl_n": len(itl), "itl_p50": nearest_rank(itl, 50), "itl_p90": nearest_rank(itl, 90),
+                                 "itl_p99": nearest_rank(itl, 99), "itl_mean": sum(itl) / len(itl) if itl else None})
         span = self.duration_s or 1.0
         return {"classes": classes, "duration_s": self.duration_s,
                 "utilization": [b / span for b in self.replica_busy_s], "steps": self.replica_steps}

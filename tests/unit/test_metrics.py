@@ -96,9 +96,12 @@ def test_prometheus_text_has_labelled_histograms_counters_and_gauges():
     rec.on_finished(finished("a", 2, ttft=0.05, hits=1, encoded=1, cached=16))
     rec.complete("a", timings(0.05, hits=1, encoded=1, cached=16), token_gaps_s=(0.02,))
     rec.on_rejected("invalid_request")
-    engine = EngineSnapshot(90, 100, 3, {"short": 2, "long": 5}, 4096, {"kv_cache_full": 2}, 1, 1, 1, 16, 100)
+    engine = EngineSnapshot(90, 100, 3, {"short": 2, "long": 5}, 4096, {"kv_cache_full": 2}, 1, 1, 1, 16, 100,
+                            step_time_target_s=0.5, itl_target_s=0.2)
     text = generate_latest(make_registry(rec, lambda: engine)).decode()
     for line in (
+        "firsttoken_step_time_target_seconds 0.5",
+        "firsttoken_itl_target_seconds 0.2",
         'firsttoken_time_to_first_token_seconds_bucket{images="2+",lane="short",le="0.05"} 1.0',
         'firsttoken_time_to_first_token_seconds_bucket{images="0",lane="short",le="+Inf"} 0.0',
         'firsttoken_request_phase_seconds_count{images="2+",lane="short",phase="queue"} 1.0',

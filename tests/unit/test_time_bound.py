@@ -365,3 +365,74 @@ def test_with_objectives_a_newcomer_does_not_pass_a_request_already_late_for_its
     # the last protected one sets the place: behind both late requests, ahead of the roomy one after them
     queue = [(0.5, 2.0, 2.0), (0.5, 2.2, 2.6), (0.2, 3.0, 9.0)]
     assert protected_place(1.9, 0.85, queue, now=1.0, rate=1.0) == 2.2
+
+
+def _doc_tokens_per_step(sched, clock, steps: int, add=None) -> list[int]:
+    """Run steps with the clock moving by each step's predicted time; the long document's prefill tokens in each
+    (``add(step_index)`` may add requests before a step)."""
+    out = []
+    for i in range(steps):
+        if add:
+            add(i)
+        batch = run_step(sched)
+        clock.now += predicted(sched, batch)
+        out.append(sum(c.num_new_tokens for c in batch.chunks if c.request_id == "doc"))
+    return out
+
+
+def near(tokens: list[int], expected: list[int]) -> bool:
+    """Token counts as expected, give or take the one token a float's rounding moves at a budget's edge."""
+    return len(tokens) == len(expected) and all(abs(a - b) <= 1 for a, b in zip(tokens, expected))
+
+
+def test_with_an_itl_target_steps_that_carry_a_decode_keep_its_pace():
+    # a chat decodes while a long document prefills: by default each step is the 0.25 s bound (240 document
+    # tokens beside the decode); with --itl-target 0.1 the steps that carry its decodes are 0.1 s (90 tokens), and
+    # once it has finished the document gets whole steps again
+    for itl, during in (("off", 240), ("0.1", 90)):
+        clock = ManualClock()
+        sched = scheduler(itl_target=itl, clock=clock)
+        sched.add(fake_request("doc", prompt_len=3000, max_tokens=1))
+        sched.add(fake_request("chat", prompt_len=120, max_tokens=6, arrival_seq=1))
+        tokens = _doc_tokens_per_step(sched, clock, 8)
+        assert near(tokens[:1], [120])  # the chat's whole prefill (120 ms) and what the bound leaves
+        assert near(tokens[1:6], [during] * 5)  # its 5 decode steps
+        assert near(tokens[6:], [240, 240])  # it has finished: whole steps again
+
+
+def test_an_answer_ahead_of_its_pace_lets_steps_run_long_until_it_is_back_on_it():
+    # the chat decodes alone for 5 steps of 10 ms (0.45 s ahead of a 0.1 s pace); a document arriving then gets
+    # whole 0.25 s steps until the chat's next token would come later than its pace, then 0.1 s steps
+    clock = ManualClock()
+    sched = scheduler(itl_target="0.1", clock=clock)
+    sched.add(fake_request("chat", prompt_len=120, max_tokens=20))
+
+    def add(i: int) -> None:
+        if i == 6:
+            sched.add(fake_request("doc", prompt_len=3000, max_tokens=1, arrival_seq=1))
+
+    tokens = _doc_tokens_per_step(sched, clock, 13, add)
+    assert tokens[:6] == [0] * 6  # the chat's prefill, then 5 decode-only steps (origin at step 1's start)
+    assert near(tokens[6:], [240, 240, 240, 90, 90, 90, 90])
+
+
+def test_an_answer_behind_its_pace_gets_short_steps_never_shorter_than_four_step_constants():
+    # a stall (the clock jumps 0.5 s) puts the chat 0.4 s behind a 0.1 s pace: the next steps are the floor, 4 x
+    # the 10 ms per-step constant (30 document tokens), until it has caught up (0.06 s per step)
+    clock = ManualClock()
+    sched = scheduler(itl_target="0.1", clock=clock)
+    sched.add(fake_request("chat", prompt_len=120, max_tokens=40))
+    sched.add(fake_request("doc", prompt_len=5000, max_tokens=1, arrival_seq=1))
+    assert near(_doc_tokens_per_step(sched, clock, 3), [120, 90, 90])
+    clock.now += 0.5
+    tokens = _doc_tokens_per_step(sched, clock, 10)
+    assert near(tokens[:6], [30] * 6) and near(tokens[-1:], [90])  # 0.4 s behind, 0.06 s caught up a step
+
+
+def test_itl_target_auto_is_a_fifth_of_a_second_but_at_least_four_step_constants():
+    assert scheduler(itl_target="auto").itl_bound() == pytest.approx(0.2)
+    slow = CostModel(prior=tuple({**COSTS, "step": 0.08}.get(name, 0.0) for name in FEATURE_NAMES))
+    assert scheduler(itl_target="auto", cost_model=slow).itl_bound() == pytest.approx(0.32)
+    assert math.isinf(scheduler().itl_bound())  # off by default
+    with pytest.raises(ValueError, match="itl_target"):
+        scheduler(itl_target="fast")
