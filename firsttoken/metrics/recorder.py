@@ -57,6 +57,11 @@ class RequestRecord:
     timings: Mapping[str, float | int | None]  # Timeline.to_dict()
     token_gaps_s: tuple[float, ...] = ()  # seconds between consecutive output tokens (inter-token latency)
 
+    @property
+    def itl_mean_s(self) -> float | None:
+        """Its time per output token after the first (the mean gap between its streamed tokens)."""
+        return sum(self.token_gaps_s) / len(self.token_gaps_s) if self.token_gaps_s else None
+
     def log_line(self) -> dict:
         return {
             "request_id": self.request_id,
@@ -69,7 +74,7 @@ class RequestRecord:
             "prompt_tokens": self.num_prompt_tokens,
             "visual_tokens": self.num_image_tokens,
             "output_tokens": self.num_output_tokens,
-            "itl_mean_s": sum(self.token_gaps_s) / len(self.token_gaps_s) if self.token_gaps_s else None,
+            "itl_mean_s": self.itl_mean_s,
             "timings": dict(self.timings),
         }
 
@@ -268,6 +273,8 @@ class Recorder:
         c["prompt_tokens"] += r.num_prompt_tokens
         c["generation_tokens"] += r.num_output_tokens
         latencies = {k: float(t[k]) for k in LATENCY_KEYS if t.get(k) is not None}  # type: ignore[arg-type]
+        if r.token_gaps_s:
+            latencies["tpot_s"] = r.itl_mean_s  # type: ignore[assignment]
         self.window.add(
             WindowEntry(
                 t_s=self.clock(),

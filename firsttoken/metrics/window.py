@@ -16,8 +16,9 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 PHASES: tuple[str, ...] = ("preprocess", "queue", "encode", "prefill", "sample", "send")
-# Per-request latencies the window reports; the phases add up to ttft_s.
-LATENCY_KEYS: tuple[str, ...] = ("ttft_s", *(f"{p}_s" for p in PHASES), "e2e_s")
+# Per-request latencies the window reports; the phases add up to ttft_s. tpot_s: the request's time per output token
+# after the first (the mean gap between its streamed tokens: the reading speed it got; absent with one token).
+LATENCY_KEYS: tuple[str, ...] = ("ttft_s", *(f"{p}_s" for p in PHASES), "e2e_s", "tpot_s")
 IMAGE_CLASSES: tuple[str, ...] = ("0", "1", "2+")
 QUANTILES: tuple[tuple[str, float], ...] = (("p50", 50.0), ("p95", 95.0), ("p99", 99.0))
 
@@ -82,6 +83,7 @@ def _summary(entries: list[WindowEntry]) -> dict:
         values = sorted(e.latencies_s[key] for e in entries if e.latencies_s.get(key) is not None)
         stats: dict[str, float | None] = {name: percentile(values, q) for name, q in QUANTILES}
         stats["mean"] = sum(values) / len(values) if values else None
+        stats["n"] = len(values)
         out[key] = stats
     prompt = sum(e.num_prompt_tokens for e in entries)
     hits = sum(e.num_encoder_cache_hits for e in entries)

@@ -220,7 +220,14 @@ def test_dashboard_in_chromium_plots_what_stats_reports_while_requests_flow(serv
         for p in PHASES:
             phase = [r["timings"][f"{p}_s"] for r in mine]
             assert float(page.values[f"phase-{p}-mean-{sfx}"]) == pytest.approx(sum(phase) / len(phase), rel=1e-12)
+    # Time per output token: each request's mean gap between its streamed tokens, as the log has it.
+    for cls, sfx in (("all", "all"), ("0", "0"), ("1", "1"), ("2+", "2p")):
+        tpot = [r["itl_mean_s"] for r in records if cls in ("all", r["images"]) and r["itl_mean_s"] is not None]
+        assert int(page.values[f"tpot-count-{sfx}"]) == len(tpot) > 0, cls
+        for q in (50, 95, 99):
+            assert float(page.values[f"tpot-p{q}-{sfx}"]) == nearest_rank(tpot, q), (cls, q)
     stats = httpx.get(f"{server.base_url}/stats", headers=AUTH).json()
+    assert page.values["itl-target"] == "" and stats["cost_model"]["itl_target_s"] is None  # off by default
     assert int(page.values["kv-total"]) == stats["engine"]["kv_blocks_total"]
     assert {k.removeprefix("queue-") for k in page.values if k.startswith("queue-")} == set(stats["engine"]["queued_by_lane"])
     prompt = sum(r["prompt_tokens"] for r in records)
