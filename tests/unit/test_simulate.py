@@ -45,6 +45,15 @@ def test_a_lone_request_costs_its_preprocess_plus_the_cost_models_prefill_step()
     assert outcome.e2e_s > outcome.ttft_s and result.replica_steps == [3 + 1]  # prefill, 2 decodes, the release
 
 
+def test_each_token_is_timed_so_the_gaps_between_them_add_up_to_the_answer_after_its_first_token():
+    result = sim.simulate([text_request("a", 5.0, tokens=300, output=4)], [profile()], sim.Router("round-robin"))
+    (outcome,) = result.outcomes
+    assert len(outcome.token_s) == 4 and outcome.token_s[0] == outcome.ttft_s
+    assert len(outcome.itl_s) == 3 and sum(outcome.itl_s) == pytest.approx(outcome.e2e_s - outcome.ttft_s, rel=1e-9)
+    text = result.summary()["classes"]["text"]
+    assert text["itl_n"] == 3 and text["itl_p99"] == max(outcome.itl_s)
+
+
 def test_every_request_is_answered_and_the_run_is_deterministic(model):
     workload = sim.seed_mix(model, rate=4.0, num_requests=60, seed=3)
     assert Counter(r.cls for r in workload) == Counter({"text": 29, "1img": 23, "3img": 8})  # seeded draws
