@@ -324,7 +324,10 @@ def main() -> None:
         lines += [f"U={args.overload:g} (--ttft-slo {flag}): {x}" for x in targets_overload(results)]
         for name, _ in extra:  # the same targets for each extra configuration, read as `slo`'s
             lines += [f"U={args.overload:g} {name}: {x}" for x in targets_overload({**results, "slo": results[name]})]
+        if args.json:  # before plotting: the raw records are what matters
+            Path(args.json).write_text(json.dumps(out, indent=1))
         if args.plot_dir:
+            Path(args.plot_dir).mkdir(parents=True, exist_ok=True)
             plot(results, title, Path(args.plot_dir) / f"ttft-over-time-U{args.overload:g}-slo.png")
     print("\ntargets")
     for line in lines:
