@@ -651,6 +651,24 @@ static void int8_rows_range(const int8_t *xq, const int8_t *wt, int32_t *acc, in
     }
 }
 
+/* The 8 vectors int8_rows_range_x32 builds from 8 k x 32 columns of a [K, N] weight (4 per half of the 8 k, each
+   32-bit lane one column's 4 consecutive k). */
+static inline void x32_interleave(const int8_t *w, int64_t N, __m256i u[8]) {
+    for (int h = 0; h < 2; h++) {
+        const int8_t *r = w + 4 * h * N;
+        __m256i r0 = _mm256_loadu_si256((const __m256i *)r);
+        __m256i r1 = _mm256_loadu_si256((const __m256i *)(r + N));
+        __m256i r2 = _mm256_loadu_si256((const __m256i *)(r + 2 * N));
+        __m256i r3 = _mm256_loadu_si256((const __m256i *)(r + 3 * N));
+        __m256i t0 = _mm256_unpacklo_epi8(r0, r1), t1 = _mm256_unpackhi_epi8(r0, r1);
+        __m256i t2 = _mm256_unpacklo_epi8(r2, r3), t3 = _mm256_unpackhi_epi8(r2, r3);
+        u[4 * h] = _mm256_unpacklo_epi16(t0, t2);
+        u[4 * h + 1] = _mm256_unpackhi_epi16(t0, t2);
+        u[4 * h + 2] = _mm256_unpacklo_epi16(t1, t3);
+        u[4 * h + 3] = _mm256_unpackhi_epi16(t1, t3);
+    }
+}
+
 /* The same sums as int8_rows_range, 32 columns and 8 k a pass, for inputs and weights in [-127, 127] (what both
    quantizers give; -128 never occurs): each 32-byte load of 4 rows of weights is interleaved so every 32-bit lane
    holds one column's 4 consecutive k, and a row's 4 inputs (broadcast) multiply it with vpmaddubsw (32 products a
@@ -674,33 +692,96 @@ static void int8_rows_range_x32(const int8_t *xq, const int8_t *wt, int32_t *acc
             }
         const int8_t *w = wt + k * N;
         for (int64_t n = n0; n < n1; n += 32) {
-            __m256i u[2][4];
-            for (int h = 0; h < 2; h++) {
-                const int8_t *r = w + 4 * h * N + n;
-                __m256i r0 = _mm256_loadu_si256((const __m256i *)r);
-                __m256i r1 = _mm256_loadu_si256((const __m256i *)(r + N));
-                __m256i r2 = _mm256_loadu_si256((const __m256i *)(r + 2 * N));
-                __m256i r3 = _mm256_loadu_si256((const __m256i *)(r + 3 * N));
-                __m256i t0 = _mm256_unpacklo_epi8(r0, r1), t1 = _mm256_unpackhi_epi8(r0, r1);
-                __m256i t2 = _mm256_unpacklo_epi8(r2, r3), t3 = _mm256_unpackhi_epi8(r2, r3);
-                u[h][0] = _mm256_unpacklo_epi16(t0, t2);
-                u[h][1] = _mm256_unpackhi_epi16(t0, t2);
-                u[h][2] = _mm256_unpacklo_epi16(t1, t3);
-                u[h][3] = _mm256_unpackhi_epi16(t1, t3);
-            }
+            __m256i u[8];
+            x32_interleave(w + n, N, u);
             for (int64_t m = 0; m < M; m++) {
                 __m256i *o = (__m256i *)(acc + m * ldo + n);
                 for (int i = 0; i < 4; i++) {
                     __m256i s = _mm256_madd_epi16(
-                        _mm256_maddubs_epi16(xa[m][0], _mm256_sign_epi8(u[0][i], xs[m][0])), ones);
+                        _mm256_maddubs_epi16(xa[m][0], _mm256_sign_epi8(u[i], xs[m][0])), ones);
                     s = _mm256_add_epi32(s, _mm256_madd_epi16(
-                        _mm256_maddubs_epi16(xa[m][1], _mm256_sign_epi8(u[1][i], xs[m][1])), ones));
+                        _mm256_maddubs_epi16(xa[m][1], _mm256_sign_epi8(u[4 + i], xs[m][1])), ones));
                     _mm256_storeu_si256(o + i, _mm256_add_epi32(_mm256_loadu_si256(o + i), s));
                 }
             }
         }
     }
 }
+
+/* int8_rows_range_x32's sums (permuted the same way) from a blocked weight (cpu_linear.py's int8_pack: for each 32
+   columns, for each 8 k, the 256 bytes x32_interleave gives, so 32 columns are one sequential run of K x 32 bytes):
+   each 32 columns in turn, two rows at a time, their sums held in registers over all K while the block streams in
+   order, no weight shuffled at run time. Over small's language-model products, one thread, AVX2 EPYC (scratch
+   harness, the interleaving loop's time = 1): 1 row 0.53x, 2 rows 0.51x, 4 0.66x, 8 0.80x, 16 0.85x. xa: |xq| (the
+   rows' magnitudes, vpmaddubsw's unsigned operand). */
+static inline __m256i bcast4(const int8_t *p) { /* 4 int8 in every 32-bit lane */
+    int32_t v;
+    memcpy(&v, p, 4);
+    return _mm256_set1_epi32(v);
+}
+
+/* a += the 32 columns' sums of 8 k of one row: xs its 4 + 4 inputs, xa their magnitudes, w0 / w1 the weights */
+#define FT_I8_BLK_STEP(a, xs0, xs1, xa0, xa1, w0, w1)                                                         \
+    a = _mm256_add_epi32(a, _mm256_add_epi32(                                                                       \
+        _mm256_madd_epi16(_mm256_maddubs_epi16(xa0, _mm256_sign_epi8(w0, xs0)), ones),                              \
+        _mm256_madd_epi16(_mm256_maddubs_epi16(xa1, _mm256_sign_epi8(w1, xs1)), ones)))
+
+static void int8_rows_range_blk(const int8_t *xq, const int8_t *xa, const int8_t *blk, int32_t *acc, int64_t ldo,
+                                int64_t M, int64_t K, int64_t n0, int64_t n1) {
+    const __m256i ones = _mm256_set1_epi16(1);
+    int64_t kblocks = K / 8;
+    for (int64_t n = n0; n < n1; n += 32) {
+        const __m256i *wb = (const __m256i *)(blk + (n / 32) * kblocks * 256);
+        int64_t m = 0;
+        for (; m + 2 <= M; m += 2) { /* two rows share each weight load */
+            const int8_t *sa = xq + m * K, *sb = sa + K, *za = xa + m * K, *zb = za + K;
+            __m256i a0 = _mm256_setzero_si256(), a1 = a0, a2 = a0, a3 = a0, b0 = a0, b1 = a0, b2 = a0, b3 = a0;
+            for (int64_t kb = 0; kb < kblocks; kb++) {
+                const __m256i *w = wb + kb * 8;
+                __m256i xs0 = bcast4(sa + 8 * kb), xs1 = bcast4(sa + 8 * kb + 4);
+                __m256i xa0 = bcast4(za + 8 * kb), xa1 = bcast4(za + 8 * kb + 4);
+                __m256i ys0 = bcast4(sb + 8 * kb), ys1 = bcast4(sb + 8 * kb + 4);
+                __m256i ya0 = bcast4(zb + 8 * kb), ya1 = bcast4(zb + 8 * kb + 4);
+#define FT_I8_BLK_PAIR(i, a, b)                                                                                      \
+    {                                                                                                                \
+        __m256i w0 = _mm256_loadu_si256(w + i), w1 = _mm256_loadu_si256(w + 4 + i);                                 \
+        FT_I8_BLK_STEP(a, xs0, xs1, xa0, xa1, w0, w1);                                                        \
+        FT_I8_BLK_STEP(b, ys0, ys1, ya0, ya1, w0, w1);                                                        \
+    }
+                FT_I8_BLK_PAIR(0, a0, b0)
+                FT_I8_BLK_PAIR(1, a1, b1)
+                FT_I8_BLK_PAIR(2, a2, b2)
+                FT_I8_BLK_PAIR(3, a3, b3)
+#undef FT_I8_BLK_PAIR
+            }
+            __m256i *o = (__m256i *)(acc + m * ldo + n), *p = (__m256i *)(acc + (m + 1) * ldo + n);
+            _mm256_storeu_si256(o, a0), _mm256_storeu_si256(o + 1, a1);
+            _mm256_storeu_si256(o + 2, a2), _mm256_storeu_si256(o + 3, a3);
+            _mm256_storeu_si256(p, b0), _mm256_storeu_si256(p + 1, b1);
+            _mm256_storeu_si256(p + 2, b2), _mm256_storeu_si256(p + 3, b3);
+        }
+        for (; m < M; m++) {
+            const int8_t *sa = xq + m * K, *za = xa + m * K;
+            __m256i a0 = _mm256_setzero_si256(), a1 = a0, a2 = a0, a3 = a0;
+            for (int64_t kb = 0; kb < kblocks; kb++) {
+                const __m256i *w = wb + kb * 8;
+                __m256i xs0 = bcast4(sa + 8 * kb), xs1 = bcast4(sa + 8 * kb + 4);
+                __m256i xa0 = bcast4(za + 8 * kb), xa1 = bcast4(za + 8 * kb + 4);
+#define FT_I8_BLK_ONE(i, a) FT_I8_BLK_STEP(a, xs0, xs1, xa0, xa1, _mm256_loadu_si256(w + i), \
+                                           _mm256_loadu_si256(w + 4 + i));
+                FT_I8_BLK_ONE(0, a0)
+                FT_I8_BLK_ONE(1, a1)
+                FT_I8_BLK_ONE(2, a2)
+                FT_I8_BLK_ONE(3, a3)
+#undef FT_I8_BLK_ONE
+            }
+            __m256i *o = (__m256i *)(acc + m * ldo + n);
+            _mm256_storeu_si256(o, a0), _mm256_storeu_si256(o + 1, a1);
+            _mm256_storeu_si256(o + 2, a2), _mm256_storeu_si256(o + 3, a3);
+        }
+    }
+}
+#undef FT_I8_BLK_STEP
 
 /* int8_rows_range_x32's sums back in column order, in place (4 lane swaps per 32 columns a row) */
 static void x32_unpermute(int32_t *acc, int64_t ldo, int64_t M, int64_t n0, int64_t n1) {
@@ -765,11 +846,11 @@ static void vnni_finish(const int32_t *acc, const float *xscale, const float *ws
 
 
 typedef struct { /* int8_rows_block's chunks: outputs [i per, (i + 1) per) */
-    const int8_t *xq, *wt;
+    const int8_t *xq, *wt, *xa; /* xa: |xq|, with a blocked weight (cpu_linear.py's int8_pack) */
     const float *xscale, *wscale, *bias;
     float *out;
     int64_t M, N, K, per;
-    int vnni;
+    int vnni, blocked;
 } i8_task;
 
 static void i8_chunk(void *ctx, int64_t i) {
@@ -782,7 +863,10 @@ static void i8_chunk(void *ctx, int64_t i) {
         vnni_finish(acc, t->xscale, t->wscale, t->bias, t->out, M, N, n0, n1);
         return;
     }
-    if (N % 32 == 0) { /* chunks in whole blocks of 32 (int8_rows_block) */
+    if (t->blocked) {
+        int8_rows_range_blk(t->xq, t->xa, t->wt, acc, N, M, t->K, n0, n1);
+        x32_unpermute(acc, N, M, n0, n1);
+    } else if (N % 32 == 0) { /* chunks in whole blocks of 32 (int8_rows_block) */
         int8_rows_range_x32(t->xq, t->wt, acc, N, M, N, t->K, n0, n1);
         x32_unpermute(acc, N, M, n0, n1);
     } else {
@@ -804,28 +888,45 @@ static void i8_chunk(void *ctx, int64_t i) {
    as ft_parallel's, one chunk of whole vectors of outputs per thread: each chunk packs the rows' input pairs again,
    and chunk_size's four chunks a thread measured slower (batch 1 1.18x, batch 8 1.23x, in process, AVX2 EPYC) */
 static void int8_rows_block(const int8_t *xq, const float *xscale, const int8_t *wt, const float *wscale,
-                            const float *bias, float *out, int64_t M, int64_t N, int64_t K, int threads) {
-    int vnni = K % 16 == 0 && N % 16 == 0 && vnni_cpu;
+                            const float *bias, float *out, int64_t M, int64_t N, int64_t K, int threads,
+                            const int8_t *xa) {
+    int blocked = xa != NULL; /* wt is int8_pack's blocks */
+    int vnni = !blocked && K % 16 == 0 && N % 16 == 0 && vnni_cpu;
     int64_t vec = vnni ? 16 : N % 32 == 0 ? 32 : 8;
     int nt = threads < 0 ? -threads : threads <= 1 ? 1 : threads;
     int64_t per = nt <= 1 ? N : (N / vec + nt - 1) / nt * vec;
-    i8_task t = {xq, wt, xscale, wscale, bias, out, M, N, K, per, vnni};
+    i8_task t = {xq, wt, xa, xscale, wscale, bias, out, M, N, K, per, vnni, blocked};
     ft_parallel(threads, (N + per - 1) / per, i8_chunk, &t);
 }
 
 /* The same numbers as torch._int_mm followed by ft_dequant, for any M, in blocks of MAX_INT8_ROWS rows (each
    block reads the weights once: a decode step's few rows stream them; prefill on a CPU where torch._int_mm is not
    exact rereads them from cache). K % 8 == 0 and N % 8 == 0, else every output is NaN. */
-void ft_int8_rows(const int8_t *xq, const float *xscale, const int8_t *wt, const float *wscale, const float *bias,
-                  float *out, int64_t M, int64_t N, int64_t K, int threads) {
-    if (K % 8 || N % 8) {
+static void int8_rows(const int8_t *xq, const float *xscale, const int8_t *wt, const float *wscale, const float *bias,
+                      float *out, int64_t M, int64_t N, int64_t K, int threads, int blocked) {
+    int8_t *xa = NULL;
+    if (K % 8 || N % 8 || (blocked && (N % 32 || !(xa = malloc((size_t)(MAX_INT8_ROWS * K)))))) {
         for (int64_t i = 0; i < M * N; i++) out[i] = __builtin_nanf("");
         return;
     }
     for (int64_t m0 = 0; m0 < M; m0 += MAX_INT8_ROWS) {
         int64_t rows = M - m0 < MAX_INT8_ROWS ? M - m0 : MAX_INT8_ROWS;
-        int8_rows_block(xq + m0 * K, xscale + m0, wt, wscale, bias, out + m0 * N, rows, N, K, threads);
+        if (xa)
+            for (int64_t i = 0; i < rows * K; i++) xa[i] = (int8_t)abs(xq[m0 * K + i]); /* never -128 */
+        int8_rows_block(xq + m0 * K, xscale + m0, wt, wscale, bias, out + m0 * N, rows, N, K, threads, xa);
     }
+    free(xa);
+}
+
+void ft_int8_rows(const int8_t *xq, const float *xscale, const int8_t *wt, const float *wscale, const float *bias,
+                  float *out, int64_t M, int64_t N, int64_t K, int threads) {
+    int8_rows(xq, xscale, wt, wscale, bias, out, M, N, K, threads, 0);
+}
+
+/* ft_int8_rows with the weight in int8_pack's blocks (N % 32 == 0, else every output is NaN) */
+void ft_int8_rows_blk(const int8_t *xq, const float *xscale, const int8_t *blk, const float *wscale, const float *bias,
+                      float *out, int64_t M, int64_t N, int64_t K, int threads) {
+    int8_rows(xq, xscale, blk, wscale, bias, out, M, N, K, threads, 1);
 }
 
 void ft_quant_rows(const float *x, int64_t ldx, int8_t *q, float *scales, int64_t M, int64_t K, int threads) {
@@ -891,8 +992,8 @@ void ft_dequant(const int32_t *acc, const float *srow, const float *scol, const 
 int ft_int8_vnni(void) { return vnni_cpu; } /* which loop ft_int8_rows takes where the shapes allow (the log) */
 
 /* ft_quant_rows then ft_int8_rows in one call, from float32 rows (a decode step: one call per product). */
-void ft_int8_linear(const float *x, int64_t ldx, const int8_t *wt, const float *wscale, const float *bias, float *out,
-                    int64_t M, int64_t N, int64_t K, int threads) {
+static void int8_linear(const float *x, int64_t ldx, const int8_t *wt, const float *wscale, const float *bias,
+                        float *out, int64_t M, int64_t N, int64_t K, int threads, int blocked) {
     float *xs = malloc((size_t)M * sizeof(float) + (size_t)(M * K)); /* the scales, then the int8 rows */
     if (!xs) { /* no memory for the quantized rows: NaNs say so rather than wrong numbers */
         for (int64_t i = 0; i < M * N; i++) out[i] = __builtin_nanf("");
@@ -900,8 +1001,19 @@ void ft_int8_linear(const float *x, int64_t ldx, const int8_t *wt, const float *
     }
     int8_t *xq = (int8_t *)(xs + M);
     ft_quant_rows(x, ldx, xq, xs, M, K, threads);
-    ft_int8_rows(xq, xs, wt, wscale, bias, out, M, N, K, threads);
+    int8_rows(xq, xs, wt, wscale, bias, out, M, N, K, threads, blocked);
     free(xs);
+}
+
+void ft_int8_linear(const float *x, int64_t ldx, const int8_t *wt, const float *wscale, const float *bias, float *out,
+                    int64_t M, int64_t N, int64_t K, int threads) {
+    int8_linear(x, ldx, wt, wscale, bias, out, M, N, K, threads, 0);
+}
+
+/* ft_int8_linear with the weight in int8_pack's blocks */
+void ft_int8_linear_blk(const float *x, int64_t ldx, const int8_t *blk, const float *wscale, const float *bias,
+                        float *out, int64_t M, int64_t N, int64_t K, int threads) {
+    int8_linear(x, ldx, blk, wscale, bias, out, M, N, K, threads, 1);
 }
 
 /* ---- a whole decode step's decoder layers in one call (firsttoken/models/fused_decode.py) ----
@@ -923,9 +1035,10 @@ void ft_int8_linear(const float *x, int64_t ldx, const int8_t *wt, const float *
    of squares in another order than torch.sum: outputs may differ from the eager path's by a rounding step; the
    rest is the same arithmetic. The Python side checks the shapes (each kernel's, head_dim % 8 == 0). */
 
-enum { KIND_BF16_RM = 0, KIND_F32_RM = 1, KIND_F32_IM = 2, KIND_I8_IM = 3 }; /* a weight's dtype and layout: which
-   product (KIND_I8_IM: --quantization int8's [K, N] int8 weight with a float32 scale per output; each row of x is
-   quantized with its own scale, as ft_int8_linear) */
+enum { KIND_BF16_RM = 0, KIND_F32_RM = 1, KIND_F32_IM = 2, KIND_I8_IM = 3, KIND_I8_BLK = 4 }; /* a weight's
+   dtype and layout: which product (KIND_I8_IM: --quantization int8's [K, N] int8 weight with a float32 scale per
+   output; each row of x is quantized with its own scale, as ft_int8_linear; KIND_I8_BLK: the same weight in
+   int8_pack's blocks) */
 
 typedef struct {
     const void *in_norm, *post_norm; /* [H], the activation dtype */
@@ -936,13 +1049,13 @@ typedef struct {
     const void *gate_up_w;           /* [2 I, H] */
     const void *down_w;              /* [H, I] */
     int32_t qkv_kind, o_kind, gate_up_kind, down_kind;
-    const float *qkv_s, *o_s, *gate_up_s, *down_s; /* KIND_I8_IM's scales per output, else NULL */
+    const float *qkv_s, *o_s, *gate_up_s, *down_s; /* KIND_I8_IM's and KIND_I8_BLK's scales per output, else NULL */
 } ft_layer;
 
 static void product(int32_t kind, const float *x, int64_t ldx, const void *w, const float *scale, const float *bias,
                     float *out, int64_t ldo, int64_t M, int64_t N, int64_t K, int threads) {
-    if (kind == KIND_I8_IM) /* ldo == N at every call below */
-        ft_int8_linear(x, ldx, (const int8_t *)w, scale, bias, out, M, N, K, threads);
+    if (kind == KIND_I8_IM || kind == KIND_I8_BLK) /* ldo == N at every call below */
+        int8_linear(x, ldx, (const int8_t *)w, scale, bias, out, M, N, K, threads, kind == KIND_I8_BLK);
     else if (kind == KIND_BF16_RM)
         ft_linear_rm_bf16(x, ldx, (const uint16_t *)w, bias, out, ldo, M, N, K, threads);
     else if (kind == KIND_F32_RM)

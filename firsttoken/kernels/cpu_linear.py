@@ -189,6 +189,30 @@ def compiler() -> str | None:
     return None
 
 
+def int8_pack(qweight: torch.Tensor) -> torch.Tensor:
+    """A [K, N] int8 weight (K % 8 == 0, N % 32 == 0) in the AVX2 loop's blocks, [N / 32, K / 8, 256]: for each 32
+    columns, for each 8 k, 8 vectors of 32 bytes (2 halves of 4 k x 4 groups of columns; in a vector, 2 128-bit lanes
+    of 4 columns (the lane's columns 16 apart), each column's 4 consecutive k), so 32 columns stream as one run and
+    no weight is shuffled at run time. The same bytes, moved: ``int8_unpack`` gives the weight back."""
+    k, n = qweight.shape
+    assert k % 8 == 0 and n % 32 == 0 and qweight.dtype == torch.int8
+    # W[k, n] with k = kb 8 + h 4 + kk and n = nb 32 + lane 16 + i 4 + c  ->  [nb, kb, h, i, lane, c, kk]
+    w = qweight.reshape(k // 8, 2, 4, n // 32, 2, 4, 4)  # [kb, h, kk, nb, lane, i, c]
+    return w.permute(3, 0, 1, 5, 4, 6, 2).reshape(n // 32, k // 8, 256).contiguous()
+
+
+def int8_unpack(blocked: torch.Tensor) -> torch.Tensor:
+    """``int8_pack``'s inverse: the [K, N] int8 weight."""
+    nb, kb, _ = blocked.shape
+    w = blocked.reshape(nb, kb, 2, 4, 2, 4, 4)  # [nb, kb, h, i, lane, c, kk]
+    return w.permute(1, 2, 6, 0, 4, 3, 5).reshape(kb * 8, nb * 32).contiguous()
+
+
+def int8_columns(qweight: torch.Tensor) -> int:
+    """N of an int8 weight, [K, N] or in ``int8_pack``'s blocks."""
+    return qweight.shape[0] * 32 if qweight.dim() == 3 else qweight.shape[1]
+
+
 class _Kernel:
     def __init__(self, path: Path) -> None:
         self.lib = ctypes.CDLL(str(path))  # CDLL: the GIL is released during the call
@@ -205,6 +229,9 @@ class _Kernel:
         self.dequant.restype, self.dequant.argtypes = None, [p, p, p, p, p, i64, i64, i32]
         self.int8_rows_q = self.lib.ft_int8_rows
         self.int8_rows_q.restype, self.int8_rows_q.argtypes = None, [p, p, p, p, p, p, i64, i64, i64, i32]
+        self.int8_rows_blk, self.int8_rows_q_blk = self.lib.ft_int8_linear_blk, self.lib.ft_int8_rows_blk
+        self.int8_rows_blk.restype, self.int8_rows_blk.argtypes = None, [p, i64, p, p, p, p, i64, i64, i64, i32]
+        self.int8_rows_q_blk.restype, self.int8_rows_q_blk.argtypes = None, [p, p, p, p, p, p, i64, i64, i64, i32]
         self.int8_vnni = bool(self.lib.ft_int8_vnni())  # which loop the int8 products take (AVX-512 VNNI or AVX2)
         self.bf16_dp = bool(self.lib.ft_bf16_dp())  # bf16 products: AVX512-BF16 dot products (K % 32 == 0) or AVX2
         self.attention_avx512 = bool(self.lib.ft_attention_avx512())  # the fused step's attention loop (D % 64 == 0)
@@ -251,25 +278,34 @@ class _Kernel:
     def int8_linear(self, rows: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
                     bias: torch.Tensor | None) -> torch.Tensor:
         """rows [M, K] float32 on the CPU with unit column stride, each quantized as ``quant_rows`` does; qweight
-        [K, N] int8 contiguous (K % 8 == 0, N % 8 == 0) with scale [N]; bias [N] float32 or None: the same numbers
-        as ``quant_rows``, an exact int32 product and ``dequant_rows`` in turn."""
+        [K, N] int8 contiguous (K % 8 == 0, N % 8 == 0), or the same weight in ``int8_pack``'s blocks, with scale
+        [N]; bias [N] float32 or None: the same numbers as ``quant_rows``, an exact int32 product and
+        ``dequant_rows`` in turn."""
         assert rows.dtype == torch.float32 and rows.device.type == "cpu" and rows.stride(-1) == 1
         m, k = rows.shape
-        n = qweight.shape[1]
+        n = int8_columns(qweight)
         out = torch.empty(m, n, dtype=torch.float32)
-        self.int8_rows(rows.data_ptr(), rows.stride(0), qweight.data_ptr(), scale.data_ptr(),
-                       0 if bias is None else bias.data_ptr(), out.data_ptr(), m, n, k, kernel_threads())
+        fn = self.int8_rows_blk if qweight.dim() == 3 else self.int8_rows
+        fn(rows.data_ptr(), rows.stride(0), qweight.data_ptr(), scale.data_ptr(),
+           0 if bias is None else bias.data_ptr(), out.data_ptr(), m, n, k, kernel_threads())
         return out
 
     def int8_products(self, q: torch.Tensor, row_scale: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
                       bias: torch.Tensor | None) -> torch.Tensor:
         """``int8_linear`` from rows already quantized: q [M, K] int8 contiguous with row_scale [M]."""
         m, k = q.shape
-        n = qweight.shape[1]
+        n = int8_columns(qweight)
         out = torch.empty(m, n, dtype=torch.float32)
-        self.int8_rows_q(q.data_ptr(), row_scale.data_ptr(), qweight.data_ptr(), scale.data_ptr(),
-                         0 if bias is None else bias.data_ptr(), out.data_ptr(), m, n, k, torch.get_num_threads())
+        fn = self.int8_rows_q_blk if qweight.dim() == 3 else self.int8_rows_q
+        fn(q.data_ptr(), row_scale.data_ptr(), qweight.data_ptr(), scale.data_ptr(),
+           0 if bias is None else bias.data_ptr(), out.data_ptr(), m, n, k, torch.get_num_threads())
         return out
+
+    @property
+    def int8_packs(self) -> bool:
+        """Whether int8 weights (N % 32 == 0, K % 8 == 0) are kept in ``int8_pack``'s blocks here: on CPUs without
+        AVX-512 VNNI, whose AVX2 loop otherwise interleaves every weight at run time."""
+        return not self.int8_vnni
 
     def quant_rows(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """rows [M, K] float32, unit column stride -> (int8 [M, K], float32 scales [M])."""
@@ -360,10 +396,12 @@ def _check(kernel: _Kernel) -> str | None:
         want = plain + b
         if not torch.equal(kernel.dequant_rows(acc, scales, scale, b), want):
             return "the built int8 dequantize kernel disagrees with torch"
+        weights = (qweight, int8_pack(qweight)) if n % 32 == 0 else (qweight,)  # 64: the blocked loop too
         for m in range(1, 6):
-            if not torch.equal(kernel.int8_linear(x[:m], qweight, scale, b), want[:m]) or not torch.equal(
-                    kernel.int8_linear(x[:m], qweight, scale, None), plain[:m]):
-                return "the built int8 products disagree with torch"
+            for w8 in weights:
+                if not torch.equal(kernel.int8_linear(x[:m], w8, scale, b), want[:m]) or not torch.equal(
+                        kernel.int8_linear(x[:m], w8, scale, None), plain[:m]):
+                    return "the built int8 products disagree with torch"
     return None
 
 

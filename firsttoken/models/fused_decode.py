@@ -50,7 +50,8 @@ MAX_ROWS_FUSED_BF16 = 8
 _P = ctypes.c_void_p
 
 
-KIND_BF16_RM, KIND_F32_RM, KIND_F32_IM, KIND_I8_IM = 0, 1, 2, 3  # cpu_linear.c's KIND_*: a weight's dtype and layout
+# cpu_linear.c's KIND_*: a weight's dtype and layout
+KIND_BF16_RM, KIND_F32_RM, KIND_F32_IM, KIND_I8_IM, KIND_I8_BLK = 0, 1, 2, 3, 4
 
 
 class _Layer(ctypes.Structure):
@@ -62,14 +63,15 @@ class _Layer(ctypes.Structure):
 
 def _kind(weight: torch.Tensor) -> int:
     if weight.dtype == torch.int8:
-        return KIND_I8_IM
+        return KIND_I8_BLK if weight.dim() == 3 else KIND_I8_IM
     if weight.dtype == torch.bfloat16:
         return KIND_BF16_RM
     return KIND_F32_RM if weight.is_contiguous() else KIND_F32_IM
 
 
 def _weight(lin: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(the weight a fused product reads, its per-output scales or None): an Int8Linear's [K, N] int8 weight."""
+    """(the weight a fused product reads, its per-output scales or None): an Int8Linear's int8 weight ([K, N], or
+    in the kernels' blocks)."""
     if isinstance(lin, Int8Linear):
         return lin.qweight, lin.scale
     return lin.weight, None

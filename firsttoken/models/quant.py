@@ -291,13 +291,28 @@ class Int8Linear(nn.Module):
         self.scale = scale.contiguous()
         self.bias = bias.detach().float().contiguous() if bias is not None else None
         self.kernel_shape = self.in_features % 8 == 0 and self.out_features % 8 == 0
+        kernel = _int8_kernel() if use_kernels else None
+        if (kernel is not None and kernel.int8_packs and self.out_features % 32 == 0 and self.kernel_shape
+                and not int_mm_exact()):  # every product of this layer takes the kernels: their blocked layout
+            from firsttoken.kernels.cpu_linear import int8_pack
+
+            self.qweight = int8_pack(self.qweight)
+
+    def weight_kn(self) -> torch.Tensor:
+        """The int8 weight as [K, N] (input-major), whatever layout it is kept in."""
+        if self.qweight.dim() == 3:
+            from firsttoken.kernels.cpu_linear import int8_unpack
+
+            return int8_unpack(self.qweight)
+        return self.qweight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
         if rows.stride(-1) != 1:
             rows = rows.contiguous()
         kernel = _int8_kernel() if self.use_kernels else None
-        if kernel is not None and self.kernel_shape and (rows.shape[0] <= MAX_ROWS or not int_mm_exact()):
+        if self.qweight.dim() == 3 or (kernel is not None and self.kernel_shape
+                                       and (rows.shape[0] <= MAX_ROWS or not int_mm_exact())):
             out = kernel.int8_linear(rows, self.qweight, self.scale, self.bias)
         else:
             q, row_scale = quantize_rows(rows, kernel)
@@ -317,7 +332,7 @@ def int8_paths(kernels_skipped: str | None) -> str:
                 f"prefill {prefill or 'in float64 (torch._int_mm is not exact on this CPU)'}")
     from firsttoken.kernels.cpu_linear import _kernel
 
-    loop = "AVX-512 VNNI" if _kernel()[0].int8_vnni else "AVX2"
+    loop = "AVX-512 VNNI" if _kernel()[0].int8_vnni else "AVX2 (weights kept in its blocks)"
     return (f"decode steps by firsttoken's {loop} kernel; prefill by "
             f"{prefill or 'the same kernel (torch._int_mm is not exact on this CPU)'}")
 

@@ -324,7 +324,7 @@ def test_an_int8_row_is_bitwise_the_same_alone_batched_and_on_every_path(int8_ke
     with torch.no_grad():
         every = fast(x)  # 40 rows: prefill's path
         q, row_scale = quantize_rows(x)  # an independent reference: exact products in int64
-        reference = dequantize_rows((q.long() @ fast.qweight.long()).int(), row_scale, fast.scale, fast.bias)
+        reference = dequantize_rows((q.long() @ fast.weight_kn().long()).int(), row_scale, fast.scale, fast.bias)
         assert torch.equal(every, reference)
         assert torch.equal(twins(x), every)  # --cpu-kernels off: the same numbers from torch's ops alone
         for rows in (1, 2, 5, 8, 16, 17):  # the few-rows kernel up to 16 rows, then _int_mm again
@@ -352,6 +352,33 @@ def test_int8_products_at_the_ends_of_the_range_are_exact(int8_kernels):
         for rows in (1, 2, 4):
             got = kernel.int8_products(q[:rows].contiguous(), row_scale[:rows], weight, col_scale, None)
             assert torch.equal(got, want[:rows]), (n, rows)
+            if n % 32 == 0:  # the weight in the AVX2 loop's blocks (kept so on CPUs without VNNI)
+                blocked = cpu_linear.int8_pack(weight)
+                got = kernel.int8_products(q[:rows].contiguous(), row_scale[:rows], blocked, col_scale, None)
+                assert torch.equal(got, want[:rows]), (n, rows, "blocked")
+
+
+def test_int8_weights_in_blocks_are_the_same_bytes_and_the_same_products(int8_kernels, monkeypatch):
+    # int8_pack moves bytes (int8_unpack gives the weight back); products from the blocks equal the [K, N] ones,
+    # bitwise, for 1 to 40 rows (blocks of 16 rows and a rest) and 1 or 3 of the kernels' threads; an Int8Linear
+    # keeps its weight in blocks exactly where every product of it takes the blocked loop
+    g = torch.Generator().manual_seed(5)
+    kernel = cpu_linear._kernel()[0]
+    for k, n in ((64, 32), (512, 768), (1408, 512)):
+        weight = torch.randint(-127, 128, (k, n), generator=g, dtype=torch.int8)
+        blocked = cpu_linear.int8_pack(weight)
+        assert blocked.shape == (n // 32, k // 8, 256) and torch.equal(cpu_linear.int8_unpack(blocked), weight)
+        assert sorted(blocked.flatten().tolist()) == sorted(weight.flatten().tolist())
+        scale, bias = torch.rand(n, generator=g) + 0.5, torch.randn(n, generator=g)
+        x = torch.randn(40, k, generator=g)
+        for threads in (1, 3):
+            monkeypatch.setattr(torch, "get_num_threads", lambda: threads)  # the kernels split columns by this count
+            for rows in (1, 2, 7, 16, 17, 40):
+                assert torch.equal(kernel.int8_linear(x[:rows], blocked, scale, bias),
+                                   kernel.int8_linear(x[:rows], weight, scale, bias)), (k, n, threads, rows)
+    layer = Int8Linear(torch.randn(64, 48, generator=g), None)
+    assert (layer.qweight.dim() == 3) == (kernel.int8_packs and not quant.int_mm_exact())
+    assert layer.weight_kn().shape == (48, 64) and Int8Linear(torch.randn(40, 48), None).qweight.dim() == 2
 
 
 def test_int8_rows_are_quantized_each_with_its_own_scale(int8_kernels):
