@@ -311,12 +311,12 @@ class Int8Linear(nn.Module):
         if rows.stride(-1) != 1:
             rows = rows.contiguous()
         kernel = _int8_kernel() if self.use_kernels else None
-        if self.qweight.dim() == 3 or (kernel is not None and self.kernel_shape
-                                       and (rows.shape[0] <= MAX_ROWS or not int_mm_exact())):
+        if kernel is not None and (self.qweight.dim() == 3 or (
+                self.kernel_shape and (rows.shape[0] <= MAX_ROWS or not int_mm_exact()))):
             out = kernel.int8_linear(rows, self.qweight, self.scale, self.bias)
-        else:
+        else:  # torch alone (also a weight in the kernels' blocks once they are switched off: the same numbers)
             q, row_scale = quantize_rows(rows, kernel)
-            out = dequantize_rows(exact_products(q, self.qweight), row_scale, self.scale, self.bias, kernel)
+            out = dequantize_rows(exact_products(q, self.weight_kn()), row_scale, self.scale, self.bias, kernel)
         return out.view(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
@@ -332,7 +332,9 @@ def int8_paths(kernels_skipped: str | None) -> str:
                 f"prefill {prefill or 'in float64 (torch._int_mm is not exact on this CPU)'}")
     from firsttoken.kernels.cpu_linear import _kernel
 
-    loop = "AVX-512 VNNI" if _kernel()[0].int8_vnni else "AVX2 (weights kept in its blocks)"
+    kernel = _kernel()[0]
+    loop = ("AVX-512 VNNI" if kernel.int8_vnni else
+            "AVX2 (weights in its blocks where N % 32 == 0)" if kernel.int8_packs and not int_mm_exact() else "AVX2")
     return (f"decode steps by firsttoken's {loop} kernel; prefill by "
             f"{prefill or 'the same kernel (torch._int_mm is not exact on this CPU)'}")
 

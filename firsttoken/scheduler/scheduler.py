@@ -251,7 +251,7 @@ class Scheduler:
         for req in decoding:
             if req.status == RequestStatus.RUNNING and budget.remaining > 0:
                 self._schedule_tokens(req, 1, budget, step)
-                req.decode_steps += 1
+                req.decode_steps += req.status == RequestStatus.RUNNING  # not when it was preempted for its block
         if fcfs:
             self._serve_lane(FCFS, budget, step, whole_prompt=True)
         else:
@@ -325,7 +325,8 @@ class Scheduler:
     def itl_bound(self) -> float:
         """Seconds a step may take while a request is decoding (inf: no bound of its own). auto: ITL_AUTO_S, never
         below ITL_MIN_STEPS x the per-step constant (the fixed cost of a step stays a small share of it)."""
-        if self.config.itl_target == "off" or not self.cost_model.is_trained:
+        if (self.config.itl_target == "off" or not self.cost_model.is_trained or self.config.scheduling == "fcfs"
+                or self.config.step_time_target == "off"):  # no time-bounded steps: nothing to bound
             return math.inf
         if self.config.itl_target != "auto":
             return float(self.config.itl_target)
@@ -335,7 +336,8 @@ class Scheduler:
         """Seconds this step may take for the decoding requests to keep their token schedules: each one's k-th
         decode token is due ``itl_bound()`` x k after its first decode step was scheduled, so a request that got
         tokens faster than that (decode-only steps) lets steps run long until it is back on schedule, and one behind
-        it gets short steps (never shorter than ITL_MIN_STEPS per-step constants) until it has caught up."""
+        it gets short steps (never shorter than ITL_MIN_STEPS per-step constants, 2 of them, or ITL_FLOOR_S) until
+        it has caught up."""
         itl = self.itl_bound()
         if not math.isfinite(itl):
             return math.inf
@@ -345,7 +347,8 @@ class Scheduler:
             if req.decode_origin_s is None:
                 req.decode_origin_s, req.decode_steps = now, 0
             due = min(due, req.decode_origin_s + (req.decode_steps + 1) * itl if ITL_AVERAGED else now + itl)
-        return max(due - now, min(itl, ITL_MIN_STEPS * float(self.cost_model.coef[0])))
+        step = float(self.cost_model.coef[0])
+        return max(due - now, min(itl, ITL_MIN_STEPS * step), 2 * step, ITL_FLOOR_S)
 
     def _update_backlog(self, step: _Step, alpha: float = 0.1) -> None:
         if not self.cost_model.is_trained:
@@ -833,6 +836,7 @@ def protected_place(place: float, own: float, queue: Iterable[tuple[float, float
 ITL_AUTO_S = 0.2  # --itl-target auto: 5 tokens/s, about reading speed
 ITL_AVERAGED = True  # --itl-target holds each answer's average from its first decode step (False: every step; what-if)
 ITL_MIN_STEPS = 4  # ... but at least this many per-step constants (steps mostly work, not fixed cost)
+ITL_FLOOR_S = 0.01  # a step bounded for a pace is never shorter (a model whose fitted per-step constant is 0)
 LONG_MIN_SHARE = 0.25  # of the step-time target, granted to the long lane once it has waited long_max_wait_steps
 
 

@@ -378,6 +378,10 @@ def test_int8_weights_in_blocks_are_the_same_bytes_and_the_same_products(int8_ke
                                    kernel.int8_linear(x[:rows], weight, scale, bias)), (k, n, threads, rows)
     layer = Int8Linear(torch.randn(64, 48, generator=g), None)
     assert (layer.qweight.dim() == 3) == (kernel.int8_packs and not quant.int_mm_exact())
+    x = torch.randn(3, 48, generator=g)
+    with_kernels = layer(x)
+    layer.use_kernels = False  # switched off after the weight was packed: torch alone, the same numbers
+    assert torch.equal(layer(x), with_kernels)
     assert layer.weight_kn().shape == (48, 64) and Int8Linear(torch.randn(40, 48), None).qweight.dim() == 2
 
 

@@ -434,5 +434,8 @@ def test_itl_target_auto_is_a_fifth_of_a_second_but_at_least_four_step_constants
     slow = CostModel(prior=tuple({**COSTS, "step": 0.08}.get(name, 0.0) for name in FEATURE_NAMES))
     assert scheduler(itl_target="auto", cost_model=slow).itl_bound() == pytest.approx(0.32)
     assert math.isinf(scheduler().itl_bound())  # off by default
+    # without time-bounded steps there is nothing to bound: the pace is not in force (nor reported)
+    assert math.isinf(scheduler(itl_target="auto", step_time_target="off").itl_bound())
+    assert math.isinf(scheduler(itl_target="auto", scheduling="fcfs").itl_bound())
     with pytest.raises(ValueError, match="itl_target"):
         scheduler(itl_target="fast")
