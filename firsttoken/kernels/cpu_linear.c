@@ -712,8 +712,8 @@ static void int8_rows_range_x32(const int8_t *xq, const int8_t *wt, int32_t *acc
    columns, for each 8 k, the 256 bytes x32_interleave gives, so 32 columns are one sequential run of K x 32 bytes):
    each 32 columns in turn, two rows at a time, their sums held in registers over all K while the block streams in
    order, no weight shuffled at run time. Over small's language-model products, one thread, AVX2 EPYC (scratch
-   harness, the interleaving loop's time = 1): 1 row 0.53x, 2 rows 0.51x, 4 0.66x, 8 0.80x, 16 0.85x. xa: |xq| (the
-   rows' magnitudes, vpmaddubsw's unsigned operand). */
+   harness, the interleaving loop's time = 1): 1 row 0.53x, 2 rows 0.51x, 4 0.66x, 8 0.80x, 16 0.85x (the magnitudes
+   vpmaddubsw takes unsigned, |x| from the broadcast inputs in the loop, measured the same as read from a copy). */
 static inline __m256i bcast4(const int8_t *p) { /* 4 int8 in every 32-bit lane */
     int32_t v;
     memcpy(&v, p, 4);
@@ -726,22 +726,22 @@ static inline __m256i bcast4(const int8_t *p) { /* 4 int8 in every 32-bit lane *
         _mm256_madd_epi16(_mm256_maddubs_epi16(xa0, _mm256_sign_epi8(w0, xs0)), ones),                              \
         _mm256_madd_epi16(_mm256_maddubs_epi16(xa1, _mm256_sign_epi8(w1, xs1)), ones)))
 
-static void int8_rows_range_blk(const int8_t *xq, const int8_t *xa, const int8_t *blk, int32_t *acc, int64_t ldo,
-                                int64_t M, int64_t K, int64_t n0, int64_t n1) {
+static void int8_rows_range_blk(const int8_t *xq, const int8_t *blk, int32_t *acc, int64_t ldo, int64_t M, int64_t K,
+                                int64_t n0, int64_t n1) {
     const __m256i ones = _mm256_set1_epi16(1);
     int64_t kblocks = K / 8;
     for (int64_t n = n0; n < n1; n += 32) {
         const __m256i *wb = (const __m256i *)(blk + (n / 32) * kblocks * 256);
         int64_t m = 0;
         for (; m + 2 <= M; m += 2) { /* two rows share each weight load */
-            const int8_t *sa = xq + m * K, *sb = sa + K, *za = xa + m * K, *zb = za + K;
+            const int8_t *sa = xq + m * K, *sb = sa + K;
             __m256i a0 = _mm256_setzero_si256(), a1 = a0, a2 = a0, a3 = a0, b0 = a0, b1 = a0, b2 = a0, b3 = a0;
             for (int64_t kb = 0; kb < kblocks; kb++) {
                 const __m256i *w = wb + kb * 8;
                 __m256i xs0 = bcast4(sa + 8 * kb), xs1 = bcast4(sa + 8 * kb + 4);
-                __m256i xa0 = bcast4(za + 8 * kb), xa1 = bcast4(za + 8 * kb + 4);
+                __m256i xa0 = _mm256_abs_epi8(xs0), xa1 = _mm256_abs_epi8(xs1);
                 __m256i ys0 = bcast4(sb + 8 * kb), ys1 = bcast4(sb + 8 * kb + 4);
-                __m256i ya0 = bcast4(zb + 8 * kb), ya1 = bcast4(zb + 8 * kb + 4);
+                __m256i ya0 = _mm256_abs_epi8(ys0), ya1 = _mm256_abs_epi8(ys1);
 #define FT_I8_BLK_PAIR(i, a, b)                                                                                      \
     {                                                                                                                \
         __m256i w0 = _mm256_loadu_si256(w + i), w1 = _mm256_loadu_si256(w + 4 + i);                                 \
@@ -761,12 +761,12 @@ static void int8_rows_range_blk(const int8_t *xq, const int8_t *xa, const int8_t
             _mm256_storeu_si256(p + 2, b2), _mm256_storeu_si256(p + 3, b3);
         }
         for (; m < M; m++) {
-            const int8_t *sa = xq + m * K, *za = xa + m * K;
+            const int8_t *sa = xq + m * K;
             __m256i a0 = _mm256_setzero_si256(), a1 = a0, a2 = a0, a3 = a0;
             for (int64_t kb = 0; kb < kblocks; kb++) {
                 const __m256i *w = wb + kb * 8;
                 __m256i xs0 = bcast4(sa + 8 * kb), xs1 = bcast4(sa + 8 * kb + 4);
-                __m256i xa0 = bcast4(za + 8 * kb), xa1 = bcast4(za + 8 * kb + 4);
+                __m256i xa0 = _mm256_abs_epi8(xs0), xa1 = _mm256_abs_epi8(xs1);
 #define FT_I8_BLK_ONE(i, a) FT_I8_BLK_STEP(a, xs0, xs1, xa0, xa1, _mm256_loadu_si256(w + i), \
                                            _mm256_loadu_si256(w + 4 + i));
                 FT_I8_BLK_ONE(0, a0)
@@ -846,11 +846,11 @@ static void vnni_finish(const int32_t *acc, const float *xscale, const float *ws
 
 
 typedef struct { /* int8_rows_block's chunks: outputs [i per, (i + 1) per) */
-    const int8_t *xq, *wt, *xa; /* xa: |xq|, with a blocked weight (cpu_linear.py's int8_pack) */
+    const int8_t *xq, *wt;
     const float *xscale, *wscale, *bias;
     float *out;
     int64_t M, N, K, per;
-    int vnni, blocked;
+    int vnni, blocked; /* blocked: wt is cpu_linear.py's int8_pack blocks */
 } i8_task;
 
 static void i8_chunk(void *ctx, int64_t i) {
@@ -864,7 +864,7 @@ static void i8_chunk(void *ctx, int64_t i) {
         return;
     }
     if (t->blocked) {
-        int8_rows_range_blk(t->xq, t->xa, t->wt, acc, N, M, t->K, n0, n1);
+        int8_rows_range_blk(t->xq, t->wt, acc, N, M, t->K, n0, n1);
         x32_unpermute(acc, N, M, n0, n1);
     } else if (N % 32 == 0) { /* chunks in whole blocks of 32 (int8_rows_block) */
         int8_rows_range_x32(t->xq, t->wt, acc, N, M, N, t->K, n0, n1);
@@ -889,13 +889,12 @@ static void i8_chunk(void *ctx, int64_t i) {
    and chunk_size's four chunks a thread measured slower (batch 1 1.18x, batch 8 1.23x, in process, AVX2 EPYC) */
 static void int8_rows_block(const int8_t *xq, const float *xscale, const int8_t *wt, const float *wscale,
                             const float *bias, float *out, int64_t M, int64_t N, int64_t K, int threads,
-                            const int8_t *xa) {
-    int blocked = xa != NULL; /* wt is int8_pack's blocks */
+                            int blocked) {
     int vnni = !blocked && K % 16 == 0 && N % 16 == 0 && vnni_cpu;
     int64_t vec = vnni ? 16 : N % 32 == 0 ? 32 : 8;
     int nt = threads < 0 ? -threads : threads <= 1 ? 1 : threads;
     int64_t per = nt <= 1 ? N : (N / vec + nt - 1) / nt * vec;
-    i8_task t = {xq, wt, xa, xscale, wscale, bias, out, M, N, K, per, vnni, blocked};
+    i8_task t = {xq, wt, xscale, wscale, bias, out, M, N, K, per, vnni, blocked};
     ft_parallel(threads, (N + per - 1) / per, i8_chunk, &t);
 }
 
@@ -904,18 +903,14 @@ static void int8_rows_block(const int8_t *xq, const float *xscale, const int8_t 
    exact rereads them from cache). K % 8 == 0 and N % 8 == 0, else every output is NaN. */
 static void int8_rows(const int8_t *xq, const float *xscale, const int8_t *wt, const float *wscale, const float *bias,
                       float *out, int64_t M, int64_t N, int64_t K, int threads, int blocked) {
-    int8_t *xa = NULL;
-    if (K % 8 || N % 8 || (blocked && (N % 32 || !(xa = malloc((size_t)(MAX_INT8_ROWS * K)))))) {
+    if (K % 8 || N % 8 || (blocked && N % 32)) {
         for (int64_t i = 0; i < M * N; i++) out[i] = __builtin_nanf("");
         return;
     }
     for (int64_t m0 = 0; m0 < M; m0 += MAX_INT8_ROWS) {
         int64_t rows = M - m0 < MAX_INT8_ROWS ? M - m0 : MAX_INT8_ROWS;
-        if (xa)
-            for (int64_t i = 0; i < rows * K; i++) xa[i] = (int8_t)abs(xq[m0 * K + i]); /* never -128 */
-        int8_rows_block(xq + m0 * K, xscale + m0, wt, wscale, bias, out + m0 * N, rows, N, K, threads, xa);
+        int8_rows_block(xq + m0 * K, xscale + m0, wt, wscale, bias, out + m0 * N, rows, N, K, threads, blocked);
     }
-    free(xa);
 }
 
 void ft_int8_rows(const int8_t *xq, const float *xscale, const int8_t *wt, const float *wscale, const float *bias,

@@ -301,12 +301,6 @@ class _Kernel:
            0 if bias is None else bias.data_ptr(), out.data_ptr(), m, n, k, torch.get_num_threads())
         return out
 
-    @property
-    def int8_packs(self) -> bool:
-        """Whether int8 weights (N % 32 == 0, K % 8 == 0) are kept in ``int8_pack``'s blocks here: on CPUs without
-        AVX-512 VNNI, whose AVX2 loop otherwise interleaves every weight at run time."""
-        return not self.int8_vnni
-
     def quant_rows(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """rows [M, K] float32, unit column stride -> (int8 [M, K], float32 scales [M])."""
         assert rows.dtype == torch.float32 and rows.device.type == "cpu" and rows.stride(-1) == 1

@@ -214,6 +214,13 @@ def _int8_kernel():
     return _kernel()[0]
 
 
+def int8_blocks(kernel) -> bool:
+    """Whether int8 weights (N % 32 == 0) are kept in the kernels' blocks (cpu_linear.int8_pack) here: where every
+    product takes their AVX2 loop (no AVX-512 VNNI, torch._int_mm not exact), which otherwise interleaves every
+    weight at run time."""
+    return kernel is not None and not kernel.int8_vnni and not int_mm_exact()
+
+
 def quantize_rows(rows: torch.Tensor, kernel=None) -> tuple[torch.Tensor, torch.Tensor]:
     """Each row of a float32 [M, K] (unit column stride) to int8 with its own symmetric scale, max |x| / 127:
     q = x * (1 / scale) rounded half to even. A row holding a NaN or an infinity gets scale NaN and zeros (its
@@ -291,9 +298,7 @@ class Int8Linear(nn.Module):
         self.scale = scale.contiguous()
         self.bias = bias.detach().float().contiguous() if bias is not None else None
         self.kernel_shape = self.in_features % 8 == 0 and self.out_features % 8 == 0
-        kernel = _int8_kernel() if use_kernels else None
-        if (kernel is not None and kernel.int8_packs and self.out_features % 32 == 0 and self.kernel_shape
-                and not int_mm_exact()):  # every product of this layer takes the kernels: their blocked layout
+        if use_kernels and self.kernel_shape and self.out_features % 32 == 0 and int8_blocks(_int8_kernel()):
             from firsttoken.kernels.cpu_linear import int8_pack
 
             self.qweight = int8_pack(self.qweight)
@@ -334,7 +339,7 @@ def int8_paths(kernels_skipped: str | None) -> str:
 
     kernel = _kernel()[0]
     loop = ("AVX-512 VNNI" if kernel.int8_vnni else
-            "AVX2 (weights in its blocks where N % 32 == 0)" if kernel.int8_packs and not int_mm_exact() else "AVX2")
+            "AVX2 (weights in its blocks where N % 32 == 0)" if int8_blocks(kernel) else "AVX2")
     return (f"decode steps by firsttoken's {loop} kernel; prefill by "
             f"{prefill or 'the same kernel (torch._int_mm is not exact on this CPU)'}")
 

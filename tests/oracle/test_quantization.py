@@ -377,7 +377,7 @@ def test_int8_weights_in_blocks_are_the_same_bytes_and_the_same_products(int8_ke
                 assert torch.equal(kernel.int8_linear(x[:rows], blocked, scale, bias),
                                    kernel.int8_linear(x[:rows], weight, scale, bias)), (k, n, threads, rows)
     layer = Int8Linear(torch.randn(64, 48, generator=g), None)
-    assert (layer.qweight.dim() == 3) == (kernel.int8_packs and not quant.int_mm_exact())
+    assert (layer.qweight.dim() == 3) == (not kernel.int8_vnni and not quant.int_mm_exact())
     x = torch.randn(3, 48, generator=g)
     with_kernels = layer(x)
     layer.use_kernels = False  # switched off after the weight was packed: torch alone, the same numbers
