@@ -51,7 +51,7 @@ LOADED = {"fcfs": ["--scheduling", "fcfs"], "lanes-tokens": ["--step-time-target
           "no-bias": ["--ttft-bias-step", "0"],  # no-bias: the predicted TTFT without its learnt correction
           "least-work": ["--long-order", "least-work"],  # the long lane's order before the deadline order
           "mkl": ["--cpu-kernels", "off"],  # decode steps' products by MKL, as before the few-rows kernels
-          "itl-off": ["--itl-target", "off"], "itl-auto": ["--itl-target", "auto"]}  # streaming answers' pace
+          "itl-auto": ["--itl-target", "auto"]}  # a pace for streaming answers (default: off)
 LOWERED = re.compile(r"lowered from (\d+) to (\d+) per image")
 
 

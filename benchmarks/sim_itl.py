@@ -21,13 +21,20 @@ import argparse
 import json
 from pathlib import Path
 
-from sim_long_order import PREPROCESS_S, SMALL_AVX2, class_stats, load_coefficients, parse_configs, unloaded_ttft
+from sim_long_order import (
+    PREPROCESS_S,
+    SMALL_AVX2,
+    class_stats,
+    load_coefficients,
+    parse_configs,
+    seed_mix_loads,
+    simulate_with,
+    small_model,
+    unloaded_ttft,
+)
 
-import firsttoken.scheduler.scheduler as scheduler
 import firsttoken.tools.simulate as sim
 from firsttoken.config import SchedulerConfig
-from firsttoken.models.checkpoint import SIZES, build_hf_config
-from firsttoken.models.registry import model_config_from_dict
 
 DEFAULT_CONFIGS = 'off=;auto={"itl_target":"auto"};auto-every-step={"itl_target":"auto","averaged":false}'
 CLASSES = ("text", "1img", "3img")
@@ -43,7 +50,7 @@ def main() -> None:
     ap.add_argument("--coefficients", default=None, help="as sim_long_order.py's (default: small on AVX2)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
-    model = model_config_from_dict(build_hf_config(SIZES["small"]).to_dict())
+    model = small_model()
     coefficients = load_coefficients(args.coefficients) if args.coefficients else SMALL_AVX2
     base = sim.Profile(coefficients, SchedulerConfig(), num_kv_blocks=8192, preprocess_s=PREPROCESS_S)
     configs = {"fcfs": {"scheduling": "fcfs"}, **parse_configs(args.configs)}
@@ -52,31 +59,23 @@ def main() -> None:
     print("unloaded TTFT: " + ", ".join(f"{c} {t:.2f} s" for c, t in sorted(unloaded.items())))
     print(f"{'U':>4s} {'seed':>4s} {'config':10s} | ITL mean / P90 / P99 s: text, 1img, 3img | text P99/unl | "
           f"1img P99/fcfs | 3img P99/fcfs | 3img mean | steps")
-    for u in [float(x) for x in args.utilizations.split(",")]:
-        for seed in [int(x) for x in args.seeds.split(",")]:
-            capacity = sim.capacity_rps(base, sim.seed_mix(model, rate=1.0, num_requests=300, seed=seed))
-            workload = sim.seed_mix(model, rate=u * capacity, num_requests=args.num_requests, seed=seed)
-            results = {}
-            for name, options in configs.items():
-                options = dict(options)
-                scheduler.ITL_AVERAGED = options.pop("averaged", True)
-                try:
-                    result = sim.simulate(workload, [sim.replace_scheduler(base, **options)],
-                                          sim.Router("round-robin"), args.step_noise, seed)
-                finally:
-                    scheduler.ITL_AVERAGED = True
-                summary = result.summary()["classes"]
-                itl_keys = ("itl_n", "itl_p50", "itl_p90", "itl_p99", "itl_mean")
-                results[name] = {c: {**class_stats(outs), **{k: summary[c][k] for k in itl_keys}}
-                                 for c, outs in result.by_class().items()}
-                results[name]["steps"] = result.replica_steps[0]
-            out["runs"].append({"utilization": u, "seed": seed, "capacity_rps": capacity, "results": results})
-            fcfs = results["fcfs"]
-            for name, r in results.items():
-                itl = ", ".join(f"{r[c]['itl_mean']:.3f}/{r[c]['itl_p90']:.3f}/{r[c]['itl_p99']:.3f}" for c in CLASSES)
-                one, three = (r[c]["p99"] / fcfs[c]["p99"] for c in ("1img", "3img"))
-                print(f"{u:4.2f} {seed:4d} {name:10s} | {itl} | {r['text']['p99'] / unloaded['text']:12.2f} | "
-                      f"{one:13.2f} | {three:13.2f} | {r['3img']['mean']:9.2f} | {r['steps']}", flush=True)
+    for u, seed, capacity, workload in seed_mix_loads(base, model, args.utilizations, args.seeds,
+                                                      args.num_requests):
+        results = {}
+        for name, options in configs.items():
+            result = simulate_with(base, workload, options, args.step_noise, seed)
+            summary = result.summary()["classes"]
+            itl_keys = ("itl_n", "itl_p50", "itl_p90", "itl_p99", "itl_mean")
+            results[name] = {c: {**class_stats(outs), **{k: summary[c][k] for k in itl_keys}}
+                             for c, outs in result.by_class().items()}
+            results[name]["steps"] = result.replica_steps[0]
+        out["runs"].append({"utilization": u, "seed": seed, "capacity_rps": capacity, "results": results})
+        fcfs = results["fcfs"]
+        for name, r in results.items():
+            itl = ", ".join(f"{r[c]['itl_mean']:.3f}/{r[c]['itl_p90']:.3f}/{r[c]['itl_p99']:.3f}" for c in CLASSES)
+            one, three = (r[c]["p99"] / fcfs[c]["p99"] for c in ("1img", "3img"))
+            print(f"{u:4.2f} {seed:4d} {name:10s} | {itl} | {r['text']['p99'] / unloaded['text']:12.2f} | "
+                  f"{one:13.2f} | {three:13.2f} | {r['3img']['mean']:9.2f} | {r['steps']}", flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=1))
 

@@ -19,6 +19,7 @@ import argparse
 import json
 from pathlib import Path
 
+import firsttoken.scheduler.scheduler as scheduler
 import firsttoken.tools.simulate as sim
 from firsttoken.config import SchedulerConfig
 from firsttoken.models.checkpoint import SIZES, build_hf_config
@@ -52,6 +53,39 @@ def load_coefficients(text: str) -> dict[str, float]:
     return {k: float(v) for k, v in data.items()}
 
 
+def small_model():
+    """The `small` checkpoint's model config (no weights: the simulator prices its steps)."""
+    return model_config_from_dict(build_hf_config(SIZES["small"]).to_dict())
+
+
+def seed_mix_loads(base: sim.Profile, model, utilizations: str, seeds: str, num_requests: int):
+    """(U, seed, capacity, workload) for each load and seed ("0.6,0.8", "1,2,3"): the seed's mix of num_requests at
+    U x the capacity the profile has for that seed's mix."""
+    for u in [float(x) for x in utilizations.split(",")]:
+        for seed in [int(x) for x in seeds.split(",")]:
+            capacity = sim.capacity_rps(base, sim.seed_mix(model, rate=1.0, num_requests=300, seed=seed))
+            yield u, seed, capacity, sim.seed_mix(model, rate=u * capacity, num_requests=num_requests, seed=seed)
+
+
+WHAT_IFS = {"protect": "PROTECT_OBJECTIVES", "averaged": "ITL_AVERAGED"}  # config key -> scheduler module switch
+
+
+def simulate_with(base: sim.Profile, workload, options: dict, step_noise: float, seed: int) -> sim.SimResult:
+    """One replica of ``base`` with scheduler ``options`` on ``workload``; an option named in WHAT_IFS sets that
+    module-level switch of the scheduler (a what-if, e.g. "protect": false) for this run only."""
+    options = dict(options)
+    switches = {WHAT_IFS[k]: options.pop(k) for k in list(options) if k in WHAT_IFS}
+    saved = {name: getattr(scheduler, name) for name in switches}
+    for name, value in switches.items():
+        setattr(scheduler, name, value)
+    try:
+        return sim.simulate(workload, [sim.replace_scheduler(base, **options)], sim.Router("round-robin"),
+                            step_noise, seed)
+    finally:
+        for name, value in saved.items():
+            setattr(scheduler, name, value)
+
+
 def unloaded_ttft(base: sim.Profile, model) -> dict[str, float]:
     """Each class's median TTFT with requests arriving far apart (30 of the seed's mix, one at a time)."""
     alone = sim.simulate(sim.seed_mix(model, rate=0.001, num_requests=30, seed=1), [base], sim.Router("round-robin"))
@@ -82,7 +116,7 @@ def main() -> None:
                          "the small checkpoint's on an AVX2 machine")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
-    model = model_config_from_dict(build_hf_config(SIZES["small"]).to_dict())
+    model = small_model()
     coefficients = load_coefficients(args.coefficients) if args.coefficients else SMALL_AVX2
     coefficients = {**coefficients, "step": 0.0} if args.zero_step_constant else coefficients
     base = sim.Profile(coefficients, SchedulerConfig(), num_kv_blocks=8192, preprocess_s=PREPROCESS_S)
@@ -92,24 +126,21 @@ def main() -> None:
     print("unloaded TTFT: " + ", ".join(f"{c} {t:.2f} s" for c, t in sorted(unloaded.items())))
     print(f"{'U':>4s} {'seed':>4s} {'config':16s} | text P99/unloaded | 1img P99/fcfs | 3img P99/fcfs | "
           f"pred err P50/P90: text, 1img, 3img")
-    for u in [float(x) for x in args.utilizations.split(",")]:
-        for seed in [int(x) for x in args.seeds.split(",")]:
-            capacity = sim.capacity_rps(base, sim.seed_mix(model, rate=1.0, num_requests=300, seed=seed))
-            workload = sim.seed_mix(model, rate=u * capacity, num_requests=args.num_requests, seed=seed)
-            results = {}
-            for name, options in configs.items():
-                profile = sim.replace_scheduler(base, **options)
-                result = sim.simulate(workload, [profile], sim.Router("round-robin"), args.step_noise, seed)
-                by_class = result.by_class()
-                results[name] = {c: class_stats(outs) for c, outs in by_class.items()}
-            out["runs"].append({"utilization": u, "seed": seed, "capacity_rps": capacity, "results": results})
-            fcfs = results["fcfs"]
-            for name, r in results.items():
-                errs = ", ".join(f"{r[c]['pred_err_p50']:.0%}/{r[c]['pred_err_p90']:.0%}"
-                                 for c in ("text", "1img", "3img"))
-                one, three = (r[c]["p99"] / fcfs[c]["p99"] for c in ("1img", "3img"))
-                print(f"{u:4.2f} {seed:4d} {name:16s} | {r['text']['p99'] / unloaded['text']:17.2f} | "
-                      f"{one:13.2f} | {three:13.2f} | {errs}", flush=True)
+    for u, seed, capacity, workload in seed_mix_loads(base, model, args.utilizations, args.seeds,
+                                                      args.num_requests):
+        results = {}
+        for name, options in configs.items():
+            result = simulate_with(base, workload, options, args.step_noise, seed)
+            by_class = result.by_class()
+            results[name] = {c: class_stats(outs) for c, outs in by_class.items()}
+        out["runs"].append({"utilization": u, "seed": seed, "capacity_rps": capacity, "results": results})
+        fcfs = results["fcfs"]
+        for name, r in results.items():
+            errs = ", ".join(f"{r[c]['pred_err_p50']:.0%}/{r[c]['pred_err_p90']:.0%}"
+                             for c in ("text", "1img", "3img"))
+            one, three = (r[c]["p99"] / fcfs[c]["p99"] for c in ("1img", "3img"))
+            print(f"{u:4.2f} {seed:4d} {name:16s} | {r['text']['p99'] / unloaded['text']:17.2f} | "
+                  f"{one:13.2f} | {three:13.2f} | {errs}", flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=1))
 

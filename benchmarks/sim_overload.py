@@ -20,13 +20,19 @@ import argparse
 import json
 from pathlib import Path
 
-from sim_long_order import PREPROCESS_S, SMALL_AVX2, load_coefficients, parse_configs, unloaded_ttft
+from sim_long_order import (
+    PREPROCESS_S,
+    SMALL_AVX2,
+    load_coefficients,
+    parse_configs,
+    seed_mix_loads,
+    simulate_with,
+    small_model,
+    unloaded_ttft,
+)
 
-import firsttoken.scheduler.scheduler as scheduler
 import firsttoken.tools.simulate as sim
 from firsttoken.config import ImageConfig, SchedulerConfig
-from firsttoken.models.checkpoint import SIZES, build_hf_config
-from firsttoken.models.registry import model_config_from_dict
 
 DEFAULT_CONFIGS = ('slo=;no-margin={"ttft_slo_wait_margin":0};no-protect={"protect":false};'
                    'before={"ttft_slo_wait_margin":0,"protect":false}')
@@ -43,7 +49,7 @@ def main() -> None:
     ap.add_argument("--coefficients", default=None, help="as sim_long_order.py's (default: small on AVX2)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
-    model = model_config_from_dict(build_hf_config(SIZES["small"]).to_dict())
+    model = small_model()
     coefficients = load_coefficients(args.coefficients) if args.coefficients else SMALL_AVX2
     base = sim.Profile(coefficients, SchedulerConfig(), num_kv_blocks=8192, preprocess_s=PREPROCESS_S, model=model)
     unloaded = unloaded_ttft(base, model)
@@ -57,38 +63,30 @@ def main() -> None:
     print(f"{'U':>4s} {'seed':>4s} {'config':12s} | goodput/s | admitted P99 / objective (refused, mean budget): "
           "text, 1img, 3img")
     full = ImageConfig().image_max_tokens
-    for u in [float(x) for x in args.utilizations.split(",")]:
-        for seed in [int(x) for x in args.seeds.split(",")]:
-            capacity = sim.capacity_rps(base, sim.seed_mix(model, rate=1.0, num_requests=300, seed=seed))
-            workload = sim.seed_mix(model, rate=u * capacity, num_requests=args.num_requests, seed=seed)
-            span = workload[-1].arrival_s - workload[0].arrival_s
-            results = {}
-            for name, options in configs.items():
-                options = dict(options)
-                scheduler.PROTECT_OBJECTIVES = options.pop("protect", True)
-                try:
-                    result = sim.simulate(workload, [sim.replace_scheduler(base, **options)],
-                                          sim.Router("round-robin"), args.step_noise, seed)
-                finally:
-                    scheduler.PROTECT_OBJECTIVES = True
-                classes, good = {}, 0
-                for cls, outs in result.by_class().items():
-                    obj = objective["text" if cls == "text" else "image"]
-                    ttft = sorted(o.ttft_s for o in outs if o.ttft_s is not None)
-                    good += sum(t <= obj for t in ttft)
-                    budgets = [o.image_budget or full for o in outs if o.ttft_s is not None]
-                    classes[cls] = {"n": len(ttft), "refused": sum(o.refused is not None for o in outs),
-                                    "p99_s": sim.nearest_rank(ttft, 99), "p99_over_objective":
-                                    sim.nearest_rank(ttft, 99) / obj if ttft else None,
-                                    "mean_image_budget": sum(budgets) / len(budgets) if cls != "text" and budgets
-                                    else None}
-                results[name] = {"goodput_rps": good / span, "classes": classes}
-                cells = ", ".join(
-                    f"{classes[c]['p99_over_objective']:.2f} ({classes[c]['refused']}"
-                    + (f", {classes[c]['mean_image_budget']:.0f})" if classes[c]["mean_image_budget"] else ")")
-                    for c in CLASSES)
-                print(f"{u:4.2f} {seed:4d} {name:12s} | {good / span:9.4f} | {cells}", flush=True)
-            out["runs"].append({"utilization": u, "seed": seed, "capacity_rps": capacity, "results": results})
+    for u, seed, capacity, workload in seed_mix_loads(base, model, args.utilizations, args.seeds,
+                                                      args.num_requests):
+        span = workload[-1].arrival_s - workload[0].arrival_s
+        results = {}
+        for name, options in configs.items():
+            result = simulate_with(base, workload, options, args.step_noise, seed)
+            classes, good = {}, 0
+            for cls, outs in result.by_class().items():
+                obj = objective["text" if cls == "text" else "image"]
+                ttft = sorted(o.ttft_s for o in outs if o.ttft_s is not None)
+                good += sum(t <= obj for t in ttft)
+                budgets = [o.image_budget or full for o in outs if o.ttft_s is not None]
+                classes[cls] = {"n": len(ttft), "refused": sum(o.refused is not None for o in outs),
+                                "p99_s": sim.nearest_rank(ttft, 99), "p99_over_objective":
+                                sim.nearest_rank(ttft, 99) / obj if ttft else None,
+                                "mean_image_budget": sum(budgets) / len(budgets) if cls != "text" and budgets
+                                else None}
+            results[name] = {"goodput_rps": good / span, "classes": classes}
+            cells = ", ".join(
+                f"{classes[c]['p99_over_objective']:.2f} ({classes[c]['refused']}"
+                + (f", {classes[c]['mean_image_budget']:.0f})" if classes[c]["mean_image_budget"] else ")")
+                for c in CLASSES)
+            print(f"{u:4.2f} {seed:4d} {name:12s} | {good / span:9.4f} | {cells}", flush=True)
+        out["runs"].append({"utilization": u, "seed": seed, "capacity_rps": capacity, "results": results})
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=1))
 
