@@ -194,6 +194,7 @@ class SchedulerConfig:
         _at_least("long_step_tokens_idle", self.long_step_tokens_idle, 1, allow_none=True)
         _at_least("long_max_wait_steps", self.long_max_wait_steps, 0)
         _at_least("long_max_passes", self.long_max_passes, 0)
+        _at_least("max_queued_requests", self.max_queued_requests, 1)
         if self.long_order not in ("deadline", "least-work"):
             raise ValueError("long_order must be 'deadline' or 'least-work'")
         if not 0 < self.long_chunk_share <= 1:
@@ -222,7 +223,6 @@ class SchedulerConfig:
     def step_time_target_s(self) -> float | None:
         """The fixed target in seconds, or None for auto / off."""
         return None if self.step_time_target in ("auto", "off") else float(self.step_time_target)
-        _at_least("max_queued_requests", self.max_queued_requests, 1)
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,7 @@
 """Developer checks over the source tree. ``python -m firsttoken.tools.devcheck imports`` draws which package imports
 which and lists every import that points up the layers (docs/architecture.md, "Layers"); it exits 1 if there is one.
+``python -m firsttoken.tools.devcheck unreachable`` lists statements that can never run (after a ``return``,
+``raise``, ``continue`` or ``break`` in the same block); it exits 1 if there is one.
 
 Layers, top to bottom. A module may import its own package, any package of a lower layer, and nothing above it;
 packages that share a layer may not import each other (they are siblings: scheduler and runner meet only through
@@ -92,6 +94,28 @@ def violations(imports: list[Import]) -> list[str]:
     return out
 
 
+_JUMPS = (ast.Return, ast.Raise, ast.Continue, ast.Break)
+_BLOCKS = ("body", "orelse", "finalbody", "handlers")
+
+
+def unreachable(root: Path = PACKAGE_ROOT) -> list[str]:
+    """``path:line`` of every statement that follows a return, raise, continue or break in the same block."""
+    out = []
+    for path in sorted(root.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            for name in _BLOCKS:
+                block = getattr(node, name, None)
+                if not isinstance(block, list):
+                    continue
+                for before, after in zip(block, block[1:]):
+                    if isinstance(before, _JUMPS):
+                        kind = type(before).__name__.lower()
+                        out.append(f"{path.relative_to(root.parent)}:{after.lineno}: unreachable after the "
+                                   f"{kind} on line {before.lineno}")
+                        break
+    return out
+
+
 def edges(imports: list[Import]) -> dict[tuple[str, str], int]:
     counts: dict[tuple[str, str], int] = {}
     for imp in imports:
@@ -101,8 +125,14 @@ def edges(imports: list[Import]) -> dict[tuple[str, str], int]:
 
 
 def main(argv: list[str]) -> int:
+    if argv == ["unreachable"]:
+        dead = unreachable()
+        print(f"{len(dead)} unreachable statement(s)")
+        for line in dead:
+            print("  " + line)
+        return 1 if dead else 0
     if argv != ["imports"]:
-        print("usage: python -m firsttoken.tools.devcheck imports", file=sys.stderr)
+        print("usage: python -m firsttoken.tools.devcheck imports|unreachable", file=sys.stderr)
         return 2
     imports = list(iter_imports())
     print("package imports (count), layer by layer, top to bottom:")

@@ -48,3 +48,16 @@ def test_an_option_by_flag_name_sets_the_same_field_as_the_flag() -> None:
     assert from_flags == from_options
     assert from_flags.engine.scheduler.long_prompt_threshold == 2048
     assert from_flags.engine.cache.kv_cache_memory_bytes == 16 * 2**20
+
+
+def test_every_range_check_in_post_init_runs() -> None:
+    # A check written after its method's return never runs (max_queued_requests 0 was accepted that way);
+    # tests/unit/test_layers.py keeps any statement from hiding behind a return again.
+    import pytest
+
+    from firsttoken.config import SchedulerConfig
+
+    with pytest.raises(ValueError, match="max_queued_requests"):
+        SchedulerConfig(max_queued_requests=0)
+    with pytest.raises(ValueError, match="max_queued_requests"):
+        serve_config(build_parser().parse_args(["serve", "--max-queued-requests", "0"]))

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from firsttoken.tools.devcheck import LAYER_OF, iter_imports, violations
+from firsttoken.tools.devcheck import LAYER_OF, iter_imports, unreachable, violations
 
 
 def test_no_import_points_up_or_sideways():
@@ -18,3 +18,20 @@ def test_the_check_catches_an_upward_import(tmp_path):
     found = violations(list(iter_imports(pkg)))
     assert len(found) == 1 and "scheduler may not import api" in found[0]
     assert LAYER_OF["api"] < LAYER_OF["engine"] < LAYER_OF["scheduler"] < LAYER_OF["types"]
+
+
+def test_no_statement_in_the_package_is_unreachable():
+    assert unreachable() == []
+
+
+def test_the_check_finds_a_statement_after_a_return(tmp_path):
+    pkg = tmp_path / "firsttoken"
+    pkg.mkdir()
+    (pkg / "config.py").write_text(
+        "def f(x):\n    if x:\n        raise ValueError\n    return 1\n    check(x)\n"
+        "def g(xs):\n    for x in xs:\n        continue\n        print(x)\n    return 2\n"
+    )
+    assert unreachable(pkg) == [
+        "firsttoken/config.py:5: unreachable after the return on line 4",
+        "firsttoken/config.py:9: unreachable after the continue on line 8",
+    ]
