@@ -31,8 +31,9 @@ class SamplingParams:
     top_k: int = 0  # 0 = off
     seed: int | None = None  # a per-request generator: same seed, same output
     stop: tuple[str, ...] = ()
-    stop_token_ids: tuple[int, ...] = ()  # EOS ids from generation_config.json + the request's own
-    ignore_eos: bool = False
+    stop_token_ids: tuple[int, ...] = ()  # the request's own: always end the answer
+    ignore_eos: bool = False  # the model's EOS ids do not end the answer (the request's stop_token_ids still do)
+    eos_token_ids: tuple[int, ...] = ()  # the checkpoint's (generation_config.json, else config.json)
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
@@ -65,6 +66,10 @@ class SamplingParams:
             raise ValueError(
                 f"stop strings may be at most {MAX_STOP_STRING_CHARS} characters each, got one of {longest}"
             )
+
+    def ends_with(self, token_id: int) -> bool:
+        """Does sampling ``token_id`` end the answer (the token itself is not part of its text)?"""
+        return token_id in self.stop_token_ids or (not self.ignore_eos and token_id in self.eos_token_ids)
 
     @property
     def is_greedy(self) -> bool:
@@ -125,6 +130,10 @@ class EngineRequest:
     predicted_ttft_s: float | None = None  # the admission check's prediction, for the timeline beside the measure
     image_budget_note: str | None = None  # e.g. "degraded 1280->320 tokens per image: predicted TTFT over SLO"
     long_place_s: float | None = None  # with --ttft-slo, a long prompt's place in line as its admission decided it
+
+    def __post_init__(self) -> None:
+        if not self.prompt_token_ids:  # a request with nothing to compute could never sample (never finish)
+            raise ValueError("a request needs at least one prompt token")
 
     @property
     def num_prompt_tokens(self) -> int:

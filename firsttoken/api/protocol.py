@@ -190,6 +190,10 @@ class ChatMessage(_Request):
         return prompt.Message(self.role, tuple(parts))
 
 
+# one conversation's validation for every route that takes one (chat completions, /tokenize)
+Messages = Annotated[list[ChatMessage], Field(min_length=1)]
+
+
 def to_chat_prompt(messages: list[ChatMessage], add_generation_prompt: bool = True) -> prompt.ChatPrompt:
     return prompt.ChatPrompt(tuple(m.to_message() for m in messages), add_generation_prompt)
 
@@ -271,7 +275,7 @@ class _SamplingFields(_Request):
 
 
 class ChatCompletionRequest(_SamplingFields):
-    messages: list[ChatMessage] = Field(min_length=1)
+    messages: Messages
     max_completion_tokens: Int64 | None = None  # OpenAI's newer name; wins over max_tokens
     logprobs: bool | None = False
     top_logprobs: Int64 | None = None
@@ -324,7 +328,7 @@ class TokenizeRequest(_Request):
     """Either a chat body (``messages``, the same as /v1/chat/completions) or a plain ``prompt``."""
 
     model: Text | None = None
-    messages: list[ChatMessage] | None = None
+    messages: Messages | None = None
     prompt: Text | None = None
     add_generation_prompt: bool = True
     return_token_strs: bool = False

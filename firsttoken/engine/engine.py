@@ -314,10 +314,9 @@ class LLMEngine:
             self.scheduler.observe_ttft(len(er.images), er.predicted_ttft_s, result.sample_done_s - er.arrival_s)
         params = req.engine_request.sampling
         reason: FinishReason | None = None
-        is_eos = token_id in params.stop_token_ids and not params.ignore_eos
         detok = self._detok[req.request_id]
         text = ""
-        if is_eos:
+        if params.ends_with(token_id):
             reason = FinishReason.STOP
         else:
             delta = detok.add([token_id])

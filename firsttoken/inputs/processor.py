@@ -31,6 +31,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
+from jinja2 import TemplateError
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from firsttoken.config import GenerationDefaults, ImageConfig
@@ -272,13 +273,16 @@ class InputProcessor:
         budgets = [self._budget_of(param, part) for param, part in image_parts]
         blobs = tuple(self._image_bytes(part) for _, part in image_parts)
         plans = self._plan_images(blobs, budgets)
-        template_ids = self.tokenizer.apply_chat_template(
-            [_template_message(m) for m in prompt.messages],
-            tokenize=True,
-            add_generation_prompt=prompt.add_generation_prompt,
-            sanitize_control_tokens=True,  # client text can't forge control tokens, image slots included
-            return_dict=False,
-        )
+        try:
+            template_ids = self.tokenizer.apply_chat_template(
+                [_template_message(m) for m in prompt.messages],
+                tokenize=True,
+                add_generation_prompt=prompt.add_generation_prompt,
+                sanitize_control_tokens=True,  # client text can't forge control tokens, image slots included
+                return_dict=False,
+            )
+        except (TemplateError, ValueError) as err:  # the template refuses this conversation (its own words)
+            raise InputError(f"the chat template cannot render these messages: {quote(str(err))}", "messages") from None
         degradable = tuple(part.detail is None and part.max_visual_tokens is None for _, part in image_parts)
         return replace(self._expand_image_pads(list(template_ids), plans, blobs), degradable=degradable)
 
@@ -352,6 +356,8 @@ class InputProcessor:
     def _check_length(self, prompt: _Prompt, field: str, requested: int | None, prompt_param: str) -> int:
         """Room left for output; every message names what was counted, the limit, and what to do."""
         prompt_len = len(prompt.token_ids)
+        if prompt_len == 0:  # nothing to condition on (the checkpoint has no BOS token to stand in)
+            raise InputError(f"{prompt_param} is empty: it has 0 tokens; send at least one token of text", prompt_param)
         counted = _describe_counts(prompt)
         advice = (
             "use detail=low or image_url.max_visual_tokens, send fewer images, or shorten the text"
@@ -466,8 +472,9 @@ class InputProcessor:
             top_k=_or(req.top_k, d.top_k),
             seed=req.seed,
             stop=req.stop,
-            stop_token_ids=tuple(dict.fromkeys((*eos, *req.stop_token_ids))),
+            stop_token_ids=tuple(dict.fromkeys(req.stop_token_ids)),
             ignore_eos=req.ignore_eos,
+            eos_token_ids=tuple(eos),
             presence_penalty=_or(req.presence_penalty, 0.0),
             frequency_penalty=_or(req.frequency_penalty, 0.0),
             repetition_penalty=_or(req.repetition_penalty, d.repetition_penalty),

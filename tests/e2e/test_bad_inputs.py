@@ -121,6 +121,12 @@ CORPUS: tuple[BadInput, ...] = (
              lambda e: b'{"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "temperature": NaN}'),
     BadInput("`messages` missing", 400, lambda e: {}),
     BadInput("`messages` empty", 400, lambda e: {"messages": []}),
+    BadInput("/tokenize `messages` empty", 400, lambda e: {"messages": []}, path=TOKENIZE),
+    BadInput("message content empty (\"\" and [])", 200, lambda e: {"messages": [
+        {"role": "user", "content": ""}, {"role": "assistant", "content": []}, {"role": "user", "content": ""}]}),
+    BadInput("completions prompt empty", 400, lambda e: {"prompt": ""}, path=COMPLETIONS),
+    BadInput("completions prompt empty, stream: true", 400, lambda e: {"prompt": "", "stream": True},
+             path=COMPLETIONS),
     BadInput("message content is a number", 400, lambda e: {"messages": [{"role": "user", "content": 42}]}),
     BadInput("unknown role", 400, lambda e: {"messages": [{"role": "root", "content": "hi"}]}),
     BadInput("unknown content part type", 400,
@@ -333,6 +339,9 @@ def test_bad_input_gets_its_status_and_a_safe_openai_error(
 def answered(live: LiveServer, case: BadInput, env: Env, r: httpx.Response) -> str:
     """The table's message for an accepted input, after checking what makes it acceptable."""
     usage = r.json()["usage"]
+    if all(not m.get("content") for m in case.body(env).get("messages", [{"content": "x"}])):
+        assert usage["prompt_tokens"] > 0  # the template's own tokens
+        return f"answered; {usage['prompt_tokens']} prompt tokens (the chat template's own)"
     if case.body(env).get("messages", [{}])[0].get("content") != PLACEHOLDER_TEXT:
         assert r.json()["choices"][0]["finish_reason"] in ("stop", "length")
         return f"answered ({usage['completion_tokens']} tokens); these fields change nothing and are ignored"
@@ -463,6 +472,12 @@ def render_table(rows: dict[str, tuple[int, str]]) -> str:
         f" --max-unread-outputs {MAX_UNREAD}`; rows marked (defaults) ran against",
         "`serve`'s defaults (no media dir, remote media off). DNS and HTTP for the allow-listed hosts are test fakes:",
         "no request left the machine.",
+        "",
+        "An empty prompt (a completions `prompt` of `\"\"`, or one that tokenizes to nothing) is refused with a 400",
+        "naming `prompt`, as vLLM does: Qwen's checkpoints have no BOS token to condition on, and a request with no",
+        "prompt token could never sample. A chat always has its template's tokens, so `messages` with empty content",
+        "is answered. Every route that takes a conversation (`/v1/chat/completions`, `/tokenize`) validates it the",
+        "same way, so no body is a 400 on one route and a 500 on another.",
         "",
         "| input | status | message |",
         "|---|---|---|",

@@ -67,6 +67,23 @@ def test_bad_input_raises_the_servers_message_before_anything_runs(llm: LLM):
     assert llm.engine.stats().num_steps == steps and llm.engine.stats().kv_blocks_used == 0
 
 
+def test_an_empty_prompt_is_refused_at_once_and_leaves_nothing_behind(llm: LLM):
+    steps = llm.engine.stats().num_steps
+    with pytest.raises(ValueError, match="prompt is empty"):
+        llm.complete("")
+    assert llm.engine.stats().num_steps == steps and not llm.engine.has_unfinished()
+    assert llm.complete("a", GREEDY).finish_reason == "length"  # and the next prompt is served
+
+
+def test_stop_token_ids_end_the_answer_even_with_ignore_eos(llm: LLM):
+    free = llm.complete("Once upon a time", {**GREEDY, "ignore_eos": True})
+    k = next(i for i, t in enumerate(free.token_ids) if i >= 3 and t not in free.token_ids[:i])
+    stopped = llm.complete("Once upon a time", {**GREEDY, "ignore_eos": True, "stop_token_ids": [free.token_ids[k]]})
+    assert stopped.finish_reason == "stop"
+    assert stopped.token_ids == free.token_ids[: k + 1]  # the stop token ends it; its text is not in the answer
+    assert free.text.startswith(stopped.text) and len(stopped.text) < len(free.text)
+
+
 def test_the_callers_torch_threads_are_the_same_after_a_call(tiny_model_dir: Path):
     before = torch.get_num_threads()
     try:

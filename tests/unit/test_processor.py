@@ -123,7 +123,8 @@ def test_sampling_defaults_come_from_generation_config(processor: InputProcessor
     s = er.sampling
     assert (s.temperature, s.top_k, s.repetition_penalty) == (0.01, 1, 1.05)
     assert s.max_tokens == MAX_MODEL_LEN - er.num_prompt_tokens  # the rest of the context
-    assert set(s.stop_token_ids) == {ids_of(processor, "<|im_end|>"), ids_of(processor, "<|endoftext|>")}
+    assert set(s.eos_token_ids) == {ids_of(processor, "<|im_end|>"), ids_of(processor, "<|endoftext|>")}
+    assert s.stop_token_ids == ()  # only the request's own
 
 
 def test_request_values_override_defaults(processor: InputProcessor) -> None:
