@@ -106,7 +106,9 @@ class ScheduledBatch:
 
     @property
     def is_empty(self) -> bool:
-        return not (self.chunks or self.encoder_work or self.finished_request_ids or self.freed_encoder_hashes)
+        """Nothing for the runner: no work and no state to take, drop or forget."""
+        return not (self.new_requests or self.chunks or self.encoder_work or self.finished_request_ids
+                    or self.freed_encoder_hashes or self.preempted_request_ids)
 
     @property
     def num_tokens(self) -> int:

@@ -40,6 +40,13 @@ class StepBudget:
     def exhausted(self) -> bool:
         return self.remaining <= 0 or self.seconds <= 0
 
+    def grant_floor(self, num_tokens: int, seconds: float = 0.0) -> None:
+        """Progress guaranteed: at least ``num_tokens`` tokens and ``seconds`` predicted seconds remain, a prefill
+        chunk may always have ``num_tokens`` tokens, and the next encoder unit runs whatever it costs."""
+        self.remaining = max(self.remaining, num_tokens)
+        self.seconds = max(self.seconds, seconds)
+        self.floor_tokens = num_tokens
+
     def price(self, features: StepFeatures) -> float:
         """Predicted seconds of adding ``features`` to a step (the per-step constant is paid once, not per item)."""
         if self.cost is None:

@@ -69,6 +69,10 @@ class _Step:
     scheduled_ids: set[str] = field(default_factory=set)  # requests with a chunk or encoder work in this step
     has_long_work: bool = False
     has_short_prefill: bool = False  # a short request's prefill chunk is in this step
+    long_held: bool = False  # the long lane had work but yielded this step to short prefills
+    full: bool = False  # the step's token budget or time bound was used up
+    kv_blocked_ids: set[str] = field(default_factory=set)  # admissions refused for want of KV blocks
+    preempted_ids: frozenset[str] = frozenset()
     decode_s: float = 0.0  # predicted seconds of this step's decodes, short prefills, long work (lane shares)
     short_s: float = 0.0
     long_s: float = 0.0
@@ -147,6 +151,7 @@ class Scheduler:
         self._short_prompt_lens: deque[int] = deque(maxlen=256)  # recent short prompts: what the time bound serves
         self.calibrating = False  # engine/calibration.py: token budgets only while the cost model first learns
         self.backlog = Backlog()
+        self._last_step = _Step()  # what the last schedule() built: wait_reason reads it
         self.ttft_bias = TtftBias(config.ttft_bias_step)  # the prediction's error per class (ttft_bias.py)
 
     # ---- requests in and out -------------------------------------------------------------------------
@@ -257,14 +262,17 @@ class Scheduler:
         else:
             short_work = self._serve_lane(SHORT, budget, step, whole_prompt=False)
             self._serve_long_lane(budget, step, held_by_short=short_work, target=target)
+        step.full = budget.exhausted
         self._count_short_delays(step)
         if self.config.encoder_interrupt and not fcfs and step.encoder_work:
             self._mark_interruptible(step)
         preempted, self._preempted = tuple(self._preempted), []
+        step.preempted_ids = frozenset(preempted)
         new, self._new = tuple(self._new), []
         finished, self._finished_ids = tuple(self._finished_ids), []
         self.num_steps += int(bool(step.chunks or step.encoder_work))
         self._update_backlog(step)
+        self._last_step = step
         return ScheduledBatch(
             new, tuple(step.chunks), tuple(step.encoder_work), self.encoder_cache.pop_freed(), preempted, finished,
             budget.features,
@@ -508,9 +516,12 @@ class Scheduler:
         req.num_computed_tokens = chunk.end
         if req.block_hashes:
             self.kv.cache_blocks(req.request_id, req.block_hashes, min(chunk.end, req.num_prompt_tokens))
+        last_end: dict[str, int] = {}  # an image sent twice is released after its last copy
         for im in req.images:
-            if im.end <= chunk.end:
-                self.encoder_cache.release(req.request_id, im.content_hash)
+            last_end[im.content_hash] = max(last_end.get(im.content_hash, 0), im.end)
+        for h, end in last_end.items():
+            if end <= chunk.end:
+                self.encoder_cache.release(req.request_id, h)
 
     # ---- lanes ---------------------------------------------------------------------------------------
     def _serve_long_lane(self, budget: StepBudget, step: _Step, held_by_short: bool, target: float) -> None:
@@ -524,9 +535,7 @@ class Scheduler:
         if math.isfinite(target):  # time-bounded: fill what the step has left
             idle = not (step.chunks or step.encoder_work)
             if aging or idle:  # progress guaranteed: a minimum share, and always at least one block of tokens
-                budget.seconds = max(budget.seconds, target * LONG_MIN_SHARE)
-                budget.remaining = max(budget.remaining, self.block_size)
-                budget.floor_tokens = self.block_size
+                budget.grant_floor(self.block_size, target * LONG_MIN_SHARE)
             if self.config.long_chunk_share < 1:
                 budget.chunk_seconds = self.config.long_chunk_share * target
             served = budget.seconds > 0 and budget.remaining > 0 and self._serve_lane(LONG, budget, step, False)
@@ -534,12 +543,15 @@ class Scheduler:
             return
         if held_by_short and not aging:
             self.long_wait_steps += 1
+            step.long_held = True
             return
         share = self.config.long_step_tokens
         if self.config.long_step_tokens_idle is not None and self._short_lane_idle():
             share = self.config.long_step_tokens_idle  # nobody short to protect this step
         share = share if aging else min(share, budget.remaining)
         long_budget = StepBudget(share)
+        if aging:  # progress guaranteed: at least one encoder unit or block of tokens, whatever they cost
+            long_budget.grant_floor(self.block_size)
         if self._serve_lane(LONG, long_budget, step, whole_prompt=False):
             self.long_wait_steps = 0
             budget.remaining = max(0, budget.remaining - long_budget.used)
@@ -584,7 +596,7 @@ class Scheduler:
             req = min(queue, key=self._long_order) if ordered else queue[0]
             if whole_prompt and step.has_prefill and req.num_tokens > budget.remaining:
                 break  # the seed's serial prefill: one whole prompt per step, more only if they fit beside it
-            if not self._admit(req, budget, whole_prompt):
+            if not self._admit(req, budget, step, whole_prompt):
                 break  # the lane's next request waits for KV; the wait shows as queue time
             self._prefill(req, budget, step, whole_prompt)
         served = len(step.chunks) + len(step.encoder_work) > before
@@ -605,7 +617,7 @@ class Scheduler:
                 if req.request_id not in step.scheduled_ids:
                     self._prefill(req, budget, step, False)
             elif admitting and len(self.running) < self.config.max_num_seqs:
-                if self._admit(req, budget, False):
+                if self._admit(req, budget, step, False):
                     self._prefill(req, budget, step, False)
                 else:
                     admitting = False  # the wait shows as queue time
@@ -644,7 +656,7 @@ class Scheduler:
             req.block_hashes = compute_block_hashes(req.prompt_token_ids, self.block_size, spans)
         return req.block_hashes
 
-    def _admit(self, req: Request, budget: StepBudget, whole_prompt: bool) -> bool:
+    def _admit(self, req: Request, budget: StepBudget, step: _Step, whole_prompt: bool) -> bool:
         self._block_hashes(req)
         max_cached = req.num_prompt_tokens - 1  # at least one token is computed, to sample from
         if self.config.kv_admission == "whole-prompt":
@@ -653,10 +665,11 @@ class Scheduler:
             cached = self.kv.num_cached_prefix_tokens(req.block_hashes or [], max_cached)
             first_chunk = req.num_tokens - cached if whole_prompt else max(budget.remaining, 1)
             want = min(cached + first_chunk, req.num_tokens)
-        if not self.kv.can_allocate(want, req.block_hashes, max_cached):
-            return False
-        num_cached = self.kv.allocate(req.request_id, want, req.block_hashes, max_cached)
+        num_cached = None
+        if self.kv.can_allocate(want, req.block_hashes, max_cached):
+            num_cached = self.kv.allocate(req.request_id, want, req.block_hashes, max_cached)
         if num_cached is None:
+            step.kv_blocked_ids.add(req.request_id)
             return False
         self.waiting.remove(req)
         if not req.sent_to_runner:
@@ -802,6 +815,31 @@ class Scheduler:
         self.kv.check_invariants()
         self.encoder_cache.check_invariants()
 
+    def wait_reason(self, req: Request) -> str:
+        """Why a live request got no work in the last schedule(): one of WAIT_REASONS, or "" when it got work or
+        nothing explains the wait (a request that can never make progress; the randomized tests look for it)."""
+        step = self._last_step
+        if req.request_id in step.scheduled_ids or req.status == RequestStatus.FINISHED:
+            return ""
+        if req.request_id in step.preempted_ids:
+            return "preempted"  # its blocks went to a decode's growth this step
+        if req.status == RequestStatus.WAITING:
+            if len(self.running) >= self.config.max_num_seqs:
+                return "max_num_seqs"
+            if req.request_id in step.kv_blocked_ids:
+                return "kv_blocks"
+            if any(other.request_id in step.kv_blocked_ids for other in self.waiting.queues[req.lane]):
+                return "in_line"  # its lane's admissions stopped at a request waiting for blocks
+        if req.lane == LONG and step.long_held:
+            return "short_lane_first"
+        if step.full:
+            return "step_full"
+        if any(im.content_hash in step.worked_hashes for im in req.images):
+            return "image_encoding"  # another request advances the image it waits for
+        if any(self.requests[rid].lane == req.lane for rid in step.scheduled_ids if rid in self.requests):
+            return "in_line"  # its lane served others first this step
+        return ""
+
 
 # with --ttft-slo, admissions keep waiting long requests' objectives (protected_place); False: for side-by-side runs
 # (benchmarks/sim_overload.py), the deadline order without it
@@ -838,6 +876,8 @@ ITL_AVERAGED = True  # --itl-target holds each answer's average from its first d
 ITL_MIN_STEPS = 4  # ... but at least this many per-step constants (steps mostly work, not fixed cost)
 ITL_FLOOR_S = 0.01  # a step bounded for a pace is never shorter (a model whose fitted per-step constant is 0)
 LONG_MIN_SHARE = 0.25  # of the step-time target, granted to the long lane once it has waited long_max_wait_steps
+# why a live request got no work in a step (Scheduler.wait_reason)
+WAIT_REASONS = ("preempted", "max_num_seqs", "kv_blocks", "short_lane_first", "step_full", "image_encoding", "in_line")
 
 
 def _is_decoding(req: Request) -> bool:

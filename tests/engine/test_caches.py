@@ -94,6 +94,23 @@ def test_switching_the_encoder_cache_off_encodes_every_time(tiny_model_dir, pict
     assert h.vision_calls == 3
 
 
+@pytest.mark.parametrize("encoder_cache", [True, False], ids=["encoder cache on", "encoder cache off"])
+def test_the_same_image_twice_in_one_prompt_is_encoded_once_and_counted_once(tiny_model_dir, pictures,
+                                                                              encoder_cache):
+    # the prompt's chunks (16 tokens a step) pass the first copy before they reach the second: its embeddings
+    # must still be there, with the cache off too, and the request's stats count each unique image once
+    h = Harness(tiny_model_dir, prefix_cache=False, encoder_cache=encoder_cache,
+                scheduler=SchedulerConfig(max_batched_tokens=16, step_time_target="off"))
+    messages = [user("Are these the same?", pictures[0], pictures[1], pictures[0])]
+    assert h.prompt_len(messages) > 6 * 16
+    _, _, stats = h.run(messages)
+    assert h.vision_calls == 2 and stats.num_images_encoded == 2
+    assert stats.num_encoder_cache_hits == 0
+    assert h.engine.stats().encoder_cache_hits == 0
+    _, _, again = h.run(messages)  # the same prompt again: with the cache, both unique images are hits
+    assert (again.num_images_encoded, again.num_encoder_cache_hits) == ((0, 2) if encoder_cache else (2, 0))
+
+
 def test_follow_up_turn_prefills_only_its_new_tokens(tiny_model_dir, pictures):
     h = Harness(tiny_model_dir)
     first = [user("Compare these three pictures.", *pictures)]

@@ -85,7 +85,11 @@ def make_scheduler(
 
 def run_step(sched: Scheduler, token: int = 7) -> ScheduledBatch:
     """schedule + pretend-execute + update: advance computed tokens, sample `token`, finish at max_tokens."""
-    batch = sched.schedule()
+    return complete_step(sched, sched.schedule(), token)
+
+
+def complete_step(sched: Scheduler, batch: ScheduledBatch, token: int = 7) -> ScheduledBatch:
+    """Pretend-execute a scheduled batch and update: what run_step does after schedule()."""
     progress = {w.content_hash: w.start_unit + w.num_units for w in batch.encoder_work}
     sched.update(batch, RunnerOutput({}, {}, {}, encoder_progress=progress))
     for chunk in batch.chunks:

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import pytest
+
 from firsttoken.config import SchedulerConfig
 from firsttoken.types import PromptWork
 from firsttoken.scheduler.lanes import LONG, SHORT, route_lane
-from tests.unit.fakes import fake_request, make_scheduler, run_step
+from tests.unit.fakes import complete_step, fake_request, make_scheduler, run_step
 
 
 def lanes_scheduler(**kw):
@@ -61,6 +63,34 @@ def test_long_requests_are_not_starved_under_constant_short_load():
     assert long_req.output_token_ids  # finished its prefill despite a short request every step
     gaps = [len(run) for run in "".join("L" if x else "." for x in steps_with_long).split("L")[1:-1]]
     assert max(gaps, default=0) <= 3  # aging: long work at least every long_max_wait_steps + 1 steps
+
+
+@pytest.mark.parametrize("mode", ["token budget", "time bound"])
+def test_an_image_whose_encoder_units_exceed_the_long_lanes_budget_is_not_starved(mode):
+    # Each unit of the photo costs more than the long lane may take in one step (100 visual tokens a unit against
+    # --long-step-tokens 64; 100 ms against a 60 ms time bound), and a short prompt arrives every step. Aging must
+    # still run one unit per aged step: the photo's first token comes while the short traffic goes on.
+    from firsttoken.scheduler.cost_model import FEATURE_NAMES, CostModel
+
+    if mode == "time bound":
+        costs = {"step": 0.002, "prefill_tokens": 0.0005, "encoder_patches": 0.00025}
+        sched = lanes_scheduler(step_time_target="0.06",
+                                cost_model=CostModel(prior=tuple(costs.get(n, 0.0) for n in FEATURE_NAMES)))
+    else:
+        sched = lanes_scheduler(step_time_target="off")
+    photo = fake_request("photo", prompt_len=300, max_tokens=1, images=[("img", 0, 100)], encoder_depth=4)
+    sched.add(photo)
+    long_steps, units = [], 0
+    for i in range(200):
+        sched.add(fake_request(f"s{i}", prompt_len=60, max_tokens=1, arrival_seq=i + 1))
+        batch = run_step(sched)
+        units += sum(w.num_units for w in batch.encoder_work)
+        long_steps.append(any(w.request_id == "photo" for w in batch.encoder_work) or "photo" in ids_in(batch))
+        if photo.output_token_ids:
+            break
+    assert units == 4 and photo.output_token_ids  # encoded and prefilled under a short request every step
+    gaps = [len(run) for run in "".join("L" if x else "." for x in long_steps).split("L")[1:-1]]
+    assert max(gaps, default=0) <= 3  # at most long_max_wait_steps steps without long work
 
 
 def test_decodes_keep_flowing_while_long_prefills_run():
@@ -178,6 +208,67 @@ def test_whole_prompt_admission_keeps_its_promise_under_random_arrivals_aborts_a
         live = {rid: r for rid, r in live.items() if r.status.value != "finished"}
     assert sched.num_preemptions > 20  # the pool really was too small
     assert set(sched.preemptions_by_reason) == {"decode_growth"}
+
+
+POLICIES = {
+    "lanes, token budget": dict(step_time_target="off"),
+    "lanes, time bound": dict(step_time_target="0.06"),
+    "lanes, time bound, least-work": dict(step_time_target="0.06", long_order="least-work"),
+    "lanes, optimistic admission": dict(step_time_target="off", kv_admission="optimistic"),
+    "fcfs": dict(scheduling="fcfs"),
+}
+
+
+@pytest.mark.parametrize("policy", sorted(POLICIES))
+def test_every_live_request_progresses_or_waits_for_a_named_reason(policy):
+    # Random arrivals (text, images, the same image twice in one prompt, both lanes), random aborts, a pool far too
+    # small and few sequence slots: in every step each live request either gets work or waits for a reason the
+    # scheduler names; no step is empty while requests are live (a request that can never make progress would
+    # spin an empty engine for ever); once arrivals stop, everything finishes.
+    import random
+
+    from firsttoken.scheduler.cost_model import FEATURE_NAMES, CostModel
+    from firsttoken.scheduler.scheduler import WAIT_REASONS
+    from firsttoken.types import FinishReason
+
+    costs = {"step": 0.002, "prefill_tokens": 0.0005, "encoder_patches": 0.00025}
+    rng = random.Random(sum(map(ord, policy)))
+    sched = lanes_scheduler(num_blocks=30, decode_reserve_tokens=4, max_batched_tokens=48, long_prompt_threshold=120,
+                            long_step_tokens=32, encoder_capacity_tokens=64, max_num_seqs=6,
+                            cost_model=CostModel(prior=tuple(costs.get(n, 0.0) for n in FEATURE_NAMES)),
+                            **POLICIES[policy])
+    live, seq, reasons = {}, 0, {}
+    for step in range(20_000):
+        if step < 1500 and rng.random() < 0.15:
+            n = rng.randint(1, 300)
+            images = []
+            if n > 12 and rng.random() < 0.4:
+                size = min(n // 2 - 2, rng.randint(2, 40))
+                h = f"img{rng.randint(0, 5)}"
+                images = [(h, 1, size)] + ([(h, 2 + size, size)] if rng.random() < 0.3 else [])
+            req = fake_request(f"r{seq}", prompt_len=n, max_tokens=rng.randint(1, 40), images=images,
+                               arrival_seq=seq, encoder_depth=rng.randint(1, 4))
+            if sched.check_admission(PromptWork(n)).admitted:
+                sched.add(req)
+                live[req.request_id] = req
+            seq += 1
+        if step < 1500 and live and rng.random() < 0.02:
+            sched.finish(live.pop(rng.choice(sorted(live))), FinishReason.ABORT)
+        batch = sched.schedule()
+        if live:
+            assert batch.has_work, f"step {step}: {len(live)} live requests and nothing scheduled"
+        got_work = {c.request_id for c in batch.chunks} | {w.request_id for w in batch.encoder_work}
+        for rid, req in live.items():
+            if rid not in got_work:
+                reason = sched.wait_reason(req)
+                assert reason in WAIT_REASONS, f"step {step}: {rid} ({req.status.value}, {req.lane} lane) waits for no reason"
+                reasons[reason] = reasons.get(reason, 0) + 1
+        complete_step(sched, batch)
+        live = {rid: r for rid, r in live.items() if r.status.value != "finished"}
+        if step >= 1500 and not live:
+            break
+    assert not live and not sched.has_work and sched.kv.num_used_blocks == 0
+    assert seq > 200 and {"kv_blocks", "in_line"} <= set(reasons)  # the run really queued
 
 
 def test_optimistic_admission_evicts_prefills_halfway_and_counts_it():
