@@ -32,7 +32,8 @@ import logging
 import math
 import threading
 import time
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -129,11 +130,8 @@ class FleetEngineClient:
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[RequestOutput]:
         pool = self.pool_of(request.num_prompt_tokens)
-        with self._lock:  # its admission place becomes a request in flight
-            pool.reservations.pop(request.request_id, None)
-            pool.num_in_flight += 1
-        hints = routing_hints(request, self.facts.block_size)
-        try:
+        with self._in_flight(pool, request.request_id):
+            hints = routing_hints(request, self.facts.block_size)
             for _ in range(1 + MAX_RESENDS):
                 started = False
                 stream = pool.handle.options(stream=True).generate.remote(request, **{HINTS_KWARG: hints})
@@ -157,6 +155,17 @@ class FleetEngineClient:
                     yield _failed(request, ENGINE_STOPPED)
                     return
             yield _failed(request, "no engine replica could take the request; retry it")
+
+    @contextmanager
+    def _in_flight(self, pool: Pool, request_id: str) -> Iterator[None]:
+        """The request counts in flight against ``pool``'s bound exactly while inside, and its admission place is
+        given back on entry: however the body ends (an exception anywhere, the consumer cancelled at any await or
+        closing the stream at a yield), the place is free again."""
+        with self._lock:
+            pool.reservations.pop(request_id, None)
+            pool.num_in_flight += 1
+        try:
+            yield
         finally:
             with self._lock:
                 pool.num_in_flight -= 1

@@ -41,10 +41,21 @@ class RoutingHints:
 
 
 def routing_hints(request: EngineRequest, block_size: int) -> RoutingHints:
-    """The prompt's block keys, exactly as the replicas' prefix caches compute them."""
-    ids = request.prompt_token_ids[: MAX_PREFIX_BLOCKS * block_size]
-    spans = [ImageSpan(im.content_hash, im.offset, im.num_tokens) for im in request.images if im.offset < len(ids)]
-    return RoutingHints(request.num_prompt_tokens, tuple(compute_block_hashes(ids, block_size, spans)))
+    """The keys of the prompt's leading full blocks, at most ``MAX_PREFIX_BLOCKS``: each equal to the key the
+    replicas' prefix caches compute for that block over the whole prompt.
+
+    The prefix is cut at ``MAX_PREFIX_BLOCKS * block_size`` tokens, or at the start of the first image that ends
+    past that cut, whichever is earlier, so the kept prefix never holds part of an image (a replica keys a block of
+    an image by its content hash and offset; keyed as text, it would name a block no replica ever caches)."""
+    cut = MAX_PREFIX_BLOCKS * block_size
+    spans = []
+    for im in sorted(request.images, key=lambda im: im.offset):
+        if im.end > cut:  # it and every later image (spans are disjoint) are left out with the tokens from here
+            cut = min(cut, im.offset)
+            break
+        spans.append(ImageSpan(im.content_hash, im.offset, im.num_tokens))
+    keys = compute_block_hashes(request.prompt_token_ids[:cut], block_size, spans)
+    return RoutingHints(request.num_prompt_tokens, tuple(keys))
 
 
 def pool_for(num_prompt_tokens: int, long_prompt_threshold: int, pools: Sequence[str]) -> str:

@@ -1,5 +1,5 @@
 """One local Ray cluster and Serve instance for this folder (ray.init(num_cpus=2): what CI's runner has; shut down
-after its last test), with two firsttoken applications on it, started together:
+after its last test), with these firsttoken applications on it, started together:
 
     /affinity   2 engine replicas, --routing affinity, --max-num-seqs 1 (a second request on a replica waits
                 in its queue: an accepted, unstarted request, for the replica-failure test)
@@ -8,11 +8,14 @@ after its last test), with two firsttoken applications on it, started together:
     /pools      --short-replicas 1 --long-replicas 1, --long-prompt-threshold 64, --max-num-seqs 1
     /scale      --replicas 1:2 (autoscaled on queued requests: target 1 per replica, no delays, a 1 s window),
                 --max-num-seqs 1, --max-queued-per-replica 2
+    /tight      1 engine replica, --max-num-seqs 1, --max-queued-per-replica 1 (the pool holds two requests),
+                --block-size 4 (routing keys stop at MAX_PREFIX_BLOCKS x 4 = 16,384 tokens: a prompt that crosses
+                the cut fits the tiny checkpoint's context); ``Fleet.failing()`` fails its requests
 
-Replicas get a quarter CPU and one torch thread each; the tiny random checkpoint (tests/conftest.py). Tests talk to
-the ingress over HTTP (Serve's proxy) with the official openai client or httpx, and order events by what the
-fleet reports (/metrics, /v1/engine/stats), never by time. ``Fleet.paced()`` keeps long requests running while a
-test does what it checks (tests/ray/pacing.py).
+Replicas get a fifth of a CPU (so every fleet at its largest, 9 replicas, fits the 2) and one torch thread each; the
+tiny random checkpoint (tests/conftest.py). Tests talk to the ingress over HTTP (Serve's proxy) with the official
+openai client or httpx, and order events by what the fleet reports (/metrics, /v1/engine/stats), never by time.
+``Fleet.paced()`` keeps long requests running while a test does what it checks (tests/ray/pacing.py).
 """
 
 from __future__ import annotations
@@ -34,11 +37,12 @@ from ray.serve import RunTarget
 
 from firsttoken.cli.serve import serve_config
 from firsttoken.serving.app import FleetOptions, build_application
-from tests.ray.pacing import PaceWhileFlag
+from tests.ray.pacing import FailWhileFlag, PaceWhileFlag
 
 FIRST_PORT = 18600  # ports below are other servers' on shared machines
 STARTUP_TIMEOUT_S = 600.0  # a bound for a hang, not a speed expectation
 LONG_PROMPT_THRESHOLD = 64  # /pools: prompts of this many tokens or more go to the long pool
+TIGHT_BLOCK_SIZE = 4  # /tight's KV block
 
 
 @dataclass(frozen=True)
@@ -46,14 +50,19 @@ class Fleet:
     name: str  # the Serve application
     base_url: str  # http://127.0.0.1:PORT/<name>
     pace_flag: Path  # while it exists, every replica's tokens come slowly (tests/ray/pacing.py)
+    fail_flag: Path | None = None  # while it exists, every request fails on a replica (the fleets whose hook has it)
 
     @contextmanager
     def paced(self) -> Iterator[None]:
-        self.pace_flag.touch()
-        try:
+        with _flag(self.pace_flag):
             yield
-        finally:
-            self.pace_flag.unlink(missing_ok=True)
+
+    @contextmanager
+    def failing(self) -> Iterator[None]:
+        if self.fail_flag is None:
+            raise ValueError(f"the {self.name} fleet's replicas have no failure hook")
+        with _flag(self.fail_flag):
+            yield
 
     def client(self, **kw) -> openai.OpenAI:
         return openai.OpenAI(base_url=f"{self.base_url}/v1", api_key="unused", max_retries=0, **kw)
@@ -86,6 +95,15 @@ class Fleet:
         self.wait_for("the fleet to be idle", idle)
 
 
+@contextmanager
+def _flag(path: Path) -> Iterator[None]:
+    path.touch()
+    try:
+        yield
+    finally:
+        path.unlink(missing_ok=True)
+
+
 def _free_port() -> int:
     for port in range(FIRST_PORT, FIRST_PORT + 200):
         with socket.socket() as s:
@@ -100,13 +118,14 @@ def _free_port() -> int:
 @pytest.fixture(scope="package")
 def fleets(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Fleet]]:
     port = _free_port()
-    flag = tmp_path_factory.mktemp("pace") / "slow"
+    flags = tmp_path_factory.mktemp("flags")
+    flag, fail_flag = flags / "slow", flags / "fail"
     ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)  # never a running one
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     config = serve_config(model=str(tiny_model_dir), dtype="float32", kv_cache_memory=16 * 2**20,
                           max_batched_tokens=256, served_model_name="tiny", step_time_target="off", num_threads=1,
                           max_num_seqs=1)
-    small = {"replica_cpus": 0.25}
+    small = {"replica_cpus": 0.2}
     hook = PaceWhileFlag(str(flag))
     apps = {
         "affinity": build_application(config, FleetOptions(replicas=2, routing="affinity", **small), hook),
@@ -118,10 +137,14 @@ def fleets(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> It
         "scale": build_application(config, FleetOptions(
             replicas="1:2", max_queued_per_replica=2, autoscale_target_queued=1, upscale_delay_s=0,
             downscale_delay_s=0, autoscale_window_s=1, **small), hook),
+        "tight": build_application(replace(config, engine=replace(config.engine, cache=replace(
+            config.engine.cache, block_size=TIGHT_BLOCK_SIZE))),
+            FleetOptions(replicas=1, max_queued_per_replica=1, **small), FailWhileFlag(str(fail_flag), hook)),
     }
     try:
         serve.run_many([RunTarget(app, name=name, route_prefix=f"/{name}") for name, app in apps.items()])
-        fleets = {name: Fleet(name, f"http://127.0.0.1:{port}/{name}", flag) for name in apps}
+        fleets = {name: Fleet(name, f"http://127.0.0.1:{port}/{name}", flag, fail_flag if name == "tight" else None)
+                  for name in apps}
         for fleet in fleets.values():
             fleet.wait_for(f"{fleet.name} to be healthy", lambda f=fleet: f.get("/health").status_code == 200,
                            STARTUP_TIMEOUT_S)
@@ -149,3 +172,8 @@ def pools_fleet(fleets: dict[str, Fleet]) -> Fleet:
 @pytest.fixture(scope="package")
 def scale_fleet(fleets: dict[str, Fleet]) -> Fleet:
     return fleets["scale"]
+
+
+@pytest.fixture(scope="package")
+def tight_fleet(fleets: dict[str, Fleet]) -> Fleet:
+    return fleets["tight"]

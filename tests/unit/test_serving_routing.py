@@ -14,8 +14,10 @@ from firsttoken.cli.serve import serve_config
 from firsttoken.serving.app import FleetOptions, ReplicaCount
 from firsttoken.serving.fleet import sum_stats
 from firsttoken.serving.metrics import merge_expositions
+from firsttoken.kv.prefix_cache import ImageSpan, compute_block_hashes
 from firsttoken.serving.routing import (
     LONG_POOL,
+    MAX_PREFIX_BLOCKS,
     SHORT_POOL,
     SINGLE_POOL,
     PrefixMemory,
@@ -25,14 +27,33 @@ from firsttoken.serving.routing import (
     rank_replicas,
     routing_hints,
 )
-from firsttoken.types import EngineRequest, EngineStats, SamplingParams
+from firsttoken.types import EngineRequest, EngineStats, ImageItem, SamplingParams
 
 BLOCK = 16
+CUT_TOKENS = MAX_PREFIX_BLOCKS * BLOCK  # 65,536: the most prompt tokens routing keys cover
+IMAGE_TOKEN = 99  # every image's placeholder id: only the content hash tells two pictures apart
 
 
 def _request(ids: list[int]) -> EngineRequest:
     return EngineRequest("r", tuple(ids), (), torch.zeros(3, len(ids), dtype=torch.int64), 0,
                          SamplingParams(max_tokens=1), 0.0, 0.0)
+
+
+def _image_request(num_tokens: int, images: list[tuple[str, int, int]]) -> EngineRequest:
+    """A prompt of ``num_tokens`` with images given as (content hash, offset, visual tokens)."""
+    ids = [1 + i % 50 for i in range(num_tokens)]
+    items = []
+    for content_hash, offset, n in images:
+        ids[offset : offset + n] = [IMAGE_TOKEN] * n
+        items.append(ImageItem(content_hash, offset, n, (1, 2, 2 * n), (), None))
+    return EngineRequest("r", tuple(ids), tuple(items), torch.zeros(3, num_tokens, dtype=torch.int64), 0,
+                         SamplingParams(max_tokens=1), 0.0, 0.0)
+
+
+def _replica_keys(request: EngineRequest) -> list:
+    """The keys a replica's prefix cache gives the prompt's blocks: over the whole prompt, every image in."""
+    spans = [ImageSpan(im.content_hash, im.offset, im.num_tokens) for im in request.images]
+    return compute_block_hashes(request.prompt_token_ids, BLOCK, spans)
 
 
 def _loads(*in_flight: int, capacity: int = 4) -> list[ReplicaLoad]:
@@ -46,6 +67,28 @@ def test_a_follow_up_turn_shares_the_prefix_keys_of_the_turn_before() -> None:
     assert len(first.prefix_keys) == 2 and len(follow_up.prefix_keys) == 4  # full blocks only
     assert follow_up.prefix_keys[:2] == first.prefix_keys
     assert not set(other.prefix_keys) & set(first.prefix_keys)  # keys are chained: one token changes them all
+
+
+@pytest.mark.parametrize(("images", "num_keys"), [
+    ([("before", 64_000, 1_000)], MAX_PREFIX_BLOCKS),  # the image ends before the cut: its blocks are keyed
+    ([("straddles", 65_000, 1_000)], 65_000 // BLOCK),  # issue 37: cut before it, at the last block of text
+    ([("after", 65_600, 400)], MAX_PREFIX_BLOCKS),  # it starts past the cut: the keys are the text's before it
+    ([("before", 100, 64), ("straddles", 65_400, 300), ("after", 65_800, 200)], 65_400 // BLOCK),
+])
+def test_routing_keys_at_the_cut_are_the_replicas_own_keys(images: list, num_keys: int) -> None:
+    request = _image_request(66_000, images)
+    keys = routing_hints(request, BLOCK).prefix_keys
+    assert len(keys) == num_keys <= CUT_TOKENS // BLOCK
+    # every key names a block exactly as the replica caches it: none covers part of an image keyed as text
+    assert list(keys) == _replica_keys(request)[:num_keys]
+
+
+def test_a_different_image_before_the_cut_changes_the_keys_from_its_first_block() -> None:
+    one = routing_hints(_image_request(66_000, [("cat", 64_000, 1_000)]), BLOCK).prefix_keys
+    other = routing_hints(_image_request(66_000, [("dog", 64_000, 1_000)]), BLOCK).prefix_keys
+    first_image_block = 64_000 // BLOCK
+    assert one[:first_image_block] == other[:first_image_block]
+    assert one[first_image_block] != other[first_image_block]
 
 
 def test_affinity_prefers_the_replica_that_got_the_prefix_while_it_has_room() -> None:
