@@ -10,6 +10,9 @@
 - body deadline: the whole body must arrive within ``body_timeout_s`` of the request's headers, else 408 and
   the connection is closed (h11 has no timeout of its own: a chunked body without its terminator would hold
   the connection and its task forever). Only reads of the body are timed; waiting for a disconnect is not;
+- these refusals (400, 415, 413, 408) go out with ``Connection: close`` while the client may still be sending
+  its body; the protocol (api/http_protocol.py) then reads and discards the rest, within bounds, before it
+  closes (a lingering close), so a client that writes its whole body before reading still reads the answer;
 - last resort: an exception no handler took becomes a generic 500 (no trace, no addresses); the traceback
   goes to the server log with the request id.
 """

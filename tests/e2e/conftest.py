@@ -17,7 +17,7 @@ import pytest
 import uvicorn
 from PIL import Image, ImageDraw
 
-from firsttoken.api.http_protocol import header_timeout_protocol
+from firsttoken.api.http_protocol import LingerBounds, header_timeout_protocol
 from firsttoken.cli.serve import build_server, serve_config
 
 
@@ -69,8 +69,10 @@ def _free_port() -> int:
 
 
 def start_server(
-    model_dir: Path, fault_hook=None, media_network=None, **overrides
+    model_dir: Path, fault_hook=None, media_network=None, linger: LingerBounds = LingerBounds(), **overrides
 ) -> tuple[LiveServer, uvicorn.Server, threading.Thread]:
+    """A server on a free loopback port, run as `serve` runs it; `linger` replaces the bounds of its lingering
+    close (`serve` uses LingerBounds' defaults), so a test can pass the byte bound with a few MiB."""
     port = _free_port()
     # step_time_target off: steps budgeted in tokens, so the tests that assert the order of events do not depend on
     # this machine's speed (time-bounded steps are tested with a fixed cost model in tests/unit/test_time_bound.py,
@@ -80,8 +82,9 @@ def start_server(
     config = serve_config(**{**options, **overrides})
     app, engine = build_server(config, fault_hook=fault_hook, media_network=media_network)
     engine.start()
+    protocol = header_timeout_protocol(config.server.request_header_timeout_s, linger)
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",  # as serve runs it:
-                                           http=header_timeout_protocol(config.server.request_header_timeout_s)))
+                                           http=protocol))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     base = f"http://127.0.0.1:{port}"
