@@ -54,6 +54,11 @@ class LingerBounds:
     total_s: float = 30.0  # seconds from the response to the close, at most
     idle_s: float = 5.0  # seconds without a byte after which the client is taken to be done (or gone)
 
+    @classmethod
+    def for_body_limit(cls, max_request_bytes: int) -> LingerBounds:
+        """The default bounds, reading at least four times a server's ``--max-request-bytes`` after a refusal."""
+        return cls(max_bytes=max(cls.max_bytes, 4 * max_request_bytes))
+
     def __post_init__(self) -> None:
         if not self.max_bytes >= 0:
             raise ValueError("LingerBounds.max_bytes must be >= 0")

@@ -112,7 +112,7 @@ def run(args: argparse.Namespace) -> int:
     import torch
     import uvicorn
 
-    from firsttoken.api.http_protocol import header_timeout_protocol
+    from firsttoken.api.http_protocol import LingerBounds, header_timeout_protocol
     from firsttoken.api.logs import configure_logging
     from firsttoken.api.shutdown import DrainingServer
     from firsttoken.cli.serve_checks import check_serve_config, flag_error
@@ -139,7 +139,8 @@ def run(args: argparse.Namespace) -> int:
     async_engine.start()
     log.info("serving on http://%s:%d", server_cfg.host, server_cfg.port)
     uv = uvicorn.Config(app, host=server_cfg.host, port=server_cfg.port, log_level=server_cfg.log_level.lower(),
-                        http=header_timeout_protocol(server_cfg.request_header_timeout_s),
+                        http=header_timeout_protocol(server_cfg.request_header_timeout_s,
+                                                     LingerBounds.for_body_limit(server_cfg.max_request_bytes)),
                         timeout_graceful_shutdown=1,  # after our own drain: cancel (abort) what is left
                         log_config=None)  # uvicorn's loggers propagate to ours (text or json, with request ids)
     server = DrainingServer(uv, async_engine, app.state.slots, server_cfg.shutdown_timeout_s)

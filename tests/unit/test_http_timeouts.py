@@ -73,3 +73,10 @@ def test_complete_headers_and_a_body_that_never_ends_get_408(server: int) -> Non
 def test_the_protocol_refuses_a_nonsense_deadline() -> None:
     with pytest.raises(ValueError):
         header_timeout_protocol(0)
+
+
+def test_the_linger_byte_bound_follows_a_large_body_limit() -> None:
+    from firsttoken.api.http_protocol import LingerBounds
+
+    assert LingerBounds.for_body_limit(64 * 2**20).max_bytes == LingerBounds().max_bytes == 256 * 2**20
+    assert LingerBounds.for_body_limit(2**30).max_bytes == 4 * 2**30  # a 1 GiB limit still gets its 413 read

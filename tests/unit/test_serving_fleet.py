@@ -149,3 +149,43 @@ def test_lane_pools_take_prompts_by_counted_length() -> None:
     assert _collect(fleet, _request(THRESHOLD - 1))[0].new_text == "s"
     assert _collect(fleet, _request(THRESHOLD))[0].new_text == "l"
     assert fleet.check_admission(PromptWork(THRESHOLD)).lane == LONG_POOL
+
+
+def test_a_request_that_fails_before_its_stream_starts_gives_its_place_back() -> None:
+    # anything that raises inside generate (here the handle itself, before any stream exists) used to leave the
+    # in-flight count one higher per failure, until the pool refused everyone with 429 for ever
+    class BrokenHandle(FakeHandle):
+        def remote(self, request, hints=None):
+            raise RuntimeError("serve handle broke")
+
+    fleet = _fleet({SINGLE_POOL: BrokenHandle([])}, capacity=1, replicas=2)
+    for i in range(10):
+        assert fleet.check_admission(PromptWork(40), f"r{i}").admitted
+        try:
+            _collect(fleet, _request(rid=f"r{i}"))
+        except RuntimeError:
+            pass
+        else:
+            raise AssertionError("the broken handle did not raise")
+    pool = fleet.pools[SINGLE_POOL]
+    assert pool.num_in_flight == 0 and not pool.reservations
+    assert all(fleet.check_admission(PromptWork(40), f"after{i}").admitted for i in range(2))  # the limit is 2
+
+
+def test_an_image_across_the_routing_cut_is_routed_on_the_prefix_before_it() -> None:
+    # 66,000 tokens with an image at 65,000: the hints' cut (4096 blocks of 16) falls inside the image. Its hashing
+    # used to raise before the in-flight count's try, so the client got a 400 and the place leaked.
+    from firsttoken.serving.routing import MAX_PREFIX_BLOCKS
+    from firsttoken.types import ImageItem
+
+    n, offset = 66_000, 65_000
+    ids = list(range(1, n + 1))
+    ids[offset : offset + 1000] = [99] * 1000
+    image = ImageItem("photo", offset, 1000, (1, 2, 2000), (), None)
+    request = EngineRequest("r", tuple(ids), (image,), torch.zeros(3, n, dtype=torch.int64), 0,
+                            SamplingParams(max_tokens=4), 0.0, 0.0)
+    handle = FakeHandle([[_out("a", finished=True)]])
+    fleet = _fleet({SINGLE_POOL: handle})
+    assert [o.new_text for o in _collect(fleet, request)] == ["a"]
+    assert len(handle.hints[0].prefix_keys) == offset // 16 < MAX_PREFIX_BLOCKS  # the blocks before the image
+    assert fleet.pools[SINGLE_POOL].num_in_flight == 0
