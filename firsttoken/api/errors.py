@@ -91,8 +91,14 @@ def error_body(status_code: int, message: str, param: str | None = None) -> dict
     return ErrorResponse(error=info).model_dump()
 
 
-def error_response(status_code: int, message: str, param: str | None = None) -> JSONResponse:
-    return JSONResponse(error_body(status_code, message, param), status_code=status_code)
+def error_response(status_code: int, message: str, param: str | None = None, retry_after_s: float | None = None,
+                   headers: dict[str, str] | None = None) -> JSONResponse:
+    """The error in OpenAI's shape. Every 429 says when to come back (``Retry-After``, whole seconds, at least
+    RETRY_AFTER_S): clients that honour it (the openai client does) would otherwise guess."""
+    response = JSONResponse(error_body(status_code, message, param), status_code=status_code, headers=headers)
+    if status_code == 429 and "retry-after" not in response.headers:
+        response.headers["Retry-After"] = str(max(RETRY_AFTER_S, math.ceil(retry_after_s or 0)))
+    return response
 
 
 def validation_error_message(exc: RequestValidationError) -> tuple[str, str | None]:
@@ -163,11 +169,8 @@ def install_error_handlers(app: FastAPI) -> None:
     async def _admission(request: Request, exc: AdmissionRefused) -> JSONResponse:
         verdict = exc.verdict
         request.scope[REJECT_REASON_KEY] = verdict.reason
-        response = error_response(verdict.status, verdict.message, "messages" if verdict.status == 400 else None)
-        if verdict.status == 429:
-            wait = verdict.retry_after_s
-            response.headers["Retry-After"] = str(max(RETRY_AFTER_S, math.ceil(wait)) if wait else RETRY_AFTER_S)
-        return response
+        return error_response(verdict.status, verdict.message, "messages" if verdict.status == 400 else None,
+                              verdict.retry_after_s)
 
     @app.exception_handler(ImageInputError)
     async def _image(request: Request, exc: ImageInputError) -> JSONResponse:
@@ -179,4 +182,4 @@ def install_error_handlers(app: FastAPI) -> None:
         messages = {404: "not found", 405: "method not allowed", 413: "request body too large"}
         detail = exc.detail if isinstance(exc, HTTPRefusal) else None
         message = detail or messages.get(exc.status_code, "request failed")
-        return JSONResponse(error_body(exc.status_code, message), status_code=exc.status_code, headers=exc.headers)
+        return error_response(exc.status_code, message, headers=exc.headers)

@@ -35,7 +35,7 @@ _REQUEST_HISTOGRAMS: tuple[tuple[str, str, str], ...] = (
     ("ttft_s", "firsttoken_time_to_first_token_seconds",
      "Arrival to the first content byte handed to the transport (the sum of the phases)."),
     ("itl_s", "firsttoken_inter_token_latency_seconds", "Time between consecutive output tokens of a request."),
-    ("e2e_s", "firsttoken_e2e_request_latency_seconds", "Arrival to the engine finishing the request."),
+    ("e2e_s", "firsttoken_e2e_request_latency_seconds", "Arrival to the engine finishing the request (never before its first byte)."),
     ("prompt_tokens", "firsttoken_request_prompt_tokens", "Prompt tokens per request, visual tokens included."),
     ("visual_tokens", "firsttoken_request_visual_tokens", "Visual (image) tokens per request."),
     ("output_tokens", "firsttoken_request_generation_tokens", "Generated tokens per request."),

@@ -46,7 +46,8 @@ class Timeline:
         return self.engine.num_cached_prompt_tokens
 
     def phases(self) -> dict[str, float]:
-        """Seconds per phase, from arrival to the first byte (missing marks collapse to the previous one)."""
+        """Seconds per phase, from arrival to the first byte (missing marks collapse to the previous one, a mark
+        earlier than the one before counts from it: every phase is >= 0 and they add up to ``ttft_s``)."""
         e = self.engine
         marks = [
             ("preprocess", self.preprocessed_s),
@@ -65,8 +66,17 @@ class Timeline:
         return out
 
     def ttft_s(self) -> float | None:
-        end = self.first_byte_s or self.engine.first_token_s
-        return None if end is None else end - self.arrival_s
+        """Arrival to the first byte sent (to the first token where nothing was sent): the phases' sum."""
+        if (self.first_byte_s or self.engine.first_token_s) is None:
+            return None
+        return sum(self.phases().values())
+
+    def e2e_s(self) -> float | None:
+        """Arrival to the request's end: the engine finishing it, and never before its first byte (a response sent
+        whole is built after the engine finished), so ``e2e_s >= ttft_s`` whenever both exist."""
+        if self.engine.finished_s is None:
+            return None
+        return max(self.engine.finished_s - self.arrival_s, self.ttft_s() or 0.0)
 
     def to_dict(self) -> dict[str, float | int | None]:
         """The per-request timing report returned to clients and written to the request log."""
@@ -76,7 +86,7 @@ class Timeline:
             "ttft_s": self.ttft_s(),
             "predicted_ttft_s": self.predicted_ttft_s,
             **{f"{k}_s": v for k, v in phases.items()},
-            "e2e_s": None if e.finished_s is None else e.finished_s - self.arrival_s,
+            "e2e_s": self.e2e_s(),
             "encoder_compute_s": e.encoder_s,
             "prefill_steps": e.num_prefill_steps,
             "shared_prefill_steps": e.num_shared_prefill_steps,

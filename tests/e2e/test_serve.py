@@ -38,9 +38,32 @@ def test_usage_counts_image_tokens_and_reports_phase_timings_that_sum_to_ttft(li
     # 112x112 -> 8x8 patches -> 16 visual tokens, plus <|vision_start|> and <|vision_end|>
     assert with_image.usage.prompt_tokens - text_only.usage.prompt_tokens == 16 + 2
     timings = with_image.usage.model_extra["firsttoken"]
-    phases = ["preprocess_s", "queue_s", "encode_s", "prefill_s", "sample_s", "send_s"]
-    assert sum(timings[p] for p in phases) == pytest.approx(timings["ttft_s"], abs=1e-6)
+    assert sum(timings[p] for p in PHASES) == pytest.approx(timings["ttft_s"], abs=1e-6)
     assert timings["images_encoded"] + timings["encoder_cache_hits"] >= 1 or timings["cached_prompt_tokens"] > 0
+
+
+PHASES = ("preprocess_s", "queue_s", "encode_s", "prefill_s", "sample_s", "send_s")
+
+
+@pytest.mark.parametrize("route", ["chat", "completions"])
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+@pytest.mark.parametrize("max_tokens", [1, 4])
+def test_a_timeline_is_monotone_on_every_route(live_server: LiveServer, route, stream, max_tokens):
+    # (e2e_s was once smaller than ttft_s: a response sent whole is built after the engine finished)
+    client = live_server.client()
+    kw = dict(model=live_server.model, max_tokens=max_tokens, temperature=0.0, stream=stream,
+              **({"stream_options": {"include_usage": True}} if stream else {}))
+    for _ in range(3):
+        if route == "chat":
+            out = client.chat.completions.create(messages=image_message("Describe it.", make_image(56, 56)), **kw)
+        else:
+            out = client.completions.create(prompt="Once upon a time", **kw)
+        usage = [c.usage for c in out if c.usage][-1] if stream else out.usage
+        t = usage.model_extra["firsttoken"]
+        assert all(t[p] >= 0 for p in PHASES), t
+        assert sum(t[p] for p in PHASES) == pytest.approx(t["ttft_s"], abs=1e-9)
+        assert 0 < t["ttft_s"] <= t["e2e_s"], t
+    live_server.wait_idle()
 
 
 def test_greedy_output_is_the_same_alone_and_batched_with_seven_others(live_server: LiveServer):

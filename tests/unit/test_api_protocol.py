@@ -579,7 +579,9 @@ def test_requests_over_the_concurrency_cap_get_429(processor: InputProcessor) ->
             with http.stream("POST", f"{url}/v1/chat/completions", json=body) as r:
                 lines = r.iter_lines()
                 next(lines)
-                error_of(http.post(f"{url}/v1/chat/completions", json=body), 429)
+                refused = http.post(f"{url}/v1/chat/completions", json=body)
+                error_of(refused, 429)
+                assert refused.headers["retry-after"] == "1"  # as the queue-full 429: clients honour it
             assert engine.abort_called.wait(5)
             engine.script = Script(pieces=("ok",))
             deadline = time.monotonic() + 5  # the slot comes back once the first stream is closed
