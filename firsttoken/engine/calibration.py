@@ -4,7 +4,9 @@ Before the first client arrives, the engine prefills random-token prompts of a f
 steps of different sizes, then decode-only steps), then all of them plus a small synthetic image together (mixed
 steps with encoder work). Every step is timed and fitted as any other step; the fit becomes the cost model's
 prior, so the time bound and predicted TTFTs are sensible from the first request and keep adapting afterwards.
-Costs a few seconds on the small checkpoint. The requests leave nothing behind but evictable cache blocks.
+Costs a few seconds on the small checkpoint. Calibration feeds the cost model only: its steps and requests reach no
+observer (metrics, /stats, the request log), and afterwards the engine's counters, its prefix cache and its
+encoder cache are as a fresh engine's (``LLMEngine.forget_traffic``).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import time
 
 import torch
 
+from firsttoken.metrics.stats import NullObserver
 from firsttoken.models.registry import family_named
 from firsttoken.types import EngineRequest, ImageItem, SamplingParams
 
@@ -28,6 +31,7 @@ def calibrate(engine) -> None:  # engine: LLMEngine (not imported: engine.py imp
     start = time.monotonic()
     scheduler, model = engine.scheduler, engine.scheduler.cost_model
     scheduler.calibrating = True  # token budgets only while the model learns
+    observer, engine.observer = engine.observer, NullObserver()
     try:
         _run(engine, [_request(engine, "calibrate-warmup", calibration_requests(engine, 2)[0].prompt_token_ids[:16],
                                ())])
@@ -40,6 +44,8 @@ def calibrate(engine) -> None:  # engine: LLMEngine (not imported: engine.py imp
         model.prior = model.coef.copy()
     finally:
         scheduler.calibrating = False
+        engine.forget_traffic()
+        engine.observer = observer
     log.info("step-cost model calibrated in %.1f s: %s", time.monotonic() - start,
              {k: f"{v:.3g}" for k, v in engine.scheduler.cost_model.fit().as_dict().items()})
 

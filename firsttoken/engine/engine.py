@@ -161,6 +161,16 @@ class LLMEngine:
 
         calibrate(self)
 
+    def forget_traffic(self) -> None:
+        """Back to a fresh engine's counts and caches, keeping the cost model (after start-up calibration, whose
+        synthetic requests no operator-facing count may include). Only between requests."""
+        if self.requests:
+            raise RuntimeError("forget_traffic with requests in flight")
+        self.scheduler.forget_traffic()
+        self.num_images_encoded = 0
+        while self.has_unfinished() or self.scheduler.encoder_cache.has_freed:
+            self.step()  # hands the runner what it may drop (finished requests, encoder outputs): bookkeeping only
+
     def _interrupt(self) -> bool:
         pending = self.short_request_pending
         return pending is not None and pending()

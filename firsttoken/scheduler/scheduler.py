@@ -234,6 +234,18 @@ class Scheduler:
         if request.sent_to_runner:
             self._finished_ids.append(request.request_id)
 
+    def forget_traffic(self) -> None:
+        """Counters, cached prefixes and encoder outputs, lane history and the backlog back to a fresh scheduler's;
+        the cost model and its TTFT bias stay. Only with no live request."""
+        self.num_steps = self.num_preemptions = 0
+        self.preemptions_by_reason = {}
+        self.num_short_delayed_by_long = self.num_encoder_interrupts = self.long_wait_steps = 0
+        self._short_prompt_lens.clear()
+        self.backlog = Backlog()
+        self._last_step = _Step()
+        self.kv.forget_traffic()
+        self.encoder_cache.forget_traffic()
+
     @property
     def has_work(self) -> bool:
         return bool(len(self.waiting) or self.running)

@@ -20,6 +20,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from tests.conftest import require_program
 from tests.e2e.conftest import (
@@ -247,3 +248,49 @@ def test_dashboard_in_chromium_plots_what_stats_reports_while_requests_flow(serv
     assert int(page.values["pred-n-all"]) > 0, "the cost model must be fitted after the warm-up traffic"
     assert int(page.values["refused-over-slo"]) == stats["totals"]["refused_over_slo"] == 0
     assert int(page.values["step-predictions"]) <= stats["cost_model"]["step_prediction"]["n"]
+
+
+def test_a_fresh_calibrated_server_reports_no_traffic(tiny_model_dir, tmp_path):
+    # start-up calibration (the default time-bounded steps) runs synthetic requests through the engine: they train
+    # the cost model and nothing else; no count, histogram, window or log line may include them
+    log = tmp_path / "requests.jsonl"
+    live, srv, thread = start_server(tiny_model_dir, step_time_target="auto", request_log=log)
+    try:
+        engine = httpx.get(f"{live.base_url}/v1/engine/stats").json()
+        assert engine["cost_model"], "the server did not calibrate"
+        assert (engine["num_steps"], engine["num_images_encoded"], engine["num_preemptions"]) == (0, 0, 0)
+        assert (engine["kv_blocks_cached"], engine["kv_blocks_used"], engine["encoder_cache_bytes"]) == (0, 0, 0)
+        assert (engine["encoder_cache_hits"], engine["encoder_cache_misses"], engine["prefix_cache_query_tokens"]) \
+            == (0, 0, 0)
+        families = {f.name: f for f in text_string_to_metric_families(httpx.get(f"{live.base_url}/metrics").text)}
+        assert [s.value for s in families["firsttoken_engine_steps"].samples if s.name.endswith("_total")] == [0]
+        assert all(s.value == 0 for s in families["firsttoken_requests"].samples)
+        assert all(s.value == 0 for s in families["firsttoken_time_to_first_token_seconds"].samples
+                   if s.name.endswith("_count"))
+        stats = httpx.get(f"{live.base_url}/stats").json()
+        assert stats["classes"]["all"]["count"] == 0
+        assert not log.exists() or log.read_text() == ""
+        # and the first real request is the first one counted
+        c = openai.OpenAI(base_url=f"{live.base_url}/v1", api_key="x", max_retries=0)
+        c.completions.create(model=live.model, prompt="Hello", max_tokens=2)
+        live.wait_idle()
+        assert len(log.read_text().splitlines()) == 1
+        assert httpx.get(f"{live.base_url}/stats").json()["classes"]["all"]["count"] == 1
+    finally:
+        stop_server(srv, thread, live.engine)
+
+
+def test_calibration_reaches_no_observer(tiny_model_dir):
+    # a Ray replica's recorder counts finished requests at once (no grace period): calibration's must never reach it
+    from firsttoken.config import EngineConfig
+    from firsttoken.engine.engine import LLMEngine
+    from firsttoken.inputs.processor import load_tokenizer
+    from firsttoken.metrics.recorder import Recorder
+
+    recorder = Recorder(grace_s=0.0)
+    engine = LLMEngine(tiny_model_dir, EngineConfig(dtype="float32"), load_tokenizer(tiny_model_dir), observer=recorder)
+    engine.calibrate()
+    snap = recorder.snapshot()
+    assert engine.scheduler.cost_model.is_trained
+    assert snap.counters["steps"] == 0 and sum(snap.requests.values()) == 0
+    assert engine.stats().num_steps == 0 and engine.executor.encoder_cache_bytes == 0
