@@ -479,6 +479,13 @@ def render_table(rows: dict[str, tuple[int, str]]) -> str:
         "is answered. Every route that takes a conversation (`/v1/chat/completions`, `/tokenize`) validates it the",
         "same way, so no body is a 400 on one route and a 500 on another.",
         "",
+        "A refusal decided before the body is read (413 by `Content-Length`, 415, 400 for both framing headers) or",
+        "while it streams in (413, 408) is sent while the client may still be writing: the server then reads and",
+        "discards the rest of the body (a lingering close, as nginx does; bounded by 5 s idle, 30 s and 256 MiB or",
+        "four times `--max-request-bytes`) before it closes, so a client that writes its whole body before reading",
+        "(Python's `http.client`) still reads the answer (tests/e2e/test_early_refusals.py; docs/inputs.md).",
+        "Every 429 carries `Retry-After`.",
+        "",
         "| input | status | message |",
         "|---|---|---|",
     ]
