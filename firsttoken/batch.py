@@ -143,6 +143,7 @@ class RunnerOutput:
     encoder_done_s: dict[str, float] = field(default_factory=dict)  # request_id -> monotonic end of its encodes
     forward_done_s: float = 0.0  # monotonic time the forward pass finished (before sampling)
     sample_done_s: float = 0.0
+    forward_s: float = 0.0  # seconds of the step's batched forward: packing its inputs, the model, logits, sampling
 
     def merged(self, late: "RunnerOutput") -> "RunnerOutput":
         """This step's output with what its deferred encoder work (``Executor.finish_step``) reported after it."""

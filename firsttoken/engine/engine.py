@@ -10,7 +10,7 @@ import logging
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -147,6 +147,7 @@ class LLMEngine:
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._arrivals = 0
         self.num_images_encoded = 0  # images the vision tower ran for (cache misses that were computed)
+        self._busy_s = 0.0  # seconds spent inside step(), since start
         weights = {"fp16": "; language model linear layers: float16 weights (FBGEMM)",
                    "int8": "; language model and vision tower linear layers: int8 weights, each input row quantized "
                            "with its own scale",
@@ -188,6 +189,7 @@ class LLMEngine:
             raise ValueError(verdict.message)
         detok = IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids, request.sampling.stop)
         req = Request(request, self._arrivals)  # everything that can fail is built before anything is registered
+        req.busy_mark_s, req.steps_mark = self._busy_s, self.scheduler.num_steps
         self._arrivals += 1
         self.requests[request.request_id] = req
         self._detok[request.request_id] = detok
@@ -211,6 +213,12 @@ class LLMEngine:
         as its tokens are sampled, before the encoder work the runner left for after them (interruptible long-lane
         units: no chunk of this step needs them); what comes after (failures of that work) is returned."""
         step_start = time.monotonic()
+        try:
+            return self._step(step_start, deliver)
+        finally:
+            self._busy_s += time.monotonic() - step_start
+
+    def _step(self, step_start: float, deliver: Callable[[list[RequestOutput]], None] | None) -> list[RequestOutput]:
         expired = self._expire()
         batch = self.scheduler.schedule()
         if batch.is_empty:
@@ -239,7 +247,17 @@ class LLMEngine:
             duration_s = time.monotonic() - step_start
             self.scheduler.cost_model.observe(features, duration_s)
             self._observe_step(batch, result, step_start, duration_s, predicted_s)
+            self._account(batch, result, duration_s)
         return outputs
+
+    def _account(self, batch: ScheduledBatch, result: RunnerOutput, duration_s: float) -> None:
+        """The step's time for each request that had work in it and has no first token yet."""
+        with_chunk = {c.request_id for c in batch.chunks}
+        for rid in with_chunk | {w.request_id for w in batch.encoder_work}:
+            req = self.requests.get(rid)
+            if req is not None and req.stats.first_token_s is None:
+                req.own_steps_s += duration_s
+                req.own_forward_s += result.forward_s if rid in with_chunk else 0.0
 
     def _fail_batch(self, batch: ScheduledBatch) -> list[RequestOutput]:
         """Last resort when the runner itself broke: fail the batch's requests, forget the step's encoder work (the
@@ -301,7 +319,7 @@ class LLMEngine:
                 continue
             self._note_timing(req, chunk, result, step_start, shared)
             if req.request_id in result.sampled:
-                outputs.append(self._append_token(req, result.sampled[req.request_id], result))
+                outputs.append(self._append_token(req, result.sampled[req.request_id], result, step_start))
         return outputs
 
     def _note_timing(
@@ -316,8 +334,10 @@ class LLMEngine:
         if chunk.end >= req.num_prompt_tokens:
             req.stamp("prefill_done_s", result.forward_done_s)
 
-    def _append_token(self, req: Request, token_id: int, result: RunnerOutput) -> RequestOutput:
+    def _append_token(self, req: Request, token_id: int, result: RunnerOutput, step_start: float) -> RequestOutput:
         req.output_token_ids.append(token_id)
+        if req.stats.first_token_s is None:
+            self._account_first_token(req, result, step_start)
         req.stamp("first_token_s", result.sample_done_s)
         er = req.engine_request
         if len(req.output_token_ids) == 1 and er.predicted_ttft_s is not None:  # the prediction learns its error
@@ -352,6 +372,21 @@ class LLMEngine:
             num_output_tokens=len(req.output_token_ids),
             logprobs=(logprob,) if logprob is not None else (),
             stats=req.stats,
+        )
+
+    def _account_first_token(self, req: Request, result: RunnerOutput, step_start: float) -> None:
+        """Where the engine's time went from the request's arrival here to this first token (the step in flight
+        counts up to its sampling): its encoder work, its forwards, the rest of its steps, others' steps, idle."""
+        own_s = req.own_steps_s + (result.sample_done_s - step_start)
+        forward_s = req.own_forward_s + result.forward_s
+        busy_before_s = self._busy_s - req.busy_mark_s  # steps completed since it arrived
+        req.stats = replace(
+            req.stats,
+            num_steps_to_first_token=self.scheduler.num_steps - req.steps_mark,
+            forward_s=forward_s,
+            step_overhead_s=max(own_s - req.stats.encoder_s - forward_s, 0.0),
+            other_steps_s=max(busy_before_s - req.own_steps_s, 0.0),
+            engine_idle_s=max(step_start - req.queued_s - busy_before_s, 0.0),
         )
 
     def _fail(self, req: Request, message: str, status: int = 500) -> RequestOutput:

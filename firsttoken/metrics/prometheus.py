@@ -123,6 +123,15 @@ class FirsttokenCollector:
                          {(): s.step_duration_s})  # fmt: skip
         yield _histogram("firsttoken_step_time_prediction_ratio", "The step-cost model's predicted / actual step "
                          "time (1 = exact).", [], {(): s.step_prediction_ratio})  # fmt: skip
+        parts = CounterMetricFamily(
+            "firsttoken_first_token_engine_seconds", "Engine seconds from each answered request's arrival in the "
+            "engine to its first token, by part: encoder (its vision-tower work), forward (forwards carrying its "
+            "chunks), step_overhead (the rest of its steps), other_steps (steps without its work), idle (between "
+            "steps); per image class.", labels=["images", "part"],
+        )  # fmt: skip
+        for (images, part), seconds in sorted(s.first_token_engine_s.items()):
+            parts.add_metric([images, part], seconds)
+        yield parts
         yield _histogram("firsttoken_ttft_prediction_ratio", "Predicted TTFT at admission / measured TTFT, per "
                          "image class (1 = exact).", ["images"], {(k,): h for k, h in s.ttft_prediction_ratio.items()})
         yield _counter("firsttoken_image_budget_lowered", "Requests whose visual-token budget was lowered to meet "

@@ -106,6 +106,7 @@ class RecorderSnapshot:
     last_step: StepStats | None
     step_prediction_ratio: Histogram  # the step-cost model's predicted / actual step time
     ttft_prediction_ratio: dict[str, Histogram]  # image class -> predicted / actual TTFT
+    first_token_engine_s: dict[tuple[str, str], float]  # (image class, part) -> seconds, over answered requests
 
 
 class Recorder:
@@ -136,6 +137,7 @@ class Recorder:
         self._last_step: StepStats | None = None
         self._step_ratio = Histogram(RATIO_BUCKETS)
         self._ttft_ratio: dict[str, Histogram] = {c: Histogram(RATIO_BUCKETS) for c in IMAGE_CLASSES}
+        self._first_token_engine_s = {(c, p): 0.0 for c in IMAGE_CLASSES for p in FIRST_TOKEN_PARTS}
 
     # ---- engine thread ---------------------------------------------------------------------------------
     def on_step(self, stats: StepStats) -> None:
@@ -214,6 +216,7 @@ class Recorder:
                 last_step=self._last_step,
                 step_prediction_ratio=self._step_ratio.copy(),
                 ttft_prediction_ratio={c: h.copy() for c, h in self._ttft_ratio.items()},
+                first_token_engine_s=dict(self._first_token_engine_s),
             )
 
     # ---- internals (lock held) -------------------------------------------------------------------------
@@ -268,6 +271,9 @@ class Recorder:
             measured = float(t["ttft_s"])  # type: ignore[arg-type]
             self._ttft_ratio[r.images].observe(float(predicted) / measured)
             error = abs(float(predicted) - measured) / measured
+        if answered:
+            for part, key in FIRST_TOKEN_PARTS.items():
+                self._first_token_engine_s[(r.images, part)] += float(t.get(key) or 0.0)  # type: ignore[arg-type]
         c = self._counters
         c["image_budget_lowered"] += int("image_budget" in t)
         c["prompt_tokens"] += r.num_prompt_tokens
@@ -291,6 +297,15 @@ class Recorder:
         if self.sink is not None:
             self.sink(r)  # same lock as the window: the log's first `seq` lines are the window's first entries
 
+
+# where the engine's time went before each first token (Timeline.to_dict's accounting): part -> timing key
+FIRST_TOKEN_PARTS: dict[str, str] = {
+    "encoder": "encoder_compute_s",
+    "forward": "forward_s",
+    "step_overhead": "step_overhead_s",
+    "other_steps": "other_steps_s",
+    "idle": "engine_idle_s",
+}
 
 COUNTERS: tuple[str, ...] = (
     "steps",

@@ -94,5 +94,11 @@ class Timeline:
             "encoder_cache_hits": e.num_encoder_cache_hits,
             "cached_prompt_tokens": e.num_cached_prompt_tokens,
             "preemptions": e.num_preemptions,
+            # the engine's time from the request's arrival there to its first token, every second accounted for
+            "steps_to_first_token": e.num_steps_to_first_token,
+            "forward_s": e.forward_s,
+            "step_overhead_s": e.step_overhead_s,
+            "other_steps_s": e.other_steps_s,
+            "engine_idle_s": e.engine_idle_s,
             **({"image_budget": self.image_budget_note} if self.image_budget_note else {}),
         }

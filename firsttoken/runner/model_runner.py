@@ -202,6 +202,7 @@ class ModelRunner:
         timing: dict[str, float] = {}
         sampled: dict[str, int] = {}
         logprobs: dict[str, TokenLogprob] = {}
+        forward_start = time.monotonic()
         if chunks:
             self._step_units += 1  # the forward is work done: the deferred units may all be cut after it
             try:
@@ -225,6 +226,7 @@ class ModelRunner:
             encoder_done_s=enc.done_s,
             forward_done_s=timing.get("forward_done", now),
             sample_done_s=now,
+            forward_s=now - forward_start if chunks else 0.0,
         )
 
     @torch.inference_mode()

@@ -47,6 +47,12 @@ class Request:
     decode_origin_s: float | None = None  # --itl-target: when its first decode step was scheduled (scheduler clock)
     decode_steps: int = 0  # decode steps scheduled since then (its token schedule: origin + k x the target)
     stats: RequestStats = field(default_factory=RequestStats)  # what the engine did for it; outputs carry it
+    # the engine's accounting until the first token (LLMEngine): its busy seconds and steps run when the request
+    # arrived, then the seconds of the steps that carried its work and of their forwards
+    busy_mark_s: float = 0.0
+    steps_mark: int = 0
+    own_steps_s: float = 0.0
+    own_forward_s: float = 0.0
 
     @property
     def request_id(self) -> str:
