@@ -22,12 +22,19 @@ from firsttoken.types import EncoderUnit
 
 
 class StepBudget:
-    def __init__(self, num_tokens: int, seconds: float = math.inf, cost: CostModel | None = None) -> None:
+    def __init__(self, num_tokens: int, seconds: float = math.inf, cost: CostModel | None = None,
+                 whole_images: bool = False) -> None:
+        """``whole_images``: encoder units are neither limited nor charged (a throughput step: images are encoded
+        whole, and the token budget is the prefill chunk's alone)."""
+        self.whole_images = whole_images
         self.total = num_tokens
         self.remaining = num_tokens  # tokens
         self.total_seconds = seconds
         self.seconds = seconds  # predicted seconds left (inf: no time bound)
-        self.cost = cost if cost is not None and cost.is_fitted and math.isfinite(seconds) else None
+        fitted = cost is not None and cost.is_fitted
+        self.cost = cost if fitted and math.isfinite(seconds) else None  # set: grants are bounded in time
+        self.pricer = cost if fitted and (self.cost is not None or whole_images) else None  # what prices grants
+        self.spent_s = 0.0  # predicted seconds taken so far (0 without a pricer)
         self.features = StepFeatures()  # everything taken so far
         self.floor_tokens = 0  # a chunk may always have this many tokens, time or not (progress guarantee)
         self.chunk_seconds = math.inf  # predicted seconds prefill chunks may still take (on top of ``seconds``)
@@ -49,9 +56,9 @@ class StepBudget:
 
     def price(self, features: StepFeatures) -> float:
         """Predicted seconds of adding ``features`` to a step (the per-step constant is paid once, not per item)."""
-        if self.cost is None:
+        if self.pricer is None:
             return 0.0
-        return self.cost.work_s(features)
+        return self.pricer.work_s(features)
 
     def chunk_tokens(self, wanted: int, context: int, samples_at_end: bool) -> int:
         """The most new tokens (<= wanted) of a prefill chunk at ``context`` that fit; 0 when none do."""
@@ -74,6 +81,8 @@ class StepBudget:
     def units(self, units: Sequence[EncoderUnit]) -> int:
         """How many of the leading encoder units fit: by predicted time when time-bounded (the vision tower does not
         use the forward's token budget), else by their token-equivalent cost."""
+        if self.whole_images:
+            return len(units)
         tokens, seconds = self.remaining, self.seconds
         for i, u in enumerate(units):
             if self.cost is None:
@@ -90,10 +99,13 @@ class StepBudget:
         self._take(features, num_new)
 
     def take_units(self, units: Sequence[EncoderUnit]) -> None:
+        charged = self.cost is None and not self.whole_images  # token budgets price the vision tower in tokens
         for u in units:
-            self._take(encoder_units(u.num_patches, u.attention_pairs), 0 if self.cost is not None else u.cost_tokens)
+            self._take(encoder_units(u.num_patches, u.attention_pairs), u.cost_tokens if charged else 0)
 
     def _take(self, features: StepFeatures, tokens: int) -> None:
+        seconds = self.price(features)
         self.remaining -= tokens
-        self.seconds -= self.price(features)
+        self.seconds -= seconds
+        self.spent_s += seconds
         self.features = self.features + features

@@ -70,6 +70,7 @@ class _Step:
     has_long_work: bool = False
     has_short_prefill: bool = False  # a short request's prefill chunk is in this step
     long_held: bool = False  # the long lane had work but yielded this step to short prefills
+    throughput: bool = False  # no decode and no short work: steps sized for throughput, not bounded in time
     full: bool = False  # the step's token budget or time bound was used up
     kv_blocked_ids: set[str] = field(default_factory=set)  # admissions refused for want of KV blocks
     preempted_ids: frozenset[str] = frozenset()
@@ -260,11 +261,18 @@ class Scheduler:
         fcfs = self.config.scheduling == "fcfs"
         target = math.inf if fcfs else self.step_time_target()
         decoding = [r for r in self.running if _is_decoding(r)]
-        if math.isfinite(target) and decoding:
-            target = min(target, self._itl_step_bound(decoding))  # streaming answers' next tokens wait for this step
-        overhead = self.cost_model.coef[0] if math.isfinite(target) else 0.0  # the per-step constant
-        budget = StepBudget(self.config.max_batched_tokens, max(target - overhead, 0.0), self.cost_model)
         step = _Step()
+        if math.isfinite(target) and self.config.step_time_target == "auto" and not decoding and len(self.requests) == 1:
+            # alone, nobody the automatic bound protects is here: a throughput step (whole images, the fastest chunk);
+            # a short request arriving during it cuts its encoder work at the next unit, and the next step is bounded
+            # again (a target given in seconds bounds every step)
+            step.throughput = True
+            budget = StepBudget(self.throughput_chunk_tokens(), cost=self.cost_model, whole_images=True)
+        else:
+            if math.isfinite(target) and decoding:
+                target = min(target, self._itl_step_bound(decoding))  # streaming answers' next tokens wait for it
+            overhead = self.cost_model.coef[0] if math.isfinite(target) else 0.0  # the per-step constant
+            budget = StepBudget(self.config.max_batched_tokens, max(target - overhead, 0.0), self.cost_model)
         for req in decoding:
             if req.status == RequestStatus.RUNNING and budget.remaining > 0:
                 self._schedule_tokens(req, 1, budget, step)
@@ -341,6 +349,14 @@ class Scheduler:
         typical = lens[int(0.9 * (len(lens) - 1))] if lens else self.config.long_prompt_threshold // 2
         # at least twice the per-step constant: a step's work is never less than what running a step costs
         return max(self.cost_model.predict(prefill_chunk(max(typical, 1), 0, True)), 2 * self.cost_model.coef[0])
+
+    def throughput_chunk_tokens(self) -> int:
+        """Prefill tokens a throughput step takes: of the chunk sizes up to --max-batched-tokens (powers of two and
+        the cap), the one the step-cost model prices cheapest per token (its per-step constant paid once per chunk,
+        attention pairs the same in total however a prompt is cut)."""
+        cap = self.config.max_batched_tokens
+        sizes = {cap, *(1 << k for k in range(self.block_size.bit_length() - 1, cap.bit_length()) if 1 << k < cap)}
+        return min(sorted(sizes), key=lambda n: self.cost_model.predict(prefill_chunk(n, 0, False)) / n)
 
     def itl_bound(self) -> float:
         """Seconds a step may take while a request is decoding (inf: no bound of its own). auto: ITL_AUTO_S, never
@@ -543,6 +559,10 @@ class Scheduler:
         if not has_work:
             self.long_wait_steps = 0
             return
+        if step.throughput:
+            served = self._serve_lane(LONG, budget, step, False)
+            self.long_wait_steps = 0 if served else self.long_wait_steps + 1
+            return
         aging = self.long_wait_steps >= self.config.long_max_wait_steps
         if math.isfinite(target):  # time-bounded: fill what the step has left
             idle = not (step.chunks or step.encoder_work)
@@ -582,7 +602,7 @@ class Scheduler:
         and waiting requests alike (a waiting request whose turn has come is admitted before a running one's next
         chunk); in least-work order running prefills first, as before."""
         before = len(step.chunks) + len(step.encoder_work)
-        ordered = lane == LONG and budget.cost is not None
+        ordered = lane == LONG and (budget.cost is not None or budget.whole_images)  # time-bounded or throughput
         running = [r for r in self.running if r.lane == lane and not _is_decoding(r)]
         queue = self.waiting.queues[lane]
         merged = ordered and self.config.long_order == "deadline"
@@ -706,8 +726,10 @@ class Scheduler:
         else:
             end = start + budget.chunk_tokens(wanted, start, samples_at_end=True)
         for index, im in req.images_in(start, end):
-            if not self._encoder_ready_for(req, index, im, budget, step, all_units=whole_prompt or req.lane == SHORT):
-                end = im.offset
+            whole = whole_prompt or req.lane == SHORT or budget.whole_images
+            if not self._encoder_ready_for(req, index, im, budget, step, all_units=whole) or (
+                    budget.whole_images and im.content_hash in step.finishing_hashes):
+                end = im.offset  # (in a throughput step, before an image encoded in it: that work stays interruptible)
                 break
         if req.num_prompt_tokens >= self.config.long_prompt_threshold:
             step.has_long_work = True
@@ -740,9 +762,9 @@ class Scheduler:
             if step.has_short_prefill and not budget.floor_tokens:
                 return False
             num_units = 1
-        before = budget.seconds
+        before = budget.spent_s
         budget.take_units(units[:num_units])
-        step.charge(req.lane, False, before - budget.seconds)
+        step.charge(req.lane, False, budget.spent_s - before)
         finishes = num_units >= len(units)  # progress is recorded from the runner's report, in update()
         step.encoder_work.append(EncoderWork(req.request_id, index, h, start, num_units, finishes))
         step.worked_hashes.add(h)
@@ -757,9 +779,9 @@ class Scheduler:
             return
         start = req.num_computed_tokens
         is_decode = _is_decoding(req)
-        before = budget.seconds
+        before = budget.spent_s
         budget.take_chunk(num_new, start, samples=start + num_new == req.num_tokens, is_decode=is_decode)
-        step.charge(req.lane, is_decode, before - budget.seconds)
+        step.charge(req.lane, is_decode, budget.spent_s - before)
         if req.lane == SHORT and not is_decode:
             step.has_short_prefill = True
         step.scheduled_ids.add(req.request_id)

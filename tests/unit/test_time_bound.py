@@ -439,3 +439,51 @@ def test_itl_target_auto_is_a_fifth_of_a_second_but_at_least_four_step_constants
     assert math.isinf(scheduler(itl_target="auto", scheduling="fcfs").itl_bound())
     with pytest.raises(ValueError, match="itl_target"):
         scheduler(itl_target="fast")
+
+
+# ---- idle means full speed (--step-time-target auto) ---------------------------------------------------------
+
+def test_a_lone_request_runs_throughput_steps_whole_images_and_the_fastest_chunk():
+    # Alone, nobody the automatic bound protects is there: each step prefills the throughput chunk S (the cost
+    # model's cheapest per token; the cap, --max-batched-tokens, under its linear terms) or stops before an image,
+    # which it encodes whole in that step. So a prompt of N tokens and k images takes at most ceil(N / S) + k steps,
+    # against ~N / 110 bounded steps (the target here is 110 ms: 100 tokens' prefill + the 10 ms constant).
+    sched = scheduler(step_time_target="auto", max_batched_tokens=1024)
+    assert sched.throughput_chunk_tokens() == 1024
+    photos = fake_request("photos", prompt_len=3000, max_tokens=1, encoder_depth=4,
+                          images=[("a", 100, 500), ("b", 1000, 500), ("c", 2000, 500)])
+    sched.add(photos)
+    target = sched.step_time_target()
+    steps, bounded = 0, 0
+    while sched.has_work:
+        batch = run_step(sched)
+        steps += 1
+        bounded += predicted(sched, batch) <= target
+        for w in batch.encoder_work:
+            assert (w.start_unit, w.num_units, w.interruptible) == (0, 4, True)  # whole, and a short arrival cuts it
+    assert steps <= math.ceil(3000 / 1024) + 3
+    assert bounded <= 1  # none bounded by the target (the last step may be small)
+
+
+def test_a_request_arriving_mid_way_brings_the_bound_back_within_one_step():
+    sched = scheduler(step_time_target="auto", max_batched_tokens=1024)
+    sched.add(fake_request("doc", prompt_len=4000, max_tokens=1))
+    first = run_step(sched)
+    assert sum(c.num_new_tokens for c in first.chunks) == 1024  # alone: the throughput chunk
+    sched.add(fake_request("chat", prompt_len=60, max_tokens=3, arrival_seq=1))
+    target = sched.step_time_target()
+    while "chat" in sched.requests:
+        batch = run_step(sched)
+        assert predicted(sched, batch) <= target + 1e-9  # bounded from the very next step on, decodes included
+    alone_again = run_step(sched)
+    assert sum(c.num_new_tokens for c in alone_again.chunks) == 1024
+
+
+def test_a_second_long_request_keeps_steps_bounded_and_a_given_target_bounds_every_step():
+    two = scheduler(step_time_target="auto")
+    for i in range(2):
+        two.add(fake_request(f"doc{i}", prompt_len=2000, max_tokens=1, arrival_seq=i))
+    assert predicted(two, run_step(two)) <= two.step_time_target() + 1e-9  # the deadline order shares bounded steps
+    fixed = scheduler()  # --step-time-target 0.25 (seconds): the operator's bound holds even for a lone request
+    fixed.add(fake_request("doc", prompt_len=2000, max_tokens=1))
+    assert predicted(fixed, run_step(fixed)) <= TARGET + 1e-9
