@@ -176,11 +176,13 @@ class RequestStats:
     num_encoder_cache_hits: int = 0
     num_cached_prompt_tokens: int = 0
     num_preemptions: int = 0
-    # where the engine's time went from the request's arrival in the engine to its first token (set then): they add
-    # up to first_token_s - that arrival. forward_s: the forwards that carried its chunks (shared with their other
-    # rows); step_overhead_s: the rest of the steps that carried its work (scheduling, bookkeeping, other requests'
-    # vision work in those steps); other_steps_s: steps without its work; engine_idle_s: between steps
+    # where the time went from the end of preprocessing to the first token (set then), every second of it: handoff_s
+    # until the engine thread took the request (the step in flight, the command queue); then encoder_s; forward_s:
+    # the forwards that carried its chunks (shared with their other rows); step_overhead_s: the rest of the steps
+    # that carried its work (scheduling, bookkeeping, other requests' vision work in those steps); other_steps_s:
+    # steps without its work; engine_idle_s: between steps
     num_steps_to_first_token: int = 0
+    handoff_s: float = 0.0
     forward_s: float = 0.0
     step_overhead_s: float = 0.0
     other_steps_s: float = 0.0

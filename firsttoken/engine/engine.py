@@ -383,6 +383,7 @@ class LLMEngine:
         req.stats = replace(
             req.stats,
             num_steps_to_first_token=self.scheduler.num_steps - req.steps_mark,
+            handoff_s=max(req.queued_s - req.engine_request.preprocessed_s, 0.0),
             forward_s=forward_s,
             step_overhead_s=max(own_s - req.stats.encoder_s - forward_s, 0.0),
             other_steps_s=max(busy_before_s - req.own_steps_s, 0.0),

@@ -124,8 +124,9 @@ class FirsttokenCollector:
         yield _histogram("firsttoken_step_time_prediction_ratio", "The step-cost model's predicted / actual step "
                          "time (1 = exact).", [], {(): s.step_prediction_ratio})  # fmt: skip
         parts = CounterMetricFamily(
-            "firsttoken_first_token_engine_seconds", "Engine seconds from each answered request's arrival in the "
-            "engine to its first token, by part: encoder (its vision-tower work), forward (forwards carrying its "
+            "firsttoken_first_token_engine_seconds", "Seconds from each answered request's end of preprocessing "
+            "to its first token, by part: handoff (until the engine thread took it), encoder (its vision-tower "
+            "work), forward (forwards carrying its "
             "chunks), step_overhead (the rest of its steps), other_steps (steps without its work), idle (between "
             "steps); per image class.", labels=["images", "part"],
         )  # fmt: skip

@@ -300,6 +300,7 @@ class Recorder:
 
 # where the engine's time went before each first token (Timeline.to_dict's accounting): part -> timing key
 FIRST_TOKEN_PARTS: dict[str, str] = {
+    "handoff": "handoff_s",
     "encoder": "encoder_compute_s",
     "forward": "forward_s",
     "step_overhead": "step_overhead_s",

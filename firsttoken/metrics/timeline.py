@@ -94,8 +94,9 @@ class Timeline:
             "encoder_cache_hits": e.num_encoder_cache_hits,
             "cached_prompt_tokens": e.num_cached_prompt_tokens,
             "preemptions": e.num_preemptions,
-            # the engine's time from the request's arrival there to its first token, every second accounted for
+            # from the end of preprocessing to the first token, every second accounted for (with encoder_compute_s)
             "steps_to_first_token": e.num_steps_to_first_token,
+            "handoff_s": e.handoff_s,
             "forward_s": e.forward_s,
             "step_overhead_s": e.step_overhead_s,
             "other_steps_s": e.other_steps_s,

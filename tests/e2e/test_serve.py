@@ -63,6 +63,11 @@ def test_a_timeline_is_monotone_on_every_route(live_server: LiveServer, route, s
         assert all(t[p] >= 0 for p in PHASES), t
         assert sum(t[p] for p in PHASES) == pytest.approx(t["ttft_s"], abs=1e-9)
         assert 0 < t["ttft_s"] <= t["e2e_s"], t
+        # and where the time from the end of preprocessing to the first token went, every second of it
+        parts = ("handoff_s", "encoder_compute_s", "forward_s", "step_overhead_s", "other_steps_s", "engine_idle_s")
+        assert all(t[p] >= 0 for p in parts) and t["steps_to_first_token"] >= 1
+        engine_s = t["queue_s"] + t["encode_s"] + t["prefill_s"] + t["sample_s"]
+        assert sum(t[p] for p in parts) == pytest.approx(engine_s, abs=1e-6), t
     live_server.wait_idle()
 
 
