@@ -185,3 +185,24 @@ def test_json_log_lines_carry_the_request_id():
         current_request_id.reset(token)
     line = json.loads(JsonFormatter().format(record))
     assert line["request_id"] == "req-42" and line["msg"] == "served x" and line["level"] == "INFO"
+
+
+def test_where_each_first_token_time_went_is_summed_per_class_and_doctor_shows_it():
+    from firsttoken.tools.doctor.report import doctor_from_texts, format_report
+
+    rec = Recorder(window_s=60, clock=ManualClock(1000.0), grace_s=0.0)
+    parts = {"handoff_s": 0.01, "encoder_compute_s": 1.0, "forward_s": 2.0, "step_overhead_s": 0.5,
+             "other_steps_s": 0.0, "engine_idle_s": 0.49}
+    for rid in ("a", "b"):
+        rec.on_finished(FinishedRequest(rid, "stop", 100, 50, 1, 8, "long", {**timings(4.5), **parts}))
+    engine = EngineSnapshot(30, 120, 0, {"short": 0, "long": 0}, 0, {}, 0, 0, 0, 0, 0)
+    text = generate_latest(make_registry(rec, lambda: engine, "m")).decode()
+    assert 'firsttoken_first_token_engine_seconds_total{images="1",part="forward"} 4.0' in text
+    assert 'firsttoken_first_token_engine_seconds_total{images="0",part="forward"} 0.0' in text
+    report = doctor_from_texts(text)
+    assert report.to_dict()["engine_time_to_first_token_s"]["1"]["step_overhead"] == 1.0
+    shown = format_report(report)
+    assert "where the engine's time to each first token goes" in shown
+    row = next(line for line in shown.splitlines() if line.startswith("1 ") and "|" in line and "8.00" in line)
+    # handoff, encoder, forward, step_overhead, other_steps, idle: of 8 s, forward 4 s
+    assert row.split() == ["1", "8.00", "|", "0%", "25%", "50%", "12%", "0%", "12%"]

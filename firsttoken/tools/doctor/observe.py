@@ -170,6 +170,9 @@ class Observation:
     step_time_target_s: float | None = None  # None: no time bound (off, or the model not trained yet)
     image_budget_lowered: float | None = None  # requests whose visual-token budget the TTFT objective lowered
     refused_over_slo: float | None = None  # requests answered 429 because their predicted TTFT missed the objective
+    # firsttoken: seconds from the end of preprocessing to each first token, summed, by image class and part
+    # (handoff, encoder, forward, step_overhead, other_steps, idle: metrics.recorder.FIRST_TOKEN_PARTS)
+    first_token_engine_s: dict[str, dict[str, float]] = field(default_factory=dict)
     cannot_see: list[str] = field(default_factory=list)
 
     def ttft_total_s(self) -> float:
@@ -246,6 +249,8 @@ def _firsttoken(m: Samples, stats: dict[str, Any] | None) -> Observation:
         if view is not None:
             o.ttft_prediction[cls] = view
     o.step_time_target_s = m.total("firsttoken_step_time_target_seconds")
+    for labels, seconds in m.by_name.get("firsttoken_first_token_engine_seconds_total", []):
+        o.first_token_engine_s.setdefault(labels.get("images", "all"), {})[labels.get("part", "")] = seconds
     o.image_budget_lowered = m.total("firsttoken_image_budget_lowered_total")
     if m.has("firsttoken_rejections_total"):
         o.refused_over_slo = m.total("firsttoken_rejections_total", reason="over_slo")

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from firsttoken.metrics.recorder import FIRST_TOKEN_PARTS
 from firsttoken.tools.doctor.observe import PHASES, Observation, Throughput, observe
 from firsttoken.tools.doctor.rules import (
     Context,
@@ -32,6 +33,7 @@ class Report:
             "source": o.source,
             "has_stats": o.has_stats,
             "breakdown": {k: _class_dict(c) for k, c in o.classes.items()},
+            "engine_time_to_first_token_s": o.first_token_engine_s,
             "state": _state(o, self.thresholds),
             "findings": [f.to_dict() for f in self.findings],
             "cannot_see": list(o.cannot_see),
@@ -111,6 +113,7 @@ def format_report(r: Report) -> str:
     served = "requests not exported" if o.num_requests is None else f"{o.num_requests} requests"
     lines = [f"firsttoken doctor: {r.url or 'saved metrics'}: {src}, {served}", ""]
     lines += _breakdown_lines(o)
+    lines += _engine_time_lines(o)
     lines += _throughput_lines(o) if o.source == "llamacpp" else _state_lines(o, r.thresholds)
     if r.probe:
         lines.append(f"probe                   {r.probe.get('summary', '')}")
@@ -140,6 +143,22 @@ def _breakdown_lines(o: Observation) -> list[str]:
         lines.append(f"{k:6s}{c.count:>6d}{_s(c.ttft_p50_s):>9s}{_s(c.ttft_p95_s):>9s}{_s(c.ttft_p99_s):>9s} | "
                      + shares)
     return [*lines, ""]  # fmt: skip
+
+
+def _engine_time_lines(o: Observation) -> list[str]:
+    """Where the time from the end of preprocessing to the first token went, summed per class (firsttoken)."""
+    rows = {k: v for k, v in o.first_token_engine_s.items() if sum(v.values()) > 0}
+    if not rows:
+        return []
+    parts = list(FIRST_TOKEN_PARTS)
+    lines = ["where the engine's time to each first token goes (share per class)",
+             f"{'class':6s}{'seconds':>9s} | " + " ".join(f"{p:>13s}" for p in parts)]
+    for k in ("0", "1", "2+"):
+        if k in rows:
+            total = sum(rows[k].values())
+            lines.append(f"{k:6s}{total:>9.2f} | " + " ".join(f"{_pct(rows[k].get(p, 0) / total):>13s}"
+                                                           for p in parts))
+    return [*lines, ""]
 
 
 def _state_lines(o: Observation, th: Thresholds) -> list[str]:
