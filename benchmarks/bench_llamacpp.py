@@ -73,7 +73,11 @@ BATCH = 8
 LLAMA_CTX = 8192  # -np 1: a 3-image prompt (4,923 tokens) fits; -np 8: 1,024 per slot
 NO_BUDGET_TOKENS = 16384
 FIRSTTOKEN_FLAGS = ("--dtype", "float32", "--num-threads", str(THREADS), "--no-prefix-cache", "--no-encoder-cache")
-TARGETS = {"text": 0.8, "1img": 0.6, "3img": 0.6, "decode_b1": 1.0, "decode_b8": 2.0}  # issue 17
+TARGETS = {"text": 0.8, "1img": 0.6, "3img": 0.6, "decode_b1": 1.0, "decode_b8": 2.0}  # issues 17 and 42
+# usage.firsttoken's parts kept per TTFT run: preprocessing, then where the time to the first token went
+TIMING_PARTS = ("ttft_s", "preprocess_s", "handoff_s", "encoder_compute_s", "forward_s", "step_overhead_s",
+                "other_steps_s", "engine_idle_s", "send_s", "steps_to_first_token")
+SCHEDULES = {"fcfs": ("--scheduling", "fcfs"), "off": ("--step-time-target", "off")}  # beside the default
 
 
 # ---- one request, timed from the client ---------------------------------------------------------------------
@@ -83,6 +87,7 @@ class Timing:
     end_s: float  # send -> last chunk carrying a token
     prompt_tokens: int | None
     completion_tokens: int | None
+    timings: dict[str, Any] | None = None  # firsttoken's usage.firsttoken (None from llama.cpp)
 
     @property
     def s_per_token(self) -> float | None:
@@ -116,7 +121,7 @@ async def stream_chat(client: httpx.AsyncClient, body: dict[str, Any]) -> Timing
             usage = chunk.get("usage") or usage
     if first is None or last is None:
         raise RuntimeError("the stream carried no token")
-    return Timing(first, last, usage.get("prompt_tokens"), usage.get("completion_tokens"))
+    return Timing(first, last, usage.get("prompt_tokens"), usage.get("completion_tokens"), usage.get("firsttoken"))
 
 
 # ---- prompts ----------------------------------------------------------------------------------------------
@@ -144,6 +149,7 @@ class Measured:
     runs: list[float]
     best: float  # the fastest run: min for seconds, max for tokens/s (other load only ever slows a run)
     prompt_tokens: int | None = None
+    parts: dict[str, float] | None = None  # firsttoken: the median of each timing part of usage.firsttoken
 
 
 def _interleaved(bases: dict[str, str], repeats: int, once: Callable[[str, int], Any]) -> dict[str, list[Any]]:
@@ -169,7 +175,10 @@ def measure_ttft(bases: dict[str, str], repeats: int, timeout_s: float) -> dict[
 
         for name, runs in _interleaved(bases, repeats, once).items():
             ttft = [r.ttft_s for r in runs]
-            out[name][cls] = Measured(statistics.median(ttft), ttft, min(ttft), runs[-1].prompt_tokens)
+            parts = None
+            if all(r.timings for r in runs):
+                parts = {k: statistics.median(float(r.timings[k]) for r in runs) for k in TIMING_PARTS}
+            out[name][cls] = Measured(statistics.median(ttft), ttft, min(ttft), runs[-1].prompt_tokens, parts)
             print(f"  {name} {cls}: TTFT {out[name][cls].median:.3f} s ({runs[-1].prompt_tokens} prompt tokens)",
                   flush=True)  # fmt: skip
     return out
@@ -240,10 +249,12 @@ def run_all(tree: LlamaCppTree, model: Path, llama: dict[str, GGUFPair], args: a
         ttft_bases = {**single, **ours}
         if not args.no_budget_column:
             ttft_bases["firsttoken_budget"] = start_firsttoken(stack, model, list(FIRSTTOKEN_FLAGS))
+        for schedule in _schedules(args):
+            ttft_bases[f"firsttoken_{schedule}"] = start_firsttoken(stack, model, [*no_budget, *SCHEDULES[schedule]])
         results["machine_before"] = machine_info()
         ttft = measure_ttft(ttft_bases, args.repeats, args.timeout)
-        b1 = measure_decode_b1({**single, **ours}, args.repeats, args.timeout)
-        b8 = measure_decode_batch({**batched, **ours}, args.repeats, args.timeout)
+        b1 = {} if args.ttft_only else measure_decode_b1({**single, **ours}, args.repeats, args.timeout)
+        b8 = {} if args.ttft_only else measure_decode_batch({**batched, **ours}, args.repeats, args.timeout)
         results["machine_after"] = machine_info()
     for name in ttft_bases:
         results[name] = {"ttft": ttft[name]} | ({"decode_b1": b1[name], "decode_b8": b8[name]} if name in b1 else {})
@@ -254,7 +265,46 @@ def run_all(tree: LlamaCppTree, model: Path, llama: dict[str, GGUFPair], args: a
         results[f"firsttoken_{quant}"]["flags"] = _variant_flags(no_budget, quant)
     if "firsttoken_budget" in results:
         results["firsttoken_budget"]["flags"] = list(FIRSTTOKEN_FLAGS)
+    for schedule in _schedules(args):
+        results[f"firsttoken_{schedule}"]["flags"] = [*no_budget, *SCHEDULES[schedule]]
     return results
+
+
+def _schedules(args: argparse.Namespace) -> list[str]:
+    return [s for s in args.schedules.split(",") if s]
+
+
+def idle_speed(results: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """Issue 42's view per class: each schedule's TTFT against its own compute parts (preprocessing + vision tower +
+    the forwards of its chunks: the default's target is within 5% of that) and against llama.cpp."""
+    llama = results["llama_f32"]["ttft"]
+    out: dict[str, dict[str, Any]] = {}
+    for name in ("firsttoken_fp32", *(f"firsttoken_{s}" for s in SCHEDULES if f"firsttoken_{s}" in results)):
+        for cls, _ in PROMPTS:
+            m = results[name]["ttft"][cls]
+            p = m.parts or {}
+            compute = p.get("preprocess_s", 0.0) + p.get("encoder_compute_s", 0.0) + p.get("forward_s", 0.0)
+            row = {"ttft_s": m.median, "compute_s": compute, "ttft_over_compute": m.median / compute if compute else None,
+                   "vs_llama": m.median / llama[cls].median, "parts": p}
+            if name == "firsttoken_fp32":
+                row["verdict_compute"] = _verdict(row["ttft_over_compute"] or float("inf"), 1.05, True)
+                row["verdict_llama"] = _verdict(row["vs_llama"], TARGETS[cls], True)
+            out[f"{name}:{cls}"] = row
+    return out
+
+
+def print_idle_speed(results: dict[str, Any]) -> None:
+    rows = idle_speed(results)
+    print(f"\nunloaded TTFT, issue 42 (medians of {results['repeats']}): TTFT, its own compute parts (preprocess + "
+          "vision tower + forwards), the rest, and llama.cpp")
+    print(f"{'server:class':28s}{'TTFT':>8s}{'compute':>9s}{'TTFT/comp':>10s}{'overhead':>9s}{'idle':>7s}"
+          f"{'steps':>6s}{'/llama':>8s}  verdicts (default: <= 1.05 of compute; <= target x llama)")
+    for key, r in rows.items():
+        p = r["parts"]
+        verdicts = f"{r.get('verdict_compute', '')} {r.get('verdict_llama', '')}"
+        print(f"{key:28s}{r['ttft_s']:8.3f}{r['compute_s']:9.3f}{r['ttft_over_compute'] or 0:10.3f}"
+              f"{p.get('step_overhead_s', 0):9.3f}{p.get('engine_idle_s', 0):7.3f}{p.get('steps_to_first_token', 0):6.0f}"
+              f"{r['vs_llama']:8.2f}  {verdicts}")
 
 
 # ---- report -------------------------------------------------------------------------------------------------
@@ -392,6 +442,9 @@ def main() -> None:
                    "--no-repack (its Q8_0 weight repacking crashed at load on an AVX-512 AMX Xeon)")
     p.add_argument("--gguf-quant", type=Path, default=None, help="with --quant: an existing quantized GGUF")
     p.add_argument("--no-budget-column", action="store_true", help="skip our default-budget TTFT run")
+    p.add_argument("--schedules", default="", help="also measure TTFT with these schedules beside the default "
+                   f"(comma-separated: {', '.join(SCHEDULES)}): issue 42's idle-speed table")
+    p.add_argument("--ttft-only", action="store_true", help="measure TTFT only (no decode runs)")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--timeout", type=float, default=300.0, help="seconds per request")
     p.add_argument("--json", type=Path, default=None)
@@ -417,8 +470,15 @@ def main() -> None:
                                "model": str(model), "threads": THREADS}  # fmt: skip
     print(f"machine: {results['machine']}", flush=True)
     results |= run_all(tree, model, llama, args)
-    results["ratios"] = ratios(results)
-    print_table(results)
+    if args.ttft_only:
+        results["idle_speed"] = idle_speed(results)
+        print_idle_speed(results)
+    else:
+        results["ratios"] = ratios(results)
+        print_table(results)
+        if _schedules(args):
+            results["idle_speed"] = idle_speed(results)
+            print_idle_speed(results)
     if args.json:
         args.json.write_text(json.dumps(_jsonable(results), indent=1))
         print(f"wrote {args.json}")
