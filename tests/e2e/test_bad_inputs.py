@@ -218,6 +218,8 @@ CORPUS: tuple[BadInput, ...] = (
     BadInput("seed = 2**64, not streamed", 400, lambda e: text_chat(seed=2**64)),
     BadInput("seed = -2**63 - 1", 400, lambda e: text_chat(seed=-(2**63) - 1)),
     BadInput("max_tokens = 10^30", 400, lambda e: text_chat(max_tokens=10**30)),
+    BadInput("seed of 5,000 digits (past Python's int parsing limit)", 400,
+             lambda e: json.dumps({"model": "tiny", **text_chat()})[:-1].encode() + b', "seed": ' + b"9" * 5000 + b"}"),
     # unbounded echoes
     BadInput("unknown model of 100,000 characters", 404, lambda e: text_chat(model="m" * 100_000)),
     BadInput("unknown content part type of 10,000 characters", 400,
