@@ -219,6 +219,8 @@ IMAGE_CATALOG: dict[str, tuple[str, V]] = {
 }
 IMAGE_NAMES = {url: name for name, (url, _) in IMAGE_CATALOG.items()}
 IMAGE_VERDICTS = {url: verdict for url, verdict in IMAGE_CATALOG.values()}
+# refused only once decoded (the header is sound): /tokenize counts from headers and decodes nothing
+DECODE_FAILURES = frozenset({IMAGE_CATALOG["truncated png"][0]})
 VALID_IMAGES = [url for url, v in IMAGE_CATALOG.values() if v == V.OK]
 
 LONG_TEXT = "word " * 300  # MAYBE by length; /tokenize's count decides
@@ -280,7 +282,7 @@ json_values: SearchStrategy[Any] = st.recursive(
 @dataclass(frozen=True)
 class Spec:
     """One request field: its rule, the values a correct client sends, and hand-written edges at and beyond its
-    bounds. Fuzzed values are any of those, the schema's own type, or the wrong type."""
+    bounds. A mutated field takes an edge, any value of the schema's type, or a wrong type (``field_values``)."""
 
     rule: Callable[[Any], V]
     valid: SearchStrategy[Any]
@@ -602,8 +604,9 @@ class Expect:
         return not (self.bad or self.unknown_model or self.raw_body)
 
 
-def part_verdict(part: Any) -> tuple[V, int]:
-    """(verdict, images) of one content part."""
+def part_verdict(part: Any, decoded: bool) -> tuple[V, int]:
+    """(verdict, images) of one content part; ``decoded``: the route decodes images (generation), or only reads
+    their headers (/tokenize)."""
     if not isinstance(part, dict) or part.get("type") not in ("text", "image_url"):
         return V.BAD, 0
     if part["type"] == "text":
@@ -612,6 +615,8 @@ def part_verdict(part: Any) -> tuple[V, int]:
     if not isinstance(image_url, dict) or not isinstance(image_url.get("url"), str):
         return V.BAD, 1
     verdict = IMAGE_VERDICTS.get(image_url["url"], V.BAD)
+    if not decoded and image_url["url"] in DECODE_FAILURES:
+        verdict = V.MAYBE
     detail = image_url.get("detail")
     if detail not in (None, "auto", "low", "high"):
         verdict = V.BAD
@@ -629,7 +634,7 @@ def image_urls(body: dict) -> list[str]:
             and "url" in p["image_url"]]
 
 
-def messages_verdict(value: Any) -> V:
+def messages_verdict(value: Any, decoded: bool = True) -> V:
     if not isinstance(value, list) or not value:
         return V.BAD
     verdict, num_images = V.OK, 0
@@ -643,7 +648,7 @@ def messages_verdict(value: Any) -> V:
             verdict = max(verdict, text_rule(content))
         elif isinstance(content, list):
             for part in content:
-                v, n = part_verdict(part)
+                v, n = part_verdict(part, decoded)
                 verdict, num_images = max(verdict, v), num_images + n
         else:
             return V.BAD
@@ -683,7 +688,7 @@ def judge(route: str, body: dict | bytes, prompt_tokens: int | None) -> Expect:
     elif route == COMPLETIONS and "prompt" not in body:
         expect.add("prompt", V.BAD)
     if "messages" in body and not (route == TOKENIZE and body["messages"] is None):
-        expect.add("messages", messages_verdict(body["messages"]))
+        expect.add("messages", messages_verdict(body["messages"], decoded=generation))
     if "prompt" in body and not (route == TOKENIZE and body["prompt"] is None):
         prompt = body["prompt"]
         verdict = text_rule(prompt)
