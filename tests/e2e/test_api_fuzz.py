@@ -283,18 +283,26 @@ def check_plain(ex: Exchange, body: dict, room: int | None) -> None:
     check_generation(ex, body, room, payload["usage"], choice["finish_reason"], logprobs)
 
 
-def sse_events(ex: Exchange) -> list[str]:
+def sse_events(ex: Exchange) -> list[dict]:
+    """The stream's events as JSON objects, [DONE] (checked to end it) left out."""
     text = ex.response.text
     ex.check(ex.response.headers.get("content-type", "").startswith("text/event-stream"), "stream is not SSE")
     ex.check(text.endswith("data: [DONE]\n\n"), "stream does not end with data: [DONE]")
     events = text[: -len("\n\n")].split("\n\n")
     ex.check(all(e.startswith("data: ") and "\n" not in e for e in events), "an event is not one data: line")
     ex.check([e for e in events if e == "data: [DONE]"] == [events[-1]], "[DONE] is not last, or repeated")
-    return [e[len("data: "):] for e in events[:-1]]
+    chunks = []
+    for e in events[:-1]:
+        try:
+            chunks.append(json.loads(e[len("data: "):]))
+        except ValueError:
+            ex.fail(f"an event is not JSON: {e[:200]!r}")
+    ex.check(all(isinstance(c, dict) for c in chunks), "an event is not a JSON object")
+    return chunks
 
 
 def check_stream(ex: Exchange, body: dict, room: int | None, expect: Expect) -> None:
-    chunks = [json.loads(e) for e in sse_events(ex)]
+    chunks = sse_events(ex)
     errors = [c for c in chunks if "error" in c]
     if errors:
         ex.check(len(errors) == 1 and chunks[-1] is errors[0], "an error event is not the stream's last")
@@ -370,6 +378,13 @@ def check_settled(fz: Fuzzed, ex: Exchange) -> None:
     ex.check(fz.http.get("/health").status_code == 200, "/health is not 200 after the answer")
 
 
+def param_of(response: httpx.Response) -> str | None:
+    try:
+        return response.json()["error"]["param"]
+    except (ValueError, KeyError, TypeError):
+        return "(not an OpenAI error body)"
+
+
 def exchange(fz: Fuzzed, route: str, drawn: dict | bytes) -> None:
     body, count = resolve(fz, route, drawn)
     ex = Exchange(route, body)
@@ -380,13 +395,14 @@ def exchange(fz: Fuzzed, route: str, drawn: dict | bytes) -> None:
         ex.fail(f"no answer within {REQUEST_TIMEOUT_S:g} s")
     status = ex.response.status_code
     if currently_in_test_context():  # --hypothesis-show-statistics: what the examples were answered
-        event(f"{status} naming {ex.response.json()['error']['param']}" if status >= 400 else f"{status}")
+        event(f"{status}" if status < 400 else f"{status} naming {param_of(ex.response)}")
         if status == 200 and isinstance(body, dict):
-            event(f"200 with {len(image_urls(body))} images" + (", streamed" if body.get("stream") else ""))
+            event(f"200 with {len(image_urls(body))} images" + (", streamed" if lax_true(body.get("stream")) else ""))
     ex.check(status < 500, "a 5xx")
     ex.check(200 <= status < 300 or 400 <= status < 500, "neither a 2xx nor a 4xx")
     if status >= 400:
         ex.check(not expect.must_succeed, "refused a body the oracle judged correct")
+        ex.check(ex.response.headers.get("content-type", "").startswith("application/json"), "error is not JSON")
         check_error(ex, ex.response.json(), status, expect)
     elif route == TOKENIZE:
         ex.check(expect.may_succeed, "accepted a body with a wrong field")
