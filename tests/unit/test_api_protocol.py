@@ -449,6 +449,15 @@ def test_bad_image_is_400_through_the_openai_client(processor: InputProcessor) -
     assert err.value.status_code == 400 and "invalid image" in err.value.message and "bm90" not in err.value.message
 
 
+def test_a_bad_image_among_several_is_the_error_param(processor: InputProcessor) -> None:
+    good = {"type": "image_url", "image_url": {"url": png_url(8, 8)}}
+    bad = {"type": "image_url", "image_url": {"url": "data:image/png;base64,bm90IGFuIGltYWdl"}}
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}, {"role": "user", "content": [good, bad]}]}
+    err = error_of(post(processor, "/v1/chat/completions", json=body), 400)
+    assert err["param"] == "messages[1].content[1].image_url"
+    assert err["message"].startswith("invalid image (invalid_image): image 2 of 2: ")
+
+
 def test_body_too_large_is_413(processor: InputProcessor) -> None:
     big = {"model": MODEL, "messages": [{"role": "user", "content": "x" * 5000}]}
     err = error_of(post(processor, "/v1/chat/completions", json=big, server={"max_request_bytes": 1000}), 413)
