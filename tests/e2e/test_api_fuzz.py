@@ -61,6 +61,7 @@ from tests.e2e.fuzz_bodies import (
     judge,
     lax_true,
     messages_verdict,
+    part_verdict,
     text_rule,
     tokenize_bodies,
 )
@@ -226,6 +227,14 @@ def check_error(ex: Exchange, payload: Any, status: int, expect: Expect) -> None
     top = param.split(".", 1)[0].split("[", 1)[0]
     named = top in suspects or any(re.search(rf"(?<![\w.]){re.escape(s)}(?!\w)", error["message"]) for s in suspects)
     ex.check(named, f"the error names none of the suspect fields {sorted(suspects)}")
+    image = re.fullmatch(r"messages\[(\d+)\]\.content\[(\d+)\]\.image_url(\..+)?", param)
+    if image is not None:  # an image's own field: that image must be one the oracle suspects
+        try:
+            part = ex.body["messages"][int(image[1])]["content"][int(image[2])]
+        except (IndexError, KeyError, TypeError):
+            ex.fail(f"the error names {param}, which the body does not have")
+        ex.check(part_verdict(part, decoded=ex.route != TOKENIZE)[0] != V.OK,
+                 f"the error names {param}, an image part the oracle judged correct")
 
 
 def check_timings(ex: Exchange, usage: dict) -> None:
