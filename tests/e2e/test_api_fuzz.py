@@ -440,7 +440,7 @@ def test_every_spec_names_a_field_of_its_schema() -> None:
 AT_THE_LIMIT = {"model": MODEL, "prompt": "a", "max_tokens": AtRoom(0), "ignore_eos": True}
 
 
-@fuzz_settings(max_examples=70)
+@fuzz_settings(max_examples=90)
 @given(body=chat_bodies())
 @example(body={"model": MODEL, "messages": [{"role": "user", "content": [
     {"type": "image_url", "image_url": {"url": IMAGE_CATALOG["1x1 png"][0]}},
@@ -451,7 +451,7 @@ def test_chat_completions_answer_every_body_well(fuzzed: Fuzzed, body: dict | by
     exchange(fuzzed, CHAT, body)
 
 
-@fuzz_settings(max_examples=50)
+@fuzz_settings(max_examples=60)
 @given(body=completion_bodies())
 @example(body=AT_THE_LIMIT)
 @example(body={**AT_THE_LIMIT, "max_tokens": AtRoom(1)})
@@ -459,7 +459,7 @@ def test_completions_answer_every_body_well(fuzzed: Fuzzed, body: dict | bytes) 
     exchange(fuzzed, COMPLETIONS, body)
 
 
-@fuzz_settings(max_examples=40)
+@fuzz_settings(max_examples=50)
 @given(body=tokenize_bodies())
 def test_tokenize_answers_every_body_well(fuzzed: Fuzzed, body: dict | bytes) -> None:
     exchange(fuzzed, TOKENIZE, body)
