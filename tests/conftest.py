@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import os
 import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
+from hypothesis.configuration import set_hypothesis_home_dir
 
 from firsttoken.kernels.cpu_linear import set_kernel_threads
 from firsttoken.models.checkpoint import make_model
@@ -17,6 +19,13 @@ VLLM_FIXTURES = Path(__file__).resolve().parent / "fixtures" / "vllm-0.32"
 # CI sets this to 1: a test whose system program is missing then fails instead of skipping, so CI cannot pass
 # by skipping the dashboard and alert-rule tests.
 REQUIRE_SYSTEM_TOOLS_ENV = "FIRSTTOKEN_REQUIRE_SYSTEM_TOOLS"
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Hypothesis keeps its caches (the example database, a cache of each module's constants) in ./.hypothesis by
+    default: the suite runs with -p no:cacheprovider and writes nothing into the checkout, so they live in the
+    system's temporary directory instead (the fuzz tests use no example database at all)."""
+    set_hypothesis_home_dir(Path(tempfile.gettempdir()) / "firsttoken-hypothesis")
 
 
 @pytest.fixture(autouse=True)

@@ -7,14 +7,18 @@ body here rather than through FastAPI's body parameter, whose failures all read 
 the body".
 
 JSON is parsed by the standard library (it accepts NaN and Infinity, which the range checks then refuse with
-the field's name). Its C decoder gives up on nesting deeper than the interpreter's recursion limit after
-reading only that far; anything nested deeper than ``MAX_JSON_DEPTH`` (our schemas need 5 levels) is refused
-as well, by a walk that only runs when the body holds more brackets than the limit.
+the field's name). An integer of more digits than Python converts (4300, a guard against quadratic parsing) is
+valid JSON too: it is read as an infinity of its sign, as a float of that many digits already is, so the field's
+own check refuses it by name (every integer field is 64-bit) and a field the schema ignores stays ignored. Its C
+decoder gives up on nesting deeper than the interpreter's recursion limit after reading only that far; anything
+nested deeper than ``MAX_JSON_DEPTH`` (our schemas need 5 levels) is refused as well, by a walk that only runs
+when the body holds more brackets than the limit.
 """
 
 from __future__ import annotations
 
 import json
+import math
 from typing import Any, TypeVar
 
 from fastapi import Request
@@ -57,13 +61,21 @@ def parse_json_object(body: bytes) -> dict[str, Any]:
         ) from None
     except RecursionError:
         raise APIError(400, _TOO_DEEP) from None
-    except ValueError:  # an integer of more than 4300 digits (Python's int conversion limit)
-        raise APIError(400, "request body is not valid JSON: a number has too many digits") from None
+    except ValueError:  # an integer of more digits than int() converts: read again, with those as +-inf
+        value = json.loads(text, parse_int=_json_int)
     if body.count(b"[") + body.count(b"{") > MAX_JSON_DEPTH and nesting_exceeds(value, MAX_JSON_DEPTH):
         raise APIError(400, _TOO_DEEP)
     if not isinstance(value, dict):
         raise APIError(400, "request body must be a JSON object")
     return value
+
+
+def _json_int(digits: str) -> int | float:
+    """A JSON integer; one of more digits than Python's int() converts is past every bound: +-inf."""
+    try:
+        return int(digits)
+    except ValueError:
+        return -math.inf if digits.startswith("-") else math.inf
 
 
 def nesting_exceeds(value: Any, limit: int) -> bool:

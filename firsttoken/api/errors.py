@@ -175,7 +175,7 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(ImageInputError)
     async def _image(request: Request, exc: ImageInputError) -> JSONResponse:
         request.scope[REJECT_REASON_KEY] = f"image_{exc.code}"
-        return error_response(400, f"invalid image ({exc.code}): {exc}", "messages")
+        return error_response(400, f"invalid image ({exc.code}): {exc}", exc.param or "messages")
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:

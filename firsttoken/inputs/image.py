@@ -39,11 +39,13 @@ ALLOWED_FORMATS = ("JPEG", "PNG", "WEBP", "GIF", "BMP", "TIFF")
 class ImageInputError(ValueError):
     """A client's image was refused. ``str(err)`` is safe to return to the client: it never contains payload
     bytes, file paths outside what the client sent, or internal details. ``code`` is a stable label for
-    metrics and the API error body."""
+    metrics and the API error body; ``param`` the image's request field once the input processor knows which
+    image it was (``messages[0].content[1].image_url``)."""
 
-    def __init__(self, code: str, message: str) -> None:
+    def __init__(self, code: str, message: str, param: str | None = None) -> None:
         super().__init__(message)
         self.code = code
+        self.param = param
 
 
 # ---------------------------------------------------------------------------------------------- sizes

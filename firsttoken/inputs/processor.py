@@ -127,6 +127,7 @@ class _Prompt:
     offsets: tuple[int, ...]  # index of each image's first pad token in token_ids
     template_ids: tuple[int, ...] = ()  # before expansion: one pad per image (re-expanded when the budget drops)
     degradable: tuple[bool, ...] = ()  # per image: the client left its budget to the server (no detail, no cap)
+    params: tuple[str, ...] = ()  # per image: its request field, messages[i].content[j].image_url
 
     @property
     def num_image_tokens(self) -> int:
@@ -271,8 +272,9 @@ class InputProcessor:
                 "messages",
             )
         budgets = [self._budget_of(param, part) for param, part in image_parts]
-        blobs = tuple(self._image_bytes(part) for _, part in image_parts)
-        plans = self._plan_images(blobs, budgets)
+        params = tuple(param for param, _ in image_parts)
+        blobs = tuple(self._loaded(part, i, params) for i, (_, part) in enumerate(image_parts))
+        plans = self._plan_images(blobs, budgets, params)
         try:
             template_ids = self.tokenizer.apply_chat_template(
                 [_template_message(m) for m in prompt.messages],
@@ -284,7 +286,7 @@ class InputProcessor:
         except (TemplateError, ValueError) as err:  # the template refuses this conversation (its own words)
             raise InputError(f"the chat template cannot render these messages: {quote(str(err))}", "messages") from None
         degradable = tuple(part.detail is None and part.max_visual_tokens is None for _, part in image_parts)
-        return replace(self._expand_image_pads(list(template_ids), plans, blobs), degradable=degradable)
+        return replace(self._expand_image_pads(list(template_ids), plans, blobs), degradable=degradable, params=params)
 
     def _budget_of(self, param: str, part: ImagePart) -> int:
         try:
@@ -292,7 +294,9 @@ class InputProcessor:
         except BudgetError as err:
             raise InputError(str(err), err.param) from None
 
-    def _plan_images(self, blobs: Sequence[bytes], budgets: Sequence[int]) -> tuple[ImagePlan, ...]:
+    def _plan_images(
+        self, blobs: Sequence[bytes], budgets: Sequence[int], params: Sequence[str]
+    ) -> tuple[ImagePlan, ...]:
         """Resize plans from headers only: every size limit fails here, before any decode."""
         s = self.images
         plans = []
@@ -310,9 +314,14 @@ class InputProcessor:
                 )
             except ImageInputError as err:
                 hint = "; downscale it before sending" if err.code == "image_too_large" else ""
-                where = f"image {i + 1} of {len(blobs)}: " if len(blobs) > 1 else ""
-                raise ImageInputError(err.code, f"{where}{err}{hint}") from None
+                raise _image_at(err, i, params, hint) from None
         return tuple(plans)
+
+    def _loaded(self, part: ImagePart, index: int, params: Sequence[str]) -> bytes:
+        try:
+            return self._image_bytes(part)
+        except ImageInputError as err:
+            raise _image_at(err, index, params) from None
 
     def _image_bytes(self, part: ImagePart) -> bytes:
         s = self.images
@@ -324,9 +333,12 @@ class InputProcessor:
 
     def _decode_images(self, prompt: _Prompt) -> tuple[ProcessedImage, ...]:
         out = []
-        for data, plan in zip(prompt.blobs, prompt.plans):
+        for i, (data, plan) in enumerate(zip(prompt.blobs, prompt.plans)):
             key = raw_bytes_key(data, plan.min_pixels, plan.max_pixels)
-            out.append(self.image_cache.get_or_build(key, lambda: self._decode_one(data, plan)))
+            try:
+                out.append(self.image_cache.get_or_build(key, lambda: self._decode_one(data, plan)))
+            except ImageInputError as err:
+                raise _image_at(err, i, prompt.params) from None
         return tuple(out)
 
     def _decode_one(self, data: bytes, plan: ImagePlan) -> ProcessedImage:
@@ -446,8 +458,9 @@ class InputProcessor:
     def _replan(self, ids: _Prompt, cap: int) -> _Prompt:
         """The same prompt with each degradable image's budget capped at ``cap`` (from headers: nothing decoded)."""
         budgets = [min(p.budget_tokens, cap) if d else p.budget_tokens for p, d in zip(ids.plans, ids.degradable)]
-        plans = self._plan_images(ids.blobs, budgets)
-        return replace(self._expand_image_pads(list(ids.template_ids), plans, ids.blobs), degradable=ids.degradable)
+        plans = self._plan_images(ids.blobs, budgets, ids.params)
+        return replace(self._expand_image_pads(list(ids.template_ids), plans, ids.blobs), degradable=ids.degradable,
+                       params=ids.params)
 
     def _work(self, ids: _Prompt) -> PromptWork:
         """What the prompt costs the engine, from its plans: tokens, and each image's encoder units."""
@@ -505,6 +518,13 @@ class InputProcessor:
                     f"stop_token_ids[{i}] = {token_id} is not a token id of this model (0 to {vocab - 1})",
                     f"stop_token_ids[{i}]",
                 )
+
+
+def _image_at(err: ImageInputError, index: int, params: Sequence[str], hint: str = "") -> ImageInputError:
+    """``err`` for the request's image ``index``, at whatever stage (load, header, decode): its field as the param
+    and, when the request has several images, its position in the message."""
+    where = f"image {index + 1} of {len(params)}: " if len(params) > 1 else ""
+    return ImageInputError(err.code, f"{where}{err}{hint}", params[index] if index < len(params) else None)
 
 
 def _or(value: Any, default: Any) -> Any:

@@ -88,6 +88,7 @@ class BadInput:
     server: str = "guarded"  # "guarded": media dir, domain allow-list, small limits; "default": serve's defaults
     path: str = CHAT
     headers: dict[str, str] = field(default_factory=dict)
+    param: str | None = None  # when set: the error's param must be this
 
 
 def chat(*parts: dict, text: str = "Describe.") -> dict:
@@ -141,6 +142,9 @@ CORPUS: tuple[BadInput, ...] = (
     BadInput("top_p = 1.5", 400, lambda e: text_chat(top_p=1.5)),
     BadInput("n = 4", 400, lambda e: text_chat(n=4)),
     BadInput("invalid base64", 400, lambda e: chat(image("data:image/png;base64,!!not*base64??"))),
+    BadInput("the second of two images truncated", 400,
+             lambda e: chat(image(data_url(png_bytes(32, 32))), image(data_url(png_bytes(200, 150)[:900]))),
+             param="messages[0].content[1].image_url"),
     BadInput("data URL without base64", 400, lambda e: chat(image("data:image/png,rawbytes"))),
     BadInput("data URL with a non-image media type", 400,
              lambda e: chat(image(data_url(b"hello", "text/plain")))),
@@ -218,6 +222,8 @@ CORPUS: tuple[BadInput, ...] = (
     BadInput("seed = 2**64, not streamed", 400, lambda e: text_chat(seed=2**64)),
     BadInput("seed = -2**63 - 1", 400, lambda e: text_chat(seed=-(2**63) - 1)),
     BadInput("max_tokens = 10^30", 400, lambda e: text_chat(max_tokens=10**30)),
+    BadInput("seed of 5,000 digits (past Python's int parsing limit)", 400,
+             lambda e: json.dumps({"model": "tiny", **text_chat()})[:-1].encode() + b', "seed": ' + b"9" * 5000 + b"}"),
     # unbounded echoes
     BadInput("unknown model of 100,000 characters", 404, lambda e: text_chat(model="m" * 100_000)),
     BadInput("unknown content part type of 10,000 characters", 400,
@@ -331,6 +337,7 @@ def test_bad_input_gets_its_status_and_a_safe_openai_error(
         return
     error = r.json()["error"]
     assert set(error) == {"message", "type", "param", "code"} and error["code"] == case.status
+    assert case.param is None or error["param"] == case.param, error
     assert_safe(error["message"], case.body(env), env)
     assert len(error["message"]) <= 400, error["message"]  # nothing the client sent is echoed at length
     ROWS[case.name] = (r.status_code, error["message"])
@@ -477,7 +484,9 @@ def render_table(rows: dict[str, tuple[int, str]]) -> str:
         "naming `prompt`, as vLLM does: Qwen's checkpoints have no BOS token to condition on, and a request with no",
         "prompt token could never sample. A chat always has its template's tokens, so `messages` with empty content",
         "is answered. Every route that takes a conversation (`/v1/chat/completions`, `/tokenize`) validates it the",
-        "same way, so no body is a 400 on one route and a 500 on another.",
+        "same way, so no body is a 400 on one route and a 500 on another. An image refused at any stage (loading,",
+        "its header, decoding) is the error's `param` (`messages[i].content[j].image_url`) and, in a request with",
+        "several images, named by its place in the message.",
         "",
         "A refusal decided before the body is read (413 by `Content-Length`, 415, 400 for both framing headers) or",
         "while it streams in (413, 408) is sent while the client may still be writing: the server then reads and",

@@ -103,6 +103,19 @@ def test_image_pixels_are_refused_from_the_header(processor) -> None:
     assert err.value.code == "image_too_large"
 
 
+@pytest.mark.parametrize(("bad", "reason"), [
+    ("data:image/png;base64,!!", "image data URL is not valid base64"),  # refused while loading its bytes
+    (url(header_only_png(3000, 2000)), "3000x2000 = 6000000 pixels"),  # from its header
+    (url(header_only_png(56, 56)), "image data is truncated or corrupt"),  # while decoding
+], ids=["load", "header", "decode"])
+def test_a_refused_image_is_named_by_its_field_and_place_whatever_the_stage(processor, bad: str, reason: str) -> None:
+    """Found by the API fuzz: of two images, a bad second one was refused as 'image data URL is not valid base64',
+    param 'messages': the client could not tell which image to fix. Every stage now names it."""
+    with pytest.raises(ImageInputError, match=f"^image 2 of 2: .*{reason}") as err:
+        process(processor, chat({"url": url(png_bytes(8, 8))}, {"url": bad}), "r")
+    assert err.value.param == "messages[0].content[1].image_url"
+
+
 def test_aspect_ratio_over_200_is_refused_and_200_is_served(processor) -> None:
     assert processor.count(to_chat_prompt(chat({"url": url(header_only_png(5600, 28))}).messages)).images[0].num_tokens == 200
     with pytest.raises(ImageInputError, match="aspect ratio 201.0:1; this model accepts at most 200:1"):
