@@ -71,7 +71,8 @@ def test_an_empty_prompt_is_refused_at_once_and_leaves_nothing_behind(llm: LLM):
     steps = llm.engine.stats().num_steps
     with pytest.raises(ValueError, match="prompt is empty"):
         llm.complete("")
-    assert llm.engine.stats().num_steps == steps and not llm.engine.has_unfinished()
+    stats = llm.engine.stats()
+    assert stats.num_steps == steps and not llm.engine.requests and stats.kv_blocks_used == 0
     assert llm.complete("a", GREEDY).finish_reason == "length"  # and the next prompt is served
 
 
