@@ -352,11 +352,19 @@ class Scheduler:
 
     def throughput_chunk_tokens(self) -> int:
         """Prefill tokens a throughput step takes: of the chunk sizes up to --max-batched-tokens (powers of two and
-        the cap), the one the step-cost model prices cheapest per token (its per-step constant paid once per chunk,
-        attention pairs the same in total however a prompt is cut)."""
+        the cap), the one with which the step-cost model prices a cap-sized prompt cheapest (each chunk at its
+        context, per-step terms once per chunk); ties go to the larger. Attention pairs add up to the same however a
+        prompt is cut, so under the model's terms that is the cap (bench_chunk_size.py measures it)."""
         cap = self.config.max_batched_tokens
         sizes = {cap, *(1 << k for k in range(self.block_size.bit_length() - 1, cap.bit_length()) if 1 << k < cap)}
-        return min(sorted(sizes), key=lambda n: self.cost_model.predict(prefill_chunk(n, 0, False)) / n)
+
+        def seconds(n: int) -> float:
+            return sum(self.cost_model.predict(prefill_chunk(min(n, cap - done), done, done + n >= cap))
+                       for done in range(0, cap, n))
+
+        priced = {n: seconds(n) for n in sizes}
+        cheapest = min(priced.values())
+        return max(n for n, s in priced.items() if s <= cheapest * (1 + 1e-9))
 
     def itl_bound(self) -> float:
         """Seconds a step may take while a request is decoding (inf: no bound of its own). auto: ITL_AUTO_S, never

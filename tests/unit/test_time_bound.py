@@ -487,3 +487,11 @@ def test_a_second_long_request_keeps_steps_bounded_and_a_given_target_bounds_eve
     fixed = scheduler()  # --step-time-target 0.25 (seconds): the operator's bound holds even for a lone request
     fixed.add(fake_request("doc", prompt_len=2000, max_tokens=1))
     assert predicted(fixed, run_step(fixed)) <= TARGET + 1e-9
+
+
+def test_the_throughput_chunk_is_the_cap_whenever_the_cost_model_prices_no_penalty_for_size():
+    # attention pairs add up to the same however a prompt is cut: only per-step terms remain, so the cap wins, and
+    # with none at all the tie goes to the larger chunk (fewest steps)
+    flat = CostModel(prior=tuple({"prefill_tokens": 0.001, "prefill_attention": 1e-6}.get(n, 0.0) for n in FEATURE_NAMES))
+    assert scheduler(step_time_target="auto", max_batched_tokens=3000).throughput_chunk_tokens() == 3000
+    assert scheduler(step_time_target="auto", max_batched_tokens=3000, cost_model=flat).throughput_chunk_tokens() == 3000
