@@ -88,3 +88,19 @@ def test_decode_on_consecutive_blocks_matches_plain_attention(query_lens, contex
 def test_unknown_backend_names_the_available_ones() -> None:
     with pytest.raises(ValueError, match="sdpa"):
         get_backend("nope")
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_a_later_chunk_split_into_context_and_itself_equals_the_masked_attention(dtype, tol) -> None:
+    from firsttoken.attention.sdpa import _attend, _attend_split
+
+    gen = torch.Generator().manual_seed(7)
+    q_len, ctx, heads, kv_heads, dim = 300, 700, 8, 2, 32
+    q = torch.randn(q_len, heads, dim, generator=gen).to(dtype)
+    k = torch.randn(ctx + q_len, kv_heads, dim, generator=gen).to(dtype)
+    v = torch.randn(ctx + q_len, kv_heads, dim, generator=gen).to(dtype)
+    mask = torch.arange(ctx + q_len)[None, :] <= torch.arange(ctx, ctx + q_len)[:, None]
+    masked = _attend(q, k, v, mask, dim**-0.5, causal=False)
+    split = _attend_split(q, k, v, ctx, dim**-0.5)
+    assert split.dtype == dtype and split.shape == masked.shape
+    assert (split.float() - masked.float()).abs().max() < tol
