@@ -47,7 +47,7 @@ from typing import Any
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import start_server, stop_server  # noqa: E402
+from _common import checkout, start_server, stop_server  # noqa: E402
 from llamacpp_peer import (  # noqa: E402
     GGUFPair,
     LlamaCppTree,
@@ -177,7 +177,8 @@ def measure_ttft(bases: dict[str, str], repeats: int, timeout_s: float) -> dict[
             ttft = [r.ttft_s for r in runs]
             parts = None
             if all(r.timings for r in runs):
-                parts = {k: statistics.median(float(r.timings[k]) for r in runs) for k in TIMING_PARTS}
+                parts = {k: statistics.median(float(r.timings[k]) for r in runs) for k in TIMING_PARTS
+                         if all(k in r.timings for r in runs)}  # an older checkout reports fewer
             out[name][cls] = Measured(statistics.median(ttft), ttft, min(ttft), runs[-1].prompt_tokens, parts)
             print(f"  {name} {cls}: TTFT {out[name][cls].median:.3f} s ({runs[-1].prompt_tokens} prompt tokens)",
                   flush=True)  # fmt: skip
@@ -251,6 +252,9 @@ def run_all(tree: LlamaCppTree, model: Path, llama: dict[str, GGUFPair], args: a
             ttft_bases["firsttoken_budget"] = start_firsttoken(stack, model, list(FIRSTTOKEN_FLAGS))
         for schedule in _schedules(args):
             ttft_bases[f"firsttoken_{schedule}"] = start_firsttoken(stack, model, [*no_budget, *SCHEDULES[schedule]])
+        if args.before is not None:  # the default schedule as another checkout has it (before/after in one run)
+            with checkout(args.before):
+                ttft_bases["firsttoken_before"] = start_firsttoken(stack, model.resolve(), no_budget)
         results["machine_before"] = machine_info()
         ttft = measure_ttft(ttft_bases, args.repeats, args.timeout)
         b1 = {} if args.ttft_only else measure_decode_b1({**single, **ours}, args.repeats, args.timeout)
@@ -279,7 +283,8 @@ def idle_speed(results: dict[str, Any]) -> dict[str, dict[str, Any]]:
     the forwards of its chunks: the default's target is within 5% of that) and against llama.cpp."""
     llama = results["llama_f32"]["ttft"]
     out: dict[str, dict[str, Any]] = {}
-    for name in ("firsttoken_fp32", *(f"firsttoken_{s}" for s in SCHEDULES if f"firsttoken_{s}" in results)):
+    names = [f"firsttoken_{s}" for s in (*SCHEDULES, "before") if f"firsttoken_{s}" in results]
+    for name in ("firsttoken_fp32", *names):
         for cls, _ in PROMPTS:
             m = results[name]["ttft"][cls]
             p = m.parts or {}
@@ -445,6 +450,8 @@ def main() -> None:
     p.add_argument("--schedules", default="", help="also measure TTFT with these schedules beside the default "
                    f"(comma-separated: {', '.join(SCHEDULES)}): issue 42's idle-speed table")
     p.add_argument("--ttft-only", action="store_true", help="measure TTFT only (no decode runs)")
+    p.add_argument("--before", type=Path, default=None, help="another checkout (e.g. a git worktree of an earlier "
+                   "commit): its default schedule is measured beside ours as firsttoken_before")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--timeout", type=float, default=300.0, help="seconds per request")
     p.add_argument("--json", type=Path, default=None)
