@@ -79,12 +79,14 @@ class _Step:
     long_s: float = 0.0
     # the interruptible encoder work's predicted seconds and its mean unit's (the runner runs it last in the step)
     cut_span: tuple[float, float] = (0.0, 0.0)
+    in_flight_s: dict[str, float] = field(default_factory=dict)  # per request: predicted seconds of its work here
 
     @property
     def has_prefill(self) -> bool:
         return any(not c.is_decode for c in self.chunks)
 
-    def charge(self, lane: str, is_decode: bool, seconds: float) -> None:
+    def charge(self, request_id: str, lane: str, is_decode: bool, seconds: float) -> None:
+        self.in_flight_s[request_id] = self.in_flight_s.get(request_id, 0.0) + seconds
         if is_decode:
             self.decode_s += seconds
         elif lane == SHORT:
@@ -418,9 +420,12 @@ class Scheduler:
                 short_frac = ema(short_frac, step.short_s / wall)
             if step.long_s > 0 or any(r.lane == LONG for r in pending):
                 long_frac = ema(long_frac, step.long_s / wall)
-        short = sum(self.remaining_work_s(r) for r in pending if r.lane != LONG)
+        def left_s(r: Request) -> float:  # after this step: its work in flight is the residual, not the backlog
+            return max(self.remaining_work_s(r) - step.in_flight_s.get(r.request_id, 0.0), 0.0)
+
+        short = sum(left_s(r) for r in pending if r.lane != LONG)
         long_reqs = [r for r in pending if r.lane == LONG]
-        long = tuple(self.remaining_work_s(r) for r in long_reqs)
+        long = tuple(left_s(r) for r in long_reqs)
         places = tuple(self.long_place_s(r) for r in long_reqs) if self.config.long_order == "deadline" else ()
         deadlines = tuple(self._objective_at(r) for r in long_reqs) if places and self.objectives else ()
         now = self.clock()
@@ -772,7 +777,7 @@ class Scheduler:
             num_units = 1
         before = budget.spent_s
         budget.take_units(units[:num_units])
-        step.charge(req.lane, False, budget.spent_s - before)
+        step.charge(req.request_id, req.lane, False, budget.spent_s - before)
         finishes = num_units >= len(units)  # progress is recorded from the runner's report, in update()
         step.encoder_work.append(EncoderWork(req.request_id, index, h, start, num_units, finishes))
         step.worked_hashes.add(h)
@@ -789,7 +794,7 @@ class Scheduler:
         is_decode = _is_decoding(req)
         before = budget.spent_s
         budget.take_chunk(num_new, start, samples=start + num_new == req.num_tokens, is_decode=is_decode)
-        step.charge(req.lane, is_decode, budget.spent_s - before)
+        step.charge(req.request_id, req.lane, is_decode, budget.spent_s - before)
         if req.lane == SHORT and not is_decode:
             step.has_short_prefill = True
         step.scheduled_ids.add(req.request_id)

@@ -291,8 +291,8 @@ def test_long_chunk_share_caps_the_long_prefill_chunk_and_leaves_the_rest_to_enc
 
 def test_with_an_objective_an_image_prompt_is_asked_to_lower_its_budget_only_when_its_wait_counted_twice_is_over():
     # an image prompt: 600 tokens (0.6 s of prefill) + 1,000 patches (0.25 s): 0.85 s of its own work, objective
-    # 2 s. Alone it fits with room (no wait to count); behind a 0.3 s request (queued first: no slack, arrival order)
-    # its predicted TTFT still fits, but with the margin (2 x its wait) it is over: admitted, asked to lower its budget
+    # 2 s. Alone it fits with room (no wait to count); behind a step in flight that holds a 0.5 s request its
+    # predicted TTFT still fits, but with the margin (2 x its wait) it is over: admitted, asked to lower its budget
     image = PromptWork(600, 1, 1000)
 
     def verdict(queued: int, **kw):
@@ -303,12 +303,12 @@ def test_with_an_objective_an_image_prompt_is_asked_to_lower_its_budget_only_whe
             run_step(sched)
         return sched.check_admission(image)
 
-    alone, behind = verdict(0), verdict(300)
+    alone, behind = verdict(0), verdict(500)
     # its prediction is over a third of the objective, yet nothing is lowered: the margin counts only its wait
     assert alone.admitted and not alone.lower_budget and alone.predicted_ttft_s > 2.0 / 3
     assert behind.admitted and behind.lower_budget and behind.predicted_ttft_s <= 2.0
-    assert not verdict(300, ttft_slo_wait_margin=0.0).lower_budget  # margin 0: lower only while over
-    assert not verdict(300, ttft_slo_wait_margin=0.5).lower_budget  # its wait counted 1.5 times fits
+    assert not verdict(500, ttft_slo_wait_margin=0.0).lower_budget  # margin 0: lower only while over
+    assert not verdict(500, ttft_slo_wait_margin=0.5).lower_budget  # its wait counted 1.5 times fits
     # idle after a busy spell: the long lane's remembered share (0.6) stretches its own work, which is not wait
     from firsttoken.scheduler.scheduler import Backlog
 
@@ -328,25 +328,27 @@ def test_with_objectives_a_newcomer_does_not_pass_a_request_it_would_push_past_i
     # "big" (2 s of prefill, its place 2.0) is admitted at t = 0 under a 3.5 s objective; at t = 1 a 0.85 s prompt
     # arrives, whose own place (1.85) is earlier. Passing would finish big at ~4 s, past its objective, so the
     # newcomer's admission gives it big's place (behind it: the earlier arrival first) and its prediction counts
-    # big's remaining work; it still meets its own objective. Without objectives it passes, as before.
+    # big's work left after the step in flight; it still meets its own objective. Without objectives it passes.
     from dataclasses import replace
 
-    def second_step(slo: str) -> tuple[list[str], float]:
+    def second_step(slo: str) -> tuple[list[str], float, float]:
         clock = ManualClock()
         sched = scheduler(clock=clock, ttft_slo=slo)
         sched.add(fake_request("big", prompt_len=2000, max_tokens=1))
         run_step(sched)
+        left = sched.remaining_work_s(sched.requests["big"])
         clock.now = 1.0
         verdict = sched.check_admission(PromptWork(850))
         assert verdict.admitted
         newcomer = fake_request("newcomer", prompt_len=850, max_tokens=1, arrival_seq=1)
         newcomer.engine_request = replace(newcomer.engine_request, arrival_s=1.0, long_place_s=verdict.long_place_s)
         sched.add(newcomer)
-        return long_chunks(run_step(sched)), verdict.predicted_ttft_s
+        return long_chunks(run_step(sched)), verdict.predicted_ttft_s, left
 
-    protected, predicted = second_step("text=3.5,image=3.5")
-    assert protected[0] == "big" and 2.0 + 0.85 <= predicted <= 3.5  # big's work (as last scheduled) ahead of it
-    free, predicted_free = second_step("")
+    protected, predicted, left = second_step("text=3.5,image=3.5")
+    assert 1.0 < left < 2.0
+    assert protected[0] == "big" and left + 0.85 <= predicted <= 3.5  # big's work left ahead of it
+    free, predicted_free, _ = second_step("")
     assert free[0] == "newcomer" and predicted_free < 1.0
 
 
