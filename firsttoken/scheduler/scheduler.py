@@ -347,16 +347,21 @@ class Scheduler:
         fixed = self.config.step_time_target_s
         if fixed is not None:
             return fixed
-        lens = sorted(self._short_prompt_lens)
-        typical = lens[int(0.9 * (len(lens) - 1))] if lens else self.config.long_prompt_threshold // 2
         # at least twice the per-step constant: a step's work is never less than what running a step costs
-        return max(self.cost_model.predict(prefill_chunk(max(typical, 1), 0, True)), 2 * self.cost_model.coef[0])
+        return max(self.cost_model.predict(prefill_chunk(self._typical_short_tokens(), 0, True)),
+                   2 * self.cost_model.coef[0])
+
+    def _typical_short_tokens(self) -> int:
+        """The P90 of recent short prompts' lengths (half the long-prompt threshold before any)."""
+        lens = sorted(self._short_prompt_lens)
+        return max(lens[int(0.9 * (len(lens) - 1))] if lens else self.config.long_prompt_threshold // 2, 1)
 
     def throughput_chunk_tokens(self) -> int:
-        """Prefill tokens a throughput step takes: of the chunk sizes up to --max-batched-tokens (powers of two and
-        the cap), the one with which the step-cost model prices a cap-sized prompt cheapest (each chunk at its
-        context, per-step terms once per chunk); ties go to the larger. Attention pairs add up to the same however a
-        prompt is cut, so under the model's terms that is the cap (bench_chunk_size.py measures it)."""
+        """Prefill tokens a throughput step takes. Its forward cannot be cut, so a short request arriving during it
+        waits for it: the chunk is the smallest size (powers of two and --max-batched-tokens) that holds a typical
+        short prompt and with which the step-cost model prices a cap-sized prompt (each chunk at its context,
+        per-step terms once per chunk) within THROUGHPUT_SLACK of the cheapest size; if none, the cheapest (ties to
+        the larger). bench_chunk_size.py measures the sizes side by side."""
         cap = self.config.max_batched_tokens
         sizes = {cap, *(1 << k for k in range(self.block_size.bit_length() - 1, cap.bit_length()) if 1 << k < cap)}
 
@@ -366,7 +371,8 @@ class Scheduler:
 
         priced = {n: seconds(n) for n in sizes}
         cheapest = min(priced.values())
-        return max(n for n, s in priced.items() if s <= cheapest * (1 + 1e-9))
+        near = [n for n, s in priced.items() if n >= self._typical_short_tokens() and s <= cheapest * (1 + THROUGHPUT_SLACK)]
+        return min(near) if near else max(n for n, s in priced.items() if s <= cheapest * (1 + 1e-9))
 
     def itl_bound(self) -> float:
         """Seconds a step may take while a request is decoding (inf: no bound of its own). auto: ITL_AUTO_S, never
@@ -918,6 +924,7 @@ def protected_place(place: float, own: float, queue: Iterable[tuple[float, float
     return out
 
 
+THROUGHPUT_SLACK = 0.05  # a throughput chunk may be priced this much over the cheapest size, to be shorter
 ITL_AUTO_S = 0.2  # --itl-target auto: 5 tokens/s, about reading speed
 ITL_AVERAGED = True  # --itl-target holds each answer's average from its first decode step (False: every step; what-if)
 ITL_MIN_STEPS = 4  # ... but at least this many per-step constants (steps mostly work, not fixed cost)

@@ -446,12 +446,13 @@ def test_itl_target_auto_is_a_fifth_of_a_second_but_at_least_four_step_constants
 # ---- idle means full speed (--step-time-target auto) ---------------------------------------------------------
 
 def test_a_lone_request_runs_throughput_steps_whole_images_and_the_fastest_chunk():
-    # Alone, nobody the automatic bound protects is there: each step prefills the throughput chunk S (the cost
-    # model's cheapest per token; the cap, --max-batched-tokens, under its linear terms) or stops before an image,
-    # which it encodes whole in that step. So a prompt of N tokens and k images takes at most ceil(N / S) + k steps,
-    # against ~N / 110 bounded steps (the target here is 110 ms: 100 tokens' prefill + the 10 ms constant).
+    # Alone, nobody the automatic bound protects is there: each step prefills the throughput chunk S or stops
+    # before an image, which it encodes whole in that step. So a prompt of N tokens and k images takes at most
+    # ceil(N / S) + k steps, against ~N / 110 bounded steps (the target here is 110 ms: a typical short prompt's 100
+    # tokens + the 10 ms constant). S: the smallest size holding a typical short prompt priced within 5% of the
+    # cheapest for a cap-sized prompt: 256 (1.024 s + 4 x 10 ms, 2.9% over 1,024's one step; 128's 8 steps, 6.8%)
     sched = scheduler(step_time_target="auto", max_batched_tokens=1024)
-    assert sched.throughput_chunk_tokens() == 1024
+    assert sched.throughput_chunk_tokens() == 256
     photos = fake_request("photos", prompt_len=3000, max_tokens=1, encoder_depth=4,
                           images=[("a", 100, 500), ("b", 1000, 500), ("c", 2000, 500)])
     sched.add(photos)
@@ -463,7 +464,7 @@ def test_a_lone_request_runs_throughput_steps_whole_images_and_the_fastest_chunk
         bounded += predicted(sched, batch) <= target
         for w in batch.encoder_work:
             assert (w.start_unit, w.num_units, w.interruptible) == (0, 4, True)  # whole, and a short arrival cuts it
-    assert steps <= math.ceil(3000 / 1024) + 3
+    assert steps <= math.ceil(3000 / 256) + 3
     assert bounded <= 1  # none bounded by the target (the last step may be small)
 
 
@@ -471,14 +472,14 @@ def test_a_request_arriving_mid_way_brings_the_bound_back_within_one_step():
     sched = scheduler(step_time_target="auto", max_batched_tokens=1024)
     sched.add(fake_request("doc", prompt_len=4000, max_tokens=1))
     first = run_step(sched)
-    assert sum(c.num_new_tokens for c in first.chunks) == 1024  # alone: the throughput chunk
+    assert sum(c.num_new_tokens for c in first.chunks) == 256  # alone: the throughput chunk
     sched.add(fake_request("chat", prompt_len=60, max_tokens=3, arrival_seq=1))
     target = sched.step_time_target()
     while "chat" in sched.requests:
         batch = run_step(sched)
         assert predicted(sched, batch) <= target + 1e-9  # bounded from the very next step on, decodes included
     alone_again = run_step(sched)
-    assert sum(c.num_new_tokens for c in alone_again.chunks) == 1024
+    assert sum(c.num_new_tokens for c in alone_again.chunks) == sched.throughput_chunk_tokens() > 60
 
 
 def test_a_second_long_request_keeps_steps_bounded_and_a_given_target_bounds_every_step():
@@ -491,9 +492,17 @@ def test_a_second_long_request_keeps_steps_bounded_and_a_given_target_bounds_eve
     assert predicted(fixed, run_step(fixed)) <= TARGET + 1e-9
 
 
-def test_the_throughput_chunk_is_the_cap_whenever_the_cost_model_prices_no_penalty_for_size():
-    # attention pairs add up to the same however a prompt is cut: only per-step terms remain, so the cap wins, and
-    # with none at all the tie goes to the larger chunk (fewest steps)
+def test_the_throughput_chunk_is_the_shortest_near_the_cheapest_that_holds_a_typical_short_prompt():
+    # attention pairs add up to the same however a prompt is cut: only per-step terms (10 ms here) tell the sizes
+    # apart. A shorter chunk is a shorter wait for a short request arriving during the step's forward, so the
+    # smallest size within 5% of the cheapest wins, but never one shorter than a typical short prompt
+    sched = scheduler(step_time_target="auto", max_batched_tokens=3000)
+    assert sched.throughput_chunk_tokens() == 256  # 3.0 s + 12 x 10 ms, 3.7% over one step; 128: 24 steps, 7.6% over
+    for _ in range(10):
+        sched.add(fake_request(f"q{len(sched.requests)}", prompt_len=190, max_tokens=1))
+    assert sched.throughput_chunk_tokens() == 256  # typical short prompts of 190 tokens: still 256
     flat = CostModel(prior=tuple({"prefill_tokens": 0.001, "prefill_attention": 1e-6}.get(n, 0.0) for n in FEATURE_NAMES))
-    assert scheduler(step_time_target="auto", max_batched_tokens=3000).throughput_chunk_tokens() == 3000
-    assert scheduler(step_time_target="auto", max_batched_tokens=3000, cost_model=flat).throughput_chunk_tokens() == 3000
+    assert scheduler(step_time_target="auto", max_batched_tokens=3000, cost_model=flat).throughput_chunk_tokens() == 128
+    costly_steps = CostModel(prior=tuple({**COSTS, "step": 0.5}.get(n, 0.0) for n in FEATURE_NAMES))
+    assert scheduler(step_time_target="auto", max_batched_tokens=3000,
+                     cost_model=costly_steps).throughput_chunk_tokens() == 3000  # a step costs more than 5%: the cap
