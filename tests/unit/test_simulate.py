@@ -174,13 +174,10 @@ SMALL_AVX2 = {"step": 0.01745, "sequences": 0.0, "sampled": 0.0, "prefill_tokens
 @pytest.mark.parametrize("utilization", [0.6, 0.8])
 def test_predicted_ttft_matches_a_world_that_costs_what_the_model_says(utilization):
     """The admission check's prediction, for the seed mix with time-bounded steps (the default), in a world whose
-    steps cost exactly what the cost model predicts. At U = 0.6 issue 15's targets hold per class (median |error|
-    <= 15%, P90 <= 35%); at U = 0.8 the medians hold, and the P90 for the image classes (text's does not: a text
-    request's wait is whatever short work happens to arrive beside it, not foreseen: 37% here). With the long lane
-    in least-remaining-work order the image classes' P90 was 34-49% at U = 0.8 (later, smaller requests overtook
-    without bound); in deadline order only those whose place comes first can. Before each lane's share was
-    measured over the steps it ran in, the prediction was 3-4x too high in this mode, as measured on the server
-    (docs/performance.md)."""
+    steps cost exactly what the cost model predicts: issue 15's targets hold per class at U = 0.6 and 0.8 (median
+    |error| <= 15%, P90 <= 35%). The backlog a prediction reads excludes the work of the step in flight (that is the
+    residual): counting it twice put the one-image P90 at 35.2% once a lone request's throughput step held a whole
+    prompt, and text's P90 at 15% at U = 0.8."""
     from firsttoken.models.checkpoint import SIZES, build_hf_config
     from firsttoken.models.registry import model_config_from_dict
 
@@ -195,8 +192,7 @@ def test_predicted_ttft_matches_a_world_that_costs_what_the_model_says(utilizati
     errors = {cls: (c["prediction_error_p50"], c["prediction_error_p90"]) for cls, c in classes.items()}
     assert set(errors) == {"text", "1img", "3img"}
     assert all(p50 <= 0.15 for p50, _ in errors.values()), errors
-    checked = errors if utilization <= 0.6 else {cls: e for cls, e in errors.items() if cls != "text"}
-    assert all(p90 <= 0.35 for _, p90 in checked.values()), errors
+    assert all(p90 <= 0.35 for _, p90 in errors.values()), errors
 
 
 def test_the_cost_model_reports_what_its_fit_has_seen_per_term():

@@ -292,8 +292,8 @@ def test_long_chunk_share_caps_the_long_prefill_chunk_and_leaves_the_rest_to_enc
 
 def test_with_an_objective_an_image_prompt_is_asked_to_lower_its_budget_only_when_its_wait_counted_twice_is_over():
     # an image prompt: 600 tokens (0.6 s of prefill) + 1,000 patches (0.25 s): 0.85 s of its own work, objective
-    # 2 s. Alone it fits with room (no wait to count); behind a 0.3 s request (queued first: no slack, arrival order)
-    # its predicted TTFT still fits, but with the margin (2 x its wait) it is over: admitted, asked to lower its budget
+    # 2 s. Alone it fits with room (no wait to count); behind a step in flight that holds a 0.5 s request its
+    # predicted TTFT still fits, but with the margin (2 x its wait) it is over: admitted, asked to lower its budget
     image = PromptWork(600, 1, 1000)
 
     def verdict(queued: int, **kw):
@@ -304,12 +304,12 @@ def test_with_an_objective_an_image_prompt_is_asked_to_lower_its_budget_only_whe
             run_step(sched)
         return sched.check_admission(image)
 
-    alone, behind = verdict(0), verdict(300)
+    alone, behind = verdict(0), verdict(500)
     # its prediction is over a third of the objective, yet nothing is lowered: the margin counts only its wait
     assert alone.admitted and not alone.lower_budget and alone.predicted_ttft_s > 2.0 / 3
     assert behind.admitted and behind.lower_budget and behind.predicted_ttft_s <= 2.0
-    assert not verdict(300, ttft_slo_wait_margin=0.0).lower_budget  # margin 0: lower only while over
-    assert not verdict(300, ttft_slo_wait_margin=0.5).lower_budget  # its wait counted 1.5 times fits
+    assert not verdict(500, ttft_slo_wait_margin=0.0).lower_budget  # margin 0: lower only while over
+    assert not verdict(500, ttft_slo_wait_margin=0.5).lower_budget  # its wait counted 1.5 times fits
     # idle after a busy spell: the long lane's remembered share (0.6) stretches its own work, which is not wait
     from firsttoken.scheduler.admission import Backlog
 
@@ -329,25 +329,27 @@ def test_with_objectives_a_newcomer_does_not_pass_a_request_it_would_push_past_i
     # "big" (2 s of prefill, its place 2.0) is admitted at t = 0 under a 3.5 s objective; at t = 1 a 0.85 s prompt
     # arrives, whose own place (1.85) is earlier. Passing would finish big at ~4 s, past its objective, so the
     # newcomer's admission gives it big's place (behind it: the earlier arrival first) and its prediction counts
-    # big's remaining work; it still meets its own objective. Without objectives it passes, as before.
+    # big's work left after the step in flight; it still meets its own objective. Without objectives it passes.
     from dataclasses import replace
 
-    def second_step(slo: str) -> tuple[list[str], float]:
+    def second_step(slo: str) -> tuple[list[str], float, float]:
         clock = ManualClock()
         sched = scheduler(clock=clock, ttft_slo=slo)
         sched.add(fake_request("big", prompt_len=2000, max_tokens=1))
         run_step(sched)
+        left = sched.remaining_work_s(sched.requests["big"])
         clock.now = 1.0
         verdict = sched.check_admission(PromptWork(850))
         assert verdict.admitted
         newcomer = fake_request("newcomer", prompt_len=850, max_tokens=1, arrival_seq=1)
         newcomer.engine_request = replace(newcomer.engine_request, arrival_s=1.0, long_place_s=verdict.long_place_s)
         sched.add(newcomer)
-        return long_chunks(run_step(sched)), verdict.predicted_ttft_s
+        return long_chunks(run_step(sched)), verdict.predicted_ttft_s, left
 
-    protected, predicted = second_step("text=3.5,image=3.5")
-    assert protected[0] == "big" and 2.0 + 0.85 <= predicted <= 3.5  # big's work (as last scheduled) ahead of it
-    free, predicted_free = second_step("")
+    protected, predicted, left = second_step("text=3.5,image=3.5")
+    assert 1.0 < left < 2.0
+    assert protected[0] == "big" and left + 0.85 <= predicted <= 3.5  # big's work left ahead of it
+    free, predicted_free, _ = second_step("")
     assert free[0] == "newcomer" and predicted_free < 1.0
 
 
@@ -445,12 +447,13 @@ def test_itl_target_auto_is_a_fifth_of_a_second_but_at_least_four_step_constants
 # ---- idle means full speed (--step-time-target auto) ---------------------------------------------------------
 
 def test_a_lone_request_runs_throughput_steps_whole_images_and_the_fastest_chunk():
-    # Alone, nobody the automatic bound protects is there: each step prefills the throughput chunk S (the cost
-    # model's cheapest per token; the cap, --max-batched-tokens, under its linear terms) or stops before an image,
-    # which it encodes whole in that step. So a prompt of N tokens and k images takes at most ceil(N / S) + k steps,
-    # against ~N / 110 bounded steps (the target here is 110 ms: 100 tokens' prefill + the 10 ms constant).
+    # Alone, nobody the automatic bound protects is there: each step prefills the throughput chunk S or stops
+    # before an image, which it encodes whole in that step. So a prompt of N tokens and k images takes at most
+    # ceil(N / S) + k steps, against ~N / 110 bounded steps (the target here is 110 ms: a typical short prompt's 100
+    # tokens + the 10 ms constant). S: the smallest size holding a typical short prompt priced within 5% of the
+    # cheapest for a cap-sized prompt: 256 (1.024 s + 4 x 10 ms, 2.9% over 1,024's one step; 128's 8 steps, 6.8%)
     sched = scheduler(step_time_target="auto", max_batched_tokens=1024)
-    assert sched.pacing.throughput_chunk_tokens() == 1024
+    assert sched.pacing.throughput_chunk_tokens() == 256
     photos = fake_request("photos", prompt_len=3000, max_tokens=1, encoder_depth=4,
                           images=[("a", 100, 500), ("b", 1000, 500), ("c", 2000, 500)])
     sched.add(photos)
@@ -462,7 +465,7 @@ def test_a_lone_request_runs_throughput_steps_whole_images_and_the_fastest_chunk
         bounded += predicted(sched, batch) <= target
         for w in batch.encoder_work:
             assert (w.start_unit, w.num_units, w.interruptible) == (0, 4, True)  # whole, and a short arrival cuts it
-    assert steps <= math.ceil(3000 / 1024) + 3
+    assert steps <= math.ceil(3000 / 256) + 3
     assert bounded <= 1  # none bounded by the target (the last step may be small)
 
 
@@ -470,14 +473,14 @@ def test_a_request_arriving_mid_way_brings_the_bound_back_within_one_step():
     sched = scheduler(step_time_target="auto", max_batched_tokens=1024)
     sched.add(fake_request("doc", prompt_len=4000, max_tokens=1))
     first = run_step(sched)
-    assert sum(c.num_new_tokens for c in first.chunks) == 1024  # alone: the throughput chunk
+    assert sum(c.num_new_tokens for c in first.chunks) == 256  # alone: the throughput chunk
     sched.add(fake_request("chat", prompt_len=60, max_tokens=3, arrival_seq=1))
     target = sched.pacing.step_time_target()
     while "chat" in sched.requests:
         batch = run_step(sched)
         assert predicted(sched, batch) <= target + 1e-9  # bounded from the very next step on, decodes included
     alone_again = run_step(sched)
-    assert sum(c.num_new_tokens for c in alone_again.chunks) == 1024
+    assert sum(c.num_new_tokens for c in alone_again.chunks) == sched.pacing.throughput_chunk_tokens() > 60
 
 
 def test_a_second_long_request_keeps_steps_bounded_and_a_given_target_bounds_every_step():
@@ -490,9 +493,17 @@ def test_a_second_long_request_keeps_steps_bounded_and_a_given_target_bounds_eve
     assert predicted(fixed, run_step(fixed)) <= TARGET + 1e-9
 
 
-def test_the_throughput_chunk_is_the_cap_whenever_the_cost_model_prices_no_penalty_for_size():
-    # attention pairs add up to the same however a prompt is cut: only per-step terms remain, so the cap wins, and
-    # with none at all the tie goes to the larger chunk (fewest steps)
+def test_the_throughput_chunk_is_the_shortest_near_the_cheapest_that_holds_a_typical_short_prompt():
+    # attention pairs add up to the same however a prompt is cut: only per-step terms (10 ms here) tell the sizes
+    # apart. A shorter chunk is a shorter wait for a short request arriving during the step's forward, so the
+    # smallest size within 5% of the cheapest wins, but never one shorter than a typical short prompt
+    sched = scheduler(step_time_target="auto", max_batched_tokens=3000)
+    assert sched.pacing.throughput_chunk_tokens() == 256  # 3.0 s + 12 x 10 ms, 3.7% over one step; 128: 24 steps, 7.6% over
+    for _ in range(10):
+        sched.add(fake_request(f"q{len(sched.requests)}", prompt_len=190, max_tokens=1))
+    assert sched.pacing.throughput_chunk_tokens() == 256  # typical short prompts of 190 tokens: still 256
     flat = CostModel(prior=tuple({"prefill_tokens": 0.001, "prefill_attention": 1e-6}.get(n, 0.0) for n in FEATURE_NAMES))
-    assert scheduler(step_time_target="auto", max_batched_tokens=3000).pacing.throughput_chunk_tokens() == 3000
-    assert scheduler(step_time_target="auto", max_batched_tokens=3000, cost_model=flat).pacing.throughput_chunk_tokens() == 3000
+    assert scheduler(step_time_target="auto", max_batched_tokens=3000, cost_model=flat).pacing.throughput_chunk_tokens() == 128
+    costly_steps = CostModel(prior=tuple({**COSTS, "step": 0.5}.get(n, 0.0) for n in FEATURE_NAMES))
+    assert scheduler(step_time_target="auto", max_batched_tokens=3000,
+                     cost_model=costly_steps).pacing.throughput_chunk_tokens() == 3000  # a step costs more than 5%: the cap
