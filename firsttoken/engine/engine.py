@@ -200,7 +200,7 @@ class LLMEngine:
 
     def has_unfinished(self) -> bool:
         """Work to run, or runner state (finished requests, encoder outputs) the next step releases."""
-        return self.scheduler.has_work
+        return self.scheduler.needs_step
 
     # ---- the loop ------------------------------------------------------------------------------------
     def step(self, deliver: Callable[[list[RequestOutput]], None] | None = None) -> list[RequestOutput]:
@@ -219,6 +219,7 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         if batch.is_empty:
             return expired
+        self._num_steps += batch.has_work  # this step counts for a first token sampled in it
         try:
             result = self.executor.execute(batch)  # reports per-request failures; raises only on an engine bug
         except Exception:
@@ -239,7 +240,6 @@ class LLMEngine:
                 result = result.merged(late)
         if batch.has_work:
             duration_s = time.monotonic() - step_start
-            self._num_steps += 1
             report = self.scheduler.observe_step(batch, result, duration_s)  # the cost model learns the step
             self._observe_step(batch, result, step_start, duration_s, report)
             self._account(batch, result, duration_s)

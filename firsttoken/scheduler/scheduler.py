@@ -120,8 +120,13 @@ class Scheduler:
 
     @property
     def has_work(self) -> bool:
+        """Live requests to run."""
+        return bool(len(self.waiting) or self.running)
+
+    @property
+    def needs_step(self) -> bool:
         """Requests to run, or runner state one more batch must release (finished requests, encoder outputs)."""
-        return bool(len(self.waiting) or self.running or self._finished_ids or self.encoder_cache.has_freed)
+        return self.has_work or bool(self._finished_ids or self.encoder_cache.has_freed)
 
     # ---- one step -------------------------------------------------------------------------------------------
     def schedule(self) -> ScheduledBatch:

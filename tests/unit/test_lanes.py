@@ -267,8 +267,6 @@ def test_every_live_request_progresses_or_waits_for_a_named_reason(policy):
         live = {rid: r for rid, r in live.items() if r.status.value != "finished"}
         if step >= 1500 and not live:
             break
-    release = sched.schedule()  # the finished requests' runner state goes with one more batch, which runs nothing
-    assert not release.chunks and not release.encoder_work
     assert not live and not sched.has_work and sched.kv.num_used_blocks == 0
     assert seq > 200 and {"kv_blocks", "in_line"} <= set(reasons)  # the run really queued
 
