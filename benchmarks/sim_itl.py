@@ -9,8 +9,8 @@ Deterministic; seconds of CPU per run.
 Why: with time-bounded steps the long lane fills each step up to ``--step-time-target`` (auto: a typical short
 prompt's prefill, ~0.35 s here), and every running decode gets one token per step, so under image load a text
 answer streams at one token per such step. ``--itl-target`` holds each answer's average gap from its first decode
-step by bounding the steps that carry decodes once an answer falls behind; a config's JSON may hold "averaged":
-false to bound every such step instead (a what-if). What it costs: more steps for the same long-lane work, each
+step by bounding the steps that carry decodes once an answer falls behind. What it costs: more steps for the same
+long-lane work, each
 paying the per-step constant. ITL percentiles pool every gap between
 consecutive tokens of the class's requests (31 per request: 32 output tokens each).
 """
@@ -36,7 +36,7 @@ from sim_long_order import (
 import firsttoken.tools.simulate as sim
 from firsttoken.config import SchedulerConfig
 
-DEFAULT_CONFIGS = 'off=;auto={"itl_target":"auto"};auto-every-step={"itl_target":"auto","averaged":false}'
+DEFAULT_CONFIGS = 'off=;auto={"itl_target":"auto"}'
 CLASSES = ("text", "1img", "3img")
 
 

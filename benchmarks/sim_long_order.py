@@ -19,7 +19,6 @@ import argparse
 import json
 from pathlib import Path
 
-import firsttoken.scheduler.scheduler as scheduler
 import firsttoken.tools.simulate as sim
 from firsttoken.config import SchedulerConfig
 from firsttoken.models.checkpoint import SIZES, build_hf_config
@@ -67,23 +66,9 @@ def seed_mix_loads(base: sim.Profile, model, utilizations: str, seeds: str, num_
             yield u, seed, capacity, sim.seed_mix(model, rate=u * capacity, num_requests=num_requests, seed=seed)
 
 
-WHAT_IFS = {"protect": "PROTECT_OBJECTIVES", "averaged": "ITL_AVERAGED"}  # config key -> scheduler module switch
-
-
 def simulate_with(base: sim.Profile, workload, options: dict, step_noise: float, seed: int) -> sim.SimResult:
-    """One replica of ``base`` with scheduler ``options`` on ``workload``; an option named in WHAT_IFS sets that
-    module-level switch of the scheduler (a what-if, e.g. "protect": false) for this run only."""
-    options = dict(options)
-    switches = {WHAT_IFS[k]: options.pop(k) for k in list(options) if k in WHAT_IFS}
-    saved = {name: getattr(scheduler, name) for name in switches}
-    for name, value in switches.items():
-        setattr(scheduler, name, value)
-    try:
-        return sim.simulate(workload, [sim.replace_scheduler(base, **options)], sim.Router("round-robin"),
-                            step_noise, seed)
-    finally:
-        for name, value in saved.items():
-            setattr(scheduler, name, value)
+    """One replica of ``base`` with scheduler ``options`` (SchedulerConfig fields) on ``workload``."""
+    return sim.simulate(workload, [sim.replace_scheduler(base, **options)], sim.Router("round-robin"), step_noise, seed)
 
 
 def unloaded_ttft(base: sim.Profile, model) -> dict[str, float]:

@@ -9,8 +9,7 @@ re-planned at lower budgets as the server's input processor does). Deterministic
 
 Objectives as bench_slo.py derives them: text 3 x the unloaded text TTFT, images 1.5 x the unloaded three-image
 TTFT. Every configuration runs with them except fcfs and lanes (no objectives). A config's JSON holds scheduler
-options, and "protect": false runs the admission without keeping waiting requests' objectives
-(scheduler.PROTECT_OBJECTIVES), the order before it. Goodput: requests whose first token met their class's
+options (SchedulerConfig fields). Goodput: requests whose first token met their class's
 objective, per second of the arrivals' span. What it cannot show: image decoding and HTTP on the engine's cores.
 """
 
@@ -34,8 +33,7 @@ from sim_long_order import (
 import firsttoken.tools.simulate as sim
 from firsttoken.config import ImageConfig, SchedulerConfig
 
-DEFAULT_CONFIGS = ('slo=;no-margin={"ttft_slo_wait_margin":0};no-protect={"protect":false};'
-                   'before={"ttft_slo_wait_margin":0,"protect":false}')
+DEFAULT_CONFIGS = 'slo=;no-margin={"ttft_slo_wait_margin":0}'
 CLASSES = ("text", "1img", "3img")
 
 

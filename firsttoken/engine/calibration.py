@@ -29,8 +29,8 @@ IMAGE_GRID = (1, 16, 16)  # patches: 64 visual tokens at a 2x2 merge
 
 def calibrate(engine) -> None:  # engine: LLMEngine (not imported: engine.py imports this module)
     start = time.monotonic()
-    scheduler, model = engine.scheduler, engine.scheduler.cost_model
-    scheduler.calibrating = True  # token budgets only while the model learns
+    pacing, model = engine.scheduler.pacing, engine.scheduler.cost_model
+    pacing.calibrating = True  # token budgets only while the model learns
     observer, engine.observer = engine.observer, NullObserver()
     try:
         _run(engine, [_request(engine, "calibrate-warmup", calibration_requests(engine, 2)[0].prompt_token_ids[:16],
@@ -43,11 +43,11 @@ def calibrate(engine) -> None:  # engine: LLMEngine (not imported: engine.py imp
         model.refit()
         model.prior = model.coef.copy()
     finally:
-        scheduler.calibrating = False
+        pacing.calibrating = False
         engine.forget_traffic()
         engine.observer = observer
     log.info("step-cost model calibrated in %.1f s: %s", time.monotonic() - start,
-             {k: f"{v:.3g}" for k, v in engine.scheduler.cost_model.fit().as_dict().items()})
+             {k: f"{v:.3g}" for k, v in model.fit().as_dict().items()})
 
 
 def calibration_requests(engine, seed: int) -> list[EngineRequest]:

@@ -7,7 +7,6 @@ which owns torch's intra-op threads. Everything a request needs was prepared bef
 from __future__ import annotations
 
 import logging
-import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -31,7 +30,7 @@ from firsttoken.models.registry import load_model_config
 from firsttoken.runner.executor import Executor, InProcessExecutor
 from firsttoken.runner.model_runner import FaultHook, ThreadPlan
 from firsttoken.scheduler.request import Request
-from firsttoken.scheduler.scheduler import Scheduler
+from firsttoken.scheduler.scheduler import Scheduler, StepReport
 from firsttoken.types import (
     EngineRequest,
     EngineStats,
@@ -48,10 +47,6 @@ def cpu_has_native_bf16() -> bool:
     `--dtype auto` picks float32 there. CUDA devices are not considered here: the engine runs on the CPU."""
     flags = cpu_flags() or frozenset()
     return "avx512_bf16" in flags or "amx_bf16" in flags
-
-
-def _finite_or_none(x: float) -> float | None:
-    return x if math.isfinite(x) else None
 
 
 def torch_dtype(name: str, quantization: str = "none") -> torch.dtype:
@@ -148,6 +143,7 @@ class LLMEngine:
         self._arrivals = 0
         self.num_images_encoded = 0  # images the vision tower ran for (cache misses that were computed)
         self._busy_s = 0.0  # seconds spent inside step(), since start
+        self._num_steps = 0  # steps with work, since start (or forget_traffic)
         weights = {"fp16": "; language model linear layers: float16 weights (FBGEMM)",
                    "int8": "; language model and vision tower linear layers: int8 weights, each input row quantized "
                            "with its own scale",
@@ -168,8 +164,8 @@ class LLMEngine:
         if self.requests:
             raise RuntimeError("forget_traffic with requests in flight")
         self.scheduler.forget_traffic()
-        self.num_images_encoded = 0
-        while self.has_unfinished() or self.scheduler.encoder_cache.has_freed:
+        self.num_images_encoded = self._num_steps = 0
+        while self.has_unfinished():
             self.step()  # hands the runner what it may drop (finished requests, encoder outputs): bookkeeping only
 
     def _interrupt(self) -> bool:
@@ -189,7 +185,7 @@ class LLMEngine:
             raise ValueError(verdict.message)
         detok = IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids, request.sampling.stop)
         req = Request(request, self._arrivals)  # everything that can fail is built before anything is registered
-        req.busy_mark_s, req.steps_mark = self._busy_s, self.scheduler.num_steps
+        req.busy_mark_s, req.steps_mark = self._busy_s, self._num_steps
         self._arrivals += 1
         self.requests[request.request_id] = req
         self._detok[request.request_id] = detok
@@ -203,8 +199,8 @@ class LLMEngine:
         return True
 
     def has_unfinished(self) -> bool:
-        """Work to run, or finished requests whose runner state the next step releases."""
-        return self.scheduler.has_work or self.scheduler.has_releases
+        """Work to run, or runner state (finished requests, encoder outputs) the next step releases."""
+        return self.scheduler.needs_step
 
     # ---- the loop ------------------------------------------------------------------------------------
     def step(self, deliver: Callable[[list[RequestOutput]], None] | None = None) -> list[RequestOutput]:
@@ -223,6 +219,7 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         if batch.is_empty:
             return expired
+        self._num_steps += batch.has_work  # this step counts for a first token sampled in it
         try:
             result = self.executor.execute(batch)  # reports per-request failures; raises only on an engine bug
         except Exception:
@@ -238,15 +235,13 @@ class LLMEngine:
             except Exception:
                 return outputs + self._fail_batch(batch)
             if late is not None:
-                self.scheduler.update_encoder(batch, late)
+                self.scheduler.update(batch, late, encoder_only=True)
                 outputs += self._update(batch, late, step_start, chunks=False)
                 result = result.merged(late)
-        features = self.scheduler.features_run(batch, result)  # less any encoder units an interrupt cut
-        predicted_s = self.scheduler.cost_model.predict(features)
         if batch.has_work:
             duration_s = time.monotonic() - step_start
-            self.scheduler.cost_model.observe(features, duration_s)
-            self._observe_step(batch, result, step_start, duration_s, predicted_s)
+            report = self.scheduler.observe_step(batch, result, duration_s)  # the cost model learns the step
+            self._observe_step(batch, result, step_start, duration_s, report)
             self._account(batch, result, duration_s)
         return outputs
 
@@ -264,10 +259,12 @@ class LLMEngine:
         runner restarts an image from its pixels when asked for layer 0 again), keep serving."""
         involved = {rid: self.requests[rid] for rid in [c.request_id for c in batch.chunks] +
                     [w.request_id for w in batch.encoder_work] if rid in self.requests}
-        for w in batch.encoder_work:
-            self.scheduler.encoder_cache.reset(w.content_hash)
+        message = "internal error while running this request"
+        nothing_done = RunnerOutput({}, {}, dict.fromkeys(involved, message),
+                                    discarded_encoder_hashes=frozenset(w.content_hash for w in batch.encoder_work))
+        self.scheduler.update(batch, nothing_done)
         log.exception("engine step failed; failing the %d requests in it", len(involved))
-        return [self._fail(r, "internal error while running this request") for r in involved.values()]
+        return [self._fail(r, message) for r in involved.values()]
 
     def _expire(self) -> list[RequestOutput]:
         timeout = self.config.request_timeout_s
@@ -279,25 +276,24 @@ class LLMEngine:
                            status=504) for r in late]
 
     def _observe_step(
-        self, batch: ScheduledBatch, result: RunnerOutput, step_start: float, duration_s: float, predicted_s: float
+        self, batch: ScheduledBatch, result: RunnerOutput, step_start: float, duration_s: float, report: StepReport
     ) -> None:
-        kv = self.scheduler.kv
         self.observer.on_step(
             StepStats(
-                step=self.scheduler.num_steps,
+                step=report.step,
                 start_s=step_start,
                 duration_s=duration_s,
-                predicted_s=predicted_s if self.scheduler.cost_model.is_fitted else None,
+                predicted_s=report.predicted_s,
                 num_seqs=len(batch.chunks),
                 num_prefill_tokens=batch.num_prefill_tokens,
                 num_decode_tokens=batch.num_decode_tokens,
                 num_images_encoded=sum(result.num_images_encoded.values()),
                 encoder_s=sum(result.encoder_s.values()),
                 num_preempted=len(batch.preempted_request_ids),
-                kv_blocks_used=kv.num_used_blocks,
-                kv_blocks_total=kv.num_blocks,
-                num_running=len(self.scheduler.running),
-                num_waiting=len(self.scheduler.waiting),
+                kv_blocks_used=report.kv_blocks_used,
+                kv_blocks_total=report.kv_blocks_total,
+                num_running=report.num_running,
+                num_waiting=report.num_waiting,
             )
         )
 
@@ -339,9 +335,6 @@ class LLMEngine:
         if req.stats.first_token_s is None:
             self._account_first_token(req, result, step_start)
         req.stamp("first_token_s", result.sample_done_s)
-        er = req.engine_request
-        if len(req.output_token_ids) == 1 and er.predicted_ttft_s is not None:  # the prediction learns its error
-            self.scheduler.observe_ttft(len(er.images), er.predicted_ttft_s, result.sample_done_s - er.arrival_s)
         params = req.engine_request.sampling
         reason: FinishReason | None = None
         detok = self._detok[req.request_id]
@@ -382,7 +375,7 @@ class LLMEngine:
         busy_before_s = self._busy_s - req.busy_mark_s  # steps completed since it arrived
         req.stats = replace(
             req.stats,
-            num_steps_to_first_token=self.scheduler.num_steps - req.steps_mark,
+            num_steps_to_first_token=self._num_steps - req.steps_mark,
             handoff_s=max(req.queued_s - req.engine_request.preprocessed_s, 0.0),
             forward_s=forward_s,
             step_overhead_s=max(own_s - req.stats.encoder_s - forward_s, 0.0),
@@ -427,31 +420,5 @@ class LLMEngine:
 
     # ---- observability -------------------------------------------------------------------------------
     def stats(self) -> EngineStats:
-        kv = self.scheduler.kv
-        return EngineStats(
-            kv_blocks_total=kv.num_blocks,
-            kv_blocks_used=kv.num_used_blocks,
-            kv_blocks_cached=kv.num_cached_blocks,
-            kv_blocks_free=kv.num_free_blocks,
-            block_size=kv.block_size,
-            num_running=len(self.scheduler.running),
-            num_waiting=len(self.scheduler.waiting),
-            num_steps=self.scheduler.num_steps,
-            num_preemptions=self.scheduler.num_preemptions,
-            max_model_len=self.capacity.max_model_len,
-            num_waiting_by_lane=self.scheduler.waiting.depths(),
-            preemptions_by_reason=dict(self.scheduler.preemptions_by_reason),
-            num_short_delayed_by_long=self.scheduler.num_short_delayed_by_long,
-            num_encoder_interrupts=self.scheduler.num_encoder_interrupts,
-            encoder_cache_hits=self.scheduler.encoder_cache.num_hits,
-            encoder_cache_misses=self.scheduler.encoder_cache.num_misses,
-            encoder_cache_bytes=self.executor.encoder_cache_bytes,
-            num_images_encoded=self.num_images_encoded,
-            cost_model=self.scheduler.cost_model.fit().as_dict() if self.scheduler.cost_model.is_fitted else {},
-            cost_model_coverage=self.scheduler.cost_model.coverage,
-            step_time_target_s=_finite_or_none(self.scheduler.step_time_target()),
-            itl_target_s=_finite_or_none(self.scheduler.itl_bound()),
-            ttft_bias=self.scheduler.ttft_bias.as_dict(),
-            prefix_cache_hit_tokens=kv.num_prefix_hit_tokens,
-            prefix_cache_query_tokens=kv.num_prefix_query_tokens,
-        )
+        return replace(self.scheduler.stats(), encoder_cache_bytes=self.executor.encoder_cache_bytes,
+                       num_images_encoded=self.num_images_encoded)

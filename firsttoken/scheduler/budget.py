@@ -23,10 +23,12 @@ from firsttoken.types import EncoderUnit
 
 class StepBudget:
     def __init__(self, num_tokens: int, seconds: float = math.inf, cost: CostModel | None = None,
-                 whole_images: bool = False) -> None:
+                 whole_images: bool = False, target_s: float = math.inf) -> None:
         """``whole_images``: encoder units are neither limited nor charged (a throughput step: images are encoded
-        whole, and the token budget is the prefill chunk's alone)."""
+        whole, and the token budget is the prefill chunk's alone). ``target_s``: the step's bound, its per-step
+        constant included (``seconds`` is what is left of it for work); shares are of it."""
         self.whole_images = whole_images
+        self.target_s = target_s
         self.total = num_tokens
         self.remaining = num_tokens  # tokens
         self.total_seconds = seconds
@@ -47,12 +49,27 @@ class StepBudget:
     def exhausted(self) -> bool:
         return self.remaining <= 0 or self.seconds <= 0
 
-    def grant_floor(self, num_tokens: int, seconds: float = 0.0) -> None:
-        """Progress guaranteed: at least ``num_tokens`` tokens and ``seconds`` predicted seconds remain, a prefill
+    @property
+    def bounded(self) -> bool:
+        """Grants are bounded in predicted seconds (a time-bounded step with a fitted cost model)."""
+        return self.cost is not None
+
+    def grant_floor(self, num_tokens: int, share: float = 0.0) -> None:
+        """Progress guaranteed: at least ``num_tokens`` tokens and ``share`` of the step's bound remain, a prefill
         chunk may always have ``num_tokens`` tokens, and the next encoder unit runs whatever it costs."""
         self.remaining = max(self.remaining, num_tokens)
-        self.seconds = max(self.seconds, seconds)
+        if share:
+            self.seconds = max(self.seconds, share * self.target_s)
         self.floor_tokens = num_tokens
+
+    def cap_chunks(self, share: float) -> None:
+        """Prefill chunks may take at most ``share`` of the step's bound (the rest is for encoder units)."""
+        self.chunk_seconds = share * self.target_s
+
+    def absorb(self, part: StepBudget) -> None:
+        """What a separate budget for part of this step (a lane's own) granted, taken from this one too."""
+        self.remaining = max(0, self.remaining - part.used)
+        self.features = self.features + part.features
 
     def price(self, features: StepFeatures) -> float:
         """Predicted seconds of adding ``features`` to a step (the per-step constant is paid once, not per item)."""

@@ -1,15 +1,18 @@
-"""Lanes: where a request waits, decided once at admission by a pure function of its prompt length.
+"""Lanes: where a request waits, decided once at admission by a pure function of its prompt length, and the order
+the long lane is served in.
 
 With ``scheduling="lanes"`` a prompt (text + image tokens) shorter than ``long_prompt_threshold`` goes to the
-short lane, others to the long lane. Each lane has its own queue (arrival order; the scheduler serves the long lane
-in its own order when steps are time-bounded); the scheduler's one loop serves the short lane first each step and
-bounds long-lane work per step, with aging so that long work runs at least every ``long_max_wait_steps + 1`` steps.
+short lane, others to the long lane. Each lane has its own queue (arrival order); the scheduler's one loop serves the
+short lane first each step and bounds long-lane work per step, with aging so that long work runs at least every
+``long_max_wait_steps + 1`` steps. When steps are time-bounded (or a throughput step) the long lane is served in the
+order of its ``LongOrder``, chosen once from ``--long-order``: ``DeadlineOrder`` or ``LeastWorkOrder``.
 ``scheduling="fcfs"`` puts everyone in one queue.
 """
 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable, Iterable
 
 from firsttoken.config import SchedulerConfig
 from firsttoken.scheduler.request import Request
@@ -17,6 +20,7 @@ from firsttoken.scheduler.request import Request
 SHORT = "short"
 LONG = "long"
 FCFS = "fcfs"
+LONG_MIN_SHARE = 0.25  # of the step-time target, granted to the long lane once it has waited long_max_wait_steps
 
 
 def route_lane(num_prompt_tokens: int, config: SchedulerConfig) -> str:
@@ -45,6 +49,9 @@ class LaneQueues:
     def __contains__(self, req: Request) -> bool:
         return req in self.queues[req.lane]
 
+    def route(self, num_prompt_tokens: int) -> str:
+        return route_lane(num_prompt_tokens, self.config)
+
     def depths(self) -> dict[str, int]:
         return {name: len(q) for name, q in self.queues.items()}
 
@@ -56,3 +63,75 @@ class LaneQueues:
 
     def remove(self, req: Request) -> None:
         self.queues[req.lane].remove(req)
+
+
+class DeadlineOrder:
+    """Earliest place in line first, then arrival: a request's place is when it reached the scheduler plus
+    ``--long-slack`` times its predicted work (images already encoded and a cached prefix cost nothing), fixed the
+    first time it is asked for, so a later arrival passes it only while its own place is earlier: a request waits at
+    most for the work that reaches the lane before its place comes up (no starvation). Waiting and running requests
+    share one order (a waiting one whose turn has come is admitted before a running one's next chunk)."""
+
+    merged = True
+
+    def __init__(self, config: SchedulerConfig, is_priced: Callable[[], bool],
+                 work_s: Callable[[Request], float]) -> None:
+        """``work_s(req)``: the request's predicted remaining work in seconds from where it would start now."""
+        self.slack = config.long_slack
+        self.is_priced = is_priced
+        self.work_s = work_s
+        self._places: dict[str, float] = {}  # request id -> its place, on the scheduler's clock
+
+    def admit(self, req: Request) -> None:
+        """A new long request: the place its admission's prediction assumed, where protecting objectives moved it
+        back (otherwise the usual one, given when first asked)."""
+        if req.engine_request.long_place_s is not None:
+            self._places[req.request_id] = req.engine_request.long_place_s
+
+    def place_s(self, req: Request) -> float:
+        place = self._places.get(req.request_id)
+        if place is None:
+            if not self.is_priced():  # no price yet: arrival order, decided later
+                return req.queued_s
+            place = self._places[req.request_id] = req.queued_s + self.slack * float(self.work_s(req))
+        return place
+
+    def key(self, req: Request) -> tuple:
+        return (self.place_s(req), req.arrival_seq)
+
+    def after_serve(self, served_ids: set[str], candidates: Iterable[Request]) -> None:
+        """(The deadline order keeps no per-step state.)"""
+
+    def forget(self, request_id: str) -> None:
+        self._places.pop(request_id, None)
+
+
+class LeastWorkOrder:
+    """Least predicted remaining work first, then arrival; a request the lane passed over ``--long-max-passes``
+    steps in a row goes first (aging: nobody is passed over for ever). Running prefills are served before
+    admissions."""
+
+    merged = False
+
+    def __init__(self, config: SchedulerConfig, work_s: Callable[[Request], float]) -> None:
+        self.max_passes = config.long_max_passes
+        self.work_s = work_s
+        self._passed: dict[str, int] = {}  # request id -> steps in a row the lane ran without it
+
+    def admit(self, req: Request) -> None:
+        """(Its place is its remaining work, asked each step.)"""
+
+    def key(self, req: Request) -> tuple:
+        return (self._passed.get(req.request_id, 0) < self.max_passes, self.work_s(req), req.arrival_seq)
+
+    def after_serve(self, served_ids: set[str], candidates: Iterable[Request]) -> None:
+        """The lane ran: whoever of ``candidates`` got nothing was passed over once more."""
+        for req in candidates:
+            rid = req.request_id
+            self._passed[rid] = 0 if rid in served_ids else self._passed.get(rid, 0) + 1
+
+    def forget(self, request_id: str) -> None:
+        self._passed.pop(request_id, None)
+
+
+LongOrder = DeadlineOrder | LeastWorkOrder

@@ -41,11 +41,7 @@ class Request:
     lane: str = "default"  # set by the scheduler at add()
     arrival_step: int = 0  # scheduler steps completed when the request arrived
     delayed_by_long: bool = False  # sat out a whole step while long work ran (counted once)
-    passed_over: int = 0  # long lane, time-bounded: steps in a row the lane ran without it (aging)
     queued_s: float = 0.0  # when the scheduler got it, on the scheduler's clock
-    long_place_s: float | None = None  # long lane, deadline order: its place in line (set once, when first ordered)
-    decode_origin_s: float | None = None  # --itl-target: when its first decode step was scheduled (scheduler clock)
-    decode_steps: int = 0  # decode steps scheduled since then (its token schedule: origin + k x the target)
     stats: RequestStats = field(default_factory=RequestStats)  # what the engine did for it; outputs carry it
     # the engine's accounting until the first token (LLMEngine): its busy seconds and steps run when the request
     # arrived, then the seconds of the steps that carried its work and of their forwards

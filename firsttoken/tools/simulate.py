@@ -234,11 +234,6 @@ class Outcome:
         return [b - a for a, b in zip(self.token_s, self.token_s[1:])]
 
 
-# the runner runs interruptible encoder units after the step's forward and sampling (False: first, the order before;
-# for what-if runs)
-INTERRUPTIBLE_UNITS_LAST = True
-
-
 class SimReplica:
     """A firsttoken scheduler on a virtual clock; steps cost what the profile's cost model says."""
 
@@ -339,7 +334,7 @@ class SimReplica:
         self._step_start, self._scale = now, seconds / max(self.cost.predict(batch.features), 1e-9)
         self._progress = {w.content_hash: w.start_unit + w.num_units for w in batch.encoder_work}
         deferred = 0.0
-        if INTERRUPTIBLE_UNITS_LAST and any(w.interruptible for w in batch.encoder_work):
+        if any(w.interruptible for w in batch.encoder_work):  # the runner runs them after the forward and sampling
             deferred = sum(s for w, _, s in self._timeline() if w is not None and w.interruptible)
         self._forward_end = now + seconds - deferred  # sampled tokens leave here; deferred units run after
         self.busy_until = now + seconds
@@ -383,10 +378,8 @@ class SimReplica:
                 u = units[k]
                 items.append((w, k, self._scale * self.cost.work_s(encoder_units(u.num_patches, u.attention_pairs))))
         forward = self._scale * self.cost.predict(batch.features) - sum(s for _, _, s in items)
-        if INTERRUPTIBLE_UNITS_LAST:
-            return ([i for i in items if not i[0].interruptible] + [(None, 0, forward)]
-                    + [i for i in items if i[0].interruptible])
-        return items + [(None, 0, forward)]
+        return ([i for i in items if not i[0].interruptible] + [(None, 0, forward)]
+                + [i for i in items if i[0].interruptible])
 
     def finish_step(self, now: float) -> None:
         self.now = now
@@ -401,11 +394,11 @@ class SimReplica:
                 continue
             req.output_token_ids.append(0)
             outcome = self._outcomes[req.request_id]
-            outcome.token_s.append((self._forward_end if INTERRUPTIBLE_UNITS_LAST else now) - outcome.request.arrival_s)
+            outcome.token_s.append(self._forward_end - outcome.request.arrival_s)
             if outcome.ttft_s is None:
                 outcome.ttft_s = outcome.token_s[0]
                 if outcome.predicted_ttft_s is not None:  # the prediction learns its error, as on a server
-                    self.scheduler.observe_ttft(len(req.images), outcome.predicted_ttft_s, outcome.ttft_s)
+                    self.scheduler.admission.observe_ttft(len(req.images), outcome.predicted_ttft_s, outcome.ttft_s)
             if len(req.output_token_ids) >= req.engine_request.sampling.max_tokens:
                 outcome.e2e_s = now - outcome.request.arrival_s
                 self.scheduler.finish(req, FinishReason.LENGTH)

@@ -356,7 +356,7 @@ def leftovers(fz: Fuzzed) -> list[str]:
     pins = {h: sorted(users) for h, users in list(sched.encoder_cache._users.items())}
     out += [f"engine requests {sorted(core.requests)}"] if core.requests else []
     out += [f"scheduler running {len(sched.running)} waiting {len(sched.waiting)}"] if sched.has_work else []
-    out += ["finished requests whose runner state is not yet released"] if sched.has_releases else []
+    out += ["runner state not yet released (finished requests, encoder outputs)"] if sched.needs_step else []
     out += [f"runner request state {sorted(runner.requests)}"] if runner.requests else []
     out += [f"half-done encodes {sorted(runner._encode_jobs)}"] if runner._encode_jobs else []
     out += [f"encoder-cache pins {pins}"] if pins else []

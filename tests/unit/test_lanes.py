@@ -228,7 +228,7 @@ def test_every_live_request_progresses_or_waits_for_a_named_reason(policy):
     import random
 
     from firsttoken.scheduler.cost_model import FEATURE_NAMES, CostModel
-    from firsttoken.scheduler.scheduler import WAIT_REASONS
+    from firsttoken.scheduler.step import WAIT_REASONS
     from firsttoken.types import FinishReason
 
     costs = {"step": 0.002, "prefill_tokens": 0.0005, "encoder_patches": 0.00025}

@@ -11,7 +11,8 @@ import pytest
 from firsttoken.models.config import VisionConfig
 from firsttoken.models.qwen2_vl_vision import full_attention_units
 from firsttoken.scheduler.cost_model import FEATURE_NAMES, CostModel, encoder_units
-from firsttoken.scheduler.scheduler import LONG_MIN_SHARE, protected_place
+from firsttoken.scheduler.admission import protected_place
+from firsttoken.scheduler.lanes import LONG_MIN_SHARE
 from firsttoken.types import PromptWork
 from tests.unit.fakes import ManualClock, fake_request, make_scheduler, run_step
 
@@ -162,7 +163,7 @@ def test_deadline_order_nobody_waits_for_work_that_arrives_after_its_place():
     sched = scheduler(clock=clock)
     big = fake_request("big", prompt_len=2000, max_tokens=1)
     sched.add(big)
-    assert sched.long_place_s(big) == pytest.approx(2.0)
+    assert sched.long_order.place_s(big) == pytest.approx(2.0)
     arrived, ran_first, steps = {}, set(), 0
     while big.status.value != "finished":
         rid = f"s{len(arrived)}"
@@ -199,7 +200,7 @@ def test_the_predicted_wait_counts_only_the_queued_work_whose_place_comes_first(
         sched = scheduler(clock=clock, long_slack=slack)
         sched.add(fake_request("big", prompt_len=2000, max_tokens=1))
         run_step(sched)
-        return sched.predict_ttft(PromptWork(230))
+        return sched.admission.predict_ttft(PromptWork(230))
 
     ahead, alone = predicted_small(0.0), predicted_small(1.0)
     assert alone < 0.23 / LONG_MIN_SHARE + TARGET  # its own work (at worst the lane's minimum share) and one step
@@ -231,23 +232,23 @@ def test_a_prompt_the_prefix_cache_serves_gets_the_place_of_its_uncached_work():
     clock.now = 10.0
     follow = fake_request("follow", prompt_len=2016, max_tokens=1, shared_prefix=True, arrival_seq=1)
     sched.add(follow)
-    assert sched.long_place_s(follow) - 10.0 < 0.05
+    assert sched.long_order.place_s(follow) - 10.0 < 0.05
     fresh = fake_request("fresh", prompt_len=2016, max_tokens=1, arrival_seq=2)
     sched.add(fresh)
-    assert sched.long_place_s(fresh) > 10.0 + 2.0
+    assert sched.long_order.place_s(fresh) > 10.0 + 2.0
 
 
 def test_with_no_slack_every_request_still_preprocessing_counts_as_ahead():
     clock = ManualClock()
     sched = scheduler(clock=clock, long_slack=0.0)
-    alone = sched.predict_ttft(PromptWork(230))
-    behind_big = sched.predict_ttft(PromptWork(230), pending=(PromptWork(2000),))
+    alone = sched.admission.predict_ttft(PromptWork(230))
+    behind_big = sched.admission.predict_ttft(PromptWork(230), pending=(PromptWork(2000),))
     assert behind_big - alone >= 2.0  # first come, first served: the bigger one admitted first is ahead
 
 
 def test_off_keeps_the_token_budgets():
     sched = scheduler(step_time_target="off", long_step_tokens=64)
-    assert math.isinf(sched.step_time_target())
+    assert math.isinf(sched.pacing.step_time_target())
     sched.add(fake_request("doc", prompt_len=1000, max_tokens=1))
     assert [c.num_new_tokens for c in run_step(sched).chunks] == [64]
 
@@ -310,10 +311,10 @@ def test_with_an_objective_an_image_prompt_is_asked_to_lower_its_budget_only_whe
     assert not verdict(500, ttft_slo_wait_margin=0.0).lower_budget  # margin 0: lower only while over
     assert not verdict(500, ttft_slo_wait_margin=0.5).lower_budget  # its wait counted 1.5 times fits
     # idle after a busy spell: the long lane's remembered share (0.6) stretches its own work, which is not wait
-    from firsttoken.scheduler.scheduler import Backlog
+    from firsttoken.scheduler.admission import Backlog
 
     idle = scheduler(clock=ManualClock(), ttft_slo="text=1,image=2")
-    idle.backlog = Backlog(long_frac=0.6)
+    idle.admission.backlog = Backlog(long_frac=0.6)
     after_busy = idle.check_admission(image)
     assert after_busy.admitted and not after_busy.lower_budget and after_busy.predicted_ttft_s > 0.85 / 0.6 - 0.01
     over = verdict(3000)
@@ -432,13 +433,13 @@ def test_an_answer_behind_its_pace_gets_short_steps_never_shorter_than_four_step
 
 
 def test_itl_target_auto_is_a_fifth_of_a_second_but_at_least_four_step_constants():
-    assert scheduler(itl_target="auto").itl_bound() == pytest.approx(0.2)
+    assert scheduler(itl_target="auto").pacing.itl_bound() == pytest.approx(0.2)
     slow = CostModel(prior=tuple({**COSTS, "step": 0.08}.get(name, 0.0) for name in FEATURE_NAMES))
-    assert scheduler(itl_target="auto", cost_model=slow).itl_bound() == pytest.approx(0.32)
-    assert math.isinf(scheduler().itl_bound())  # off by default
+    assert scheduler(itl_target="auto", cost_model=slow).pacing.itl_bound() == pytest.approx(0.32)
+    assert math.isinf(scheduler().pacing.itl_bound())  # off by default
     # without time-bounded steps there is nothing to bound: the pace is not in force (nor reported)
-    assert math.isinf(scheduler(itl_target="auto", step_time_target="off").itl_bound())
-    assert math.isinf(scheduler(itl_target="auto", scheduling="fcfs").itl_bound())
+    assert math.isinf(scheduler(itl_target="auto", step_time_target="off").pacing.itl_bound())
+    assert math.isinf(scheduler(itl_target="auto", scheduling="fcfs").pacing.itl_bound())
     with pytest.raises(ValueError, match="itl_target"):
         scheduler(itl_target="fast")
 
@@ -452,11 +453,11 @@ def test_a_lone_request_runs_throughput_steps_whole_images_and_the_fastest_chunk
     # tokens + the 10 ms constant). S: the smallest size holding a typical short prompt priced within 5% of the
     # cheapest for a cap-sized prompt: 256 (1.024 s + 4 x 10 ms, 2.9% over 1,024's one step; 128's 8 steps, 6.8%)
     sched = scheduler(step_time_target="auto", max_batched_tokens=1024)
-    assert sched.throughput_chunk_tokens() == 256
+    assert sched.pacing.throughput_chunk_tokens() == 256
     photos = fake_request("photos", prompt_len=3000, max_tokens=1, encoder_depth=4,
                           images=[("a", 100, 500), ("b", 1000, 500), ("c", 2000, 500)])
     sched.add(photos)
-    target = sched.step_time_target()
+    target = sched.pacing.step_time_target()
     steps, bounded = 0, 0
     while sched.has_work:
         batch = run_step(sched)
@@ -474,19 +475,19 @@ def test_a_request_arriving_mid_way_brings_the_bound_back_within_one_step():
     first = run_step(sched)
     assert sum(c.num_new_tokens for c in first.chunks) == 256  # alone: the throughput chunk
     sched.add(fake_request("chat", prompt_len=60, max_tokens=3, arrival_seq=1))
-    target = sched.step_time_target()
+    target = sched.pacing.step_time_target()
     while "chat" in sched.requests:
         batch = run_step(sched)
         assert predicted(sched, batch) <= target + 1e-9  # bounded from the very next step on, decodes included
     alone_again = run_step(sched)
-    assert sum(c.num_new_tokens for c in alone_again.chunks) == sched.throughput_chunk_tokens() > 60
+    assert sum(c.num_new_tokens for c in alone_again.chunks) == sched.pacing.throughput_chunk_tokens() > 60
 
 
 def test_a_second_long_request_keeps_steps_bounded_and_a_given_target_bounds_every_step():
     two = scheduler(step_time_target="auto")
     for i in range(2):
         two.add(fake_request(f"doc{i}", prompt_len=2000, max_tokens=1, arrival_seq=i))
-    assert predicted(two, run_step(two)) <= two.step_time_target() + 1e-9  # the deadline order shares bounded steps
+    assert predicted(two, run_step(two)) <= two.pacing.step_time_target() + 1e-9  # the deadline order shares bounded steps
     fixed = scheduler()  # --step-time-target 0.25 (seconds): the operator's bound holds even for a lone request
     fixed.add(fake_request("doc", prompt_len=2000, max_tokens=1))
     assert predicted(fixed, run_step(fixed)) <= TARGET + 1e-9
@@ -497,12 +498,12 @@ def test_the_throughput_chunk_is_the_shortest_near_the_cheapest_that_holds_a_typ
     # apart. A shorter chunk is a shorter wait for a short request arriving during the step's forward, so the
     # smallest size within 5% of the cheapest wins, but never one shorter than a typical short prompt
     sched = scheduler(step_time_target="auto", max_batched_tokens=3000)
-    assert sched.throughput_chunk_tokens() == 256  # 3.0 s + 12 x 10 ms, 3.7% over one step; 128: 24 steps, 7.6% over
+    assert sched.pacing.throughput_chunk_tokens() == 256  # 3.0 s + 12 x 10 ms, 3.7% over one step; 128: 24 steps, 7.6% over
     for _ in range(10):
         sched.add(fake_request(f"q{len(sched.requests)}", prompt_len=190, max_tokens=1))
-    assert sched.throughput_chunk_tokens() == 256  # typical short prompts of 190 tokens: still 256
+    assert sched.pacing.throughput_chunk_tokens() == 256  # typical short prompts of 190 tokens: still 256
     flat = CostModel(prior=tuple({"prefill_tokens": 0.001, "prefill_attention": 1e-6}.get(n, 0.0) for n in FEATURE_NAMES))
-    assert scheduler(step_time_target="auto", max_batched_tokens=3000, cost_model=flat).throughput_chunk_tokens() == 128
+    assert scheduler(step_time_target="auto", max_batched_tokens=3000, cost_model=flat).pacing.throughput_chunk_tokens() == 128
     costly_steps = CostModel(prior=tuple({**COSTS, "step": 0.5}.get(n, 0.0) for n in FEATURE_NAMES))
     assert scheduler(step_time_target="auto", max_batched_tokens=3000,
-                     cost_model=costly_steps).throughput_chunk_tokens() == 3000  # a step costs more than 5%: the cap
+                     cost_model=costly_steps).pacing.throughput_chunk_tokens() == 3000  # a step costs more than 5%: the cap

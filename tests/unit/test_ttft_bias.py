@@ -50,9 +50,9 @@ def test_the_schedulers_prediction_carries_its_classs_correction() -> None:
     sched = make_scheduler(num_blocks=512, max_batched_tokens=4096, step_time_target="0.25",
                            cost_model=CostModel(prior=tuple(costs.get(n, 0.0) for n in FEATURE_NAMES)))
     text, photo = PromptWork(120), PromptWork(400, num_images=1)
-    raw_text, raw_photo = sched.predict_ttft(text), sched.predict_ttft(photo)
+    raw_text, raw_photo = sched.admission.predict_ttft(text), sched.admission.predict_ttft(photo)
     for _ in range(4):
-        sched.observe_ttft(1, predicted_s=raw_photo, measured_s=2 * raw_photo)
-    assert sched.predict_ttft(photo) == pytest.approx(raw_photo * math.exp(4 * 0.05))  # the default step
-    assert sched.predict_ttft(text) == raw_text
-    assert sched.check_admission(photo).predicted_ttft_s == pytest.approx(sched.predict_ttft(photo))
+        sched.admission.observe_ttft(1, predicted_s=raw_photo, measured_s=2 * raw_photo)
+    assert sched.admission.predict_ttft(photo) == pytest.approx(raw_photo * math.exp(4 * 0.05))  # the default step
+    assert sched.admission.predict_ttft(text) == raw_text
+    assert sched.check_admission(photo).predicted_ttft_s == pytest.approx(sched.admission.predict_ttft(photo))

@@ -1,0 +1,131 @@
+"""How long a step may be, and the budget it gets: the step-time bound, streaming answers' pace, throughput steps.
+
+One policy, chosen once from the config:
+- ``--scheduling fcfs`` or ``--step-time-target off``: no time bound (token budgets only);
+- otherwise steps are bounded by ``step_time_target()`` (auto: the predicted prefill of a typical short prompt, the
+  P90 of the recent ones, at least twice the per-step constant; or the seconds given), lowered while requests
+  decode so that each one's next token keeps ``--itl-target``'s pace. Under ``auto`` a lone request (nobody
+  decoding, nobody else waiting or running) gets a *throughput* step instead: its images encoded whole and the
+  prefill chunk sized by ``throughput_chunk_tokens``; the next step after anyone arrives is bounded again.
+
+Until the cost model is trained, and while the engine calibrates it, steps are budgeted in tokens only.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+
+from firsttoken.config import SchedulerConfig
+from firsttoken.scheduler.budget import StepBudget
+from firsttoken.scheduler.cost_model import CostModel, prefill_chunk
+from firsttoken.scheduler.request import Request
+
+THROUGHPUT_SLACK = 0.05  # a throughput chunk may be priced this much over the cheapest size, to be shorter
+ITL_AUTO_S = 0.2  # --itl-target auto: 5 tokens/s, about reading speed
+ITL_MIN_STEPS = 4  # ... but at least this many per-step constants (steps mostly work, not fixed cost)
+ITL_FLOOR_S = 0.01  # a step bounded for a pace is never shorter (a model whose fitted per-step constant is 0)
+
+
+class Pacing:
+    def __init__(self, config: SchedulerConfig, block_size: int, cost_model: CostModel,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.config = config
+        self.block_size = block_size
+        self.cost_model = cost_model
+        self.clock = clock
+        self.bounded = config.scheduling != "fcfs" and config.step_time_target != "off"  # chosen once
+        self.calibrating = False  # engine/calibration.py: token budgets only while the cost model first learns
+        self._short_prompt_lens: deque[int] = deque(maxlen=256)  # recent short prompts: what the bound serves
+        self._pace: dict[str, tuple[float, int]] = {}  # request id -> (first decode step's time, decode steps)
+
+    def note_short_prompt(self, num_tokens: int) -> None:
+        self._short_prompt_lens.append(num_tokens)
+
+    def forget(self, request_id: str) -> None:
+        """Its token schedule restarts (preempted by recompute) or ends (finished)."""
+        self._pace.pop(request_id, None)
+
+    def reset(self) -> None:
+        """Lane history and paces back to a fresh scheduler's (after start-up calibration)."""
+        self._short_prompt_lens.clear()
+        self._pace.clear()
+
+    def step_budget(self, decoding: Sequence[Request], alone: bool) -> tuple[StepBudget, bool]:
+        """(this step's budget, whether it is a throughput step). ``decoding``: the requests that will get their
+        token in it; ``alone``: one live request in all."""
+        target = self.step_time_target()
+        if math.isfinite(target) and alone and not decoding and self.config.step_time_target == "auto":
+            return StepBudget(self.throughput_chunk_tokens(), cost=self.cost_model, whole_images=True), True
+        if math.isfinite(target) and decoding:
+            target = min(target, self._itl_step_bound(decoding))  # streaming answers' next tokens wait for it
+        overhead = float(self.cost_model.coef[0]) if math.isfinite(target) else 0.0  # the per-step constant
+        return StepBudget(self.config.max_batched_tokens, max(target - overhead, 0.0), self.cost_model,
+                          target_s=target), False
+
+    def count_decode(self, req: Request) -> None:
+        """One decode step was scheduled for ``req`` (its pace counts it)."""
+        origin, steps = self._pace.get(req.request_id, (self.clock(), 0))
+        self._pace[req.request_id] = (origin, steps + 1)
+
+    def step_time_target(self) -> float:
+        """Seconds a step may take (inf: no time bound)."""
+        if not self.bounded or not self.cost_model.is_trained or self.calibrating:
+            return math.inf
+        fixed = self.config.step_time_target_s
+        if fixed is not None:
+            return fixed
+        # at least twice the per-step constant: a step's work is never less than what running a step costs
+        return max(self.cost_model.predict(prefill_chunk(self._typical_short_tokens(), 0, True)),
+                   2 * self.cost_model.coef[0])
+
+    def _typical_short_tokens(self) -> int:
+        """The P90 of recent short prompts' lengths (half the long-prompt threshold before any)."""
+        lens = sorted(self._short_prompt_lens)
+        return max(lens[int(0.9 * (len(lens) - 1))] if lens else self.config.long_prompt_threshold // 2, 1)
+
+    def throughput_chunk_tokens(self) -> int:
+        """Prefill tokens a throughput step takes. Its forward cannot be cut, so a short request arriving during it
+        waits for it: the chunk is the smallest size (powers of two and --max-batched-tokens) that holds a typical
+        short prompt and with which the step-cost model prices a cap-sized prompt (each chunk at its context,
+        per-step terms once per chunk) within THROUGHPUT_SLACK of the cheapest size; if none, the cheapest (ties to
+        the larger). bench_chunk_size.py measures the sizes side by side."""
+        cap = self.config.max_batched_tokens
+        sizes = {cap, *(1 << k for k in range(self.block_size.bit_length() - 1, cap.bit_length()) if 1 << k < cap)}
+
+        def seconds(n: int) -> float:
+            return sum(self.cost_model.predict(prefill_chunk(min(n, cap - done), done, done + n >= cap))
+                       for done in range(0, cap, n))
+
+        priced = {n: seconds(n) for n in sizes}
+        cheapest = min(priced.values())
+        near = [n for n, s in priced.items() if n >= self._typical_short_tokens() and s <= cheapest * (1 + THROUGHPUT_SLACK)]
+        return min(near) if near else max(n for n, s in priced.items() if s <= cheapest * (1 + 1e-9))
+
+    def itl_bound(self) -> float:
+        """Seconds a step may take while a request is decoding (inf: no bound of its own). auto: ITL_AUTO_S, never
+        below ITL_MIN_STEPS x the per-step constant (the fixed cost of a step stays a small share of it)."""
+        if self.config.itl_target == "off" or not self.bounded or not self.cost_model.is_trained:
+            return math.inf  # (no time-bounded steps: nothing to bound)
+        if self.config.itl_target != "auto":
+            return float(self.config.itl_target)
+        return max(ITL_AUTO_S, ITL_MIN_STEPS * float(self.cost_model.coef[0]))
+
+    def _itl_step_bound(self, decoding: Sequence[Request]) -> float:
+        """Seconds this step may take for the decoding requests to keep their token schedules: each one's k-th
+        decode token is due ``itl_bound()`` x k after its first decode step was scheduled, so a request that got
+        tokens faster than that (decode-only steps) lets steps run long until it is back on schedule, and one behind
+        it gets short steps (never shorter than ITL_MIN_STEPS per-step constants, 2 of them, or ITL_FLOOR_S) until
+        it has caught up."""
+        itl = self.itl_bound()
+        if not math.isfinite(itl):
+            return math.inf
+        now = self.clock()
+        due = math.inf
+        for req in decoding:
+            origin, steps = self._pace.setdefault(req.request_id, (now, 0))
+            due = min(due, origin + (steps + 1) * itl)
+        step = float(self.cost_model.coef[0])
+        return max(due - now, min(itl, ITL_MIN_STEPS * step), 2 * step, ITL_FLOOR_S)
