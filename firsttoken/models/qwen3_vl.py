@@ -29,7 +29,8 @@ from firsttoken.models.config import (
 from firsttoken.models.family import ModelFamily
 from firsttoken.models.qwen2_vl import QWEN_VL_WEIGHTS, Qwen2VLModel
 from firsttoken.models.qwen2_vl_vision import VISION_ROPE_THETA, full_attention_units
-from firsttoken.models.qwen3_vl_vision import IMAGE_PROCESSOR, Qwen3VisionTransformer
+from firsttoken.models.qwen3_vl_checkpoint import CHECKPOINT_RECIPE
+from firsttoken.models.qwen3_vl_vision import IMAGE_PROCESSOR, Qwen3VisionTransformer, deepstack_bytes_per_token
 
 QWEN3_VL_NAME = "qwen3-vl"
 DEFAULT_ROPE_THETA = 500_000.0  # transformers' Qwen3VLTextConfig default (the releases set 5,000,000)
@@ -118,4 +119,6 @@ QWEN3_VL = ModelFamily(
     build=lambda config, backend: Qwen3VLModel(config, backend),
     weights=QWEN_VL_WEIGHTS,
     encoder_units=full_attention_units,
+    checkpoint=CHECKPOINT_RECIPE,
+    encoder_bytes_per_token=deepstack_bytes_per_token,
 )

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from firsttoken.models.config import ImageProcessorConfig, VisionConfig
+from firsttoken.models.config import ImageProcessorConfig, ModelConfig, VisionConfig
 from firsttoken.models.interfaces import EncodeState, ImageEmbeddings
 from firsttoken.models.layers import quick_gelu
 from firsttoken.models.qwen2_vl_vision import (
@@ -56,6 +56,12 @@ ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "gelu": F.gelu,
     "quick_gelu": quick_gelu,
 }
+
+
+def deepstack_bytes_per_token(config: ModelConfig, dtype_bytes: int) -> int:
+    """An image's encoder output per visual token: its main row and one DeepStack row per fed decoder layer, each of
+    the language model's width."""
+    return config.hidden_size * dtype_bytes * (1 + len(config.vision.deepstack_visual_indexes))
 
 
 class PatchEmbed(nn.Module):

@@ -20,7 +20,8 @@ import torch
 from PIL import Image
 
 from firsttoken.cli.main import main as cli_main
-from firsttoken.models.checkpoint import TOKEN_IDS, make_model
+from firsttoken.models.checkpoint import make_model
+from firsttoken.models.recipe import TOKEN_IDS
 from tests.e2e.conftest import LiveServer, image_message, make_image, start_server, stop_server
 from tests.e2e.test_lanes_e2e import _first_content
 from tests.e2e.test_shutdown import _serve

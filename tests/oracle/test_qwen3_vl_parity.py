@@ -460,7 +460,7 @@ def test_follow_up_reuses_cached_blocks_ending_inside_an_image_and_its_deepstack
 def test_make_model_checkpoint_loads_unchanged_in_transformers_classes(model_dir, tmp_path, layout) -> None:
     from transformers import AutoImageProcessor, AutoTokenizer, Qwen3VLForConditionalGeneration
 
-    from firsttoken.models.checkpoint import TOKEN_IDS, VOCAB_SIZE
+    from firsttoken.models.recipe import TOKEN_IDS, VOCAB_SIZE
 
     out = model_dir if layout == "transformers" else make_model(tmp_path, family="qwen3-vl", layout="original")
     model, info = Qwen3VLForConditionalGeneration.from_pretrained(out, output_loading_info=True)
@@ -487,7 +487,7 @@ def test_small_is_the_size_of_qwen2_vl_small() -> None:
     """Same language model as Qwen2-VL small (39M); the tower's three DeepStack mergers add ~5M."""
     from transformers import Qwen2VLForConditionalGeneration, Qwen3VLForConditionalGeneration
 
-    from firsttoken.models import checkpoint
+    from firsttoken.models import checkpoint, qwen2_vl_checkpoint
 
     def count(model_class, config) -> tuple[int, int]:
         with torch.device("meta"):
@@ -496,7 +496,8 @@ def test_small_is_the_size_of_qwen2_vl_small() -> None:
         return counts.total, counts.language_model
 
     qwen3 = count(Qwen3VLForConditionalGeneration, build_hf_config(SIZES["small"]))
-    qwen2 = count(Qwen2VLForConditionalGeneration, checkpoint.build_hf_config(checkpoint.SIZES["small"]))
+    qwen2_small = qwen2_vl_checkpoint.build_hf_config(qwen2_vl_checkpoint.SIZES["small"])
+    qwen2 = count(Qwen2VLForConditionalGeneration, qwen2_small)
     print(f"small: qwen3-vl {qwen3[0]:,} parameters, qwen2-vl {qwen2[0]:,}")
     assert abs(qwen3[1] - qwen2[1]) / qwen2[1] < 0.01
     assert 1.0 < qwen3[0] / qwen2[0] < 1.15

@@ -181,7 +181,7 @@ def test_predicted_ttft_matches_a_world_that_costs_what_the_model_says(utilizati
     without bound); in deadline order only those whose place comes first can. Before each lane's share was
     measured over the steps it ran in, the prediction was 3-4x too high in this mode, as measured on the server
     (docs/performance.md)."""
-    from firsttoken.models.checkpoint import SIZES, build_hf_config
+    from firsttoken.models.qwen2_vl_checkpoint import SIZES, build_hf_config
     from firsttoken.models.registry import model_config_from_dict
 
     model = model_config_from_dict(build_hf_config(SIZES["small"]).to_dict())  # the shapes alone, no weights
@@ -250,7 +250,7 @@ def test_over_its_objective_an_image_request_is_re_planned_at_lower_budgets_befo
     """As the server's input processor: a burst of three-image requests against an objective of 1.5 x one alone.
     With the checkpoint's config in the profile the later ones are admitted at halved budgets (the outcome says
     which); without it (a profile that cannot re-plan images) they are refused."""
-    from firsttoken.models.checkpoint import SIZES, build_hf_config
+    from firsttoken.models.qwen2_vl_checkpoint import SIZES, build_hf_config
     from firsttoken.models.registry import model_config_from_dict
 
     model = model_config_from_dict(build_hf_config(SIZES["small"]).to_dict())
