@@ -25,7 +25,7 @@ from firsttoken.models.qwen2_5_vl_checkpoint import CHECKPOINT_RECIPE
 from firsttoken.models.qwen2_5_vl_vision import Qwen25VisionTransformer, merged_window_side, window_attention_units
 from firsttoken.models.qwen2_vl import QWEN_VL_WEIGHTS, Qwen2VLModel
 from firsttoken.models.qwen2_vl import parse_config as parse_qwen2_vl_config
-from firsttoken.models.qwen2_vl_vision import VISION_ROPE_THETA
+from firsttoken.models.vision_tower import VISION_ROPE_THETA
 
 QWEN2_5_VL_NAME = "qwen2.5-vl"
 

@@ -156,7 +156,7 @@ def test_vision_tower_matches_reference_whole_and_unit_by_unit(ref, ours: Qwen2V
     pixel_values, grids = preprocess(make_images(sizes))
     with torch.no_grad():
         expected = torch.cat(ref.model.get_image_features(pixel_values, torch.tensor(grids)).pooler_output)
-        whole = ours.visual(pixel_values, grids)
+        whole = ours.visual(pixel_values, grids).main
         by_units, alone, start = [], [], 0
         for grid, step in zip(grids, (1, 2, 3, 4)):  # one image a unit per call, the next two at a time, ...
             num_patches = grid[0] * grid[1] * grid[2]
@@ -166,7 +166,7 @@ def test_vision_tower_matches_reference_whole_and_unit_by_unit(ref, ours: Qwen2V
             while not state.done:
                 ours.visual.run_units(state, step)
             by_units.append(ours.visual.finish_encode(state).main)
-            alone.append(ours.visual(pixels, [grid]))
+            alone.append(ours.visual(pixels, [grid]).main)
     d = max_diff(whole, expected)
     print(f"vision {sizes}: max|Δ| = {d:.2e} (max |out| {expected.abs().max():.2f})")
     assert whole.shape == expected.shape

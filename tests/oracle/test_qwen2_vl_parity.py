@@ -146,9 +146,8 @@ class TinyRunner:
         return Seq(list(prompt.ids), len(prompt.ids), mrope, image_embeds)
 
     def encode(self, prompt: Prompt) -> ImageEmbeddings:
-        """The prompt's images through the whole vision tower at once (a family whose tower returns
-        ImageEmbeddings itself overrides this)."""
-        return ImageEmbeddings(self.model.visual(prompt.pixel_values, prompt.grid_thw))
+        """The prompt's images through the whole vision tower at once."""
+        return self.model.visual(prompt.pixel_values, prompt.grid_thw)
 
     def step(self, work: list[tuple[Seq, int]]) -> list[torch.Tensor]:
         """Run ``n`` new tokens of each listed sequence in one forward; per sequence its [n, vocab] logits."""
@@ -306,7 +305,7 @@ def test_vision_tower_matches_reference(ref, ours: Qwen2VLModel, sizes) -> None:
     pixel_values, grids = preprocess(make_images(sizes))
     with torch.no_grad():
         expected = torch.cat(ref.model.get_image_features(pixel_values, torch.tensor(grids)).pooler_output)
-        got = ours.visual(pixel_values, grids)
+        got = ours.visual(pixel_values, grids).main
     assert got.shape == expected.shape
     d = max_diff(got, expected)
     print(f"vision {sizes}: max|Δ| = {d:.2e}")

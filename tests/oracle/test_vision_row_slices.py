@@ -27,8 +27,8 @@ def family_dir(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPath
     return make_model(tmp_path_factory.mktemp(request.param), size="tiny", seed=0, family=request.param)
 
 
-def _outputs(out) -> list[torch.Tensor]:
-    return [out.main, *out.deepstack] if isinstance(out, ImageEmbeddings) else [out]
+def _outputs(out: ImageEmbeddings) -> list[torch.Tensor]:
+    return [out.main, *out.deepstack]
 
 
 def test_a_sliced_tower_matches_the_reference_and_the_whole_pass(family_dir: Path) -> None:
