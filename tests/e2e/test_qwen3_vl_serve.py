@@ -16,13 +16,12 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-import torch
 from PIL import Image
 
 from firsttoken.cli.main import main as cli_main
 from firsttoken.models.checkpoint import make_model
 from firsttoken.models.recipe import TOKEN_IDS
-from tests.e2e.conftest import LiveServer, image_message, make_image, start_server, stop_server
+from tests.e2e.conftest import LiveServer, image_message, make_image, start_server, stop_server, transformers_answer
 from tests.e2e.test_lanes_e2e import _first_content
 from tests.e2e.test_shutdown import _serve
 
@@ -53,20 +52,6 @@ def reference_pixels(model_dir: Path, images: list[Image.Image], max_pixels: int
     return processor(images=images, return_tensors="pt")
 
 
-def reference_greedy(model_dir: Path, prompt_ids: list[int], images: list[Image.Image], max_new_tokens: int) -> str:
-    """transformers' generate (sampling settings from generation_config.json, greedy), decoded."""
-    from transformers import AutoTokenizer, Qwen3VLForConditionalGeneration
-
-    model = Qwen3VLForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32).eval()
-    pixels = reference_pixels(model_dir, images)
-    input_ids = torch.tensor([prompt_ids])
-    with torch.inference_mode():
-        out = model.generate(input_ids=input_ids, pixel_values=pixels["pixel_values"],
-                             image_grid_thw=pixels["image_grid_thw"], mm_token_type_ids=(input_ids == IMAGE_PAD).long(),
-                             max_new_tokens=max_new_tokens, do_sample=False)[0, input_ids.shape[1]:]
-    return AutoTokenizer.from_pretrained(model_dir).decode(out, skip_special_tokens=True)
-
-
 def readme_example() -> tuple[Image.Image, list[dict]]:
     """The README's request: a 448 x 448 red square and "What colour is this?"."""
     image = Image.new("RGB", (448, 448), (200, 40, 40))
@@ -90,7 +75,7 @@ def test_serve_subprocess_answers_the_readme_image_example_as_transformers_does(
     assert tokens["images"][0]["num_tokens"] == 14 * 14  # 448 px / 32 px per visual token, squared
     assert tokens["tokens"].count(IMAGE_PAD) == 196 and out.usage.prompt_tokens == tokens["count"]
     assert out.choices[0].message.content
-    assert out.choices[0].message.content == reference_greedy(qwen3_dir, tokens["tokens"], [image], 32)
+    assert out.choices[0].message.content == transformers_answer(qwen3_dir, tokens["tokens"], [image], 32)[0]
 
 
 def test_tokenize_and_usage_count_32_px_per_visual_token_as_transformers_does(live: LiveServer, qwen3_dir: Path):

@@ -23,8 +23,7 @@ from firsttoken.models.checkpoint import make_model
 from firsttoken.models.loader import load_model, stored_linear_dtypes
 from firsttoken.models.quant import Bf16WeightLinear, Fp16Linear, Int8Linear, dequantize_rows, quantize_rows
 from tests.conftest import require_program
-from tests.oracle import test_qwen2_vl_parity as parity
-from tests.oracle.test_qwen2_vl_parity import (
+from tests.oracle.parity import (
     PROMPTS,
     TinyRunner,
     generate_ids,
@@ -34,7 +33,15 @@ from tests.oracle.test_qwen2_vl_parity import (
     ref_logits,
 )
 
-ref = parity.ref  # the transformers float32 reference (a module fixture)
+
+@pytest.fixture(scope="module")
+def ref(tiny_qwen2_vl_dir: Path):
+    """The transformers float32 reference."""
+    from transformers import Qwen2VLForConditionalGeneration
+
+    return Qwen2VLForConditionalGeneration.from_pretrained(
+        tiny_qwen2_vl_dir, dtype=torch.float32, attn_implementation="eager"
+    ).eval()
 
 
 def _against_transformers(ref, model, name: str, label: str) -> tuple[float, float]:

@@ -23,7 +23,7 @@ from firsttoken.tools.plan import (
     parse_bytes,
 )
 from firsttoken.types import EngineRequest, SamplingParams
-from tests.oracle.test_qwen3_vl_parity import QWEN3_VL_8B_CONFIG as QWEN3_VL_8B
+from tests.oracle.test_qwen3_vl_config import QWEN3_VL_8B_CONFIG as QWEN3_VL_8B
 
 QWEN25_VL_7B = {
     "model_type": "qwen2_5_vl", "hidden_size": 3584, "intermediate_size": 18944, "num_hidden_layers": 28,
