@@ -9,7 +9,6 @@ from __future__ import annotations
 import base64
 import io
 import json
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -22,7 +21,7 @@ from firsttoken.cli.main import main as cli_main
 from firsttoken.models.checkpoint import make_model
 from firsttoken.models.recipe import TOKEN_IDS
 from tests.e2e.conftest import LiveServer, image_message, make_image, start_server, stop_server, transformers_answer
-from tests.e2e.test_lanes_e2e import _first_content
+from tests.e2e.test_lanes_e2e import assert_short_answered_first
 from tests.e2e.test_shutdown import _serve
 
 IMAGE_PAD = TOKEN_IDS["<|image_pad|>"]
@@ -117,21 +116,6 @@ def test_short_question_is_answered_while_a_split_encode_runs_in_the_long_lane(q
     server, uvicorn_server, thread = start_server(qwen3_dir, max_batched_tokens=256, long_step_tokens=64,
                                                   long_prompt_threshold=512)
     try:
-        events: list[str] = []
-        long_started = threading.Event()
-        long_body = {"model": "tiny", "max_tokens": 2, "temperature": 0.0,
-                     "messages": image_message("Describe every detail.", make_image(1024, 1024, seed=12))}
-        short_body = {"model": "tiny", "max_tokens": 2, "temperature": 0.0,
-                      "messages": [{"role": "user", "content": "What time is it?"}]}
-        t_long = threading.Thread(target=_first_content,
-                                  args=(server.base_url, long_body, events, "long", long_started))
-        t_long.start()
-        assert long_started.wait(60)
-        while server.stats()["num_running"] == 0:  # the long request is admitted: encoding, then prefilling
-            pass
-        _first_content(server.base_url, short_body, events, "short", None)
-        t_long.join(120)
-        assert events == ["short", "long"]
-        assert server.wait_idle()["kv_blocks_used"] == 0
+        assert_short_answered_first(server, image_message("Describe every detail.", make_image(1024, 1024, seed=12)))
     finally:
         stop_server(uvicorn_server, thread, server.engine)

@@ -1,7 +1,6 @@
-"""Qwen2.5-VL through the real engine: the encoder and prefix caches reuse its work (test_caches.py's tests, run
-here on a Qwen2.5-VL checkpoint), and the long lane splits its vision tower across steps by each block's cost (a
+"""Qwen2.5-VL through the real engine: the long lane splits its vision tower across steps by each block's cost (a
 windowed block costs a fraction of a full one), with the same greedy tokens as running the whole prompt in one
-step."""
+step. Its caches are test_caches.py's, run on every family."""
 
 from __future__ import annotations
 
@@ -15,17 +14,7 @@ from firsttoken.config import SchedulerConfig
 from firsttoken.engine.engine import LLMEngine
 from firsttoken.models.checkpoint import make_model
 from tests.e2e.conftest import make_image
-from tests.engine.test_caches import (  # noqa: F401  (test_* and pictures are collected here, on Qwen2.5-VL)
-    Harness,
-    pictures,
-    test_a_repeated_image_is_not_decoded_again,
-    test_follow_up_turn_prefills_only_its_new_tokens,
-    test_greedy_outputs_identical_with_caches_on_and_off,
-    test_same_image_from_five_users_is_encoded_once,
-    test_switching_the_encoder_cache_off_encodes_every_time,
-    test_two_different_images_of_the_same_size_share_neither_kv_nor_embeddings,
-    user,
-)
+from tests.engine.test_caches import Harness, user
 from tests.helpers import RecordingExecutor, process
 
 FAMILY = "qwen2.5-vl"
