@@ -26,7 +26,7 @@ from PIL import Image
 
 from firsttoken.attention.base import AttentionMetadata
 from firsttoken.models.config import ModelConfig
-from firsttoken.models.interfaces import ImageEmbeddings, ImageRows
+from firsttoken.models.interfaces import ImageRows
 from firsttoken.models.loader import load_model
 from firsttoken.models.mrope import compute_mrope_positions
 from firsttoken.models.registry import load_model_config
@@ -98,7 +98,7 @@ def ours_ttft(model, ids: list[int], pixel_values: torch.Tensor, grids: list) ->
             meta = AttentionMetadata.build([len(ids)], [0], [list(range(num_blocks))], BLOCK_SIZE)
             image_embeds = model.visual(pixel_values, grids)
             start = ids.index(config.image_token_id)  # one image: its pads are contiguous
-            hidden = model(input_ids, positions, kv_caches, meta, [ImageRows(start, ImageEmbeddings(image_embeds))])
+            hidden = model(input_ids, positions, kv_caches, meta, [ImageRows(start, image_embeds)])
             return model.compute_logits(hidden[-1:])
 
     return run

@@ -75,7 +75,8 @@ def main() -> int:
 
     from firsttoken.cli.serve import serve_config
     from firsttoken.models.checkpoint import make_model
-    from firsttoken.serving.app import FleetOptions, build_application
+    from firsttoken.serving.app import build_application
+    from firsttoken.serving.options import FleetOptions
 
     model = args.model
     if model is None:

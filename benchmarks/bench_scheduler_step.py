@@ -20,7 +20,7 @@ ONE_RUN = r"""
 import json, time
 import firsttoken.tools.simulate as sim
 from firsttoken.config import SchedulerConfig
-from firsttoken.models.checkpoint import SIZES, build_hf_config
+from firsttoken.models.qwen2_vl_checkpoint import SIZES, build_hf_config
 from firsttoken.models.registry import model_config_from_dict
 coefficients = {"step": 0.01745, "sequences": 0.0, "sampled": 0.0, "prefill_tokens": 3.827e-4,
                 "prefill_attention": 1.551e-7, "decode_tokens": 0.0, "decode_context": 1.373e-8,

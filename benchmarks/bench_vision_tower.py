@@ -34,7 +34,6 @@ from PIL import Image
 from firsttoken.inputs.image import preprocess_image
 from firsttoken.models.checkpoint import make_model, recipes
 from firsttoken.models.loader import load_model
-from firsttoken.models.registry import FAMILIES
 
 CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_tile", "fma")
 
@@ -113,7 +112,7 @@ def towers(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    known = [f.name for f in FAMILIES if f.name in recipes()]
+    known = list(recipes())
     parser.add_argument("--families", default=",".join(known), help=f"comma-separated, of {known}")
     parser.add_argument("--images", default="1024x1024,2048x1536", help="WxH sizes before resizing")
     parser.add_argument("--repeats", type=int, default=3)

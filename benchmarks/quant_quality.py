@@ -26,7 +26,7 @@ from _common import small_model  # noqa: E402
 from machine import machine_info  # noqa: E402
 
 from firsttoken.models.loader import load_model  # noqa: E402
-from tests.oracle.test_qwen2_vl_parity import Prompt, TinyRunner, make_prompt  # noqa: E402
+from tests.oracle.parity import Prompt, TinyRunner, make_prompt  # noqa: E402
 
 SHAPES = {"text": [], "one_image": [(336, 224)], "three_images": [(252, 112), (112, 168), (224, 224)]}
 TEXT_TOKENS = 400  # beside the images: more text positions than the oracle's 40

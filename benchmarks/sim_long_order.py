@@ -21,7 +21,7 @@ from pathlib import Path
 
 import firsttoken.tools.simulate as sim
 from firsttoken.config import SchedulerConfig
-from firsttoken.models.checkpoint import SIZES, build_hf_config
+from firsttoken.models.qwen2_vl_checkpoint import SIZES, build_hf_config
 from firsttoken.models.registry import model_config_from_dict
 
 # the `small` checkpoint on an AVX2 machine, as its start-up calibration fitted it (tests/unit/test_simulate.py)

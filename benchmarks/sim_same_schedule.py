@@ -28,7 +28,10 @@ CONFIGS = {"default": {}, "fcfs": {"scheduling": "fcfs"}, "off": {"step_time_tar
 CHILD = r"""
 import json, sys
 from firsttoken.config import SchedulerConfig
-from firsttoken.models.checkpoint import SIZES, build_hf_config
+try:
+    from firsttoken.models.qwen2_vl_checkpoint import SIZES, build_hf_config
+except ImportError:  # a checkout from before the recipes moved onto the families
+    from firsttoken.models.checkpoint import SIZES, build_hf_config
 from firsttoken.models.registry import model_config_from_dict
 from firsttoken.tools import simulate as sim
 coef, configs, out = json.loads(sys.argv[1]), json.loads(sys.argv[2]), {}

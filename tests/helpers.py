@@ -21,3 +21,23 @@ def make_processor(model_dir, max_model_len: int = 4096, **image_options) -> Inp
 
     return InputProcessor(model_dir, load_model_config(model_dir), GenerationDefaults.from_pretrained(model_dir),
                           max_model_len=max_model_len, images=ImageConfig(**image_options))
+
+
+class RecordingExecutor:
+    """An engine's executor that keeps each step's batch (plain data: request ids, chunks, encoder work) before
+    running it: ``engine.executor = RecordingExecutor(engine.executor)``."""
+
+    def __init__(self, inner) -> None:
+        self.inner = inner
+        self.batches: list = []  # ScheduledBatch per step, in order
+
+    def execute(self, batch):
+        self.batches.append(batch)
+        return self.inner.execute(batch)
+
+    def finish_step(self):
+        return self.inner.finish_step()
+
+    @property
+    def encoder_cache_bytes(self) -> int:
+        return self.inner.encoder_cache_bytes

@@ -8,7 +8,8 @@ from pathlib import Path
 from typing import Any
 
 from firsttoken.cli.usage import UsageError
-from firsttoken.models.checkpoint import CHECKPOINT_DTYPES, LAYOUTS, make_model, recipes
+from firsttoken.models.checkpoint import make_model, recipes
+from firsttoken.models.recipe import CHECKPOINT_DTYPES, LAYOUTS
 
 CHECKPOINT_META = "firsttoken_checkpoint.json"  # make_model writes it last: its presence marks our own output
 

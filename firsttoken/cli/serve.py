@@ -8,14 +8,17 @@ from __future__ import annotations
 
 import argparse
 import logging
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from firsttoken.cli.usage import OneLineParser
 from firsttoken.config import ServeConfig, config_flags, config_from_options
 from firsttoken.serving.build import model_dir_of, served_name_of
 from firsttoken.units import parse_bytes
 
-__all__ = ["add_config_flags", "add_parser", "build_server", "model_dir_of", "run", "serve_config", "served_name_of"]
+__all__ = ["add_config_flags", "add_parser", "build_server", "model_dir_of", "parse_serve_flags", "run", "serve_config",
+           "served_name_of"]
 
 log = logging.getLogger("firsttoken.serve")
 
@@ -40,6 +43,14 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                               description="Serve a Qwen-VL checkpoint over an OpenAI-compatible HTTP API.")
     add_config_flags(p)
     p.set_defaults(handler=run)
+
+
+def parse_serve_flags(argv: Sequence[str]) -> argparse.Namespace:
+    """``firsttoken serve``'s flags alone, parsed as ``serve`` parses them (another command planning for a server,
+    ``simulate --serve-args``, reads them so). A bad flag exits as argparse does (SystemExit)."""
+    parser = OneLineParser(prog="firsttoken serve")
+    add_config_flags(parser)
+    return parser.parse_args(argv)
 
 
 def add_config_flags(p: argparse.ArgumentParser) -> None:

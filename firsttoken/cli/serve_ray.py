@@ -23,7 +23,7 @@ from typing import Any
 
 from firsttoken.cli.serve import add_config_flags, serve_config
 from firsttoken.config import ServeConfig
-from firsttoken.serving.app import FleetOptions, ReplicaCount
+from firsttoken.serving.options import FleetOptions, ReplicaCount
 
 log = logging.getLogger("firsttoken.serve")
 

@@ -117,13 +117,12 @@ def run(args: argparse.Namespace) -> int:
 
 def _serve_options(serve_args: str, model: Any) -> tuple[Any, Any, int | None]:
     """The replicas' scheduler and cache config from serve flags; KV blocks when --kv-cache-memory is given."""
-    from firsttoken.cli.main import build_parser
-    from firsttoken.cli.serve import serve_config
+    from firsttoken.cli.serve import parse_serve_flags, serve_config
     from firsttoken.engine.engine import plan_kv_capacity
 
     argv = shlex.split(serve_args)
     try:
-        config = serve_config(build_parser().parse_args(["serve", *argv]))
+        config = serve_config(parse_serve_flags(argv))
     except SystemExit:
         raise UsageError("--serve-args", serve_args, "not flags `firsttoken serve` accepts (see serve --help)")
     blocks = plan_kv_capacity(model, config.engine).num_blocks if "--kv-cache-memory" in argv else None

@@ -26,7 +26,7 @@ from firsttoken.metrics.stats import (
 )
 from firsttoken.metrics.timeline import Timeline
 from firsttoken.models.config import ModelConfig
-from firsttoken.models.registry import load_model_config
+from firsttoken.models.registry import family_named, load_model_config
 from firsttoken.runner.executor import Executor, InProcessExecutor
 from firsttoken.runner.model_runner import FaultHook, ThreadPlan
 from firsttoken.scheduler.request import Request
@@ -128,8 +128,7 @@ class LLMEngine:
             quantization=config.quantization, cpu_kernels=config.cpu_kernels, interrupt=self._interrupt,
         )
         dtype_bytes = torch.tensor([], dtype=dtype).element_size()
-        num_tensors = 1 + len(self.model_config.vision.deepstack_visual_indexes)  # main + DeepStack features
-        per_token = self.model_config.hidden_size * dtype_bytes * num_tensors
+        per_token = family_named(self.model_config.family).encoder_bytes_per_token(self.model_config, dtype_bytes)
         encoder_tokens = config.cache.encoder_cache_memory_bytes // per_token if config.cache.enable_encoder_cache else 0
         self.scheduler = Scheduler(
             config.scheduler,

@@ -1,17 +1,17 @@
 """Random-weight Qwen-VL checkpoints in Hugging Face format, built offline.
 
 ``make_model(out_dir, size, seed, layout, shards, family)`` writes a directory that transformers 5 loads
-unchanged (``AutoTokenizer``, ``Qwen2VLImageProcessorPil``, the family's ``...ForConditionalGeneration``); a family
-contributes a ``CheckpointRecipe`` (its shapes, transformers config and model class, second layout if any).
-For Qwen2-VL:
+unchanged (``AutoTokenizer``, ``Qwen2VLImageProcessorPil``, the family's ``...ForConditionalGeneration``). The
+family is a registered one (models/registry.py) whose ``ModelFamily.checkpoint`` is a ``CheckpointRecipe``
+(models/recipe.py: its shapes, transformers config and model class, second layout if any; Qwen2-VL's is in
+qwen2_vl_checkpoint.py). Every family's checkpoint holds:
 
-    config.json                      layout "transformers" (nested text_config / vision_config) or
-                                     "original" (the Qwen2-VL-2B-Instruct release: flat, rope_scaling)
+    config.json                      the recipe's: transformers' layout, or the family's release layout
     generation_config.json           EOS = [<|im_end|>, <|endoftext|>], Qwen2-VL-Instruct sampling defaults
     model.safetensors                or model-0000k-of-0000n.safetensors + model.safetensors.index.json
     tokenizer.json, tokenizer_config.json, chat_template.jinja
-    preprocessor_config.json         Qwen2-VL image processor defaults
-    firsttoken_checkpoint.json       how it was made (size, seed, layout, format version, parameter counts)
+    preprocessor_config.json         the recipe's image processor settings
+    firsttoken_checkpoint.json       how it was made (family, size, seed, layout, format version, parameter counts)
 
 Weights: every tensor comes from its own generator seeded by (seed, tensor name), so the same seed
 gives byte-identical files and both layouts hold the same numbers under different names.
@@ -34,37 +34,26 @@ import os
 import shutil
 import tempfile
 import zlib
-from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from safetensors.torch import save_file
 
+from firsttoken.models.recipe import (
+    CHECKPOINT_DTYPES,
+    MAX_POSITION_EMBEDDINGS,
+    NUM_TOKENIZER_TOKENS,
+    TOKEN_IDS,
+    CheckpointRecipe,
+)
+from firsttoken.models.registry import families
 from firsttoken.models.train_tokenizer import ASSET_PATH as TOKENIZER_ASSET
-from firsttoken.models.train_tokenizer import NUM_BPE_TOKENS, SPECIAL_TOKENS
-
-if TYPE_CHECKING:
-    from transformers import Qwen2VLConfig
+from firsttoken.models.train_tokenizer import SPECIAL_TOKENS
 
 FORMAT_VERSION = 1  # bump when the files make_model writes change; demo_model_dir rebuilds on mismatch
-LAYOUTS = ("transformers", "original")
 LOGIT_STD = 10.0
-VOCAB_PAD_MULTIPLE = 64
-MAX_POSITION_EMBEDDINGS = 32768
-ROPE_THETA = 1_000_000.0
-RMS_NORM_EPS = 1e-6
-
-TOKEN_IDS: dict[str, int] = {tok: NUM_BPE_TOKENS + i for i, tok in enumerate(SPECIAL_TOKENS)}
-NUM_TOKENIZER_TOKENS = NUM_BPE_TOKENS + len(SPECIAL_TOKENS)
-VISION_TOKEN_IDS: dict[str, int] = {  # a Qwen-VL config's fields naming its image/video tokens
-    "image_token_id": TOKEN_IDS["<|image_pad|>"],
-    "video_token_id": TOKEN_IDS["<|video_pad|>"],
-    "vision_start_token_id": TOKEN_IDS["<|vision_start|>"],
-    "vision_end_token_id": TOKEN_IDS["<|vision_end|>"],
-}
-VOCAB_SIZE = -(-NUM_TOKENIZER_TOKENS // VOCAB_PAD_MULTIPLE) * VOCAB_PAD_MULTIPLE  # rows in embed / lm_head
 
 # Qwen2-VL's chat template (the release's, plus {"type": "image_url"} parts).
 CHAT_TEMPLATE = (
@@ -94,41 +83,6 @@ GENERATION_SAMPLING: dict[str, Any] = {
     "repetition_penalty": 1.05,
 }
 
-CLIP_MEAN = [0.48145466, 0.4578275, 0.40821073]
-CLIP_STD = [0.26862954, 0.26130258, 0.27577711]
-MIN_PIXELS = 3136  # 56 * 56
-CHECKPOINT_DTYPES = ("float32", "bfloat16")
-MAX_PIXELS = 12845056  # 14 * 14 * 4 * 16384
-
-
-@dataclass(frozen=True)
-class CheckpointShape:
-    """Sizes of one named checkpoint; the vision merger's output width is ``hidden_size``."""
-
-    hidden_size: int
-    num_hidden_layers: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    intermediate_size: int
-    mrope_section: tuple[int, int, int]  # (t, h, w) rotary pairs, sums to head_dim / 2
-    vision_depth: int
-    vision_embed_dim: int
-    vision_num_heads: int
-    vision_mlp_ratio: int
-    dtype: str = "float32"  # on disk
-
-    def __post_init__(self) -> None:
-        head_dim = self.hidden_size // self.num_attention_heads
-        if sum(self.mrope_section) * 2 != head_dim:
-            raise ValueError(f"mrope_section {self.mrope_section} must sum to head_dim/2 = {head_dim // 2}")
-
-
-SIZES: dict[str, CheckpointShape] = {
-    "tiny": CheckpointShape(64, 2, 4, 2, 176, (2, 3, 3), 2, 32, 2, 2),
-    "small": CheckpointShape(512, 8, 8, 2, 1408, (8, 12, 12), 4, 256, 4, 4),
-}
-
-
 @dataclass(frozen=True)
 class ParamCounts:
     total: int
@@ -136,29 +90,9 @@ class ParamCounts:
     vision: int  # patch embed + blocks + merger
 
 
-@dataclass(frozen=True)
-class CheckpointRecipe:
-    """What make_model needs of a family: its shapes, its transformers config and model class, and (for families
-    released in a second layout) how the release names weights and lays out config.json."""
-
-    family: str  # registry name
-    sizes: dict[str, Any]  # size name -> the family's shape
-    hf_config: Callable[[Any], Any]  # shape -> transformers PretrainedConfig (with our tokenizer's ids)
-    hf_model_class: Callable[[], type]  # the transformers ...ForConditionalGeneration (imported on call)
-    preprocessor: Callable[[], dict[str, Any]]  # preprocessor_config.json
-    original_config: Callable[[Any, Any], dict[str, Any]] | None = None  # (config, shape) -> release config.json
-    to_original_key: Callable[[str], str] = lambda name: name
-
-
 def recipes() -> dict[str, CheckpointRecipe]:
-    """Every family make_model can build (families register theirs in _RECIPE_MODULES)."""
-    import importlib
-
-    out = {QWEN2_VL_RECIPE.family: QWEN2_VL_RECIPE}
-    for module in _RECIPE_MODULES:
-        recipe = importlib.import_module(module).CHECKPOINT_RECIPE
-        out[recipe.family] = recipe
-    return out
+    """Registered family name -> its recipe: every family make_model can build."""
+    return {f.name: f.checkpoint for f in families()}
 
 
 def make_model(
@@ -179,9 +113,8 @@ def make_model(
     recipe = known[family]
     if size not in recipe.sizes:
         raise ValueError(f"size must be one of {sorted(recipe.sizes)}, got {size!r}")
-    if layout not in LAYOUTS or (layout == "original" and recipe.original_config is None):
-        allowed = LAYOUTS if recipe.original_config is not None else ("transformers",)
-        raise ValueError(f"layout must be one of {allowed} for {family}, got {layout!r}")
+    if layout not in recipe.layouts:
+        raise ValueError(f"layout must be one of {recipe.layouts} for {family}, got {layout!r}")
     if shards < 1:
         raise ValueError(f"shards must be >= 1, got {shards}")
     shape = recipe.sizes[size]
@@ -208,51 +141,6 @@ def make_model(
             "shards": shards}
     _write_json(out / "firsttoken_checkpoint.json", {**meta, "params": asdict(count_params(tensors))})
     return out
-
-
-def text_config_dict(shape: CheckpointShape) -> dict[str, Any]:
-    """The language model's transformers ``text_config`` for ``shape`` (Qwen2 with M-RoPE), our tokenizer's ids."""
-    return {
-        "vocab_size": VOCAB_SIZE,
-        "hidden_size": shape.hidden_size,
-        "intermediate_size": shape.intermediate_size,
-        "num_hidden_layers": shape.num_hidden_layers,
-        "num_attention_heads": shape.num_attention_heads,
-        "num_key_value_heads": shape.num_key_value_heads,
-        "max_position_embeddings": MAX_POSITION_EMBEDDINGS,
-        "max_window_layers": shape.num_hidden_layers,
-        "rms_norm_eps": RMS_NORM_EPS,
-        "rope_parameters": {
-            "rope_type": "default",
-            "rope_theta": ROPE_THETA,
-            "mrope_section": list(shape.mrope_section),
-        },
-        "bos_token_id": TOKEN_IDS["<|endoftext|>"],
-        "eos_token_id": TOKEN_IDS["<|im_end|>"],
-        "dtype": shape.dtype,
-    }
-
-
-def build_hf_config(shape: CheckpointShape) -> "Qwen2VLConfig":
-    """The transformers config object for ``shape``, with this tokenizer's special-token ids."""
-    from transformers import Qwen2VLConfig
-
-    text = text_config_dict(shape)
-    vision = {
-        "depth": shape.vision_depth,
-        "embed_dim": shape.vision_embed_dim,
-        "hidden_size": shape.hidden_size,
-        "num_heads": shape.vision_num_heads,
-        "mlp_ratio": shape.vision_mlp_ratio,
-        "patch_size": 14,
-        "spatial_merge_size": 2,
-        "temporal_patch_size": 2,
-    }
-    config = Qwen2VLConfig(
-        text_config=text, vision_config=vision, tie_word_embeddings=False, dtype=shape.dtype, **VISION_TOKEN_IDS
-    )
-    config.architectures = ["Qwen2VLForConditionalGeneration"]
-    return config
 
 
 def random_state_dict(config: Any, seed: int, dtype: torch.dtype, model_class: type | None = None) -> dict[str, torch.Tensor]:
@@ -284,84 +172,6 @@ def _init_tensor(name: str, shape: tuple[int, ...], seed: int, hidden_size: int)
         return noise
     fan_in = math.prod(shape[1:])
     return noise / math.sqrt(fan_in)
-
-
-def to_original_key(name: str) -> str:
-    """transformers 5 weight name -> Qwen2-VL release name (``model.language_model.`` -> ``model.``)."""
-    if name.startswith("model.language_model."):
-        return "model." + name.removeprefix("model.language_model.")
-    if name.startswith("model.visual."):
-        return name.removeprefix("model.")
-    return name
-
-
-def original_config_dict(config: "Qwen2VLConfig", shape: CheckpointShape) -> dict[str, Any]:
-    """config.json as the Qwen2-VL-2B-Instruct release lays it out (flat text fields)."""
-    text = config.text_config
-    vision = config.vision_config
-    return {
-        "architectures": ["Qwen2VLForConditionalGeneration"],
-        "model_type": "qwen2_vl",
-        "attention_dropout": 0.0,
-        "bos_token_id": text.bos_token_id,
-        "eos_token_id": text.eos_token_id,
-        "vision_start_token_id": config.vision_start_token_id,
-        "vision_end_token_id": config.vision_end_token_id,
-        "vision_token_id": TOKEN_IDS["<|vision_pad|>"],
-        "image_token_id": config.image_token_id,
-        "video_token_id": config.video_token_id,
-        "hidden_act": text.hidden_act,
-        "hidden_size": text.hidden_size,
-        "initializer_range": 0.02,
-        "intermediate_size": text.intermediate_size,
-        "max_position_embeddings": text.max_position_embeddings,
-        "max_window_layers": text.max_window_layers,
-        "num_attention_heads": text.num_attention_heads,
-        "num_hidden_layers": text.num_hidden_layers,
-        "num_key_value_heads": text.num_key_value_heads,
-        "rms_norm_eps": text.rms_norm_eps,
-        "rope_theta": ROPE_THETA,
-        "sliding_window": MAX_POSITION_EMBEDDINGS,
-        "tie_word_embeddings": False,
-        "torch_dtype": shape.dtype,
-        "use_cache": True,
-        "use_sliding_window": False,
-        "vision_config": {
-            "depth": vision.depth,
-            "embed_dim": vision.embed_dim,
-            "mlp_ratio": vision.mlp_ratio,
-            "num_heads": vision.num_heads,
-            "in_chans": vision.in_channels,
-            "hidden_size": vision.hidden_size,
-            "patch_size": vision.patch_size,
-            "spatial_merge_size": vision.spatial_merge_size,
-            "spatial_patch_size": vision.patch_size,
-            "temporal_patch_size": vision.temporal_patch_size,
-        },
-        "rope_scaling": {"type": "mrope", "mrope_section": list(shape.mrope_section)},
-        "vocab_size": text.vocab_size,
-    }
-
-
-def preprocessor_config_dict() -> dict[str, Any]:
-    """Qwen2-VL image processor defaults, with both the ``size`` and the legacy min/max_pixels keys."""
-    return {
-        "do_convert_rgb": True,
-        "do_resize": True,
-        "do_rescale": True,
-        "rescale_factor": 1 / 255,
-        "do_normalize": True,
-        "image_mean": CLIP_MEAN,
-        "image_std": CLIP_STD,
-        "size": {"shortest_edge": MIN_PIXELS, "longest_edge": MAX_PIXELS},
-        "min_pixels": MIN_PIXELS,
-        "max_pixels": MAX_PIXELS,
-        "patch_size": 14,
-        "temporal_patch_size": 2,
-        "merge_size": 2,
-        "image_processor_type": "Qwen2VLImageProcessor",
-        "processor_class": "Qwen2VLProcessor",
-    }
 
 
 def tokenizer_config_dict() -> dict[str, Any]:
@@ -457,25 +267,6 @@ def _write_tokenizer_files(out: Path) -> None:
 
 def _write_json(path: Path, data: dict[str, Any]) -> None:
     path.write_text(json.dumps(data, indent=2, sort_keys=False) + "\n")
-
-
-def _qwen2_vl_model_class() -> type:
-    from transformers import Qwen2VLForConditionalGeneration
-
-    return Qwen2VLForConditionalGeneration
-
-
-QWEN2_VL_RECIPE = CheckpointRecipe(
-    family="qwen2-vl",
-    sizes=SIZES,
-    hf_config=lambda shape: build_hf_config(shape),
-    hf_model_class=_qwen2_vl_model_class,
-    preprocessor=lambda: preprocessor_config_dict(),
-    original_config=lambda config, shape: original_config_dict(config, shape),
-    to_original_key=lambda name: to_original_key(name),
-)
-# Modules of other families' recipes (each defines CHECKPOINT_RECIPE), imported when make_model first needs them.
-_RECIPE_MODULES: tuple[str, ...] = ("firsttoken.models.qwen2_5_vl_checkpoint", "firsttoken.models.qwen3_vl_checkpoint")
 
 
 def demo_model_dir() -> Path:

@@ -1,8 +1,8 @@
 """What a model family provides the engine: everything model-specific, in one value per family.
 
 Adding a family is writing its module under models/ (config parsing, the nn.Module, its weight mapping, its
-encoder units) and listing its ``ModelFamily`` in models/registry.py. Nothing in engine/, scheduler/ or runner/
-names a family.
+encoder units, its make-model recipe) and listing its ``ModelFamily`` in models/registry.py (or, from a test or a
+plugin, ``registry.register(family)``). Nothing in engine/, scheduler/ or runner/ names a family.
 """
 
 from __future__ import annotations
@@ -16,10 +16,17 @@ from torch import nn
 from firsttoken.attention.base import AttentionBackend
 from firsttoken.models.config import ModelConfig, VisionConfig
 from firsttoken.models.mrope import MRopePositions, compute_mrope_positions
+from firsttoken.models.recipe import CheckpointRecipe
 from firsttoken.models.weights import WeightMapping
 from firsttoken.types import EncoderUnit
 
 Grid = tuple[int, int, int]
+
+
+def main_rows_bytes(config: ModelConfig, dtype_bytes: int) -> int:
+    """An image's encoder output per visual token when it is ``ImageEmbeddings.main`` alone: one row of the language
+    model's width."""
+    return config.hidden_size * dtype_bytes
 
 
 @dataclass(frozen=True)
@@ -32,4 +39,8 @@ class ModelFamily:
     build: Callable[[ModelConfig, AttentionBackend], nn.Module]  # an nn.Module honouring models/interfaces.py
     weights: WeightMapping
     encoder_units: Callable[[VisionConfig, Grid], tuple[EncoderUnit, ...]]
+    checkpoint: CheckpointRecipe  # how make-model builds a random checkpoint; its transformers class is the oracle
     positions: Callable[[Sequence[int], Sequence[Grid], ModelConfig], MRopePositions] = compute_mrope_positions
+    # (config, bytes per element of the model's dtype) -> bytes of ImageEmbeddings per visual token: what one token
+    # of an image holds in the encoder cache (main rows, and DeepStack features where the tower has them)
+    encoder_bytes_per_token: Callable[[ModelConfig, int], int] = main_rows_bytes

@@ -57,7 +57,7 @@ class ImageRows:
 
 
 class EncodeState:
-    """An image part-way through a vision tower; families subclass it with their tensors."""
+    """An image part-way through a vision tower (models/vision_tower.py's ``TowerState`` holds the tensors)."""
 
     units: tuple[EncoderUnit, ...]  # the image's units, in order (the family's encoder_units)
     units_done: int

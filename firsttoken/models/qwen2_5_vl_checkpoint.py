@@ -1,6 +1,6 @@
 """make-model's recipe for Qwen2.5-VL (``--family qwen2.5-vl``): random checkpoints with the release's config fields.
 
-The language model is Qwen2-VL's shape of the same size (models/checkpoint.py SIZES: same text config, tokenizer,
+The language model is Qwen2-VL's shape of the same size (qwen2_vl_checkpoint.py SIZES: same text config, tokenizer,
 chat template and generation config); the vision tower is Qwen2.5-VL's: RMSNorm, a SwiGLU MLP of its own width,
 112-px windows and a few full-attention blocks (the 7B release: depth 32, full attention in blocks 7, 15, 23, 31;
 here depth 4 with (1, 3) for tiny, depth 8 with (3, 7) for small). Layouts:
@@ -16,10 +16,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from firsttoken.models.checkpoint import (
+from firsttoken.models.qwen2_vl_checkpoint import (
     SIZES,
-    VISION_TOKEN_IDS,
-    CheckpointRecipe,
     CheckpointShape,
     build_hf_config,
     original_config_dict,
@@ -27,11 +25,11 @@ from firsttoken.models.checkpoint import (
     text_config_dict,
     to_original_key,
 )
+from firsttoken.models.recipe import VISION_TOKEN_IDS, CheckpointRecipe
 
 if TYPE_CHECKING:
     from transformers import Qwen2_5_VLConfig
 
-FAMILY = "qwen2.5-vl"
 TOKENS_PER_SECOND = 2  # video time positions per second (the release's value; images never use it)
 
 
@@ -101,17 +99,10 @@ def original_layout_config(config: Qwen2_5_VLConfig, shape: Qwen25Shape) -> dict
             "vision_config": vision}
 
 
-def _model_class() -> type:
-    from transformers import Qwen2_5_VLForConditionalGeneration
-
-    return Qwen2_5_VLForConditionalGeneration
-
-
 CHECKPOINT_RECIPE = CheckpointRecipe(
-    family=FAMILY,
     sizes=QWEN2_5_VL_SIZES,
     hf_config=build_qwen2_5_vl_config,
-    hf_model_class=_model_class,
+    hf_model="Qwen2_5_VLForConditionalGeneration",
     preprocessor=lambda: {**preprocessor_config_dict(), "processor_class": "Qwen2_5_VLProcessor"},
     original_config=original_layout_config,
     to_original_key=to_original_key,

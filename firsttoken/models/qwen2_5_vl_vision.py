@@ -23,19 +23,12 @@ import torch
 from torch import nn
 
 from firsttoken.models.config import VisionConfig
-from firsttoken.models.interfaces import EncodeState, ImageEmbeddings
-from firsttoken.models.layers import RMSNorm, SwiGLUMLP, rope_inv_freq
-from firsttoken.models.qwen2_vl_vision import (
-    VISION_ROPE_THETA,
-    PatchEmbed,
-    PatchMerger,
-    VisionAttention,
-    vision_position_ids,
-)
-from firsttoken.models.vision_units import PartialBlock, qkv_share, run_units, split_block, whole_blocks
+from firsttoken.models.layers import RMSNorm, SwiGLUMLP
+from firsttoken.models.qwen2_vl_vision import PatchEmbed, PatchMerger, VisionBlock
+from firsttoken.models.vision_tower import Grid, VisionTower
+from firsttoken.models.vision_units import qkv_share, split_block
 from firsttoken.types import EncoderUnit
 
-Grid = tuple[int, int, int]
 VISION_NORM_EPS = 1e-6  # RMSNorm in the blocks and the merger
 
 
@@ -58,11 +51,21 @@ class WindowLayout:
     restore: torch.Tensor  # [num_merge_units] int64: window-order position of each processor-order unit
     window_rows: list[int]  # patch rows per window, in window order (windowed blocks attend within each)
     frame_rows: list[int]  # patch rows per frame (full-attention blocks attend within each)
+    full_attention_blocks: frozenset[int] | None  # blocks attending within each frame; None: every block
 
     def reorder(self, rows: torch.Tensor) -> torch.Tensor:
         """Processor-order patch rows [num_patches, ...] -> window order (merge units move whole)."""
         units = rows.view(self.order.numel(), -1, *rows.shape[1:])
         return units[self.order].reshape(rows.shape)
+
+    def restore_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Merged tokens [num_merge_units, ...] in window order -> the processor's order."""
+        return tokens[self.restore]
+
+    def segments(self, block: int) -> list[int]:
+        if self.full_attention_blocks is None or block in self.full_attention_blocks:
+            return self.frame_rows
+        return self.window_rows
 
 
 def window_layout(grids: Sequence[Grid], vision: VisionConfig, device: torch.device | str = "cpu") -> WindowLayout:
@@ -85,7 +88,8 @@ def window_layout(grids: Sequence[Grid], vision: VisionConfig, device: torch.dev
             frame_rows.append(h * w)
         offset += t * gh * gw
     order = torch.cat(orders).to(device)  # built on the CPU: one small copy, not a kernel per window
-    return WindowLayout(order, torch.argsort(order), window_rows, frame_rows)
+    full_attention = frozenset(vision.fullatt_block_indexes) if vision.uses_windows else None
+    return WindowLayout(order, torch.argsort(order), window_rows, frame_rows, full_attention)
 
 
 def block_flops(vision: VisionConfig, num_patches: int, attention_pairs: int) -> int:
@@ -128,100 +132,28 @@ def window_attention_units(vision: VisionConfig, grid_thw: Grid) -> tuple[Encode
         for u in (split_block(full, b, [h * w] * t, share) if b in attends_fully else (replace(windowed, block=b),)))
 
 
-class Qwen25VisionBlock(nn.Module):
-    """RMSNorm -> Qwen2-VL's vision attention over ``segments`` (frames or windows) -> RMSNorm -> SwiGLU (biased)."""
-
-    def __init__(self, config: VisionConfig) -> None:
-        super().__init__()
-        self.norm1 = RMSNorm(config.embed_dim, VISION_NORM_EPS)
-        self.norm2 = RMSNorm(config.embed_dim, VISION_NORM_EPS)
-        self.attn = VisionAttention(config)
-        self.mlp = SwiGLUMLP(config.embed_dim, config.intermediate_size, bias=True)
-
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, segments: list[int]) -> torch.Tensor:
-        x = x + self.attn(self.norm1(x), cos, sin, segments)
-        return x + self.mlp(self.norm2(x))
+def rms_norm(width: int) -> nn.Module:
+    return RMSNorm(width, VISION_NORM_EPS)
 
 
-class Qwen25PatchMerger(PatchMerger):
-    """Qwen2-VL's merger (2x2 rows concatenated -> Linear -> GELU -> Linear) behind an RMSNorm, not a LayerNorm."""
+class Qwen25VisionTransformer(VisionTower):
+    """Qwen2-VL's blocks with RMSNorm and a SwiGLU MLP with biases, attending within windows or frames as the
+    ``WindowLayout`` says; the merger behind an RMSNorm. One encoder unit per block (or its row slices); patch
+    embedding and the window reorder run in ``start_encode``, the merger and the restored order in
+    ``finish_encode``."""
+
+    encoder_units = staticmethod(window_attention_units)
 
     def __init__(self, config: VisionConfig) -> None:
         super().__init__(config)
-        self.ln_q = RMSNorm(config.embed_dim, VISION_NORM_EPS)
-
-
-@dataclass
-class WindowedEncodeState(EncodeState):
-    hidden: torch.Tensor  # [num_patches, embed_dim] in window order, after the blocks finished so far
-    cos: torch.Tensor  # [num_patches, 1, 1, head_dim] fp32, window order
-    sin: torch.Tensor
-    layout: WindowLayout
-    units: tuple[EncoderUnit, ...]  # window_attention_units of the image (whole blocks for several images at once)
-    units_done: int = 0
-    partial: PartialBlock | None = None  # a block part-way through its row slices
-
-
-class Qwen25VisionTransformer(nn.Module):
-    """One encoder unit per block; patch embedding and the window reorder run in ``start_encode``, the merger and
-    the restored order in ``finish_encode``."""
-
-    def __init__(self, config: VisionConfig) -> None:
-        super().__init__()
         if config.hidden_act != "silu":
             raise ValueError(f"vision_config.hidden_act {config.hidden_act!r} unsupported (silu)")
-        self.config = config
-        self.full_attention_blocks = frozenset(config.fullatt_block_indexes) if config.uses_windows else None
         self.patch_embed = PatchEmbed(config)
-        self.blocks = nn.ModuleList([Qwen25VisionBlock(config) for _ in range(config.depth)])
-        self.merger = Qwen25PatchMerger(config)
+        self.blocks = nn.ModuleList([
+            VisionBlock(config, rms_norm, SwiGLUMLP(config.embed_dim, config.intermediate_size, bias=True))
+            for _ in range(config.depth)
+        ])
+        self.merger = PatchMerger(config, rms_norm)
 
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.patch_embed.proj.weight.dtype
-
-    def start_encode(self, pixel_values: torch.Tensor, grid_thw: Grid) -> WindowedEncodeState:
-        return self._start([grid_thw], pixel_values, window_attention_units(self.config, grid_thw))
-
-    def run_units(self, state: WindowedEncodeState, num_units: int) -> None:  # type: ignore[override]
-        run_units(state, num_units, self.blocks, lambda b, hidden: self.blocks[b](
-            hidden, state.cos, state.sin, self._segments(b, state.layout)))
-
-    def finish_encode(self, state: WindowedEncodeState) -> ImageEmbeddings:  # type: ignore[override]
-        return ImageEmbeddings(self.merger(state.hidden)[state.layout.restore])
-
-    def forward(
-        self,
-        pixel_values: torch.Tensor,  # [num_patches, C*T*P*P], images back to back
-        grid_thw: Sequence[Grid],  # per image (t, h, w) in patches
-    ) -> torch.Tensor:
-        """[sum over images of t*h*w / merge^2, out_hidden_size] image tokens in the processor's order."""
-        state = self._start(grid_thw, pixel_values, whole_blocks(self.config.depth))
-        self.run_units(state, state.num_units)
-        return self.finish_encode(state).main
-
-    def _start(self, grids: Sequence[Grid], pixel_values: torch.Tensor, units: tuple[EncoderUnit, ...]
-               ) -> WindowedEncodeState:
-        num_patches = sum(t * h * w for t, h, w in grids)
-        if num_patches != pixel_values.shape[0]:
-            raise ValueError(f"grid_thw covers {num_patches} patches but pixel_values has {pixel_values.shape[0]} rows")
-        layout = window_layout(grids, self.config, pixel_values.device)
-        cos, sin = self._rotary_cos_sin(grids, pixel_values.device)
-        hidden = self.patch_embed(pixel_values)  # [num_patches, embed_dim], processor order
-        return WindowedEncodeState(
-            layout.reorder(hidden), layout.reorder(cos), layout.reorder(sin), layout, units
-        )
-
-    def _segments(self, block: int, layout: WindowLayout) -> list[int]:
-        if self.full_attention_blocks is None or block in self.full_attention_blocks:
-            return layout.frame_rows
-        return layout.window_rows
-
-    def _rotary_cos_sin(self, grids: Sequence[Grid], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """fp32 tables [num_patches, 1, 1, head_dim] in processor order: the first half of each head's pairs rotates
-        by the patch row, the second half by the patch column (Qwen2-VL's)."""
-        pos = vision_position_ids(grids, self.config.spatial_merge_size, device)  # [num_patches, 2]
-        inv_freq = rope_inv_freq(self.config.head_dim // 2, VISION_ROPE_THETA, device)  # [head_dim // 4]
-        angles = (pos[..., None].float() * inv_freq).flatten(1)  # [num_patches, head_dim // 2]: h freqs, w freqs
-        table = torch.cat((angles, angles), dim=-1)[:, None, None, :]
-        return table.cos(), table.sin()
+    def layout(self, grids: Sequence[Grid], device: torch.device) -> WindowLayout:
+        return window_layout(grids, self.config, device)

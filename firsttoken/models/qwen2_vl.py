@@ -43,6 +43,7 @@ from firsttoken.models.layers import (
     mrope_cos_sin,
     rolled_sin,
 )
+from firsttoken.models.qwen2_vl_checkpoint import CHECKPOINT_RECIPE
 from firsttoken.models.qwen2_vl_vision import (
     IMAGE_PROCESSOR,
     Qwen2VisionTransformer,
@@ -258,4 +259,5 @@ QWEN2_VL = ModelFamily(
     build=lambda config, backend: Qwen2VLModel(config, backend),
     weights=QWEN_VL_WEIGHTS,
     encoder_units=full_attention_units,
+    checkpoint=CHECKPOINT_RECIPE,
 )

@@ -1,4 +1,6 @@
-"""Qwen2-VL vision tower: patches -> ViT blocks with 2D rotary -> 2x2 patch merger -> LM-width image tokens.
+"""Qwen2-VL vision tower: patches -> ViT blocks with 2D rotary -> 2x2 patch merger -> LM-width image tokens; and the
+modules the other families' towers reuse, each with parameters where a family differs (a bias, the norm, the MLP,
+the activation, where the merger normalises).
 
 Input rows are patches as the Qwen2-VL image processor emits them: per image, ``t * h * w`` rows (``h``/``w`` in
 patches), ordered so every 2x2 merge window is 4 consecutive rows; each row is ``C * T * P * P`` pixels
@@ -8,32 +10,36 @@ Attention never crosses images.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from firsttoken.models.config import ImageProcessorConfig, VisionConfig
-from firsttoken.models.interfaces import EncodeState, ImageEmbeddings
-from firsttoken.models.layers import apply_rotary, quick_gelu, rope_inv_freq
-from firsttoken.models.vision_units import PartialBlock, qkv_share, run_units, split_block
+from firsttoken.models.layers import apply_rotary, quick_gelu
+from firsttoken.models.vision_tower import VisionTower
+from firsttoken.models.vision_units import qkv_share, split_block
 from firsttoken.types import EncoderUnit
 
-VISION_ROPE_THETA = 10000.0
 VISION_LN_EPS = 1e-6
 IMAGE_PROCESSOR = ImageProcessorConfig()  # Qwen2-VL's preprocessor defaults: 14-px patches, 2x2 merge, CLIP mean/std
+ACTIVATIONS: Mapping[str, Callable[[torch.Tensor], torch.Tensor]] = {"quick_gelu": quick_gelu, "gelu": F.gelu}
+
+
+def layer_norm(width: int) -> nn.Module:
+    return nn.LayerNorm(width, eps=VISION_LN_EPS)
 
 
 class PatchEmbed(nn.Module):
-    """The reference's Conv3d(kernel = stride = (T, P, P), no bias) is one matmul per patch: a Linear over the
-    flattened patch, weight = conv weight reshaped to [embed_dim, C*T*P*P] (the loader does the reshape)."""
+    """The reference's Conv3d(kernel = stride = (T, P, P)) is one matmul per patch: a Linear over the flattened
+    patch, weight = conv weight reshaped to [embed_dim, C*T*P*P] (the loader does the reshape). Qwen2-VL's has no
+    bias, Qwen3-VL's has one."""
 
-    def __init__(self, config: VisionConfig) -> None:
+    def __init__(self, config: VisionConfig, bias: bool = False) -> None:
         super().__init__()
         patch_dim = config.in_channels * config.temporal_patch_size * config.patch_size**2
-        self.proj = nn.Linear(patch_dim, config.embed_dim, bias=False)
+        self.proj = nn.Linear(patch_dim, config.embed_dim, bias=bias)
 
     def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
         return self.proj(pixel_values.to(self.proj.weight.dtype))
@@ -52,9 +58,9 @@ class VisionAttention(nn.Module):
         x: torch.Tensor,  # [num_patches, embed_dim]
         cos: torch.Tensor,  # [num_patches, 1, 1, head_dim] fp32
         sin: torch.Tensor,
-        patches_per_image: list[int],
+        segments: list[int],
     ) -> torch.Tensor:
-        return self.attend(*self.project(x, cos, sin), patches_per_image)
+        return self.attend(*self.project(x, cos, sin), segments)
 
     def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -83,142 +89,59 @@ class VisionAttention(nn.Module):
 
 
 class VisionMLP(nn.Module):
-    def __init__(self, config: VisionConfig) -> None:
+    """fc2(act(fc1(x))), ``act`` named by ``hidden_act`` in the family's ``activations``."""
+
+    def __init__(self, config: VisionConfig, activations: Mapping[str, Callable[[torch.Tensor], torch.Tensor]]
+                 = ACTIVATIONS) -> None:
         super().__init__()
+        if config.hidden_act not in activations:
+            raise ValueError(f"vision_config.hidden_act {config.hidden_act!r} unsupported ({', '.join(activations)})")
         self.fc1 = nn.Linear(config.embed_dim, config.intermediate_size)
         self.fc2 = nn.Linear(config.intermediate_size, config.embed_dim)
-        if config.hidden_act not in ("quick_gelu", "gelu"):
-            raise ValueError(f"vision_config.hidden_act {config.hidden_act!r} unsupported (quick_gelu, gelu)")
-        self.act = quick_gelu if config.hidden_act == "quick_gelu" else F.gelu
+        self.act = activations[config.hidden_act]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.fc2(self.act(self.fc1(x)))
 
 
 class VisionBlock(nn.Module):
-    def __init__(self, config: VisionConfig) -> None:
-        super().__init__()
-        self.norm1 = nn.LayerNorm(config.embed_dim, eps=VISION_LN_EPS)
-        self.norm2 = nn.LayerNorm(config.embed_dim, eps=VISION_LN_EPS)
-        self.attn = VisionAttention(config)
-        self.mlp = VisionMLP(config)
+    """x + attn(norm1(x)) within each segment, then + mlp(norm2(x)); ``norm`` builds a norm of a width (LayerNorm,
+    or Qwen2.5-VL's RMSNorm), ``mlp`` is the family's (default: ``VisionMLP``)."""
 
-    def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, patches_per_image: list[int]
-    ) -> torch.Tensor:
-        x = x + self.attn(self.norm1(x), cos, sin, patches_per_image)
+    def __init__(self, config: VisionConfig, norm: Callable[[int], nn.Module] = layer_norm,
+                 mlp: nn.Module | None = None) -> None:
+        super().__init__()
+        self.norm1 = norm(config.embed_dim)
+        self.norm2 = norm(config.embed_dim)
+        self.attn = VisionAttention(config)
+        self.mlp = mlp if mlp is not None else VisionMLP(config)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, segments: list[int]) -> torch.Tensor:
+        x = x + self.attn(self.norm1(x), cos, sin, segments)
         return x + self.mlp(self.norm2(x))
 
 
 class PatchMerger(nn.Module):
-    """LayerNorm, then each 2x2 window's 4 consecutive rows concatenated -> MLP -> LM hidden size."""
+    """Each 2x2 window's 4 consecutive rows concatenated -> Linear -> GELU -> Linear -> LM hidden size, behind a norm
+    (``norm``: LayerNorm, or Qwen2.5-VL's RMSNorm) that runs per patch before the concatenation, or over the
+    concatenated row (``postshuffle``: Qwen3-VL's DeepStack mergers)."""
 
-    def __init__(self, config: VisionConfig) -> None:
+    def __init__(self, config: VisionConfig, norm: Callable[[int], nn.Module] = layer_norm,
+                 postshuffle: bool = False) -> None:
         super().__init__()
         self.merged_dim = config.embed_dim * config.spatial_merge_size**2
-        self.ln_q = nn.LayerNorm(config.embed_dim, eps=VISION_LN_EPS)
+        self.postshuffle = postshuffle
+        self.ln_q = norm(self.merged_dim if postshuffle else config.embed_dim)
         self.mlp = nn.Sequential(
             nn.Linear(self.merged_dim, self.merged_dim),
             nn.GELU(),
             nn.Linear(self.merged_dim, config.out_hidden_size),
         )
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [num_patches, embed_dim] -> [num_patches / 4, out]
+        if self.postshuffle:
+            return self.mlp(self.ln_q(x.view(-1, self.merged_dim)))
         return self.mlp(self.ln_q(x).view(-1, self.merged_dim))
-
-
-@dataclass
-class Qwen2EncodeState(EncodeState):
-    hidden: torch.Tensor  # [num_patches, embed_dim] after the blocks finished so far
-    cos: torch.Tensor  # [num_patches, 1, 1, head_dim] fp32
-    sin: torch.Tensor
-    units: tuple[EncoderUnit, ...]  # the image's units (full_attention_units)
-    units_done: int = 0
-    partial: PartialBlock | None = None  # a block part-way through its row slices
-
-
-class Qwen2VisionTransformer(nn.Module):
-    """One encoder unit per block; the patch embedding runs in ``start_encode``, the merger in ``finish_encode``."""
-
-    def __init__(self, config: VisionConfig) -> None:
-        super().__init__()
-        self.config = config
-        self.patch_embed = PatchEmbed(config)
-        self.blocks = nn.ModuleList([VisionBlock(config) for _ in range(config.depth)])
-        self.merger = PatchMerger(config)
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.patch_embed.proj.weight.dtype
-
-    def start_encode(self, pixel_values: torch.Tensor, grid_thw: tuple[int, int, int]) -> Qwen2EncodeState:
-        _check_patches(pixel_values, [grid_thw])
-        cos, sin = self.rotary_cos_sin([grid_thw], pixel_values.device)
-        hidden = self.patch_embed(pixel_values)  # [num_patches, embed_dim]
-        units = full_attention_units(self.config, grid_thw)
-        return Qwen2EncodeState(hidden, cos, sin, units)
-
-    def run_units(self, state: Qwen2EncodeState, num_units: int) -> None:  # type: ignore[override]
-        patches = [state.hidden.shape[0]]
-        run_units(state, num_units, self.blocks,
-                  lambda b, hidden: self.blocks[b](hidden, state.cos, state.sin, patches))
-
-    def finish_encode(self, state: Qwen2EncodeState) -> ImageEmbeddings:  # type: ignore[override]
-        return ImageEmbeddings(self.merger(state.hidden))
-
-    def forward(
-        self,
-        pixel_values: torch.Tensor,  # [num_patches, C*T*P*P]
-        grid_thw: Sequence[tuple[int, int, int]],  # per image (t, h, w) in patches
-    ) -> torch.Tensor:
-        """[sum over images of t*h*w / merge^2, out_hidden_size] image tokens, images back to back."""
-        patches_per_image = _check_patches(pixel_values, grid_thw)
-        cos, sin = self.rotary_cos_sin(grid_thw, pixel_values.device)
-        x = self.patch_embed(pixel_values)  # [num_patches, embed_dim]
-        for block in self.blocks:
-            x = block(x, cos, sin, patches_per_image)
-        return self.merger(x)
-
-    def rotary_cos_sin(
-        self, grid_thw: Sequence[tuple[int, int, int]], device: torch.device
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        return vision_rotary_cos_sin(self.config, grid_thw, device)
-
-
-def vision_rotary_cos_sin(
-    config: VisionConfig, grid_thw: Sequence[tuple[int, int, int]], device: torch.device | str
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """fp32 tables [num_patches, 1, 1, head_dim]: the first half of each head's pairs rotates by the patch row,
-    the second half by the patch column (Qwen2-VL's and Qwen3-VL's 2D rotary)."""
-    pos = vision_position_ids(grid_thw, config.spatial_merge_size, device)  # [num_patches, 2]
-    inv_freq = rope_inv_freq(config.head_dim // 2, VISION_ROPE_THETA, device)  # [head_dim // 4]
-    freqs = (pos[..., None].float() * inv_freq).flatten(1)  # [num_patches, head_dim // 2] = [h freqs, w freqs]
-    emb = torch.cat((freqs, freqs), dim=-1)[:, None, None, :]
-    return emb.cos(), emb.sin()
-
-
-def vision_position_ids(
-    grid_thw: Sequence[tuple[int, int, int]], merge_size: int, device: torch.device | str = "cpu"
-) -> torch.Tensor:
-    """[num_patches, 2] (row, col) of each patch, in the processor's merge-window-major order."""
-    out = []
-    for t, h, w in grid_thw:
-        rows = torch.arange(h, device=device)[:, None].expand(h, w)
-        cols = torch.arange(w, device=device)[None, :].expand(h, w)
-        shape = (h // merge_size, merge_size, w // merge_size, merge_size)
-        rows = rows.reshape(shape).transpose(1, 2).flatten()
-        cols = cols.reshape(shape).transpose(1, 2).flatten()
-        out.append(torch.stack((rows, cols), dim=-1).repeat(t, 1))
-    return torch.cat(out, dim=0)
-
-
-def _check_patches(pixel_values: torch.Tensor, grid_thw: Sequence[tuple[int, int, int]]) -> list[int]:
-    patches_per_image = [t * h * w for t, h, w in grid_thw]
-    if sum(patches_per_image) != pixel_values.shape[0]:
-        raise ValueError(
-            f"grid_thw covers {sum(patches_per_image)} patches but pixel_values has {pixel_values.shape[0]} rows"
-        )
-    return patches_per_image
 
 
 def full_attention_units(vision: VisionConfig, grid_thw: tuple[int, int, int]) -> tuple[EncoderUnit, ...]:
@@ -229,3 +152,16 @@ def full_attention_units(vision: VisionConfig, grid_thw: tuple[int, int, int]) -
     unit = EncoderUnit(num_patches, t * (h * w) ** 2, num_patches // vision.spatial_merge_size**2)
     share = qkv_share(vision, mlp_matrices=2)
     return tuple(u for b in range(vision.depth) for u in split_block(unit, b, [h * w] * t, share))
+
+
+class Qwen2VisionTransformer(VisionTower):
+    """One encoder unit per block (or its row slices); the patch embedding runs in ``start_encode``, the merger in
+    ``finish_encode``."""
+
+    encoder_units = staticmethod(full_attention_units)
+
+    def __init__(self, config: VisionConfig) -> None:
+        super().__init__(config)
+        self.patch_embed = PatchEmbed(config)
+        self.blocks = nn.ModuleList([VisionBlock(config) for _ in range(config.depth)])
+        self.merger = PatchMerger(config)

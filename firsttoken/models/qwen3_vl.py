@@ -14,6 +14,7 @@ listed, so the registry refuses it by name.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 from firsttoken.attention.base import AttentionBackend
@@ -28,8 +29,15 @@ from firsttoken.models.config import (
 )
 from firsttoken.models.family import ModelFamily
 from firsttoken.models.qwen2_vl import QWEN_VL_WEIGHTS, Qwen2VLModel
-from firsttoken.models.qwen2_vl_vision import VISION_ROPE_THETA, full_attention_units
-from firsttoken.models.qwen3_vl_vision import IMAGE_PROCESSOR, Qwen3VisionTransformer
+from firsttoken.models.qwen2_vl_vision import full_attention_units
+from firsttoken.models.qwen3_vl_checkpoint import CHECKPOINT_RECIPE
+from firsttoken.models.qwen3_vl_vision import (
+    IMAGE_PROCESSOR,
+    VISION_RENAMES,
+    Qwen3VisionTransformer,
+    deepstack_bytes_per_token,
+)
+from firsttoken.models.vision_tower import VISION_ROPE_THETA
 
 QWEN3_VL_NAME = "qwen3-vl"
 DEFAULT_ROPE_THETA = 500_000.0  # transformers' Qwen3VLTextConfig default (the releases set 5,000,000)
@@ -116,6 +124,8 @@ QWEN3_VL = ModelFamily(
     model_types=("qwen3_vl",),
     parse_config=parse_config,
     build=lambda config, backend: Qwen3VLModel(config, backend),
-    weights=QWEN_VL_WEIGHTS,
+    weights=replace(QWEN_VL_WEIGHTS, renames=VISION_RENAMES),
     encoder_units=full_attention_units,
+    checkpoint=CHECKPOINT_RECIPE,
+    encoder_bytes_per_token=deepstack_bytes_per_token,
 )

@@ -18,14 +18,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from firsttoken.models.checkpoint import (
+from firsttoken.models.qwen3_vl_vision import IMAGE_PROCESSOR
+from firsttoken.models.recipe import (
     MAX_POSITION_EMBEDDINGS,
     RMS_NORM_EPS,
     TOKEN_IDS,
     VOCAB_SIZE,
     CheckpointRecipe,
 )
-from firsttoken.models.qwen3_vl_vision import IMAGE_PROCESSOR
 
 if TYPE_CHECKING:
     from transformers import Qwen3VLConfig
@@ -162,17 +162,10 @@ def preprocessor_config_dict() -> dict[str, Any]:
     }
 
 
-def _model_class() -> type:
-    from transformers import Qwen3VLForConditionalGeneration
-
-    return Qwen3VLForConditionalGeneration
-
-
 CHECKPOINT_RECIPE = CheckpointRecipe(
-    family="qwen3-vl",
     sizes=SIZES,
-    hf_config=lambda shape: build_hf_config(shape),
-    hf_model_class=_model_class,
+    hf_config=build_hf_config,
+    hf_model="Qwen3VLForConditionalGeneration",
     preprocessor=preprocessor_config_dict,
-    original_config=lambda config, shape: original_config_dict(config, shape),
+    original_config=original_config_dict,
 )

@@ -1,9 +1,16 @@
-"""Which model family serves a checkpoint, from its config.json ``architectures`` (or ``model_type``)."""
+"""Which model family serves a checkpoint, from its config.json ``architectures`` (or ``model_type``).
+
+The families are the built-in ones (``BUILT_IN``) and any registered for a while with ``register(family)``, a
+context manager: a test, or a program embedding firsttoken, serves a family of its own without editing this file,
+and the family is gone again when the block ends. Everything that asks for a family (the loader, the engine, the
+input processor, make-model) asks here, so a registered family is served like a built-in one.
+"""
 
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -13,20 +20,43 @@ from firsttoken.models.qwen2_5_vl import QWEN2_5_VL
 from firsttoken.models.qwen2_vl import QWEN2_VL
 from firsttoken.models.qwen3_vl import QWEN3_VL
 
-FAMILIES: tuple[ModelFamily, ...] = (QWEN2_VL, QWEN2_5_VL, QWEN3_VL)
+BUILT_IN: tuple[ModelFamily, ...] = (QWEN2_VL, QWEN2_5_VL, QWEN3_VL)
+_registered: list[ModelFamily] = []  # register()'s families, while their blocks run
+
+
+def families() -> tuple[ModelFamily, ...]:
+    """Every family served now: the built-in ones, then the registered ones in registration order."""
+    return (*BUILT_IN, *_registered)
+
+
+@contextmanager
+def register(family: ModelFamily) -> Iterator[ModelFamily]:
+    """Serve ``family`` inside the block; ValueError when its name, an architecture or a model_type is a served
+    family's already (a checkpoint would otherwise have two families)."""
+    for other in families():
+        clash = ({family.name} & {other.name} or set(family.architectures) & set(other.architectures)
+                 or set(family.model_types) & set(other.model_types))
+        if clash:
+            raise ValueError(f"family {family.name!r} clashes with the served family {other.name!r} on {sorted(clash)}")
+    _registered.append(family)
+    try:
+        yield family
+    finally:
+        _registered.remove(family)
 
 
 def family_for(architectures: Sequence[str] | None, model_type: str | None = None) -> ModelFamily:
     """The family of the first listed architecture we support, else of the model_type; ValueError naming what is
     supported otherwise."""
+    served = families()
     for arch in architectures or ():
-        for family in FAMILIES:
+        for family in served:
             if arch in family.architectures:
                 return family
-    for family in FAMILIES:
+    for family in served:
         if model_type in family.model_types:
             return family
-    supported = sorted(a for f in FAMILIES for a in f.architectures)
+    supported = sorted(a for f in served for a in f.architectures)
     raise ConfigError(
         f"unsupported model (architectures={list(architectures or [])}, model_type={model_type!r}); "
         f"supported architectures: {supported}"
@@ -34,10 +64,11 @@ def family_for(architectures: Sequence[str] | None, model_type: str | None = Non
 
 
 def family_named(name: str) -> ModelFamily:
-    for family in FAMILIES:
+    served = families()
+    for family in served:
         if family.name == name:
             return family
-    raise ConfigError(f"unknown model family {name!r}; known: {[f.name for f in FAMILIES]}")
+    raise ConfigError(f"unknown model family {name!r}; known: {[f.name for f in served]}")
 
 
 def family_of_config(config_json: dict[str, Any]) -> ModelFamily:

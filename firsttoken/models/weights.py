@@ -1,7 +1,8 @@
 """How a family's checkpoint names map onto its module's parameters, declared as data by the family.
 
 ``WeightMapping`` says: which checkpoint prefixes become which of ours (first match wins, so list longer
-prefixes first), which checkpoint projections are stacked into one fused parameter of ours (q/k/v into qkv_proj,
+prefixes first), which names inside them are spelled differently (a family reusing another's module under the
+checkpoint's own names), which checkpoint projections are stacked into one fused parameter of ours (q/k/v into qkv_proj,
 gate/up into gate_up_proj), which tensors are reshaped (a Conv3d patch embedding held as a Linear), and which
 checkpoint tensors carry no parameter (rotary tables). ``load_state`` turns a stream of (name, tensor) into a
 state dict for the model, naming every mismatch.
@@ -33,11 +34,17 @@ class WeightMapping:
     stacked: tuple[Stacked, ...] = ()
     reshape: tuple[tuple[str, Callable[[torch.Tensor], torch.Tensor]], ...] = ()  # (our name, fn)
     skip_suffixes: tuple[str, ...] = ("rotary_emb.inv_freq",)
+    # (regex, replacement) applied in order to every name after its prefix is mapped, e.g. Qwen3-VL's
+    # "visual.blocks.0.mlp.linear_fc1.weight" -> our "visual.blocks.0.mlp.fc1.weight"
+    renames: tuple[tuple[str, str], ...] = ()
 
     def our_name(self, key: str) -> str | None:
         for prefix, ours in self.prefixes:
             if key.startswith(prefix):
-                return ours + key[len(prefix) :]
+                name = ours + key[len(prefix) :]
+                for pattern, replacement in self.renames:
+                    name = re.sub(pattern, replacement, name)
+                return name
         return None
 
     def load_state(

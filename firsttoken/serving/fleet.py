@@ -40,7 +40,7 @@ from typing import Any
 from ray.exceptions import RayActorError
 
 from firsttoken.api.errors import RETRY_AFTER_S
-from firsttoken.serving.app import ReplicaCount
+from firsttoken.serving.options import ReplicaCount
 from firsttoken.serving.replica import ENGINE_STOPPED, ReplicaFacts, ReplicaReport
 from firsttoken.serving.router import HINTS_KWARG
 from firsttoken.serving.routing import pool_for, routing_hints

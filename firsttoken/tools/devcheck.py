@@ -5,7 +5,8 @@ which and lists every import that points up the layers (docs/architecture.md, "L
 
 Layers, top to bottom. A module may import its own package, any package of a lower layer, and nothing above it;
 packages that share a layer may not import each other (they are siblings: scheduler and runner meet only through
-firsttoken/batch.py).
+firsttoken/batch.py). Within a package, modules may not import each other in a circle (``import_circles``): a value
+two modules share lives in a third, lower one.
 """
 
 from __future__ import annotations
@@ -79,6 +80,66 @@ def iter_imports(root: Path = PACKAGE_ROOT) -> Iterator[Import]:
                         yield Import(module, alias.name, node.lineno)
 
 
+def _module_paths(root: Path) -> dict[str, Path]:
+    return {_module_name(path, root): path for path in sorted(root.rglob("*.py"))}
+
+
+def import_circles(root: Path = PACKAGE_ROOT) -> list[tuple[str, ...]]:
+    """Every set of modules that import one another in a circle (lazy imports included; ``from firsttoken.cli import
+    serve`` is an import of ``firsttoken.cli.serve``), each sorted, largest first."""
+    modules = _module_paths(root)
+    graph: dict[str, set[str]] = {m: set() for m in modules}
+    for module, path in modules.items():
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("firsttoken"):
+                for alias in node.names:
+                    name = f"{node.module}.{alias.name}"
+                    graph[module].add(name if name in modules else node.module)
+            elif isinstance(node, ast.Import):
+                graph[module].update(a.name for a in node.names if a.name.startswith("firsttoken."))
+    return sorted((c for c in _strongly_connected(graph) if len(c) > 1), key=lambda c: (-len(c), c))
+
+
+def _strongly_connected(graph: dict[str, set[str]]) -> list[tuple[str, ...]]:
+    """Tarjan's components of ``graph`` (edges to names outside it ignored), iteratively."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    out: list[tuple[str, ...]] = []
+    for start in graph:
+        if start in index:
+            continue
+        work = [(start, iter(sorted(graph[start])))]
+        index[start] = low[start] = len(index)
+        stack.append(start)
+        on_stack.add(start)
+        while work:
+            node, targets = work[-1]
+            target = next((t for t in targets if t in graph), None)
+            if target is None:
+                work.pop()
+                if work:
+                    low[work[-1][0]] = min(low[work[-1][0]], low[node])
+                if low[node] == index[node]:
+                    component = []
+                    while True:
+                        member = stack.pop()
+                        on_stack.discard(member)
+                        component.append(member)
+                        if member == node:
+                            break
+                    out.append(tuple(sorted(component)))
+            elif target not in index:
+                index[target] = low[target] = len(index)
+                stack.append(target)
+                on_stack.add(target)
+                work.append((target, iter(sorted(graph[target]))))
+            elif target in on_stack:
+                low[node] = min(low[node], index[target])
+    return out
+
+
 def violations(imports: list[Import]) -> list[str]:
     out = []
     for imp in imports:
@@ -145,7 +206,11 @@ def main(argv: list[str]) -> int:
     print(f"{len(bad)} import(s) pointing up or sideways")
     for line in bad:
         print("  " + line)
-    return 1 if bad else 0
+    circles = import_circles()
+    print(f"{len(circles)} circle(s) of modules importing each other")
+    for circle in circles:
+        print("  " + " <-> ".join(circle))
+    return 1 if bad or circles else 0
 
 
 if __name__ == "__main__":

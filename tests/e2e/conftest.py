@@ -129,6 +129,27 @@ def image_data_url(img: Image.Image, fmt: str = "PNG") -> str:
     return f"data:image/{mime};base64," + base64.b64encode(buf.getvalue()).decode()
 
 
+def transformers_answer(model_dir: Path, prompt_ids: list[int], images: list[Image.Image], max_new_tokens: int
+                        ) -> tuple[str, int]:
+    """(decoded text, number of tokens) that transformers' generate answers: the checkpoint's family's reference
+    class (its recipe's), its image processor as the checkpoint configures it, greedy with the sampling settings of
+    generation_config.json (repetition_penalty among them), as the server applies them."""
+    import torch
+    from transformers import AutoImageProcessor, AutoTokenizer
+
+    from firsttoken.models.registry import family_of
+
+    model = family_of(model_dir).checkpoint.hf_model_class().from_pretrained(model_dir, dtype=torch.float32).eval()
+    pixels = AutoImageProcessor.from_pretrained(model_dir)(images=images, return_tensors="pt")
+    input_ids = torch.tensor([prompt_ids])
+    with torch.inference_mode():
+        out = model.generate(input_ids=input_ids, pixel_values=pixels["pixel_values"],
+                             image_grid_thw=pixels["image_grid_thw"],
+                             mm_token_type_ids=(input_ids == model.config.image_token_id).long(),
+                             max_new_tokens=max_new_tokens, do_sample=False)[0, input_ids.shape[1]:]
+    return AutoTokenizer.from_pretrained(model_dir).decode(out, skip_special_tokens=True), len(out)
+
+
 def image_message(text: str, *images: Image.Image) -> list[dict]:
     parts: list[dict] = [{"type": "image_url", "image_url": {"url": image_data_url(im)}} for im in images]
     parts.append({"type": "text", "text": text})

@@ -12,11 +12,10 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-import torch
 from PIL import Image
 
 from firsttoken.models.checkpoint import make_model
-from tests.e2e.conftest import image_data_url, make_image
+from tests.e2e.conftest import image_data_url, make_image, transformers_answer
 from tests.e2e.test_shutdown import _serve
 
 IMAGE_MAX_TOKENS = 300  # the README's 448x448 picture (256 tokens) fits; 1000x700 (~900) is resized to fit
@@ -55,9 +54,6 @@ def tokenize(base: str, messages: list[dict]) -> dict:
 
 
 def test_readme_image_example_answers_what_transformers_generates(server: str, model_dir: Path) -> None:
-    from transformers import AutoTokenizer, Qwen2_5_VLForConditionalGeneration
-    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
-
     messages = readme_messages()
     counted = tokenize(server, messages)
     out = client(server).chat.completions.create(model="tiny", messages=messages, max_tokens=32, temperature=0.0)
@@ -65,18 +61,10 @@ def test_readme_image_example_answers_what_transformers_generates(server: str, m
     assert out.usage.prompt_tokens == counted["count"]
     assert counted["images"][0]["num_tokens"] == 256  # 448 / 28 = 16 per side
 
-    model = Qwen2_5_VLForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32).eval()
-    pixels = Qwen2VLImageProcessorPil.from_pretrained(model_dir)(
-        images=[Image.new("RGB", (448, 448), (200, 40, 40))], return_tensors="pt")
-    input_ids = torch.tensor([counted["tokens"]])
-    with torch.inference_mode():  # repetition_penalty comes from generation_config.json on both sides
-        ref = model.generate(input_ids=input_ids, pixel_values=pixels["pixel_values"],
-                             image_grid_thw=pixels["image_grid_thw"],
-                             mm_token_type_ids=(input_ids == model.config.image_token_id).long(),
-                             max_new_tokens=32, do_sample=False)[0, input_ids.shape[1]:]
-    expected = AutoTokenizer.from_pretrained(model_dir).decode(ref, skip_special_tokens=True)
+    image = Image.new("RGB", (448, 448), (200, 40, 40))
+    expected, num_tokens = transformers_answer(model_dir, counted["tokens"], [image], 32)
     assert out.choices[0].message.content == expected
-    assert out.usage.completion_tokens == len(ref)
+    assert out.usage.completion_tokens == num_tokens
 
 
 SHAPES = [(1, 1), (56, 56), (300, 200), (1000, 700), (30, 1000), (997, 13)]

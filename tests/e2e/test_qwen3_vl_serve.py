@@ -9,20 +9,19 @@ from __future__ import annotations
 import base64
 import io
 import json
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import openai
 import pytest
-import torch
 from PIL import Image
 
 from firsttoken.cli.main import main as cli_main
-from firsttoken.models.checkpoint import TOKEN_IDS, make_model
-from tests.e2e.conftest import LiveServer, image_message, make_image, start_server, stop_server
-from tests.e2e.test_lanes_e2e import _first_content
+from firsttoken.models.checkpoint import make_model
+from firsttoken.models.recipe import TOKEN_IDS
+from tests.e2e.conftest import LiveServer, image_message, make_image, start_server, stop_server, transformers_answer
+from tests.e2e.test_lanes_e2e import assert_short_answered_first
 from tests.e2e.test_shutdown import _serve
 
 IMAGE_PAD = TOKEN_IDS["<|image_pad|>"]
@@ -52,20 +51,6 @@ def reference_pixels(model_dir: Path, images: list[Image.Image], max_pixels: int
     return processor(images=images, return_tensors="pt")
 
 
-def reference_greedy(model_dir: Path, prompt_ids: list[int], images: list[Image.Image], max_new_tokens: int) -> str:
-    """transformers' generate (sampling settings from generation_config.json, greedy), decoded."""
-    from transformers import AutoTokenizer, Qwen3VLForConditionalGeneration
-
-    model = Qwen3VLForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32).eval()
-    pixels = reference_pixels(model_dir, images)
-    input_ids = torch.tensor([prompt_ids])
-    with torch.inference_mode():
-        out = model.generate(input_ids=input_ids, pixel_values=pixels["pixel_values"],
-                             image_grid_thw=pixels["image_grid_thw"], mm_token_type_ids=(input_ids == IMAGE_PAD).long(),
-                             max_new_tokens=max_new_tokens, do_sample=False)[0, input_ids.shape[1]:]
-    return AutoTokenizer.from_pretrained(model_dir).decode(out, skip_special_tokens=True)
-
-
 def readme_example() -> tuple[Image.Image, list[dict]]:
     """The README's request: a 448 x 448 red square and "What colour is this?"."""
     image = Image.new("RGB", (448, 448), (200, 40, 40))
@@ -89,7 +74,7 @@ def test_serve_subprocess_answers_the_readme_image_example_as_transformers_does(
     assert tokens["images"][0]["num_tokens"] == 14 * 14  # 448 px / 32 px per visual token, squared
     assert tokens["tokens"].count(IMAGE_PAD) == 196 and out.usage.prompt_tokens == tokens["count"]
     assert out.choices[0].message.content
-    assert out.choices[0].message.content == reference_greedy(qwen3_dir, tokens["tokens"], [image], 32)
+    assert out.choices[0].message.content == transformers_answer(qwen3_dir, tokens["tokens"], [image], 32)[0]
 
 
 def test_tokenize_and_usage_count_32_px_per_visual_token_as_transformers_does(live: LiveServer, qwen3_dir: Path):
@@ -131,21 +116,6 @@ def test_short_question_is_answered_while_a_split_encode_runs_in_the_long_lane(q
     server, uvicorn_server, thread = start_server(qwen3_dir, max_batched_tokens=256, long_step_tokens=64,
                                                   long_prompt_threshold=512)
     try:
-        events: list[str] = []
-        long_started = threading.Event()
-        long_body = {"model": "tiny", "max_tokens": 2, "temperature": 0.0,
-                     "messages": image_message("Describe every detail.", make_image(1024, 1024, seed=12))}
-        short_body = {"model": "tiny", "max_tokens": 2, "temperature": 0.0,
-                      "messages": [{"role": "user", "content": "What time is it?"}]}
-        t_long = threading.Thread(target=_first_content,
-                                  args=(server.base_url, long_body, events, "long", long_started))
-        t_long.start()
-        assert long_started.wait(60)
-        while server.stats()["num_running"] == 0:  # the long request is admitted: encoding, then prefilling
-            pass
-        _first_content(server.base_url, short_body, events, "short", None)
-        t_long.join(120)
-        assert events == ["short", "long"]
-        assert server.wait_idle()["kv_blocks_used"] == 0
+        assert_short_answered_first(server, image_message("Describe every detail.", make_image(1024, 1024, seed=12)))
     finally:
         stop_server(uvicorn_server, thread, server.engine)

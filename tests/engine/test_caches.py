@@ -1,5 +1,6 @@
-"""Reuse of computed work, seen from the engine: the vision tower's own call count, cached prompt tokens, and
-greedy outputs that do not change when the caches are switched off."""
+"""Reuse of computed work, seen from the engine, for every family the registry serves: the vision tower's own call
+count, cached prompt tokens, what the encoder cache holds of an image (every ImageEmbeddings tensor: DeepStack
+features too), and greedy outputs that do not change when the caches are switched off."""
 
 from __future__ import annotations
 
@@ -18,15 +19,23 @@ from firsttoken.config import (
 )
 from firsttoken.engine.engine import LLMEngine
 from firsttoken.inputs.processor import InputProcessor
+from firsttoken.models.checkpoint import make_model
+from firsttoken.models.registry import families, family_named
 from tests.e2e.conftest import image_data_url, make_image
 from tests.helpers import process
 
 _ids = itertools.count()
 
 
+@pytest.fixture(scope="module", params=[f.name for f in families()])
+def tiny_model_dir(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Overrides the session's Qwen2-VL checkpoint here: each family's tiny checkpoint."""
+    return make_model(tmp_path_factory.mktemp(f"caches-{request.param}"), size="tiny", seed=0, family=request.param)
+
+
 class Harness:
     def __init__(self, model_dir: Path, prefix_cache: bool = True, encoder_cache: bool = True,
-                 scheduler: SchedulerConfig | None = None) -> None:
+                 scheduler: SchedulerConfig | None = None, fault_hook=None) -> None:
         tok = AutoTokenizer.from_pretrained(model_dir)
         cfg = EngineConfig(
             dtype="float32",
@@ -34,7 +43,7 @@ class Harness:
                               enable_encoder_cache=encoder_cache),
             scheduler=scheduler or SchedulerConfig(max_batched_tokens=96, step_time_target="off"),
         )
-        self.engine = LLMEngine(model_dir, cfg, tok.backend_tokenizer)
+        self.engine = LLMEngine(model_dir, cfg, tok.backend_tokenizer, fault_hook=fault_hook)
         self.processor = InputProcessor(tok, self.engine.model_config, GenerationDefaults.from_pretrained(model_dir),
                                         max_model_len=self.engine.max_model_len)
 
@@ -87,6 +96,18 @@ def test_same_image_from_five_users_is_encoded_once(tiny_model_dir, pictures):
     assert [t.num_encoder_cache_hits for t in timelines] == [0, 1, 1, 1, 1]
 
 
+def test_the_encoder_cache_holds_every_tensor_of_an_image_as_its_family_sizes_it(tiny_model_dir, pictures):
+    """The main rows and, for DeepStack families, one tensor per feature: what the engine's capacity assumed."""
+    h = Harness(tiny_model_dir)
+    messages = [user("What is shown?", pictures[0])]
+    h.run(messages)
+    body = ChatCompletionRequest.model_validate({"model": "m", "messages": messages, "max_tokens": 1})
+    num_tokens = process(h.processor, body, "probe").images[0].num_tokens
+    config = h.engine.model_config
+    per_token = family_named(config.family).encoder_bytes_per_token(config, 4)  # float32
+    assert h.engine.stats().encoder_cache_bytes == num_tokens * per_token >= num_tokens * config.hidden_size * 4
+
+
 def test_switching_the_encoder_cache_off_encodes_every_time(tiny_model_dir, pictures):
     h = Harness(tiny_model_dir, prefix_cache=False, encoder_cache=False)
     for i in range(3):
@@ -102,7 +123,7 @@ def test_the_same_image_twice_in_one_prompt_is_encoded_once_and_counted_once(tin
     h = Harness(tiny_model_dir, prefix_cache=False, encoder_cache=encoder_cache,
                 scheduler=SchedulerConfig(max_batched_tokens=16, step_time_target="off"))
     messages = [user("Are these the same?", pictures[0], pictures[1], pictures[0])]
-    assert h.prompt_len(messages) > 6 * 16
+    assert h.prompt_len(messages) > 4 * 16
     _, _, stats = h.run(messages)
     assert h.vision_calls == 2 and stats.num_images_encoded == 2
     assert stats.num_encoder_cache_hits == 0

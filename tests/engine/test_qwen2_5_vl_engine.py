@@ -1,7 +1,6 @@
-"""Qwen2.5-VL through the real engine: the encoder and prefix caches reuse its work (test_caches.py's tests, run
-here on a Qwen2.5-VL checkpoint), and the long lane splits its vision tower across steps by each block's cost (a
+"""Qwen2.5-VL through the real engine: the long lane splits its vision tower across steps by each block's cost (a
 windowed block costs a fraction of a full one), with the same greedy tokens as running the whole prompt in one
-step."""
+step. Its caches are test_caches.py's, run on every family."""
 
 from __future__ import annotations
 
@@ -15,18 +14,8 @@ from firsttoken.config import SchedulerConfig
 from firsttoken.engine.engine import LLMEngine
 from firsttoken.models.checkpoint import make_model
 from tests.e2e.conftest import make_image
-from tests.engine.test_caches import (  # noqa: F401  (test_* and pictures are collected here, on Qwen2.5-VL)
-    Harness,
-    pictures,
-    test_a_repeated_image_is_not_decoded_again,
-    test_follow_up_turn_prefills_only_its_new_tokens,
-    test_greedy_outputs_identical_with_caches_on_and_off,
-    test_same_image_from_five_users_is_encoded_once,
-    test_switching_the_encoder_cache_off_encodes_every_time,
-    test_two_different_images_of_the_same_size_share_neither_kv_nor_embeddings,
-    user,
-)
-from tests.helpers import process
+from tests.engine.test_caches import Harness, user
+from tests.helpers import RecordingExecutor, process
 
 FAMILY = "qwen2.5-vl"
 _ids = itertools.count()
@@ -40,25 +29,6 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 # ---------------------------------------------------------------- lanes: the tower split across steps
-
-
-class RecordingExecutor:
-    """The engine's executor, recording which request ids and encoder units each step carried."""
-
-    def __init__(self, inner) -> None:
-        self.inner = inner
-        self.steps: list[tuple[set[str], list]] = []
-
-    def execute(self, batch):
-        self.steps.append(({c.request_id for c in batch.chunks}, list(batch.encoder_work)))
-        return self.inner.execute(batch)
-
-    def finish_step(self):
-        return self.inner.finish_step()
-
-    @property
-    def encoder_cache_bytes(self) -> int:
-        return self.inner.encoder_cache_bytes
 
 
 def build(model_dir: Path, **scheduler) -> tuple[Harness, RecordingExecutor]:
@@ -101,7 +71,7 @@ def test_long_lane_splits_the_tower_by_block_cost_and_answers_like_one_whole_ste
     lanes.engine.add_request(short)
     got = run_to_end(lanes.engine)
 
-    units = [[w for w in work if w.content_hash == image.content_hash] for _, work in recorder.steps]
+    units = [[w for w in b.encoder_work if w.content_hash == image.content_hash] for b in recorder.batches]
     units_per_step = [sum(w.num_units for w in ws) for ws in units if ws]
     assert sum(units_per_step) == len(costs) == 4
     assert 2 <= len(units_per_step) < len(costs)  # split; a windowed block shares a step with a full one
@@ -111,11 +81,11 @@ def test_long_lane_splits_the_tower_by_block_cost_and_answers_like_one_whole_ste
             assert w.num_units == 1 or spent <= LONG_STEP_TOKENS
     first_encode = next(i for i, ws in enumerate(units) if ws)
     last_encode = max(i for i, ws in enumerate(units) if ws)
-    short_steps = [i for i, (ids, _) in enumerate(recorder.steps) if short.request_id in ids]
+    short_steps = [i for i, b in enumerate(recorder.batches) if short.request_id in {c.request_id for c in b.chunks}]
     assert short_steps[0] <= last_encode and short_steps[0] > first_encode  # answered while the image encodes
 
     whole, recorder2 = build(tiny_model_dir, max_batched_tokens=4096, scheduling="fcfs")
     whole.engine.add_request(request(whole, messages))
     (expected,) = run_to_end(whole.engine).values()
     assert got[long_request.request_id] == expected
-    assert [sum(w.num_units for w in work) for _, work in recorder2.steps if work] == [4]  # one step, whole tower
+    assert [sum(w.num_units for w in b.encoder_work) for b in recorder2.batches if b.encoder_work] == [4]  # one step

@@ -1,22 +1,48 @@
-"""Tiny random Qwen2-VL checkpoints written by transformers itself, shared by the oracle tests.
+"""The family under test, and tiny random Qwen2-VL checkpoints written by transformers itself, shared by the oracle
+tests.
 
-The shape is small enough that the whole oracle suite runs in well under a minute on 2 CPU cores, yet keeps
-every feature that can go wrong: GQA (4 query heads over 2 KV heads), an uneven M-RoPE split (2, 3, 3), two
-vision blocks with 2 heads and the 2x2 merger. lm_head is scaled by 20 so logits are peaked and greedy
-token comparisons are not decided by 1e-6 noise (random weights otherwise give near-flat logits).
+``family`` is each family the registry serves at collection (a test module that registers one overrides it), and
+``model_dir`` make_model's tiny checkpoint of it (two shards): the parity suites over every family
+(test_family_parity.py, test_engine_oracle.py, test_vision_row_slices.py) take them.
+
+The transformers-written checkpoints' shape is small, yet keeps every feature that can go wrong: GQA (4 query heads
+over 2 KV heads), an uneven M-RoPE split (2, 3, 3), two vision blocks with 2 heads and the 2x2 merger. lm_head is
+scaled by 20 so logits are peaked and greedy token comparisons are not decided by 1e-6 noise (random weights
+otherwise give near-flat logits).
 """
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+
+from firsttoken.models.family import ModelFamily
+from firsttoken.models.registry import families, family_named
 
 LM_HEAD_SCALE = 20.0
 IMAGE_TOKEN_ID, VIDEO_TOKEN_ID, VISION_START_ID, VISION_END_ID = 1995, 1996, 1997, 1998
+
+
+@pytest.fixture(scope="module", params=[f.name for f in families()])
+def family(request: pytest.FixtureRequest) -> ModelFamily:
+    return family_named(request.param)
+
+
+@pytest.fixture(scope="module")
+def model_dir(family: ModelFamily, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from firsttoken.models.checkpoint import make_model
+
+    return make_model(tmp_path_factory.mktemp(family.name), size="tiny", seed=0, family=family.name, shards=2)
+
+
+@pytest.fixture(scope="module")
+def processor(model_dir: Path):
+    from firsttoken.models.registry import load_model_config
+    from tests.oracle.parity import checkpoint_processor
+
+    return checkpoint_processor(model_dir, load_model_config(model_dir))
 
 
 def tiny_hf_config(tie_word_embeddings: bool = False):
@@ -60,29 +86,6 @@ def write_tiny_checkpoint(out_dir: Path, tie_word_embeddings: bool = False, seed
 def tiny_qwen2_vl_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """transformers 5.24 ``save_pretrained`` output (original Qwen weight names: model.layers.*, visual.*)."""
     return write_tiny_checkpoint(tmp_path_factory.mktemp("tiny_qwen2_vl"))
-
-
-@pytest.fixture(scope="session")
-def tiny_qwen2_vl_sharded_dir(tiny_qwen2_vl_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The same weights renamed to the model.language_model.* / model.visual.* layout, in two shards + index."""
-    out = tmp_path_factory.mktemp("tiny_qwen2_vl_sharded")
-    tensors = load_file(str(tiny_qwen2_vl_dir / "model.safetensors"))
-    renamed = {}
-    for key, t in tensors.items():
-        if key.startswith("visual."):
-            key = "model." + key
-        elif key.startswith("model."):
-            key = "model.language_model." + key[len("model.") :]
-        renamed[key] = t
-    keys = sorted(renamed)
-    shards = {"model-00001-of-00002.safetensors": keys[::2], "model-00002-of-00002.safetensors": keys[1::2]}
-    weight_map = {}
-    for name, shard_keys in shards.items():
-        save_file({k: renamed[k].contiguous() for k in shard_keys}, str(out / name), metadata={"format": "pt"})
-        weight_map.update({k: name for k in shard_keys})
-    (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
-    (out / "config.json").write_text((tiny_qwen2_vl_dir / "config.json").read_text())
-    return out
 
 
 @pytest.fixture(scope="session")

@@ -1,11 +1,13 @@
 """The production engine (real Scheduler + ModelRunner: their own position and image-row slicing, encoder work split
-across steps, prefix cache, preemption) against transformers on the same weights: fp32, 12 greedy tokens, exact ids
-(``generate`` where it agrees with transformers' own forward; see ``reference``).
+across steps, prefix cache, preemption) against transformers on the same weights, for every family the registry
+serves (conftest.py's ``family`` and its ``model_dir``, as test_family_parity.py's): fp32, 12 greedy tokens, exact
+ids (``generate`` where it agrees with transformers' own forward; see ``reference``).
 
-The parity tests in test_qwen2_vl_parity.py drive a test-only runner; these go through ``LLMEngine.step`` as the
+The parity tests in test_family_parity.py drive a test-only runner; these go through ``LLMEngine.step`` as the
 server does, with step budgets of 7 and 13 tokens so chunk boundaries fall inside images and the vision tower runs
-a layer at a time across steps (every prompt is routed to the long lane). Prompts are built from token ids and
-transformers' own image processor output, so both sides see identical inputs.
+a unit at a time across steps (every prompt is routed to the long lane). Prompts are built from token ids and
+transformers' own image processor output (as the checkpoint configures it), so both sides see identical inputs.
+Image sizes are in visual tokens, so every family's prompts have the same lengths.
 """
 
 from __future__ import annotations
@@ -24,12 +26,13 @@ from PIL import Image
 from firsttoken.config import CacheConfig, EngineConfig, SchedulerConfig
 from firsttoken.engine.engine import LLMEngine
 from firsttoken.models.config import ModelConfig
+from firsttoken.models.family import ModelFamily
 from firsttoken.models.mrope import compute_mrope_positions
 from firsttoken.models.registry import family_named, load_model_config
 from firsttoken.types import EngineRequest, FinishReason, ImageItem, SamplingParams
+from tests.helpers import RecordingExecutor
 
 NUM_NEW = 12
-KV_BYTES_PER_TOKEN = 2 * 2 * 2 * 16 * 4  # tiny: 2 layers x 2 KV heads x head_dim 16, K and V, fp32
 torch.set_num_threads(2)
 
 
@@ -41,23 +44,15 @@ class Prompt:
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from firsttoken.models.checkpoint import make_model
-
-    return make_model(tmp_path_factory.mktemp("engine-oracle"), size="tiny", seed=3)
-
-
-@pytest.fixture(scope="module")
 def config(model_dir: Path) -> ModelConfig:
     return load_model_config(model_dir)
 
 
 @pytest.fixture(scope="module")
-def reference(model_dir: Path):
-    from transformers import Qwen2VLForConditionalGeneration
-
-    return greedy_oracle(Qwen2VLForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32,
-                                                                         attn_implementation="eager").eval())
+def reference(family: ModelFamily, model_dir: Path):
+    model_class = family.checkpoint.hf_model_class()
+    model = model_class.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager")
+    return greedy_oracle(model.eval())
 
 
 def greedy_oracle(model) -> Callable[[Prompt], list[int]]:
@@ -91,24 +86,24 @@ def greedy_oracle(model) -> Callable[[Prompt], list[int]]:
     return greedy
 
 
-def make_prompt(config: ModelConfig, image_sizes: list[tuple[int, int]], seed: int,
+def make_prompt(config: ModelConfig, processor, image_tokens: list[tuple[int, int]], seed: int,
                 text_after: list[int] | None = None) -> Prompt:
-    """text(9), then per image: vision_start, its pads, vision_end, text(5); then ``text_after`` or text(4)."""
-    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
-        Qwen2VLImageProcessorPil,
-    )
-
+    """text(9), then per image: vision_start, its pads, vision_end, text(5); then ``text_after`` or text(4).
+    ``image_tokens``: each image's (width, height) in visual tokens, drawn at the family's pixels per token and
+    preprocessed by transformers' ``processor``."""
     rng = random.Random(seed)
+    side_px = config.image_processor.pixels_per_token
 
     def text(n: int) -> list[int]:
         return [rng.randrange(0, 15000) for _ in range(n)]
 
     ids = text(9)
     pixel_values, grids = None, []
-    if image_sizes:
+    if image_tokens:
         np_rng = np.random.default_rng(seed)
-        images = [Image.fromarray(np_rng.integers(0, 256, (h, w, 3), dtype=np.uint8)) for w, h in image_sizes]
-        out = Qwen2VLImageProcessorPil()(images=images, return_tensors="pt")
+        images = [Image.fromarray(np_rng.integers(0, 256, (h * side_px, w * side_px, 3), dtype=np.uint8))
+                  for w, h in image_tokens]
+        out = processor(images=images, return_tensors="pt")
         pixel_values, grids = out["pixel_values"], [tuple(int(x) for x in g) for g in out["image_grid_thw"].tolist()]
         for t, h, w in grids:
             n = t * h * w // config.vision.spatial_merge_size**2
@@ -135,6 +130,7 @@ def engine_request(config: ModelConfig, prompt: Prompt, rid: str) -> EngineReque
 
 
 def make_engine(model_dir: Path, step_tokens: int, num_blocks: int = 256, **scheduler) -> LLMEngine:
+    """``num_blocks`` 16-token KV blocks, at most ``step_tokens`` of work per step, every prompt in the long lane."""
     from transformers import AutoTokenizer
 
     # step_time_target off: steps budgeted in tokens, so which work shares a step is the same on every machine
@@ -142,7 +138,7 @@ def make_engine(model_dir: Path, step_tokens: int, num_blocks: int = 256, **sche
                    decode_reserve_tokens=4, step_time_target="off")
     options.update(scheduler)
     enable_encoder_cache = options.pop("enable_encoder_cache", True)
-    cache = CacheConfig(kv_cache_memory_bytes=num_blocks * 16 * KV_BYTES_PER_TOKEN,
+    cache = CacheConfig(kv_cache_memory_bytes=num_blocks * 16 * load_model_config(model_dir).kv_bytes_per_token(4),
                         enable_encoder_cache=enable_encoder_cache)
     cfg = EngineConfig(dtype="float32", cache=cache, scheduler=SchedulerConfig(**options))
     return LLMEngine(model_dir, cfg, AutoTokenizer.from_pretrained(model_dir).backend_tokenizer)
@@ -164,27 +160,39 @@ def run(engine: LLMEngine, requests: list[EngineRequest], stats: dict | None = N
     return tokens
 
 
-TWO_IMAGES = [(168, 112), (84, 140)]  # (width, height): 24 and 15 visual tokens, different aspect ratios
+TWO_IMAGES = [(6, 4), (3, 5)]  # (width, height) in visual tokens: 24 and 15, different aspect ratios
+ONE_IMAGE = [(6, 4)]
 
 
 @pytest.mark.parametrize("step_tokens", [7, 13])
 def test_engine_matches_generate_with_chunks_inside_images_and_encodes_split_across_steps(
-    model_dir, config, reference, step_tokens
+    model_dir, config, processor, reference, step_tokens
 ):
-    prompts = {"text": make_prompt(config, [], seed=1), "two_images": make_prompt(config, TWO_IMAGES, seed=2)}
+    prompts = {"text": make_prompt(config, processor, [], seed=1),
+               "two_images": make_prompt(config, processor, TWO_IMAGES, seed=2)}
     engine = make_engine(model_dir, step_tokens)
-    got = run(engine, [engine_request(config, p, name) for name, p in prompts.items()])  # one mixed batch
+    requests = [engine_request(config, p, name) for name, p in prompts.items()]
+    recorder = RecordingExecutor(engine.executor)
+    engine.executor = recorder
+    got = run(engine, requests)  # one mixed batch
     for name, prompt in prompts.items():
         assert got[name] == reference(prompt), name
     assert engine.stats().num_images_encoded == 2
     assert engine.scheduler.num_steps > 20  # really chunked: ~90 prompt tokens at most 13 per step
+    for image in requests[1].images:  # every unit ran once; a unit over the step's budget ran in a step of its own
+        steps = [w.num_units for b in recorder.batches for w in b.encoder_work if w.content_hash == image.content_hash]
+        assert sum(steps) == len(image.encoder_units)
+        if min(u.cost_tokens for u in image.encoder_units) > step_tokens:
+            assert steps == [1] * len(image.encoder_units)
 
 
-def test_engine_matches_generate_when_the_prefix_cache_hit_ends_inside_an_image(model_dir, config, reference):
+def test_engine_matches_generate_when_the_prefix_cache_hit_ends_inside_an_image(model_dir, config, processor,
+                                                                                 reference):
     # first: 9 + 1 + 24 pads + 1 + 5 + 4 = 44 tokens -> two full 16-token blocks cached (0..31), ending inside the
-    # image (pads 10..33). The follow-up shares everything up to its last text and reuses those 32 tokens.
-    first = make_prompt(config, [(168, 112)], seed=4, text_after=[11, 12, 13, 14])
-    follow = make_prompt(config, [(168, 112)], seed=4, text_after=[21, 22, 23, 24, 25, 26, 27])
+    # image (pads 10..33). The follow-up shares everything up to its last text and reuses those 32 tokens; its
+    # image rows 22..23 (and DeepStack features' rows) come from the encoder cache or a re-encode.
+    first = make_prompt(config, processor, ONE_IMAGE, seed=4, text_after=[11, 12, 13, 14])
+    follow = make_prompt(config, processor, ONE_IMAGE, seed=4, text_after=[21, 22, 23, 24, 25, 26, 27])
     for encoder_cache in (True, False):
         engine = make_engine(model_dir, 13, enable_encoder_cache=encoder_cache)
         run(engine, [engine_request(config, first, "first")])
@@ -195,10 +203,10 @@ def test_engine_matches_generate_when_the_prefix_cache_hit_ends_inside_an_image(
         assert engine.stats().num_images_encoded == (1 if encoder_cache else 2)
 
 
-def test_engine_matches_generate_after_preemption_by_recompute(model_dir, config, reference):
+def test_engine_matches_generate_after_preemption_by_recompute(model_dir, config, processor, reference):
     # A pool of 6 blocks (96 tokens) for three 44-token prompts that grow to 56: optimistic admission runs them side
     # by side and preempts by recompute when decodes outgrow the pool. Recomputed requests must give the same tokens.
-    prompts = {f"r{i}": make_prompt(config, [(168, 112)], seed=10 + i) for i in range(3)}
+    prompts = {f"r{i}": make_prompt(config, processor, ONE_IMAGE, seed=10 + i) for i in range(3)}
     engine = make_engine(model_dir, 13, num_blocks=6, kv_admission="optimistic", long_prompt_threshold=10_000)
     got = run(engine, [engine_request(config, p, name) for name, p in prompts.items()])
     assert engine.scheduler.num_preemptions > 0

@@ -1,50 +1,41 @@
 """A large image's vision tower run as the engine runs it — unit by unit, its full-attention blocks in query-row
 slices (models/vision_units.py) — against transformers' tower on the same tiny checkpoint and against our own
-whole-block pass, for every family (Qwen3-VL's DeepStack features too). The image is big enough that each
-full-attention block scores more than MAX_UNIT_PAIRS query-key pairs, so it is sliced."""
+whole-block pass, for every family the registry serves (conftest.py's ``family``; DeepStack features too). The
+image is big enough that each full-attention block scores more than MAX_UNIT_PAIRS query-key pairs, so it is
+sliced."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-import pytest
 import torch
 
-from firsttoken.models.checkpoint import make_model
+from firsttoken.models.family import ModelFamily
 from firsttoken.models.interfaces import ImageEmbeddings
 from firsttoken.models.loader import load_model
-from firsttoken.models.registry import family_named, load_model_config
+from firsttoken.models.registry import load_model_config
 from firsttoken.models.vision_units import MAX_UNIT_PAIRS
 
-VISION_TOL = 1e-5  # max |Δ| of the tower's outputs, fp32, as the families' own vision tests
-REFERENCES = {"qwen2-vl": "Qwen2VLForConditionalGeneration", "qwen2.5-vl": "Qwen2_5_VLForConditionalGeneration",
-              "qwen3-vl": "Qwen3VLForConditionalGeneration"}
+VISION_TOL = 1e-5  # max |Δ| of the tower's outputs, fp32, as test_family_parity.py's
 SIDE_PX = 1024  # a 1024² image: 72 x 72 patches of 14 px (Qwen2/2.5-VL), 64 x 64 of 16 px (Qwen3-VL)
 
 
-@pytest.fixture(scope="module", params=list(REFERENCES))
-def family_dir(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_model(tmp_path_factory.mktemp(request.param), size="tiny", seed=0, family=request.param)
+def _outputs(out: ImageEmbeddings) -> list[torch.Tensor]:
+    return [out.main, *out.deepstack]
 
 
-def _outputs(out) -> list[torch.Tensor]:
-    return [out.main, *out.deepstack] if isinstance(out, ImageEmbeddings) else [out]
-
-
-def test_a_sliced_tower_matches_the_reference_and_the_whole_pass(family_dir: Path) -> None:
-    import transformers
-
-    config = load_model_config(family_dir)
+def test_a_sliced_tower_matches_the_reference_and_the_whole_pass(family: ModelFamily, model_dir: Path) -> None:
+    config = load_model_config(model_dir)
     vision = config.vision
     side = SIDE_PX // vision.patch_size // vision.spatial_merge_size * vision.spatial_merge_size
     grid = (1, side, side)
-    units = family_named(config.family).encoder_units(vision, grid)
+    units = family.encoder_units(vision, grid)
     assert any(u.rows is not None for u in units) and (side * side) ** 2 > MAX_UNIT_PAIRS
     patch_dim = vision.in_channels * vision.temporal_patch_size * vision.patch_size**2
     pixel_values = torch.randn(side * side, patch_dim, generator=torch.Generator().manual_seed(0))
-    ours = load_model(family_dir, torch.float32)
-    ref = getattr(transformers, REFERENCES[config.family]).from_pretrained(
-        family_dir, dtype=torch.float32, attn_implementation="eager").eval()
+    ours = load_model(model_dir, torch.float32)
+    ref = family.checkpoint.hf_model_class().from_pretrained(
+        model_dir, dtype=torch.float32, attn_implementation="eager").eval()
     with torch.no_grad():
         got = ref.model.get_image_features(pixel_values, torch.tensor([grid]))
         deepstack = getattr(got, "deepstack_features", None) or ()

@@ -36,7 +36,8 @@ from ray import serve
 from ray.serve import RunTarget
 
 from firsttoken.cli.serve import serve_config
-from firsttoken.serving.app import FleetOptions, build_application
+from firsttoken.serving.app import build_application
+from firsttoken.serving.options import FleetOptions
 from tests.ray.pacing import FailWhileFlag, PaceWhileFlag
 
 FIRST_PORT = 18600  # ports below are other servers' on shared machines

@@ -17,13 +17,8 @@ from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
 
 from firsttoken.cli.main import main as cli_main
 from firsttoken.config import GenerationDefaults
-from firsttoken.models.checkpoint import (
-    TOKEN_IDS,
-    VOCAB_SIZE,
-    demo_model_dir,
-    make_model,
-    shard_names,
-)
+from firsttoken.models.checkpoint import demo_model_dir, make_model, shard_names
+from firsttoken.models.recipe import TOKEN_IDS, VOCAB_SIZE
 from firsttoken.models.config import ModelConfig
 from firsttoken.models.registry import load_model_config
 from firsttoken.models.train_tokenizer import SPECIAL_TOKENS

@@ -1,8 +1,9 @@
-"""The package's imports form layers that only point down (docs/architecture.md, "Layers")."""
+"""The package's imports form layers that only point down (docs/architecture.md, "Layers"), and no modules import
+each other in a circle."""
 
 from __future__ import annotations
 
-from firsttoken.tools.devcheck import LAYER_OF, iter_imports, unreachable, violations
+from firsttoken.tools.devcheck import LAYER_OF, import_circles, iter_imports, unreachable, violations
 
 
 def test_no_import_points_up_or_sideways():
@@ -18,6 +19,20 @@ def test_the_check_catches_an_upward_import(tmp_path):
     found = violations(list(iter_imports(pkg)))
     assert len(found) == 1 and "scheduler may not import api" in found[0]
     assert LAYER_OF["api"] < LAYER_OF["engine"] < LAYER_OF["scheduler"] < LAYER_OF["types"]
+
+
+def test_no_modules_import_each_other_in_a_circle():
+    assert import_circles() == []
+
+
+def test_the_check_finds_a_circle_through_a_lazy_import(tmp_path):
+    pkg = tmp_path / "firsttoken"
+    (pkg / "cli").mkdir(parents=True)
+    (pkg / "cli" / "__init__.py").write_text("")
+    (pkg / "cli" / "main.py").write_text("from firsttoken.cli import simulate\n")
+    (pkg / "cli" / "simulate.py").write_text("def f():\n    from firsttoken.cli.main import build_parser\n")
+    (pkg / "cli" / "plan.py").write_text("from firsttoken.cli import main\n")
+    assert import_circles(pkg) == [("firsttoken.cli.main", "firsttoken.cli.simulate")]
 
 
 def test_no_statement_in_the_package_is_unreachable():

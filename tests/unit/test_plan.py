@@ -10,7 +10,7 @@ import torch
 from firsttoken.cli.main import main
 from firsttoken.config import CacheConfig, EngineConfig, SchedulerConfig
 from firsttoken.engine.engine import plan_kv_capacity
-from firsttoken.models.checkpoint import SIZES, build_hf_config
+from firsttoken.models.qwen2_vl_checkpoint import SIZES, build_hf_config
 from firsttoken.models.registry import model_config_from_dict
 from firsttoken.scheduler.request import Request
 from firsttoken.scheduler.scheduler import Scheduler
@@ -23,7 +23,7 @@ from firsttoken.tools.plan import (
     parse_bytes,
 )
 from firsttoken.types import EngineRequest, SamplingParams
-from tests.oracle.test_qwen3_vl_parity import QWEN3_VL_8B_CONFIG as QWEN3_VL_8B
+from tests.oracle.test_qwen3_vl_config import QWEN3_VL_8B_CONFIG as QWEN3_VL_8B
 
 QWEN25_VL_7B = {
     "model_type": "qwen2_5_vl", "hidden_size": 3584, "intermediate_size": 18944, "num_hidden_layers": 28,

@@ -13,7 +13,8 @@ from PIL import Image
 from transformers import AutoImageProcessor, AutoTokenizer, Qwen2_5_VLForConditionalGeneration
 
 from firsttoken.cli.main import main as cli_main
-from firsttoken.models.checkpoint import TOKEN_IDS, make_model
+from firsttoken.models.checkpoint import make_model
+from firsttoken.models.recipe import TOKEN_IDS
 from firsttoken.models.config import ConfigError, ModelConfig
 from firsttoken.models.registry import family_of, load_model_config, model_config_from_dict
 

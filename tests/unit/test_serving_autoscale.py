@@ -15,7 +15,8 @@ from ray.serve.config import AutoscalingContext
 from ray.serve.schema import ServeDeploySchema
 
 from firsttoken.cli.serve_ray import app_builder, options_from_args
-from firsttoken.serving.app import FleetOptions, ReplicaCount, replica_count_options
+from firsttoken.serving.app import replica_count_options
+from firsttoken.serving.options import FleetOptions, ReplicaCount
 from firsttoken.serving.autoscale import NUM_RUNNING, NUM_WAITING, QueuedRequestsPolicy, desired_replicas
 from firsttoken.serving.routing import LONG_POOL, SHORT_POOL
 

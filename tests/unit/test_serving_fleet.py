@@ -11,7 +11,7 @@ import torch
 from ray.exceptions import ActorDiedError
 
 from firsttoken.models.config import ModelConfig
-from firsttoken.serving.app import ReplicaCount
+from firsttoken.serving.options import ReplicaCount
 from firsttoken.serving.fleet import FleetEngineClient, Pool
 from firsttoken.serving.replica import ReplicaFacts
 from firsttoken.serving.routing import LONG_POOL, SHORT_POOL, SINGLE_POOL

@@ -11,7 +11,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from firsttoken.cli.main import build_parser
 from firsttoken.cli.serve import serve_config
-from firsttoken.serving.app import FleetOptions, ReplicaCount
+from firsttoken.serving.options import FleetOptions, ReplicaCount
 from firsttoken.serving.fleet import sum_stats
 from firsttoken.serving.metrics import merge_expositions
 from firsttoken.kv.prefix_cache import ImageSpan, compute_block_hashes

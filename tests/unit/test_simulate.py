@@ -178,7 +178,7 @@ def test_predicted_ttft_matches_a_world_that_costs_what_the_model_says(utilizati
     |error| <= 15%, P90 <= 35%). The backlog a prediction reads excludes the work of the step in flight (that is the
     residual): counting it twice put the one-image P90 at 35.2% once a lone request's throughput step held a whole
     prompt, and text's P90 at 15% at U = 0.8."""
-    from firsttoken.models.checkpoint import SIZES, build_hf_config
+    from firsttoken.models.qwen2_vl_checkpoint import SIZES, build_hf_config
     from firsttoken.models.registry import model_config_from_dict
 
     model = model_config_from_dict(build_hf_config(SIZES["small"]).to_dict())  # the shapes alone, no weights
@@ -246,7 +246,7 @@ def test_over_its_objective_an_image_request_is_re_planned_at_lower_budgets_befo
     """As the server's input processor: a burst of three-image requests against an objective of 1.5 x one alone.
     With the checkpoint's config in the profile the later ones are admitted at halved budgets (the outcome says
     which); without it (a profile that cannot re-plan images) they are refused."""
-    from firsttoken.models.checkpoint import SIZES, build_hf_config
+    from firsttoken.models.qwen2_vl_checkpoint import SIZES, build_hf_config
     from firsttoken.models.registry import model_config_from_dict
 
     model = model_config_from_dict(build_hf_config(SIZES["small"]).to_dict())

@@ -1,0 +1,59 @@
+"""What make-model needs of a model family (``CheckpointRecipe``, on its ``ModelFamily``), and what every family's
+random checkpoint shares: our tokenizer's ids and the vocabulary they pad to (models/checkpoint.py writes the files).
+
+A leaf of models/: a family's ``*_checkpoint.py`` reads these values and its ``ModelFamily`` holds its recipe, while
+checkpoint.py finds the recipe through the registry, so nothing here may import a family or the registry.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from firsttoken.models.train_tokenizer import NUM_BPE_TOKENS, SPECIAL_TOKENS
+
+LAYOUTS = ("transformers", "original")  # config.json + weight-name layouts a recipe may write
+CHECKPOINT_DTYPES = ("float32", "bfloat16")
+VOCAB_PAD_MULTIPLE = 64
+MAX_POSITION_EMBEDDINGS = 32768
+ROPE_THETA = 1_000_000.0
+RMS_NORM_EPS = 1e-6
+
+TOKEN_IDS: dict[str, int] = {tok: NUM_BPE_TOKENS + i for i, tok in enumerate(SPECIAL_TOKENS)}
+NUM_TOKENIZER_TOKENS = NUM_BPE_TOKENS + len(SPECIAL_TOKENS)
+VISION_TOKEN_IDS: dict[str, int] = {  # a Qwen-VL config's fields naming its image/video tokens
+    "image_token_id": TOKEN_IDS["<|image_pad|>"],
+    "video_token_id": TOKEN_IDS["<|video_pad|>"],
+    "vision_start_token_id": TOKEN_IDS["<|vision_start|>"],
+    "vision_end_token_id": TOKEN_IDS["<|vision_end|>"],
+}
+VOCAB_SIZE = -(-NUM_TOKENIZER_TOKENS // VOCAB_PAD_MULTIPLE) * VOCAB_PAD_MULTIPLE  # rows in embed / lm_head
+
+
+def _same_name(name: str) -> str:
+    return name
+
+
+@dataclass(frozen=True)
+class CheckpointRecipe:
+    """What make_model needs of a family: its shapes, its transformers config and model class, and (for families
+    released in a second layout) how the release names weights and lays out config.json. The transformers class is
+    also the family's reference in the oracle tests."""
+
+    sizes: Mapping[str, Any]  # size name ("tiny", "small") -> the family's shape; a shape's ``dtype`` is on disk
+    hf_config: Callable[[Any], Any]  # shape -> transformers PretrainedConfig (with our tokenizer's ids)
+    hf_model: str  # the name of transformers' ...ForConditionalGeneration class
+    preprocessor: Callable[[], dict[str, Any]]  # preprocessor_config.json
+    original_config: Callable[[Any, Any], dict[str, Any]] | None = None  # (config, shape) -> release config.json
+    to_original_key: Callable[[str], str] = _same_name  # transformers weight name -> the release's
+
+    @property
+    def layouts(self) -> tuple[str, ...]:
+        return LAYOUTS if self.original_config is not None else LAYOUTS[:1]
+
+    def hf_model_class(self) -> type:
+        """transformers' class (imported on call: the server never needs transformers' models)."""
+        import transformers
+
+        return getattr(transformers, self.hf_model)
