@@ -69,6 +69,8 @@ GROUP_TITLES = {
 
 
 def _metavar(f: Any) -> str:
+    if f.choices:  # a Literal field: its values, as argparse shows choices (checked by the config tree)
+        return "{" + ",".join(f.choices) + "}"
     if f.parse is parse_bytes:
         return "SIZE"
     if f.parse is int:
