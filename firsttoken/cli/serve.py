@@ -104,7 +104,8 @@ def build_server(config: ServeConfig, fault_hook: Any = None, media_network: Any
     engine = async_engine.engine
     processor = build_processor(config, model_dir, tokenizer, engine.model_config, engine.max_model_len,
                                 async_engine.check_admission, media_network)
-    served = ServedModel(served_name_of(config, model_dir), engine.max_model_len, str(model_dir))
+    served = ServedModel(served_name_of(config, model_dir), engine.max_model_len, str(model_dir),
+                         engine.resolved.as_dict())
     return build_app(async_engine, processor, served, config.server, observability), async_engine
 
 

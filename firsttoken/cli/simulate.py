@@ -119,7 +119,7 @@ def _serve_options(serve_args: str, model: Any) -> tuple[Any, Any, int | None]:
     """The replicas' scheduler and cache config from serve flags; KV blocks when --kv-cache-memory is given."""
     from firsttoken.cli.main import build_parser
     from firsttoken.cli.serve import serve_config
-    from firsttoken.engine.engine import plan_kv_capacity
+    from firsttoken.engine.resolve import plan_kv_capacity
 
     argv = shlex.split(serve_args)
     try:

@@ -15,6 +15,7 @@ from torch import nn
 
 from firsttoken.attention.base import AttentionBackend
 from firsttoken.models.config import ModelConfig, VisionConfig
+from firsttoken.models.decode import DecoderLayout
 from firsttoken.models.mrope import MRopePositions, compute_mrope_positions
 from firsttoken.models.weights import WeightMapping
 from firsttoken.types import EncoderUnit
@@ -33,3 +34,6 @@ class ModelFamily:
     weights: WeightMapping
     encoder_units: Callable[[VisionConfig, Grid], tuple[EncoderUnit, ...]]
     positions: Callable[[Sequence[int], Sequence[Grid], ModelConfig], MRopePositions] = compute_mrope_positions
+    # its decoder's parts as decode methods that read weights directly see them (models/decode.py: the fused decode
+    # layers); None: its decoder layers always run eagerly
+    decoder_layout: Callable[[ModelConfig], DecoderLayout] | None = None

@@ -22,7 +22,7 @@ from firsttoken.models.config import (
 )
 from firsttoken.models.family import ModelFamily
 from firsttoken.models.qwen2_5_vl_vision import Qwen25VisionTransformer, merged_window_side, window_attention_units
-from firsttoken.models.qwen2_vl import QWEN_VL_WEIGHTS, Qwen2VLModel
+from firsttoken.models.qwen2_vl import QWEN_VL_WEIGHTS, Qwen2VLModel, decoder_layout
 from firsttoken.models.qwen2_vl import parse_config as parse_qwen2_vl_config
 from firsttoken.models.qwen2_vl_vision import VISION_ROPE_THETA
 
@@ -92,4 +92,5 @@ QWEN2_5_VL = ModelFamily(
     build=lambda config, backend: Qwen2VLModel(config, backend, visual=Qwen25VisionTransformer(config.vision)),
     weights=QWEN_VL_WEIGHTS,  # the vision MLP's mlp.gate_proj / mlp.up_proj stack into mlp.gate_up_proj as well
     encoder_units=window_attention_units,
+    decoder_layout=decoder_layout,
 )

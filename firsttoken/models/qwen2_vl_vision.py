@@ -18,6 +18,7 @@ from torch import nn
 from firsttoken.models.config import ImageProcessorConfig, VisionConfig
 from firsttoken.models.interfaces import EncodeState, ImageEmbeddings
 from firsttoken.models.layers import apply_rotary, quick_gelu, rope_inv_freq
+from firsttoken.models.linear import Linear
 from firsttoken.models.vision_units import PartialBlock, qkv_share, run_units, split_block
 from firsttoken.types import EncoderUnit
 
@@ -33,7 +34,7 @@ class PatchEmbed(nn.Module):
     def __init__(self, config: VisionConfig) -> None:
         super().__init__()
         patch_dim = config.in_channels * config.temporal_patch_size * config.patch_size**2
-        self.proj = nn.Linear(patch_dim, config.embed_dim, bias=False)
+        self.proj = Linear(patch_dim, config.embed_dim, bias=False)
 
     def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
         return self.proj(pixel_values.to(self.proj.weight.dtype))
@@ -44,8 +45,8 @@ class VisionAttention(nn.Module):
         super().__init__()
         self.num_heads = config.num_heads
         self.head_dim = config.head_dim
-        self.qkv = nn.Linear(config.embed_dim, 3 * config.embed_dim, bias=True)
-        self.proj = nn.Linear(config.embed_dim, config.embed_dim, bias=True)
+        self.qkv = Linear(config.embed_dim, 3 * config.embed_dim, bias=True)
+        self.proj = Linear(config.embed_dim, config.embed_dim, bias=True)
 
     def forward(
         self,
@@ -85,8 +86,8 @@ class VisionAttention(nn.Module):
 class VisionMLP(nn.Module):
     def __init__(self, config: VisionConfig) -> None:
         super().__init__()
-        self.fc1 = nn.Linear(config.embed_dim, config.intermediate_size)
-        self.fc2 = nn.Linear(config.intermediate_size, config.embed_dim)
+        self.fc1 = Linear(config.embed_dim, config.intermediate_size)
+        self.fc2 = Linear(config.intermediate_size, config.embed_dim)
         if config.hidden_act not in ("quick_gelu", "gelu"):
             raise ValueError(f"vision_config.hidden_act {config.hidden_act!r} unsupported (quick_gelu, gelu)")
         self.act = quick_gelu if config.hidden_act == "quick_gelu" else F.gelu
@@ -118,9 +119,9 @@ class PatchMerger(nn.Module):
         self.merged_dim = config.embed_dim * config.spatial_merge_size**2
         self.ln_q = nn.LayerNorm(config.embed_dim, eps=VISION_LN_EPS)
         self.mlp = nn.Sequential(
-            nn.Linear(self.merged_dim, self.merged_dim),
+            Linear(self.merged_dim, self.merged_dim),
             nn.GELU(),
-            nn.Linear(self.merged_dim, config.out_hidden_size),
+            Linear(self.merged_dim, config.out_hidden_size),
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

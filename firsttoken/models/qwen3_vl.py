@@ -27,7 +27,7 @@ from firsttoken.models.config import (
     text_and_vision_dicts,
 )
 from firsttoken.models.family import ModelFamily
-from firsttoken.models.qwen2_vl import QWEN_VL_WEIGHTS, Qwen2VLModel
+from firsttoken.models.qwen2_vl import QWEN_VL_WEIGHTS, Qwen2VLModel, decoder_layout
 from firsttoken.models.qwen2_vl_vision import VISION_ROPE_THETA, full_attention_units
 from firsttoken.models.qwen3_vl_vision import IMAGE_PROCESSOR, Qwen3VisionTransformer
 
@@ -118,4 +118,5 @@ QWEN3_VL = ModelFamily(
     build=lambda config, backend: Qwen3VLModel(config, backend),
     weights=QWEN_VL_WEIGHTS,
     encoder_units=full_attention_units,
+    decoder_layout=decoder_layout,
 )

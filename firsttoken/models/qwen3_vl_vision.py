@@ -28,6 +28,7 @@ from torch import nn
 from firsttoken.models.config import ImageProcessorConfig, VisionConfig
 from firsttoken.models.interfaces import EncodeState, ImageEmbeddings
 from firsttoken.models.layers import quick_gelu
+from firsttoken.models.linear import Linear
 from firsttoken.models.qwen2_vl_vision import (
     VISION_LN_EPS,
     VisionAttention,
@@ -65,7 +66,7 @@ class PatchEmbed(nn.Module):
     def __init__(self, config: VisionConfig) -> None:
         super().__init__()
         patch_dim = config.in_channels * config.temporal_patch_size * config.patch_size**2
-        self.proj = nn.Linear(patch_dim, config.embed_dim, bias=True)
+        self.proj = Linear(patch_dim, config.embed_dim, bias=True)
 
     def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
         return self.proj(pixel_values.to(self.proj.weight.dtype))
@@ -76,8 +77,8 @@ class VisionMLP(nn.Module):
         super().__init__()
         if config.hidden_act not in ACTIVATIONS:
             raise ValueError(f"vision_config.hidden_act {config.hidden_act!r} unsupported ({', '.join(ACTIVATIONS)})")
-        self.linear_fc1 = nn.Linear(config.embed_dim, config.intermediate_size)
-        self.linear_fc2 = nn.Linear(config.intermediate_size, config.embed_dim)
+        self.linear_fc1 = Linear(config.embed_dim, config.intermediate_size)
+        self.linear_fc2 = Linear(config.intermediate_size, config.embed_dim)
         self.act = ACTIVATIONS[config.hidden_act]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -109,8 +110,8 @@ class PatchMerger(nn.Module):
         self.merged_dim = config.embed_dim * config.spatial_merge_size**2
         self.postshuffle = postshuffle
         self.norm = nn.LayerNorm(self.merged_dim if postshuffle else config.embed_dim, eps=VISION_LN_EPS)
-        self.linear_fc1 = nn.Linear(self.merged_dim, self.merged_dim)
-        self.linear_fc2 = nn.Linear(self.merged_dim, config.out_hidden_size)
+        self.linear_fc1 = Linear(self.merged_dim, self.merged_dim)
+        self.linear_fc2 = Linear(self.merged_dim, config.out_hidden_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [num_patches, embed_dim] -> [num_patches / 4, out]
         x = self.norm(x.view(-1, self.merged_dim)) if self.postshuffle else self.norm(x).view(-1, self.merged_dim)
