@@ -50,12 +50,16 @@ class Machine:
     fp16_unavailable: str | None  # why FBGEMM's fp16 GEMM cannot run here, or None
 
     @staticmethod
-    @functools.lru_cache(maxsize=1)
-    def detect() -> Machine:
+    @functools.lru_cache(maxsize=4)
+    def detect(build_kernels: bool = True) -> Machine:
         """This machine: the kernels are built (or found in the cache) and checked against torch once per
-        process."""
+        process. ``build_kernels`` False (--cpu-kernels off, which uses none of them): they are not built."""
         cpu = CpuFeatures.detect()
-        return Machine(cpu, built_kernels(), kernel_unavailable(), int_mm_exact(cpu), fp16_supported())
+        if build_kernels:
+            kernels, why = built_kernels(), kernel_unavailable()
+        else:
+            kernels, why = None, "--cpu-kernels off"
+        return Machine(cpu, kernels, why, int_mm_exact(cpu), fp16_supported())
 
     def with_cpu(self, cpu: CpuFeatures) -> Machine:
         """This machine's kernels and probes, deciding as if its CPU were ``cpu`` (tests of the rules)."""

@@ -83,3 +83,26 @@ def test_the_engine_runs_with_what_it_resolved_and_logs_it_once(tiny_model_dir: 
     assert engine.capacity == resolved.kv and engine.config is resolved.requested
     again = LLMEngine(tiny_model_dir, resolved, load_tokenizer(tiny_model_dir).backend_tokenizer, machine=machine)
     assert again.resolved is resolved  # an already resolved configuration is taken as it is
+
+
+def test_cpu_kernels_off_neither_builds_nor_reads_the_kernels(tiny_model_dir: Path):
+    """--cpu-kernels off uses none of firsttoken's kernels, so resolving it does not build them (no compiler run, no
+    log line about them) and settles the same plan as on a machine where they are built."""
+    import subprocess
+    import sys
+
+    from firsttoken.models.plan import Machine
+
+    off = EngineConfig(cpu_kernels="off")
+    assert Machine.detect(build_kernels=False).kernels is None
+    plans = {resolve_engine_config(off, tiny_model_dir, m).model for m in (Machine.detect(build_kernels=False),
+                                                                           Machine.detect())}
+    assert len(plans) == 1 and next(iter(plans)).kernels_unused == "--cpu-kernels off"
+    probe = ("import sys; from firsttoken.config import EngineConfig; from firsttoken.kernels import cpu_linear; "
+             "from firsttoken.engine.resolve import resolve_engine_config; "
+             "resolve_engine_config(EngineConfig(cpu_kernels='off'), sys.argv[1]); "
+             "print(cpu_linear._kernel.cache_info().currsize)")
+    done = subprocess.run([sys.executable, "-c", probe, str(tiny_model_dir)], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["0"]  # the kernels were never asked for
