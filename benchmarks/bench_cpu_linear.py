@@ -35,15 +35,16 @@ def main() -> None:
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
 
-    from firsttoken.kernels.cpu_linear import FewRowsLinear, kernel_unavailable
+    from firsttoken.kernels.cpu_linear import kernel_unavailable
+    from firsttoken.models.kernel_linear import FewRowsKernel
     from firsttoken.models.loader import load_model
 
     reason = kernel_unavailable()
     if reason is not None:
         raise SystemExit(f"the kernels are not available here: {reason}")
     model = load_model(small_model(args.model), torch.float32, cpu_kernels="on")  # on: AVX-512 CPUs too
-    layers = [m for name, m in model.named_modules() if isinstance(m, FewRowsLinear)]
-    if model.lm_head is None:
+    layers = [m for name, m in model.named_modules() if isinstance(getattr(m, "method", None), FewRowsKernel)]
+    if not isinstance(model.lm_head.method, FewRowsKernel):
         raise SystemExit("expected the kernels on the lm_head too")
     weight_mb = sum(m.weight.numel() * 4 for m in layers) / 2**20
     print(f"machine: {machine_info()}")

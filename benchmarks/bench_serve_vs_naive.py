@@ -130,9 +130,12 @@ def run_naive(model_dir: str, kinds, levels, max_tokens: int) -> dict:
     tok = AutoTokenizer.from_pretrained(model_dir)
     proc = Qwen2VLImageProcessorPil.from_pretrained(model_dir)
     from firsttoken.config import EngineConfig
-    from firsttoken.engine.engine import torch_dtype
+    from firsttoken.kernels.cpu_features import CpuFeatures
+    from firsttoken.models.plan import resolve_dtype
+    from firsttoken.models.plan_values import TORCH_DTYPES
 
-    dtype = torch_dtype(EngineConfig().dtype)  # what `firsttoken serve --dtype auto` picks on this CPU: same math
+    config = EngineConfig()  # what `firsttoken serve --dtype auto` picks on this CPU: same math
+    dtype = TORCH_DTYPES[resolve_dtype(config.dtype, config.quantization, CpuFeatures.detect())[0]]
     model = Qwen2VLForConditionalGeneration.from_pretrained(model_dir, dtype=dtype).eval()
     pad = model.config.image_token_id
 

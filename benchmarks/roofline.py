@@ -61,14 +61,16 @@ from machine import machine_info  # noqa: E402
 from firsttoken.attention.base import AttentionBackend, AttentionMetadata
 from firsttoken.attention.registry import get_backend
 from firsttoken.config import QUANTIZATIONS, SchedulerConfig
-from firsttoken.engine.engine import cpu_has_native_bf16
+from firsttoken.kernels.cpu_features import CpuFeatures
 from firsttoken.inputs.budget import REFERENCE_MAX_TOKENS, REFERENCE_MIN_TOKENS, plan_image
 from firsttoken.inputs.image import ProcessedImage, preprocess_image
 from firsttoken.models.config import ModelConfig
 from firsttoken.models.interfaces import ImageEmbeddings, ImageRows
 from firsttoken.models.loader import load_model
 from firsttoken.models.mrope import compute_mrope_positions
-from firsttoken.models.quant import Fp16Linear, Int8Linear
+from firsttoken.kernels.cpu_linear import built_kernels
+from firsttoken.models.linear import Linear
+from firsttoken.models.quant import Fp16Weights, Int8Weights, int_mm_exact
 from firsttoken.models.registry import load_model_config
 from firsttoken.runner.kv_cache import allocate_kv_caches
 from firsttoken.tools.bench.images import synth_image
@@ -199,13 +201,13 @@ class TimedBackend:
             return self.inner.forward(q, k, v, kv_cache, meta, scale)
 
 
-LINEAR_MODULES = (nn.Linear, Int8Linear, Fp16Linear)  # what load_model leaves at a linear layer's place
+LINEAR_MODULES = (nn.Linear,)  # what load_model leaves at a linear layer's place (models/linear.py's Linear)
 
 
 def linear_modules(model: nn.Module) -> dict[str, list[nn.Module]]:
-    """The modules doing each linear part's products, whichever class quantization left there (nn.Linear and its
-    subclasses, Int8Linear, Fp16Linear: none of the latter two has a ``.weight``); found by their place in the
-    model, not by type, and checked so a refactor that moves them fails loudly instead of timing nothing."""
+    """The modules doing each linear part's products, whatever method quantization gave them (int8 and fp16 ones
+    hold no ``.weight``); found by their place in the model, not by type, and checked so a refactor that moves
+    them fails loudly instead of timing nothing."""
     vis = model.visual
     parts = {
         "patch_embed": [vis.patch_embed.proj],
@@ -214,7 +216,7 @@ def linear_modules(model: nn.Module) -> dict[str, list[nn.Module]]:
         "merger": [m for m in vis.merger.mlp if isinstance(m, LINEAR_MODULES)],
         "lm_linear": [m for layer in model.layers for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
                                                            layer.mlp.gate_up_proj, layer.mlp.down_proj)],
-        "lm_head": [model.lm_head] if model.lm_head is not None else [],  # None: tied, F.linear on the embeddings
+        "lm_head": [model.lm_head],  # tied: it reads the embeddings
     }  # fmt: skip
     for name, mods in parts.items():
         for m in mods:
@@ -227,7 +229,8 @@ def weights_of(model: nn.Module, dtype: str) -> dict[str, str]:
     """Per linear part, what its products ran with: ``dtype`` (a float weight), "int8" or "fp16" (or a mix)."""
 
     def kind(m: nn.Module) -> str:
-        return "int8" if isinstance(m, Int8Linear) else "fp16" if isinstance(m, Fp16Linear) else dtype
+        method = getattr(m, "method", None)
+        return "int8" if isinstance(method, Int8Weights) else "fp16" if isinstance(method, Fp16Weights) else dtype
 
     mods = linear_modules(model)
     out = {}
@@ -353,10 +356,12 @@ def matmul_gflops(m: int, k: int, n: int, dtype: torch.dtype, repeats: int = 5, 
 
 
 def quantized_gflops(m: int, k: int, n: int, kind: str, threads: int, repeats: int = 5, min_s: float = 0.2) -> float:
-    """The same for load_model's quantized linear layer ``kind`` ("int8": Int8Linear, "fp16": Fp16Linear as the
+    """The same for load_model's quantized linear layer ``kind`` ("int8": Int8Weights, "fp16": Fp16Weights as the
     server builds it at --threads), float32 [m, k] rows in; FLOPs counted as float32's."""
     weight = torch.randn(n, k)
-    layer = Int8Linear(weight, None) if kind == "int8" else Fp16Linear(weight, None, multithreaded=threads != 1)
+    method = Int8Weights(built_kernels(), int_mm_exact(CpuFeatures.detect())) if kind == "int8" \
+        else Fp16Weights(multithreaded=threads != 1)
+    layer = Linear.of(weight, None, method)
     x = torch.randn(m, k)
     with torch.inference_mode():
         return _best_gflops(lambda: layer(x), 2 * m * k * n, repeats, min_s)
@@ -509,7 +514,7 @@ def run(args: argparse.Namespace, model_dir: Path) -> dict:
     shapes = {name: (shape, matmul_gflops(*shape, dtype)) for name, shape in model_shapes(config, prompt).items()}
     # Other load only ever lowers a rate, so the peak is the best any measured matmul reached during the run.
     peak = {"gflops": max(*squares, *(rate for _, rate in shapes.values())), "square_gflops": max(squares)}
-    if cpu_has_native_bf16():
+    if CpuFeatures.detect().native_bf16:
         peak["bf16_gflops"] = matmul_gflops(*cube, torch.bfloat16)
     else:
         peak["bf16_note"] = "not native on this CPU (no avx512_bf16/amx_bf16): not measured"

@@ -18,20 +18,64 @@ The checkpoint's architecture is not configured here: its model family parses it
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Callable, Iterator
 from dataclasses import MISSING, dataclass, field, fields, is_dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, get_args, get_origin, get_type_hints
 
 from firsttoken.units import format_size, parse_bytes
 
-DTYPES = ("auto", "float32", "bfloat16", "float16")
-QUANTIZATIONS = ("auto", "none", "fp16", "int8", "bf16")  # models/quant.py
+# Every choice an option offers is its field's type: the flag's metavar, the range check and the error message come
+# from these (``choices_of``, ``check_choice``). ``auto`` is settled in one place, models/plan.py (dtype,
+# quantization, kernels), with the rest of what the engine runs with in engine/resolve.py.
+Dtype = Literal["auto", "float32", "bfloat16", "float16"]
+ResolvedDtype = Literal["float32", "bfloat16", "float16"]
+Quantization = Literal["auto", "none", "fp16", "int8", "bf16"]  # models/quant.py
+ResolvedQuantization = Literal["none", "fp16", "int8", "bf16"]
+CpuKernels = Literal["auto", "on", "off"]  # kernels/cpu_linear.py; models/plan.py decides what auto takes
+Device = Literal["cpu"]  # where the engine runs; a CUDA runner is the Executor seam's next implementation
+AttentionBackendName = Literal["sdpa"]  # attention/registry.py
+Scheduling = Literal["lanes", "fcfs"]
+LongOrder = Literal["deadline", "least-work"]
+KvAdmission = Literal["whole-prompt", "optimistic"]
+
+DTYPES: tuple[str, ...] = get_args(Dtype)
+QUANTIZATIONS: tuple[str, ...] = get_args(Quantization)
 FLOAT32_ACTIVATIONS = ("fp16", "int8", "bf16")  # quantizations whose products take float32 activations
-CPU_KERNELS = ("auto", "on", "off")  # kernels/cpu_linear.py
-DEVICES = ("cpu",)  # where the engine runs; a CUDA runner is the Executor seam's next implementation
-ATTENTION_BACKENDS = ("sdpa",)  # attention/registry.py
+CPU_KERNELS: tuple[str, ...] = get_args(CpuKernels)
+DEVICES: tuple[str, ...] = get_args(Device)
+ATTENTION_BACKENDS: tuple[str, ...] = get_args(AttentionBackendName)
+
+
+def choices_of(annotation: Any) -> tuple[str, ...]:
+    """The values a ``Literal`` type (or an alias of one) allows; () for any other type."""
+    return tuple(get_args(annotation)) if get_origin(annotation) is Literal else ()
+
+
+def check_choice(name: str, value: Any, choices: Any, note: str = "") -> None:
+    """ValueError naming the field unless ``value`` is one of the ``Literal`` type ``choices``' values."""
+    allowed = choices_of(choices)
+    if value in allowed:
+        return
+    if len(allowed) == 2:
+        raise ValueError(f"{name} must be {allowed[0]!r} or {allowed[1]!r}{note}")
+    raise ValueError(f"{name} must be one of {', '.join(allowed)}{note}")
+
+
+@functools.lru_cache(maxsize=None)
+def _type_hints(cls: type) -> dict[str, Any]:
+    return get_type_hints(cls)
+
+
+def _check_choices(obj: Any) -> None:
+    """Every ``Literal``-typed field of a config dataclass holds one of its values (the field's metadata may add a
+    ``choice_note`` to the message)."""
+    hints = _type_hints(type(obj))
+    for f in fields(obj):
+        if choices_of(hints[f.name]):
+            check_choice(f.name, getattr(obj, f.name), hints[f.name], f.metadata.get("choice_note", ""))
 
 
 def option(
@@ -41,9 +85,12 @@ def option(
     parse: Callable[[str], Any] | None = None,
     shown: str | None = None,
     switch_off: bool = False,
+    choice_note: str = "",
 ) -> dict[str, Any]:
-    """Field metadata: ``switch_off`` makes a bool field a ``--no-...`` flag that sets it False."""
-    return {"help": help, "flag": flag, "parse": parse, "shown": shown, "switch_off": switch_off}
+    """Field metadata: ``switch_off`` makes a bool field a ``--no-...`` flag that sets it False; ``choice_note``
+    follows the list of a ``Literal`` field's values in its error message."""
+    return {"help": help, "flag": flag, "parse": parse, "shown": shown, "switch_off": switch_off,
+            "choice_note": choice_note}
 
 
 def _csv(text: str) -> tuple[str, ...]:
@@ -112,7 +159,7 @@ class SchedulerConfig:
         "KV tokens reserved beyond the prompt when a request is admitted"))
     max_model_len: int | None = field(default=None, metadata=option(
         "context length; default: the checkpoint's, capped by the KV pool"))
-    scheduling: str = field(default="lanes", metadata=option(
+    scheduling: Scheduling = field(default="lanes", metadata=option(
         "lanes (short/long queues, long work capped per step) or fcfs (one FIFO queue, whole-prompt prefills: the "
         "seed's starting point, for comparison)"))
     long_prompt_threshold: int = field(default=1024, metadata=option(
@@ -147,7 +194,7 @@ class SchedulerConfig:
     long_max_wait_steps: int = field(default=4, metadata=option(
         "steps in a row the long lane may get no work because short work took the step; then it runs anyway "
         "(aging)"))
-    long_order: str = field(default="deadline", metadata=option(
+    long_order: LongOrder = field(default="deadline", metadata=option(
         "the order of the long lane's work (time-bounded steps). deadline: each request gets a place in line when "
         "it arrives, its arrival time plus --long-slack times its own predicted work; earliest place first, so a "
         "later request overtakes it only if that one is enough smaller to make up the difference (no "
@@ -157,7 +204,7 @@ class SchedulerConfig:
         "(0: first come, first served within the lane; larger: smaller requests overtake more)"))
     long_max_passes: int = field(default=8, metadata=option(
         "with --long-order least-work: a request passed over this many steps in a row goes first (no starvation)"))
-    kv_admission: str = field(default="whole-prompt", metadata=option(
+    kv_admission: KvAdmission = field(default="whole-prompt", metadata=option(
         "whole-prompt (start a prefill only when its whole prompt + reserve fits) or optimistic (admit when the "
         "next chunk fits; preempt by recompute when dry)"))
     max_queued_requests: int = field(default=256, metadata=option(
@@ -185,18 +232,13 @@ class SchedulerConfig:
         _at_least("max_num_seqs", self.max_num_seqs, 1)
         _at_least("decode_reserve_tokens", self.decode_reserve_tokens, 0)
         _at_least("max_model_len", self.max_model_len, 1, allow_none=True)
-        if self.scheduling not in ("lanes", "fcfs"):
-            raise ValueError("scheduling must be 'lanes' or 'fcfs'")
-        if self.kv_admission not in ("whole-prompt", "optimistic"):
-            raise ValueError("kv_admission must be 'whole-prompt' or 'optimistic'")
+        _check_choices(self)  # scheduling, kv_admission, long_order
         _at_least("long_prompt_threshold", self.long_prompt_threshold, 1)
         _at_least("long_step_tokens", self.long_step_tokens, 1)
         _at_least("long_step_tokens_idle", self.long_step_tokens_idle, 1, allow_none=True)
         _at_least("long_max_wait_steps", self.long_max_wait_steps, 0)
         _at_least("long_max_passes", self.long_max_passes, 0)
         _at_least("max_queued_requests", self.max_queued_requests, 1)
-        if self.long_order not in ("deadline", "least-work"):
-            raise ValueError("long_order must be 'deadline' or 'least-work'")
         if not 0 < self.long_chunk_share <= 1:
             raise ValueError("long_chunk_share must be in (0, 1]")
         if not self.long_slack >= 0:
@@ -227,10 +269,10 @@ class SchedulerConfig:
 
 @dataclass(frozen=True)
 class EngineConfig:
-    dtype: str = field(default="auto", metadata=option(
+    dtype: Dtype = field(default="auto", metadata=option(
         "auto (bf16 where the CPU computes bf16 in hardware, else float32), float32 (exact vs transformers), "
         "bfloat16, float16"))
-    quantization: str = field(default="auto", metadata=option(
+    quantization: Quantization = field(default="auto", metadata=option(
         "auto: bf16 (below) where the checkpoint stores the language model's linear weights in bf16 and the engine "
         "runs float32 activations (--dtype auto on a CPU without native bf16, or --dtype float32) with firsttoken's "
         "kernels: the checkpoint's own weights at their own bytes; else none. none: weights in --dtype; "
@@ -246,7 +288,7 @@ class EngineConfig:
         "prefill widens each weight for torch's float32 product), activations, norms and the KV cache float32 "
         "(--dtype auto picks it): for a checkpoint published in bf16 the same weights and arithmetic as float32, "
         "on any AVX2 CPU"))
-    cpu_kernels: str = field(default="auto", metadata=option(
+    cpu_kernels: CpuKernels = field(default="auto", metadata=option(
         "auto: decode steps' products of at most 16 rows run firsttoken's AVX2 kernels (float32 language model on "
         "an AVX2 + FMA CPU, except Intel's AVX-512 ones, where MKL won; built once with the machine's C compiler, $CC "
         "or cc; where they cannot be built, torch's product, and the log says why); on: the kernels on every CPU. A "
@@ -259,8 +301,9 @@ class EngineConfig:
         "Prefill is MKL's either way. With --quantization int8, auto and on "
         "take firsttoken's int8 kernels on any CPU (AVX-512 VNNI or AVX2), off computes the same numbers with "
         "torch's ops alone"))
-    device: str = field(default="cpu", metadata=option(f"where the model runs: {', '.join(DEVICES)}"))
-    attention_backend: str = field(default="sdpa", metadata=option(
+    device: Device = field(default="cpu", metadata=option(f"where the model runs: {', '.join(DEVICES)}",
+                                                          choice_note=" (this build runs on the CPU)"))
+    attention_backend: AttentionBackendName = field(default="sdpa", metadata=option(
         f"attention implementation over the paged KV cache: {', '.join(ATTENTION_BACKENDS)}"))
     num_threads: int | None = field(default=None, metadata=option(
         "torch threads for the engine (default: all cores)"))
@@ -281,19 +324,10 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
     def __post_init__(self) -> None:
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}")
-        if self.quantization not in QUANTIZATIONS:
-            raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}")
+        _check_choices(self)  # dtype, quantization, cpu_kernels, device, attention_backend
         if self.quantization in FLOAT32_ACTIVATIONS and self.dtype not in ("auto", "float32"):
             raise ValueError(f"quantization {self.quantization} runs float32 activations: use --dtype float32 "
                              "(or auto)")
-        if self.cpu_kernels not in CPU_KERNELS:
-            raise ValueError(f"cpu_kernels must be one of {', '.join(CPU_KERNELS)}")
-        if self.device not in DEVICES:
-            raise ValueError(f"device must be one of {', '.join(DEVICES)} (this build runs on the CPU)")
-        if self.attention_backend not in ATTENTION_BACKENDS:
-            raise ValueError(f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}")
         _at_least("num_threads", self.num_threads, 1, allow_none=True)
         _at_least("decode_threads", self.decode_threads, 1, allow_none=True)
         if self.num_threads is not None and self.decode_threads is not None and self.decode_threads > self.num_threads:
@@ -431,6 +465,7 @@ class ConfigFlag:
     help: str
     shown: str  # the default as --help prints it
     switch_off: bool = False
+    choices: tuple[str, ...] = ()  # a Literal field's values, in its type's order
 
     @property
     def dest(self) -> str:
@@ -443,6 +478,7 @@ class ConfigFlag:
 
 def config_flags(cls: type = ServeConfig, prefix: tuple[str, ...] = ()) -> Iterator[ConfigFlag]:
     """Every leaf of the tree rooted at ``cls``, in declaration order."""
+    hints = _type_hints(cls)
     for f in fields(cls):
         default = f.default_factory() if f.default is MISSING else f.default  # type: ignore[misc]
         if is_dataclass(default):
@@ -454,7 +490,7 @@ def config_flags(cls: type = ServeConfig, prefix: tuple[str, ...] = ()) -> Itera
         parse = None if is_switch else meta.get("parse") or _parser_of(f.type)
         shown = meta.get("shown") or _shown(default, parse)
         yield ConfigFlag((*prefix, f.name), flag, parse, default, meta.get("help", ""), shown,
-                         bool(meta.get("switch_off")))
+                         bool(meta.get("switch_off")), choices_of(hints[f.name]))
 
 
 def flag_for_field(field_name: str, cls: type = ServeConfig) -> str | None:

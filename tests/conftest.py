@@ -37,6 +37,16 @@ def _kernel_threads_follow_torch():
     set_kernel_threads(previous)
 
 
+@pytest.fixture
+def torch_threads():
+    """``torch_threads(n)`` sets torch's intra-op thread count for the test; the count before comes back after it."""
+    import torch
+
+    before = torch.get_num_threads()
+    yield torch.set_num_threads
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny random Qwen2-VL checkpoint (seed 0, transformers layout), built once per session."""

@@ -41,3 +41,29 @@ class RecordingExecutor:
     @property
     def encoder_cache_bytes(self) -> int:
         return self.inner.encoder_cache_bytes
+
+
+def layers_with(model, method_type: type) -> dict[str, object]:
+    """The model's linear layers (models/linear.py) whose method is a ``method_type``, by name."""
+    from firsttoken.models.linear import Linear
+
+    return {name: m for name, m in model.named_modules() if isinstance(m, Linear) and isinstance(m.method, method_type)}
+
+
+def torch_layers(model) -> list[str]:
+    """The names of the linear layers that compute with torch's product on their float weight (no kernel, no
+    quantized copy): what a plain ``nn.Linear`` computes."""
+    from firsttoken.models.linear import TorchLinear
+
+    return list(layers_with(model, TorchLinear))
+
+
+def machine_with_cpu(**cpu):
+    """This machine (its kernels, built here, and torch's probes), deciding as a CPU with these ``CpuFeatures``
+    fields would (``flags`` a set of /proc/cpuinfo flags)."""
+    from firsttoken.kernels.cpu_features import CpuFeatures
+    from firsttoken.models.plan_values import Machine
+
+    if "flags" in cpu:
+        cpu["flags"] = frozenset(cpu["flags"])
+    return Machine.detect().with_cpu(CpuFeatures(**cpu))

@@ -7,6 +7,7 @@ loop, hand the EngineRequest to the engine, frame what comes back.
     GET  /v1/models             the served model with max_model_len
     GET  /health                200 while engine.is_alive, else 503
     GET  /v1/engine/stats       EngineStats as JSON (KV blocks used/free/cached, running, waiting)
+    GET  /v1/engine/config      the configuration the engine runs with, every ``auto`` settled (engine/resolve.py)
     GET  /metrics, /stats, /dashboard   with an Observability: see api/observability.py (also --api-key)
 
 Everything the app uses arrives through ``build_app`` (engine, processor, the served model, the server's config):
@@ -261,6 +262,12 @@ def build_app(
     @app.get("/v1/engine/stats")
     async def engine_stats() -> dict[str, object]:
         return dataclasses.asdict(engine.stats())
+
+    @app.get("/v1/engine/config")
+    async def engine_config() -> Response:
+        if model.engine_config is None:
+            return error_response(404, "this server fronts no single engine: ask a replica")
+        return JSONResponse(dict(model.engine_config))
 
     return app
 

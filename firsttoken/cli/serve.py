@@ -80,6 +80,8 @@ GROUP_TITLES = {
 
 
 def _metavar(f: Any) -> str:
+    if f.choices:  # a Literal field: its values, as argparse shows choices (checked by the config tree)
+        return "{" + ",".join(f.choices) + "}"
     if f.parse is parse_bytes:
         return "SIZE"
     if f.parse is int:
@@ -113,7 +115,8 @@ def build_server(config: ServeConfig, fault_hook: Any = None, media_network: Any
     engine = async_engine.engine
     processor = build_processor(config, model_dir, tokenizer, engine.model_config, engine.max_model_len,
                                 async_engine.check_admission, media_network)
-    served = ServedModel(served_name_of(config, model_dir), engine.max_model_len, str(model_dir))
+    served = ServedModel(served_name_of(config, model_dir), engine.max_model_len, str(model_dir),
+                         engine.resolved.as_dict())
     return build_app(async_engine, processor, served, config.server, observability), async_engine
 
 

@@ -91,20 +91,23 @@ def check_checkpoint(flag: str, model_dir: Path) -> "ModelConfig":
 
 def _check_kv(config: "EngineConfig", model_config: "ModelConfig") -> None:
     """The pool must hold one block, and --max-model-len must fit the model and the pool (the engine's rule)."""
-    from firsttoken.engine.engine import plan_kv_capacity, torch_dtype
+    from firsttoken.engine.resolve import plan_kv_capacity
+    from firsttoken.kernels.cpu_features import CpuFeatures
+    from firsttoken.models.plan import resolve_dtype
+    from firsttoken.models.plan_values import TORCH_DTYPES
 
-    dtype = torch_dtype(config.dtype, config.quantization)
-    dtype_bytes = dtype.itemsize
+    dtype, _ = resolve_dtype(config.dtype, config.quantization, CpuFeatures.detect())
+    dtype_bytes = TORCH_DTYPES[dtype].itemsize
     block_bytes = model_config.kv_bytes_per_token(dtype_bytes) * config.cache.block_size
     if config.cache.kv_cache_memory_bytes < block_bytes:
         raise UsageError(
             "--kv-cache-memory", format_size(config.cache.kv_cache_memory_bytes),
             f"smaller than one KV block; this model needs at least {format_size(block_bytes)} "
             f"({config.cache.block_size} tokens x {model_config.kv_bytes_per_token(dtype_bytes)} bytes/token in "
-            f"{str(dtype).removeprefix('torch.')})",
+            f"{dtype})",
         )
     unbounded = replace(config, scheduler=replace(config.scheduler, max_model_len=None))
-    capacity = plan_kv_capacity(model_config, unbounded)
+    capacity = plan_kv_capacity(model_config, unbounded, dtype_bytes)
     max_model_len = config.scheduler.max_model_len
     if max_model_len is not None and max_model_len > capacity.max_model_len:
         raise UsageError(

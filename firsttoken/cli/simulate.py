@@ -118,7 +118,7 @@ def run(args: argparse.Namespace) -> int:
 def _serve_options(serve_args: str, model: Any) -> tuple[Any, Any, int | None]:
     """The replicas' scheduler and cache config from serve flags; KV blocks when --kv-cache-memory is given."""
     from firsttoken.cli.serve import parse_serve_flags, serve_config
-    from firsttoken.engine.engine import plan_kv_capacity
+    from firsttoken.engine.resolve import plan_kv_capacity
 
     argv = shlex.split(serve_args)
     try:

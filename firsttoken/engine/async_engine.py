@@ -86,6 +86,7 @@ class AsyncEngine:
         self._commands: queue.SimpleQueue[_Add | _Abort | None] = queue.SimpleQueue()
         self._streams: dict[str, _Add] = {}
         self._alive = False
+        self._in_thread = True
         self._stopping = False
         self._draining = False
         # request id -> (lane, its work with admitted_s: when): admitted but not yet handed to the engine
@@ -101,18 +102,23 @@ class AsyncEngine:
         self._thread = threading.Thread(target=self._run, name="firsttoken-engine", daemon=True)
 
     # ---- lifecycle -----------------------------------------------------------------------------------
-    def start(self) -> None:
+    def start(self, in_thread: bool = True) -> None:
+        """Run the engine loop in its thread. ``in_thread`` False: alive without it; the caller applies the queued
+        commands and steps the engine itself (a test that drives both sides in one thread)."""
         self._alive = True
-        self._thread.start()
+        self._in_thread = in_thread
+        if in_thread:
+            self._thread.start()
 
     def shutdown(self, timeout_s: float = 5.0) -> None:
         self._stopping = True
         self._commands.put(None)
-        self._thread.join(timeout_s)
+        if self._thread.is_alive():  # started without its thread (start(in_thread=False)): nothing to join
+            self._thread.join(timeout_s)
 
     @property
     def is_alive(self) -> bool:
-        return self._alive and self._thread.is_alive()
+        return self._alive and (not self._in_thread or self._thread.is_alive())
 
     @property
     def is_draining(self) -> bool:

@@ -9,15 +9,13 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 
-import torch
-
 from firsttoken.batch import RunnerOutput, ScheduledBatch, ScheduledChunk
-from firsttoken.config import FLOAT32_ACTIVATIONS, EngineConfig
+from firsttoken.config import EngineConfig
 from firsttoken.engine.detokenizer import IncrementalDetokenizer, TokenDecoder
-from firsttoken.kernels.cpu_linear import cpu_flags
+from firsttoken.engine.resolve import ResolvedEngineConfig, resolve_engine_config
 from firsttoken.metrics.stats import (
     FinishedRequest,
     NullObserver,
@@ -25,8 +23,8 @@ from firsttoken.metrics.stats import (
     StepStats,
 )
 from firsttoken.metrics.timeline import Timeline
-from firsttoken.models.config import ModelConfig
-from firsttoken.models.registry import family_named, load_model_config
+from firsttoken.models.plan_values import Machine
+from firsttoken.models.registry import load_model_config
 from firsttoken.runner.executor import Executor, InProcessExecutor
 from firsttoken.runner.model_runner import FaultHook, ThreadPlan
 from firsttoken.scheduler.request import Request
@@ -41,101 +39,43 @@ from firsttoken.types import (
 
 log = logging.getLogger("firsttoken.engine")
 
-def cpu_has_native_bf16() -> bool:
-    """True when the CPU computes bf16 in hardware (AVX512-BF16 or AMX). Without it (e.g. an AVX-512 Xeon lacking
-    avx512_bf16) torch emulates bf16 and ran ~3.5x *slower* than fp32 (measured: 20 vs 71 GFLOP/s at 2048^2), so
-    `--dtype auto` picks float32 there. CUDA devices are not considered here: the engine runs on the CPU."""
-    flags = cpu_flags() or frozenset()
-    return "avx512_bf16" in flags or "amx_bf16" in flags
-
-
-def torch_dtype(name: str, quantization: str = "none") -> torch.dtype:
-    """The torch dtype of an EngineConfig.dtype ("auto": bf16 where the CPU computes it in hardware, else fp32;
-    always fp32 with --quantization fp16, int8 or bf16, whose kernels take float32 activations)."""
-    if name == "auto":
-        if quantization in FLOAT32_ACTIVATIONS:
-            return torch.float32
-        return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
-    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
-
-
-@dataclass(frozen=True)
-class KVCapacity:
-    """What the KV pool holds; printed at start-up."""
-
-    num_blocks: int
-    block_size: int
-    kv_bytes_per_token: int
-    max_model_len: int
-    decode_reserve_tokens: int
-
-    @property
-    def num_tokens(self) -> int:
-        return self.num_blocks * self.block_size
-
-    def max_concurrency(self, input_len: int) -> int:
-        """Requests of input_len tokens admitted at once (prompt + decode reserve, whole blocks)."""
-        need = min(input_len + self.decode_reserve_tokens, self.max_model_len)
-        return self.num_blocks // -(-need // self.block_size)
-
-    def describe(self) -> str:
-        return (
-            f"KV cache: {self.num_blocks} blocks x {self.block_size} tokens = {self.num_tokens} tokens, "
-            f"{self.kv_bytes_per_token} bytes/token, {self.num_tokens * self.kv_bytes_per_token / 2**20:.0f} MiB; "
-            f"max_model_len {self.max_model_len}; max concurrency at max_model_len: "
-            f"{self.max_concurrency(self.max_model_len)}"
-        )
-
-
-def plan_kv_capacity(model: ModelConfig, config: EngineConfig) -> KVCapacity:
-    dtype_bytes = torch.tensor([], dtype=torch_dtype(config.dtype, config.quantization)).element_size()
-    per_token = model.kv_bytes_per_token(dtype_bytes)
-    block_size = config.cache.block_size
-    num_blocks = config.cache.kv_cache_memory_bytes // (per_token * block_size)
-    if num_blocks < 1:
-        raise ValueError("kv_cache_memory is smaller than one KV block")
-    max_len = min(model.max_position_embeddings, num_blocks * block_size)
-    if config.scheduler.max_model_len is not None:
-        if config.scheduler.max_model_len > max_len:
-            raise ValueError(
-                f"max_model_len {config.scheduler.max_model_len} exceeds what the model and KV pool allow ({max_len})"
-            )
-        max_len = config.scheduler.max_model_len
-    return KVCapacity(num_blocks, block_size, per_token, max_len, config.scheduler.decode_reserve_tokens)
-
 
 class LLMEngine:
     def __init__(
         self,
         model_dir: str | Path,
-        config: EngineConfig,
+        config: EngineConfig | ResolvedEngineConfig,
         tokenizer: TokenDecoder,
         fault_hook: FaultHook | None = None,
         observer: StatsObserver | None = None,
+        machine: Machine | None = None,
     ) -> None:
-        self.config = config
-        self.observer: StatsObserver = observer or NullObserver()
+        """``config``: the flags, resolved here for this checkpoint on ``machine`` (default: this one), or already
+        resolved (engine/resolve.py)."""
         self.model_config = load_model_config(model_dir)
+        if isinstance(config, EngineConfig):
+            config = resolve_engine_config(config, model_dir, machine, self.model_config)
+        self.resolved: ResolvedEngineConfig = config  # what it runs with: GET /v1/engine/config
+        self.config: EngineConfig = config.requested
+        self.observer: StatsObserver = observer or NullObserver()
         self.tokenizer = tokenizer
         # asked by the runner between interruptible encoder units: is a short request on its way to add_request?
         # (set by the serving side, AsyncEngine; None: never)
         self.short_request_pending: Callable[[], bool] | None = None
-        dtype = torch_dtype(config.dtype, config.quantization)
-        self.capacity = plan_kv_capacity(self.model_config, config)
+        self.capacity = config.kv
+        log.info(config.describe())  # the one start-up block: every choice the engine runs with
+        machine = machine or Machine.detect(build_kernels=self.config.cpu_kernels != "off")  # as resolved
         self.executor: Executor = InProcessExecutor(
-            model_dir, self.model_config, dtype, self.capacity.num_blocks, self.capacity.block_size, config.seed,
-            fault_hook, threads=ThreadPlan(config.num_threads, config.decode_threads),
-            quantization=config.quantization, cpu_kernels=config.cpu_kernels, interrupt=self._interrupt,
+            model_dir, self.model_config, config.model, machine, self.capacity.num_blocks,
+            self.capacity.block_size, self.config.seed, fault_hook,
+            threads=ThreadPlan(config.num_threads, config.decode_threads), interrupt=self._interrupt,
         )
-        dtype_bytes = torch.tensor([], dtype=dtype).element_size()
-        per_token = family_named(self.model_config.family).encoder_bytes_per_token(self.model_config, dtype_bytes)
-        encoder_tokens = config.cache.encoder_cache_memory_bytes // per_token if config.cache.enable_encoder_cache else 0
         self.scheduler = Scheduler(
-            config.scheduler,
-            config.cache,
+            self.config.scheduler,
+            self.config.cache,
             self.capacity.num_blocks,
             self.capacity.max_model_len,
-            encoder_tokens,
+            config.encoder_cache_tokens,
         )
         self.requests: dict[str, Request] = {}
         self._detok: dict[str, IncrementalDetokenizer] = {}
@@ -143,13 +83,6 @@ class LLMEngine:
         self.num_images_encoded = 0  # images the vision tower ran for (cache misses that were computed)
         self._busy_s = 0.0  # seconds spent inside step(), since start
         self._num_steps = 0  # steps with work, since start (or forget_traffic)
-        weights = {"fp16": "; language model linear layers: float16 weights (FBGEMM)",
-                   "int8": "; language model and vision tower linear layers: int8 weights, each input row quantized "
-                           "with its own scale",
-                   "bf16": "; language model linear layers: bf16 weights, float32 activations",
-                   }.get(self.executor.quantization, "")
-        log.info("dtype %s (requested %s)%s", str(dtype).removeprefix("torch."), config.dtype, weights)
-        log.info(self.capacity.describe())
 
     def calibrate(self) -> None:
         """Fit the step-cost model on a few synthetic requests before serving (engine/calibration.py)."""

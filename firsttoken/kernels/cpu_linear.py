@@ -17,10 +17,10 @@ torch's time, 2 rows 0.59x, 4 rows 0.63x, 8 rows 1.11x, hence ``MAX_ROWS_BF16``.
 products take dot-product instructions instead (vdpbf16ps: 32 bf16 products an instruction, no widening; each
 weight row still read once in one stream, up to 16 rows of x against it): all the `small` checkpoint's bf16
 products streamed from memory, one thread, 8 rows ~0.65x the AVX2 loop's time (1 row the same: memory-bound), so
-there bf16 products of up to ``MAX_ROWS_BF16_DP`` rows take the kernels (``max_rows_bf16()``).
+there bf16 products of up to ``MAX_ROWS_BF16_DP`` rows take the kernels (``_Kernel.max_rows_bf16``).
 
-The weights keep the layouts models/layers.py's ``store_weights_input_major`` gives them (widening layers
-input-major, the narrowing down projection row-major); each layout has its kernel. Every output is summed in the
+The weights keep the layouts their layers' methods give them (models/linear.py: widening layers input-major or
+row-major, the narrowing down projection row-major); each layout has its kernel. Every output is summed in the
 same order whatever the number of rows and threads, so a request's decode products are bitwise the same whichever
 requests share its step.
 
@@ -35,9 +35,9 @@ Built with the machine's C compiler (``$CC``, else ``cc``/``gcc``: Debian's ``gc
 ``$FIRSTTOKEN_CACHE/kernels`` (default ``~/.cache/firsttoken/kernels``), once per source and flags, about a second;
 loaded with ctypes (the call releases the GIL). Where the CPU lacks AVX2/FMA, no compiler is found, the build fails
 or the built kernels disagree with torch on check products, ``kernel_unavailable()`` says why and the engine keeps
-torch's product (``--cpu-kernels off`` asks for that). For float32, ``auto`` also leaves Intel's AVX-512 CPUs to MKL
-(it won on the Xeon measured; ``--cpu-kernels on`` takes the kernels there); AMD's AVX-512 EPYC was measured faster
-with them.
+torch's product (``--cpu-kernels off`` asks for that). Which layers take them is the model's plan
+(models/plan.py: for float32, ``auto`` also leaves Intel's AVX-512 CPUs to MKL); the layers' methods that call them
+are models/kernel_linear.py's, models/quant.py's and models/fused_decode.py's.
 """
 
 from __future__ import annotations
@@ -47,16 +47,17 @@ import functools
 import hashlib
 import logging
 import os
-import platform
 import shutil
 import subprocess
 import tempfile
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from torch import nn
+
+from firsttoken.kernels.cpu_features import CpuFeatures
 
 log = logging.getLogger("firsttoken.kernels")
 
@@ -65,7 +66,7 @@ MAX_ROWS_BF16 = 4  # bf16 decode step, 1 thread: 4 rows 0.63x torch's time, 8 ro
 # the sampler's top-k through ft_topk up to this k: its insertions cost ~k ln(n/k) x k/2 moves, so beyond a few
 # hundred torch's topk is faster (152k logits, top-p growing to k = 4,096: 1.7x torch's time)
 TOPK_MAX = 256
-MAX_ROWS_BF16_DP = 16  # the AVX512-BF16 dot-product loop (ft_bf16_dp): see max_rows_bf16
+MAX_ROWS_BF16_DP = 16  # the AVX512-BF16 dot-product loop (ft_bf16_dp): see _Kernel.max_rows_bf16
 SOURCE = Path(__file__).with_name("cpu_linear.c")
 CFLAGS = ("-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC", "-std=gnu11")  # no fused
 # multiply-adds beyond the ones written: the int8 kernels are bitwise twins of torch ops
@@ -113,68 +114,6 @@ def set_kernel_spin(mode: str) -> None:
         kernel.lib.ft_pool_spin(int(POOL_SPIN_S[mode] * 1e9))
         _spin[0] = mode
 
-
-
-@functools.lru_cache(maxsize=1)
-def cpu_flags() -> frozenset[str] | None:
-    """This CPU's feature flags (Linux: /proc/cpuinfo), or None where they cannot be read."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return frozenset(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return None
-
-
-@functools.lru_cache(maxsize=1)
-def cpu_vendor() -> str | None:
-    """/proc/cpuinfo's vendor_id (``GenuineIntel``, ``AuthenticAMD``), or None where it cannot be read."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("vendor_id"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return None
-
-
-def cpu_has_avx2_fma() -> bool:
-    """AVX2 and FMA on this CPU (its flags; where they cannot be read, torch's own dispatch level)."""
-    if platform.machine().lower() not in ("x86_64", "amd64"):
-        return False
-    flags = cpu_flags()
-    if flags is not None:
-        return {"avx2", "fma"} <= flags
-    return torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
-
-
-def cpu_has_avx512() -> bool:
-    flags = cpu_flags()
-    return flags is not None and "avx512f" in flags
-
-
-def kernels_skipped(setting: str, dtype: torch.dtype = torch.float32) -> str | None:
-    """None when ``--cpu-kernels setting`` uses the kernels on this machine for a ``dtype`` language model, else
-    why not. float32: ``auto`` leaves Intel's AVX-512 CPUs to MKL (there its products use AVX-512 and the kernels,
-    AVX2, lost on an AVX-512 Xeon) and takes them on AMD's (a 2-vCPU AVX-512 EPYC, one thread, `small` checkpoint,
-    whole decode steps with the fused layers: 0.57-0.78x MKL's at 1-16 rows). bfloat16: ``auto`` takes the kernels
-    on CPUs with native bf16 (AVX512-BF16) but no AMX, where they were measured (2-vCPU EPYC, one thread, `small`
-    checkpoint: 0.51-0.63x torch's decode step at 1-4 rows), and leaves other CPUs to torch. ``on`` takes the
-    kernels wherever they build."""
-    if setting == "off":
-        return "--cpu-kernels off"
-    if setting == "auto" and dtype == torch.bfloat16:
-        flags = cpu_flags() or frozenset()
-        if "avx512_bf16" not in flags or "amx_bf16" in flags:
-            return "bf16 products measured against torch's only on AVX512-BF16 CPUs without AMX " \
-                   "(--cpu-kernels on uses them)"
-    elif setting == "auto" and cpu_has_avx512() and cpu_vendor() != "AuthenticAMD":
-        return "this CPU has AVX-512 (not AMD's), where MKL's products beat these AVX2 kernels on the Xeon " \
-               "measured (--cpu-kernels on uses them)"
-    return kernel_unavailable()
 
 
 def cache_dir() -> Path:
@@ -241,6 +180,13 @@ class _Kernel:
         self.lib.ft_pool_spin.restype, self.lib.ft_pool_spin.argtypes = None, [i64]
         self.lib.ft_quota_cpus.restype = ctypes.c_int
         self.lib.ft_quota_cpus.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p]
+
+    @property
+    def max_rows_bf16(self) -> int:
+        """The most rows a bfloat16 product takes these kernels for: ``MAX_ROWS_BF16_DP`` where the dot-product
+        loop runs (AVX512-BF16; whole bf16 decode steps on a 2-vCPU EPYC, one thread: see docs/performance.md),
+        else ``MAX_ROWS_BF16`` (the AVX2 loop: 8 rows took 1.11x torch's time)."""
+        return MAX_ROWS_BF16_DP if self.bf16_dp else MAX_ROWS_BF16
 
     def pool_stats(self) -> dict[str, int]:
         """The kernels' own threads (ft_parallel): regions run on more than one thread so far, work items the
@@ -319,8 +265,12 @@ class _Kernel:
         return out
 
 
-def _build() -> tuple[_Kernel | None, str | None]:
-    if not cpu_has_avx2_fma():
+Run = Callable[..., subprocess.CompletedProcess]  # subprocess.run's shape: how the compiler is invoked
+
+
+def _build(cpu: CpuFeatures, run: Run = subprocess.run) -> tuple[_Kernel | None, str | None]:
+    """The kernels for this CPU, built (with ``run``) or found in the cache, loaded and checked; else why not."""
+    if not cpu.avx2_fma:
         return None, "this CPU has no AVX2 + FMA"
     cc = compiler()
     if cc is None:
@@ -329,7 +279,7 @@ def _build() -> tuple[_Kernel | None, str | None]:
     digest = hashlib.sha256(source + " ".join((cc, *CFLAGS)).encode()).hexdigest()[:16]
     target = cache_dir() / f"cpu_linear-{digest}.so"
     if not target.exists():
-        reason = _compile(cc, target)
+        reason = _compile(cc, target, run)
         if reason is not None:
             return None, reason
     try:
@@ -340,15 +290,14 @@ def _build() -> tuple[_Kernel | None, str | None]:
     return (kernel, None) if reason is None else (None, reason)
 
 
-def _compile(cc: str, target: Path) -> str | None:
+def _compile(cc: str, target: Path, run: Run) -> str | None:
     """Build into ``target``: aside first, then renamed, so processes building at once race safely."""
     tmp = None
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
         os.close(fd)
-        done = subprocess.run([cc, *CFLAGS, str(SOURCE), "-o", tmp, "-lm"], capture_output=True, text=True,
-                              timeout=120)
+        done = run([cc, *CFLAGS, str(SOURCE), "-o", tmp, "-lm"], capture_output=True, text=True, timeout=120)
         if done.returncode != 0:
             return f"{cc} failed: {done.stderr.strip()[-400:]}"
         os.replace(tmp, target)
@@ -401,10 +350,17 @@ def _check(kernel: _Kernel) -> str | None:
 
 @functools.lru_cache(maxsize=1)
 def _kernel() -> tuple[_Kernel | None, str | None]:
-    kernel, reason = _build()
+    """This process's kernels for this machine's CPU: built and checked once (the start-up self-check)."""
+    kernel, reason = _build(CpuFeatures.detect())
     if reason is not None:
         log.info("few-rows CPU kernel not used: %s", reason)
     return kernel, reason
+
+
+def built_kernels() -> _Kernel | None:
+    """The kernels, built and checked on this machine, or None where they are unavailable (builds them on first
+    call)."""
+    return _kernel()[0]
 
 
 def kernel_unavailable() -> str | None:
@@ -412,75 +368,21 @@ def kernel_unavailable() -> str | None:
     return _kernel()[1]
 
 
-def max_rows_bf16() -> int:
-    """The most rows a bfloat16 product takes the kernels for: ``MAX_ROWS_BF16_DP`` where the dot-product loop runs
-    (AVX512-BF16; whole bf16 decode steps on a 2-vCPU EPYC, one thread: see docs/performance.md), else
-    ``MAX_ROWS_BF16`` (the AVX2 loop: 8 rows took 1.11x torch's time)."""
-    kernel = _kernel()[0]
-    return MAX_ROWS_BF16_DP if kernel is not None and kernel.bf16_dp else MAX_ROWS_BF16
+def kernel_takes(out_features: int, in_features: int, dtype: torch.dtype, input_major: bool) -> bool:
+    """A weight [N, K] = [out_features, in_features] the kernels take, by its shape and layout alone: float32
+    row-major with K % 16 == 0, or input-major (``weight.t()`` contiguous) with K % 8 == 0 and N % 8 == 0;
+    bfloat16 row-major with K % 16 == 0."""
+    if dtype not in (torch.float32, torch.bfloat16):
+        return False
+    if not input_major:
+        return in_features % 16 == 0
+    return dtype == torch.float32 and in_features % 8 == 0 and out_features % 8 == 0
 
 
 def kernel_applies(weight: torch.Tensor) -> bool:
-    """A CPU weight [N, K] the kernels take: float32 row-major with K % 16 == 0, or input-major (``weight.t()``
-    contiguous) with K % 8 == 0 and N % 8 == 0; bfloat16 row-major with K % 16 == 0."""
-    if weight.dtype not in (torch.float32, torch.bfloat16) or weight.device.type != "cpu" or weight.dim() != 2:
+    """A CPU weight [N, K] the kernels take (``kernel_takes``, its layout read off its strides)."""
+    if weight.device.type != "cpu" or weight.dim() != 2:
         return False
-    n, k = weight.shape
     if weight.is_contiguous():
-        return k % 16 == 0
-    if weight.dtype == torch.bfloat16:
-        return False
-    return weight.t().is_contiguous() and k % 8 == 0 and n % 8 == 0
-
-
-class FewRowsLinear(nn.Linear):
-    """``nn.Linear`` (the same parameters, in either layout ``kernel_applies`` takes) whose products of at most
-    ``MAX_ROWS`` rows (``max_rows_bf16()`` for bfloat16) run the kernels; larger inputs, and anything autograd must
-    see, take ``F.linear``."""
-
-    bias32: torch.Tensor | None = None  # a bfloat16 weight's bias, widened once (the kernel sums in float32)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, self.in_features)
-        limit = max_rows_bf16() if x.dtype == torch.bfloat16 else MAX_ROWS
-        if rows.shape[0] > limit or rows.shape[0] == 0 or x.dtype != self.weight.dtype or (
-                torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad)):
-            return F.linear(x, self.weight, self.bias)
-        if x.dtype == torch.bfloat16:  # float32 sums rounded to bf16 at the end, as torch's bf16 product
-            out = _kernel()[0].linear(rows.float(), self.weight, self.bias32)
-            return out.to(torch.bfloat16).view(*x.shape[:-1], self.out_features)
-        if rows.stride(-1) != 1:
-            rows = rows.contiguous()
-        out = _kernel()[0].linear(rows, self.weight, self.bias)
-        return out.view(*x.shape[:-1], self.out_features)
-
-    @classmethod
-    def sharing(cls, weight: nn.Parameter, bias: nn.Parameter | None) -> FewRowsLinear:
-        """A module holding these very parameters (no copy)."""
-        out_features, in_features = weight.shape
-        with torch.device("meta"):
-            module = cls(in_features, out_features, bias=bias is not None)
-        module.weight = weight
-        module.bias = bias
-        if weight.dtype == torch.bfloat16 and bias is not None:
-            module.bias32 = bias.detach().float().contiguous()
-        return module
-
-
-def use_few_rows_kernel(model: nn.Module, exclude_prefix: str) -> int:
-    """Give every float32 or bfloat16 ``nn.Linear`` the kernels take (``kernel_applies``) outside ``exclude_prefix``
-    (and a tied lm_head: a module sharing the embeddings) the kernel for decode-sized products. The caller checks
-    ``kernel_unavailable()`` first. Returns the number of layers changed."""
-    names = [name for name, sub in model.named_modules() if type(sub) is nn.Linear
-             and not name.startswith(exclude_prefix) and kernel_applies(sub.weight)
-             and (sub.bias is None or sub.bias.is_contiguous())]
-    for name in names:
-        parent_name, _, child = name.rpartition(".")
-        parent = model.get_submodule(parent_name) if parent_name else model
-        sub = getattr(parent, child)
-        setattr(parent, child, FewRowsLinear.sharing(sub.weight, sub.bias))
-    embed = getattr(model, "embed_tokens", None)
-    if getattr(model, "lm_head", False) is None and embed is not None and kernel_applies(embed.weight):
-        model.lm_head = FewRowsLinear.sharing(embed.weight, None)  # tied: logits through the kernel too
-        return len(names) + 1
-    return len(names)
+        return kernel_takes(*weight.shape, weight.dtype, input_major=False)
+    return weight.t().is_contiguous() and kernel_takes(*weight.shape, weight.dtype, input_major=True)

@@ -15,6 +15,7 @@ from torch import nn
 
 from firsttoken.attention.base import AttentionBackend
 from firsttoken.models.config import ModelConfig, VisionConfig
+from firsttoken.models.decode import DecoderLayout
 from firsttoken.models.mrope import MRopePositions, compute_mrope_positions
 from firsttoken.models.recipe import CheckpointRecipe
 from firsttoken.models.weights import WeightMapping
@@ -44,3 +45,6 @@ class ModelFamily:
     # (config, bytes per element of the model's dtype) -> bytes of ImageEmbeddings per visual token: what one token
     # of an image holds in the encoder cache (main rows, and DeepStack features where the tower has them)
     encoder_bytes_per_token: Callable[[ModelConfig, int], int] = main_rows_bytes
+    # its decoder's parts as decode methods that read weights directly see them (models/decode.py: the fused decode
+    # layers); None: its decoder layers always run eagerly
+    decoder_layout: Callable[[ModelConfig], DecoderLayout] | None = None

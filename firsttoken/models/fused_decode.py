@@ -3,42 +3,42 @@
 At batch 1 a decode step of the `small` checkpoint in bf16 issued ~1,440 tensor ops (float32 ~1,030): per layer two
 norms, the rotary, the cache write, SDPA, residuals and the MLP's activation around the four products. Each costs
 ~1-3 us of dispatch whatever its size, so outside the products the step's forward spent ~2 ms (one thread,
-AVX512-BF16 EPYC: forward 4.4 ms, of which the products' weights at memory speed ~2.6). ``FusedDecoder`` hands the
+AVX512-BF16 EPYC: forward 4.4 ms, of which the products' weights at memory speed ~2.6). ``FusedDecode`` hands the
 whole stack of layers to one C function for pure-decode steps of at most ``MAX_ROWS_FUSED_BF16`` rows (16 where the
 bf16 products take AVX512-BF16 dot products; float32: ``MAX_ROWS``): the same products (the few-rows kernels the
 eager step calls, each weight in its stored layout), the eager path's rounding points everywhere else (bf16: every
 bf16 tensor rounded; float32: none), and attention straight from the paged cache (no gather, no mask). The
 attention's and the norm's float32 sums go in another order than torch's, so a hidden state may differ from the
 eager path's by a rounding step (tests/oracle/test_fused_decode.py bounds it against float64 arithmetic on the same
-weights). A row's results do not depend on the other rows of its step. Where the lm_head is the kernels'
-(``FewRowsLinear``), the model's final norm and its lm_head run in the same call, and ``compute_logits`` returns
-those logits for the step's rows: Python is entered once per step, after the logits, instead of once more between
+weights). A row's results do not depend on the other rows of its step. Where the lm_head's method is one these
+kernels run too, the model's final norm and its lm_head run in the same call when the runner asks for every row's
+logits (``ForwardOutput.logits``): Python is entered once per step, after the logits, instead of once more between
 two calls that stream weights (the first op after one runs from cold caches).
 
-Taken where the few-rows kernels are (``--cpu-kernels``: see ``kernels_skipped``) for a bfloat16 or float32
-language model on the CPU with the SDPA backend, and for float32 activations with bf16 weights (``--quantization
-bf16``: each product reads its bf16 weight as the eager ``Bf16WeightLinear`` does) or int8 weights (``--quantization
-int8``: each product quantizes its rows and multiplies as the eager ``Int8Linear``'s kernel does: the same numbers);
-prefill, mixed steps, steps of more rows, fp16 weights keep the eager layers.
+``FusedDecode`` is a decode method (models/decode.py): the plan takes it (models/plan.py) where the few-rows kernels
+are taken (``--cpu-kernels``) for a bfloat16 or float32 language model on the CPU with the SDPA backend, and for
+float32 activations with bf16 weights (``--quantization bf16``: each product reads its bf16 weight as the eager
+``Bf16Weights`` method does) or int8 weights (``--quantization int8``: each product quantizes its rows and
+multiplies as the eager ``Int8Weights`` kernel does: the same numbers), and where ``fused_decode_unsupported`` finds
+every projection of the family's ``DecoderLayout`` one it runs; prefill, mixed steps, steps of more rows, steps
+with images and fp16 weights keep the eager layers (the model's ``decoder_layers``).
 """
 
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Callable, Sequence
+from typing import Protocol
 
 import torch
 from torch import nn
 
 from firsttoken.attention.base import AttentionMetadata
-from firsttoken.kernels.cpu_linear import (
-    MAX_ROWS,
-    MAX_ROWS_BF16_DP,
-    FewRowsLinear,
-    _kernel,
-    kernel_applies,
-    kernel_threads,
-)
-from firsttoken.models.quant import Bf16WeightLinear, Int8Linear
+from firsttoken.kernels.cpu_linear import MAX_ROWS, MAX_ROWS_BF16_DP, kernel_threads
+from firsttoken.models.decode import DecoderLayout
+from firsttoken.models.interfaces import DecoderModel, ForwardOutput, ImageRows
+from firsttoken.models.layers import rolled_sin
+from firsttoken.models.linear import Linear, LinearMethod
 
 # bf16 steps of up to 8 rows where the bf16 products take the AVX2 loop: the fused layers against the eager layers
 # (torch's AVX512-BF16 products above MAX_ROWS_BF16 = 4 rows), whole in-process decode steps, one thread, `small`
@@ -61,6 +61,28 @@ class _Layer(ctypes.Structure):
                 ("qkv_s", _P), ("o_s", _P), ("gate_up_s", _P), ("down_s", _P)]
 
 
+class FusedMethod(Protocol):
+    """A linear method whose products the fused layers run themselves (models/kernel_linear.py's, models/quant.py's
+    bf16 and int8 weights)."""
+
+    def fuses(self, in_features: int, out_features: int, dtype: torch.dtype) -> bool:
+        """For ``dtype`` activations, from the layer's shape alone (the plan asks before any weight is loaded)."""
+        ...
+
+    def fused_weight(self, layer: Linear) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The weight the fused product reads, and its per-output scales (int8) or None."""
+        ...
+
+    def fused_bias(self, layer: Linear) -> torch.Tensor | None:
+        """The bias in float32, or None."""
+        ...
+
+
+def method_fuses(method: LinearMethod, in_features: int, out_features: int, dtype: torch.dtype) -> bool:
+    fuses = getattr(method, "fuses", None)
+    return fuses is not None and fuses(in_features, out_features, dtype)
+
+
 def _kind(weight: torch.Tensor) -> int:
     if weight.dtype == torch.int8:
         return KIND_I8_BLK if weight.dim() == 3 else KIND_I8_IM
@@ -69,85 +91,94 @@ def _kind(weight: torch.Tensor) -> int:
     return KIND_F32_RM if weight.is_contiguous() else KIND_F32_IM
 
 
-def _weight(lin: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(the weight a fused product reads, its per-output scales or None): an Int8Linear's int8 weight ([K, N], or
-    in the kernels' blocks)."""
-    if isinstance(lin, Int8Linear):
-        return lin.qweight, lin.scale
-    return lin.weight, None
-
-
-def _takes(lin: nn.Module, dtype: torch.dtype) -> bool:
-    """A linear layer whose product the fused layers run for ``dtype`` activations: the kernels' layouts of that
-    dtype; beside float32 activations also a row-major bf16 weight (--quantization bf16: widened exactly, float32
-    sums) and an Int8Linear the kernels take (--quantization int8: each row quantized with its own scale, exact
-    int32 sums, as its eager product)."""
-    if isinstance(lin, Int8Linear):
-        return dtype == torch.float32 and lin.use_kernels and lin.kernel_shape
-    weight = getattr(lin, "weight", None)
-    if not isinstance(weight, torch.Tensor):
-        return False
-    same = weight.dtype == dtype or (dtype == torch.float32 and weight.dtype == torch.bfloat16)
-    return same and kernel_applies(weight)
-
-
 def _ptr(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
 
-class FusedDecoder:
-    """The decoder layers of a ``Qwen2VLModel`` (any family built on it) as one C call per decode step, in the
-    model's dtype (bfloat16 or float32). Points at the model's parameters (and a bf16 qkv bias's float32 copy, which
-    its FewRowsLinear holds); whatever replaces one after load must build a new FusedDecoder."""
+MethodFor = Callable[[str, int, int, bool, bool], LinearMethod]  # (name, in, out, bias, tied) -> the layer's method
 
-    def __init__(self, model: nn.Module) -> None:
-        lib = _kernel()[0]
-        assert lib is not None
-        self._fn = lib.lib.ft_decode_layers
+
+def fused_decode_unsupported(layout: DecoderLayout | None, method_for: MethodFor, dtype: torch.dtype,
+                             attention_backend: str) -> str | None:
+    """None when ``FusedDecode`` takes this decoder's decode steps, else why not: from the family's layout and the
+    methods its projections get (``method_for``), before any weight is loaded. The caller checked that the
+    kernels are in use."""
+    if layout is None:
+        return "the model family declares no decoder layout"
+    if attention_backend != "sdpa":
+        return f"attention backend {attention_backend} (the fused layers read the SDPA backend's paged cache)"
+    if layout.rotary != "half-split":
+        return f"{layout.rotary} rotary unsupported"
+    if layout.head_dim % 8 or layout.head_dim > 512 or layout.num_heads % layout.num_kv_heads:
+        return f"head_dim {layout.head_dim} / heads {layout.num_heads}:{layout.num_kv_heads} unsupported"
+    if dtype not in (torch.bfloat16, torch.float32):
+        return f"{dtype} activations (bfloat16 and float32 only)"
+    for name, in_features, out_features, bias in layout.projections():
+        if not method_fuses(method_for(name, in_features, out_features, bias, False), in_features, out_features,
+                            dtype):
+            return "decoder weights the few-rows kernels do not take"
+    return None
+
+
+class FusedDecode:
+    """The decoder layers of a family's ``DecoderLayout`` as one C call per pure-decode step, in the model's dtype
+    (bfloat16 or float32). ``process_weights`` points it at the model's loaded parameters (and a bf16 qkv bias's
+    float32 copy); whatever replaces one after that must process them again. ``head``: the final norm and the
+    lm_head run in the same call where the runner asks for every row's logits."""
+
+    def __init__(self, layout: DecoderLayout, kernels, dtype: torch.dtype, head: bool) -> None:
+        """``kernels``: the built library (kernels/cpu_linear.py's)."""
+        self.layout = layout
+        self.dtype = dtype
+        self.with_head = head
+        self.name = "fused decode layers" + (" + final norm and lm_head" if head else "")
+        self._fn = kernels.lib.ft_decode_layers
         i64, p = ctypes.c_int64, ctypes.c_void_p
         self._fn.restype = ctypes.c_int
         self._fn.argtypes = [p, i64, p, i64, p, i64, i64, i64, i64, i64, i64, ctypes.c_float, p, p, p, i64, p, p,
                              i64, ctypes.c_float, ctypes.c_int, ctypes.c_int, p, p, ctypes.c_int32, p, i64, p]
-        self.dtype = model.embed_tokens.weight.dtype
-        if self.dtype != torch.bfloat16:
+        if dtype != torch.bfloat16:
             self.max_rows = MAX_ROWS
         else:  # the dot-product loop's products beat torch's up to its own limit; the AVX2 loop's up to 8 rows
-            self.max_rows = MAX_ROWS_BF16_DP if lib.bf16_dp else MAX_ROWS_FUSED_BF16
-        c = model.config
-        self.hidden, self.heads, self.kv_heads, self.head_dim = c.hidden_size, c.num_attention_heads, \
-            c.num_key_value_heads, c.head_dim
-        self.intermediate, self.eps = c.intermediate_size, float(c.rms_norm_eps)
-        self.num_layers = len(model.layers)
-        layers = (_Layer * self.num_layers)()
-        for i, layer in enumerate(model.layers):
-            attn, mlp = layer.self_attn, layer.mlp
-            bias32 = attn.qkv_proj.bias  # the kernels sum in float32: a bf16 bias's float32 copy, made at load
-            if bias32 is not None and bias32.dtype != torch.float32:
-                bias32 = attn.qkv_proj.bias32
-            (qkv, qkv_s), (o, o_s), (gu, gu_s), (down, down_s) = (
-                _weight(lin) for lin in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj))
-            layers[i] = _Layer(
-                _ptr(layer.input_layernorm.weight), _ptr(layer.post_attention_layernorm.weight), _ptr(qkv),
-                _ptr(bias32), _ptr(attn.q_norm.weight if attn.q_norm else None),
-                _ptr(attn.k_norm.weight if attn.k_norm else None), _ptr(o), _ptr(gu), _ptr(down), _kind(qkv),
-                _kind(o), _kind(gu), _kind(down), _ptr(qkv_s), _ptr(o_s), _ptr(gu_s), _ptr(down_s))
-        self._layers = layers
-        self.scale = model.layers[0].self_attn.scale
-        # the final norm and the lm_head in the same call, where the eager lm_head is these kernels' (FewRowsLinear):
-        # the first Python after a call that streamed every weight runs from cold caches (the eager final norm of
-        # one row took ~0.1-0.2 ms there, ~27 us warm), so one re-entry per step instead of two
-        head = model.lm_head
-        self.head = head if isinstance(head, (FewRowsLinear, Bf16WeightLinear, Int8Linear)) and head.bias is None \
-            and _takes(head, self.dtype) and model.norm.weight.dtype == self.dtype \
-            and model.norm.weight.is_contiguous() else None
-        # ft_decode_layers' last arguments but the logits: (final norm, lm_head weight, its kind, its scales,
-        # vocabulary)
-        self._head_args = (None, None, 0, None, 0)
-        if self.head is not None:
-            w, scales = _weight(self.head)
-            self._head_args = (model.norm.weight.data_ptr(), w.data_ptr(), _kind(w), _ptr(scales),
-                               self.head.out_features)
+            self.max_rows = MAX_ROWS_BF16_DP if kernels.bf16_dp else MAX_ROWS_FUSED_BF16
+        self.scale = layout.head_dim**-0.5
+        self.num_layers = len(layout.layers)
+        self._layers = None
+        self._final_norm: nn.Module | None = None
+        self.head: Linear | None = None  # the lm_head whose product rides in the call, once processed
+        self._head_args: tuple = (None, None, 0, None, 0)
         self.steps = 0  # pure-decode steps taken here (tests read it)
+
+    def process_weights(self, model: nn.Module) -> None:
+        part = model.get_submodule
+        layers = (_Layer * self.num_layers)()
+        for i, p in enumerate(self.layout.layers):
+            qkv, o, gu, down = (part(name) for name in (p.qkv_proj, p.o_proj, p.gate_up_proj, p.down_proj))
+            (qkv_w, qkv_s), (o_w, o_s), (gu_w, gu_s), (down_w, down_s) = (
+                lin.method.fused_weight(lin) for lin in (qkv, o, gu, down))
+            norms = [part(p.input_norm).weight, part(p.post_norm).weight]
+            norms += [part(n).weight for n in (p.q_norm, p.k_norm) if n is not None]
+            if any(t.dtype != self.dtype or not t.is_contiguous() for t in norms):
+                raise ValueError(f"layer {i}: norm weights are not {self.dtype}")
+            layers[i] = _Layer(
+                _ptr(norms[0]), _ptr(norms[1]), _ptr(qkv_w), _ptr(qkv.method.fused_bias(qkv)),
+                _ptr(part(p.q_norm).weight if p.q_norm else None), _ptr(part(p.k_norm).weight if p.k_norm else None),
+                _ptr(o_w), _ptr(gu_w), _ptr(down_w), _kind(qkv_w), _kind(o_w), _kind(gu_w), _kind(down_w),
+                _ptr(qkv_s), _ptr(o_s), _ptr(gu_s), _ptr(down_s))
+        self._layers = layers
+        self._final_norm = part(self.layout.final_norm)
+        # the final norm and the lm_head in the same call, where the lm_head's method is one these kernels run: the
+        # first Python after a call that streamed every weight runs from cold caches (the eager final norm of one
+        # row took ~0.1-0.2 ms there, ~27 us warm), so one re-entry per step instead of two
+        if self.with_head:
+            head, norm = part(self.layout.lm_head), self._final_norm.weight
+            if head.bias is not None or norm.dtype != self.dtype or not norm.is_contiguous():
+                raise ValueError("the lm_head the fused call runs has a bias or its final norm another dtype")
+            w, scales = head.method.fused_weight(head)
+            self.head = head
+            # ft_decode_layers' last arguments but the logits: (final norm, lm_head weight, its kind, its scales,
+            # vocabulary)
+            self._head_args = (norm.data_ptr(), w.data_ptr(), _kind(w), _ptr(scales), head.out_features)
 
     def takes(self, num_rows: int) -> bool:
         """Would a pure-decode step of this many rows come here (the runner sets its threads by it)?"""
@@ -156,6 +187,16 @@ class FusedDecoder:
     def applies(self, x: torch.Tensor, meta: AttentionMetadata, kv_caches: list[torch.Tensor]) -> bool:
         return (self.takes(x.shape[0]) and meta.is_pure_decode and kv_caches[0].dtype == self.dtype
                 and kv_caches[0].is_contiguous())
+
+    def run(self, model: DecoderModel, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+            kv_caches: list[torch.Tensor], meta: AttentionMetadata, images: Sequence[ImageRows],
+            all_logits: bool) -> ForwardOutput:
+        if images or not self.applies(x, meta, kv_caches):
+            return ForwardOutput(model.decoder_layers(x, cos, sin, kv_caches, meta, images))
+        if self.head is None or not all_logits:
+            return ForwardOutput(self._final_norm(self(x, cos, rolled_sin(sin), kv_caches, meta)))
+        hidden, logits = self(x, cos, rolled_sin(sin), kv_caches, meta, with_head=True)
+        return ForwardOutput(hidden, logits)
 
     def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin_rolled: torch.Tensor, kv_caches: list[torch.Tensor],
                  meta: AttentionMetadata, with_head: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
@@ -168,53 +209,13 @@ class FusedDecoder:
         seq_lens = (ctypes.c_int64 * m)(*meta.seq_lens)
         table, slots = meta.block_tables, meta.slot_mapping  # int32 [M, blocks], int64 [M]: AttentionMetadata.build
         logits = torch.empty(m, self.head.out_features, dtype=torch.float32) if with_head else None
-        rc = self._fn(self._layers, self.num_layers, kv, kv_caches[0].stride(0), x.data_ptr(), m, self.hidden,
-                      self.heads, self.kv_heads, self.head_dim, self.intermediate, self.eps, cos.data_ptr(),
-                      sin_rolled.data_ptr(), table.data_ptr(), table.stride(0), seq_lens, slots.data_ptr(),
-                      meta.block_size, self.scale, self.dtype == torch.bfloat16, kernel_threads(),
+        lay = self.layout
+        rc = self._fn(self._layers, self.num_layers, kv, kv_caches[0].stride(0), x.data_ptr(), m, lay.hidden_size,
+                      lay.num_heads, lay.num_kv_heads, lay.head_dim, lay.intermediate_size, lay.rms_norm_eps,
+                      cos.data_ptr(), sin_rolled.data_ptr(), table.data_ptr(), table.stride(0), seq_lens,
+                      slots.data_ptr(), meta.block_size, self.scale, self.dtype == torch.bfloat16, kernel_threads(),
                       *(self._head_args if with_head else (None, None, 0, None, 0)), _ptr(logits))
         if rc != 0:
             raise MemoryError("fused decode layers: no scratch memory")
         self.steps += 1
         return x if logits is None else (x, logits)
-
-
-def fused_decode_unsupported(model: nn.Module) -> str | None:
-    """None when ``FusedDecoder`` takes this model's decode steps, else why not. The caller checked that the
-    few-rows kernels are in use (``kernels_skipped``)."""
-    from firsttoken.attention.sdpa import SdpaBackend
-
-    if _kernel()[0] is None:
-        return "the few-rows kernels are not built"
-    c = getattr(model, "config", None)
-    layers = getattr(model, "layers", None)
-    if c is None or layers is None or not isinstance(getattr(model, "attn_backend", None), SdpaBackend):
-        return "not a Qwen2VLModel decoder on the SDPA backend"
-    if c.head_dim % 8 or c.head_dim > 512 or c.num_attention_heads % c.num_key_value_heads:
-        return f"head_dim {c.head_dim} / heads {c.num_attention_heads}:{c.num_key_value_heads} unsupported"
-    dtype = model.embed_tokens.weight.dtype
-    if dtype not in (torch.bfloat16, torch.float32):
-        return f"{dtype} activations (bfloat16 and float32 only)"
-    for layer in layers:
-        attn, mlp = layer.self_attn, layer.mlp
-        for lin in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
-            if not _takes(lin, dtype):
-                return "decoder weights the few-rows kernels do not take"
-        if mlp.gate_up_proj.bias is not None or mlp.down_proj.bias is not None or attn.o_proj.bias is not None:
-            return "biases outside qkv_proj unsupported"
-        bias = attn.qkv_proj.bias
-        if bias is not None and bias.dtype != torch.float32 and getattr(attn.qkv_proj, "bias32", None) is None:
-            return "a bf16 qkv bias without its float32 copy (not a FewRowsLinear)"
-        norms = [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
-        norms += [n.weight for n in (attn.q_norm, attn.k_norm) if n is not None]
-        if any(t.dtype != dtype or not t.is_contiguous() for t in norms):
-            return f"norm weights are not {dtype}"
-    return None
-
-
-def use_fused_decode(model: nn.Module) -> str | None:
-    """Give ``model`` a ``FusedDecoder`` for its pure-decode steps; returns None, or why not (nothing changed)."""
-    reason = fused_decode_unsupported(model)
-    if reason is None:
-        model.fused_decode = FusedDecoder(model)
-    return reason

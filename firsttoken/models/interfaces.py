@@ -7,6 +7,12 @@ A family's model is an ``nn.Module`` with
     model.visual.finish_encode(state) -> ImageEmbeddings                   # merger(s), order restored
     model(input_ids, positions, kv_caches, meta, images) -> hidden         # [num_tokens, hidden], writes KV
     model.compute_logits(hidden) -> logits                                 # [n, vocab] float32
+    model.forward_step(input_ids, positions, kv_caches, meta, images, all_logits) -> ForwardOutput
+    model.decode.takes(num_rows)                                           # a pure-decode step fused? (threads)
+
+``forward_step`` is the forward the runner calls: with ``all_logits`` (every row of the step samples) a decode method
+that computes the logits in the same call returns them (``ForwardOutput.logits``), else the runner calls
+``compute_logits`` on the rows that sample. ``forward`` is ``forward_step(...).hidden``.
 
 An image's vision work is a fixed sequence of ``EncoderUnit``s (the family's ``encoder_units(vision, grid)``, a
 pure function of the config and the patch grid, so the scheduler and the input processor know it without the
@@ -49,6 +55,15 @@ class ImageEmbeddings:
 
 
 @dataclass(frozen=True)
+class ForwardOutput:
+    """A forward's final-norm hidden states [num_tokens, hidden] and, where the step's decode method computed them
+    in the same call (asked for every row's), the logits [num_tokens, vocab] float32, else None."""
+
+    hidden: torch.Tensor
+    logits: torch.Tensor | None = None
+
+
+@dataclass(frozen=True)
 class ImageRows:
     """Image embedding rows for packed-batch rows [start, start + embeddings.num_tokens)."""
 
@@ -79,8 +94,35 @@ class VisionEncoder(Protocol):
     def finish_encode(self, state: EncodeState) -> ImageEmbeddings: ...
 
 
+class DecoderModel(Protocol):
+    """What a decode method may call on its model: the eager layers (a step it does not take)."""
+
+    def decoder_layers(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_caches: list[torch.Tensor],
+                       meta: AttentionMetadata, images: Sequence[ImageRows]) -> torch.Tensor: ...
+
+
+class DecodeMethod(Protocol):
+    name: str
+
+    def takes(self, num_rows: int) -> bool:
+        """Would a pure-decode step of this many rows run as one fused call (the runner sets its threads by it)?"""
+        ...
+
+    def process_weights(self, model: torch.nn.Module) -> None:
+        """Once, after the model's weights are loaded and its linear layers' methods have processed theirs."""
+        ...
+
+    def run(self, model: DecoderModel, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+            kv_caches: list[torch.Tensor], meta: AttentionMetadata, images: Sequence[ImageRows],
+            all_logits: bool) -> ForwardOutput:
+        """x [num_tokens, hidden]: the step's embeddings (image rows placed); cos, sin [num_tokens, head_dim] in
+        x's dtype. ``all_logits``: every row samples, so logits computed in the same call may come back."""
+        ...
+
+
 class MultimodalModel(Protocol):
     visual: VisionEncoder
+    decode: DecodeMethod  # how its decoder layers run (models/decode.py), chosen when it was built
 
     @property
     def dtype(self) -> torch.dtype: ...
@@ -93,5 +135,11 @@ class MultimodalModel(Protocol):
         meta: AttentionMetadata,
         images: Sequence[ImageRows] = (),
     ) -> torch.Tensor: ...
+
+    def forward_step(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
+                     meta: AttentionMetadata, images: Sequence[ImageRows] = (), all_logits: bool = False
+                     ) -> ForwardOutput:
+        """``forward``'s arguments; with ``all_logits`` the logits too where the decode method computed them."""
+        ...
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor: ...

@@ -13,6 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from firsttoken.models.linear import Linear
+
 # Below this many elements an RMSNorm input is a decode step's few rows: the op count, not memory, sets its time.
 SMALL_NORM_ELEMENTS = 16 * 4096
 
@@ -62,41 +64,14 @@ class SwiGLUMLP(nn.Module):
     def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False) -> None:
         super().__init__()
         self.intermediate_size = intermediate_size
-        self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=bias)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
+        self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size, bias=bias)
+        self.down_proj = Linear(intermediate_size, hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)  # [..., gate; up], intermediate_size each
         # two slices, not chunk (split, narrows: 7 tensor ops); silu's fresh output takes the product in place
         gate, up = gate_up[..., : self.intermediate_size], gate_up[..., self.intermediate_size :]
         return self.down_proj(F.silu(gate).mul_(up))
-
-
-def store_weights_input_major(module: nn.Module, exclude_prefix: str) -> int:
-    """Store the fp32 ``nn.Linear`` weights that widen (out_features >= in_features) input-major: the same
-    [out, in] parameter (same values, names, shapes), laid out so that ``weight.t()`` is contiguous. ``F.linear``
-    then hands the BLAS a plain, untransposed [in, out] matrix, and the one-row products of decoding stream it at
-    memory speed: measured on a 2-core AVX2 EPYC (MKL, 1 thread, the `small` checkpoint's decoder) 5.5 vs 6.8 ms
-    for batch 1 and 1.3 vs 2.6 ms for its lm_head, equal from 16 rows up. A narrowing weight (the MLP's
-    down_proj, 1408 -> 512) is the other way round: there MKL's row-major dot products are faster (1 thread, weights
-    out of cache: 159 vs 224 us per one-row product, and faster at 8 rows; a whole batch-1 forward 0.96x), so it
-    keeps the checkpoint's layout. Only float32: the same layout made bf16 (emulated on AVX2) 8x slower. The BLAS
-    then sums in another order: one-row outputs change at rounding level (small checkpoint: max |dlogit| 7e-5,
-    same argmax). Submodules named under ``exclude_prefix`` are left alone. Returns the number of weights changed.
-    The loader skips it where firsttoken's kernels take the decode products on an AVX2 CPU
-    (``loader.keeps_row_major``): their row-major loop is faster there."""
-    changed = 0
-    for name, sub in module.named_modules():
-        if not isinstance(sub, nn.Linear) or name.startswith(exclude_prefix):
-            continue
-        weight = sub.weight
-        if weight.dtype != torch.float32 or weight.dim() != 2 or weight.t().is_contiguous():
-            continue
-        if sub.in_features > sub.out_features:
-            continue
-        sub.weight = nn.Parameter(weight.detach().t().contiguous().t(), requires_grad=weight.requires_grad)
-        changed += 1
-    return changed
 
 
 def quick_gelu(x: torch.Tensor) -> torch.Tensor:

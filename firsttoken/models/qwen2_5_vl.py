@@ -23,7 +23,7 @@ from firsttoken.models.config import (
 from firsttoken.models.family import ModelFamily
 from firsttoken.models.qwen2_5_vl_checkpoint import CHECKPOINT_RECIPE
 from firsttoken.models.qwen2_5_vl_vision import Qwen25VisionTransformer, merged_window_side, window_attention_units
-from firsttoken.models.qwen2_vl import QWEN_VL_WEIGHTS, Qwen2VLModel
+from firsttoken.models.qwen2_vl import QWEN_VL_WEIGHTS, Qwen2VLModel, decoder_layout
 from firsttoken.models.qwen2_vl import parse_config as parse_qwen2_vl_config
 from firsttoken.models.vision_tower import VISION_ROPE_THETA
 
@@ -94,4 +94,5 @@ QWEN2_5_VL = ModelFamily(
     weights=QWEN_VL_WEIGHTS,  # the vision MLP's mlp.gate_proj / mlp.up_proj stack into mlp.gate_up_proj as well
     encoder_units=window_attention_units,
     checkpoint=CHECKPOINT_RECIPE,
+    decoder_layout=decoder_layout,
 )

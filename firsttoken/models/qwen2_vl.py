@@ -9,6 +9,10 @@ sequences back to back, ``[num_tokens, ...]`` rows, as ``AttentionMetadata`` des
     hidden = model(input_ids, positions, kv_caches, meta, images)   # positions: [3, num_tokens] from mrope.py
     logits = model.compute_logits(hidden[last_token_rows])          # [num_seqs, vocab] float32
 
+Every linear layer is a ``Linear`` and the decoder's layers run through ``model.decode``: which product method each
+layer takes and how the layers run (eager, or fused for decode steps) is chosen when the model is built
+(models/methods.py); nothing here asks which kernel or device computes it.
+
 ``images`` place vision-tower output rows (``ImageRows``) over the image-pad tokens of this step's chunks; the
 tower runs once per image, unit by unit (``model.visual``), and a chunk that ends inside an image gets the rows it
 covers.
@@ -20,7 +24,6 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from firsttoken.attention.base import AttentionBackend, AttentionMetadata
@@ -34,8 +37,9 @@ from firsttoken.models.config import (
     image_processor_config,
     text_and_vision_dicts,
 )
+from firsttoken.models.decode import EAGER, DecoderLayerParts, DecoderLayout
 from firsttoken.models.family import ModelFamily
-from firsttoken.models.interfaces import ImageRows
+from firsttoken.models.interfaces import DecodeMethod, ForwardOutput, ImageRows
 from firsttoken.models.layers import (
     RMSNorm,
     SwiGLUMLP,
@@ -44,6 +48,7 @@ from firsttoken.models.layers import (
     rolled_sin,
 )
 from firsttoken.models.qwen2_vl_checkpoint import CHECKPOINT_RECIPE
+from firsttoken.models.linear import Linear
 from firsttoken.models.qwen2_vl_vision import (
     IMAGE_PROCESSOR,
     Qwen2VisionTransformer,
@@ -64,8 +69,8 @@ class Qwen2Attention(nn.Module):
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.scale = self.head_dim**-0.5
-        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias)
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
+        self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias)
+        self.o_proj = Linear(self.q_size, config.hidden_size, bias=False)
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.attn_backend = attn_backend
@@ -114,13 +119,12 @@ class Qwen2DecoderLayer(nn.Module):
 
 class Qwen2VLModel(nn.Module):
     """Parameter names: ``visual.*`` (see qwen2_vl_vision), ``embed_tokens``, ``layers.N.*``, ``norm``,
-    ``lm_head`` (absent when the config ties it to ``embed_tokens``). ``visual`` is Qwen2-VL's tower unless a
-    family with the same decoder brings its own (Qwen2.5-VL's, Qwen3-VL's); DeepStack features (Qwen3-VL) join the
-    image rows after the first decoder layers. ``fused_decode`` (models/fused_decode.py, set by the loader where
-    it applies) runs the decoder layers of a pure-decode step of a few rows in one C call."""
+    ``lm_head`` (no weight of its own when the config ties it to ``embed_tokens``: it reads theirs). ``visual`` is
+    Qwen2-VL's tower unless a family with the same decoder brings its own (Qwen2.5-VL's, Qwen3-VL's); DeepStack
+    features (Qwen3-VL) join the image rows after the first decoder layers. ``decode`` runs the decoder layers
+    (models/decode.py: eager, unless the loader chose another method for this model)."""
 
-    fused_decode: Any = None
-    _step_logits: tuple[torch.Tensor, torch.Tensor] | None = None  # the fused step's (hidden, logits)
+    decode: DecodeMethod = EAGER
 
     def __init__(self, config: ModelConfig, attn_backend: AttentionBackend, visual: nn.Module | None = None) -> None:
         super().__init__()
@@ -134,9 +138,8 @@ class Qwen2VLModel(nn.Module):
             [Qwen2DecoderLayer(config, attn_backend) for _ in range(config.num_hidden_layers)]
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.lm_head = (
-            None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        )
+        tied = self.embed_tokens if config.tie_word_embeddings else None  # tied: it reads the embeddings
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False, tied_to=tied)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -151,6 +154,13 @@ class Qwen2VLModel(nn.Module):
         images: Sequence[ImageRows] = (),
     ) -> torch.Tensor:
         """Final-norm hidden states [num_tokens, hidden]; writes this step's keys/values into kv_caches."""
+        return self.forward_step(input_ids, positions, kv_caches, meta, images).hidden
+
+    def forward_step(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
+                     meta: AttentionMetadata, images: Sequence[ImageRows] = (), all_logits: bool = False
+                     ) -> ForwardOutput:
+        """``forward``'s arguments (shapes there) -> its hidden states and, with ``all_logits`` (every row
+        samples), the logits where the decode method computed them in the same call (models/interfaces.py)."""
         if len(kv_caches) != len(self.layers):
             raise ValueError(f"got {len(kv_caches)} KV cache tensors for {len(self.layers)} layers")
         x = self.embed_tokens(input_ids)  # [num_tokens, hidden]
@@ -158,13 +168,18 @@ class Qwen2VLModel(nn.Module):
             x[rows.start : rows.start + rows.embeddings.num_tokens] = rows.embeddings.main.to(x.dtype)
         c = self.config
         cos, sin = mrope_cos_sin(positions, c.head_dim, c.rope_theta, c.mrope_section, x.dtype, c.mrope_interleaved)
-        fused = self.fused_decode
-        if fused is not None and not images and fused.applies(x, meta, kv_caches):
-            if fused.head is None:
-                return self.norm(fused(x, cos, rolled_sin(sin), kv_caches, meta))
-            hidden, logits = fused(x, cos, rolled_sin(sin), kv_caches, meta, with_head=True)
-            self._step_logits = (hidden, logits)  # compute_logits of these very rows returns them
-            return hidden
+        return self.decode.run(self, x, cos, sin, kv_caches, meta, images, all_logits)
+
+    def decoder_layers(
+        self,
+        x: torch.Tensor,  # [num_tokens, hidden]
+        cos: torch.Tensor,  # [num_tokens, head_dim]
+        sin: torch.Tensor,  # [num_tokens, head_dim]
+        kv_caches: list[torch.Tensor],
+        meta: AttentionMetadata,
+        images: Sequence[ImageRows] = (),
+    ) -> torch.Tensor:
+        """The decoder layers and the final norm, one op at a time (``EAGER``, and any decode method's fallback)."""
         cos, sin_rolled = cos[:, None, :], rolled_sin(sin)[:, None, :]  # broadcast over heads
         for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
             x = layer(x, cos, sin_rolled, kv_cache, meta)
@@ -175,12 +190,30 @@ class Qwen2VLModel(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[n, hidden] -> [n, vocab] float32."""
-        step, self._step_logits = self._step_logits, None
-        if step is not None and step[0] is hidden:  # the fused decode step computed them (its lm_head, same kernel)
-            return step[1]
-        if self.lm_head is None:  # tied to the embeddings
-            return F.linear(hidden, self.embed_tokens.weight).float()
-        return self.lm_head(hidden).float()  # an nn.Linear, or models/quant.py's packed float16 one
+        return self.lm_head(hidden).float()
+
+
+def decoder_layout(config: ModelConfig) -> DecoderLayout:
+    """``Qwen2VLModel``'s decoder (any family built on it) as decode methods that read its weights see it."""
+    layers = tuple(
+        DecoderLayerParts(
+            input_norm=f"layers.{i}.input_layernorm",
+            qkv_proj=f"layers.{i}.self_attn.qkv_proj",
+            o_proj=f"layers.{i}.self_attn.o_proj",
+            post_norm=f"layers.{i}.post_attention_layernorm",
+            gate_up_proj=f"layers.{i}.mlp.gate_up_proj",
+            down_proj=f"layers.{i}.mlp.down_proj",
+            q_norm=f"layers.{i}.self_attn.q_norm" if config.qk_norm else None,
+            k_norm=f"layers.{i}.self_attn.k_norm" if config.qk_norm else None,
+        )
+        for i in range(config.num_hidden_layers)
+    )
+    return DecoderLayout(
+        layers, final_norm="norm", lm_head="lm_head", hidden_size=config.hidden_size,
+        num_heads=config.num_attention_heads, num_kv_heads=config.num_key_value_heads, head_dim=config.head_dim,
+        intermediate_size=config.intermediate_size, vocab_size=config.vocab_size, rms_norm_eps=config.rms_norm_eps,
+        qkv_bias=config.attention_bias, tied_lm_head=config.tie_word_embeddings, rotary="half-split",
+    )
 
 
 def parse_config(d: dict[str, Any], preprocessor: dict[str, Any] | None) -> ModelConfig:
@@ -260,4 +293,5 @@ QWEN2_VL = ModelFamily(
     weights=QWEN_VL_WEIGHTS,
     encoder_units=full_attention_units,
     checkpoint=CHECKPOINT_RECIPE,
+    decoder_layout=decoder_layout,
 )

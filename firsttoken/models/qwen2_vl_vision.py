@@ -18,6 +18,7 @@ from torch import nn
 
 from firsttoken.models.config import ImageProcessorConfig, VisionConfig
 from firsttoken.models.layers import apply_rotary, quick_gelu
+from firsttoken.models.linear import Linear
 from firsttoken.models.vision_tower import VisionTower
 from firsttoken.models.vision_units import qkv_share, split_block
 from firsttoken.types import EncoderUnit
@@ -39,7 +40,7 @@ class PatchEmbed(nn.Module):
     def __init__(self, config: VisionConfig, bias: bool = False) -> None:
         super().__init__()
         patch_dim = config.in_channels * config.temporal_patch_size * config.patch_size**2
-        self.proj = nn.Linear(patch_dim, config.embed_dim, bias=bias)
+        self.proj = Linear(patch_dim, config.embed_dim, bias=bias)
 
     def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
         return self.proj(pixel_values.to(self.proj.weight.dtype))
@@ -50,8 +51,8 @@ class VisionAttention(nn.Module):
         super().__init__()
         self.num_heads = config.num_heads
         self.head_dim = config.head_dim
-        self.qkv = nn.Linear(config.embed_dim, 3 * config.embed_dim, bias=True)
-        self.proj = nn.Linear(config.embed_dim, config.embed_dim, bias=True)
+        self.qkv = Linear(config.embed_dim, 3 * config.embed_dim, bias=True)
+        self.proj = Linear(config.embed_dim, config.embed_dim, bias=True)
 
     def forward(
         self,
@@ -96,8 +97,8 @@ class VisionMLP(nn.Module):
         super().__init__()
         if config.hidden_act not in activations:
             raise ValueError(f"vision_config.hidden_act {config.hidden_act!r} unsupported ({', '.join(activations)})")
-        self.fc1 = nn.Linear(config.embed_dim, config.intermediate_size)
-        self.fc2 = nn.Linear(config.intermediate_size, config.embed_dim)
+        self.fc1 = Linear(config.embed_dim, config.intermediate_size)
+        self.fc2 = Linear(config.intermediate_size, config.embed_dim)
         self.act = activations[config.hidden_act]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -133,9 +134,9 @@ class PatchMerger(nn.Module):
         self.postshuffle = postshuffle
         self.ln_q = norm(self.merged_dim if postshuffle else config.embed_dim)
         self.mlp = nn.Sequential(
-            nn.Linear(self.merged_dim, self.merged_dim),
+            Linear(self.merged_dim, self.merged_dim),
             nn.GELU(),
-            nn.Linear(self.merged_dim, config.out_hidden_size),
+            Linear(self.merged_dim, config.out_hidden_size),
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [num_patches, embed_dim] -> [num_patches / 4, out]

@@ -28,7 +28,7 @@ from firsttoken.models.config import (
     text_and_vision_dicts,
 )
 from firsttoken.models.family import ModelFamily
-from firsttoken.models.qwen2_vl import QWEN_VL_WEIGHTS, Qwen2VLModel
+from firsttoken.models.qwen2_vl import QWEN_VL_WEIGHTS, Qwen2VLModel, decoder_layout
 from firsttoken.models.qwen2_vl_vision import full_attention_units
 from firsttoken.models.qwen3_vl_checkpoint import CHECKPOINT_RECIPE
 from firsttoken.models.qwen3_vl_vision import (
@@ -128,4 +128,5 @@ QWEN3_VL = ModelFamily(
     encoder_units=full_attention_units,
     checkpoint=CHECKPOINT_RECIPE,
     encoder_bytes_per_token=deepstack_bytes_per_token,
+    decoder_layout=decoder_layout,
 )

@@ -11,11 +11,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Protocol
 
-import torch
-
 from firsttoken.batch import RunnerOutput, ScheduledBatch
 from firsttoken.models.config import ModelConfig
-from firsttoken.models.loader import load_model
+from firsttoken.models.loader import build_model
+from firsttoken.models.plan_values import Machine, ModelPlan
 from firsttoken.runner.kv_cache import allocate_kv_caches
 from firsttoken.runner.model_runner import FaultHook, ModelRunner, ThreadPlan
 from firsttoken.sampling.sampler import Sampler
@@ -36,33 +35,29 @@ class Executor(Protocol):
         """Bytes of vision-tower outputs held (for /v1/engine/stats)."""
         ...
 
-    quantization: str  # the weights' quantization the model was loaded with (--quantization auto resolved)
-
 
 class InProcessExecutor:
-    """Loads the checkpoint, allocates the paged KV cache, and runs batches in the calling thread."""
+    """Loads the checkpoint as its plan says, allocates the paged KV cache, and runs batches in the calling
+    thread."""
 
     def __init__(
         self,
         model_dir: str | Path,
         model_config: ModelConfig,
-        dtype: torch.dtype,
+        plan: ModelPlan,
+        machine: Machine,
         num_kv_blocks: int,
         block_size: int,
         seed: int | None = None,
         fault_hook: FaultHook | None = None,
-        device: str = "cpu",
         threads: ThreadPlan | None = None,
-        quantization: str = "none",
-        cpu_kernels: str = "auto",
         interrupt: Callable[[], bool] | None = None,
     ) -> None:
-        """``interrupt``: the runner asks it between interruptible encoder units (ModelRunner)."""
-        model = load_model(model_dir, dtype, device, quantization=quantization,
-                           num_threads=threads.threads if threads is not None else None, cpu_kernels=cpu_kernels)
-        self.quantization: str = model.quantization  # what load_model applied (--quantization auto resolved)
-        kv_caches = allocate_kv_caches(model_config, num_kv_blocks, block_size, dtype, device)
-        sampler = Sampler(seed, kernels=cpu_kernels != "off" and device == "cpu")
+        """``plan``: how the model runs here (models/plan.py, resolved by the engine); ``interrupt``: the runner
+        asks it between interruptible encoder units (ModelRunner)."""
+        model = build_model(model_dir, plan, machine)
+        kv_caches = allocate_kv_caches(model_config, num_kv_blocks, block_size, plan.torch_dtype, plan.device)
+        sampler = Sampler(seed, kernels=plan.sampler_kernels)
         self.runner = ModelRunner(model, kv_caches, block_size, sampler, fault_hook, threads, interrupt)
 
     def execute(self, batch: ScheduledBatch) -> RunnerOutput:

@@ -174,8 +174,7 @@ class ModelRunner:
             self._encode_jobs.pop(h, None)
         if self.threads is not None and batch.has_work:  # a bookkeeping-only batch leaves the count alone
             decode_only = not batch.encoder_work and all(c.is_decode for c in batch.chunks)
-            fused = getattr(self.model, "fused_decode", None)
-            self.threads.apply(decode_only, fused=decode_only and fused is not None and fused.takes(len(batch.chunks)))
+            self.threads.apply(decode_only, fused=decode_only and self.model.decode.takes(len(batch.chunks)))
         self._step_units = 0
         self._deferred = [w for w in batch.encoder_work if w.interruptible]
         enc = self._run_encoder_work([w for w in batch.encoder_work if not w.interruptible])
@@ -315,14 +314,19 @@ class ModelRunner:
         self, chunks: list[ScheduledChunk], failed: dict[str, str], timing: dict[str, float]
     ) -> tuple[dict[str, int], dict[str, TokenLogprob]]:
         inputs = self._pack(chunks)
-        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta, inputs.images)
-        timing["forward_done"] = time.monotonic()
         sampling = [(row, c) for row, c in zip(inputs.last_rows, chunks) if c.sample]
+        every_row = bool(sampling) and len(sampling) == len(inputs.input_ids)  # a decode-only batch samples all
+        out = self.model.forward_step(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta, inputs.images,
+                                      all_logits=every_row)
+        timing["forward_done"] = time.monotonic()
         if not sampling:
             return {}, {}
-        if len(sampling) < hidden.shape[0]:  # a decode-only batch samples every row: nothing to pick
-            hidden = hidden[torch.tensor([row for row, _ in sampling])]
-        logits = self.model.compute_logits(hidden)  # [num_sampling, vocab] float32
+        logits = out.logits  # where the decode method computed them in the same call
+        if logits is None:
+            hidden = out.hidden
+            if not every_row:
+                hidden = hidden[torch.tensor([row for row, _ in sampling])]
+            logits = self.model.compute_logits(hidden)  # [num_sampling, vocab] float32
         return self._sample(logits, [c for _, c in sampling], failed)
 
     def _pack(self, chunks: list[ScheduledChunk]) -> _PackedInputs:

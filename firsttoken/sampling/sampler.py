@@ -26,7 +26,7 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -54,10 +54,16 @@ class SampleResult:
     failed: dict[int, str] = field(default_factory=dict)  # row index -> user-safe message
 
 
+Penalties = Callable[..., torch.Tensor]  # (logits, rows, skip=row indices already done) -> penalised logits
+
+
 class Sampler:
-    def __init__(self, seed: int | None = None, kernels: bool = True) -> None:
+    def __init__(self, seed: int | None = None, kernels: bool = True, penalties: Penalties | None = None) -> None:
         """``kernels``: top-k and argmax through firsttoken's CPU kernel (one vectorized pass; torch's are scalar
-        loops on the CPU) where it is built, else torch's (``--cpu-kernels off``); the same tokens either way."""
+        loops on the CPU) where it is built, else torch's (``--cpu-kernels off``); the same tokens either way.
+        ``penalties``: how the rows' repetition penalties are applied (default ``apply_penalties``; a test passes
+        one that also records which rows it was asked for)."""
+        self._penalties: Penalties = penalties or apply_penalties
         self._generator = torch.Generator()
         if seed is not None:
             self._generator.manual_seed(seed)
@@ -96,7 +102,7 @@ class Sampler:
         token_ids = [0] * len(rows)
         done = self._greedy_unseen_maximum(raw, rows, token_ids)
         if any(r.params.has_penalties for i, r in enumerate(rows) if i not in done):
-            logits = _apply_penalties(logits.clone(), rows, skip=done)
+            logits = self._penalties(logits.clone(), rows, skip=done)
             _clamp_finite(logits)  # a tiny repetition penalty divides by ~0
         greedy = [i for i, r in enumerate(rows) if r.params.is_greedy and i not in done]
         for i, token in zip(greedy, self._argmax(logits, greedy) if greedy else ()):
@@ -192,7 +198,7 @@ def _clamp_finite(x: torch.Tensor) -> torch.Tensor:
     return torch.nan_to_num_(x, nan=info.min, posinf=info.max, neginf=info.min)
 
 
-def _apply_penalties(logits: torch.Tensor, rows: Sequence[SampleRow], skip: set[int] = frozenset()) -> torch.Tensor:
+def apply_penalties(logits: torch.Tensor, rows: Sequence[SampleRow], skip: set[int] = frozenset()) -> torch.Tensor:
     """In place on logits [rows, vocab], every penalised row at once (but those in ``skip``): one gather and one
     scatter for the repetition penalty, one index_put for presence/frequency. Returns logits."""
     vocab = logits.shape[-1]

@@ -115,11 +115,12 @@ def test_a_batch_takes_one_sampling_per_conversation(llm: LLM):
 
 
 def test_fp16_weights_through_the_engine_give_the_float32_answers(llm: LLM, tiny_model_dir: Path):
-    from firsttoken.models.quant import Fp16Linear
+    from firsttoken.models.quant import Fp16Weights
 
     fp16 = LLM(tiny_model_dir, quantization="fp16", kv_cache_memory="16MiB", max_batched_tokens=256)
     model = fp16.engine.executor.runner.model
-    assert isinstance(model.layers[0].mlp.gate_up_proj, Fp16Linear) and isinstance(model.lm_head, Fp16Linear)
+    assert isinstance(model.layers[0].mlp.gate_up_proj.method, Fp16Weights)
+    assert isinstance(model.lm_head.method, Fp16Weights)
     assert model.embed_tokens.weight.dtype == torch.float32  # --dtype auto is float32 with fp16 weights
     got = fp16.chat(conversations(), GREEDY)
     expected = llm.chat(conversations(), GREEDY)
@@ -132,18 +133,19 @@ def test_bf16_weights_through_the_engine_decode_in_the_fused_layers(llm: LLM, ti
     """--quantization bf16: float32 activations (--dtype auto), bf16 linear weights; decode steps take the fused
     layers. The tiny checkpoint is float32, so its weights are rounded: the answers are close to float32's (exact
     against a checkpoint of bf16 values: tests/oracle/test_quantization.py)."""
-    from firsttoken.models.quant import Bf16WeightLinear
+    from firsttoken.models.fused_decode import FusedDecode
+    from firsttoken.models.quant import Bf16Weights
     from tests.conftest import require_program
 
     require_program("cc", "gcc", "gcc")  # the kernels that read bf16 weights in decode steps are built with it
     bf16w = LLM(tiny_model_dir, quantization="bf16", kv_cache_memory="16MiB", max_batched_tokens=256)
     model = bf16w.engine.executor.runner.model
-    assert isinstance(model.layers[0].mlp.gate_up_proj, Bf16WeightLinear) and isinstance(model.lm_head,
-                                                                                        Bf16WeightLinear)
-    assert model.embed_tokens.weight.dtype == torch.float32 and model.fused_decode is not None
-    steps = model.fused_decode.steps
+    assert isinstance(model.layers[0].mlp.gate_up_proj.method, Bf16Weights)
+    assert isinstance(model.lm_head.method, Bf16Weights)
+    assert model.embed_tokens.weight.dtype == torch.float32 and isinstance(model.decode, FusedDecode)
+    steps = model.decode.steps
     got = bf16w.chat(conversations(), {"temperature": 0.0, "max_tokens": 8})
-    assert model.fused_decode.steps > steps
+    assert model.decode.steps > steps
     expected = llm.chat(conversations(), {"temperature": 0.0, "max_tokens": 8})
     assert [r.finish_reason for r in got] == ["length"] * 3
     print("bf16 weights vs float32 answers:", [(g.token_ids, e.token_ids) for g, e in zip(got, expected)])
@@ -163,26 +165,27 @@ def test_a_bf16_checkpoint_keeps_its_bf16_weights_by_default_where_activations_a
     llm = LLM(published, dtype="float32", kv_cache_memory="16MiB", max_batched_tokens=256)
     # without a C compiler there are no kernels to read bf16 weights, and auto keeps float32 ones
     expected = "bf16" if kernel_unavailable() is None else "none"
-    assert llm.engine.config.quantization == "auto" and llm.engine.executor.quantization == expected
+    assert llm.engine.config.quantization == "auto" and llm.engine.resolved.model.quantization == expected
     answers = llm.chat(conversations(), {"temperature": 0.0, "max_tokens": 4})
     assert [r.finish_reason for r in answers] == ["length"] * 3
     explicit = LLM(published, dtype="float32", quantization="none", kv_cache_memory="16MiB", max_batched_tokens=256)
-    assert explicit.engine.executor.quantization == "none"
+    assert explicit.engine.resolved.model.quantization == "none"
     f32 = make_model(tmp_path / "f32", size="tiny", seed=3)
     assert LLM(f32, dtype="float32", kv_cache_memory="16MiB",
-               max_batched_tokens=256).engine.executor.quantization == "none"
+               max_batched_tokens=256).engine.resolved.model.quantization == "none"
 
 
 def test_int8_weights_through_the_engine_answer_like_float32_and_regress_runs_unchanged(
         llm: LLM, tiny_model_dir: Path, tmp_path: Path, capsys):
     from firsttoken.cli.main import main
-    from firsttoken.models.quant import Int8Linear
+    from firsttoken.models.quant import Int8Weights
     from tests.e2e.conftest import start_server, stop_server
 
     int8 = LLM(tiny_model_dir, quantization="int8", kv_cache_memory="16MiB", max_batched_tokens=256)
     model = int8.engine.executor.runner.model
-    assert isinstance(model.layers[0].mlp.gate_up_proj, Int8Linear) and isinstance(model.lm_head, Int8Linear)
-    assert isinstance(model.visual.blocks[0].mlp.fc1, Int8Linear)
+    assert isinstance(model.layers[0].mlp.gate_up_proj.method, Int8Weights)
+    assert isinstance(model.lm_head.method, Int8Weights)
+    assert isinstance(model.visual.blocks[0].mlp.fc1.method, Int8Weights)
     assert model.embed_tokens.weight.dtype == torch.float32  # --dtype auto is float32 with int8 weights
     got = int8.chat(conversations(), {"temperature": 0.0, "max_tokens": 8})
     expected = llm.chat(conversations(), {"temperature": 0.0, "max_tokens": 8})

@@ -228,6 +228,18 @@ def test_models_and_health(live_server: LiveServer):
     assert httpx.get(f"{live_server.base_url}/health").status_code == 200
 
 
+def test_engine_config_reports_what_the_engine_runs_with(live_server: LiveServer):
+    """GET /v1/engine/config: the flags as given beside every choice they resolved to, the very configuration the
+    engine was built from (the server asks for float32 and 16 MiB of KV cache)."""
+    got = httpx.get(f"{live_server.base_url}/v1/engine/config")
+    assert got.status_code == 200
+    config = got.json()
+    assert config == live_server.engine.engine.resolved.as_dict()
+    assert config["requested"]["dtype"] == "float32" and config["model"]["dtype"] == "float32"
+    assert config["requested"]["quantization"] == "auto" and config["model"]["quantization"] == "none"  # an F32 file
+    assert config["kv"]["num_blocks"] * config["kv"]["block_size"] * config["kv"]["kv_bytes_per_token"] <= 16 * 2**20
+
+
 @pytest.mark.parametrize(
     "body,status,param",
     [

@@ -14,6 +14,7 @@ from firsttoken.engine.engine import LLMEngine
 from firsttoken.inputs.processor import InputProcessor
 from firsttoken.kernels import cpu_linear
 from firsttoken.kernels.cpu_linear import kernel_pool_threads
+from firsttoken.models.fused_decode import FusedDecode
 from firsttoken.runner.model_runner import DEFAULT_THREADS
 from tests.engine.test_faults import chat, image_question, run_all
 
@@ -42,7 +43,7 @@ def record_threads(engine: LLMEngine, kernels: list[tuple[str, int, str]] | None
     forward."""
     runner = engine.executor.runner
     calls: list[tuple[str, int]] = []
-    forward, run_units = runner.model.forward, runner.model.visual.run_units
+    forward, run_units = runner.model.forward_step, runner.model.visual.run_units  # the runner's forward
 
     def recorded_forward(input_ids, *args, **kwargs):
         calls.append((f"forward:{input_ids.shape[0]}", torch.get_num_threads()))
@@ -54,7 +55,7 @@ def record_threads(engine: LLMEngine, kernels: list[tuple[str, int, str]] | None
         calls.append(("vision", torch.get_num_threads()))
         return run_units(*args, **kwargs)
 
-    runner.model.forward = recorded_forward
+    runner.model.forward_step = recorded_forward
     runner.model.visual.run_units = recorded_units
     return calls
 
@@ -92,7 +93,7 @@ def test_fused_decode_steps_give_the_kernels_every_thread_and_torch_one(tiny_mod
     assert cpu_linear.kernel_unavailable() is None  # CI's machines have AVX2 and gcc
     for decode_threads in (None, 2):
         engine, proc = build(tiny_model_dir, decode_threads=decode_threads, cpu_kernels="on")
-        assert engine.executor.runner.model.fused_decode is not None
+        assert isinstance(engine.executor.runner.model.decode, FusedDecode)
         kernels: list[tuple[str, int, str]] = []
         calls = record_threads(engine, kernels)
         run_all(engine, requests(proc))

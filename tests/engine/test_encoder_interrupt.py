@@ -104,14 +104,14 @@ def test_no_interrupt_without_the_flag_or_when_a_chunk_needs_the_image_this_step
     assert ran == [sum(s) for s in scheduled]
 
 
-def test_the_serving_side_signals_only_short_requests_not_yet_handed_to_the_engine(tiny_model_dir, monkeypatch):
+def test_the_serving_side_signals_only_short_requests_not_yet_handed_to_the_engine(tiny_model_dir):
     import asyncio
 
     from firsttoken.engine.async_engine import AsyncEngine
 
     h = Harness(tiny_model_dir, scheduler=SchedulerConfig(long_prompt_threshold=40, step_time_target="off"))
-    bridge = AsyncEngine(h.engine)  # its thread is not started: the test applies the commands itself
-    monkeypatch.setattr(AsyncEngine, "is_alive", property(lambda self: True))
+    bridge = AsyncEngine(h.engine)
+    bridge.start(in_thread=False)  # no engine thread: the test applies the commands itself
     pending = h.engine.short_request_pending
     short_body = ChatCompletionRequest.model_validate(
         {"model": "m", "messages": [user("Hi")], "max_tokens": 1})

@@ -98,8 +98,9 @@ def kernel_built() -> None:
     """firsttoken's CPU kernels (firsttoken/kernels/cpu_linear.py) need an x86 CPU with AVX2 + FMA (every machine CI
     runs on) and a C compiler."""
     from firsttoken.kernels import cpu_linear
+    from firsttoken.kernels.cpu_features import CpuFeatures
     from tests.conftest import require_program
 
     require_program("cc", "gcc", "gcc")
-    assert cpu_linear.cpu_has_avx2_fma(), "CI's machines have AVX2 + FMA; this one does not"
+    assert CpuFeatures.detect().avx2_fma, "CI's machines have AVX2 + FMA; this one does not"
     assert cpu_linear.kernel_unavailable() is None

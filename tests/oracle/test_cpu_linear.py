@@ -15,25 +15,29 @@ import torch.nn.functional as F
 from torch import nn
 
 from firsttoken.kernels import cpu_linear
-from firsttoken.kernels.cpu_linear import (
-    MAX_ROWS,
-    MAX_ROWS_BF16,
-    MAX_ROWS_BF16_DP,
-    FewRowsLinear,
-    max_rows_bf16,
-    use_few_rows_kernel,
-)
+from firsttoken.kernels.cpu_features import CpuFeatures
+from firsttoken.kernels.cpu_linear import MAX_ROWS, MAX_ROWS_BF16, MAX_ROWS_BF16_DP, kernel_takes
+from firsttoken.models.kernel_linear import FewRowsKernel
+from firsttoken.models.linear import Linear
 from firsttoken.models.loader import load_model
+from firsttoken.models.plan import kernels_skipped
+from firsttoken.models.plan_values import Machine
 from tests.conftest import require_program
+from tests.helpers import layers_with, machine_with_cpu, torch_layers
+
+AVX2_FMA = CpuFeatures(flags=frozenset({"avx2", "fma"}), vendor="AuthenticAMD")  # what the kernels need
 
 
-def _linear(in_features: int, out_features: int, bias: bool, input_major: bool = False, seed: int = 0
-            ) -> FewRowsLinear:
+def _few_rows(model) -> dict[str, Linear]:
+    return layers_with(model, FewRowsKernel)
+
+
+def _linear(in_features: int, out_features: int, bias: bool, input_major: bool = False, seed: int = 0) -> Linear:
     g = torch.Generator().manual_seed(seed)
     w = torch.randn(out_features, in_features, generator=g) / in_features**0.5  # outputs of order 1
     weight = nn.Parameter(w.t().contiguous().t() if input_major else w, requires_grad=False)
     b = nn.Parameter(torch.randn(out_features, generator=g), requires_grad=False) if bias else None
-    return FewRowsLinear.sharing(weight, b)
+    return Linear.of(weight, b, FewRowsKernel(cpu_linear.built_kernels()))
 
 
 @pytest.mark.parametrize("input_major", [True, False], ids=["input-major", "row-major"])
@@ -99,9 +103,8 @@ def test_built_once_and_reused(kernel_built, tmp_path, monkeypatch):
         builds.append(cmd)
         return real_run(cmd, *args, **kwargs)
 
-    monkeypatch.setattr(cpu_linear.subprocess, "run", counting_run)
     for _ in range(2):
-        kernel, reason = cpu_linear._build()
+        kernel, reason = cpu_linear._build(CpuFeatures.detect(), run=counting_run)
         assert reason is None and kernel is not None
     assert len(builds) == 1  # the second load found the cached library
     files = [p.name for p in (tmp_path / "kernels").iterdir()]
@@ -112,8 +115,8 @@ def test_a_failing_compiler_says_why(tmp_path, monkeypatch):
     require_program("false", "coreutils")
     monkeypatch.setenv("FIRSTTOKEN_CACHE", str(tmp_path))
     monkeypatch.setenv("CC", "false")  # a "compiler" that always fails
-    kernel, reason = cpu_linear._build()
-    if not cpu_linear.cpu_has_avx2_fma():
+    kernel, reason = cpu_linear._build(CpuFeatures.detect())
+    if not CpuFeatures.detect().avx2_fma:
         assert kernel is None and "AVX2" in reason
         return
     assert kernel is None and reason.startswith("false failed")
@@ -125,36 +128,40 @@ def test_an_unwritable_cache_says_why(tmp_path, monkeypatch):
     blocker = tmp_path / "not-a-dir"
     blocker.write_text("")
     monkeypatch.setenv("FIRSTTOKEN_CACHE", str(blocker))  # kernels/ cannot be made under a file
-    monkeypatch.setattr(cpu_linear, "cpu_has_avx2_fma", lambda: True)
-    kernel, reason = cpu_linear._build()
+    kernel, reason = cpu_linear._build(AVX2_FMA)
     assert kernel is None and "failed" in reason and str(blocker) in reason
+
+
+def test_a_cpu_without_avx2_says_so():
+    kernel, reason = cpu_linear._build(CpuFeatures(flags=frozenset({"sse4_2", "avx"})))
+    assert kernel is None and "AVX2" in reason
+    assert not CpuFeatures(arch="aarch64", flags=frozenset({"avx2", "fma"})).avx2_fma
 
 
 def test_no_compiler_says_which_package(tmp_path, monkeypatch):
     monkeypatch.setenv("PATH", str(tmp_path))  # nothing on PATH
     monkeypatch.delenv("CC", raising=False)
-    monkeypatch.setattr(cpu_linear, "cpu_has_avx2_fma", lambda: True)
-    kernel, reason = cpu_linear._build()
+    kernel, reason = cpu_linear._build(AVX2_FMA)
     assert kernel is None and "gcc" in reason
 
 
 def test_load_model_uses_it_for_the_language_model_only(kernel_built, tiny_qwen2_vl_dir):
     model = load_model(tiny_qwen2_vl_dir, torch.float32, cpu_kernels="on")
-    lm = [m for n, m in model.named_modules() if isinstance(m, nn.Linear) and not n.startswith("visual.")]
-    vision = [m for n, m in model.named_modules() if isinstance(m, nn.Linear) and n.startswith("visual.")]
-    assert lm and all(type(m) is FewRowsLinear for m in lm)
-    # the layouts: on AVX-512 CPUs store_weights_input_major's (widening weights input-major, the down projection
-    # row-major); on AVX2 ones every weight keeps the checkpoint's row-major layout (loader.keeps_row_major)
+    lm = [n for n, m in model.named_modules() if isinstance(m, nn.Linear) and not n.startswith("visual.")]
+    vision = [n for n, m in model.named_modules() if isinstance(m, nn.Linear) and n.startswith("visual.")]
+    assert lm and sorted(_few_rows(model)) == sorted(lm)
+    # the layouts: on AVX-512 CPUs widening weights input-major, the down projection row-major; on AVX2 ones every
+    # weight keeps the checkpoint's row-major layout (plan.keeps_row_major)
     layer = model.layers[0]
     widening = (layer.mlp.gate_up_proj.weight, layer.self_attn.qkv_proj.weight)
-    if cpu_linear.cpu_has_avx512():
+    if CpuFeatures.detect().avx512:
         assert all(w.t().is_contiguous() for w in widening)
     else:
         assert all(w.is_contiguous() for w in widening)
     assert layer.mlp.down_proj.weight.is_contiguous()
-    assert vision and all(type(m) is nn.Linear for m in vision)
+    assert vision and all(n in torch_layers(model) for n in vision)
     off = load_model(tiny_qwen2_vl_dir, torch.float32, cpu_kernels="off")
-    assert not any(isinstance(m, FewRowsLinear) for m in off.modules())
+    assert not _few_rows(off)
     # a decode step's rows: the same logits to rounding, the same argmax
     hidden = torch.randn(5, model.config.hidden_size)
     with torch.inference_mode():
@@ -163,11 +170,11 @@ def test_load_model_uses_it_for_the_language_model_only(kernel_built, tiny_qwen2
     assert torch.equal(a.argmax(-1), b.argmax(-1))
 
 
-def _bf16_linear(in_features: int, out_features: int, bias: bool, seed: int = 0) -> FewRowsLinear:
+def _bf16_linear(in_features: int, out_features: int, bias: bool, seed: int = 0) -> Linear:
     g = torch.Generator().manual_seed(seed)
     w = (torch.randn(out_features, in_features, generator=g) / in_features**0.5).to(torch.bfloat16)
     b = nn.Parameter(torch.randn(out_features, generator=g).to(torch.bfloat16), requires_grad=False) if bias else None
-    return FewRowsLinear.sharing(nn.Parameter(w, requires_grad=False), b)
+    return Linear.of(nn.Parameter(w, requires_grad=False), b, FewRowsKernel(cpu_linear.built_kernels()))
 
 
 # K % 32 == 0 takes the AVX512-BF16 dot-product loop where the CPU has it; K = 80 the AVX2 loop everywhere
@@ -177,7 +184,7 @@ def test_bf16_rows_are_the_exact_sums_rounded_once(kernel_built, in_features, ou
     """bf16 weights and rows: each output is the float32 sum of the exact products, rounded to bf16 once (torch's
     bf16 product rounds its own float32 sums: the same to within one bf16 step); more rows than the kernel takes
     go to torch's own product."""
-    limit = max_rows_bf16()
+    limit = cpu_linear.built_kernels().max_rows_bf16
     layer = _bf16_linear(in_features, out_features, bias)
     x = torch.randn(limit + 3, in_features).to(torch.bfloat16)
     b = None if layer.bias is None else layer.bias.double()
@@ -194,7 +201,7 @@ def test_bf16_rows_are_the_exact_sums_rounded_once(kernel_built, in_features, ou
 
 
 def test_bf16_row_is_bitwise_the_same_whatever_shares_its_step(kernel_built):
-    limit = max_rows_bf16()
+    limit = cpu_linear.built_kernels().max_rows_bf16
     layer = _bf16_linear(512, 80, True)
     x = torch.randn(limit, 512).to(torch.bfloat16)
     before = torch.get_num_threads()
@@ -237,31 +244,30 @@ def test_bf16_kernel_row_is_the_same_bits_at_every_place_and_count(kernel_built,
 def test_bf16_dot_product_loop_where_the_cpu_has_avx512_bf16(kernel_built):
     """The kernel takes AVX512-BF16 dot products exactly where the CPU reports avx512_bf16 (and then lets bf16
     products of up to MAX_ROWS_BF16_DP rows take the kernels; the AVX2 loop MAX_ROWS_BF16)."""
-    has = "avx512_bf16" in (cpu_linear.cpu_flags() or frozenset())
-    assert cpu_linear._kernel()[0].bf16_dp == has
-    assert max_rows_bf16() == (MAX_ROWS_BF16_DP if has else MAX_ROWS_BF16)
+    has = CpuFeatures.detect().has("avx512_bf16")
+    assert cpu_linear.built_kernels().bf16_dp == has
+    assert cpu_linear.built_kernels().max_rows_bf16 == (MAX_ROWS_BF16_DP if has else MAX_ROWS_BF16)
 
 
 @pytest.mark.parametrize("flags,used", [({"avx2", "avx512f", "avx512_bf16"}, True),
                                          ({"avx2", "avx512f", "avx512_bf16", "amx_bf16"}, False),
                                          ({"avx2", "avx512f"}, False), ({"avx2"}, False)],
                          ids=["avx512-bf16", "amx", "avx512", "avx2"])
-def test_auto_takes_bf16_kernels_where_they_were_measured(kernel_built, tiny_qwen2_vl_dir, monkeypatch, flags, used):
+def test_auto_takes_bf16_kernels_where_they_were_measured(kernel_built, tiny_qwen2_vl_dir, flags, used):
     """bf16: auto takes the kernels on AVX512-BF16 CPUs without AMX (measured there), not elsewhere; on takes them
     everywhere; the float32 rule is its own."""
-    monkeypatch.setattr(cpu_linear, "cpu_flags", lambda: frozenset(flags))
-    model = load_model(tiny_qwen2_vl_dir, torch.bfloat16, cpu_kernels="auto")
-    layers = [m for m in model.modules() if isinstance(m, FewRowsLinear)]
+    machine = machine_with_cpu(flags=flags | {"fma"}, vendor="AuthenticAMD")
+    model = load_model(tiny_qwen2_vl_dir, torch.bfloat16, cpu_kernels="auto", machine=machine)
+    layers = _few_rows(model).values()
     assert bool(layers) == used
     assert all(m.weight.dtype == torch.bfloat16 for m in layers)
-    assert any(isinstance(m, FewRowsLinear) for m in load_model(tiny_qwen2_vl_dir, torch.bfloat16,
-                                                                cpu_kernels="on").modules())
+    assert _few_rows(load_model(tiny_qwen2_vl_dir, torch.bfloat16, cpu_kernels="on", machine=machine))
 
 
 def test_bf16_model_logits_with_and_without_the_kernels(kernel_built, tiny_qwen2_vl_dir):
     on = load_model(tiny_qwen2_vl_dir, torch.bfloat16, cpu_kernels="on")
     off = load_model(tiny_qwen2_vl_dir, torch.bfloat16, cpu_kernels="off")
-    assert type(on.lm_head) is FewRowsLinear and not any(isinstance(m, FewRowsLinear) for m in off.modules())
+    assert isinstance(on.lm_head.method, FewRowsKernel) and not _few_rows(off)
     hidden = torch.randn(3, on.config.hidden_size).to(torch.bfloat16)
     with torch.inference_mode():
         a, b = on.compute_logits(hidden), off.compute_logits(hidden)
@@ -270,7 +276,7 @@ def test_bf16_model_logits_with_and_without_the_kernels(kernel_built, tiny_qwen2
 
 def test_tied_lm_head_shares_the_embeddings(kernel_built, tiny_qwen2_vl_tied_dir):
     model = load_model(tiny_qwen2_vl_tied_dir, torch.float32, cpu_kernels="on")
-    assert type(model.lm_head) is FewRowsLinear
+    assert isinstance(model.lm_head.method, FewRowsKernel)
     assert model.lm_head.weight is model.embed_tokens.weight  # no copy
     hidden = torch.randn(3, model.config.hidden_size)
     with torch.inference_mode():
@@ -280,52 +286,52 @@ def test_tied_lm_head_shares_the_embeddings(kernel_built, tiny_qwen2_vl_tied_dir
 
 def test_not_for_fp16_or_the_vision_tower(kernel_built, tiny_qwen2_vl_dir):
     bf16 = load_model(tiny_qwen2_vl_dir, torch.bfloat16, cpu_kernels="on")
-    assert not any(isinstance(m, FewRowsLinear) for name, m in bf16.named_modules() if name.startswith("visual."))
+    assert not any(name.startswith("visual.") for name in _few_rows(bf16))
     fp16 = load_model(tiny_qwen2_vl_dir, torch.float32, quantization="fp16", cpu_kernels="on")
-    assert not any(isinstance(m, FewRowsLinear) for m in fp16.modules())
+    assert not _few_rows(fp16)
 
 
-def test_unavailable_kernel_falls_back_and_the_log_says_why(tiny_qwen2_vl_dir, monkeypatch, caplog):
+def test_unavailable_kernel_falls_back_and_the_log_says_why(tiny_qwen2_vl_dir, caplog):
     from firsttoken.config import EngineConfig
     from firsttoken.engine.engine import LLMEngine
     from firsttoken.inputs.processor import load_tokenizer
 
-    monkeypatch.setattr(cpu_linear, "_kernel", lambda: (None, "no C compiler on PATH (test)"))
-    model = load_model(tiny_qwen2_vl_dir, torch.float32, cpu_kernels="on")
-    assert not any(isinstance(m, FewRowsLinear) for m in model.modules())
+    machine = Machine.detect().without_kernels("no C compiler on PATH (test)")
+    model = load_model(tiny_qwen2_vl_dir, torch.float32, cpu_kernels="on", machine=machine)
+    assert not _few_rows(model)
     assert model.layers[0].mlp.gate_up_proj.weight.t().is_contiguous()  # MKL's one-row layout all the same
-    with caplog.at_level(logging.INFO, logger="firsttoken.models"):
+    with caplog.at_level(logging.INFO, logger="firsttoken.engine"):
         LLMEngine(tiny_qwen2_vl_dir, EngineConfig(dtype="float32", cpu_kernels="on"),
-                  load_tokenizer(tiny_qwen2_vl_dir).backend_tokenizer)
+                  load_tokenizer(tiny_qwen2_vl_dir).backend_tokenizer, machine=machine)
     assert "few-rows kernels not used: no C compiler on PATH (test)" in caplog.text
 
 
 @pytest.mark.parametrize("avx512,vendor", [(False, "GenuineIntel"), (True, "GenuineIntel"), (False, "AuthenticAMD"),
                                            (True, "AuthenticAMD")])
-def test_auto_leaves_intel_avx512_cpus_to_mkl(kernel_built, tiny_qwen2_vl_dir, monkeypatch, avx512, vendor):
+def test_auto_leaves_intel_avx512_cpus_to_mkl(kernel_built, tiny_qwen2_vl_dir, avx512, vendor):
     """float32: auto takes the kernels on AVX2-only CPUs and AMD's AVX-512 ones (measured on both) and leaves
     Intel's AVX-512 CPUs to MKL (it won on a Xeon); on takes them everywhere; off nowhere."""
-    monkeypatch.setattr(cpu_linear, "cpu_has_avx512", lambda: avx512)
-    monkeypatch.setattr(cpu_linear, "cpu_vendor", lambda: vendor)
-    used = {setting: any(isinstance(m, FewRowsLinear) for m in load_model(tiny_qwen2_vl_dir, torch.float32,
-                                                                          cpu_kernels=setting).modules())
+    machine = machine_with_cpu(flags={"avx2", "fma"} | ({"avx512f"} if avx512 else set()), vendor=vendor)
+    used = {setting: bool(_few_rows(load_model(tiny_qwen2_vl_dir, torch.float32, cpu_kernels=setting,
+                                               machine=machine)))
             for setting in ("auto", "on", "off")}
     mkl = avx512 and vendor == "GenuineIntel"
     assert used == {"auto": not mkl, "on": True, "off": False}
-    reason = cpu_linear.kernels_skipped("auto")
+    reason = kernels_skipped("auto", torch.float32, machine)
     assert (reason is None) == (not mkl) and (not mkl or "--cpu-kernels on" in reason)
 
 
-def test_use_few_rows_kernel_skips_unfit_layers():
-    model = nn.Sequential(nn.Linear(64, 8), nn.Linear(24, 8), nn.Linear(24, 8), nn.Linear(24, 12),
-                          nn.Linear(64, 8).to(torch.bfloat16), nn.Linear(24, 8).to(torch.bfloat16),
-                          nn.Linear(64, 8).half())
-    for i in (2, 3):  # input-major
-        model[i].weight = nn.Parameter(model[i].weight.detach().t().contiguous().t())
-    # row-major needs K % 16, input-major K % 8 and N % 8 (float32; bfloat16 row-major only); no float16
-    assert use_few_rows_kernel(model, exclude_prefix="none.") == 3
-    assert [type(m).__name__ for m in model] == ["FewRowsLinear", "Linear", "FewRowsLinear", "Linear",
-                                                 "FewRowsLinear", "Linear", "Linear"]
+def test_the_kernels_take_only_the_shapes_and_layouts_they_fit():
+    # (in, out, dtype, input-major): row-major needs K % 16, input-major K % 8 and N % 8 (float32; bfloat16
+    # row-major only); no float16
+    layers = [(64, 8, torch.float32, False), (24, 8, torch.float32, False), (24, 8, torch.float32, True),
+              (24, 12, torch.float32, True), (64, 8, torch.bfloat16, False), (24, 8, torch.bfloat16, False),
+              (64, 8, torch.float16, False), (24, 8, torch.bfloat16, True)]
+    assert [kernel_takes(n, k, dtype, im) for k, n, dtype, im in layers] == [True, False, True, False, True, False,
+                                                                              False, False]
+    for k, n, dtype, im in layers:  # the same rule read off a weight's strides
+        w = torch.zeros(n, k, dtype=dtype)
+        assert cpu_linear.kernel_applies(w.t().contiguous().t() if im else w) == kernel_takes(n, k, dtype, im)
 
 
 def test_topk_kernel_is_torchs_topk_and_argmax(kernel_built):
@@ -359,7 +365,7 @@ def test_input_major_avx512_loop_is_bitwise_the_avx2_loop(kernel_built):
     kernel = cpu_linear._kernel()[0]
     switch = kernel.lib.ft_im16
     switch.restype, switch.argtypes = ctypes.c_int, [ctypes.c_int]
-    flags = cpu_linear.cpu_flags() or frozenset()
+    flags = CpuFeatures.detect().flags or frozenset()
     assert bool(switch(-1)) == ({"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= flags)
     g = torch.Generator().manual_seed(1)
     before = torch.get_num_threads()
@@ -402,10 +408,11 @@ def _product(kernel: cpu_linear._Kernel, x: torch.Tensor, w: torch.Tensor, threa
 
 def test_int8_products_on_the_kernels_own_threads_are_bitwise_openmps(kernel_built):
     """--quantization int8's products in a fused decode step run on the kernels' own threads: the same numbers."""
-    from firsttoken.models.quant import Int8Linear
+    from firsttoken.models.quant import Int8Weights, int_mm_exact
 
     g = torch.Generator().manual_seed(8)
-    layer = Int8Linear(torch.randn(1000, 512, generator=g), torch.randn(1000, generator=g))
+    method = Int8Weights(cpu_linear.built_kernels(), int_mm_exact(CpuFeatures.detect()))
+    layer = Linear.of(torch.randn(1000, 512, generator=g), torch.randn(1000, generator=g), method)
     x = torch.randn(6, 512, generator=g)
     kernel = cpu_linear._kernel()[0]
     before = torch.get_num_threads()

@@ -12,7 +12,10 @@ import torch
 
 from firsttoken.attention.base import AttentionMetadata
 from firsttoken.kernels import cpu_linear
+from firsttoken.kernels.cpu_features import CpuFeatures
 from firsttoken.models.checkpoint import make_model
+from firsttoken.models.decode import EAGER
+from firsttoken.models.fused_decode import FusedDecode
 from firsttoken.models.loader import load_model
 
 BLOCK = 16
@@ -30,7 +33,7 @@ def models(request, tmp_path_factory: pytest.TempPathFactory, kernel_built):
     family, dtype, quantization = request.param
     d: Path = make_model(tmp_path_factory.mktemp(f"fused-{family}"), size="tiny", seed=1, family=family)
     fused = load_model(d, dtype, cpu_kernels="on", quantization=quantization)
-    assert fused.fused_decode is not None
+    assert isinstance(fused.decode, FusedDecode)
     if quantization == "int8":
         return fused, None
     ref = load_model(d, torch.float64, cpu_kernels="off")
@@ -53,20 +56,28 @@ def _prefill(model, kv, lengths, tables, seed=0):
         model(ids, pos, kv, AttentionMetadata.build(lengths, [0] * len(lengths), tables, BLOCK))
 
 
-def _decode(model, kv, lengths, tables, fused: bool, seed=1):
-    """One decode token per sequence; returns (final hidden [M, hidden], logits [M, vocab] float64)."""
+def _decode_inputs(model, lengths, tables, seed=1):
+    """(input ids, positions, metadata) of one decode token per sequence."""
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, model.config.vocab_size, (len(lengths),), generator=g)
     pos = torch.tensor(lengths)[None].expand(3, -1)
-    meta = AttentionMetadata.build([1] * len(lengths), lengths, tables, BLOCK)
-    keep = model.fused_decode
-    model.fused_decode = keep if fused else None
+    return ids, pos, AttentionMetadata.build([1] * len(lengths), lengths, tables, BLOCK)
+
+
+def _decode(model, kv, lengths, tables, fused: bool, seed=1):
+    """One decode token per sequence, as the runner asks for it (every row samples); returns (final hidden
+    [M, hidden], logits [M, vocab] float64). ``fused`` False: the model's eager layers instead of its decode
+    method."""
+    ids, pos, meta = _decode_inputs(model, lengths, tables, seed)
+    keep = model.decode
+    model.decode = keep if fused else EAGER
     try:
         with torch.inference_mode():
-            hidden = model(ids, pos, kv, meta)
-            return hidden, model.compute_logits(hidden).double()
+            out = model.forward_step(ids, pos, kv, meta, all_logits=True)
+            logits = out.logits if out.logits is not None else model.compute_logits(out.hidden)
+            return out.hidden, logits.double()
     finally:
-        model.fused_decode = keep
+        model.decode = keep
 
 
 # scattered, non-consecutive blocks; lengths across block boundaries
@@ -83,9 +94,9 @@ def test_as_accurate_as_the_eager_layers(models, rows):
     lengths, tables = LENGTHS[:rows], TABLES[:rows]
     kv = _cache(fused)
     _prefill(fused, kv, lengths, tables)
-    steps = fused.fused_decode.steps
+    steps = fused.decode.steps
     _, got = _decode(fused, [t.clone() for t in kv], lengths, tables, fused=True)
-    assert fused.fused_decode.steps == steps + 1
+    assert fused.decode.steps == steps + 1
     _, eager = _decode(fused, [t.clone() for t in kv], lengths, tables, fused=False)
     if ref is None:  # int8: the same row quantization and exact int32 products; norms and attention sum in
         # another order only, so the logits are the eager step's to float32 rounding
@@ -102,19 +113,26 @@ def test_as_accurate_as_the_eager_layers(models, rows):
 
 
 def test_the_final_norm_and_lm_head_ride_in_the_same_call(models):
-    """Where the lm_head is the kernels' (FewRowsLinear), the fused call also runs the final norm and the lm_head:
-    its logits are bitwise what the eager lm_head gives for the step's hidden states, and compute_logits hands them
-    out once, for those very rows only (a subset of rows is computed as before)."""
+    """Where the lm_head's method is one the fused layers run (the kernels', bf16 or int8 weights), the fused call
+    also runs the final norm and the lm_head when every row of the step samples: its logits are bitwise what the
+    eager lm_head gives for the step's hidden states (a subset of rows is computed as before). Asked for the hidden
+    states alone, the call returns no logits."""
     fused, _ = models
-    assert fused.fused_decode.head is not None
+    assert fused.decode.head is not None
     kv = _cache(fused)
     _prefill(fused, kv, LENGTHS, TABLES)
-    hidden, logits = _decode(fused, kv, LENGTHS, TABLES, fused=True)  # compute_logits took the call's logits
-    assert fused._step_logits is None  # handed out once
+    ids, pos, meta = _decode_inputs(fused, LENGTHS, TABLES)
+    steps = fused.decode.steps
     with torch.inference_mode():
-        eager = fused.compute_logits(hidden.clone()).double()  # another tensor: the eager lm_head, same kernel
-        rows = fused.compute_logits(hidden[[1, 3]]).double()
+        out = fused.forward_step(ids, pos, [t.clone() for t in kv], meta, all_logits=True)
+        alone = fused.forward_step(ids, pos, [t.clone() for t in kv], meta)
+        eager = fused.compute_logits(out.hidden).double()  # the eager lm_head, same kernel
+        rows = fused.compute_logits(out.hidden[[1, 3]]).double()
+    assert fused.decode.steps == steps + 2 and out.logits is not None and alone.logits is None
+    logits = out.logits.double()
     assert torch.equal(eager, logits) and torch.equal(rows, logits[[1, 3]])
+    # the final norm, in the call or after it: the same to rounding (the call sums in another order)
+    torch.testing.assert_close(alone.hidden.float(), out.hidden.float(), rtol=1e-5, atol=1e-5)
 
 
 def test_a_row_is_bitwise_the_same_whatever_shares_its_step(models):
@@ -136,7 +154,8 @@ def test_a_row_is_bitwise_the_same_whatever_shares_its_step(models):
         ids = torch.cat([torch.tensor([3, 4]), token, torch.tensor([6])])
         meta = AttentionMetadata.build([1] * 4, LENGTHS, TABLES, BLOCK)
         with torch.inference_mode():
-            together = fused(ids, torch.tensor(LENGTHS)[None].expand(3, -1), together_kv, meta)
+            together = fused.forward_step(ids, torch.tensor(LENGTHS)[None].expand(3, -1), together_kv, meta,
+                                          all_logits=True).hidden  # as _decode asks
     finally:
         torch.set_num_threads(before)
     assert torch.equal(together[2], alone[0])
@@ -166,8 +185,8 @@ def test_taken_for_pure_decode_steps_of_at_most_max_rows_only(models):
     """bf16: at most 16 rows with the AVX512-BF16 dot-product loop, 8 with the AVX2 loop (where the fused step beat
     the eager one), float32 16 (MAX_ROWS)."""
     fused, _ = models
-    decoder = fused.fused_decode
-    dp = cpu_linear._kernel()[0].bf16_dp
+    decoder = fused.decode
+    dp = cpu_linear.built_kernels().bf16_dp
     assert decoder.max_rows == ((16 if dp else 8) if fused.dtype == torch.bfloat16 else 16)
     rows = decoder.max_rows + 1
     kv = _cache(fused, 64)
@@ -187,17 +206,20 @@ def test_taken_for_pure_decode_steps_of_at_most_max_rows_only(models):
 
 
 def test_only_with_the_kernels_and_not_for_fp16_weights(kernel_built, tiny_qwen2_vl_dir):
+    def decode(dtype, **choices):
+        return load_model(tiny_qwen2_vl_dir, dtype, **choices).decode
+
     for dtype in (torch.bfloat16, torch.float32):
-        assert load_model(tiny_qwen2_vl_dir, dtype, cpu_kernels="on").fused_decode is not None
-        assert load_model(tiny_qwen2_vl_dir, dtype, cpu_kernels="off").fused_decode is None
-    assert load_model(tiny_qwen2_vl_dir, torch.float16, cpu_kernels="on").fused_decode is None
-    assert load_model(tiny_qwen2_vl_dir, torch.float32, cpu_kernels="on", quantization="fp16").fused_decode is None
-    int8 = load_model(tiny_qwen2_vl_dir, torch.float32, cpu_kernels="on", quantization="int8")
-    assert int8.fused_decode is not None and int8.fused_decode.head is not None
-    assert load_model(tiny_qwen2_vl_dir, torch.float32, cpu_kernels="off", quantization="int8").fused_decode is None
-    bf16_weights = load_model(tiny_qwen2_vl_dir, torch.float32, cpu_kernels="on", quantization="bf16")
-    assert bf16_weights.fused_decode is not None and bf16_weights.fused_decode.head is not None
-    assert load_model(tiny_qwen2_vl_dir, torch.float32, cpu_kernels="off", quantization="bf16").fused_decode is None
+        assert isinstance(decode(dtype, cpu_kernels="on"), FusedDecode)
+        assert decode(dtype, cpu_kernels="off") is EAGER
+    assert decode(torch.float16, cpu_kernels="on") is EAGER
+    assert decode(torch.float32, cpu_kernels="on", quantization="fp16") is EAGER
+    int8 = decode(torch.float32, cpu_kernels="on", quantization="int8")
+    assert isinstance(int8, FusedDecode) and int8.head is not None
+    assert decode(torch.float32, cpu_kernels="off", quantization="int8") is EAGER
+    bf16_weights = decode(torch.float32, cpu_kernels="on", quantization="bf16")
+    assert isinstance(bf16_weights, FusedDecode) and bf16_weights.head is not None
+    assert decode(torch.float32, cpu_kernels="off", quantization="bf16") is EAGER
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
@@ -206,8 +228,8 @@ def test_decode_attention_loops_match_float64_attention(kernel_built, dtype):
     one everywhere) against float64 softmax attention over cache rows scattered like a block table's: 1-100 keys
     (around the 8- and 16-key groups), 1, 4 and 6 query heads per KV head, head_dim 64 and 128, the second KV
     head. Where the CPU lacks AVX-512 the wide loop refuses instead of running."""
-    lib = cpu_linear._kernel()[0]
-    flags = cpu_linear.cpu_flags() or frozenset()
+    lib = cpu_linear.built_kernels()
+    flags = CpuFeatures.detect().flags or frozenset()
     assert lib.attention_avx512 == ({"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= flags)
     fn = lib.lib.ft_attend
     i64, ptr = ctypes.c_int64, ctypes.c_void_p

@@ -18,11 +18,18 @@ import torch
 from torch import nn
 
 from firsttoken.kernels import cpu_linear
+from firsttoken.kernels.cpu_features import CpuFeatures
 from firsttoken.models import quant
 from firsttoken.models.checkpoint import make_model
+from firsttoken.models.decode import EAGER
+from firsttoken.models.fused_decode import FusedDecode
+from firsttoken.models.linear import Linear
 from firsttoken.models.loader import load_model, stored_linear_dtypes
-from firsttoken.models.quant import Bf16WeightLinear, Fp16Linear, Int8Linear, dequantize_rows, quantize_rows
+from firsttoken.models.plan import plan_model
+from firsttoken.models.plan_values import Machine
+from firsttoken.models.quant import Bf16Weights, Fp16Weights, Int8Weights, dequantize_rows, quantize_rows
 from tests.conftest import require_program
+from tests.helpers import layers_with, torch_layers
 from tests.oracle.parity import (
     PROMPTS,
     TinyRunner,
@@ -71,8 +78,8 @@ def fp16(tiny_qwen2_vl_dir: Path):
 
 
 def test_every_language_model_linear_is_float16_and_the_vision_tower_is_untouched(fp16, tiny_qwen2_vl_dir: Path):
-    linears = [n for n, m in fp16.named_modules() if isinstance(m, nn.Linear)]
-    packed = [n for n, m in fp16.named_modules() if isinstance(m, Fp16Linear)]
+    linears = torch_layers(fp16)
+    packed = list(layers_with(fp16, Fp16Weights))
     assert linears and all(n.startswith("visual.") for n in linears)
     # 2 layers x (qkv, o, gate_up, down) + lm_head
     assert len(packed) == 2 * 4 + 1 and "lm_head" in packed
@@ -99,7 +106,7 @@ def test_fp16_with_tied_embeddings_packs_a_float16_lm_head_and_keeps_lookups_flo
         tiny_qwen2_vl_tied_dir, dtype=torch.float32, attn_implementation="eager"
     ).eval()
     model = load_model(tiny_qwen2_vl_tied_dir, torch.float32, quantization="fp16")
-    assert isinstance(model.lm_head, Fp16Linear) and model.embed_tokens.weight.dtype == torch.float32
+    assert isinstance(model.lm_head.method, Fp16Weights) and model.embed_tokens.weight.dtype == torch.float32
     prompt = make_prompt(model.config, PROMPTS["one_image"], seed=4)
     runner = TinyRunner(model)
     got = runner.prefill(runner.add(prompt), chunk=32)
@@ -114,7 +121,7 @@ def test_fp16_refuses_bfloat16_activations(tiny_qwen2_vl_dir: Path):
 
 def test_the_one_thread_kernel_gives_the_same_logits(fp16, tiny_qwen2_vl_dir: Path):
     one = load_model(tiny_qwen2_vl_dir, torch.float32, quantization="fp16", num_threads=1)
-    assert not one.lm_head.multithreaded and fp16.lm_head.multithreaded
+    assert not one.lm_head.method.multithreaded and fp16.lm_head.method.multithreaded
     prompt = make_prompt(fp16.config, PROMPTS["one_image"], seed=7)
     a, b = TinyRunner(fp16), TinyRunner(one)
     assert torch.equal(a.prefill(a.add(prompt), chunk=32), b.prefill(b.add(prompt), chunk=32))
@@ -145,8 +152,8 @@ def bf16_checkpoint(tiny_qwen2_vl_dir: Path):
 
 
 def test_every_language_model_linear_holds_bf16_weights_and_the_rest_stays_float32(bf16w, tiny_qwen2_vl_dir: Path):
-    linears = [n for n, m in bf16w.named_modules() if isinstance(m, nn.Linear)]
-    halves = {n: m for n, m in bf16w.named_modules() if isinstance(m, Bf16WeightLinear)}
+    linears = torch_layers(bf16w)
+    halves = layers_with(bf16w, Bf16Weights)
     assert linears and all(n.startswith("visual.") for n in linears)
     assert len(halves) == 2 * 4 + 1 and "lm_head" in halves  # 2 layers x (qkv, o, gate_up, down) + lm_head
     assert all(m.weight.dtype == torch.bfloat16 and m.weight.is_contiguous() for m in halves.values())
@@ -165,9 +172,9 @@ def test_bf16_weights_compute_what_float32_computes_on_a_bf16_checkpoint(bf16w, 
     got, want = a.prefill(a.add(prompt), chunk=32), b.prefill(b.add(prompt), chunk=32)
     assert max_diff(got, want) <= 1e-5 * want.abs().max().item()
     assert torch.equal(got.argmax(-1), want.argmax(-1))
-    steps = bf16w.fused_decode.steps
+    steps = bf16w.decode.steps
     assert greedy_ids(bf16w, prompt, 24) == greedy_ids(bf16_checkpoint, prompt, 24)
-    assert bf16w.fused_decode.steps > steps  # the decode steps took the fused layers
+    assert bf16w.decode.steps > steps  # the decode steps took the fused layers
 
 
 @pytest.mark.parametrize("name", list(PROMPTS))
@@ -180,7 +187,7 @@ def test_bf16_weights_of_a_float32_checkpoint_keep_the_top1_token(ref, bf16w, na
 
 def test_bf16_weights_without_the_kernels_give_the_same_tokens(bf16w, tiny_qwen2_vl_dir: Path):
     off = load_model(tiny_qwen2_vl_dir, torch.float32, quantization="bf16", cpu_kernels="off")
-    assert off.fused_decode is None and not off.lm_head.use_kernels
+    assert off.decode is EAGER and off.lm_head.method.kernels is None
     prompt = make_prompt(off.config, PROMPTS["one_image"], seed=8)
     a, b = TinyRunner(bf16w), TinyRunner(off)
     got, want = a.prefill(a.add(prompt), chunk=32), b.prefill(b.add(prompt), chunk=32)
@@ -191,9 +198,9 @@ def test_bf16_weights_without_the_kernels_give_the_same_tokens(bf16w, tiny_qwen2
 def test_bf16_weights_with_tied_embeddings_get_a_bf16_lm_head_and_keep_lookups_float32(tiny_qwen2_vl_tied_dir: Path,
                                                                                          kernel_built):
     model = load_model(tiny_qwen2_vl_tied_dir, torch.float32, quantization="bf16")
-    assert isinstance(model.lm_head, Bf16WeightLinear) and model.lm_head.weight.dtype == torch.bfloat16
+    assert isinstance(model.lm_head.method, Bf16Weights) and model.lm_head.weight.dtype == torch.bfloat16
     assert model.embed_tokens.weight.dtype == torch.float32
-    assert model.fused_decode is not None and model.fused_decode.head is model.lm_head
+    assert isinstance(model.decode, FusedDecode) and model.decode.head is model.lm_head
     rows = torch.randn(3, model.config.hidden_size, generator=torch.Generator().manual_seed(0))
     with torch.inference_mode():
         want = rows @ model.embed_tokens.weight.to(torch.bfloat16).float().T
@@ -215,14 +222,23 @@ def bf16_published(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_auto_takes_bf16_weights_only_for_a_bf16_checkpoint_with_float32_activations(
         bf16_published: Path, tiny_qwen2_vl_dir: Path, kernel_built):
     assert stored_linear_dtypes(bf16_published) == {"BF16"} and stored_linear_dtypes(tiny_qwen2_vl_dir) == {"F32"}
+
+    def auto_plan(model_dir: Path, dtype: str, cpu_kernels: str = "auto"):
+        return plan_model(model_dir, dtype, "auto", cpu_kernels, Machine.detect())
+
+    assert auto_plan(bf16_published, "float32").quantization == "bf16"
     auto = load_model(bf16_published, torch.float32, quantization="auto")
-    assert auto.quantization == "bf16" and isinstance(auto.lm_head, Bf16WeightLinear)
-    assert auto.fused_decode is not None and auto.embed_tokens.weight.dtype == torch.float32
+    assert isinstance(auto.lm_head.method, Bf16Weights) and len(layers_with(auto, Bf16Weights)) == 2 * 4 + 1
+    assert isinstance(auto.decode, FusedDecode) and auto.embed_tokens.weight.dtype == torch.float32
     # a float32 checkpoint, bf16 activations, or no kernels: the weights stay in the model's dtype
-    assert load_model(tiny_qwen2_vl_dir, torch.float32, quantization="auto").quantization == "none"
+    assert auto_plan(tiny_qwen2_vl_dir, "float32").quantization == "none"
+    assert not layers_with(load_model(tiny_qwen2_vl_dir, torch.float32, quantization="auto"), Bf16Weights)
     as_bf16 = load_model(bf16_published, torch.bfloat16, quantization="auto")
-    assert as_bf16.quantization == "none" and as_bf16.layers[0].mlp.down_proj.weight.dtype == torch.bfloat16
-    assert load_model(bf16_published, torch.float32, quantization="auto", cpu_kernels="off").quantization == "none"
+    assert auto_plan(bf16_published, "bfloat16").quantization == "none"
+    assert not layers_with(as_bf16, Bf16Weights) and as_bf16.layers[0].mlp.down_proj.weight.dtype == torch.bfloat16
+    assert auto_plan(bf16_published, "float32", cpu_kernels="off").quantization == "none"
+    off = load_model(bf16_published, torch.float32, quantization="auto", cpu_kernels="off")
+    assert not layers_with(off, Bf16Weights) and off.lm_head.weight.dtype == torch.float32
 
 
 def test_auto_on_a_bf16_checkpoint_is_float32_inference_of_it(bf16_published: Path, kernel_built):
@@ -254,8 +270,8 @@ def int8(tiny_qwen2_vl_dir: Path):
 def test_every_linear_but_the_patch_embedding_is_int8_in_both_towers(int8, tiny_qwen2_vl_dir: Path):
     exact = load_model(tiny_qwen2_vl_dir, torch.float32)
     linears = [n for n, m in exact.named_modules() if isinstance(m, nn.Linear)]
-    packed = [n for n, m in int8.named_modules() if isinstance(m, Int8Linear)]
-    left = [n for n, m in int8.named_modules() if isinstance(m, nn.Linear)]
+    packed = list(layers_with(int8, Int8Weights))
+    left = torch_layers(int8)
     assert left == ["visual.patch_embed.proj"]  # the towers read its weight's dtype
     assert sorted(packed) == sorted(set(linears) - set(left))
     # 2 LM layers x (qkv, o, gate_up, down) + lm_head; vision: 4 blocks x (qkv, proj, fc1, fc2) + the merger's 2
@@ -289,7 +305,7 @@ def test_int8_with_tied_embeddings_packs_an_int8_lm_head_and_keeps_lookups_float
         tiny_qwen2_vl_tied_dir, dtype=torch.float32, attn_implementation="eager"
     ).eval()
     model = load_model(tiny_qwen2_vl_tied_dir, torch.float32, quantization="int8")
-    assert isinstance(model.lm_head, Int8Linear) and model.embed_tokens.weight.dtype == torch.float32
+    assert isinstance(model.lm_head.method, Int8Weights) and model.embed_tokens.weight.dtype == torch.float32
     prompt = make_prompt(model.config, PROMPTS["one_image"], seed=4)
     runner = TinyRunner(model)
     got = runner.prefill(runner.add(prompt), chunk=32)
@@ -302,10 +318,18 @@ def test_int8_refuses_bfloat16_activations(tiny_qwen2_vl_dir: Path):
         load_model(tiny_qwen2_vl_dir, torch.bfloat16, quantization="int8")
 
 
-def _int8_layer(in_features: int, out_features: int, use_kernels: bool, seed: int = 0) -> Int8Linear:
+def _int8_method(use_kernels: bool = True, int_mm_exact: bool | None = None) -> Int8Weights:
+    """--quantization int8's method on this machine (``use_kernels`` False: --cpu-kernels off); ``int_mm_exact``
+    False: as on a CPU where torch._int_mm is not exact (default: this CPU's)."""
+    exact = quant.int_mm_exact(CpuFeatures.detect()) if int_mm_exact is None else int_mm_exact
+    return Int8Weights(cpu_linear.built_kernels() if use_kernels else None, exact)
+
+
+def _int8_layer(in_features: int, out_features: int, use_kernels: bool, seed: int = 0,
+                int_mm_exact: bool | None = None) -> Linear:
     g = torch.Generator().manual_seed(seed)
     weight = torch.randn(out_features, in_features, generator=g) / in_features**0.5
-    return Int8Linear(weight, torch.randn(out_features, generator=g), use_kernels)
+    return Linear.of(weight, torch.randn(out_features, generator=g), _int8_method(use_kernels, int_mm_exact))
 
 
 @pytest.fixture(scope="module")
@@ -318,20 +342,20 @@ def int8_kernels() -> None:
 @pytest.mark.parametrize("threads", [1, 3])
 @pytest.mark.parametrize("shape", [(64, 48), (512, 768), (1408, 512), (72, 40), (40, 36)])
 def test_an_int8_row_is_bitwise_the_same_alone_batched_and_on_every_path(int8_kernels, shape, threads, int_mm,
-                                                                        monkeypatch):
+                                                                        torch_threads):
     # K and N multiples of 16: the AVX-512 VNNI few-rows loop where the CPU has it; (72, 40): the AVX2 loop;
     # (40, 36): no kernel (N % 8), exact products by torch for every row count. "not exact": as on a CPU without
     # VNNI, where torch._int_mm saturates and prefill takes the kernel (or, without it, float64)
-    if int_mm == "not exact":
-        monkeypatch.setattr(quant, "int_mm_exact", lambda: False)
-    monkeypatch.setattr(torch, "get_num_threads", lambda: threads)  # the kernels split columns by this count
+    exact = False if int_mm == "not exact" else None
+    torch_threads(threads)  # the kernels split columns by torch's count
     k, n = shape
-    fast, twins = _int8_layer(k, n, use_kernels=True), _int8_layer(k, n, use_kernels=False)
+    fast = _int8_layer(k, n, use_kernels=True, int_mm_exact=exact)
+    twins = _int8_layer(k, n, use_kernels=False, int_mm_exact=exact)
     x = torch.randn(40, k, generator=torch.Generator().manual_seed(1)) * torch.logspace(-2, 2, 40)[:, None]
     with torch.no_grad():
         every = fast(x)  # 40 rows: prefill's path
         q, row_scale = quantize_rows(x)  # an independent reference: exact products in int64
-        reference = dequantize_rows((q.long() @ fast.weight_kn().long()).int(), row_scale, fast.scale, fast.bias)
+        reference = dequantize_rows((q.long() @ quant.weight_kn(fast).long()).int(), row_scale, fast.scale, fast.bias)
         assert torch.equal(every, reference)
         assert torch.equal(twins(x), every)  # --cpu-kernels off: the same numbers from torch's ops alone
         for rows in (1, 2, 5, 8, 16, 17):  # the few-rows kernel up to 16 rows, then _int_mm again
@@ -365,9 +389,9 @@ def test_int8_products_at_the_ends_of_the_range_are_exact(int8_kernels):
                 assert torch.equal(got, want[:rows]), (n, rows, "blocked")
 
 
-def test_int8_weights_in_blocks_are_the_same_bytes_and_the_same_products(int8_kernels, monkeypatch):
+def test_int8_weights_in_blocks_are_the_same_bytes_and_the_same_products(int8_kernels, torch_threads):
     # int8_pack moves bytes (int8_unpack gives the weight back); products from the blocks equal the [K, N] ones,
-    # bitwise, for 1 to 40 rows (blocks of 16 rows and a rest) and 1 or 3 of the kernels' threads; an Int8Linear
+    # bitwise, for 1 to 40 rows (blocks of 16 rows and a rest) and 1 or 3 of the kernels' threads; an int8 layer
     # keeps its weight in blocks exactly where every product of it takes the blocked loop
     g = torch.Generator().manual_seed(5)
     kernel = cpu_linear._kernel()[0]
@@ -379,17 +403,18 @@ def test_int8_weights_in_blocks_are_the_same_bytes_and_the_same_products(int8_ke
         scale, bias = torch.rand(n, generator=g) + 0.5, torch.randn(n, generator=g)
         x = torch.randn(40, k, generator=g)
         for threads in (1, 3):
-            monkeypatch.setattr(torch, "get_num_threads", lambda: threads)  # the kernels split columns by this count
+            torch_threads(threads)  # the kernels split columns by torch's count
             for rows in (1, 2, 7, 16, 17, 40):
                 assert torch.equal(kernel.int8_linear(x[:rows], blocked, scale, bias),
                                    kernel.int8_linear(x[:rows], weight, scale, bias)), (k, n, threads, rows)
-    layer = Int8Linear(torch.randn(64, 48, generator=g), None)
-    assert (layer.qweight.dim() == 3) == (not kernel.int8_vnni and not quant.int_mm_exact())
+    layer = Linear.of(torch.randn(64, 48, generator=g), None, _int8_method())
+    assert (layer.qweight.dim() == 3) == (not kernel.int8_vnni and not quant.int_mm_exact(CpuFeatures.detect()))
     x = torch.randn(3, 48, generator=g)
     with_kernels = layer(x)
-    layer.use_kernels = False  # switched off after the weight was packed: torch alone, the same numbers
-    assert torch.equal(layer(x), with_kernels)
-    assert layer.weight_kn().shape == (48, 64) and Int8Linear(torch.randn(40, 48), None).qweight.dim() == 2
+    layer.method = _int8_method(use_kernels=False)  # switched off after the weight was packed: torch alone, the
+    assert torch.equal(layer(x), with_kernels)  # same numbers
+    assert quant.weight_kn(layer).shape == (48, 64)
+    assert Linear.of(torch.randn(40, 48), None, _int8_method()).qweight.dim() == 2
 
 
 def test_int8_rows_are_quantized_each_with_its_own_scale(int8_kernels):
@@ -409,7 +434,7 @@ def test_int8_rows_are_quantized_each_with_its_own_scale(int8_kernels):
 def test_int8_cpu_kernels_off_gives_the_same_logits(tiny_qwen2_vl_dir: Path, int8_kernels):
     fast = load_model(tiny_qwen2_vl_dir, torch.float32, quantization="int8")
     twins = load_model(tiny_qwen2_vl_dir, torch.float32, quantization="int8", cpu_kernels="off")
-    assert fast.lm_head.use_kernels and not twins.lm_head.use_kernels
+    assert fast.lm_head.method.kernels is not None and twins.lm_head.method.kernels is None
     prompt = make_prompt(fast.config, PROMPTS["one_image"], seed=7)
     a, b = TinyRunner(fast), TinyRunner(twins)
     assert torch.equal(a.prefill(a.add(prompt), chunk=32), b.prefill(b.add(prompt), chunk=32))

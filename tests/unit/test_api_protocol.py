@@ -54,9 +54,12 @@ def processor(tiny_model_dir: Path) -> InputProcessor:
 
 
 def app_of(engine, processor: InputProcessor, **overrides):
-    """build_app with the test model; ``overrides`` are ServerConfig fields, or ``model_root``."""
+    """build_app with the test model; ``overrides`` are ServerConfig fields, or ``model_root``, or
+    ``engine_config`` (what GET /v1/engine/config serves)."""
     root = overrides.pop("model_root", None)
-    return build_app(engine, processor, ServedModel(MODEL, MAX_MODEL_LEN, root), ServerConfig(**overrides))
+    engine_config = overrides.pop("engine_config", None)
+    return build_app(engine, processor, ServedModel(MODEL, MAX_MODEL_LEN, root, engine_config),
+                     ServerConfig(**overrides))
 
 
 def fixture(name: str) -> tuple[int, dict[str, str], str]:
@@ -323,6 +326,21 @@ def test_models_tokenize_health_stats(processor: InputProcessor) -> None:
     assert stats["kv_blocks_cached"] == 3 and {"kv_blocks_used", "kv_blocks_free", "num_running", "num_waiting"} <= set(
         stats
     )
+
+
+def test_engine_config_is_what_the_engine_was_resolved_with(processor: InputProcessor) -> None:
+    """GET /v1/engine/config serves the resolved configuration the server was built with, as JSON; an app that
+    fronts no single engine (none given) answers 404 in the OpenAI error shape."""
+    resolved = {"model": {"dtype": "float32", "quantization": "bf16", "fused_decode": None},
+                "num_threads": 2, "kv": {"num_blocks": 64, "num_tokens": 1024}}
+
+    async def go(engine_config):
+        async with asgi_client(FakeEngine(), processor, engine_config=engine_config) as http:
+            return await http.get("/v1/engine/config")
+
+    served, none = run(go(resolved)), run(go(None))
+    assert served.status_code == 200 and served.json() == resolved
+    assert none.status_code == 404 and "single engine" in none.json()["error"]["message"]
 
 
 class ThreadRecordingProcessor(InputProcessor):

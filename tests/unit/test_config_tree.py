@@ -41,6 +41,26 @@ def test_help_shows_each_flags_default() -> None:
             assert f"(default: {' '.join(f.shown.split())})" in text, f.flag
 
 
+def test_a_choice_flags_values_help_and_check_come_from_its_type() -> None:
+    """Every option with a fixed set of values is a Literal field: --help lists exactly its values, and a value
+    outside them is refused naming the field."""
+    from typing import get_args
+
+    import pytest
+
+    from firsttoken.config import CpuKernels, Dtype, EngineConfig, Quantization
+
+    serve = build_parser()._subparsers._group_actions[0].choices["serve"]  # type: ignore[union-attr]
+    text = " ".join(serve.format_help().split())
+    by_flag = {f.flag: f for f in config_flags()}
+    for flag, kind in (("--dtype", Dtype), ("--quantization", Quantization), ("--cpu-kernels", CpuKernels)):
+        assert by_flag[flag].choices == get_args(kind)
+        assert f"{flag} {{{','.join(get_args(kind))}}}" in text
+    assert by_flag["--scheduling"].choices == ("lanes", "fcfs") and by_flag["--block-size"].choices == ()
+    with pytest.raises(ValueError, match="cpu_kernels must be one of auto, on, off"):
+        EngineConfig(cpu_kernels="sometimes")  # type: ignore[arg-type]
+
+
 def test_an_option_by_flag_name_sets_the_same_field_as_the_flag() -> None:
     args = build_parser().parse_args(["serve", "--long-prompt-threshold", "2048", "--kv-cache-memory", "16MiB"])
     from_flags = serve_config(args)

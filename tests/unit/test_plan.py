@@ -9,7 +9,7 @@ import torch
 
 from firsttoken.cli.main import main
 from firsttoken.config import CacheConfig, EngineConfig, SchedulerConfig
-from firsttoken.engine.engine import plan_kv_capacity
+from firsttoken.engine.resolve import plan_kv_capacity
 from firsttoken.models.qwen2_vl_checkpoint import SIZES, build_hf_config
 from firsttoken.models.registry import model_config_from_dict
 from firsttoken.scheduler.request import Request

@@ -1,0 +1,125 @@
+"""The one resolve step: the flags (``EngineConfig``), the checkpoint and the machine -> what the engine runs with.
+
+``resolve_engine_config`` settles, once: the model's dtype, quantization, kernels and decode layers
+(models/plan.py's ``plan_model``, the only code that decides ``auto``), torch's threads, the KV pool's blocks and
+context length, and the encoder cache's size in tokens. The engine is built from the ``ResolvedEngineConfig``, logs
+``describe()`` once at start-up as one block, and ``GET /v1/engine/config`` reports ``as_dict()``; nothing
+downstream derives any of it again.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from firsttoken.config import EngineConfig
+from firsttoken.models.config import ModelConfig
+from firsttoken.kernels.cpu_features import CpuFeatures
+from firsttoken.models.plan import plan_model, resolve_dtype
+from firsttoken.models.plan_values import TORCH_DTYPES, Machine, ModelPlan
+from firsttoken.models.registry import family_named, load_model_config
+from firsttoken.runner.model_runner import ThreadPlan
+
+log = logging.getLogger("firsttoken.engine")
+
+
+@dataclass(frozen=True)
+class KVCapacity:
+    """What the KV pool holds; printed at start-up."""
+
+    num_blocks: int
+    block_size: int
+    kv_bytes_per_token: int
+    max_model_len: int
+    decode_reserve_tokens: int
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_blocks * self.block_size
+
+    def max_concurrency(self, input_len: int) -> int:
+        """Requests of input_len tokens admitted at once (prompt + decode reserve, whole blocks)."""
+        need = min(input_len + self.decode_reserve_tokens, self.max_model_len)
+        return self.num_blocks // -(-need // self.block_size)
+
+    def describe(self) -> str:
+        return (
+            f"KV cache: {self.num_blocks} blocks x {self.block_size} tokens = {self.num_tokens} tokens, "
+            f"{self.kv_bytes_per_token} bytes/token, {self.num_tokens * self.kv_bytes_per_token / 2**20:.0f} MiB; "
+            f"max_model_len {self.max_model_len}; max concurrency at max_model_len: "
+            f"{self.max_concurrency(self.max_model_len)}"
+        )
+
+
+def kv_dtype_bytes(config: EngineConfig, cpu: CpuFeatures | None = None) -> int:
+    """Bytes per element of the KV cache (the model's activations' dtype) for these flags on this CPU."""
+    name, _ = resolve_dtype(config.dtype, config.quantization, cpu or CpuFeatures.detect())
+    return TORCH_DTYPES[name].itemsize
+
+
+def plan_kv_capacity(model: ModelConfig, config: EngineConfig, dtype_bytes: int | None = None) -> KVCapacity:
+    """The KV pool of ``config.cache`` for this architecture; ``dtype_bytes``: the cache's element size (default:
+    what these flags resolve to on this machine)."""
+    per_token = model.kv_bytes_per_token(kv_dtype_bytes(config) if dtype_bytes is None else dtype_bytes)
+    block_size = config.cache.block_size
+    num_blocks = config.cache.kv_cache_memory_bytes // (per_token * block_size)
+    if num_blocks < 1:
+        raise ValueError("kv_cache_memory is smaller than one KV block")
+    max_len = min(model.max_position_embeddings, num_blocks * block_size)
+    if config.scheduler.max_model_len is not None:
+        if config.scheduler.max_model_len > max_len:
+            raise ValueError(
+                f"max_model_len {config.scheduler.max_model_len} exceeds what the model and KV pool allow ({max_len})"
+            )
+        max_len = config.scheduler.max_model_len
+    return KVCapacity(num_blocks, block_size, per_token, max_len, config.scheduler.decode_reserve_tokens)
+
+
+@dataclass(frozen=True)
+class ResolvedEngineConfig:
+    """``EngineConfig`` with everything it leaves to ``auto`` or a default settled for this checkpoint here."""
+
+    requested: EngineConfig  # the flags as given
+    model: ModelPlan  # dtype, quantization, kernels, decode layers, each with why
+    cpu: str  # the CPU features the choices read (CpuFeatures.summary)
+    num_threads: int  # torch's intra-op threads for prefill and vision steps (and the kernels' own workers)
+    decode_threads: int  # torch's threads in steps that only decode (runner/model_runner.py's ThreadPlan)
+    kv: KVCapacity
+    encoder_cache_tokens: int  # visual tokens' embeddings the encoder cache holds (0: off)
+
+    def describe(self) -> str:
+        """The start-up block: one line per choice."""
+        lines = [f"cpu: {self.cpu}", *self.model.describe_lines,
+                 f"threads: {self.num_threads} (decode-only steps {self.decode_threads})",
+                 self.kv.describe(),
+                 f"encoder cache: {self.encoder_cache_tokens} visual tokens"
+                 + ("" if self.requested.cache.enable_encoder_cache else " (off)")]
+        return "engine configuration:\n  " + "\n  ".join(lines)
+
+    def as_dict(self) -> dict[str, Any]:
+        """Plain JSON: what GET /v1/engine/config returns."""
+        out = dataclasses.asdict(self)
+        out["kv"]["num_tokens"] = self.kv.num_tokens
+        return out
+
+
+def resolve_engine_config(config: EngineConfig, model_dir: str | Path, machine: Machine | None = None,
+                          model_config: ModelConfig | None = None) -> ResolvedEngineConfig:
+    """What an engine over ``model_dir`` runs with, on ``machine`` (default: this one). ValueError names what
+    cannot run (a KV pool smaller than one block, fp16 without FBGEMM, ...)."""
+    machine = machine or Machine.detect(build_kernels=config.cpu_kernels != "off")
+    model_config = model_config or load_model_config(model_dir)
+    threads = ThreadPlan(config.num_threads, config.decode_threads)
+    plan = plan_model(model_dir, config.dtype, config.quantization, config.cpu_kernels, machine, config.device,
+                      config.attention_backend, num_threads=threads.threads)
+    dtype_bytes = torch.tensor([], dtype=plan.torch_dtype).element_size()  # the KV cache's and the encoder's
+    capacity = plan_kv_capacity(model_config, config, dtype_bytes)
+    per_token = family_named(model_config.family).encoder_bytes_per_token(model_config, dtype_bytes)
+    encoder_tokens = config.cache.encoder_cache_memory_bytes // per_token if config.cache.enable_encoder_cache else 0
+    return ResolvedEngineConfig(config, plan, machine.cpu.summary(), threads.threads, threads.decode_threads,
+                                capacity, encoder_tokens)

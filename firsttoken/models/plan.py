@@ -1,0 +1,171 @@
+"""How a checkpoint runs on this machine: ``--dtype``, ``--quantization`` and ``--cpu-kernels`` settled, ``auto``
+included, in one place (``plan_model``), from the flags, the checkpoint and the machine.
+
+The result is a ``ModelPlan``: plain values, each choice with the reason it went that way, so the engine logs it
+once, ``GET /v1/engine/config`` reports it, and the loader builds from it (models/methods.py picks each layer's
+method by it); nothing downstream asks ``auto`` again. The machine is a ``Machine`` value (its CPU's features, the
+kernels built and self-checked here or why not, torch's probes): ``Machine.detect()`` in production, a value of
+the test's own in tests.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+from firsttoken.config import (
+    FLOAT32_ACTIVATIONS,
+    AttentionBackendName,
+    CpuKernels,
+    Device,
+    Dtype,
+    Quantization,
+    ResolvedQuantization,
+    check_choice,
+)
+from firsttoken.kernels.cpu_features import CpuFeatures
+from firsttoken.models.methods import LayerMethods
+from firsttoken.models.plan_values import TORCH_DTYPES, Machine, ModelPlan
+from firsttoken.models.quant import int8_paths, single_thread_entry_point
+from firsttoken.models.registry import family_of, load_model_config
+from firsttoken.models.weight_files import stored_linear_dtypes
+
+
+def _products(quantization: str, kernels_unused: str | None, fp16_multithreaded: bool, machine: Machine) -> str:
+    """What computes the language model's products, in words."""
+    if quantization == "int8":
+        return "int8 weights: " + int8_paths(machine.kernels if kernels_unused is None else None,
+                                             machine.int_mm_exact, kernels_unused)
+    if quantization == "bf16":
+        return "bf16 weights: " + ("by firsttoken's kernels" if kernels_unused is None
+                                   else f"widened for torch's ({kernels_unused})")
+    if quantization == "fp16":
+        return "float16 weights: FBGEMM's " + ("multithreaded" if fp16_multithreaded else "one-thread") \
+            + " entry point"
+    return "firsttoken's few-rows AVX2 kernels" if kernels_unused is None \
+        else f"torch's (few-rows kernels not used: {kernels_unused})"
+
+
+def resolve_dtype(dtype: Dtype | str, quantization: Quantization, cpu: CpuFeatures) -> tuple[str, str]:
+    """``--dtype``'s torch dtype name, and why: ``auto`` is bf16 where the CPU computes bf16 in hardware (without it
+    torch emulates bf16, ~3.5x slower than float32), else float32; always float32 with --quantization fp16, int8 or
+    bf16, whose kernels take float32 activations. CUDA devices are not considered: the engine runs on the CPU."""
+    if dtype != "auto":
+        return dtype, "as asked"
+    if quantization in FLOAT32_ACTIVATIONS:
+        return "float32", f"auto: --quantization {quantization} takes float32 activations"
+    if cpu.native_bf16:
+        return "bfloat16", "auto: the CPU computes bf16 in hardware"
+    return "float32", "auto: the CPU has no native bf16 (torch would emulate it)"
+
+
+def kernels_skipped(setting: CpuKernels, dtype: torch.dtype, machine: Machine) -> str | None:
+    """None when ``--cpu-kernels setting`` uses the kernels on this machine for a ``dtype`` language model, else
+    why not. float32: ``auto`` leaves Intel's AVX-512 CPUs to MKL (there its products use AVX-512 and the kernels,
+    AVX2, lost on an AVX-512 Xeon) and takes them on AMD's (a 2-vCPU AVX-512 EPYC, one thread, `small` checkpoint,
+    whole decode steps with the fused layers: 0.57-0.78x MKL's at 1-16 rows). bfloat16: ``auto`` takes the kernels
+    on CPUs with native bf16 (AVX512-BF16) but no AMX, where they were measured (2-vCPU EPYC, one thread, `small`
+    checkpoint: 0.51-0.63x torch's decode step at 1-4 rows), and leaves other CPUs to torch. ``on`` takes the
+    kernels wherever they build."""
+    cpu = machine.cpu
+    if setting == "off":
+        return "--cpu-kernels off"
+    if setting == "auto" and dtype == torch.bfloat16:
+        if not cpu.has("avx512_bf16") or cpu.has("amx_bf16"):
+            return "bf16 products measured against torch's only on AVX512-BF16 CPUs without AMX " \
+                   "(--cpu-kernels on uses them)"
+    elif setting == "auto" and cpu.avx512 and cpu.vendor != "AuthenticAMD":
+        return "this CPU has AVX-512 (not AMD's), where MKL's products beat these AVX2 kernels on the Xeon " \
+               "measured (--cpu-kernels on uses them)"
+    return machine.kernels_unavailable
+
+
+def kernels_off(setting: CpuKernels, machine: Machine) -> str | None:
+    """Why quantized weights (int8, bf16) go without firsttoken's kernels, or None: they take them on any CPU the
+    kernels build for, whatever ``kernels_skipped`` says of float32 (their alternative is no MKL product)."""
+    return "--cpu-kernels off" if setting == "off" else machine.kernels_unavailable
+
+
+def auto_quantization(model_dir: Path, dtype: torch.dtype, device: str, kernels_why_not: str | None
+                      ) -> tuple[ResolvedQuantization, str]:
+    """What ``--quantization auto`` applies, and why: "bf16" where the checkpoint stores its language model's
+    linear weights in bf16 and the model runs float32 activations on the CPU with firsttoken's kernels (those
+    weights at their own bytes: decode steps read half of float32's; the same values, so float32 inference's
+    arithmetic), else "none"."""
+    if device != "cpu":
+        return "none", f"auto: device {device}"
+    if dtype != torch.float32:
+        return "none", f"auto: {str(dtype).removeprefix('torch.')} activations: weights in that dtype"
+    if kernels_why_not is not None:
+        return "none", f"auto: firsttoken's kernels not used: {kernels_why_not}"
+    stored = stored_linear_dtypes(model_dir)
+    if stored != {"BF16"}:
+        return "none", f"auto: the checkpoint's language-model linear weights are " \
+                       f"{'/'.join(sorted(stored)) or 'absent'}"
+    return "bf16", "auto: the checkpoint stores its language model's linear weights in bf16; float32 activations"
+
+
+def keeps_row_major(quantization: str, kernels_why_not: str | None, cpu: CpuFeatures) -> bool:
+    """Whether a float32 language model keeps its checkpoint's row-major weights instead of storing the widening
+    ones input-major: where firsttoken's kernels take its decode products on a CPU without AVX-512. There the
+    row-major loop streams each output's weights as one run and beat the AVX2 input-major loop (2-vCPU AVX2 EPYC,
+    `small`, whole float32 decode steps in process, 8 rounds alternating: batch 1 0.90x, batch 8 0.76x the time; an
+    805-token prefill through MKL 1.08x, rounds overlapping; MKL's products alone 1.00-1.04x at 64-800 rows).
+    AVX-512 CPUs keep input-major (its 16-wide loop, im_range16, was measured there; row-major was not), and so do
+    MKL's decode products (its one-row path is faster input-major)."""
+    return quantization == "none" and kernels_why_not is None and not cpu.avx512
+
+
+def plan_model(
+    model_dir: str | Path,
+    dtype: Dtype | str,
+    quantization: Quantization,
+    cpu_kernels: CpuKernels,
+    machine: Machine,
+    device: Device = "cpu",
+    attention_backend: AttentionBackendName | str = "sdpa",
+    num_threads: int | None = None,
+) -> ModelPlan:
+    """Every choice of how this checkpoint runs here. ``dtype``: a --dtype value (``auto`` included) or a torch
+    dtype's name; ``num_threads``: the engine's torch threads (1: fp16 weights take FBGEMM's one-thread entry
+    point, cheaper per call). ValueError names what cannot run."""
+    model_dir = Path(model_dir)
+    check_choice("cpu_kernels", cpu_kernels, CpuKernels)
+    check_choice("quantization", quantization, Quantization)
+    name, dtype_why = resolve_dtype(dtype, quantization, machine.cpu)
+    torch_dtype = TORCH_DTYPES[name]
+    if quantization in FLOAT32_ACTIVATIONS and torch_dtype != torch.float32:
+        raise ValueError(f"--quantization {quantization} runs float32 activations: use --dtype float32 (or auto)")
+    off = kernels_off(cpu_kernels, machine)
+    if quantization == "auto":
+        quantization, quantization_why = auto_quantization(model_dir, torch_dtype, device, off)
+    else:
+        quantization_why = "as asked"
+    if quantization == "fp16" and machine.fp16_unavailable is not None:
+        raise ValueError(f"--quantization fp16 is not available: {machine.fp16_unavailable}")
+    # why the language model's decode products do not take firsttoken's kernels (None: they do)
+    if device != "cpu":
+        unused: str | None = f"device {device}"
+    elif quantization == "fp16":
+        unused = "float16 weights (FBGEMM)"
+    elif quantization in ("int8", "bf16"):
+        unused = off
+    elif torch_dtype in (torch.float32, torch.bfloat16):
+        unused = kernels_skipped(cpu_kernels, torch_dtype, machine)
+    else:
+        unused = f"{name} weights"
+    fp16_multithreaded = num_threads != 1 or not single_thread_entry_point()
+    plan = ModelPlan(
+        device=device, dtype=name, dtype_why=dtype_why, quantization=quantization, quantization_why=quantization_why,
+        kernels_unused=unused,
+        weights_input_major=device == "cpu" and torch_dtype == torch.float32 and quantization == "none"
+        and not keeps_row_major(quantization, unused, machine.cpu),
+        fp16_multithreaded=fp16_multithreaded, attention_backend=attention_backend, fused_decode="not planned yet",
+        products=_products(quantization, unused, fp16_multithreaded, machine),
+        sampler_kernels=device == "cpu" and cpu_kernels != "off",
+    )
+    family = family_of(model_dir)
+    layout = family.decoder_layout(load_model_config(model_dir)) if family.decoder_layout is not None else None
+    return replace(plan, fused_decode=LayerMethods(plan, machine).fused_decode_unsupported(layout))

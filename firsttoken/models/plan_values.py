@@ -1,0 +1,85 @@
+"""The plan's values (models/plan.py): the ``Machine`` it reads and the ``ModelPlan`` it settles, plain data apart
+from the rules that decide them, so that models/methods.py, which plan.py asks, names them without a circle."""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+
+from firsttoken.config import Device, ResolvedDtype, ResolvedQuantization
+from firsttoken.kernels.cpu_features import CpuFeatures
+from firsttoken.kernels.cpu_linear import built_kernels, kernel_unavailable
+from firsttoken.models.quant import fp16_supported, int_mm_exact
+
+TORCH_DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16,
+                                        "float16": torch.float16, "float64": torch.float64}  # float64: tests' twins
+
+
+@dataclass(frozen=True)
+class Machine:
+    """What the plan reads of the machine it runs on."""
+
+    cpu: CpuFeatures
+    kernels: Any  # firsttoken's kernels (kernels/cpu_linear.py), built and self-checked here; None where not
+    kernels_unavailable: str | None  # why not, or None
+    int_mm_exact: bool  # torch._int_mm multiplies int8 exactly here (models/quant.py)
+    fp16_unavailable: str | None  # why FBGEMM's fp16 GEMM cannot run here, or None
+
+    @staticmethod
+    @functools.lru_cache(maxsize=4)
+    def detect(build_kernels: bool = True) -> Machine:
+        """This machine: the kernels are built (or found in the cache) and checked against torch once per
+        process. ``build_kernels`` False (--cpu-kernels off, which uses none of them): they are not built."""
+        cpu = CpuFeatures.detect()
+        if build_kernels:
+            kernels, why = built_kernels(), kernel_unavailable()
+        else:
+            kernels, why = None, "--cpu-kernels off"
+        return Machine(cpu, kernels, why, int_mm_exact(cpu), fp16_supported())
+
+    def with_cpu(self, cpu: CpuFeatures) -> Machine:
+        """This machine's kernels and probes, deciding as if its CPU were ``cpu`` (tests of the rules)."""
+        return replace(self, cpu=cpu)
+
+    def without_kernels(self, why: str) -> Machine:
+        """This machine as one where firsttoken's kernels cannot be built, for ``why``."""
+        return replace(self, kernels=None, kernels_unavailable=why)
+
+
+@dataclass(frozen=True)
+class ModelPlan:
+    """A checkpoint's settled choices on this machine, each with its reason (what the start-up block says)."""
+
+    device: Device
+    dtype: ResolvedDtype | str  # a torch dtype's name (tests' float64 twins aside: float32, bfloat16, float16)
+    dtype_why: str
+    quantization: ResolvedQuantization
+    quantization_why: str
+    kernels_unused: str | None  # why firsttoken's kernels do not compute the language model's decode products
+    weights_input_major: bool  # widening float32 weights stored input-major (MKL's one-row products)
+    fp16_multithreaded: bool  # --quantization fp16: FBGEMM's multithreaded entry point (not one torch thread)
+    attention_backend: str
+    fused_decode: str | None  # why a pure-decode step's decoder layers do not run as one call, or None: they do
+    products: str  # what computes the language model's products, in words (int8: which loop, which prefill path)
+    sampler_kernels: bool  # the sampler's argmax / top-k through the kernels' one-pass loop where they are built
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return TORCH_DTYPES[self.dtype]
+
+    @property
+    def describe_lines(self) -> list[str]:
+        """The start-up block's lines about the model."""
+        lines = [f"dtype: {self.dtype} ({self.dtype_why})",
+                 f"quantization: {self.quantization} ({self.quantization_why})",
+                 f"decode steps' products: {self.products}"]
+        if self.device == "cpu":
+            lines.append("decode steps' decoder layers: " + (
+                "one fused call" if self.fused_decode is None else f"eager ({self.fused_decode})"))
+            lines.append("float32 weights' layout: " + (
+                "widening ones input-major (MKL's one-row products)" if self.weights_input_major
+                else "the checkpoint's"))
+        return lines
