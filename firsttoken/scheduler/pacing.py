@@ -101,7 +101,8 @@ class Pacing:
 
         priced = {n: seconds(n) for n in sizes}
         cheapest = min(priced.values())
-        near = [n for n, s in priced.items() if n >= self._typical_short_tokens() and s <= cheapest * (1 + THROUGHPUT_SLACK)]
+        typical = self._typical_short_tokens()
+        near = [n for n, s in priced.items() if n >= typical and s <= cheapest * (1 + THROUGHPUT_SLACK)]
         return min(near) if near else max(n for n, s in priced.items() if s <= cheapest * (1 + 1e-9))
 
     def itl_bound(self) -> float:
