@@ -1,7 +1,7 @@
 """Issue 15's benchmark: every class's TTFT under the seed's mix, at loads calibrated to this machine, side by side.
 
     python benchmarks/bench_slo.py [--model DIR] [--utilizations 0.6,0.8] [--overload 1.3] [--num-requests 60]
-                                   [--json out.json] [--plot-dir DIR]
+                                   [--json out.json] [--plot-dir DIR] [--before OTHER_CHECKOUT]
 
 The seed's mix (50% text ~800 tokens, 30% one 1024x1024 image, 20% three, each beside ~800 tokens of text), seeded
 Poisson arrivals. The rate is calibrated, never fixed: each class's unloaded service time (mean e2e of requests sent
@@ -38,7 +38,7 @@ from dataclasses import replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import small_model, start_server, stop_server  # noqa: E402
+from _common import checkout, small_model, start_server, stop_server  # noqa: E402
 from machine import machine_info  # noqa: E402
 
 from firsttoken.config import ImageConfig  # noqa: E402
@@ -274,6 +274,10 @@ def main() -> None:
     ap.add_argument("--config", action="append", default=[], metavar="NAME=FLAGS",
                     help="another loaded configuration: a name and the serve flags it adds, e.g. "
                          "'t0.1=--step-time-target 0.1' (repeatable; add NAME to --configs to run it)")
+    ap.add_argument("--before", type=Path, default=None,
+                    help="another checkout (a git worktree of an earlier commit): each loaded configuration also runs "
+                         "on its server, right after ours on the same arrivals, as before:NAME, with the targets "
+                         "read for it too (a refactor's before/after)")
     ap.add_argument("--overload-config", action="append", default=[], metavar="NAME=FLAGS",
                     help="another configuration of the overload run, with --ttft-slo as `slo` has it, e.g. "
                          "'margin0=--ttft-slo-wait-margin 0' (repeatable; compared with `slo` on the same arrivals)")
@@ -298,11 +302,18 @@ def main() -> None:
         for name in args.configs.split(","):
             results[name] = run(model, LOADED[name], rate, args)
             results[name]["summary"] = summarize(results[name], None, image_max)
+            if args.before is not None:
+                with checkout(args.before.resolve()):
+                    results[f"before:{name}"] = run(model, LOADED[name], rate, args)
+                results[f"before:{name}"]["summary"] = summarize(results[f"before:{name}"], None, image_max)
         out[f"U={u:g}"] = results
         title = f"U={u:g}: Poisson {rate:.4f}/s, {args.num_requests} requests"
         print_load(title, results, unloaded)
         if {"fcfs", "default"} <= set(results):
             lines += [f"U={u:g}: {x}" for x in targets_loaded(results, unloaded)]
+        if {"before:fcfs", "before:default"} <= set(results):
+            before = {"fcfs": results["before:fcfs"], "default": results["before:default"]}
+            lines += [f"U={u:g} before: {x}" for x in targets_loaded(before, unloaded)]
         if args.json:  # before plotting: the raw records are what matters
             Path(args.json).write_text(json.dumps(out, indent=1))
         if args.plot_dir:

@@ -168,10 +168,10 @@ class AsyncEngine:
             now = time.monotonic()
             for rid in [r for r, (_, w) in self._reservations.items() if now - w.admitted_s > RESERVATION_TTL_S]:
                 del self._reservations[rid]  # never handed over (client left between preprocessing and submit)
-            lane = route_lane(work.num_prompt_tokens, self.engine.scheduler.config)
+            lane = route_lane(work.num_prompt_tokens, self.engine.config.scheduler)
             # a request asked again at a lower image budget holds a reservation already: not ahead of itself
             pending = tuple(w for rid, (v, w) in self._reservations.items() if v == lane and rid != request_id)
-            verdict = self.engine.scheduler.check_admission(work, len(pending), pending)
+            verdict = self.engine.check_admission(work, pending)
             if verdict.admitted and request_id is not None:
                 held = replace(work, admitted_s=now, long_place_s=verdict.long_place_s)
                 self._reservations[request_id] = (lane, held)
@@ -235,7 +235,7 @@ class AsyncEngine:
         self._streams[rid] = cmd
 
     def _is_short(self, request: EngineRequest) -> bool:
-        return route_lane(request.num_prompt_tokens, self.engine.scheduler.config) == SHORT
+        return route_lane(request.num_prompt_tokens, self.engine.config.scheduler) == SHORT
 
     def _deliver_all(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:

@@ -28,8 +28,10 @@ from firsttoken.models.registry import load_model_config
 from firsttoken.runner.executor import Executor, InProcessExecutor
 from firsttoken.runner.model_runner import FaultHook, ThreadPlan
 from firsttoken.scheduler.request import Request
-from firsttoken.scheduler.scheduler import Scheduler, StepReport
+from firsttoken.scheduler.scheduler import Scheduler
+from firsttoken.scheduler.step import StepReport
 from firsttoken.types import (
+    AdmissionVerdict,
     EngineRequest,
     EngineStats,
     FinishReason,
@@ -109,10 +111,15 @@ class LLMEngine:
         return self.capacity.max_model_len
 
     # ---- requests ------------------------------------------------------------------------------------
+    def check_admission(self, work: PromptWork, pending: tuple[PromptWork, ...] = ()) -> AdmissionVerdict:
+        """May a prompt like ``work`` queue now, behind ``pending`` (admitted, still preprocessing), and when is its
+        first token due (scheduler/admission.py)? Any thread may ask."""
+        return self.scheduler.check_admission(work, len(pending), pending)
+
     def add_request(self, request: EngineRequest) -> None:
         if request.request_id in self.requests:
             raise ValueError(f"duplicate request id {request.request_id}")
-        verdict = self.scheduler.check_admission(PromptWork.of(request.num_prompt_tokens, request.images))
+        verdict = self.check_admission(PromptWork.of(request.num_prompt_tokens, request.images))
         if not verdict.admitted and verdict.reason == "never_fits":
             raise ValueError(verdict.message)
         detok = IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids, request.sampling.stop)

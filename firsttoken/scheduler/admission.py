@@ -67,6 +67,16 @@ def remaining_work_s(cost: CostModel, encoder_cache: EncoderCacheManager, req: R
     return cost.work_s(prefill_chunk(max(req.num_tokens - start, 1), start, True) + encoder_units(patches, pairs))
 
 
+def place_work_s(cost: CostModel, encoder_cache: EncoderCacheManager, kv: KVCacheManager, block_size: int,
+                 req: Request) -> float:
+    """A long request's work from where it would start now: what it computed, or, still waiting, what the prefix
+    cache will serve (the deadline order's place)."""
+    start = req.num_computed_tokens
+    if not start and kv.enable_prefix_caching:
+        start = kv.num_cached_prefix_tokens(req.ensure_block_hashes(block_size), req.num_prompt_tokens - 1)
+    return remaining_work_s(cost, encoder_cache, req, start)
+
+
 def prompt_work_s(cost: CostModel, work: PromptWork) -> float:
     """Predicted seconds of a whole prompt's prefill and encoder work (no per-step constant)."""
     return cost.work_s(prefill_chunk(work.num_prompt_tokens, 0, True)
@@ -179,8 +189,8 @@ class Admission:
                 return old + alpha * (new - old) if old else new
 
             # a lane's drain rate while it has work: every step in which it had work waiting counts, those where
-            # the other lane took the whole step (at 0) too, not only the steps where it ran (the three-image
-            # predictions were 0.72-0.77 of the measured TTFTs at U 0.6-0.8 counting only those)
+            # the other lane took the whole step (at 0) too, not only the steps where it ran (counting only those
+            # overstates the rate: a waiting request's TTFT is predicted low)
             if step.short_s > 0 or any(r.lane != LONG for r in pending):
                 short_frac = ema(short_frac, step.short_s / wall)
             if step.long_s > 0 or any(r.lane == LONG for r in pending):
@@ -277,8 +287,7 @@ def protected_place(place: float, own: float, queue: Iterable[tuple[float, float
     request it would pass (``queue``: each one's remaining work seconds, place and objective's deadline) misses its
     deadline with the newcomer's ``own`` work ahead of it; then the place of the last such request (ties go to the
     earlier arrival, so the newcomer is behind it). A request already predicted to miss is protected too: passing it
-    would only make it later, and the requests that end up in a class's tail are those (passing only the ones
-    that would still make it kept the three-image P99 1.1-1.5x the objective in the simulator's overload runs)."""
+    would only make it later, and the requests that end up in a class's tail are those (docs/scheduling.md)."""
     out, done = place, 0.0
     for work, at, deadline in sorted(queue, key=lambda q: q[1]):
         done += work

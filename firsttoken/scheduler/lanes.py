@@ -38,6 +38,17 @@ class LaneQueues:
     def __init__(self, config: SchedulerConfig) -> None:
         self.config = config
         self.queues: dict[str, deque[Request]] = {name: deque() for name in lane_names(config)}
+        self.num_short_delayed_by_long = 0  # short requests that waited a whole step while long work ran
+
+    def count_short_delays(self, step_had_long_work: bool, num_steps: int) -> None:
+        """The harmful event the seed saw: a short request that sat out a whole step while long work ran (counted
+        once per request; ``num_steps``: steps with work before this one)."""
+        threshold = self.config.long_prompt_threshold
+        for req in self:
+            if req.num_prompt_tokens < threshold and req.arrival_step <= num_steps and step_had_long_work:
+                if not req.delayed_by_long:
+                    req.delayed_by_long = True
+                    self.num_short_delayed_by_long += 1
 
     def __len__(self) -> int:
         return sum(len(q) for q in self.queues.values())

@@ -21,6 +21,7 @@ from collections.abc import Callable, Sequence
 from firsttoken.config import SchedulerConfig
 from firsttoken.scheduler.budget import StepBudget
 from firsttoken.scheduler.cost_model import CostModel, prefill_chunk
+from firsttoken.scheduler.lanes import LONG_MIN_SHARE
 from firsttoken.scheduler.request import Request
 
 THROUGHPUT_SLACK = 0.05  # a throughput chunk may be priced this much over the cheapest size, to be shorter
@@ -64,6 +65,27 @@ class Pacing:
         overhead = float(self.cost_model.coef[0]) if math.isfinite(target) else 0.0  # the per-step constant
         return StepBudget(self.config.max_batched_tokens, max(target - overhead, 0.0), self.cost_model,
                           target_s=target), False
+
+    def open_for_long(self, budget: StepBudget, aging: bool, step_empty: bool) -> None:
+        """A time-bounded step's long lane fills what the step has left; aged, or with the step still empty, it
+        is granted a share of the target and at least one block of tokens (progress), and its chunks are capped
+        to ``--long-chunk-share`` of the target."""
+        if aging or step_empty:
+            budget.grant_floor(self.block_size, LONG_MIN_SHARE)
+        if self.config.long_chunk_share < 1:
+            budget.cap_chunks(self.config.long_chunk_share)
+
+    def long_lane_budget(self, budget: StepBudget, aging: bool, short_lane_idle: Callable[[], bool]) -> StepBudget:
+        """Token budgets (no time bound): the long lane's own share of the step, ``--long-step-tokens`` (or
+        ``--long-step-tokens-idle`` while nobody short waits) within what the step has left; aged, the whole share
+        and at least one encoder unit or block of tokens, whatever they cost (progress guaranteed)."""
+        share = self.config.long_step_tokens
+        if self.config.long_step_tokens_idle is not None and short_lane_idle():
+            share = self.config.long_step_tokens_idle
+        long_budget = StepBudget(share if aging else min(share, budget.remaining))
+        if aging:
+            long_budget.grant_floor(self.block_size)
+        return long_budget
 
     def count_decode(self, req: Request) -> None:
         """One decode step was scheduled for ``req`` (its pace counts it)."""

@@ -12,7 +12,7 @@ import time
 from dataclasses import dataclass, field, replace
 from enum import Enum
 
-from firsttoken.kv.prefix_cache import BlockHash
+from firsttoken.kv.prefix_cache import BlockHash, ImageSpan, compute_block_hashes
 from firsttoken.types import (
     EngineRequest,
     FinishReason,
@@ -81,3 +81,10 @@ class Request:
     def images_in(self, start: int, end: int) -> list[tuple[int, ImageItem]]:
         """(index, image) of the images whose tokens overlap prompt indices [start, end)."""
         return images_in(self.images, start, end)
+
+    def ensure_block_hashes(self, block_size: int) -> list[BlockHash]:
+        """The prompt's full blocks' hashes (an image's blocks keyed by its hash and offset), computed once."""
+        if self.block_hashes is None:
+            spans = [ImageSpan(im.content_hash, im.offset, im.num_tokens) for im in self.images]
+            self.block_hashes = compute_block_hashes(self.prompt_token_ids, block_size, spans)
+        return self.block_hashes

@@ -23,33 +23,21 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable
-from typing import NamedTuple
+from functools import partial
 
 from firsttoken.batch import NewRequest, RunnerOutput, ScheduledBatch, ScheduledChunk
 from firsttoken.config import CacheConfig, SchedulerConfig
 from firsttoken.kv.block_manager import KVCacheManager
-from firsttoken.kv.prefix_cache import ImageSpan, compute_block_hashes
-from firsttoken.scheduler.admission import Admission, remaining_work_s
+from firsttoken.scheduler.admission import Admission, place_work_s, remaining_work_s
 from firsttoken.scheduler.budget import StepBudget
 from firsttoken.scheduler.cost_model import CostModel
 from firsttoken.scheduler.encoder_cache import EncoderCacheManager
 from firsttoken.scheduler.encoder_plan import EncoderPlanner
-from firsttoken.scheduler.lanes import FCFS, LONG, LONG_MIN_SHARE, SHORT, DeadlineOrder, LaneQueues, LeastWorkOrder
+from firsttoken.scheduler.lanes import FCFS, LONG, SHORT, DeadlineOrder, LaneQueues, LeastWorkOrder
 from firsttoken.scheduler.pacing import Pacing
 from firsttoken.scheduler.request import Request, RequestStatus
-from firsttoken.scheduler.step import StepDraft
+from firsttoken.scheduler.step import StepDraft, StepReport
 from firsttoken.types import AdmissionVerdict, EngineStats, FinishReason, PromptWork
-
-
-class StepReport(NamedTuple):
-    """What one step left behind, for the engine's step stats."""
-
-    predicted_s: float | None  # the cost model's seconds for the work the step did (None: not fitted yet)
-    step: int  # steps with work so far
-    kv_blocks_used: int
-    kv_blocks_total: int
-    num_running: int
-    num_waiting: int
 
 
 class Scheduler:
@@ -71,12 +59,12 @@ class Scheduler:
         self.admission = Admission(config, self.kv, max_model_len, self.cost_model,
                                    lambda lane: len(self.waiting.queues[lane]), self.pacing.step_time_target, clock)
         self.encoder = EncoderPlanner(self.encoder_cache, self.cost_model, self.requests)
-        self.long_order = (DeadlineOrder(config, lambda: self.cost_model.is_fitted, self._place_work_s)
+        place_s = partial(place_work_s, self.cost_model, self.encoder_cache, self.kv, self.block_size)
+        self.long_order = (DeadlineOrder(config, lambda: self.cost_model.is_fitted, place_s)
                            if config.long_order == "deadline" else LeastWorkOrder(config, self.remaining_work_s))
         self.num_steps = 0
         self.num_preemptions = 0
         self.preemptions_by_reason: dict[str, int] = {}
-        self.num_short_delayed_by_long = 0  # short requests that waited a whole step while long work ran
         self.long_wait_steps = 0  # consecutive steps the long lane had work but was held back
         self._preempted: list[str] = []
         self._new: list[NewRequest] = []  # first admissions since the last batch: the runner's first sight
@@ -146,7 +134,7 @@ class Scheduler:
             if self.config.encoder_interrupt and step.encoder_work:
                 self.encoder.mark_interruptible(step)
         step.full = budget.exhausted
-        self._count_short_delays(step)
+        self.waiting.count_short_delays(step.has_long_work, self.num_steps)
         preempted, self._preempted = tuple(self._preempted), []
         step.preempted_ids = frozenset(preempted)
         new, self._new = tuple(self._new), []
@@ -206,21 +194,13 @@ class Scheduler:
         if step.throughput:
             served = self._serve_lane(LONG, budget, step, False)
         elif budget.bounded:  # time-bounded: fill what the step has left
-            if aging or not (step.chunks or step.encoder_work):  # progress: a share, at least one block of tokens
-                budget.grant_floor(self.block_size, LONG_MIN_SHARE)
-            if self.config.long_chunk_share < 1:
-                budget.cap_chunks(self.config.long_chunk_share)
+            self.pacing.open_for_long(budget, aging, step_empty=not (step.chunks or step.encoder_work))
             served = not budget.exhausted and self._serve_lane(LONG, budget, step, False)
         elif held_by_short and not aging:
             step.long_held = True
             served = False
         else:  # token budgets: the lane's own share of the step
-            share = self.config.long_step_tokens
-            if self.config.long_step_tokens_idle is not None and self._short_lane_idle():
-                share = self.config.long_step_tokens_idle  # nobody short to protect this step
-            long_budget = StepBudget(share if aging else min(share, budget.remaining))
-            if aging:  # progress guaranteed: at least one encoder unit or block of tokens, whatever they cost
-                long_budget.grant_floor(self.block_size)
+            long_budget = self.pacing.long_lane_budget(budget, aging, self._short_lane_idle)
             served = self._serve_lane(LONG, long_budget, step, whole_prompt=False)
             if served:
                 budget.absorb(long_budget)
@@ -287,15 +267,9 @@ class Scheduler:
                     admitting = False  # the wait shows as queue time
 
     # ---- admission and prefill ------------------------------------------------------------------------------
-    def _block_hashes(self, req: Request) -> list | None:
-        """The prompt's full blocks' hashes, computed once (None without prefix caching)."""
-        if req.block_hashes is None and self.kv.enable_prefix_caching:
-            spans = [ImageSpan(im.content_hash, im.offset, im.num_tokens) for im in req.images]
-            req.block_hashes = compute_block_hashes(req.prompt_token_ids, self.block_size, spans)
-        return req.block_hashes
-
     def _admit(self, req: Request, budget: StepBudget, step: StepDraft, whole_prompt: bool) -> bool:
-        self._block_hashes(req)
+        if self.kv.enable_prefix_caching:
+            req.ensure_block_hashes(self.block_size)
         max_cached = req.num_prompt_tokens - 1  # at least one token is computed, to sample from
         if self.config.kv_admission == "whole-prompt":
             want = min(req.num_tokens + self.config.decode_reserve_tokens, self.max_model_len)
@@ -399,52 +373,16 @@ class Scheduler:
         self._preempted.append(req.request_id)
         self.waiting.appendleft(req)
 
-    def _count_short_delays(self, step: StepDraft) -> None:
-        """The harmful event the seed saw: a short request that sat out a whole step while long work ran."""
-        threshold = self.config.long_prompt_threshold
-        for req in self.waiting:
-            if req.num_prompt_tokens < threshold and req.arrival_step <= self.num_steps and step.has_long_work:
-                if not req.delayed_by_long:
-                    req.delayed_by_long = True
-                    self.num_short_delayed_by_long += 1
-
     # ---- work and what an operator sees ---------------------------------------------------------------------
     def remaining_work_s(self, req: Request, start: int | None = None) -> float:
         """Predicted seconds of the request's remaining prefill and encoder work (admission.remaining_work_s)."""
         return remaining_work_s(self.cost_model, self.encoder_cache, req, start)
 
-    def _place_work_s(self, req: Request) -> float:
-        """A long request's work from where it would start now: what it computed, or, still waiting, what the prefix
-        cache will serve (the deadline order's place)."""
-        start = req.num_computed_tokens
-        if not start and self.kv.enable_prefix_caching:
-            start = self.kv.num_cached_prefix_tokens(self._block_hashes(req), req.num_prompt_tokens - 1)
-        return self.remaining_work_s(req, start)
-
     def wait_reason(self, req: Request) -> str:
-        """Why a live request got no work in the last schedule(): one of step.WAIT_REASONS, or "" when it got work or
-        nothing explains the wait (a request that can never make progress; the randomized tests look for it)."""
-        step = self._last_step
-        if req.request_id in step.scheduled_ids or req.status == RequestStatus.FINISHED:
-            return ""
-        if req.request_id in step.preempted_ids:
-            return "preempted"  # its blocks went to a decode's growth this step
-        if req.status == RequestStatus.WAITING:
-            if len(self.running) >= self.config.max_num_seqs:
-                return "max_num_seqs"
-            if req.request_id in step.kv_blocked_ids:
-                return "kv_blocks"
-            if any(other.request_id in step.kv_blocked_ids for other in self.waiting.queues[req.lane]):
-                return "in_line"  # its lane's admissions stopped at a request waiting for blocks
-        if req.lane == LONG and step.long_held:
-            return "short_lane_first"
-        if step.full:
-            return "step_full"
-        if any(im.content_hash in step.worked_hashes for im in req.images):
-            return "image_encoding"  # another request advances the image it waits for
-        if any(self.requests[rid].lane == req.lane for rid in step.scheduled_ids if rid in self.requests):
-            return "in_line"  # its lane served others first this step
-        return ""
+        """Why a live request got no work in the last schedule() (StepDraft.wait_reason)."""
+        lane_of = lambda rid: self.requests[rid].lane if rid in self.requests else None  # noqa: E731
+        return self._last_step.wait_reason(req, len(self.running) >= self.config.max_num_seqs,
+                                           self.waiting.queues[req.lane], lane_of)
 
     def stats(self) -> EngineStats:
         """The scheduler's part of the engine's stats (the runner's encoder bytes and images encoded are not)."""
@@ -455,7 +393,7 @@ class Scheduler:
             num_waiting=len(self.waiting), num_steps=self.num_steps, num_preemptions=self.num_preemptions,
             max_model_len=self.max_model_len, num_waiting_by_lane=self.waiting.depths(),
             preemptions_by_reason=dict(self.preemptions_by_reason),
-            num_short_delayed_by_long=self.num_short_delayed_by_long,
+            num_short_delayed_by_long=self.waiting.num_short_delayed_by_long,
             num_encoder_interrupts=self.encoder.num_interrupts, encoder_cache_hits=enc.num_hits,
             encoder_cache_misses=enc.num_misses, cost_model=cost.fit().as_dict() if cost.is_fitted else {},
             cost_model_coverage=cost.coverage, step_time_target_s=_finite_or_none(self.pacing.step_time_target()),
@@ -466,7 +404,7 @@ class Scheduler:
     def forget_traffic(self) -> None:
         """Counters, cached prefixes and encoder outputs, lane history and the backlog back to a fresh scheduler's;
         the cost model and its TTFT bias stay. Only with no live request."""
-        self.num_steps = self.num_preemptions = self.num_short_delayed_by_long = self.long_wait_steps = 0
+        self.num_steps = self.num_preemptions = self.waiting.num_short_delayed_by_long = self.long_wait_steps = 0
         self.preemptions_by_reason = {}
         self.encoder.num_interrupts = 0
         self.pacing.reset()

@@ -6,10 +6,13 @@ say, for any live request without work in it, which rule held it back. Plain dat
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from firsttoken.batch import EncoderWork, ScheduledChunk
-from firsttoken.scheduler.lanes import SHORT
+from firsttoken.scheduler.lanes import LONG, SHORT
+from firsttoken.scheduler.request import Request, RequestStatus
 
 # why a live request got no work in a step (wait_reason); "" is no reason at all: a request that can never progress
 WAIT_REASONS = ("preempted", "max_num_seqs", "kv_blocks", "short_lane_first", "step_full", "image_encoding", "in_line")
@@ -53,3 +56,40 @@ class StepDraft:
             self.short_s += seconds
         else:
             self.long_s += seconds
+
+    def wait_reason(self, req: Request, seqs_full: bool, lane_queue: Iterable[Request],
+                    lane_of: Callable[[str], str | None]) -> str:
+        """Why ``req`` (live) got no work in this step: one of WAIT_REASONS, or "" when it got work or nothing explains
+        the wait (a request that can never make progress; the randomized tests look for it). ``seqs_full``: the
+        running set is at max_num_seqs; ``lane_queue``: its lane's waiting requests; ``lane_of``: a live id's lane."""
+        if req.request_id in self.scheduled_ids or req.status == RequestStatus.FINISHED:
+            return ""
+        if req.request_id in self.preempted_ids:
+            return "preempted"  # its blocks went to a decode's growth this step
+        if req.status == RequestStatus.WAITING:
+            if seqs_full:
+                return "max_num_seqs"
+            if req.request_id in self.kv_blocked_ids:
+                return "kv_blocks"
+            if any(other.request_id in self.kv_blocked_ids for other in lane_queue):
+                return "in_line"  # its lane's admissions stopped at a request waiting for blocks
+        if req.lane == LONG and self.long_held:
+            return "short_lane_first"
+        if self.full:
+            return "step_full"
+        if any(im.content_hash in self.worked_hashes for im in req.images):
+            return "image_encoding"  # another request advances the image it waits for
+        if any(lane_of(rid) == req.lane for rid in self.scheduled_ids):
+            return "in_line"  # its lane served others first this step
+        return ""
+
+
+class StepReport(NamedTuple):
+    """What one step left behind, for the engine's step stats."""
+
+    predicted_s: float | None  # the cost model's seconds for the work the step did (None: not fitted yet)
+    step: int  # steps with work so far
+    kv_blocks_used: int
+    kv_blocks_total: int
+    num_running: int
+    num_waiting: int

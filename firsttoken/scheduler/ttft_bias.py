@@ -4,9 +4,8 @@ The admission check's prediction (Scheduler.predict_ttft) prices the work queued
 encode and prefill with the step-cost model. What it cannot see runs it low under load, by an amount that depends
 on the class: later arrivals that overtake (short requests; in the long lane smaller ones whose place in line
 comes first, and under the earlier least-remaining-work order any smaller one), steps that scatter around their
-predicted time, image decoding and preprocessing contending for the same cores. Measured on the server
-(docs/performance.md, issue 15): median predicted / measured 0.87 for one image and 0.72-0.77 for three at U
-0.6-0.8, while text predictions were unbiased. So every first token nudges a correction for its class:
+predicted time, image decoding and preprocessing contending for the same cores (the uncorrected error per class:
+docs/performance.md, "Prediction accuracy"). So every first token nudges a correction for its class:
 
     predicted = raw x exp(bias[class])           exp(bias) kept within [1 / MAX_FACTOR, MAX_FACTOR]
     bias[class] += step   if measured > predicted, else -= step            (--ttft-bias-step, 0.05)
@@ -14,8 +13,8 @@ predicted time, image decoding and preprocessing contending for the same cores. 
 with ``predicted`` the prediction as it was given at admission. A fixed step by the error's sign (not its size) is
 a running median: the correction settles where half of a class's first tokens come earlier than predicted and half
 later, which is what a median |error| target asks for, and one request that waited behind an outlier moves it by
-one step only. 0.05 a step corrects the measured 0.72 in about 7 first tokens of the class; with nothing to correct
-it wanders by about a step. Classes are by number of images (0, 1, 2+): the classes whose work, and whose
+one step only. At 0.05 a step, a prediction at 0.72x the truth is corrected in about 7 first tokens of the class
+(ln(1/0.72) / 0.05); with nothing to correct it wanders by about a step. Classes are by number of images (0, 1, 2+): the classes whose work, and whose
 overtakers, differ. ``measured`` is from the request's arrival to its first token, as a client sees it.
 """
 

@@ -36,7 +36,7 @@ def test_short_request_arriving_mid_long_prefill_runs_in_the_very_next_step():
     sched.add(fake_request("short", prompt_len=50, max_tokens=2, arrival_seq=1))
     batch = run_step(sched)
     assert "short" in ids_in(batch)
-    assert sched.num_short_delayed_by_long == 0
+    assert sched.stats().num_short_delayed_by_long == 0
 
 
 def test_long_work_per_step_is_capped_and_yields_to_short_prefills():
@@ -132,7 +132,7 @@ def test_fcfs_runs_whole_prompts_and_whole_encodes_in_one_step():
     assert [(c.request_id, c.num_new_tokens) for c in first.chunks] == [("img", 900)]
     assert [w.num_units for w in first.encoder_work] == [4]
     assert ids_in(run_step(sched)) == ["short"]  # it waited behind the whole prefill: the seed's problem
-    assert sched.num_short_delayed_by_long == 1
+    assert sched.stats().num_short_delayed_by_long == 1
 
 
 def test_whole_prompt_admission_never_preempts_a_prefill():

@@ -120,13 +120,12 @@ def test_a_request_asked_again_is_not_ahead_of_itself_but_others_admitted_are():
 
     seen: list[tuple[PromptWork, ...]] = []
 
-    def check_admission(work, num_pending=0, pending=()):
+    def check_admission(work, pending=()):
         seen.append(pending)
         return AdmissionVerdict.ok("long", 1.0, lower_budget=True)
 
-    scheduler = SimpleNamespace(config=SchedulerConfig(long_prompt_threshold=100), check_admission=check_admission)
-    engine = SimpleNamespace(config=SimpleNamespace(num_threads=0, max_unread_outputs=64), scheduler=scheduler,
-                             stats=lambda: None)
+    config = SimpleNamespace(num_threads=0, max_unread_outputs=64, scheduler=SchedulerConfig(long_prompt_threshold=100))
+    engine = SimpleNamespace(config=config, check_admission=check_admission, stats=lambda: None)
     bridge = AsyncEngine(engine)  # its thread is not started
     bridge.check_admission(PromptWork(900, 1, 4000), "other")
     bridge.check_admission(PromptWork(900, 1, 4000), "me")
