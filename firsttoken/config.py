@@ -293,7 +293,7 @@ class EngineConfig:
         "an AVX2 + FMA CPU, except Intel's AVX-512 ones, where MKL won; built once with the machine's C compiler, $CC "
         "or cc; where they cannot be built, torch's product, and the log says why); on: the kernels on every CPU. A "
         "bfloat16 language model's products take a bf16 kernel under auto on CPUs with AVX512-BF16 and no AMX "
-        "(measured there), under on anywhere: at most 16 rows with the CPU's AVX512-BF16 dot products, else 4. "
+        "(where it beats torch's), under on anywhere: at most 16 rows with the CPU's AVX512-BF16 dot products, else 4. "
         "Where the kernels are taken, a pure-decode step's decoder layers run as one C call (16 rows at most; "
         "bfloat16 without AVX512-BF16 8; with --quantization bf16 or int8 too); the sampler's argmax and top-k "
         "(k <= 256) take a one-pass kernel (the "

@@ -512,8 +512,9 @@ class StreamFrames:
     shares its id, object, created and model, so that head is rendered once, and a chunk carrying no logprobs is
     the head plus its delta (chat) or text (completions) and finish reason. The bytes are the models' own
     (``ChatCompletionChunk.to_json``, ``CompletionResponse.to_json``; tests/unit/test_api_protocol.py compares
-    them): the models cost ~0.1 ms a chunk, paid on the event loop once per token per stream while the engine's
-    step runs on the same cores. Chunks with logprobs and the usage chunk still go through the models."""
+    them): the models' cost would be paid on the event loop once per token per stream while the engine's step runs
+    on the same cores (why: docs/runs/notes/decode-kernels.md#what-serving-adds-to-a-decode-token-session-32).
+    Chunks with logprobs and the usage chunk still go through the models."""
 
     __slots__ = ("_head",)
 

@@ -4,13 +4,13 @@ Three paths, chosen per forward from the metadata alone:
 - a sequence with ``context_len == 0`` (first prefill chunk) attends over its fresh k/v with ``is_causal=True``,
   so it never reads the cache back;
 - a pure-decode batch (every ``query_len == 1``, batch 1 included) gathers all sequences' keys/values through the
-  block table, padded to the longest sequence, and runs one batched SDPA with a key-padding mask (measured on 2 CPU
-  cores, 16 sequences of 100-1500 tokens: ~5x faster than a per-sequence loop in fp32, on par in bf16); the gather
+  block table, padded to the longest sequence, and runs one batched SDPA with a key-padding mask (one call, never
+  slower than a loop over the sequences; why: docs/runs/notes/2026-12-03-code-comment-figures.md); the gather
   copies whole blocks with ``index_select``, and a single sequence on consecutive blocks is read in place;
 - any other sequence (a later prefill chunk) gathers its own keys/values; new token ``j`` sees cached/new tokens
   ``0 .. context_len + j``. SDPA's causal flash kernel only aligns its mask top-left (query ``j`` sees key ``j``),
-  so a shifted mask would take the masked path, which scores every query-key pair (1.4x the time of the split at
-  2,048 new over 2,048 cached tokens, 2 threads); instead the chunk attends its context without a mask (each KV
+  so a shifted mask would take the masked path, which scores every query-key pair (slower than the split below:
+  docs/scheduling.md#time-bounded-work-conserving-steps); instead the chunk attends its context without a mask (each KV
   head's query heads folded into its query rows) and itself with the causal kernel, and the two are merged by their
   log-sum-exp (CPU tensors in float32 or bfloat16: the flash kernel's own op returns it; elsewhere, or without that
   op, the masked path).
@@ -85,8 +85,8 @@ def gather_kv(
 
 def gather_blocks(kv_cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
     """[2, len(blocks) * block_size, num_kv_heads, head_dim]: K and V of ``blocks`` (int64 [n]) back to back.
-    ``index_select`` copies whole blocks: measured 2.2-2.4x faster than advanced indexing (``kv_cache[:, blocks]``)
-    for 1-8 sequences of 100-1000 tokens."""
+    ``index_select`` copies whole blocks, faster than advanced indexing (``kv_cache[:, blocks]``; why:
+    docs/runs/notes/decode-kernels.md#decode-per-step-issue-17)."""
     two, num_cache_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape
     flat = kv_cache.view(two, num_cache_blocks, block_size * num_kv_heads * head_dim)
     return flat.index_select(1, blocks).view(two, -1, num_kv_heads, head_dim)

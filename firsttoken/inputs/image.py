@@ -225,7 +225,7 @@ def _normalize(patches: np.ndarray, mean: tuple[float, ...] = OPENAI_CLIP_MEAN,
     The reference computes float32(float64(x) * (1/255)) then float32 subtract and divide. For bytes
     float32(x) / 255 rounds to the same float32 (all 256 values checked in tests), so this is bit-identical
     without a float64 round trip. NumPy on purpose: single-threaded, so it does not stall when the model's
-    torch threads hold the cores (torch's OpenMP ops slowed 20x here under such contention)."""
+    torch threads hold the cores (torch's OpenMP ops stall badly under such contention)."""
     out = patches.astype(np.float32)
     out /= np.float32(255)
     out -= np.array(mean, dtype=np.float32).reshape(1, -1, 1)

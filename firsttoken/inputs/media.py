@@ -101,7 +101,7 @@ def _load_file(raw_path: str, allowed_media_dir: Path | None, max_image_bytes: i
         fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0))
     except OSError:
         raise ImageInputError("invalid_image", "image file not found in the media directory") from None
-    try:  # closed on every way out: a directory opens fine (it used to leak one descriptor per request)
+    try:  # closed on every way out, a refused path included (a directory opens fine, then is refused)
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
             kind = "a directory" if stat.S_ISDIR(st.st_mode) else "not a regular file"

@@ -1,7 +1,7 @@
 """How many tokens a text has at least, found without tokenizing more of it than the limit needs.
 
-A 20 MB prompt used to be tokenized whole (~40 s, +3 GB) before the 400 for its 8 million tokens. Here the
-text is measured in three steps, each taken only when the ones before could not decide:
+A prompt far over the limit is refused without being tokenized whole. The text is measured in three steps, each
+taken only when the ones before could not decide:
 
 1. characters: no token covers more than ``max_chars_per_token`` characters (the longest string in the
    tokenizer's vocabulary, added tokens included: a byte-level token's string has one character per byte,

@@ -48,8 +48,9 @@ class CpuFeatures:
 
     @property
     def native_bf16(self) -> bool:
-        """bf16 computed in hardware (AVX512-BF16 or AMX). Without it (e.g. an AVX-512 Xeon lacking avx512_bf16)
-        torch emulates bf16 and ran ~3.5x *slower* than fp32 (measured: 20 vs 71 GFLOP/s at 2048^2)."""
+        """bf16 computed in hardware (AVX512-BF16 or AMX). Without it (e.g. an AVX-512 CPU lacking avx512_bf16)
+        torch emulates bf16, slower than fp32, so ``--dtype auto`` takes float32 there (why:
+        docs/performance.md#engine-settings-what-auto-picks)."""
         return self.has("avx512_bf16") or self.has("amx_bf16")
 
     @property

@@ -2,22 +2,19 @@
 
 A decode step multiplies a handful of rows (one per running request) by every weight of the language model. MKL's
 sgemm has no good path for 2-16 rows on an AVX2 CPU: its time grows almost linearly with the rows. The kernels read
-each weight once, in one sequential sweep, and let every row use it while it is in cache. Measured on a 2-core AVX2
-EPYC, all linear layers of the `small` checkpoint plus its lm_head (117 MiB of float32 weights, out of cache), against
-MKL on the same layouts (``python benchmarks/bench_cpu_linear.py``, docs/performance.md#few-rows-kernels): one thread,
-1 row 0.98x, 2 rows 0.72x, 4 rows 0.56x, 8 rows 0.67x, 16 rows 0.91x; two threads 0.86x, 0.53x, 0.37x, 0.51x, 0.64x.
-Products of at most ``MAX_ROWS`` rows take the kernels; prefill stays with MKL.
+each weight once, in one sequential sweep, and let every row use it while it is in cache: on AVX2 CPUs no slower
+than MKL up to ``MAX_ROWS`` rows (why: docs/performance.md#few-rows-kernels). Products of at most ``MAX_ROWS`` rows
+take the kernels; prefill stays with MKL.
 
 bfloat16 weights (``--dtype bfloat16``, ``auto``'s choice on CPUs with native bf16) keep the checkpoint's row-major
 layout; their kernel reads them as bf16 (half float32's bytes), widens each exactly to float32 and sums as the
-float32 one; the outputs are rounded to bf16 as torch's bf16 product rounds its float32 sums. Measured on a 2-vCPU
-AVX512-BF16 EPYC, a whole decode step of the `small` checkpoint at one thread (``python benchmarks/bench_decode.py
---baseline . --dtype bfloat16 --cpu-kernels off --this-args "--cpu-kernels on" --num-threads 1``): 1 row 0.51x
-torch's time, 2 rows 0.59x, 4 rows 0.63x, 8 rows 1.11x, hence ``MAX_ROWS_BF16``. On CPUs with AVX512-BF16 the same
-products take dot-product instructions instead (vdpbf16ps: 32 bf16 products an instruction, no widening; each
-weight row still read once in one stream, up to 16 rows of x against it): all the `small` checkpoint's bf16
-products streamed from memory, one thread, 8 rows ~0.65x the AVX2 loop's time (1 row the same: memory-bound), so
-there bf16 products of up to ``MAX_ROWS_BF16_DP`` rows take the kernels (``_Kernel.max_rows_bf16``).
+float32 one; the outputs are rounded to bf16 as torch's bf16 product rounds its float32 sums. ``MAX_ROWS_BF16`` is
+the most rows at which a whole bf16 decode step takes less time with this loop than with torch's bf16 products (why:
+docs/runs/notes/weights-fp16-int8-bf16.md). On CPUs with AVX512-BF16 the same products take dot-product
+instructions instead (vdpbf16ps: 32 bf16 products an instruction, no widening; each weight row still read once in
+one stream, up to 16 rows of x against it), faster than the AVX2 loop from a few rows up (one row is memory-bound
+either way), so there bf16 products of up to ``MAX_ROWS_BF16_DP`` rows take the kernels (``_Kernel.max_rows_bf16``;
+why: docs/runs/notes/decode-kernels.md#bf16-products-as-avx512-bf16-dot-products).
 
 The weights keep the layouts their layers' methods give them (models/linear.py: widening layers input-major or
 row-major, the narrowing down projection row-major); each layout has its kernel. Every output is summed in the
@@ -61,10 +58,10 @@ from firsttoken.kernels.cpu_features import CpuFeatures
 
 log = logging.getLogger("firsttoken.kernels")
 
-MAX_ROWS = 16  # 16 rows: 0.91x MKL's time at one thread (24 rows: 1.09x in an earlier check)
-MAX_ROWS_BF16 = 4  # bf16 decode step, 1 thread: 4 rows 0.63x torch's time, 8 rows 1.11x (AVX512-BF16 EPYC)
+MAX_ROWS = 16  # the most rows a float32 product takes the kernels for: still faster than MKL (why: module docstring)
+MAX_ROWS_BF16 = 4  # the same for bf16 products on the AVX2 loop: beyond it torch's bf16 products win
 # the sampler's top-k through ft_topk up to this k: its insertions cost ~k ln(n/k) x k/2 moves, so beyond a few
-# hundred torch's topk is faster (152k logits, top-p growing to k = 4,096: 1.7x torch's time)
+# hundred torch's topk is faster (why: docs/runs/notes/sampler.md)
 TOPK_MAX = 256
 MAX_ROWS_BF16_DP = 16  # the AVX512-BF16 dot-product loop (ft_bf16_dp): see _Kernel.max_rows_bf16
 SOURCE = Path(__file__).with_name("cpu_linear.c")
@@ -79,8 +76,8 @@ def set_kernel_threads(n: int | None) -> int | None:
     the OS pre-empts never stalls a call); for steps whose work is all these kernels' (decode steps the fused layers
     take), where torch's ops run on one thread. None (the default): on torch's OpenMP team at torch's count, the
     team its own ops use, for steps where those run on several threads (workers of another pool spinning beside
-    that team took its cores: prefill steps of a few new tokens after a cached prefix took 1.5x the time). Returns
-    the setting it replaces."""
+    that team would take its cores and slow those steps: docs/runs/notes/decode-kernels.md#the-kernels-own-threads).
+    Returns the setting it replaces."""
     previous = getattr(_plan, "n", None)
     _plan.n = n
     return previous
@@ -103,8 +100,9 @@ _spin = ["other"]
 
 def set_kernel_spin(mode: str) -> None:
     """How long the kernels' idle workers spin before sleeping: "decode" (2 ms: a decode step's next regions begin
-    within a few milliseconds of Python, and waking a sleeping worker took ~0.1 ms or more on the 2-vCPU VMs
-    measured; spinning one costs nothing it would not yield, since a pre-empted worker never stalls a region) or
+    within a few milliseconds of Python, and a worker asleep by then joins late, after a costly wake-up (why:
+    docs/runs/notes/decode-kernels.md#the-kernels-own-threads); spinning one costs nothing it would not yield,
+    since a pre-empted worker never stalls a region) or
     "other" (0.1 ms: prefill and vision steps run torch's OpenMP team on every core). Applied once the kernels are
     built (never builds them), only when it changes."""
     if mode == _spin[0] or not _kernel.cache_info().currsize:
@@ -184,8 +182,8 @@ class _Kernel:
     @property
     def max_rows_bf16(self) -> int:
         """The most rows a bfloat16 product takes these kernels for: ``MAX_ROWS_BF16_DP`` where the dot-product
-        loop runs (AVX512-BF16; whole bf16 decode steps on a 2-vCPU EPYC, one thread: see docs/performance.md),
-        else ``MAX_ROWS_BF16`` (the AVX2 loop: 8 rows took 1.11x torch's time)."""
+        loop runs (AVX512-BF16), else ``MAX_ROWS_BF16`` (the AVX2 loop): each the most rows at which that loop beats
+        torch's bf16 product (why: the module docstring)."""
         return MAX_ROWS_BF16_DP if self.bf16_dp else MAX_ROWS_BF16
 
     def pool_stats(self) -> dict[str, int]:

@@ -1,9 +1,9 @@
 """A decode step's decoder layers in one C call (``ft_decode_layers`` in cpu_linear.c), bf16 or float32.
 
-At batch 1 a decode step of the `small` checkpoint in bf16 issued ~1,440 tensor ops (float32 ~1,030): per layer two
-norms, the rotary, the cache write, SDPA, residuals and the MLP's activation around the four products. Each costs
-~1-3 us of dispatch whatever its size, so outside the products the step's forward spent ~2 ms (one thread,
-AVX512-BF16 EPYC: forward 4.4 ms, of which the products' weights at memory speed ~2.6). ``FusedDecode`` hands the
+Op by op, a decode step issues over a thousand small tensor ops (per layer two norms, the rotary, the cache write,
+SDPA, residuals and the MLP's activation around the four products), each paying a fixed dispatch cost whatever its
+size: at batch 1 a large share of the step's forward (why:
+docs/runs/notes/decode-kernels.md#a-decode-steps-layers-in-one-call). ``FusedDecode`` hands the
 whole stack of layers to one C function for pure-decode steps of at most ``MAX_ROWS_FUSED_BF16`` rows (16 where the
 bf16 products take AVX512-BF16 dot products; float32: ``MAX_ROWS``): the same products (the few-rows kernels the
 eager step calls, each weight in its stored layout), the eager path's rounding points everywhere else (bf16: every
@@ -40,11 +40,9 @@ from firsttoken.models.interfaces import DecoderModel, ForwardOutput, ImageRows
 from firsttoken.models.layers import rolled_sin
 from firsttoken.models.linear import Linear, LinearMethod
 
-# bf16 steps of up to 8 rows where the bf16 products take the AVX2 loop: the fused layers against the eager layers
-# (torch's AVX512-BF16 products above MAX_ROWS_BF16 = 4 rows), whole in-process decode steps, one thread, `small`
-# checkpoint, AVX512-BF16 EPYC: 6 rows 0.61x, 8 rows 0.82x, 12 rows 0.97x, 16 rows 1.28x the eager step's time.
-# With the dot-product loop (CPUs with AVX512-BF16): up to MAX_ROWS_BF16_DP = 16 rows (8 / 12 / 16 rows 0.61x /
-# 0.59x / 0.66x the eager step of the commit before, whose 12 and 16 rows were torch's products; docs/performance.md)
+# bf16 steps of up to 8 rows where the bf16 products take the AVX2 loop, up to MAX_ROWS_BF16_DP = 16 with the
+# dot-product loop (CPUs with AVX512-BF16): the most rows at which the fused step beats the eager one (why:
+# docs/runs/notes/decode-kernels.md#a-decode-steps-layers-in-one-call, #bf16-products-as-avx512-bf16-dot-products)
 MAX_ROWS_FUSED_BF16 = 8
 
 _P = ctypes.c_void_p
@@ -168,8 +166,8 @@ class FusedDecode:
         self._layers = layers
         self._final_norm = part(self.layout.final_norm)
         # the final norm and the lm_head in the same call, where the lm_head's method is one these kernels run: the
-        # first Python after a call that streamed every weight runs from cold caches (the eager final norm of one
-        # row took ~0.1-0.2 ms there, ~27 us warm), so one re-entry per step instead of two
+        # first Python after a call that streamed every weight runs from cold caches, several times slower than warm
+        # (why: docs/runs/notes/decode-kernels.md#the-kernels-own-threads), so one re-entry per step instead of two
         if self.with_head:
             head, norm = part(self.layout.lm_head), self._final_norm.weight
             if head.bias is not None or norm.dtype != self.dtype or not norm.is_contiguous():

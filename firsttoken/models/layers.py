@@ -41,9 +41,9 @@ def _rms_norm_few_rows(x: torch.Tensor, weight: torch.Tensor | None, eps: float)
     """``F.rms_norm(x, weight.shape, weight, eps)`` bit for bit on fp32 (the same ops: sum of squares, divided by
     the row length, plus eps, rsqrt, times x, times weight) in 7 aten calls instead of rms_norm's ~24 (nested ones
     counted): the row length and eps come as cached 0-dim tensors, where rms_norm wraps each Python number in a new
-    tensor every call. On a 2-core AVX2 EPYC, 1 thread: 9.6 vs 15.1 us for one 512-wide row; no faster for a
-    prefill's rows (F.rms_norm there). ``weight`` None: the unweighted norm (a bf16 model's, weighted after the cast
-    back, as the reference does)."""
+    tensor every call. Faster for a decode step's few rows, no faster for a prefill's (F.rms_norm there; why:
+    docs/runs/notes/decode-kernels.md#second-pass-where-the-batch-1-steps-time-is-now-and-what-was-cut). ``weight``
+    None: the unweighted norm (a bf16 model's, weighted after the cast back, as the reference does)."""
     inv = torch.sum(x * x, -1, keepdim=True).div_(_scalar(x.shape[-1], x.device)).add_(_scalar(eps, x.device))
     out = x * inv.rsqrt_()
     return out if weight is None else out.mul_(weight)

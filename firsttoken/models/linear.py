@@ -41,13 +41,11 @@ class TorchLinear:
     ``input_major``: a float32 weight that widens (out_features >= in_features) is stored input-major: the same
     [out, in] parameter (same values, names, shapes), laid out so that ``weight.t()`` is contiguous. ``F.linear``
     then hands the BLAS a plain, untransposed [in, out] matrix, and the one-row products of decoding stream it at
-    memory speed: measured on a 2-core AVX2 EPYC (MKL, 1 thread, the `small` checkpoint's decoder) 5.5 vs 6.8 ms
-    for batch 1 and 1.3 vs 2.6 ms for its lm_head, equal from 16 rows up. A narrowing weight (the MLP's
-    down_proj, 1408 -> 512) is the other way round: there MKL's row-major dot products are faster (1 thread, weights
-    out of cache: 159 vs 224 us per one-row product, and faster at 8 rows; a whole batch-1 forward 0.96x), so it
-    keeps the checkpoint's layout. Only float32: the same layout made bf16 (emulated on AVX2) 8x slower. The BLAS
-    then sums in another order: one-row outputs change at rounding level (small checkpoint: max |dlogit| 7e-5,
-    same argmax)."""
+    memory speed, faster than the row-major layout for a few rows and equal from 16 rows up. A narrowing weight (the
+    MLP's down_proj, 1408 -> 512) is the other way round: there MKL's row-major dot products are faster, so it keeps
+    the checkpoint's layout. Only float32: bf16 (emulated on AVX2) is much slower in that layout (why, all three:
+    docs/runs/notes/decode-kernels.md#decode-per-step-issue-17 and its second pass). The BLAS then sums in another
+    order: one-row outputs change at rounding level (small checkpoint: max |dlogit| 7e-5, same argmax)."""
 
     def __init__(self, input_major: bool = False) -> None:
         self.input_major = input_major

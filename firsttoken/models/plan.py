@@ -50,8 +50,9 @@ def _products(quantization: str, kernels_unused: str | None, fp16_multithreaded:
 
 def resolve_dtype(dtype: Dtype | str, quantization: Quantization, cpu: CpuFeatures) -> tuple[str, str]:
     """``--dtype``'s torch dtype name, and why: ``auto`` is bf16 where the CPU computes bf16 in hardware (without it
-    torch emulates bf16, ~3.5x slower than float32), else float32; always float32 with --quantization fp16, int8 or
-    bf16, whose kernels take float32 activations. CUDA devices are not considered: the engine runs on the CPU."""
+    torch emulates bf16, slower than float32: docs/performance.md#engine-settings-what-auto-picks), else float32;
+    always float32 with --quantization fp16, int8 or bf16, whose kernels take float32 activations. CUDA devices are not
+    considered: the engine runs on the CPU."""
     if dtype != "auto":
         return dtype, "as asked"
     if quantization in FLOAT32_ACTIVATIONS:
@@ -63,11 +64,10 @@ def resolve_dtype(dtype: Dtype | str, quantization: Quantization, cpu: CpuFeatur
 
 def kernels_skipped(setting: CpuKernels, dtype: torch.dtype, machine: Machine) -> str | None:
     """None when ``--cpu-kernels setting`` uses the kernels on this machine for a ``dtype`` language model, else
-    why not. float32: ``auto`` leaves Intel's AVX-512 CPUs to MKL (there its products use AVX-512 and the kernels,
-    AVX2, lost on an AVX-512 Xeon) and takes them on AMD's (a 2-vCPU AVX-512 EPYC, one thread, `small` checkpoint,
-    whole decode steps with the fused layers: 0.57-0.78x MKL's at 1-16 rows). bfloat16: ``auto`` takes the kernels
-    on CPUs with native bf16 (AVX512-BF16) but no AMX, where they were measured (2-vCPU EPYC, one thread, `small`
-    checkpoint: 0.51-0.63x torch's decode step at 1-4 rows), and leaves other CPUs to torch. ``on`` takes the
+    why not. float32: ``auto`` leaves Intel's AVX-512 CPUs to MKL (there its products use AVX-512 and beat the
+    kernels, AVX2) and takes them on AMD's, where the fused decode steps beat MKL's at 1-16 rows. bfloat16: ``auto``
+    takes the kernels on CPUs with native bf16 (AVX512-BF16) but no AMX, the only CPUs they are known to beat
+    torch's products on, and leaves other CPUs to torch (why, both: docs/performance.md#kernels). ``on`` takes the
     kernels wherever they build."""
     cpu = machine.cpu
     if setting == "off":
@@ -110,11 +110,11 @@ def auto_quantization(model_dir: Path, dtype: torch.dtype, device: str, kernels_
 def keeps_row_major(quantization: str, kernels_why_not: str | None, cpu: CpuFeatures) -> bool:
     """Whether a float32 language model keeps its checkpoint's row-major weights instead of storing the widening
     ones input-major: where firsttoken's kernels take its decode products on a CPU without AVX-512. There the
-    row-major loop streams each output's weights as one run and beat the AVX2 input-major loop (2-vCPU AVX2 EPYC,
-    `small`, whole float32 decode steps in process, 8 rounds alternating: batch 1 0.90x, batch 8 0.76x the time; an
-    805-token prefill through MKL 1.08x, rounds overlapping; MKL's products alone 1.00-1.04x at 64-800 rows).
-    AVX-512 CPUs keep input-major (its 16-wide loop, im_range16, was measured there; row-major was not), and so do
-    MKL's decode products (its one-row path is faster input-major)."""
+    row-major loop streams each output's weights as one run: faster decode steps than the AVX2 input-major loop, and
+    prefill through MKL level within the noise (why:
+    docs/runs/notes/decode-kernels.md#float32-weights-row-major-on-avx2-cpus-session-32). AVX-512 CPUs keep
+    input-major (their 16-wide input-major loop, im_range16, is the one shown faster there; row-major has not been
+    compared on them), and so do MKL's decode products (its one-row path is faster input-major)."""
     return quantization == "none" and kernels_why_not is None and not cpu.avx512
 
 

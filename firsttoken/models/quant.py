@@ -3,9 +3,9 @@ which layers take which is the plan's (models/methods.py).
 
 ``fp16``: every linear layer of the language model (attention q/k/v and output, the MLP, the lm_head) keeps its
 weight as float16, packed once at load for FBGEMM's AVX2 kernel, which converts the weights to float32 on the fly
-and multiplies in float32; activations stay float32. Half the bytes for the weights a decode step streams. Measured
-on a 2-core AVX2 EPYC, a 512 -> 2,816 weight out of cache, against MKL's float32 product: one thread 1 row 0.61x,
-8 rows 0.47x, 805 rows 0.91x; two threads 0.34x, 0.31x, 0.91x. Not exact against float32 (each product's relative
+and multiplies in float32; activations stay float32. Half the bytes for the weights a decode step streams: less
+time than MKL's float32 product at decode and prefill sizes (why:
+docs/runs/notes/weights-fp16-int8-bf16.md#float16-weights). Not exact against float32 (each product's relative
 error ~2e-4); the vision tower keeps float32.
 
 A weight's float16 copy is rounded (the checkpoint's values beyond float16's range or precision are lost); weights
@@ -49,12 +49,11 @@ from firsttoken.models.linear import Linear
 
 FP16_MAX = 65504.0
 
-# Two entry points to the same FBGEMM kernel (same results), measured on a 2-core AVX2 EPYC, 512 -> 2,816, weights
-# out of cache: torch.ops.quantized.linear_dynamic_fp16 splits the product over torch's threads (2 threads: 1 row
-# 106 us, 8 rows 232 us, 805 rows 0.91x MKL's float32) at ~21 us per call; torch.fbgemm_linear_fp16_weight_fp32_
-# activation costs 4 us per call but runs on one thread (2 threads, 805 rows: 1.7x MKL's time). The engine takes the
-# second only when it runs on one thread (and where torch still has it: 2.13 marks it deprecated, with a warning once
-# per process on first use, which fp16_supported makes quietly).
+# Two entry points to the same FBGEMM kernel (same results): torch.ops.quantized.linear_dynamic_fp16 splits the
+# product over torch's threads, at a higher cost per call; torch.fbgemm_linear_fp16_weight_fp32_activation costs less
+# per call but runs on one thread (on more, prefill would pay). The engine takes the second only when it runs on one
+# thread (why: docs/runs/notes/weights-fp16-int8-bf16.md#float16-weights), and where torch still has it: 2.13 marks
+# it deprecated, with a warning once per process on first use, which fp16_supported makes quietly.
 
 
 def _linear_dynamic_fp16():
@@ -106,9 +105,9 @@ class Fp16Weights:
         b = layer.bias.detach().float().contiguous() if layer.bias is not None else None
         layer.register_parameter("weight", None)
         layer.register_parameter("bias", None)
-        if self.multithreaded:  # splits the product over torch's threads; ~17 us more per call than the other one
+        if self.multithreaded:  # splits the product over torch's threads; costs more per call than the other one
             layer.packed = torch.ops.quantized.linear_prepack_fp16(w, b)
-        else:  # one thread only (2 threads: 1.7x MKL's time at prefill sizes), 4 us per call
+        else:  # one thread only, the cheaper call: for an engine that runs on one thread
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", UserWarning)
                 layer.packed = torch.fbgemm_pack_gemm_matrix_fp16(w)
@@ -180,8 +179,8 @@ _scratch = threading.local()  # per thread (an engine runs its steps on one): a 
 def _widened(weight: torch.Tensor) -> torch.Tensor:
     """``weight.float()`` in a buffer reused across products (grown to the largest weight seen). A fresh float32
     temporary per product is megabytes, above malloc's mmap threshold: a new mapping whose pages fault in on every
-    call (one noisy in-process run had the prefill at 1.28x float32's that way, 0.79-0.94x with the buffer reused;
-    docs/performance.md)."""
+    call, which made prefill slower than float32's (why:
+    docs/runs/notes/weights-fp16-int8-bf16.md#bf16-weights-float32-activations)."""
     buf = getattr(_scratch, "buf", None)
     if buf is None or buf.numel() < weight.numel():
         with torch.inference_mode(False):  # a normal tensor: written in and out of inference mode alike

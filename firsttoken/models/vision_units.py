@@ -31,9 +31,8 @@ from firsttoken.types import EncoderUnit
 
 MAX_UNIT_PAIRS = 8 * 2**20  # query-key pairs one unit may score: a full-attention block over a 2896-patch image
 # never slice finer than this many query rows: each slice streams every key and value of its block again, and
-# thinner slices cost time (small checkpoint, 2048x1536 image, 16,060 patches, 2 threads: 522-row slices 1.19x the
-# whole blocks' time, 1,024 rows 1.00x, 2,048 rows 1.00x). A huge image's units may then score more than
-# MAX_UNIT_PAIRS pairs (2048x1536: 16 Mi).
+# thinner slices cost time, slices this thick none (why: docs/scheduling.md#time-bounded-work-conserving-steps).
+# A huge image's units may then score more than MAX_UNIT_PAIRS pairs (2048x1536: 16 Mi).
 MIN_UNIT_ROWS = 1024
 
 

@@ -109,7 +109,7 @@ class ThreadPlan:
     the kernels all ``threads`` as workers of their own, which are optional (the calling thread takes the work a
     pre-empted one has not started: a step streams weights on every core without waiting for the event loop's)
     and spin between such steps (``set_kernel_spin``). In every other step the kernels run on torch's OpenMP team
-    at torch's count (another pool spinning beside that team took its cores). Applied in the thread that runs the
+    at torch's count (another pool spinning beside that team would take its cores). Applied in the thread that runs the
     model, torch's count only when it changes. A runner without a plan never touches either."""
 
     def __init__(self, threads: int | None = None, decode_threads: int | None = None) -> None:
@@ -121,7 +121,7 @@ class ThreadPlan:
     def apply(self, decode_only: bool, fused: bool = False) -> None:
         """``fused``: a decode-only step that the fused decode layers take."""
         want = 1 if fused else self.decode_threads if decode_only else self.threads
-        if want != torch.get_num_threads():  # 0.3 us; the running thread's own count, whoever set it
+        if want != torch.get_num_threads():  # cheap enough per step; the running thread's own count, whoever set it
             torch.set_num_threads(want)
             self.switches += 1
         set_kernel_threads(self.threads if fused else None)

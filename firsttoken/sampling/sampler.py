@@ -11,9 +11,8 @@ draw run over those k; top-p alone takes the most probable 64, 256, ... tokens u
 the mass (the tokens top-p keeps are always among them); the draw is one uniform number against the candidates'
 cumulative mass (the first token whose cumulative mass exceeds it: token i with probability p_i / sum p). The tokens
 kept and their probabilities are those of a full sort (vLLM's and transformers' top-k/top-p), but the draws from a
-given seed differ from theirs (and from this sampler's before). With the `small` checkpoint's 16,064-token
-vocabulary, one thread, temperature 0.7 with top-k 20 and top-p 0.8 took ~1 ms a row when every row sorted the
-vocabulary and drew with multinomial, ~0.2 ms now (`python benchmarks/bench_sampler.py`; docs/performance.md).
+given seed differ from theirs. No row sorts the vocabulary: that cost grows with the vocabulary, this one with the
+candidates kept (why: docs/runs/notes/sampler.md).
 
 Numerically safe for every value SamplingParams accepts: a temperature below ``SAMPLING_EPS`` is greedy (as in
 vLLM), penalised or temperature-scaled logits are clamped to finite values before the softmax, and a row whose

@@ -1,7 +1,7 @@
 """An arrival rate calibrated to the machine: `--utilization U` instead of a fixed `--rate`.
 
-A fixed rate means different loads on different machines (an AVX2-only CPU ran the same fp32 matmuls 4-6x slower
-than the AVX-512 machine the docs' rates were chosen on). Calibration measures what this server and machine take
+A fixed rate means different loads on different machines (CPUs differ several-fold in fp32 matmul speed:
+docs/runs/notes/machines-and-utilization.md). Calibration measures what this server and machine take
 per request, then offers a load relative to that:
 
     service_c    = mean e2e seconds of one session of class c sent alone (sequential probes after a warm-up)
