@@ -286,7 +286,8 @@ def main() -> None:
         name, _, flags = item.partition("=")
         LOADED[name] = shlex.split(flags)
     model = small_model(args.model)
-    out: dict = {"machine": machine_info(), "model": Path(model).name, "args": vars(args)}
+    out: dict = {"machine": machine_info(), "model": Path(model).name,
+                 "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}}
     cal = calibrate(model, args)
     out["calibration"] = cal
     unloaded = cal["unloaded_ttft_s"]
