@@ -8,7 +8,7 @@ boundary for every request field:
   Python accepts and every tokenizer, encoder and file system later chokes on; it is refused here, naming the
   field;
 - every integer fits in 64 bits (``Int64``), so no message ever prints a thousand-digit number;
-- a field that asks for something this server does not do (``UNSUPPORTED_FIELDS``: tools, JSON mode,
+- a field that asks for something this server does not do (``UNSUPPORTED_FIELDS``: tools,
   logit_bias, ...) is refused with a 400 naming it, unless its value means "off": a client that asked for JSON
   must never get prose with a 200.
 
@@ -36,12 +36,14 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    PrivateAttr,
     field_validator,
     model_validator,
 )
 
 from firsttoken.inputs import prompt
 from firsttoken.quoting import LONE_SURROGATE, quote
+from firsttoken.structured.spec import GrammarSpec, from_response_format, from_structured_outputs
 
 # ------------------------------------------------------------------------------------------- field types
 
@@ -57,12 +59,16 @@ INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 Int64 = Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)]  # what OpenAI and vLLM accept for integer fields
 
 
-class UnsupportedFieldError(ValueError):
-    """A request field this server does not implement, set to a value that is not "off"."""
+class FieldError(ValueError):
+    """A request field's value refused with a message that names it; ``field`` is the error's ``param``."""
 
     def __init__(self, field: str, message: str) -> None:
         super().__init__(message)
         self.field = field
+
+
+class UnsupportedFieldError(FieldError):
+    """A request field this server does not implement, set to a value that is not "off"."""
 
 
 @dataclass(frozen=True)
@@ -79,10 +85,6 @@ def _absent(value: Any) -> bool:
     return value is None or value is False or value in ("", [], {})
 
 
-def _text_format(value: Any) -> bool:
-    return _absent(value) or (isinstance(value, dict) and value.get("type") == "text")
-
-
 # OpenAI and vLLM request fields that change what is generated but are not implemented here. Fields that change
 # nothing a client could notice (user, metadata, store, service_tier, parallel_tool_calls, stream_options ...)
 # are tolerated and ignored.
@@ -91,18 +93,11 @@ UNSUPPORTED_FIELDS: dict[str, Unsupported] = {
     "tool_choice": Unsupported(lambda v: _absent(v) or v in ("none", "auto"), "tool calling is not implemented"),
     "functions": Unsupported(_absent, "function calling is not implemented"),
     "function_call": Unsupported(lambda v: _absent(v) or v in ("none", "auto"), "function calling is not implemented"),
-    "response_format": Unsupported(_text_format, "JSON mode and structured outputs are not implemented; "
-                                                 'send {"type": "text"} or leave it out', names_type=True),
     "logit_bias": Unsupported(_absent, "logit biases are not implemented"),
     "audio": Unsupported(_absent, "audio output is not implemented"),
     "modalities": Unsupported(lambda v: _absent(v) or v == ["text"], "only text output is implemented"),
     "prediction": Unsupported(_absent, "predicted outputs are not implemented"),
     "web_search_options": Unsupported(_absent, "web search is not implemented"),
-    "guided_json": Unsupported(_absent, "guided decoding is not implemented"),
-    "guided_regex": Unsupported(_absent, "guided decoding is not implemented"),
-    "guided_choice": Unsupported(_absent, "guided decoding is not implemented"),
-    "guided_grammar": Unsupported(_absent, "guided decoding is not implemented"),
-    "structured_outputs": Unsupported(_absent, "guided decoding is not implemented"),
     "best_of": Unsupported(lambda v: v is None or v == 1, "best_of above 1 is not implemented"),
     "use_beam_search": Unsupported(_absent, "beam search is not implemented"),
     "echo": Unsupported(_absent, "echoing the prompt is not implemented"),
@@ -220,11 +215,41 @@ class _SamplingFields(_Request):
     repetition_penalty: float | None = None
     n: Int64 | None = 1
     ignore_eos: bool = False
+    # what the answer must match (docs/structured_outputs.md): OpenAI's, vLLM's, and vLLM's older guided_* names
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: Text | dict[str, Any] | None = None
+    guided_regex: Text | None = None
+    guided_choice: list[Text] | None = None
+    guided_grammar: Text | None = None
+    _output_spec: GrammarSpec | None = PrivateAttr(default=None)
 
     @model_validator(mode="before")
     @classmethod
     def _refuse_unsupported(cls, body: Any) -> Any:
         return refuse_unsupported(body)
+
+    @model_validator(mode="after")
+    def _one_output_constraint(self) -> _SamplingFields:
+        """At most one of the constraint fields, each well formed (whether its grammar compiles is asked later,
+        in the preprocessing pool, before the request queues)."""
+        guided = {k: v for k, v in (("json", self.guided_json), ("regex", self.guided_regex),
+                                    ("choice", self.guided_choice), ("grammar", self.guided_grammar)) if v is not None}
+        given = [name for name, v in (("response_format", self.response_format),
+                                      ("structured_outputs", self.structured_outputs)) if v is not None]
+        given += [f"guided_{k}" for k in guided]
+        if len(given) > 1:
+            raise FieldError(given[1], f"give at most one output constraint; got {', '.join(given)}")
+        try:
+            if self.response_format is not None:
+                spec = from_response_format(self.response_format)
+            else:
+                spec = from_structured_outputs(self.structured_outputs if self.structured_outputs is not None
+                                               else guided or None)
+        except ValueError as err:
+            raise FieldError(given[0], str(err)) from None
+        self._output_spec = spec
+        return self
 
     @field_validator("n")
     @classmethod
@@ -270,6 +295,7 @@ class _SamplingFields(_Request):
             repetition_penalty=self.repetition_penalty,
             logprobs=logprobs,
             top_logprobs=top_logprobs,
+            structured=self._output_spec,
             names=(("max_tokens", field), ("top_logprobs", top_logprobs_name)),
         )
 

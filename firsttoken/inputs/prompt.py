@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from firsttoken.structured.spec import GrammarSpec
+
 
 @dataclass(frozen=True)
 class TextPart:
@@ -94,6 +96,7 @@ class SamplingRequest:
     repetition_penalty: float | None = None
     logprobs: bool = False
     top_logprobs: int = 0
+    structured: GrammarSpec | None = None  # what the answer must match (response_format, structured_outputs)
     names: tuple[tuple[str, str], ...] = ()  # (SamplingParams field, client's field)
 
     def name(self, field: str) -> str:

@@ -24,6 +24,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
+import numpy as np
 import torch
 
 from firsttoken.attention.base import AttentionMetadata
@@ -38,6 +39,7 @@ from firsttoken.kernels.cpu_linear import set_kernel_spin, set_kernel_threads
 from firsttoken.models.interfaces import EncodeState, ImageEmbeddings, ImageRows
 from firsttoken.sampling.penalties import TokenHistory
 from firsttoken.sampling.sampler import Sampler, SampleRow, make_generator
+from firsttoken.structured import GrammarMatcher, allocate_bitmask, apply_bitmask
 from firsttoken.types import ImageItem, SamplingParams, TokenLogprob, images_in
 
 log = logging.getLogger("firsttoken.runner")
@@ -70,13 +72,16 @@ class RequestState:
     sampling: SamplingParams
     generator: torch.Generator | None  # per-request RNG when sampling.seed is set
     history: TokenHistory | None  # what penalties read, when the request has any
+    matcher: GrammarMatcher | None = None  # where its output is in its grammar, when it has one
     output_token_ids: list[int] = field(default_factory=list)  # what this runner sampled for it
 
     @staticmethod
     def of(new: NewRequest) -> "RequestState":
         history = TokenHistory(new.prompt_token_ids) if new.sampling.has_penalties else None
+        grammar = new.sampling.grammar
         return RequestState(new.request_id, new.prompt_token_ids, new.images, new.mrope_positions, new.mrope_delta,
-                            new.sampling, make_generator(new.sampling.seed), history)
+                            new.sampling, make_generator(new.sampling.seed), history,
+                            grammar.matcher() if grammar is not None else None)
 
     def append(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
@@ -154,6 +159,7 @@ class ModelRunner:
         self.interrupt = interrupt
         self._step_units = 0  # model work run so far in this step: encoder units, and the forward as one
         self._deferred: list[EncoderWork] = []  # this step's interruptible encoder work, run by finish_step()
+        self._bitmask: np.ndarray | None = None  # [rows, ceil(vocab / 32)] int32, reused: constrained rows' masks
 
     @property
     def encoder_cache_bytes(self) -> int:
@@ -382,12 +388,31 @@ class ModelRunner:
         chunks = [chunks[i] for i in keep]
         states = [self.requests[c.request_id] for c in chunks]
         rows = [SampleRow(s.sampling, s.generator, s.prompt_token_ids, s.output_token_ids, s.history) for s in states]
-        result = self.sampler.sample(logits if len(keep) == logits.shape[0] else logits[keep], rows)
+        logits = logits if len(keep) == logits.shape[0] else logits[keep]
+        constrained = [i for i, s in enumerate(states) if s.matcher is not None]
+        if constrained:  # rows without a grammar are neither read nor written
+            self._mask(logits, [states[i] for i in constrained], constrained)
+        result = self.sampler.sample(logits, rows)
         for i, message in result.failed.items():
             failed[chunks[i].request_id] = message
+        for i in constrained:
+            matcher = states[i].matcher
+            if i not in result.failed and not matcher.accept(result.token_ids[i]):  # type: ignore[union-attr]
+                failed[chunks[i].request_id] = f"the output constraint failed: {matcher.error}"  # type: ignore
+                result.failed[i] = failed[chunks[i].request_id]
         sampled = {c.request_id: t for i, (c, t) in enumerate(zip(chunks, result.token_ids)) if i not in result.failed}
         logprobs = {c.request_id: lp for c, lp in zip(chunks, result.logprobs) if lp is not None}
         return sampled, logprobs
+
+
+    def _mask(self, logits: torch.Tensor, states: list[RequestState], rows: list[int]) -> None:
+        """Each constrained row's logits to -inf where its grammar forbids the token (structured/bitmask.py)."""
+        bitmask = self._bitmask
+        if bitmask is None or bitmask.shape[0] < logits.shape[0]:
+            bitmask = self._bitmask = allocate_bitmask(logits.shape[0], logits.shape[1])
+        for state, row in zip(states, rows):
+            state.matcher.fill_bitmask(bitmask, row)  # type: ignore[union-attr]
+        apply_bitmask(logits, bitmask, rows)
 
 
 @dataclass(frozen=True)
