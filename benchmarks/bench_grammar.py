@@ -83,7 +83,8 @@ TOOL_SCHEMA = {
         "name": {"type": "string", "enum": ["get_weather", "search_web"]},
         "arguments": {
             "type": "object",
-            "properties": {"location": {"type": "string"}, "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
+            "properties": {"location": {"type": "string"},
+                           "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
                            "days": {"type": "integer", "minimum": 1, "maximum": 14}},
             "required": ["location"],
             "additionalProperties": False,
@@ -110,7 +111,8 @@ ONE_RUN = r"""
 import json, statistics, sys, time
 import numpy as np, torch
 from transformers import AutoTokenizer
-library, tokenizer_dir, cases, compile_n, passes, threads = sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]), int(sys.argv[6])
+library, tokenizer_dir, cases = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+compile_n, passes, threads = int(sys.argv[4]), int(sys.argv[5]), int(sys.argv[6])
 sys.path.insert(0, sys.argv[7])
 from firsttoken.structured.bitmask import apply_bitmask
 torch.set_num_threads(1)
@@ -141,7 +143,7 @@ if library == "llguidance":
     new_matcher = lambda compiled: compiled.deep_copy()
     allocate = lambda rows: lnp.allocate_token_bitmask(rows, vocab)
     fill = lambda m, bitmask, row: lnp.fill_next_token_bitmask(m, bitmask, row)
-    fill_par = lambda ms, bitmask: lnp.fill_next_token_bitmask_par(executor, [(m, i) for i, m in enumerate(ms)], bitmask)
+    fill_par = lambda ms, bitmask: lnp.fill_next_token_bitmask_par(executor, list(zip(ms, range(len(ms)))), bitmask)
     accept = lambda m, t: m.consume_token(t)
     done = lambda m: m.is_stopped() or m.is_accepting()
     apply = lambda logits, bitmask: ltorch.apply_token_bitmask_inplace(logits, torch.from_numpy(bitmask))
@@ -168,7 +170,8 @@ else:
     apply = lambda logits, bitmask: xgr.apply_token_bitmask_inplace(logits, bitmask)
     version = importlib.metadata.version("xgrammar")
 
-out = {"library": library, "version": version, "vocab": vocab, "tokenizer_info_s": info_s, "threads": threads, "cases": {}}
+out = {"library": library, "version": version, "vocab": vocab, "tokenizer_info_s": info_s, "threads": threads,
+       "cases": {}}
 for label, (kind, spec, text) in cases.items():
     tokens = hf.encode(text, add_special_tokens=False) + [eos]
     compile_s = []
