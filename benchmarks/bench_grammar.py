@@ -1,9 +1,9 @@
 """Grammar libraries for constrained decoding, llguidance vs xgrammar, measured on this machine with a Qwen tokenizer:
 the one-off tokenizer-info build, grammar compile time for the specs clients send (a receipt-extraction JSON schema
 with nested objects, arrays and enums; a tool call {name, arguments}; json_object = any JSON object; a regex; a
-choice list), the first mask after compiling, and the mask fill time per generated token at batch 1 and 16 while a
-matcher is driven through a valid output (fill the row's bitmask, then consume the output's next token; only the
-fill is timed). Batch 16 is timed both as a loop over rows and through the library's parallel batch fill. At each
+choice list), a new matcher from a compiled grammar (a cache hit's cost), the first mask after compiling, and the
+mask fill time per generated token at batch 1 and 16 while a matcher is driven through a valid output (fill the
+row's bitmask, then consume the output's next token; only the fill is timed). Batch 16 is timed both as a loop over rows and through the library's parallel batch fill. At each
 batch-16 step the filled [16, vocab] bitmask is also applied to float32 logits, by the library's torch function and
 by firsttoken's ``apply_bitmask`` (firsttoken/structured/bitmask.py).
 
@@ -178,6 +178,7 @@ for label, (kind, spec, text) in cases.items():
     for _ in range(compile_n):
         seconds, compiled = timed(lambda: compile(kind, spec))
         compile_s.append(seconds)
+    new_matcher_s = [timed(lambda: new_matcher(compiled))[0] for _ in range(20)]  # what a cached grammar costs
     first_mask_s = []
     for _ in range(compile_n):
         bitmask = allocate(1)
@@ -211,7 +212,8 @@ for label, (kind, spec, text) in cases.items():
             for m in ms:
                 accept(m, t)
     out["cases"][label] = {"output_tokens": len(tokens), "rejected": rejected, "finished": done(m),
-                           "compile_s": compile_s, "first_mask_s": first_mask_s, "fill_batch1_s": one,
+                           "compile_s": compile_s, "new_matcher_s": new_matcher_s, "first_mask_s": first_mask_s,
+                           "fill_batch1_s": one,
                            "fill_batch16_loop_s": loop16, "fill_batch16_parallel_s": par16,
                            "apply_batch16_library_s": apply_library, "apply_batch16_firsttoken_s": apply_ours}
 print(json.dumps(out))
@@ -246,11 +248,12 @@ def print_table(result: dict) -> None:
         return
     print(f"\n{result['library']} {result['version']}, vocab {result['vocab']:,}, tokenizer info "
           f"{result['tokenizer_info_s'] * 1e3:.0f} ms; medians in ms (fill and apply per generated token)")
-    print(f"{'spec':24} {'tokens':>6} {'compile':>9} {'1st mask':>9} {'b1 fill':>9} {'b16 loop':>9} "
+    print(f"{'spec':24} {'tokens':>6} {'compile':>9} {'matcher':>9} {'1st mask':>9} {'b1 fill':>9} {'b16 loop':>9} "
           f"{'b16 par':>9} {'apply lib':>9} {'apply ft':>9}   n(compile, b1, b16)  valid")
     for label, case in result["cases"].items():
         valid = "yes" if case["rejected"] is None and case["finished"] else (case["rejected"] or "not finished")
-        print(f"{label:24} {case['output_tokens']:6d} {median_ms(case['compile_s'])} {median_ms(case['first_mask_s'])} "
+        print(f"{label:24} {case['output_tokens']:6d} {median_ms(case['compile_s'])} "
+              f"{median_ms(case['new_matcher_s'])} {median_ms(case['first_mask_s'])} "
               f"{median_ms(case['fill_batch1_s'])} {median_ms(case['fill_batch16_loop_s'])} "
               f"{median_ms(case['fill_batch16_parallel_s'])} {median_ms(case['apply_batch16_library_s'])} "
               f"{median_ms(case['apply_batch16_firsttoken_s'])}   ({len(case['compile_s'])}, "

@@ -176,6 +176,21 @@ def test_a_repeated_spec_compiles_once():
     assert compiler.stats.misses == 3
 
 
+def test_the_preprocessing_threads_may_compile_at_once(tokenizer):
+    from concurrent.futures import ThreadPoolExecutor
+
+    compiler = GrammarCompiler.from_tokenizer_json(ASSET_PATH.read_text(), VOCAB_SIZE, EOS_IDS)
+    specs = [from_structured_outputs({"choice": [f"answer {i % 3}", "other"]}) for i in range(60)]
+    with ThreadPoolExecutor(4) as pool:
+        compiled = list(pool.map(compiler.compile, specs))
+    stats = compiler.stats
+    assert stats.hits + stats.misses == 60 and 3 <= stats.misses < 60 and stats.entries == 3
+    for spec, grammar in zip(specs, compiled):
+        assert grammar.spec == spec
+        text = tokenizer.decode(decode_greedy(grammar.matcher(), 0), skip_special_tokens=False)
+        assert text in json.loads(spec.source)
+
+
 def test_the_cache_keeps_the_most_recently_used():
     compiler = GrammarCompiler.from_tokenizer_json(ASSET_PATH.read_text(), VOCAB_SIZE, EOS_IDS, max_cached=2)
     a, b, c = (from_structured_outputs({"choice": [word]}) for word in ("a", "b", "c"))
