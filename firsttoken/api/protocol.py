@@ -28,7 +28,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Annotated, Any, Literal, Union
 
 from pydantic import (
@@ -247,7 +247,10 @@ class _SamplingFields(_Request):
                 spec = from_structured_outputs(self.structured_outputs if self.structured_outputs is not None
                                                else guided or None)
         except ValueError as err:
-            raise FieldError(given[0], str(err)) from None
+            raise FieldError(given[0], str(err).replace("structured_outputs.", "guided_") if guided else str(err)) \
+                from None
+        if spec is not None and guided:
+            spec = replace(spec, origin=given[0])  # compile errors name what the client sent
         self._output_spec = spec
         return self
 

@@ -351,11 +351,12 @@ TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "ob
 UNSUPPORTED_EDGES: tuple[tuple[str, Any, V], ...] = (
     ("logit_bias", {}, V.OK), ("logit_bias", None, V.OK), ("logit_bias", {"5": 1.0}, V.BAD),
     ("tools", [], V.OK), ("tools", [TOOL], V.BAD), ("tool_choice", "none", V.OK), ("tool_choice", "required", V.BAD),
-    ("response_format", {"type": "text"}, V.OK), ("response_format", {"type": "json_object"}, V.BAD),
+    ("response_format", {"type": "text"}, V.OK), ("response_format", {"type": "json_object"}, V.OK),
     ("response_format", "json", V.BAD), ("best_of", 1, V.OK), ("best_of", 3, V.BAD), ("echo", False, V.OK),
     ("echo", True, V.BAD), ("min_tokens", 0, V.OK), ("min_tokens", 4, V.BAD), ("min_p", 0, V.OK),
     ("min_p", 0.1, V.BAD), ("suffix", "", V.OK), ("suffix", "x", V.BAD), ("modalities", ["text"], V.OK),
-    ("modalities", ["audio"], V.BAD), ("guided_json", {"type": "object"}, V.BAD), ("prompt_logprobs", 2, V.BAD),
+    ("modalities", ["audio"], V.BAD), ("guided_json", {"type": "object"}, V.OK),
+    ("response_format", {"type": "xml"}, V.BAD), ("guided_regex", "[a-", V.BAD), ("prompt_logprobs", 2, V.BAD),
     ("add_generation_prompt", True, V.OK), ("add_generation_prompt", False, V.BAD),
 )
 HARMLESS_EXTRAS = (("user", "u-1"), ("metadata", {"k": "v"}), ("store", False), ("service_tier", "auto"),

@@ -232,10 +232,10 @@ CORPUS: tuple[BadInput, ...] = (
     BadInput("`tools`", 400, lambda e: text_chat(tools=[TOOL])),
     BadInput("`tool_choice` required", 400, lambda e: text_chat(tool_choice="required")),
     BadInput("`functions` (legacy)", 400, lambda e: text_chat(functions=[TOOL["function"]])),
-    BadInput("`response_format` json_object", 400, lambda e: text_chat(response_format={"type": "json_object"})),
-    BadInput("`response_format` json_schema", 400, lambda e: text_chat(
-        response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}})),
-    BadInput("`guided_json` (vLLM)", 400, lambda e: text_chat(guided_json={"type": "object"})),
+    BadInput("`response_format` of an unknown type", 400, lambda e: text_chat(response_format={"type": "xml"})),
+    BadInput("`response_format` json_schema that cannot compile", 400, lambda e: text_chat(
+        response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "strnig"}}})),
+    BadInput("`guided_regex` (vLLM) that cannot compile", 400, lambda e: text_chat(guided_regex="[a-")),
     BadInput("`modalities` with audio", 400, lambda e: text_chat(modalities=["text", "audio"])),
     BadInput("harmless extras (user, metadata, store, service_tier, text format, empty tools ...)", 200,
              lambda e: text_chat(**HARMLESS_EXTRAS)),

@@ -8,6 +8,8 @@ import json
 from dataclasses import replace
 from pathlib import Path
 
+import jsonschema
+
 from firsttoken.api.protocol import ChatCompletionRequest
 from firsttoken.types import FinishReason
 from tests.engine.test_faults import build, requests, run_all
@@ -91,6 +93,4 @@ def test_a_schema_holds_through_chunked_prefill_penalties_seeds_and_preemption(t
     assert engine.stats().num_preemptions > 0  # the matcher went through recompute
     for rid, text in texts.items():
         assert finished[rid] == FinishReason.STOP, (rid, text)
-        value = json.loads(text)
-        assert set(value) == {"tags", "n"} and all(t in ("a", "bb", "ccc") for t in value["tags"])
-        assert 0 <= value["n"] <= 99
+        jsonschema.validate(json.loads(text), schema)
