@@ -26,6 +26,7 @@ below the api package sees these schemas.
 from __future__ import annotations
 
 import json
+import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -38,11 +39,13 @@ from pydantic import (
     Field,
     PrivateAttr,
     field_validator,
+    model_serializer,
     model_validator,
 )
 
 from firsttoken.inputs import prompt
 from firsttoken.quoting import LONE_SURROGATE, quote
+from firsttoken.inputs.tools import forced_call_spec
 from firsttoken.structured.spec import GrammarSpec, from_response_format, from_structured_outputs
 
 # ------------------------------------------------------------------------------------------- field types
@@ -89,8 +92,6 @@ def _absent(value: Any) -> bool:
 # nothing a client could notice (user, metadata, store, service_tier, parallel_tool_calls, stream_options ...)
 # are tolerated and ignored.
 UNSUPPORTED_FIELDS: dict[str, Unsupported] = {
-    "tools": Unsupported(_absent, "tool calling is not implemented"),
-    "tool_choice": Unsupported(lambda v: _absent(v) or v in ("none", "auto"), "tool calling is not implemented"),
     "functions": Unsupported(_absent, "function calling is not implemented"),
     "function_call": Unsupported(lambda v: _absent(v) or v in ("none", "auto"), "function calling is not implemented"),
     "logit_bias": Unsupported(_absent, "logit biases are not implemented"),
@@ -155,42 +156,104 @@ class ImagePart(_Request):
 ContentPart = Annotated[Union[TextPart, ImagePart], Field(discriminator="type")]
 
 
+TOOL_NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")  # OpenAI's rule for function names
+
+
+def _tool_name(name: str) -> str:
+    if not TOOL_NAME.fullmatch(name):
+        raise ValueError(f"function names are 1 to 64 of a-z, A-Z, 0-9, _ and -; got '{quote(name)}'")
+    return name
+
+
+ToolName = Annotated[Text, AfterValidator(_tool_name)]
+
+
+class FunctionCallIn(_Request):
+    name: ToolName
+    arguments: Text  # a JSON object, as the model wrote it
+
+
+class ToolCallIn(_Request):
+    """A call an earlier assistant turn made, sent back in the conversation."""
+
+    id: Text
+    type: Literal["function"] = "function"
+    function: FunctionCallIn
+
+
 class ChatMessage(_Request):
     # Roles are a closed set: the chat template prints the role verbatim, so free text here would be a
-    # template-injection channel.
-    role: Literal["system", "user", "assistant"]
+    # template-injection channel. "developer" (OpenAI's newer name for system) is rendered as system.
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Text | list[ContentPart] | None = None
+    tool_calls: list[ToolCallIn] | None = None  # assistant turns
+    tool_call_id: Text | None = None  # tool turns: the call this result answers
+
+    @model_validator(mode="after")
+    def _tool_fields_where_they_belong(self) -> ChatMessage:
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError("only assistant messages carry tool_calls")
+        if self.role == "tool" and not isinstance(self.content, str):
+            raise ValueError("a tool message's content is the tool's result, as a string")
+        return self
 
     def texts(self) -> list[str]:
         """Every piece of text the client wrote in this message (what the tokenizer will see)."""
+        calls = [c.function.arguments for c in self.tool_calls or ()]
         if self.content is None:
-            return []
+            return calls
         if isinstance(self.content, str):
-            return [self.content]
-        return [p.text for p in self.content if isinstance(p, TextPart)]
+            return [self.content, *calls]
+        return [p.text for p in self.content if isinstance(p, TextPart)] + calls
 
     @property
     def num_images(self) -> int:
         return sum(isinstance(p, ImagePart) for p in self.content) if isinstance(self.content, list) else 0
 
     def to_message(self) -> prompt.Message:
+        role = "system" if self.role == "developer" else self.role
+        calls = tuple(prompt.ToolCall(c.id, c.function.name, c.function.arguments) for c in self.tool_calls or ())
         if not isinstance(self.content, list):
-            return prompt.Message(self.role, self.content)
+            return prompt.Message(role, self.content, calls, self.tool_call_id)
         parts: list[prompt.TextPart | prompt.ImagePart] = [
             prompt.TextPart(p.text) if isinstance(p, TextPart)
             else prompt.ImagePart(url=p.image_url.url, detail=p.image_url.detail,
                                   max_visual_tokens=p.image_url.max_visual_tokens)
             for p in self.content
         ]
-        return prompt.Message(self.role, tuple(parts))
+        return prompt.Message(role, tuple(parts), calls, self.tool_call_id)
+
+
+class FunctionDef(_Request):
+    name: ToolName
+    description: Text | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema of the arguments object
+    strict: bool | None = None
+
+
+class ToolDef(_Request):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(_Request):
+    name: ToolName
+
+
+class NamedToolChoice(_Request):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 # one conversation's validation for every route that takes one (chat completions, /tokenize)
 Messages = Annotated[list[ChatMessage], Field(min_length=1)]
 
 
-def to_chat_prompt(messages: list[ChatMessage], add_generation_prompt: bool = True) -> prompt.ChatPrompt:
-    return prompt.ChatPrompt(tuple(m.to_message() for m in messages), add_generation_prompt)
+def to_chat_prompt(messages: list[ChatMessage], add_generation_prompt: bool = True,
+                   tools: list[ToolDef] | None = None) -> prompt.ChatPrompt:
+    functions = tuple(prompt.Function(t.function.name, t.function.description, t.function.parameters)
+                      for t in tools or ())
+    return prompt.ChatPrompt(tuple(m.to_message() for m in messages), add_generation_prompt, functions)
 
 
 class StreamOptions(_Request):
@@ -308,6 +371,37 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: Int64 | None = None  # OpenAI's newer name; wins over max_tokens
     logprobs: bool | None = False
     top_logprobs: Int64 | None = None
+    tools: list[ToolDef] | None = Field(default=None, max_length=128)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+
+    @model_validator(mode="after")
+    def _tool_choice_names_a_tool(self) -> ChatCompletionRequest:
+        names = [t.function.name for t in self.tools or ()]
+        if len(set(names)) != len(names):
+            raise FieldError("tools", "function names in tools must be distinct")
+        choice = self.tool_choice
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+            raise FieldError("tool_choice", f"tool_choice names '{quote(choice.function.name)}', which is not in tools")
+        if choice in ("required",) and not names or isinstance(choice, NamedToolChoice) and not names:
+            raise FieldError("tool_choice", "tool_choice requires tools")
+        if self.forced_tools and self._output_spec is not None:
+            raise FieldError("tool_choice", "a required or named tool_choice cannot be combined with an output "
+                                            "constraint (response_format, structured_outputs)")
+        return self
+
+    @property
+    def tool_mode(self) -> str:
+        """none (no tools, or tool_choice none), auto, required or named."""
+        if not self.tools or self.tool_choice == "none":
+            return "none"
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return "named"
+        return self.tool_choice or "auto"
+
+    @property
+    def forced_tools(self) -> bool:
+        return self.tool_mode in ("required", "named")
 
     def texts(self) -> list[str]:
         return [t for m in self.messages for t in m.texts()]
@@ -324,10 +418,17 @@ class ChatCompletionRequest(_SamplingFields):
         return "max_tokens", self.max_tokens
 
     def to_prompt(self) -> prompt.ChatPrompt:
-        return to_chat_prompt(self.messages)
+        return to_chat_prompt(self.messages, tools=self.tools)
 
     def to_sampling(self) -> prompt.SamplingRequest:
-        return self._sampling(self.requested_max_tokens, bool(self.logprobs), self.top_logprobs or 0, "top_logprobs")
+        sampling = self._sampling(self.requested_max_tokens, bool(self.logprobs), self.top_logprobs or 0,
+                                  "top_logprobs")
+        if self.forced_tools:  # the answer is the call: valid JSON for the function's schema by construction
+            sampling = replace(sampling, structured=forced_call_spec(
+                [(t.function.name, t.function.parameters) for t in self.tools or ()],
+                self.tool_choice.function.name if isinstance(self.tool_choice, NamedToolChoice) else None,
+                self.parallel_tool_calls is not False))
+        return sampling
 
 
 class CompletionRequest(_SamplingFields):
@@ -415,9 +516,28 @@ class ChoiceLogprobs(_Response):
     content: list[TokenLogprobEntry]
 
 
+class FunctionCallOut(_Response):
+    name: str
+    arguments: str  # a JSON object's text
+
+
+class ToolCallOut(_Response):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCallOut
+
+
 class AssistantMessage(_Response):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCallOut] | None = None  # left out of the body when None (as vLLM's)
+
+    @model_serializer(mode="wrap")
+    def _without_absent_calls(self, handler: Any) -> dict[str, Any]:
+        body = handler(self)
+        if body.get("tool_calls") is None:
+            body.pop("tool_calls", None)
+        return body
 
 
 class ChatChoice(_Response):
@@ -436,9 +556,22 @@ class ChatCompletionResponse(_Response):
     usage: Usage
 
 
+class FunctionCallDelta(_Response):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class ToolCallDelta(_Response):
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: FunctionCallDelta | None = None
+
+
 class DeltaMessage(_Response):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
 
 class ChatChunkChoice(_Response):

@@ -59,6 +59,7 @@ from firsttoken.inputs.prompt import (
     TextPrompt,
 )
 from firsttoken.inputs.text_size import longest_token_chars, measure_text
+from firsttoken.inputs.tools import function_json, hermes_messages, template_messages
 from firsttoken.models.config import ModelConfig
 from firsttoken.models.registry import family_named
 from firsttoken.quoting import quote
@@ -189,6 +190,7 @@ class InputProcessor:
         # The most characters one token covers: text longer than limit x this is refused untokenized.
         self.max_chars_per_token = longest_token_chars(list(tokenizer.get_vocab()))
         self._grammar_compiler: GrammarCompiler | None = None  # built on first use, or by warm_grammars()
+        self._template_renders_tools = "tools" in (tokenizer.chat_template or "")
         self._grammar_lock = threading.Lock()
 
     # ------------------------------------------------------------------------------------ public
@@ -307,9 +309,11 @@ class InputProcessor:
         params = tuple(param for param, _ in image_parts)
         blobs = tuple(self._loaded(part, i, params) for i, (_, part) in enumerate(image_parts))
         plans = self._plan_images(blobs, budgets, params)
+        messages, tools = self._with_tools(prompt)
         try:
             template_ids = self.tokenizer.apply_chat_template(
-                [_template_message(m) for m in prompt.messages],
+                messages,
+                tools=tools,
                 tokenize=True,
                 add_generation_prompt=prompt.add_generation_prompt,
                 sanitize_control_tokens=True,  # client text can't forge control tokens, image slots included
@@ -319,6 +323,16 @@ class InputProcessor:
             raise InputError(f"the chat template cannot render these messages: {quote(str(err))}", "messages") from None
         degradable = tuple(part.detail is None and part.max_visual_tokens is None for _, part in image_parts)
         return replace(self._expand_image_pads(list(template_ids), plans, blobs), degradable=degradable, params=params)
+
+    def _with_tools(self, prompt: ChatPrompt) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
+        """(the messages as the chat template sees them, its ``tools``): through the template where it renders
+        tools itself, else written into the messages the hermes way (inputs/tools.py)."""
+        if not self._template_renders_tools:
+            return [_template_message(m) for m in hermes_messages(prompt.messages, prompt.tools)], None
+        messages = [_template_message(m) for m in prompt.messages]
+        for message, extra in zip(messages, template_messages(prompt.messages) or ()):
+            message.update(extra)
+        return messages, [function_json(f) for f in prompt.tools] or None
 
     def _budget_of(self, param: str, part: ImagePart) -> int:
         try:

@@ -350,7 +350,7 @@ TOKENIZE_SPECS: dict[str, Spec] = {
 TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
 UNSUPPORTED_EDGES: tuple[tuple[str, Any, V], ...] = (
     ("logit_bias", {}, V.OK), ("logit_bias", None, V.OK), ("logit_bias", {"5": 1.0}, V.BAD),
-    ("tools", [], V.OK), ("tools", [TOOL], V.BAD), ("tool_choice", "none", V.OK), ("tool_choice", "required", V.BAD),
+    ("tools", [], V.OK), ("tools", [TOOL], V.OK), ("tool_choice", "none", V.OK), ("tool_choice", "required", V.BAD),
     ("response_format", {"type": "text"}, V.OK), ("response_format", {"type": "json_object"}, V.OK),
     ("response_format", "json", V.BAD), ("best_of", 1, V.OK), ("best_of", 3, V.BAD), ("echo", False, V.OK),
     ("echo", True, V.BAD), ("min_tokens", 0, V.OK), ("min_tokens", 4, V.BAD), ("min_p", 0, V.OK),

@@ -674,9 +674,6 @@ def test_a_body_that_never_ends_gets_408_in_openai_shape(processor: InputProcess
 
 
 UNSUPPORTED = [
-    ("tools", [{"type": "function", "function": {"name": "f"}}]),
-    ("tool_choice", "required"),
-    ("tool_choice", {"type": "function", "function": {"name": "f"}}),
     ("functions", [{"name": "f"}]),
     ("function_call", {"name": "f"}),
     ("logit_bias", {"50256": -100}),
