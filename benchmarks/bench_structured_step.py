@@ -6,7 +6,9 @@ mask thread while the forward runs; what is left on the step is waiting for them
     PYTHONPATH=$PWD python benchmarks/bench_structured_step.py [--model DIR] [--rounds 5] [--batch-sizes 1,16]
         [--json OUT]
 
-Prints ms per decode step (median over a round's steps, then the median of rounds) and each against 0 constrained.
+Prints ms per decode step (median over a round's steps, then the median of rounds) and each against 0 constrained;
+then the TTFT of one ~800-token chat prompt alone without a schema, with a schema never seen (its compile on the
+path) and with the same schema again (a cache hit), rounds alternating.
 A benchmark, not a test.
 """
 
@@ -62,6 +64,35 @@ def round_ms(engine, proc, batch: int, num_constrained: int, max_tokens: int, ta
     return statistics.median(steps[4:])  # past the prefill and the first decodes
 
 
+def ttft_ms(engine, proc, schema: dict | None, tag: str) -> tuple[float, float]:
+    """(ms from the request reaching the processor to its first token, of which compiling its grammar), alone."""
+    from firsttoken.api.protocol import ChatCompletionRequest
+
+    body = {"model": "m", "max_tokens": 4, "temperature": 0.0,
+            "messages": [{"role": "user", "content": f"{tag}: " + "Read this receipt for me please. " * 100}]}
+    if schema is not None:
+        body["response_format"] = {"type": "json_schema", "json_schema": {"name": "r", "schema": schema}}
+    req = ChatCompletionRequest.model_validate(body)
+    start = time.perf_counter()
+    er = proc.process(req.to_prompt(), req.to_sampling(), tag, time.monotonic())
+    engine.add_request(er)
+    first = None
+    while engine.has_unfinished():
+        for out in engine.step():
+            if first is None and out.new_token_ids:
+                first = time.perf_counter()
+    return (first - start) * 1e3, er.grammar_compile_s * 1e3
+
+
+def receipt(variant: int) -> dict:
+    """A receipt schema; each variant a distinct spec (a new compile), the same variant a cache hit."""
+    return {"type": "object", "properties": {
+        f"total_{variant}": {"type": "number"}, "currency": {"type": "string", "enum": ["EUR", "USD"]},
+        "items": {"type": "array", "maxItems": 4, "items": {"type": "object", "properties": {
+            "name": {"type": "string", "maxLength": 12}, "qty": {"type": "integer"}}, "required": ["name"]}}},
+        "required": [f"total_{variant}", "currency"]}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default=None)
@@ -90,6 +121,19 @@ def main() -> None:
             out["summary"][f"batch{batch} {name}"] = {"ms": median, "vs_unconstrained": median / base}
             print(f"batch {batch:2d} {name:15s} {median:7.2f} ms/step  {median / base:5.3f}x  (rounds: "
                   f"{', '.join(f'{v:.2f}' for v in values)})")
+    ttft: dict[str, list[list[float]]] = {"no schema": [], "new schema": [], "cached schema": []}
+    for r in range(args.rounds):
+        ttft["no schema"].append(list(ttft_ms(engine, proc, None, f"t{r}a")))
+        ttft["new schema"].append(list(ttft_ms(engine, proc, receipt(r), f"t{r}b")))
+        ttft["cached schema"].append(list(ttft_ms(engine, proc, receipt(r), f"t{r}c")))
+    out["ttft_ms"] = ttft
+    base = statistics.median(v[0] for v in ttft["no schema"])
+    for name, values in ttft.items():
+        median = statistics.median(v[0] for v in values)
+        compile_ms = statistics.median(v[1] for v in values)
+        out["summary"][f"ttft {name}"] = {"ms": median, "vs_no_schema": median / base, "compile_ms": compile_ms}
+        print(f"TTFT {name:14s} {median:8.1f} ms  {median / base:5.3f}x  (of which compiling {compile_ms:.2f} ms; "
+              f"rounds: {', '.join(f'{v[0]:.0f}' for v in values)})")
     if args.json:
         args.json.write_text(json.dumps(out, indent=1))
 

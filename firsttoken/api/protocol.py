@@ -161,7 +161,8 @@ TOOL_NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")  # OpenAI's rule for function nam
 
 def _tool_name(name: str) -> str:
     if not TOOL_NAME.fullmatch(name):
-        raise ValueError(f"function names are 1 to 64 of a-z, A-Z, 0-9, _ and -; got '{quote(name)}'")
+        raise ValueError(f"function names are 1 to 64 of a-z, A-Z, 0-9, _ and - (got {len(name)} characters "
+                         "that are not one)")
     return name
 
 
@@ -382,8 +383,8 @@ class ChatCompletionRequest(_SamplingFields):
             raise FieldError("tools", "function names in tools must be distinct")
         choice = self.tool_choice
         if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
-            raise FieldError("tool_choice", f"tool_choice names '{quote(choice.function.name)}', which is not in tools")
-        if choice in ("required",) and not names or isinstance(choice, NamedToolChoice) and not names:
+            raise FieldError("tool_choice", "tool_choice names a function that is not in tools")
+        if (choice == "required" or isinstance(choice, NamedToolChoice)) and not names:
             raise FieldError("tool_choice", "tool_choice requires tools")
         if self.forced_tools and self._output_spec is not None:
             raise FieldError("tool_choice", "a required or named tool_choice cannot be combined with an output "

@@ -221,13 +221,11 @@ class InputProcessor:
         field for a spec that does not compile."""
         if spec is None:
             return None
-        compiler = self._grammars()
-        misses = compiler.stats.misses
         try:
-            compiled = compiler.compile(spec)
+            compiled, cached = self._grammars().lookup(spec)
         except ValueError as err:
             raise InputError(str(err), spec.origin.split(".", 1)[0] or None) from None
-        return compiled, compiled.compile_s if compiler.stats.misses > misses else 0.0
+        return compiled, 0.0 if cached else compiled.compile_s
 
     def count(self, prompt: Prompt) -> TokenCount:
         """What /tokenize reports; text that cannot fit the context at all is refused before tokenizing it."""

@@ -93,12 +93,16 @@ class GrammarCompiler:
     def compile(self, spec: GrammarSpec) -> CompiledGrammar:
         """The spec's compiled grammar, from the cache when it was compiled before. ValueError (naming the spec's
         field and what is wrong) for a spec that does not compile; refused specs are not cached."""
+        return self.lookup(spec)[0]
+
+    def lookup(self, spec: GrammarSpec) -> tuple[CompiledGrammar, bool]:
+        """(the compiled grammar, whether it came from the cache): ``compile``, saying which."""
         with self._lock:
             cached = self._cache.get(spec.key)
             if cached is not None:
                 self._cache.move_to_end(spec.key)
                 self._hits += 1
-                return cached
+                return cached, True
             self._misses += 1
         start = self._clock()
         try:
@@ -112,7 +116,7 @@ class GrammarCompiler:
             self._cache[spec.key] = compiled
             while len(self._cache) > self._max_cached:
                 self._cache.popitem(last=False)
-        return compiled
+        return compiled, False
 
     def _build(self, spec: GrammarSpec) -> tuple[llguidance.LLMatcher, tuple[str, ...]]:
         where = spec.origin or spec.kind
