@@ -45,6 +45,7 @@ from firsttoken.inputs.prompt import (
 from firsttoken.kernels.cpu_linear import set_kernel_threads
 from firsttoken.metrics.timeline import Timeline
 from firsttoken.runner.model_runner import DEFAULT_THREADS
+from firsttoken.structured.spec import from_response_format, from_structured_outputs
 from firsttoken.types import EngineRequest, FinishReason, TokenLogprob
 
 
@@ -225,12 +226,19 @@ def _per_prompt(sampling: Sampling | Sequence[Sampling], num_prompts: int) -> li
 
 
 def _sampling(sampling: Sampling) -> SamplingRequest:
-    """A SamplingRequest as given, or from OpenAI-style fields (``temperature``, ``max_tokens``, ``stop``, ...)."""
+    """A SamplingRequest as given, or from OpenAI-style fields (``temperature``, ``max_tokens``, ``stop``, ...,
+    ``response_format`` or vLLM's ``structured_outputs``: docs/structured_outputs.md)."""
     if sampling is None:
         return SamplingRequest()
     if isinstance(sampling, SamplingRequest):
         return sampling
     fields = dict(sampling)
+    response_format, structured = fields.pop("response_format", None), fields.pop("structured_outputs", None)
+    if response_format is not None and structured is not None:
+        raise ValueError("give at most one of response_format and structured_outputs")
+    spec = from_response_format(response_format) if response_format is not None else from_structured_outputs(structured)
+    if spec is not None:
+        fields["structured"] = spec
     if isinstance(fields.get("stop"), str):
         fields["stop"] = (fields["stop"],)
     for key in ("stop", "stop_token_ids"):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import Any, Protocol
 
 import torch
 
@@ -21,6 +22,13 @@ MAX_STOP_STRINGS = 32  # OpenAI allows 4; generous, and stop matching costs O(ne
 MAX_STOP_STRING_CHARS = 256  # each; text held back waiting for a possible stop is shorter than this
 MAX_TOP_LOGPROBS = 20  # alternatives per position, as OpenAI
 SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1  # int64, as vLLM; torch's generator refuses 2**64 and above
+
+
+class OutputGrammar(Protocol):
+    """A compiled output constraint (firsttoken/structured): what a request's answer must match. The runner gives
+    each request its own matcher from it."""
+
+    def matcher(self) -> Any: ...
 
 
 @dataclass(frozen=True)
@@ -39,6 +47,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logprobs: bool = False
     top_logprobs: int = 0  # alternatives per position, 0..20
+    grammar: OutputGrammar | None = None  # the answer's tokens are masked to what it allows, step by step
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -130,6 +139,7 @@ class EngineRequest:
     predicted_ttft_s: float | None = None  # the admission check's prediction, for the timeline beside the measure
     image_budget_note: str | None = None  # e.g. "degraded 1280->320 tokens per image: predicted TTFT over SLO"
     long_place_s: float | None = None  # with --ttft-slo, a long prompt's place in line as its admission decided it
+    grammar_compile_s: float = 0.0  # seconds its output grammar took to compile, inside preprocessing (0: cached, none)
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:  # a request with nothing to compute could never sample (never finish)

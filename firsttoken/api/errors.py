@@ -31,7 +31,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from firsttoken.api.protocol import ErrorInfo, ErrorResponse, UnsupportedFieldError
+from firsttoken.api.protocol import ErrorInfo, ErrorResponse, FieldError
 from firsttoken.inputs.image import ImageInputError
 from firsttoken.inputs.processor import AdmissionRefused, InputError
 from firsttoken.quoting import ELLIPSIS, printable, quote
@@ -110,7 +110,7 @@ def validation_error_message(exc: RequestValidationError) -> tuple[str, str | No
     first = max(errors, key=lambda e: len(e.get("loc", ())))
     kind = first.get("type")
     cause = (first.get("ctx") or {}).get("error")
-    if isinstance(cause, UnsupportedFieldError):
+    if isinstance(cause, FieldError):
         return str(cause), cause.field
     param = _param_path(first.get("loc", ()))
     msg = str(first.get("msg", "invalid value")).removeprefix("Value error, ")

@@ -8,7 +8,7 @@ boundary for every request field:
   Python accepts and every tokenizer, encoder and file system later chokes on; it is refused here, naming the
   field;
 - every integer fits in 64 bits (``Int64``), so no message ever prints a thousand-digit number;
-- a field that asks for something this server does not do (``UNSUPPORTED_FIELDS``: tools, JSON mode,
+- a field that asks for something this server does not do (``UNSUPPORTED_FIELDS``: tools,
   logit_bias, ...) is refused with a 400 naming it, unless its value means "off": a client that asked for JSON
   must never get prose with a 200.
 
@@ -26,9 +26,10 @@ below the api package sees these schemas.
 from __future__ import annotations
 
 import json
+import re
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Annotated, Any, Literal, Union
 
 from pydantic import (
@@ -36,12 +37,16 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    PrivateAttr,
     field_validator,
+    model_serializer,
     model_validator,
 )
 
 from firsttoken.inputs import prompt
 from firsttoken.quoting import LONE_SURROGATE, quote
+from firsttoken.inputs.tools import forced_call_spec
+from firsttoken.structured.spec import GrammarSpec, from_response_format, from_structured_outputs
 
 # ------------------------------------------------------------------------------------------- field types
 
@@ -57,12 +62,16 @@ INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 Int64 = Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)]  # what OpenAI and vLLM accept for integer fields
 
 
-class UnsupportedFieldError(ValueError):
-    """A request field this server does not implement, set to a value that is not "off"."""
+class FieldError(ValueError):
+    """A request field's value refused with a message that names it; ``field`` is the error's ``param``."""
 
     def __init__(self, field: str, message: str) -> None:
         super().__init__(message)
         self.field = field
+
+
+class UnsupportedFieldError(FieldError):
+    """A request field this server does not implement, set to a value that is not "off"."""
 
 
 @dataclass(frozen=True)
@@ -79,30 +88,17 @@ def _absent(value: Any) -> bool:
     return value is None or value is False or value in ("", [], {})
 
 
-def _text_format(value: Any) -> bool:
-    return _absent(value) or (isinstance(value, dict) and value.get("type") == "text")
-
-
 # OpenAI and vLLM request fields that change what is generated but are not implemented here. Fields that change
 # nothing a client could notice (user, metadata, store, service_tier, parallel_tool_calls, stream_options ...)
 # are tolerated and ignored.
 UNSUPPORTED_FIELDS: dict[str, Unsupported] = {
-    "tools": Unsupported(_absent, "tool calling is not implemented"),
-    "tool_choice": Unsupported(lambda v: _absent(v) or v in ("none", "auto"), "tool calling is not implemented"),
     "functions": Unsupported(_absent, "function calling is not implemented"),
     "function_call": Unsupported(lambda v: _absent(v) or v in ("none", "auto"), "function calling is not implemented"),
-    "response_format": Unsupported(_text_format, "JSON mode and structured outputs are not implemented; "
-                                                 'send {"type": "text"} or leave it out', names_type=True),
     "logit_bias": Unsupported(_absent, "logit biases are not implemented"),
     "audio": Unsupported(_absent, "audio output is not implemented"),
     "modalities": Unsupported(lambda v: _absent(v) or v == ["text"], "only text output is implemented"),
     "prediction": Unsupported(_absent, "predicted outputs are not implemented"),
     "web_search_options": Unsupported(_absent, "web search is not implemented"),
-    "guided_json": Unsupported(_absent, "guided decoding is not implemented"),
-    "guided_regex": Unsupported(_absent, "guided decoding is not implemented"),
-    "guided_choice": Unsupported(_absent, "guided decoding is not implemented"),
-    "guided_grammar": Unsupported(_absent, "guided decoding is not implemented"),
-    "structured_outputs": Unsupported(_absent, "guided decoding is not implemented"),
     "best_of": Unsupported(lambda v: v is None or v == 1, "best_of above 1 is not implemented"),
     "use_beam_search": Unsupported(_absent, "beam search is not implemented"),
     "echo": Unsupported(_absent, "echoing the prompt is not implemented"),
@@ -160,42 +156,105 @@ class ImagePart(_Request):
 ContentPart = Annotated[Union[TextPart, ImagePart], Field(discriminator="type")]
 
 
+TOOL_NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")  # OpenAI's rule for function names
+
+
+def _tool_name(name: str) -> str:
+    if not TOOL_NAME.fullmatch(name):
+        raise ValueError(f"function names are 1 to 64 of a-z, A-Z, 0-9, _ and - (got {len(name)} characters "
+                         "that are not one)")
+    return name
+
+
+ToolName = Annotated[Text, AfterValidator(_tool_name)]
+
+
+class FunctionCallIn(_Request):
+    name: ToolName
+    arguments: Text  # a JSON object, as the model wrote it
+
+
+class ToolCallIn(_Request):
+    """A call an earlier assistant turn made, sent back in the conversation."""
+
+    id: Text
+    type: Literal["function"] = "function"
+    function: FunctionCallIn
+
+
 class ChatMessage(_Request):
     # Roles are a closed set: the chat template prints the role verbatim, so free text here would be a
-    # template-injection channel.
-    role: Literal["system", "user", "assistant"]
+    # template-injection channel. "developer" (OpenAI's newer name for system) is rendered as system.
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Text | list[ContentPart] | None = None
+    tool_calls: list[ToolCallIn] | None = None  # assistant turns
+    tool_call_id: Text | None = None  # tool turns: the call this result answers
+
+    @model_validator(mode="after")
+    def _tool_fields_where_they_belong(self) -> ChatMessage:
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError("only assistant messages carry tool_calls")
+        if self.role == "tool" and not isinstance(self.content, str):
+            raise ValueError("a tool message's content is the tool's result, as a string")
+        return self
 
     def texts(self) -> list[str]:
         """Every piece of text the client wrote in this message (what the tokenizer will see)."""
+        calls = [c.function.arguments for c in self.tool_calls or ()]
         if self.content is None:
-            return []
+            return calls
         if isinstance(self.content, str):
-            return [self.content]
-        return [p.text for p in self.content if isinstance(p, TextPart)]
+            return [self.content, *calls]
+        return [p.text for p in self.content if isinstance(p, TextPart)] + calls
 
     @property
     def num_images(self) -> int:
         return sum(isinstance(p, ImagePart) for p in self.content) if isinstance(self.content, list) else 0
 
     def to_message(self) -> prompt.Message:
+        role = "system" if self.role == "developer" else self.role
+        calls = tuple(prompt.ToolCall(c.id, c.function.name, c.function.arguments) for c in self.tool_calls or ())
         if not isinstance(self.content, list):
-            return prompt.Message(self.role, self.content)
+            return prompt.Message(role, self.content, calls, self.tool_call_id)
         parts: list[prompt.TextPart | prompt.ImagePart] = [
             prompt.TextPart(p.text) if isinstance(p, TextPart)
             else prompt.ImagePart(url=p.image_url.url, detail=p.image_url.detail,
                                   max_visual_tokens=p.image_url.max_visual_tokens)
             for p in self.content
         ]
-        return prompt.Message(self.role, tuple(parts))
+        return prompt.Message(role, tuple(parts), calls, self.tool_call_id)
+
+
+class FunctionDef(_Request):
+    name: ToolName
+    description: Text | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema of the arguments object
+    strict: bool | None = None
+
+
+class ToolDef(_Request):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(_Request):
+    name: ToolName
+
+
+class NamedToolChoice(_Request):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 # one conversation's validation for every route that takes one (chat completions, /tokenize)
 Messages = Annotated[list[ChatMessage], Field(min_length=1)]
 
 
-def to_chat_prompt(messages: list[ChatMessage], add_generation_prompt: bool = True) -> prompt.ChatPrompt:
-    return prompt.ChatPrompt(tuple(m.to_message() for m in messages), add_generation_prompt)
+def to_chat_prompt(messages: list[ChatMessage], add_generation_prompt: bool = True,
+                   tools: list[ToolDef] | None = None) -> prompt.ChatPrompt:
+    functions = tuple(prompt.Function(t.function.name, t.function.description, t.function.parameters)
+                      for t in tools or ())
+    return prompt.ChatPrompt(tuple(m.to_message() for m in messages), add_generation_prompt, functions)
 
 
 class StreamOptions(_Request):
@@ -220,11 +279,44 @@ class _SamplingFields(_Request):
     repetition_penalty: float | None = None
     n: Int64 | None = 1
     ignore_eos: bool = False
+    # what the answer must match (docs/structured_outputs.md): OpenAI's, vLLM's, and vLLM's older guided_* names
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: Text | dict[str, Any] | None = None
+    guided_regex: Text | None = None
+    guided_choice: list[Text] | None = None
+    guided_grammar: Text | None = None
+    _output_spec: GrammarSpec | None = PrivateAttr(default=None)
 
     @model_validator(mode="before")
     @classmethod
     def _refuse_unsupported(cls, body: Any) -> Any:
         return refuse_unsupported(body)
+
+    @model_validator(mode="after")
+    def _one_output_constraint(self) -> _SamplingFields:
+        """At most one of the constraint fields, each well formed (whether its grammar compiles is asked later,
+        in the preprocessing pool, before the request queues)."""
+        guided = {k: v for k, v in (("json", self.guided_json), ("regex", self.guided_regex),
+                                    ("choice", self.guided_choice), ("grammar", self.guided_grammar)) if v is not None}
+        given = [name for name, v in (("response_format", self.response_format),
+                                      ("structured_outputs", self.structured_outputs)) if v is not None]
+        given += [f"guided_{k}" for k in guided]
+        if len(given) > 1:
+            raise FieldError(given[1], f"give at most one output constraint; got {', '.join(given)}")
+        try:
+            if self.response_format is not None:
+                spec = from_response_format(self.response_format)
+            else:
+                spec = from_structured_outputs(self.structured_outputs if self.structured_outputs is not None
+                                               else guided or None)
+        except ValueError as err:
+            raise FieldError(given[0], str(err).replace("structured_outputs.", "guided_") if guided else str(err)) \
+                from None
+        if spec is not None and guided:
+            spec = replace(spec, origin=given[0])  # compile errors name what the client sent
+        self._output_spec = spec
+        return self
 
     @field_validator("n")
     @classmethod
@@ -270,6 +362,7 @@ class _SamplingFields(_Request):
             repetition_penalty=self.repetition_penalty,
             logprobs=logprobs,
             top_logprobs=top_logprobs,
+            structured=self._output_spec,
             names=(("max_tokens", field), ("top_logprobs", top_logprobs_name)),
         )
 
@@ -279,6 +372,37 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: Int64 | None = None  # OpenAI's newer name; wins over max_tokens
     logprobs: bool | None = False
     top_logprobs: Int64 | None = None
+    tools: list[ToolDef] | None = Field(default=None, max_length=128)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+
+    @model_validator(mode="after")
+    def _tool_choice_names_a_tool(self) -> ChatCompletionRequest:
+        names = [t.function.name for t in self.tools or ()]
+        if len(set(names)) != len(names):
+            raise FieldError("tools", "function names in tools must be distinct")
+        choice = self.tool_choice
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+            raise FieldError("tool_choice", "tool_choice names a function that is not in tools")
+        if (choice == "required" or isinstance(choice, NamedToolChoice)) and not names:
+            raise FieldError("tool_choice", "tool_choice requires tools")
+        if self.forced_tools and self._output_spec is not None:
+            raise FieldError("tool_choice", "a required or named tool_choice cannot be combined with an output "
+                                            "constraint (response_format, structured_outputs)")
+        return self
+
+    @property
+    def tool_mode(self) -> str:
+        """none (no tools, or tool_choice none), auto, required or named."""
+        if not self.tools or self.tool_choice == "none":
+            return "none"
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return "named"
+        return self.tool_choice or "auto"
+
+    @property
+    def forced_tools(self) -> bool:
+        return self.tool_mode in ("required", "named")
 
     def texts(self) -> list[str]:
         return [t for m in self.messages for t in m.texts()]
@@ -295,10 +419,17 @@ class ChatCompletionRequest(_SamplingFields):
         return "max_tokens", self.max_tokens
 
     def to_prompt(self) -> prompt.ChatPrompt:
-        return to_chat_prompt(self.messages)
+        return to_chat_prompt(self.messages, tools=self.tools)
 
     def to_sampling(self) -> prompt.SamplingRequest:
-        return self._sampling(self.requested_max_tokens, bool(self.logprobs), self.top_logprobs or 0, "top_logprobs")
+        sampling = self._sampling(self.requested_max_tokens, bool(self.logprobs), self.top_logprobs or 0,
+                                  "top_logprobs")
+        if self.forced_tools:  # the answer is the call: valid JSON for the function's schema by construction
+            sampling = replace(sampling, structured=forced_call_spec(
+                [(t.function.name, t.function.parameters) for t in self.tools or ()],
+                self.tool_choice.function.name if isinstance(self.tool_choice, NamedToolChoice) else None,
+                self.parallel_tool_calls is not False))
+        return sampling
 
 
 class CompletionRequest(_SamplingFields):
@@ -386,9 +517,28 @@ class ChoiceLogprobs(_Response):
     content: list[TokenLogprobEntry]
 
 
+class FunctionCallOut(_Response):
+    name: str
+    arguments: str  # a JSON object's text
+
+
+class ToolCallOut(_Response):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCallOut
+
+
 class AssistantMessage(_Response):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCallOut] | None = None  # left out of the body when None (as vLLM's)
+
+    @model_serializer(mode="wrap")
+    def _without_absent_calls(self, handler: Any) -> dict[str, Any]:
+        body = handler(self)
+        if body.get("tool_calls") is None:
+            body.pop("tool_calls", None)
+        return body
 
 
 class ChatChoice(_Response):
@@ -407,9 +557,22 @@ class ChatCompletionResponse(_Response):
     usage: Usage
 
 
+class FunctionCallDelta(_Response):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class ToolCallDelta(_Response):
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: FunctionCallDelta | None = None
+
+
 class DeltaMessage(_Response):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
 
 class ChatChunkChoice(_Response):

@@ -49,14 +49,18 @@ from firsttoken.api.protocol import (
     CompletionChoice,
     CompletionRequest,
     CompletionResponse,
+    FunctionCallOut,
     ImageTokenInfo,
     ModelCard,
     ModelList,
+    NamedToolChoice,
     TokenizeRequest,
     TokenizeResponse,
+    ToolCallOut,
 )
 from firsttoken.api.responses import chat_logprobs, completion_logprobs, usage_of
 from firsttoken.api.settings import ServedModel
+from firsttoken.api.tools import ToolOutput
 from firsttoken.api.streaming import (
     ClientDisconnected,
     EngineStreamResponse,
@@ -185,14 +189,21 @@ def build_app(
     async def chat_completions(raw: Request) -> Response:
         req = await read_model(raw, ChatCompletionRequest)
         engine_request, ctx = await start(req, "chatcmpl")
+        tools = tool_output(req)
         if req.stream:
-            return EngineStreamResponse(chat_sse(engine, engine_request, ctx, processor.token_piece), closer(ctx))
+            return EngineStreamResponse(chat_sse(engine, engine_request, ctx, processor.token_piece, tools),
+                                        closer(ctx))
 
         def build(c: Any) -> Response:
+            reason = c.final.finish_reason.value if c.final.finish_reason else None
+            content, calls = (c.text, []) if tools is None else tools.complete(c.text)
+            message = AssistantMessage(content=content, tool_calls=[ToolCallOut(
+                id=call.id, function=FunctionCallOut(name=call.name, arguments=call.arguments)) for call in calls]
+                or None)
             choice = ChatChoice(
-                message=AssistantMessage(content=c.text),
+                message=message,
                 logprobs=chat_logprobs(c.logprobs, processor.token_piece),
-                finish_reason=c.final.finish_reason.value if c.final.finish_reason else None,
+                finish_reason=tools.finish_reason(reason) if tools is not None else reason,
             )
             body = ChatCompletionResponse(
                 id=ctx.response_id,
@@ -270,6 +281,15 @@ def build_app(
         return JSONResponse(dict(model.engine_config))
 
     return app
+
+
+def tool_output(req: ChatCompletionRequest) -> ToolOutput | None:
+    """The answer's tool-call parser, when its tools may be called (api/tools.py)."""
+    mode = req.tool_mode
+    if mode == "none":
+        return None
+    named = req.tool_choice.function.name if isinstance(req.tool_choice, NamedToolChoice) else None
+    return ToolOutput(mode, frozenset(t.function.name for t in req.tools or ()), named)
 
 
 async def _wait_disconnect(raw: Request) -> None:

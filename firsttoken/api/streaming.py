@@ -36,8 +36,11 @@ from firsttoken.api.protocol import (
     CompletionChoice,
     CompletionResponse,
     DeltaMessage,
+    FunctionCallDelta,
     StreamFrames,
+    ToolCallDelta,
 )
+from firsttoken.api.tools import Piece, ToolOutput
 from firsttoken.api.responses import (
     TokenPieceFn,
     chat_logprobs,
@@ -154,7 +157,8 @@ async def collect_outputs(
 
 
 async def chat_sse(
-    engine: EngineClient, request: EngineRequest, ctx: StreamContext, piece: TokenPieceFn
+    engine: EngineClient, request: EngineRequest, ctx: StreamContext, piece: TokenPieceFn,
+    tools: ToolOutput | None = None,
 ) -> AsyncIterator[str]:
     frames = StreamFrames("chat.completion.chunk", ctx.response_id, ctx.created, ctx.model)
 
@@ -168,6 +172,17 @@ async def chat_sse(
             ChatCompletionChunk(id=ctx.response_id, created=ctx.created, model=ctx.model, choices=[choice]).to_json()
         )
 
+    def tool_chunks(out: RequestOutput, finish_reason: str | None) -> list[str]:
+        """The output's text through the tool-call parser: content deltas and tool-call deltas."""
+        assert tools is not None
+        pieces = tools.feed(out.new_text) + (tools.finish() if out.finished else [])
+        frames_out = [frames.chat(p.content) if p.content is not None else sse(ChatCompletionChunk(
+            id=ctx.response_id, created=ctx.created, model=ctx.model, choices=[ChatChunkChoice(delta=DeltaMessage(
+                tool_calls=[tool_delta(p)]))]).to_json()) for p in pieces]
+        if finish_reason is not None:
+            frames_out.append(frames.chat(None, tools.finish_reason(finish_reason)))
+        return frames_out
+
     yield frames.chat("", role=True)
     async with aclosing(_guarded(engine, request)) as outputs:
         async for out in outputs:
@@ -177,7 +192,11 @@ async def chat_sse(
                 return
             finish = out.finish_reason.value if out.finished and out.finish_reason else None
             ctx.timeline.observe(out)
-            if out.new_text or out.logprobs or finish:
+            if tools is not None:
+                for frame in tool_chunks(out, finish):
+                    yield frame
+                    ctx.timeline.mark_first_byte()
+            elif out.new_text or out.logprobs or finish:
                 yield chunk(out, finish)
                 if out.new_text:
                     ctx.timeline.mark_first_byte()  # resumed: the chunk has been handed to the transport
@@ -189,6 +208,12 @@ async def chat_sse(
                     ).to_json()
                 )
     yield DONE
+
+
+def tool_delta(p: Piece) -> ToolCallDelta:
+    """A parser piece of a call as OpenAI's delta: id, type and name on a call's first delta, arguments after."""
+    return ToolCallDelta(index=p.index or 0, id=p.call_id, type="function" if p.call_id else None,
+                         function=FunctionCallDelta(name=p.name, arguments=p.arguments))
 
 
 async def completion_sse(

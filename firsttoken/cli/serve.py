@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -98,10 +99,12 @@ def serve_config(args: argparse.Namespace | None = None, **overrides: Any) -> Se
     return config_from_options(vars(args) if args is not None else None, **overrides)
 
 
-def build_server(config: ServeConfig, fault_hook: Any = None, media_network: Any = None):
+def build_server(config: ServeConfig, fault_hook: Any = None, media_network: Any = None, warm_grammars: bool = False):
     """Everything `serve` starts, minus uvicorn: (app, async_engine). Tests use it too; `fault_hook` is the
     runner's test seam (see runner.model_runner.FaultHook), None in production; `media_network` replaces
-    how remote images reach the network (inputs.media.MediaNetwork: resolver, fetcher), None in production."""
+    how remote images reach the network (inputs.media.MediaNetwork: resolver, fetcher), None in production;
+    ``warm_grammars``: build the output-grammar compiler's vocabulary before serving (`serve` does; without it the
+    first constrained request builds it)."""
     from firsttoken.api.observability import observability_from_config
     from firsttoken.api.server import build_app
     from firsttoken.api.settings import ServedModel
@@ -115,6 +118,10 @@ def build_server(config: ServeConfig, fault_hook: Any = None, media_network: Any
     engine = async_engine.engine
     processor = build_processor(config, model_dir, tokenizer, engine.model_config, engine.max_model_len,
                                 async_engine.check_admission, media_network)
+    if warm_grammars:
+        start = time.monotonic()
+        processor.warm_grammars()
+        log.info("output grammars ready in %.1f s (the vocabulary's token trie)", time.monotonic() - start)
     served = ServedModel(served_name_of(config, model_dir), engine.max_model_len, str(model_dir),
                          engine.resolved.as_dict())
     return build_app(async_engine, processor, served, config.server, observability), async_engine
@@ -147,7 +154,7 @@ def run(args: argparse.Namespace) -> int:
     if config.engine.num_threads:
         torch.set_num_threads(config.engine.num_threads)
     try:
-        app, async_engine = build_server(config)
+        app, async_engine = build_server(config, warm_grammars=True)
     except ValueError as exc:  # a flag the cheap checks could not judge (it needed the tokenizer or the model)
         raise flag_error(exc, args) from None
     async_engine.start()

@@ -24,6 +24,7 @@ message is safe to show the client. Nothing here knows any API's request schema.
 from __future__ import annotations
 
 import re
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
@@ -58,9 +59,11 @@ from firsttoken.inputs.prompt import (
     TextPrompt,
 )
 from firsttoken.inputs.text_size import longest_token_chars, measure_text
+from firsttoken.inputs.tools import function_json, hermes_messages, template_messages
 from firsttoken.models.config import ModelConfig
 from firsttoken.models.registry import family_named
 from firsttoken.quoting import quote
+from firsttoken.structured import CompiledGrammar, GrammarCompiler, GrammarSpec
 from firsttoken.types import AdmissionVerdict, EngineRequest, ImageItem, PromptWork, SamplingParams
 
 # Control tokens that mark image/video slots: a raw /v1/completions prompt may use the chat control tokens
@@ -186,14 +189,43 @@ class InputProcessor:
         self._special_ids = frozenset(tokenizer.all_special_ids) | frozenset(tokenizer.added_tokens_decoder)
         # The most characters one token covers: text longer than limit x this is refused untokenized.
         self.max_chars_per_token = longest_token_chars(list(tokenizer.get_vocab()))
+        self._grammar_compiler: GrammarCompiler | None = None  # built on first use, or by warm_grammars()
+        self._template_renders_tools = "tools" in (tokenizer.chat_template or "")
+        self._grammar_lock = threading.Lock()
 
     # ------------------------------------------------------------------------------------ public
 
     def process(self, prompt: Prompt, sampling: SamplingRequest, request_id: str, arrival_s: float) -> EngineRequest:
-        """The EngineRequest for ``prompt``: every limit is checked before any image is decoded."""
+        """The EngineRequest for ``prompt``: every limit is checked before any image is decoded, and its output
+        grammar compiled (or found compiled) before it asks for a place in the queue."""
         self._sampling_params(sampling, _or(sampling.max_tokens, 1))  # fail fast, before any image is loaded
         self._check_text_size(prompt.texts(), self._max_prompt_tokens, prompt.param)
-        return self._engine_request(prompt, self._prompt_ids(prompt), sampling, request_id, arrival_s)
+        grammar = self._grammar(sampling.structured)
+        return self._engine_request(prompt, self._prompt_ids(prompt), sampling, request_id, arrival_s, grammar)
+
+    def warm_grammars(self) -> None:
+        """Build the grammar compiler's view of the vocabulary now (seconds at a 151k vocabulary), so the first
+        constrained request does not wait for it."""
+        self._grammars()
+
+    def _grammars(self) -> GrammarCompiler:
+        with self._grammar_lock:
+            if self._grammar_compiler is None:
+                eos = self.generation_defaults.eos_token_ids or self.model_config.eos_token_ids
+                self._grammar_compiler = GrammarCompiler.from_tokenizer_json(
+                    self.tokenizer.backend_tokenizer.to_str(), self.model_config.vocab_size, tuple(eos))
+            return self._grammar_compiler
+
+    def _grammar(self, spec: GrammarSpec | None) -> tuple[CompiledGrammar, float] | None:
+        """(the compiled grammar, seconds this request spent compiling it: 0 from the cache); InputError naming the
+        field for a spec that does not compile."""
+        if spec is None:
+            return None
+        try:
+            compiled, cached = self._grammars().lookup(spec)
+        except ValueError as err:
+            raise InputError(str(err), spec.origin.split(".", 1)[0] or None) from None
+        return compiled, 0.0 if cached else compiled.compile_s
 
     def count(self, prompt: Prompt) -> TokenCount:
         """What /tokenize reports; text that cannot fit the context at all is refused before tokenizing it."""
@@ -275,9 +307,11 @@ class InputProcessor:
         params = tuple(param for param, _ in image_parts)
         blobs = tuple(self._loaded(part, i, params) for i, (_, part) in enumerate(image_parts))
         plans = self._plan_images(blobs, budgets, params)
+        messages, tools = self._with_tools(prompt)
         try:
             template_ids = self.tokenizer.apply_chat_template(
-                [_template_message(m) for m in prompt.messages],
+                messages,
+                tools=tools,
                 tokenize=True,
                 add_generation_prompt=prompt.add_generation_prompt,
                 sanitize_control_tokens=True,  # client text can't forge control tokens, image slots included
@@ -287,6 +321,16 @@ class InputProcessor:
             raise InputError(f"the chat template cannot render these messages: {quote(str(err))}", "messages") from None
         degradable = tuple(part.detail is None and part.max_visual_tokens is None for _, part in image_parts)
         return replace(self._expand_image_pads(list(template_ids), plans, blobs), degradable=degradable, params=params)
+
+    def _with_tools(self, prompt: ChatPrompt) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
+        """(the messages as the chat template sees them, its ``tools``): through the template where it renders
+        tools itself, else written into the messages the hermes way (inputs/tools.py)."""
+        if not self._template_renders_tools:
+            return [_template_message(m) for m in hermes_messages(prompt.messages, prompt.tools)], None
+        messages = [_template_message(m) for m in prompt.messages]
+        for message, extra in zip(messages, template_messages(prompt.messages) or ()):
+            message.update(extra)
+        return messages, [function_json(f) for f in prompt.tools] or None
 
     def _budget_of(self, param: str, part: ImagePart) -> int:
         try:
@@ -399,13 +443,16 @@ class InputProcessor:
         return room
 
     def _engine_request(
-        self, prompt: Prompt, ids: _Prompt, sampling: SamplingRequest, request_id: str, arrival_s: float
+        self, prompt: Prompt, ids: _Prompt, sampling: SamplingRequest, request_id: str, arrival_s: float,
+        grammar: tuple[CompiledGrammar, float] | None = None,
     ) -> EngineRequest:
         field = sampling.name("max_tokens")
         self._check_length(ids, field, sampling.max_tokens, prompt.param)
         ids, verdict, note = self._admit(ids, request_id)
         room = self._check_length(ids, field, sampling.max_tokens, prompt.param)  # a lower budget leaves more
         params = self._sampling_params(sampling, _or(sampling.max_tokens, room))
+        if grammar is not None:
+            params = replace(params, grammar=grammar[0])
         images = self._decode_images(ids)  # the first expensive step: every limit has passed
         mrope = self.family.positions(ids.token_ids, [im.grid_thw for im in images], self.model_config)
         items = tuple(
@@ -431,6 +478,7 @@ class InputProcessor:
             predicted_ttft_s=verdict.predicted_ttft_s if verdict is not None else None,
             long_place_s=verdict.long_place_s if verdict is not None else None,
             image_budget_note=note,
+            grammar_compile_s=grammar[1] if grammar is not None else 0.0,
         )
 
     def _admit(self, ids: _Prompt, request_id: str) -> tuple[_Prompt, AdmissionVerdict | None, str | None]:

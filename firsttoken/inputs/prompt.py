@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from firsttoken.structured.spec import GrammarSpec
+
 
 @dataclass(frozen=True)
 class TextPart:
@@ -32,9 +34,29 @@ class ImagePart:
 
 
 @dataclass(frozen=True)
+class ToolCall:
+    """A function call an assistant turn made (``arguments``: the JSON object as the model wrote it)."""
+
+    id: str
+    name: str
+    arguments: str
+
+
+@dataclass(frozen=True)
+class Function:
+    """A tool the model may call: its name, what it does, and a JSON schema of its arguments."""
+
+    name: str
+    description: str | None = None
+    parameters: dict | None = None
+
+
+@dataclass(frozen=True)
 class Message:
-    role: str  # system | user | assistant (the chat template prints it verbatim: the API layer restricts it)
+    role: str  # system | user | assistant | tool (the chat template prints it verbatim: the API layer restricts it)
     content: str | tuple[TextPart | ImagePart, ...] | None
+    tool_calls: tuple[ToolCall, ...] = ()  # an assistant turn's calls
+    tool_call_id: str | None = None  # a tool turn: the call whose result it is
 
     def texts(self) -> list[str]:
         """Every piece of text in this message (what the tokenizer will see)."""
@@ -49,6 +71,7 @@ class Message:
 class ChatPrompt:
     messages: tuple[Message, ...]
     add_generation_prompt: bool = True
+    tools: tuple[Function, ...] = ()  # rendered for the model as the chat template (or inputs/tools.py) writes them
 
     @property
     def param(self) -> str:
@@ -94,6 +117,7 @@ class SamplingRequest:
     repetition_penalty: float | None = None
     logprobs: bool = False
     top_logprobs: int = 0
+    structured: GrammarSpec | None = None  # what the answer must match (response_format, structured_outputs)
     names: tuple[tuple[str, str], ...] = ()  # (SamplingParams field, client's field)
 
     def name(self, field: str) -> str:

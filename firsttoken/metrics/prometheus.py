@@ -137,6 +137,13 @@ class FirsttokenCollector:
                          "image class (1 = exact).", ["images"], {(k,): h for k, h in s.ttft_prediction_ratio.items()})
         yield _counter("firsttoken_image_budget_lowered", "Requests whose visual-token budget was lowered to meet "
                        "their TTFT objective (--ttft-slo).", c["image_budget_lowered"])  # fmt: skip
+        yield _counter("firsttoken_constrained_requests", "Requests whose output was held to a grammar "
+                       "(response_format, structured_outputs).", c["constrained_requests"])  # fmt: skip
+        yield _counter("firsttoken_grammar_cache_hits", "Constrained requests whose grammar was compiled "
+                       "already (a repeated schema costs nothing).", c["grammar_cache_hits"])  # fmt: skip
+        yield _histogram("firsttoken_grammar_compile_seconds", "Compiling a constrained request's output grammar, "
+                         "in preprocessing before it queued (a cached grammar counts 0).", [],
+                         {(): s.grammar_compile_s})
 
         g = self.engine()
         yield _gauge("firsttoken_kv_cache_used_blocks", "KV blocks referenced by live requests.", g.kv_blocks_used)

@@ -107,6 +107,7 @@ class RecorderSnapshot:
     step_prediction_ratio: Histogram  # the step-cost model's predicted / actual step time
     ttft_prediction_ratio: dict[str, Histogram]  # image class -> predicted / actual TTFT
     first_token_engine_s: dict[tuple[str, str], float]  # (image class, part) -> seconds, over answered requests
+    grammar_compile_s: Histogram  # constrained requests' output-grammar compiles (a cached grammar: 0)
 
 
 class Recorder:
@@ -136,6 +137,7 @@ class Recorder:
         self._step_duration_s = Histogram(TIME_BUCKETS_S)
         self._last_step: StepStats | None = None
         self._step_ratio = Histogram(RATIO_BUCKETS)
+        self._grammar_compile_s = Histogram(TIME_BUCKETS_S)
         self._ttft_ratio: dict[str, Histogram] = {c: Histogram(RATIO_BUCKETS) for c in IMAGE_CLASSES}
         self._first_token_engine_s = {(c, p): 0.0 for c in IMAGE_CLASSES for p in FIRST_TOKEN_PARTS}
 
@@ -217,6 +219,7 @@ class Recorder:
                 step_prediction_ratio=self._step_ratio.copy(),
                 ttft_prediction_ratio={c: h.copy() for c, h in self._ttft_ratio.items()},
                 first_token_engine_s=dict(self._first_token_engine_s),
+                grammar_compile_s=self._grammar_compile_s.copy(),
             )
 
     # ---- internals (lock held) -------------------------------------------------------------------------
@@ -276,6 +279,10 @@ class Recorder:
                 self._first_token_engine_s[(r.images, part)] += float(t.get(key) or 0.0)  # type: ignore[arg-type]
         c = self._counters
         c["image_budget_lowered"] += int("image_budget" in t)
+        if t.get("grammar_compile_s") is not None:
+            self._grammar_compile_s.observe(float(t["grammar_compile_s"]))  # type: ignore[arg-type]
+            c["constrained_requests"] += 1
+            c["grammar_cache_hits"] += int(float(t["grammar_compile_s"]) == 0.0)  # type: ignore[arg-type]
         c["prompt_tokens"] += r.num_prompt_tokens
         c["generation_tokens"] += r.num_output_tokens
         latencies = {k: float(t[k]) for k in LATENCY_KEYS if t.get(k) is not None}  # type: ignore[arg-type]
@@ -318,6 +325,8 @@ COUNTERS: tuple[str, ...] = (
     "prompt_tokens",
     "generation_tokens",
     "image_budget_lowered",
+    "constrained_requests",
+    "grammar_cache_hits",
 )
 
 

@@ -26,12 +26,15 @@ class Timeline:
     first_byte_s: float | None = None
     predicted_ttft_s: float | None = None  # the admission check's prediction (EngineRequest)
     image_budget_note: str | None = None  # set when the image budget was lowered to meet the TTFT objective
+    grammar_compile_s: float | None = None  # compiling its output grammar, within preprocess (None: no grammar)
 
     def take_request(self, request: EngineRequest) -> None:
         """The input processor's stamps, carried on the EngineRequest it made."""
         self.preprocessed_s = request.preprocessed_s
         self.predicted_ttft_s = request.predicted_ttft_s
         self.image_budget_note = request.image_budget_note
+        if request.sampling.grammar is not None:
+            self.grammar_compile_s = request.grammar_compile_s
 
     def observe(self, output: RequestOutput) -> None:
         """Take the engine's latest stamps (every output carries all of them so far)."""
@@ -101,5 +104,6 @@ class Timeline:
             "step_overhead_s": e.step_overhead_s,
             "other_steps_s": e.other_steps_s,
             "engine_idle_s": e.engine_idle_s,
+            **({"grammar_compile_s": self.grammar_compile_s} if self.grammar_compile_s is not None else {}),
             **({"image_budget": self.image_budget_note} if self.image_budget_note else {}),
         }

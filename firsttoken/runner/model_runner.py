@@ -21,9 +21,11 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Protocol
 
+import numpy as np
 import torch
 
 from firsttoken.attention.base import AttentionMetadata
@@ -38,6 +40,7 @@ from firsttoken.kernels.cpu_linear import set_kernel_spin, set_kernel_threads
 from firsttoken.models.interfaces import EncodeState, ImageEmbeddings, ImageRows
 from firsttoken.sampling.penalties import TokenHistory
 from firsttoken.sampling.sampler import Sampler, SampleRow, make_generator
+from firsttoken.structured import GrammarMatcher, allocate_bitmask, apply_bitmask
 from firsttoken.types import ImageItem, SamplingParams, TokenLogprob, images_in
 
 log = logging.getLogger("firsttoken.runner")
@@ -70,13 +73,16 @@ class RequestState:
     sampling: SamplingParams
     generator: torch.Generator | None  # per-request RNG when sampling.seed is set
     history: TokenHistory | None  # what penalties read, when the request has any
+    matcher: GrammarMatcher | None = None  # where its output is in its grammar, when it has one
     output_token_ids: list[int] = field(default_factory=list)  # what this runner sampled for it
 
     @staticmethod
     def of(new: NewRequest) -> "RequestState":
         history = TokenHistory(new.prompt_token_ids) if new.sampling.has_penalties else None
+        grammar = new.sampling.grammar
         return RequestState(new.request_id, new.prompt_token_ids, new.images, new.mrope_positions, new.mrope_delta,
-                            new.sampling, make_generator(new.sampling.seed), history)
+                            new.sampling, make_generator(new.sampling.seed), history,
+                            grammar.matcher() if grammar is not None else None)
 
     def append(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
@@ -154,6 +160,8 @@ class ModelRunner:
         self.interrupt = interrupt
         self._step_units = 0  # model work run so far in this step: encoder units, and the forward as one
         self._deferred: list[EncoderWork] = []  # this step's interruptible encoder work, run by finish_step()
+        self._bitmask: np.ndarray | None = None  # [rows, ceil(vocab / 32)] int32, reused: constrained rows' masks
+        self._mask_pool: ThreadPoolExecutor | None = None  # fills them while the forward runs (started on first use)
 
     @property
     def encoder_cache_bytes(self) -> int:
@@ -315,9 +323,14 @@ class ModelRunner:
     ) -> tuple[dict[str, int], dict[str, TokenLogprob]]:
         inputs = self._pack(chunks)
         sampling = [(row, c) for row, c in zip(inputs.last_rows, chunks) if c.sample]
+        masks = self._start_masks([c for _, c in sampling])  # filled while the forward runs
         every_row = bool(sampling) and len(sampling) == len(inputs.input_ids)  # a decode-only batch samples all
-        out = self.model.forward_step(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta, inputs.images,
-                                      all_logits=every_row)
+        try:
+            out = self.model.forward_step(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta,
+                                          inputs.images, all_logits=every_row)
+        finally:
+            if masks is not None:
+                masks.wait()  # the matchers are the step's again (also when the forward failed)
         timing["forward_done"] = time.monotonic()
         if not sampling:
             return {}, {}
@@ -327,7 +340,27 @@ class ModelRunner:
             if not every_row:
                 hidden = hidden[torch.tensor([row for row, _ in sampling])]
             logits = self.model.compute_logits(hidden)  # [num_sampling, vocab] float32
-        return self._sample(logits, [c for _, c in sampling], failed)
+        return self._sample(logits, [c for _, c in sampling], failed, masks)
+
+    def _start_masks(self, chunks: list[ScheduledChunk]) -> _PendingMasks | None:
+        """The constrained rows' bitmasks (row i: chunks[i]), filled on the mask thread; None when no row is
+        constrained (unconstrained steps pay nothing)."""
+        rows = [i for i, c in enumerate(chunks) if self.requests[c.request_id].matcher is not None]
+        if not rows:
+            return None
+        words = (self.model.config.vocab_size + 31) // 32
+        if self._bitmask is None or self._bitmask.shape[0] < len(chunks) or self._bitmask.shape[1] != words:
+            self._bitmask = allocate_bitmask(max(len(chunks), 8), self.model.config.vocab_size)
+        bitmask = self._bitmask
+        matchers = [self.requests[chunks[i].request_id].matcher for i in rows]
+        if self._mask_pool is None:
+            self._mask_pool = ThreadPoolExecutor(1, thread_name_prefix="firsttoken-masks")
+
+        def fill() -> None:  # llguidance fills with the GIL released
+            for row, matcher in zip(rows, matchers):
+                matcher.fill_bitmask(bitmask, row)  # type: ignore[union-attr]
+
+        return _PendingMasks(self._mask_pool.submit(fill), bitmask, rows)
 
     def _pack(self, chunks: list[ScheduledChunk]) -> _PackedInputs:
         """Every chunk's tokens back to back: ids, M-RoPE positions, image rows, attention metadata. A token past
@@ -368,7 +401,8 @@ class ModelRunner:
         )
 
     def _sample(
-        self, logits: torch.Tensor, chunks: list[ScheduledChunk], failed: dict[str, str]
+        self, logits: torch.Tensor, chunks: list[ScheduledChunk], failed: dict[str, str],
+        masks: _PendingMasks | None = None,
     ) -> tuple[dict[str, int], dict[str, TokenLogprob]]:
         keep: list[int] = []
         for i, c in enumerate(chunks):
@@ -382,12 +416,40 @@ class ModelRunner:
         chunks = [chunks[i] for i in keep]
         states = [self.requests[c.request_id] for c in chunks]
         rows = [SampleRow(s.sampling, s.generator, s.prompt_token_ids, s.output_token_ids, s.history) for s in states]
-        result = self.sampler.sample(logits if len(keep) == logits.shape[0] else logits[keep], rows)
+        logits = logits if len(keep) == logits.shape[0] else logits[keep]
+        constrained = [i for i, s in enumerate(states) if s.matcher is not None]
+        if masks is not None:  # rows without a grammar are neither read nor written
+            masks.apply(logits, keep)
+        result = self.sampler.sample(logits, rows)
         for i, message in result.failed.items():
             failed[chunks[i].request_id] = message
+        for i in constrained:
+            matcher = states[i].matcher
+            if i not in result.failed and not matcher.accept(result.token_ids[i]):  # type: ignore[union-attr]
+                failed[chunks[i].request_id] = f"the output constraint failed: {matcher.error}"  # type: ignore
+                result.failed[i] = failed[chunks[i].request_id]
         sampled = {c.request_id: t for i, (c, t) in enumerate(zip(chunks, result.token_ids)) if i not in result.failed}
         logprobs = {c.request_id: lp for c, lp in zip(chunks, result.logprobs) if lp is not None}
         return sampled, logprobs
+
+
+@dataclass(frozen=True)
+class _PendingMasks:
+    """A step's constrained rows' bitmasks, being filled on the mask thread (row i: the step's i-th sampled chunk)."""
+
+    filling: Future
+    bitmask: np.ndarray  # [>= rows, ceil(vocab / 32)] int32
+    rows: list[int]  # the constrained rows
+
+    def wait(self) -> None:
+        self.filling.result()
+
+    def apply(self, logits: torch.Tensor, keep: list[int]) -> None:
+        """Mask ``logits`` (row j: sampled chunk keep[j]) where each kept constrained row's grammar forbids a token."""
+        position = {row: j for j, row in enumerate(keep)}
+        kept = [r for r in self.rows if r in position]
+        aligned = self.bitmask if keep == list(range(len(keep))) else self.bitmask[keep]
+        apply_bitmask(logits, aligned, [position[r] for r in kept])
 
 
 @dataclass(frozen=True)

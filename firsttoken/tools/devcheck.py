@@ -27,7 +27,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("inputs",),  # prompts -> EngineRequest
     ("engine",),  # the step loop, the asyncio bridge, detokenizer
     ("scheduler", "runner"),  # bookkeeping (ints only) / tensors, behind the Executor
-    ("models", "sampling", "kv", "metrics"),
+    ("models", "sampling", "kv", "metrics", "structured"),  # structured: grammars, matchers, the bitmask
     ("attention", "kernels"),  # the backend contract models use; the CPU kernels models' layers call
     ("batch", "config"),  # scheduler -> runner values; the config tree
     ("types", "quoting", "units"),  # leaves

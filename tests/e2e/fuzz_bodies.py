@@ -17,6 +17,7 @@ from __future__ import annotations
 import io
 import json
 import math
+import re
 import string
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -347,17 +348,16 @@ TOKENIZE_SPECS: dict[str, Spec] = {
 
 # Fields this server refuses unless "off" (protocol.UNSUPPORTED_FIELDS), as (name, value, verdict on the generation
 # routes; /tokenize ignores them all). Verdicts are hand-written from docs/bad_inputs.md.
-TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
 UNSUPPORTED_EDGES: tuple[tuple[str, Any, V], ...] = (
     ("logit_bias", {}, V.OK), ("logit_bias", None, V.OK), ("logit_bias", {"5": 1.0}, V.BAD),
-    ("tools", [], V.OK), ("tools", [TOOL], V.BAD), ("tool_choice", "none", V.OK), ("tool_choice", "required", V.BAD),
-    ("response_format", {"type": "text"}, V.OK), ("response_format", {"type": "json_object"}, V.BAD),
-    ("response_format", "json", V.BAD), ("best_of", 1, V.OK), ("best_of", 3, V.BAD), ("echo", False, V.OK),
+    ("best_of", 1, V.OK), ("best_of", 3, V.BAD), ("echo", False, V.OK),
     ("echo", True, V.BAD), ("min_tokens", 0, V.OK), ("min_tokens", 4, V.BAD), ("min_p", 0, V.OK),
     ("min_p", 0.1, V.BAD), ("suffix", "", V.OK), ("suffix", "x", V.BAD), ("modalities", ["text"], V.OK),
-    ("modalities", ["audio"], V.BAD), ("guided_json", {"type": "object"}, V.BAD), ("prompt_logprobs", 2, V.BAD),
+    ("modalities", ["audio"], V.BAD), ("prompt_logprobs", 2, V.BAD),
     ("add_generation_prompt", True, V.OK), ("add_generation_prompt", False, V.BAD),
 )
+# response_format, structured_outputs, guided_*, tools and tool_choice are schema fields now (fuzzed with a MAYBE
+# rule: accepted, or refused naming the field); their refusals are rows of tests/e2e/test_bad_inputs.py
 HARMLESS_EXTRAS = (("user", "u-1"), ("metadata", {"k": "v"}), ("store", False), ("service_tier", "auto"),
                    ("parallel_tool_calls", True), ("x_vendor", [1, {"a": None}]))
 
@@ -473,7 +473,7 @@ def mutated_messages(draw: st.DrawFn, value: list[dict]) -> Any:
     out = json.loads(json.dumps(value))
     i = draw(st.integers(0, len(out) - 1))
     if how == "role":
-        out[i]["role"] = draw(st.sampled_from(["tool", "root", "", None, 3, "USER", "developer"]))
+        out[i]["role"] = draw(st.sampled_from(["tool", "root", "", None, 3, "USER", "developer", "function"]))
         if draw(st.booleans()):
             del out[i]["role"]
     elif how == "content":
@@ -643,14 +643,37 @@ def image_urls(body: dict) -> list[str]:
             and "url" in p["image_url"]]
 
 
+def call_verdict(call: Any) -> V:
+    """An assistant turn's tool call: an id, type function (or absent), a valid function name, arguments text."""
+    if not isinstance(call, dict) or call.get("type", "function") != "function" or not isinstance(call.get("id"), str):
+        return V.BAD
+    function = call.get("function")
+    if not isinstance(function, dict) or not isinstance(function.get("arguments"), str):
+        return V.BAD
+    name = function.get("name")
+    if not isinstance(name, str) or not re.fullmatch(r"[a-zA-Z0-9_-]{1,64}", name):
+        return V.BAD
+    return max(text_rule(call["id"]), text_rule(function["arguments"]))
+
+
 def messages_verdict(value: Any, decoded: bool = True) -> V:
     if not isinstance(value, list) or not value:
         return V.BAD
     verdict, num_images = V.OK, 0
     for m in value:
-        if not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant"):
+        if not isinstance(m, dict) or m.get("role") not in ("system", "developer", "user", "assistant", "tool"):
             return V.BAD
         content = m.get("content")
+        if m["role"] == "tool" and not isinstance(content, str):
+            return V.BAD  # a tool result is a string
+        calls = m.get("tool_calls")
+        if calls is not None:
+            if not isinstance(calls, list) or (calls and m["role"] != "assistant"):
+                return V.BAD
+            for call in calls:
+                verdict = max(verdict, call_verdict(call))
+        if "tool_call_id" in m and m["tool_call_id"] is not None:
+            verdict = max(verdict, text_rule(m["tool_call_id"]) if isinstance(m["tool_call_id"], str) else V.BAD)
         if content is None:
             continue
         if isinstance(content, str):

@@ -229,13 +229,19 @@ CORPUS: tuple[BadInput, ...] = (
     BadInput("unknown content part type of 10,000 characters", 400,
              lambda e: {"messages": [{"role": "user", "content": [{"type": "t" * 10_000}]}]}),
     # OpenAI / vLLM fields this server does not implement
-    BadInput("`tools`", 400, lambda e: text_chat(tools=[TOOL])),
-    BadInput("`tool_choice` required", 400, lambda e: text_chat(tool_choice="required")),
+    BadInput("`tools` with a function name that is not one", 400, lambda e: text_chat(
+        tools=[{"type": "function", "function": {"name": "no spaces allowed", "parameters": {"type": "object"}}}])),
+    BadInput("`tools` whose parameters schema cannot compile, forced", 400, lambda e: text_chat(
+        tools=[{"type": "function", "function": {"name": "f", "parameters": {"type": "objekt"}}}],
+        tool_choice="required")),
+    BadInput("`tool_choice` required without tools", 400, lambda e: text_chat(tool_choice="required")),
+    BadInput("`tool_choice` naming a function not in tools", 400, lambda e: text_chat(
+        tools=[TOOL], tool_choice={"type": "function", "function": {"name": "g"}})),
     BadInput("`functions` (legacy)", 400, lambda e: text_chat(functions=[TOOL["function"]])),
-    BadInput("`response_format` json_object", 400, lambda e: text_chat(response_format={"type": "json_object"})),
-    BadInput("`response_format` json_schema", 400, lambda e: text_chat(
-        response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}})),
-    BadInput("`guided_json` (vLLM)", 400, lambda e: text_chat(guided_json={"type": "object"})),
+    BadInput("`response_format` of an unknown type", 400, lambda e: text_chat(response_format={"type": "xml"})),
+    BadInput("`response_format` json_schema that cannot compile", 400, lambda e: text_chat(
+        response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "strnig"}}})),
+    BadInput("`guided_regex` (vLLM) that cannot compile", 400, lambda e: text_chat(guided_regex="[a-")),
     BadInput("`modalities` with audio", 400, lambda e: text_chat(modalities=["text", "audio"])),
     BadInput("harmless extras (user, metadata, store, service_tier, text format, empty tools ...)", 200,
              lambda e: text_chat(**HARMLESS_EXTRAS)),

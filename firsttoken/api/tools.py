@@ -1,0 +1,163 @@
+"""Tool calls out of the answer's text, whole or as it streams (inputs/tools.py puts the tools in the prompt).
+
+By ``tool_choice`` (``ChatCompletionRequest.tool_mode``):
+- ``auto``: the model may write hermes calls, ``<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>``,
+  anywhere in its text; each well-formed one (JSON, a name among the tools', an object of arguments) becomes a
+  tool call, the text outside them the content. A malformed call stays in the content as written: never a 500.
+- ``named``: the answer is the arguments object (held to the function's schema by the grammar), streamed as the
+  call's argument deltas.
+- ``required``: the answer is a JSON array of ``{"name", "arguments"}`` (held to the tools' schemas), whose calls
+  go out when it is complete.
+- ``none``: no parsing.
+A choice with calls finishes with ``tool_calls`` (``stop`` for a named function, as OpenAI does).
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from dataclasses import dataclass, field
+
+START, END = "<tool_call>", "</tool_call>"
+
+
+@dataclass(frozen=True)
+class Call:
+    id: str
+    name: str
+    arguments: str  # a JSON object's text
+
+
+@dataclass(frozen=True)
+class Piece:
+    """One thing to send: content text, the start of a call (its id and name), or more of a call's arguments."""
+
+    content: str | None = None
+    index: int | None = None  # the call's place among this answer's calls
+    call_id: str | None = None
+    name: str | None = None
+    arguments: str | None = None
+
+
+def new_call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+@dataclass
+class ToolOutput:
+    mode: str  # auto | named | required
+    names: frozenset[str]
+    named: str | None = None  # with mode "named"
+    calls: list[Call] = field(default_factory=list)
+    _buffer: str = ""
+    _in_call: bool = False
+    _named_id: str = field(default_factory=new_call_id)
+
+    # ---- streaming ------------------------------------------------------------------------------------------
+    def feed(self, text: str) -> list[Piece]:
+        if self.mode == "named":
+            pieces = [] if self.calls else [self._start_named()]
+            return pieces + ([Piece(index=0, arguments=text)] if text else [])
+        self._buffer += text
+        return self._scan() if self.mode == "auto" else []
+
+    def finish(self) -> list[Piece]:
+        """What is left once the answer ends."""
+        if self.mode == "named":
+            return [] if self.calls else [self._start_named()]
+        if self.mode == "required":
+            calls = self._array_calls(self._buffer)
+            if calls is None:
+                text, self._buffer = self._buffer, ""
+                return [Piece(content=text)] if text else []
+            return [p for c in calls for p in self._add(c)]
+        pieces = self._scan()
+        rest = (START if self._in_call else "") + self._buffer
+        self._buffer, self._in_call = "", False
+        return pieces + ([Piece(content=rest)] if rest.strip() or (rest and not self.calls) else [])
+
+    def finish_reason(self, reason: str | None) -> str | None:
+        if self.calls and reason == "stop" and self.mode != "named":
+            return "tool_calls"
+        return reason
+
+    # ---- a whole answer -------------------------------------------------------------------------------------
+    def complete(self, text: str) -> tuple[str | None, list[Call]]:
+        """(content, calls) of a finished answer."""
+        pieces = self.feed(text) + self.finish()
+        content = "".join(p.content for p in pieces if p.content is not None)
+        if self.mode == "named":
+            self.calls = [Call(self._named_id, self.named or "", text)]
+            return None, self.calls
+        return (content.strip() or None) if self.calls else content, self.calls
+
+    # ---- internals ------------------------------------------------------------------------------------------
+    def _start_named(self) -> Piece:
+        self.calls.append(Call(self._named_id, self.named or "", ""))
+        return Piece(index=0, call_id=self._named_id, name=self.named, arguments="")
+
+    def _add(self, call: Call) -> list[Piece]:
+        self.calls.append(call)
+        index = len(self.calls) - 1
+        return [Piece(index=index, call_id=call.id, name=call.name, arguments=call.arguments)]
+
+    def _scan(self) -> list[Piece]:
+        pieces: list[Piece] = []
+        while True:
+            if not self._in_call:
+                at = self._buffer.find(START)
+                if at < 0:
+                    keep = _partial_suffix(self._buffer, START)  # may be the start of a call: held back
+                    text, self._buffer = self._buffer[: len(self._buffer) - keep], self._buffer[len(self._buffer) - keep:]
+                    if text and (text.strip() or not self.calls):
+                        pieces.append(Piece(content=text))
+                    return pieces
+                before, self._buffer, self._in_call = self._buffer[:at], self._buffer[at + len(START):], True
+                if before.strip():
+                    pieces.append(Piece(content=before))
+            else:
+                end = self._buffer.find(END)
+                if end < 0:
+                    return pieces
+                body, self._buffer, self._in_call = self._buffer[:end], self._buffer[end + len(END):], False
+                call = _hermes_call(body, self.names)
+                pieces += self._add(call) if call is not None else [Piece(content=START + body + END)]
+
+    def _array_calls(self, text: str) -> list[Call] | None:
+        try:
+            items = json.loads(text)
+        except json.JSONDecodeError:
+            return None
+        if not isinstance(items, list):
+            return None
+        calls = [_call_of(item, self.names) for item in items]
+        return None if any(c is None for c in calls) else calls  # type: ignore[return-value]
+
+
+def _hermes_call(body: str, names: frozenset[str]) -> Call | None:
+    try:
+        return _call_of(json.loads(body), names)
+    except json.JSONDecodeError:
+        return None
+
+
+def _call_of(item: object, names: frozenset[str]) -> Call | None:
+    if not isinstance(item, dict) or item.get("name") not in names:
+        return None
+    arguments = item.get("arguments", item.get("parameters", {}))
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments)
+        except json.JSONDecodeError:
+            return None
+    if not isinstance(arguments, dict):
+        return None
+    return Call(new_call_id(), item["name"], json.dumps(arguments, ensure_ascii=False))
+
+
+def _partial_suffix(text: str, marker: str) -> int:
+    """The length of the longest end of ``text`` that ``marker`` starts with."""
+    for n in range(min(len(marker) - 1, len(text)), 0, -1):
+        if marker.startswith(text[-n:]):
+            return n
+    return 0

@@ -1,0 +1,96 @@
+"""The tool-call parser (api/tools.py) and the hermes rendering (inputs/tools.py): calls out of text whole and in any
+split, malformed calls kept as text, results and calls written into turns."""
+
+from __future__ import annotations
+
+import json
+import random
+
+from firsttoken.api.tools import ToolOutput
+from firsttoken.inputs.prompt import Function, Message, ToolCall
+from firsttoken.inputs.tools import forced_call_spec, hermes_messages
+
+NAMES = frozenset({"get_weather", "get_time"})
+CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+
+
+def streamed(mode: str, text: str, seed: int) -> tuple[str, list[tuple[str, str]]]:
+    """The text fed in random pieces: (content, [(name, arguments)])."""
+    out = ToolOutput(mode, NAMES)
+    rng = random.Random(seed)
+    pieces, i = [], 0
+    while i < len(text):
+        n = rng.randint(1, 7)
+        pieces += out.feed(text[i:i + n])
+        i += n
+    pieces += out.finish()
+    content = "".join(p.content for p in pieces if p.content is not None)
+    calls: dict[int, list[str]] = {}
+    for p in pieces:
+        if p.index is not None:
+            entry = calls.setdefault(p.index, [p.name or "", ""])
+            entry[1] += p.arguments or ""
+    return content, [tuple(v) for _, v in sorted(calls.items())]
+
+
+def test_auto_finds_calls_in_any_split_and_keeps_the_text_around_them() -> None:
+    text = "Let me check." + CALL + "\n" + CALL.replace("get_weather", "get_time").replace('"city": "Paris"', '')
+    whole_content, whole_calls = ToolOutput("auto", NAMES).complete(text)
+    assert whole_content == "Let me check."
+    assert [(c.name, json.loads(c.arguments)) for c in whole_calls] == [("get_weather", {"city": "Paris"}),
+                                                                         ("get_time", {})]
+    for seed in range(20):
+        content, calls = streamed("auto", text, seed)
+        assert content.strip() == "Let me check."
+        assert [(n, json.loads(a)) for n, a in calls] == [("get_weather", {"city": "Paris"}), ("get_time", {})]
+
+
+def test_a_malformed_or_unknown_call_stays_text_and_finishes_as_the_model_did() -> None:
+    for bad in ('<tool_call>\n{"name": "get_weather", "arguments": {"city": }\n</tool_call>',
+                '<tool_call>\n{"name": "rm_rf", "arguments": {}}\n</tool_call>',
+                '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Pa'):  # cut by max_tokens
+        out = ToolOutput("auto", NAMES)
+        content, calls = out.complete("Sure. " + bad)
+        assert calls == [] and content == "Sure. " + bad and out.finish_reason("stop") == "stop"
+        for seed in range(5):
+            assert streamed("auto", "Sure. " + bad, seed) == ("Sure. " + bad, [])
+
+
+def test_text_that_only_looks_like_a_call_start_is_released() -> None:
+    for seed in range(10):
+        assert streamed("auto", "a < b and <tool> is not <tool_call", seed)[0] == "a < b and <tool> is not <tool_call"
+
+
+def test_required_parses_the_array_and_named_streams_the_arguments() -> None:
+    array = json.dumps([{"name": "get_time", "arguments": {"zone": 3}}, {"name": "get_weather", "arguments": {}}])
+    out = ToolOutput("required", NAMES)
+    content, calls = out.complete(array)
+    assert content in (None, "") and [c.name for c in calls] == ["get_time", "get_weather"]
+    assert out.finish_reason("stop") == "tool_calls"
+    assert streamed("required", array, 1)[1] == [("get_time", '{"zone": 3}'), ("get_weather", "{}")]
+    named = ToolOutput("named", NAMES, named="get_time")
+    pieces = named.feed('{"zo') + named.feed('ne": 1}') + named.finish()
+    assert pieces[0].name == "get_time" and "".join(p.arguments or "" for p in pieces) == '{"zone": 1}'
+    assert named.finish_reason("stop") == "stop"
+
+
+def test_forced_specs_name_the_tools_and_their_schemas() -> None:
+    schema = {"type": "object", "properties": {"zone": {"type": "integer"}}}
+    named = forced_call_spec([("get_time", schema), ("get_weather", None)], "get_time", True)
+    assert json.loads(named.source) == schema and named.origin == "tool_choice"
+    one = json.loads(forced_call_spec([("get_time", schema), ("get_weather", None)], None, False).source)
+    assert one["maxItems"] == 1 and [o["properties"]["name"]["const"] for o in one["items"]["anyOf"]] == [
+        "get_time", "get_weather"]
+
+
+def test_hermes_messages_write_tools_calls_and_results_into_turns() -> None:
+    functions = (Function("get_time", "Time in a zone", {"type": "object"}),)
+    messages = (Message("system", "Be brief."), Message("user", "time?"),
+                Message("assistant", None, (ToolCall("call_1", "get_time", '{"zone": 1}'),)),
+                Message("tool", "12:00", tool_call_id="call_1"), Message("tool", "13:00", tool_call_id="call_2"))
+    out = hermes_messages(messages, functions)
+    assert [m.role for m in out] == ["system", "user", "assistant", "user"]
+    assert out[0].content.startswith("Be brief.\n\n# Tools") and '"name": "get_time"' in out[0].content
+    assert out[2].content == '<tool_call>\n{"name": "get_time", "arguments": {"zone": 1}}\n</tool_call>'
+    assert out[3].content == "<tool_response>\n12:00\n</tool_response>\n<tool_response>\n13:00\n</tool_response>"
+    assert hermes_messages(messages[1:2], ()) == [messages[1]]  # no tools: the conversation as it was
