@@ -262,6 +262,12 @@ def build_app(
         card = ModelCard(id=model.name, root=model.root, max_model_len=model.max_model_len)
         return ModelList(data=[card])
 
+    @app.get("/v1/models/{model_id:path}")
+    async def model_card(model_id: str) -> ModelCard:
+        """``client.models.retrieve(name)``: the served model's card, or 404 in OpenAI's shape."""
+        check_model(model_id)
+        return ModelCard(id=model.name, root=model.root, max_model_len=model.max_model_len)
+
     @app.get("/health")
     async def health() -> Response:
         if not engine.is_alive:

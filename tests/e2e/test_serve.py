@@ -6,6 +6,7 @@ import asyncio
 import threading
 
 import httpx
+import openai
 import pytest
 import torch
 
@@ -225,6 +226,10 @@ def test_models_and_health(live_server: LiveServer):
     models = live_server.client().models.list()
     assert [m.id for m in models.data] == ["tiny"]
     assert models.data[0].model_extra["max_model_len"] > 0
+    assert live_server.client().models.retrieve("tiny").id == "tiny"  # GET /v1/models/{id}
+    with pytest.raises(openai.NotFoundError) as missing:
+        live_server.client().models.retrieve("gpt-imaginary")
+    assert missing.value.body["param"] == "model"
     assert httpx.get(f"{live_server.base_url}/health").status_code == 200
 
 
