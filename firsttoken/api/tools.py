@@ -124,10 +124,7 @@ class ToolOutput:
                 pieces += self._add(call) if call is not None else [Piece(content=START + body + END)]
 
     def _array_calls(self, text: str) -> list[Call] | None:
-        try:
-            items = json.loads(text)
-        except json.JSONDecodeError:
-            return None
+        items = _loads(text)
         if not isinstance(items, list):
             return None
         calls = [_call_of(item, self.names) for item in items]
@@ -135,8 +132,13 @@ class ToolOutput:
 
 
 def _hermes_call(body: str, names: frozenset[str]) -> Call | None:
+    return _call_of(_loads(body), names)
+
+
+def _loads(text: str) -> object:
+    """The JSON value of ``text``, or None when it is not JSON (None is never a call, an array or arguments)."""
     try:
-        return _call_of(json.loads(body), names)
+        return json.loads(text)
     except json.JSONDecodeError:
         return None
 
@@ -146,10 +148,7 @@ def _call_of(item: object, names: frozenset[str]) -> Call | None:
         return None
     arguments = item.get("arguments", item.get("parameters", {}))
     if isinstance(arguments, str):
-        try:
-            arguments = json.loads(arguments)
-        except json.JSONDecodeError:
-            return None
+        arguments = _loads(arguments)
     if not isinstance(arguments, dict):
         return None
     return Call(new_call_id(), item["name"], json.dumps(arguments, ensure_ascii=False))

@@ -356,11 +356,17 @@ class ModelRunner:
         if self._mask_pool is None:
             self._mask_pool = ThreadPoolExecutor(1, thread_name_prefix="firsttoken-masks")
 
+        errors: dict[int, str] = {}
+
         def fill() -> None:  # llguidance fills with the GIL released
             for row, matcher in zip(rows, matchers):
-                matcher.fill_bitmask(bitmask, row)  # type: ignore[union-attr]
+                try:
+                    matcher.fill_bitmask(bitmask, row)  # type: ignore[union-attr]
+                except Exception as e:  # the library failed this request's grammar: its own failure only
+                    log.warning("filling the output mask of %s failed: %s", chunks[row].request_id, e)
+                    errors[row] = "the output constraint failed: the grammar library could not say what may follow"
 
-        return _PendingMasks(self._mask_pool.submit(fill), bitmask, rows)
+        return _PendingMasks(self._mask_pool.submit(fill), bitmask, rows, errors)
 
     def _pack(self, chunks: list[ScheduledChunk]) -> _PackedInputs:
         """Every chunk's tokens back to back: ids, M-RoPE positions, image rows, attention metadata. A token past
@@ -421,12 +427,14 @@ class ModelRunner:
         if masks is not None:  # rows without a grammar are neither read nor written
             masks.apply(logits, keep)
         result = self.sampler.sample(logits, rows)
+        if masks is not None:
+            result.failed.update({keep.index(r): m for r, m in masks.errors.items() if r in keep})
         for i, message in result.failed.items():
             failed[chunks[i].request_id] = message
         for i in constrained:
-            matcher = states[i].matcher
-            if i not in result.failed and not matcher.accept(result.token_ids[i]):  # type: ignore[union-attr]
-                failed[chunks[i].request_id] = f"the output constraint failed: {matcher.error}"  # type: ignore
+            if i not in result.failed and not _accepted(states[i].matcher, result.token_ids[i]):
+                why = states[i].matcher.error or "the grammar library failed"  # type: ignore[union-attr]
+                failed[chunks[i].request_id] = f"the output constraint failed: {why}"
                 result.failed[i] = failed[chunks[i].request_id]
         sampled = {c.request_id: t for i, (c, t) in enumerate(zip(chunks, result.token_ids)) if i not in result.failed}
         logprobs = {c.request_id: lp for c, lp in zip(chunks, result.logprobs) if lp is not None}
@@ -440,6 +448,7 @@ class _PendingMasks:
     filling: Future
     bitmask: np.ndarray  # [>= rows, ceil(vocab / 32)] int32
     rows: list[int]  # the constrained rows
+    errors: dict[int, str]  # rows whose fill failed (filled by the mask thread; read after wait)
 
     def wait(self) -> None:
         self.filling.result()
@@ -450,6 +459,15 @@ class _PendingMasks:
         kept = [r for r in self.rows if r in position]
         aligned = self.bitmask if keep == list(range(len(keep))) else self.bitmask[keep]
         apply_bitmask(logits, aligned, [position[r] for r in kept])
+
+
+def _accepted(matcher: GrammarMatcher | None, token_id: int) -> bool:
+    """The matcher advanced by the sampled token; False when its grammar forbids it or the library failed."""
+    try:
+        return matcher is not None and matcher.accept(token_id)
+    except Exception:
+        log.exception("the output grammar failed on a sampled token")
+        return False
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import jsonschema
+import pytest
 
 from firsttoken.api.protocol import ChatCompletionRequest
 from firsttoken.types import FinishReason
@@ -39,16 +40,36 @@ class RejectAfter:
             return self.seen < self.n
 
 
-def test_a_grammar_failing_mid_answer_ends_only_its_request(tiny_model_dir: Path) -> None:
+class RaiseOnFill(RejectAfter):
+    """A grammar whose library raises while filling the mask of its n-th token, and on accepting after it."""
+
+    def matcher(self) -> RaiseOnFill.Matcher:
+        return RaiseOnFill.Matcher(self.n)
+
+    class Matcher(RejectAfter.Matcher):
+        error = None
+
+        def fill_bitmask(self, bitmask, row: int) -> None:
+            if self.seen + 1 >= self.n:
+                raise RuntimeError("library crashed")
+            bitmask[row] = -1
+
+        def accept(self, token_id: int) -> bool:
+            self.seen += 1
+            return True
+
+
+@pytest.mark.parametrize("grammar, says", [(RejectAfter(3), "parser limit"), (RaiseOnFill(3), "library")])
+def test_a_grammar_failing_mid_answer_ends_only_its_request(tiny_model_dir: Path, grammar, says: str) -> None:
     engine, proc = build(tiny_model_dir)
     reference = run_all(engine, requests(proc))
     engine, proc = build(tiny_model_dir)
     reqs = requests(proc)
     victim = reqs[2]
-    reqs[2] = replace(victim, sampling=replace(victim.sampling, grammar=RejectAfter(3)))
+    reqs[2] = replace(victim, sampling=replace(victim.sampling, grammar=grammar))
     out = run_all(engine, reqs)
     ids, reason, error = out[victim.request_id]
-    assert reason == FinishReason.ERROR and "output constraint failed" in error and "parser limit" in error
+    assert reason == FinishReason.ERROR and "output constraint failed" in error and says in error
     assert ids == reference[victim.request_id][0][:2]  # the two tokens it accepted went out
     for rid in reference:
         if rid != victim.request_id:
