@@ -5,8 +5,8 @@ steps of different sizes, then decode-only steps), then all of them plus a small
 steps with encoder work). Every step is timed and fitted as any other step; the fit becomes the cost model's
 prior, so the time bound and predicted TTFTs are sensible from the first request and keep adapting afterwards.
 Costs a few seconds on the small checkpoint. Calibration feeds the cost model only: its steps and requests reach no
-observer (metrics, /stats, the request log), and afterwards the engine's counters, its prefix cache and its
-encoder cache are as a fresh engine's (``LLMEngine.forget_traffic``).
+observer (metrics, /stats, the request log) and run on a scheduler of their own (``LLMEngine.calibrate``), so the
+serving scheduler's counters, prefix cache and encoder cache never see them.
 """
 
 from __future__ import annotations
@@ -27,10 +27,10 @@ MAX_TOKENS = 3
 IMAGE_GRID = (1, 16, 16)  # patches: 64 visual tokens at a 2x2 merge
 
 
-def calibrate(engine) -> None:  # engine: LLMEngine (not imported: engine.py imports this module)
+def calibrate(engine) -> None:  # engine: LLMEngine, on a scratch scheduler (engine.py imports this module)
     start = time.monotonic()
-    pacing, model = engine.scheduler.pacing, engine.scheduler.cost_model
-    pacing.calibrating = True  # token budgets only while the model learns
+    scratch, model = engine.scheduler, engine.cost_model
+    scratch.pacing.calibrating = True  # token budgets only while the model learns
     observer, engine.observer = engine.observer, NullObserver()
     try:
         _run(engine, [_request(engine, "calibrate-warmup", calibration_requests(engine, 2)[0].prompt_token_ids[:16],
@@ -43,8 +43,8 @@ def calibrate(engine) -> None:  # engine: LLMEngine (not imported: engine.py imp
         model.refit()
         model.prior = model.coef.copy()
     finally:
-        pacing.calibrating = False
-        engine.forget_traffic()
+        scratch.encoder_cache.drop_unpinned()
+        _run(engine, [])  # hands the runner what it may drop (the requests, the images' outputs)
         engine.observer = observer
     log.info("step-cost model calibrated in %.1f s: %s", time.monotonic() - start,
              {k: f"{v:.3g}" for k, v in model.fit().as_dict().items()})

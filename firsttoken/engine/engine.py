@@ -27,6 +27,7 @@ from firsttoken.models.plan_values import Machine
 from firsttoken.models.registry import load_model_config
 from firsttoken.runner.executor import Executor, InProcessExecutor
 from firsttoken.runner.model_runner import FaultHook, ThreadPlan
+from firsttoken.scheduler.cost_model import CostModel
 from firsttoken.scheduler.request import Request
 from firsttoken.scheduler.scheduler import Scheduler
 from firsttoken.scheduler.step import StepReport
@@ -72,35 +73,34 @@ class LLMEngine:
             self.capacity.block_size, self.config.seed, fault_hook,
             threads=ThreadPlan(config.num_threads, config.decode_threads), interrupt=self._interrupt,
         )
-        self.scheduler = Scheduler(
-            self.config.scheduler,
-            self.config.cache,
-            self.capacity.num_blocks,
-            self.capacity.max_model_len,
-            config.encoder_cache_tokens,
-        )
+        self.cost_model = CostModel()  # prices every step (fitted at calibrate, learning from each step after)
+        self.scheduler = self._new_scheduler()
         self.requests: dict[str, Request] = {}
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._arrivals = 0
         self.num_images_encoded = 0  # images the vision tower ran for (cache misses that were computed)
         self._busy_s = 0.0  # seconds spent inside step(), since start
-        self._num_steps = 0  # steps with work, since start (or forget_traffic)
+        self._num_steps = 0  # steps with work, since start (or calibration)
+        self._ending: list[tuple[Request, FinishReason]] | None = None  # while a step runs: what it ended
 
     def calibrate(self) -> None:
-        """Fit the step-cost model on a few synthetic requests before serving (engine/calibration.py)."""
+        """Fit the step-cost model on a few synthetic requests before serving (engine/calibration.py). They run on a
+        scheduler of their own, sharing the cost model, dropped after: the serving one, the engine's counts and
+        every cache an operator sees are a fresh engine's. Only before the first request."""
         from firsttoken.engine.calibration import calibrate
 
-        calibrate(self)
-
-    def forget_traffic(self) -> None:
-        """Back to a fresh engine's counts and caches, keeping the cost model (after start-up calibration, whose
-        synthetic requests no operator-facing count may include). Only between requests."""
         if self.requests:
-            raise RuntimeError("forget_traffic with requests in flight")
-        self.scheduler.forget_traffic()
-        self.num_images_encoded = self._num_steps = 0
-        while self.has_unfinished():
-            self.step()  # hands the runner what it may drop (finished requests, encoder outputs): bookkeeping only
+            raise RuntimeError("calibrate with requests in flight")
+        serving, self.scheduler = self.scheduler, self._new_scheduler()
+        try:
+            calibrate(self)
+        finally:
+            self.scheduler = serving
+            self.num_images_encoded = self._num_steps = 0
+
+    def _new_scheduler(self) -> Scheduler:
+        return Scheduler(self.config.scheduler, self.config.cache, self.capacity.num_blocks,
+                         self.capacity.max_model_len, self.resolved.encoder_cache_tokens, self.cost_model)
 
     def _interrupt(self) -> bool:
         pending = self.short_request_pending
@@ -159,12 +159,21 @@ class LLMEngine:
         if batch.is_empty:
             return expired
         self._num_steps += batch.has_work  # this step counts for a first token sampled in it
+        self._ending = []
+        try:
+            return expired + self._run(batch, step_start, deliver)
+        finally:
+            for req, reason in self._ending or ():  # (an engine bug raised before the step closed)
+                self.scheduler.finish(req, reason)
+            self._ending = None
+
+    def _run(self, batch: ScheduledBatch, step_start: float,
+             deliver: Callable[[list[RequestOutput]], None] | None) -> list[RequestOutput]:
         try:
             result = self.executor.execute(batch)  # reports per-request failures; raises only on an engine bug
         except Exception:
-            return expired + self._fail_batch(batch)
-        self.scheduler.update(batch, result)
-        outputs = expired + self._update(batch, result, step_start)
+            return self._fail_batch(batch)
+        outputs = self._update(batch, result, step_start)
         if any(w.interruptible for w in batch.encoder_work):
             if deliver is not None:
                 deliver(outputs)
@@ -172,17 +181,21 @@ class LLMEngine:
             try:
                 late = self.executor.finish_step()
             except Exception:
-                return outputs + self._fail_batch(batch)
+                return outputs + self._fail_batch(batch, result)
             if late is not None:
-                self.scheduler.update(batch, late, encoder_only=True)
                 outputs += self._update(batch, late, step_start, chunks=False)
                 result = result.merged(late)
-        if batch.has_work:
-            duration_s = time.monotonic() - step_start
-            report = self.scheduler.observe_step(batch, result, duration_s)  # the cost model learns the step
-            self._observe_step(batch, result, step_start, duration_s, report)
-            self._account(batch, result, duration_s)
+        report = self._close_step(batch, result, step_start if batch.has_work else None)
+        if report is not None:  # the cost model learnt the step (in update)
+            self._observe_step(batch, result, step_start, report)
+            self._account(batch, result, report.duration_s)
         return outputs
+
+    def _close_step(self, batch: ScheduledBatch, result: RunnerOutput, started_s: float | None) -> StepReport | None:
+        """The scheduler follows the step's whole output and finishes what the step ended (``_finish`` defers the
+        scheduler's part to here while a step runs, so the chunks those requests ran are followed first)."""
+        ending, self._ending = self._ending, None
+        return self.scheduler.update(batch, result, ending or (), started_s)
 
     def _account(self, batch: ScheduledBatch, result: RunnerOutput, duration_s: float) -> None:
         """The step's time for each request that had work in it and has no first token yet."""
@@ -193,17 +206,19 @@ class LLMEngine:
                 req.own_steps_s += duration_s
                 req.own_forward_s += result.forward_s if rid in with_chunk else 0.0
 
-    def _fail_batch(self, batch: ScheduledBatch) -> list[RequestOutput]:
-        """Last resort when the runner itself broke: fail the batch's requests, forget the step's encoder work (the
-        runner restarts an image from its pixels when asked for layer 0 again), keep serving."""
+    def _fail_batch(self, batch: ScheduledBatch, done: RunnerOutput | None = None) -> list[RequestOutput]:
+        """Last resort when the runner itself broke: fail the batch's requests (``done``: what it reported before
+        breaking, whose tokens went out), forget the step's encoder work (the runner restarts an image from its pixels
+        when asked for layer 0 again), keep serving."""
         involved = {rid: self.requests[rid] for rid in [c.request_id for c in batch.chunks] +
                     [w.request_id for w in batch.encoder_work] if rid in self.requests}
         message = "internal error while running this request"
-        nothing_done = RunnerOutput({}, {}, dict.fromkeys(involved, message),
-                                    discarded_encoder_hashes=frozenset(w.content_hash for w in batch.encoder_work))
-        self.scheduler.update(batch, nothing_done)
         log.exception("engine step failed; failing the %d requests in it", len(involved))
-        return [self._fail(r, message) for r in involved.values()]
+        outputs = [self._fail(r, message) for r in involved.values()]
+        failed = RunnerOutput({}, {}, dict.fromkeys(involved, message),
+                              discarded_encoder_hashes=frozenset(w.content_hash for w in batch.encoder_work))
+        self._close_step(batch, done.merged(failed) if done is not None else failed, None)
+        return outputs
 
     def _expire(self) -> list[RequestOutput]:
         timeout = self.config.request_timeout_s
@@ -214,14 +229,12 @@ class LLMEngine:
         return [self._fail(r, f"the request did not finish within the server's {timeout:g} s request timeout",
                            status=504) for r in late]
 
-    def _observe_step(
-        self, batch: ScheduledBatch, result: RunnerOutput, step_start: float, duration_s: float, report: StepReport
-    ) -> None:
+    def _observe_step(self, batch: ScheduledBatch, result: RunnerOutput, step_start: float, report: StepReport) -> None:
         self.observer.on_step(
             StepStats(
                 step=report.step,
                 start_s=step_start,
-                duration_s=duration_s,
+                duration_s=report.duration_s,
                 predicted_s=report.predicted_s,
                 num_seqs=len(batch.chunks),
                 num_prefill_tokens=batch.num_prefill_tokens,
@@ -338,7 +351,10 @@ class LLMEngine:
         )
 
     def _finish(self, req: Request, reason: FinishReason) -> None:
-        self.scheduler.finish(req, reason)
+        if self._ending is not None:
+            self._ending.append((req, reason))
+        else:
+            self.scheduler.finish(req, reason)
         req.stamp("finished_s")
         self.requests.pop(req.request_id, None)
         self._detok.pop(req.request_id, None)

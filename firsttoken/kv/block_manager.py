@@ -189,12 +189,6 @@ class KVCacheManager:
         """Forget every cached hash (e.g. after a weight update). Returns the number of hashes dropped."""
         return self.block_pool.reset_prefix_cache()
 
-    def forget_traffic(self) -> None:
-        """Cached prefixes dropped and the prefix-cache counters at zero, as in a fresh pool."""
-        self.reset_prefix_cache()
-        self.num_prefix_queries = self.num_prefix_query_tokens = self.num_prefix_hit_tokens = 0
-        self.block_pool.num_evicted_blocks = 0
-
     # ---- queries on live requests ---------------------------------------------------------------------
     def has_request(self, request_id: str) -> bool:
         return request_id in self._requests

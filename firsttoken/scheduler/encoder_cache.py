@@ -91,11 +91,10 @@ class EncoderCacheManager:
         for h in [h for h, users in self._users.items() if request_id in users]:
             self.release(request_id, h)
 
-    def forget_traffic(self) -> None:
-        """Unpinned entries dropped (the runner is told by ``pop_freed``) and the hit counters at zero."""
+    def drop_unpinned(self) -> None:
+        """Every entry no request needs, dropped (the runner is told by ``pop_freed``)."""
         for h in [h for h in self._sizes if h not in self._users]:
             self._drop(h)
-        self.num_hits = self.num_misses = 0
 
     @property
     def has_freed(self) -> bool:

@@ -23,6 +23,7 @@ from firsttoken.scheduler.budget import StepBudget
 from firsttoken.scheduler.cost_model import CostModel, prefill_chunk
 from firsttoken.scheduler.lanes import LONG_MIN_SHARE
 from firsttoken.scheduler.request import Request
+from firsttoken.scheduler.step import StepDraft
 
 THROUGHPUT_SLACK = 0.05  # a throughput chunk may be priced this much over the cheapest size, to be shorter
 ITL_AUTO_S = 0.2  # --itl-target auto: 5 tokens/s, about reading speed
@@ -66,19 +67,25 @@ class Pacing:
         return StepBudget(self.config.max_batched_tokens, max(target - overhead, 0.0), self.cost_model,
                           target_s=target), False
 
-    def open_for_long(self, budget: StepBudget, aging: bool, step_empty: bool) -> None:
-        """A time-bounded step's long lane fills what the step has left; aged, or with the step still empty, it
-        is granted a share of the target and at least one block of tokens (progress), and its chunks are capped
-        to ``--long-chunk-share`` of the target."""
-        if aging or step_empty:
-            budget.grant_floor(self.block_size, LONG_MIN_SHARE)
-        if self.config.long_chunk_share < 1:
-            budget.cap_chunks(self.config.long_chunk_share)
-
-    def long_lane_budget(self, budget: StepBudget, aging: bool, short_lane_idle: Callable[[], bool]) -> StepBudget:
-        """Token budgets (no time bound): the long lane's own share of the step, ``--long-step-tokens`` (or
-        ``--long-step-tokens-idle`` while nobody short waits) within what the step has left; aged, the whole share
-        and at least one encoder unit or block of tokens, whatever they cost (progress guaranteed)."""
+    def long_lane_budget(self, budget: StepBudget, step: StepDraft, aging: bool, held_by_short: bool,
+                         short_lane_idle: Callable[[], bool]) -> StepBudget | None:
+        """What the long lane is served from in this step (None: it waits). A throughput step: the step's. A
+        time-bounded one: what the step has left; aged, or with the step still empty, a share of the target and at
+        least one block of tokens (progress), its chunks capped to ``--long-chunk-share`` of the target. Token
+        budgets: nothing while short work took the step (``long_held``) unless aged; else the lane's own share,
+        ``--long-step-tokens`` (``--long-step-tokens-idle`` while nobody short waits) within what the step has
+        left; aged, the whole share and at least one encoder unit or block of tokens, whatever they cost."""
+        if step.throughput:
+            return budget
+        if budget.bounded:
+            if aging or not (step.chunks or step.encoder_work):
+                budget.grant_floor(self.block_size, LONG_MIN_SHARE)
+            if self.config.long_chunk_share < 1:
+                budget.cap_chunks(self.config.long_chunk_share)
+            return None if budget.exhausted else budget
+        if held_by_short and not aging:
+            step.long_held = True
+            return None
         share = self.config.long_step_tokens
         if self.config.long_step_tokens_idle is not None and short_lane_idle():
             share = self.config.long_step_tokens_idle

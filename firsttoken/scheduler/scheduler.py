@@ -11,18 +11,14 @@ How long a step may be is pacing.py's (time-bounded steps from the fitted cost m
 request, token budgets when the bound is off); what may queue and when its first token is due is admission.py's.
 ``scheduling="fcfs"`` is the seed's starting point: one FIFO queue, whole-prompt prefills, whole-image encodes.
 
-KV admission: with ``kv_admission="whole-prompt"`` a request starts only when blocks for its whole prompt plus
-``decode_reserve_tokens`` are free, so no prefill is ever evicted halfway; "optimistic" admits when the next chunk
-fits. When a decode's growth still runs the pool dry, the most recently admitted running request that holds no
-promise (a decoder under whole-prompt admission; anyone under optimistic) is preempted by recompute, never swapped,
-and counted with its cause; if there is none, the growing request itself. No tensors here: ints and lists.
+How many blocks a request needs to start, and whose a growth may take, is kv_admission.py's; when a growth runs the
+pool dry, that victim is preempted by recompute, never swapped, and counted with its cause. No tensors: ints, lists.
 """
 
 from __future__ import annotations
 
-import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from functools import partial
 
 from firsttoken.batch import NewRequest, RunnerOutput, ScheduledBatch, ScheduledChunk
@@ -33,8 +29,10 @@ from firsttoken.scheduler.budget import StepBudget
 from firsttoken.scheduler.cost_model import CostModel
 from firsttoken.scheduler.encoder_cache import EncoderCacheManager
 from firsttoken.scheduler.encoder_plan import EncoderPlanner
+from firsttoken.scheduler.kv_admission import KV_ADMISSIONS
 from firsttoken.scheduler.lanes import FCFS, LONG, SHORT, DeadlineOrder, LaneQueues, LeastWorkOrder
 from firsttoken.scheduler.pacing import Pacing
+from firsttoken.scheduler.report import scheduler_stats
 from firsttoken.scheduler.request import Request, RequestStatus
 from firsttoken.scheduler.step import StepDraft, StepReport
 from firsttoken.types import AdmissionVerdict, EngineStats, FinishReason, PromptWork
@@ -47,10 +45,11 @@ class Scheduler:
         """``clock``: the engine's (monotonic seconds); the fleet simulator passes its virtual one."""
         self.config = config
         self.clock = clock
-        self.cost_model = cost_model or CostModel()  # fed each step's features and wall time (observe_step)
+        self.cost_model = cost_model or CostModel()  # fed each step's features and wall time (update)
         self.max_model_len = max_model_len
         self.block_size = cache_config.block_size
         self.kv = KVCacheManager(num_kv_blocks, cache_config.block_size, cache_config.enable_prefix_caching)
+        self.kv_admission = KV_ADMISSIONS[config.kv_admission](config, max_model_len)
         self.encoder_cache = EncoderCacheManager(encoder_capacity_tokens)
         self.waiting = LaneQueues(config)
         self.running: list[Request] = []
@@ -59,6 +58,8 @@ class Scheduler:
         self.admission = Admission(config, self.kv, max_model_len, self.cost_model,
                                    lambda lane: len(self.waiting.queues[lane]), self.pacing.step_time_target, clock)
         self.encoder = EncoderPlanner(self.encoder_cache, self.cost_model, self.requests)
+        # predicted seconds of a request's remaining prefill and encoder work (from ``start``: admission.py)
+        self.remaining_work_s = partial(remaining_work_s, self.cost_model, self.encoder_cache)
         place_s = partial(place_work_s, self.cost_model, self.encoder_cache, self.kv, self.block_size)
         self.long_order = (DeadlineOrder(config, lambda: self.cost_model.is_fitted, place_s)
                            if config.long_order == "deadline" else LeastWorkOrder(config, self.remaining_work_s))
@@ -69,7 +70,7 @@ class Scheduler:
         self._preempted: list[str] = []
         self._new: list[NewRequest] = []  # first admissions since the last batch: the runner's first sight
         self._finished_ids: list[str] = []  # requests the runner holds state for that finished since
-        self._last_step = StepDraft()  # what the last schedule() built: wait_reason reads it
+        self.last_step = StepDraft()  # what the last schedule() built (report.wait_reason reads it)
 
     # ---- requests in and out -------------------------------------------------------------------------------
     def check_admission(self, work: PromptWork, num_pending: int = 0,
@@ -99,9 +100,7 @@ class Scheduler:
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
         self.requests.pop(request.request_id, None)
-        self.kv.free(request.request_id)
-        self.encoder_cache.release_all(request.request_id)
-        self.pacing.forget(request.request_id)
+        self._release(request)
         self.long_order.forget(request.request_id)
         if request.sent_to_runner:
             self._finished_ids.append(request.request_id)
@@ -140,38 +139,40 @@ class Scheduler:
         new, self._new = tuple(self._new), []
         finished, self._finished_ids = tuple(self._finished_ids), []
         self.num_steps += int(bool(step.chunks or step.encoder_work))
-        self._last_step = step
+        self.last_step = step
         pending = [r for r in self.requests.values() if not _is_decoding(r)]
         place = self.long_order.place_s if isinstance(self.long_order, DeadlineOrder) else None
         self.admission.observe_step(step, pending, len(self.requests), self.remaining_work_s, place)
         return ScheduledBatch(new, tuple(step.chunks), tuple(step.encoder_work), self.encoder_cache.pop_freed(),
                               preempted, finished, budget.features)
 
-    def update(self, batch: ScheduledBatch, result: RunnerOutput, encoder_only: bool = False) -> None:
-        """Follow what the runner reports it did: encoder units actually run, images it holds nothing for, and the
-        chunks it ran (a failed or skipped chunk computed nothing; it is scheduled again or its request is finished
-        by the engine). ``encoder_only``: the work the runner ran after the step's tokens went out."""
+    def update(self, batch: ScheduledBatch, result: RunnerOutput, finished: Sequence[tuple[Request, FinishReason]] = (),
+               started_s: float | None = None) -> StepReport | None:
+        """Follow the runner's whole report of the step (with the encoder work it ran after the tokens went out):
+        units run, images it holds nothing for, chunks run (a failed or skipped one computed nothing). The step's
+        tokens are on their requests already; ``finished``, those the caller ended on them, are finished after their
+        chunks. With ``started_s`` (when the step began, on this clock) its wall time to now teaches the cost model
+        the work actually done (less units an interrupt cut), and the report says what the model predicted."""
         self.encoder.record(batch, result)
-        if encoder_only:
-            return
         for chunk in batch.chunks:
             rid = chunk.request_id
             if rid not in result.failed and rid not in result.skipped_request_ids and rid in self.requests:
                 req = self.requests[rid]
                 er = req.engine_request
-                if rid in result.sampled and not req.output_token_ids and er.predicted_ttft_s is not None:
+                if rid in result.sampled and len(req.output_token_ids) == 1 and er.predicted_ttft_s is not None:
                     # a first token: the admission's prediction learns its error
                     self.admission.observe_ttft(len(er.images), er.predicted_ttft_s, result.sample_done_s - er.arrival_s)
                 self._on_chunk_done(req, chunk)
-
-    def observe_step(self, batch: ScheduledBatch, result: RunnerOutput, duration_s: float) -> StepReport:
-        """The step's measured wall time teaches the cost model the work it actually did (less encoder units an
-        interrupt cut); the report says what the model predicted for that work and where the step left things."""
+        for req, reason in finished:
+            self.finish(req, reason)
+        if started_s is None:
+            return None
+        duration_s = self.clock() - started_s
         features = self.encoder.features_run(batch, result)
         predicted = self.cost_model.predict(features) if self.cost_model.is_fitted else None
         self.cost_model.observe(features, duration_s)
-        return StepReport(predicted, self.num_steps, self.kv.num_used_blocks, self.kv.num_blocks, len(self.running),
-                          len(self.waiting))
+        return StepReport(predicted, duration_s, self.num_steps, self.kv.num_used_blocks, self.kv.num_blocks,
+                          len(self.running), len(self.waiting))
 
     def _on_chunk_done(self, req: Request, chunk: ScheduledChunk) -> None:
         """KV for the chunk is written: publish full blocks, release images the prefill has passed."""
@@ -191,19 +192,10 @@ class Scheduler:
             self.long_wait_steps = 0
             return
         aging = self.long_wait_steps >= self.config.long_max_wait_steps
-        if step.throughput:
-            served = self._serve_lane(LONG, budget, step, False)
-        elif budget.bounded:  # time-bounded: fill what the step has left
-            self.pacing.open_for_long(budget, aging, step_empty=not (step.chunks or step.encoder_work))
-            served = not budget.exhausted and self._serve_lane(LONG, budget, step, False)
-        elif held_by_short and not aging:
-            step.long_held = True
-            served = False
-        else:  # token budgets: the lane's own share of the step
-            long_budget = self.pacing.long_lane_budget(budget, aging, self._short_lane_idle)
-            served = self._serve_lane(LONG, long_budget, step, whole_prompt=False)
-            if served:
-                budget.absorb(long_budget)
+        lane_budget = self.pacing.long_lane_budget(budget, step, aging, held_by_short, self._short_lane_idle)
+        served = lane_budget is not None and self._serve_lane(LONG, lane_budget, step, whole_prompt=False)
+        if served and lane_budget is not budget:
+            budget.absorb(lane_budget)
         self.long_wait_steps = 0 if served else self.long_wait_steps + 1
 
     def _short_lane_idle(self) -> bool:
@@ -268,18 +260,7 @@ class Scheduler:
 
     # ---- admission and prefill ------------------------------------------------------------------------------
     def _admit(self, req: Request, budget: StepBudget, step: StepDraft, whole_prompt: bool) -> bool:
-        if self.kv.enable_prefix_caching:
-            req.ensure_block_hashes(self.block_size)
-        max_cached = req.num_prompt_tokens - 1  # at least one token is computed, to sample from
-        if self.config.kv_admission == "whole-prompt":
-            want = min(req.num_tokens + self.config.decode_reserve_tokens, self.max_model_len)
-        else:
-            cached = self.kv.num_cached_prefix_tokens(req.block_hashes or [], max_cached)
-            first_chunk = req.num_tokens - cached if whole_prompt else max(budget.remaining, 1)
-            want = min(cached + first_chunk, req.num_tokens)
-        num_cached = None
-        if self.kv.can_allocate(want, req.block_hashes, max_cached):
-            num_cached = self.kv.allocate(req.request_id, want, req.block_hashes, max_cached)
+        num_cached = self.kv_admission.start(req, self.kv, None if whole_prompt else max(budget.remaining, 1))
         if num_cached is None:
             step.kv_blocked_ids.add(req.request_id)
             return False
@@ -335,37 +316,22 @@ class Scheduler:
 
     # ---- preemption -----------------------------------------------------------------------------------------
     def _ensure_blocks(self, req: Request, num_tokens: int, step: StepDraft) -> bool:
-        """Grow req's block table to num_tokens; when the pool is dry, preempt a victim (see _pick_victim) until it
+        """Grow req's block table to num_tokens; when the pool is dry, preempt a victim (kv_admission.py) until it
         fits. The preemption is labelled by its cause: the growth of a decode or of a prefill chunk (only optimistic
         admission lets a prefill grow). False when req itself was the victim."""
         cause = "decode_growth" if _is_decoding(req) else "prefill_growth"
         while self.kv.allocate(req.request_id, num_tokens) is None:
-            victim = self._pick_victim(req, step)
+            victim = self.kv_admission.victim(self.running, req, step.scheduled_ids, _is_decoding)
             self._preempt(victim, cause)
             if victim is req:
                 return False
         return True
 
-    def _pick_victim(self, req: Request, step: StepDraft) -> Request:
-        """The latest-admitted running request that has no work in this step (the runner will write its blocks)
-        and whose blocks were not promised: under whole-prompt admission a prefill in progress owns its whole
-        prompt's blocks and is never the victim. Else the growing request itself."""
-        promised = self.config.kv_admission == "whole-prompt"
-        for other in reversed(self.running):
-            if other is req or other.request_id in step.scheduled_ids:
-                continue
-            if promised and not _is_decoding(other):
-                continue
-            return other
-        return req
-
     def _preempt(self, req: Request, reason: str) -> None:
         """Recompute, never swap: drop its KV, keep its tokens, send it to the front of its lane."""
         self.running.remove(req)
-        self.kv.free(req.request_id)
-        self.encoder_cache.release_all(req.request_id)
+        self._release(req)  # (its token schedule restarts after the recompute)
         req.num_computed_tokens = 0
-        self.pacing.forget(req.request_id)  # its token schedule restarts after the recompute
         req.status = RequestStatus.WAITING
         req.count("num_preemptions")
         self.num_preemptions += 1
@@ -373,45 +339,16 @@ class Scheduler:
         self._preempted.append(req.request_id)
         self.waiting.appendleft(req)
 
+    def _release(self, req: Request) -> None:
+        """Its blocks, encoder pins and pace."""
+        self.kv.free(req.request_id)
+        self.encoder_cache.release_all(req.request_id)
+        self.pacing.forget(req.request_id)
+
     # ---- work and what an operator sees ---------------------------------------------------------------------
-    def remaining_work_s(self, req: Request, start: int | None = None) -> float:
-        """Predicted seconds of the request's remaining prefill and encoder work (admission.remaining_work_s)."""
-        return remaining_work_s(self.cost_model, self.encoder_cache, req, start)
-
-    def wait_reason(self, req: Request) -> str:
-        """Why a live request got no work in the last schedule() (StepDraft.wait_reason)."""
-        lane_of = lambda rid: self.requests[rid].lane if rid in self.requests else None  # noqa: E731
-        return self._last_step.wait_reason(req, len(self.running) >= self.config.max_num_seqs,
-                                           self.waiting.queues[req.lane], lane_of)
-
     def stats(self) -> EngineStats:
-        """The scheduler's part of the engine's stats (the runner's encoder bytes and images encoded are not)."""
-        kv, enc, cost = self.kv, self.encoder_cache, self.cost_model
-        return EngineStats(
-            kv_blocks_total=kv.num_blocks, kv_blocks_used=kv.num_used_blocks, kv_blocks_cached=kv.num_cached_blocks,
-            kv_blocks_free=kv.num_free_blocks, block_size=kv.block_size, num_running=len(self.running),
-            num_waiting=len(self.waiting), num_steps=self.num_steps, num_preemptions=self.num_preemptions,
-            max_model_len=self.max_model_len, num_waiting_by_lane=self.waiting.depths(),
-            preemptions_by_reason=dict(self.preemptions_by_reason),
-            num_short_delayed_by_long=self.waiting.num_short_delayed_by_long,
-            num_encoder_interrupts=self.encoder.num_interrupts, encoder_cache_hits=enc.num_hits,
-            encoder_cache_misses=enc.num_misses, cost_model=cost.fit().as_dict() if cost.is_fitted else {},
-            cost_model_coverage=cost.coverage, step_time_target_s=_finite_or_none(self.pacing.step_time_target()),
-            itl_target_s=_finite_or_none(self.pacing.itl_bound()), ttft_bias=self.admission.ttft_bias.as_dict(),
-            prefix_cache_hit_tokens=kv.num_prefix_hit_tokens, prefix_cache_query_tokens=kv.num_prefix_query_tokens,
-        )
-
-    def forget_traffic(self) -> None:
-        """Counters, cached prefixes and encoder outputs, lane history and the backlog back to a fresh scheduler's;
-        the cost model and its TTFT bias stay. Only with no live request."""
-        self.num_steps = self.num_preemptions = self.waiting.num_short_delayed_by_long = self.long_wait_steps = 0
-        self.preemptions_by_reason = {}
-        self.encoder.num_interrupts = 0
-        self.pacing.reset()
-        self.admission.reset_backlog()
-        self._last_step = StepDraft()
-        self.kv.forget_traffic()
-        self.encoder_cache.forget_traffic()
+        """The scheduler's part of the engine's stats (report.py)."""
+        return scheduler_stats(self)
 
     def check_invariants(self) -> None:
         self.kv.check_invariants()
@@ -420,7 +357,3 @@ class Scheduler:
 
 def _is_decoding(req: Request) -> bool:
     return bool(req.output_token_ids) and req.num_computed_tokens == req.num_tokens - 1
-
-
-def _finite_or_none(x: float) -> float | None:
-    return x if math.isfinite(x) else None

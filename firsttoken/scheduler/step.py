@@ -88,6 +88,7 @@ class StepReport(NamedTuple):
     """What one step left behind, for the engine's step stats."""
 
     predicted_s: float | None  # the cost model's seconds for the work the step did (None: not fitted yet)
+    duration_s: float  # the step's wall time, from its start to its update
     step: int  # steps with work so far
     kv_blocks_used: int
     kv_blocks_total: int

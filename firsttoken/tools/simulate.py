@@ -385,7 +385,7 @@ class SimReplica:
         self.now = now
         batch, self._step, self.busy_until = self._step, None, None
         assert batch is not None
-        self.scheduler.update(batch, RunnerOutput({}, {}, {}, encoder_progress=self._progress))
+        ended = []
         for chunk in batch.chunks:
             if not chunk.sample:
                 continue
@@ -401,8 +401,9 @@ class SimReplica:
                     self.scheduler.admission.observe_ttft(len(req.images), outcome.predicted_ttft_s, outcome.ttft_s)
             if len(req.output_token_ids) >= req.engine_request.sampling.max_tokens:
                 outcome.e2e_s = now - outcome.request.arrival_s
-                self.scheduler.finish(req, FinishReason.LENGTH)
+                ended.append((req, FinishReason.LENGTH))
                 del self._outcomes[req.request_id]
+        self.scheduler.update(batch, RunnerOutput({}, {}, {}, encoder_progress=self._progress), ended)
 
 
 def _engine_request(r: SimRequest) -> EngineRequest:

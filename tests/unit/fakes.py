@@ -10,7 +10,7 @@ from firsttoken.batch import RunnerOutput, ScheduledBatch
 from firsttoken.config import CacheConfig, SchedulerConfig
 from firsttoken.scheduler.request import Request
 from firsttoken.scheduler.scheduler import Scheduler
-from firsttoken.types import EncoderUnit, EngineRequest, ImageItem, SamplingParams
+from firsttoken.types import EncoderUnit, EngineRequest, FinishReason, ImageItem, SamplingParams
 
 IMAGE_TOKEN = 99
 
@@ -91,14 +91,13 @@ def run_step(sched: Scheduler, token: int = 7) -> ScheduledBatch:
 def complete_step(sched: Scheduler, batch: ScheduledBatch, token: int = 7) -> ScheduledBatch:
     """Pretend-execute a scheduled batch and update: what run_step does after schedule()."""
     progress = {w.content_hash: w.start_unit + w.num_units for w in batch.encoder_work}
-    sched.update(batch, RunnerOutput({}, {}, {}, encoder_progress=progress))
+    ended = []
     for chunk in batch.chunks:
         req = sched.requests[chunk.request_id]
         if chunk.sample:
             req.output_token_ids.append(token)
             if len(req.output_token_ids) >= req.engine_request.sampling.max_tokens:
-                from firsttoken.types import FinishReason
-
-                sched.finish(req, FinishReason.LENGTH)
+                ended.append((req, FinishReason.LENGTH))
+    sched.update(batch, RunnerOutput({}, {}, {}, encoder_progress=progress), ended)
     sched.check_invariants()
     return batch

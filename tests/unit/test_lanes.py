@@ -7,6 +7,7 @@ import pytest
 from firsttoken.config import SchedulerConfig
 from firsttoken.types import PromptWork
 from firsttoken.scheduler.lanes import LONG, SHORT, route_lane
+from firsttoken.scheduler.report import wait_reason
 from tests.unit.fakes import complete_step, fake_request, make_scheduler, run_step
 
 
@@ -260,7 +261,7 @@ def test_every_live_request_progresses_or_waits_for_a_named_reason(policy):
         got_work = {c.request_id for c in batch.chunks} | {w.request_id for w in batch.encoder_work}
         for rid, req in live.items():
             if rid not in got_work:
-                reason = sched.wait_reason(req)
+                reason = wait_reason(sched, req)
                 assert reason in WAIT_REASONS, f"step {step}: {rid} ({req.status.value}, {req.lane} lane) waits for no reason"
                 reasons[reason] = reasons.get(reason, 0) + 1
         complete_step(sched, batch)
