@@ -10,7 +10,7 @@ from firsttoken.types import EngineRequest
 
 def process(processor: InputProcessor, req, request_id: str = "r1") -> EngineRequest:
     """An OpenAI request body (ChatCompletionRequest / CompletionRequest) through the processor, as the server does."""
-    return processor.process(req.to_prompt(), req.to_sampling(), request_id, time.monotonic())
+    return processor.process(req.prompts()[0], req.to_sampling(), request_id, time.monotonic())
 
 
 def make_processor(model_dir, max_model_len: int = 4096, **image_options) -> InputProcessor:

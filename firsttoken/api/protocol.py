@@ -60,6 +60,7 @@ def _valid_unicode(text: str) -> str:
 Text = Annotated[str, AfterValidator(_valid_unicode)]  # every request string: encodable as UTF-8
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 Int64 = Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)]  # what OpenAI and vLLM accept for integer fields
+MAX_CHOICES = 128  # choices one request may ask for (prompts x n): each is an engine request
 
 
 class FieldError(ValueError):
@@ -259,6 +260,7 @@ def to_chat_prompt(messages: list[ChatMessage], add_generation_prompt: bool = Tr
 
 class StreamOptions(_Request):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: every chunk carries its choice's usage so far
 
 
 class _SamplingFields(_Request):
@@ -320,11 +322,11 @@ class _SamplingFields(_Request):
 
     @field_validator("n")
     @classmethod
-    def _only_one_choice(cls, n: int | None) -> int:
+    def _choices(cls, n: int | None) -> int:
         if n is None:
             return 1
-        if n != 1:
-            raise ValueError(f"n must be 1 (this server returns one choice per request), got {n}")
+        if not 1 <= n <= MAX_CHOICES:
+            raise ValueError(f"n must be from 1 to {MAX_CHOICES}, got {n}")
         return n
 
     @field_validator("stop")
@@ -338,6 +340,11 @@ class _SamplingFields(_Request):
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
+
+    @property
+    def continuous_usage(self) -> bool:
+        """As vLLM: only with include_usage too."""
+        return self.include_usage and self.stream_options is not None and self.stream_options.continuous_usage_stats
 
     @property
     def stop_strings(self) -> tuple[str, ...]:
@@ -421,6 +428,9 @@ class ChatCompletionRequest(_SamplingFields):
     def to_prompt(self) -> prompt.ChatPrompt:
         return to_chat_prompt(self.messages, tools=self.tools)
 
+    def prompts(self) -> list[prompt.ChatPrompt]:
+        return [self.to_prompt()]
+
     def to_sampling(self) -> prompt.SamplingRequest:
         sampling = self._sampling(self.requested_max_tokens, bool(self.logprobs), self.top_logprobs or 0,
                                   "top_logprobs")
@@ -433,11 +443,40 @@ class ChatCompletionRequest(_SamplingFields):
 
 
 class CompletionRequest(_SamplingFields):
-    prompt: Text
+    # one prompt or several, as text or token ids (OpenAI's four forms); each gets n choices, index prompt * n + j
+    prompt: Text | list[Text] | list[Int64] | list[list[Int64]]
     logprobs: Int64 | None = None  # number of alternatives per position, as in OpenAI's legacy API
 
+    @field_validator("prompt")
+    @classmethod
+    def _some_prompt(cls, p: str | list) -> str | list:
+        if isinstance(p, list):
+            if not p:
+                raise ValueError("give at least one prompt (an empty list was sent)")
+            if isinstance(p[0], list) and not all(p):
+                raise ValueError(f"prompt[{next(i for i, ids in enumerate(p) if not ids)}] is an empty list of "
+                                 "token ids")
+        return p
+
+    @model_validator(mode="after")
+    def _bounded_choices(self) -> CompletionRequest:
+        if len(self.prompts()) * self.n > MAX_CHOICES:
+            raise FieldError("prompt", f"{len(self.prompts())} prompts x n={self.n} is {len(self.prompts()) * self.n} "
+                             f"choices; at most {MAX_CHOICES} per request")
+        return self
+
+    def prompts(self) -> list[prompt.TextPrompt | prompt.TokenPrompt]:
+        p = self.prompt
+        if isinstance(p, str):
+            return [prompt.TextPrompt(p)]
+        if all(isinstance(t, int) for t in p):
+            return [prompt.TokenPrompt(tuple(p))]  # type: ignore[arg-type]
+        if all(isinstance(t, str) for t in p):
+            return [prompt.TextPrompt(t, f"prompt[{i}]") for i, t in enumerate(p)]  # type: ignore[arg-type]
+        return [prompt.TokenPrompt(tuple(ids), f"prompt[{i}]") for i, ids in enumerate(p)]  # type: ignore[arg-type]
+
     def texts(self) -> list[str]:
-        return [self.prompt]
+        return [t for q in self.prompts() for t in q.texts()]
 
     @property
     def num_images(self) -> int:
@@ -447,8 +486,6 @@ class CompletionRequest(_SamplingFields):
     def requested_max_tokens(self) -> tuple[str, int | None]:
         return "max_tokens", self.max_tokens
 
-    def to_prompt(self) -> prompt.TextPrompt:
-        return prompt.TextPrompt(self.prompt)
 
     def to_sampling(self) -> prompt.SamplingRequest:
         # the legacy API's logprobs=N means "N alternatives per position"
@@ -684,17 +721,19 @@ class StreamFrames:
     def __init__(self, obj: Literal["chat.completion.chunk", "text_completion"], response_id: str, created: int,
                  model: str) -> None:
         head = _dumps({"id": response_id, "object": obj, "created": created, "model": model})
-        self._head = "data: " + head[:-1] + ',"choices":[{"index":0,'
+        self._head = "data: " + head[:-1] + ',"choices":[{"index":'
 
-    def chat(self, content: str | None, finish_reason: str | None = None, role: bool = False) -> str:
+    def chat(self, content: str | None, finish_reason: str | None = None, role: bool = False, index: int = 0) -> str:
         """``delta`` holds the role when ``role`` and the content unless it is None (the models' exclude_none)."""
         delta = '"role":"assistant"' if role else ""
         if content is not None:
             delta += ("," if role else "") + '"content":' + _dumps(content)
-        return self._head + '"delta":{' + delta + '},"logprobs":null,"finish_reason":' + _finish(finish_reason)
+        return (self._head + str(index) + ',"delta":{' + delta + '},"logprobs":null,"finish_reason":'
+                + _finish(finish_reason))
 
-    def completion(self, text: str, finish_reason: str | None = None) -> str:
-        return self._head + '"text":' + _dumps(text) + ',"logprobs":null,"finish_reason":' + _finish(finish_reason)
+    def completion(self, text: str, finish_reason: str | None = None, index: int = 0) -> str:
+        return (self._head + str(index) + ',"text":' + _dumps(text) + ',"logprobs":null,"finish_reason":'
+                + _finish(finish_reason))
 
 
 def _finish(reason: str | None) -> str:

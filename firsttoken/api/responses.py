@@ -19,11 +19,15 @@ from firsttoken.types import RequestOutput, TokenLogprob
 TokenPieceFn = Callable[[int], tuple[str, list[int]]]
 
 
-def usage_of(final: RequestOutput, timeline: Timeline) -> Usage:
+def usage_of(finals: Sequence[RequestOutput], timeline: Timeline, n: int = 1) -> Usage:
+    """A response's usage from its choices' last outputs (choice k answers prompt k // n): each prompt's tokens
+    once, every choice's output tokens; the timeline (and its cached tokens) is choice 0's."""
+    prompt_tokens = sum(f.num_prompt_tokens for f in finals[::n])
+    completion_tokens = sum(f.num_output_tokens for f in finals)
     return Usage(
-        prompt_tokens=final.num_prompt_tokens,
-        completion_tokens=final.num_output_tokens,
-        total_tokens=final.num_prompt_tokens + final.num_output_tokens,
+        prompt_tokens=prompt_tokens,
+        completion_tokens=completion_tokens,
+        total_tokens=prompt_tokens + completion_tokens,
         prompt_tokens_details=PromptTokensDetails(cached_tokens=timeline.num_cached_prompt_tokens),
         firsttoken=timeline.to_dict(),
     )

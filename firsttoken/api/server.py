@@ -23,14 +23,18 @@ import dataclasses
 import functools
 import time
 import uuid
+from dataclasses import replace
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Executor
 from contextlib import asynccontextmanager
 from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel
 
+from firsttoken import __version__
 from firsttoken.api.body import read_model
 from firsttoken.api.errors import (
     APIError,
@@ -63,6 +67,7 @@ from firsttoken.api.settings import ServedModel
 from firsttoken.api.tools import ToolOutput
 from firsttoken.api.streaming import (
     ClientDisconnected,
+    Collected,
     EngineStreamResponse,
     StreamContext,
     chat_sse,
@@ -111,7 +116,8 @@ def build_app(
         yield
         pools.shutdown()
 
-    app = FastAPI(title="firsttoken", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(title="firsttoken", version=__version__, lifespan=lifespan, redoc_url=None)
+    app.openapi = functools.partial(_openapi, app)  # type: ignore[method-assign]
     app.add_middleware(
         RequestContextMiddleware,
         max_body_bytes=server.max_request_bytes,
@@ -147,36 +153,48 @@ def build_app(
 
     async def start(
         req: ChatCompletionRequest | CompletionRequest, prefix: str
-    ) -> tuple[EngineRequest, StreamContext]:
-        """Common head of both generation routes; the caller owns the slot taken here once this returns."""
+    ) -> tuple[list[EngineRequest], list[int | None], StreamContext]:
+        """Common head of both generation routes: one engine request per choice (prompt k // n; a seed given is
+        the first choice's, seed + j the j-th's, as vLLM), each preprocessed and admitted here, and the choice each
+        waits for (streaming.fan_in). The caller owns the slot taken here once this returns."""
         timeline = Timeline(arrival_s=time.monotonic())
         check_model(req.model)
         check_alive()
         slots.take()
-        request_id = f"{prefix}-{uuid.uuid4().hex}"
+        response_id = f"{prefix}-{uuid.uuid4().hex}"
+        prompts, n, sampling = req.prompts(), req.n, req.to_sampling()
+        count = len(prompts) * n
+        ids = [response_id] if count == 1 else [f"{response_id}-{k}" for k in range(count)]
+        requests: list[EngineRequest] = []
         try:
-            engine_request = await off_loop(pools.for_request(req), processor.process, req.to_prompt(),
-                                            req.to_sampling(), request_id, timeline.arrival_s)
+            for k, request_id in enumerate(ids):
+                j = k % n
+                choice = sampling if j == 0 or sampling.seed is None else replace(sampling, seed=sampling.seed + j)
+                requests.append(await off_loop(pools.for_request(req), processor.process, prompts[k // n], choice,
+                                               request_id, timeline.arrival_s))
         except BaseException:
             slots.give_back()
-            engine.release(request_id)  # its admission place, if preprocessing got that far
+            for request_id in ids[: len(requests) + 1]:
+                engine.release(request_id)  # its admission place, if preprocessing got that far
             raise
-        timeline.take_request(engine_request)
-        ctx = StreamContext(request_id, int(time.time()), model.name, req.include_usage, timeline)
-        return engine_request, ctx
+        timeline.take_request(requests[0])
+        ctx = StreamContext(response_id, int(time.time()), model.name, req.include_usage, timeline, n,
+                            req.continuous_usage)
+        return requests, [None if k % n == 0 else k - k % n for k in range(count)], ctx
 
     async def respond(
-        raw: Request, engine_request: EngineRequest, ctx: StreamContext, build: Callable[..., Response]
+        raw: Request, requests: list[EngineRequest], after: list[int | None], ctx: StreamContext,
+        build: Callable[[list[Collected]], Response],
     ) -> Response:
         try:
-            collected = await collect_outputs(engine, engine_request, functools.partial(_wait_disconnect, raw))
+            collected = await collect_outputs(engine, requests, functools.partial(_wait_disconnect, raw), after)
         except ClientDisconnected:
             return Response(status_code=CLIENT_CLOSED_REQUEST)
         except Exception as exc:
-            return error_response(*engine_failure(engine, engine_request, exc))
+            return error_response(*engine_failure(engine, requests[0], exc))
         finally:
             slots.give_back()
-        final = collected.final
+        final = collected[0].final
         if final.finish_reason is FinishReason.ERROR:
             return error_response(final.error_status, final.error or "the request failed")
         ctx.timeline.observe(final)
@@ -185,62 +203,64 @@ def build_app(
         done(ctx.response_id, ctx.timeline)
         return response
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", **_documented(ChatCompletionRequest, ChatCompletionResponse))
     async def chat_completions(raw: Request) -> Response:
         req = await read_model(raw, ChatCompletionRequest)
-        engine_request, ctx = await start(req, "chatcmpl")
-        tools = tool_output(req)
+        requests, after, ctx = await start(req, "chatcmpl")
         if req.stream:
-            return EngineStreamResponse(chat_sse(engine, engine_request, ctx, processor.token_piece, tools),
+            tools = functools.partial(tool_output, req) if req.tool_mode != "none" else None
+            return EngineStreamResponse(chat_sse(engine, requests, ctx, processor.token_piece, tools, after),
                                         closer(ctx))
 
-        def build(c: Any) -> Response:
+        def choice(index: int, c: Collected) -> ChatChoice:
+            tools = tool_output(req)
             reason = c.final.finish_reason.value if c.final.finish_reason else None
             content, calls = (c.text, []) if tools is None else tools.complete(c.text)
             message = AssistantMessage(content=content, tool_calls=[ToolCallOut(
                 id=call.id, function=FunctionCallOut(name=call.name, arguments=call.arguments)) for call in calls]
                 or None)
-            choice = ChatChoice(
-                message=message,
-                logprobs=chat_logprobs(c.logprobs, processor.token_piece),
-                finish_reason=tools.finish_reason(reason) if tools is not None else reason,
-            )
+            return ChatChoice(index=index, message=message, logprobs=chat_logprobs(c.logprobs, processor.token_piece),
+                              finish_reason=tools.finish_reason(reason) if tools is not None else reason)
+
+        def build(collected: list[Collected]) -> Response:
             body = ChatCompletionResponse(
                 id=ctx.response_id,
                 created=ctx.created,
                 model=ctx.model,
-                choices=[choice],
-                usage=usage_of(c.final, ctx.timeline),
+                choices=[choice(i, c) for i, c in enumerate(collected)],
+                usage=usage_of([c.final for c in collected], ctx.timeline, ctx.n),
             )
             return JSONResponse(body.model_dump())
 
-        return await respond(raw, engine_request, ctx, build)
+        return await respond(raw, requests, after, ctx, build)
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", **_documented(CompletionRequest, CompletionResponse))
     async def completions(raw: Request) -> Response:
         req = await read_model(raw, CompletionRequest)
-        engine_request, ctx = await start(req, "cmpl")
+        requests, after, ctx = await start(req, "cmpl")
         if req.stream:
-            return EngineStreamResponse(completion_sse(engine, engine_request, ctx, processor.token_piece), closer(ctx))
+            return EngineStreamResponse(completion_sse(engine, requests, ctx, processor.token_piece, after),
+                                        closer(ctx))
 
-        def build(c: Any) -> Response:
-            choice = CompletionChoice(
+        def build(collected: list[Collected]) -> Response:
+            choices = [CompletionChoice(
+                index=i,
                 text=c.text,
                 logprobs=completion_logprobs(c.logprobs, processor.token_piece, 0),
                 finish_reason=c.final.finish_reason.value if c.final.finish_reason else None,
-            )
+            ) for i, c in enumerate(collected)]
             body = CompletionResponse(
                 id=ctx.response_id,
                 created=ctx.created,
                 model=ctx.model,
-                choices=[choice],
-                usage=usage_of(c.final, ctx.timeline),
+                choices=choices,
+                usage=usage_of([c.final for c in collected], ctx.timeline, ctx.n),
             )
             return JSONResponse(body.model_dump())
 
-        return await respond(raw, engine_request, ctx, build)
+        return await respond(raw, requests, after, ctx, build)
 
-    @app.post("/tokenize")
+    @app.post("/tokenize", **_documented(TokenizeRequest))
     async def tokenize(raw: Request) -> TokenizeResponse:
         req = await read_model(raw, TokenizeRequest)
         check_model(req.model)
@@ -287,6 +307,33 @@ def build_app(
         return JSONResponse(dict(model.engine_config))
 
     return app
+
+
+_SCHEMAS = "#/components/schemas/"
+
+
+def _documented(request: type[BaseModel], response: type[BaseModel] | None = None) -> dict[str, Any]:
+    """A route that reads its body itself (read_model: limits and errors of its own) still publishes the body's and
+    the answer's schemas in /openapi.json (``_openapi`` adds the models to its components)."""
+    doc: dict[str, Any] = {"openapi_extra": {"requestBody": {"required": True, "content": {"application/json": {
+        "schema": {"$ref": _SCHEMAS + request.__name__}}}}}}
+    if response is not None:
+        doc["responses"] = {200: {"content": {"application/json": {"schema": {"$ref": _SCHEMAS + response.__name__}},
+                                              "text/event-stream": {}}}}
+    return doc
+
+
+def _openapi(app: FastAPI) -> dict[str, Any]:
+    if app.openapi_schema is None:
+        schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+        components = schema.setdefault("components", {}).setdefault("schemas", {})
+        for model in (ChatCompletionRequest, CompletionRequest, TokenizeRequest, ChatCompletionResponse,
+                      CompletionResponse):
+            body = model.model_json_schema(ref_template=_SCHEMAS + "{model}")
+            components.update(body.pop("$defs", {}))
+            components[model.__name__] = body
+        app.openapi_schema = schema
+    return app.openapi_schema
 
 
 def tool_output(req: ChatCompletionRequest) -> ToolOutput | None:

@@ -22,7 +22,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass
 
@@ -39,6 +39,7 @@ from firsttoken.api.protocol import (
     FunctionCallDelta,
     StreamFrames,
     ToolCallDelta,
+    Usage,
 )
 from firsttoken.api.tools import Piece, ToolOutput
 from firsttoken.api.responses import (
@@ -66,7 +67,9 @@ class StreamContext:
     created: int  # unix seconds, the same on every chunk
     model: str
     include_usage: bool
-    timeline: Timeline  # this request's, owned by the event loop: engine stamps arrive on each output
+    timeline: Timeline  # choice 0's, owned by the event loop: engine stamps arrive on each output
+    n: int = 1  # choices per prompt (choice k is prompt k // n): a prompt's tokens count once in the usage
+    continuous_usage: bool = False  # stream_options.continuous_usage_stats: every chunk carries its choice's usage
 
 class EngineStreamResponse(StreamingResponse):
     """A StreamingResponse that always closes its body generator (so its ``finally`` blocks run now, not at
@@ -115,6 +118,53 @@ async def _shielded(awaitable: Awaitable[None]) -> None:
         raise
 
 
+async def fan_in(engine: EngineClient, requests: Sequence[EngineRequest],
+                 after: Sequence[int | None] = ()) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """The outputs of a response's requests (its choices) as (index, output), each request's in order; ends once
+    all have finished. ``after[i]``: the choice whose first output request i waits for before it starts (an earlier
+    choice of the same prompt: by then that prompt's KV blocks are in the prefix cache and its images encoded, so
+    the prompt is prefilled once), or None. Leaving early aborts what still runs and releases what never started."""
+    if len(requests) == 1:
+        async with aclosing(stream_outputs(engine, requests[0])) as outputs:
+            async for out in outputs:
+                yield 0, out
+        return
+    queue: asyncio.Queue[tuple[int, RequestOutput | Exception]] = asyncio.Queue(maxsize=64 * len(requests))
+    started = [asyncio.Event() for _ in requests]
+
+    async def pump(i: int) -> None:
+        submitted = False
+        try:
+            first = after[i] if i < len(after) else None
+            if first is not None:
+                await started[first].wait()
+            submitted = True
+            async with aclosing(stream_outputs(engine, requests[i])) as outputs:
+                async for out in outputs:
+                    started[i].set()
+                    await queue.put((i, out))
+        except Exception as exc:  # (a refusal at admission: the response's error)
+            await queue.put((i, exc))
+        finally:
+            started[i].set()
+            if not submitted:
+                engine.release(requests[i].request_id)  # its admission place
+
+    tasks = [asyncio.ensure_future(pump(i)) for i in range(len(requests))]
+    try:
+        left = len(requests)
+        while left:
+            i, item = await queue.get()
+            if isinstance(item, Exception):
+                raise item
+            yield i, item
+            left -= item.finished
+    finally:
+        for task in tasks:
+            task.cancel()
+        await _shielded(asyncio.wait(tasks))
+
+
 @dataclass
 class Collected:
     text: str
@@ -127,20 +177,27 @@ class ClientDisconnected(Exception):
 
 
 async def collect_outputs(
-    engine: EngineClient, request: EngineRequest, wait_disconnect: Callable[[], Awaitable[None]]
-) -> Collected:
-    """Run a non-streaming request to the end, aborting it if the client disconnects first."""
+    engine: EngineClient, requests: Sequence[EngineRequest], wait_disconnect: Callable[[], Awaitable[None]],
+    after: Sequence[int | None] = (),
+) -> list[Collected]:
+    """Run a non-streaming response's requests to the end (``fan_in``), aborting them if the client disconnects
+    first. One failed request ends the response: the list is then that one alone."""
 
-    async def run() -> Collected:
-        parts: list[str] = []
-        logprobs: list[TokenLogprob] = []
-        async with aclosing(stream_outputs(engine, request)) as outputs:
-            async for out in outputs:
-                parts.append(out.new_text)
-                logprobs.extend(out.logprobs)
+    async def run() -> list[Collected]:
+        parts: list[list[str]] = [[] for _ in requests]
+        logprobs: list[list[TokenLogprob]] = [[] for _ in requests]
+        done: dict[int, Collected] = {}
+        async with aclosing(fan_in(engine, requests, after)) as outputs:
+            async for i, out in outputs:
+                parts[i].append(out.new_text)
+                logprobs[i].extend(out.logprobs)
                 if out.finished:
-                    return Collected("".join(parts), logprobs, out)
-        raise RuntimeError("engine stream ended without a finished output")
+                    done[i] = Collected("".join(parts[i]), logprobs[i], out)
+                    if out.finish_reason is FinishReason.ERROR:
+                        return [done[i]]
+        if len(done) < len(requests):
+            raise RuntimeError("engine stream ended without a finished output")
+        return [done[i] for i in range(len(requests))]
 
     generation = asyncio.ensure_future(run())
     watcher = asyncio.ensure_future(wait_disconnect())
@@ -149,7 +206,7 @@ async def collect_outputs(
     finally:
         watcher.cancel()
         if not generation.done():
-            generation.cancel()  # stream_outputs aborts the request in its finally
+            generation.cancel()  # stream_outputs aborts the requests in its finally
             await asyncio.wait({generation})
     if generation.cancelled():
         raise ClientDisconnected()
@@ -157,57 +214,71 @@ async def collect_outputs(
 
 
 async def chat_sse(
-    engine: EngineClient, request: EngineRequest, ctx: StreamContext, piece: TokenPieceFn,
-    tools: ToolOutput | None = None,
+    engine: EngineClient, requests: Sequence[EngineRequest], ctx: StreamContext, piece: TokenPieceFn,
+    tools: Callable[[], ToolOutput] | None = None, after: Sequence[int | None] = (),
 ) -> AsyncIterator[str]:
+    """``tools``: a fresh tool-call parser per choice (None: no tools)."""
     frames = StreamFrames("chat.completion.chunk", ctx.response_id, ctx.created, ctx.model)
+    parsers = [tools() for _ in requests] if tools is not None else None
+    finals: dict[int, RequestOutput] = {}
 
-    def chunk(out: RequestOutput, finish_reason: str | None) -> str:
+    def chunk(i: int, out: RequestOutput, delta: DeltaMessage, finish_reason: str | None) -> str:
+        choice = ChatChunkChoice(index=i, delta=delta, logprobs=chat_logprobs(out.logprobs, piece),
+                                 finish_reason=finish_reason)
+        return sse(ChatCompletionChunk(id=ctx.response_id, created=ctx.created, model=ctx.model, choices=[choice],
+                                       usage=running_usage(out) if ctx.continuous_usage else None).to_json())
+
+    def text_chunk(i: int, out: RequestOutput, finish_reason: str | None) -> str:
         content = out.new_text or None
-        if not out.logprobs:
-            return frames.chat(content, finish_reason)
-        logprobs = chat_logprobs(out.logprobs, piece)
-        choice = ChatChunkChoice(delta=DeltaMessage(content=content), logprobs=logprobs, finish_reason=finish_reason)
-        return sse(
-            ChatCompletionChunk(id=ctx.response_id, created=ctx.created, model=ctx.model, choices=[choice]).to_json()
-        )
+        if not out.logprobs and not ctx.continuous_usage:
+            return frames.chat(content, finish_reason, index=i)
+        return chunk(i, out, DeltaMessage(content=content), finish_reason)
 
-    def tool_chunks(out: RequestOutput, finish_reason: str | None) -> list[str]:
-        """The output's text through the tool-call parser: content deltas and tool-call deltas."""
-        assert tools is not None
-        pieces = tools.feed(out.new_text) + (tools.finish() if out.finished else [])
-        frames_out = [frames.chat(p.content) if p.content is not None else sse(ChatCompletionChunk(
-            id=ctx.response_id, created=ctx.created, model=ctx.model, choices=[ChatChunkChoice(delta=DeltaMessage(
-                tool_calls=[tool_delta(p)]))]).to_json()) for p in pieces]
+    def tool_chunks(i: int, out: RequestOutput, finish_reason: str | None) -> list[str]:
+        """The output's text through choice i's tool-call parser: content deltas and tool-call deltas."""
+        assert parsers is not None
+        parser = parsers[i]
+        pieces = parser.feed(out.new_text) + (parser.finish() if out.finished else [])
+        frames_out = [frames.chat(p.content, index=i) if p.content is not None else sse(ChatCompletionChunk(
+            id=ctx.response_id, created=ctx.created, model=ctx.model, choices=[ChatChunkChoice(
+                index=i, delta=DeltaMessage(tool_calls=[tool_delta(p)]))]).to_json()) for p in pieces]
         if finish_reason is not None:
-            frames_out.append(frames.chat(None, tools.finish_reason(finish_reason)))
+            frames_out.append(frames.chat(None, parser.finish_reason(finish_reason), index=i))
         return frames_out
 
-    yield frames.chat("", role=True)
-    async with aclosing(_guarded(engine, request)) as outputs:
-        async for out in outputs:
-            if isinstance(out, str):  # an error event
-                yield out
+    for i in range(len(requests)):
+        yield frames.chat("", role=True, index=i)
+    async with aclosing(_guarded(engine, requests, after)) as outputs:
+        async for item in outputs:
+            if isinstance(item, str):  # an error event
+                yield item
                 yield DONE
                 return
+            i, out = item
             finish = out.finish_reason.value if out.finished and out.finish_reason else None
-            ctx.timeline.observe(out)
-            if tools is not None:
-                for frame in tool_chunks(out, finish):
+            if i == 0:
+                ctx.timeline.observe(out)
+            if parsers is not None:
+                for frame in tool_chunks(i, out, finish):
                     yield frame
                     ctx.timeline.mark_first_byte()
             elif out.new_text or out.logprobs or finish:
-                yield chunk(out, finish)
-                if out.new_text:
+                yield text_chunk(i, out, finish)
+                if out.new_text and i == 0:
                     ctx.timeline.mark_first_byte()  # resumed: the chunk has been handed to the transport
-            if out.finished and ctx.include_usage:
-                usage = usage_of(out, ctx.timeline)
-                yield sse(
-                    ChatCompletionChunk(
-                        id=ctx.response_id, created=ctx.created, model=ctx.model, choices=[], usage=usage
-                    ).to_json()
-                )
+            if out.finished:
+                finals[i] = out
+    if ctx.include_usage:
+        usage = usage_of([finals[i] for i in range(len(requests))], ctx.timeline, ctx.n)
+        yield sse(ChatCompletionChunk(id=ctx.response_id, created=ctx.created, model=ctx.model, choices=[],
+                                      usage=usage).to_json())
     yield DONE
+
+
+def running_usage(out: RequestOutput) -> Usage:
+    """A choice's usage so far (stream_options.continuous_usage_stats, as vLLM)."""
+    return Usage(prompt_tokens=out.num_prompt_tokens, completion_tokens=out.num_output_tokens,
+                 total_tokens=out.num_prompt_tokens + out.num_output_tokens)
 
 
 def tool_delta(p: Piece) -> ToolCallDelta:
@@ -217,50 +288,56 @@ def tool_delta(p: Piece) -> ToolCallDelta:
 
 
 async def completion_sse(
-    engine: EngineClient, request: EngineRequest, ctx: StreamContext, piece: TokenPieceFn
+    engine: EngineClient, requests: Sequence[EngineRequest], ctx: StreamContext, piece: TokenPieceFn,
+    after: Sequence[int | None] = (),
 ) -> AsyncIterator[str]:
-    text_len = 0
+    text_len = [0] * len(requests)
+    finals: dict[int, RequestOutput] = {}
     frames = StreamFrames("text_completion", ctx.response_id, ctx.created, ctx.model)
-    async with aclosing(_guarded(engine, request)) as outputs:
-        async for out in outputs:
-            if isinstance(out, str):
-                yield out
+    async with aclosing(_guarded(engine, requests, after)) as outputs:
+        async for item in outputs:
+            if isinstance(item, str):
+                yield item
                 yield DONE
                 return
-            ctx.timeline.observe(out)
+            i, out = item
+            if i == 0:
+                ctx.timeline.observe(out)
             finish = out.finish_reason.value if out.finished and out.finish_reason else None
             if out.new_text or out.logprobs or finish:
-                if out.logprobs:
-                    choice = CompletionChoice(text=out.new_text, finish_reason=finish,
-                                              logprobs=completion_logprobs(out.logprobs, piece, text_len))
+                if out.logprobs or ctx.continuous_usage:
+                    choice = CompletionChoice(index=i, text=out.new_text, finish_reason=finish,
+                                              logprobs=completion_logprobs(out.logprobs, piece, text_len[i]))
                     body = CompletionResponse(id=ctx.response_id, created=ctx.created, model=ctx.model,
-                                              choices=[choice])
+                                              choices=[choice], usage=running_usage(out) if ctx.continuous_usage
+                                              else None)
                     yield sse(body.to_json())
                 else:
-                    yield frames.completion(out.new_text, finish)
-                text_len += len(out.new_text)
-                if out.new_text:
+                    yield frames.completion(out.new_text, finish, index=i)
+                text_len[i] += len(out.new_text)
+                if out.new_text and i == 0:
                     ctx.timeline.mark_first_byte()
-            if out.finished and ctx.include_usage:
-                usage = usage_of(out, ctx.timeline)
-                body = CompletionResponse(
-                    id=ctx.response_id, created=ctx.created, model=ctx.model, choices=[], usage=usage
-                )
-                yield sse(body.to_json())
+            if out.finished:
+                finals[i] = out
+    if ctx.include_usage:
+        usage = usage_of([finals[i] for i in range(len(requests))], ctx.timeline, ctx.n)
+        body = CompletionResponse(id=ctx.response_id, created=ctx.created, model=ctx.model, choices=[], usage=usage)
+        yield sse(body.to_json())
     yield DONE
 
 
-async def _guarded(engine: EngineClient, request: EngineRequest) -> AsyncIterator[RequestOutput | str]:
+async def _guarded(engine: EngineClient, requests: Sequence[EngineRequest],
+                   after: Sequence[int | None]) -> AsyncIterator[tuple[int, RequestOutput] | str]:
     """Outputs, with an engine failure turned into one SSE error event (str) instead of a broken stream."""
     try:
-        async with aclosing(stream_outputs(engine, request)) as outputs:
-            async for out in outputs:
+        async with aclosing(fan_in(engine, requests, after)) as outputs:
+            async for i, out in outputs:
                 if out.finish_reason is FinishReason.ERROR:
                     yield sse(json.dumps(error_body(out.error_status, out.error or "the request failed")))
                     return
-                yield out
+                yield i, out
     except Exception as exc:
-        yield sse(json.dumps(error_body(*engine_failure(engine, request, exc))))
+        yield sse(json.dumps(error_body(*engine_failure(engine, requests[0], exc))))
 
 
 def engine_failure(engine: EngineClient, request: EngineRequest, exc: Exception) -> tuple[int, str]:

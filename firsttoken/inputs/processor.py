@@ -57,6 +57,7 @@ from firsttoken.inputs.prompt import (
     Prompt,
     SamplingRequest,
     TextPrompt,
+    TokenPrompt,
 )
 from firsttoken.inputs.text_size import longest_token_chars, measure_text
 from firsttoken.inputs.tools import function_json, hermes_messages, template_messages
@@ -286,7 +287,23 @@ class InputProcessor:
     def _prompt_ids(self, prompt: Prompt) -> _Prompt:
         if isinstance(prompt, TextPrompt):
             return _Prompt(self.encode_prompt(prompt.text), (), (), ())
+        if isinstance(prompt, TokenPrompt):
+            return _Prompt(self._checked_ids(prompt), (), (), ())
         return self._chat_prompt(prompt)
+
+    def _checked_ids(self, prompt: TokenPrompt) -> tuple[int, ...]:
+        config = self.model_config
+        vision = {config.image_token_id: "image placeholder", config.video_token_id: "video placeholder",
+                  config.vision_start_token_id: "vision start", config.vision_end_token_id: "vision end"}
+        for i, t in enumerate(prompt.token_ids):
+            if not 0 <= t < config.vocab_size:
+                raise InputError(f"token id {t} at {i} is outside this model's vocabulary (0 to "
+                                 f"{config.vocab_size - 1})", prompt.param)
+            if t in vision:
+                raise InputError(f"token id {t} at {i} is the checkpoint's {vision[t]} token; a prompt of token ids "
+                                 "carries no images (send images as image_url parts to /v1/chat/completions)",
+                                 prompt.param)
+        return prompt.token_ids
 
     def _chat_prompt(self, prompt: ChatPrompt) -> _Prompt:
         image_parts = [

@@ -86,16 +86,24 @@ class TextPrompt:
     """A raw completion prompt: chat control tokens are honoured, image slots never."""
 
     text: str
-
-    @property
-    def param(self) -> str:
-        return "prompt"
+    param: str = "prompt"  # the field it came from (``prompt[2]`` in a list of prompts)
 
     def texts(self) -> list[str]:
         return [self.text]
 
 
-Prompt = ChatPrompt | TextPrompt
+@dataclass(frozen=True)
+class TokenPrompt:
+    """A completion prompt given as token ids, used as they are (no vision placeholders: images come in chat)."""
+
+    token_ids: tuple[int, ...]
+    param: str = "prompt"
+
+    def texts(self) -> list[str]:
+        return []
+
+
+Prompt = ChatPrompt | TextPrompt | TokenPrompt
 
 
 @dataclass(frozen=True)

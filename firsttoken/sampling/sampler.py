@@ -186,7 +186,8 @@ class Sampler:
             top: tuple[tuple[int, float], ...] = ()
             if r.params.top_logprobs:
                 vals, idx = torch.topk(logp[i], min(r.params.top_logprobs, logp.shape[-1]))
-                top = tuple(zip(idx.tolist(), vals.tolist()))
+                # a token an output constraint masked (-inf) is no alternative, and JSON has no -inf
+                top = tuple((t, v) for t, v in zip(idx.tolist(), vals.tolist()) if v != -math.inf)
             out.append(TokenLogprob(token_ids[i], float(logp[i, token_ids[i]]), top))
         return out
 

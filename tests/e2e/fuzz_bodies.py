@@ -46,6 +46,8 @@ MAX_PIXELS = 112 * 112
 MAX_IMAGES = 3
 IMAGE_MAX_TOKENS = 1280  # the server's default cap of visual tokens per image
 VOCAB = 16064  # the tiny checkpoint's vocab_size
+MAX_CHOICES = 128  # prompts x n one request may ask for
+VISION_IDS = frozenset({16009, 16010, 16012, 16013})  # vision start/end, image and video pads: not in token prompts
 EOS_ID = 16002
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 SURROGATE = "\ud800"  # valid JSON as "\\ud800", not valid Unicode
@@ -150,7 +152,37 @@ def stop_token_ids_rule(v: Any) -> V:
 
 
 def n_rule(v: Any) -> V:
-    return V.OK if v is None or (v == 1 and type(v) is int) else V.MAYBE if v == 1 else V.BAD
+    return int_in(1, MAX_CHOICES)(v)
+
+
+def num_choices(route: str, body: dict) -> int:
+    """Choices a 2xx answer holds: n per prompt (completions take a list of prompts)."""
+    n = body.get("n")
+    n = int(n) if isinstance(n, (int, float)) and not isinstance(n, bool) else 1
+    prompt = body.get("prompt") if route == COMPLETIONS else None
+    many = isinstance(prompt, list) and prompt and not all(isinstance(t, int) for t in prompt)
+    return n * (len(prompt) if many else 1)
+
+
+def completion_prompt_rule(v: Any) -> V:
+    """A string, a list of strings, a list of token ids or a list of token-id lists (none empty)."""
+    if isinstance(v, str):
+        return V.BAD if v == "" else text_rule(v)  # an empty prompt could never sample
+    if not isinstance(v, list) or not v:
+        return V.BAD
+    if all(isinstance(t, str) for t in v):
+        return max(completion_prompt_rule(t) for t in v)
+    if all(isinstance(t, list) for t in v):
+        return max((token_ids_rule(ids) for ids in v), default=V.BAD)
+    return token_ids_rule(v)
+
+
+def token_ids_rule(v: Any) -> V:
+    if not isinstance(v, list) or not v:
+        return V.BAD
+    verdicts = [V.MAYBE if isinstance(t, (bool, float)) and t == int(t) else
+                V.BAD if not isinstance(t, int) or t in VISION_IDS else int_in(0, VOCAB - 1)(t) for t in v]
+    return max(verdicts)
 
 
 def stream_options_rule(v: Any) -> V:
@@ -158,7 +190,8 @@ def stream_options_rule(v: Any) -> V:
         return V.OK
     if not isinstance(v, dict):
         return V.BAD
-    return boolean(nullable=False)(v["include_usage"]) if "include_usage" in v else V.OK
+    return max([boolean(nullable=False)(v[k]) for k in ("include_usage", "continuous_usage_stats") if k in v],
+               default=V.OK)
 
 
 @dataclass(frozen=True)
@@ -326,7 +359,7 @@ SAMPLING_SPECS: dict[str, Spec] = {
     "presence_penalty": number_spec(-2.0, 2.0),
     "frequency_penalty": number_spec(-2.0, 2.0),
     "repetition_penalty": number_spec(0.0, 10.0, lo_open=True, extra=(1, -1)),
-    "n": Spec(n_rule, st.sampled_from([1, None]), (0, 2, -1, 4, 1.0, True, 10**30)),
+    "n": Spec(n_rule, st.sampled_from([1, None, 1, 2]), (0, 2, -1, 4, 1.0, True, 10**30, MAX_CHOICES + 1)),
     "ignore_eos": Spec(boolean(nullable=False), st.booleans(), (None, "yes", 2, "maybe")),
 }
 CHAT_SPECS: dict[str, Spec] = {
@@ -567,7 +600,9 @@ def completion_bodies(draw: st.DrawFn) -> dict | bytes:
     raw = raw_sometimes(draw)
     if raw is not None:
         return raw
-    body = {"model": MODEL, "prompt": draw(texts().filter(bool)),
+    prompt = draw(st.one_of(texts().filter(bool), st.lists(texts().filter(bool), min_size=1, max_size=2),
+                            st.lists(st.integers(0, 16000), min_size=1, max_size=8)))
+    body = {"model": MODEL, "prompt": prompt,
             **draw(valid_fields(COMPLETION_SCHEMA, COMPLETION_SPECS, frozenset({"model", "prompt"})))}
     return draw(mutated(with_extras(draw, short_answer(draw, body)), COMPLETION_SCHEMA, COMPLETION_SPECS,
                         generation=True))
@@ -723,9 +758,9 @@ def judge(route: str, body: dict | bytes, prompt_tokens: int | None) -> Expect:
         expect.add("messages", messages_verdict(body["messages"], decoded=generation))
     if "prompt" in body and not (route == TOKENIZE and body["prompt"] is None):
         prompt = body["prompt"]
-        verdict = text_rule(prompt)
-        if route == COMPLETIONS and prompt == "":
-            verdict = V.BAD  # an empty prompt could never sample
+        verdict = completion_prompt_rule(prompt) if route == COMPLETIONS else text_rule(prompt)
+        if route == COMPLETIONS and verdict != V.BAD and num_choices(route, body) > MAX_CHOICES:
+            verdict = V.BAD
         if route == TOKENIZE and isinstance(prompt, str) and prompt in TEXTS:
             verdict = V.MAYBE  # /tokenize counts up to the whole context, not the prompt limit
         expect.add("prompt", verdict)

@@ -48,6 +48,7 @@ from tests.e2e.fuzz_bodies import (
     MAX_MODEL_LEN,
     MAX_PIXELS,
     MODEL,
+    num_choices,
     TOKENIZE,
     TOKENIZE_SCHEMA,
     TOKENIZE_SPECS,
@@ -247,17 +248,20 @@ def check_timings(ex: Exchange, usage: dict) -> None:
         ex.check(ttft <= e2e, f"usage.firsttoken.ttft_s {ttft} > e2e_s {e2e}")
 
 
-def check_generation(ex: Exchange, body: dict, room: int | None, usage: dict, finish: str | None,
+def check_generation(ex: Exchange, body: dict, room: int | None, usage: dict, finishes: list[str | None],
                      logprobs_seen: int | None) -> None:
-    """What any 2xx generation must show: counts within the request's limits, the stop rule kept."""
+    """What any 2xx generation must show: counts within the request's limits (per choice), the stop rule kept."""
     check_timings(ex, usage)
-    ex.check(finish in ("stop", "length"), f"finish_reason {finish!r}")
+    choices = num_choices(ex.route, body)
+    ex.check(len(finishes) == choices, f"{len(finishes)} finish reasons for {choices} choices")
+    ex.check(all(f in ("stop", "length") for f in finishes), f"finish_reasons {finishes!r}")
     limit = body.get("max_completion_tokens") or body.get("max_tokens") or room
     if isinstance(limit, int) and limit > 0:
-        ex.check(usage["completion_tokens"] <= limit, f"{usage['completion_tokens']} tokens over the limit {limit}")
+        ex.check(usage["completion_tokens"] <= limit * choices,
+                 f"{usage['completion_tokens']} tokens over the limit {limit} x {choices} choices")
         stops = body.get("stop") or body.get("stop_token_ids")
         if lax_true(body.get("ignore_eos")) and not stops:
-            ex.check(finish == "length" and usage["completion_tokens"] == limit,
+            ex.check(set(finishes) == {"length"} and usage["completion_tokens"] == limit * choices,
                      "ignore_eos without stops ended before its max_tokens")
     if room is not None:
         ex.check(usage["prompt_tokens"] == MAX_MODEL_LEN - room, "prompt_tokens differ from /tokenize's count")
@@ -279,15 +283,16 @@ def wants_logprobs(route: str, body: dict) -> bool:
 def check_plain(ex: Exchange, body: dict, room: int | None) -> None:
     payload = ex.response.json()
     ex.check(payload.get("object") == ("chat.completion" if ex.route == CHAT else "text_completion"), "wrong object")
-    ex.check(len(payload["choices"]) == 1, "not exactly one choice")
-    choice = payload["choices"][0]
-    text = choice["message"]["content"] if ex.route == CHAT else choice["text"]
-    ex.check(isinstance(text, str), "no text")
-    logprobs = None
-    if wants_logprobs(ex.route, body):
-        lp = choice.get("logprobs") or {}
-        logprobs = len(lp.get("content") or []) if ex.route == CHAT else len(lp.get("tokens") or [])
-    check_generation(ex, body, room, payload["usage"], choice["finish_reason"], logprobs)
+    choices = payload["choices"]
+    ex.check([c["index"] for c in choices] == list(range(num_choices(ex.route, body))), "choices' indexes")
+    logprobs = 0 if wants_logprobs(ex.route, body) else None
+    for choice in choices:
+        text = choice["message"]["content"] if ex.route == CHAT else choice["text"]
+        ex.check(isinstance(text, str), "no text")
+        if logprobs is not None:
+            lp = choice.get("logprobs") or {}
+            logprobs += len(lp.get("content") or []) if ex.route == CHAT else len(lp.get("tokens") or [])
+    check_generation(ex, body, room, payload["usage"], [c["finish_reason"] for c in choices], logprobs)
 
 
 def sse_events(ex: Exchange) -> list[dict]:
@@ -320,20 +325,32 @@ def check_stream(ex: Exchange, body: dict, room: int | None, expect: Expect) -> 
     ex.check(expect.may_succeed, "a body with a wrong field was streamed")
     obj = "chat.completion.chunk" if ex.route == CHAT else "text_completion"
     ex.check(all(c["object"] == obj for c in chunks) and len({c["id"] for c in chunks}) == 1, "mixed chunk heads")
-    usages = [c for c in chunks if "usage" in c]
-    include_usage = isinstance(body.get("stream_options"), dict) and lax_true(body["stream_options"].get("include_usage"))
+    options = body.get("stream_options") if isinstance(body.get("stream_options"), dict) else {}
+    include_usage = lax_true(options.get("include_usage"))
+    continuous = include_usage and lax_true(options.get("continuous_usage_stats"))
+    usages = [c for c in chunks if "usage" in c and not c["choices"]]
     ex.check(len(usages) == (1 if include_usage else 0), f"{len(usages)} usage chunks, include_usage={include_usage}")
-    finishes = [ch["finish_reason"] for c in chunks for ch in c["choices"] if ch.get("finish_reason")]
-    ex.check(len(finishes) == 1, f"finish_reason sent {len(finishes)} times")
+    running = [c for c in chunks if "usage" in c and c["choices"]]
+    ex.check(continuous or not running, "usage on token chunks without continuous_usage_stats")
+    ex.check(all(c["usage"]["completion_tokens"] >= 0 for c in running), "a running usage is negative")
+    count = num_choices(ex.route, body)
+    finishes = {}
+    for c in chunks:
+        for ch in c["choices"]:
+            if ch.get("finish_reason"):
+                ex.check(ch["index"] not in finishes, f"choice {ch['index']}'s finish_reason sent twice")
+                finishes[ch["index"]] = ch["finish_reason"]
+    ex.check(sorted(finishes) == list(range(count)), f"finish reasons for choices {sorted(finishes)} of {count}")
     if ex.route == CHAT:
-        ex.check(chunks[0]["choices"][0]["delta"].get("role") == "assistant", "first chunk carries no role")
+        roles = [ch["index"] for c in chunks[:count] for ch in c["choices"] if ch["delta"].get("role") == "assistant"]
+        ex.check(roles == list(range(count)), "the first chunks do not carry each choice's role")
     if usages:
         ex.check(usages[0] is chunks[-1] and usages[0]["choices"] == [], "usage chunk is not last, or has choices")
         logprobs = None
         if wants_logprobs(ex.route, body):
             logprobs = sum(len((ch.get("logprobs") or {}).get("content" if ex.route == CHAT else "tokens") or [])
                            for c in chunks for ch in c["choices"])
-        check_generation(ex, body, room, usages[0]["usage"], finishes[0], logprobs)
+        check_generation(ex, body, room, usages[0]["usage"], [finishes[i] for i in sorted(finishes)], logprobs)
 
 
 def check_tokenize(ex: Exchange, body: dict) -> None:

@@ -91,6 +91,13 @@ class BadInput:
     param: str | None = None  # when set: the error's param must be this
 
 
+def nested_schema(depth: int) -> dict:
+    schema: dict = {"type": "string"}
+    for _ in range(depth):
+        schema = {"type": "object", "properties": {"a": schema}, "required": ["a"]}
+    return schema
+
+
 def chat(*parts: dict, text: str = "Describe.") -> dict:
     return {"messages": [{"role": "user", "content": [*parts, {"type": "text", "text": text}]}]}
 
@@ -128,6 +135,18 @@ CORPUS: tuple[BadInput, ...] = (
     BadInput("completions prompt empty", 400, lambda e: {"prompt": ""}, path=COMPLETIONS),
     BadInput("completions prompt empty, stream: true", 400, lambda e: {"prompt": "", "stream": True},
              path=COMPLETIONS),
+    BadInput("completions prompt an empty list", 400, lambda e: {"prompt": []}, path=COMPLETIONS, param="prompt"),
+    BadInput("completions prompts, the second empty", 400, lambda e: {"prompt": ["Hello", ""]}, path=COMPLETIONS),
+    BadInput("completions token ids, one outside the vocabulary", 400, lambda e: {"prompt": [1, 2, 10**9]},
+             path=COMPLETIONS, param="prompt"),
+    BadInput("completions token ids holding the image placeholder", 400, lambda e: {"prompt": [1, 16012, 2]},
+             path=COMPLETIONS, param="prompt"),
+    BadInput("completions token-id lists, the second empty", 400, lambda e: {"prompt": [[1, 2], []]},
+             path=COMPLETIONS, param="prompt"),
+    BadInput("completions 65 prompts x n = 2 (over 128 choices)", 400, lambda e: {"prompt": ["hi"] * 65, "n": 2},
+             path=COMPLETIONS, param="prompt"),
+    BadInput("completions prompts of strings and token ids mixed", 400, lambda e: {"prompt": ["hi", 7]},
+             path=COMPLETIONS, param="prompt[1]"),
     BadInput("message content is a number", 400, lambda e: {"messages": [{"role": "user", "content": 42}]}),
     BadInput("unknown role", 400, lambda e: {"messages": [{"role": "root", "content": "hi"}]}),
     BadInput("unknown content part type", 400,
@@ -140,7 +159,7 @@ CORPUS: tuple[BadInput, ...] = (
     BadInput("temperature = 1e9", 400, lambda e: text_chat(temperature=1e9)),
     BadInput("top_p = 0", 400, lambda e: text_chat(top_p=0)),
     BadInput("top_p = 1.5", 400, lambda e: text_chat(top_p=1.5)),
-    BadInput("n = 4", 400, lambda e: text_chat(n=4)),
+    BadInput("n = 129 (over the 128 choices a request may ask for)", 400, lambda e: text_chat(n=129), param="n"),
     BadInput("invalid base64", 400, lambda e: chat(image("data:image/png;base64,!!not*base64??"))),
     BadInput("the second of two images truncated", 400,
              lambda e: chat(image(data_url(png_bytes(32, 32))), image(data_url(png_bytes(200, 150)[:900]))),
@@ -241,6 +260,18 @@ CORPUS: tuple[BadInput, ...] = (
     BadInput("`response_format` of an unknown type", 400, lambda e: text_chat(response_format={"type": "xml"})),
     BadInput("`response_format` json_schema that cannot compile", 400, lambda e: text_chat(
         response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "strnig"}}})),
+    BadInput("`response_format` strict schema with a keyword it cannot enforce (uniqueItems)", 400,
+             lambda e: text_chat(response_format={"type": "json_schema", "json_schema": {
+                 "name": "x", "strict": True, "schema": {"type": "array", "uniqueItems": True}}}),
+             param="response_format"),
+    BadInput("`response_format` schema nested 300 objects deep (the body's nesting bound comes first)", 400,
+             lambda e: text_chat(response_format={"type": "json_schema", "json_schema": {
+                 "name": "x", "schema": nested_schema(300)}})),
+    BadInput("`response_format` schema over 1 MiB (the compile bound)", 400, lambda e: text_chat(response_format={
+        "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "string", "enum": [
+            f"value-{i:07d}" for i in range(80_000)]}}}), server="default", param="response_format"),
+    BadInput("`guided_regex` with a look-ahead", 400, lambda e: text_chat(guided_regex="(?=a)a+"),
+             param="guided_regex"),
     BadInput("`guided_regex` (vLLM) that cannot compile", 400, lambda e: text_chat(guided_regex="[a-")),
     BadInput("`modalities` with audio", 400, lambda e: text_chat(modalities=["text", "audio"])),
     BadInput("harmless extras (user, metadata, store, service_tier, text format, empty tools ...)", 200,

@@ -427,7 +427,7 @@ def test_malformed_json_is_400_not_422(processor: InputProcessor) -> None:
             {"model": MODEL, "messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]},
             "messages[0].content[0].text",
         ),
-        ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "n": 2}, "n"),
+        ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "n": 0}, "n"),
         ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "temperature": 9}, "temperature"),
         ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 99999}, "max_tokens"),
     ],

@@ -194,3 +194,13 @@ def test_greedy_rows_with_a_repetition_penalty_skip_it_when_their_maximum_is_uns
     assert sampler.sample(logits, rows).token_ids == expected
     assert penalised_rows == seen_top and {1, 3, 5, 7} <= set(seen_top) and len(seen_top) < 8  # the others skipped
     assert Sampler(0, kernels=False).sample(logits, rows).token_ids == expected  # no kernel: the whole way, same
+
+
+def test_top_logprobs_leave_out_tokens_an_output_constraint_masked():
+    # the runner masks what a grammar refuses to -inf before sampling; those are no alternatives (and JSON has no
+    # -inf): found by the API fuzz (guided_regex "0" with top_logprobs 2 answered a 500)
+    logits = torch.full((1, 8), -torch.inf)
+    logits[0, 3] = 1.0
+    result = Sampler().sample(logits, [row(logprobs=True, top_logprobs=2)])
+    assert result.token_ids == [3]
+    assert result.logprobs[0].logprob == 0.0 and result.logprobs[0].top == ((3, 0.0),)
