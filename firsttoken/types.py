@@ -21,6 +21,7 @@ SAMPLING_EPS = 1e-5  # a temperature below this samples greedily (as vLLM); divi
 MAX_STOP_STRINGS = 32  # OpenAI allows 4; generous, and stop matching costs O(new text) however many (stop_strings.py)
 MAX_STOP_STRING_CHARS = 256  # each; text held back waiting for a possible stop is shorter than this
 MAX_TOP_LOGPROBS = 20  # alternatives per position, as OpenAI
+MAX_LOGIT_BIAS = 1024  # token ids one request may bias
 SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1  # int64, as vLLM; torch's generator refuses 2**64 and above
 
 
@@ -48,6 +49,7 @@ class SamplingParams:
     logprobs: bool = False
     top_logprobs: int = 0  # alternatives per position, 0..20
     grammar: OutputGrammar | None = None  # the answer's tokens are masked to what it allows, step by step
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit before sampling), -100..100
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -64,6 +66,10 @@ class SamplingParams:
             raise ValueError("frequency_penalty must be between -2 and 2")
         if not 0.0 < self.repetition_penalty <= 10.0:
             raise ValueError("repetition_penalty must be in (0, 10]")
+        if len(self.logit_bias) > MAX_LOGIT_BIAS:
+            raise ValueError(f"logit_bias may hold at most {MAX_LOGIT_BIAS} token ids, got {len(self.logit_bias)}")
+        if any(not -100.0 <= b <= 100.0 for _, b in self.logit_bias):
+            raise ValueError("logit_bias values must be between -100 and 100")
         if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
             raise ValueError(f"top_logprobs must be between 0 and {MAX_TOP_LOGPROBS}")
         if self.seed is not None and not SEED_MIN <= self.seed <= SEED_MAX:

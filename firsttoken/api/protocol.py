@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import json
 import re
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -95,7 +96,6 @@ def _absent(value: Any) -> bool:
 UNSUPPORTED_FIELDS: dict[str, Unsupported] = {
     "functions": Unsupported(_absent, "function calling is not implemented"),
     "function_call": Unsupported(lambda v: _absent(v) or v in ("none", "auto"), "function calling is not implemented"),
-    "logit_bias": Unsupported(_absent, "logit biases are not implemented"),
     "audio": Unsupported(_absent, "audio output is not implemented"),
     "modalities": Unsupported(lambda v: _absent(v) or v == ["text"], "only text output is implemented"),
     "prediction": Unsupported(_absent, "predicted outputs are not implemented"),
@@ -281,6 +281,7 @@ class _SamplingFields(_Request):
     repetition_penalty: float | None = None
     n: Int64 | None = 1
     ignore_eos: bool = False
+    logit_bias: dict[Text, float] | None = None  # token id (as a string, as OpenAI) -> added to its logit, -100..100
     # what the answer must match (docs/structured_outputs.md): OpenAI's, vLLM's, and vLLM's older guided_* names
     response_format: dict[str, Any] | None = None
     structured_outputs: dict[str, Any] | None = None
@@ -329,6 +330,20 @@ class _SamplingFields(_Request):
             raise ValueError(f"n must be from 1 to {MAX_CHOICES}, got {n}")
         return n
 
+    @property
+    def _bias(self) -> tuple[tuple[int, float], ...]:
+        return tuple((int(k), float(v)) for k, v in (self.logit_bias or {}).items())
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _token_id_keys(cls, bias: dict[str, float] | None) -> dict[str, float] | None:
+        for key, value in (bias or {}).items():
+            if not key.strip().lstrip("-").isdigit() or len(key) > 20:
+                raise ValueError(f"logit_bias keys are token ids; {quote(key[:40])} is not one")
+            if not math.isfinite(value) or not -100 <= value <= 100:
+                raise ValueError(f"logit_bias values must be between -100 and 100, got {value!r} for {key[:40]}")
+        return bias
+
     @field_validator("stop")
     @classmethod
     def _non_empty_stops(cls, stop: str | list[str] | None) -> str | list[str] | None:
@@ -370,6 +385,7 @@ class _SamplingFields(_Request):
             logprobs=logprobs,
             top_logprobs=top_logprobs,
             structured=self._output_spec,
+            logit_bias=self._bias,
             names=(("max_tokens", field), ("top_logprobs", top_logprobs_name)),
         )
 

@@ -558,6 +558,7 @@ class InputProcessor:
             repetition_penalty=_or(req.repetition_penalty, d.repetition_penalty),
             logprobs=req.logprobs,
             top_logprobs=req.top_logprobs,
+            logit_bias=self._checked_bias(req.logit_bias),
         )
         try:
             return SamplingParams(**values)
@@ -570,6 +571,14 @@ class InputProcessor:
             value = values[name]
             got = f", got {quote(value)}" if isinstance(value, (int, float)) else ""  # numbers only, bounded
             raise InputError(f"{param}{message[len(name) :]}{got}", param) from None
+
+    def _checked_bias(self, bias: tuple[tuple[int, float], ...]) -> tuple[tuple[int, float], ...]:
+        vocab = self.model_config.vocab_size
+        for token_id, _ in bias:
+            if not 0 <= token_id < vocab:
+                raise InputError(f"logit_bias names token {token_id}, not a token id of this model (0 to {vocab - 1})",
+                                 "logit_bias")
+        return bias
 
     def _check_stop_token_ids(self, ids: Sequence[int]) -> None:
         if len(ids) > MAX_STOP_TOKEN_IDS:

@@ -126,6 +126,7 @@ class SamplingRequest:
     logprobs: bool = False
     top_logprobs: int = 0
     structured: GrammarSpec | None = None  # what the answer must match (response_format, structured_outputs)
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias)
     names: tuple[tuple[str, str], ...] = ()  # (SamplingParams field, client's field)
 
     def name(self, field: str) -> str:

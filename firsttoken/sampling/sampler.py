@@ -103,6 +103,12 @@ class Sampler:
         if any(r.params.has_penalties for i, r in enumerate(rows) if i not in done):
             logits = self._penalties(logits.clone(), rows, skip=done)
             _clamp_finite(logits)  # a tiny repetition penalty divides by ~0
+        biased = [i for i, r in enumerate(rows) if r.params.logit_bias]
+        if biased:  # after the penalties, as vLLM; the logprobs stay the model's (raw)
+            logits = logits.clone() if logits is raw else logits
+            for i in biased:
+                ids, bias = zip(*rows[i].params.logit_bias)
+                logits[i, list(ids)] += torch.tensor(bias, dtype=logits.dtype)
         greedy = [i for i, r in enumerate(rows) if r.params.is_greedy and i not in done]
         for i, token in zip(greedy, self._argmax(logits, greedy) if greedy else ()):
             token_ids[i] = token
@@ -133,7 +139,7 @@ class Sampler:
         for i, r in enumerate(rows):
             p = r.params
             if (r.history is None or not p.is_greedy or p.repetition_penalty <= 1.0 or p.presence_penalty
-                    or p.frequency_penalty):
+                    or p.frequency_penalty or p.logit_bias):
                 continue
             token = self._argmax(raw, [i])[0]
             if not r.history.has_seen(token):

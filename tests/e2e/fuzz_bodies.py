@@ -155,6 +155,22 @@ def n_rule(v: Any) -> V:
     return int_in(1, MAX_CHOICES)(v)
 
 
+def logit_bias_rule(v: Any) -> V:
+    if v is None:
+        return V.OK
+    if not isinstance(v, dict) or len(v) > 1024:
+        return V.BAD
+    verdicts = [V.OK]
+    for key, value in v.items():
+        if not (isinstance(key, str) and key.strip().isdigit() and int(key) < VOCAB):
+            verdicts.append(V.BAD)
+        elif isinstance(value, bool) or _numeric_string(value):
+            verdicts.append(V.MAYBE)
+        elif not isinstance(value, (int, float)) or not -100 <= value <= 100:
+            verdicts.append(V.BAD)
+    return max(verdicts)
+
+
 def num_choices(route: str, body: dict) -> int:
     """Choices a 2xx answer holds: n per prompt (completions take a list of prompts)."""
     n = body.get("n")
@@ -359,6 +375,9 @@ SAMPLING_SPECS: dict[str, Spec] = {
     "presence_penalty": number_spec(-2.0, 2.0),
     "frequency_penalty": number_spec(-2.0, 2.0),
     "repetition_penalty": number_spec(0.0, 10.0, lo_open=True, extra=(1, -1)),
+    "logit_bias": Spec(logit_bias_rule, st.one_of(st.none(), st.dictionaries(
+        st.integers(0, VOCAB - 1).map(str), st.floats(-100, 100), max_size=3)),
+        ({}, {"5": 100}, {"5": 100.5}, {"x": 1}, {str(VOCAB): 1}, {"-1": 1}, {"5": None}, [], "5")),
     "n": Spec(n_rule, st.sampled_from([1, None, 1, 2]), (0, 2, -1, 4, 1.0, True, 10**30, MAX_CHOICES + 1)),
     "ignore_eos": Spec(boolean(nullable=False), st.booleans(), (None, "yes", 2, "maybe")),
 }
@@ -382,7 +401,6 @@ TOKENIZE_SPECS: dict[str, Spec] = {
 # Fields this server refuses unless "off" (protocol.UNSUPPORTED_FIELDS), as (name, value, verdict on the generation
 # routes; /tokenize ignores them all). Verdicts are hand-written from docs/bad_inputs.md.
 UNSUPPORTED_EDGES: tuple[tuple[str, Any, V], ...] = (
-    ("logit_bias", {}, V.OK), ("logit_bias", None, V.OK), ("logit_bias", {"5": 1.0}, V.BAD),
     ("best_of", 1, V.OK), ("best_of", 3, V.BAD), ("echo", False, V.OK),
     ("echo", True, V.BAD), ("min_tokens", 0, V.OK), ("min_tokens", 4, V.BAD), ("min_p", 0, V.OK),
     ("min_p", 0.1, V.BAD), ("suffix", "", V.OK), ("suffix", "x", V.BAD), ("modalities", ["text"], V.OK),

@@ -215,7 +215,9 @@ CORPUS: tuple[BadInput, ...] = (
     BadInput("completions `logprobs` = 21", 400, lambda e: {"prompt": "Hello", "logprobs": 21}, path=COMPLETIONS),
     BadInput("65 stop_token_ids (limit 64)", 400, lambda e: text_chat(stop_token_ids=list(range(65)))),
     BadInput("stop_token_ids outside the vocabulary", 400, lambda e: text_chat(stop_token_ids=[5, 10**9])),
-    BadInput("non-empty logit_bias", 400, lambda e: text_chat(logit_bias={"50256": -100})),
+    BadInput("`logit_bias` for a token outside the vocabulary", 400, lambda e: text_chat(logit_bias={"50256": -100}),
+             param="logit_bias"),
+    BadInput("`logit_bias` of 101", 400, lambda e: text_chat(logit_bias={"5": 101}), param="logit_bias"),
     # strings that are not valid Unicode
     BadInput("lone surrogate in message content", 400, lambda e: text_chat(
         messages=[{"role": "user", "content": f"hi {SURROGATE}"}])),

@@ -128,3 +128,19 @@ def _walk(node):
     elif isinstance(node, list):
         for v in node:
             yield from _walk(v)
+
+
+def test_logit_bias_forces_and_bans_tokens(live_server) -> None:
+    client = live_server.client()
+    word = tokens_of(live_server, "the quick brown fox")[2]
+    forced = client.completions.create(model="tiny", prompt="Hello", max_tokens=4, temperature=1.0, seed=1,
+                                       logit_bias={str(word): 100}, logprobs=1)
+    free = client.completions.create(model="tiny", prompt="Hello", max_tokens=4, temperature=1.0, seed=1, logprobs=1)
+    tokens = forced.choices[0].logprobs.tokens
+    assert len(set(tokens)) == 1 and forced.choices[0].text == tokens[0] * 4
+    assert free.choices[0].logprobs.tokens != tokens
+    plain = client.completions.create(model="tiny", prompt="Hello", max_tokens=4, temperature=0.0, logprobs=1)
+    first = tokens_of(live_server, plain.choices[0].logprobs.tokens[0])
+    banned = client.completions.create(model="tiny", prompt="Hello", max_tokens=4, temperature=0.0, logprobs=1,
+                                       logit_bias={str(first[0]): -100})
+    assert banned.choices[0].logprobs.tokens[0] != plain.choices[0].logprobs.tokens[0]

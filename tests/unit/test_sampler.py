@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from firsttoken.sampling.sampler import Sampler, SampleRow, make_generator
@@ -204,3 +205,18 @@ def test_top_logprobs_leave_out_tokens_an_output_constraint_masked():
     result = Sampler().sample(logits, [row(logprobs=True, top_logprobs=2)])
     assert result.token_ids == [3]
     assert result.logprobs[0].logprob == 0.0 and result.logprobs[0].top == ((3, 0.0),)
+
+
+def test_logit_bias_moves_a_token_in_and_out_of_reach():
+    # +100 makes token 3 the greedy choice, -100 bans the argmax; the logprobs stay the model's own
+    forced = Sampler().sample(LOGITS, [row(temperature=0.0, logprobs=True, logit_bias=((3, 100.0),))])
+    assert forced.token_ids == [3]
+    assert forced.logprobs[0].logprob == pytest.approx(float(torch.log_softmax(LOGITS, -1)[0, 3]))
+    # (the second row's repetition penalty would otherwise take the unpenalised fast path to token 0)
+    banned = Sampler(0).sample(LOGITS.repeat(2, 1), [row(temperature=0.0, logit_bias=((0, -100.0),)),
+                                                     row(temperature=0.0, repetition_penalty=1.05, output=(1,),
+                                                         logit_bias=((0, -100.0),))])
+    assert banned.token_ids == [1, 1]
+    sampled = {Sampler(seed).sample(LOGITS, [row(temperature=1.0, logit_bias=((0, -100.0), (1, -100.0)))]).token_ids[0]
+               for seed in range(20)}
+    assert 0 not in sampled and 1 not in sampled
