@@ -144,6 +144,8 @@ class RunnerOutput:
     forward_done_s: float = 0.0  # monotonic time the forward pass finished (before sampling)
     sample_done_s: float = 0.0
     forward_s: float = 0.0  # seconds of the step's batched forward: packing its inputs, the model, logits, sampling
+    # request_id -> the logprobs of the prompt tokens its chunk scored (each position's next token), in order
+    prompt_logprobs: dict[str, tuple[TokenLogprob, ...]] = field(default_factory=dict)
 
     def merged(self, late: "RunnerOutput") -> "RunnerOutput":
         """This step's output with what its deferred encoder work (``Executor.finish_step``) reported after it."""

@@ -50,6 +50,7 @@ class SamplingParams:
     top_logprobs: int = 0  # alternatives per position, 0..20
     grammar: OutputGrammar | None = None  # the answer's tokens are masked to what it allows, step by step
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit before sampling), -100..100
+    prompt_logprobs: int | None = None  # each prompt token's logprob and this many alternatives (None: off)
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -70,6 +71,8 @@ class SamplingParams:
             raise ValueError(f"logit_bias may hold at most {MAX_LOGIT_BIAS} token ids, got {len(self.logit_bias)}")
         if any(not -100.0 <= b <= 100.0 for _, b in self.logit_bias):
             raise ValueError("logit_bias values must be between -100 and 100")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"prompt_logprobs must be between 0 and {MAX_TOP_LOGPROBS}")
         if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
             raise ValueError(f"top_logprobs must be between 0 and {MAX_TOP_LOGPROBS}")
         if self.seed is not None and not SEED_MIN <= self.seed <= SEED_MAX:
@@ -217,6 +220,8 @@ class RequestOutput:
     num_prompt_tokens: int
     num_output_tokens: int
     logprobs: tuple[TokenLogprob, ...] = ()
+    # on the first token's output, with SamplingParams.prompt_logprobs: prompt tokens 1.. (token 0 has none)
+    prompt_logprobs: tuple[TokenLogprob, ...] = ()
     stats: RequestStats = field(default_factory=lambda: RequestStats())  # what the engine did for it so far
     error: str | None = None  # set with FinishReason.ERROR: a user-safe message
     error_status: int = 500  # the HTTP status that error maps to (504 for a request timeout)

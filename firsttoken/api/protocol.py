@@ -102,7 +102,6 @@ UNSUPPORTED_FIELDS: dict[str, Unsupported] = {
     "web_search_options": Unsupported(_absent, "web search is not implemented"),
     "best_of": Unsupported(lambda v: v is None or v == 1, "best_of above 1 is not implemented"),
     "use_beam_search": Unsupported(_absent, "beam search is not implemented"),
-    "echo": Unsupported(_absent, "echoing the prompt is not implemented"),
     "suffix": Unsupported(_absent, "suffix (insertion) is not implemented"),
     "min_tokens": Unsupported(lambda v: v is None or v == 0, "min_tokens is not implemented"),
     "min_p": Unsupported(lambda v: v is None or v == 0, "min_p sampling is not implemented"),
@@ -462,6 +461,7 @@ class CompletionRequest(_SamplingFields):
     # one prompt or several, as text or token ids (OpenAI's four forms); each gets n choices, index prompt * n + j
     prompt: Text | list[Text] | list[Int64] | list[list[Int64]]
     logprobs: Int64 | None = None  # number of alternatives per position, as in OpenAI's legacy API
+    echo: bool = False  # the answer starts with the prompt; with logprobs, the prompt's tokens are scored too
 
     @field_validator("prompt")
     @classmethod
@@ -505,7 +505,10 @@ class CompletionRequest(_SamplingFields):
 
     def to_sampling(self) -> prompt.SamplingRequest:
         # the legacy API's logprobs=N means "N alternatives per position"
-        return self._sampling(self.requested_max_tokens, self.logprobs is not None, self.logprobs or 0, "logprobs")
+        sampling = self._sampling(self.requested_max_tokens, self.logprobs is not None, self.logprobs or 0, "logprobs")
+        if self.echo and self.logprobs is not None:
+            sampling = replace(sampling, prompt_logprobs=self.logprobs)
+        return sampling
 
 
 class TokenizeRequest(_Request):
@@ -653,8 +656,8 @@ class ChatCompletionChunk(_Response):
 
 class CompletionLogprobs(_Response):
     tokens: list[str]
-    token_logprobs: list[float]
-    top_logprobs: list[dict[str, float]] | None
+    token_logprobs: list[float | None]  # None: an echoed prompt's first token (nothing before it to predict it)
+    top_logprobs: list[dict[str, float] | None] | None
     text_offset: list[int]
 
 

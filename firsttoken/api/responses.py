@@ -45,17 +45,21 @@ def chat_logprobs(logprobs: Sequence[TokenLogprob], piece: TokenPieceFn) -> Choi
 
 
 def completion_logprobs(
-    logprobs: Sequence[TokenLogprob], piece: TokenPieceFn, text_offset: int
+    logprobs: Sequence[TokenLogprob | None], piece: TokenPieceFn, text_offset: int,
+    first_token: int | None = None,
 ) -> CompletionLogprobs | None:
-    """OpenAI's legacy shape; ``text_offset`` is where this delta's first token starts in the output text."""
-    if not logprobs:
+    """OpenAI's legacy shape; ``text_offset`` is where this delta's first token starts in the output text.
+    ``first_token``: an echoed prompt's first token, which leads with no logprob (``echoed`` builds the list)."""
+    if not logprobs and first_token is None:
         return None
     tokens, values, tops, offsets = [], [], [], []
-    for lp in logprobs:
-        token = piece(lp.token_id)[0]
+    entries: list[tuple[int, float | None, tuple]] = [] if first_token is None else [(first_token, None, ())]
+    entries += [(lp.token_id, lp.logprob, lp.top) for lp in logprobs if lp is not None]
+    for i, (token_id, value, top) in enumerate(entries):
+        token = piece(token_id)[0]
         tokens.append(token)
-        values.append(lp.logprob)
-        tops.append({piece(tid)[0]: v for tid, v in lp.top})
+        values.append(value)
+        tops.append(None if first_token is not None and i == 0 else {piece(tid)[0]: v for tid, v in top})
         offsets.append(text_offset)
         text_offset += len(token)
     return CompletionLogprobs(tokens=tokens, token_logprobs=values, top_logprobs=tops, text_offset=offsets)

@@ -68,6 +68,7 @@ from firsttoken.api.tools import ToolOutput
 from firsttoken.api.streaming import (
     ClientDisconnected,
     Collected,
+    Echo,
     EngineStreamResponse,
     StreamContext,
     chat_sse,
@@ -78,6 +79,7 @@ from firsttoken.api.streaming import (
 from firsttoken.config import ServerConfig
 from firsttoken.engine.client import EngineClient
 from firsttoken.inputs.processor import InputProcessor
+from firsttoken.inputs.prompt import TextPrompt
 from firsttoken.metrics.timeline import Timeline
 from firsttoken.types import EngineRequest, FinishReason
 
@@ -238,17 +240,26 @@ def build_app(
     async def completions(raw: Request) -> Response:
         req = await read_model(raw, CompletionRequest)
         requests, after, ctx = await start(req, "cmpl")
+        prompts = req.prompts()
+        echo = [Echo(p.text if isinstance(p, TextPrompt) else processor.decode(p.token_ids), r.prompt_token_ids)
+                for p, r in zip((prompts[k // req.n] for k in range(len(requests))), requests)] if req.echo else []
         if req.stream:
-            return EngineStreamResponse(completion_sse(engine, requests, ctx, processor.token_piece, after),
+            return EngineStreamResponse(completion_sse(engine, requests, ctx, processor.token_piece, after, echo),
                                         closer(ctx))
 
-        def build(collected: list[Collected]) -> Response:
-            choices = [CompletionChoice(
+        def choice(i: int, c: Collected) -> CompletionChoice:
+            lead = echo[i] if echo else None
+            scores = [*c.prompt_logprobs, *c.logprobs] if lead is not None and c.logprobs else c.logprobs
+            first = lead.token_ids[0] if lead is not None and c.logprobs else None
+            return CompletionChoice(
                 index=i,
-                text=c.text,
-                logprobs=completion_logprobs(c.logprobs, processor.token_piece, 0),
+                text=(lead.text if lead is not None else "") + c.text,
+                logprobs=completion_logprobs(scores, processor.token_piece, 0, first),
                 finish_reason=c.final.finish_reason.value if c.final.finish_reason else None,
-            ) for i, c in enumerate(collected)]
+            )
+
+        def build(collected: list[Collected]) -> Response:
+            choices = [choice(i, c) for i, c in enumerate(collected)]
             body = CompletionResponse(
                 id=ctx.response_id,
                 created=ctx.created,

@@ -170,6 +170,15 @@ class Collected:
     text: str
     logprobs: list[TokenLogprob]
     final: RequestOutput
+    prompt_logprobs: tuple[TokenLogprob, ...] = ()  # prompt tokens 1.. (with echo + logprobs)
+
+
+@dataclass(frozen=True)
+class Echo:
+    """An echoed prompt (completions' ``echo``): its text and token ids."""
+
+    text: str
+    token_ids: tuple[int, ...]
 
 
 class ClientDisconnected(Exception):
@@ -186,13 +195,15 @@ async def collect_outputs(
     async def run() -> list[Collected]:
         parts: list[list[str]] = [[] for _ in requests]
         logprobs: list[list[TokenLogprob]] = [[] for _ in requests]
+        scored: list[tuple[TokenLogprob, ...]] = [() for _ in requests]
         done: dict[int, Collected] = {}
         async with aclosing(fan_in(engine, requests, after)) as outputs:
             async for i, out in outputs:
                 parts[i].append(out.new_text)
                 logprobs[i].extend(out.logprobs)
+                scored[i] = out.prompt_logprobs or scored[i]
                 if out.finished:
-                    done[i] = Collected("".join(parts[i]), logprobs[i], out)
+                    done[i] = Collected("".join(parts[i]), logprobs[i], out, scored[i])
                     if out.finish_reason is FinishReason.ERROR:
                         return [done[i]]
         if len(done) < len(requests):
@@ -289,10 +300,12 @@ def tool_delta(p: Piece) -> ToolCallDelta:
 
 async def completion_sse(
     engine: EngineClient, requests: Sequence[EngineRequest], ctx: StreamContext, piece: TokenPieceFn,
-    after: Sequence[int | None] = (),
+    after: Sequence[int | None] = (), echo: Sequence[Echo] = (),
 ) -> AsyncIterator[str]:
+    """``echo`` (one per choice, or none): each choice's first chunk leads with its prompt (and its scores)."""
     text_len = [0] * len(requests)
     finals: dict[int, RequestOutput] = {}
+    echoed: set[int] = set()
     frames = StreamFrames("text_completion", ctx.response_id, ctx.created, ctx.model)
     async with aclosing(_guarded(engine, requests, after)) as outputs:
         async for item in outputs:
@@ -304,17 +317,26 @@ async def completion_sse(
             if i == 0:
                 ctx.timeline.observe(out)
             finish = out.finish_reason.value if out.finished and out.finish_reason else None
-            if out.new_text or out.logprobs or finish:
-                if out.logprobs or ctx.continuous_usage:
-                    choice = CompletionChoice(index=i, text=out.new_text, finish_reason=finish,
-                                              logprobs=completion_logprobs(out.logprobs, piece, text_len[i]))
+            lead: Echo | None = None
+            if echo and i not in echoed:
+                echoed.add(i)
+                lead = echo[i]
+            if out.new_text or out.logprobs or finish or lead is not None:
+                if out.logprobs or ctx.continuous_usage or lead is not None:
+                    scores = out.logprobs
+                    if lead is not None and out.logprobs:
+                        scores = (*out.prompt_logprobs, *out.logprobs)
+                    logprobs = completion_logprobs(scores, piece, text_len[i],
+                                                   lead.token_ids[0] if lead is not None and out.logprobs else None)
+                    text = (lead.text if lead is not None else "") + out.new_text
+                    choice = CompletionChoice(index=i, text=text, finish_reason=finish, logprobs=logprobs)
                     body = CompletionResponse(id=ctx.response_id, created=ctx.created, model=ctx.model,
                                               choices=[choice], usage=running_usage(out) if ctx.continuous_usage
                                               else None)
                     yield sse(body.to_json())
                 else:
                     yield frames.completion(out.new_text, finish, index=i)
-                text_len[i] += len(out.new_text)
+                text_len[i] += len(out.new_text) + (len(lead.text) if lead is not None else 0)
                 if out.new_text and i == 0:
                     ctx.timeline.mark_first_byte()
             if out.finished:

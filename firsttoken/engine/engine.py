@@ -38,6 +38,7 @@ from firsttoken.types import (
     FinishReason,
     PromptWork,
     RequestOutput,
+    TokenLogprob,
 )
 
 log = logging.getLogger("firsttoken.engine")
@@ -77,6 +78,7 @@ class LLMEngine:
         self.scheduler = self._new_scheduler()
         self.requests: dict[str, Request] = {}
         self._detok: dict[str, IncrementalDetokenizer] = {}
+        self._prompt_logprobs: dict[str, list[TokenLogprob]] = {}  # scored so far, until the first token's output
         self._arrivals = 0
         self.num_images_encoded = 0  # images the vision tower ran for (cache misses that were computed)
         self._busy_s = 0.0  # seconds spent inside step(), since start
@@ -266,6 +268,11 @@ class LLMEngine:
             if req is None or req.request_id in result.failed or req.request_id in result.skipped_request_ids:
                 continue
             self._note_timing(req, chunk, result, step_start, shared)
+            scored = result.prompt_logprobs.get(req.request_id)
+            if scored is not None and not req.output_token_ids:  # (after the first token, a recompute is not news)
+                kept = self._prompt_logprobs.setdefault(req.request_id, [])
+                del kept[chunk.context_len :]  # a recompute from the start (preempted) scores again
+                kept.extend(scored)
             if req.request_id in result.sampled:
                 outputs.append(self._append_token(req, result.sampled[req.request_id], result, step_start))
         return outputs
@@ -284,6 +291,7 @@ class LLMEngine:
 
     def _append_token(self, req: Request, token_id: int, result: RunnerOutput, step_start: float) -> RequestOutput:
         req.output_token_ids.append(token_id)
+        scored = self._prompt_logprobs.pop(req.request_id, None) if len(req.output_token_ids) == 1 else None
         if req.stats.first_token_s is None:
             self._account_first_token(req, result, step_start)
         req.stamp("first_token_s", result.sample_done_s)
@@ -316,6 +324,7 @@ class LLMEngine:
             num_prompt_tokens=req.num_prompt_tokens,
             num_output_tokens=len(req.output_token_ids),
             logprobs=(logprob,) if logprob is not None else (),
+            prompt_logprobs=tuple(scored or ()),
             stats=req.stats,
         )
 
@@ -358,6 +367,7 @@ class LLMEngine:
         req.stamp("finished_s")
         self.requests.pop(req.request_id, None)
         self._detok.pop(req.request_id, None)
+        self._prompt_logprobs.pop(req.request_id, None)
         er = req.engine_request
         self.observer.on_finished(
             FinishedRequest(

@@ -243,6 +243,10 @@ class InputProcessor:
                 ids += self.tokenizer.encode(piece, add_special_tokens=False, split_special_tokens=i % 2 == 1)
         return tuple(ids)
 
+    def decode(self, token_ids: Sequence[int]) -> str:
+        """A prompt given as token ids, as text (what echo returns for it)."""
+        return self.tokenizer.decode(list(token_ids), skip_special_tokens=False)
+
     def token_piece(self, token_id: int) -> tuple[str, list[int]]:
         """(text, bytes) of one token for logprobs: byte-level pieces are mapped back to their raw bytes."""
         token = self.tokenizer.convert_ids_to_tokens(token_id)
@@ -559,6 +563,7 @@ class InputProcessor:
             logprobs=req.logprobs,
             top_logprobs=req.top_logprobs,
             logit_bias=self._checked_bias(req.logit_bias),
+            prompt_logprobs=req.prompt_logprobs,
         )
         try:
             return SamplingParams(**values)

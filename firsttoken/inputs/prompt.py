@@ -127,6 +127,7 @@ class SamplingRequest:
     top_logprobs: int = 0
     structured: GrammarSpec | None = None  # what the answer must match (response_format, structured_outputs)
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias)
+    prompt_logprobs: int | None = None  # score the prompt's tokens, with this many alternatives (echo + logprobs)
     names: tuple[tuple[str, str], ...] = ()  # (SamplingParams field, client's field)
 
     def name(self, field: str) -> str:

@@ -161,6 +161,7 @@ class ModelRunner:
         self._step_units = 0  # model work run so far in this step: encoder units, and the forward as one
         self._deferred: list[EncoderWork] = []  # this step's interruptible encoder work, run by finish_step()
         self._bitmask: np.ndarray | None = None  # [rows, ceil(vocab / 32)] int32, reused: constrained rows' masks
+        self._prompt_scores: dict[str, tuple[TokenLogprob, ...]] = {}  # this step's prompt logprobs, by request
         self._mask_pool: ThreadPoolExecutor | None = None  # fills them while the forward runs (started on first use)
 
     @property
@@ -207,6 +208,7 @@ class ModelRunner:
                 continue
             chunks.append(chunk)
         timing: dict[str, float] = {}
+        self._prompt_scores = {}
         sampled: dict[str, int] = {}
         logprobs: dict[str, TokenLogprob] = {}
         forward_start = time.monotonic()
@@ -234,6 +236,7 @@ class ModelRunner:
             forward_done_s=timing.get("forward_done", now),
             sample_done_s=now,
             forward_s=now - forward_start if chunks else 0.0,
+            prompt_logprobs={r: lp for r, lp in self._prompt_scores.items() if r not in failed},
         )
 
     @torch.inference_mode()
@@ -332,6 +335,7 @@ class ModelRunner:
             if masks is not None:
                 masks.wait()  # the matchers are the step's again (also when the forward failed)
         timing["forward_done"] = time.monotonic()
+        self._score_prompts(chunks, inputs.last_rows, out.hidden)
         if not sampling:
             return {}, {}
         logits = out.logits  # where the decode method computed them in the same call
@@ -341,6 +345,30 @@ class ModelRunner:
                 hidden = hidden[torch.tensor([row for row, _ in sampling])]
             logits = self.model.compute_logits(hidden)  # [num_sampling, vocab] float32
         return self._sample(logits, [c for _, c in sampling], failed, masks)
+
+    def _score_prompts(self, chunks: list[ScheduledChunk], last_rows: list[int], hidden: torch.Tensor | None) -> None:
+        """For requests that asked for prompt logprobs: each of the chunk's positions scores the prompt token after
+        it (the last prompt position predicts the answer instead, as sampling does)."""
+        for chunk, last in zip(chunks, last_rows):
+            state = self.requests[chunk.request_id]
+            top = state.sampling.prompt_logprobs
+            if top is None or chunk.is_decode:
+                continue
+            stop = min(chunk.end, len(state.prompt_token_ids) - 1)
+            count = stop - chunk.context_len
+            scored: tuple[TokenLogprob, ...] = ()
+            if count > 0:
+                assert hidden is not None, "a prefill chunk's hidden states are kept"
+                first = last - chunk.num_new_tokens + 1
+                logp = torch.log_softmax(self.model.compute_logits(hidden[first : first + count]).float(), dim=-1)
+                targets = state.prompt_token_ids[chunk.context_len + 1 : stop + 1]
+                chosen = logp.gather(1, torch.tensor(targets)[:, None])[:, 0].tolist()
+                alternatives: list[tuple[tuple[int, float], ...]] = [()] * count
+                if top:
+                    vals, idx = torch.topk(logp, top, dim=-1)
+                    alternatives = [tuple(zip(i, v)) for i, v in zip(idx.tolist(), vals.tolist())]
+                scored = tuple(TokenLogprob(t, lp, alt) for t, lp, alt in zip(targets, chosen, alternatives))
+            self._prompt_scores[chunk.request_id] = scored
 
     def _start_masks(self, chunks: list[ScheduledChunk]) -> _PendingMasks | None:
         """The constrained rows' bitmasks (row i: chunks[i]), filled on the mask thread; None when no row is

@@ -26,6 +26,8 @@ class WholePrompt:
         if kv.enable_prefix_caching:
             req.ensure_block_hashes(kv.block_size)
         max_cached = req.num_prompt_tokens - 1  # at least one token is computed, to sample from
+        if req.engine_request.sampling.prompt_logprobs is not None:
+            max_cached = 0  # every prompt position is scored, so every one is computed
         want = self._tokens(req, kv, max_cached, first_chunk)
         if not kv.can_allocate(want, req.block_hashes, max_cached):
             return None

@@ -144,3 +144,30 @@ def test_logit_bias_forces_and_bans_tokens(live_server) -> None:
     banned = client.completions.create(model="tiny", prompt="Hello", max_tokens=4, temperature=0.0, logprobs=1,
                                        logit_bias={str(first[0]): -100})
     assert banned.choices[0].logprobs.tokens[0] != plain.choices[0].logprobs.tokens[0]
+
+
+def test_echo_scores_the_prompt_as_lm_eval_reads_it(live_server) -> None:
+    # lm-eval's loglikelihood request: token ids, max_tokens 1, logprobs 1, echo; it sums token_logprobs[ctxlen:-1]
+    client = live_server.client()
+    context = tokens_of(live_server, "The quick brown fox")
+    plain = client.completions.create(model="tiny", prompt=context, max_tokens=1, temperature=0.0, logprobs=1)
+    greedy = tokens_of(live_server, "The quick brown fox" + plain.choices[0].text)[len(context):]
+    assert len(greedy) == 1
+    echoed = client.completions.create(model="tiny", prompt=[context + greedy], max_tokens=1, temperature=0.0,
+                                       logprobs=1, echo=True)
+    lp = echoed.choices[0].logprobs
+    assert len(lp.tokens) == len(context) + 2 and lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert all(isinstance(v, float) and v <= 0 for v in lp.token_logprobs[1:])
+    # the continuation's score is what the plain request reported for sampling it
+    assert abs(lp.token_logprobs[len(context)] - plain.choices[0].logprobs.token_logprobs[0]) < 1e-4
+    assert echoed.choices[0].text.startswith("The quick brown fox" + plain.choices[0].text)
+    assert lp.text_offset == sorted(lp.text_offset) and lp.text_offset[0] == 0
+
+
+def test_echo_streams_the_prompt_first(live_server) -> None:
+    client = live_server.client()
+    whole = client.completions.create(model="tiny", prompt="Once upon", max_tokens=4, temperature=0.0, echo=True)
+    assert whole.choices[0].text.startswith("Once upon")
+    streamed = "".join(c.choices[0].text for c in client.completions.create(
+        model="tiny", prompt="Once upon", max_tokens=4, temperature=0.0, echo=True, stream=True) if c.choices)
+    assert streamed == whole.choices[0].text

@@ -15,7 +15,7 @@ from __future__ import annotations
 import hashlib
 import random
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -213,3 +213,40 @@ def test_engine_matches_generate_after_preemption_by_recompute(model_dir, config
     print(f"preemptions by reason: {engine.scheduler.preemptions_by_reason}")
     for name, prompt in prompts.items():
         assert got[name] == reference(prompt), name
+
+
+@pytest.fixture(scope="module")
+def hf_model(family: ModelFamily, model_dir: Path):
+    model_class = family.checkpoint.hf_model_class()
+    return model_class.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager").eval()
+
+
+@pytest.mark.parametrize("step_tokens", [7, 64])
+def test_prompt_logprobs_match_transformers_across_chunks_and_a_cached_prefix(
+    model_dir, config, processor, hf_model, step_tokens
+):
+    # what lm-eval's loglikelihood tasks read (echo + logprobs): each prompt token's logprob given the tokens before
+    # it, scored chunk by chunk (chunks of 7 end inside the image), and again for the same prompt once its KV is
+    # in the prefix cache (a scored prompt is computed whole); max_tokens 1, as lm-eval asks
+    prompt = make_prompt(config, processor, ONE_IMAGE, seed=5)
+    engine = make_engine(model_dir, step_tokens)
+    scored: dict[str, tuple] = {}
+    for rid in ("first", "again"):
+        request = engine_request(config, prompt, rid)
+        engine.add_request(replace(request, sampling=replace(request.sampling, max_tokens=1, prompt_logprobs=2)))
+        while engine.has_unfinished():
+            for out in engine.step():
+                if out.prompt_logprobs:
+                    scored[rid] = out.prompt_logprobs
+    input_ids = torch.tensor([prompt.ids])
+    with torch.no_grad():
+        logits = hf_model(input_ids=input_ids, mm_token_type_ids=(input_ids == hf_model.config.image_token_id).long(),
+                          pixel_values=prompt.pixel_values, image_grid_thw=torch.tensor(prompt.grids)).logits[0]
+    expected = torch.log_softmax(logits.float(), dim=-1)
+    for rid, got in scored.items():
+        assert [lp.token_id for lp in got] == list(prompt.ids[1:]), rid
+        want = expected[torch.arange(len(prompt.ids) - 1), torch.tensor(prompt.ids[1:])]
+        assert torch.allclose(torch.tensor([lp.logprob for lp in got]), want, atol=1e-4), rid
+        best = expected[: len(prompt.ids) - 1].topk(2, dim=-1)
+        assert [[t for t, _ in lp.top] for lp in got] == best.indices.tolist(), rid
+    assert set(scored) == {"first", "again"}
