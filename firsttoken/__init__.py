@@ -6,8 +6,9 @@ use, so ``import firsttoken`` alone stays cheap for the command-line tools.
 
 from typing import Any
 
-__version__ = "0.1.0"
-__all__ = ["LLM", "SamplingRequest", "RequestResult"]
+from firsttoken.version import __version__
+
+__all__ = ["LLM", "SamplingRequest", "RequestResult", "__version__"]
 
 
 def __getattr__(name: str) -> Any:

@@ -29,7 +29,7 @@ import json
 import re
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 from typing import Annotated, Any, Literal, Union
 
@@ -110,15 +110,17 @@ UNSUPPORTED_FIELDS: dict[str, Unsupported] = {
     "add_generation_prompt": Unsupported(lambda v: v is None or v is True,
                                          "only add_generation_prompt=true is implemented for chat completions"),
     "continue_final_message": Unsupported(_absent, "continuing the final message is not implemented"),
+    "echo": Unsupported(lambda v: v is None or v is False, "echo is implemented for /v1/completions only"),
 }  # fmt: skip
 
 
-def refuse_unsupported(body: Any) -> Any:
-    """The before-validator of the generation requests: the first unsupported field set to something, refused."""
+def refuse_unsupported(body: Any, implemented: Iterable[str] = ()) -> Any:
+    """The before-validator of the generation requests: the first unsupported field set to something, refused.
+    ``implemented``: the request type's own fields, never refused here (echo is one of completions', not chat's)."""
     if isinstance(body, dict):
         for name, rule in UNSUPPORTED_FIELDS.items():
             value = body.get(name)
-            if name in body and not rule.is_off(value):
+            if name in body and name not in implemented and not rule.is_off(value):
                 kind = value.get("type") if rule.names_type and isinstance(value, dict) else None
                 asked = f" {quote(kind)}" if isinstance(kind, str) else ""
                 raise UnsupportedFieldError(name, f"'{name}'{asked} is not supported by this server: {rule.what}")
@@ -293,7 +295,7 @@ class _SamplingFields(_Request):
     @model_validator(mode="before")
     @classmethod
     def _refuse_unsupported(cls, body: Any) -> Any:
-        return refuse_unsupported(body)
+        return refuse_unsupported(body, cls.model_fields)
 
     @model_validator(mode="after")
     def _one_output_constraint(self) -> _SamplingFields:

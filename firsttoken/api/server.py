@@ -34,7 +34,6 @@ from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel
 
-from firsttoken import __version__
 from firsttoken.api.body import read_model
 from firsttoken.api.errors import (
     APIError,
@@ -82,6 +81,7 @@ from firsttoken.inputs.processor import InputProcessor
 from firsttoken.inputs.prompt import TextPrompt
 from firsttoken.metrics.timeline import Timeline
 from firsttoken.types import EngineRequest, FinishReason
+from firsttoken.version import __version__
 
 T = TypeVar("T")
 CLIENT_CLOSED_REQUEST = 499  # nginx's status for "the client went away"; nobody receives it, logs do

@@ -30,7 +30,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("models", "sampling", "kv", "metrics", "structured"),  # structured: grammars, matchers, the bitmask
     ("attention", "kernels"),  # the backend contract models use; the CPU kernels models' layers call
     ("batch", "config"),  # scheduler -> runner values; the config tree
-    ("types", "quoting", "units"),  # leaves
+    ("types", "quoting", "units", "version"),  # leaves
 )
 LAYER_OF = {pkg: depth for depth, layer in enumerate(LAYERS) for pkg in layer}
 

@@ -698,9 +698,17 @@ def test_a_response_format_of_an_unknown_type_is_refused_naming_it(processor: In
 
 
 def test_unsupported_completion_fields_are_refused(processor: InputProcessor) -> None:
-    for name, value in (("echo", True), ("suffix", "end"), ("best_of", 2)):
+    for name, value in (("suffix", "end"), ("best_of", 2)):
         body = {"model": MODEL, "prompt": "hi", name: value}
         assert error_of(post(processor, "/v1/completions", json=body), 400)["param"] == name
+
+
+def test_echo_is_a_completions_field_and_refused_on_chat(processor: InputProcessor) -> None:
+    err = error_of(post(processor, "/v1/chat/completions", json={**CHAT_BODY, "echo": True}), 400)
+    assert err["param"] == "echo" and "/v1/completions only" in err["message"]
+    assert post(processor, "/v1/chat/completions", json={**CHAT_BODY, "echo": False}).status_code == 200
+    assert post(processor, "/v1/completions", json={"model": MODEL, "prompt": "hi", "echo": True,
+                                                    "max_tokens": 2}).status_code == 200
 
 
 @pytest.mark.parametrize("bias", [{"x": 1}, {"5": 101}, {"5": -1e9}, {"16064": 1}, {"-1": 1}, {"5": "much"}])
