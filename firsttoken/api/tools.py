@@ -6,8 +6,11 @@ By ``tool_choice`` (``ChatCompletionRequest.tool_mode``):
   tool call, the text outside them the content. A malformed call stays in the content as written: never a 500.
 - ``named``: the answer is the arguments object (held to the function's schema by the grammar), streamed as the
   call's argument deltas.
-- ``required``: the answer is a JSON array of ``{"name", "arguments"}`` (held to the tools' schemas), whose calls
-  go out when it is complete.
+- ``required``: the answer is a JSON array of ``{"name", "arguments"}`` (held to the tools' schemas): each call
+  goes out once its name is read, then its arguments text as it arrives (``_ArrayScan``). An answer cut short
+  (``length``) keeps the calls begun; one with no call begun is the content.
+Under ``auto`` a call goes out whole when its ``</tool_call>`` arrives: nothing holds that text to JSON, and a call
+once sent cannot be taken back into the content.
 - ``none``: no parsing.
 A choice with calls finishes with ``tool_calls`` (``stop`` for a named function, as OpenAI does).
 """
@@ -16,7 +19,7 @@ from __future__ import annotations
 
 import json
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 START, END = "<tool_call>", "</tool_call>"
 
@@ -52,6 +55,7 @@ class ToolOutput:
     _buffer: str = ""
     _in_call: bool = False
     _named_id: str = field(default_factory=new_call_id)
+    _array: _ArrayScan = field(default_factory=lambda: _ArrayScan())
 
     # ---- streaming ------------------------------------------------------------------------------------------
     def feed(self, text: str) -> list[Piece]:
@@ -59,18 +63,17 @@ class ToolOutput:
             pieces = [] if self.calls else [self._start_named()]
             return pieces + ([Piece(index=0, arguments=text)] if text else [])
         self._buffer += text
-        return self._scan() if self.mode == "auto" else []
+        if self.mode == "required":
+            return self._array.feed(text, self.calls)
+        return self._scan()
 
     def finish(self) -> list[Piece]:
         """What is left once the answer ends."""
         if self.mode == "named":
             return [] if self.calls else [self._start_named()]
         if self.mode == "required":
-            calls = self._array_calls(self._buffer)
-            if calls is None:
-                text, self._buffer = self._buffer, ""
-                return [Piece(content=text)] if text else []
-            return [p for c in calls for p in self._add(c)]
+            text, self._buffer = self._buffer, ""
+            return [] if self.calls or not text else [Piece(content=text)]
         pieces = self._scan()
         rest = (START if self._in_call else "") + self._buffer
         self._buffer, self._in_call = "", False
@@ -123,12 +126,6 @@ class ToolOutput:
                 call = _hermes_call(body, self.names)
                 pieces += self._add(call) if call is not None else [Piece(content=START + body + END)]
 
-    def _array_calls(self, text: str) -> list[Call] | None:
-        items = _loads(text)
-        if not isinstance(items, list):
-            return None
-        calls = [_call_of(item, self.names) for item in items]
-        return None if any(c is None for c in calls) else calls  # type: ignore[return-value]
 
 
 def _hermes_call(body: str, names: frozenset[str]) -> Call | None:
@@ -160,3 +157,87 @@ def _partial_suffix(text: str, marker: str) -> int:
         if marker.startswith(text[-n:]):
             return n
     return 0
+
+
+@dataclass
+class _ArrayScan:
+    """Calls out of ``[{"name": ..., "arguments": {...}}, ...]`` as its text arrives, one character at a time: the
+    grammar holds the text to that shape, so a call begins once its name's string closes, and its arguments are
+    the raw text of its ``arguments`` value. Depth 1 is inside the array, 2 inside a call, 3+ inside its arguments."""
+
+    depth: int = 0
+    in_string: bool = False
+    escaped: bool = False
+    key: str = ""  # the call key being read, or whose value is being read
+    token: str = ""  # the raw text of the current key or name string
+    reading: str = ""  # "key", "name", "arguments" or ""
+    name: str | None = None
+    arguments: str = ""  # this call's arguments so far (all of them, sent or held until the name is known)
+    sent: int = 0  # how much of ``arguments`` went out
+
+    def feed(self, text: str, calls: list[Call]) -> list[Piece]:
+        pieces: list[Piece] = []
+        for ch in text:
+            self._step(ch, calls, pieces)
+        self._flush(calls, pieces)
+        return pieces
+
+    def _flush(self, calls: list[Call], pieces: list[Piece]) -> None:
+        """This call's arguments not yet sent, out (once its name is known)."""
+        if self.name is not None and self.sent < len(self.arguments):
+            pieces.append(Piece(index=len(calls) - 1, arguments=self.arguments[self.sent:]))
+            self.sent = len(self.arguments)
+            calls[-1] = replace(calls[-1], arguments=self.arguments)
+
+    def _step(self, ch: str, calls: list[Call], pieces: list[Piece]) -> None:
+        if self.reading == "arguments":
+            self.arguments += ch
+        if self.in_string:
+            if self.reading in ("key", "name"):
+                self.token += ch
+            if self.escaped:
+                self.escaped = False
+            elif ch == "\\":
+                self.escaped = True
+            elif ch == '"':
+                self.in_string = False
+                if self.depth == 2:
+                    self._string_closed(calls, pieces)
+            return
+        if ch == '"':
+            self.in_string = True
+            if self.depth == 2 and self.reading == "":
+                self.reading, self.token = "key", ch
+            elif self.depth == 2 and self.reading == "value" and self.key == "name":
+                self.reading, self.token = "name", ch
+            elif self.depth == 2 and self.reading == "value":
+                self.reading = "other"
+        elif ch in "[{":
+            if self.depth == 2 and self.reading == "value":
+                self.reading = "arguments" if self.key == "arguments" else "other"
+                if self.reading == "arguments":
+                    self.arguments += ch
+            self.depth += 1
+            if self.depth == 2:
+                self._flush(calls, pieces)
+                self.name, self.arguments, self.sent, self.reading = None, "", 0, ""
+        elif ch in "]}":
+            self.depth -= 1
+            if self.depth == 2 and self.reading in ("arguments", "other"):
+                self.reading = "done"
+        elif ch == ":" and self.depth == 2 and self.reading == "colon":
+            self.reading = "value"
+        elif ch == "," and self.depth == 2:
+            self.reading = ""
+        elif not ch.isspace() and self.depth == 2 and self.reading == "value":
+            self.reading = "other"  # a number, true, false or null
+
+    def _string_closed(self, calls: list[Call], pieces: list[Piece]) -> None:
+        if self.reading == "key":
+            self.key, self.reading = str(_loads(self.token)), "colon"
+        elif self.reading == "name":
+            self.name, self.reading = str(_loads(self.token)), "done"
+            calls.append(Call(new_call_id(), self.name, ""))
+            pieces.append(Piece(index=len(calls) - 1, call_id=calls[-1].id, name=self.name, arguments=""))
+        elif self.reading == "other":
+            self.reading = "done"

@@ -64,9 +64,8 @@ def test_streamed_tool_calls_reassemble_in_the_client(live_server, tool_choice) 
         final = stream.get_final_completion()
     calls = final.choices[0].message.tool_calls
     check_calls(calls)
-    assert deltas  # arguments arrived as deltas
+    assert len(deltas) > 1  # a named or required call's arguments stream token by token
     if isinstance(tool_choice, dict):
-        assert len(deltas) > 1  # a named call's arguments stream token by token
         assert calls[0].function.name == "get_time"
 
 

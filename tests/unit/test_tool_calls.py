@@ -94,3 +94,30 @@ def test_hermes_messages_write_tools_calls_and_results_into_turns() -> None:
     assert out[2].content == '<tool_call>\n{"name": "get_time", "arguments": {"zone": 1}}\n</tool_call>'
     assert out[3].content == "<tool_response>\n12:00\n</tool_response>\n<tool_response>\n13:00\n</tool_response>"
     assert hermes_messages(messages[1:2], ()) == [messages[1]]  # no tools: the conversation as it was
+
+
+def test_required_streams_each_calls_arguments_as_they_arrive_in_any_split() -> None:
+    tricky = {"city": "Pa}ri\"s{", "list": [1, {"a": "]"}], "n": -2.5e3, "ok": True, "none": None}
+    arrays = [
+        json.dumps([{"name": "get_weather", "arguments": tricky}, {"name": "get_time", "arguments": {}}]),
+        '[ {"arguments" : {"zone": 3} , "name" : "get_time"} ]',  # arguments before the name: held, then sent
+        json.dumps([{"name": "get_time", "arguments": {"zone": "\\u00e9\\\\"}}], indent=2),
+    ]
+    for array in arrays:
+        whole = [(c["name"], json.dumps(c["arguments"])) for c in json.loads(array)]
+        for seed in range(12):
+            content, calls = streamed("required", array, seed)
+            assert content == "" and [(n, json.loads(a)) for n, a in calls] == [(n, json.loads(a)) for n, a in whole]
+    # the name goes out before the arguments are complete: a client sees the call start early
+    out = ToolOutput("required", NAMES)
+    first = out.feed('[{"name": "get_weather", "arguments": {"ci')
+    assert [p.name for p in first if p.name] == ["get_weather"] and "".join(p.arguments or "" for p in first) == '{"ci'
+
+
+def test_required_cut_short_keeps_the_calls_begun_and_text_without_one_is_content() -> None:
+    out = ToolOutput("required", NAMES)
+    content, calls = out.complete('[{"name": "get_time", "arguments": {"zone": 1')
+    assert content is None and [(c.name, c.arguments) for c in calls] == [("get_time", '{"zone": 1')]
+    assert out.finish_reason("length") == "length"
+    out = ToolOutput("required", NAMES)
+    assert out.complete('[{"na') == ('[{"na', [])
