@@ -121,3 +121,33 @@ def test_required_cut_short_keeps_the_calls_begun_and_text_without_one_is_conten
     assert out.finish_reason("length") == "length"
     out = ToolOutput("required", NAMES)
     assert out.complete('[{"na') == ('[{"na', [])
+
+
+def test_a_template_that_renders_tools_gets_them_with_the_calls_and_results(tiny_model_dir) -> None:
+    """Qwen2.5's and Qwen3's templates render tools themselves: the processor hands them the tools as JSON
+    schemas, an assistant turn's calls with their arguments as objects, and tool turns, and writes nothing in."""
+    from pathlib import Path
+
+    from firsttoken.config import GenerationDefaults
+    from firsttoken.inputs.processor import InputProcessor, load_tokenizer
+    from firsttoken.inputs.prompt import ChatPrompt, SamplingRequest
+    from firsttoken.models.registry import load_model_config
+
+    template = Path(__file__).parents[1] / "fixtures" / "templates" / "hermes_tools.jinja"
+    tokenizer = load_tokenizer(tiny_model_dir, chat_template=template)
+    processor = InputProcessor(tokenizer, load_model_config(tiny_model_dir),
+                               GenerationDefaults.from_pretrained(tiny_model_dir), max_model_len=4096)
+    functions = (Function("get_time", "Time in a zone", {"type": "object", "properties": {"zone": {"type": "integer"}}}),)
+    messages = (Message("system", "Be brief."), Message("user", "time?"),
+                Message("assistant", None, (ToolCall("call_1", "get_time", '{"zone": 1}'),)),
+                Message("tool", "12:00", tool_call_id="call_1"))
+    request = processor.process(ChatPrompt(messages, tools=functions), SamplingRequest(max_tokens=4), "r", 0.0)
+    text = processor.decode(request.prompt_token_ids)
+    assert text.startswith("<|im_start|>system\nBe brief.\n\n# Tools\n\n<tools>\n")
+    tool = json.loads(text.split("<tools>\n")[1].split("\n</tools>")[0])
+    assert tool == {"type": "function", "function": {"name": "get_time", "description": "Time in a zone",
+                                                      "parameters": functions[0].parameters}}
+    assert '<|im_start|>assistant\n<tool_call>\n{"name": "get_time", "arguments": {"zone": 1}}\n</tool_call>' in text
+    assert text.endswith("<|im_start|>user\n<tool_response>\n12:00\n</tool_response><|im_end|>\n"
+                         "<|im_start|>assistant\n")
+    assert text.count("# Tools") == 1  # nothing written into the turns besides what the template renders
