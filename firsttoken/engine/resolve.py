@@ -56,10 +56,16 @@ class KVCapacity:
         )
 
 
-def kv_dtype_bytes(config: EngineConfig, cpu: CpuFeatures | None = None) -> int:
-    """Bytes per element of the KV cache (the model's activations' dtype) for these flags on this CPU."""
+def activation_dtype(config: EngineConfig, cpu: CpuFeatures | None = None) -> str:
+    """The model's activations' dtype, and so the KV cache's, that these flags resolve to on this CPU (the same
+    answer ``plan_model`` gives: it does not depend on the checkpoint), for a check before the model loads."""
     name, _ = resolve_dtype(config.dtype, config.quantization, cpu or CpuFeatures.detect())
-    return TORCH_DTYPES[name].itemsize
+    return name
+
+
+def kv_dtype_bytes(config: EngineConfig, cpu: CpuFeatures | None = None) -> int:
+    """Bytes per element of the KV cache for these flags on this CPU."""
+    return TORCH_DTYPES[activation_dtype(config, cpu)].itemsize
 
 
 def plan_kv_capacity(model: ModelConfig, config: EngineConfig, dtype_bytes: int | None = None) -> KVCapacity:
