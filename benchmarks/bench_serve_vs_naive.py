@@ -131,7 +131,7 @@ def run_naive(model_dir: str, kinds, levels, max_tokens: int) -> dict:
     proc = Qwen2VLImageProcessorPil.from_pretrained(model_dir)
     from firsttoken.config import EngineConfig
     from firsttoken.engine.resolve import activation_dtype
-    from firsttoken.models.plan_values import TORCH_DTYPES
+    from firsttoken.loading.plan_values import TORCH_DTYPES
 
     dtype = TORCH_DTYPES[activation_dtype(EngineConfig())]  # what `firsttoken serve --dtype auto` picks: same math
     model = Qwen2VLForConditionalGeneration.from_pretrained(model_dir, dtype=dtype).eval()

@@ -23,7 +23,7 @@ from firsttoken.metrics.stats import (
     StepStats,
 )
 from firsttoken.metrics.timeline import Timeline
-from firsttoken.models.plan_values import Machine
+from firsttoken.loading.plan_values import Machine
 from firsttoken.models.registry import load_model_config
 from firsttoken.runner.executor import Executor, InProcessExecutor
 from firsttoken.runner.model_runner import FaultHook, ThreadPlan

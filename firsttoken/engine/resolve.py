@@ -1,7 +1,7 @@
 """The one resolve step: the flags (``EngineConfig``), the checkpoint and the machine -> what the engine runs with.
 
 ``resolve_engine_config`` settles, once: the model's dtype, quantization, kernels and decode layers
-(models/plan.py's ``plan_model``, the only code that decides ``auto``), torch's threads, the KV pool's blocks and
+(loading/plan.py's ``plan_model``, the only code that decides ``auto``), torch's threads, the KV pool's blocks and
 context length, and the encoder cache's size in tokens. The engine is built from the ``ResolvedEngineConfig``, logs
 ``describe()`` once at start-up as one block, and ``GET /v1/engine/config`` reports ``as_dict()``; nothing
 downstream derives any of it again.
@@ -20,8 +20,8 @@ import torch
 from firsttoken.config import EngineConfig
 from firsttoken.models.config import ModelConfig
 from firsttoken.kernels.cpu_features import CpuFeatures
-from firsttoken.models.plan import plan_model, resolve_dtype
-from firsttoken.models.plan_values import TORCH_DTYPES, Machine, ModelPlan
+from firsttoken.loading.plan import plan_model, resolve_dtype
+from firsttoken.loading.plan_values import TORCH_DTYPES, Machine, ModelPlan
 from firsttoken.models.registry import family_named, load_model_config
 from firsttoken.runner.model_runner import ThreadPlan
 

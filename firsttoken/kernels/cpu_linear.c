@@ -602,19 +602,19 @@ void ft_linear_rm_bf16(const float *x, int64_t ldx, const uint16_t *w, const flo
     free(xb);
 }
 
-/* ---- int8 weights (--quantization int8; models/quant.py) ----
+/* ---- int8 weights (--quantization int8; loading/quant.py) ----
 
    Weights are int8, input-major ([K, N], the layout torch._int_mm takes), one float scale per output column n;
    each input row is quantized to int8 with its own scale, and out = (float)(xq @ wq) * xscale[m] * wscale[n]
    (+ bias[n]), in that order. The int32 sums are exact, so any correct product gives the same numbers:
-   torch._int_mm for prefill where oneDNN multiplies int8 exactly (VNNI or AMX CPUs: models/quant.py decides),
+   torch._int_mm for prefill where oneDNN multiplies int8 exactly (VNNI or AMX CPUs: loading/quant.py decides),
    ft_int8_rows otherwise and for the few rows of a decode step (a quarter of float32's bytes).
    - ft_quant_rows: each row of x to int8 with its own symmetric scale (max |x| / 127; q = x * (1 / scale)
      rounded half to even); a row holding a NaN or an infinity gets scale NaN and zeros (its outputs are NaN), a row
      whose max |x| is under 127 x FLT_MIN gets scale 1 (zeros: its outputs are the bias).
    - ft_dequant: the scaling above, after torch._int_mm.
    - ft_int8_rows / ft_int8_linear: the products and the scaling, from int8 rows / from float rows.
-   All have torch twins in models/quant.py with the same arithmetic (bitwise the same results, for machines
+   All have torch twins in loading/quant.py with the same arithmetic (bitwise the same results, for machines
    without the kernels). A row's outputs depend on that row alone, whichever path and whatever shares the step. */
 
 static inline int32_t int16_pair(int8_t lo, int8_t hi) {
@@ -1011,7 +1011,7 @@ void ft_int8_linear_blk(const float *x, int64_t ldx, const int8_t *blk, const fl
     int8_linear(x, ldx, blk, wscale, bias, out, M, N, K, threads, 1);
 }
 
-/* ---- a whole decode step's decoder layers in one call (firsttoken/models/fused_decode.py) ----
+/* ---- a whole decode step's decoder layers in one call (firsttoken/loading/fused_decode.py) ----
 
    A decode step of a few rows spends most of its time outside the products when every op is a separate torch
    call (~1,400 per step for 8 layers). ft_decode_layers runs the decoder layers of Qwen2VLModel (Qwen2,

@@ -11,7 +11,7 @@ sequences back to back, ``[num_tokens, ...]`` rows, as ``AttentionMetadata`` des
 
 Every linear layer is a ``Linear`` and the decoder's layers run through ``model.decode``: which product method each
 layer takes and how the layers run (eager, or fused for decode steps) is chosen when the model is built
-(models/methods.py); nothing here asks which kernel or device computes it.
+(loading/methods.py); nothing here asks which kernel or device computes it.
 
 ``images`` place vision-tower output rows (``ImageRows``) over the image-pad tokens of this step's chunks; the
 tower runs once per image, unit by unit (``model.visual``), and a chunk that ends inside an image gets the rows it

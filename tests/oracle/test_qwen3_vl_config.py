@@ -12,7 +12,7 @@ import torch
 
 from firsttoken.models.checkpoint import make_model
 from firsttoken.models.layers import mrope_cos_sin
-from firsttoken.models.loader import load_model
+from firsttoken.loading.loader import load_model
 from firsttoken.models.mrope import compute_mrope_positions
 from firsttoken.models.qwen3_vl_checkpoint import SIZES, build_hf_config
 from firsttoken.models.registry import load_model_config
