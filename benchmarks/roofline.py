@@ -61,16 +61,16 @@ from machine import machine_info  # noqa: E402
 from firsttoken.attention.base import AttentionBackend, AttentionMetadata
 from firsttoken.attention.registry import get_backend
 from firsttoken.config import QUANTIZATIONS, SchedulerConfig
-from firsttoken.kernels.cpu_features import CpuFeatures
 from firsttoken.inputs.budget import REFERENCE_MAX_TOKENS, REFERENCE_MIN_TOKENS, plan_image
 from firsttoken.inputs.image import ProcessedImage, preprocess_image
+from firsttoken.kernels.cpu_features import CpuFeatures
+from firsttoken.kernels.cpu_linear import built_kernels
+from firsttoken.loading.loader import load_model
+from firsttoken.loading.quant import Fp16Weights, Int8Weights, int_mm_exact
 from firsttoken.models.config import ModelConfig
 from firsttoken.models.interfaces import ImageEmbeddings, ImageRows
-from firsttoken.loading.loader import load_model
-from firsttoken.models.mrope import compute_mrope_positions
-from firsttoken.kernels.cpu_linear import built_kernels
 from firsttoken.models.linear import Linear
-from firsttoken.loading.quant import Fp16Weights, Int8Weights, int_mm_exact
+from firsttoken.models.mrope import compute_mrope_positions
 from firsttoken.models.registry import load_model_config
 from firsttoken.runner.kv_cache import allocate_kv_caches
 from firsttoken.tools.bench.images import synth_image

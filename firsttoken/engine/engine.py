@@ -16,6 +16,7 @@ from firsttoken.batch import RunnerOutput, ScheduledBatch, ScheduledChunk
 from firsttoken.config import EngineConfig
 from firsttoken.engine.detokenizer import IncrementalDetokenizer, TokenDecoder
 from firsttoken.engine.resolve import ResolvedEngineConfig, resolve_engine_config
+from firsttoken.loading.plan_values import Machine
 from firsttoken.metrics.stats import (
     FinishedRequest,
     NullObserver,
@@ -23,7 +24,6 @@ from firsttoken.metrics.stats import (
     StepStats,
 )
 from firsttoken.metrics.timeline import Timeline
-from firsttoken.loading.plan_values import Machine
 from firsttoken.models.registry import load_model_config
 from firsttoken.runner.executor import Executor, InProcessExecutor
 from firsttoken.runner.model_runner import FaultHook, ThreadPlan

@@ -18,10 +18,10 @@ from typing import Any
 import torch
 
 from firsttoken.config import EngineConfig
-from firsttoken.models.config import ModelConfig
 from firsttoken.kernels.cpu_features import CpuFeatures
 from firsttoken.loading.plan import plan_model, resolve_dtype
 from firsttoken.loading.plan_values import TORCH_DTYPES, Machine, ModelPlan
+from firsttoken.models.config import ModelConfig
 from firsttoken.models.registry import family_named, load_model_config
 from firsttoken.runner.model_runner import ThreadPlan
 

@@ -24,13 +24,13 @@ import torch
 from torch import nn
 
 from firsttoken.kernels.cpu_linear import kernel_takes
-from firsttoken.models.decode import EAGER, DecoderLayout
 from firsttoken.loading.fused_decode import FusedDecode, fused_decode_unsupported, method_fuses
-from firsttoken.models.interfaces import DecodeMethod
 from firsttoken.loading.kernel_linear import FewRowsKernel
-from firsttoken.models.linear import TORCH, Linear, LinearMethod, TorchLinear
 from firsttoken.loading.plan_values import Machine, ModelPlan
 from firsttoken.loading.quant import INT8_KEEPS_FLOAT, Bf16Weights, Fp16Weights, Int8Weights
+from firsttoken.models.decode import EAGER, DecoderLayout
+from firsttoken.models.interfaces import DecodeMethod
+from firsttoken.models.linear import TORCH, Linear, LinearMethod, TorchLinear
 
 VISION_PREFIX = "visual."  # the vision tower's layers: outside the language model's methods
 

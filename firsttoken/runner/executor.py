@@ -12,9 +12,9 @@ from pathlib import Path
 from typing import Protocol
 
 from firsttoken.batch import RunnerOutput, ScheduledBatch
-from firsttoken.models.config import ModelConfig
 from firsttoken.loading.loader import build_model
 from firsttoken.loading.plan_values import Machine, ModelPlan
+from firsttoken.models.config import ModelConfig
 from firsttoken.runner.kv_cache import allocate_kv_caches
 from firsttoken.runner.model_runner import FaultHook, ModelRunner, ThreadPlan
 from firsttoken.sampling.sampler import Sampler

@@ -13,10 +13,10 @@ import torch
 from firsttoken.attention.base import AttentionMetadata
 from firsttoken.kernels import cpu_linear
 from firsttoken.kernels.cpu_features import CpuFeatures
-from firsttoken.models.checkpoint import make_model
-from firsttoken.models.decode import EAGER
 from firsttoken.loading.fused_decode import FusedDecode
 from firsttoken.loading.loader import load_model
+from firsttoken.models.checkpoint import make_model
+from firsttoken.models.decode import EAGER
 
 BLOCK = 16
 

@@ -20,14 +20,14 @@ from torch import nn
 from firsttoken.kernels import cpu_linear
 from firsttoken.kernels.cpu_features import CpuFeatures
 from firsttoken.loading import quant
-from firsttoken.models.checkpoint import make_model
-from firsttoken.models.decode import EAGER
 from firsttoken.loading.fused_decode import FusedDecode
-from firsttoken.models.linear import Linear
 from firsttoken.loading.loader import load_model, stored_linear_dtypes
 from firsttoken.loading.plan import plan_model
 from firsttoken.loading.plan_values import Machine
 from firsttoken.loading.quant import Bf16Weights, Fp16Weights, Int8Weights, dequantize_rows, quantize_rows
+from firsttoken.models.checkpoint import make_model
+from firsttoken.models.decode import EAGER
+from firsttoken.models.linear import Linear
 from tests.conftest import require_program
 from tests.helpers import layers_with, torch_layers
 from tests.oracle.parity import (
