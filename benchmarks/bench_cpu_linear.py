@@ -36,8 +36,8 @@ def main() -> None:
     args = ap.parse_args()
 
     from firsttoken.kernels.cpu_linear import kernel_unavailable
-    from firsttoken.models.kernel_linear import FewRowsKernel
-    from firsttoken.models.loader import load_model
+    from firsttoken.loading.kernel_linear import FewRowsKernel
+    from firsttoken.loading.loader import load_model
 
     reason = kernel_unavailable()
     if reason is not None:

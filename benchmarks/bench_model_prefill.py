@@ -25,9 +25,9 @@ import torch
 from PIL import Image
 
 from firsttoken.attention.base import AttentionMetadata
+from firsttoken.loading.loader import load_model
 from firsttoken.models.config import ModelConfig
 from firsttoken.models.interfaces import ImageRows
-from firsttoken.models.loader import load_model
 from firsttoken.models.mrope import compute_mrope_positions
 from firsttoken.models.registry import load_model_config
 from firsttoken.runner.kv_cache import allocate_kv_caches

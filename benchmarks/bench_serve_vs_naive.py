@@ -130,12 +130,10 @@ def run_naive(model_dir: str, kinds, levels, max_tokens: int) -> dict:
     tok = AutoTokenizer.from_pretrained(model_dir)
     proc = Qwen2VLImageProcessorPil.from_pretrained(model_dir)
     from firsttoken.config import EngineConfig
-    from firsttoken.kernels.cpu_features import CpuFeatures
-    from firsttoken.models.plan import resolve_dtype
-    from firsttoken.models.plan_values import TORCH_DTYPES
+    from firsttoken.engine.resolve import activation_dtype
+    from firsttoken.loading.plan_values import TORCH_DTYPES
 
-    config = EngineConfig()  # what `firsttoken serve --dtype auto` picks on this CPU: same math
-    dtype = TORCH_DTYPES[resolve_dtype(config.dtype, config.quantization, CpuFeatures.detect())[0]]
+    dtype = TORCH_DTYPES[activation_dtype(EngineConfig())]  # what `firsttoken serve --dtype auto` picks: same math
     model = Qwen2VLForConditionalGeneration.from_pretrained(model_dir, dtype=dtype).eval()
     pad = model.config.image_token_id
 

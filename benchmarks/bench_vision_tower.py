@@ -32,8 +32,8 @@ import torch
 from PIL import Image
 
 from firsttoken.inputs.image import preprocess_image
+from firsttoken.loading.loader import load_model
 from firsttoken.models.checkpoint import make_model, recipes
-from firsttoken.models.loader import load_model
 
 CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_tile", "fma")
 

@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import small_model  # noqa: E402
 from machine import machine_info  # noqa: E402
 
-from firsttoken.models.loader import load_model  # noqa: E402
+from firsttoken.loading.loader import load_model  # noqa: E402
 from tests.oracle.parity import Prompt, TinyRunner, make_prompt  # noqa: E402
 
 SHAPES = {"text": [], "one_image": [(336, 224)], "three_images": [(252, 112), (112, 168), (224, 224)]}

@@ -31,7 +31,7 @@ estimate. A part timed inside the model in a quieter moment can still exceed it 
 measured only where the CPU computes it natively (avx512_bf16 / amx_bf16); elsewhere torch emulates it slower than
 fp32.
 
-``--quantization`` (float32 only) loads the model as the server's flag does (models/quant.py): int8 turns every
+``--quantization`` (float32 only) loads the model as the server's flag does (loading/quant.py): int8 turns every
 linear layer but the patch embedding into int8 (per-row weights and inputs, int32 products), fp16 the language
 model's (lm_head included) into packed float16 weights. FLOPs are counted the same; % of peak stays against the
 float32 peak, and each row is labelled with the weights its modules actually hold ([int8], [fp16]), so an int8 row
@@ -61,16 +61,16 @@ from machine import machine_info  # noqa: E402
 from firsttoken.attention.base import AttentionBackend, AttentionMetadata
 from firsttoken.attention.registry import get_backend
 from firsttoken.config import QUANTIZATIONS, SchedulerConfig
-from firsttoken.kernels.cpu_features import CpuFeatures
 from firsttoken.inputs.budget import REFERENCE_MAX_TOKENS, REFERENCE_MIN_TOKENS, plan_image
 from firsttoken.inputs.image import ProcessedImage, preprocess_image
+from firsttoken.kernels.cpu_features import CpuFeatures
+from firsttoken.kernels.cpu_linear import built_kernels
+from firsttoken.loading.loader import load_model
+from firsttoken.loading.quant import Fp16Weights, Int8Weights, int_mm_exact
 from firsttoken.models.config import ModelConfig
 from firsttoken.models.interfaces import ImageEmbeddings, ImageRows
-from firsttoken.models.loader import load_model
-from firsttoken.models.mrope import compute_mrope_positions
-from firsttoken.kernels.cpu_linear import built_kernels
 from firsttoken.models.linear import Linear
-from firsttoken.models.quant import Fp16Weights, Int8Weights, int_mm_exact
+from firsttoken.models.mrope import compute_mrope_positions
 from firsttoken.models.registry import load_model_config
 from firsttoken.runner.kv_cache import allocate_kv_caches
 from firsttoken.tools.bench.images import synth_image
@@ -551,7 +551,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--chunk-tokens", type=parse_chunk, default=None, help="'server' (default), 0 = one LM pass, N")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
     p.add_argument("--quantization", choices=QUANTIZATIONS, default="none",
-                   help="as `firsttoken serve --quantization` (models/quant.py); needs --dtype float32")
+                   help="as `firsttoken serve --quantization` (loading/quant.py); needs --dtype float32")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--json", type=Path, default=None)

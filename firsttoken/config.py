@@ -28,13 +28,13 @@ from typing import Any, Literal, get_args, get_origin, get_type_hints
 from firsttoken.units import format_size, parse_bytes
 
 # Every choice an option offers is its field's type: the flag's metavar, the range check and the error message come
-# from these (``choices_of``, ``check_choice``). ``auto`` is settled in one place, models/plan.py (dtype,
+# from these (``choices_of``, ``check_choice``). ``auto`` is settled in one place, loading/plan.py (dtype,
 # quantization, kernels), with the rest of what the engine runs with in engine/resolve.py.
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 ResolvedDtype = Literal["float32", "bfloat16", "float16"]
-Quantization = Literal["auto", "none", "fp16", "int8", "bf16"]  # models/quant.py
+Quantization = Literal["auto", "none", "fp16", "int8", "bf16"]  # loading/quant.py
 ResolvedQuantization = Literal["none", "fp16", "int8", "bf16"]
-CpuKernels = Literal["auto", "on", "off"]  # kernels/cpu_linear.py; models/plan.py decides what auto takes
+CpuKernels = Literal["auto", "on", "off"]  # kernels/cpu_linear.py; loading/plan.py decides what auto takes
 Device = Literal["cpu"]  # where the engine runs; a CUDA runner is the Executor seam's next implementation
 AttentionBackendName = Literal["sdpa"]  # attention/registry.py
 Scheduling = Literal["lanes", "fcfs"]

@@ -62,7 +62,7 @@ def machine_with_cpu(**cpu):
     """This machine (its kernels, built here, and torch's probes), deciding as a CPU with these ``CpuFeatures``
     fields would (``flags`` a set of /proc/cpuinfo flags)."""
     from firsttoken.kernels.cpu_features import CpuFeatures
-    from firsttoken.models.plan_values import Machine
+    from firsttoken.loading.plan_values import Machine
 
     if "flags" in cpu:
         cpu["flags"] = frozenset(cpu["flags"])

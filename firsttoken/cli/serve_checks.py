@@ -62,8 +62,8 @@ def check_serve_config(config: "ServeConfig", model_dir: Path) -> None:
         raise UsageError("--request-log", server.request_log, "its directory does not exist; create it first")
     model_config = check_checkpoint("--model" if config.model else "(demo checkpoint)", model_dir)
     _check_kv(config.engine, model_config)
-    if config.engine.quantization == "fp16":  # int8 runs everywhere (exact products: models/quant.py)
-        from firsttoken.models.quant import fp16_supported
+    if config.engine.quantization == "fp16":  # int8 runs everywhere (exact products: loading/quant.py)
+        from firsttoken.loading.quant import fp16_supported
 
         reason = fp16_supported()
         if reason is not None:
@@ -91,12 +91,10 @@ def check_checkpoint(flag: str, model_dir: Path) -> "ModelConfig":
 
 def _check_kv(config: "EngineConfig", model_config: "ModelConfig") -> None:
     """The pool must hold one block, and --max-model-len must fit the model and the pool (the engine's rule)."""
-    from firsttoken.engine.resolve import plan_kv_capacity
-    from firsttoken.kernels.cpu_features import CpuFeatures
-    from firsttoken.models.plan import resolve_dtype
-    from firsttoken.models.plan_values import TORCH_DTYPES
+    from firsttoken.engine.resolve import activation_dtype, plan_kv_capacity
+    from firsttoken.loading.plan_values import TORCH_DTYPES
 
-    dtype, _ = resolve_dtype(config.dtype, config.quantization, CpuFeatures.detect())
+    dtype = activation_dtype(config)  # the resolve step's answer for these flags (the model is not loaded yet)
     dtype_bytes = TORCH_DTYPES[dtype].itemsize
     block_bytes = model_config.kv_bytes_per_token(dtype_bytes) * config.cache.block_size
     if config.cache.kv_cache_memory_bytes < block_bytes:

@@ -29,8 +29,7 @@ IMAGE_GRID = (1, 16, 16)  # patches: 64 visual tokens at a 2x2 merge
 
 def calibrate(engine) -> None:  # engine: LLMEngine, on a scratch scheduler (engine.py imports this module)
     start = time.monotonic()
-    scratch, model = engine.scheduler, engine.cost_model
-    scratch.pacing.calibrating = True  # token budgets only while the model learns
+    model = engine.cost_model
     observer, engine.observer = engine.observer, NullObserver()
     try:
         _run(engine, [_request(engine, "calibrate-warmup", calibration_requests(engine, 2)[0].prompt_token_ids[:16],
@@ -43,7 +42,6 @@ def calibrate(engine) -> None:  # engine: LLMEngine, on a scratch scheduler (eng
         model.refit()
         model.prior = model.coef.copy()
     finally:
-        scratch.encoder_cache.drop_unpinned()
         _run(engine, [])  # hands the runner what it may drop (the requests, the images' outputs)
         engine.observer = observer
     log.info("step-cost model calibrated in %.1f s: %s", time.monotonic() - start,

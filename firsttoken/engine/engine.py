@@ -16,6 +16,7 @@ from firsttoken.batch import RunnerOutput, ScheduledBatch, ScheduledChunk
 from firsttoken.config import EngineConfig
 from firsttoken.engine.detokenizer import IncrementalDetokenizer, TokenDecoder
 from firsttoken.engine.resolve import ResolvedEngineConfig, resolve_engine_config
+from firsttoken.loading.plan_values import Machine
 from firsttoken.metrics.stats import (
     FinishedRequest,
     NullObserver,
@@ -23,7 +24,6 @@ from firsttoken.metrics.stats import (
     StepStats,
 )
 from firsttoken.metrics.timeline import Timeline
-from firsttoken.models.plan_values import Machine
 from firsttoken.models.registry import load_model_config
 from firsttoken.runner.executor import Executor, InProcessExecutor
 from firsttoken.runner.model_runner import FaultHook, ThreadPlan
@@ -93,16 +93,19 @@ class LLMEngine:
 
         if self.requests:
             raise RuntimeError("calibrate with requests in flight")
-        serving, self.scheduler = self.scheduler, self._new_scheduler()
+        serving, self.scheduler = self.scheduler, self._new_scheduler(calibrating=True)
         try:
             calibrate(self)
         finally:
             self.scheduler = serving
             self.num_images_encoded = self._num_steps = 0
 
-    def _new_scheduler(self) -> Scheduler:
+    def _new_scheduler(self, calibrating: bool = False) -> Scheduler:
+        """``calibrating``: a scratch one for calibrate: token budgets only, and no image output kept once its
+        request's prefill has passed it (its runner state is all released before serving starts)."""
         return Scheduler(self.config.scheduler, self.config.cache, self.capacity.num_blocks,
-                         self.capacity.max_model_len, self.resolved.encoder_cache_tokens, self.cost_model)
+                         self.capacity.max_model_len, 0 if calibrating else self.resolved.encoder_cache_tokens,
+                         self.cost_model, calibrating=calibrating)
 
     def _interrupt(self) -> bool:
         pending = self.short_request_pending
@@ -165,8 +168,8 @@ class LLMEngine:
         try:
             return expired + self._run(batch, step_start, deliver)
         finally:
-            for req, reason in self._ending or ():  # (an engine bug raised before the step closed)
-                self.scheduler.finish(req, reason)
+            if self._ending:  # (an engine bug raised before the step closed)
+                self.scheduler.update(None, None, self._ending)
             self._ending = None
 
     def _run(self, batch: ScheduledBatch, step_start: float,
@@ -362,8 +365,8 @@ class LLMEngine:
     def _finish(self, req: Request, reason: FinishReason) -> None:
         if self._ending is not None:
             self._ending.append((req, reason))
-        else:
-            self.scheduler.finish(req, reason)
+        else:  # between steps: the scheduler frees its blocks and encoder pins at once
+            self.scheduler.update(None, None, [(req, reason)])
         req.stamp("finished_s")
         self.requests.pop(req.request_id, None)
         self._detok.pop(req.request_id, None)

@@ -1,7 +1,7 @@
 """The one resolve step: the flags (``EngineConfig``), the checkpoint and the machine -> what the engine runs with.
 
 ``resolve_engine_config`` settles, once: the model's dtype, quantization, kernels and decode layers
-(models/plan.py's ``plan_model``, the only code that decides ``auto``), torch's threads, the KV pool's blocks and
+(loading/plan.py's ``plan_model``, the only code that decides ``auto``), torch's threads, the KV pool's blocks and
 context length, and the encoder cache's size in tokens. The engine is built from the ``ResolvedEngineConfig``, logs
 ``describe()`` once at start-up as one block, and ``GET /v1/engine/config`` reports ``as_dict()``; nothing
 downstream derives any of it again.
@@ -18,10 +18,10 @@ from typing import Any
 import torch
 
 from firsttoken.config import EngineConfig
-from firsttoken.models.config import ModelConfig
 from firsttoken.kernels.cpu_features import CpuFeatures
-from firsttoken.models.plan import plan_model, resolve_dtype
-from firsttoken.models.plan_values import TORCH_DTYPES, Machine, ModelPlan
+from firsttoken.loading.plan import plan_model, resolve_dtype
+from firsttoken.loading.plan_values import TORCH_DTYPES, Machine, ModelPlan
+from firsttoken.models.config import ModelConfig
 from firsttoken.models.registry import family_named, load_model_config
 from firsttoken.runner.model_runner import ThreadPlan
 
@@ -56,10 +56,16 @@ class KVCapacity:
         )
 
 
-def kv_dtype_bytes(config: EngineConfig, cpu: CpuFeatures | None = None) -> int:
-    """Bytes per element of the KV cache (the model's activations' dtype) for these flags on this CPU."""
+def activation_dtype(config: EngineConfig, cpu: CpuFeatures | None = None) -> str:
+    """The model's activations' dtype, and so the KV cache's, that these flags resolve to on this CPU (the same
+    answer ``plan_model`` gives: it does not depend on the checkpoint), for a check before the model loads."""
     name, _ = resolve_dtype(config.dtype, config.quantization, cpu or CpuFeatures.detect())
-    return TORCH_DTYPES[name].itemsize
+    return name
+
+
+def kv_dtype_bytes(config: EngineConfig, cpu: CpuFeatures | None = None) -> int:
+    """Bytes per element of the KV cache for these flags on this CPU."""
+    return TORCH_DTYPES[activation_dtype(config, cpu)].itemsize
 
 
 def plan_kv_capacity(model: ModelConfig, config: EngineConfig, dtype_bytes: int | None = None) -> KVCapacity:

@@ -2,7 +2,7 @@
 
 ``CpuFeatures.detect()`` reads it once (Linux: /proc/cpuinfo's flags and vendor; the architecture; torch's own
 dispatch level where the flags cannot be read). Everything that decides by the CPU (the kernels' build, the resolve
-step's ``auto`` choices in models/plan.py) takes a ``CpuFeatures`` as an argument, so a test states the CPU it
+step's ``auto`` choices in loading/plan.py) takes a ``CpuFeatures`` as an argument, so a test states the CPU it
 means (``CpuFeatures(flags=frozenset({"avx2", "fma", "avx512f"}), vendor="GenuineIntel")``) instead of patching
 detection.
 """
@@ -56,7 +56,7 @@ class CpuFeatures:
     @property
     def int8_dot_products(self) -> bool:
         """VNNI or AMX int8 instructions (AVX-512 VNNI, AVX-VNNI, AMX-INT8): where oneDNN's torch._int_mm may be
-        exact (models/quant.py checks it)."""
+        exact (loading/quant.py checks it)."""
         return any(self.has(f) for f in ("avx512_vnni", "avx_vnni", "amx_int8"))
 
     def summary(self) -> str:

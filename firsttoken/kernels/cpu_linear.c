@@ -492,16 +492,16 @@ LINEAR_RM(ft_linear_rm_bf16_avx2, uint16_t, rows_bf16_)
    instruction, k in order (lane l sums k = 32 j + 2 l and 2 l + 1 over j; vdpbf16ps treats denormal inputs as
    zero and rounds to nearest even), then one fixed tree over the lanes (l with l + 8, then + 4, + 2, + 1).
    Several outputs' trees run in one pass of shuffles and adds (red8, red16), each output's own additions the same
-   as red1's, so an output (m, n) is the same bits whatever M, the rows beside it and the thread count. Reading
-   several weight rows at once instead (a register tile of 2-4 weight rows x the rows of x) took ~2x the time at one
-   row and ~1.35x at eight on a 2-vCPU EPYC, the `small` checkpoint's weights coming from memory: the hardware
-   prefetcher keeps up with one sequential stream, not with several interleaved. */
+   as red1's, so an output (m, n) is the same bits whatever M, the rows beside it and the thread count. One weight
+   row at a time, not a register tile of several: the hardware prefetcher keeps up with one sequential stream, not
+   with several interleaved (the figures:
+   docs/runs/notes/2026-12-03-code-comment-figures.md#left-in-cpu_linearc-until-2026-12-05). */
 #define DPBF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")))
 #define AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq"))) /* a subset: inlined by DPBF16 ones */
 #define DP_INLINE __attribute__((always_inline)) static inline
 #define DP_ROWS 16 /* rows of x per pass over a weight row */
 /* passes of at least DP_PF_ROWS rows prefetch the weight row DP_PF rows ahead: they compute long enough per row for
-   the hardware prefetcher to fall behind (12-16 rows: ~0.75x the time without; 1 row: slower with it) */
+   the hardware prefetcher to fall behind; fewer rows leave it to the hardware */
 #define DP_PF 2
 #define DP_PF_ROWS 5
 
@@ -602,19 +602,19 @@ void ft_linear_rm_bf16(const float *x, int64_t ldx, const uint16_t *w, const flo
     free(xb);
 }
 
-/* ---- int8 weights (--quantization int8; models/quant.py) ----
+/* ---- int8 weights (--quantization int8; loading/quant.py) ----
 
    Weights are int8, input-major ([K, N], the layout torch._int_mm takes), one float scale per output column n;
    each input row is quantized to int8 with its own scale, and out = (float)(xq @ wq) * xscale[m] * wscale[n]
    (+ bias[n]), in that order. The int32 sums are exact, so any correct product gives the same numbers:
-   torch._int_mm for prefill where oneDNN multiplies int8 exactly (VNNI or AMX CPUs: models/quant.py decides),
+   torch._int_mm for prefill where oneDNN multiplies int8 exactly (VNNI or AMX CPUs: loading/quant.py decides),
    ft_int8_rows otherwise and for the few rows of a decode step (a quarter of float32's bytes).
    - ft_quant_rows: each row of x to int8 with its own symmetric scale (max |x| / 127; q = x * (1 / scale)
      rounded half to even); a row holding a NaN or an infinity gets scale NaN and zeros (its outputs are NaN), a row
      whose max |x| is under 127 x FLT_MIN gets scale 1 (zeros: its outputs are the bias).
    - ft_dequant: the scaling above, after torch._int_mm.
    - ft_int8_rows / ft_int8_linear: the products and the scaling, from int8 rows / from float rows.
-   All have torch twins in models/quant.py with the same arithmetic (bitwise the same results, for machines
+   All have torch twins in loading/quant.py with the same arithmetic (bitwise the same results, for machines
    without the kernels). A row's outputs depend on that row alone, whichever path and whatever shares the step. */
 
 static inline int32_t int16_pair(int8_t lo, int8_t hi) {
@@ -711,9 +711,9 @@ static void int8_rows_range_x32(const int8_t *xq, const int8_t *wt, int32_t *acc
 /* int8_rows_range_x32's sums (permuted the same way) from a blocked weight (cpu_linear.py's int8_pack: for each 32
    columns, for each 8 k, the 256 bytes x32_interleave gives, so 32 columns are one sequential run of K x 32 bytes):
    each 32 columns in turn, two rows at a time, their sums held in registers over all K while the block streams in
-   order, no weight shuffled at run time. Over small's language-model products, one thread, AVX2 EPYC (scratch
-   harness, the interleaving loop's time = 1): 1 row 0.53x, 2 rows 0.51x, 4 0.66x, 8 0.80x, 16 0.85x (the magnitudes
-   vpmaddubsw takes unsigned, |x| from the broadcast inputs in the loop, measured the same as read from a copy). */
+   order, no weight shuffled at run time (faster than interleaving at run time at 1-16 rows: the figures in
+   docs/runs/notes/2026-12-03-code-comment-figures.md#left-in-cpu_linearc-until-2026-12-05).
+   The magnitudes vpmaddubsw takes unsigned, |x|, are taken from the broadcast inputs in the loop, not a copy. */
 static inline __m256i bcast4(const int8_t *p) { /* 4 int8 in every 32-bit lane */
     int32_t v;
     memcpy(&v, p, 4);
@@ -885,8 +885,9 @@ static void i8_chunk(void *ctx, int64_t i) {
 }
 
 /* out [M, N] float32 = (float)(xq @ wt) * xscale[m] * wscale[n] (+ bias[n]) for M <= MAX_INT8_ROWS rows; threads
-   as ft_parallel's, one chunk of whole vectors of outputs per thread: each chunk packs the rows' input pairs again,
-   and chunk_size's four chunks a thread measured slower (batch 1 1.18x, batch 8 1.23x, in process, AVX2 EPYC) */
+   as ft_parallel's, one chunk of whole vectors of outputs per thread (not chunk_size's several: each chunk packs the
+   rows' input pairs again, which made more chunks slower:
+   docs/runs/notes/2026-12-03-code-comment-figures.md#left-in-cpu_linearc-until-2026-12-05) */
 static void int8_rows_block(const int8_t *xq, const float *xscale, const int8_t *wt, const float *wscale,
                             const float *bias, float *out, int64_t M, int64_t N, int64_t K, int threads,
                             int blocked) {
@@ -1011,7 +1012,7 @@ void ft_int8_linear_blk(const float *x, int64_t ldx, const int8_t *blk, const fl
     int8_linear(x, ldx, blk, wscale, bias, out, M, N, K, threads, 1);
 }
 
-/* ---- a whole decode step's decoder layers in one call (firsttoken/models/fused_decode.py) ----
+/* ---- a whole decode step's decoder layers in one call (firsttoken/loading/fused_decode.py) ----
 
    A decode step of a few rows spends most of its time outside the products when every op is a separate torch
    call (~1,400 per step for 8 layers). ft_decode_layers runs the decoder layers of Qwen2VLModel (Qwen2,

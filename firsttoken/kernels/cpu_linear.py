@@ -21,20 +21,20 @@ row-major, the narrowing down projection row-major); each layout has its kernel.
 same order whatever the number of rows and threads, so a request's decode products are bitwise the same whichever
 requests share its step.
 
-The same library holds ``--quantization int8``'s arithmetic (models/quant.py): each input row quantized to int8
+The same library holds ``--quantization int8``'s arithmetic (loading/quant.py): each input row quantized to int8
 with its own scale, the few rows of a decode step multiplied exactly in int32 against int8 weights (AVX-512 VNNI
 where the CPU has it, else AVX2), and the int32 products scaled back; each bitwise the same as its torch twin.
 
 The library also holds ``ft_decode_layers``: a decode step's decoder layers in one call around these products
-(models/fused_decode.py).
+(loading/fused_decode.py).
 
 Built with the machine's C compiler (``$CC``, else ``cc``/``gcc``: Debian's ``gcc`` package) into
 ``$FIRSTTOKEN_CACHE/kernels`` (default ``~/.cache/firsttoken/kernels``), once per source and flags, about a second;
 loaded with ctypes (the call releases the GIL). Where the CPU lacks AVX2/FMA, no compiler is found, the build fails
 or the built kernels disagree with torch on check products, ``kernel_unavailable()`` says why and the engine keeps
 torch's product (``--cpu-kernels off`` asks for that). Which layers take them is the model's plan
-(models/plan.py: for float32, ``auto`` also leaves Intel's AVX-512 CPUs to MKL); the layers' methods that call them
-are models/kernel_linear.py's, models/quant.py's and models/fused_decode.py's.
+(loading/plan.py: for float32, ``auto`` also leaves Intel's AVX-512 CPUs to MKL); the layers' methods that call them
+are loading/kernel_linear.py's, loading/quant.py's and loading/fused_decode.py's.
 """
 
 from __future__ import annotations

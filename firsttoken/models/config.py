@@ -135,6 +135,32 @@ def text_and_vision_dicts(d: dict[str, Any]) -> tuple[dict[str, Any], dict[str, 
     return d, d.get("vision_config") or {}, "original"
 
 
+QWEN_VL_TOKEN_IDS = {  # a Qwen-VL config.json's image/video token fields (top level), with the releases' values
+    "image_token_id": 151655,
+    "video_token_id": 151656,
+    "vision_start_token_id": 151652,
+    "vision_end_token_id": 151653,
+}
+
+
+def decoder_sizes(t: ConfigReader, hidden_size: int, num_heads: int) -> dict[str, int]:
+    """The decoder's sizes as every Qwen-VL text config names them, as ``ModelConfig`` fields (the KV heads default to
+    the attention heads); a required one that is missing raises ConfigError naming it."""
+    return {
+        "vocab_size": int(t.require("vocab_size")),
+        "hidden_size": hidden_size,
+        "intermediate_size": int(t.require("intermediate_size")),
+        "num_hidden_layers": int(t.require("num_hidden_layers")),
+        "num_attention_heads": num_heads,
+        "num_key_value_heads": int(t.get("num_key_value_heads", num_heads)),
+    }
+
+
+def vision_token_ids(d: dict[str, Any]) -> dict[str, int]:
+    """The image/video token ids of a Qwen-VL config.json, as ``ModelConfig`` fields (the releases' where absent)."""
+    return {name: int(d.get(name, default)) for name, default in QWEN_VL_TOKEN_IDS.items()}
+
+
 def eos_ids(value: Any) -> tuple[int, ...]:
     if isinstance(value, list):
         return tuple(int(v) for v in value)

@@ -4,7 +4,7 @@ the model is built, like a linear layer's method (models/linear.py).
 A model that takes a decode method holds it as ``model.decode`` and, in its forward, hands it the step's embeddings
 and rotary tables; the method returns the final-norm hidden states (``ForwardOutput``). ``EAGER`` runs the model's
 own ``decoder_layers`` (one op at a time: every step, any device). A faster method (the fused decode layers of
-models/fused_decode.py: a pure-decode step's layers in one C call) takes the steps it applies to and hands the rest
+loading/fused_decode.py: a pure-decode step's layers in one C call) takes the steps it applies to and hands the rest
 to the same ``decoder_layers``; model code calls the method and knows nothing else.
 
 What such a method may read of the model is what its family declares: a ``DecoderLayout`` (``ModelFamily

@@ -10,12 +10,12 @@ dtype, layout or device computes the product. The contract of a ``LinearMethod``
     apply(layer, x)          x [..., in_features] -> [..., out_features]: what ``nn.Linear`` computes, in the
                              method's arithmetic
 
-A layer's method is set by the loader before any weight is read (models/methods.py: from the resolved plan, the
+A layer's method is set by the loader before any weight is read (loading/methods.py: from the resolved plan, the
 layer's name and shape, and the machine's features), so the same model code runs float32 via torch, the few-rows
 CPU kernels, bf16 / fp16 / int8 weights, or a CUDA method. Until one is set a layer is ``nn.Linear`` (``TORCH``),
 so a module built in a test without the loader computes as before.
 
-This module imports no kernels: the methods that call them live in models/kernel_linear.py and models/quant.py.
+This module imports no kernels: the methods that call them live in loading/kernel_linear.py and loading/quant.py.
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ sequences back to back, ``[num_tokens, ...]`` rows, as ``AttentionMetadata`` des
 
 Every linear layer is a ``Linear`` and the decoder's layers run through ``model.decode``: which product method each
 layer takes and how the layers run (eager, or fused for decode steps) is chosen when the model is built
-(models/methods.py); nothing here asks which kernel or device computes it.
+(loading/methods.py); nothing here asks which kernel or device computes it.
 
 ``images`` place vision-tower output rows (``ImageRows``) over the image-pad tokens of this step's chunks; the
 tower runs once per image, unit by unit (``model.visual``), and a chunk that ends inside an image gets the rows it
@@ -32,10 +32,12 @@ from firsttoken.models.config import (
     ConfigReader,
     ModelConfig,
     VisionConfig,
+    decoder_sizes,
     default_mrope_section,
     eos_ids,
     image_processor_config,
     text_and_vision_dicts,
+    vision_token_ids,
 )
 from firsttoken.models.decode import EAGER, DecoderLayerParts, DecoderLayout
 from firsttoken.models.family import ModelFamily
@@ -243,22 +245,14 @@ def parse_config(d: dict[str, Any], preprocessor: dict[str, Any] | None) -> Mode
         raise ConfigError("config.json: hidden_size must be divisible by num_attention_heads")
     return ModelConfig(
         family=QWEN2_VL_NAME,
-        vocab_size=int(t.require("vocab_size")),
-        hidden_size=hidden,
-        intermediate_size=int(t.require("intermediate_size")),
-        num_hidden_layers=int(t.require("num_hidden_layers")),
-        num_attention_heads=num_heads,
-        num_key_value_heads=int(t.get("num_key_value_heads", num_heads)),
+        **decoder_sizes(t, hidden, num_heads),
         head_dim=head_dim,
         max_position_embeddings=int(t.get("max_position_embeddings", 32768)),
         rms_norm_eps=float(t.get("rms_norm_eps", 1e-6)),
         rope_theta=float(rope.get("rope_theta", text.get("rope_theta", 1_000_000.0))),
         mrope_section=tuple(rope.get("mrope_section") or default_mrope_section(head_dim)),
         tie_word_embeddings=bool(d.get("tie_word_embeddings", text.get("tie_word_embeddings", False))),
-        image_token_id=int(d.get("image_token_id", 151655)),
-        video_token_id=int(d.get("video_token_id", 151656)),
-        vision_start_token_id=int(d.get("vision_start_token_id", 151652)),
-        vision_end_token_id=int(d.get("vision_end_token_id", 151653)),
+        **vision_token_ids(d),
         vision=vision,
         image_processor=image_processor_config(preprocessor, IMAGE_PROCESSOR),
         hidden_act=str(t.get("hidden_act", "silu")),

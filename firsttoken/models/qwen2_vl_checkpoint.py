@@ -12,24 +12,20 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from firsttoken.models.qwen2_vl_vision import IMAGE_PROCESSOR
 from firsttoken.models.recipe import (
     MAX_POSITION_EMBEDDINGS,
     RMS_NORM_EPS,
     ROPE_THETA,
     TOKEN_IDS,
     VISION_TOKEN_IDS,
-    VOCAB_SIZE,
     CheckpointRecipe,
+    preprocessor_json,
+    text_shape_fields,
 )
 
 if TYPE_CHECKING:
     from transformers import Qwen2VLConfig
-
-CLIP_MEAN = [0.48145466, 0.4578275, 0.40821073]
-CLIP_STD = [0.26862954, 0.26130258, 0.27577711]
-MIN_PIXELS = 3136  # 56 * 56
-MAX_PIXELS = 12845056  # 14 * 14 * 4 * 16384
-
 
 @dataclass(frozen=True)
 class CheckpointShape:
@@ -62,12 +58,7 @@ SIZES: dict[str, CheckpointShape] = {
 def text_config_dict(shape: CheckpointShape) -> dict[str, Any]:
     """The language model's transformers ``text_config`` for ``shape`` (Qwen2 with M-RoPE), our tokenizer's ids."""
     return {
-        "vocab_size": VOCAB_SIZE,
-        "hidden_size": shape.hidden_size,
-        "intermediate_size": shape.intermediate_size,
-        "num_hidden_layers": shape.num_hidden_layers,
-        "num_attention_heads": shape.num_attention_heads,
-        "num_key_value_heads": shape.num_key_value_heads,
+        **text_shape_fields(shape),
         "max_position_embeddings": MAX_POSITION_EMBEDDINGS,
         "max_window_layers": shape.num_hidden_layers,
         "rms_norm_eps": RMS_NORM_EPS,
@@ -163,23 +154,10 @@ def original_config_dict(config: "Qwen2VLConfig", shape: CheckpointShape) -> dic
 
 def preprocessor_config_dict() -> dict[str, Any]:
     """Qwen2-VL image processor defaults, with both the ``size`` and the legacy min/max_pixels keys."""
-    return {
-        "do_convert_rgb": True,
-        "do_resize": True,
-        "do_rescale": True,
-        "rescale_factor": 1 / 255,
-        "do_normalize": True,
-        "image_mean": CLIP_MEAN,
-        "image_std": CLIP_STD,
-        "size": {"shortest_edge": MIN_PIXELS, "longest_edge": MAX_PIXELS},
-        "min_pixels": MIN_PIXELS,
-        "max_pixels": MAX_PIXELS,
-        "patch_size": 14,
-        "temporal_patch_size": 2,
-        "merge_size": 2,
-        "image_processor_type": "Qwen2VLImageProcessor",
-        "processor_class": "Qwen2VLProcessor",
-    }
+    p = IMAGE_PROCESSOR
+    legacy = {"do_convert_rgb": True, "do_resize": True, "do_rescale": True, "rescale_factor": 1 / 255,
+              "do_normalize": True, "min_pixels": p.min_pixels, "max_pixels": p.max_pixels}
+    return {**legacy, **preprocessor_json(p, "Qwen2VLImageProcessor", "Qwen2VLProcessor")}
 
 
 CHECKPOINT_RECIPE = CheckpointRecipe(

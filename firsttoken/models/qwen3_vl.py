@@ -23,9 +23,11 @@ from firsttoken.models.config import (
     ConfigReader,
     ModelConfig,
     VisionConfig,
+    decoder_sizes,
     eos_ids,
     image_processor_config,
     text_and_vision_dicts,
+    vision_token_ids,
 )
 from firsttoken.models.family import ModelFamily
 from firsttoken.models.qwen2_vl import QWEN_VL_WEIGHTS, Qwen2VLModel, decoder_layout
@@ -83,12 +85,7 @@ def parse_config(d: dict[str, Any], preprocessor: dict[str, Any] | None) -> Mode
         raise ConfigError("config.json: vision_config.out_hidden_size must equal text_config.hidden_size")
     return ModelConfig(
         family=QWEN3_VL_NAME,
-        vocab_size=int(t.require("vocab_size")),
-        hidden_size=hidden,
-        intermediate_size=int(t.require("intermediate_size")),
-        num_hidden_layers=int(t.require("num_hidden_layers")),
-        num_attention_heads=num_heads,
-        num_key_value_heads=int(t.get("num_key_value_heads", num_heads)),
+        **decoder_sizes(t, hidden, num_heads),
         head_dim=head_dim,
         max_position_embeddings=int(t.get("max_position_embeddings", 128000)),
         rms_norm_eps=float(t.get("rms_norm_eps", 1e-6)),
@@ -99,10 +96,7 @@ def parse_config(d: dict[str, Any], preprocessor: dict[str, Any] | None) -> Mode
         attention_bias=False,
         qk_norm=True,
         tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),  # top level only, as transformers reads it
-        image_token_id=int(d.get("image_token_id", 151655)),
-        video_token_id=int(d.get("video_token_id", 151656)),
-        vision_start_token_id=int(d.get("vision_start_token_id", 151652)),
-        vision_end_token_id=int(d.get("vision_end_token_id", 151653)),
+        **vision_token_ids(d),
         vision=vision,
         image_processor=image_processor_config(preprocessor, IMAGE_PROCESSOR),
         hidden_act=str(t.get("hidden_act", "silu")),

@@ -23,8 +23,9 @@ from firsttoken.models.recipe import (
     MAX_POSITION_EMBEDDINGS,
     RMS_NORM_EPS,
     TOKEN_IDS,
-    VOCAB_SIZE,
     CheckpointRecipe,
+    preprocessor_json,
+    text_shape_fields,
 )
 
 if TYPE_CHECKING:
@@ -109,12 +110,7 @@ def original_config_dict(config: "Qwen3VLConfig", shape: Qwen3VLShape) -> dict[s
 
 def _text_fields(shape: Qwen3VLShape) -> dict[str, Any]:
     return {
-        "vocab_size": VOCAB_SIZE,
-        "hidden_size": shape.hidden_size,
-        "intermediate_size": shape.intermediate_size,
-        "num_hidden_layers": shape.num_hidden_layers,
-        "num_attention_heads": shape.num_attention_heads,
-        "num_key_value_heads": shape.num_key_value_heads,
+        **text_shape_fields(shape),
         "head_dim": shape.head_dim,
         "hidden_act": "silu",
         "attention_bias": False,
@@ -147,25 +143,11 @@ def _vision_fields(shape: Qwen3VLShape) -> dict[str, Any]:
     }
 
 
-def preprocessor_config_dict() -> dict[str, Any]:
-    """Qwen3-VL's preprocessor_config.json (the releases' keys; transformers maps it to Qwen2VLImageProcessor)."""
-    p = IMAGE_PROCESSOR
-    return {
-        "size": {"longest_edge": p.max_pixels, "shortest_edge": p.min_pixels},
-        "patch_size": p.patch_size,
-        "temporal_patch_size": p.temporal_patch_size,
-        "merge_size": p.merge_size,
-        "image_mean": list(p.image_mean),
-        "image_std": list(p.image_std),
-        "processor_class": "Qwen3VLProcessor",
-        "image_processor_type": "Qwen2VLImageProcessorFast",
-    }
-
-
 CHECKPOINT_RECIPE = CheckpointRecipe(
     sizes=SIZES,
     hf_config=build_hf_config,
     hf_model="Qwen3VLForConditionalGeneration",
-    preprocessor=preprocessor_config_dict,
+    # the releases' preprocessor_config.json (transformers maps it to Qwen2VLImageProcessor)
+    preprocessor=lambda: preprocessor_json(IMAGE_PROCESSOR, "Qwen2VLImageProcessorFast", "Qwen3VLProcessor"),
     original_config=original_config_dict,
 )

@@ -11,6 +11,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from firsttoken.models.config import ImageProcessorConfig
 from firsttoken.models.train_tokenizer import NUM_BPE_TOKENS, SPECIAL_TOKENS
 
 LAYOUTS = ("transformers", "original")  # config.json + weight-name layouts a recipe may write
@@ -29,6 +30,34 @@ VISION_TOKEN_IDS: dict[str, int] = {  # a Qwen-VL config's fields naming its ima
     "vision_end_token_id": TOKEN_IDS["<|vision_end|>"],
 }
 VOCAB_SIZE = -(-NUM_TOKENIZER_TOKENS // VOCAB_PAD_MULTIPLE) * VOCAB_PAD_MULTIPLE  # rows in embed / lm_head
+
+
+def preprocessor_json(p: ImageProcessorConfig, image_processor_type: str, processor_class: str) -> dict[str, Any]:
+    """The preprocessor_config.json keys every Qwen-VL release writes, from the family's image processor settings
+    (pixel bounds in the ``size`` dict form)."""
+    return {
+        "size": {"shortest_edge": p.min_pixels, "longest_edge": p.max_pixels},
+        "patch_size": p.patch_size,
+        "temporal_patch_size": p.temporal_patch_size,
+        "merge_size": p.merge_size,
+        "image_mean": list(p.image_mean),
+        "image_std": list(p.image_std),
+        "image_processor_type": image_processor_type,
+        "processor_class": processor_class,
+    }
+
+
+def text_shape_fields(shape: Any) -> dict[str, Any]:
+    """The language model's sizes as every Qwen-VL text config names them (``shape``: a family's checkpoint shape),
+    with our tokenizer's padded vocabulary."""
+    return {
+        "vocab_size": VOCAB_SIZE,
+        "hidden_size": shape.hidden_size,
+        "intermediate_size": shape.intermediate_size,
+        "num_hidden_layers": shape.num_hidden_layers,
+        "num_attention_heads": shape.num_attention_heads,
+        "num_key_value_heads": shape.num_key_value_heads,
+    }
 
 
 def _same_name(name: str) -> str:

@@ -12,9 +12,9 @@ from pathlib import Path
 from typing import Protocol
 
 from firsttoken.batch import RunnerOutput, ScheduledBatch
+from firsttoken.loading.loader import build_model
+from firsttoken.loading.plan_values import Machine, ModelPlan
 from firsttoken.models.config import ModelConfig
-from firsttoken.models.loader import build_model
-from firsttoken.models.plan_values import Machine, ModelPlan
 from firsttoken.runner.kv_cache import allocate_kv_caches
 from firsttoken.runner.model_runner import FaultHook, ModelRunner, ThreadPlan
 from firsttoken.sampling.sampler import Sampler
@@ -53,7 +53,7 @@ class InProcessExecutor:
         threads: ThreadPlan | None = None,
         interrupt: Callable[[], bool] | None = None,
     ) -> None:
-        """``plan``: how the model runs here (models/plan.py, resolved by the engine); ``interrupt``: the runner
+        """``plan``: how the model runs here (loading/plan.py, resolved by the engine); ``interrupt``: the runner
         asks it between interruptible encoder units (ModelRunner)."""
         model = build_model(model_dir, plan, machine)
         kv_caches = allocate_kv_caches(model_config, num_kv_blocks, block_size, plan.torch_dtype, plan.device)

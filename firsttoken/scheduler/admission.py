@@ -157,9 +157,12 @@ class Admission:
         """A first token: the prediction given at admission against the TTFT measured from arrival."""
         self.ttft_bias.observe(num_images, predicted_s, measured_s)
 
-    def reset_backlog(self) -> None:
-        """A fresh scheduler's snapshot (after start-up calibration); the learnt bias stays."""
-        self.backlog = Backlog()
+    def observe_first_token(self, req: Request, sample_done_s: float) -> None:
+        """The request's first token was sampled at ``sample_done_s``: the prediction its admission gave (if any)
+        learns its error."""
+        er = req.engine_request
+        if er.predicted_ttft_s is not None:
+            self.observe_ttft(len(er.images), er.predicted_ttft_s, sample_done_s - er.arrival_s)
 
     def objective_at(self, req: Request) -> float:
         """When the request's class objective (--ttft-slo) runs out, on the scheduler's clock (inf: none)."""

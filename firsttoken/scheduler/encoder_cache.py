@@ -91,11 +91,6 @@ class EncoderCacheManager:
         for h in [h for h, users in self._users.items() if request_id in users]:
             self.release(request_id, h)
 
-    def drop_unpinned(self) -> None:
-        """Every entry no request needs, dropped (the runner is told by ``pop_freed``)."""
-        for h in [h for h in self._sizes if h not in self._users]:
-            self._drop(h)
-
     @property
     def has_freed(self) -> bool:
         return bool(self._freed)

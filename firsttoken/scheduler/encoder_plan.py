@@ -66,6 +66,16 @@ class EncoderPlanner:
             step.finishing_hashes.add(h)
         return finishes
 
+    def release_passed(self, req: Request, computed_len: int) -> None:
+        """The request's prefill has computed ``computed_len`` prompt tokens: unpin the images wholly before that (an
+        image sent twice is released after its last copy)."""
+        last_end: dict[str, int] = {}
+        for im in req.images:
+            last_end[im.content_hash] = max(last_end.get(im.content_hash, 0), im.end)
+        for h, end in last_end.items():
+            if end <= computed_len:
+                self.cache.release(req.request_id, h)
+
     def mark_interruptible(self, step: StepDraft) -> None:
         """Long-lane encoder work may be cut between units, unless a chunk of this step covers its image (that
         chunk needs the embeddings the work finishes); the step's cut span is what that work takes."""

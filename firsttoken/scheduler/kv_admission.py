@@ -8,7 +8,7 @@ fits, and anyone running may be preempted. Preemption itself (scheduler.py) is b
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Collection, Sequence
 
 from firsttoken.config import SchedulerConfig
 from firsttoken.kv.block_manager import KVCacheManager
@@ -33,12 +33,11 @@ class WholePrompt:
             return None
         return kv.allocate(req.request_id, want, req.block_hashes, max_cached)
 
-    def victim(self, running: Sequence[Request], req: Request, busy: Collection[str],
-               decoding: Callable[[Request], bool]) -> Request:
+    def victim(self, running: Sequence[Request], req: Request, busy: Collection[str]) -> Request:
         """Whose blocks ``req``'s growth takes: the latest-admitted running request with no work in the step
         (``busy``: the runner will write theirs) and no promise; else ``req`` itself."""
         for other in reversed(running):
-            if other is not req and other.request_id not in busy and self._may_preempt(decoding(other)):
+            if other is not req and other.request_id not in busy and self._may_preempt(other.is_decoding):
                 return other
         return req
 

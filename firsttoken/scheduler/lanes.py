@@ -123,6 +123,7 @@ class LeastWorkOrder:
     admissions."""
 
     merged = False
+    place_s = None  # no place in line: admission predicts a long request's wait from the lane's backlog
 
     def __init__(self, config: SchedulerConfig, work_s: Callable[[Request], float]) -> None:
         self.max_passes = config.long_max_passes
@@ -146,3 +147,12 @@ class LeastWorkOrder:
 
 
 LongOrder = DeadlineOrder | LeastWorkOrder
+
+
+def long_order(config: SchedulerConfig, is_priced: Callable[[], bool], place_work_s: Callable[[Request], float],
+               remaining_work_s: Callable[[Request], float]) -> LongOrder:
+    """The long lane's order, chosen once from ``--long-order``. ``place_work_s``: a request's predicted work from
+    where it would start now (its place in the deadline order); ``remaining_work_s``: from where it is."""
+    if config.long_order == "deadline":
+        return DeadlineOrder(config, is_priced, place_work_s)
+    return LeastWorkOrder(config, remaining_work_s)

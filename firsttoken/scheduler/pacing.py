@@ -33,13 +33,14 @@ ITL_FLOOR_S = 0.01  # a step bounded for a pace is never shorter (a model whose 
 
 class Pacing:
     def __init__(self, config: SchedulerConfig, block_size: int, cost_model: CostModel,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, calibrating: bool = False) -> None:
+        """``calibrating``: the engine's scratch scheduler while the cost model first learns (token budgets only)."""
         self.config = config
         self.block_size = block_size
         self.cost_model = cost_model
         self.clock = clock
         self.bounded = config.scheduling != "fcfs" and config.step_time_target != "off"  # chosen once
-        self.calibrating = False  # engine/calibration.py: token budgets only while the cost model first learns
+        self.calibrating = calibrating
         self._short_prompt_lens: deque[int] = deque(maxlen=256)  # recent short prompts: what the bound serves
         self._pace: dict[str, tuple[float, int]] = {}  # request id -> (first decode step's time, decode steps)
 
@@ -49,11 +50,6 @@ class Pacing:
     def forget(self, request_id: str) -> None:
         """Its token schedule restarts (preempted by recompute) or ends (finished)."""
         self._pace.pop(request_id, None)
-
-    def reset(self) -> None:
-        """Lane history and paces back to a fresh scheduler's (after start-up calibration)."""
-        self._short_prompt_lens.clear()
-        self._pace.clear()
 
     def step_budget(self, decoding: Sequence[Request], alone: bool) -> tuple[StepBudget, bool]:
         """(this step's budget, whether it is a throughput step). ``decoding``: the requests that will get their

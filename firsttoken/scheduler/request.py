@@ -12,6 +12,7 @@ import time
 from dataclasses import dataclass, field, replace
 from enum import Enum
 
+from firsttoken.batch import NewRequest
 from firsttoken.kv.prefix_cache import BlockHash, ImageSpan, compute_block_hashes
 from firsttoken.types import (
     EngineRequest,
@@ -69,6 +70,17 @@ class Request:
     @property
     def images(self) -> tuple[ImageItem, ...]:
         return self.engine_request.images
+
+    @property
+    def is_decoding(self) -> bool:
+        """Its next step computes one token: the KV of all but the last token (a generated one) is written."""
+        return bool(self.output_token_ids) and self.num_computed_tokens == self.num_tokens - 1
+
+    def for_runner(self) -> NewRequest:
+        """What the runner is sent at the request's first admission (its tensors, untouched)."""
+        er = self.engine_request
+        return NewRequest(self.request_id, er.prompt_token_ids, er.images, er.mrope_positions, er.mrope_delta,
+                          er.sampling)
 
     def stamp(self, name: str, t: float | None = None) -> None:
         """Set one of the stats' time marks once (later calls keep the first value)."""

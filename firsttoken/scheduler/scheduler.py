@@ -21,7 +21,7 @@ import time
 from collections.abc import Callable, Sequence
 from functools import partial
 
-from firsttoken.batch import NewRequest, RunnerOutput, ScheduledBatch, ScheduledChunk
+from firsttoken.batch import RunnerOutput, ScheduledBatch, ScheduledChunk
 from firsttoken.config import CacheConfig, SchedulerConfig
 from firsttoken.kv.block_manager import KVCacheManager
 from firsttoken.scheduler.admission import Admission, place_work_s, remaining_work_s
@@ -30,7 +30,8 @@ from firsttoken.scheduler.cost_model import CostModel
 from firsttoken.scheduler.encoder_cache import EncoderCacheManager
 from firsttoken.scheduler.encoder_plan import EncoderPlanner
 from firsttoken.scheduler.kv_admission import KV_ADMISSIONS
-from firsttoken.scheduler.lanes import FCFS, LONG, SHORT, DeadlineOrder, LaneQueues, LeastWorkOrder
+from firsttoken.scheduler.lanes import FCFS, LONG, SHORT, LaneQueues, long_order
+from firsttoken.scheduler.outbox import RunnerOutbox
 from firsttoken.scheduler.pacing import Pacing
 from firsttoken.scheduler.report import scheduler_stats
 from firsttoken.scheduler.request import Request, RequestStatus
@@ -41,8 +42,9 @@ from firsttoken.types import AdmissionVerdict, EngineStats, FinishReason, Prompt
 class Scheduler:
     def __init__(self, config: SchedulerConfig, cache_config: CacheConfig, num_kv_blocks: int, max_model_len: int,
                  encoder_capacity_tokens: int, cost_model: CostModel | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
-        """``clock``: the engine's (monotonic seconds); the fleet simulator passes its virtual one."""
+                 clock: Callable[[], float] = time.monotonic, calibrating: bool = False) -> None:
+        """``clock``: the engine's (monotonic seconds); the fleet simulator passes its virtual one. ``calibrating``:
+        the engine's scratch scheduler while the cost model first learns (engine/calibration.py)."""
         self.config = config
         self.clock = clock
         self.cost_model = cost_model or CostModel()  # fed each step's features and wall time (update)
@@ -54,22 +56,19 @@ class Scheduler:
         self.waiting = LaneQueues(config)
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}  # every live request, waiting or running
-        self.pacing = Pacing(config, self.block_size, self.cost_model, clock)
+        self.pacing = Pacing(config, self.block_size, self.cost_model, clock, calibrating)
         self.admission = Admission(config, self.kv, max_model_len, self.cost_model,
                                    lambda lane: len(self.waiting.queues[lane]), self.pacing.step_time_target, clock)
         self.encoder = EncoderPlanner(self.encoder_cache, self.cost_model, self.requests)
         # predicted seconds of a request's remaining prefill and encoder work (from ``start``: admission.py)
         self.remaining_work_s = partial(remaining_work_s, self.cost_model, self.encoder_cache)
         place_s = partial(place_work_s, self.cost_model, self.encoder_cache, self.kv, self.block_size)
-        self.long_order = (DeadlineOrder(config, lambda: self.cost_model.is_fitted, place_s)
-                           if config.long_order == "deadline" else LeastWorkOrder(config, self.remaining_work_s))
+        self.long_order = long_order(config, lambda: self.cost_model.is_fitted, place_s, self.remaining_work_s)
         self.num_steps = 0
         self.num_preemptions = 0
         self.preemptions_by_reason: dict[str, int] = {}
         self.long_wait_steps = 0  # consecutive steps the long lane had work but was held back
-        self._preempted: list[str] = []
-        self._new: list[NewRequest] = []  # first admissions since the last batch: the runner's first sight
-        self._finished_ids: list[str] = []  # requests the runner holds state for that finished since
+        self.outbox = RunnerOutbox()  # what the runner's next batch tells it besides the step's work
         self.last_step = StepDraft()  # what the last schedule() built (report.wait_reason reads it)
 
     # ---- requests in and out -------------------------------------------------------------------------------
@@ -103,7 +102,7 @@ class Scheduler:
         self._release(request)
         self.long_order.forget(request.request_id)
         if request.sent_to_runner:
-            self._finished_ids.append(request.request_id)
+            self.outbox.finished_ids.append(request.request_id)
 
     @property
     def has_work(self) -> bool:
@@ -113,11 +112,11 @@ class Scheduler:
     @property
     def needs_step(self) -> bool:
         """Requests to run, or runner state one more batch must release (finished requests, encoder outputs)."""
-        return self.has_work or bool(self._finished_ids or self.encoder_cache.has_freed)
+        return self.has_work or bool(self.outbox.finished_ids or self.encoder_cache.has_freed)
 
     # ---- one step -------------------------------------------------------------------------------------------
     def schedule(self) -> ScheduledBatch:
-        decoding = [r for r in self.running if _is_decoding(r)]
+        decoding = [r for r in self.running if r.is_decoding]
         budget, throughput = self.pacing.step_budget(decoding, alone=len(self.requests) == 1)
         step = StepDraft(throughput=throughput)
         for req in decoding:
@@ -134,34 +133,36 @@ class Scheduler:
                 self.encoder.mark_interruptible(step)
         step.full = budget.exhausted
         self.waiting.count_short_delays(step.has_long_work, self.num_steps)
-        preempted, self._preempted = tuple(self._preempted), []
-        step.preempted_ids = frozenset(preempted)
-        new, self._new = tuple(self._new), []
-        finished, self._finished_ids = tuple(self._finished_ids), []
+        told = self.outbox.take()
+        step.preempted_ids = frozenset(told.preempted_ids)
         self.num_steps += int(bool(step.chunks or step.encoder_work))
         self.last_step = step
-        pending = [r for r in self.requests.values() if not _is_decoding(r)]
-        place = self.long_order.place_s if isinstance(self.long_order, DeadlineOrder) else None
-        self.admission.observe_step(step, pending, len(self.requests), self.remaining_work_s, place)
-        return ScheduledBatch(new, tuple(step.chunks), tuple(step.encoder_work), self.encoder_cache.pop_freed(),
-                              preempted, finished, budget.features)
+        pending = [r for r in self.requests.values() if not r.is_decoding]
+        self.admission.observe_step(step, pending, len(self.requests), self.remaining_work_s, self.long_order.place_s)
+        return ScheduledBatch(tuple(told.new), tuple(step.chunks), tuple(step.encoder_work),
+                              self.encoder_cache.pop_freed(), tuple(told.preempted_ids), tuple(told.finished_ids),
+                              budget.features)
 
-    def update(self, batch: ScheduledBatch, result: RunnerOutput, finished: Sequence[tuple[Request, FinishReason]] = (),
+    def update(self, batch: ScheduledBatch | None, result: RunnerOutput | None,
+               finished: Sequence[tuple[Request, FinishReason]] = (),
                started_s: float | None = None) -> StepReport | None:
-        """Follow the runner's whole report of the step (with the encoder work it ran after the tokens went out):
-        units run, images it holds nothing for, chunks run (a failed or skipped one computed nothing). The step's
-        tokens are on their requests already; ``finished``, those the caller ended on them, are finished after their
-        chunks. With ``started_s`` (when the step began, on this clock) its wall time to now teaches the cost model
-        the work actually done (less units an interrupt cut), and the report says what the model predicted."""
+        """Follow what happened since the last schedule: the runner's whole report of the step (with the encoder work
+        it ran after the tokens went out: units run, images it holds nothing for, chunks run; a failed or skipped one
+        computed nothing), then ``finished``, the requests the caller ended: on the step's tokens (already on their
+        requests), or between steps with no batch and no result (an abort, a timeout). With ``started_s`` (when the
+        step began, on this clock) its wall time to now teaches the cost model the work actually done (less units an
+        interrupt cut), and the report says what the model predicted."""
+        if batch is None or result is None:
+            for req, reason in finished:
+                self.finish(req, reason)
+            return None
         self.encoder.record(batch, result)
         for chunk in batch.chunks:
             rid = chunk.request_id
             if rid not in result.failed and rid not in result.skipped_request_ids and rid in self.requests:
                 req = self.requests[rid]
-                er = req.engine_request
-                if rid in result.sampled and len(req.output_token_ids) == 1 and er.predicted_ttft_s is not None:
-                    # a first token: the admission's prediction learns its error
-                    self.admission.observe_ttft(len(er.images), er.predicted_ttft_s, result.sample_done_s - er.arrival_s)
+                if rid in result.sampled and len(req.output_token_ids) == 1:
+                    self.admission.observe_first_token(req, result.sample_done_s)
                 self._on_chunk_done(req, chunk)
         for req, reason in finished:
             self.finish(req, reason)
@@ -179,16 +180,11 @@ class Scheduler:
         req.num_computed_tokens = chunk.end
         if req.block_hashes:
             self.kv.cache_blocks(req.request_id, req.block_hashes, min(chunk.end, req.num_prompt_tokens))
-        last_end: dict[str, int] = {}  # an image sent twice is released after its last copy
-        for im in req.images:
-            last_end[im.content_hash] = max(last_end.get(im.content_hash, 0), im.end)
-        for h, end in last_end.items():
-            if end <= chunk.end:
-                self.encoder_cache.release(req.request_id, h)
+        self.encoder.release_passed(req, chunk.end)
 
     # ---- lanes ----------------------------------------------------------------------------------------------
     def _serve_long_lane(self, budget: StepBudget, step: StepDraft, held_by_short: bool) -> None:
-        if not (self.waiting.queues[LONG] or any(r.lane == LONG and not _is_decoding(r) for r in self.running)):
+        if not (self.waiting.queues[LONG] or any(r.lane == LONG and not r.is_decoding for r in self.running)):
             self.long_wait_steps = 0
             return
         aging = self.long_wait_steps >= self.config.long_max_wait_steps
@@ -200,7 +196,7 @@ class Scheduler:
 
     def _short_lane_idle(self) -> bool:
         return not self.waiting.queues[SHORT] and not any(
-            r.lane == SHORT and not _is_decoding(r) for r in self.running)
+            r.lane == SHORT and not r.is_decoding for r in self.running)
 
     def _serve_lane(self, lane: str, budget: StepBudget, step: StepDraft, whole_prompt: bool) -> bool:
         """Prefill work of one lane: running prefills first, then admissions, in arrival order. True if anything was
@@ -208,7 +204,7 @@ class Scheduler:
         running and waiting requests alike; least-work serves running prefills first, each in the order."""
         before = len(step.chunks) + len(step.encoder_work)
         ordered = lane == LONG and (budget.bounded or budget.whole_images)
-        running = [r for r in self.running if r.lane == lane and not _is_decoding(r)]
+        running = [r for r in self.running if r.lane == lane and not r.is_decoding]
         queue = self.waiting.queues[lane]
 
         def out_of_budget() -> bool:  # a step's first short prefill is whole (a short prompt is one step), time or not
@@ -238,7 +234,7 @@ class Scheduler:
         served = len(step.chunks) + len(step.encoder_work) > before
         if ordered and served:
             self.long_order.after_serve(step.scheduled_ids, [r for r in self.running if r.lane == LONG
-                                                             and not _is_decoding(r)] + list(queue))
+                                                             and not r.is_decoding] + list(queue))
         return served
 
     def _serve_in_order(self, ordered: list[Request], budget: StepBudget, step: StepDraft,
@@ -266,9 +262,7 @@ class Scheduler:
             return False
         self.waiting.remove(req)
         if not req.sent_to_runner:
-            er = req.engine_request
-            self._new.append(NewRequest(req.request_id, er.prompt_token_ids, er.images, er.mrope_positions,
-                                        er.mrope_delta, er.sampling))
+            self.outbox.new.append(req.for_runner())
             req.sent_to_runner = True
         req.status = RequestStatus.RUNNING
         req.num_computed_tokens = num_cached
@@ -303,7 +297,7 @@ class Scheduler:
         if not self._ensure_blocks(req, req.num_computed_tokens + num_new, step):
             return
         start = req.num_computed_tokens
-        is_decode = _is_decoding(req)
+        is_decode = req.is_decoding
         before = budget.spent_s
         budget.take_chunk(num_new, start, samples=start + num_new == req.num_tokens, is_decode=is_decode)
         step.charge(req.request_id, req.lane, is_decode, budget.spent_s - before)
@@ -319,9 +313,9 @@ class Scheduler:
         """Grow req's block table to num_tokens; when the pool is dry, preempt a victim (kv_admission.py) until it
         fits. The preemption is labelled by its cause: the growth of a decode or of a prefill chunk (only optimistic
         admission lets a prefill grow). False when req itself was the victim."""
-        cause = "decode_growth" if _is_decoding(req) else "prefill_growth"
+        cause = "decode_growth" if req.is_decoding else "prefill_growth"
         while self.kv.allocate(req.request_id, num_tokens) is None:
-            victim = self.kv_admission.victim(self.running, req, step.scheduled_ids, _is_decoding)
+            victim = self.kv_admission.victim(self.running, req, step.scheduled_ids)
             self._preempt(victim, cause)
             if victim is req:
                 return False
@@ -336,7 +330,7 @@ class Scheduler:
         req.count("num_preemptions")
         self.num_preemptions += 1
         self.preemptions_by_reason[reason] = self.preemptions_by_reason.get(reason, 0) + 1
-        self._preempted.append(req.request_id)
+        self.outbox.preempted_ids.append(req.request_id)
         self.waiting.appendleft(req)
 
     def _release(self, req: Request) -> None:
@@ -354,6 +348,3 @@ class Scheduler:
         self.kv.check_invariants()
         self.encoder_cache.check_invariants()
 
-
-def _is_decoding(req: Request) -> bool:
-    return bool(req.output_token_ids) and req.num_computed_tokens == req.num_tokens - 1

@@ -27,8 +27,9 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("inputs",),  # prompts -> EngineRequest
     ("engine",),  # the step loop, the asyncio bridge, detokenizer
     ("scheduler", "runner"),  # bookkeeping (ints only) / tensors, behind the Executor
+    ("loading",),  # a model built for this machine: the plan (auto settled), each linear layer's method, the loader
     ("models", "sampling", "kv", "metrics", "structured"),  # structured: grammars, matchers, the bitmask
-    ("attention", "kernels"),  # the backend contract models use; the CPU kernels models' layers call
+    ("attention", "kernels"),  # the backend contract models use; the CPU kernels loading's layer methods call
     ("batch", "config"),  # scheduler -> runner values; the config tree
     ("types", "quoting", "units", "version"),  # leaves
 )

@@ -187,7 +187,7 @@ class MemoryBudget:
 
 def _weights_bytes(shape: ModelShape, inputs: PlanInputs, lm: int, vision: int) -> int:
     """Parameters x dtype bytes; with fp16 or bf16 quantization the language model's linear layers at 2 bytes, plus
-    a 2-byte lm_head beside tied embeddings (models/quant.py); its norms and biases (float32 there, a few thousand
+    a 2-byte lm_head beside tied embeddings (loading/quant.py); its norms and biases (float32 there, a few thousand
     parameters) are counted at 2 bytes too. With int8 the vision tower's parameters are counted at 1 byte as well,
     and the language model's at 1 (float32 embeddings kept for lookups; an int8 lm_head beside tied ones); norms,
     biases, the patch embedding and the per-row scales (4 bytes per output row, under 1% of a layer) are not told

@@ -115,7 +115,7 @@ def test_a_batch_takes_one_sampling_per_conversation(llm: LLM):
 
 
 def test_fp16_weights_through_the_engine_give_the_float32_answers(llm: LLM, tiny_model_dir: Path):
-    from firsttoken.models.quant import Fp16Weights
+    from firsttoken.loading.quant import Fp16Weights
 
     fp16 = LLM(tiny_model_dir, quantization="fp16", kv_cache_memory="16MiB", max_batched_tokens=256)
     model = fp16.engine.executor.runner.model
@@ -133,8 +133,8 @@ def test_bf16_weights_through_the_engine_decode_in_the_fused_layers(llm: LLM, ti
     """--quantization bf16: float32 activations (--dtype auto), bf16 linear weights; decode steps take the fused
     layers. The tiny checkpoint is float32, so its weights are rounded: the answers are close to float32's (exact
     against a checkpoint of bf16 values: tests/oracle/test_quantization.py)."""
-    from firsttoken.models.fused_decode import FusedDecode
-    from firsttoken.models.quant import Bf16Weights
+    from firsttoken.loading.fused_decode import FusedDecode
+    from firsttoken.loading.quant import Bf16Weights
     from tests.conftest import require_program
 
     require_program("cc", "gcc", "gcc")  # the kernels that read bf16 weights in decode steps are built with it
@@ -178,7 +178,7 @@ def test_a_bf16_checkpoint_keeps_its_bf16_weights_by_default_where_activations_a
 def test_int8_weights_through_the_engine_answer_like_float32_and_regress_runs_unchanged(
         llm: LLM, tiny_model_dir: Path, tmp_path: Path, capsys):
     from firsttoken.cli.main import main
-    from firsttoken.models.quant import Int8Weights
+    from firsttoken.loading.quant import Int8Weights
     from tests.e2e.conftest import start_server, stop_server
 
     int8 = LLM(tiny_model_dir, quantization="int8", kv_cache_memory="16MiB", max_batched_tokens=256)

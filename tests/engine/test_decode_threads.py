@@ -14,7 +14,7 @@ from firsttoken.engine.engine import LLMEngine
 from firsttoken.inputs.processor import InputProcessor
 from firsttoken.kernels import cpu_linear
 from firsttoken.kernels.cpu_linear import kernel_pool_threads
-from firsttoken.models.fused_decode import FusedDecode
+from firsttoken.loading.fused_decode import FusedDecode
 from firsttoken.runner.model_runner import DEFAULT_THREADS
 from tests.engine.test_faults import chat, image_question, run_all
 

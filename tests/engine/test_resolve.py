@@ -91,7 +91,7 @@ def test_cpu_kernels_off_neither_builds_nor_reads_the_kernels(tiny_model_dir: Pa
     import subprocess
     import sys
 
-    from firsttoken.models.plan_values import Machine
+    from firsttoken.loading.plan_values import Machine
 
     off = EngineConfig(cpu_kernels="off")
     assert Machine.detect(build_kernels=False).kernels is None

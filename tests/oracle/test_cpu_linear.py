@@ -17,11 +17,11 @@ from torch import nn
 from firsttoken.kernels import cpu_linear
 from firsttoken.kernels.cpu_features import CpuFeatures
 from firsttoken.kernels.cpu_linear import MAX_ROWS, MAX_ROWS_BF16, MAX_ROWS_BF16_DP, kernel_takes
-from firsttoken.models.kernel_linear import FewRowsKernel
+from firsttoken.loading.kernel_linear import FewRowsKernel
+from firsttoken.loading.loader import load_model
+from firsttoken.loading.plan import kernels_skipped
+from firsttoken.loading.plan_values import Machine
 from firsttoken.models.linear import Linear
-from firsttoken.models.loader import load_model
-from firsttoken.models.plan import kernels_skipped
-from firsttoken.models.plan_values import Machine
 from tests.conftest import require_program
 from tests.helpers import layers_with, machine_with_cpu, torch_layers
 
@@ -408,7 +408,7 @@ def _product(kernel: cpu_linear._Kernel, x: torch.Tensor, w: torch.Tensor, threa
 
 def test_int8_products_on_the_kernels_own_threads_are_bitwise_openmps(kernel_built):
     """--quantization int8's products in a fused decode step run on the kernels' own threads: the same numbers."""
-    from firsttoken.models.quant import Int8Weights, int_mm_exact
+    from firsttoken.loading.quant import Int8Weights, int_mm_exact
 
     g = torch.Generator().manual_seed(8)
     method = Int8Weights(cpu_linear.built_kernels(), int_mm_exact(CpuFeatures.detect()))

@@ -28,9 +28,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from firsttoken.loading.loader import load_model
 from firsttoken.models.checkpoint import make_model
 from firsttoken.models.family import ModelFamily
-from firsttoken.models.loader import load_model
 from firsttoken.models.registry import load_model_config
 from tests.oracle.parity import (
     TOL,

@@ -1,4 +1,4 @@
-"""A decode step's decoder layers in one C call (firsttoken/models/fused_decode.py), bf16 and float32: as accurate
+"""A decode step's decoder layers in one C call (firsttoken/loading/fused_decode.py), bf16 and float32: as accurate
 as the eager layers against a float64 model holding the same weights, a row bitwise the same whatever shares its
 step, the paged cache written at the rows' slots only, and taken exactly where it applies."""
 
@@ -13,10 +13,10 @@ import torch
 from firsttoken.attention.base import AttentionMetadata
 from firsttoken.kernels import cpu_linear
 from firsttoken.kernels.cpu_features import CpuFeatures
+from firsttoken.loading.fused_decode import FusedDecode
+from firsttoken.loading.loader import load_model
 from firsttoken.models.checkpoint import make_model
 from firsttoken.models.decode import EAGER
-from firsttoken.models.fused_decode import FusedDecode
-from firsttoken.models.loader import load_model
 
 BLOCK = 16
 

@@ -19,15 +19,15 @@ from torch import nn
 
 from firsttoken.kernels import cpu_linear
 from firsttoken.kernels.cpu_features import CpuFeatures
-from firsttoken.models import quant
+from firsttoken.loading import quant
+from firsttoken.loading.fused_decode import FusedDecode
+from firsttoken.loading.loader import load_model, stored_linear_dtypes
+from firsttoken.loading.plan import plan_model
+from firsttoken.loading.plan_values import Machine
+from firsttoken.loading.quant import Bf16Weights, Fp16Weights, Int8Weights, dequantize_rows, quantize_rows
 from firsttoken.models.checkpoint import make_model
 from firsttoken.models.decode import EAGER
-from firsttoken.models.fused_decode import FusedDecode
 from firsttoken.models.linear import Linear
-from firsttoken.models.loader import load_model, stored_linear_dtypes
-from firsttoken.models.plan import plan_model
-from firsttoken.models.plan_values import Machine
-from firsttoken.models.quant import Bf16Weights, Fp16Weights, Int8Weights, dequantize_rows, quantize_rows
 from tests.conftest import require_program
 from tests.helpers import layers_with, torch_layers
 from tests.oracle.parity import (

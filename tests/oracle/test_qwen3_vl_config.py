@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from firsttoken.loading.loader import load_model
 from firsttoken.models.checkpoint import make_model
 from firsttoken.models.layers import mrope_cos_sin
-from firsttoken.models.loader import load_model
 from firsttoken.models.mrope import compute_mrope_positions
 from firsttoken.models.qwen3_vl_checkpoint import SIZES, build_hf_config
 from firsttoken.models.registry import load_model_config

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import torch
 
+from firsttoken.loading.loader import load_model
 from firsttoken.models.family import ModelFamily
 from firsttoken.models.interfaces import ImageEmbeddings
-from firsttoken.models.loader import load_model
 from firsttoken.models.registry import load_model_config
 from firsttoken.models.vision_units import MAX_UNIT_PAIRS
 

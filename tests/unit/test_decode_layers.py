@@ -74,9 +74,9 @@ def test_float32_weights_stay_row_major_where_the_kernels_decode_without_avx512(
     checkpoint's row-major layout (that loop streams them faster); elsewhere (AVX-512, MKL's products, quantized
     weights) they are stored input-major as before; the vision tower's always keep the checkpoint's. The values
     never change."""
-    from firsttoken.models.fused_decode import FusedDecode
-    from firsttoken.models.loader import load_model
-    from firsttoken.models.plan import keeps_row_major
+    from firsttoken.loading.fused_decode import FusedDecode
+    from firsttoken.loading.loader import load_model
+    from firsttoken.loading.plan import keeps_row_major
     from tests.conftest import require_program
     from tests.helpers import machine_with_cpu
 

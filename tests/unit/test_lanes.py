@@ -211,10 +211,13 @@ def test_whole_prompt_admission_keeps_its_promise_under_random_arrivals_aborts_a
     assert set(sched.preemptions_by_reason) == {"decode_growth"}
 
 
-POLICIES = {
+POLICIES = {  # every policy the config picks once: pacing, the long lane's order, KV admission, interrupts, fcfs
     "lanes, token budget": dict(step_time_target="off"),
     "lanes, time bound": dict(step_time_target="0.06"),
+    "lanes, auto time bound and throughput steps": dict(step_time_target="auto"),
+    "lanes, time bound and ITL pace": dict(step_time_target="0.06", itl_target="0.03"),
     "lanes, time bound, least-work": dict(step_time_target="0.06", long_order="least-work"),
+    "lanes, time bound, no encoder interrupt": dict(step_time_target="0.06", encoder_interrupt=False),
     "lanes, optimistic admission": dict(step_time_target="off", kv_admission="optimistic"),
     "fcfs": dict(scheduling="fcfs"),
 }

@@ -12,6 +12,11 @@ def test_no_import_points_up_or_sideways():
     assert violations(imports) == []
 
 
+def test_no_model_module_imports_the_kernels():
+    # model code calls its layers; which kernel a layer runs is chosen once in loading/ (STYLE rule 26)
+    assert [f"{i.module}:{i.line}" for i in iter_imports() if i.source == "models" and i.target == "kernels"] == []
+
+
 def test_the_check_catches_an_upward_import(tmp_path):
     pkg = tmp_path / "firsttoken"
     (pkg / "scheduler").mkdir(parents=True)

@@ -4,7 +4,7 @@
 with firsttoken's kernels (kernels/cpu_linear.py: each weight read once in one sweep, every row using it while it
 is in cache); larger inputs (a prefill's), and anything autograd must see, take ``F.linear`` on the same weight.
 The weight keeps the model's dtype (float32 or bfloat16) in the layout the plan gave it: row-major, or, where
-``input_major`` (widening float32 weights on AVX-512 CPUs: models/plan.py ``keeps_row_major``), as
+``input_major`` (widening float32 weights on AVX-512 CPUs: loading/plan.py ``keeps_row_major``), as
 ``TorchLinear`` stores it. A bfloat16 weight's bias is widened once (``layer.bias32``): the kernel sums in float32.
 """
 
@@ -45,7 +45,7 @@ class FewRowsKernel:
         out = self.kernels.linear(rows, weight, layer.bias)
         return out.view(*x.shape[:-1], layer.out_features)
 
-    # ---- what the fused decode layers read (models/fused_decode.py)
+    # ---- what the fused decode layers read (loading/fused_decode.py)
     def fuses(self, in_features: int, out_features: int, dtype: torch.dtype) -> bool:
         """Whether the fused decode layers run this product for ``dtype`` activations: the kernels take its shape
         and layout (the weight is in the model's dtype)."""

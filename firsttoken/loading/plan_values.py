@@ -1,5 +1,5 @@
-"""The plan's values (models/plan.py): the ``Machine`` it reads and the ``ModelPlan`` it settles, plain data apart
-from the rules that decide them, so that models/methods.py, which plan.py asks, names them without a circle."""
+"""The plan's values (loading/plan.py): the ``Machine`` it reads and the ``ModelPlan`` it settles, plain data apart
+from the rules that decide them, so that loading/methods.py, which plan.py asks, names them without a circle."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import torch
 from firsttoken.config import Device, ResolvedDtype, ResolvedQuantization
 from firsttoken.kernels.cpu_features import CpuFeatures
 from firsttoken.kernels.cpu_linear import built_kernels, kernel_unavailable
-from firsttoken.models.quant import fp16_supported, int_mm_exact
+from firsttoken.loading.quant import fp16_supported, int_mm_exact
 
 TORCH_DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16,
                                         "float16": torch.float16, "float64": torch.float64}  # float64: tests' twins
@@ -25,7 +25,7 @@ class Machine:
     cpu: CpuFeatures
     kernels: Any  # firsttoken's kernels (kernels/cpu_linear.py), built and self-checked here; None where not
     kernels_unavailable: str | None  # why not, or None
-    int_mm_exact: bool  # torch._int_mm multiplies int8 exactly here (models/quant.py)
+    int_mm_exact: bool  # torch._int_mm multiplies int8 exactly here (loading/quant.py)
     fp16_unavailable: str | None  # why FBGEMM's fp16 GEMM cannot run here, or None
 
     @staticmethod

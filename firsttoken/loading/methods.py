@@ -5,7 +5,7 @@ is read (vLLM's ``quant_method``, picked per layer from the quantization config)
 decode method (models/decode.py); after the checkpoint is loaded, ``process_weights(model)`` lets each method keep
 its layer's weights as it computes with them. The rules, per linear layer (its name in the model, its shape):
 
-    --quantization int8    every layer but the vision tower's patch embedding: int8 weights (models/quant.py)
+    --quantization int8    every layer but the vision tower's patch embedding: int8 weights (loading/quant.py)
     --quantization fp16    the language model's (names outside ``visual.``): packed float16 weights
     --quantization bf16    the language model's: bf16 weights beside float32 activations
     none                   the language model's: the few-rows kernels where the plan takes them and the kernels
@@ -24,13 +24,13 @@ import torch
 from torch import nn
 
 from firsttoken.kernels.cpu_linear import kernel_takes
+from firsttoken.loading.fused_decode import FusedDecode, fused_decode_unsupported, method_fuses
+from firsttoken.loading.kernel_linear import FewRowsKernel
+from firsttoken.loading.plan_values import Machine, ModelPlan
+from firsttoken.loading.quant import INT8_KEEPS_FLOAT, Bf16Weights, Fp16Weights, Int8Weights
 from firsttoken.models.decode import EAGER, DecoderLayout
-from firsttoken.models.fused_decode import FusedDecode, fused_decode_unsupported, method_fuses
 from firsttoken.models.interfaces import DecodeMethod
-from firsttoken.models.kernel_linear import FewRowsKernel
 from firsttoken.models.linear import TORCH, Linear, LinearMethod, TorchLinear
-from firsttoken.models.plan_values import Machine, ModelPlan
-from firsttoken.models.quant import INT8_KEEPS_FLOAT, Bf16Weights, Fp16Weights, Int8Weights
 
 VISION_PREFIX = "visual."  # the vision tower's layers: outside the language model's methods
 

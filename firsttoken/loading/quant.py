@@ -1,5 +1,5 @@
 """Weights stored in fewer bytes for the CPU (``--quantization``): each a linear layer's method (models/linear.py),
-which layers take which is the plan's (models/methods.py).
+which layers take which is the plan's (loading/methods.py).
 
 ``fp16``: every linear layer of the language model (attention q/k/v and output, the MLP, the lm_head) keeps its
 weight as float16, packed once at load for FBGEMM's AVX2 kernel, which converts the weights to float32 on the fly
@@ -25,7 +25,7 @@ docs/performance.md (on the 2-layer test checkpoint 97-98% of the oracle prompts
 tests/oracle/test_quantization.py).
 
 ``bf16`` (what ``auto`` picks for a checkpoint stored in bf16 run with float32 activations: ``auto_quantization`` in
-models/plan.py): every linear layer of the language model (the lm_head included) keeps its weight as bfloat16,
+loading/plan.py): every linear layer of the language model (the lm_head included) keeps its weight as bfloat16,
 row-major; activations, biases, norms and the KV cache stay float32, and every product sums in float32. The few rows
 of a decode step run firsttoken's kernel, which reads the bf16 weights (half float32's bytes: what bounds a decode
 step on a CPU) and widens each exactly to float32 (AVX2; the fused decode layers take them the same way); a
@@ -158,7 +158,7 @@ class Bf16Weights:
             out = F.linear(rows, _widened(layer.weight), layer.bias)
         return out.view(*x.shape[:-1], layer.out_features)
 
-    # ---- what the fused decode layers read (models/fused_decode.py)
+    # ---- what the fused decode layers read (loading/fused_decode.py)
     def fuses(self, in_features: int, out_features: int, dtype: torch.dtype) -> bool:
         return dtype == torch.float32 and self.takes(in_features, out_features)
 
@@ -300,7 +300,7 @@ class Int8Weights:
                                   layer.bias, kernel)
         return out.view(*x.shape[:-1], layer.out_features)
 
-    # ---- what the fused decode layers read (models/fused_decode.py)
+    # ---- what the fused decode layers read (loading/fused_decode.py)
     def fuses(self, in_features: int, out_features: int, dtype: torch.dtype) -> bool:
         return dtype == torch.float32 and self.kernels is not None and in_features % 8 == 0 \
             and out_features % 8 == 0

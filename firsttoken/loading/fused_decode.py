@@ -15,7 +15,7 @@ kernels run too, the model's final norm and its lm_head run in the same call whe
 logits (``ForwardOutput.logits``): Python is entered once per step, after the logits, instead of once more between
 two calls that stream weights (the first op after one runs from cold caches).
 
-``FusedDecode`` is a decode method (models/decode.py): the plan takes it (models/plan.py) where the few-rows kernels
+``FusedDecode`` is a decode method (models/decode.py): the plan takes it (loading/plan.py) where the few-rows kernels
 are taken (``--cpu-kernels``) for a bfloat16 or float32 language model on the CPU with the SDPA backend, and for
 float32 activations with bf16 weights (``--quantization bf16``: each product reads its bf16 weight as the eager
 ``Bf16Weights`` method does) or int8 weights (``--quantization int8``: each product quantizes its rows and
@@ -60,7 +60,7 @@ class _Layer(ctypes.Structure):
 
 
 class FusedMethod(Protocol):
-    """A linear method whose products the fused layers run themselves (models/kernel_linear.py's, models/quant.py's
+    """A linear method whose products the fused layers run themselves (loading/kernel_linear.py's, loading/quant.py's
     bf16 and int8 weights)."""
 
     def fuses(self, in_features: int, out_features: int, dtype: torch.dtype) -> bool:

@@ -2,7 +2,7 @@
 included, in one place (``plan_model``), from the flags, the checkpoint and the machine.
 
 The result is a ``ModelPlan``: plain values, each choice with the reason it went that way, so the engine logs it
-once, ``GET /v1/engine/config`` reports it, and the loader builds from it (models/methods.py picks each layer's
+once, ``GET /v1/engine/config`` reports it, and the loader builds from it (loading/methods.py picks each layer's
 method by it); nothing downstream asks ``auto`` again. The machine is a ``Machine`` value (its CPU's features, the
 kernels built and self-checked here or why not, torch's probes): ``Machine.detect()`` in production, a value of
 the test's own in tests.
@@ -26,9 +26,9 @@ from firsttoken.config import (
     check_choice,
 )
 from firsttoken.kernels.cpu_features import CpuFeatures
-from firsttoken.models.methods import LayerMethods
-from firsttoken.models.plan_values import TORCH_DTYPES, Machine, ModelPlan
-from firsttoken.models.quant import int8_paths, single_thread_entry_point
+from firsttoken.loading.methods import LayerMethods
+from firsttoken.loading.plan_values import TORCH_DTYPES, Machine, ModelPlan
+from firsttoken.loading.quant import int8_paths, single_thread_entry_point
 from firsttoken.models.registry import family_of, load_model_config
 from firsttoken.models.weight_files import stored_linear_dtypes
 

@@ -1,7 +1,7 @@
 """Load a checkpoint (safetensors, single file or sharded) into its family's model, as its plan says.
 
 The family says how checkpoint names map onto our parameters (models/weights.py: prefixes, stacked projections,
-reshapes); the plan (models/plan.py) says how the model runs here, and models/methods.py turns it into each layer's
+reshapes); the plan (loading/plan.py) says how the model runs here, and loading/methods.py turns it into each layer's
 method before any weight is read. This module builds the model on the meta device, binds the methods, reads the
 files and hands the weights to the methods. Tensors are read one at a time and cast straight to the target dtype,
 so a bf16 load never holds an fp32 copy of the model.
@@ -20,9 +20,9 @@ from firsttoken.attention.base import AttentionBackend
 from firsttoken.attention.registry import get_backend
 from firsttoken.attention.sdpa import SdpaBackend
 from firsttoken.config import CpuKernels, Quantization
-from firsttoken.models.methods import LayerMethods
-from firsttoken.models.plan import plan_model
-from firsttoken.models.plan_values import Machine, ModelPlan
+from firsttoken.loading.methods import LayerMethods
+from firsttoken.loading.plan import plan_model
+from firsttoken.loading.plan_values import Machine, ModelPlan
 from firsttoken.models.registry import family_of, load_model_config
 from firsttoken.models.weight_files import safetensors_files, stored_linear_dtypes
 
@@ -41,7 +41,7 @@ def load_model(
 ) -> nn.Module:
     """The family's model in eval mode with weights from model_dir, planned from these choices on ``machine``
     (default: this one): ``plan_model`` then ``build_model``. attn_backend defaults to "sdpa"; ``quantization``
-    and ``cpu_kernels`` as the flags (models/plan.py); ``num_threads`` 1: the engine runs on one torch thread."""
+    and ``cpu_kernels`` as the flags (loading/plan.py); ``num_threads`` 1: the engine runs on one torch thread."""
     machine = machine or Machine.detect(build_kernels=cpu_kernels != "off")
     backend = "sdpa" if attn_backend is None or isinstance(attn_backend, SdpaBackend) else type(attn_backend).__name__
     plan = plan_model(model_dir, str(dtype).removeprefix("torch."), quantization, cpu_kernels, machine,
@@ -51,7 +51,7 @@ def load_model(
 
 def build_model(model_dir: str | Path, plan: ModelPlan, machine: Machine,
                 attn_backend: AttentionBackend | None = None) -> nn.Module:
-    """The family's model in eval mode, every layer's method bound from ``plan`` (models/methods.py), weights from
+    """The family's model in eval mode, every layer's method bound from ``plan`` (loading/methods.py), weights from
     model_dir."""
     model_dir = Path(model_dir)
     family = family_of(model_dir)
