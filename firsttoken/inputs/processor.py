@@ -225,7 +225,9 @@ class InputProcessor:
         try:
             compiled, cached = self._grammars().lookup(spec)
         except ValueError as err:
-            raise InputError(str(err), spec.origin.split(".", 1)[0] or None) from None
+            # the top-level field (response_format, structured_outputs), or the Responses API's text.format
+            field = "text.format" if spec.origin.startswith("text.format") else spec.origin.split(".", 1)[0]
+            raise InputError(str(err), field or None) from None
         return compiled, 0.0 if cached else compiled.compile_s
 
     def count(self, prompt: Prompt) -> TokenCount:
@@ -311,7 +313,7 @@ class InputProcessor:
 
     def _chat_prompt(self, prompt: ChatPrompt) -> _Prompt:
         image_parts = [
-            (f"messages[{i}].content[{j}].image_url", part)
+            (f"{prompt.field_of(i)}.content[{j}].image_url", part)
             for i, m in enumerate(prompt.messages)
             if isinstance(m.content, tuple)
             for j, part in enumerate(m.content)
@@ -322,7 +324,7 @@ class InputProcessor:
             raise InputError(
                 f"too many images: {len(image_parts)} in this request, the limit is {limit} per request; "
                 f"send at most {limit} images",
-                "messages",
+                prompt.param,
             )
         budgets = [self._budget_of(param, part) for param, part in image_parts]
         params = tuple(param for param, _ in image_parts)
