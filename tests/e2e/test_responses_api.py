@@ -238,3 +238,19 @@ def test_a_client_that_leaves_mid_stream_aborts_its_request(live_server: LiveSer
     # thousands of steps more
     assert idle["num_steps"] - seen["num_steps"] < 2000
     assert respond(live_server, "still there?", max_output_tokens=2).usage.output_tokens == 2
+
+
+def test_responses_parse_reads_a_pydantic_model(live_server: LiveServer):
+    from typing import Literal
+
+    from pydantic import BaseModel
+
+    class Verdict(BaseModel):
+        ok: bool
+        colour: Literal["red", "green", "blue"]
+
+    out = live_server.client().responses.parse(model=live_server.model, input="Judge it.", text_format=Verdict,
+                                               max_output_tokens=60, temperature=1.0, extra_body={"seed": 4})
+    assert out.status == "completed"
+    assert isinstance(out.output_parsed, Verdict)
+    assert out.output_parsed == Verdict.model_validate_json(out.output_text)
