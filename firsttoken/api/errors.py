@@ -169,7 +169,7 @@ def install_error_handlers(app: FastAPI) -> None:
     async def _admission(request: Request, exc: AdmissionRefused) -> JSONResponse:
         verdict = exc.verdict
         request.scope[REJECT_REASON_KEY] = verdict.reason
-        return error_response(verdict.status, verdict.message, "messages" if verdict.status == 400 else None,
+        return error_response(verdict.status, verdict.message, exc.param if verdict.status == 400 else None,
                               verdict.retry_after_s)
 
     @app.exception_handler(ImageInputError)

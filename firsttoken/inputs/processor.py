@@ -83,9 +83,10 @@ MAX_STOP_TOKEN_IDS = 64  # stop_token_ids a request may add (each generated toke
 class AdmissionRefused(Exception):
     """The engine would not queue this request now (lane full) or ever (never fits); carries the verdict."""
 
-    def __init__(self, verdict: AdmissionVerdict) -> None:
+    def __init__(self, verdict: AdmissionVerdict, param: str = "messages") -> None:
         super().__init__(verdict.message)
         self.verdict = verdict
+        self.param = param  # the prompt's request field (messages, prompt, input)
 
 
 class InputError(ValueError):
@@ -471,7 +472,7 @@ class InputProcessor:
     ) -> EngineRequest:
         field = sampling.name("max_tokens")
         self._check_length(ids, field, sampling.max_tokens, prompt.param)
-        ids, verdict, note = self._admit(ids, request_id)
+        ids, verdict, note = self._admit(ids, request_id, prompt.param)
         room = self._check_length(ids, field, sampling.max_tokens, prompt.param)  # a lower budget leaves more
         params = self._sampling_params(sampling, _or(sampling.max_tokens, room))
         if grammar is not None:
@@ -504,7 +505,8 @@ class InputProcessor:
             grammar_compile_s=grammar[1] if grammar is not None else 0.0,
         )
 
-    def _admit(self, ids: _Prompt, request_id: str) -> tuple[_Prompt, AdmissionVerdict | None, str | None]:
+    def _admit(self, ids: _Prompt, request_id: str, param: str = "messages"
+               ) -> tuple[_Prompt, AdmissionVerdict | None, str | None]:
         """Ask the engine whether the prompt may queue. Over its class's TTFT objective, the images whose budget the
         client left to the server are re-planned at half the budget, step by step down to
         --image-min-tokens-under-load, and the engine asked again; still over, or nothing left to lower: the 429."""
@@ -519,7 +521,7 @@ class InputProcessor:
             ids = self._replan(ids, cap)
             verdict = self.admission(self._work(ids), request_id)
         if not verdict.admitted:
-            raise AdmissionRefused(verdict)
+            raise AdmissionRefused(verdict, param)
         note = None
         if cap < original:
             note = (f"visual-token budget lowered from {original} to {cap} per image: the predicted time to first "

@@ -575,6 +575,17 @@ def test_responses_engine_failure_mid_stream_is_one_error_event(processor: Input
     assert error_of(non_stream, 500)["message"] == "the engine ran out of memory"
 
 
+def test_a_prompt_that_can_never_fit_names_each_routes_prompt_field(tiny_model_dir: Path) -> None:
+    from firsttoken.types import AdmissionVerdict
+
+    processor = make_processor(tiny_model_dir, MAX_MODEL_LEN)
+    processor.admission = lambda work, request_id: AdmissionVerdict(False, "short", "never_fits", "never fits", 400)
+    for path, body, param in (("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}, "messages"),
+                              ("/v1/completions", {"prompt": "hi"}, "prompt"),
+                              ("/v1/responses", {"input": "hi"}, "input")):
+        assert error_of(post(processor, path, json={"model": MODEL, **body}), 400)["param"] == param
+
+
 def test_unknown_route_is_404_in_error_shape(processor: InputProcessor) -> None:
     error_of(post(processor, "/v1/nothing", json={}), 404)
 
