@@ -295,8 +295,8 @@ CORPUS: tuple[BadInput, ...] = (
         "instructions": "Look.", "input": [{"role": "user", "content": [{"type": "input_text", "text": "this"}, {
             "type": "input_image", "image_url": data_url(b"plain text, not a picture")}]}]}, path=RESPONSES,
              param="input[0].content[1].image_url"),
-    BadInput("/v1/responses `input_image` outside the media dir", 400, lambda e: {"input": [{"role": "user", "content": [
-        {"type": "input_image", "image_url": f"file://{e.outside_file}"}]}]}, path=RESPONSES,
+    BadInput("/v1/responses `input_image` outside the media dir", 400, lambda e: {"input": [{"role": "user",
+        "content": [{"type": "input_image", "image_url": f"file://{e.outside_file}"}]}]}, path=RESPONSES,
              param="input[0].content[0].image_url"),
     BadInput("/v1/responses `text.format` schema that cannot compile", 400, lambda e: {"input": "hi", "text": {
         "format": {"type": "json_schema", "name": "x", "schema": {"type": "strnig"}}}}, path=RESPONSES,

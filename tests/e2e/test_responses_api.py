@@ -167,7 +167,8 @@ REFUSED = [
     ("a function_call item", {"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": "{}"}]},
      "input[0].type"),
     ("an input_file part", {"input": [{"role": "user", "content": [
-        {"type": "input_text", "text": "read"}, {"type": "input_file", "file_id": "file-1"}]}]}, "input[0].content[1].type"),
+        {"type": "input_text", "text": "read"}, {"type": "input_file", "file_id": "file-1"}]}]},
+     "input[0].content[1].type"),
     ("an input_image by file_id", {"input": [{"role": "user", "content": [
         {"type": "input_image", "file_id": "file-1"}]}]}, "input[0].content[0].file_id"),
     ("a text.format of an unknown type", {"input": "hi", "text": {"format": {"type": "xml"}}}, "text.format"),
@@ -175,6 +176,9 @@ REFUSED = [
         "type": "json_schema", "name": "x", "schema": {"type": "strnig"}}}}, "text.format"),
     ("max_output_tokens past the context", {"input": "hi", "max_output_tokens": 10**9}, "max_output_tokens"),
     ("a tool role", {"input": [{"role": "tool", "content": "x"}]}, "input[0].role"),
+    ("an image detail that is none of auto, low, high", {"input": [{"role": "user", "content": [
+        {"type": "input_text", "text": "a"}, {"type": "input_image", "image_url": "data:,", "detail": "ultra"}]}]},
+     "input[0].content[1].detail"),
     ("an empty input list", {"input": []}, "input"),
 ]
 
