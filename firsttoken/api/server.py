@@ -3,7 +3,8 @@ loop, hand the EngineRequest to the engine, frame what comes back.
 
     POST /v1/chat/completions   stream and non-stream
     POST /v1/completions        plain text prompt
-    POST /v1/responses          OpenAI's Responses API, stateless (api/responses_api.py), stream and non-stream
+    POST /v1/responses          OpenAI's Responses API, stateless (api/responses_api.py), stream and non-stream;
+                                GET /v1/responses/{id} is a 404 saying nothing is stored
     POST /tokenize              chat body or {"prompt"}: token ids + per-image token counts, no model run
     GET  /v1/models             the served model with max_model_len
     GET  /health                200 while engine.is_alive, else 503
@@ -285,6 +286,12 @@ def build_app(
             return JSONResponse(finished_response(req, ctx, collected[0].text, collected[0].final).model_dump())
 
         return await respond(raw, requests, after, ctx, build)
+
+    @app.get("/v1/responses/{response_id}")
+    async def stored_response(response_id: str) -> Response:
+        """``client.responses.retrieve``: nothing is stored, so every id is unknown (with a message that says why)."""
+        return error_response(404, "responses are not stored on this server (it is stateless), so none can be "
+                                   "retrieved by id", "response_id")
 
     @app.post("/tokenize", **_documented(TokenizeRequest))
     async def tokenize(raw: Request) -> TokenizeResponse:

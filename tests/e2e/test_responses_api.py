@@ -204,6 +204,10 @@ def test_the_official_client_raises_on_a_refusal(live_server: LiveServer):
         respond(live_server, "hi", background=True)
     with pytest.raises(openai.NotFoundError):
         live_server.client().responses.create(model="gpt-5", input="hi")
+    stored = respond(live_server, "hi", store=True, max_output_tokens=1)
+    with pytest.raises(openai.NotFoundError) as err:
+        live_server.client().responses.retrieve(stored.id)  # nothing is stored
+    assert "not stored" in str(err.value)
 
 
 def test_harmless_fields_are_accepted_and_echoed(live_server: LiveServer):
