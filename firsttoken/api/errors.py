@@ -123,14 +123,16 @@ def validation_error_message(exc: RequestValidationError) -> tuple[str, str | No
 
 
 _UNION_TYPE_LABELS = frozenset({"str", "int", "float", "bool", "list", "dict", "none"})
+# discriminated-union tags that are no field name (the Responses API's content parts): left out of the path
+_PART_TAGS = frozenset({"input_text", "output_text", "input_image"})
 
 
 def _param_path(loc: tuple[Any, ...]) -> str | None:
     """('body', 'messages', 0, 'content', 'list[tagged-union[..]]', 1, 'text', 'text') -> 'messages[0].content[1].text'.
 
     Pydantic inserts union-branch labels into locations: type names ('str', 'list[...]', 'function-after[...]')
-    are dropped; a discriminated union's tag repeats the field name in our schemas ('text', 'image_url'), so a
-    part equal to the one before it is dropped too."""
+    are dropped; a discriminated union's tag repeats the field name in chat's schemas ('text', 'image_url'), so a
+    part equal to the one before it is dropped too, and the Responses API's part tags (``_PART_TAGS``) are."""
     out = ""
     prev: Any = None
     for part in loc[1:] if loc and loc[0] == "body" else loc:
@@ -140,6 +142,7 @@ def _param_path(loc: tuple[Any, ...]) -> str | None:
             isinstance(part, str)
             and part != prev
             and part not in _UNION_TYPE_LABELS
+            and part not in _PART_TAGS
             and not any(c in part for c in "[]-")
         ):
             out += f".{part}" if out else part
@@ -169,7 +172,7 @@ def install_error_handlers(app: FastAPI) -> None:
     async def _admission(request: Request, exc: AdmissionRefused) -> JSONResponse:
         verdict = exc.verdict
         request.scope[REJECT_REASON_KEY] = verdict.reason
-        return error_response(verdict.status, verdict.message, "messages" if verdict.status == 400 else None,
+        return error_response(verdict.status, verdict.message, exc.param if verdict.status == 400 else None,
                               verdict.retry_after_s)
 
     @app.exception_handler(ImageInputError)

@@ -114,11 +114,13 @@ UNSUPPORTED_FIELDS: dict[str, Unsupported] = {
 }  # fmt: skip
 
 
-def refuse_unsupported(body: Any, implemented: Iterable[str] = ()) -> Any:
+def refuse_unsupported(body: Any, implemented: Iterable[str] = (),
+                       table: dict[str, Unsupported] = UNSUPPORTED_FIELDS) -> Any:
     """The before-validator of the generation requests: the first unsupported field set to something, refused.
-    ``implemented``: the request type's own fields, never refused here (echo is one of completions', not chat's)."""
+    ``implemented``: the request type's own fields, never refused here (echo is one of completions', not chat's).
+    ``table``: the route's unsupported fields (the Responses API has its own)."""
     if isinstance(body, dict):
-        for name, rule in UNSUPPORTED_FIELDS.items():
+        for name, rule in table.items():
             value = body.get(name)
             if name in body and name not in implemented and not rule.is_off(value):
                 kind = value.get("type") if rule.names_type and isinstance(value, dict) else None

@@ -3,6 +3,8 @@ loop, hand the EngineRequest to the engine, frame what comes back.
 
     POST /v1/chat/completions   stream and non-stream
     POST /v1/completions        plain text prompt
+    POST /v1/responses          OpenAI's Responses API, stateless (api/responses_api.py), stream and non-stream;
+                                GET /v1/responses/{id} is a 404 saying nothing is stored
     POST /tokenize              chat body or {"prompt"}: token ids + per-image token counts, no model run
     GET  /v1/models             the served model with max_model_len
     GET  /health                200 while engine.is_alive, else 503
@@ -62,6 +64,7 @@ from firsttoken.api.protocol import (
     ToolCallOut,
 )
 from firsttoken.api.responses import chat_logprobs, completion_logprobs, usage_of
+from firsttoken.api.responses_api import ResponseObject, ResponsesRequest, finished_response, responses_sse
 from firsttoken.api.settings import ServedModel
 from firsttoken.api.tools import ToolOutput
 from firsttoken.api.streaming import (
@@ -154,7 +157,7 @@ def build_app(
             raise APIError(503, "the server is shutting down; retry on another replica")
 
     async def start(
-        req: ChatCompletionRequest | CompletionRequest, prefix: str
+        req: ChatCompletionRequest | CompletionRequest | ResponsesRequest, prefix: str
     ) -> tuple[list[EngineRequest], list[int | None], StreamContext]:
         """Common head of both generation routes: one engine request per choice (prompt k // n; a seed given is
         the first choice's, seed + j the j-th's, as vLLM), each preprocessed and admitted here, and the choice each
@@ -163,7 +166,7 @@ def build_app(
         check_model(req.model)
         check_alive()
         slots.take()
-        response_id = f"{prefix}-{uuid.uuid4().hex}"
+        response_id = f"{prefix}{uuid.uuid4().hex}"
         prompts, n, sampling = req.prompts(), req.n, req.to_sampling()
         count = len(prompts) * n
         ids = [response_id] if count == 1 else [f"{response_id}-{k}" for k in range(count)]
@@ -208,7 +211,7 @@ def build_app(
     @app.post("/v1/chat/completions", **_documented(ChatCompletionRequest, ChatCompletionResponse))
     async def chat_completions(raw: Request) -> Response:
         req = await read_model(raw, ChatCompletionRequest)
-        requests, after, ctx = await start(req, "chatcmpl")
+        requests, after, ctx = await start(req, "chatcmpl-")
         if req.stream:
             tools = functools.partial(tool_output, req) if req.tool_mode != "none" else None
             return EngineStreamResponse(chat_sse(engine, requests, ctx, processor.token_piece, tools, after),
@@ -239,7 +242,7 @@ def build_app(
     @app.post("/v1/completions", **_documented(CompletionRequest, CompletionResponse))
     async def completions(raw: Request) -> Response:
         req = await read_model(raw, CompletionRequest)
-        requests, after, ctx = await start(req, "cmpl")
+        requests, after, ctx = await start(req, "cmpl-")
         prompts = req.prompts()
         echo = [Echo(p.text if isinstance(p, TextPrompt) else processor.decode(p.token_ids), r.prompt_token_ids)
                 for p, r in zip((prompts[k // req.n] for k in range(len(requests))), requests)] if req.echo else []
@@ -270,6 +273,25 @@ def build_app(
             return JSONResponse(body.model_dump())
 
         return await respond(raw, requests, after, ctx, build)
+
+    @app.post("/v1/responses", **_documented(ResponsesRequest, ResponseObject))
+    async def responses(raw: Request) -> Response:
+        """Stateless: nothing is stored, so a response cannot be retrieved or continued by its id."""
+        req = await read_model(raw, ResponsesRequest)
+        requests, after, ctx = await start(req, "resp_")
+        if req.stream:
+            return EngineStreamResponse(responses_sse(engine, requests[0], req, ctx), closer(ctx))
+
+        def build(collected: list[Collected]) -> Response:
+            return JSONResponse(finished_response(req, ctx, collected[0].text, collected[0].final).model_dump())
+
+        return await respond(raw, requests, after, ctx, build)
+
+    @app.get("/v1/responses/{response_id}")
+    async def stored_response(response_id: str) -> Response:
+        """``client.responses.retrieve``: nothing is stored, so every id is unknown (with a message that says why)."""
+        return error_response(404, "responses are not stored on this server (it is stateless), so none can be "
+                                   "retrieved by id", "response_id")
 
     @app.post("/tokenize", **_documented(TokenizeRequest))
     async def tokenize(raw: Request) -> TokenizeResponse:
@@ -338,8 +360,8 @@ def _openapi(app: FastAPI) -> dict[str, Any]:
     if app.openapi_schema is None:
         schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
         components = schema.setdefault("components", {}).setdefault("schemas", {})
-        for model in (ChatCompletionRequest, CompletionRequest, TokenizeRequest, ChatCompletionResponse,
-                      CompletionResponse):
+        for model in (ChatCompletionRequest, CompletionRequest, TokenizeRequest, ResponsesRequest,
+                      ChatCompletionResponse, CompletionResponse, ResponseObject):
             body = model.model_json_schema(ref_template=_SCHEMAS + "{model}")
             components.update(body.pop("$defs", {}))
             components[model.__name__] = body

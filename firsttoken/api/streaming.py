@@ -259,7 +259,7 @@ async def chat_sse(
 
     for i in range(len(requests)):
         yield frames.chat("", role=True, index=i)
-    async with aclosing(_guarded(engine, requests, after)) as outputs:
+    async with aclosing(guarded_outputs(engine, requests, after)) as outputs:
         async for item in outputs:
             if isinstance(item, str):  # an error event
                 yield item
@@ -307,7 +307,7 @@ async def completion_sse(
     finals: dict[int, RequestOutput] = {}
     echoed: set[int] = set()
     frames = StreamFrames("text_completion", ctx.response_id, ctx.created, ctx.model)
-    async with aclosing(_guarded(engine, requests, after)) as outputs:
+    async with aclosing(guarded_outputs(engine, requests, after)) as outputs:
         async for item in outputs:
             if isinstance(item, str):
                 yield item
@@ -348,18 +348,26 @@ async def completion_sse(
     yield DONE
 
 
-async def _guarded(engine: EngineClient, requests: Sequence[EngineRequest],
-                   after: Sequence[int | None]) -> AsyncIterator[tuple[int, RequestOutput] | str]:
-    """Outputs, with an engine failure turned into one SSE error event (str) instead of a broken stream."""
+def error_event(status: int, message: str) -> str:
+    """A failed stream's error event in chat and completions framing: ``data: {"error": {...}}``."""
+    return sse(json.dumps(error_body(status, message)))
+
+
+async def guarded_outputs(
+    engine: EngineClient, requests: Sequence[EngineRequest], after: Sequence[int | None] = (),
+    on_error: Callable[[int, str], str] = error_event,
+) -> AsyncIterator[tuple[int, RequestOutput] | str]:
+    """Outputs, with an engine failure turned into one SSE error event (str, ``on_error(status, message)``)
+    instead of a broken stream."""
     try:
         async with aclosing(fan_in(engine, requests, after)) as outputs:
             async for i, out in outputs:
                 if out.finish_reason is FinishReason.ERROR:
-                    yield sse(json.dumps(error_body(out.error_status, out.error or "the request failed")))
+                    yield on_error(out.error_status, out.error or "the request failed")
                     return
                 yield i, out
     except Exception as exc:
-        yield sse(json.dumps(error_body(*engine_failure(engine, requests[0], exc))))
+        yield on_error(*engine_failure(engine, requests[0], exc))
 
 
 def engine_failure(engine: EngineClient, request: EngineRequest, exc: Exception) -> tuple[int, str]:

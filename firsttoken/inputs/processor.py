@@ -83,9 +83,10 @@ MAX_STOP_TOKEN_IDS = 64  # stop_token_ids a request may add (each generated toke
 class AdmissionRefused(Exception):
     """The engine would not queue this request now (lane full) or ever (never fits); carries the verdict."""
 
-    def __init__(self, verdict: AdmissionVerdict) -> None:
+    def __init__(self, verdict: AdmissionVerdict, param: str = "messages") -> None:
         super().__init__(verdict.message)
         self.verdict = verdict
+        self.param = param  # the prompt's request field (messages, prompt, input)
 
 
 class InputError(ValueError):
@@ -225,7 +226,9 @@ class InputProcessor:
         try:
             compiled, cached = self._grammars().lookup(spec)
         except ValueError as err:
-            raise InputError(str(err), spec.origin.split(".", 1)[0] or None) from None
+            # the top-level field (response_format, structured_outputs), or the Responses API's text.format
+            field = "text.format" if spec.origin.startswith("text.format") else spec.origin.split(".", 1)[0]
+            raise InputError(str(err), field or None) from None
         return compiled, 0.0 if cached else compiled.compile_s
 
     def count(self, prompt: Prompt) -> TokenCount:
@@ -311,7 +314,7 @@ class InputProcessor:
 
     def _chat_prompt(self, prompt: ChatPrompt) -> _Prompt:
         image_parts = [
-            (f"messages[{i}].content[{j}].image_url", part)
+            (f"{prompt.field_of(i)}.content[{j}].image_url", part)
             for i, m in enumerate(prompt.messages)
             if isinstance(m.content, tuple)
             for j, part in enumerate(m.content)
@@ -322,7 +325,7 @@ class InputProcessor:
             raise InputError(
                 f"too many images: {len(image_parts)} in this request, the limit is {limit} per request; "
                 f"send at most {limit} images",
-                "messages",
+                prompt.param,
             )
         budgets = [self._budget_of(param, part) for param, part in image_parts]
         params = tuple(param for param, _ in image_parts)
@@ -469,7 +472,7 @@ class InputProcessor:
     ) -> EngineRequest:
         field = sampling.name("max_tokens")
         self._check_length(ids, field, sampling.max_tokens, prompt.param)
-        ids, verdict, note = self._admit(ids, request_id)
+        ids, verdict, note = self._admit(ids, request_id, prompt.param)
         room = self._check_length(ids, field, sampling.max_tokens, prompt.param)  # a lower budget leaves more
         params = self._sampling_params(sampling, _or(sampling.max_tokens, room))
         if grammar is not None:
@@ -502,7 +505,8 @@ class InputProcessor:
             grammar_compile_s=grammar[1] if grammar is not None else 0.0,
         )
 
-    def _admit(self, ids: _Prompt, request_id: str) -> tuple[_Prompt, AdmissionVerdict | None, str | None]:
+    def _admit(self, ids: _Prompt, request_id: str, param: str = "messages"
+               ) -> tuple[_Prompt, AdmissionVerdict | None, str | None]:
         """Ask the engine whether the prompt may queue. Over its class's TTFT objective, the images whose budget the
         client left to the server are re-planned at half the budget, step by step down to
         --image-min-tokens-under-load, and the engine asked again; still over, or nothing left to lower: the 429."""
@@ -517,7 +521,7 @@ class InputProcessor:
             ids = self._replan(ids, cap)
             verdict = self.admission(self._work(ids), request_id)
         if not verdict.admitted:
-            raise AdmissionRefused(verdict)
+            raise AdmissionRefused(verdict, param)
         note = None
         if cap < original:
             note = (f"visual-token budget lowered from {original} to {cap} per image: the predicted time to first "

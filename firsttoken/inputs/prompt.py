@@ -72,10 +72,12 @@ class ChatPrompt:
     messages: tuple[Message, ...]
     add_generation_prompt: bool = True
     tools: tuple[Function, ...] = ()  # rendered for the model as the chat template (or inputs/tools.py) writes them
+    param: str = "messages"  # the request field the conversation came from, named in errors
+    # each message's request field (errors name an image as ``<field>.content[j].image_url``); empty: messages[i]
+    fields: tuple[str, ...] = ()
 
-    @property
-    def param(self) -> str:
-        return "messages"
+    def field_of(self, index: int) -> str:
+        return self.fields[index] if index < len(self.fields) else f"messages[{index}]"
 
     def texts(self) -> list[str]:
         return [t for m in self.messages for t in m.texts()]

@@ -18,6 +18,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from firsttoken.quoting import quote
+
 GrammarKind = Literal["json_schema", "json_object", "regex", "choice", "grammar"]
 
 # vLLM's structured_outputs fields we enforce; the others it has (structural_tag, whitespace_pattern, ...) are refused
@@ -73,6 +75,27 @@ def from_response_format(value: Mapping[str, Any] | None) -> GrammarSpec | None:
     if strict is not None and not isinstance(strict, bool):
         raise ValueError(f"response_format.json_schema.strict must be true or false, got {strict!r}")
     return _schema_spec(body.get("schema"), bool(strict), "response_format.json_schema.schema")
+
+
+def from_text_format(value: Mapping[str, Any] | None) -> GrammarSpec | None:
+    """The Responses API's ``text.format`` (``response_format`` flattened: ``name``, ``schema`` and ``strict`` sit
+    beside ``type``): None or ``{"type": "text"}`` -> None."""
+    if value is None:
+        return None
+    kind = value.get("type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return json_object_spec("text.format")
+    if kind != "json_schema":
+        got = f"'{quote(kind)}'" if isinstance(kind, str) else repr(kind)[:40]
+        raise ValueError(f"text.format.type must be 'text', 'json_object' or 'json_schema', got {got}")
+    strict = value.get("strict")
+    if strict is not None and not isinstance(strict, bool):
+        raise ValueError(f"text.format.strict must be true or false, got {strict!r}")
+    if "schema" not in value:
+        raise ValueError("text.format of type 'json_schema' needs a 'schema'")
+    return _schema_spec(value.get("schema"), bool(strict), "text.format.schema")
 
 
 def from_structured_outputs(value: Mapping[str, Any] | None) -> GrammarSpec | None:

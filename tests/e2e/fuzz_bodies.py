@@ -1,9 +1,9 @@
 """Request bodies for the API fuzz (tests/e2e/test_api_fuzz.py), and the oracle that judges them.
 
 Bodies are drawn from our own request schemas: the fields and JSON schema of ``ChatCompletionRequest``,
-``CompletionRequest`` and ``TokenizeRequest`` (``model_json_schema()``: a field added there is fuzzed by its type),
-and from hand-written edges at and beyond every bound (a ``Spec`` per field). A body starts as one a correct client
-sends; a few of its fields are then mutated, so that most refusals have one cause to name.
+``CompletionRequest``, ``TokenizeRequest`` and ``ResponsesRequest`` (``model_json_schema()``: a field added there is
+fuzzed by its type), and from hand-written edges at and beyond every bound (a ``Spec`` per field). A body starts as
+one a correct client sends; a few of its fields are then mutated, so that most refusals have one cause to name.
 
 The oracle is written from the documented bounds (docs/bad_inputs.md, SamplingParams), not from the server's
 code: each field's value is OK, BAD or MAYBE (pydantic's lax coercions, "1" for 1, and values whose fate depends
@@ -34,6 +34,7 @@ from firsttoken.api.protocol import (
     CompletionRequest,
     TokenizeRequest,
 )
+from firsttoken.api.responses_api import RESPONSES_UNSUPPORTED, ResponsesRequest
 from tests.e2e.conftest import make_image
 from tests.e2e.test_bad_inputs import data_url, png_bytes, png_header_only
 
@@ -805,4 +806,213 @@ def judge(route: str, body: dict | bytes, prompt_tokens: int | None) -> Expect:
         top, logprobs = body.get("top_logprobs"), body.get("logprobs")
         if int_in(1, 20)(top) == V.OK and top is not None and logprobs is not True:
             expect.add("top_logprobs", V.BAD if logprobs in (None, False) else V.MAYBE)
+    return expect
+
+
+# ------------------------------------------------------------------------------------------- /v1/responses
+
+# The Responses API's bodies: a conversation drawn as chat's (valid_messages, mutated_messages) and written in the
+# Responses shape (``as_responses_input``); the oracle judges the body as sent (``input_verdict``), and counts its
+# prompt through /tokenize as the chat conversation it stands for (``as_chat_messages``).
+RESPONSES = "/v1/responses"
+RESPONSES_SCHEMA = ResponsesRequest.model_json_schema()
+
+
+def optional_text_rule(v: Any) -> V:
+    return V.OK if v is None else text_rule(v)
+
+
+RESPONSES_SPECS: dict[str, Spec] = {
+    "model": SAMPLING_SPECS["model"],
+    "stream": SAMPLING_SPECS["stream"],
+    "max_output_tokens": SAMPLING_SPECS["max_tokens"],
+    "temperature": SAMPLING_SPECS["temperature"],
+    "top_p": SAMPLING_SPECS["top_p"],
+    "top_k": SAMPLING_SPECS["top_k"],
+    "seed": SAMPLING_SPECS["seed"],
+    "instructions": Spec(optional_text_rule, st.one_of(st.none(), texts()), tuple(TEXT_EDGES) + (5, [])),
+    "text": Spec(lambda v: V.OK if v is None or v == {"format": {"type": "text"}} else V.MAYBE,
+                 st.sampled_from([None, {"format": {"type": "text"}}, {"format": {"type": "json_object"}}]),
+                 ({"format": {"type": "xml"}}, {"format": {"type": "json_schema", "name": "x", "schema": {}}},
+                  {"format": {"type": "json_schema"}}, {"format": None}, {"format": 5}, "text", [])),
+    "store": Spec(boolean(nullable=True), st.one_of(st.none(), st.booleans()), ("yes", 2, [])),
+}
+# (name, value, verdict) for RESPONSES_UNSUPPORTED, hand-written from docs/inputs.md's Responses section
+RESPONSES_UNSUPPORTED_EDGES: tuple[tuple[str, Any, V], ...] = (
+    ("previous_response_id", None, V.OK), ("previous_response_id", "resp_1", V.BAD), ("background", False, V.OK),
+    ("background", True, V.BAD), ("conversation", "conv_1", V.BAD), ("tools", [], V.OK),
+    ("tools", [{"type": "function", "name": "f", "parameters": {}}], V.BAD), ("tool_choice", "auto", V.OK),
+    ("tool_choice", "required", V.BAD), ("reasoning", {"effort": None}, V.OK), ("reasoning", {"effort": "low"}, V.BAD),
+    ("include", [], V.OK), ("include", ["message.output_text.logprobs"], V.BAD), ("truncation", "disabled", V.OK),
+    ("truncation", "auto", V.BAD), ("response_format", {"type": "json_object"}, V.BAD), ("prompt", {"id": "p"}, V.BAD),
+)
+RESPONSES_HARMLESS = (("user", "u-1"), ("metadata", {"k": "v"}), ("store", True), ("service_tier", "auto"),
+                      ("parallel_tool_calls", True), ("max_tool_calls", 3), ("top_logprobs", 0),
+                      ("x_vendor", [1, {"a": None}]))
+
+
+def as_responses_part(part: Any) -> Any:
+    """A chat content part in the Responses shape; what is not a part of chat's stays as it is (and as wrong)."""
+    if not isinstance(part, dict):
+        return part
+    if part.get("type") == "text":
+        return {**part, "type": "input_text"}
+    if part.get("type") == "image_url":
+        image_url = part.get("image_url")
+        out: dict[str, Any] = {"type": "input_image"}
+        if isinstance(image_url, dict):
+            if "url" in image_url:
+                out["image_url"] = image_url["url"]
+            if "detail" in image_url:
+                out["detail"] = image_url["detail"]
+        elif image_url is not None:
+            out["image_url"] = image_url
+        return out
+    return part
+
+
+def as_responses_input(messages: Any, draw: st.DrawFn) -> Any:
+    """A chat conversation as a Responses ``input``: message items (some with ``type: message``, assistant text
+    parts as output_text); a lone user text message sometimes as the plain string."""
+    if not isinstance(messages, list):
+        return messages
+    if len(messages) == 1 and isinstance(messages[0], dict) and messages[0].get("role") == "user" \
+            and isinstance(messages[0].get("content"), str) and draw(st.booleans()):
+        return messages[0]["content"]
+    items = []
+    for m in messages:
+        if not isinstance(m, dict):
+            items.append(m)
+            continue
+        item = {k: v for k, v in m.items() if k not in ("tool_calls", "tool_call_id")}
+        content = m.get("content", "")
+        if content is None:
+            content = ""
+        if isinstance(content, list):
+            content = [as_responses_part(p) for p in content]
+            if m.get("role") == "assistant":
+                content = [{**p, "type": "output_text"} if isinstance(p, dict) and p.get("type") == "input_text"
+                           else p for p in content]
+        item["content"] = content
+        if draw(sometimes):
+            item["type"] = "message"
+        items.append(item)
+    return items
+
+
+def responses_part_verdict(part: Any) -> tuple[V, int]:
+    if not isinstance(part, dict) or part.get("type") not in ("input_text", "output_text", "input_image"):
+        return V.BAD, 0
+    if part["type"] != "input_image":
+        return text_rule(part.get("text")), 0
+    url = part.get("image_url")
+    if not isinstance(url, str) or part.get("file_id") is not None:
+        return V.BAD, 1
+    verdict = IMAGE_VERDICTS.get(url, V.BAD)
+    return (verdict if part.get("detail") in (None, "auto", "low", "high") else V.BAD), 1
+
+
+def input_verdict(value: Any) -> V:
+    if isinstance(value, str):
+        return text_rule(value)
+    if not isinstance(value, list) or not value:
+        return V.BAD
+    verdict, num_images = V.OK, 0
+    for item in value:
+        if not isinstance(item, dict) or item.get("type", "message") != "message":
+            return V.BAD
+        if item.get("role") not in ("user", "system", "developer", "assistant"):
+            return V.BAD
+        content = item.get("content")
+        if isinstance(content, str):
+            verdict = max(verdict, text_rule(content))
+        elif isinstance(content, list):
+            for part in content:
+                v, n = responses_part_verdict(part)
+                verdict, num_images = max(verdict, v), num_images + n
+        else:
+            return V.BAD
+    return V.BAD if num_images > MAX_IMAGES else verdict
+
+
+def as_chat_messages(body: dict) -> list[dict]:
+    """The chat conversation a (well-formed) Responses body stands for: instructions first, as the server builds it."""
+    out = [{"role": "system", "content": body["instructions"]}] if isinstance(body.get("instructions"), str) else []
+    value = body.get("input")
+    if isinstance(value, str):
+        return out + [{"role": "user", "content": value}]
+    for item in value if isinstance(value, list) else ():
+        content = item.get("content")
+        if isinstance(content, list):
+            content = [{"type": "text", "text": p.get("text")} if p.get("type") != "input_image" else
+                       {"type": "image_url", "image_url": {"url": p.get("image_url"),
+                                                           **({"detail": p["detail"]} if "detail" in p else {})}}
+                       for p in content]
+        out.append({"role": item.get("role"), "content": content})
+    return out
+
+
+@st.composite
+def responses_bodies(draw: st.DrawFn) -> dict | bytes:
+    raw = raw_sometimes(draw)
+    if raw is not None:
+        return raw
+    messages = draw(valid_messages())
+    if draw(st.sampled_from([False, False, True])):
+        messages = draw(mutated_messages(messages))
+    body: dict[str, Any] = {"model": MODEL, "input": as_responses_input(messages, draw),
+                            **{name: draw(spec.valid) for name, spec in RESPONSES_SPECS.items()
+                               if name not in ("model", "max_output_tokens") and draw(sometimes)}}
+    if draw(st.sampled_from([True] * 5 + [False])):  # most ask for a few tokens, as short_answer
+        body["max_output_tokens"] = draw(RESPONSES_SPECS["max_output_tokens"].valid)
+    if draw(sometimes):
+        body.update(draw(st.lists(st.sampled_from(RESPONSES_HARMLESS), max_size=3)))
+    if draw(sometimes):
+        body.update(draw(st.lists(st.sampled_from([(k, v) for k, v, verdict in RESPONSES_UNSUPPORTED_EDGES
+                                                   if verdict == V.OK]), max_size=2)))
+    others = [n for n in RESPONSES_SPECS if n != "model"] + ["<unsupported>", "<unsupported>", "model"]
+    count = draw(NUM_MUTATIONS)
+    for name in dict.fromkeys(draw(st.lists(st.sampled_from(others), min_size=count, max_size=count))):
+        if name == "<unsupported>":
+            key, value, _ = draw(st.sampled_from(RESPONSES_UNSUPPORTED_EDGES))
+            body[key] = value
+        else:
+            value = draw(st.one_of(field_values(RESPONSES_SCHEMA, name, RESPONSES_SPECS[name]), st.just(DROP)))
+            if value is DROP:
+                body.pop(name, None)
+            else:
+                body[name] = value
+    return body
+
+
+def judge_responses(body: dict | bytes, prompt_tokens: int | None) -> Expect:
+    """judge's rules for a Responses body: its own fields, table of refusals, and prompt (``input`` with
+    ``instructions``; a prompt /tokenize counted is judged by its count, and max_output_tokens by the room left)."""
+    expect = Expect()
+    if not isinstance(body, dict):
+        expect.raw_body = True
+        return expect
+    for name, value in body.items():
+        if name in ("input", "max_output_tokens"):
+            continue
+        if name in RESPONSES_SCHEMA["properties"]:
+            expect.add(name, spec_of(RESPONSES_SPECS, name).rule(value))
+        elif name in RESPONSES_UNSUPPORTED:
+            known = [v for k, val, v in RESPONSES_UNSUPPORTED_EDGES if k == name and val == value]
+            expect.add(name, known[0] if known else V.MAYBE)
+    model = body.get("model")
+    if "model" not in body:
+        expect.add("model", V.BAD)
+    elif isinstance(model, str) and model != MODEL and text_rule(model) == V.OK:
+        expect.unknown_model = True
+    expect.add("input", input_verdict(body["input"]) if "input" in body else V.BAD)
+    if prompt_tokens is not None:
+        expect.bad.discard("input")
+        expect.maybe.discard("input")
+        expect.add("input", V.OK if 0 < prompt_tokens < MAX_MODEL_LEN else V.BAD)
+    room = None if prompt_tokens is None else MAX_MODEL_LEN - prompt_tokens
+    if "max_output_tokens" in body:
+        verdict = max_tokens_rule(body["max_output_tokens"], room)
+        expect.add("max_output_tokens", max(V.MAYBE, verdict) if prompt_tokens is None and "input" in expect.maybe
+                   else verdict)
     return expect

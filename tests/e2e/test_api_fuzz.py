@@ -1,12 +1,15 @@
-"""Property-based fuzzing of /v1/chat/completions, /v1/completions and /tokenize through the real server (issue 37,
-item 10). Bodies and the oracle that judges them: tests/e2e/fuzz_bodies.py. For each example:
+"""Property-based fuzzing of /v1/chat/completions, /v1/completions, /tokenize and /v1/responses through the real
+server (issue 37, item 10). Bodies and the oracle that judges them: tests/e2e/fuzz_bodies.py. For each example:
 
 (a) the answer is a 2xx only if no field is BAD; a 4xx in OpenAI's error shape whose ``param`` or message names a
     BAD or MAYBE field; a 404 only for an unknown model; never a 5xx; an all-OK body is never refused;
 (b) a 2xx keeps the request's limits (max_tokens, ignore_eos, logprobs, usage adding up, prompt_tokens equal to
     /tokenize's count) and its ``usage.firsttoken`` timings are never negative; a stream is well-formed SSE ending
     in ``data: [DONE]`` (or an error event in OpenAI's shape, then ``[DONE]``), with exactly one usage chunk, last,
-    when ``stream_options.include_usage`` asks for it and none otherwise;
+    when ``stream_options.include_usage`` asks for it and none otherwise; a Responses stream is ``event:`` +
+    ``data:`` frames numbered from 0, in OpenAI's order, its deltas making the final text (or ending in one
+    ``error`` event), its usage (input_tokens: /tokenize's count of the chat conversation it stands for) checked
+    as chat's;
 (c) it is answered within ``REQUEST_TIMEOUT_S``: a hang is a failure;
 (d) afterwards the server is back to idle: no KV block used, nothing running or waiting, no engine or runner
     request state, no encoder-cache pin, no half-done encode, no image embedding the scheduler forgot, no
@@ -34,6 +37,7 @@ import pytest
 from hypothesis import HealthCheck, currently_in_test_context, event, example, given, seed, settings
 
 from firsttoken.api.protocol import UNSUPPORTED_FIELDS
+from firsttoken.api.responses_api import RESPONSES_UNSUPPORTED
 from tests.e2e.conftest import LiveServer, start_server, stop_server
 from tests.e2e.fuzz_bodies import (
     CHAT,
@@ -48,7 +52,16 @@ from tests.e2e.fuzz_bodies import (
     MAX_MODEL_LEN,
     MAX_PIXELS,
     MODEL,
+    RESPONSES,
+    RESPONSES_SCHEMA,
+    RESPONSES_SPECS,
+    RESPONSES_UNSUPPORTED_EDGES,
+    as_chat_messages,
+    input_verdict,
+    judge_responses,
     num_choices,
+    responses_bodies,
+    responses_part_verdict,
     TOKENIZE,
     TOKENIZE_SCHEMA,
     TOKENIZE_SPECS,
@@ -189,14 +202,21 @@ def resolve(fz: Fuzzed, route: str, body: dict | bytes) -> tuple[dict | bytes, i
     if not isinstance(body, dict) or route == TOKENIZE:
         return body, None
     count = None
-    key = "messages" if route == CHAT else "prompt"
-    prompt_ok = messages_verdict(body.get("messages")) if route == CHAT else text_rule(body.get("prompt"))
-    if prompt_ok != V.BAD and key in body:
-        r = fz.http.post(TOKENIZE, json={key: body[key]})
+    key = "messages" if route in (CHAT, RESPONSES) else "prompt"
+    if route == RESPONSES:  # counted as the chat conversation it stands for
+        instructions = RESPONSES_SPECS["instructions"].rule(body.get("instructions"))
+        prompt_ok = max(input_verdict(body.get("input")), instructions)
+        wanted = prompt_ok != V.BAD and "input" in body
+        prompt = as_chat_messages(body) if wanted else None
+    else:
+        prompt_ok = messages_verdict(body.get("messages")) if route == CHAT else text_rule(body.get("prompt"))
+        wanted, prompt = prompt_ok != V.BAD and key in body, body.get(key)
+    if wanted:
+        r = fz.http.post(TOKENIZE, json={key: prompt})
         if r.status_code == 200:
             count = r.json()["count"]
         else:
-            Exchange(TOKENIZE, {key: body[key]}, r).check(
+            Exchange(TOKENIZE, {key: prompt}, r).check(
                 400 <= r.status_code < 500 and prompt_ok != V.OK, "/tokenize refused a prompt the oracle judged correct")
     room = None if count is None else MAX_MODEL_LEN - count
     resolved = {k: (max(1, room if room is not None else MAX_MODEL_LEN - 30) + v.delta if isinstance(v, AtRoom) else v)
@@ -233,6 +253,14 @@ def check_error(ex: Exchange, payload: Any, status: int, expect: Expect) -> None
         except (IndexError, KeyError, TypeError):
             ex.fail(f"the error names {param}, which the body does not have")
         ex.check(part_verdict(part, decoded=ex.route != TOKENIZE)[0] != V.OK,
+                 f"the error names {param}, an image part the oracle judged correct")
+    image = re.fullmatch(r"input\[(\d+)\]\.content\[(\d+)\]\.image_url", param)
+    if image is not None:
+        try:
+            part = ex.body["input"][int(image[1])]["content"][int(image[2])]
+        except (IndexError, KeyError, TypeError):
+            ex.fail(f"the error names {param}, which the body does not have")
+        ex.check(responses_part_verdict(part)[0] != V.OK,
                  f"the error names {param}, an image part the oracle judged correct")
 
 
@@ -353,6 +381,72 @@ def check_stream(ex: Exchange, body: dict, room: int | None, expect: Expect) -> 
         check_generation(ex, body, room, usages[0]["usage"], [finishes[i] for i in sorted(finishes)], logprobs)
 
 
+def responses_usage(ex: Exchange, response: dict) -> tuple[dict, str]:
+    """A Response's usage in chat's terms (for check_generation), and its finish reason."""
+    ex.check(response.get("object") == "response" and str(response.get("id", "")).startswith("resp_"), "wrong object")
+    ex.check(response.get("status") in ("completed", "incomplete"), f"status {response.get('status')!r}")
+    incomplete = response["status"] == "incomplete"
+    ex.check((response.get("incomplete_details") or {}).get("reason") == ("max_output_tokens" if incomplete else None),
+             "incomplete_details do not match the status")
+    usage = response["usage"]
+    ex.check(usage["input_tokens_details"]["cached_tokens"] >= 0, "cached_tokens out of range")
+    return ({"prompt_tokens": usage["input_tokens"], "completion_tokens": usage["output_tokens"],
+             "total_tokens": usage["total_tokens"], "firsttoken": usage.get("firsttoken")},
+            "length" if incomplete else "stop")
+
+
+def as_chat_body(body: dict) -> dict:
+    return {"messages": as_chat_messages(body), "max_tokens": body.get("max_output_tokens")}
+
+
+def check_responses_plain(ex: Exchange, body: dict, room: int | None) -> None:
+    payload = ex.response.json()
+    ex.check(len(payload["output"]) == 1 and payload["output"][0]["type"] == "message", "output is not one message")
+    content = payload["output"][0]["content"]
+    ex.check(len(content) == 1 and isinstance(content[0].get("text"), str), "the message holds no one text")
+    usage, finish = responses_usage(ex, payload)
+    check_generation(ex, as_chat_body(body), room, usage, [finish], None)
+
+
+HEAD = ["response.created", "response.in_progress", "response.output_item.added", "response.content_part.added"]
+TAIL = ["response.output_text.done", "response.content_part.done", "response.output_item.done"]
+
+
+def check_responses_stream(ex: Exchange, body: dict, room: int | None, expect: Expect) -> None:
+    text = ex.response.text
+    ex.check(text.endswith("\n\n"), "the stream does not end with a blank line")
+    events = []
+    for frame in text[:-2].split("\n\n"):
+        lines = frame.split("\n")
+        ex.check(len(lines) == 2 and lines[0].startswith("event: ") and lines[1].startswith("data: "),
+                 f"a frame is not an event: and a data: line: {frame[:200]!r}")
+        try:
+            events.append(json.loads(lines[1][len("data: "):]))
+        except ValueError:
+            ex.fail(f"an event is not JSON: {frame[:200]!r}")
+        ex.check(events[-1].get("type") == lines[0][len("event: "):], "event: and data.type differ")
+    ex.check([e["sequence_number"] for e in events] == list(range(len(events))), "sequence numbers")
+    kinds = [e["type"] for e in events]
+    if "error" in kinds:
+        ex.check(kinds.index("error") == len(kinds) - 1, "an error event is not the stream's last")
+        error = events[-1]["error"]
+        ex.check(400 <= error["code"] < 500, "a stream failed with a 5xx error event")
+        check_error(ex, {"error": error}, error["code"], expect)
+        return
+    ex.check(expect.may_succeed, "a body with a wrong field was streamed")
+    deltas = [e["delta"] for e in events if e["type"] == "response.output_text.delta"]
+    ex.check(kinds[:4] == HEAD and kinds[4:4 + len(deltas)] == ["response.output_text.delta"] * len(deltas)
+             and kinds[4 + len(deltas):-1] == TAIL and kinds[-1] in ("response.completed", "response.incomplete"),
+             f"events out of order: {kinds[:6]} ... {kinds[-5:]}")
+    final = events[-1]["response"]
+    ex.check(final["output"][0]["content"][0]["text"] == "".join(deltas) == events[-4]["text"],
+             "the deltas do not make the final text")
+    ex.check(kinds[-1] == ("response.completed" if final["status"] == "completed" else "response.incomplete"),
+             "the last event does not match the status")
+    usage, finish = responses_usage(ex, final)
+    check_generation(ex, as_chat_body(body), room, usage, [finish], None)
+
+
 def check_tokenize(ex: Exchange, body: dict) -> None:
     payload = ex.response.json()
     ex.check(payload["count"] == len(payload["tokens"]), "count differs from the token list")
@@ -412,7 +506,7 @@ def param_of(response: httpx.Response) -> str | None:
 def exchange(fz: Fuzzed, route: str, drawn: dict | bytes) -> None:
     body, count = resolve(fz, route, drawn)
     ex = Exchange(route, body)
-    expect = judge(route, body, count)
+    expect = judge_responses(body, count) if route == RESPONSES else judge(route, body, count)
     try:
         ex.response = post(fz, route, body)
     except httpx.TimeoutException:
@@ -421,7 +515,8 @@ def exchange(fz: Fuzzed, route: str, drawn: dict | bytes) -> None:
     if currently_in_test_context():  # --hypothesis-show-statistics: what the examples were answered
         event(f"{status}" if status < 400 else f"{status} naming {param_of(ex.response)}")
         if status == 200 and isinstance(body, dict):
-            event(f"200 with {len(image_urls(body))} images" + (", streamed" if lax_true(body.get("stream")) else ""))
+            sent = as_chat_body(body) if route == RESPONSES else body
+            event(f"200 with {len(image_urls(sent))} images" + (", streamed" if lax_true(body.get("stream")) else ""))
     ex.check(status < 500, "a 5xx")
     ex.check(200 <= status < 300 or 400 <= status < 500, "neither a 2xx nor a 4xx")
     if status >= 400:
@@ -433,11 +528,19 @@ def exchange(fz: Fuzzed, route: str, drawn: dict | bytes) -> None:
         check_tokenize(ex, body)
     elif ex.response.headers.get("content-type", "").startswith("text/event-stream"):
         ex.check(lax_true(body.get("stream")), "a stream for stream: false")
-        check_stream(ex, body, None if count is None else MAX_MODEL_LEN - count, expect)
+        room = None if count is None else MAX_MODEL_LEN - count
+        if route == RESPONSES:
+            check_responses_stream(ex, body, room, expect)
+        else:
+            check_stream(ex, body, room, expect)
     else:
         ex.check(expect.may_succeed, "accepted a body with a wrong field")
         ex.check(not lax_true(body.get("stream")), "no stream for stream: true")
-        check_plain(ex, body, None if count is None else MAX_MODEL_LEN - count)
+        room = None if count is None else MAX_MODEL_LEN - count
+        if route == RESPONSES:
+            check_responses_plain(ex, body, room)
+        else:
+            check_plain(ex, body, room)
     check_settled(fz, ex)
 
 
@@ -447,9 +550,10 @@ def exchange(fz: Fuzzed, route: str, drawn: dict | bytes) -> None:
 def test_every_spec_names_a_field_of_its_schema() -> None:
     """The hand-written specs follow the schemas: a renamed field must not leave its edges fuzzing nothing."""
     for specs, schema in ((CHAT_SPECS, CHAT_SCHEMA), (COMPLETION_SPECS, COMPLETION_SCHEMA),
-                          (TOKENIZE_SPECS, TOKENIZE_SCHEMA)):
+                          (TOKENIZE_SPECS, TOKENIZE_SCHEMA), (RESPONSES_SPECS, RESPONSES_SCHEMA)):
         assert set(specs) <= set(schema["properties"]), set(specs) - set(schema["properties"])
     assert {name for name, _, _ in UNSUPPORTED_EDGES} <= set(UNSUPPORTED_FIELDS)
+    assert {name for name, _, _ in RESPONSES_UNSUPPORTED_EDGES} <= set(RESPONSES_UNSUPPORTED)
 
 
 AT_THE_LIMIT = {"model": MODEL, "prompt": "a", "max_tokens": AtRoom(0), "ignore_eos": True}
@@ -478,6 +582,16 @@ def test_completions_answer_every_body_well(fuzzed: Fuzzed, body: dict | bytes) 
 @given(body=tokenize_bodies())
 def test_tokenize_answers_every_body_well(fuzzed: Fuzzed, body: dict | bytes) -> None:
     exchange(fuzzed, TOKENIZE, body)
+
+
+@fuzz_settings(max_examples=50)
+@given(body=responses_bodies())
+@example(body={"model": MODEL, "instructions": "Look.", "input": [{"role": "user", "content": [
+    {"type": "input_image", "image_url": IMAGE_CATALOG["1x1 png"][0]},
+    {"type": "input_image", "image_url": IMAGE_CATALOG["128x98 png (= the pixel limit)"][0], "detail": "low"},
+    {"type": "input_text", "text": "and?"}]}], "max_output_tokens": AtRoom(0), "stream": True})
+def test_responses_answer_every_body_well(fuzzed: Fuzzed, body: dict | bytes) -> None:
+    exchange(fuzzed, RESPONSES, body)
 
 
 def test_after_the_fuzz_the_server_answers_and_holds_nothing(fuzzed: Fuzzed) -> None:

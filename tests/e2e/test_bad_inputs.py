@@ -34,7 +34,7 @@ from tests.media_fakes import FakeFetcher, FakeResolver, ok, redirect
 DOC = Path(__file__).resolve().parents[2] / "docs" / "bad_inputs.md"
 MAX_IMAGES, MAX_PIXELS, MAX_BODY = 2, 4_000_000, 1 * 2**20
 BODY_TIMEOUT_S, MAX_UNREAD = 3.0, 8  # the guarded server's --request-body-timeout and --max-unread-outputs
-CHAT, COMPLETIONS, TOKENIZE = "/v1/chat/completions", "/v1/completions", "/tokenize"
+CHAT, COMPLETIONS, TOKENIZE, RESPONSES = "/v1/chat/completions", "/v1/completions", "/tokenize", "/v1/responses"
 IMAGE_PAD_ID = 151655  # <|image_pad|> in Qwen2-VL's vocabulary (the tiny checkpoint keeps the ids)
 
 
@@ -278,6 +278,29 @@ CORPUS: tuple[BadInput, ...] = (
     BadInput("`modalities` with audio", 400, lambda e: text_chat(modalities=["text", "audio"])),
     BadInput("harmless extras (user, metadata, store, service_tier, text format, empty tools ...)", 200,
              lambda e: text_chat(**HARMLESS_EXTRAS)),
+    # the Responses API (stateless; api/responses_api.py): what needs stored state, tools, other item types
+    BadInput("/v1/responses `previous_response_id`", 400, lambda e: {"input": "hi", "previous_response_id": "resp_1"},
+             path=RESPONSES, param="previous_response_id"),
+    BadInput("/v1/responses `background: true`", 400, lambda e: {"input": "hi", "background": True}, path=RESPONSES,
+             param="background"),
+    BadInput("/v1/responses `tools`", 400, lambda e: {"input": "hi", "tools": [{"type": "web_search"}]},
+             path=RESPONSES, param="tools"),
+    BadInput("/v1/responses input item of type function_call_output", 400, lambda e: {"input": [
+        {"type": "function_call_output", "call_id": "c1", "output": "42"}]}, path=RESPONSES, param="input[0].type"),
+    BadInput("/v1/responses content part of type input_file", 400, lambda e: {"input": [{"role": "user", "content": [
+        {"type": "input_file", "file_data": "data:application/pdf;base64,JVBERi0="}]}]}, path=RESPONSES,
+             param="input[0].content[0].type"),
+    BadInput("/v1/responses `input` an empty list", 400, lambda e: {"input": []}, path=RESPONSES, param="input"),
+    BadInput("/v1/responses `input_image` of non-image bytes, after instructions", 400, lambda e: {
+        "instructions": "Look.", "input": [{"role": "user", "content": [{"type": "input_text", "text": "this"}, {
+            "type": "input_image", "image_url": data_url(b"plain text, not a picture")}]}]}, path=RESPONSES,
+             param="input[0].content[1].image_url"),
+    BadInput("/v1/responses `input_image` outside the media dir", 400, lambda e: {"input": [{"role": "user",
+        "content": [{"type": "input_image", "image_url": f"file://{e.outside_file}"}]}]}, path=RESPONSES,
+             param="input[0].content[0].image_url"),
+    BadInput("/v1/responses `text.format` schema that cannot compile", 400, lambda e: {"input": "hi", "text": {
+        "format": {"type": "json_schema", "name": "x", "schema": {"type": "strnig"}}}}, path=RESPONSES,
+             param="text.format"),
     # bodies that are not what they should be
     BadInput("body is not valid UTF-8", 400, lambda e: b'{"model": "tiny", "messages": [{"role": "user", '
                                                        b'"content": "caf\xe9"}]}'),
@@ -525,7 +548,9 @@ def render_table(rows: dict[str, tuple[int, str]]) -> str:
         "is answered. Every route that takes a conversation (`/v1/chat/completions`, `/tokenize`) validates it the",
         "same way, so no body is a 400 on one route and a 500 on another. An image refused at any stage (loading,",
         "its header, decoding) is the error's `param` (`messages[i].content[j].image_url`) and, in a request with",
-        "several images, named by its place in the message.",
+        "several images, named by its place in the message. `/v1/responses` builds the same conversation from its",
+        "`instructions` and `input` (its errors name `input[i].content[j].image_url`) and refuses what needs stored",
+        "state, tools, and item or part types it does not take, naming the field.",
         "",
         "A refusal decided before the body is read (413 by `Content-Length`, 415, 400 for both framing headers) or",
         "while it streams in (413, 408) is sent while the client may still be writing: the server then reads and",

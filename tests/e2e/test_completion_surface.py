@@ -105,12 +105,15 @@ def test_continuous_usage_stats_count_each_chunk(live_server) -> None:
 
 def test_the_openapi_schema_describes_the_generation_routes(live_server) -> None:
     schema = httpx.get(f"{live_server.base_url}/openapi.json").json()
-    for path in ("/v1/chat/completions", "/v1/completions", "/tokenize"):
+    for path in ("/v1/chat/completions", "/v1/completions", "/tokenize", "/v1/responses"):
         body = schema["paths"][path]["post"]["requestBody"]["content"]["application/json"]["schema"]
         ref = body["$ref"].rsplit("/", 1)[-1]
         assert ref in schema["components"]["schemas"]
     chat = schema["components"]["schemas"]["ChatCompletionRequest"]
     assert {"messages", "response_format", "tools", "tool_choice", "n"} <= set(chat["properties"])
+    responses = schema["components"]["schemas"]["ResponsesRequest"]
+    assert {"input", "instructions", "max_output_tokens", "text"} <= set(responses["properties"])
+    assert "ResponseObject" in schema["components"]["schemas"]
     refs = [v for v in _walk(schema) if isinstance(v, str) and v.startswith("#/")]
     for ref in refs:  # every reference resolves
         node = schema

@@ -556,6 +556,36 @@ def test_engine_failure_mid_stream_is_an_error_event(processor: InputProcessor) 
     assert error_of(non_stream, 500)["message"] == "the engine ran out of memory"
 
 
+def test_responses_engine_failure_mid_stream_is_one_error_event(processor: InputProcessor) -> None:
+    """/v1/responses frames events as ``event:`` + ``data:``; a failure after some text is one ``error`` event that
+    the openai client raises on (it carries ``error``, as chat's), with nothing after it."""
+    engine = FakeEngine(Script(pieces=("a", "b"), error="the engine ran out of memory"))
+    body = {"model": MODEL, "input": "hi", "stream": True}
+    text = post(processor, "/v1/responses", engine, json=body).text
+    frames = [f.split("\n") for f in text.split("\n\n")[:-1]]
+    assert all(len(f) == 2 and f[0].startswith("event: ") and f[1].startswith("data: ") for f in frames)
+    events = [json.loads(f[1][len("data: "):]) for f in frames]
+    assert [e["type"] for e in events][:4] == ["response.created", "response.in_progress",
+                                               "response.output_item.added", "response.content_part.added"]
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    last = events[-1]
+    assert last["type"] == "error" and last["error"]["message"] == "the engine ran out of memory"
+    assert last["message"] == "the engine ran out of memory"
+    non_stream = post(processor, "/v1/responses", engine, json={**body, "stream": False})
+    assert error_of(non_stream, 500)["message"] == "the engine ran out of memory"
+
+
+def test_a_prompt_that_can_never_fit_names_each_routes_prompt_field(tiny_model_dir: Path) -> None:
+    from firsttoken.types import AdmissionVerdict
+
+    processor = make_processor(tiny_model_dir, MAX_MODEL_LEN)
+    processor.admission = lambda work, request_id: AdmissionVerdict(False, "short", "never_fits", "never fits", 400)
+    for path, body, param in (("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}, "messages"),
+                              ("/v1/completions", {"prompt": "hi"}, "prompt"),
+                              ("/v1/responses", {"input": "hi"}, "input")):
+        assert error_of(post(processor, path, json={"model": MODEL, **body}), 400)["param"] == param
+
+
 def test_unknown_route_is_404_in_error_shape(processor: InputProcessor) -> None:
     error_of(post(processor, "/v1/nothing", json={}), 404)
 
