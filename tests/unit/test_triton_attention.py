@@ -224,3 +224,27 @@ def test_kernels_compile_for_sm90_without_a_gpu() -> None:
     )
     assert result.returncode == 0, result.stdout + result.stderr
     assert result.stdout.count("ok ") == 4, result.stdout
+
+
+def test_gpu_kernels_check_script_runs_its_plumbing_and_refuses_without_cuda(tmp_path) -> None:
+    """benchmarks/gpu/kernels_check.py: tiny shapes under the interpreter (every case within tolerance, JSON
+    written), and, without CUDA, one line and exit status 2."""
+    import json
+    import subprocess
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[2] / "benchmarks" / "gpu" / "kernels_check.py"
+    out = tmp_path / "kernels.json"
+    smoke = subprocess.run([sys.executable, str(script), "--out", str(out), "--interpret-smoke"],
+                           capture_output=True, text=True, timeout=300)
+    assert smoke.returncode == 0, smoke.stdout + smoke.stderr
+    results = json.loads(out.read_text())
+    assert results["interpret_smoke"] and len(results["cases"]) == 6
+    assert all(case["ok"] for case in results["cases"])
+    if torch.cuda.is_available():
+        return
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    refused = subprocess.run([sys.executable, str(script), "--out", str(tmp_path / "none.json")], env=env,
+                             capture_output=True, text=True, timeout=120)
+    assert refused.returncode == 2 and not (tmp_path / "none.json").exists()
+    assert refused.stdout == "" and refused.stderr.count("\n") == 1 and "no CUDA device" in refused.stderr
