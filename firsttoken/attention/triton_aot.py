@@ -2,10 +2,11 @@
 
 ``python -m firsttoken.attention.triton_aot [--arch 90] [--dtype bf16 --dtype fp32] [--head-dim 80 ...]``
 lowers every kernel of ``triton_kernels.py`` through Triton's real compiler (TTIR -> TTGIR -> LLVM -> PTX ->
-cubin, ptxas bundled with the triton wheel) for ``sm_<arch>``, one line per variant, exit status 1 on the first
-failure. The interpreter (``TRITON_INTERPRET=1``) checks what the kernels compute but not that they compile (it
-accepts shapes and types the compiler refuses), so this is the CPU's other half of the check. It must run in a
-process where triton is not interpreted: it refuses otherwise.
+cubin, ptxas bundled with the triton wheel) for ``sm_<arch>``, one line per variant with its shared memory, exit
+status 1 on the first failure (a compile error, or more shared memory than ``--max-shared``, which the device
+would refuse at launch). The interpreter (``TRITON_INTERPRET=1``) checks what the kernels compute but not that
+they compile (it accepts shapes and types the compiler refuses), so this is the CPU's other half of the check. It
+must run in a process where triton is not interpreted: it refuses otherwise.
 
 Argument types follow the kernels' naming: an upper-case name is a tensor pointer (the data dtype; ``Mid*`` the
 fp32 split partials), ``cu_seqlens_*`` / ``seq_lens`` / ``block_tables`` int32 pointers, ``scale_log2`` fp32,
@@ -64,6 +65,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--head-dim", action="append", type=int)
     parser.add_argument("--group", type=int, default=8, help="query heads per KV head, padded to a power of two")
     parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--max-shared", type=int, default=232448,
+                        help="shared memory a block may use (bytes; H100/H200: 227 KiB)")
     args = parser.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         print("triton_aot: unset TRITON_INTERPRET (the interpreter compiles nothing)", file=sys.stderr)
@@ -81,8 +84,12 @@ def main(argv: list[str] | None = None) -> int:
         except Exception as exc:  # the compiler's own message, one variant per line
             print(f"FAIL {label} sm_{args.arch}: {type(exc).__name__}: {str(exc).strip().splitlines()[-1:]}")
             return 1
-        print(f"ok   {label} sm_{args.arch} triton {triton.__version__}: {sorted(compiled.asm)} "
-              f"{time.perf_counter() - start:.1f}s")
+        shared = int(getattr(compiled.metadata, "shared", 0))
+        if shared > args.max_shared:  # the launch would fail with OutOfResources on the device
+            print(f"FAIL {label} sm_{args.arch}: {shared} bytes of shared memory > {args.max_shared}")
+            return 1
+        print(f"ok   {label} sm_{args.arch} triton {triton.__version__}: {sorted(compiled.asm)}, "
+              f"{shared} B shared, {time.perf_counter() - start:.1f}s")
     return 0
 
 

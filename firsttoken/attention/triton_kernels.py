@@ -246,12 +246,14 @@ def _group(num_heads: int, num_kv_heads: int) -> tuple[int, int]:
     return ratio, triton.next_power_of_2(ratio)
 
 
-def _check_last_dim(*tensors: torch.Tensor) -> None:
+def _check_operands(*tensors: torch.Tensor) -> None:
     if tensors[0].device.type != "cuda" and not INTERPRETED:
         raise RuntimeError(
             f"the Triton attention kernels need CUDA tensors, or TRITON_INTERPRET=1 set before triton is first "
             f"imported to run on {tensors[0].device.type} tensors")
     for t in tensors:
+        if t.dtype != tensors[0].dtype:
+            raise ValueError(f"q is {tensors[0].dtype} but another operand is {t.dtype}: the kernels take one dtype")
         if t.stride(-1) != 1:
             raise ValueError("the head dimension must be contiguous (stride 1)")
 
@@ -280,7 +282,7 @@ def paged_prefill(
     ratio, group = _group(num_heads, num_kv_heads)
     out = torch.empty_like(q) if out is None else out
     k_cache, v_cache = kv_cache[0], kv_cache[1]
-    _check_last_dim(q, k_cache, v_cache, out)
+    _check_operands(q, k_cache, v_cache, out)
     num_seqs = block_tables.shape[0]
     if num_tokens == 0 or num_seqs == 0:
         return out
@@ -321,7 +323,7 @@ def varlen_attention(
     ratio, group = _group(num_heads, num_kv_heads)
     scale = head_dim**-0.5 if scale is None else scale
     out = torch.empty_like(q) if out is None else out
-    _check_last_dim(q, k, v, out)
+    _check_operands(q, k, v, out)
     num_segments = cu_seqlens.shape[0] - 1
     if num_tokens == 0 or num_segments == 0:
         return out
@@ -370,7 +372,7 @@ def paged_decode(
     ratio, group = _group(num_heads, num_kv_heads)
     out = torch.empty_like(q) if out is None else out
     k_cache, v_cache = kv_cache[0], kv_cache[1]
-    _check_last_dim(q, k_cache, v_cache, out)
+    _check_operands(q, k_cache, v_cache, out)
     if num_seqs == 0:
         return out
     num_splits = max(1, int(num_splits))
