@@ -20,9 +20,10 @@ log-sum-exps the decode partials hand to the reduce are base 2 too. head_dim is 
 masked (80 -> 128). fp32 inputs take ``tl.dot`` in IEEE precision (no TF32), so fp32 results are comparable to
 the SDPA reference; bf16/fp16 inputs take the tensor-core dot with fp32 accumulation.
 
-Only Triton language features present since Triton 3.0 are used (the GPU machine has Triton 3.6): masked
+Only long-standing Triton language features are used (the GPU machine has Triton 3.6): masked
 ``tl.load``/``tl.store``, ``tl.dot(..., input_precision=)``, ``tl.exp2``/``tl.log2``, ``tl.maximum``/``tl.max``/
-``tl.sum``, ``tl.where``, ``tl.program_id``, ``tl.arange``, ``tl.constexpr``.
+``tl.sum``, ``tl.where``, ``tl.cdiv``, ``tl.program_id``, ``tl.arange``, ``tl.constexpr``; every kernel compiles
+for sm_90 under Triton 3.6.0 and 3.9.0 (``triton_aot.py``).
 """
 
 from __future__ import annotations
