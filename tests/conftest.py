@@ -4,8 +4,18 @@ from __future__ import annotations
 
 import os
 import shutil
+import sys
 import tempfile
 from pathlib import Path
+
+import torch
+
+# Triton's CPU interpreter for the Triton kernels' unit tests (tests/unit/test_triton_attention.py). Triton reads
+# TRITON_INTERPRET when it is first imported, and transformers' modeling modules import it (through torch._dynamo)
+# while test modules are collected, so it is set here, before any test module; only where CUDA is absent (a GPU
+# machine compiles the kernels and runs those tests on the device). Importing torch does not import triton.
+if "triton" not in sys.modules and not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest
 from hypothesis.configuration import set_hypothesis_home_dir

@@ -49,6 +49,11 @@ class AttentionMetadata:
         return tuple(c + q for c, q in zip(self.context_lens, self.query_lens))
 
     @cached_property
+    def seq_lens_tensor(self) -> torch.Tensor:
+        """[num_seqs] int32 ``seq_lens`` on the block tables' device (for kernels that read it per sequence)."""
+        return torch.tensor(self.seq_lens, dtype=torch.int32, device=self.block_tables.device)
+
+    @cached_property
     def is_pure_decode(self) -> bool:
         return all(q == 1 for q in self.query_lens)
 

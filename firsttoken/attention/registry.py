@@ -13,10 +13,17 @@ def _sdpa() -> AttentionBackend:
     return SdpaBackend()
 
 
+def _triton() -> AttentionBackend:
+    from firsttoken.attention.triton_backend import TritonBackend  # imports triton on first forward only
+
+    return TritonBackend()
+
+
 # name -> factory. A CUDA "flash" backend (firsttoken/attention/flash.py, flash-attn varlen + paged KV)
 # registers here as "flash": _flash imports lazily so CPU-only installs never import CUDA kernels.
 _BACKENDS: dict[str, Callable[[], AttentionBackend]] = {
     "sdpa": _sdpa,
+    "triton": _triton,  # issue 39's kernels: CUDA, or CPU under TRITON_INTERPRET=1; not yet an engine option
 }
 
 
