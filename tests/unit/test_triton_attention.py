@@ -256,7 +256,7 @@ def test_tiny_model_through_the_triton_backend_matches_the_sdpa_backend(tiny_mod
     block) beside a whole prompt, then a mixed step (a chunk and a decode token: the prefill kernel), then pure
     decode steps (the decode kernels). Same greedy tokens and logits within 1e-4 (logits have std ~10) of the
     SDPA backend's; observed 2e-5."""
-    from firsttoken.models.loader import load_model
+    from firsttoken.loading.loader import load_model
     from firsttoken.runner.kv_cache import allocate_kv_caches
 
     block = 16
