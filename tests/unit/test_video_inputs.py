@@ -384,3 +384,51 @@ def test_a_frame_list_over_the_caps_is_sampled_and_a_mismatched_one_refused() ->
     assert err.value.code == "invalid_image"
     with pytest.raises(VideoInputError, match="video is 5 frames; the limit is 4"):
         plan_frame_list(frames[:5], VideoConfig(max_video_source_frames=4), PROC)
+
+
+# ---------------------------------------------------------------------------------------------- loading
+
+
+def test_videos_load_from_data_urls_the_media_dir_and_allowed_hosts_with_the_image_checks(
+    clip: bytes, tmp_path
+) -> None:
+    import base64
+
+    from firsttoken.inputs.media import MediaNetwork, load_image_bytes, load_video_bytes, remote_media
+    from tests.media_fakes import FakeFetcher, FakeResolver, ok
+
+    url = "data:video/mp4;base64," + base64.b64encode(clip).decode()
+    assert load_video_bytes(url, None, len(clip)) == clip
+    with pytest.raises(VideoInputError, match=f"video is {len(clip)} bytes; the limit is 100 bytes") as err:
+        load_video_bytes(url, None, 100)  # counted from the base64 length, before decoding it
+    assert err.value.code == "video_too_large"
+    with pytest.raises(VideoInputError, match="data URL must have a video/\\* media type"):
+        load_video_bytes("data:image/png;base64,AAAA", None, 1000)
+    with pytest.raises(ImageInputError, match="data URL must have an image/\\* media type"):
+        load_image_bytes(url, None, len(clip))  # an image part cannot carry a video
+
+    media = tmp_path / "media"
+    media.mkdir()
+    (media / "clip.mp4").write_bytes(clip)
+    fds = open_fds()
+    assert load_video_bytes("clip.mp4", media, len(clip)) == clip
+    assert load_video_bytes(f"file://{media}/clip.mp4", media, len(clip)) == clip
+    with pytest.raises(VideoInputError, match="local video paths are only allowed inside the server's media"):
+        load_video_bytes("../outside.mp4", media, len(clip))
+    with pytest.raises(VideoInputError, match="local video paths are disabled on this server"):
+        load_video_bytes("clip.mp4", None, len(clip))
+    with pytest.raises(VideoInputError, match=f"video is {len(clip)} bytes; the limit is 10 bytes"):
+        load_video_bytes("clip.mp4", media, 10)
+    assert open_fds() == fds
+
+    fetcher = FakeFetcher({("videos.test", "/c.mp4"): ok(clip)})
+    network = MediaNetwork(FakeResolver({"videos.test": ["93.184.216.34"], "inside.test": ["10.0.0.8"]}), fetcher)
+    remote = remote_media("videos.test,inside.test", 5.0, network)
+    assert load_video_bytes("https://videos.test/c.mp4", None, len(clip), remote) == clip
+    assert fetcher.sent[-1].accept == "video/*" and fetcher.sent[-1].max_bytes == len(clip)
+    with pytest.raises(VideoInputError, match=f"remote video exceeds the limit of {len(clip) - 1} bytes"):
+        load_video_bytes("https://videos.test/c.mp4", None, len(clip) - 1, remote)
+    with pytest.raises(VideoInputError, match="the video URL's host resolves to a private or reserved address"):
+        load_video_bytes("https://inside.test/c.mp4", None, len(clip), remote)
+    with pytest.raises(VideoInputError, match="remote video URLs are disabled on this server"):
+        load_video_bytes("https://videos.test/c.mp4", None, len(clip))
