@@ -62,7 +62,7 @@ FPS_MIN_FRAMES = 4
 # playlist and concat demuxers open other files and URLs by themselves). Value: FFmpeg's demuxer name, passed to
 # av.open so FFmpeg probes nothing.
 CONTAINERS = {"mov": "MP4/MOV", "matroska": "WebM/Matroska", "avi": "AVI"}
-# Codecs we decode (FFmpeg decoder names). A stream in another codec is refused naming it.
+# Codecs we decode (FFmpeg codec names). A stream in another codec is refused naming it.
 ALLOWED_CODECS = ("h264", "hevc", "vp8", "vp9", "av1", "mpeg4", "mpeg2video", "mjpeg")
 MAX_DECLARED_FPS = 1000.0
 _ISO_BOXES = (b"ftyp", b"moov", b"mdat", b"free", b"wide", b"skip", b"pnot")
@@ -82,7 +82,7 @@ class VideoHeader:
     """What the container declares, read before any packet."""
 
     container: str  # FFmpeg demuxer name: "mov", "matroska", "avi"
-    codec: str  # FFmpeg decoder name, e.g. "h264"
+    codec: str  # FFmpeg codec name, e.g. "h264", "av1" (not the decoder's: libdav1d decodes AV1)
     width: int
     height: int
     fps: float  # average frame rate
@@ -188,7 +188,9 @@ def _read_header(c, container: str, num_bytes: int, limits: VideoConfig) -> Vide
             "invalid_video", f"the container holds no video stream ({audio} audio stream{'s' * (audio != 1)})"
         )
     s = videos[0]
-    codec = s.codec_context.name if s.codec_context is not None else ""
+    ctx = s.codec_context
+    # The codec's name, not its decoder's (AV1 decodes with libdav1d in the PyPI wheels).
+    codec = (getattr(ctx.codec, "canonical_name", None) or ctx.name) if ctx is not None and ctx.codec else ""
     if codec not in ALLOWED_CODECS:
         raise VideoInputError(
             "unsupported_video", f"video codec {codec or 'unknown'!r} is not supported; supported: "
@@ -668,3 +670,4 @@ def decode_frame_list(
         out[k] = np.asarray(image)
         last = (i, out[k])
     return DecodedVideo(out, plan, [i / plan.source_fps for i in plan.frame_indices])
+

@@ -80,6 +80,8 @@ def _write(out: object, n: int, width: int, height: int, fps: int, codec: str, c
                 vs.codec_context.gop_size = gop
             if vs.codec_context.name == "libx264":
                 vs.options = {"preset": "ultrafast"}
+            elif vs.codec_context.name == "libx265":
+                vs.options = {"preset": "ultrafast", "x265-params": "log-level=error"}
         aus = None
         if audio:
             aus = c.add_stream("aac", rate=16000)

@@ -200,11 +200,16 @@ def test_resized_frames_have_the_plans_size_and_the_decoder_holds_one_full_frame
     assert be.max_held == 1
 
 
-@pytest.mark.parametrize(("container", "codec"), [("matroska", "libvpx-vp9"), ("avi", "mpeg4"), ("mp4", "libx264")])
-def test_other_containers_and_codecs(container: str, codec: str) -> None:
-    data = make_clip(2, 32, 32, fps=10, gop=5, codec=codec, container=container)
+@pytest.mark.parametrize(("container", "codec", "name"), [
+    ("matroska", "libvpx-vp9", "vp9"), ("matroska", "libvpx", "vp8"), ("avi", "mpeg4", "mpeg4"),
+    ("mp4", "libx264", "h264"), ("mp4", "libx265", "hevc"),  # x265 puts B-frames in: decode order != display order
+    ("mp4", "libsvtav1", "av1"), ("matroska", "mpeg2video", "mpeg2video"),
+])
+def test_other_containers_and_codecs(container: str, codec: str, name: str) -> None:
+    data = make_clip(2, 64, 64, fps=10, gop=5, codec=codec, container=container)
     be = PyAVBackend()
     loaded = load_video(data, VideoConfig(), PROC, backend=be, resize=False)
+    assert loaded.header.codec == name
     ref = reference_frames(data)
     assert loaded.index.num_frames == len(ref) == 20
     for k, i in enumerate(loaded.plan.frame_indices):
