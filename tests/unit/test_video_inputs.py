@@ -220,6 +220,11 @@ def test_plan_from_bytes_decodes_nothing(clip: bytes) -> None:
     be = PyAVBackend()
     _, index, plan = plan_video_bytes(clip, VideoConfig(), PROC, backend=be)
     assert (index.num_frames, plan.num_frames, be.frames_decoded) == (90, 6, 0)
+    # A request asking for more than the server grants is refused before the container is even opened.
+    be = PyAVBackend()
+    with pytest.raises(BudgetError, match="video_url.max_frames=1000 must be from 2 to this server's cap of 768"):
+        load_video(clip, VideoConfig(), PROC, VideoAsk(max_frames=1000), backend=be)
+    assert be.opened == 0
 
 
 def test_a_passed_deadline_is_a_timeout_not_a_decode(clip: bytes) -> None:
@@ -348,7 +353,9 @@ def test_nothing_is_left_open_after_good_and_bad_videos(clip: bytes) -> None:
             with pytest.raises(VideoInputError):
                 load_video(data, VideoConfig(), PROC, backend=PyAVBackend(threads=2))
     gc.collect()
-    assert (open_fds(), threads_alive()) == (fds, threads)
+    assert open_fds() == fds
+    # <=: a thread another test left behind may end meanwhile; a decoder thread left running would add to the count
+    assert threads_alive() <= threads
 
 
 # ---------------------------------------------------------------------------------------------- frame lists
