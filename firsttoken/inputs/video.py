@@ -141,17 +141,16 @@ class PyAVBackend:
         self.max_held = max(self.max_held, self.held)
 
 
-_DEFAULT_BACKEND_THREADS = 1
-
-
 def _backend(backend: PyAVBackend | None) -> PyAVBackend:
-    return backend if backend is not None else PyAVBackend(_DEFAULT_BACKEND_THREADS)
+    return backend if backend is not None else PyAVBackend()
 
 
 def _av_errors() -> tuple[type[BaseException], ...]:
     import av
 
-    return (av.FFmpegError, ValueError, OSError, EOFError, IndexError, KeyError, TypeError, MemoryError)
+    # FFmpeg's errors (PyAV's FFmpegError subclasses ValueError and OSError), an allocation FFmpeg could not make.
+    # Not TypeError/KeyError/...: those would be our bugs, and must not read as "the client's video is corrupt".
+    return (av.FFmpegError, ValueError, OSError, EOFError, MemoryError)
 
 
 def probe_video(data: bytes, limits: VideoConfig, backend: PyAVBackend | None = None) -> VideoHeader:
