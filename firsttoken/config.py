@@ -8,6 +8,7 @@ read off each field), so a default cannot drift between a flag table and a datac
         cache: CacheConfig       KV pool, block size, prefix and encoder caches
         scheduler: SchedulerConfig   step budget, lanes, admission, queues, context length
       images: ImageConfig        visual-token budget, image and input limits, where images may come from
+      videos: VideoConfig        video budget (frames, tokens) and the limits checked on a container's header
       server: ServerConfig       HTTP: bind, bodies, concurrency, shutdown, logs, /stats, API key
 
 Each field's ``option(...)`` metadata gives its help text, and where they differ from the field name, its flag
@@ -386,6 +387,57 @@ class ImageConfig:
         _positive("media_fetch_timeout_s", self.media_fetch_timeout_s)
 
 
+@dataclass(frozen=True)
+class VideoConfig:
+    """The video budget (inputs/video.py plans it from the container before any frame is decoded) and the limits
+    checked on the header. Defaults follow Qwen's own utilities (qwen-vl-utils 0.0.14: 2 fps, 4 to 768 frames, 128
+    to 768 tokens per two-frame grid) except the per-video cap, which is set for a first token in seconds rather
+    than Qwen's ~115k tokens. The API refuses video_url parts until the engine takes video (issue 40)."""
+
+    video_max_tokens: int = field(default=4096, metadata=option(
+        "visual tokens per video at most: (frames / 2) x tokens per two-frame grid; frames are sampled sparser and "
+        "smaller to fit (requests may ask for less via video_url.max_visual_tokens, never more)"))
+    video_max_frames: int = field(default=768, metadata=option(
+        "sampled frames per video at most (Qwen's FPS_MAX_FRAMES; requests may ask for less via max_frames)"))
+    video_fps: float = field(default=2.0, metadata=option(
+        "frames sampled per second of video (Qwen's default; requests may ask for less via video_url.fps)"))
+    video_min_frame_tokens: int = field(default=128, metadata=option(
+        "visual tokens per two-frame grid at least (Qwen's VIDEO_MIN_TOKEN_NUM): smaller frames are scaled up, and "
+        "a video that cannot fit its frames at this size under --video-max-tokens gets fewer frames"))
+    video_max_frame_tokens: int = field(default=768, metadata=option(
+        "visual tokens per two-frame grid at most (Qwen's VIDEO_MAX_TOKEN_NUM)"))
+    video_max_seconds: float = field(default=600.0, metadata=option(
+        "duration per video, from the container before decoding (and from its packets, which a lying header cannot "
+        "hide); longer gets HTTP 400"))
+    max_video_source_frames: int = field(default=36_000, metadata=option(
+        "frames a video's container may hold (10 min at 60 fps), counted from the header and the packets before "
+        "decoding; more gets HTTP 400"))
+    max_video_pixels: int = field(default=4096 * 4096, metadata=option(
+        "declared width x height per video frame, checked from the header before decoding; more gets HTTP 400"))
+    max_video_bytes: int = field(default=256 * 2**20, metadata=option(
+        "encoded bytes per video, checked before base64-decoding, reading or fetching it; more gets HTTP 400",
+        parse=parse_bytes))
+    video_decode_timeout_s: float = field(default=30.0, metadata=option(
+        "seconds reading a video's packets and decoding its sampled frames may take; longer gets HTTP 400",
+        flag="--video-decode-timeout"))
+
+    def __post_init__(self) -> None:
+        _at_least("video_max_tokens", self.video_max_tokens, 1)
+        _at_least("video_max_frames", self.video_max_frames, 2)
+        _positive("video_fps", self.video_fps)
+        _at_least("video_min_frame_tokens", self.video_min_frame_tokens, 1)
+        if self.video_max_frame_tokens < self.video_min_frame_tokens:
+            raise ValueError("video_max_frame_tokens must be >= video_min_frame_tokens")
+        if self.video_max_tokens < self.video_min_frame_tokens:
+            raise ValueError("video_max_tokens must be >= video_min_frame_tokens (one two-frame grid at its "
+                             "smallest size)")
+        _positive("video_max_seconds", self.video_max_seconds)
+        _at_least("max_video_source_frames", self.max_video_source_frames, 1)
+        _at_least("max_video_pixels", self.max_video_pixels, 1)
+        _at_least("max_video_bytes", self.max_video_bytes, 1)
+        _positive("video_decode_timeout_s", self.video_decode_timeout_s)
+
+
 # ---------------------------------------------------------------------------------------------- server
 
 
@@ -448,6 +500,7 @@ class ServeConfig:
         "a Jinja chat template file to use instead of the checkpoint's", parse=Path))
     engine: EngineConfig = field(default_factory=EngineConfig)
     images: ImageConfig = field(default_factory=ImageConfig)
+    videos: VideoConfig = field(default_factory=VideoConfig)
     server: ServerConfig = field(default_factory=ServerConfig)
 
 

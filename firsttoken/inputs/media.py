@@ -1,4 +1,4 @@
-"""Turn an OpenAI ``image_url`` string into image bytes, without trusting it.
+"""Turn an OpenAI ``image_url`` (or vLLM's ``video_url``) string into media bytes, without trusting it.
 
 Accepted: ``data:image/<type>;base64,<payload>`` (strict base64); local paths / ``file://`` URLs only when the
 server has an allowed media directory and the path, after following symlinks, lies inside it; ``http(s)`` URLs
@@ -10,8 +10,9 @@ the checked address itself (the ``Fetcher`` contract), so a second DNS answer ca
 redirects are followed by hand, at most ``max_redirects``, each hop checked again from scratch; the body is capped
 at ``max_image_bytes`` while it streams; one deadline (``timeout_s``) covers every hop.
 
-Size is checked before decoding base64 or reading a file. Errors are ImageInputError with messages that never
-echo payload bytes, URLs, or reveal files outside the dir.
+Size is checked before decoding base64 or reading a file. Errors are ImageInputError (VideoInputError for videos:
+``load_video_bytes``, the same rules with ``data:video/*`` and video words and codes) with messages that never echo
+payload bytes, URLs, or reveal files outside the dir.
 """
 
 from __future__ import annotations
@@ -33,28 +34,60 @@ from urllib.parse import unquote, urljoin, urlparse, urlsplit
 
 from firsttoken.inputs.image import ImageInputError
 
-_NOT_ALLOWED_PATH = "local image paths are only allowed inside the server's media directory"
+
+@dataclass(frozen=True)
+class MediaKind:
+    """What is being loaded: the noun in messages, the data-URL media type, the error class and its codes. Images
+    and videos come through the same checks; only the words and the codes differ."""
+
+    noun: str  # "image" | "video"
+    error: type[ImageInputError]
+    invalid: str  # code for a malformed or missing one
+    too_large: str  # code for one over the byte cap
+
+    def fail(self, code: str, message: str) -> ImageInputError:
+        return self.error(code, message)
+
+
+IMAGE = MediaKind("image", ImageInputError, "invalid_image", "image_too_large")
 
 
 def load_image_bytes(
     url: str, allowed_media_dir: Path | None, max_image_bytes: int, remote: RemoteMedia | None = None
 ) -> bytes:
     """The raw (still encoded) image bytes ``url`` names, at most ``max_image_bytes`` of them."""
+    return load_media_bytes(url, allowed_media_dir, max_image_bytes, remote, IMAGE)
+
+
+def load_video_bytes(
+    url: str, allowed_media_dir: Path | None, max_video_bytes: int, remote: RemoteMedia | None = None
+) -> bytes:
+    """The raw (still encoded) video bytes ``url`` names, at most ``max_video_bytes`` of them: the same sources and
+    checks as images (data:video/*, the media directory, allow-listed hosts), errors as VideoInputError."""
+    from firsttoken.inputs.video import VideoInputError
+
+    kind = MediaKind("video", VideoInputError, "invalid_video", "video_too_large")
+    return load_media_bytes(url, allowed_media_dir, max_video_bytes, remote, kind)
+
+
+def load_media_bytes(
+    url: str, allowed_media_dir: Path | None, max_bytes: int, remote: RemoteMedia | None, kind: MediaKind
+) -> bytes:
     scheme = url[: url.find(":")].lower() if ":" in url else ""
     if scheme == "data":
-        return _load_data_url(url, max_image_bytes)
+        return _load_data_url(url, max_bytes, kind)
     if scheme in ("http", "https"):
         if remote is None or not remote.allowed_domains:
-            raise ImageInputError("media_not_allowed", "remote image URLs are disabled on this server")
-        return _fetch_remote(url, remote, max_image_bytes)
+            raise kind.fail("media_not_allowed", f"remote {kind.noun} URLs are disabled on this server")
+        return _fetch_remote(url, remote, max_bytes, kind)
     if scheme == "file":
         parsed = urlparse(url)
         if parsed.netloc not in ("", "localhost"):
-            raise ImageInputError("media_not_allowed", "file:// URLs must name a local file")
-        return _load_file(unquote(parsed.path), allowed_media_dir, max_image_bytes)
+            raise kind.fail("media_not_allowed", "file:// URLs must name a local file")
+        return _load_file(unquote(parsed.path), allowed_media_dir, max_bytes, kind)
     if scheme and len(scheme) > 1:  # "c:" would be a Windows drive, anything longer a URL scheme
-        raise ImageInputError("media_not_allowed", "unsupported image URL scheme; use a data: URL")
-    return _load_file(url, allowed_media_dir, max_image_bytes)
+        raise kind.fail("media_not_allowed", f"unsupported {kind.noun} URL scheme; use a data: URL")
+    return _load_file(url, allowed_media_dir, max_bytes, kind)
 
 
 def base64_decoded_len(payload: str) -> int:
@@ -63,58 +96,59 @@ def base64_decoded_len(payload: str) -> int:
     return len(payload) // 4 * 3 - min(padding, 2)
 
 
-def _load_data_url(url: str, max_image_bytes: int) -> bytes:
+def _load_data_url(url: str, max_bytes: int, kind: MediaKind = IMAGE) -> bytes:
+    noun = kind.noun
     header, sep, payload = url.partition(",")
     if not sep:
-        raise ImageInputError("invalid_image", "malformed data URL: missing ','")
+        raise kind.fail(kind.invalid, "malformed data URL: missing ','")
     params = header[len("data:") :].split(";")
     media_type = params[0].strip().lower()
-    if not media_type.startswith("image/"):
-        raise ImageInputError("invalid_image", "data URL must have an image/* media type")
+    if not media_type.startswith(f"{noun}/"):
+        raise kind.fail(kind.invalid, f"data URL must have an {noun}/* media type" if noun == "image"
+                        else f"data URL must have a {noun}/* media type")
     if "base64" not in (p.strip().lower() for p in params[1:]):
-        raise ImageInputError("invalid_image", "image data URLs must be base64-encoded")
+        raise kind.fail(kind.invalid, f"{noun} data URLs must be base64-encoded")
     size = base64_decoded_len(payload)
-    if size > max_image_bytes:
-        raise ImageInputError(
-            "image_too_large", f"image is {size} bytes; the limit is {max_image_bytes} bytes"
-        )
+    if size > max_bytes:
+        raise kind.fail(kind.too_large, f"{noun} is {size} bytes; the limit is {max_bytes} bytes")
     try:
         return base64.b64decode(payload, validate=True)
     except (binascii.Error, ValueError):
-        raise ImageInputError("invalid_image", "image data URL is not valid base64") from None
+        raise kind.fail(kind.invalid, f"{noun} data URL is not valid base64") from None
 
 
-def _load_file(raw_path: str, allowed_media_dir: Path | None, max_image_bytes: int) -> bytes:
+def _load_file(raw_path: str, allowed_media_dir: Path | None, max_bytes: int, kind: MediaKind = IMAGE) -> bytes:
+    noun = kind.noun
     if allowed_media_dir is None:
-        raise ImageInputError("media_not_allowed", "local image paths are disabled on this server")
+        raise kind.fail("media_not_allowed", f"local {noun} paths are disabled on this server")
     if "\x00" in raw_path:  # no file can have such a name (path functions raise ValueError on it)
-        raise ImageInputError("invalid_image", "image path contains a NUL byte")
+        raise kind.fail(kind.invalid, f"{noun} path contains a NUL byte")
     root = allowed_media_dir.resolve()
     try:
         path = (root / raw_path).resolve()  # an absolute raw_path replaces root; symlinks are followed
     except (OSError, RuntimeError):  # a symlink loop (RuntimeError) or a name the OS refuses
-        raise ImageInputError("invalid_image", "image path cannot be resolved in the media directory") from None
+        raise kind.fail(kind.invalid, f"{noun} path cannot be resolved in the media directory") from None
     if not path.is_relative_to(root):
-        raise ImageInputError("media_not_allowed", _NOT_ALLOWED_PATH)
+        raise kind.fail("media_not_allowed", f"local {noun} paths are only allowed inside the server's media "
+                                             "directory")
     try:
         # O_NOFOLLOW: a symlink swapped in after resolve() is refused; O_NONBLOCK: a FIFO can't hang us.
         fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0))
     except OSError:
-        raise ImageInputError("invalid_image", "image file not found in the media directory") from None
+        raise kind.fail(kind.invalid, f"{noun} file not found in the media directory") from None
     try:  # closed on every way out, a refused path included (a directory opens fine, then is refused)
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
-            kind = "a directory" if stat.S_ISDIR(st.st_mode) else "not a regular file"
-            raise ImageInputError("invalid_image", f"image path is {kind}; name an image file")
-        if st.st_size > max_image_bytes:
-            raise ImageInputError(
-                "image_too_large", f"image is {st.st_size} bytes; the limit is {max_image_bytes} bytes"
-            )
-        data = _read_at_most(fd, max_image_bytes + 1)
+            what = "a directory" if stat.S_ISDIR(st.st_mode) else "not a regular file"
+            raise kind.fail(kind.invalid, f"{noun} path is {what}; name an {noun} file" if noun == "image"
+                            else f"{noun} path is {what}; name a {noun} file")
+        if st.st_size > max_bytes:
+            raise kind.fail(kind.too_large, f"{noun} is {st.st_size} bytes; the limit is {max_bytes} bytes")
+        data = _read_at_most(fd, max_bytes + 1)
     finally:
         os.close(fd)
-    if len(data) > max_image_bytes:  # the file grew after fstat
-        raise ImageInputError("image_too_large", f"image exceeds the limit of {max_image_bytes} bytes")
+    if len(data) > max_bytes:  # the file grew after fstat
+        raise kind.fail(kind.too_large, f"{noun} exceeds the limit of {max_bytes} bytes")
     return data
 
 
@@ -151,6 +185,7 @@ class FetchRequest:
     ip: str
     timeout_s: float  # what is left of the whole fetch's deadline
     max_bytes: int  # read at most max_bytes + 1 body bytes
+    accept: str = "image/*"  # the Accept header: image/* or video/*
 
 
 @dataclass(frozen=True)
@@ -212,7 +247,7 @@ class PinnedHTTPFetcher:
         else:
             conn = _PinnedHTTPConnection(request)
         try:
-            conn.request("GET", request.target, headers={"Accept": "image/*", "User-Agent": "firsttoken"})
+            conn.request("GET", request.target, headers={"Accept": request.accept, "User-Agent": "firsttoken"})
             resp = conn.getresponse()
             declared = resp.getheader("Content-Length")
             length = int(declared) if declared and declared.isdigit() else None
@@ -222,7 +257,7 @@ class PinnedHTTPFetcher:
             size = 0
             while size <= request.max_bytes:
                 if time.monotonic() > deadline:
-                    raise TimeoutError("image fetch deadline passed")
+                    raise TimeoutError("media fetch deadline passed")
                 chunk = resp.read1(min(self.chunk_bytes, request.max_bytes + 1 - size))
                 if not chunk:
                     break
@@ -303,63 +338,64 @@ def remote_media(domains: str | Iterable[str], timeout_s: float, network: MediaN
 _REDIRECTS = frozenset({301, 302, 303, 307, 308})
 
 
-def _fetch_remote(url: str, remote: RemoteMedia, max_image_bytes: int) -> bytes:
+def _fetch_remote(url: str, remote: RemoteMedia, max_bytes: int, kind: MediaKind = IMAGE) -> bytes:
+    noun = kind.noun
+    timed_out = f"fetching the {noun} URL timed out (limit {remote.timeout_s:g} s)"
     deadline = time.monotonic() + remote.timeout_s
     for _ in range(remote.max_redirects + 1):
-        request = _checked_request(url, remote, deadline, max_image_bytes)
+        request = _checked_request(url, remote, deadline, max_bytes, kind)
         try:
             resp = remote.network.fetcher.fetch(request)
         except TimeoutError:
-            raise ImageInputError(
-                "invalid_image", f"fetching the image URL timed out (limit {remote.timeout_s:g} s)"
-            ) from None
+            raise kind.fail(kind.invalid, timed_out) from None
         except OSError:
-            raise ImageInputError("invalid_image", "could not fetch the image URL") from None
+            raise kind.fail(kind.invalid, f"could not fetch the {noun} URL") from None
         if resp.status in _REDIRECTS:
             if not resp.location:
-                raise ImageInputError("invalid_image", "the image URL redirected without a location")
+                raise kind.fail(kind.invalid, f"the {noun} URL redirected without a location")
             url = urljoin(url, resp.location)
             continue
         if resp.status != 200:
-            raise ImageInputError("invalid_image", f"fetching the image URL returned HTTP {resp.status}")
+            raise kind.fail(kind.invalid, f"fetching the {noun} URL returned HTTP {resp.status}")
         size = max(len(resp.body), resp.content_length or 0)
-        if size > max_image_bytes:
-            raise ImageInputError("image_too_large", f"remote image exceeds the limit of {max_image_bytes} bytes")
+        if size > max_bytes:
+            raise kind.fail(kind.too_large, f"remote {noun} exceeds the limit of {max_bytes} bytes")
         if time.monotonic() > deadline:
-            raise ImageInputError(
-                "invalid_image", f"fetching the image URL timed out (limit {remote.timeout_s:g} s)"
-            )
+            raise kind.fail(kind.invalid, timed_out)
         return resp.body
-    raise ImageInputError("media_not_allowed", f"the image URL redirected more than {remote.max_redirects} times")
+    raise kind.fail("media_not_allowed", f"the {noun} URL redirected more than {remote.max_redirects} times")
 
 
-def _checked_request(url: str, remote: RemoteMedia, deadline: float, max_image_bytes: int) -> FetchRequest:
+def _checked_request(
+    url: str, remote: RemoteMedia, deadline: float, max_bytes: int, kind: MediaKind = IMAGE
+) -> FetchRequest:
     """The request for one hop, after the scheme, host and every resolved address passed the rules."""
+    noun = kind.noun
     try:
         parts = urlsplit(url)
         port = parts.port or (443 if parts.scheme.lower() == "https" else 80)
     except ValueError:
-        raise ImageInputError("invalid_image", "malformed image URL") from None
+        raise kind.fail(kind.invalid, f"malformed {noun} URL") from None
     scheme = parts.scheme.lower()
     if scheme not in ("http", "https"):
-        raise ImageInputError("media_not_allowed", "the image URL redirected to a scheme other than http(s)")
+        raise kind.fail("media_not_allowed", f"the {noun} URL redirected to a scheme other than http(s)")
     if "@" in parts.netloc or "\\" in url:
-        raise ImageInputError("media_not_allowed", "image URLs may not carry credentials or backslashes")
+        raise kind.fail("media_not_allowed", f"{noun} URLs may not carry credentials or backslashes")
     host = (parts.hostname or "").rstrip(".")
     if not host or host not in remote.allowed_domains:
-        raise ImageInputError("media_not_allowed", "the image URL's host is not in this server's allowed media domains")
+        raise kind.fail("media_not_allowed", f"the {noun} URL's host is not in this server's allowed media domains")
     remaining_s = deadline - time.monotonic()
     if remaining_s <= 0:
-        raise ImageInputError("invalid_image", f"fetching the image URL timed out (limit {remote.timeout_s:g} s)")
+        raise kind.fail(kind.invalid, f"fetching the {noun} URL timed out (limit {remote.timeout_s:g} s)")
     try:
         ips = remote.network.resolver.resolve(host, port)
     except (OSError, UnicodeError):
-        raise ImageInputError("invalid_image", "the image URL's host does not resolve") from None
+        raise kind.fail(kind.invalid, f"the {noun} URL's host does not resolve") from None
     if not ips:
-        raise ImageInputError("invalid_image", "the image URL's host does not resolve")
+        raise kind.fail(kind.invalid, f"the {noun} URL's host does not resolve")
     for ip in ips:  # every answer must pass: a mixed record set is refused rather than raced
         reason = forbidden_address_reason(ip, remote.network.allow_loopback_for_tests)
         if reason:
-            raise ImageInputError("media_not_allowed", f"the image URL's host resolves to {reason}; refused")
+            raise kind.fail("media_not_allowed", f"the {noun} URL's host resolves to {reason}; refused")
     target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
-    return FetchRequest(scheme, host, port, target, ips[0], remaining_s, max_image_bytes)
+    return FetchRequest(scheme, host, port, target, ips[0], remaining_s, max_bytes, f"{noun}/*")

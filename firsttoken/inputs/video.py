@@ -1,0 +1,672 @@
+"""Video input: probe a container from its bytes, plan the sampled frames under the server's budget, then decode
+only those frames, in bounded memory and time.
+
+Three stages, each reading less than the next would (docs/video.md):
+
+1. ``probe_video``: the container's header only (no packet read, no frame decoded): container format, codec, frame
+   size, frame rate, duration and frame count. Every limit that can be checked there is (``VideoConfig``: bytes,
+   pixels per frame, seconds, frames in the container); a video over one is refused naming what was counted.
+2. ``index_video``: the video stream's packets, demuxed but not decoded: every frame's presentation timestamp and
+   which are key frames. This is the frame count the plan uses, so a header that lies about its length cannot make
+   the server sample (or decode) past what the limits allow: the pass stops, refusing, at the first packet over
+   ``max_video_source_frames`` or ``video_max_seconds``, and a container holding fewer frames than its header
+   declares is refused as truncated.
+3. ``plan_video`` then ``decode_video``: Qwen's sampling (qwen-vl-utils 0.0.14 ``smart_nframes`` and
+   ``torch.linspace(0, n - 1, k).round()``: 2 fps, an even count, 4 to 768 frames) under a per-video token cap
+   (``video_max_tokens``; frames shrink toward the per-frame minimum first, then the count drops), and a decode
+   that seeks to the latest key frame before each sampled frame only when that skips work, converts only the
+   sampled frames, resizes each to the plan's size as it comes out of the decoder (one full-size frame held at a
+   time), and checks a deadline between frames. The container is closed on every way out.
+
+A video may also be a list of frames (images, as vLLM accepts): ``plan_frame_list`` / ``decode_frame_list``, under
+the same caps; every frame is probed (``probe_image``) before any is decoded.
+
+Every refusal is a ``VideoInputError`` (an ``ImageInputError``, so the input layer's handlers treat it the same):
+its message is safe to show a client and names what was counted; ``code`` is a stable label.
+
+The decoder is PyAV (FFmpeg), chosen by measurement (benchmarks/bench_video_decode.py, docs/video.md). It sits
+behind ``PyAVBackend``, whose counters (packets demuxed, frames decoded, frames converted, full-size frames held at
+once) are what tests assert the bounds with.
+"""
+
+from __future__ import annotations
+
+import bisect
+import io
+import math
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+from PIL import Image
+
+from firsttoken.config import VideoConfig
+from firsttoken.inputs.image import (
+    MAX_ASPECT_RATIO,
+    ImageInputError,
+    decode_image,
+    max_pixels_within_tokens,
+    num_visual_tokens,
+    probe_image,
+    smart_resize,
+)
+from firsttoken.models.config import ImageProcessorConfig
+
+# qwen-vl-utils 0.0.14 (vision_process.py): the sampling rules this module reproduces.
+FRAME_FACTOR = 2  # sampled frames come in pairs (one temporal patch of two frames per grid)
+FPS_MIN_FRAMES = 4
+
+# Containers we let FFmpeg parse, told by their first bytes; anything else is refused before FFmpeg sees it (its
+# playlist and concat demuxers open other files and URLs by themselves). Value: FFmpeg's demuxer name, passed to
+# av.open so FFmpeg probes nothing.
+CONTAINERS = {"mov": "MP4/MOV", "matroska": "WebM/Matroska", "avi": "AVI"}
+# Codecs we decode (FFmpeg codec names). A stream in another codec is refused naming it.
+ALLOWED_CODECS = ("h264", "hevc", "vp8", "vp9", "av1", "mpeg4", "mpeg2video", "mjpeg")
+MAX_DECLARED_FPS = 1000.0
+_ISO_BOXES = (b"ftyp", b"moov", b"mdat", b"free", b"wide", b"skip", b"pnot")
+
+
+class VideoInputError(ImageInputError):
+    """A client's video was refused; ``str(err)`` is safe to return to the client. Codes: ``invalid_video``
+    (not a video, truncated, corrupt, no video stream, no frames), ``unsupported_video`` (container or codec),
+    ``video_too_large`` (bytes, pixels per frame), ``video_too_long`` (seconds, frames), ``video_timeout``."""
+
+
+# ---------------------------------------------------------------------------------------------- header
+
+
+@dataclass(frozen=True)
+class VideoHeader:
+    """What the container declares, read before any packet."""
+
+    container: str  # FFmpeg demuxer name: "mov", "matroska", "avi"
+    codec: str  # FFmpeg codec name, e.g. "h264", "av1" (not the decoder's: libdav1d decodes AV1)
+    width: int
+    height: int
+    fps: float  # average frame rate
+    duration_s: float  # the stream's duration, else the container's
+    num_frames: int  # declared by the container, else round(duration_s * fps)
+    frames_declared: bool  # True: the container states its frame count (MP4); False: estimated from the duration
+    num_bytes: int
+
+
+@dataclass(frozen=True)
+class VideoIndex:
+    """The video stream's packets, demuxed but not decoded: presentation timestamps in stream time base."""
+
+    pts: tuple[int, ...]  # every frame's pts, in presentation order
+    key_pts: tuple[int, ...]  # the key frames' pts, sorted
+    time_base: float  # seconds per pts unit
+    start_pts: int
+
+    @property
+    def num_frames(self) -> int:
+        return len(self.pts)
+
+
+def sniff_container(data: bytes) -> str | None:
+    """FFmpeg's demuxer name for the container ``data`` starts like, or None."""
+    if len(data) >= 12 and data[4:8] in _ISO_BOXES:
+        return "mov"
+    if data[:4] == b"\x1a\x45\xdf\xa3":
+        return "matroska"
+    if len(data) >= 12 and data[:4] == b"RIFF" and data[8:12] == b"AVI ":
+        return "avi"
+    return None
+
+
+class PyAVBackend:
+    """Opens containers from bytes with PyAV; counts what it does (the seam tests use: pass a fresh instance and read
+    its counters). One decoder thread by default: the server's preprocessing pool is what runs videos in parallel."""
+
+    def __init__(self, threads: int = 1) -> None:
+        self.threads = threads
+        self.opened = 0  # containers opened
+        self.packets_demuxed = 0
+        self.frames_decoded = 0  # frames out of the decoder, sampled or not
+        self.frames_converted = 0  # frames converted to RGB (the sampled ones)
+        self.held = 0  # full-size RGB frames alive now
+        self.max_held = 0  # ... at most, over this backend's life
+
+    def open(self, data: bytes, container: str):  # -> av.container.InputContainer
+        import av
+
+        self.opened += 1
+        return av.open(io.BytesIO(data), mode="r", format=container, metadata_errors="ignore")
+
+    def _hold(self, n: int) -> None:
+        self.held += n
+        self.max_held = max(self.max_held, self.held)
+
+
+def _backend(backend: PyAVBackend | None) -> PyAVBackend:
+    return backend if backend is not None else PyAVBackend()
+
+
+def _av_errors() -> tuple[type[BaseException], ...]:
+    import av
+
+    # FFmpeg's errors (PyAV's FFmpegError subclasses ValueError and OSError), an allocation FFmpeg could not make.
+    # Not TypeError/KeyError/...: those would be our bugs, and must not read as "the client's video is corrupt".
+    return (av.FFmpegError, ValueError, OSError, EOFError, MemoryError)
+
+
+def probe_video(data: bytes, limits: VideoConfig, backend: PyAVBackend | None = None) -> VideoHeader:
+    """The container's header, checked against ``limits``; no packet is read, no frame decoded."""
+    if not data:
+        raise VideoInputError("invalid_video", "video data is empty")
+    if len(data) > limits.max_video_bytes:
+        raise VideoInputError(
+            "video_too_large", f"video is {len(data)} bytes; the limit is {limits.max_video_bytes} bytes"
+        )
+    container = sniff_container(data)
+    if container is None:
+        raise VideoInputError(
+            "invalid_video", f"data is not a supported video container ({', '.join(CONTAINERS.values())})"
+        )
+    be = _backend(backend)
+    try:
+        with be.open(data, container) as c:
+            return _read_header(c, container, len(data), limits)
+    except VideoInputError:
+        raise
+    except _av_errors():
+        raise VideoInputError(
+            "invalid_video", f"video container ({CONTAINERS[container]}) is truncated or corrupt: its header cannot "
+            "be read"
+        ) from None
+
+
+def _read_header(c, container: str, num_bytes: int, limits: VideoConfig) -> VideoHeader:  # c: InputContainer
+    videos = list(c.streams.video)
+    if not videos:
+        audio = len(c.streams.audio)
+        raise VideoInputError(
+            "invalid_video", f"the container holds no video stream ({audio} audio stream{'s' * (audio != 1)})"
+        )
+    s = videos[0]
+    ctx = s.codec_context
+    # The codec's name, not its decoder's (AV1 decodes with libdav1d in the PyPI wheels).
+    codec = (getattr(ctx.codec, "canonical_name", None) or ctx.name) if ctx is not None and ctx.codec else ""
+    if codec not in ALLOWED_CODECS:
+        raise VideoInputError(
+            "unsupported_video", f"video codec {codec or 'unknown'!r} is not supported; supported: "
+            f"{', '.join(ALLOWED_CODECS)}"
+        )
+    width, height = int(s.codec_context.width or 0), int(s.codec_context.height or 0)
+    if width <= 0 or height <= 0:
+        raise VideoInputError("invalid_video", "video declares no frame size")
+    if width * height > limits.max_video_pixels:
+        raise VideoInputError(
+            "video_too_large", f"video declares {width}x{height} = {width * height} pixels per frame; the limit is "
+            f"{limits.max_video_pixels}"
+        )
+    ratio = max(width, height) / min(width, height)
+    if ratio > MAX_ASPECT_RATIO:
+        raise VideoInputError(
+            "video_aspect_ratio", f"video is {width}x{height}, aspect ratio {ratio:.1f}:1; at most "
+            f"{MAX_ASPECT_RATIO}:1 is accepted"
+        )
+    rate = s.average_rate or s.guessed_rate or s.base_rate
+    fps = float(rate) if rate else 0.0
+    if not 0 < fps <= MAX_DECLARED_FPS:
+        raise VideoInputError("invalid_video", f"video declares a frame rate of {fps:g} fps; expected (0, "
+                                               f"{MAX_DECLARED_FPS:g}]")
+    if s.duration is not None and s.time_base is not None and s.duration > 0:
+        duration = float(s.duration * s.time_base)
+    elif c.duration is not None and c.duration > 0:
+        duration = c.duration / 1_000_000  # AV_TIME_BASE
+    else:
+        duration = 0.0
+    frames = int(s.frames or 0)
+    declared = frames > 0
+    if not declared:
+        frames = round(duration * fps)
+    if not duration:
+        duration = frames / fps
+    if duration > limits.video_max_seconds:
+        raise VideoInputError(
+            "video_too_long", f"video declares {duration:.1f} s; the limit is {limits.video_max_seconds:g} s"
+        )
+    if frames > limits.max_video_source_frames:
+        raise VideoInputError(
+            "video_too_long", f"video declares {frames} frames; the limit is {limits.max_video_source_frames}"
+        )
+    if frames <= 0:
+        raise VideoInputError("invalid_video", "video declares 0 frames (and no duration)")
+    return VideoHeader(container, codec, width, height, fps, duration, frames, declared, num_bytes)
+
+
+def index_video(
+    data: bytes, header: VideoHeader, limits: VideoConfig, backend: PyAVBackend | None = None,
+    deadline: float | None = None,
+) -> VideoIndex:
+    """Demux the video stream's packets (no decoding) up to the limits: every frame's pts and the key frames."""
+    be = _backend(backend)
+    deadline = deadline if deadline is not None else time.monotonic() + limits.video_decode_timeout_s
+    max_frames = limits.max_video_source_frames
+    try:
+        with be.open(data, header.container) as c:
+            s = c.streams.video[0]
+            tb = float(s.time_base)
+            start = int(s.start_time or 0)
+            max_pts = start + limits.video_max_seconds / tb
+            pts: list[int] = []
+            keys: list[int] = []
+            for packet in c.demux(s):
+                if packet.size == 0:  # the end-of-stream marker PyAV yields per stream
+                    continue
+                be.packets_demuxed += 1
+                p = packet.pts if packet.pts is not None else packet.dts
+                if p is None:
+                    continue
+                pts.append(int(p))
+                if packet.is_keyframe:
+                    keys.append(int(p))
+                if len(pts) > max_frames:
+                    raise VideoInputError(
+                        "video_too_long", f"video holds more than {max_frames} frames (its header declares "
+                        f"{header.num_frames}); the limit is {max_frames}"
+                    )
+                if p > max_pts:
+                    raise VideoInputError(
+                        "video_too_long", f"video runs past {limits.video_max_seconds:g} s (its header declares "
+                        f"{header.duration_s:.1f} s); the limit is {limits.video_max_seconds:g} s"
+                    )
+                if time.monotonic() > deadline:
+                    raise _timeout(limits)
+    except VideoInputError:
+        raise
+    except _av_errors():
+        raise VideoInputError("invalid_video", "video data is truncated or corrupt (its packets cannot be read)") from None
+    if not pts:
+        raise VideoInputError("invalid_video", f"video holds 0 frames (its header declares {header.num_frames})")
+    if header.frames_declared and len(pts) < header.num_frames:
+        raise VideoInputError(
+            "invalid_video", f"video is truncated: its header declares {header.num_frames} frames, "
+            f"{len(pts)} are present"
+        )
+    pts.sort()
+    if not keys or keys[0] > pts[0]:  # a stream whose first packet is not flagged key: decode from the start
+        keys.insert(0, pts[0])
+    keys.sort()
+    return VideoIndex(tuple(pts), tuple(keys), tb, start)
+
+
+def _timeout(limits: VideoConfig) -> VideoInputError:
+    return VideoInputError(
+        "video_timeout", f"reading the video took longer than {limits.video_decode_timeout_s:g} s"
+    )
+
+
+# ---------------------------------------------------------------------------------------------- plan
+
+
+@dataclass(frozen=True)
+class VideoAsk:
+    """What a request's video part may ask for: less than the server's defaults, never more (None: the default)."""
+
+    fps: float | None = None
+    max_frames: int | None = None
+    max_visual_tokens: int | None = None
+
+
+@dataclass(frozen=True)
+class VideoPlan:
+    """What one video will cost, known before any frame is decoded; ``decode_video`` produces exactly it."""
+
+    source_frames: int  # frames the video holds (its packets; a frame list's length)
+    source_fps: float
+    frame_indices: tuple[int, ...]  # presentation-order indices of the sampled frames
+    original_size: tuple[int, int]  # (width, height)
+    resized_size: tuple[int, int]  # (width, height), multiples of patch * merge
+    grid_thw: tuple[int, int, int]  # (temporal grids, height, width) in patches
+    num_tokens: int  # LM tokens: grids x (h / merge) x (w / merge)
+    budget_tokens: int
+    min_pixels: int  # per frame: smart_resize with these reproduces resized_size
+    max_pixels: int
+    sample_fps: float  # Qwen's: num_frames / source_frames * source_fps
+    temporal_patch_size: int
+
+    @property
+    def num_frames(self) -> int:
+        return len(self.frame_indices)
+
+    @property
+    def timestamps_s(self) -> tuple[float, ...]:
+        """Each sampled frame's time, index / fps, as transformers' Qwen3-VL processor computes it."""
+        return tuple(i / self.source_fps for i in self.frame_indices)
+
+    @property
+    def seconds_per_grid(self) -> float:
+        """Qwen2.5-VL's ``second_per_grid_ts``: temporal_patch_size / sample_fps."""
+        return self.temporal_patch_size / self.sample_fps
+
+    def grid_timestamps(self) -> list[float]:
+        """Qwen3-VL's per-grid times (transformers' ``_calculate_timestamps``): the mean of each grid's first and
+        last frame time."""
+        ts = list(self.timestamps_s)
+        m = self.temporal_patch_size
+        if len(ts) % m:
+            ts.extend(ts[-1] for _ in range(m - len(ts) % m))
+        return [(ts[i] + ts[i + m - 1]) / 2 for i in range(0, len(ts), m)]
+
+
+def _round_by(x: float, k: int) -> int:
+    return round(x / k) * k
+
+
+def _ceil_by(x: float, k: int) -> int:
+    return math.ceil(x / k) * k
+
+
+def _floor_by(x: float, k: int) -> int:
+    return math.floor(x / k) * k
+
+
+def smart_nframes(total_frames: int, video_fps: float, fps: float, min_frames: int = FPS_MIN_FRAMES,
+                  max_frames: int | None = None) -> int:
+    """qwen-vl-utils 0.0.14's ``smart_nframes`` for an ``fps`` request: total / video_fps * fps frames, clamped to
+    [min_frames, max_frames] and to the frames there are, floored to an even count. Raises VideoInputError where
+    Qwen's raises ValueError (fewer than 2 frames)."""
+    lo = _ceil_by(min_frames, FRAME_FACTOR)
+    hi = _floor_by(max_frames if max_frames is not None else min(768, total_frames), FRAME_FACTOR)
+    n = total_frames / video_fps * fps
+    n = min(min(max(n, lo), hi), total_frames)
+    n = _floor_by(n, FRAME_FACTOR)
+    if not FRAME_FACTOR <= n <= total_frames:
+        raise VideoInputError(
+            "invalid_video", f"video holds {total_frames} frame{'s' * (total_frames != 1)}; at least "
+            f"{FRAME_FACTOR} are needed"
+        )
+    return n
+
+
+def frame_indices(total_frames: int, nframes: int, start: int = 0) -> list[int]:
+    """Qwen's ``torch.linspace(start, start + total - 1, nframes).round().long()`` (float32, half to even)."""
+    return torch.linspace(start, start + total_frames - 1, nframes).round().long().tolist()
+
+
+def check_ask(limits: VideoConfig, ask: VideoAsk, param: str) -> None:
+    """A request may ask for less than the server's defaults, never more: BudgetError naming the field otherwise."""
+    from firsttoken.inputs.budget import BudgetError
+
+    if ask.fps is not None and not 0 < ask.fps <= limits.video_fps:
+        raise BudgetError(f"{param}.fps={ask.fps:g} must be > 0 and at most this server's {limits.video_fps:g} fps",
+                          f"{param}.fps")
+    if ask.max_frames is not None and not FRAME_FACTOR <= ask.max_frames <= limits.video_max_frames:
+        raise BudgetError(f"{param}.max_frames={ask.max_frames} must be from {FRAME_FACTOR} to this server's cap "
+                          f"of {limits.video_max_frames}", f"{param}.max_frames")
+    if ask.max_visual_tokens is not None and not (
+        limits.video_min_frame_tokens <= ask.max_visual_tokens <= limits.video_max_tokens
+    ):
+        raise BudgetError(
+            f"{param}.max_visual_tokens={ask.max_visual_tokens} must be from {limits.video_min_frame_tokens} (one "
+            f"two-frame grid at its smallest) to this server's cap of {limits.video_max_tokens} visual tokens per "
+            "video", f"{param}.max_visual_tokens")
+
+
+def plan_video(
+    num_frames: int, fps: float, width: int, height: int, limits: VideoConfig, proc: ImageProcessorConfig,
+    ask: VideoAsk = VideoAsk(), param: str = "video_url",
+) -> VideoPlan:
+    """The sampled frames and their size for a video of ``num_frames`` frames at ``fps`` (from ``index_video``).
+
+    Frames: Qwen's ``smart_nframes`` at the asked (or server's) fps, min 4, max the asked (or server's) max_frames.
+    Size: Qwen's fetch_video rule with ``total_pixels`` = the token budget: per-frame max_pixels =
+    max(min(max_frame_tokens, budget * 2 / frames) cells, 1.05 x min_pixels), smart_resize. Where that would break
+    the budget (the 1.05 floor, or frames that cannot fit at the per-frame minimum), frames drop to what fits at the
+    minimum and the size is the largest within the per-grid share (``max_pixels_within_tokens``)."""
+    check_ask(limits, ask, param)
+    budget = limits.video_max_tokens if ask.max_visual_tokens is None else ask.max_visual_tokens
+    want_fps = limits.video_fps if ask.fps is None else ask.fps
+    max_frames = limits.video_max_frames if ask.max_frames is None else ask.max_frames
+    nframes = smart_nframes(num_frames, fps, want_fps, FPS_MIN_FRAMES, min(max_frames, num_frames))
+    return _plan(num_frames, fps, width, height, nframes, frame_indices(num_frames, nframes), budget, limits, proc)
+
+
+def _plan(
+    num_frames: int, fps: float, width: int, height: int, nframes: int, indices: list[int], budget: int,
+    limits: VideoConfig, proc: ImageProcessorConfig, fit_by_resampling: bool = True, list_fps: float | None = None,
+) -> VideoPlan:
+    if width <= 0 or height <= 0:
+        raise VideoInputError("invalid_video", f"video has an empty frame size ({width}x{height})")
+    t, factor = proc.temporal_patch_size, proc.pixels_per_token
+    min_tok, max_tok = limits.video_min_frame_tokens, limits.video_max_frame_tokens
+    min_pixels = min_tok * factor * factor
+    max_grids = budget // min_tok
+    if math.ceil(nframes / t) > max_grids:  # not even the per-frame minimum fits: fewer frames
+        nframes = max_grids * t
+        if fit_by_resampling:
+            indices = frame_indices(num_frames, nframes)
+        else:
+            indices = [indices[i] for i in frame_indices(len(indices), nframes)]
+    grids = math.ceil(nframes / t)
+    # Qwen's rule first: identical to fetch_video(total_pixels = budget cells) wherever it keeps the budget.
+    total_pixels = budget * factor * factor
+    max_pixels = max(min(max_tok * factor * factor, total_pixels / nframes * FRAME_FACTOR), int(min_pixels * 1.05))
+    rh, rw = smart_resize(height, width, factor, min_pixels, max_pixels)
+    per_grid = num_visual_tokens(rh, rw, proc.patch_size, proc.merge_size)
+    if per_grid * grids > budget or per_grid > max_tok:
+        share = min(max_tok, budget // grids)
+        try:
+            max_pixels = max_pixels_within_tokens(height, width, share, min_pixels, proc.patch_size, proc.merge_size)
+        except ImageInputError:
+            raise VideoInputError(
+                "video_too_large", f"video frames of {width}x{height} need more than {share} visual tokens per "
+                f"two-frame grid even at their smallest; the budget is {budget} for {grids} grids"
+            ) from None
+        rh, rw = smart_resize(height, width, factor, min_pixels, max_pixels)
+        per_grid = num_visual_tokens(rh, rw, proc.patch_size, proc.merge_size)
+    num_tokens = per_grid * grids
+    if num_tokens > budget:  # the search above guarantees this; a bug if it fires
+        raise RuntimeError(f"planned {num_tokens} video tokens for a {budget}-token budget")
+    # Qwen's: the rate the sampled frames stand for; a frame list is its own samples (qwen-vl-utils' sample_fps).
+    sample_fps = list_fps if list_fps is not None else nframes / max(num_frames, 1e-6) * fps
+    return VideoPlan(
+        source_frames=num_frames, source_fps=fps, frame_indices=tuple(indices), original_size=(width, height),
+        resized_size=(rw, rh), grid_thw=(grids, rh // proc.patch_size, rw // proc.patch_size),
+        num_tokens=num_tokens, budget_tokens=budget, min_pixels=min_pixels, max_pixels=int(max_pixels),
+        sample_fps=sample_fps, temporal_patch_size=t,
+    )
+
+
+# ---------------------------------------------------------------------------------------------- decode
+
+
+@dataclass
+class DecodedVideo:
+    """The sampled frames, RGB uint8 [num_frames, height, width, 3] at the plan's resized size (or as decoded with
+    ``resize=False``), with their presentation times in seconds from the stream's start."""
+
+    frames: np.ndarray
+    plan: VideoPlan
+    pts_s: list[float] = field(default_factory=list)
+
+
+def decode_video(
+    data: bytes, header: VideoHeader, index: VideoIndex, plan: VideoPlan, limits: VideoConfig,
+    backend: PyAVBackend | None = None, deadline: float | None = None, resize: bool = True,
+) -> DecodedVideo:
+    """Decode only the plan's frames. Per sampled frame: seek to the latest key frame at or before it unless the
+    decoder already stands between that key frame and it, then decode forward to it; convert and resize that frame
+    alone. At most one full-size RGB frame is alive at a time (``backend.max_held``)."""
+    be = _backend(backend)
+    deadline = deadline if deadline is not None else time.monotonic() + limits.video_decode_timeout_s
+    rw, rh = plan.resized_size
+    shape = (rh, rw) if resize else (header.height, header.width)
+    out = np.empty((plan.num_frames, *shape, 3), dtype=np.uint8)
+    pts_s: list[float] = []
+    try:
+        with be.open(data, header.container) as c:
+            s = c.streams.video[0]
+            if be.threads > 1:
+                s.thread_type = "AUTO"
+            s.codec_context.thread_count = be.threads
+            pos: int | None = None  # pts of the frame the decoder last gave
+            frames: Iterator = iter(())
+            for k, i in enumerate(plan.frame_indices):
+                target = index.pts[i]
+                if pos == target and k:  # the same frame again (a padded plan): copy it
+                    out[k] = out[k - 1]
+                    pts_s.append(pts_s[-1])
+                    continue
+                key = index.key_pts[max(0, bisect.bisect_right(index.key_pts, target) - 1)]
+                if pos is None or not key <= pos < target:  # seeking skips work (or the decoder is past it)
+                    c.seek(key, stream=s, backward=True, any_frame=False)
+                    frames = c.decode(s)
+                    pos = None
+                for frame in frames:
+                    be.frames_decoded += 1
+                    if time.monotonic() > deadline:
+                        raise _timeout(limits)
+                    if frame.width != header.width or frame.height != header.height:
+                        raise VideoInputError(
+                            "invalid_video", f"a frame decoded at {frame.width}x{frame.height}, not the "
+                            f"{header.width}x{header.height} the header declares"
+                        )
+                    if frame.pts is None:
+                        continue
+                    pos = int(frame.pts)
+                    if pos >= target:
+                        out[k] = _convert(be, frame, shape, resize)
+                        pts_s.append((pos - index.start_pts) * index.time_base)
+                        break
+                else:
+                    raise VideoInputError(
+                        "invalid_video", f"video is truncated or corrupt: frame {i} of {plan.source_frames} cannot "
+                        "be decoded"
+                    )
+    except VideoInputError:
+        raise
+    except _av_errors():
+        raise VideoInputError("invalid_video", "video data is truncated or corrupt (a frame cannot be decoded)") from None
+    return DecodedVideo(out, plan, pts_s)
+
+
+def _convert(be: PyAVBackend, frame, shape: tuple[int, int], resize: bool) -> np.ndarray:
+    """One decoded frame to RGB uint8 at ``shape`` (h, w): PIL's bicubic resize, as the image path uses."""
+    rgb = frame.to_ndarray(format="rgb24")
+    be.frames_converted += 1
+    be._hold(1)
+    try:
+        if not resize or rgb.shape[:2] == shape:
+            return rgb
+        h, w = shape
+        return np.asarray(Image.fromarray(rgb).resize((w, h), Image.Resampling.BICUBIC))
+    finally:
+        del rgb
+        be._hold(-1)
+
+
+@dataclass(frozen=True)
+class LoadedVideo:
+    header: VideoHeader
+    index: VideoIndex
+    plan: VideoPlan
+    video: DecodedVideo
+
+
+def plan_video_bytes(
+    data: bytes, limits: VideoConfig, proc: ImageProcessorConfig, ask: VideoAsk = VideoAsk(),
+    backend: PyAVBackend | None = None, param: str = "video_url", deadline: float | None = None,
+) -> tuple[VideoHeader, VideoIndex, VideoPlan]:
+    """Header, packet index and plan, nothing decoded: the video's exact token count (for /tokenize, admission)."""
+    be = _backend(backend)
+    check_ask(limits, ask, param)
+    header = probe_video(data, limits, be)
+    index = index_video(data, header, limits, be, deadline)
+    plan = plan_video(index.num_frames, header.fps, header.width, header.height, limits, proc, ask, param)
+    return header, index, plan
+
+
+def load_video(
+    data: bytes, limits: VideoConfig, proc: ImageProcessorConfig, ask: VideoAsk = VideoAsk(),
+    backend: PyAVBackend | None = None, param: str = "video_url", resize: bool = True,
+) -> LoadedVideo:
+    """Probe, index, plan, decode: everything a video part needs, under one deadline."""
+    be = _backend(backend)
+    deadline = time.monotonic() + limits.video_decode_timeout_s
+    header, index, plan = plan_video_bytes(data, limits, proc, ask, be, param, deadline)
+    return LoadedVideo(header, index, plan, decode_video(data, header, index, plan, limits, be, deadline, resize))
+
+
+# ---------------------------------------------------------------------------------------------- frame lists
+
+
+def plan_frame_list(
+    frames: Sequence[bytes], limits: VideoConfig, proc: ImageProcessorConfig, ask: VideoAsk = VideoAsk(),
+    max_image_pixels: int | None = None, param: str = "video_url",
+) -> VideoPlan:
+    """A video given as a list of encoded images (vLLM's and qwen-vl-utils' list form). Every image's header is
+    read (none decoded); all must share one size. Like qwen-vl-utils, an odd count is padded with the last frame
+    and the list's fps is the asked one (default 2). Over the frame cap, or over what the token cap allows at the
+    per-frame minimum, frames are sampled evenly (linspace) from the list."""
+    check_ask(limits, ask, param)
+    if not frames:
+        raise VideoInputError("invalid_video", "a video given as frames needs at least one frame; got 0")
+    pixel_cap = limits.max_video_pixels if max_image_pixels is None else min(limits.max_video_pixels, max_image_pixels)
+    # Refuse absurd lists before reading any header: more than the container limit is never planned.
+    if len(frames) > limits.max_video_source_frames:
+        raise VideoInputError(
+            "video_too_long", f"video is {len(frames)} frames; the limit is {limits.max_video_source_frames}"
+        )
+    sizes = []
+    for k, data in enumerate(frames):
+        try:
+            h = probe_image(data, pixel_cap)
+        except ImageInputError as err:
+            raise VideoInputError(err.code, f"frame {k + 1} of {len(frames)}: {err}") from None
+        sizes.append((h.width, h.height))
+        if sizes[-1] != sizes[0]:
+            raise VideoInputError(
+                "invalid_video", f"frame {k + 1} of {len(frames)} is {h.width}x{h.height}, frame 1 is "
+                f"{sizes[0][0]}x{sizes[0][1]}; all frames of a video must have one size"
+            )
+    budget = limits.video_max_tokens if ask.max_visual_tokens is None else ask.max_visual_tokens
+    fps = limits.video_fps if ask.fps is None else ask.fps
+    max_frames = limits.video_max_frames if ask.max_frames is None else ask.max_frames
+    n = len(frames)
+    nframes = _ceil_by(n, FRAME_FACTOR)
+    if nframes <= _floor_by(max_frames, FRAME_FACTOR):
+        indices = list(range(n)) + [n - 1] * (nframes - n)  # qwen-vl-utils pads with the last frame
+    else:
+        nframes = _floor_by(max_frames, FRAME_FACTOR)
+        indices = frame_indices(n, nframes)
+    width, height = sizes[0]
+    return _plan(n, fps, width, height, nframes, indices, budget, limits, proc, fit_by_resampling=False, list_fps=fps)
+
+
+def decode_frame_list(
+    frames: Sequence[bytes], plan: VideoPlan, limits: VideoConfig, max_image_pixels: int | None = None,
+    resize: bool = True,
+) -> DecodedVideo:
+    """Decode only the plan's frames of a list (each once), resized to the plan's size."""
+    pixel_cap = limits.max_video_pixels if max_image_pixels is None else min(limits.max_video_pixels, max_image_pixels)
+    rw, rh = plan.resized_size
+    w0, h0 = plan.original_size
+    shape = (rh, rw) if resize else (h0, w0)
+    out = np.empty((plan.num_frames, *shape, 3), dtype=np.uint8)
+    deadline = time.monotonic() + limits.video_decode_timeout_s
+    last: tuple[int, np.ndarray] | None = None
+    for k, i in enumerate(plan.frame_indices):
+        if last is not None and last[0] == i:
+            out[k] = last[1]
+            continue
+        if time.monotonic() > deadline:
+            raise _timeout(limits)
+        try:
+            image = decode_image(frames[i], pixel_cap)
+        except ImageInputError as err:
+            raise VideoInputError(err.code, f"frame {i + 1} of {len(frames)}: {err}") from None
+        if image.size != (w0, h0):
+            raise VideoInputError("invalid_video", f"frame {i + 1} decoded at {image.size[0]}x{image.size[1]}, not "
+                                                   f"the {w0}x{h0} its header declares")
+        if resize and (rw, rh) != image.size:
+            image = image.resize((rw, rh), Image.Resampling.BICUBIC)
+        out[k] = np.asarray(image)
+        last = (i, out[k])
+    return DecodedVideo(out, plan, [i / plan.source_fps for i in plan.frame_indices])
+

@@ -1,0 +1,94 @@
+"""Bad and lying videos for tests, made from small synthetic clips (firsttoken/inputs/video_synth.py); nothing is
+read from outside the repository."""
+
+from __future__ import annotations
+
+import ast
+import importlib.util
+import logging
+import math
+import os
+import struct
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+MKV_DURATION = b"\x44\x89\x88"  # EBML element Duration (0x4489), 8-byte float, in timecode-scale units (ms)
+
+
+def patch_mkv_duration(data: bytes, seconds: float) -> bytes:
+    """A Matroska file whose Segment Info claims ``seconds`` (the frames stay as they are): a lying header."""
+    at = data.find(MKV_DURATION)
+    if at < 0:
+        raise ValueError("no 8-byte Duration element in this Matroska file")
+    at += len(MKV_DURATION)
+    return data[:at] + struct.pack(">d", seconds * 1000.0) + data[at + 8:]
+
+
+def open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def threads_alive() -> int:
+    """OS threads of this process (FFmpeg's decoder threads are not Python threads)."""
+    return len(os.listdir("/proc/self/task"))
+
+
+# qwen-vl-utils as the oracle. Its module imports torchvision at the top (which this project does not install: the
+# PyPI wheel is built against CUDA torch), so the sampling rules are taken from its source file as published: the
+# constants and the pure functions below are compiled from the installed vision_process.py, nothing rewritten.
+_ORACLE_CONSTANTS = {"MAX_RATIO", "SPATIAL_MERGE_SIZE", "IMAGE_MIN_TOKEN_NUM", "IMAGE_MAX_TOKEN_NUM",
+                     "VIDEO_MIN_TOKEN_NUM", "VIDEO_MAX_TOKEN_NUM", "FPS", "FRAME_FACTOR", "FPS_MIN_FRAMES",
+                     "FPS_MAX_FRAMES"}
+_ORACLE_FUNCTIONS = {"round_by_factor", "ceil_by_factor", "floor_by_factor", "smart_resize", "smart_nframes"}
+
+
+def qwen_vl_utils_oracle() -> SimpleNamespace | None:
+    """The installed qwen-vl-utils' sampling functions and constants, or None when it is not installed."""
+    spec = importlib.util.find_spec("qwen_vl_utils")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    from importlib.metadata import version
+
+    source = Path(next(iter(spec.submodule_search_locations))) / "vision_process.py"
+    tree = ast.parse(source.read_text())
+    keep: list[ast.stmt] = []
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and all(isinstance(t, ast.Name) and t.id in _ORACLE_CONSTANTS
+                                                for t in node.targets):
+            keep.append(node)
+        elif isinstance(node, ast.FunctionDef) and node.name in _ORACLE_FUNCTIONS:
+            keep.append(node)
+    from typing import Any as _Any, Dict, List, Optional, Tuple, Union
+
+    ns: dict[str, Any] = {"math": math, "logger": logging.getLogger("qwen-vl-utils-oracle"), "Any": _Any,
+                          "Dict": Dict, "List": List, "Optional": Optional, "Tuple": Tuple, "Union": Union}
+    exec(compile(ast.Module(body=keep, type_ignores=[]), str(source), "exec"), ns)  # noqa: S102
+    missing = (_ORACLE_CONSTANTS | _ORACLE_FUNCTIONS) - set(ns)
+    if missing:
+        raise RuntimeError(f"qwen-vl-utils {version('qwen-vl-utils')} no longer defines {sorted(missing)}")
+    ns["version"] = version("qwen-vl-utils")
+    return SimpleNamespace(**{k: v for k, v in ns.items() if not k.startswith("__")})
+
+
+def qwen_plan(q: SimpleNamespace, total: int, video_fps: float, width: int, height: int, budget_tokens: int,
+              fps: float | None = None, max_frames: int | None = None, patch: int = 14) -> tuple:
+    """What qwen-vl-utils' fetch_video samples and resizes to for a decoded video of ``total`` frames (its decord /
+    torchcodec path: smart_nframes, torch.linspace(0, total - 1, n).round(), then its max_pixels rule with
+    total_pixels = the budget in 28x28 cells): (nframes, indices, (resized_w, resized_h))."""
+    import torch
+
+    ele: dict[str, Any] = {}
+    if fps is not None:
+        ele["fps"] = fps
+    if max_frames is not None:
+        ele["max_frames"] = max_frames
+    nframes = q.smart_nframes(ele, total_frames=total, video_fps=video_fps)
+    idx = torch.linspace(0, total - 1, nframes).round().long().tolist()
+    factor = patch * q.SPATIAL_MERGE_SIZE
+    min_pixels = q.VIDEO_MIN_TOKEN_NUM * factor * factor
+    total_pixels = budget_tokens * factor * factor
+    max_pixels = max(min(q.VIDEO_MAX_TOKEN_NUM * factor * factor, total_pixels / nframes * q.FRAME_FACTOR),
+                     int(min_pixels * 1.05))
+    rh, rw = q.smart_resize(height, width, factor=factor, min_pixels=min_pixels, max_pixels=max_pixels)
+    return nframes, idx, (rw, rh)
