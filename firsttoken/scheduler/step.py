@@ -11,8 +11,7 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from firsttoken.batch import EncoderWork, ScheduledChunk
-from firsttoken.scheduler.lanes import LONG, SHORT
-from firsttoken.scheduler.request import Request, RequestStatus
+from firsttoken.scheduler.request import LONG, SHORT, Request, RequestStatus
 
 # why a live request got no work in a step (wait_reason); "" is no reason at all: a request that can never progress
 WAIT_REASONS = ("preempted", "max_num_seqs", "kv_blocks", "short_lane_first", "step_full", "image_encoding", "in_line")
