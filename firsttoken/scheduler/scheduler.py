@@ -125,7 +125,7 @@ class Scheduler:
                 if req.status == RequestStatus.RUNNING:  # (not when it was preempted for its block)
                     self.pacing.count_decode(req)
         self.lanes.serve(self, budget, step)
-        step.full = budget.exhausted
+        step.full = step.full or budget.exhausted
         self.waiting.count_short_delays(step.has_long_work, self.num_steps)
         told = self.outbox.take()
         step.preempted_ids = frozenset(told.preempted_ids)
@@ -270,6 +270,7 @@ class Scheduler:
             end = start + min(wanted, budget.remaining)
         else:
             end = start + budget.chunk_tokens(wanted, start, samples_at_end=True)
+            step.full |= end == start  # what the step has left fits none of it (wait_reason: step_full)
         for index, im in req.images_in(start, end):
             whole = whole_prompt or req.lane == SHORT or budget.whole_images
             if not self.encoder.ensure(req, index, im, budget, step, all_units=whole) or (
