@@ -4,8 +4,9 @@ serves the lanes; and the order the long lane is served in.
 The lane layout is a ``LanePolicy`` chosen once from ``--scheduling`` (``lane_policy``):
 - ``ShortLongLanes`` (``lanes``): a prompt (text + image tokens) shorter than ``long_prompt_threshold`` goes to the
   short lane, others to the long lane. Each step serves the short lane first, then bounds long-lane work (pacing.py),
-  with aging so that long work runs at least every ``long_max_wait_steps + 1`` steps; with ``--encoder-interrupt``
-  the long lane's vision-tower work in the step may be cut by a short arrival. Steps may be time-bounded.
+  with aging so that long work runs at least every ``long_max_wait_steps + 1`` steps; unless
+  ``--no-encoder-interrupt``, the long lane's vision-tower work in a step may be cut by a short arrival. Steps may
+  be time-bounded.
 - ``FcfsLanes`` (``fcfs``, the seed's starting point): one FIFO queue, whole-prompt prefills and whole-image
   encodes, no time bound (a step is as long as the prompts it takes).
 Each lane has its own queue (arrival order). When steps are time-bounded (or a throughput step) the long lane is
@@ -20,10 +21,8 @@ from typing import Protocol
 
 from firsttoken.config import SchedulerConfig
 from firsttoken.scheduler.budget import StepBudget
-from firsttoken.scheduler.request import FCFS, LONG, SHORT, Request
+from firsttoken.scheduler.request import FCFS, LONG, SHORT, Request  # (lane names: with Request.lane, used here)
 from firsttoken.scheduler.step import StepDraft
-
-__all__ = ["FCFS", "LONG", "SHORT"]  # (the lane names live with Request.lane; importable from here)
 
 LONG_MIN_SHARE = 0.25  # of the step-time target, granted to the long lane once it has waited long_max_wait_steps
 
