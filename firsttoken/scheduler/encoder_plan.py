@@ -52,6 +52,7 @@ class EncoderPlanner:
             # the long lane moves by at least a unit per step it runs in (progress), except past the bound of a
             # step that holds a short prefill: that step is the short request's time to first token
             if step.has_short_prefill and not budget.floor_tokens:
+                step.long_held = True  # it yielded this step to the short prefill (wait_reason: short_lane_first)
                 return False
             num_units = 1
         before = budget.spent_s

@@ -1,40 +1,139 @@
-"""Lanes: where a request waits, decided once at admission by a pure function of its prompt length, and the order
-the long lane is served in.
+"""Lanes: where a request waits, decided once at admission by a pure function of its prompt length; how one step
+serves the lanes; and the order the long lane is served in.
 
-With ``scheduling="lanes"`` a prompt (text + image tokens) shorter than ``long_prompt_threshold`` goes to the
-short lane, others to the long lane. Each lane has its own queue (arrival order); the scheduler's one loop serves the
-short lane first each step and bounds long-lane work per step, with aging so that long work runs at least every
-``long_max_wait_steps + 1`` steps. When steps are time-bounded (or a throughput step) the long lane is served in the
-order of its ``LongOrder``, chosen once from ``--long-order``: ``DeadlineOrder`` or ``LeastWorkOrder``.
-``scheduling="fcfs"`` puts everyone in one queue.
+The lane layout is a ``LanePolicy`` chosen once from ``--scheduling`` (``lane_policy``):
+- ``ShortLongLanes`` (``lanes``): a prompt (text + image tokens) shorter than ``long_prompt_threshold`` goes to the
+  short lane, others to the long lane. Each step serves the short lane first, then bounds long-lane work (pacing.py),
+  with aging so that long work runs at least every ``long_max_wait_steps + 1`` steps; unless
+  ``--no-encoder-interrupt``, the long lane's vision-tower work in a step may be cut by a short arrival. Steps may
+  be time-bounded.
+- ``FcfsLanes`` (``fcfs``, the seed's starting point): one FIFO queue, whole-prompt prefills and whole-image
+  encodes, no time bound (a step is as long as the prompts it takes).
+Each lane has its own queue (arrival order). When steps are time-bounded (or a throughput step) the long lane is
+served in the order of its ``LongOrder``, chosen once from ``--long-order``: ``DeadlineOrder`` or ``LeastWorkOrder``.
 """
 
 from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable, Iterable
+from typing import Protocol
 
 from firsttoken.config import SchedulerConfig
-from firsttoken.scheduler.request import Request
+from firsttoken.scheduler.budget import StepBudget
+from firsttoken.scheduler.request import FCFS, LONG, SHORT, Request  # (lane names: with Request.lane, used here)
+from firsttoken.scheduler.step import StepDraft
 
-SHORT = "short"
-LONG = "long"
-FCFS = "fcfs"
 LONG_MIN_SHARE = 0.25  # of the step-time target, granted to the long lane once it has waited long_max_wait_steps
 
 
-def route_lane(num_prompt_tokens: int, config: SchedulerConfig) -> str:
-    if config.scheduling == "fcfs":
+class LaneServer(Protocol):
+    """The scheduler's one loop, as a lane policy drives it through one step (scheduler.py)."""
+
+    def serve_lane(self, lane: str, budget: StepBudget, step: StepDraft, whole_prompt: bool) -> bool:
+        """The lane's prefill work (running first, then admissions) within ``budget``; True if any was scheduled."""
+        ...
+
+    def has_prefill_work(self, lane: str) -> bool:
+        """Requests of the lane wait or are prefilling."""
+        ...
+
+    def long_lane_budget(self, budget: StepBudget, step: StepDraft, aging: bool,
+                         held_by_short: bool) -> StepBudget | None:
+        """What the long lane is served from in this step (None: it waits; pacing.py)."""
+        ...
+
+    def mark_interruptible(self, step: StepDraft) -> None:
+        """The step's long-lane encoder work a short arrival may cut (encoder_plan.py)."""
+        ...
+
+
+class LanePolicy(Protocol):
+    """The lane layout, chosen once from the config: ``route`` is a pure function of a prompt's length, ``names`` the
+    lanes in service order, ``time_bounded`` whether steps may be bounded in time at all (pacing.py), and ``serve``
+    how one step serves the lanes after the decodes took their tokens."""
+
+    names: tuple[str, ...]
+    time_bounded: bool
+
+    def route(self, num_prompt_tokens: int) -> str: ...
+
+    def serve(self, lanes: LaneServer, budget: StepBudget, step: StepDraft) -> None: ...
+
+
+class FcfsLanes:
+    """One FIFO queue; each step admits whole prompts (their images encoded whole) in arrival order: the first
+    whatever its size, more only if they fit beside it."""
+
+    names = (FCFS,)
+    time_bounded = False  # a whole prompt takes the step it needs
+
+    def __init__(self, config: SchedulerConfig) -> None:
+        """(Nothing to configure: one queue.)"""
+
+    def route(self, num_prompt_tokens: int) -> str:
         return FCFS
-    return LONG if num_prompt_tokens >= config.long_prompt_threshold else SHORT
+
+    def serve(self, lanes: LaneServer, budget: StepBudget, step: StepDraft) -> None:
+        lanes.serve_lane(FCFS, budget, step, whole_prompt=True)
+
+
+class ShortLongLanes:
+    """Short prompts first, each granted whole; the long lane fills what is left, or waits while short work took the
+    step (token budgets), at most ``long_max_wait_steps`` steps in a row (aging)."""
+
+    names = (SHORT, LONG)
+    time_bounded = True
+
+    def __init__(self, config: SchedulerConfig) -> None:
+        self.long_prompt_threshold = config.long_prompt_threshold
+        self.long_max_wait_steps = config.long_max_wait_steps
+        self.encoder_interrupt = config.encoder_interrupt
+        self.long_wait_steps = 0  # consecutive steps the long lane had work but was held back
+
+    def route(self, num_prompt_tokens: int) -> str:
+        return LONG if num_prompt_tokens >= self.long_prompt_threshold else SHORT
+
+    def serve(self, lanes: LaneServer, budget: StepBudget, step: StepDraft) -> None:
+        short_work = lanes.serve_lane(SHORT, budget, step, whole_prompt=False)
+        self._serve_long(lanes, budget, step, held_by_short=short_work)
+        if self.encoder_interrupt and step.encoder_work:
+            lanes.mark_interruptible(step)
+
+    def _serve_long(self, lanes: LaneServer, budget: StepBudget, step: StepDraft, held_by_short: bool) -> None:
+        if not lanes.has_prefill_work(LONG):
+            self.long_wait_steps = 0
+            return
+        aging = self.long_wait_steps >= self.long_max_wait_steps
+        lane_budget = lanes.long_lane_budget(budget, step, aging, held_by_short)
+        served = lane_budget is not None and lanes.serve_lane(LONG, lane_budget, step, whole_prompt=False)
+        if served and lane_budget is not budget:
+            budget.absorb(lane_budget)
+        self.long_wait_steps = 0 if served else self.long_wait_steps + 1
+
+
+LANE_POLICIES: dict[str, type[FcfsLanes] | type[ShortLongLanes]] = {"lanes": ShortLongLanes, "fcfs": FcfsLanes}
+
+
+def lane_policy(config: SchedulerConfig) -> LanePolicy:
+    """The lane layout ``--scheduling`` chooses (a fresh one: ``ShortLongLanes`` counts its long lane's wait)."""
+    return LANE_POLICIES[config.scheduling](config)
+
+
+def route_lane(num_prompt_tokens: int, config: SchedulerConfig) -> str:
+    """The lane the config's policy puts a prompt of this length in."""
+    return lane_policy(config).route(num_prompt_tokens)
 
 
 def lane_names(config: SchedulerConfig) -> tuple[str, ...]:
     """Lanes in service order."""
-    return (FCFS,) if config.scheduling == "fcfs" else (SHORT, LONG)
+    return lane_policy(config).names
 
 
 class LaneQueues:
+    """The waiting requests, one queue per lane of the config's policy, each in arrival order (a preempted request
+    goes back to the front of its own)."""
+
     def __init__(self, config: SchedulerConfig) -> None:
         self.config = config
         self.queues: dict[str, deque[Request]] = {name: deque() for name in lane_names(config)}
@@ -59,9 +158,6 @@ class LaneQueues:
 
     def __contains__(self, req: Request) -> bool:
         return req in self.queues[req.lane]
-
-    def route(self, num_prompt_tokens: int) -> str:
-        return route_lane(num_prompt_tokens, self.config)
 
     def depths(self) -> dict[str, int]:
         return {name: len(q) for name, q in self.queues.items()}

@@ -1,7 +1,8 @@
 """How long a step may be, and the budget it gets: the step-time bound, streaming answers' pace, throughput steps.
 
 One policy, chosen once from the config:
-- ``--scheduling fcfs`` or ``--step-time-target off``: no time bound (token budgets only);
+- a lane policy whose steps are not time-bounded (``--scheduling fcfs``: whole prompts) or ``--step-time-target
+  off``: no time bound (token budgets only);
 - otherwise steps are bounded by ``step_time_target()`` (auto: the predicted prefill of a typical short prompt, the
   P90 of the recent ones, at least twice the per-step constant; or the seconds given), lowered while requests
   decode so that each one's next token keeps ``--itl-target``'s pace. Under ``auto`` a lone request (nobody
@@ -32,14 +33,19 @@ ITL_FLOOR_S = 0.01  # a step bounded for a pace is never shorter (a model whose 
 
 
 class Pacing:
-    def __init__(self, config: SchedulerConfig, block_size: int, cost_model: CostModel,
+    def __init__(self, config: SchedulerConfig, time_bounded: bool, block_size: int, cost_model: CostModel,
                  clock: Callable[[], float] = time.monotonic, calibrating: bool = False) -> None:
-        """``calibrating``: the engine's scratch scheduler while the cost model first learns (token budgets only)."""
+        """``time_bounded``: whether the lane policy lets steps be bounded in time (lanes.py); ``calibrating``: the
+        engine's scratch scheduler while the cost model first learns (token budgets only)."""
         self.config = config
         self.block_size = block_size
         self.cost_model = cost_model
         self.clock = clock
-        self.bounded = config.scheduling != "fcfs" and config.step_time_target != "off"  # chosen once
+        # chosen once: time-bounded steps at all, throughput steps for a lone request, a pace for streaming answers
+        self.bounded = time_bounded and config.step_time_target != "off"
+        self.throughput_steps = self.bounded and config.step_time_target == "auto"
+        self.paced = self.bounded and config.itl_target != "off"
+        self.itl_target_s = None if config.itl_target in ("auto", "off") else float(config.itl_target)
         self.calibrating = calibrating
         self._short_prompt_lens: deque[int] = deque(maxlen=256)  # recent short prompts: what the bound serves
         self._pace: dict[str, tuple[float, int]] = {}  # request id -> (first decode step's time, decode steps)
@@ -55,7 +61,7 @@ class Pacing:
         """(this step's budget, whether it is a throughput step). ``decoding``: the requests that will get their
         token in it; ``alone``: one live request in all."""
         target = self.step_time_target()
-        if math.isfinite(target) and alone and not decoding and self.config.step_time_target == "auto":
+        if math.isfinite(target) and alone and not decoding and self.throughput_steps:
             return StepBudget(self.throughput_chunk_tokens(), cost=self.cost_model, whole_images=True), True
         if math.isfinite(target) and decoding:
             target = min(target, self._itl_step_bound(decoding))  # streaming answers' next tokens wait for it
@@ -133,10 +139,10 @@ class Pacing:
     def itl_bound(self) -> float:
         """Seconds a step may take while a request is decoding (inf: no bound of its own). auto: ITL_AUTO_S, never
         below ITL_MIN_STEPS x the per-step constant (the fixed cost of a step stays a small share of it)."""
-        if self.config.itl_target == "off" or not self.bounded or not self.cost_model.is_trained:
-            return math.inf  # (no time-bounded steps: nothing to bound)
-        if self.config.itl_target != "auto":
-            return float(self.config.itl_target)
+        if not self.paced or not self.cost_model.is_trained:
+            return math.inf  # (off, or no time-bounded steps: nothing to bound)
+        if self.itl_target_s is not None:
+            return self.itl_target_s
         return max(ITL_AUTO_S, ITL_MIN_STEPS * float(self.cost_model.coef[0]))
 
     def _itl_step_bound(self, decoding: Sequence[Request]) -> float:

@@ -23,6 +23,12 @@ from firsttoken.types import (
 )
 
 
+# a request's lane (``Request.lane``): the names a lane policy routes to (lanes.py)
+SHORT = "short"
+LONG = "long"
+FCFS = "fcfs"
+
+
 class RequestStatus(str, Enum):
     WAITING = "waiting"
     RUNNING = "running"
@@ -39,7 +45,7 @@ class Request:
     finish_reason: FinishReason | None = None
     block_hashes: list[BlockHash] | None = None  # prompt's full blocks; computed once on first admission try
     sent_to_runner: bool = False  # the runner holds its NewRequest (from first admission until it finishes)
-    lane: str = "default"  # set by the scheduler at add()
+    lane: str = "default"  # SHORT, LONG or FCFS: set by the scheduler at add(), from its lane policy
     arrival_step: int = 0  # scheduler steps completed when the request arrived
     delayed_by_long: bool = False  # sat out a whole step while long work ran (counted once)
     queued_s: float = 0.0  # when the scheduler got it, on the scheduler's clock

@@ -2,14 +2,14 @@
 
 Tokens, not phases: a request is ``num_computed_tokens`` chasing ``num_tokens``. Each step (``schedule``):
   1. every running request that is decoding gets its one token;
-  2. the short lane's prefills (running first, then admissions) take what they want: the step's first short
-     prefill is granted whole (a short prompt is one step), later ones what the step's budget leaves;
-  3. the long lane fills what is left, in its order (lanes.py: deadline or least-work), its vision work a few units
-     per step (encoder_plan.py); if short work took the whole step ``long_max_wait_steps`` times in a row, the long
-     lane runs anyway (aging: at least one unit or block per aged step, whatever it costs).
+  2. the lane policy chosen once from ``--scheduling`` (lanes.py) serves its lanes through ``serve_lane``, each
+     lane's running prefills first, then admissions. ``ShortLongLanes``: the short lane's prefills take what they
+     want (the step's first short prefill is granted whole: a short prompt is one step), then the long lane fills
+     what is left, in its order (deadline or least-work), its vision work a few units per step (encoder_plan.py),
+     and runs anyway after ``long_max_wait_steps`` steps held back (aging). ``FcfsLanes``, the seed's starting
+     point: one FIFO queue, whole-prompt prefills, whole-image encodes.
 How long a step may be is pacing.py's (time-bounded steps from the fitted cost model, throughput steps for a lone
 request, token budgets when the bound is off); what may queue and when its first token is due is admission.py's.
-``scheduling="fcfs"`` is the seed's starting point: one FIFO queue, whole-prompt prefills, whole-image encodes.
 
 How many blocks a request needs to start, and whose a growth may take, is kv_admission.py's; when a growth runs the
 pool dry, that victim is preempted by recompute, never swapped, and counted with its cause. No tensors: ints, lists.
@@ -30,7 +30,7 @@ from firsttoken.scheduler.cost_model import CostModel
 from firsttoken.scheduler.encoder_cache import EncoderCacheManager
 from firsttoken.scheduler.encoder_plan import EncoderPlanner
 from firsttoken.scheduler.kv_admission import KV_ADMISSIONS
-from firsttoken.scheduler.lanes import FCFS, LONG, SHORT, LaneQueues, long_order
+from firsttoken.scheduler.lanes import LONG, SHORT, LaneQueues, lane_policy, long_order
 from firsttoken.scheduler.outbox import RunnerOutbox
 from firsttoken.scheduler.pacing import Pacing
 from firsttoken.scheduler.report import scheduler_stats
@@ -53,10 +53,11 @@ class Scheduler:
         self.kv = KVCacheManager(num_kv_blocks, cache_config.block_size, cache_config.enable_prefix_caching)
         self.kv_admission = KV_ADMISSIONS[config.kv_admission](config, max_model_len)
         self.encoder_cache = EncoderCacheManager(encoder_capacity_tokens)
+        self.lanes = lane_policy(config)  # the lane layout: routing and how a step serves the lanes
         self.waiting = LaneQueues(config)
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}  # every live request, waiting or running
-        self.pacing = Pacing(config, self.block_size, self.cost_model, clock, calibrating)
+        self.pacing = Pacing(config, self.lanes.time_bounded, self.block_size, self.cost_model, clock, calibrating)
         self.admission = Admission(config, self.kv, max_model_len, self.cost_model,
                                    lambda lane: len(self.waiting.queues[lane]), self.pacing.step_time_target, clock)
         self.encoder = EncoderPlanner(self.encoder_cache, self.cost_model, self.requests)
@@ -67,7 +68,6 @@ class Scheduler:
         self.num_steps = 0
         self.num_preemptions = 0
         self.preemptions_by_reason: dict[str, int] = {}
-        self.long_wait_steps = 0  # consecutive steps the long lane had work but was held back
         self.outbox = RunnerOutbox()  # what the runner's next batch tells it besides the step's work
         self.last_step = StepDraft()  # what the last schedule() built (report.wait_reason reads it)
 
@@ -78,7 +78,7 @@ class Scheduler:
         return self.admission.check(work, num_pending, pending)
 
     def add(self, request: Request) -> None:
-        request.lane = self.waiting.route(request.num_prompt_tokens)
+        request.lane = self.lanes.route(request.num_prompt_tokens)
         request.arrival_step = self.num_steps
         request.queued_s = self.clock()
         if request.lane == SHORT:
@@ -124,14 +124,8 @@ class Scheduler:
                 self._schedule_tokens(req, 1, budget, step)
                 if req.status == RequestStatus.RUNNING:  # (not when it was preempted for its block)
                     self.pacing.count_decode(req)
-        if self.config.scheduling == "fcfs":
-            self._serve_lane(FCFS, budget, step, whole_prompt=True)
-        else:
-            short_work = self._serve_lane(SHORT, budget, step, whole_prompt=False)
-            self._serve_long_lane(budget, step, held_by_short=short_work)
-            if self.config.encoder_interrupt and step.encoder_work:
-                self.encoder.mark_interruptible(step)
-        step.full = budget.exhausted
+        self.lanes.serve(self, budget, step)
+        step.full = step.full or budget.exhausted
         self.waiting.count_short_delays(step.has_long_work, self.num_steps)
         told = self.outbox.take()
         step.preempted_ids = frozenset(told.preempted_ids)
@@ -182,23 +176,19 @@ class Scheduler:
             self.kv.cache_blocks(req.request_id, req.block_hashes, min(chunk.end, req.num_prompt_tokens))
         self.encoder.release_passed(req, chunk.end)
 
-    # ---- lanes ----------------------------------------------------------------------------------------------
-    def _serve_long_lane(self, budget: StepBudget, step: StepDraft, held_by_short: bool) -> None:
-        if not (self.waiting.queues[LONG] or any(r.lane == LONG and not r.is_decoding for r in self.running)):
-            self.long_wait_steps = 0
-            return
-        aging = self.long_wait_steps >= self.config.long_max_wait_steps
-        lane_budget = self.pacing.long_lane_budget(budget, step, aging, held_by_short, self._short_lane_idle)
-        served = lane_budget is not None and self._serve_lane(LONG, lane_budget, step, whole_prompt=False)
-        if served and lane_budget is not budget:
-            budget.absorb(lane_budget)
-        self.long_wait_steps = 0 if served else self.long_wait_steps + 1
+    # ---- lanes: what a lane policy serves a step through (lanes.LaneServer) ---------------------------------
+    def has_prefill_work(self, lane: str) -> bool:
+        return bool(self.waiting.queues[lane]) or any(r.lane == lane and not r.is_decoding for r in self.running)
 
-    def _short_lane_idle(self) -> bool:
-        return not self.waiting.queues[SHORT] and not any(
-            r.lane == SHORT and not r.is_decoding for r in self.running)
+    def long_lane_budget(self, budget: StepBudget, step: StepDraft, aging: bool,
+                         held_by_short: bool) -> StepBudget | None:
+        return self.pacing.long_lane_budget(budget, step, aging, held_by_short,
+                                            lambda: not self.has_prefill_work(SHORT))
 
-    def _serve_lane(self, lane: str, budget: StepBudget, step: StepDraft, whole_prompt: bool) -> bool:
+    def mark_interruptible(self, step: StepDraft) -> None:
+        self.encoder.mark_interruptible(step)
+
+    def serve_lane(self, lane: str, budget: StepBudget, step: StepDraft, whole_prompt: bool) -> bool:
         """Prefill work of one lane: running prefills first, then admissions, in arrival order. True if anything was
         scheduled. The long lane, in time-bounded and throughput steps, goes in its order: the deadline order serves
         running and waiting requests alike; least-work serves running prefills first, each in the order."""
@@ -280,6 +270,7 @@ class Scheduler:
             end = start + min(wanted, budget.remaining)
         else:
             end = start + budget.chunk_tokens(wanted, start, samples_at_end=True)
+            step.full |= end == start  # what the step has left fits none of it (wait_reason: step_full)
         for index, im in req.images_in(start, end):
             whole = whole_prompt or req.lane == SHORT or budget.whole_images
             if not self.encoder.ensure(req, index, im, budget, step, all_units=whole) or (

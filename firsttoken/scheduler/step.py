@@ -11,8 +11,7 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from firsttoken.batch import EncoderWork, ScheduledChunk
-from firsttoken.scheduler.lanes import LONG, SHORT
-from firsttoken.scheduler.request import Request, RequestStatus
+from firsttoken.scheduler.request import LONG, SHORT, Request, RequestStatus
 
 # why a live request got no work in a step (wait_reason); "" is no reason at all: a request that can never progress
 WAIT_REASONS = ("preempted", "max_num_seqs", "kv_blocks", "short_lane_first", "step_full", "image_encoding", "in_line")
@@ -29,7 +28,7 @@ class StepDraft:
     has_short_prefill: bool = False  # a short request's prefill chunk is in this step
     long_held: bool = False  # the long lane had work but yielded this step to short prefills
     throughput: bool = False  # a lone request: sized for throughput, not bounded in time (pacing.py)
-    full: bool = False  # the step's token budget or time bound was used up
+    full: bool = False  # the step's token budget or time bound was used up (or what is left fits no prefill chunk)
     kv_blocked_ids: set[str] = field(default_factory=set)  # admissions refused for want of KV blocks
     preempted_ids: frozenset[str] = frozenset()
     decode_s: float = 0.0  # predicted seconds of this step's decodes, short prefills, long work (lane shares)

@@ -6,7 +6,16 @@ import pytest
 
 from firsttoken.config import SchedulerConfig
 from firsttoken.types import PromptWork
-from firsttoken.scheduler.lanes import LONG, SHORT, route_lane
+from firsttoken.scheduler.lanes import (
+    FCFS,
+    LONG,
+    SHORT,
+    FcfsLanes,
+    ShortLongLanes,
+    lane_names,
+    lane_policy,
+    route_lane,
+)
 from firsttoken.scheduler.report import wait_reason
 from tests.unit.fakes import complete_step, fake_request, make_scheduler, run_step
 
@@ -26,6 +35,58 @@ def test_routing_is_a_pure_function_of_prompt_length():
     cfg = SchedulerConfig(long_prompt_threshold=1024)
     assert [route_lane(n, cfg) for n in (1, 1023, 1024, 9000)] == [SHORT, SHORT, LONG, LONG]
     assert route_lane(5000, SchedulerConfig(scheduling="fcfs")) == "fcfs"
+
+
+@pytest.mark.parametrize("scheduling, policy, names, routes, time_bounded", [
+    ("lanes", ShortLongLanes, (SHORT, LONG), [SHORT, SHORT, LONG, LONG], True),
+    ("fcfs", FcfsLanes, (FCFS,), [FCFS] * 4, False),
+])
+def test_each_lane_policy_is_chosen_once_from_the_config_and_routes_as_documented(
+        scheduling, policy, names, routes, time_bounded):
+    # --scheduling picks the lane layout once: the scheduler, route_lane and lane_names all ask that policy, and a
+    # request lands in the lane its prompt length alone decides, whatever the order they arrive in
+    cfg = SchedulerConfig(scheduling=scheduling, long_prompt_threshold=200)
+    assert type(lane_policy(cfg)) is policy and lane_names(cfg) == names
+    assert [route_lane(n, cfg) for n in (1, 199, 200, 9000)] == routes
+    sched = make_scheduler(num_blocks=512, max_batched_tokens=256, scheduling=scheduling, long_prompt_threshold=200)
+    assert type(sched.lanes) is policy and tuple(sched.waiting.depths()) == names
+    assert sched.lanes.time_bounded is time_bounded and sched.pacing.bounded is time_bounded  # step-time auto
+    for i, n in enumerate((9000, 1, 200, 199)):
+        sched.add(fake_request(f"r{n}", prompt_len=n, max_tokens=1, arrival_seq=i))
+    assert [sched.requests[f"r{n}"].lane for n in (1, 199, 200, 9000)] == routes
+    assert sum(sched.waiting.depths().values()) == 4
+
+
+class RecordingLanes:
+    """A LaneServer whose short lane always has work and whose long lane waits: it records what a policy asks."""
+
+    def __init__(self):
+        self.served = []
+
+    def serve_lane(self, lane, budget, step, whole_prompt):
+        self.served.append((lane, whole_prompt))
+        return True
+
+    def has_prefill_work(self, lane):
+        return True
+
+    def long_lane_budget(self, budget, step, aging, held_by_short):
+        return budget if aging or not held_by_short else None  # held while short work took the step, unless aged
+
+
+def test_fcfs_serves_its_one_lane_whole_prompt_and_lanes_serve_short_first_then_long_with_aging():
+    from firsttoken.scheduler.budget import StepBudget
+    from firsttoken.scheduler.step import StepDraft
+
+    fcfs, server = FcfsLanes(SchedulerConfig(scheduling="fcfs")), RecordingLanes()
+    fcfs.serve(server, StepBudget(64), StepDraft())
+    assert server.served == [(FCFS, True)]
+    lanes, server = ShortLongLanes(SchedulerConfig(long_max_wait_steps=2)), RecordingLanes()
+    for _ in range(3):
+        lanes.serve(server, StepBudget(64), StepDraft())
+    # short work took each step: the long lane is held twice, then runs anyway (aged)
+    assert server.served == [(SHORT, False), (SHORT, False), (SHORT, False), (LONG, False)]
+    assert lanes.long_wait_steps == 0
 
 
 def test_short_request_arriving_mid_long_prefill_runs_in_the_very_next_step():
