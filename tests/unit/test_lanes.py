@@ -298,10 +298,11 @@ def test_every_live_request_progresses_or_waits_for_a_named_reason(policy):
 
     costs = {"step": 0.002, "prefill_tokens": 0.0005, "encoder_patches": 0.00025}
     rng = random.Random(sum(map(ord, policy)))
+    now = [0.0]  # a virtual clock: each step takes its priced time, so the run is the same on any machine
     sched = lanes_scheduler(num_blocks=30, decode_reserve_tokens=4, max_batched_tokens=48, long_prompt_threshold=120,
                             long_step_tokens=32, encoder_capacity_tokens=64, max_num_seqs=6,
                             cost_model=CostModel(prior=tuple(costs.get(n, 0.0) for n in FEATURE_NAMES)),
-                            **POLICIES[policy])
+                            clock=lambda: now[0], **POLICIES[policy])
     live, seq, reasons = {}, 0, {}
     for step in range(20_000):
         if step < 1500 and rng.random() < 0.15:
@@ -328,6 +329,8 @@ def test_every_live_request_progresses_or_waits_for_a_named_reason(policy):
                 reason = wait_reason(sched, req)
                 assert reason in WAIT_REASONS, f"step {step}: {rid} ({req.status.value}, {req.lane} lane) waits for no reason"
                 reasons[reason] = reasons.get(reason, 0) + 1
+        now[0] += costs["step"] + costs["prefill_tokens"] * sum(c.num_new_tokens for c in batch.chunks) \
+            + costs["encoder_patches"] * 16 * sum(w.num_units for w in batch.encoder_work)
         complete_step(sched, batch)
         live = {rid: r for rid, r in live.items() if r.status.value != "finished"}
         if step >= 1500 and not live:
