@@ -85,6 +85,10 @@ def test_dummy_weights_serve_a_request_from_config_json_alone(dummy_tiny: Path):
     assert not list(dummy_tiny.glob("*.safetensors"))
     llm = LLM(dummy_tiny, load_format="dummy", device="cpu", kv_cache_memory="4MiB", num_threads=1)
     assert llm.engine.resolved.model.load_format == "dummy"
+    runner = llm.engine.executor.runner
+    assert runner.device == torch.device("cpu") and runner.kv_caches[0].device == runner.device
+    ids = torch.arange(5)
+    assert runner._to_device(ids) is ids  # the CPU path copies nothing
     out = llm.complete("The sky is", {"temperature": 0, "max_tokens": 6})
     assert out.usage.completion_tokens == 6
     again = LLM(dummy_tiny, load_format="dummy", device="cpu", kv_cache_memory="4MiB", num_threads=1)

@@ -49,3 +49,20 @@ def test_dummy_weights_of_a_published_shape_serve_on_the_device(tmp_path: Path, 
     assert sum(p.numel() for p in weights) == 2_208_985_600
     assert torch.cuda.memory_allocated() > 4 * 10**9  # 2.2 B bf16 parameters are on the device
     greedy(llm)
+
+
+def test_an_image_request_on_cuda_gives_the_cpus_greedy_tokens(tiny_model_dir: Path) -> None:
+    """The vision tower on the device (pixels copied through pinned memory) and its rows in the prefill."""
+    from PIL import Image
+
+    image = Image.new("RGB", (96, 64))
+    image.putdata([((x * 7) % 256, (y * 11) % 256, ((x + y) * 5) % 256) for y in range(64) for x in range(96)])
+    messages = [{"role": "user", "content": [{"type": "image_pil", "image_pil": image},
+                                             {"type": "text", "text": "What is this?"}]}]
+    tokens = {}
+    for device in ("cpu", "cuda"):
+        llm = LLM(tiny_model_dir, device=device, dtype="float32", cpu_kernels="off", kv_cache_memory="16MiB")
+        out = llm.chat(messages, {"temperature": 0, "max_tokens": 16})
+        assert out.error is None and out.usage.prompt_tokens > 20
+        tokens[device] = out.token_ids
+    assert tokens["cuda"] == tokens["cpu"]
