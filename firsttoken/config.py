@@ -38,7 +38,7 @@ CpuKernels = Literal["auto", "on", "off"]  # kernels/cpu_linear.py; loading/plan
 Device = Literal["auto", "cpu", "cuda"]  # where the engine runs; engine/resolve.py settles auto (loading/plan.py)
 ResolvedDevice = Literal["cpu", "cuda"]
 LoadFormat = Literal["auto", "dummy"]  # loading/loader.py: the checkpoint's safetensors, or random weights
-AttentionBackendName = Literal["sdpa"]  # attention/registry.py
+AttentionBackendName = Literal["sdpa", "triton"]  # attention/registry.py
 Scheduling = Literal["lanes", "fcfs"]
 LongOrder = Literal["deadline", "least-work"]
 KvAdmission = Literal["whole-prompt", "optimistic"]
@@ -312,7 +312,9 @@ class EngineConfig:
         "weight files needed; tokenizer and processor files still are): to serve and measure a published model's "
         "shape where its weights cannot be downloaded. Answers are nonsense"))
     attention_backend: AttentionBackendName = field(default="sdpa", metadata=option(
-        f"attention implementation over the paged KV cache: {', '.join(ATTENTION_BACKENDS)}"))
+        "attention implementation over the paged KV cache: sdpa (torch's SDPA, any device: the reference) or triton "
+        "(firsttoken's Triton kernels: paged prefill and split-K decode; --device cuda only, not yet measured on a "
+        "GPU: docs/gpu.md)"))
     num_threads: int | None = field(default=None, metadata=option(
         "torch threads for the engine (default: all cores)"))
     decode_threads: int | None = field(default=None, metadata=option(

@@ -156,6 +156,9 @@ def plan_model(
     check_choice("quantization", quantization, Quantization)
     check_choice("load_format", load_format, LoadFormat)
     device, device_why = resolve_device(device, machine.cuda)
+    if attention_backend == "triton" and device != "cuda":
+        raise ValueError("attention_backend triton runs on cuda only (on the CPU its kernels run only under "
+                         "Triton's interpreter, for tests): use sdpa")
     if device == "cuda" and quantization in FLOAT32_ACTIVATIONS:
         raise ValueError(f"quantization {quantization} runs on the CPU only: on cuda use none (or auto)")
     name, dtype_why = resolve_dtype(dtype, quantization, machine.cpu, device)

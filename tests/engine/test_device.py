@@ -117,3 +117,11 @@ def test_a_published_shape_builds_on_meta_with_its_published_parameter_count(dum
     resolved = resolve_engine_config(EngineConfig(load_format="dummy"), dummy_2b, machine.with_cuda(H200))
     assert (resolved.model.device, resolved.model.dtype, resolved.model.load_format) == ("cuda", "bfloat16", "dummy")
     assert resolved.kv.kv_bytes_per_token == 28 * 2 * 2 * 128 * 2  # layers x K,V x kv heads x head_dim x bf16
+
+
+def test_the_triton_backend_is_a_cuda_option(tiny_model_dir: Path, machine: Machine):
+    config = EngineConfig(attention_backend="triton", cache=SMALL_KV)
+    on_gpu = resolve_engine_config(config, tiny_model_dir, machine.with_cuda(H200))
+    assert on_gpu.model.attention_backend == "triton" and on_gpu.as_dict()["model"]["attention_backend"] == "triton"
+    with pytest.raises(ValueError, match="^attention_backend triton runs on cuda only"):
+        resolve_engine_config(config, tiny_model_dir, machine.with_cuda(CudaFacts.absent()))

@@ -16,10 +16,10 @@ from tests.unit.test_plan import QWEN2_VL_2B
 PROMPTS = ["The capital of France is", "Count: one, two, three,", "A"]
 
 
-def greedy(llm: LLM) -> list[tuple[int, ...]]:
+def greedy(llm: LLM, prompts: list[str] = PROMPTS) -> list[tuple[int, ...]]:
     """Each prompt's greedy tokens (up to 24), the requests run one at a time; a failed request fails the test."""
-    results = [llm.complete(p, {"temperature": 0, "max_tokens": 24}) for p in PROMPTS]
-    assert [r.error for r in results] == [None] * len(PROMPTS)
+    results = [llm.complete(p, {"temperature": 0, "max_tokens": 24}) for p in prompts]
+    assert [r.error for r in results] == [None] * len(prompts)
     assert all(r.token_ids for r in results)
     return [r.token_ids for r in results]
 
@@ -66,3 +66,14 @@ def test_an_image_request_on_cuda_gives_the_cpus_greedy_tokens(tiny_model_dir: P
         assert out.error is None and out.usage.prompt_tokens > 20
         tokens[device] = out.token_ids
     assert tokens["cuda"] == tokens["cpu"]
+
+
+def test_the_triton_backend_gives_the_sdpa_backends_greedy_tokens(tiny_model_dir: Path) -> None:
+    """--attention-backend triton in the engine (chunked prefill, mixed and pure-decode steps) on the device, fp32."""
+    runs = {}
+    for backend in ("sdpa", "triton"):
+        llm = LLM(tiny_model_dir, device="cuda", dtype="float32", attention_backend=backend, kv_cache_memory="16MiB",
+                  max_batched_tokens=16)  # the long prompt prefills in chunks of at most 16 tokens
+        assert llm.engine.resolved.model.attention_backend == backend
+        runs[backend] = greedy(llm, [*PROMPTS, "one two three four five six seven " * 8])
+    assert runs["triton"] == runs["sdpa"]
