@@ -271,7 +271,10 @@ def make_dummy_model(out_dir: str | Path, config: dict[str, Any]) -> Path:
     _write_json(out / "config.json", config)
     _write_generation_config(out)
     _write_tokenizer_files(out)
-    _write_json(out / "preprocessor_config.json", family_of_config(config).checkpoint.preprocessor())
+    family = family_of_config(config)
+    _write_json(out / "preprocessor_config.json", family.checkpoint.preprocessor())
+    _write_json(out / "firsttoken_checkpoint.json", {"format_version": FORMAT_VERSION, "family": family.name,
+                                                     "weights": "none: serve with --load-format dummy"})
     return out
 
 

@@ -125,3 +125,16 @@ def test_the_triton_backend_is_a_cuda_option(tiny_model_dir: Path, machine: Mach
     assert on_gpu.model.attention_backend == "triton" and on_gpu.as_dict()["model"]["attention_backend"] == "triton"
     with pytest.raises(ValueError, match="^attention_backend triton runs on cuda only"):
         resolve_engine_config(config, tiny_model_dir, machine.with_cuda(CudaFacts.absent()))
+
+
+def test_make_model_dummy_config_writes_a_weightless_directory_that_resolves(tmp_path: Path, machine: Machine):
+    from firsttoken.cli.main import main
+
+    config = tmp_path / "published.json"
+    config.write_text(json.dumps({**QWEN2_VL_2B, "architectures": ["Qwen2VLForConditionalGeneration"]}))
+    out = tmp_path / "qwen2-vl-2b-dummy"
+    assert main(["make-model", str(out), "--dummy-config", str(config)]) == 0
+    assert not list(out.glob("*.safetensors")) and (out / "tokenizer.json").is_file()
+    resolved = resolve_engine_config(EngineConfig(load_format="dummy", cache=SMALL_KV), out, machine)
+    assert resolved.model.load_format == "dummy" and resolved.kv.max_model_len > 0
+    assert main(["make-model", str(out), "--dummy-config", str(config)]) == 0  # its own output may be rewritten
