@@ -187,7 +187,8 @@ def plan_model(
         unused = f"{name} weights"
     fp16_multithreaded = num_threads != 1 or not single_thread_entry_point()
     plan = ModelPlan(
-        device=device, device_why=device_why, load_format=load_format, dtype=name, dtype_why=dtype_why, quantization=quantization, quantization_why=quantization_why,
+        device=device, device_why=device_why, load_format=load_format, dtype=name, dtype_why=dtype_why,
+        quantization=quantization, quantization_why=quantization_why,
         kernels_unused=unused,
         weights_input_major=device == "cpu" and torch_dtype == torch.float32 and quantization == "none"
         and not keeps_row_major(quantization, unused, machine.cpu),

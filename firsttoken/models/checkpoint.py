@@ -257,10 +257,11 @@ DEMO_TOKEN_FIELDS: dict[str, str] = {
 
 def make_dummy_model(out_dir: str | Path, config: dict[str, Any]) -> Path:
     """A weightless checkpoint for ``--load-format dummy``: a published model's ``config`` (its config.json, e.g.
-    Qwen2-VL-7B-Instruct's) with the demo checkpoint's tokenizer, chat template, generation defaults and its family's
-    image processor settings (the family is the config's: models/registry.py). The config's token-id fields (top level and ``text_config``) are rewritten to the demo
-    tokenizer's ids for the same tokens, so its image placeholders and stop tokens are the ones the tokenizer makes;
-    every other shape field is the published one. No safetensors: serve it with --load-format dummy."""
+    Qwen2-VL-7B-Instruct's) with the demo checkpoint's tokenizer, chat template, generation defaults and its
+    family's image processor settings (the family is the config's: models/registry.py). The config's token-id
+    fields (top level and ``text_config``) are rewritten to the demo tokenizer's ids for the same tokens, so its
+    image placeholders and stop tokens are the ones the tokenizer makes; every other shape field is the published
+    one. No safetensors: serve it with --load-format dummy."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     config = json.loads(json.dumps(config))  # a deep copy: the caller's dict is left as given

@@ -80,7 +80,8 @@ REALISTIC = [  # query lens, context lens
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_triton_backend_matches_sdpa_at_model_shapes(model, query_lens, context_lens, dtype) -> None:
     heads, kv_heads, head_dim = SHAPES[model]
-    q, k, v, kv_cache, meta = paged_batch(query_lens, context_lens, heads, kv_heads, head_dim, dtype, seed=len(query_lens))
+    q, k, v, kv_cache, meta = paged_batch(query_lens, context_lens, heads, kv_heads, head_dim, dtype,
+                                          seed=len(query_lens))
     scale = head_dim**-0.5
     reference = get_backend("sdpa").forward(q.float(), k.float(), v.float(), kv_cache.float(), meta, scale)
     out = TritonBackend().forward(q, k, v, kv_cache, meta, scale)
