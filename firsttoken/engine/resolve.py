@@ -121,7 +121,7 @@ def resolve_engine_config(config: EngineConfig, model_dir: str | Path, machine: 
                           model_config: ModelConfig | None = None) -> ResolvedEngineConfig:
     """What an engine over ``model_dir`` runs with, on ``machine`` (default: this one). ValueError names what
     cannot run (a KV pool smaller than one block, fp16 without FBGEMM, ...)."""
-    machine = machine or Machine.detect(build_kernels=config.cpu_kernels != "off")
+    machine = machine or Machine.for_flags(config.cpu_kernels, config.device)
     model_config = model_config or load_model_config(model_dir)
     threads = ThreadPlan(config.num_threads, config.decode_threads)
     plan = plan_model(model_dir, config.dtype, config.quantization, config.cpu_kernels, machine, config.device,

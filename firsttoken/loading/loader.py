@@ -47,7 +47,7 @@ def load_model(
     """The family's model in eval mode with weights from model_dir, planned from these choices on ``machine``
     (default: this one): ``plan_model`` then ``build_model``. attn_backend defaults to "sdpa"; ``quantization``
     and ``cpu_kernels`` as the flags (loading/plan.py); ``num_threads`` 1: the engine runs on one torch thread."""
-    machine = machine or Machine.detect(build_kernels=cpu_kernels != "off")
+    machine = machine or Machine.for_flags(cpu_kernels, torch.device(device).type)
     backend = "sdpa" if attn_backend is None or isinstance(attn_backend, SdpaBackend) else type(attn_backend).__name__
     plan = plan_model(model_dir, str(dtype).removeprefix("torch."), quantization, cpu_kernels, machine,
                       torch.device(device).type, backend, num_threads)

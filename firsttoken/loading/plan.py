@@ -1,11 +1,12 @@
-"""How a checkpoint runs on this machine: ``--dtype``, ``--quantization`` and ``--cpu-kernels`` settled, ``auto``
-included, in one place (``plan_model``), from the flags, the checkpoint and the machine.
+"""How a checkpoint runs on this machine: ``--device``, ``--dtype``, ``--quantization``, ``--cpu-kernels``,
+``--attention-backend`` and ``--load-format`` settled, ``auto`` included, in one place (``plan_model``), from the
+flags, the checkpoint and the machine.
 
 The result is a ``ModelPlan``: plain values, each choice with the reason it went that way, so the engine logs it
 once, ``GET /v1/engine/config`` reports it, and the loader builds from it (loading/methods.py picks each layer's
 method by it); nothing downstream asks ``auto`` again. The machine is a ``Machine`` value (its CPU's features, the
-kernels built and self-checked here or why not, torch's probes): ``Machine.detect()`` in production, a value of
-the test's own in tests.
+kernels built and self-checked here or why not, torch's probes, its CUDA device as ``CudaFacts``):
+``Machine.detect()`` in production, a value of the test's own in tests (``with_cuda`` gives it a CUDA device).
 """
 
 from __future__ import annotations

@@ -63,6 +63,13 @@ class Machine:
             kernels, why = None, "--cpu-kernels off"
         return Machine(cpu, kernels, why, int_mm_exact(cpu), fp16_supported(), CudaFacts.detect())
 
+    @staticmethod
+    def for_flags(cpu_kernels: str, device: str) -> Machine:
+        """This machine as ``detect`` reads it for these --cpu-kernels and --device values: the kernels are built
+        only where they may be used, so neither --cpu-kernels off nor a run that resolves to cuda compiles them."""
+        on_cpu = device == "cpu" or (device == "auto" and not CudaFacts.detect().available)
+        return Machine.detect(build_kernels=cpu_kernels != "off" and on_cpu)
+
     def with_cpu(self, cpu: CpuFeatures) -> Machine:
         """This machine's kernels and probes, deciding as if its CPU were ``cpu`` (tests of the rules)."""
         return replace(self, cpu=cpu)

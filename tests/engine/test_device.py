@@ -138,3 +138,13 @@ def test_make_model_dummy_config_writes_a_weightless_directory_that_resolves(tmp
     resolved = resolve_engine_config(EngineConfig(load_format="dummy", cache=SMALL_KV), out, machine)
     assert resolved.model.load_format == "dummy" and resolved.kv.max_model_len > 0
     assert main(["make-model", str(out), "--dummy-config", str(config)]) == 0  # its own output may be rewritten
+
+
+def test_the_kernels_are_built_only_where_they_may_be_used():
+    """Machine.for_flags: --cpu-kernels off and --device cuda build nothing (on cuda the kernels are never used);
+    on this machine --device auto is the CPU, so the kernels are built as before."""
+    assert Machine.for_flags("off", "cpu") is Machine.detect(build_kernels=False)
+    assert Machine.for_flags("auto", "cuda") is Machine.detect(build_kernels=False)
+    assert Machine.for_flags("auto", "cpu") is Machine.detect(build_kernels=True)
+    expected = Machine.detect(build_kernels=not torch.cuda.is_available())
+    assert Machine.for_flags("auto", "auto") is expected
