@@ -20,7 +20,7 @@ from firsttoken.loading.plan_values import CudaFacts, Machine
 from firsttoken.models.checkpoint import make_dummy_model
 from firsttoken.models.registry import family_of, load_model_config
 from firsttoken.models.recipe import TOKEN_IDS
-from tests.unit.test_plan import QWEN2_VL_2B
+from tests.published_configs import QWEN2_VL_2B
 
 H200 = CudaFacts(True, name="NVIDIA H200 (injected)")
 SMALL_KV = CacheConfig(kv_cache_memory_bytes=4 << 20)

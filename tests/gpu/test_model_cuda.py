@@ -11,7 +11,7 @@ import torch
 
 from firsttoken.llm import LLM
 from firsttoken.models.checkpoint import make_dummy_model
-from tests.unit.test_plan import QWEN2_VL_2B
+from tests.published_configs import QWEN2_VL_2B
 
 PROMPTS = ["The capital of France is", "Count: one, two, three,", "A"]
 
