@@ -36,8 +36,10 @@ ResolvedDtype = Literal["float32", "bfloat16", "float16"]
 Quantization = Literal["auto", "none", "fp16", "int8", "bf16"]  # loading/quant.py
 ResolvedQuantization = Literal["none", "fp16", "int8", "bf16"]
 CpuKernels = Literal["auto", "on", "off"]  # kernels/cpu_linear.py; loading/plan.py decides what auto takes
-Device = Literal["cpu"]  # where the engine runs; a CUDA runner is the Executor seam's next implementation
-AttentionBackendName = Literal["sdpa"]  # attention/registry.py
+Device = Literal["auto", "cpu", "cuda"]  # where the engine runs; engine/resolve.py settles auto (loading/plan.py)
+ResolvedDevice = Literal["cpu", "cuda"]
+LoadFormat = Literal["auto", "dummy"]  # loading/loader.py: the checkpoint's safetensors, or random weights
+AttentionBackendName = Literal["sdpa", "triton"]  # attention/registry.py
 Scheduling = Literal["lanes", "fcfs"]
 LongOrder = Literal["deadline", "least-work"]
 KvAdmission = Literal["whole-prompt", "optimistic"]
@@ -47,6 +49,7 @@ QUANTIZATIONS: tuple[str, ...] = get_args(Quantization)
 FLOAT32_ACTIVATIONS = ("fp16", "int8", "bf16")  # quantizations whose products take float32 activations
 CPU_KERNELS: tuple[str, ...] = get_args(CpuKernels)
 DEVICES: tuple[str, ...] = get_args(Device)
+LOAD_FORMATS: tuple[str, ...] = get_args(LoadFormat)
 ATTENTION_BACKENDS: tuple[str, ...] = get_args(AttentionBackendName)
 
 
@@ -302,10 +305,17 @@ class EngineConfig:
         "Prefill is MKL's either way. With --quantization int8, auto and on "
         "take firsttoken's int8 kernels on any CPU (AVX-512 VNNI or AVX2), off computes the same numbers with "
         "torch's ops alone"))
-    device: Device = field(default="cpu", metadata=option(f"where the model runs: {', '.join(DEVICES)}",
-                                                          choice_note=" (this build runs on the CPU)"))
+    device: Device = field(default="auto", metadata=option(
+        "where the model runs: auto (cuda where torch sees a CUDA device, else cpu), cpu or cuda (CUDA device 0; "
+        "--dtype auto is bfloat16 there, and --quantization none: fp16, int8 and bf16 weights are CPU methods)"))
+    load_format: LoadFormat = field(default="auto", metadata=option(
+        "auto: the checkpoint's safetensors weights; dummy: random weights of the shapes config.json gives (no "
+        "weight files needed; tokenizer and processor files still are): to serve and measure a published model's "
+        "shape where its weights cannot be downloaded. Answers are nonsense"))
     attention_backend: AttentionBackendName = field(default="sdpa", metadata=option(
-        f"attention implementation over the paged KV cache: {', '.join(ATTENTION_BACKENDS)}"))
+        "attention implementation over the paged KV cache: sdpa (torch's SDPA, any device: the reference) or triton "
+        "(firsttoken's Triton kernels: paged prefill and split-K decode; --device cuda only, not yet measured on a "
+        "GPU: docs/gpu.md)"))
     num_threads: int | None = field(default=None, metadata=option(
         "torch threads for the engine (default: all cores)"))
     decode_threads: int | None = field(default=None, metadata=option(
@@ -325,7 +335,10 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
     def __post_init__(self) -> None:
-        _check_choices(self)  # dtype, quantization, cpu_kernels, device, attention_backend
+        _check_choices(self)  # dtype, quantization, cpu_kernels, device, load_format, attention_backend
+        if self.device == "cuda" and self.quantization in FLOAT32_ACTIVATIONS:
+            raise ValueError(f"quantization {self.quantization} runs on the CPU only: with --device cuda use none "
+                             "(or auto)")
         if self.quantization in FLOAT32_ACTIVATIONS and self.dtype not in ("auto", "float32"):
             raise ValueError(f"quantization {self.quantization} runs float32 activations: use --dtype float32 "
                              "(or auto)")

@@ -60,10 +60,11 @@ def torch_layers(model) -> list[str]:
 
 def machine_with_cpu(**cpu):
     """This machine (its kernels, built here, and torch's probes), deciding as a CPU with these ``CpuFeatures``
-    fields would (``flags`` a set of /proc/cpuinfo flags)."""
+    fields would (``flags`` a set of /proc/cpuinfo flags), with no CUDA device (so --device auto is the CPU on a
+    GPU machine too: these are the CPU's rules)."""
     from firsttoken.kernels.cpu_features import CpuFeatures
-    from firsttoken.loading.plan_values import Machine
+    from firsttoken.loading.plan_values import CudaFacts, Machine
 
     if "flags" in cpu:
         cpu["flags"] = frozenset(cpu["flags"])
-    return Machine.detect().with_cpu(CpuFeatures(**cpu))
+    return Machine.detect().with_cpu(CpuFeatures(**cpu)).with_cuda(CudaFacts.absent("CPU rules' test machine"))

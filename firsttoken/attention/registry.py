@@ -23,7 +23,7 @@ def _triton() -> AttentionBackend:
 # registers here as "flash": _flash imports lazily so CPU-only installs never import CUDA kernels.
 _BACKENDS: dict[str, Callable[[], AttentionBackend]] = {
     "sdpa": _sdpa,
-    "triton": _triton,  # issue 39's kernels: CUDA, or CPU under TRITON_INTERPRET=1; not yet an engine option
+    "triton": _triton,  # issue 39's kernels: --attention-backend triton on cuda (or CPU under TRITON_INTERPRET=1)
 }
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from firsttoken.cli.usage import UsageError
-from firsttoken.models.checkpoint import make_model, recipes
+from firsttoken.models.checkpoint import make_dummy_model, make_model, recipes
 from firsttoken.models.recipe import CHECKPOINT_DTYPES, LAYOUTS
 
 CHECKPOINT_META = "firsttoken_checkpoint.json"  # make_model writes it last: its presence marks our own output
@@ -28,6 +28,10 @@ def add_parser(subparsers: Any) -> None:
     parser.add_argument("--shards", type=int, default=1, help="number of safetensors files")
     parser.add_argument("--dtype", choices=CHECKPOINT_DTYPES, default="float32",
                         help="the weights' dtype on disk (published Qwen-VL checkpoints are bfloat16)")
+    parser.add_argument("--dummy-config", type=Path, metavar="CONFIG_JSON",
+                        help="instead: no weights, this config.json (a published model's, e.g. Qwen2-VL-7B-Instruct's) "
+                             "with the demo tokenizer, for `firsttoken serve --load-format dummy` (--family, --size, "
+                             "--seed, --layout, --shards and --dtype do not apply)")
     parser.set_defaults(handler=run)
 
 
@@ -43,6 +47,8 @@ def check_writable_dir(out: Path) -> None:
 
 def run(args: argparse.Namespace) -> int:
     check_writable_dir(Path(args.dir))
+    if args.dummy_config is not None:
+        return run_dummy(Path(args.dir), args.dummy_config)
     if args.shards < 1:
         raise UsageError("--shards", args.shards, "must be >= 1")
     try:
@@ -60,4 +66,19 @@ def run(args: argparse.Namespace) -> int:
         f"{'' if args.dtype == 'float32' else ', ' + args.dtype}): "
         f"{params['total']:,} parameters ({params['language_model']:,} language model, {params['vision']:,} vision)"
     )
+    return 0
+
+
+def run_dummy(out: Path, config_path: Path) -> int:
+    """``--dummy-config``: a weightless directory for --load-format dummy."""
+    try:
+        config = json.loads(config_path.read_text())
+    except (OSError, ValueError) as exc:
+        raise UsageError("--dummy-config", config_path, f"cannot read it as JSON ({exc})") from None
+    try:
+        make_dummy_model(out, config)
+    except ValueError as exc:  # not a family we serve
+        raise UsageError("--dummy-config", config_path, str(exc)) from None
+    print(f"wrote {out}: {config_path}'s shapes, the demo tokenizer, no weights; serve it with "
+          f"`firsttoken serve --model {out} --load-format dummy`")
     return 0

@@ -60,7 +60,9 @@ def check_serve_config(config: "ServeConfig", model_dir: Path) -> None:
         raise UsageError("--chat-template", config.chat_template, "no such file")
     if server.request_log is not None and not Path(server.request_log).parent.is_dir():
         raise UsageError("--request-log", server.request_log, "its directory does not exist; create it first")
-    model_config = check_checkpoint("--model" if config.model else "(demo checkpoint)", model_dir)
+    _check_device(config.engine)
+    model_config = check_checkpoint("--model" if config.model else "(demo checkpoint)", model_dir,
+                                    weights=config.engine.load_format != "dummy")
     _check_kv(config.engine, model_config)
     if config.engine.quantization == "fp16":  # int8 runs everywhere (exact products: loading/quant.py)
         from firsttoken.loading.quant import fp16_supported
@@ -71,9 +73,20 @@ def check_serve_config(config: "ServeConfig", model_dir: Path) -> None:
     check_port_free(server.host, server.port)
 
 
-def check_checkpoint(flag: str, model_dir: Path) -> "ModelConfig":
+def _check_device(config: "EngineConfig") -> None:
+    """--device cuda needs a CUDA device torch can use (the resolve step's rule, asked of this machine)."""
+    from firsttoken.loading.plan import resolve_device
+    from firsttoken.loading.plan_values import CudaFacts
+
+    try:
+        resolve_device(config.device, CudaFacts.detect())
+    except ValueError as exc:
+        raise UsageError("--device", config.device, str(exc).removeprefix(f"device {config.device}: ")) from None
+
+
+def check_checkpoint(flag: str, model_dir: Path, weights: bool = True) -> "ModelConfig":
     """The checkpoint's ModelConfig, after checking what loading needs: config.json describing a model we
-    serve, safetensors weights and tokenizer files."""
+    serve, safetensors weights (unless ``weights`` is False: --load-format dummy) and tokenizer files."""
     from firsttoken.models.registry import family_of_config
 
     config_json = read_config_json(flag, model_dir)
@@ -82,7 +95,7 @@ def check_checkpoint(flag: str, model_dir: Path) -> "ModelConfig":
     except ValueError as exc:  # the registry's message names what is supported
         raise UsageError(flag, model_dir, f"{exc}") from None
     config = parse_model_config(flag, model_dir, config_json)
-    if not any(model_dir.glob("*.safetensors")):
+    if weights and not any(model_dir.glob("*.safetensors")):
         raise UsageError(flag, model_dir, "no *.safetensors weights in this directory")
     if not any((model_dir / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json")):
         raise UsageError(flag, model_dir, "no tokenizer files (tokenizer.json or tokenizer_config.json) here")

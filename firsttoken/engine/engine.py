@@ -68,7 +68,7 @@ class LLMEngine:
         self.short_request_pending: Callable[[], bool] | None = None
         self.capacity = config.kv
         log.info(config.describe())  # the one start-up block: every choice the engine runs with
-        machine = machine or Machine.detect(build_kernels=self.config.cpu_kernels != "off")  # as resolved
+        machine = machine or Machine.for_flags(self.config.cpu_kernels, self.config.device)  # as resolved
         self.executor: Executor = InProcessExecutor(
             model_dir, self.model_config, config.model, machine, self.capacity.num_blocks,
             self.capacity.block_size, self.config.seed, fault_hook,

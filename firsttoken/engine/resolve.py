@@ -1,6 +1,7 @@
 """The one resolve step: the flags (``EngineConfig``), the checkpoint and the machine -> what the engine runs with.
 
-``resolve_engine_config`` settles, once: the model's dtype, quantization, kernels and decode layers
+``resolve_engine_config`` settles, once: the device (``--device auto``: cuda where the ``Machine`` value has a
+CUDA device), the model's dtype, quantization, kernels and decode layers
 (loading/plan.py's ``plan_model``, the only code that decides ``auto``), torch's threads, the KV pool's blocks and
 context length, and the encoder cache's size in tokens. The engine is built from the ``ResolvedEngineConfig``, logs
 ``describe()`` once at start-up as one block, and ``GET /v1/engine/config`` reports ``as_dict()``; nothing
@@ -19,8 +20,8 @@ import torch
 
 from firsttoken.config import EngineConfig
 from firsttoken.kernels.cpu_features import CpuFeatures
-from firsttoken.loading.plan import plan_model, resolve_dtype
-from firsttoken.loading.plan_values import TORCH_DTYPES, Machine, ModelPlan
+from firsttoken.loading.plan import plan_model, resolve_device, resolve_dtype
+from firsttoken.loading.plan_values import TORCH_DTYPES, CudaFacts, Machine, ModelPlan
 from firsttoken.models.config import ModelConfig
 from firsttoken.models.registry import family_named, load_model_config
 from firsttoken.runner.model_runner import ThreadPlan
@@ -56,10 +57,12 @@ class KVCapacity:
         )
 
 
-def activation_dtype(config: EngineConfig, cpu: CpuFeatures | None = None) -> str:
-    """The model's activations' dtype, and so the KV cache's, that these flags resolve to on this CPU (the same
-    answer ``plan_model`` gives: it does not depend on the checkpoint), for a check before the model loads."""
-    name, _ = resolve_dtype(config.dtype, config.quantization, cpu or CpuFeatures.detect())
+def activation_dtype(config: EngineConfig, cpu: CpuFeatures | None = None, cuda: CudaFacts | None = None) -> str:
+    """The model's activations' dtype, and so the KV cache's, that these flags resolve to on this machine's CPU
+    and CUDA device (the same answer ``plan_model`` gives: it does not depend on the checkpoint), for a check before
+    the model loads. ValueError for --device cuda where there is none."""
+    device, _ = resolve_device(config.device, cuda or CudaFacts.detect())
+    name, _ = resolve_dtype(config.dtype, config.quantization, cpu or CpuFeatures.detect(), device)
     return name
 
 
@@ -118,11 +121,11 @@ def resolve_engine_config(config: EngineConfig, model_dir: str | Path, machine: 
                           model_config: ModelConfig | None = None) -> ResolvedEngineConfig:
     """What an engine over ``model_dir`` runs with, on ``machine`` (default: this one). ValueError names what
     cannot run (a KV pool smaller than one block, fp16 without FBGEMM, ...)."""
-    machine = machine or Machine.detect(build_kernels=config.cpu_kernels != "off")
+    machine = machine or Machine.for_flags(config.cpu_kernels, config.device)
     model_config = model_config or load_model_config(model_dir)
     threads = ThreadPlan(config.num_threads, config.decode_threads)
     plan = plan_model(model_dir, config.dtype, config.quantization, config.cpu_kernels, machine, config.device,
-                      config.attention_backend, num_threads=threads.threads)
+                      config.attention_backend, num_threads=threads.threads, load_format=config.load_format)
     dtype_bytes = torch.tensor([], dtype=plan.torch_dtype).element_size()  # the KV cache's and the encoder's
     capacity = plan_kv_capacity(model_config, config, dtype_bytes)
     per_token = family_named(model_config.family).encoder_bytes_per_token(model_config, dtype_bytes)

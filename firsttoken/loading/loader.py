@@ -12,6 +12,9 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import math
+import zlib
+
 import torch
 from safetensors import safe_open
 from torch import nn
@@ -26,7 +29,9 @@ from firsttoken.loading.plan_values import Machine, ModelPlan
 from firsttoken.models.registry import family_of, load_model_config
 from firsttoken.models.weight_files import safetensors_files, stored_linear_dtypes
 
-__all__ = ["build_model", "load_model", "stored_linear_dtypes"]
+__all__ = ["build_model", "dummy_tensor", "load_model", "stored_linear_dtypes"]
+
+DUMMY_SEED = 0  # --load-format dummy: the same config gives the same weights, run after run
 
 
 def load_model(
@@ -42,10 +47,10 @@ def load_model(
     """The family's model in eval mode with weights from model_dir, planned from these choices on ``machine``
     (default: this one): ``plan_model`` then ``build_model``. attn_backend defaults to "sdpa"; ``quantization``
     and ``cpu_kernels`` as the flags (loading/plan.py); ``num_threads`` 1: the engine runs on one torch thread."""
-    machine = machine or Machine.detect(build_kernels=cpu_kernels != "off")
+    machine = machine or Machine.for_flags(cpu_kernels, torch.device(device).type)
     backend = "sdpa" if attn_backend is None or isinstance(attn_backend, SdpaBackend) else type(attn_backend).__name__
     plan = plan_model(model_dir, str(dtype).removeprefix("torch."), quantization, cpu_kernels, machine,
-                      str(device), backend, num_threads)
+                      torch.device(device).type, backend, num_threads)
     return build_model(model_dir, plan, machine, attn_backend)
 
 
@@ -70,7 +75,12 @@ def build_model(model_dir: str | Path, plan: ModelPlan, machine: Machine,
                     yield key, lambda key=key, f=f: f.get_tensor(key).to(device=device, dtype=dtype)
 
     tied = config.tie_word_embeddings  # tied: the reference uses embed_tokens, any lm_head tensor is ignored
-    state, unexpected = family.weights.load_state(tensors(), expected, drop=lambda n: tied and n.startswith("lm_head."))
+    if plan.load_format == "dummy":  # our own names and shapes: nothing to map, nothing missing
+        state = {name: dummy_tensor(name, shape, dtype, device) for name, shape in expected.items()}
+        unexpected: list[str] = []
+    else:
+        state, unexpected = family.weights.load_state(tensors(), expected,
+                                                      drop=lambda n: tied and n.startswith("lm_head."))
     missing = sorted(set(expected) - set(state))
     if missing or unexpected:
         raise ValueError(
@@ -85,3 +95,24 @@ def build_model(model_dir: str | Path, plan: ModelPlan, machine: Machine,
     model.requires_grad_(False)
     methods.process_weights(model)
     return model.eval()
+
+
+def dummy_tensor(name: str, shape: torch.Size | tuple[int, ...], dtype: torch.dtype,
+                 device: torch.device | str, seed: int = DUMMY_SEED) -> torch.Tensor:
+    """--load-format dummy's weight ``name``: made where it will live (a CUDA device draws its own numbers, so a
+    7B model takes seconds, not a CPU's minutes), from a generator seeded by (seed, name) on that device. Scaled
+    as the demo checkpoint's (models/checkpoint.py) so activations stay O(1): matrices and convolutions
+    N(0, 1/fan_in), embeddings N(0, 1), 1-D weights (norms) 1 + N(0, 0.1^2), biases N(0, 0.1^2). The numbers differ
+    between devices (each draws its own); only the shapes and the scale are the contract. ``device`` "meta":
+    shapes only, nothing allocated."""
+    out = torch.empty(tuple(shape), dtype=dtype, device=device)
+    if out.is_meta:
+        return out
+    gen = torch.Generator(device=out.device).manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+    if name.endswith(".bias"):
+        return out.normal_(0.0, 0.1, generator=gen)
+    if out.dim() == 1:
+        return out.normal_(1.0, 0.1, generator=gen)
+    if "embed_tokens" in name:
+        return out.normal_(0.0, 1.0, generator=gen)
+    return out.normal_(0.0, 1.0 / math.sqrt(math.prod(out.shape[1:])), generator=gen)

@@ -1,11 +1,12 @@
-"""How a checkpoint runs on this machine: ``--dtype``, ``--quantization`` and ``--cpu-kernels`` settled, ``auto``
-included, in one place (``plan_model``), from the flags, the checkpoint and the machine.
+"""How a checkpoint runs on this machine: ``--device``, ``--dtype``, ``--quantization``, ``--cpu-kernels``,
+``--attention-backend`` and ``--load-format`` settled, ``auto`` included, in one place (``plan_model``), from the
+flags, the checkpoint and the machine.
 
 The result is a ``ModelPlan``: plain values, each choice with the reason it went that way, so the engine logs it
 once, ``GET /v1/engine/config`` reports it, and the loader builds from it (loading/methods.py picks each layer's
 method by it); nothing downstream asks ``auto`` again. The machine is a ``Machine`` value (its CPU's features, the
-kernels built and self-checked here or why not, torch's probes): ``Machine.detect()`` in production, a value of
-the test's own in tests.
+kernels built and self-checked here or why not, torch's probes, its CUDA device as ``CudaFacts``):
+``Machine.detect()`` in production, a value of the test's own in tests (``with_cuda`` gives it a CUDA device).
 """
 
 from __future__ import annotations
@@ -21,13 +22,15 @@ from firsttoken.config import (
     CpuKernels,
     Device,
     Dtype,
+    LoadFormat,
     Quantization,
+    ResolvedDevice,
     ResolvedQuantization,
     check_choice,
 )
 from firsttoken.kernels.cpu_features import CpuFeatures
 from firsttoken.loading.methods import LayerMethods
-from firsttoken.loading.plan_values import TORCH_DTYPES, Machine, ModelPlan
+from firsttoken.loading.plan_values import TORCH_DTYPES, CudaFacts, Machine, ModelPlan
 from firsttoken.loading.quant import int8_paths, single_thread_entry_point
 from firsttoken.models.registry import family_of, load_model_config
 from firsttoken.models.weight_files import stored_linear_dtypes
@@ -48,13 +51,29 @@ def _products(quantization: str, kernels_unused: str | None, fp16_multithreaded:
         else f"torch's (few-rows kernels not used: {kernels_unused})"
 
 
-def resolve_dtype(dtype: Dtype | str, quantization: Quantization, cpu: CpuFeatures) -> tuple[str, str]:
-    """``--dtype``'s torch dtype name, and why: ``auto`` is bf16 where the CPU computes bf16 in hardware (without it
-    torch emulates bf16, slower than float32: docs/performance.md#engine-settings-what-auto-picks), else float32;
-    always float32 with --quantization fp16, int8 or bf16, whose kernels take float32 activations. CUDA devices are not
-    considered: the engine runs on the CPU."""
+def resolve_device(device: Device | str, cuda: CudaFacts) -> tuple[ResolvedDevice, str]:
+    """``--device``'s device, and why: ``auto`` is cuda where torch sees a CUDA device, else cpu. ValueError
+    ("device cuda: ...", one line) for cuda where there is none."""
+    check_choice("device", device, Device)
+    if device == "cuda" and not cuda.available:
+        raise ValueError(f"device cuda: no CUDA device here: {cuda.why_not}")
+    if device != "auto":
+        return device, "as asked" + (f": {cuda.name}" if device == "cuda" else "")  # type: ignore[return-value]
+    if cuda.available:
+        return "cuda", f"auto: CUDA device {cuda.name}"
+    return "cpu", f"auto: {cuda.why_not}"
+
+
+def resolve_dtype(dtype: Dtype | str, quantization: Quantization, cpu: CpuFeatures,
+                  device: ResolvedDevice | str = "cpu") -> tuple[str, str]:
+    """``--dtype``'s torch dtype name on the resolved ``device``, and why: on cuda ``auto`` is bf16 (tensor cores,
+    and half of float32's weight and KV bytes); on the CPU ``auto`` is bf16 where the CPU computes bf16 in hardware
+    (without it torch emulates bf16, slower than float32: docs/performance.md#engine-settings-what-auto-picks), else
+    float32; always float32 with --quantization fp16, int8 or bf16, whose kernels take float32 activations."""
     if dtype != "auto":
         return dtype, "as asked"
+    if device == "cuda" and quantization not in FLOAT32_ACTIVATIONS:
+        return "bfloat16", "auto: bf16 on a CUDA device"
     if quantization in FLOAT32_ACTIVATIONS:
         return "float32", f"auto: --quantization {quantization} takes float32 activations"
     if cpu.native_bf16:
@@ -124,22 +143,33 @@ def plan_model(
     quantization: Quantization,
     cpu_kernels: CpuKernels,
     machine: Machine,
-    device: Device = "cpu",
+    device: Device | str = "cpu",
     attention_backend: AttentionBackendName | str = "sdpa",
     num_threads: int | None = None,
+    load_format: LoadFormat = "auto",
 ) -> ModelPlan:
     """Every choice of how this checkpoint runs here. ``dtype``: a --dtype value (``auto`` included) or a torch
-    dtype's name; ``num_threads``: the engine's torch threads (1: fp16 weights take FBGEMM's one-thread entry
-    point, cheaper per call). ValueError names what cannot run."""
+    dtype's name; ``device``: a --device value (``auto`` included: ``machine.cuda`` decides); ``num_threads``: the
+    engine's torch threads (1: fp16 weights take FBGEMM's one-thread entry point, cheaper per call). ValueError
+    names what cannot run."""
     model_dir = Path(model_dir)
     check_choice("cpu_kernels", cpu_kernels, CpuKernels)
     check_choice("quantization", quantization, Quantization)
-    name, dtype_why = resolve_dtype(dtype, quantization, machine.cpu)
+    check_choice("load_format", load_format, LoadFormat)
+    device, device_why = resolve_device(device, machine.cuda)
+    if attention_backend == "triton" and device != "cuda":
+        raise ValueError("attention_backend triton runs on cuda only (on the CPU its kernels run only under "
+                         "Triton's interpreter, for tests): use sdpa")
+    if device == "cuda" and quantization in FLOAT32_ACTIVATIONS:
+        raise ValueError(f"quantization {quantization} runs on the CPU only: on cuda use none (or auto)")
+    name, dtype_why = resolve_dtype(dtype, quantization, machine.cpu, device)
     torch_dtype = TORCH_DTYPES[name]
     if quantization in FLOAT32_ACTIVATIONS and torch_dtype != torch.float32:
         raise ValueError(f"--quantization {quantization} runs float32 activations: use --dtype float32 (or auto)")
     off = kernels_off(cpu_kernels, machine)
-    if quantization == "auto":
+    if quantization == "auto" and load_format == "dummy":
+        quantization, quantization_why = "none", "auto: --load-format dummy (no stored weights to read)"
+    elif quantization == "auto":
         quantization, quantization_why = auto_quantization(model_dir, torch_dtype, device, off)
     else:
         quantization_why = "as asked"
@@ -158,7 +188,8 @@ def plan_model(
         unused = f"{name} weights"
     fp16_multithreaded = num_threads != 1 or not single_thread_entry_point()
     plan = ModelPlan(
-        device=device, dtype=name, dtype_why=dtype_why, quantization=quantization, quantization_why=quantization_why,
+        device=device, device_why=device_why, load_format=load_format, dtype=name, dtype_why=dtype_why,
+        quantization=quantization, quantization_why=quantization_why,
         kernels_unused=unused,
         weights_input_major=device == "cpu" and torch_dtype == torch.float32 and quantization == "none"
         and not keeps_row_major(quantization, unused, machine.cpu),

@@ -48,7 +48,7 @@ from firsttoken.models.recipe import (
     TOKEN_IDS,
     CheckpointRecipe,
 )
-from firsttoken.models.registry import families
+from firsttoken.models.registry import families, family_of_config
 from firsttoken.models.train_tokenizer import ASSET_PATH as TOKENIZER_ASSET
 from firsttoken.models.train_tokenizer import SPECIAL_TOKENS
 
@@ -245,6 +245,38 @@ def _write_weights(out: Path, tensors: dict[str, torch.Tensor], shards: int) -> 
     total_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
     index = {"metadata": {"total_size": total_bytes}, "weight_map": weight_map}
     _write_json(out / "model.safetensors.index.json", index)
+
+
+# config.json's token-id fields and the demo tokenizer's token each one names (published configs carry Qwen's ids)
+DEMO_TOKEN_FIELDS: dict[str, str] = {
+    "bos_token_id": "<|endoftext|>", "eos_token_id": "<|im_end|>", "pad_token_id": "<|endoftext|>",
+    "vision_start_token_id": "<|vision_start|>", "vision_end_token_id": "<|vision_end|>",
+    "vision_token_id": "<|vision_pad|>", "image_token_id": "<|image_pad|>", "video_token_id": "<|video_pad|>",
+}
+
+
+def make_dummy_model(out_dir: str | Path, config: dict[str, Any]) -> Path:
+    """A weightless checkpoint for ``--load-format dummy``: a published model's ``config`` (its config.json, e.g.
+    Qwen2-VL-7B-Instruct's) with the demo checkpoint's tokenizer, chat template, generation defaults and its
+    family's image processor settings (the family is the config's: models/registry.py). The config's token-id
+    fields (top level and ``text_config``) are rewritten to the demo tokenizer's ids for the same tokens, so its
+    image placeholders and stop tokens are the ones the tokenizer makes; every other shape field is the published
+    one. No safetensors: serve it with --load-format dummy."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    config = json.loads(json.dumps(config))  # a deep copy: the caller's dict is left as given
+    for section in (config, config.get("text_config") or {}):
+        for key, token in DEMO_TOKEN_FIELDS.items():
+            if key in section:
+                section[key] = TOKEN_IDS[token]
+    _write_json(out / "config.json", config)
+    _write_generation_config(out)
+    _write_tokenizer_files(out)
+    family = family_of_config(config)
+    _write_json(out / "preprocessor_config.json", family.checkpoint.preprocessor())
+    _write_json(out / "firsttoken_checkpoint.json", {"format_version": FORMAT_VERSION, "family": family.name,
+                                                     "weights": "none: serve with --load-format dummy"})
+    return out
 
 
 def _write_generation_config(out: Path) -> None:

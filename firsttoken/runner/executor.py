@@ -58,7 +58,7 @@ class InProcessExecutor:
         model = build_model(model_dir, plan, machine)
         kv_caches = allocate_kv_caches(model_config, num_kv_blocks, block_size, plan.torch_dtype, plan.device)
         sampler = Sampler(seed, kernels=plan.sampler_kernels)
-        self.runner = ModelRunner(model, kv_caches, block_size, sampler, fault_hook, threads, interrupt)
+        self.runner = ModelRunner(model, kv_caches, block_size, sampler, fault_hook, threads, interrupt, plan.device)
 
     def execute(self, batch: ScheduledBatch) -> RunnerOutput:
         return self.runner.execute(batch)

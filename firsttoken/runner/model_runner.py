@@ -144,9 +144,15 @@ class ModelRunner:
         fault_hook: FaultHook | None = None,
         threads: ThreadPlan | None = None,
         interrupt: Callable[[], bool] | None = None,
+        device: torch.device | str = "cpu",
     ) -> None:
         """``interrupt``: asked between the units of encoder work the scheduler marked interruptible; True (a short
-        request arrived) stops that work once the step has done any work (an encoder unit or its forward)."""
+        request arrived) stops that work once the step has done any work (an encoder unit or its forward).
+        ``device``: where the model and the KV caches live (the resolved --device); each step's inputs are built on
+        the CPU and copied there once, images' pixels through pinned memory; the sampler runs on the CPU (a CUDA
+        step copies its sampled rows' logits back)."""
+        self.device = torch.device(device)
+        self._copy_async = self.device.type == "cuda"  # host -> device copies from pinned memory, not waited for
         self.model = model
         self.kv_caches = kv_caches
         self.block_size = block_size
@@ -308,7 +314,7 @@ class ModelRunner:
                 raise RequestFailure(work.request_id, "image encoding state was lost; retry the request")
             if image.pixel_values is None:
                 raise RequestFailure(work.request_id, "image pixels are missing and its encoding is not cached")
-            job = visual.start_encode(image.pixel_values.to(self.model.dtype), image.grid_thw)
+            job = visual.start_encode(self._to_device(image.pixel_values).to(self.model.dtype), image.grid_thw)
             self._encode_jobs[image.content_hash] = job
         for _ in range(work.num_units):  # unit by unit: interruptible work asks between them
             visual.run_units(job, 1)
@@ -362,7 +368,7 @@ class ModelRunner:
                 first = last - chunk.num_new_tokens + 1
                 logp = torch.log_softmax(self.model.compute_logits(hidden[first : first + count]).float(), dim=-1)
                 targets = state.prompt_token_ids[chunk.context_len + 1 : stop + 1]
-                chosen = logp.gather(1, torch.tensor(targets)[:, None])[:, 0].tolist()
+                chosen = logp.gather(1, torch.tensor(targets, device=logp.device)[:, None])[:, 0].tolist()
                 alternatives: list[tuple[tuple[int, float], ...]] = [()] * count
                 if top:
                     vals, idx = torch.topk(logp, top, dim=-1)
@@ -427,12 +433,20 @@ class ModelRunner:
             [c.context_len for c in chunks],
             [c.block_table for c in chunks],
             self.block_size,
+            self.device,
         )
         return _PackedInputs(
-            torch.tensor(ids, dtype=torch.long),
-            _positions(len(ids), prompt_parts, generated_rows, generated_pos),
+            self._to_device(torch.tensor(ids, dtype=torch.long)),
+            self._to_device(_positions(len(ids), prompt_parts, generated_rows, generated_pos)),
             meta, images, last_rows,
         )
+
+    def _to_device(self, t: torch.Tensor) -> torch.Tensor:
+        """A CPU tensor on the runner's device: itself on the CPU; else copied from pinned memory without waiting
+        (the stream orders it before the kernels that read it)."""
+        if not self._copy_async:
+            return t
+        return t.pin_memory().to(self.device, non_blocking=True)
 
     def _sample(
         self, logits: torch.Tensor, chunks: list[ScheduledChunk], failed: dict[str, str],
@@ -448,6 +462,8 @@ class ModelRunner:
         if not keep:
             return {}, {}
         chunks = [chunks[i] for i in keep]
+        if logits.device.type != "cpu":  # the sampler (its per-request generators, penalties, masks) is the CPU's
+            logits = logits.cpu()
         states = [self.requests[c.request_id] for c in chunks]
         rows = [SampleRow(s.sampling, s.generator, s.prompt_token_ids, s.output_token_ids, s.history) for s in states]
         logits = logits if len(keep) == logits.shape[0] else logits[keep]

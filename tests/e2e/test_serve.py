@@ -242,6 +242,8 @@ def test_engine_config_reports_what_the_engine_runs_with(live_server: LiveServer
     assert config == live_server.engine.engine.resolved.as_dict()
     assert config["requested"]["dtype"] == "float32" and config["model"]["dtype"] == "float32"
     assert config["requested"]["quantization"] == "auto" and config["model"]["quantization"] == "none"  # an F32 file
+    assert config["requested"]["device"] == "auto" and config["model"]["device"] == (
+        "cuda" if torch.cuda.is_available() else "cpu") and config["model"]["device_why"].startswith("auto: ")
     assert config["kv"]["num_blocks"] * config["kv"]["block_size"] * config["kv"]["kv_bytes_per_token"] <= 16 * 2**20
 
 

@@ -66,7 +66,7 @@ def test_the_resolved_configuration_is_plain_json_and_one_line_per_choice(tiny_m
     head, *lines = resolved.describe().splitlines()
     assert head == "engine configuration:"
     assert [line.split(":")[0].strip() for line in lines] == [
-        "cpu", "dtype", "quantization", "decode steps' products", "decode steps' decoder layers",
+        "cpu", "device", "weights", "dtype", "quantization", "decode steps' products", "decode steps' decoder layers",
         "float32 weights' layout", "threads", "KV cache", "encoder cache"]
 
 

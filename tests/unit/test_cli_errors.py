@@ -85,8 +85,8 @@ def test_serve_kv_pool_smaller_than_one_block_says_the_minimum(tiny_model_dir: P
     (["--kv-admission", "eager"], "--kv-admission eager: must be 'whole-prompt' or 'optimistic'"),
     (["--image-max-tokens", "0"], "--image-max-tokens 0: must be >= 1"),
     (["--log-level", "loud"], "--log-level loud: unknown level; use one of debug, info, warning, error, critical"),
-    (["--device", "cuda"], "--device cuda: must be one of cpu (this build runs on the CPU)"),
-    (["--attention-backend", "flash"], "--attention-backend flash: must be one of sdpa"),
+    (["--device", "tpu"], "--device tpu: must be one of auto, cpu, cuda"),
+    (["--attention-backend", "flash"], "--attention-backend flash: must be 'sdpa' or 'triton'"),
 ], ids=["dtype", "scheduling", "kv-admission", "image-budget", "log-level", "device", "attention-backend"])
 def test_serve_bad_flag_values(tiny_model_dir: Path, flags: list[str], expected: str) -> None:
     assert error_line(firsttoken("serve", "--model", str(tiny_model_dir), *flags)) == f"firsttoken serve: {expected}"
