@@ -61,20 +61,10 @@ def from_response_format(value: Mapping[str, Any] | None) -> GrammarSpec | None:
     """OpenAI's ``response_format``: None or ``{"type": "text"}`` -> None (unconstrained)."""
     if value is None:
         return None
-    kind = value.get("type")
-    if kind == "text":
-        return None
-    if kind == "json_object":
-        return json_object_spec("response_format")
-    if kind != "json_schema":
-        raise ValueError(f"response_format.type must be 'text', 'json_object' or 'json_schema', got {kind!r}")
-    body = value.get("json_schema")
+    body = value.get("json_schema") if value.get("type") == "json_schema" else value
     if not isinstance(body, Mapping):
         raise ValueError("response_format.json_schema must be an object with a 'schema'")
-    strict = body.get("strict")
-    if strict is not None and not isinstance(strict, bool):
-        raise ValueError(f"response_format.json_schema.strict must be true or false, got {strict!r}")
-    return _schema_spec(body.get("schema"), bool(strict), "response_format.json_schema.schema")
+    return _format_spec(value.get("type"), body, "response_format", "response_format.json_schema")
 
 
 def from_text_format(value: Mapping[str, Any] | None) -> GrammarSpec | None:
@@ -82,20 +72,25 @@ def from_text_format(value: Mapping[str, Any] | None) -> GrammarSpec | None:
     beside ``type``): None or ``{"type": "text"}`` -> None."""
     if value is None:
         return None
-    kind = value.get("type")
+    if value.get("type") == "json_schema" and "schema" not in value:
+        raise ValueError("text.format of type 'json_schema' needs a 'schema'")
+    return _format_spec(value.get("type"), value, "text.format", "text.format")
+
+
+def _format_spec(kind: object, body: Mapping[str, Any], field: str, schema_field: str) -> GrammarSpec | None:
+    """A ``response_format``-shaped ``kind`` and the object holding its ``schema`` and ``strict`` (``field``: the
+    request field, ``schema_field``: where the schema sits, for messages)."""
     if kind == "text":
         return None
     if kind == "json_object":
-        return json_object_spec("text.format")
+        return json_object_spec(field)
     if kind != "json_schema":
         got = f"'{quote(kind)}'" if isinstance(kind, str) else repr(kind)[:40]
-        raise ValueError(f"text.format.type must be 'text', 'json_object' or 'json_schema', got {got}")
-    strict = value.get("strict")
+        raise ValueError(f"{field}.type must be 'text', 'json_object' or 'json_schema', got {got}")
+    strict = body.get("strict")
     if strict is not None and not isinstance(strict, bool):
-        raise ValueError(f"text.format.strict must be true or false, got {strict!r}")
-    if "schema" not in value:
-        raise ValueError("text.format of type 'json_schema' needs a 'schema'")
-    return _schema_spec(value.get("schema"), bool(strict), "text.format.schema")
+        raise ValueError(f"{schema_field}.strict must be true or false, got {strict!r}")
+    return _schema_spec(body.get("schema"), bool(strict), f"{schema_field}.schema")
 
 
 def from_structured_outputs(value: Mapping[str, Any] | None) -> GrammarSpec | None:
