@@ -35,10 +35,12 @@ def add_parser(subparsers: Any) -> None:
     src.add_argument("--config", help="a config.json file")
     memory = parser.add_mutually_exclusive_group(required=True)
     memory.add_argument("--memory", help="the device's memory (80GiB, 80G, or bytes): the KV pool is what "
-                        "--memory-utilization of it leaves after weights, step workspace and the encoder cache")
+                        "--gpu-memory-utilization of it leaves after weights, step workspace and the encoder cache")
     memory.add_argument("--kv-cache-memory", help="the KV pool itself, as serve --kv-cache-memory takes it")
-    parser.add_argument("--memory-utilization", type=float, default=MEMORY_UTILIZATION,
-                        help=f"share of --memory the server may use (default {MEMORY_UTILIZATION})")
+    parser.add_argument("--gpu-memory-utilization", "--memory-utilization", dest="memory_utilization", type=float,
+                        default=MEMORY_UTILIZATION,
+                        help="share of --memory the server may use, as serve --gpu-memory-utilization "
+                             f"(default {MEMORY_UTILIZATION})")
     parser.add_argument("--peak-concurrency", type=int, required=True, help="requests in flight at the peak")
     parser.add_argument("--text-tokens", type=int, default=_DEFAULTS.text_tokens)
     parser.add_argument("--images-per-request", type=int, default=_DEFAULTS.images_per_request)

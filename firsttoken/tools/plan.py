@@ -24,6 +24,12 @@ memory leaves, as vLLM's --gpu-memory-utilization reads it:
       vision tower = one image at the budget: patches x (6 width + 2 mlp width (3 if gated)) x B
     T = --max-batched-tokens, rows = min(peak, T), patches = image tokens x spatial_merge_size^2.
 
+The subtraction and the rounding are firsttoken/device_memory.py's ``kv_pool_from_device``, the function the engine's
+resolve step calls on CUDA with --gpu-memory-utilization (the same default, 0.9), so plan and engine agree by
+construction: plan passes its weights for the engine's bytes in use after loading and its workspace for the engine's
+profiling peak; on a real device those two are measured (after the load, around one profiling forward at the budgets'
+largest step) and replace the estimates.
+
 Each term is an estimate of buffers, not a measurement; the utilization margin (default 10%) is what covers the
 allocator's fragmentation, the framework's own memory and what the estimate misses.
 """
@@ -35,6 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from firsttoken.config import FLOAT32_ACTIVATIONS, QUANTIZATIONS, CacheConfig, SchedulerConfig
+from firsttoken.device_memory import GPU_MEMORY_UTILIZATION, DeviceMemoryTooSmall, kv_pool_from_device
 from firsttoken.tools.model_shape import (  # noqa: F401  (re-exported: doctor and the benchmarks read them here)
     DTYPE_BYTES,
     ConfigFieldMissing,
@@ -49,7 +56,7 @@ from firsttoken.units import format_bytes, format_size, parse_bytes  # noqa: F40
 # <|im_start|>assistant\n" is ~21 tokens with Qwen's tokenizer; each image adds <|vision_start|>, <|vision_end|>.
 TEMPLATE_BASE_TOKENS = 21
 TEMPLATE_TOKENS_PER_IMAGE = 2
-MEMORY_UTILIZATION = 0.9  # share of the device's memory the server may use (vLLM's default too)
+MEMORY_UTILIZATION = GPU_MEMORY_UTILIZATION  # share of the device's memory the server may use: serve's default
 MIB = 2**20
 _CACHE_DEFAULTS, _SCHEDULER_DEFAULTS = CacheConfig(), SchedulerConfig()  # serve's defaults: one source
 
@@ -229,13 +236,16 @@ def _memory_budget(inputs: PlanInputs, weights: int, num_params: int, workspace:
         raise DoesNotFit(
             f"the weights alone need {format_bytes(weights)} ({num_params:,} parameters x "
             f"{DTYPE_BYTES[inputs.dtype]} B in {inputs.dtype}) but {usable_text}; plan for a larger device")
-    free = usable - weights - workspace - encoder
-    if free < block_bytes:
+    # the engine's own arithmetic (device_memory.py), with the weights for the bytes in use after loading and the
+    # workspace estimate for the profiling peak that a real device measures
+    try:
+        pool = kv_pool_from_device(device, util, weights, workspace, encoder, block_bytes // inputs.block_size,
+                                   inputs.block_size).pool_bytes
+    except DeviceMemoryTooSmall:
         raise DoesNotFit(
             f"weights {format_bytes(weights)} + step workspace {format_bytes(workspace)} + encoder cache "
             f"{format_bytes(encoder)} leave no room for a KV pool in {usable_text}; lower --max-batched-tokens, "
-            "--image-tokens or --encoder-cache-memory, or plan for a larger device")
-    pool = free // MIB * MIB if free >= MIB else free // block_bytes * block_bytes  # a flag serve reads exactly
+            "--image-tokens or --encoder-cache-memory, or plan for a larger device") from None
     return MemoryBudget(device, util, usable, weights, workspace, encoder, pool)
 
 
