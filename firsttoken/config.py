@@ -129,12 +129,24 @@ def _at_least(name: str, value: int | None, low: int, allow_none: bool = False) 
 # ---------------------------------------------------------------------------------------------- engine
 
 
+DEFAULT_KV_CACHE_MEMORY = 2**30  # the KV pool where --kv-cache-memory is not given, on the CPU
+
+
 @dataclass(frozen=True)
 class CacheConfig:
     block_size: int = field(default=16, metadata=option("tokens per KV block (a power of two)"))
-    kv_cache_memory_bytes: int = field(
-        default=2**30, metadata=option("bytes for the paged KV cache pool (e.g. 1GiB)", flag="--kv-cache-memory",
-                                       parse=parse_bytes))
+    # None: not given. On the CPU that is DEFAULT_KV_CACHE_MEMORY (1GiB); on CUDA the pool is what
+    # --gpu-memory-utilization of the device leaves (engine/resolve.py, device_memory.py)
+    kv_cache_memory_bytes: int | None = field(
+        default=None, metadata=option(
+            "bytes for the paged KV cache pool (e.g. 1GiB); default: 1GiB on the CPU, on cuda what "
+            "--gpu-memory-utilization of the device leaves", flag="--kv-cache-memory", parse=parse_bytes))
+    gpu_memory_utilization: float = field(
+        default=0.9, metadata=option(
+            "share of the CUDA device's memory the engine may use: the KV pool is what it leaves after the weights, "
+            "one profiling step at the largest batch and image the budgets allow, and the encoder cache (as "
+            "firsttoken plan --memory computes it); used on cuda when --kv-cache-memory is not given, ignored on "
+            "the CPU"))
     enable_prefix_caching: bool = field(
         default=True, metadata=option("disable KV prefix caching (for side-by-side measurement)",
                                       flag="--no-prefix-cache", switch_off=True))
@@ -148,10 +160,17 @@ class CacheConfig:
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError("block_size must be a power of two")
-        if self.kv_cache_memory_bytes <= 0:
+        if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes <= 0:
             raise ValueError("kv_cache_memory_bytes must be positive")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError("gpu_memory_utilization must be > 0 and <= 1 (a share of the device's memory)")
         if self.encoder_cache_memory_bytes < 0:
             raise ValueError("encoder_cache_memory_bytes must be >= 0")
+
+    @property
+    def kv_pool_bytes(self) -> int:
+        """The KV pool's bytes where they are not taken from a device: as given, else DEFAULT_KV_CACHE_MEMORY."""
+        return DEFAULT_KV_CACHE_MEMORY if self.kv_cache_memory_bytes is None else self.kv_cache_memory_bytes
 
 
 @dataclass(frozen=True)

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from firsttoken.config import EngineConfig
+from firsttoken.device_memory import DeviceMemory, kv_pool_from_device
 from firsttoken.kernels.cpu_features import CpuFeatures
 from firsttoken.loading.plan import plan_model, resolve_device, resolve_dtype
 from firsttoken.loading.plan_values import TORCH_DTYPES, CudaFacts, Machine, ModelPlan
@@ -57,6 +58,13 @@ class KVCapacity:
         )
 
 
+def activation_device(config: EngineConfig, cuda: CudaFacts | None = None) -> str:
+    """The device these flags resolve to on this machine (``plan_model``'s answer), for a check before the model
+    loads. ValueError for --device cuda where there is none."""
+    device, _ = resolve_device(config.device, cuda or CudaFacts.detect())
+    return device
+
+
 def activation_dtype(config: EngineConfig, cpu: CpuFeatures | None = None, cuda: CudaFacts | None = None) -> str:
     """The model's activations' dtype, and so the KV cache's, that these flags resolve to on this machine's CPU
     and CUDA device (the same answer ``plan_model`` gives: it does not depend on the checkpoint), for a check before
@@ -71,12 +79,15 @@ def kv_dtype_bytes(config: EngineConfig, cpu: CpuFeatures | None = None) -> int:
     return TORCH_DTYPES[activation_dtype(config, cpu)].itemsize
 
 
-def plan_kv_capacity(model: ModelConfig, config: EngineConfig, dtype_bytes: int | None = None) -> KVCapacity:
+def plan_kv_capacity(model: ModelConfig, config: EngineConfig, dtype_bytes: int | None = None,
+                     num_blocks: int | None = None) -> KVCapacity:
     """The KV pool of ``config.cache`` for this architecture; ``dtype_bytes``: the cache's element size (default:
-    what these flags resolve to on this machine)."""
+    what these flags resolve to on this machine); ``num_blocks``: the pool's blocks when they were sized from the
+    device (``kv_blocks_from_device``), else ``--kv-cache-memory``'s bytes (1GiB when not given) decide."""
     per_token = model.kv_bytes_per_token(kv_dtype_bytes(config) if dtype_bytes is None else dtype_bytes)
     block_size = config.cache.block_size
-    num_blocks = config.cache.kv_cache_memory_bytes // (per_token * block_size)
+    if num_blocks is None:
+        num_blocks = config.cache.kv_pool_bytes // (per_token * block_size)
     if num_blocks < 1:
         raise ValueError("kv_cache_memory is smaller than one KV block")
     max_len = min(model.max_position_embeddings, num_blocks * block_size)
@@ -87,6 +98,21 @@ def plan_kv_capacity(model: ModelConfig, config: EngineConfig, dtype_bytes: int 
             )
         max_len = config.scheduler.max_model_len
     return KVCapacity(num_blocks, block_size, per_token, max_len, config.scheduler.decode_reserve_tokens)
+
+
+def kv_blocks_from_device(model: ModelConfig, config: EngineConfig, dtype_bytes: int, device: DeviceMemory) -> int:
+    """The KV pool's blocks on a CUDA device where --kv-cache-memory is not given: device_memory.py's
+    ``kv_pool_from_device`` (the function ``firsttoken plan --memory`` calls too) with --gpu-memory-utilization,
+    the measured (or, in tests, injected) ``device`` facts and the encoder cache's bytes. A pool that cannot hold one
+    request of --max-model-len tokens (when given; else the context is capped by the pool, as on the CPU) is a
+    DeviceMemoryTooSmall (a ValueError), one line."""
+    cache = config.cache
+    encoder = cache.encoder_cache_memory_bytes if cache.enable_encoder_cache else 0
+    max_len = config.scheduler.max_model_len
+    min_blocks = -(-max_len // cache.block_size) if max_len is not None else 1
+    return kv_pool_from_device(device.total_bytes, cache.gpu_memory_utilization, device.in_use_after_load_bytes,
+                               device.profile_peak_bytes, encoder, model.kv_bytes_per_token(dtype_bytes),
+                               cache.block_size, min_blocks).num_blocks
 
 
 @dataclass(frozen=True)
@@ -118,16 +144,29 @@ class ResolvedEngineConfig:
 
 
 def resolve_engine_config(config: EngineConfig, model_dir: str | Path, machine: Machine | None = None,
-                          model_config: ModelConfig | None = None) -> ResolvedEngineConfig:
+                          model_config: ModelConfig | None = None,
+                          device_memory: DeviceMemory | None = None) -> ResolvedEngineConfig:
     """What an engine over ``model_dir`` runs with, on ``machine`` (default: this one). ValueError names what
-    cannot run (a KV pool smaller than one block, fp16 without FBGEMM, ...)."""
+    cannot run (a KV pool smaller than one block, fp16 without FBGEMM, ...).
+
+    The KV pool: ``--kv-cache-memory`` when given; else on cuda what --gpu-memory-utilization of the device leaves
+    (``kv_blocks_from_device``) by ``device_memory``, the facts ``device_memory.measure_device_memory`` measures
+    after loading the weights and one profiling forward (tests inject them); else (the CPU) 1GiB. On cuda without
+    either, a ValueError says so: nothing measures the device inside this step."""
     machine = machine or Machine.for_flags(config.cpu_kernels, config.device)
     model_config = model_config or load_model_config(model_dir)
     threads = ThreadPlan(config.num_threads, config.decode_threads)
     plan = plan_model(model_dir, config.dtype, config.quantization, config.cpu_kernels, machine, config.device,
                       config.attention_backend, num_threads=threads.threads, load_format=config.load_format)
     dtype_bytes = torch.tensor([], dtype=plan.torch_dtype).element_size()  # the KV cache's and the encoder's
-    capacity = plan_kv_capacity(model_config, config, dtype_bytes)
+    num_blocks = None
+    if plan.device == "cuda" and config.cache.kv_cache_memory_bytes is None:
+        if device_memory is None:
+            raise ValueError("kv_cache_memory_bytes: on cuda the KV pool is sized from the device's measured memory "
+                             "(--gpu-memory-utilization), which this start-up path does not measure yet; give "
+                             "--kv-cache-memory")
+        num_blocks = kv_blocks_from_device(model_config, config, dtype_bytes, device_memory)
+    capacity = plan_kv_capacity(model_config, config, dtype_bytes, num_blocks)
     per_token = family_named(model_config.family).encoder_bytes_per_token(model_config, dtype_bytes)
     encoder_tokens = config.cache.encoder_cache_memory_bytes // per_token if config.cache.enable_encoder_cache else 0
     return ResolvedEngineConfig(config, plan, machine.cpu.summary(), threads.threads, threads.decode_threads,

@@ -14,6 +14,7 @@ import torch
 
 from firsttoken.attention.registry import get_backend
 from firsttoken.config import CacheConfig, EngineConfig
+from firsttoken.device_memory import DeviceMemory
 from firsttoken.engine.resolve import resolve_engine_config
 from firsttoken.loading.loader import dummy_tensor
 from firsttoken.loading.plan_values import CudaFacts, Machine
@@ -114,7 +115,10 @@ def test_a_published_shape_builds_on_meta_with_its_published_parameter_count(dum
     for name, p in params.items():  # what --load-format dummy makes for each, without allocating
         made = dummy_tensor(name, p.shape, torch.bfloat16, "meta")
         assert made.shape == p.shape and made.dtype == torch.bfloat16
-    resolved = resolve_engine_config(EngineConfig(load_format="dummy"), dummy_2b, machine.with_cuda(H200))
+    # on cuda the pool comes from the device's memory (--gpu-memory-utilization): its facts are injected
+    facts = DeviceMemory(total_bytes=141 * 2**30, in_use_after_load_bytes=6 * 2**30, profile_peak_bytes=2 * 2**30)
+    resolved = resolve_engine_config(EngineConfig(load_format="dummy"), dummy_2b, machine.with_cuda(H200),
+                                     device_memory=facts)
     assert (resolved.model.device, resolved.model.dtype, resolved.model.load_format) == ("cuda", "bfloat16", "dummy")
     assert resolved.kv.kv_bytes_per_token == 28 * 2 * 2 * 128 * 2  # layers x K,V x kv heads x head_dim x bf16
 
