@@ -153,5 +153,7 @@ def test_serve_help_lists_the_flag_and_its_default():
     serve = build_parser()._subparsers._group_actions[0].choices["serve"]  # type: ignore[union-attr]
     text = " ".join(serve.format_help().split())
     entry = text.split("--gpu-memory-utilization X ")[-1]  # its help entry (the usage line has "X]")
-    assert entry.startswith("share of the CUDA device's memory") and "(default: 0.9)" in entry.split("--no-prefix-cache")[0]
-    assert "default: 1GiB on the CPU" in text.split("--kv-cache-memory SIZE ")[-1].split("--gpu-memory-utilization X ")[0]
+    entry = entry.split("--no-prefix-cache")[0]
+    assert entry.startswith("share of the CUDA device's memory") and "(default: 0.9)" in entry
+    kv_entry = text.split("--kv-cache-memory SIZE ")[-1].split("--gpu-memory-utilization X ")[0]
+    assert "default: 1GiB on the CPU" in kv_entry
