@@ -104,14 +104,12 @@ def check_checkpoint(flag: str, model_dir: Path, weights: bool = True) -> "Model
 
 def _check_kv(config: "EngineConfig", model_config: "ModelConfig") -> None:
     """The pool must hold one block, and --max-model-len must fit the model and the pool (the engine's rule)."""
-    from firsttoken.engine.resolve import activation_device, activation_dtype, plan_kv_capacity
+    from firsttoken.engine.resolve import activation_dtype, plan_kv_capacity
     from firsttoken.loading.plan_values import TORCH_DTYPES
 
     dtype = activation_dtype(config)  # the resolve step's answer for these flags (the model is not loaded yet)
     dtype_bytes = TORCH_DTYPES[dtype].itemsize
     block_bytes = model_config.kv_bytes_per_token(dtype_bytes) * config.cache.block_size
-    if config.cache.kv_cache_memory_bytes is None and activation_device(config) == "cuda":
-        return  # the pool comes from the device's memory (--gpu-memory-utilization), checked once it is measured
     if config.cache.kv_pool_bytes < block_bytes:
         raise UsageError(
             "--kv-cache-memory", format_size(config.cache.kv_pool_bytes),

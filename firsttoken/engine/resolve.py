@@ -151,8 +151,8 @@ def resolve_engine_config(config: EngineConfig, model_dir: str | Path, machine: 
 
     The KV pool: ``--kv-cache-memory`` when given; else on cuda what --gpu-memory-utilization of the device leaves
     (``kv_blocks_from_device``) by ``device_memory``, the facts ``device_memory.measure_device_memory`` measures
-    after loading the weights and one profiling forward (tests inject them); else (the CPU) 1GiB. On cuda without
-    either, a ValueError says so: nothing measures the device inside this step."""
+    after loading the weights and one profiling forward (tests inject them); else 1GiB (the CPU, and cuda until the
+    start-up path measures the device: nothing measures it inside this step)."""
     machine = machine or Machine.for_flags(config.cpu_kernels, config.device)
     model_config = model_config or load_model_config(model_dir)
     threads = ThreadPlan(config.num_threads, config.decode_threads)
@@ -160,11 +160,7 @@ def resolve_engine_config(config: EngineConfig, model_dir: str | Path, machine: 
                       config.attention_backend, num_threads=threads.threads, load_format=config.load_format)
     dtype_bytes = torch.tensor([], dtype=plan.torch_dtype).element_size()  # the KV cache's and the encoder's
     num_blocks = None
-    if plan.device == "cuda" and config.cache.kv_cache_memory_bytes is None:
-        if device_memory is None:
-            raise ValueError("kv_cache_memory_bytes: on cuda the KV pool is sized from the device's measured memory "
-                             "(--gpu-memory-utilization), which this start-up path does not measure yet; give "
-                             "--kv-cache-memory")
+    if plan.device == "cuda" and config.cache.kv_cache_memory_bytes is None and device_memory is not None:
         num_blocks = kv_blocks_from_device(model_config, config, dtype_bytes, device_memory)
     capacity = plan_kv_capacity(model_config, config, dtype_bytes, num_blocks)
     per_token = family_named(model_config.family).encoder_bytes_per_token(model_config, dtype_bytes)

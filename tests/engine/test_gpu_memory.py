@@ -126,13 +126,13 @@ def test_a_pool_short_of_one_max_length_request_stops_start_up(dummy_2b, machine
         resolve_engine_config(config, dummy_2b, machine.with_cuda(H200), device_memory=facts)
 
 
-def test_on_cuda_a_given_kv_cache_memory_wins_and_unmeasured_device_is_an_error(dummy_2b, machine):
+def test_on_cuda_a_given_kv_cache_memory_wins_and_an_unmeasured_device_keeps_the_default_pool(dummy_2b, machine):
     given = EngineConfig(load_format="dummy", cache=CacheConfig(kv_cache_memory_bytes=GiB, gpu_memory_utilization=0.5))
     facts = DeviceMemory(total_bytes=141 * GiB, in_use_after_load_bytes=6 * GiB, profile_peak_bytes=2 * GiB)
     resolved = resolve_engine_config(given, dummy_2b, machine.with_cuda(H200), device_memory=facts)
     assert resolved.kv.num_blocks == GiB // (BF16_2B_TOKEN * 16)
-    with pytest.raises(ValueError, match="^kv_cache_memory_bytes: on cuda the KV pool is sized from the device"):
-        resolve_engine_config(EngineConfig(load_format="dummy"), dummy_2b, machine.with_cuda(H200))
+    unmeasured = resolve_engine_config(EngineConfig(load_format="dummy"), dummy_2b, machine.with_cuda(H200))
+    assert unmeasured.kv.num_blocks == GiB // (BF16_2B_TOKEN * 16)  # 1GiB until start-up measures the device
 
 
 def test_on_the_cpu_the_flag_changes_nothing(tiny_model_dir: Path, machine: Machine):
