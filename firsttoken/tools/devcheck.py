@@ -31,7 +31,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("models", "sampling", "kv", "metrics", "structured"),  # structured: grammars, matchers, the bitmask
     ("attention", "kernels"),  # the backend contract models use; the CPU kernels loading's layer methods call
     ("batch", "config"),  # scheduler -> runner values; the config tree
-    ("types", "quoting", "units", "version"),  # leaves
+    ("types", "quoting", "units", "version", "device_memory"),  # leaves
 )
 LAYER_OF = {pkg: depth for depth, layer in enumerate(LAYERS) for pkg in layer}
 
