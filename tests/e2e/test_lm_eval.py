@@ -54,6 +54,19 @@ def task_manager(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
 def _docs(name: str) -> int:
     return sum(1 for line in (TASKS / name).read_text().splitlines() if line.strip())
 
+def every_document_scored(results: dict | None, task: str, data_file: str, metric: str) -> tuple[list[dict], float]:
+    """lm-eval ran ``task`` over every document of ``data_file`` once and its ``metric`` is a share: (the samples in
+    document order, the metric)."""
+    assert results is not None
+    n_docs = _docs(data_file)
+    assert results["n-samples"][task] == {"original": n_docs, "effective": n_docs}
+    value = results["results"][task][metric]
+    assert isinstance(value, float) and 0.0 <= value <= 1.0
+    samples = sorted(results["samples"][task], key=lambda s: s["doc_id"])
+    assert [s["doc_id"] for s in samples] == list(range(n_docs))
+    return samples, value
+
+
 
 def _no_live_request(live_server) -> None:
     """Nothing runs or waits and no KV block is held once lm-eval has its answers (it returns after the last one)."""
@@ -71,13 +84,8 @@ def test_multiple_choice_through_local_completions(live_server, tiny_model_dir, 
                     "batch_size": 4, "num_concurrent": 2, "max_retries": 1},
         tasks=["firsttoken_colours"], task_manager=task_manager, log_samples=True, bootstrap_iters=0,
         **KEEP_GLOBAL_RNGS)
-    assert results is not None
-    n_docs = _docs("colours.jsonl")
-    assert results["n-samples"]["firsttoken_colours"] == {"original": n_docs, "effective": n_docs}
-    acc = results["results"]["firsttoken_colours"]["acc,none"]
-    assert isinstance(acc, float) and 0.0 <= acc <= 1.0
-    samples = results["samples"]["firsttoken_colours"]
-    assert sorted(s["doc_id"] for s in samples) == list(range(n_docs))
+    samples, acc = every_document_scored(results, "firsttoken_colours", "colours.jsonl", "acc,none")
+    n_docs = len(samples)
     assert all(len(s["resps"]) == len(s["doc"]["choices"]) == 4 for s in samples)
     # the accuracy is the share of documents whose answer has the highest loglikelihood
     picked = [max(range(4), key=lambda i: s["filtered_resps"][i][0]) for s in samples]
@@ -114,13 +122,8 @@ def test_generation_through_local_chat_completions(live_server, task_manager) ->
                     "num_concurrent": 2, "max_retries": 1},
         tasks=["firsttoken_counting"], task_manager=task_manager, apply_chat_template=True, log_samples=True,
         bootstrap_iters=0, **KEEP_GLOBAL_RNGS)
-    assert results is not None
-    n_docs = _docs("counting.jsonl")
-    assert results["n-samples"]["firsttoken_counting"] == {"original": n_docs, "effective": n_docs}
-    em = results["results"]["firsttoken_counting"]["exact_match,none"]
-    assert isinstance(em, float) and 0.0 <= em <= 1.0
-    samples = results["samples"]["firsttoken_counting"]
-    assert sorted(s["doc_id"] for s in samples) == list(range(n_docs))
+    samples, em = every_document_scored(results, "firsttoken_counting", "counting.jsonl", "exact_match,none")
+    n_docs = len(samples)
     assert em == pytest.approx(sum(s["filtered_resps"][0] == s["target"] for s in samples) / n_docs)
     # what lm-eval received is what the server answers the chat it sent (greedy, at most 8 tokens, stop at a newline)
     client = live_server.client()
