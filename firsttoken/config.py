@@ -270,14 +270,15 @@ class SchedulerConfig:
             slo = self.ttft_slo_s
         except ValueError:
             raise ValueError("ttft_slo must look like text=1.5,image=12 (seconds per class)") from None
-        if set(slo) - {"text", "image"} or any(not v > 0 for v in slo.values()):
-            raise ValueError("ttft_slo classes are text and image, each with a positive number of seconds")
+        if set(slo) - {"text", "image", "video"} or any(not v > 0 for v in slo.values()):
+            raise ValueError("ttft_slo classes are text, image and video, each with a positive number of seconds")
         _auto_off_or_seconds("itl_target", self.itl_target)
         _auto_off_or_seconds("step_time_target", self.step_time_target)
 
     @property
     def ttft_slo_s(self) -> dict[str, float]:
-        """{"text": seconds, "image": seconds} for the classes given."""
+        """{"text": seconds, "image": seconds, "video": seconds} for the classes given (a prompt with any video is of
+        class video)."""
         out: dict[str, float] = {}
         for part in filter(None, (p.strip() for p in self.ttft_slo.split(","))):
             name, _, value = part.partition("=")
@@ -424,7 +425,7 @@ class VideoConfig:
     """The video budget (inputs/video.py plans it from the container before any frame is decoded) and the limits
     checked on the header. Defaults follow Qwen's own utilities (qwen-vl-utils 0.0.14: 2 fps, 4 to 768 frames, 128
     to 768 tokens per two-frame grid) except the per-video cap, which is set for a first token in seconds rather
-    than Qwen's ~115k tokens. The API refuses video_url parts until the engine takes video (issue 40)."""
+    than Qwen's ~115k tokens."""
 
     video_max_tokens: int = field(default=4096, metadata=option(
         "visual tokens per video at most: (frames / 2) x tokens per two-frame grid; frames are sampled sparser and "
@@ -452,6 +453,8 @@ class VideoConfig:
     video_decode_timeout_s: float = field(default=30.0, metadata=option(
         "seconds reading a video's packets and decoding its sampled frames may take; longer gets HTTP 400",
         flag="--video-decode-timeout"))
+    max_videos_per_request: int = field(default=2, metadata=option(
+        "video parts one request may carry; more gets HTTP 400 before any is read"))
 
     def __post_init__(self) -> None:
         _at_least("video_max_tokens", self.video_max_tokens, 1)
@@ -468,6 +471,7 @@ class VideoConfig:
         _at_least("max_video_pixels", self.max_video_pixels, 1)
         _at_least("max_video_bytes", self.max_video_bytes, 1)
         _positive("video_decode_timeout_s", self.video_decode_timeout_s)
+        _at_least("max_videos_per_request", self.max_videos_per_request, 0)
 
 
 # ---------------------------------------------------------------------------------------------- server

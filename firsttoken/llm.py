@@ -95,6 +95,7 @@ class LLM:
             GenerationDefaults.from_pretrained(self.model_dir),
             max_model_len=self.engine.max_model_len,
             images=self.config.images,
+            videos=self.config.videos,
         )
         self._next_id = 0
 

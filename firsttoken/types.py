@@ -8,6 +8,7 @@ engine never parses or decodes anything.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, Protocol
@@ -114,7 +115,9 @@ class EncoderUnit:
 
 @dataclass(frozen=True)
 class ImageItem:
-    """One image of a prompt. Its tokens are prompt_token_ids[offset : offset + num_tokens]."""
+    """One vision item of a prompt: an image, or one temporal grid of a video (``kind`` "video": grid (1, h, w), its
+    two frames in each patch row; every family's tower attends within one grid, so a video encodes grid by grid).
+    Its tokens are prompt_token_ids[offset : offset + num_tokens]."""
 
     content_hash: str  # identifies the pixels after resizing + the settings that shape its tokens
     offset: int  # index of the first image-pad token in the prompt
@@ -122,6 +125,7 @@ class ImageItem:
     grid_thw: tuple[int, int, int]  # patch grid before merging
     encoder_units: tuple[EncoderUnit, ...]  # its vision-tower work, in order (the model family's split)
     pixel_values: torch.Tensor | None  # [num_patches, C * T * P * P]; None when the encoder output is cached
+    kind: str = "image"  # "image" | "video"
 
     @property
     def end(self) -> int:
@@ -235,7 +239,7 @@ class PromptWork:
     decoded: the admission check's input (and /tokenize's, for a predicted TTFT)."""
 
     num_prompt_tokens: int
-    num_images: int = 0
+    num_images: int = 0  # vision items: images and video grids
     encoder_patches: int = 0  # patches through every encoder unit of every image
     encoder_attention_pairs: float = 0.0
     num_encoder_units: int = 0
@@ -243,17 +247,19 @@ class PromptWork:
     # of later ones): its TTFT objective runs from there
     admitted_s: float | None = None
     long_place_s: float | None = None  # and the place in line its admission gave it (--ttft-slo, deadline order)
+    num_videos: int = 0  # videos among them (a video is one vision item per temporal grid); > 0 only if any
 
     @property
     def request_class(self) -> str:
-        """The SLO class: "text" or "image"."""
-        return "image" if self.num_images else "text"
+        """The SLO class: "text", "image" or "video" (any video)."""
+        return "video" if self.num_videos else "image" if self.num_images else "text"
 
     @staticmethod
     def of(num_prompt_tokens: int, images: "tuple[ImageItem, ...] | list[ImageItem]" = ()) -> "PromptWork":
         units = [u for im in images for u in im.encoder_units]
         return PromptWork(num_prompt_tokens, len(images), sum(u.num_patches for u in units),
-                          float(sum(u.attention_pairs for u in units)), len(units))
+                          float(sum(u.attention_pairs for u in units)), len(units),
+                          num_videos=count_videos(images))
 
 
 @dataclass(frozen=True)
@@ -317,3 +323,14 @@ class EngineStats:
     prefix_cache_query_tokens: int = 0
 
 
+
+
+def count_videos(items: "Sequence[ImageItem]") -> int:
+    """Videos among a prompt's vision items: runs of consecutive video grids with one grid shape."""
+    count, previous = 0, None
+    for item in items:
+        if item.kind == "video" and (previous is None or previous.kind != "video"
+                                     or previous.grid_thw != item.grid_thw):
+            count += 1
+        previous = item
+    return count

@@ -157,7 +157,32 @@ class ImagePart(_Request):
     image_url: ImageURL
 
 
-ContentPart = Annotated[Union[TextPart, ImagePart], Field(discriminator="type")]
+class VideoURL(_Request):
+    """vLLM's ``video_url`` part: a container (MP4/MOV, WebM/MKV, AVI) as a data: URL, a file in the allowed media
+    directory or a URL of an allowed host. Extensions: ask for less than the server's video budget, never more."""
+
+    url: Text
+    fps: float | None = Field(default=None, gt=0)
+    max_frames: Int64 | None = Field(default=None, ge=2)
+    max_visual_tokens: Int64 | None = Field(default=None, ge=1)
+
+
+class VideoPart(_Request):
+    type: Literal["video_url"]
+    video_url: VideoURL
+
+
+class VideoFramesPart(_Request):
+    """Qwen's list form: ``{"type": "video", "video": [frame URLs, in order]}`` (each as an image_url's url)."""
+
+    type: Literal["video"]
+    video: list[Text] = Field(min_length=1)
+    fps: float | None = Field(default=None, gt=0)
+    max_frames: Int64 | None = Field(default=None, ge=2)
+    max_visual_tokens: Int64 | None = Field(default=None, ge=1)
+
+
+ContentPart = Annotated[Union[TextPart, ImagePart, VideoPart, VideoFramesPart], Field(discriminator="type")]
 
 
 TOOL_NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")  # OpenAI's rule for function names
@@ -213,20 +238,29 @@ class ChatMessage(_Request):
 
     @property
     def num_images(self) -> int:
-        return sum(isinstance(p, ImagePart) for p in self.content) if isinstance(self.content, list) else 0
+        """Its image and video parts (what makes preprocessing heavy)."""
+        visual = (ImagePart, VideoPart, VideoFramesPart)
+        return sum(isinstance(p, visual) for p in self.content) if isinstance(self.content, list) else 0
 
     def to_message(self) -> prompt.Message:
         role = "system" if self.role == "developer" else self.role
         calls = tuple(prompt.ToolCall(c.id, c.function.name, c.function.arguments) for c in self.tool_calls or ())
         if not isinstance(self.content, list):
             return prompt.Message(role, self.content, calls, self.tool_call_id)
-        parts: list[prompt.TextPart | prompt.ImagePart] = [
-            prompt.TextPart(p.text) if isinstance(p, TextPart)
-            else prompt.ImagePart(url=p.image_url.url, detail=p.image_url.detail,
-                                  max_visual_tokens=p.image_url.max_visual_tokens)
-            for p in self.content
-        ]
-        return prompt.Message(role, tuple(parts), calls, self.tool_call_id)
+        return prompt.Message(role, tuple(_prompt_part(p) for p in self.content), calls, self.tool_call_id)
+
+
+def _prompt_part(p: ContentPart) -> prompt.TextPart | prompt.ImagePart | prompt.VideoPart:
+    if isinstance(p, TextPart):
+        return prompt.TextPart(p.text)
+    if isinstance(p, ImagePart):
+        return prompt.ImagePart(url=p.image_url.url, detail=p.image_url.detail,
+                                max_visual_tokens=p.image_url.max_visual_tokens)
+    if isinstance(p, VideoPart):
+        v = p.video_url
+        return prompt.VideoPart(url=v.url, fps=v.fps, max_frames=v.max_frames, max_visual_tokens=v.max_visual_tokens)
+    return prompt.VideoPart(frames=tuple(p.video), fps=p.fps, max_frames=p.max_frames,
+                            max_visual_tokens=p.max_visual_tokens)
 
 
 class FunctionDef(_Request):
@@ -706,13 +740,27 @@ class ImageTokenInfo(_Response):
     budget_tokens: int  # the budget the image was resized under (server cap, detail=low, or max_visual_tokens)
 
 
+class VideoTokenInfo(_Response):
+    """A video as planned from its container's header and packets, nothing decoded."""
+
+    original_size: tuple[int, int]  # (width, height)
+    resized_size: tuple[int, int]  # (width, height) of every sampled frame
+    duration_s: float
+    source_frames: int
+    num_frames: int  # frames sampled (an even count; two per grid)
+    sample_fps: float
+    num_tokens: int  # visual tokens: grids x tokens per grid
+    budget_tokens: int  # the per-video cap it was planned under (--video-max-tokens or max_visual_tokens)
+
+
 class TokenizeResponse(_Response):
     count: int
     max_model_len: int
     tokens: list[int]
     token_strs: list[str] | None = None
-    num_text_tokens: int  # extension: count minus the image-pad tokens
+    num_text_tokens: int  # extension: count minus the image- and video-pad tokens
     images: list[ImageTokenInfo] = Field(default_factory=list)  # extension
+    videos: list[VideoTokenInfo] = Field(default_factory=list)  # extension
     max_input_tokens: int | None = None  # extension: the server's prompt limit (text + image + template tokens)
     # extension: seconds to this prompt's first token if it were sent now, from the engine's step-cost model and the
     # work queued ahead of it (None until the model is fitted)

@@ -56,6 +56,7 @@ from firsttoken.api.protocol import (
     CompletionResponse,
     FunctionCallOut,
     ImageTokenInfo,
+    VideoTokenInfo,
     ModelCard,
     ModelList,
     NamedToolChoice,
@@ -306,6 +307,7 @@ def build_app(
             token_strs=[processor.token_piece(t)[0] for t in count.token_ids] if req.return_token_strs else None,
             num_text_tokens=count.num_text_tokens,
             images=[ImageTokenInfo(**dataclasses.asdict(im)) for im in count.images],
+            videos=[VideoTokenInfo(**dataclasses.asdict(v)) for v in count.videos],
             max_input_tokens=processor.max_input_tokens,
             predicted_ttft_s=count.predicted_ttft_s,
         )

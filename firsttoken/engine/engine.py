@@ -39,6 +39,7 @@ from firsttoken.types import (
     PromptWork,
     RequestOutput,
     TokenLogprob,
+    count_videos,
 )
 
 log = logging.getLogger("firsttoken.engine")
@@ -379,6 +380,7 @@ class LLMEngine:
                 num_prompt_tokens=er.num_prompt_tokens,
                 num_image_tokens=er.num_image_tokens,
                 num_images=len(er.images),
+                num_videos=count_videos(er.images),
                 num_output_tokens=len(req.output_token_ids),
                 lane=req.lane,
                 timings=Timeline(er.arrival_s, er.preprocessed_s, engine=req.stats,

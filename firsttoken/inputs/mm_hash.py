@@ -14,7 +14,9 @@ from __future__ import annotations
 import hashlib
 import threading
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+
+import torch
 
 from firsttoken.inputs.image import ProcessedImage
 
@@ -24,6 +26,21 @@ def pixel_content_hash(image: ProcessedImage) -> str:
     h.update(repr(tuple(image.grid_thw)).encode())
     h.update(image.pixel_values.contiguous().numpy().tobytes())
     return h.hexdigest()
+
+
+def grid_content_hashes(pixel_values: torch.Tensor, grid_thw: tuple[int, int, int]) -> tuple[str, ...]:
+    """A video's identity per temporal grid: ``pixel_content_hash`` of each grid as the one-grid item the engine
+    encodes (grid (1, h, w), its h*w patch rows), so a grid and an image of the same pixels share encoder output."""
+    t, h, w = grid_thw
+    rows = h * w
+    flat = pixel_values.contiguous()
+    out = []
+    for k in range(t):
+        digest = hashlib.blake2b(digest_size=16)
+        digest.update(repr((1, h, w)).encode())
+        digest.update(flat[k * rows:(k + 1) * rows].numpy().tobytes())
+        out.append(digest.hexdigest())
+    return tuple(out)
 
 
 def raw_bytes_key(data: bytes, min_pixels: int, max_pixels: int) -> str:
@@ -69,6 +86,17 @@ class ProcessedImageCache:
                     _, old = self._entries.popitem(last=False)
                     self._bytes -= _size_bytes(old)
         return image
+
+
+def video_bytes_key(sources: Sequence[bytes], frame_indices: Sequence[int], resized_size: tuple[int, int]) -> str:
+    """A video's raw bytes (the container, or each frame of a frame list) and the plan's sampled frames and size:
+    what decides its pixel values."""
+    h = hashlib.blake2b(digest_size=16)
+    h.update(f"video:{tuple(frame_indices)}:{tuple(resized_size)}:{len(sources)}:".encode())
+    for data in sources:
+        h.update(len(data).to_bytes(8, "little"))
+        h.update(data)
+    return h.hexdigest()
 
 
 def _size_bytes(image: ProcessedImage) -> int:

@@ -35,7 +35,7 @@ from typing import Any
 from jinja2 import TemplateError
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from firsttoken.config import GenerationDefaults, ImageConfig
+from firsttoken.config import GenerationDefaults, ImageConfig, VideoConfig
 from firsttoken.inputs.budget import BudgetError, ImagePlan, image_budget, plan_image
 from firsttoken.inputs.image import (
     ImageInputError,
@@ -44,11 +44,24 @@ from firsttoken.inputs.image import (
     preprocess_image,
     probe_image,
 )
-from firsttoken.inputs.media import MediaNetwork, load_image_bytes, remote_media
+from firsttoken.inputs.media import MediaNetwork, load_image_bytes, load_video_bytes, remote_media
 from firsttoken.inputs.mm_hash import (
     ProcessedImageCache,
+    grid_content_hashes,
     pixel_content_hash,
     raw_bytes_key,
+    video_bytes_key,
+)
+from firsttoken.inputs.video import (
+    VideoAsk,
+    VideoHeader,
+    VideoIndex,
+    VideoInputError,
+    VideoPlan,
+    decode_frame_list,
+    decode_video,
+    plan_frame_list,
+    plan_video_bytes,
 )
 from firsttoken.inputs.prompt import (
     ChatPrompt,
@@ -58,6 +71,7 @@ from firsttoken.inputs.prompt import (
     SamplingRequest,
     TextPrompt,
     TokenPrompt,
+    VideoPart,
 )
 from firsttoken.inputs.text_size import longest_token_chars, measure_text
 from firsttoken.inputs.tools import function_json, hermes_messages, template_messages
@@ -106,12 +120,27 @@ class ImageTokens:
 
 
 @dataclass(frozen=True)
+class VideoTokens:
+    """A video as planned from its container's header and packets (nothing decoded)."""
+
+    original_size: tuple[int, int]  # (width, height)
+    resized_size: tuple[int, int]  # (width, height) of every sampled frame
+    duration_s: float  # source frames / source fps
+    source_frames: int
+    num_frames: int  # frames sampled (an even count)
+    sample_fps: float
+    num_tokens: int  # grids x tokens per grid
+    budget_tokens: int
+
+
+@dataclass(frozen=True)
 class TokenCount:
     """What /tokenize reports: the exact prompt the engine would see, without running the model."""
 
     token_ids: tuple[int, ...]
     images: tuple[ImageTokens, ...]
     predicted_ttft_s: float | None = None  # if it were sent now (None: the engine has no cost model yet)
+    videos: tuple[VideoTokens, ...] = ()
 
     @property
     def total(self) -> int:
@@ -119,7 +148,27 @@ class TokenCount:
 
     @property
     def num_text_tokens(self) -> int:
-        return self.total - sum(im.num_tokens for im in self.images)
+        return self.total - sum(im.num_tokens for im in self.images) - sum(v.num_tokens for v in self.videos)
+
+
+@dataclass(frozen=True)
+class _Video:
+    """A video planned from its header and packets (or its frames' headers), not decoded yet."""
+
+    plan: VideoPlan
+    sources: tuple[bytes, ...]  # the container's bytes (one), or each frame's encoded bytes
+    header: VideoHeader | None  # None: a frame list
+    index: VideoIndex | None
+    param: str
+
+
+@dataclass(frozen=True)
+class ProcessedVideo:
+    """A video's pixel values [grids * h * w, C * T * P * P] and each temporal grid's content hash."""
+
+    pixel_values: torch.Tensor
+    grid_thw: tuple[int, int, int]
+    grid_hashes: tuple[str, ...]
 
 
 @dataclass(frozen=True)
@@ -133,10 +182,16 @@ class _Prompt:
     template_ids: tuple[int, ...] = ()  # before expansion: one pad per image (re-expanded when the budget drops)
     degradable: tuple[bool, ...] = ()  # per image: the client left its budget to the server (no detail, no cap)
     params: tuple[str, ...] = ()  # per image: its request field, messages[i].content[j].image_url
+    videos: tuple[_Video, ...] = ()
+    video_offsets: tuple[tuple[int, ...], ...] = ()  # per video, the index of each temporal grid's first pad token
 
     @property
     def num_image_tokens(self) -> int:
         return sum(p.num_tokens for p in self.plans)
+
+    @property
+    def num_video_tokens(self) -> int:
+        return sum(v.plan.num_tokens for v in self.videos)
 
 
 def load_tokenizer(model_dir: str | Path, chat_template: Path | None = None) -> PreTrainedTokenizerBase:
@@ -158,6 +213,7 @@ class InputProcessor:
         *,
         max_model_len: int,
         images: ImageConfig = ImageConfig(),
+        videos: VideoConfig = VideoConfig(),
         media_network: MediaNetwork | None = None,
         admission: Callable[[PromptWork, str | None], AdmissionVerdict] | None = None,
         image_cache_bytes: int = 256 * 1024**2,
@@ -185,6 +241,7 @@ class InputProcessor:
         # A follow-up turn re-sends the same image bytes: skip decode + resize + patchify for them.
         self.image_cache = ProcessedImageCache(image_cache_bytes)
         self.images = images
+        self.videos = videos
         # http(s) image URLs: off unless the config lists domains; ``media_network`` is the test seam
         self.remote = remote_media(images.allowed_media_domains, images.media_fetch_timeout_s, media_network)
         self._vision_tokens_re = re.compile("(" + "|".join(map(re.escape, VISION_CONTROL_TOKENS)) + ")")
@@ -327,10 +384,22 @@ class InputProcessor:
                 f"send at most {limit} images",
                 prompt.param,
             )
+        video_parts = [
+            (f"{prompt.field_of(i)}.content[{j}].video_url", part)
+            for i, m in enumerate(prompt.messages)
+            if isinstance(m.content, tuple)
+            for j, part in enumerate(m.content)
+            if isinstance(part, VideoPart)
+        ]
+        if len(video_parts) > self.videos.max_videos_per_request:
+            limit = self.videos.max_videos_per_request
+            raise InputError(f"too many videos: {len(video_parts)} in this request, the limit is {limit} per request; "
+                             f"send at most {limit}", video_parts[limit][0])
         budgets = [self._budget_of(param, part) for param, part in image_parts]
         params = tuple(param for param, _ in image_parts)
         blobs = tuple(self._loaded(part, i, params) for i, (_, part) in enumerate(image_parts))
         plans = self._plan_images(blobs, budgets, params)
+        videos = tuple(self._plan_video(part, param) for param, part in video_parts)
         messages, tools = self._with_tools(prompt)
         try:
             template_ids = self.tokenizer.apply_chat_template(
@@ -344,7 +413,8 @@ class InputProcessor:
         except (TemplateError, ValueError) as err:  # the template refuses this conversation (its own words)
             raise InputError(f"the chat template cannot render these messages: {quote(str(err))}", "messages") from None
         degradable = tuple(part.detail is None and part.max_visual_tokens is None for _, part in image_parts)
-        return replace(self._expand_image_pads(list(template_ids), plans, blobs), degradable=degradable, params=params)
+        return replace(self._expand_pads(list(template_ids), plans, blobs, videos), degradable=degradable,
+                       params=params)
 
     def _with_tools(self, prompt: ChatPrompt) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
         """(the messages as the chat template sees them, its ``tools``): through the template where it renders
@@ -416,22 +486,92 @@ class InputProcessor:
             raise ImageInputError("invalid_image", "image size differs from the size its header declares")
         return replace(processed, content_hash=pixel_content_hash(processed))
 
-    def _expand_image_pads(self, ids: list[int], plans: Sequence[ImagePlan], blobs: tuple[bytes, ...]) -> _Prompt:
-        pad = self.model_config.image_token_id
-        num_pads = ids.count(pad)
-        if num_pads != len(plans):  # the template and our image list disagree: a bug, never the client's
-            raise RuntimeError(f"chat template produced {num_pads} image slots for {len(plans)} images")
+    def _expand_pads(self, ids: list[int], plans: Sequence[ImagePlan], blobs: tuple[bytes, ...],
+                     videos: tuple[_Video, ...] = ()) -> _Prompt:
+        """Each image's one pad token as its planned pads; each video's as the family's video tokens (its grids'
+        pads, and for Qwen3-VL a timestamp per grid), recording where every image and every video grid starts."""
+        config = self.model_config
+        pad, video_pad = config.image_token_id, config.video_token_id
+        for token, items, noun in ((pad, plans, "image"), (video_pad, videos, "video")):
+            num_pads = ids.count(token)
+            if num_pads != len(items):  # the template and our media lists disagree: a bug, never the client's
+                raise RuntimeError(f"chat template produced {num_pads} {noun} slots for {len(items)} {noun}s")
+        merge = config.vision.spatial_merge_size
         out: list[int] = []
         offsets: list[int] = []
-        next_plan = iter(plans)
+        video_offsets: list[tuple[int, ...]] = []
+        next_plan, next_video = iter(plans), iter(videos)
         for token_id in ids:
-            if token_id != pad:
+            if token_id == pad:
+                plan = next(next_plan)
+                offsets.append(len(out))
+                out.extend([pad] * plan.num_tokens)
+            elif token_id == video_pad:
+                vplan = next(next_video).plan
+                tokens = self.family.video_prompt_tokens(vplan.grid_thw, vplan.grid_timestamps(), config,
+                                                         self._encode_text)
+                t, h, w = vplan.grid_thw
+                video_offsets.append(_grid_starts(tokens, video_pad, t, h * w // (merge * merge), len(out)))
+                out.extend(tokens)
+            else:
                 out.append(token_id)
-                continue
-            plan = next(next_plan)
-            offsets.append(len(out))
-            out.extend([pad] * plan.num_tokens)
-        return _Prompt(tuple(out), tuple(plans), blobs, tuple(offsets), tuple(ids))
+        return _Prompt(tuple(out), tuple(plans), blobs, tuple(offsets), tuple(ids), videos=videos,
+                       video_offsets=tuple(video_offsets))
+
+    def _encode_text(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def _plan_video(self, part: VideoPart, param: str) -> _Video:
+        """Load a video part's bytes and plan it from its header and packets (a frame list: every frame's header);
+        every limit is checked here, before any frame is decoded."""
+        limits, proc = self.videos, self.model_config.image_processor
+        ask = VideoAsk(part.fps, part.max_frames, part.max_visual_tokens)
+        try:
+            if part.frames is not None:
+                frames = tuple(self._frame_bytes(url, k, len(part.frames)) for k, url in enumerate(part.frames))
+                plan = plan_frame_list(frames, limits, proc, ask, self.images.max_image_pixels, param)
+                return _Video(plan, frames, None, None, param)
+            data = part.data if part.data is not None else load_video_bytes(
+                part.url or "", self.images.allowed_media_dir, limits.max_video_bytes, self.remote)
+            if len(data) > limits.max_video_bytes:
+                raise VideoInputError("video_too_large",
+                                      f"video is {len(data)} bytes; the limit is {limits.max_video_bytes}")
+            header, index, plan = plan_video_bytes(data, limits, proc, ask, param=param)
+            return _Video(plan, (data,), header, index, param)
+        except BudgetError as err:
+            raise InputError(str(err), err.param) from None
+        except ImageInputError as err:
+            raise ImageInputError(err.code, str(err), err.param or param) from None
+
+    def _frame_bytes(self, url: str, k: int, n: int) -> bytes:
+        try:
+            return load_image_bytes(url, self.images.allowed_media_dir, self.images.max_image_bytes, self.remote)
+        except ImageInputError as err:
+            raise VideoInputError(err.code, f"frame {k + 1} of {n}: {err}") from None
+
+    def _decode_videos(self, prompt: _Prompt) -> tuple[ProcessedVideo, ...]:
+        return tuple(self._decode_video(v) for v in prompt.videos)
+
+    def _decode_video(self, video: _Video) -> ProcessedVideo:
+        plan = video.plan
+        key = video_bytes_key(video.sources, plan.frame_indices, plan.resized_size)
+
+        def build() -> ProcessedVideo:
+            from firsttoken.inputs.video_pixels import video_pixel_values  # TODO(merge vpix): top-level import
+
+            if video.header is None:
+                decoded = decode_frame_list(video.sources, plan, self.videos, self.images.max_image_pixels)
+            else:
+                decoded = decode_video(video.sources[0], video.header, video.index, plan, self.videos)
+            pixels, grid = video_pixel_values(decoded.frames, self.model_config.image_processor)
+            if tuple(grid) != tuple(plan.grid_thw):  # the plan and the pixels disagree: a bug
+                raise RuntimeError(f"video decoded to grid {tuple(grid)}, planned {plan.grid_thw}")
+            return ProcessedVideo(pixels, plan.grid_thw, grid_content_hashes(pixels, plan.grid_thw))
+
+        try:
+            return self.image_cache.get_or_build(key, build)  # type: ignore[arg-type,return-value]
+        except ImageInputError as err:
+            raise ImageInputError(err.code, str(err), err.param or video.param) from None
 
     def _check_length(self, prompt: _Prompt, field: str, requested: int | None, prompt_param: str) -> int:
         """Room left for output; every message names what was counted, the limit, and what to do."""
@@ -444,6 +584,8 @@ class InputProcessor:
             if prompt.plans
             else "shorten the text"
         )
+        if prompt.videos:
+            advice = "lower video_url.max_visual_tokens, fps or max_frames, send a shorter clip, or " + advice
         if self.max_input_tokens is not None and prompt_len > self.max_input_tokens:
             raise InputError(
                 f"the prompt has {prompt_len} tokens ({counted}); this server accepts at most "
@@ -478,22 +620,39 @@ class InputProcessor:
         if grammar is not None:
             params = replace(params, grammar=grammar[0])
         images = self._decode_images(ids)  # the first expensive step: every limit has passed
-        mrope = self.family.positions(ids.token_ids, [im.grid_thw for im in images], self.model_config)
-        items = tuple(
+        videos = self._decode_videos(ids)
+        video_args = {}
+        if ids.videos:  # TODO(merge vpos): always
+            video_args = dict(video_grid_thw=[v.plan.grid_thw for v in ids.videos],
+                              second_per_grid_ts=[v.plan.seconds_per_grid for v in ids.videos])
+        mrope = self.family.positions(ids.token_ids, [im.grid_thw for im in images], self.model_config, **video_args)
+        vision = self.model_config.vision
+        items = [
             ImageItem(
                 content_hash=im.content_hash or "",
                 offset=offset,
                 num_tokens=im.num_tokens,
                 grid_thw=im.grid_thw,
-                encoder_units=self.family.encoder_units(self.model_config.vision, im.grid_thw),
+                encoder_units=self.family.encoder_units(vision, im.grid_thw),
                 pixel_values=im.pixel_values,
             )
             for im, offset in zip(images, ids.offsets)
-        )
+        ]
+        for video, offsets in zip(videos, ids.video_offsets):
+            _, h, w = video.grid_thw
+            rows = h * w
+            units = self.family.encoder_units(vision, (1, h, w))
+            items += [
+                ImageItem(content_hash=digest, offset=offset, num_tokens=rows // vision.spatial_merge_size ** 2,
+                          grid_thw=(1, h, w), encoder_units=units,
+                          pixel_values=video.pixel_values[k * rows:(k + 1) * rows], kind="video")
+                for k, (digest, offset) in enumerate(zip(video.grid_hashes, offsets))
+            ]
+        items.sort(key=lambda item: item.offset)
         return EngineRequest(
             request_id=request_id,
             prompt_token_ids=ids.token_ids,
-            images=items,
+            images=tuple(items),
             mrope_positions=mrope.positions,
             mrope_delta=mrope.delta,
             sampling=params,
@@ -532,17 +691,18 @@ class InputProcessor:
         """The same prompt with each degradable image's budget capped at ``cap`` (from headers: nothing decoded)."""
         budgets = [min(p.budget_tokens, cap) if d else p.budget_tokens for p, d in zip(ids.plans, ids.degradable)]
         plans = self._plan_images(ids.blobs, budgets, ids.params)
-        return replace(self._expand_image_pads(list(ids.template_ids), plans, ids.blobs), degradable=ids.degradable,
-                       params=ids.params)
+        return replace(self._expand_pads(list(ids.template_ids), plans, ids.blobs, ids.videos),
+                       degradable=ids.degradable, params=ids.params)
 
     def _work(self, ids: _Prompt) -> PromptWork:
-        """What the prompt costs the engine, from its plans: tokens, and each image's encoder units."""
-        patch = self.model_config.image_processor.patch_size
-        units = [u for p in ids.plans
-                 for u in self.family.encoder_units(self.model_config.vision,
-                                                    (1, p.resized_size[1] // patch, p.resized_size[0] // patch))]
-        return PromptWork(len(ids.token_ids), len(ids.plans), sum(u.num_patches for u in units),
-                          float(sum(u.attention_pairs for u in units)), len(units))
+        """What the prompt costs the engine, from its plans: tokens, and the encoder units of each image and of each
+        video grid (one vision item each)."""
+        patch, vision = self.model_config.image_processor.patch_size, self.model_config.vision
+        grids = [(1, p.resized_size[1] // patch, p.resized_size[0] // patch) for p in ids.plans]
+        grids += [(1, h, w) for v in ids.videos for _ in range(v.plan.grid_thw[0]) for h, w in [v.plan.grid_thw[1:]]]
+        units = [u for grid in grids for u in self.family.encoder_units(vision, grid)]
+        return PromptWork(len(ids.token_ids), len(grids), sum(u.num_patches for u in units),
+                          float(sum(u.attention_pairs for u in units)), len(units), num_videos=len(ids.videos))
 
     def _sampling_params(self, req: SamplingRequest, max_tokens: int) -> SamplingParams:
         """Request values over the checkpoint's generation_config defaults. ValueError -> InputError(param)."""
@@ -615,28 +775,61 @@ def _or(value: Any, default: Any) -> Any:
 
 
 def _template_message(message: Message) -> dict[str, Any]:
-    """The dict the chat template sees. Image parts carry no URL: the template only needs to know one is there."""
+    """The dict the chat template sees. Image and video parts carry no URL: the template only needs to know one is
+    there."""
     if message.content is None or isinstance(message.content, str):
         return {"role": message.role, "content": message.content or ""}
     parts = [
-        {"type": "image"} if isinstance(p, ImagePart) else {"type": "text", "text": p.text} for p in message.content
+        {"type": "image"} if isinstance(p, ImagePart)
+        else {"type": "video"} if isinstance(p, VideoPart)
+        else {"type": "text", "text": p.text}
+        for p in message.content
     ]
     return {"role": message.role, "content": parts}
 
 
+def _grid_starts(tokens: Sequence[int], pad: int, num_grids: int, per_grid: int, base: int) -> tuple[int, ...]:
+    """Where each of a video's ``num_grids`` runs of ``per_grid`` pads starts, ``base`` + its index in ``tokens`` (the
+    family's video tokens: one run of every grid's pads, or one run per grid between timestamps)."""
+    starts: list[int] = []
+    run = 0
+    for i, token in enumerate(tokens):
+        if token != pad:
+            if run % per_grid:
+                raise RuntimeError(f"a run of {run} video pads is not whole grids of {per_grid}")
+            run = 0
+            continue
+        if run % per_grid == 0:
+            starts.append(base + i)
+        run += 1
+    if len(starts) != num_grids or run % per_grid:
+        raise RuntimeError(f"video tokens hold {len(starts)} grids of {per_grid} pads, planned {num_grids}")
+    return tuple(starts)
+
+
 def _count(prompt: _Prompt) -> TokenCount:
     images = tuple(ImageTokens(p.original_size, p.resized_size, p.num_tokens, p.budget_tokens) for p in prompt.plans)
-    return TokenCount(prompt.token_ids, images)
+    videos = tuple(
+        VideoTokens(p.original_size, p.resized_size, p.source_frames / p.source_fps, p.source_frames, p.num_frames,
+                    p.sample_fps, p.num_tokens, p.budget_tokens)
+        for p in (v.plan for v in prompt.videos))
+    return TokenCount(prompt.token_ids, images, videos=videos)
 
 
 def _describe_counts(prompt: _Prompt) -> str:
-    """'52 text and template tokens + 3 images of 1225, 1225, 256 visual tokens' (what a limit message counts)."""
-    num_text = len(prompt.token_ids) - prompt.num_image_tokens
-    if not prompt.plans:
-        return f"{num_text} text and template tokens"
-    per_image = ", ".join(str(p.num_tokens) for p in prompt.plans)
-    noun = "image" if len(prompt.plans) == 1 else "images"
-    return f"{num_text} text and template tokens + {len(prompt.plans)} {noun} of {per_image} visual tokens"
+    """'52 text and template tokens + 3 images of 1225, 1225, 256 visual tokens + 1 video of 32 frames, 4096 visual
+    tokens' (what a limit message counts)."""
+    num_text = len(prompt.token_ids) - prompt.num_image_tokens - prompt.num_video_tokens
+    out = f"{num_text} text and template tokens"
+    if prompt.plans:
+        per_image = ", ".join(str(p.num_tokens) for p in prompt.plans)
+        noun = "image" if len(prompt.plans) == 1 else "images"
+        out += f" + {len(prompt.plans)} {noun} of {per_image} visual tokens"
+    if prompt.videos:
+        per_video = ", ".join(f"{v.plan.num_frames} frames, {v.plan.num_tokens} visual tokens" for v in prompt.videos)
+        noun = "video" if len(prompt.videos) == 1 else "videos"
+        out += f" + {len(prompt.videos)} {noun} of {per_video}"
+    return out
 
 
 @lru_cache(maxsize=1)

@@ -34,6 +34,24 @@ class ImagePart:
 
 
 @dataclass(frozen=True)
+class VideoPart:
+    """A video (vLLM's ``video_url`` part) by reference (``url``: as an image's), by value (``data``: its encoded
+    container bytes), or as a list of encoded frames (``frames``, one image each, in order). The request may ask for
+    less than the server's budget (``fps``, ``max_frames``, ``max_visual_tokens``), never more."""
+
+    url: str | None = None
+    data: bytes | None = None
+    frames: tuple[str, ...] | None = None  # each frame's URL (data: or an allowed path/host), as image_url's
+    fps: float | None = None
+    max_frames: int | None = None
+    max_visual_tokens: int | None = None
+
+    def __post_init__(self) -> None:
+        if sum(x is not None for x in (self.url, self.data, self.frames)) != 1:
+            raise ValueError("a video part needs exactly one of url, data or frames")
+
+
+@dataclass(frozen=True)
 class ToolCall:
     """A function call an assistant turn made (``arguments``: the JSON object as the model wrote it)."""
 
@@ -54,7 +72,7 @@ class Function:
 @dataclass(frozen=True)
 class Message:
     role: str  # system | user | assistant | tool (the chat template prints it verbatim: the API layer restricts it)
-    content: str | tuple[TextPart | ImagePart, ...] | None
+    content: str | tuple[TextPart | ImagePart | VideoPart, ...] | None
     tool_calls: tuple[ToolCall, ...] = ()  # an assistant turn's calls
     tool_call_id: str | None = None  # a tool turn: the call whose result it is
 

@@ -49,7 +49,7 @@ class RequestRecord:
     finished_unix_s: float
     outcome: str  # stop | length | abort | error
     lane: str
-    images: str  # image class: 0 | 1 | 2+
+    images: str  # image class: 0 | 1 | 2+ | video
     num_images: int
     num_prompt_tokens: int
     num_image_tokens: int
@@ -356,7 +356,7 @@ def _record_of(
         finished_unix_s=time.time(),
         outcome=fr.outcome,
         lane=fr.lane,
-        images=image_class(fr.num_images),
+        images=image_class(fr.num_images, fr.num_videos),
         num_images=fr.num_images,
         num_prompt_tokens=fr.num_prompt_tokens,
         num_image_tokens=fr.num_image_tokens,

@@ -33,10 +33,11 @@ class FinishedRequest:
     outcome: str  # stop | length | abort | error
     num_prompt_tokens: int
     num_image_tokens: int
-    num_images: int
+    num_images: int  # images and video grids (vision items)
     num_output_tokens: int
     lane: str
     timings: dict[str, float | int | None]
+    num_videos: int = 0
 
 
 class StatsObserver(Protocol):

@@ -19,11 +19,14 @@ PHASES: tuple[str, ...] = ("preprocess", "queue", "encode", "prefill", "sample",
 # Per-request latencies the window reports; the phases add up to ttft_s. tpot_s: the request's time per output token
 # after the first (the mean gap between its streamed tokens: the reading speed it got; absent with one token).
 LATENCY_KEYS: tuple[str, ...] = ("ttft_s", *(f"{p}_s" for p in PHASES), "e2e_s", "tpot_s")
-IMAGE_CLASSES: tuple[str, ...] = ("0", "1", "2+")
+IMAGE_CLASSES: tuple[str, ...] = ("0", "1", "2+", "video")
 QUANTILES: tuple[tuple[str, float], ...] = (("p50", 50.0), ("p95", 95.0), ("p99", 99.0))
 
 
-def image_class(num_images: int) -> str:
+def image_class(num_images: int, num_videos: int = 0) -> str:
+    """A request's class in metrics: by its images ("0", "1", "2+"), or "video" when it carries any video."""
+    if num_videos:
+        return "video"
     return "0" if num_images == 0 else ("1" if num_images == 1 else "2+")
 
 

@@ -78,6 +78,7 @@ def build_processor(
         GenerationDefaults.from_pretrained(model_dir),
         max_model_len=max_model_len,
         images=config.images,
+        videos=config.videos,
         media_network=media_network,
         admission=admission,
     )
