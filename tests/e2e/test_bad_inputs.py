@@ -7,6 +7,7 @@ table must equal it (``FIRSTTOKEN_WRITE_DOCS=1 python -m pytest tests/e2e/test_b
 from __future__ import annotations
 
 import base64
+import functools
 import io
 import json
 import os
@@ -22,6 +23,7 @@ import httpx
 import pytest
 
 from firsttoken.inputs.media import FetchResponse, MediaNetwork
+from firsttoken.inputs.video_synth import make_clip
 from tests.e2e.conftest import (
     LiveServer,
     image_data_url,
@@ -30,9 +32,11 @@ from tests.e2e.conftest import (
     stop_server,
 )
 from tests.media_fakes import FakeFetcher, FakeResolver, ok, redirect
+from tests.video_fakes import patch_mkv_duration
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "bad_inputs.md"
 MAX_IMAGES, MAX_PIXELS, MAX_BODY = 2, 4_000_000, 1 * 2**20
+MAX_VIDEOS, MAX_VIDEO_SECONDS = 1, 60.0
 BODY_TIMEOUT_S, MAX_UNREAD = 3.0, 8  # the guarded server's --request-body-timeout and --max-unread-outputs
 CHAT, COMPLETIONS, TOKENIZE, RESPONSES = "/v1/chat/completions", "/v1/completions", "/tokenize", "/v1/responses"
 IMAGE_PAD_ID = 151655  # <|image_pad|> in Qwen2-VL's vocabulary (the tiny checkpoint keeps the ids)
@@ -104,6 +108,37 @@ def chat(*parts: dict, text: str = "Describe.") -> dict:
 
 def image(url: str) -> dict:
     return {"type": "image_url", "image_url": {"url": url}}
+
+
+def video(url: str, **extra) -> dict:
+    return {"type": "video_url", "video_url": {"url": url, **extra}}
+
+
+@functools.cache
+def clip(kind: str = "ok") -> bytes:
+    """Small synthetic clips (firsttoken/inputs/video_synth.py), good and bad."""
+    if kind == "ok":
+        return make_clip(2, 64, 48, fps=10, gop=5)
+    if kind == "zero-frames":
+        return make_clip(1, 32, 32, container="matroska", audio=True, num_frames=0)
+    if kind == "audio-only":
+        return make_clip(1, 32, 32, container="mp4", audio=True, video=False)
+    if kind == "ffv1":
+        return make_clip(1, 32, 32, fps=10, codec="ffv1", container="matroska")
+    if kind == "bomb":  # two flat 9.4-megapixel frames in ~30 KiB
+        return make_clip(0.2, 4096, 2304, fps=10, flat=True)
+    if kind == "absurd-duration":
+        return patch_mkv_duration(make_clip(1, 32, 32, fps=10, container="matroska"), 10**7)
+    if kind == "understated":  # claims 2 s, holds 90 s
+        return patch_mkv_duration(make_clip(90, 32, 32, fps=10, container="matroska", gop=30), 2.0)
+    raise ValueError(kind)
+
+
+def video_url(kind: str = "ok") -> str:
+    return data_url(clip(kind), "video/mp4")
+
+
+VIDEO_PARAM = "messages[0].content[0].video_url"
 
 
 def text_chat(**fields) -> dict:
@@ -178,6 +213,31 @@ CORPUS: tuple[BadInput, ...] = (
     BadInput("extreme aspect ratio 4000x10", 400, lambda e: chat(image(data_url(png_bytes(4000, 10))))),
     BadInput(f"too many images ({MAX_IMAGES + 1}, limit {MAX_IMAGES})", 400,
              lambda e: chat(*[image(data_url(png_bytes(32, 32)))] * (MAX_IMAGES + 1))),
+    BadInput("video: text bytes as video/mp4", 400, lambda e: chat(video(data_url(b"not a video" * 50, "video/mp4"))),
+             param=VIDEO_PARAM),
+    BadInput("video: data URL with an image media type", 400, lambda e: chat(video(data_url(png_bytes(8, 8))))),
+    BadInput("video: truncated MP4 (its first half)", 400,
+             lambda e: chat(video(data_url(clip()[: len(clip()) // 2], "video/mp4"))), param=VIDEO_PARAM),
+    BadInput("video: a video stream holding zero frames", 400, lambda e: chat(video(video_url("zero-frames"))),
+             param=VIDEO_PARAM),
+    BadInput("video: audio only", 400, lambda e: chat(video(video_url("audio-only"))), param=VIDEO_PARAM),
+    BadInput("video: a codec the server does not decode (FFV1)", 400, lambda e: chat(video(video_url("ffv1"))),
+             param=VIDEO_PARAM),
+    BadInput("video: frames of 4096x2304 in 30 KiB (bomb, over --max-video-pixels)", 400,
+             lambda e: chat(video(video_url("bomb"))), param=VIDEO_PARAM),
+    BadInput("video: header declares 10^7 s", 400, lambda e: chat(video(video_url("absurd-duration"))),
+             param=VIDEO_PARAM),
+    BadInput(f"video: header says 2 s, packets run 90 s (over --video-max-seconds {MAX_VIDEO_SECONDS:g})", 400,
+             lambda e: chat(video(video_url("understated"))), param=VIDEO_PARAM),
+    BadInput(f"too many videos ({MAX_VIDEOS + 1}, limit {MAX_VIDEOS})", 400,
+             lambda e: chat(*[video(video_url())] * (MAX_VIDEOS + 1)), param="messages[0].content[1].video_url"),
+    BadInput("video_url.max_visual_tokens over the server's cap", 400,
+             lambda e: chat(video(video_url(), max_visual_tokens=10**6)), param=f"{VIDEO_PARAM}.max_visual_tokens"),
+    BadInput("video_url.fps = 0", 400, lambda e: chat(video(video_url(), fps=0))),
+    BadInput("video as frames, the second not an image", 400,
+             lambda e: chat({"type": "video", "video": [data_url(png_bytes(32, 32)), data_url(b"text, not a frame")]})),
+    BadInput("video_url: https host not on the allow-list", 400,
+             lambda e: chat(video("https://unlisted.example.org/a.mp4")), param=VIDEO_PARAM),
     BadInput("image_url.detail unknown", 400,
              lambda e: chat({"type": "image_url", "image_url": {"url": data_url(png_bytes(8, 8)), "detail": "ultra"}})),
     BadInput(f"body over the byte limit ({MAX_BODY} bytes)", 413,
@@ -340,6 +400,9 @@ def guarded(tiny_model_dir: Path, env: Env, fetcher: FakeFetcher) -> Iterator[Li
         allowed_media_dir=env.media_dir,
         allowed_media_domains=",".join(sorted(DNS)),
         max_images_per_request=MAX_IMAGES,
+        max_videos_per_request=MAX_VIDEOS,
+        max_video_pixels=MAX_PIXELS,
+        video_max_seconds=MAX_VIDEO_SECONDS,
         max_image_pixels=MAX_PIXELS,
         max_request_bytes=MAX_BODY,
         request_body_timeout=BODY_TIMEOUT_S,
