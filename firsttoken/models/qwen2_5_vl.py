@@ -36,6 +36,7 @@ DEFAULT_NUM_HEADS = 16
 DEFAULT_INTERMEDIATE_SIZE = 3420
 DEFAULT_WINDOW_SIZE = 112
 DEFAULT_FULLATT_BLOCK_INDEXES = (7, 15, 23, 31)
+DEFAULT_TOKENS_PER_SECOND = 4  # the releases write 2
 
 
 def vision_config(v: dict[str, Any], lm_hidden_size: int) -> VisionConfig:
@@ -55,6 +56,7 @@ def vision_config(v: dict[str, Any], lm_hidden_size: int) -> VisionConfig:
         hidden_act=str(vr.get("hidden_act", "silu")),
         window_size=int(vr.get("window_size", DEFAULT_WINDOW_SIZE)),
         fullatt_block_indexes=tuple(int(i) for i in vr.get("fullatt_block_indexes", DEFAULT_FULLATT_BLOCK_INDEXES)),
+        tokens_per_second=float(vr.get("tokens_per_second", DEFAULT_TOKENS_PER_SECOND)),
     )
     theta = float((v.get("rope_parameters") or {}).get("rope_theta", VISION_ROPE_THETA))
     if theta != VISION_ROPE_THETA:
