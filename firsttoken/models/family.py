@@ -9,19 +9,33 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from torch import nn
 
 from firsttoken.attention.base import AttentionBackend
 from firsttoken.models.config import ModelConfig, VisionConfig
 from firsttoken.models.decode import DecoderLayout
-from firsttoken.models.mrope import MRopePositions, compute_mrope_positions
+from firsttoken.models.mrope import Grid, MRopePositions, compute_mrope_positions
 from firsttoken.models.recipe import CheckpointRecipe
 from firsttoken.models.weights import WeightMapping
 from firsttoken.types import EncoderUnit
 
-Grid = tuple[int, int, int]
+
+class PositionsFn(Protocol):
+    """A prompt's M-RoPE positions, as transformers' ``get_rope_index`` for the family gives them. ``input_ids`` hold
+    the expanded pads (images: ``image_token_id``, videos: ``video_token_id``, in any order); ``image_grid_thw`` one
+    (t, h, w) per image and ``video_grid_thw`` one per video, each in prompt order; ``second_per_grid_ts`` one per
+    video (seconds of clip per temporal grid) or empty (1 s each). ValueError when grids and pads disagree."""
+
+    def __call__(
+        self,
+        input_ids: Sequence[int],
+        image_grid_thw: Sequence[Grid],
+        config: ModelConfig,
+        video_grid_thw: Sequence[Grid] = (),
+        second_per_grid_ts: Sequence[float] = (),
+    ) -> MRopePositions: ...
 
 
 def main_rows_bytes(config: ModelConfig, dtype_bytes: int) -> int:
@@ -41,7 +55,7 @@ class ModelFamily:
     weights: WeightMapping
     encoder_units: Callable[[VisionConfig, Grid], tuple[EncoderUnit, ...]]
     checkpoint: CheckpointRecipe  # how make-model builds a random checkpoint; its transformers class is the oracle
-    positions: Callable[[Sequence[int], Sequence[Grid], ModelConfig], MRopePositions] = compute_mrope_positions
+    positions: PositionsFn = compute_mrope_positions
     # (config, bytes per element of the model's dtype) -> bytes of ImageEmbeddings per visual token: what one token
     # of an image holds in the encoder cache (main rows, and DeepStack features where the tower has them)
     encoder_bytes_per_token: Callable[[ModelConfig, int], int] = main_rows_bytes
