@@ -38,6 +38,29 @@ class PositionsFn(Protocol):
     ) -> MRopePositions: ...
 
 
+class VideoPromptTokensFn(Protocol):
+    """The token ids that replace ONE ``<|video_pad|>`` of the chat template for a video of ``grid_thw`` (t, h, w)
+    patches, ``grid_timestamps_s`` its t grid times in seconds (inputs/video.py ``VideoPlan.grid_timestamps``);
+    ``encode`` turns text into token ids without special tokens. The result is what transformers' processor puts
+    there, token for token, and the family's ``positions`` reads it back with ``video_grid_thw=[grid_thw]``."""
+
+    def __call__(
+        self,
+        grid_thw: Grid,
+        grid_timestamps_s: Sequence[float],
+        config: ModelConfig,
+        encode: Callable[[str], list[int]],
+    ) -> list[int]: ...
+
+
+def video_pad_tokens(
+    grid_thw: Grid, grid_timestamps_s: Sequence[float], config: ModelConfig, encode: Callable[[str], list[int]]
+) -> list[int]:
+    """Qwen2-VL / Qwen2.5-VL: one contiguous run of t * (h/m) * (w/m) video pads; no timestamps."""
+    t, h, w = grid_thw
+    return [config.video_token_id] * (t * h * w // config.vision.spatial_merge_size**2)
+
+
 def main_rows_bytes(config: ModelConfig, dtype_bytes: int) -> int:
     """An image's encoder output per visual token when it is ``ImageEmbeddings.main`` alone: one row of the language
     model's width."""
@@ -56,6 +79,7 @@ class ModelFamily:
     encoder_units: Callable[[VisionConfig, Grid], tuple[EncoderUnit, ...]]
     checkpoint: CheckpointRecipe  # how make-model builds a random checkpoint; its transformers class is the oracle
     positions: PositionsFn = compute_mrope_positions
+    video_prompt_tokens: VideoPromptTokensFn = video_pad_tokens
     # (config, bytes per element of the model's dtype) -> bytes of ImageEmbeddings per visual token: what one token
     # of an image holds in the encoder cache (main rows, and DeepStack features where the tower has them)
     encoder_bytes_per_token: Callable[[ModelConfig, int], int] = main_rows_bytes

@@ -20,7 +20,7 @@ listed, so the registry refuses it by name.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -127,6 +127,21 @@ def positions(
     return compute_mrope_positions(input_ids, image_grid_thw, config, grids)
 
 
+def video_prompt_tokens(
+    grid_thw: Grid, grid_timestamps_s: Sequence[float], config: ModelConfig, encode: Callable[[str], list[int]]
+) -> list[int]:
+    """Per temporal grid: ``encode("<{t:.1f} seconds>")`` + vision_start + (h/m)(w/m) video pads + vision_end, as
+    Qwen3VLProcessor.replace_video_token writes it. Encoding each timestamp alone equals tokenizing the processor's
+    whole string because special tokens split the text before BPE and each timestamp lies between two of them (the
+    template's vision_start or the previous grid's vision_end before it, the grid's vision_start after)."""
+    t, h, w = grid_thw
+    if len(grid_timestamps_s) != t:
+        raise ValueError(f"video of {t} temporal grids has {len(grid_timestamps_s)} grid timestamps")
+    pads = [config.video_token_id] * (h * w // config.vision.spatial_merge_size**2)
+    frame = [config.vision_start_token_id, *pads, config.vision_end_token_id]
+    return [tok for time_s in grid_timestamps_s for tok in (*encode(f"<{time_s:.1f} seconds>"), *frame)]
+
+
 class Qwen3VLModel(Qwen2VLModel):
     """Qwen2-VL's decoder configured as Qwen3 (see the module docstring) over Qwen3-VL's vision tower."""
 
@@ -144,6 +159,7 @@ QWEN3_VL = ModelFamily(
     encoder_units=full_attention_units,
     checkpoint=CHECKPOINT_RECIPE,
     positions=positions,
+    video_prompt_tokens=video_prompt_tokens,
     encoder_bytes_per_token=deepstack_bytes_per_token,
     decoder_layout=decoder_layout,
 )
