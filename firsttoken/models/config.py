@@ -31,6 +31,7 @@ class VisionConfig:
     fullatt_block_indexes: tuple[int, ...] = ()  # with windows: the blocks that attend over the whole image
     deepstack_visual_indexes: tuple[int, ...] = ()  # Qwen3-VL: blocks whose features feed the LM's first layers
     num_position_embeddings: int = 0  # Qwen3-VL: learned position table (a square grid), 0 = none
+    tokens_per_second: float = 0.0  # Qwen2.5-VL: video time positions per second of clip; 0 = videos step by grid
 
     def __post_init__(self) -> None:
         if self.embed_dim % self.num_heads:

@@ -9,19 +9,56 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from torch import nn
 
 from firsttoken.attention.base import AttentionBackend
 from firsttoken.models.config import ModelConfig, VisionConfig
 from firsttoken.models.decode import DecoderLayout
-from firsttoken.models.mrope import MRopePositions, compute_mrope_positions
+from firsttoken.models.mrope import Grid, MRopePositions, compute_mrope_positions
 from firsttoken.models.recipe import CheckpointRecipe
 from firsttoken.models.weights import WeightMapping
 from firsttoken.types import EncoderUnit
 
-Grid = tuple[int, int, int]
+
+class PositionsFn(Protocol):
+    """A prompt's M-RoPE positions, as transformers' ``get_rope_index`` for the family gives them. ``input_ids`` hold
+    the expanded pads (images: ``image_token_id``, videos: ``video_token_id``, in any order); ``image_grid_thw`` one
+    (t, h, w) per image and ``video_grid_thw`` one per video, each in prompt order; ``second_per_grid_ts`` one per
+    video (seconds of clip per temporal grid) or empty (1 s each). ValueError when grids and pads disagree."""
+
+    def __call__(
+        self,
+        input_ids: Sequence[int],
+        image_grid_thw: Sequence[Grid],
+        config: ModelConfig,
+        video_grid_thw: Sequence[Grid] = (),
+        second_per_grid_ts: Sequence[float] = (),
+    ) -> MRopePositions: ...
+
+
+class VideoPromptTokensFn(Protocol):
+    """The token ids that replace ONE ``<|video_pad|>`` of the chat template for a video of ``grid_thw`` (t, h, w)
+    patches, ``grid_timestamps_s`` its t grid times in seconds (inputs/video.py ``VideoPlan.grid_timestamps``);
+    ``encode`` turns text into token ids without special tokens. The result is what transformers' processor puts
+    there, token for token, and the family's ``positions`` reads it back with ``video_grid_thw=[grid_thw]``."""
+
+    def __call__(
+        self,
+        grid_thw: Grid,
+        grid_timestamps_s: Sequence[float],
+        config: ModelConfig,
+        encode: Callable[[str], list[int]],
+    ) -> list[int]: ...
+
+
+def video_pad_tokens(
+    grid_thw: Grid, grid_timestamps_s: Sequence[float], config: ModelConfig, encode: Callable[[str], list[int]]
+) -> list[int]:
+    """Qwen2-VL / Qwen2.5-VL: one contiguous run of t * (h/m) * (w/m) video pads; no timestamps."""
+    t, h, w = grid_thw
+    return [config.video_token_id] * (t * h * w // config.vision.spatial_merge_size**2)
 
 
 def main_rows_bytes(config: ModelConfig, dtype_bytes: int) -> int:
@@ -41,7 +78,8 @@ class ModelFamily:
     weights: WeightMapping
     encoder_units: Callable[[VisionConfig, Grid], tuple[EncoderUnit, ...]]
     checkpoint: CheckpointRecipe  # how make-model builds a random checkpoint; its transformers class is the oracle
-    positions: Callable[[Sequence[int], Sequence[Grid], ModelConfig], MRopePositions] = compute_mrope_positions
+    positions: PositionsFn = compute_mrope_positions
+    video_prompt_tokens: VideoPromptTokensFn = video_pad_tokens
     # (config, bytes per element of the model's dtype) -> bytes of ImageEmbeddings per visual token: what one token
     # of an image holds in the encoder cache (main rows, and DeepStack features where the tower has them)
     encoder_bytes_per_token: Callable[[ModelConfig, int], int] = main_rows_bytes

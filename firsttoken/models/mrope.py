@@ -1,10 +1,14 @@
-"""Multimodal rotary positions (M-RoPE) for a Qwen2-VL prompt, identical to transformers' ``get_rope_index``.
+"""Multimodal rotary positions (M-RoPE) for a Qwen-VL prompt, identical to transformers' ``get_rope_index``.
 
 Text token at prompt index i: (p, p, p) where p is the running position. An image of (t, h, w) patches takes
 t * (h/m) * (w/m) pad tokens (m = spatial merge size) at positions (p + frame, p + row, p + col) in row-major
-order, then the running position jumps by max(h, w) / m. After a prompt of ``L`` tokens the running position is
-``L + delta`` (``delta`` <= 0 when images are present), and generated token i >= L sits at ``i + delta`` on all
-three axes. Computed once per request; any chunk ``positions[:, a:b]`` is then correct on its own.
+order, then the running position jumps by max(h, w) / m. A video is the same with ``video_token_id`` pads and
+temporal grid g at time p + floor(g * time_step): Qwen2-VL steps 1 per grid, Qwen2.5-VL ``tokens_per_second *
+second_per_grid_t`` (qwen2_5_vl.py), Qwen3-VL splits each video into one (1, h, w) run per grid with timestamp text
+between (qwen3_vl.py). Images and videos may come in any order; each kind consumes its own grids in prompt order.
+After a prompt of ``L`` tokens the running position is ``L + delta`` (``delta`` <= 0 when images are present), and
+generated token i >= L sits at ``i + delta`` on all three axes. Computed once per request; any chunk
+``positions[:, a:b]`` is then correct on its own.
 """
 
 from __future__ import annotations
@@ -16,6 +20,8 @@ import torch
 
 from firsttoken.models.config import ModelConfig
 
+Grid = tuple[int, int, int]
+
 
 @dataclass(frozen=True)
 class MRopePositions:
@@ -25,43 +31,65 @@ class MRopePositions:
 
 def compute_mrope_positions(
     input_ids: Sequence[int],
-    image_grid_thw: Sequence[tuple[int, int, int]],
+    image_grid_thw: Sequence[Grid],
     config: ModelConfig,
+    video_grid_thw: Sequence[Grid] = (),
+    second_per_grid_ts: Sequence[float] = (),
 ) -> MRopePositions:
-    ids = torch.as_tensor(list(input_ids), dtype=torch.int64)
+    """Qwen2-VL's positions. ``video_grid_thw``: one (t, h, w) per video, whose t * (h/m) * (w/m) pads are one
+    contiguous run; its grid g sits at time step g (``second_per_grid_ts`` is ignored, as transformers does)."""
+    return vision_positions(input_ids, image_grid_thw, config, video_grid_thw, [1] * len(video_grid_thw))
+
+
+def vision_positions(
+    input_ids: Sequence[int],
+    image_grid_thw: Sequence[Grid],
+    config: ModelConfig,
+    video_grid_thw: Sequence[Grid],
+    video_time_steps: Sequence[float | torch.Tensor],
+) -> MRopePositions:
+    """The walk every family shares. ``video_time_steps[k]``: video k's time positions per temporal grid; grid g sits
+    at ``(g * step).long()`` as transformers computes it (a float step: a float32 product, truncated)."""
+    if len(video_time_steps) != len(video_grid_thw):
+        raise ValueError(f"{len(video_time_steps)} video time steps for {len(video_grid_thw)} videos")
+    token_ids = [int(x) for x in input_ids]
     merge = config.vision.spatial_merge_size
-    is_image = (ids == config.image_token_id).tolist()
+    kinds = {config.image_token_id: "image", config.video_token_id: "video"}
+    grids = {"image": list(image_grid_thw), "video": list(video_grid_thw)}
+    used = {"image": 0, "video": 0}
     pieces: list[torch.Tensor] = []
     pos = 0  # running position
     i = 0
-    grids = iter(image_grid_thw)
-    num_images = 0
-    while i < len(is_image):
-        if not is_image[i]:
+    while i < len(token_ids):
+        kind = kinds.get(token_ids[i])
+        if kind is None:
             j = i
-            while j < len(is_image) and not is_image[j]:
+            while j < len(token_ids) and token_ids[j] not in kinds:
                 j += 1
             pieces.append(torch.arange(pos, pos + j - i).expand(3, -1))
             pos += j - i
             i = j
             continue
-        grid = next(grids, None)
-        if grid is None:
-            raise ValueError(f"prompt has more images than the {len(image_grid_thw)} grids given")
-        num_images += 1
-        t, h, w = (int(x) for x in grid)
-        gt, gh, gw = t, h // merge, w // merge
-        n = gt * gh * gw
-        if i + n > len(is_image) or not all(is_image[i : i + n]):
-            raise ValueError(f"image {num_images - 1} with grid {tuple(grid)} needs {n} consecutive image-pad tokens")
-        tt, hh, ww = torch.meshgrid(torch.arange(gt), torch.arange(gh), torch.arange(gw), indexing="ij")
+        k = used[kind]
+        if k == len(grids[kind]):
+            raise ValueError(f"prompt has more {kind}s than the {len(grids[kind])} grids given")
+        used[kind] += 1
+        t, h, w = (int(x) for x in grids[kind][k])
+        gh, gw = h // merge, w // merge
+        n = t * gh * gw
+        pad = token_ids[i]
+        if i + n > len(token_ids) or any(x != pad for x in token_ids[i : i + n]):
+            raise ValueError(f"{kind} {k} with grid {(t, h, w)} needs {n} consecutive {kind}-pad tokens")
+        step = video_time_steps[k] if kind == "video" else 1
+        tt, hh, ww = torch.meshgrid((torch.arange(t) * step).long(), torch.arange(gh), torch.arange(gw), indexing="ij")
         pieces.append(torch.stack((tt, hh, ww)).reshape(3, -1) + pos)
         pos += max(h, w) // merge
         i += n
-    if num_images != len(image_grid_thw):
-        raise ValueError(f"prompt has {num_images} images but {len(image_grid_thw)} grids were given")
+    for kind, given in grids.items():
+        if used[kind] != len(given):
+            raise ValueError(f"prompt has {used[kind]} {kind}s but {len(given)} grids were given")
     positions = torch.cat(pieces, dim=1) if pieces else torch.zeros((3, 0), dtype=torch.int64)
-    delta = int(positions.max()) + 1 - len(ids) if len(ids) else 0
+    delta = int(positions.max()) + 1 - len(token_ids) if token_ids else 0
     return MRopePositions(positions=positions.contiguous(), delta=delta)
 
 

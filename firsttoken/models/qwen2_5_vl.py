@@ -4,14 +4,18 @@ window attention (qwen2_5_vl_vision); the family's config parsing and value (``Q
 What is Qwen2-VL's and reused as is: the language model (``Qwen2VLModel``), the image processor (14-px patches,
 2 x 2 merge, CLIP mean/std, the same preprocessor_config.json), M-RoPE positions for images (transformers'
 ``get_rope_index`` gives image frames a time step of 1, as Qwen2-VL's), and the checkpoint names, with the vision
-MLP's gate/up stacked like the decoder's. Not served: video (its time positions follow ``tokens_per_second`` and the
-clip's frame rate, which images never use), and the decoder's sliding window (refused by ``parse_config``).
+MLP's gate/up stacked like the decoder's. Its own: video positions, whose temporal grid g sits at time
+floor(g * tokens_per_second * second_per_grid_t) (``positions``). Not served: the decoder's sliding window (refused by
+``parse_config``).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
+
+import torch
 
 from firsttoken.models.config import (
     ConfigError,
@@ -21,6 +25,7 @@ from firsttoken.models.config import (
     text_and_vision_dicts,
 )
 from firsttoken.models.family import ModelFamily
+from firsttoken.models.mrope import Grid, MRopePositions, vision_positions
 from firsttoken.models.qwen2_5_vl_checkpoint import CHECKPOINT_RECIPE
 from firsttoken.models.qwen2_5_vl_vision import Qwen25VisionTransformer, merged_window_side, window_attention_units
 from firsttoken.models.qwen2_vl import QWEN_VL_WEIGHTS, Qwen2VLModel, decoder_layout
@@ -36,6 +41,7 @@ DEFAULT_NUM_HEADS = 16
 DEFAULT_INTERMEDIATE_SIZE = 3420
 DEFAULT_WINDOW_SIZE = 112
 DEFAULT_FULLATT_BLOCK_INDEXES = (7, 15, 23, 31)
+DEFAULT_TOKENS_PER_SECOND = 4  # the releases write 2
 
 
 def vision_config(v: dict[str, Any], lm_hidden_size: int) -> VisionConfig:
@@ -55,6 +61,7 @@ def vision_config(v: dict[str, Any], lm_hidden_size: int) -> VisionConfig:
         hidden_act=str(vr.get("hidden_act", "silu")),
         window_size=int(vr.get("window_size", DEFAULT_WINDOW_SIZE)),
         fullatt_block_indexes=tuple(int(i) for i in vr.get("fullatt_block_indexes", DEFAULT_FULLATT_BLOCK_INDEXES)),
+        tokens_per_second=float(vr.get("tokens_per_second", DEFAULT_TOKENS_PER_SECOND)),
     )
     theta = float((v.get("rope_parameters") or {}).get("rope_theta", VISION_ROPE_THETA))
     if theta != VISION_ROPE_THETA:
@@ -85,6 +92,24 @@ def parse_config(d: dict[str, Any], preprocessor: dict[str, Any] | None) -> Mode
     return replace(base, family=QWEN2_5_VL_NAME, vision=vision_config(v, base.hidden_size))
 
 
+def positions(
+    input_ids: Sequence[int],
+    image_grid_thw: Sequence[Grid],
+    config: ModelConfig,
+    video_grid_thw: Sequence[Grid] = (),
+    second_per_grid_ts: Sequence[float] = (),
+) -> MRopePositions:
+    """Qwen2.5-VL's positions: video k steps ``tokens_per_second * second_per_grid_ts[k]`` per temporal grid (1 s per
+    grid when ``second_per_grid_ts`` is empty). transformers' processor hands ``second_per_grid_ts`` over as a float32
+    tensor, so the step and ``arange(t) * step`` are float32 products truncated to int64: computed the same way here,
+    a fractional step (2 / 1.5 s per grid) lands on the same integer positions."""
+    if second_per_grid_ts and len(second_per_grid_ts) != len(video_grid_thw):
+        raise ValueError(f"{len(second_per_grid_ts)} second_per_grid_ts for {len(video_grid_thw)} videos")
+    seconds = second_per_grid_ts or [1.0] * len(video_grid_thw)
+    steps = [torch.tensor(s, dtype=torch.float32) * config.vision.tokens_per_second for s in seconds]
+    return vision_positions(input_ids, image_grid_thw, config, video_grid_thw, steps)
+
+
 QWEN2_5_VL = ModelFamily(
     name=QWEN2_5_VL_NAME,
     architectures=("Qwen2_5_VLForConditionalGeneration",),
@@ -94,5 +119,6 @@ QWEN2_5_VL = ModelFamily(
     weights=QWEN_VL_WEIGHTS,  # the vision MLP's mlp.gate_proj / mlp.up_proj stack into mlp.gate_up_proj as well
     encoder_units=window_attention_units,
     checkpoint=CHECKPOINT_RECIPE,
+    positions=positions,
     decoder_layout=decoder_layout,
 )

@@ -8,12 +8,19 @@ feature k (``ImageEmbeddings.deepstack[k]``) is added to its rows after decoder 
 Qwen2-VL's (images advance the running position by max(h, w) / merge), weight names are the Qwen-VL ones
 (``model.language_model.*``, ``model.visual.*``, ``lm_head``), encoder units one full-attention block each.
 
+Video: transformers' Qwen3VLProcessor replaces each template ``<|video_pad|>`` with, per temporal grid,
+``<{t:.1f} seconds>`` + vision_start + (h/m)(w/m) video pads + vision_end. The chat template (the releases' and
+make-model's) already wraps the pad as ``<|vision_start|><|video_pad|><|vision_end|>``, so the prompt holds that
+outer pair around the per-grid blocks (nested vision_start / vision_end), and every timestamp's text sits between two
+special tokens. ``get_rope_index`` then treats each grid as its own (1, h, w) vision run, timestamps as text.
+
 The MoE variant (Qwen3-VL-30B-A3B, ``Qwen3VLMoeForConditionalGeneration``) is not served: its architecture is not
 listed, so the registry refuses it by name.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -30,6 +37,7 @@ from firsttoken.models.config import (
     vision_token_ids,
 )
 from firsttoken.models.family import ModelFamily
+from firsttoken.models.mrope import Grid, MRopePositions, compute_mrope_positions
 from firsttoken.models.qwen2_vl import QWEN_VL_WEIGHTS, Qwen2VLModel, decoder_layout
 from firsttoken.models.qwen2_vl_vision import full_attention_units
 from firsttoken.models.qwen3_vl_checkpoint import CHECKPOINT_RECIPE
@@ -105,6 +113,35 @@ def parse_config(d: dict[str, Any], preprocessor: dict[str, Any] | None) -> Mode
     )
 
 
+def positions(
+    input_ids: Sequence[int],
+    image_grid_thw: Sequence[Grid],
+    config: ModelConfig,
+    video_grid_thw: Sequence[Grid] = (),
+    second_per_grid_ts: Sequence[float] = (),
+) -> MRopePositions:
+    """Qwen3-VL's positions: a video of (t, h, w) is t runs of (1, h, w) pads, each at time step 0 of its own run (as
+    transformers splits ``video_grid_thw``; per-grid (1, h, w) entries are taken as they are). Time is carried by
+    the timestamp text between runs; ``second_per_grid_ts`` is ignored."""
+    grids = [(1, int(h), int(w)) for t, h, w in video_grid_thw for _ in range(int(t))]
+    return compute_mrope_positions(input_ids, image_grid_thw, config, grids)
+
+
+def video_prompt_tokens(
+    grid_thw: Grid, grid_timestamps_s: Sequence[float], config: ModelConfig, encode: Callable[[str], list[int]]
+) -> list[int]:
+    """Per temporal grid: ``encode("<{t:.1f} seconds>")`` + vision_start + (h/m)(w/m) video pads + vision_end, as
+    Qwen3VLProcessor.replace_video_token writes it. Encoding each timestamp alone equals tokenizing the processor's
+    whole string because special tokens split the text before BPE and each timestamp lies between two of them (the
+    template's vision_start or the previous grid's vision_end before it, the grid's vision_start after)."""
+    t, h, w = grid_thw
+    if len(grid_timestamps_s) != t:
+        raise ValueError(f"video of {t} temporal grids has {len(grid_timestamps_s)} grid timestamps")
+    pads = [config.video_token_id] * (h * w // config.vision.spatial_merge_size**2)
+    frame = [config.vision_start_token_id, *pads, config.vision_end_token_id]
+    return [tok for time_s in grid_timestamps_s for tok in (*encode(f"<{time_s:.1f} seconds>"), *frame)]
+
+
 class Qwen3VLModel(Qwen2VLModel):
     """Qwen2-VL's decoder configured as Qwen3 (see the module docstring) over Qwen3-VL's vision tower."""
 
@@ -121,6 +158,8 @@ QWEN3_VL = ModelFamily(
     weights=replace(QWEN_VL_WEIGHTS, renames=VISION_RENAMES),
     encoder_units=full_attention_units,
     checkpoint=CHECKPOINT_RECIPE,
+    positions=positions,
+    video_prompt_tokens=video_prompt_tokens,
     encoder_bytes_per_token=deepstack_bytes_per_token,
     decoder_layout=decoder_layout,
 )
