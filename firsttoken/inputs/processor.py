@@ -621,11 +621,10 @@ class InputProcessor:
             params = replace(params, grammar=grammar[0])
         images = self._decode_images(ids)  # the first expensive step: every limit has passed
         videos = self._decode_videos(ids)
-        video_args = {}
-        if ids.videos:  # TODO(merge vpos): always
-            video_args = dict(video_grid_thw=[v.plan.grid_thw for v in ids.videos],
-                              second_per_grid_ts=[v.plan.seconds_per_grid for v in ids.videos])
-        mrope = self.family.positions(ids.token_ids, [im.grid_thw for im in images], self.model_config, **video_args)
+        mrope = self.family.positions(
+            ids.token_ids, [im.grid_thw for im in images], self.model_config,
+            video_grid_thw=[v.plan.grid_thw for v in ids.videos],
+            second_per_grid_ts=[v.plan.seconds_per_grid for v in ids.videos])
         vision = self.model_config.vision
         items = [
             ImageItem(
