@@ -16,7 +16,7 @@ import torch
 
 from firsttoken.config import VideoConfig
 from firsttoken.inputs.image import smart_resize
-from firsttoken.inputs.video import VideoPlan, plan_video
+from firsttoken.inputs.video import VideoPlan, load_video, plan_video
 from firsttoken.inputs.video_pixels import (
     grid_rows,
     qwen2_processor_size,
@@ -24,6 +24,7 @@ from firsttoken.inputs.video_pixels import (
     resize_frame,
     video_pixel_values,
 )
+from firsttoken.inputs.video_synth import make_clip
 from firsttoken.models.config import ImageProcessorConfig
 
 ORACLE = Path(__file__).resolve().parents[1] / "fixtures" / "video_oracle"
@@ -182,8 +183,39 @@ def test_frames_not_at_a_patch_multiple_are_refused() -> None:
         video_pixel_values(np.zeros((2, 50, 56, 3), dtype=np.uint8), PROC2)
 
 
+def test_decoded_videos_resize_like_the_processor_given_the_full_size_frames() -> None:
+    clip = make_clip(2.0, 96, 64, fps=6)
+    limits = VideoConfig(video_min_frame_tokens=4, video_max_frame_tokens=8, video_max_tokens=64)
+    resized = load_video(clip, limits, PROC2)
+    full = load_video(clip, limits, PROC2, resize=False)
+    rw, rh = resized.plan.resized_size
+    assert (rh, rw) != full.video.frames.shape[1:3]
+    assert np.array_equal(resized.video.frames, np.stack([resize_frame(f, (rh, rw)) for f in full.video.frames]))
+
+
 def test_qwen3_settings_are_refused_for_a_plan_whose_frames_have_a_side_under_32_px() -> None:
     plan = plan_video(8, 2.0, 300, 20, SMALL, PROC3)
     assert qwen2_processor_size(plan_video(8, 2.0, 300, 20, SMALL, PROC2), PROC2)["shortest_edge"] == 3136
     with pytest.raises(ValueError, match="under 32 px"):
         qwen3_processor_size(plan, PROC3)
+
+
+def test_a_frame_list_resizes_like_the_processor_given_the_full_size_frames() -> None:
+    import io
+
+    from PIL import Image
+
+    from firsttoken.inputs.video import decode_frame_list, plan_frame_list
+
+    rng = np.random.default_rng(2)
+    images = [rng.integers(0, 256, size=(45, 70, 3), dtype=np.uint8) for _ in range(3)]
+    data = []
+    for im in images:
+        buf = io.BytesIO()
+        Image.fromarray(im).save(buf, format="PNG")
+        data.append(buf.getvalue())
+    plan = plan_frame_list(data, SMALL, PROC2)
+    rw, rh = plan.resized_size
+    video = decode_frame_list(data, plan, SMALL)
+    want = np.stack([resize_frame(images[i], (rh, rw)) for i in plan.frame_indices])
+    assert (rh, rw) != (45, 70) and np.array_equal(video.frames, want)
