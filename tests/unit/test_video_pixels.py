@@ -79,14 +79,15 @@ def test_pixel_values_equal_the_processors_bit_for_bit(name: str) -> None:
 
 
 def test_the_fixtures_cover_what_makes_pixels_differ() -> None:
-    metas = {c: load_case(c)["meta"] for c in CASES}
-    grown = [c for c, m in metas.items() if m["resized_hw"][0] * m["resized_hw"][1] > 0 and
-             m["resized_hw"][0] > load_case(c)["frames"].shape[1]]
-    shrunk = [c for c in CASES if metas[c]["resized_hw"][0] < load_case(c)["frames"].shape[1]]
-    padded = [c for c in CASES if load_case(c)["frames"].shape[0] % metas[c]["temporal_patch_size"]]
-    assert grown and shrunk and padded
-    assert {m["family"] for m in metas.values()} == {"qwen2", "qwen3"}
-    assert any(m["default_size"] for m in metas.values() if m["family"] == "qwen2")
+    cases = [load_case(c) for c in CASES]
+    source_hw = [c["frames"].shape[1:3] for c in cases]
+    resized_hw = [tuple(c["meta"]["resized_hw"]) for c in cases]
+    assert any(r[0] * r[1] > s[0] * s[1] for r, s in zip(resized_hw, source_hw))  # enlarged
+    assert any(r[0] * r[1] < s[0] * s[1] for r, s in zip(resized_hw, source_hw))  # shrunk
+    assert any(r == s for r, s in zip(resized_hw, source_hw))  # not resized: every byte value normalised
+    assert any(c["frames"].shape[0] % c["meta"]["temporal_patch_size"] for c in cases)  # temporal padding
+    assert {c["meta"]["family"] for c in cases} == {"qwen2", "qwen3"}
+    assert {c["meta"]["family"] for c in cases if c["meta"]["default_size"]} == {"qwen2", "qwen3"}
 
 
 @pytest.mark.parametrize("name", sorted(PLAN_CASES))
