@@ -16,7 +16,8 @@ Three stages, each reading less than the next would (docs/video.md):
    (``video_max_tokens``; frames shrink toward the per-frame minimum first, then the count drops), and a decode
    that seeks to the latest key frame before each sampled frame only when that skips work, converts only the
    sampled frames, resizes each to the plan's size as it comes out of the decoder (one full-size frame held at a
-   time), and checks a deadline between frames. The container is closed on every way out.
+   time; ``video_pixels.resize_frame``, bit-identical to transformers' video processors), and checks a deadline
+   between frames. The container is closed on every way out.
 
 A video may also be a list of frames (images, as vLLM accepts): ``plan_frame_list`` / ``decode_frame_list``, under
 the same caps; every frame is probed (``probe_image``) before any is decoded.
@@ -40,7 +41,6 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
-from PIL import Image
 
 from firsttoken.config import VideoConfig
 from firsttoken.inputs.image import (
@@ -52,6 +52,7 @@ from firsttoken.inputs.image import (
     probe_image,
     smart_resize,
 )
+from firsttoken.inputs.video_pixels import resize_frame
 from firsttoken.models.config import ImageProcessorConfig
 
 # qwen-vl-utils 0.0.14 (vision_process.py): the sampling rules this module reproduces.
@@ -547,15 +548,15 @@ def decode_video(
 
 
 def _convert(be: PyAVBackend, frame, shape: tuple[int, int], resize: bool) -> np.ndarray:
-    """One decoded frame to RGB uint8 at ``shape`` (h, w): PIL's bicubic resize, as the image path uses."""
+    """One decoded frame to RGB uint8 at ``shape`` (h, w), resized as transformers' video processors do
+    (``resize_frame``: torchvision's antialiased bicubic on uint8)."""
     rgb = frame.to_ndarray(format="rgb24")
     be.frames_converted += 1
     be._hold(1)
     try:
         if not resize or rgb.shape[:2] == shape:
             return rgb
-        h, w = shape
-        return np.asarray(Image.fromarray(rgb).resize((w, h), Image.Resampling.BICUBIC))
+        return resize_frame(rgb, shape)
     finally:
         del rgb
         be._hold(-1)
@@ -664,9 +665,8 @@ def decode_frame_list(
         if image.size != (w0, h0):
             raise VideoInputError("invalid_video", f"frame {i + 1} decoded at {image.size[0]}x{image.size[1]}, not "
                                                    f"the {w0}x{h0} its header declares")
-        if resize and (rw, rh) != image.size:
-            image = image.resize((rw, rh), Image.Resampling.BICUBIC)
-        out[k] = np.asarray(image)
+        rgb = np.asarray(image)  # [h0, w0, 3] uint8
+        out[k] = resize_frame(rgb, shape) if resize else rgb
         last = (i, out[k])
     return DecodedVideo(out, plan, [i / plan.source_fps for i in plan.frame_indices])
 
