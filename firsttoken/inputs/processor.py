@@ -63,6 +63,7 @@ from firsttoken.inputs.video import (
     plan_frame_list,
     plan_video_bytes,
 )
+from firsttoken.inputs.video_pixels import video_pixel_values
 from firsttoken.inputs.prompt import (
     ChatPrompt,
     ImagePart,
@@ -557,8 +558,6 @@ class InputProcessor:
         key = video_bytes_key(video.sources, plan.frame_indices, plan.resized_size)
 
         def build() -> ProcessedVideo:
-            from firsttoken.inputs.video_pixels import video_pixel_values  # TODO(merge vpix): top-level import
-
             if video.header is None:
                 decoded = decode_frame_list(video.sources, plan, self.videos, self.images.max_image_pixels)
             else:

@@ -95,7 +95,7 @@ def answer(live: LiveServer, messages: list[dict]) -> tuple[tuple[str, int], dic
 @pytest.mark.parametrize("with_image", [False, True], ids=["text+video", "video+image"])
 def test_video_answers_as_transformers_does(live: LiveServer, family_dir: Path, with_image: bool) -> None:
     data = clip()
-    image = make_image(80, 56)
+    image = make_image(320, 256)  # above every family processor's default minimum size (Qwen3-VL's: 65,536 pixels)
     parts = [video_part(data)] + ([{"type": "image_url", "image_url": {"url": image_data_url(image)}}]
                                   if with_image else [])
     messages = [{"role": "user", "content": [*parts, {"type": "text", "text": "What happens in this clip?"}]}]
