@@ -34,6 +34,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from firsttoken.api.protocol import ErrorInfo, ErrorResponse, FieldError
 from firsttoken.inputs.image import ImageInputError
 from firsttoken.inputs.processor import AdmissionRefused, InputError
+from firsttoken.inputs.video import VideoInputError
 from firsttoken.quoting import ELLIPSIS, printable, quote
 
 RETRY_AFTER_S = 1  # what a 429 from a full lane queue tells clients to wait, in seconds
@@ -177,8 +178,9 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(ImageInputError)
     async def _image(request: Request, exc: ImageInputError) -> JSONResponse:
-        request.scope[REJECT_REASON_KEY] = f"image_{exc.code}"
-        return error_response(400, f"invalid image ({exc.code}): {exc}", exc.param or "messages")
+        noun = "video" if isinstance(exc, VideoInputError) else "image"
+        request.scope[REJECT_REASON_KEY] = f"{noun}_{exc.code}"
+        return error_response(400, f"invalid {noun} ({exc.code}): {exc}", exc.param or "messages")
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
