@@ -263,3 +263,24 @@ def test_every_prompt_position_matches_transformers_in_chunks_of_7(model_dir, co
     print(f"{name}: max|Δlogprob| {(got - want).abs().max().item():.2e}")
     assert torch.allclose(got, want, atol=LOGPROB_TOL)
     assert [[t for t, _ in lp.top] for lp in scored] == expected.topk(2, dim=-1).indices.tolist()
+
+
+def test_a_still_video_encodes_one_grid_and_serves_it_at_every_grid(model_dir, config, tokenizer, hf_model):
+    # equal pixels in every grid: equal content hashes at different offsets in one request. The tower runs once;
+    # every grid's tokens take its rows, and the prefix cache keys them apart by offset
+    t, h, w = VIDEO
+    rows = random_rows(config, (1, h, w), seed=5)
+    prompt = build_prompt(config, tokenizer, [9, Part(VIDEO_KIND, VIDEO, rows.repeat(t, 1)), 4], seed=8)
+    request = engine_request(hf_model, config, prompt, "still")
+    assert len({im.content_hash for im in request.images}) == 1
+    engine = make_engine(model_dir, 7)
+    scored = engine_prompt_logprobs(engine, request)
+    assert engine.stats().num_images_encoded == 1
+    with torch.no_grad():
+        logits = hf_model(input_ids=torch.tensor([prompt.ids]), mm_token_type_ids=token_types(config, prompt.ids),
+                          **prompt.hf_inputs(config.family)).logits[0]
+    expected = torch.log_softmax(logits.float(), dim=-1)
+    want = expected[torch.arange(len(prompt.ids) - 1), torch.tensor(prompt.ids[1:])]
+    assert torch.allclose(torch.tensor([lp.logprob for lp in scored]), want, atol=LOGPROB_TOL)
+    assert run(make_engine(model_dir, 13), [replace(request, request_id="again")])["again"] == reference_ids(
+        hf_model, config, prompt)
