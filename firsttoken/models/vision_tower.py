@@ -8,7 +8,7 @@ signature) -> ``merger``. Between ``start_encode`` and ``finish_encode`` its row
 each block. What a family changes is a hook:
 
     encoder_units(vision, grid)    the family's units (a static function, also the scheduler's)
-    layout(grids, device)          row order and attention segments (default: processor order, one segment an image)
+    layout(grids, device)          row order and attention segments (default: processor order, one segment a frame)
     embed(pixel_values, grids)     patch rows -> [num_patches, embed_dim] (default: ``patch_embed``)
     block_feature(block, hidden)   a tensor to keep from a block's output, or None (Qwen3-VL's DeepStack features)
 
@@ -52,9 +52,10 @@ class RowLayout(Protocol):
 
 @dataclass(frozen=True)
 class ImageSegments:
-    """The processor's order; every block attends within each image (Qwen2-VL, Qwen3-VL)."""
+    """The processor's order; every block attends within each frame (temporal grid) of each image (Qwen2-VL,
+    Qwen3-VL)."""
 
-    image_rows: list[int]  # patch rows per image
+    frame_rows: list[int]  # patch rows per temporal grid (h * w), images back to back
 
     def reorder(self, rows: torch.Tensor) -> torch.Tensor:
         return rows
@@ -63,7 +64,7 @@ class ImageSegments:
         return tokens
 
     def segments(self, block: int) -> list[int]:
-        return self.image_rows
+        return self.frame_rows
 
 
 @dataclass
@@ -129,7 +130,7 @@ class VisionTower(nn.Module):
     # ---------------------------------------------------------------- hooks
 
     def layout(self, grids: Sequence[Grid], device: torch.device) -> RowLayout:
-        return ImageSegments([t * h * w for t, h, w in grids])
+        return ImageSegments([h * w for t, h, w in grids for _ in range(t)])
 
     def embed(self, pixel_values: torch.Tensor, grids: Sequence[Grid]) -> torch.Tensor:
         return self.patch_embed(pixel_values)
