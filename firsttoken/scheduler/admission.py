@@ -24,7 +24,7 @@ from firsttoken.scheduler.lanes import LONG, LONG_MIN_SHARE, SHORT, route_lane
 from firsttoken.scheduler.request import Request
 from firsttoken.scheduler.step import StepDraft
 from firsttoken.scheduler.ttft_bias import TtftBias
-from firsttoken.types import AdmissionVerdict, PromptWork
+from firsttoken.types import AdmissionVerdict, PromptWork, count_videos
 
 
 @dataclass(frozen=True)
@@ -127,7 +127,7 @@ class Admission:
                 429,
             )
         raw = self._predict(work, pending)
-        bias = self.ttft_bias.factor(work.num_images)
+        bias = self.ttft_bias.factor(work.num_images, work.num_videos)
         predicted = None if raw is None else raw[0] * bias
         slo = self.objectives.get(work.request_class)
         if slo is not None and predicted is not None and predicted > slo:
@@ -151,22 +151,23 @@ class Admission:
         """Seconds from now to this prompt's first token if it were queued now (None before the cost model is
         fitted). Reads only the Backlog snapshot and the bias, so any thread may ask."""
         raw = self._predict(work, pending)
-        return None if raw is None else raw[0] * self.ttft_bias.factor(work.num_images)
+        return None if raw is None else raw[0] * self.ttft_bias.factor(work.num_images, work.num_videos)
 
-    def observe_ttft(self, num_images: int, predicted_s: float, measured_s: float) -> None:
+    def observe_ttft(self, num_images: int, predicted_s: float, measured_s: float, num_videos: int = 0) -> None:
         """A first token: the prediction given at admission against the TTFT measured from arrival."""
-        self.ttft_bias.observe(num_images, predicted_s, measured_s)
+        self.ttft_bias.observe(num_images, predicted_s, measured_s, num_videos)
 
     def observe_first_token(self, req: Request, sample_done_s: float) -> None:
         """The request's first token was sampled at ``sample_done_s``: the prediction its admission gave (if any)
         learns its error."""
         er = req.engine_request
         if er.predicted_ttft_s is not None:
-            self.observe_ttft(len(er.images), er.predicted_ttft_s, sample_done_s - er.arrival_s)
+            self.observe_ttft(len(er.images), er.predicted_ttft_s, sample_done_s - er.arrival_s,
+                              count_videos(er.images))
 
     def objective_at(self, req: Request) -> float:
         """When the request's class objective (--ttft-slo) runs out, on the scheduler's clock (inf: none)."""
-        slo = self.objectives.get("image" if req.images else "text")
+        slo = self.objectives.get("video" if count_videos(req.images) else "image" if req.images else "text")
         return math.inf if slo is None else min(req.engine_request.arrival_s, req.queued_s) + slo
 
     # ---- the snapshot, after every step ----------------------------------------------------------------------

@@ -33,17 +33,17 @@ class TtftBias:
         self.max_log = math.log(max_factor)
         self._log: dict[str, float] = {}  # class -> log of its factor, within the bounds
 
-    def observe(self, num_images: int, predicted_s: float, measured_s: float) -> None:
+    def observe(self, num_images: int, predicted_s: float, measured_s: float, num_videos: int = 0) -> None:
         """One first token: its class, the prediction given at admission, the TTFT measured from arrival."""
         if self.step <= 0 or not (predicted_s > 0 and measured_s > 0) or measured_s == predicted_s:
             return
-        key = image_class(num_images)
+        key = image_class(num_images, num_videos)
         log = self._log.get(key, 0.0) + (self.step if measured_s > predicted_s else -self.step)
         self._log[key] = max(-self.max_log, min(self.max_log, log))
 
-    def factor(self, num_images: int) -> float:
+    def factor(self, num_images: int, num_videos: int = 0) -> float:
         """What a raw prediction for this class is multiplied by (1.0 before its first observation)."""
-        return math.exp(self._log.get(image_class(num_images), 0.0))
+        return math.exp(self._log.get(image_class(num_images, num_videos), 0.0))
 
     def as_dict(self) -> dict[str, float]:
         """class -> its factor, for the classes seen so far (/stats, /metrics)."""
