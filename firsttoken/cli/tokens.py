@@ -96,7 +96,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     for f in config_flags(VideoConfig):
         if f.field_name == "max_videos_per_request":  # a request's limit; each file here is one video
             continue
-        videos.add_argument(f.flag, dest=f.dest, type=f.parse, default=f.default, metavar="N" if f.parse is int else "X",
+        videos.add_argument(f.flag, dest=f.dest, type=f.parse, default=f.default,
+                            metavar="N" if f.parse is int else "X",
                             help=f"{f.help} (default: {f.shown})")
     p.set_defaults(handler=run)
 

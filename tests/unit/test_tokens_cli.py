@@ -44,7 +44,8 @@ def test_tokens_counts_a_video_from_its_header_and_honours_the_video_flags(tmp_p
     assert "1024x1024      980x980     1225     1280" in table and "total: 1645 visual tokens" in table
     assert main(["tokens", str(clip), "--video-fps", "1", "--video-max-tokens", "256", "--json"]) == 0
     (video,) = json.loads(capsys.readouterr().out)["videos"]
-    assert (video["source_frames"], video["num_frames"], video["num_tokens"], video["budget_tokens"]) == (30, 4, 176, 256)
+    counted = (video["source_frames"], video["num_frames"], video["num_tokens"], video["budget_tokens"])
+    assert counted == (30, 4, 176, 256)
     assert video["duration_s"] == 3.0 and video["resized_size"] == [308, 224]
 
 
