@@ -1,7 +1,8 @@
 """What an operator sees of a running server: /metrics, /stats, /dashboard, the request log, API-key auth.
 
     GET /metrics    Prometheus text (firsttoken_* families, one registry per app; metrics/prometheus.py)
-    GET /stats      P50/P95/P99 of TTFT and each phase over the sliding window, per image class, plus live
+    GET /stats      P50/P95/P99 of TTFT and each phase over the sliding window, per request class (0, 1, 2+
+                    images, or video: metrics/window.py IMAGE_CLASSES), plus live
                     engine gauges and cache hit rates (metrics/window.py), as JSON
     GET /dashboard  one self-contained HTML page (inline JS/CSS, canvas charts) that polls /stats
 

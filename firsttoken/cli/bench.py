@@ -28,9 +28,15 @@ def add_parser(subparsers: Any) -> None:
     w.add_argument("--workload", choices=("seed-mix", "text", "multiturn"), default="seed-mix")
     w.add_argument("--workload-file", help="JSONL, one chat request body per line (overrides --workload)")
     w.add_argument("--mix", type=parse_mix, default=parse_mix("text=0.5,1img=0.3,3img=0.2"),
-                   help="seed-mix classes and weights (default text=0.5,1img=0.3,3img=0.2)")
+                   help="seed-mix classes and weights: text, Nimg (N images), video (one synthetic clip) "
+                        "(default text=0.5,1img=0.3,3img=0.2)")
     w.add_argument("--image-size", type=parse_size, default=(1024, 1024), help="WIDTHxHEIGHT (default 1024x1024)")
     w.add_argument("--image-format", choices=("jpeg", "png"), default="jpeg")
+    w.add_argument("--video-seconds", type=float, default=4.0,
+                   help="the video class's clip length, seconds (default 4; sent as a data:video/mp4 video_url)")
+    w.add_argument("--video-size", type=parse_size, default=(640, 360),
+                   help="the video class's frame size, WIDTHxHEIGHT, both even (default 640x360)")
+    w.add_argument("--video-fps", type=int, default=24, help="the video class's frame rate (default 24)")
     w.add_argument("--text-tokens", type=int, default=800, help="text-only prompt length, roughly (default 800)")
     w.add_argument("--image-text-tokens", type=int, default=32, help="words beside the images (default 32)")
     w.add_argument("--output-tokens", type=int, default=128, help="max_tokens (default 128)")
@@ -82,6 +88,7 @@ def run(args: argparse.Namespace) -> int:
             url=args.url, model=args.model,
             workload="file" if args.workload_file else args.workload, workload_file=args.workload_file,
             mix=args.mix, image_size=args.image_size, image_format=args.image_format,
+            video_seconds=args.video_seconds, video_size=args.video_size, video_fps=args.video_fps,
             text_tokens=args.text_tokens, image_text_tokens=args.image_text_tokens,
             output_tokens=args.output_tokens, ignore_eos=args.ignore_eos, turns=args.turns,
             multiturn_images=args.multiturn_images, rate=args.rate, utilization=args.utilization,

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from firsttoken.cli.usage import UsageError, from_config_error, read_config_json
-from firsttoken.config import QUANTIZATIONS
+from firsttoken.config import QUANTIZATIONS, VideoConfig
 from firsttoken.tools.plan import (
     DTYPE_BYTES,
     MEMORY_UTILIZATION,
@@ -17,6 +17,7 @@ from firsttoken.tools.plan import (
     PlanInputs,
     format_plan,
     make_plan,
+    video_tokens_at_most,
 )
 from firsttoken.units import format_size, parse_bytes
 
@@ -46,6 +47,13 @@ def add_parser(subparsers: Any) -> None:
     parser.add_argument("--images-per-request", type=int, default=_DEFAULTS.images_per_request)
     parser.add_argument("--image-tokens", type=int, default=_DEFAULTS.image_tokens,
                         help="visual-token budget per image")
+    parser.add_argument("--videos-per-request", type=int, default=_DEFAULTS.videos_per_request)
+    parser.add_argument("--video-tokens", type=int, default=None,
+                        help="visual tokens per video, as serve --video-max-tokens caps them (default: "
+                             f"{_DEFAULTS.video_tokens}, serve's cap, or what --video-seconds can cost within it)")
+    parser.add_argument("--video-seconds", type=float, default=None,
+                        help="clip length: a video costs at most its sampled frames at serve's 2 fps in two-frame "
+                             "grids of at most 768 tokens, within --video-tokens")
     parser.add_argument("--output-tokens", type=int, default=_DEFAULTS.output_tokens)
     parser.add_argument("--template-overhead-tokens", type=int, default=None,
                         help="chat-template tokens per request (default: 21 + 2 per image)")
@@ -80,6 +88,8 @@ def run(args: argparse.Namespace) -> int:
             text_tokens=args.text_tokens,
             images_per_request=args.images_per_request,
             image_tokens=args.image_tokens,
+            videos_per_request=args.videos_per_request,
+            video_tokens=_video_tokens(args),
             output_tokens=args.output_tokens,
             dtype=args.dtype,
             quantization=args.quantization,
@@ -110,6 +120,20 @@ def run(args: argparse.Namespace) -> int:
         except OSError as exc:
             raise UsageError("--json", args.json, f"cannot write it ({exc.strerror or exc})") from None
     return 0
+
+
+def _video_tokens(args: argparse.Namespace) -> int:
+    """Per-video tokens: the budget serve would take as --video-max-tokens, lowered to what --video-seconds costs."""
+    budget = _DEFAULTS.video_tokens if args.video_tokens is None else args.video_tokens
+    try:
+        video = VideoConfig(video_max_tokens=budget)  # serve's check: at least one two-frame grid
+    except ValueError as exc:
+        raise UsageError("--video-tokens", budget, str(exc).removeprefix("video_max_tokens ")) from None
+    if args.video_seconds is None:
+        return budget
+    if not args.video_seconds > 0:
+        raise UsageError("--video-seconds", args.video_seconds, "must be > 0")
+    return video_tokens_at_most(args.video_seconds, video)
 
 
 def _size(flag: str, text: str | None, default: int | None = None) -> int | None:

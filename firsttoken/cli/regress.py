@@ -1,7 +1,9 @@
 """``firsttoken regress``: answers under each visual-token budget vs the largest budget's (see tools/regress.py).
 
 With ``--url`` it asks that server; without, it starts our server in-process on a loopback port (float32 by
-default, so greedy answers are exact) with ``--image-max-tokens`` = the largest budget.
+default, so greedy answers are exact) with ``--image-max-tokens`` = the largest budget (and ``--video-max-tokens``
+= the largest video budget). Images and videos are separate reports; with both, the JSON is the images' report
+with the videos' under ``"videos"``.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from firsttoken.cli.usage import (
     existing_file,
     first_line,
 )
+from firsttoken.config import VideoConfig
 
 
 def parse_budgets(text: str) -> list[int]:
@@ -40,13 +43,22 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="answer agreement across visual-token budgets (exit 1 below --min-agreement)",
         description=__doc__.split("\n\n")[0],
     )
-    p.add_argument("--images", type=Path, required=True, help="directory of images")
+    p.add_argument("--images", type=Path, default=None, help="directory of images")
+    p.add_argument("--videos", type=Path, default=None,
+                   help="directory of videos (.mp4, .webm, .mkv, .mov, .avi), each asked alone like an image")
     p.add_argument("--prompts", type=Path, required=True, help="text file, one prompt per line")
     p.add_argument(
         "--budgets",
         type=parse_budgets,
         default=[4096, 1200, 400],
         help="comma-separated visual tokens per image (default 4096,1200,400); the largest is the reference",
+    )
+    p.add_argument(
+        "--video-budgets",
+        type=parse_budgets,
+        default=[4096, 1024, 256],
+        help="comma-separated visual tokens per video (default 4096,1024,256: serve's cap down to two grids at "
+             f"their smallest; at least {VideoConfig().video_min_frame_tokens}); the largest is the reference",
     )
     p.add_argument("--url", default=None, help="server root (default: start one in-process)")
     p.add_argument(
@@ -62,7 +74,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 @contextmanager
-def in_process_server(model: str | None, dtype: str, image_max_tokens: int, no_caches: bool = False) -> Iterator[str]:
+def in_process_server(model: str | None, dtype: str, image_max_tokens: int, no_caches: bool = False,
+                      video_max_tokens: int | None = None) -> Iterator[str]:
     """Our server on a free loopback port, engine thread included; yields its URL."""
     import httpx
     import uvicorn
@@ -78,6 +91,7 @@ def in_process_server(model: str | None, dtype: str, image_max_tokens: int, no_c
         port=port,
         kv_cache_memory=256 * 2**20,
         image_max_tokens=image_max_tokens,
+        video_max_tokens=video_max_tokens or VideoConfig().video_max_tokens,
         max_input_tokens=None,
         no_prefix_cache=no_caches,
         no_encoder_cache=no_caches,
@@ -108,14 +122,27 @@ def run(args: argparse.Namespace) -> int:
         ChatServer,
         format_report,
         list_images,
+        list_videos,
         read_prompts,
         run_regress,
     )
 
-    try:
-        images = list_images(existing_dir("--images", args.images))
-    except ValueError as exc:
-        raise UsageError("--images", args.images, str(exc)) from None
+    if args.images is None and args.videos is None:
+        raise UsageError("--images", None, "give --images DIR, --videos DIR or both")
+    images: list[Path] = []
+    videos: list[Path] = []
+    for flag, directory, lister, out in (("--images", args.images, list_images, images),
+                                         ("--videos", args.videos, list_videos, videos)):
+        if directory is None:
+            continue
+        try:
+            out.extend(lister(existing_dir(flag, directory)))
+        except ValueError as exc:
+            raise UsageError(flag, directory, str(exc)) from None
+    least = VideoConfig().video_min_frame_tokens
+    if videos and min(args.video_budgets) < least:
+        raise UsageError("--video-budgets", ",".join(map(str, args.video_budgets)),
+                         f"each must be at least {least} (one two-frame grid at its smallest)")
     try:
         prompts = read_prompts(existing_file("--prompts", args.prompts))
     except (ValueError, UnicodeDecodeError) as exc:
@@ -128,14 +155,21 @@ def run(args: argparse.Namespace) -> int:
     def regress(url: str, model: str | None):
         server = ChatServer(url, model, max_tokens=args.max_tokens)
         try:
-            return run_regress(server, images, prompts, args.budgets, args.min_agreement)
+            return ([run_regress(server, images, prompts, args.budgets, args.min_agreement)] if images else []) + (
+                [run_regress(server, videos, prompts, args.video_budgets, args.min_agreement, "video")]
+                if videos else [])
         finally:
             server.close()
 
     if args.url:
-        report = regress(args.url, args.model)
+        reports = regress(args.url, args.model)
     else:
-        with in_process_server(args.model, args.dtype, max(args.budgets)) as url:
-            report = regress(url, None)
-    print(json.dumps(report.to_dict(), indent=2) if args.json else format_report(report))
-    return 0 if report.passed else 1
+        with in_process_server(args.model, args.dtype, max(args.budgets),
+                               video_max_tokens=max(args.video_budgets)) as url:
+            reports = regress(url, None)
+    if args.json:
+        body = reports[0].to_dict() | ({"videos": reports[1].to_dict()} if len(reports) == 2 else {})
+        print(json.dumps(body, indent=2))
+    else:
+        print("\n\n".join(format_report(r) for r in reports))
+    return 0 if all(r.passed for r in reports) else 1

@@ -1,8 +1,11 @@
-"""``firsttoken tokens IMAGE...``: what each image costs in visual tokens under a budget, from headers only.
+"""``firsttoken tokens FILE...``: what each image or video costs in visual tokens under a budget, from headers only.
 
-The same plan the server makes (``inputs/budget.plan_image``): nothing is decoded and no model runs, so it answers
-for a 50-megapixel photo in milliseconds. ``--image-max-tokens 16384`` is Qwen2-VL's reference processor default
-(no budget to speak of); the server's default cap is 1280.
+The same plans the server makes (``inputs/budget.plan_image``, ``inputs/video.plan_video_bytes``): nothing is
+decoded and no model runs, so it answers for a 50-megapixel photo in milliseconds and for a video from its
+container's header and packets (the frames it holds, never their pixels). A file is a video when its first bytes
+are a container's (MP4/MOV, WebM/Matroska, AVI), an image otherwise. ``--image-max-tokens 16384`` is Qwen2-VL's
+reference processor default (no budget to speak of); the server's default cap is 1280. The ``--video-*`` flags
+are ``serve``'s, with its defaults.
 """
 
 from __future__ import annotations
@@ -19,9 +22,10 @@ from firsttoken.cli.usage import (
     parse_model_config,
     read_config_json,
 )
-from firsttoken.config import ImageConfig
+from firsttoken.config import ImageConfig, VideoConfig, build_config, config_flags
 from firsttoken.inputs.budget import image_budget, plan_image
 from firsttoken.inputs.image import ImageInputError, probe_image
+from firsttoken.inputs.video import plan_video_bytes, sniff_container
 from firsttoken.models.config import ImageProcessorConfig
 from firsttoken.models.registry import read_json
 
@@ -40,13 +44,28 @@ class ImageRow:
     error: str | None = None
 
 
+@dataclass(frozen=True)
+class VideoRow:
+    """A video as the server would plan it (its header and packets; no frame decoded)."""
+
+    video: str
+    original_size: tuple[int, int] | None  # (width, height) from the header
+    resized_size: tuple[int, int] | None  # every sampled frame's
+    duration_s: float | None  # source frames / source fps
+    source_frames: int | None  # frames the container holds (its packets)
+    num_frames: int | None  # frames sampled (an even count)
+    num_tokens: int | None  # grids x tokens per grid; the prompt also gets the family's start/end tokens
+    budget_tokens: int
+    error: str | None = None
+
+
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
         "tokens",
         help="visual tokens per image under a budget (headers only, no model)",
         description=__doc__.split("\n\n")[0],
     )
-    p.add_argument("images", nargs="+", type=Path, metavar="IMAGE")
+    p.add_argument("images", nargs="+", type=Path, metavar="FILE", help="images and videos, told by their bytes")
     p.add_argument(
         "--model",
         type=Path,
@@ -73,6 +92,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--max-image-pixels", type=int, default=10**9, help="refuse headers declaring more pixels")
     p.add_argument("--json", action="store_true", help="one JSON object instead of a table")
+    videos = p.add_argument_group("videos (serve's flags and defaults)")
+    for f in config_flags(VideoConfig):
+        if f.field_name == "max_videos_per_request":  # a request's limit; each file here is one video
+            continue
+        videos.add_argument(f.flag, dest=f.dest, type=f.parse, default=f.default,
+                            metavar="N" if f.parse is int else "X",
+                            help=f"{f.help} (default: {f.shown})")
     p.set_defaults(handler=run)
 
 
@@ -91,20 +117,56 @@ def count_images(
     return rows
 
 
-def format_table(rows: list[ImageRow]) -> str:
-    def size(s: tuple[int, int] | None) -> str:
-        return f"{s[0]}x{s[1]}" if s else "-"
+def count_videos(paths: list[Path], limits: VideoConfig, vision: ImageProcessorConfig) -> list[VideoRow]:
+    rows = []
+    for path in paths:
+        try:
+            header, _, plan = plan_video_bytes(path.read_bytes(), limits, vision, param=str(path))
+            rows.append(VideoRow(str(path), plan.original_size, plan.resized_size,
+                                 plan.source_frames / plan.source_fps, plan.source_frames, plan.num_frames,
+                                 plan.num_tokens, plan.budget_tokens))
+        except (OSError, ImageInputError) as err:  # VideoInputError is an ImageInputError
+            rows.append(VideoRow(str(path), None, None, None, None, None, None, limits.video_max_tokens,
+                                 error=str(err)))
+    return rows
 
+
+def is_video(path: Path) -> bool:
+    """Told by the first bytes, as the server tells containers; an unreadable file is left to the image path."""
+    try:
+        with path.open("rb") as f:
+            return sniff_container(f.read(16)) is not None
+    except OSError:
+        return False
+
+
+def _size(s: tuple[int, int] | None) -> str:
+    return f"{s[0]}x{s[1]}" if s else "-"
+
+
+def format_video_table(rows: list[VideoRow]) -> str:
+    width = max(len("video"), *(len(r.video) for r in rows))
+    lines = [f"{'video':<{width}}  {'original':>11}  {'resized':>11}  {'seconds':>8}  {'frames':>6}  "
+             f"{'sampled':>7}  {'tokens':>7}  {'budget':>7}"]
+    for r in rows:
+        if r.error:
+            lines.append(f"{r.video:<{width}}  error: {r.error}")
+            continue
+        lines.append(f"{r.video:<{width}}  {_size(r.original_size):>11}  {_size(r.resized_size):>11}  "
+                     f"{r.duration_s:>8.2f}  {r.source_frames:>6}  {r.num_frames:>7}  {r.num_tokens:>7}  "
+                     f"{r.budget_tokens:>7}")
+    return "\n".join(lines)
+
+
+def format_table(rows: list[ImageRow]) -> str:
     width = max(len("image"), *(len(r.image) for r in rows))
     lines = [f"{'image':<{width}}  {'original':>11}  {'resized':>11}  {'tokens':>7}  {'budget':>7}"]
     for r in rows:
         tokens = str(r.num_tokens) if r.num_tokens is not None else f"error: {r.error}"
         lines.append(
-            f"{r.image:<{width}}  {size(r.original_size):>11}  {size(r.resized_size):>11}  "
+            f"{r.image:<{width}}  {_size(r.original_size):>11}  {_size(r.resized_size):>11}  "
             f"{tokens:>7}  {r.budget_tokens:>7}"
         )
-    total = sum(r.num_tokens or 0 for r in rows)
-    lines.append(f"total: {total} visual tokens (+2 per image for <|vision_start|><|vision_end|>)")
     return "\n".join(lines)
 
 
@@ -122,10 +184,20 @@ def run(args: argparse.Namespace) -> int:
                              image_min_tokens=min(args.image_min_tokens, args.image_max_tokens))
     except ValueError as exc:
         raise from_config_error(exc, args) or UsageError(None, None, str(exc)) from None
-    rows = count_images(args.images, budget, args.detail, vision, args.max_image_pixels)
+    try:
+        limits = build_config(vars(args), VideoConfig)
+    except ValueError as exc:
+        raise from_config_error(exc, args) or UsageError(None, None, str(exc)) from None
+    video_paths = [path for path in args.images if is_video(path)]
+    rows = count_images([path for path in args.images if path not in video_paths], budget, args.detail, vision,
+                        args.max_image_pixels)
+    videos = count_videos(video_paths, limits, vision)
+    total = sum(r.num_tokens or 0 for r in [*rows, *videos])
     if args.json:
-        total = sum(r.num_tokens or 0 for r in rows)
-        print(json.dumps({"images": [asdict(r) for r in rows], "total_visual_tokens": total}, indent=2))
+        print(json.dumps({"images": [asdict(r) for r in rows], "videos": [asdict(r) for r in videos],
+                          "total_visual_tokens": total}, indent=2))
     else:
-        print(format_table(rows))
-    return 1 if any(r.error for r in rows) else 0
+        tables = ([format_table(rows)] if rows else []) + ([format_video_table(videos)] if videos else [])
+        print("\n\n".join(tables))
+        print(f"total: {total} visual tokens (+2 per image or video for its start and end tokens)")
+    return 1 if any(r.error for r in [*rows, *videos]) else 0

@@ -2,7 +2,8 @@
 families at scrape time. It is the only module that imports prometheus_client; the engine never sees it.
 
 One registry per app (``make_registry``), so two servers in one process (tests) never share series. Names are
-``firsttoken_*`` with unit suffixes; per-request histograms carry ``lane`` and ``images`` (0 | 1 | 2+). Beside them,
+``firsttoken_*`` with unit suffixes; per-request histograms carry ``lane`` and ``images``, the request class
+(window.IMAGE_CLASSES: 0 | 1 | 2+ images, or video for a request with any video). Beside them,
 four ``vllm:*`` gauges with vLLM's names and meanings, for gateways that route on them (``VllmCompatCollector``).
 The full list with meanings is in docs/observability.md.
 """
@@ -37,7 +38,7 @@ _REQUEST_HISTOGRAMS: tuple[tuple[str, str, str], ...] = (
     ("itl_s", "firsttoken_inter_token_latency_seconds", "Time between consecutive output tokens of a request."),
     ("e2e_s", "firsttoken_e2e_request_latency_seconds", "Arrival to the engine finishing the request (never before its first byte)."),
     ("prompt_tokens", "firsttoken_request_prompt_tokens", "Prompt tokens per request, visual tokens included."),
-    ("visual_tokens", "firsttoken_request_visual_tokens", "Visual (image) tokens per request."),
+    ("visual_tokens", "firsttoken_request_visual_tokens", "Visual (image and video) tokens per request."),
     ("output_tokens", "firsttoken_request_generation_tokens", "Generated tokens per request."),
 )  # fmt: skip
 
@@ -128,13 +129,14 @@ class FirsttokenCollector:
             "to its first token, by part: handoff (until the engine thread took it), encoder (its vision-tower "
             "work), forward (forwards carrying its "
             "chunks), step_overhead (the rest of its steps), other_steps (steps without its work), idle (between "
-            "steps); per image class.", labels=["images", "part"],
+            "steps); per request class (images: 0, 1, 2+ or video).", labels=["images", "part"],
         )  # fmt: skip
         for (images, part), seconds in sorted(s.first_token_engine_s.items()):
             parts.add_metric([images, part], seconds)
         yield parts
         yield _histogram("firsttoken_ttft_prediction_ratio", "Predicted TTFT at admission / measured TTFT, per "
-                         "image class (1 = exact).", ["images"], {(k,): h for k, h in s.ttft_prediction_ratio.items()})
+                         "request class (1 = exact).", ["images"],
+                         {(k,): h for k, h in s.ttft_prediction_ratio.items()})
         yield _counter("firsttoken_image_budget_lowered", "Requests whose visual-token budget was lowered to meet "
                        "their TTFT objective (--ttft-slo).", c["image_budget_lowered"])  # fmt: skip
         yield _counter("firsttoken_constrained_requests", "Requests whose output was held to a grammar "

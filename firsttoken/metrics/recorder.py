@@ -49,13 +49,14 @@ class RequestRecord:
     finished_unix_s: float
     outcome: str  # stop | length | abort | error
     lane: str
-    images: str  # image class: 0 | 1 | 2+ | video
-    num_images: int
+    images: str  # request class (window.IMAGE_CLASSES): 0 | 1 | 2+ images, or video (any video)
+    num_images: int  # vision items: images and video grids
     num_prompt_tokens: int
     num_image_tokens: int
     num_output_tokens: int
     timings: Mapping[str, float | int | None]  # Timeline.to_dict()
     token_gaps_s: tuple[float, ...] = ()  # seconds between consecutive output tokens (inter-token latency)
+    num_videos: int = 0
 
     @property
     def itl_mean_s(self) -> float | None:
@@ -71,6 +72,7 @@ class RequestRecord:
             "lane": self.lane,
             "images": self.images,
             "num_images": self.num_images,
+            "num_videos": self.num_videos,
             "prompt_tokens": self.num_prompt_tokens,
             "visual_tokens": self.num_image_tokens,
             "output_tokens": self.num_output_tokens,
@@ -363,4 +365,5 @@ def _record_of(
         num_output_tokens=fr.num_output_tokens,
         timings=dict(timings),
         token_gaps_s=gaps,
+        num_videos=fr.num_videos,
     )

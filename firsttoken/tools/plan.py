@@ -8,7 +8,10 @@ contract this module plans for:
     a waiting request is admitted when the pool has ceil(min(prompt + decode_reserve, max_model_len) / block)
     free blocks (whole-prompt admission, prefix cache off), and grows one block per block_size decoded tokens.
 
-So "fits" means: blocks for prompt + reserve, where prompt = text + images x image tokens + template overhead.
+So "fits" means: blocks for prompt + reserve, where prompt = text + images x image tokens + videos x video tokens +
+template overhead. A video's tokens are at most its budget (--video-max-tokens), and at most what a clip of
+``video_seconds`` can cost at serve's sampling (video_fps, at least 4 frames, video_max_frames; each two-frame grid
+at most video_max_frame_tokens): an upper bound, since a small frame costs less.
 num_kv_blocks = kv_cache_memory_bytes // (kv_bytes_per_token x block_size), as the engine sizes its pool.
 
 The pool is either given (``kv_cache_memory_bytes``, what ``serve --kv-cache-memory`` takes) or what a device's
@@ -21,8 +24,9 @@ memory leaves, as vLLM's --gpu-memory-utilization reads it:
       LM step = activations (T tokens x (2 hidden + 2 q + 2 kv + 3 intermediate) x B)
               + attention scores of one chunk (2 x heads x T x max_model_len x B, the CPU SDPA path)
               + logits and probabilities of the sampled rows (2 x rows x vocab x 4 B)
-      vision tower = one image at the budget: patches x (6 width + 2 mlp width (3 if gated)) x B
-    T = --max-batched-tokens, rows = min(peak, T), patches = image tokens x spatial_merge_size^2.
+      vision tower = one vision item at the budget (an image, or a video's two-frame grid: the tower attends within
+                     one): patches x (6 width + 2 mlp width (3 if gated)) x B
+    T = --max-batched-tokens, rows = min(peak, T), patches = the item's tokens x spatial_merge_size^2.
 
 The subtraction and the rounding are firsttoken/device_memory.py's ``kv_pool_from_device``, the function the engine's
 resolve step calls on CUDA with --gpu-memory-utilization (the same default, 0.9), so plan and engine agree by
@@ -40,7 +44,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from firsttoken.config import FLOAT32_ACTIVATIONS, QUANTIZATIONS, CacheConfig, SchedulerConfig
+from firsttoken.config import FLOAT32_ACTIVATIONS, QUANTIZATIONS, CacheConfig, SchedulerConfig, VideoConfig
 from firsttoken.device_memory import GPU_MEMORY_UTILIZATION, DeviceMemoryTooSmall, kv_pool_from_device
 from firsttoken.tools.model_shape import (  # noqa: F401  (re-exported: doctor and the benchmarks read them here)
     DTYPE_BYTES,
@@ -53,12 +57,13 @@ from firsttoken.units import format_bytes, format_size, parse_bytes  # noqa: F40
 
 # Qwen2-VL's chat template around one user turn with the default system prompt:
 # "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\n" ... "<|im_end|>\n
-# <|im_start|>assistant\n" is ~21 tokens with Qwen's tokenizer; each image adds <|vision_start|>, <|vision_end|>.
+# <|im_start|>assistant\n" is ~21 tokens with Qwen's tokenizer; each image or video adds <|vision_start|>,
+# <|vision_end|> (Qwen3-VL's per-grid timestamps in a video are not counted).
 TEMPLATE_BASE_TOKENS = 21
 TEMPLATE_TOKENS_PER_IMAGE = 2
 MEMORY_UTILIZATION = GPU_MEMORY_UTILIZATION  # share of the device's memory the server may use: serve's default
 MIB = 2**20
-_CACHE_DEFAULTS, _SCHEDULER_DEFAULTS = CacheConfig(), SchedulerConfig()  # serve's defaults: one source
+_CACHE_DEFAULTS, _SCHEDULER_DEFAULTS, _VIDEO_DEFAULTS = CacheConfig(), SchedulerConfig(), VideoConfig()  # serve's
 
 
 class DoesNotFit(ValueError):
@@ -67,6 +72,15 @@ class DoesNotFit(ValueError):
 
 def _ceil_div(a: int, b: int) -> int:
     return -(-a // b)
+
+
+def video_tokens_at_most(seconds: float, video: VideoConfig = _VIDEO_DEFAULTS) -> int:
+    """Visual tokens a clip of ``seconds`` costs at most under ``video``: its sampled frames (video_fps, at least 4,
+    at most video_max_frames, an even count) in two-frame grids of at most video_max_frame_tokens each, within
+    video_max_tokens. The frame size decides the rest; only an upper bound is known without the clip."""
+    frames = min(max(4, round(seconds * video.video_fps)), video.video_max_frames)
+    frames -= frames % 2
+    return min(video.video_max_tokens, frames // 2 * video.video_max_frame_tokens)
 
 
 @dataclass(frozen=True)
@@ -80,12 +94,14 @@ class PlanInputs:
     text_tokens: int = 800
     images_per_request: int = 3
     image_tokens: int = 1200  # per-image visual-token budget (--image-max-tokens)
+    videos_per_request: int = 0
+    video_tokens: int = _VIDEO_DEFAULTS.video_max_tokens  # per video (at most --video-max-tokens)
     output_tokens: int = 256
     dtype: str = "bfloat16"
     quantization: str = "none"  # serve --quantization; fp16, int8 and bf16 run float32 activations; auto = none
     block_size: int = _CACHE_DEFAULTS.block_size
     decode_reserve_tokens: int = _SCHEDULER_DEFAULTS.decode_reserve_tokens
-    template_overhead_tokens: int | None = None  # None: TEMPLATE_BASE_TOKENS + 2 per image
+    template_overhead_tokens: int | None = None  # None: TEMPLATE_BASE_TOKENS + 2 per image or video
     max_model_len: int | None = None  # None: prompt + output rounded up to a block
     max_batched_tokens: int | None = None  # None: serve's default, raised to fit one image + a decode per request
     encoder_cache_memory_bytes: int = _CACHE_DEFAULTS.encoder_cache_memory_bytes
@@ -112,8 +128,8 @@ class PlanInputs:
             raise ValueError("peak_concurrency must be >= 1")
         if self.max_batched_tokens is not None and self.max_batched_tokens < 1:
             raise ValueError("max_batched_tokens must be >= 1")
-        for name in ("text_tokens", "images_per_request", "image_tokens", "output_tokens", "decode_reserve_tokens",
-                     "encoder_cache_memory_bytes"):
+        for name in ("text_tokens", "images_per_request", "image_tokens", "videos_per_request", "video_tokens",
+                     "output_tokens", "decode_reserve_tokens", "encoder_cache_memory_bytes"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name.removesuffix('_bytes')} must be >= 0")
 
@@ -121,8 +137,18 @@ class PlanInputs:
     def prompt_tokens(self) -> int:
         overhead = self.template_overhead_tokens
         if overhead is None:
-            overhead = TEMPLATE_BASE_TOKENS + TEMPLATE_TOKENS_PER_IMAGE * self.images_per_request
-        return self.text_tokens + self.images_per_request * self.image_tokens + overhead
+            overhead = TEMPLATE_BASE_TOKENS + TEMPLATE_TOKENS_PER_IMAGE * (self.images_per_request
+                                                                          + self.videos_per_request)
+        return (self.text_tokens + self.images_per_request * self.image_tokens
+                + self.videos_per_request * self.video_tokens + overhead)
+
+    @property
+    def vision_item_tokens(self) -> int:
+        """The largest vision item the tower runs at once: an image at its budget, or one two-frame grid of a
+        video (at most video_max_frame_tokens); 0 without either."""
+        image = self.image_tokens if self.images_per_request else 0
+        grid = min(self.video_tokens, _VIDEO_DEFAULTS.video_max_frame_tokens) if self.videos_per_request else 0
+        return max(image, grid)
 
     @property
     def batched_tokens(self) -> int:
@@ -130,7 +156,7 @@ class PlanInputs:
         running decode, in multiples of 256."""
         if self.max_batched_tokens is not None:
             return self.max_batched_tokens
-        room = _ceil_div(self.image_tokens + self.peak_concurrency, 256) * 256
+        room = _ceil_div(max(self.image_tokens, self.vision_item_tokens) + self.peak_concurrency, 256) * 256
         return max(_SCHEDULER_DEFAULTS.max_batched_tokens, room)
 
 
@@ -140,7 +166,7 @@ class Workspace:
 
     num_batched_tokens: int  # T
     num_sampled_rows: int  # min(peak, T)
-    num_image_patches: int  # one image at the budget
+    num_image_patches: int  # one vision item at the budget (an image, or a video's two-frame grid)
     lm_activation_bytes: int
     lm_attention_scores_bytes: int
     logits_bytes: int
@@ -161,12 +187,12 @@ class Workspace:
         return cls(
             num_batched_tokens=t,
             num_sampled_rows=rows,
-            num_image_patches=shape.vision_patches(inputs.image_tokens) if inputs.images_per_request else 0,
+            num_image_patches=shape.vision_patches(inputs.vision_item_tokens) if inputs.vision_item_tokens else 0,
             lm_activation_bytes=shape.lm_activation_bytes(t, b),
             lm_attention_scores_bytes=shape.lm_attention_scores_bytes(t, max_model_len, b),
             logits_bytes=shape.logits_bytes(rows),
-            vision_activation_bytes=(shape.vision_activation_bytes(inputs.image_tokens, b)
-                                     if inputs.images_per_request else 0),
+            vision_activation_bytes=(shape.vision_activation_bytes(inputs.vision_item_tokens, b)
+                                     if inputs.vision_item_tokens else 0),
         )
 
 
@@ -317,7 +343,7 @@ def make_plan(config: dict[str, Any], inputs: PlanInputs, model_dir: str | Path 
     # Images that fit beside the text at the peak: each costs its budget plus its template tokens
     # (an explicit template overhead is taken as fixed).
     per_image_overhead = TEMPLATE_TOKENS_PER_IMAGE if inputs.template_overhead_tokens is None else 0
-    fixed = prompt - inputs.images_per_request * (inputs.image_tokens + per_image_overhead)
+    fixed = prompt - inputs.images_per_request * (inputs.image_tokens + per_image_overhead)  # videos included
     per_image = inputs.image_tokens + per_image_overhead
     max_images = max(0, (max_prompt - fixed) // per_image) if per_image else 0
 
@@ -333,6 +359,8 @@ def make_plan(config: dict[str, Any], inputs: PlanInputs, model_dir: str | Path 
         "--decode-reserve-tokens": str(inputs.decode_reserve_tokens),
         "--dtype": inputs.dtype,
     }
+    if inputs.videos_per_request:
+        flags["--video-max-tokens"] = str(inputs.video_tokens)
     if inputs.quantization not in UNQUANTIZED:
         flags["--quantization"] = inputs.quantization
     return Plan(
@@ -375,7 +403,8 @@ _QUANTIZED_WEIGHTS = {"fp16": "; LM linear layers x 2 B", "bf16": "; LM linear l
 def _memory_rows(plan: Plan) -> list[tuple[str, str]]:
     """Where the memory goes, one term a row; the pool's row says whether it was given or derived."""
     i, m, w = plan.inputs, plan.memory, plan.workspace
-    image = (f"1 image of {i.image_tokens} tokens = {w.num_image_patches:,} patches" if w.num_image_patches
+    item = "1 image" if i.images_per_request and i.image_tokens >= i.vision_item_tokens else "1 video grid"
+    image = (f"{item} of {i.vision_item_tokens} tokens = {w.num_image_patches:,} patches" if w.num_image_patches
              else "no images")
     terms = [  # (nested under the workspace, label, value)
         (False, f"weights ({plan.num_params:,} params x {DTYPE_BYTES[i.dtype]} B"
@@ -404,6 +433,7 @@ def _memory_rows(plan: Plan) -> list[tuple[str, str]]:
 
 def format_plan(plan: Plan) -> str:
     i = plan.inputs
+    video = i.videos_per_request * i.video_tokens
     rows: list[tuple[str, str]] = [
         ("model", f"{plan.model_type}, {i.dtype}, block {i.block_size} tokens"),
         ("parameters (from config shapes)",
@@ -419,7 +449,8 @@ def format_plan(plan: Plan) -> str:
          f"{plan.seed_kv_bytes_per_token:,} B  ({plan.seed_overstatement:.1f}x overstated)"),
         ("prompt tokens / request",
          f"{plan.prompt_tokens:,} = {i.text_tokens} text + {i.images_per_request} x {i.image_tokens} image "
-         f"+ {plan.prompt_tokens - i.text_tokens - i.images_per_request * i.image_tokens} template"),
+         + (f"+ {i.videos_per_request} x {i.video_tokens} video " if i.videos_per_request else "")
+         + f"+ {plan.prompt_tokens - i.text_tokens - i.images_per_request * i.image_tokens - video} template"),
         ("KV at admission (prompt + reserve)",
          f"{plan.admission_blocks_per_request} blocks = {format_bytes(plan.admission_kv_bytes_per_request)}"),
         ("KV at last token (prompt + output)",
@@ -431,7 +462,8 @@ def format_plan(plan: Plan) -> str:
          + ("" if plan.fits else f"  < peak {i.peak_concurrency}: DOES NOT FIT")),
         ("max concurrency without preemption", str(plan.max_concurrency_without_preemption)),
         (f"largest prompt at peak {i.peak_concurrency}", f"{plan.max_prompt_tokens_at_peak:,} tokens "
-         f"(= {plan.max_images_at_peak} images of {i.image_tokens} beside {i.text_tokens} text tokens)"),
+         f"(= {plan.max_images_at_peak} images of {i.image_tokens} beside {i.text_tokens} text tokens"
+         + (f" and {i.videos_per_request} x {i.video_tokens} video)" if i.videos_per_request else ")")),
     ]
     width = max(len(k) for k, _ in rows)
     lines = [f"{k:<{width}}  {v}" for k, v in rows]

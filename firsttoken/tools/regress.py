@@ -11,6 +11,10 @@ Per budget it also reports the mean visual tokens per image (from /tokenize) and
 ``usage.firsttoken.ttft_s`` when present, else the client's wall time of the whole non-streamed request).
 The verdict fails when any budget's exact agreement is below ``min_agreement``.
 
+Videos run the same way, each alone with each prompt, under their own budgets (per video, sent as
+``video_url.max_visual_tokens``; visual tokens per video from /tokenize's ``videos``): a separate report, since an
+image's and a video's budgets mean different things.
+
 It talks HTTP to any server that honours ``max_visual_tokens`` (ours, by URL); without a URL the caller starts
 our server in-process (``cli/regress.py``), so both paths measure the same thing. Random-weight checkpoints agree
 with themselves only when the model sees the same pixels, so on them the report answers "did the budget change
@@ -32,13 +36,17 @@ from typing import Any
 import httpx
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".gif", ".bmp", ".tif", ".tiff")
+VIDEO_SUFFIXES = (".mp4", ".m4v", ".mov", ".webm", ".mkv", ".avi")
+_VIDEO_MIME = {".mp4": "video/mp4", ".m4v": "video/mp4", ".mov": "video/quicktime", ".webm": "video/webm",
+               ".mkv": "video/x-matroska", ".avi": "video/x-msvideo"}
+MEDIA_PART = {"image": "image_url", "video": "video_url"}  # kind -> the content part (and /tokenize's list: kind + s)
 
 
 @dataclass(frozen=True)
 class Answer:
     text: str
     tokens: tuple[str, ...]
-    visual_tokens: int  # of the one image in the prompt
+    visual_tokens: int  # of the one image (or video) in the prompt
     ttft_s: float
 
 
@@ -57,6 +65,7 @@ class RegressReport:
     reference_budget: int
     budgets: tuple[BudgetReport, ...]
     min_agreement: float | None
+    kind: str = "image"  # image | video: what the budgets are per
 
     @property
     def passed(self) -> bool:
@@ -64,6 +73,7 @@ class RegressReport:
 
     def to_dict(self) -> dict[str, Any]:
         return {
+            "kind": self.kind,
             "reference_budget": self.reference_budget,
             "min_agreement": self.min_agreement,
             "passed": self.passed,
@@ -78,6 +88,13 @@ def list_images(directory: Path) -> list[Path]:
     return images
 
 
+def list_videos(directory: Path) -> list[Path]:
+    videos = sorted(p for p in directory.iterdir() if p.suffix.lower() in VIDEO_SUFFIXES)
+    if not videos:
+        raise ValueError(f"no videos ({', '.join(VIDEO_SUFFIXES)}) in {directory}")
+    return videos
+
+
 def read_prompts(path: Path) -> list[str]:
     prompts = [line.strip() for line in path.read_text().splitlines() if line.strip()]
     if not prompts:
@@ -86,24 +103,26 @@ def read_prompts(path: Path) -> list[str]:
 
 
 def data_url(path: Path) -> str:
-    mime = mimetypes.guess_type(path.name)[0] or "image/png"
+    mime = _VIDEO_MIME.get(path.suffix.lower()) or mimetypes.guess_type(path.name)[0] or "image/png"
     return f"data:{mime};base64," + base64.b64encode(path.read_bytes()).decode()
 
 
 class ChatServer:
     """The two calls regress needs from a server: count (/tokenize) and answer (/v1/chat/completions)."""
 
-    def __init__(self, url: str, model: str | None = None, max_tokens: int = 16, timeout_s: float = 600.0) -> None:
-        self.http = httpx.Client(base_url=url.rstrip("/"), timeout=timeout_s)
+    def __init__(self, url: str, model: str | None = None, max_tokens: int = 16, timeout_s: float = 600.0,
+                 transport: httpx.BaseTransport | None = None) -> None:
+        self.http = httpx.Client(base_url=url.rstrip("/"), timeout=timeout_s, transport=transport)
         self.model = model or self.http.get("/v1/models").raise_for_status().json()["data"][0]["id"]
         self.max_tokens = max_tokens
 
-    def ask(self, image_url: str, prompt: str, budget: int) -> Answer:
+    def ask(self, media_url: str, prompt: str, budget: int, kind: str = "image") -> Answer:
+        part = MEDIA_PART[kind]
         messages = [
             {
                 "role": "user",
                 "content": [
-                    {"type": "image_url", "image_url": {"url": image_url, "max_visual_tokens": budget}},
+                    {"type": part, part: {"url": media_url, "max_visual_tokens": budget}},
                     {"type": "text", "text": prompt},
                 ],
             }
@@ -127,7 +146,7 @@ class ChatServer:
         logprobs = (choice.get("logprobs") or {}).get("content") or []
         tokens = tuple(e["token"] for e in logprobs) if logprobs else tuple(text.split())
         ttft_s = ((body.get("usage") or {}).get("firsttoken") or {}).get("ttft_s") or wall_s
-        return Answer(text, tokens, counted["images"][0]["num_tokens"], ttft_s)
+        return Answer(text, tokens, counted[f"{kind}s"][0]["num_tokens"], ttft_s)
 
     def _post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
         r = self.http.post(path, json=body)
@@ -155,12 +174,14 @@ def run_regress(
     prompts: Sequence[str],
     budgets: Sequence[int],
     min_agreement: float | None = None,
+    kind: str = "image",
 ) -> RegressReport:
+    """Every prompt on every item (images, or videos with ``kind="video"``) under each budget."""
     if not budgets:
         raise ValueError("give at least one budget")
     ordered = sorted(set(budgets), reverse=True)
     urls = [data_url(p) for p in images]
-    answers = {b: [server.ask(u, q, b) for u in urls for q in prompts] for b in ordered}
+    answers = {b: [server.ask(u, q, b, kind) for u in urls for q in prompts] for b in ordered}
     reference = answers[ordered[0]]
     reports = []
     for b in ordered:
@@ -175,12 +196,13 @@ def run_regress(
                 token_overlap=statistics.fmean(token_f1(a.tokens, r.tokens) for a, r in zip(got, reference)),
             )
         )
-    return RegressReport(ordered[0], tuple(reports), min_agreement)
+    return RegressReport(ordered[0], tuple(reports), min_agreement, kind)
 
 
 def format_report(report: RegressReport) -> str:
     lines = [
-        f"{'budget':>7}  {'answers':>7}  {'visual tok/img':>14}  {'mean TTFT s':>11}  {'exact':>6}  {'overlap':>7}"
+        f"{'budget':>7}  {'answers':>7}  {'visual tok/' + ('img' if report.kind == 'image' else 'video'):>14}  "
+        f"{'mean TTFT s':>11}  {'exact':>6}  {'overlap':>7}"
     ]
     for b in report.budgets:
         lines.append(

@@ -255,6 +255,51 @@ def test_same_seed_same_requests_and_image_sizes():
     assert len(text.split()) == 800
 
 
+def test_video_class_is_one_seeded_clip_of_the_asked_length_size_and_rate_in_a_video_url_part():
+    import base64
+
+    from firsttoken.config import VideoConfig
+    from firsttoken.inputs.video import plan_video_bytes
+    from firsttoken.models.config import ImageProcessorConfig
+
+    config = BenchConfig(url="http://x", mix=parse_mix("text=1,video=1"), num_requests=6, seed=5,
+                         video_seconds=1.5, video_size=(96, 64), video_fps=8)
+    a = [Workload(config).session(i).requests[0] for i in range(6)]
+    b = [Workload(config).session(i).requests[0] for i in range(6)]
+    other = [Workload(BenchConfig(**{**config.__dict__, "seed": 6})).session(i).requests[0] for i in range(6)]
+    assert a == b and a != other  # the same seed sends the same bytes
+    videos = [r for r in a if r.cls == "video"]
+    assert videos and all((r.num_videos, r.num_images) == (1, 0) for r in videos)
+    urls = []
+    for r in videos:
+        (message,) = r.body["messages"]
+        video, text = message["content"]
+        assert video["type"] == "video_url" and text["type"] == "text" and len(text["text"].split()) == 32
+        urls.append(video["video_url"]["url"])
+    assert len(set(urls)) == len(urls)  # a clip per session: no accidental encoder-cache hits
+    head, _, data = urls[0].partition(",")
+    assert head == "data:video/mp4;base64"
+    header, _, plan = plan_video_bytes(base64.b64decode(data), VideoConfig(), ImageProcessorConfig())
+    assert (header.width, header.height, header.fps, header.num_frames) == (96, 64, 8.0, 12)
+    assert plan.num_frames == 4  # what the server samples from it at 2 fps (its minimum)
+    assert Workload(config).describe()["video_size"] == "96x64"
+    with pytest.raises(ValueError, match="even"):
+        BenchConfig(url="http://x", video_size=(95, 64))
+
+
+def test_workload_file_bodies_with_video_parts_are_the_video_class(tmp_path: Path):
+    path = tmp_path / "w.jsonl"
+    clip = {"type": "video_url", "video_url": {"url": "file:///clip.mp4"}}
+    frames = {"type": "video", "video": ["data:image/png;base64,AA==", "data:image/png;base64,AA=="]}
+    lines = [{"messages": [{"role": "user", "content": [clip, {"type": "text", "text": "what happens?"}]}]},
+             {"messages": [{"role": "user", "content": [frames]}]},
+             {"messages": [{"role": "user", "content": "hi"}]}]
+    path.write_text("\n".join(json.dumps(x) for x in lines))
+    w = Workload(BenchConfig(url="http://x", workload="file", workload_file=str(path)))
+    assert [(r.cls, r.num_videos) for r in (w.session(i).requests[0] for i in range(3))] == [
+        ("video", 1), ("video", 1), ("0", 0)]
+
+
 def test_big_image_has_requested_size():
     config = BenchConfig(url="http://x", mix=parse_mix("1img=1"), image_size=(1024, 768))
     url = Workload(config).session(0).requests[0].body["messages"][0]["content"][0]["image_url"]["url"]
@@ -272,8 +317,9 @@ def test_sse_parser_framing():
 def test_parse_flags():
     assert parse_mix("text=2,1img=1,3img=1") == (("text", 0.5), ("1img", 0.25), ("3img", 0.25))
     assert parse_size("1024x768") == (1024, 768)
+    assert parse_mix("text=1,video=1") == (("text", 0.5), ("video", 0.5))
     with pytest.raises(ValueError):
-        parse_mix("video=1")
+        parse_mix("audio=1")
     with pytest.raises(ValueError):
         parse_size("big")
 

@@ -116,3 +116,31 @@ def test_cli_text_report_and_bad_input(capsys: pytest.CaptureFixture[str], tmp_p
     out = capsys.readouterr().out
     assert "1. [high]" in out and "--image-max-tokens 1280" in out and "where TTFT goes" in out
     assert main(["doctor", "--metrics-file", str(tmp_path / "missing.txt")]) == 2
+
+
+def test_doctor_shows_the_video_class_beside_the_image_classes() -> None:
+    # a live recorder's /metrics with text, one-image and video traffic: doctor's table, engine-time split and
+    # prediction lines have a video row, and the image-budget evidence leaves the video's tokens out
+    from prometheus_client import generate_latest
+
+    from firsttoken.metrics.prometheus import make_registry
+    from firsttoken.metrics.recorder import Recorder
+    from firsttoken.metrics.stats import EngineSnapshot, FinishedRequest
+    from firsttoken.metrics.window import IMAGE_CLASSES
+    from firsttoken.tools.doctor.report import CLASS_NAMES
+    from tests.unit.fakes import ManualClock
+
+    assert set(CLASS_NAMES) == set(IMAGE_CLASSES)
+    rec = Recorder(window_s=60, clock=ManualClock(1000.0), grace_s=0.0)
+    phases = {"preprocess_s": 0.5, "queue_s": 0.1, "encode_s": 2.0, "prefill_s": 1.0, "sample_s": 0.0, "send_s": 0.0}
+    for rid, images, videos, visual, ttft in (("t", 0, 0, 0, 0.2), ("i", 1, 0, 1000, 1.6), ("v", 3, 1, 3000, 3.6)):
+        t = {**phases, "ttft_s": ttft, "e2e_s": ttft + 1, "predicted_ttft_s": ttft, "forward_s": 1.0}
+        rec.on_finished(FinishedRequest(rid, "stop", visual + 50, visual, images, 8, "long", t, num_videos=videos))
+    engine = EngineSnapshot(0, 100, 0, {"long": 0}, 0, {}, 0, 0, 0, 0, 0)
+    metrics = generate_latest(make_registry(rec, lambda: engine)).decode()
+    for stats in (None, rec.window_snapshot()):
+        report = doctor_from_texts(metrics, stats)
+        shown = format_report(report)
+        assert any(line.split()[:2] == ["video", "1"] for line in shown.splitlines()), shown
+        assert "predicted TTFT video" in shown and report.to_dict()["engine_time_to_first_token_s"]["video"]
+        assert report.obs.visual_tokens_total == 1000  # the image's; the video's 3000 are not

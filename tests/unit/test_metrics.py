@@ -206,3 +206,30 @@ def test_where_each_first_token_time_went_is_summed_per_class_and_doctor_shows_i
     row = next(line for line in shown.splitlines() if line.startswith("1 ") and "|" in line and "8.00" in line)
     # handoff, encoder, forward, step_overhead, other_steps, idle: of 8 s, forward 4 s
     assert row.split() == ["1", "8.00", "|", "0%", "25%", "50%", "12%", "0%", "12%"]
+
+
+def test_a_video_request_is_its_own_class_and_every_per_class_family_shows_it_from_zero():
+    from firsttoken.metrics.window import IMAGE_CLASSES
+
+    clock, log = ManualClock(1000.0), []
+    rec = Recorder(window_s=60, clock=clock, sink=log.append, grace_s=0.0)
+    rec.on_finished(finished("text", 0, ttft=0.1))
+    text = generate_latest(make_registry(rec, lambda: EngineSnapshot(0, 10, 0, {}, 0, {}, 0, 0, 0, 0, 0))).decode()
+    for cls in IMAGE_CLASSES:  # before any video arrives, its series exist at 0 (alerts and dashboards need them)
+        assert f'firsttoken_time_to_first_token_seconds_count{{images="{cls}",lane="short"}}' in text, cls
+        assert f'firsttoken_requests_total{{images="{cls}",lane="short",outcome="stop"}}' in text, cls
+        assert f'firsttoken_request_phase_seconds_count{{images="{cls}",lane="short",phase="encode"}}' in text, cls
+        assert f'firsttoken_first_token_engine_seconds_total{{images="{cls}",part="encoder"}}' in text, cls
+        assert f'firsttoken_ttft_prediction_ratio_count{{images="{cls}"}}' in text, cls
+    # a video of 3 temporal grids beside 1 image: 4 vision items, of class "video" whatever its image count
+    rec.on_finished(FinishedRequest("clip", "stop", 900, 800, 4, 8, "long", timings(6.0), num_videos=1))
+    text = generate_latest(make_registry(rec, lambda: EngineSnapshot(0, 10, 0, {}, 0, {}, 0, 0, 0, 0, 0))).decode()
+    assert 'firsttoken_requests_total{images="video",lane="long",outcome="stop"} 1.0' in text
+    assert 'firsttoken_request_visual_tokens_sum{images="video",lane="long"} 800.0' in text
+    assert 'firsttoken_requests_total{images="2+",lane="long",outcome="stop"} 0.0' in text
+    s = rec.window_snapshot()
+    assert set(s["classes"]) == {"all", *IMAGE_CLASSES}
+    assert s["classes"]["video"]["count"] == 1 and s["classes"]["video"]["ttft_s"]["p50"] == 6.0
+    assert s["classes"]["2+"]["count"] == 0
+    line = log[-1].log_line()
+    assert (line["images"], line["num_images"], line["num_videos"]) == ("video", 4, 1)

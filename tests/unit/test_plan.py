@@ -326,3 +326,37 @@ def test_fp16_plans_for_the_float32_load_peak():
     with pytest.raises(DoesNotFit, match="loading reads the float32 weights first"):
         make_plan(QWEN2_VL_2B, PlanInputs(device_memory_bytes=parse_bytes("9GiB"), peak_concurrency=1,
                                           dtype="float32", quantization="fp16"))
+
+
+def test_videos_count_in_the_prompt_the_vision_item_and_the_flags():
+    from firsttoken.config import VideoConfig
+    from firsttoken.tools.plan import video_tokens_at_most
+
+    base = PlanInputs(peak_concurrency=8, kv_cache_memory_bytes=parse_bytes("24GiB"), images_per_request=1)
+    video = PlanInputs(**{**base.__dict__, "videos_per_request": 1})
+    assert video.video_tokens == VideoConfig().video_max_tokens == 4096  # serve's cap is the default
+    assert video.prompt_tokens == base.prompt_tokens + 4096 + 2  # its tokens and <|vision_start|><|vision_end|>
+    plain, with_video = make_plan(QWEN25_VL_7B, base), make_plan(QWEN25_VL_7B, video)
+    assert with_video.admission_blocks_per_request > plain.admission_blocks_per_request
+    assert with_video.max_concurrency < plain.max_concurrency
+    assert with_video.serve_flags["--video-max-tokens"] == "4096" and "--video-max-tokens" not in plain.serve_flags
+    assert "+ 1 x 4096 video +" in format_plan(with_video)
+    # the tower runs one two-frame grid at a time: a video alone needs a grid's workspace, not 4096 tokens'
+    alone = PlanInputs(**{**video.__dict__, "images_per_request": 0})
+    assert alone.vision_item_tokens == 768
+    # a clip's tokens at most: 2 fps, at least 4 frames, two-frame grids of at most 768, within the budget
+    assert [video_tokens_at_most(s) for s in (1, 3, 4, 60)] == [1536, 2304, 3072, 4096]
+
+
+def test_cli_plans_video_seconds_within_the_video_budget(tmp_path, capsys):
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps(QWEN25_VL_7B))
+    argv = ["plan", "--config", str(cfg), "--kv-cache-memory", "24GiB", "--peak-concurrency", "8",
+            "--images-per-request", "0", "--videos-per-request", "2", "--json", "-"]
+    assert main([*argv, "--video-seconds", "3"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["inputs"]["video_tokens"] == 2304 and data["prompt_tokens"] == 800 + 2 * 2304 + 21 + 4
+    assert main([*argv, "--video-seconds", "3", "--video-tokens", "1000"]) == 0
+    assert json.loads(capsys.readouterr().out)["serve_flags"]["--video-max-tokens"] == "1000"
+    assert main([*argv, "--video-tokens", "50"]) == 2
+    assert "--video-tokens 50: must be >= video_min_frame_tokens" in capsys.readouterr().err

@@ -6,7 +6,7 @@ import re
 from dataclasses import dataclass, field
 
 WORKLOADS = ("seed-mix", "text", "multiturn", "file")
-_CLASS_RE = re.compile(r"^(text|(\d+)img)$")
+_CLASS_RE = re.compile(r"^(text|video|(\d+)img)$")  # video: one synthetic clip (video_seconds, _size, _fps)
 
 
 def parse_mix(text: str) -> tuple[tuple[str, float], ...]:
@@ -15,12 +15,18 @@ def parse_mix(text: str) -> tuple[tuple[str, float], ...]:
     for part in text.split(","):
         name, sep, weight = part.strip().partition("=")
         if not sep or _CLASS_RE.match(name) is None:
-            raise ValueError(f"mix entries look like text=0.5 or 3img=0.2, got {part!r}")
+            raise ValueError(f"mix entries look like text=0.5, 3img=0.2 or video=0.1, got {part!r}")
         pairs.append((name, float(weight)))
     total = sum(w for _, w in pairs)
     if total <= 0 or any(w < 0 for _, w in pairs):
         raise ValueError("mix weights must be >= 0 and not all zero")
     return tuple((n, w / total) for n, w in pairs)
+
+
+def videos_of_class(name: str) -> int:
+    if _CLASS_RE.match(name) is None:
+        raise ValueError(f"unknown class {name!r}")
+    return int(name == "video")
 
 
 def images_of_class(name: str) -> int:
@@ -34,7 +40,7 @@ def parse_size(text: str) -> tuple[int, int]:
     """'1024x768' -> (1024, 768) as (width, height)."""
     w, sep, h = text.lower().partition("x")
     if not sep or not w.isdigit() or not h.isdigit() or int(w) < 1 or int(h) < 1:
-        raise ValueError(f"image size looks like 1024x1024, got {text!r}")
+        raise ValueError(f"a size looks like 1024x1024, got {text!r}")
     return int(w), int(h)
 
 
@@ -47,7 +53,10 @@ class BenchConfig:
     image_size: tuple[int, int] = (1024, 1024)  # (width, height)
     image_format: str = "jpeg"  # jpeg | png
     text_tokens: int = 800  # text-only prompt length, roughly (deterministic words)
-    image_text_tokens: int = 32  # the question beside the images
+    image_text_tokens: int = 32  # the question beside the images (or the video)
+    video_seconds: float = 4.0  # the video class's clip: duration, frame size (width, height; even) and frame rate
+    video_size: tuple[int, int] = (640, 360)
+    video_fps: int = 24
     output_tokens: int = 128  # max_tokens of generated requests
     ignore_eos: bool = True  # vendor extra understood by firsttoken, vLLM and SGLang: fixed output lengths
     turns: int = 3  # multiturn: follow-ups after the first turn
@@ -73,6 +82,10 @@ class BenchConfig:
             raise ValueError(f"workload must be one of {WORKLOADS}, got {self.workload!r}")
         if self.workload == "file" and not self.workload_file:
             raise ValueError("workload 'file' needs workload_file")
+        if not self.video_seconds > 0 or self.video_fps < 1:
+            raise ValueError("video_seconds must be > 0 and video_fps >= 1")
+        if self.video_size[0] % 2 or self.video_size[1] % 2:
+            raise ValueError(f"video_size must be even in both sides (yuv420p), got {self.video_size}")
         if self.image_format not in ("jpeg", "png"):
             raise ValueError("image_format must be jpeg or png")
         if self.rate is not None and self.rate <= 0:

@@ -22,6 +22,7 @@ import numpy as np
 
 from firsttoken.tools.bench.calibrate import Calibration, calibrate
 from firsttoken.tools.bench.client import RequestRecord, send_chat
+from firsttoken.metrics.window import IMAGE_CLASSES
 from firsttoken.tools.bench.config import BenchConfig
 from firsttoken.tools.bench.progress import Progress
 from firsttoken.tools.bench.stats import BenchSummary, summarize
@@ -78,7 +79,7 @@ async def arun_bench(config: BenchConfig, transport: httpx.AsyncBaseTransport | 
         records = await _send_workload(run_config, client, model)
     order = [name for name, _ in config.mix] if config.workload == "seed-mix" else (
         ["first", "follow-up"] if config.workload == "multiturn" else ["text"] if config.workload == "text"
-        else ["0", "1", "2+"])
+        else list(IMAGE_CLASSES))
     summary = summarize(records, config.slo_ttft_s, config.slo_tpot_s, order)
     return BenchReport(config, Workload(config).describe(), model, records, summary, started_unix, calibration)
 

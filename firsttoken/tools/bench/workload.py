@@ -2,8 +2,9 @@
 follow-up turns resend the history (earlier user messages with their images + the server's replies).
 
 Session i depends only on (config, seed, i), so a workload can be built lazily for --duration runs and two runs
-with one seed send the same requests. Classes name what a request is (``text``, ``1img``, ``3img``;
-``first``/``follow-up`` for multiturn; ``0``/``1``/``2+`` images for workload files) and group the report.
+with one seed send the same requests. Classes name what a request is (``text``, ``1img``, ``3img``, ``video``: one
+synthetic MP4 clip in a ``video_url`` part; ``first``/``follow-up`` for multiturn; the server's classes ``0``/``1``/
+``2+``/``video`` for workload files) and group the report.
 """
 
 from __future__ import annotations
@@ -15,8 +16,9 @@ from pathlib import Path
 from typing import Any
 
 from firsttoken.metrics.window import image_class
-from firsttoken.tools.bench.config import BenchConfig, images_of_class
+from firsttoken.tools.bench.config import BenchConfig, images_of_class, videos_of_class
 from firsttoken.tools.bench.images import encode_data_url, synth_image
+from firsttoken.tools.bench.videos import encode_video_data_url, synth_clip
 
 # Common English words; with a leading space each is one token in Qwen's and most BPE vocabularies, so
 # N words is roughly N tokens.
@@ -37,6 +39,7 @@ class BenchRequest:
     num_images: int
     body: dict[str, Any]  # a chat completion body; model and stream options are set when sent
     follows: bool = False  # True: body["messages"] is only the new turn; the session's history goes first
+    num_videos: int = 0
 
 
 @dataclass(frozen=True)
@@ -67,6 +70,9 @@ class Workload:
         if c.workload == "seed-mix":
             d |= {"mix": dict(c.mix), "text_tokens": c.text_tokens, "image_text_tokens": c.image_text_tokens,
                   "image_size": f"{c.image_size[0]}x{c.image_size[1]}", "image_format": c.image_format}
+            if any(videos_of_class(name) for name, _ in c.mix):
+                d |= {"video_seconds": c.video_seconds, "video_size": f"{c.video_size[0]}x{c.video_size[1]}",
+                      "video_fps": c.video_fps}
         elif c.workload == "text":
             d |= {"text_tokens": c.text_tokens}
         elif c.workload == "multiturn":
@@ -100,10 +106,10 @@ class Workload:
 
     def _single(self, index: int, cls: str) -> BenchRequest:
         c = self.config
-        n_images = images_of_class(cls)
-        n_words = c.text_tokens if n_images == 0 else c.image_text_tokens
-        message = self._user_message(f"{c.seed}:{index}:0", n_images, n_words)
-        return BenchRequest(cls, n_images, self._body([message]))
+        n_images, n_videos = images_of_class(cls), videos_of_class(cls)
+        n_words = c.text_tokens if n_images == n_videos == 0 else c.image_text_tokens
+        message = self._user_message(f"{c.seed}:{index}:0", n_images, n_words, n_videos)
+        return BenchRequest(cls, n_images, self._body([message]), num_videos=n_videos)
 
     def _conversation(self, index: int) -> Session:
         c = self.config
@@ -114,16 +120,22 @@ class Workload:
             turns.append(BenchRequest("follow-up", c.multiturn_images, self._body([follow]), follows=True))
         return Session(index, tuple(turns))
 
-    def _user_message(self, key: str, n_images: int, n_words: int) -> dict[str, Any]:
+    def _user_message(self, key: str, n_images: int, n_words: int, n_videos: int = 0) -> dict[str, Any]:
         c = self.config
         text = words(n_words, f"{key}:text")
-        if n_images == 0:
+        if n_images == n_videos == 0:
             return {"role": "user", "content": text}
         w, h = c.image_size
         parts: list[dict[str, Any]] = [
             {"type": "image_url", "image_url": {"url": encode_data_url(synth_image(w, h, f"{key}:img{k}"),
                                                                        c.image_format)}}
             for k in range(n_images)
+        ]
+        vw, vh = c.video_size
+        parts += [
+            {"type": "video_url", "video_url": {"url": encode_video_data_url(
+                synth_clip(c.video_seconds, vw, vh, c.video_fps, f"{key}:video{k}"))}}
+            for k in range(n_videos)
         ]
         parts.append({"type": "text", "text": text})
         return {"role": "user", "content": parts}
@@ -138,14 +150,24 @@ class Workload:
     def _file_request(self, index: int) -> BenchRequest:
         body = dict(self._file_bodies[index % len(self._file_bodies)])
         cls = body.pop("bench_class", None)
-        n_images = count_images(body)
-        return BenchRequest(str(cls) if cls is not None else image_class(n_images), n_images, body)
+        n_images, n_videos = count_images(body), count_videos(body)
+        return BenchRequest(str(cls) if cls is not None else image_class(n_images, n_videos), n_images, body,
+                            num_videos=n_videos)
 
 
-def count_images(body: dict[str, Any]) -> int:
+def _count_parts(body: dict[str, Any], types: tuple[str, ...]) -> int:
     n = 0
     for message in body.get("messages", []):
         content = message.get("content")
         if isinstance(content, list):
-            n += sum(1 for part in content if isinstance(part, dict) and part.get("type") == "image_url")
+            n += sum(1 for part in content if isinstance(part, dict) and part.get("type") in types)
     return n
+
+
+def count_images(body: dict[str, Any]) -> int:
+    return _count_parts(body, ("image_url",))
+
+
+def count_videos(body: dict[str, Any]) -> int:
+    """vLLM's ``video_url`` parts and Qwen's ``video`` (frame list) parts."""
+    return _count_parts(body, ("video_url", "video"))

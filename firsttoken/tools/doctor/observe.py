@@ -14,8 +14,12 @@ from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from firsttoken.metrics.window import IMAGE_CLASSES
+
 PHASES = ("preprocess", "queue", "encode", "prefill", "sample", "send")
-CLASSES = ("0", "1", "2+")
+CLASSES = IMAGE_CLASSES  # the server's request classes: "0" (text), "1", "2+" images, "video" (any video)
+TEXT_CLASS, VIDEO_CLASS = "0", "video"
+IMAGE_ONLY_CLASSES = tuple(c for c in CLASSES if c not in (TEXT_CLASS, VIDEO_CLASS))  # under --image-max-tokens
 
 Labels = dict[str, str]
 
@@ -95,7 +99,7 @@ class Samples:
 
 @dataclass(frozen=True)
 class ClassTiming:
-    """One image class (``all``, ``0``, ``1``, ``2+``): requests, TTFT percentiles, mean seconds per phase."""
+    """One request class (``all`` or one of ``CLASSES``): requests, TTFT percentiles, mean seconds per phase."""
 
     count: int
     ttft_p50_s: float | None
@@ -216,7 +220,10 @@ def _firsttoken(m: Samples, stats: dict[str, Any] | None) -> Observation:
                       m.total("firsttoken_request_prompt_tokens_count", images=cls))  # fmt: skip
         if mean is not None:
             o.prompt_tokens_by_class[cls] = mean
+    # images' visual tokens: a video's are under its own budget (--video-max-tokens), not the image budget's
     o.visual_tokens_total = m.total("firsttoken_request_visual_tokens_sum")
+    if o.visual_tokens_total is not None:
+        o.visual_tokens_total -= m.total("firsttoken_request_visual_tokens_sum", images=VIDEO_CLASS) or 0.0
     o.encoder_cache_hits = m.total("firsttoken_encoder_cache_hits_total")
     misses = m.total("firsttoken_encoder_cache_misses_total")
     if o.encoder_cache_hits is not None and misses is not None:
@@ -294,7 +301,7 @@ def _classes_from_metrics(m: Samples) -> dict[str, ClassTiming]:
 VLLM_CANNOT_SEE = [
     "vision-encoder time: vLLM counts it inside request_prefill_time (no encode phase)",
     "image preprocessing (decode, resize) time: it sits in TTFT outside queue and prefill ('other')",
-    "per-class split (text / 1 image / 2+ images): vLLM's histograms carry no image-count label",
+    "per-class split (text / 1 image / 2+ images / video): vLLM's histograms carry no image-count label",
     "visual tokens per image: prompt tokens are not split into text and image",
     "short requests delayed by long work (vLLM has one queue; no lane labels)",
     "preemption reasons (num_preemptions_total has none)",
@@ -349,7 +356,7 @@ def _vllm(m: Samples) -> Observation:
 LLAMACPP_CANNOT_SEE = [
     ("TTFT and its percentiles: llama.cpp exports no latency histogram (--probe measures TTFT per class from "
      "the client)"),
-    "per-class split (text / 1 image / 2+ images): no metric carries an image count",
+    "per-class split (text / 1 image / 2+ images / video): no metric carries an image count",
     "phases (queue, image preprocessing, encode, prefill): only cumulative prompt and generation seconds",
     "vision-encoder time: an image's encode is counted inside prompt_seconds_total with its tokens' prefill",
     "visual tokens per image: prompt tokens are not split into text and image",

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from firsttoken.metrics.recorder import FIRST_TOKEN_PARTS
-from firsttoken.tools.doctor.observe import PHASES, Observation, Throughput, observe
+from firsttoken.tools.doctor.observe import CLASSES, PHASES, Observation, Throughput, observe
 from firsttoken.tools.doctor.rules import (
     Context,
     Finding,
@@ -134,7 +134,7 @@ def _breakdown_lines(o: Observation) -> list[str]:
     phases = [p for p in (*PHASES, "other") if any(p in c.phase_mean_s for c in o.classes.values())]
     lines = ["where TTFT goes (share of mean TTFT per class)",
              f"{'class':6s}{'n':>6s}{'P50':>9s}{'P95':>9s}{'P99':>9s} | " + " ".join(f"{p:>10s}" for p in phases)]
-    for k in ("0", "1", "2+", "all"):
+    for k in (*CLASSES, "all"):
         c = o.classes.get(k)
         if c is None or not c.count:
             continue
@@ -153,7 +153,7 @@ def _engine_time_lines(o: Observation) -> list[str]:
     parts = list(FIRST_TOKEN_PARTS)
     lines = ["where the engine's time to each first token goes (share per class)",
              f"{'class':6s}{'seconds':>9s} | " + " ".join(f"{p:>13s}" for p in parts)]
-    for k in ("0", "1", "2+"):
+    for k in CLASSES:
         if k in rows:
             total = sum(rows[k].values())
             lines.append(f"{k:6s}{total:>9.2f} | " + " ".join(f"{_pct(rows[k].get(p, 0) / total):>13s}"
@@ -192,7 +192,7 @@ def _state_lines(o: Observation, th: Thresholds) -> list[str]:
     return lines + _prediction_lines(o)
 
 
-CLASS_NAMES = {"0": "text", "1": "1 image", "2+": "2+ images"}
+CLASS_NAMES = {"0": "text", "1": "1 image", "2+": "2+ images", "video": "video"}  # keys: CLASSES
 
 
 def _prediction_lines(o: Observation) -> list[str]:

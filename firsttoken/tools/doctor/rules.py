@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from firsttoken.config import ImageConfig
-from firsttoken.tools.doctor.observe import Observation
+from firsttoken.tools.doctor.observe import CLASSES, IMAGE_ONLY_CLASSES, Observation
 
 SEVERITIES = ("high", "medium", "low")
 
@@ -112,7 +112,7 @@ def image_budget(ctx: Context) -> Finding | None:
         {"visual_tokens_per_image": round(per_image), "budget_tokens": th.image_budget_tokens,
          "visual_share_of_prompt_tokens": _r(o.visual_tokens_total / o.prompt_tokens_total),
          "excess_visual_tokens_share": _r(share),
-         "encode_prefill_share_of_image_ttft": _r(_share(o, ("encode", "prefill"), ("1", "2+")))},
+         "encode_prefill_share_of_image_ttft": _r(_share(o, ("encode", "prefill"), IMAGE_ONLY_CLASSES))},
         f"--image-max-tokens {th.image_budget_tokens}",
         f"check answers at the budget first: firsttoken regress --budgets 16384,{th.image_budget_tokens},400",
     )  # fmt: skip
@@ -251,7 +251,7 @@ def _ratio(a: float | None, b: float | None) -> float | None:
     return a / b if a is not None and b else None
 
 
-def _share(o: Observation, phases: tuple[str, ...], classes: tuple[str, ...] = ("0", "1", "2+")) -> float:
+def _share(o: Observation, phases: tuple[str, ...], classes: tuple[str, ...] = CLASSES) -> float:
     """Seconds of ``phases`` in ``classes`` over the TTFT of those classes (vLLM: the ``all`` class)."""
     if o.source == "vllm":
         c = o.classes.get("all")
