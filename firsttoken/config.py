@@ -233,7 +233,7 @@ class SchedulerConfig:
     max_queued_requests: int = field(default=256, metadata=option(
         "requests waiting per lane; beyond it HTTP 429 with Retry-After"))
     ttft_bias_step: float = field(default=0.05, metadata=option(
-        "the predicted TTFT learns its own error per class (0, 1, 2+ images) from every first token: each moves "
+        "the predicted TTFT learns its own error per class (0, 1, 2+ images, video) from every first token: each moves "
         "its class's correction factor up or down by this much in log space, towards the median of measured / "
         "predicted (0: no correction)"))
     ttft_slo: str = field(default="", metadata=option(

@@ -76,6 +76,7 @@ GROUP_TITLES = {
     ("engine", "cache"): "KV cache and encoder cache",
     ("engine", "scheduler"): "scheduling (step budget, lanes, admission)",
     ("images",): "images and input limits",
+    ("videos",): "videos (budget and limits)",
     ("server",): "HTTP server, logs and metrics",
 }
 
