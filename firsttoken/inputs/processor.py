@@ -371,13 +371,7 @@ class InputProcessor:
         return prompt.token_ids
 
     def _chat_prompt(self, prompt: ChatPrompt) -> _Prompt:
-        image_parts = [
-            (f"{prompt.field_of(i)}.content[{j}].image_url", part)
-            for i, m in enumerate(prompt.messages)
-            if isinstance(m.content, tuple)
-            for j, part in enumerate(m.content)
-            if isinstance(part, ImagePart)
-        ]
+        image_parts = _parts_of(prompt, ImagePart, "image_url")
         limit = self.images.max_images_per_request
         if len(image_parts) > limit:
             raise InputError(
@@ -385,13 +379,7 @@ class InputProcessor:
                 f"send at most {limit} images",
                 prompt.param,
             )
-        video_parts = [
-            (f"{prompt.field_of(i)}.content[{j}].video_url", part)
-            for i, m in enumerate(prompt.messages)
-            if isinstance(m.content, tuple)
-            for j, part in enumerate(m.content)
-            if isinstance(part, VideoPart)
-        ]
+        video_parts = _parts_of(prompt, VideoPart, "video_url")
         if len(video_parts) > self.videos.max_videos_per_request:
             limit = self.videos.max_videos_per_request
             raise InputError(f"too many videos: {len(video_parts)} in this request, the limit is {limit} per request; "
@@ -770,6 +758,17 @@ def _image_at(err: ImageInputError, index: int, params: Sequence[str], hint: str
 
 def _or(value: Any, default: Any) -> Any:
     return default if value is None else value
+
+
+def _parts_of(prompt: ChatPrompt, kind: type, field: str) -> list[tuple[str, Any]]:
+    """(request field, part) of every ``kind`` part in the conversation, in order."""
+    return [
+        (f"{prompt.field_of(i)}.content[{j}].{field}", part)
+        for i, m in enumerate(prompt.messages)
+        if isinstance(m.content, tuple)
+        for j, part in enumerate(m.content)
+        if isinstance(part, kind)
+    ]
 
 
 def _template_message(message: Message) -> dict[str, Any]:
