@@ -4,28 +4,34 @@ the same token for token as without interruptions."""
 
 from __future__ import annotations
 
+import base64
+
 from firsttoken.api.protocol import ChatCompletionRequest
 from firsttoken.config import SchedulerConfig
+from firsttoken.inputs.video_synth import make_clip
 from tests.e2e.conftest import make_image
 from tests.engine.test_caches import Harness, user
 from tests.helpers import process
 
 PICTURE = make_image(224, 224, seed=5)
 MESSAGES = [user("Describe the picture.", PICTURE)]
+CLIP = "data:video/mp4;base64," + base64.b64encode(make_clip(2, 64, 48, fps=10, gop=5)).decode()  # 4 frames: 2 grids
+VIDEO_MESSAGES = [{"role": "user", "content": [{"type": "video_url", "video_url": {"url": CLIP}},
+                                               {"type": "text", "text": "Describe the clip."}]}]
 
 
-def long_all(harness_dir, **changes) -> SchedulerConfig:
+def long_all(harness_dir, messages=MESSAGES, **changes) -> SchedulerConfig:
     """Every request in the long lane (threshold 1), token budgets, and a long-lane share per step of exactly the
     image's encoder units: each step's encoder work has all of them to cut between, and no chunk over the image
     (it could not start before the image is done)."""
     probe = Harness(harness_dir)
-    body = ChatCompletionRequest.model_validate({"model": "m", "messages": MESSAGES, "max_tokens": 1})
-    units = process(probe.processor, body, "probe").images[0].encoder_units
+    body = ChatCompletionRequest.model_validate({"model": "m", "messages": messages, "max_tokens": 1})
+    units = [u for item in process(probe.processor, body, "probe").images for u in item.encoder_units]
     return SchedulerConfig(**{"max_batched_tokens": 4096, "long_prompt_threshold": 1, "step_time_target": "off",
                               "long_step_tokens": sum(u.cost_tokens for u in units), **changes})
 
 
-def encoder_steps(harness: Harness, pending) -> tuple[list[int], list[tuple[int, ...]], list[int]]:
+def encoder_steps(harness: Harness, pending, messages=MESSAGES) -> tuple[list[int], list[tuple[int, ...]], list[int]]:
     """Run one image request with ``pending`` as the signal; returns (its tokens, units scheduled per step with
     encoder work, units run per such step)."""
     engine = harness.engine
@@ -52,7 +58,7 @@ def encoder_steps(harness: Harness, pending) -> tuple[list[int], list[tuple[int,
         return late
 
     engine.executor.execute, engine.executor.finish_step = spy_execute, spy_finish
-    ids, _, _ = harness.run(MESSAGES, max_tokens=6)
+    ids, _, _ = harness.run(messages, max_tokens=6)
     return ids, scheduled, ran
 
 
@@ -163,3 +169,22 @@ def test_a_short_requests_first_token_leaves_before_the_long_lanes_units_in_its_
     while engine.has_unfinished():
         engine.step(deliver=lambda outputs: None)
     assert engine.stats().kv_blocks_used == 0
+
+
+def test_a_video_encodes_grid_by_grid_and_a_short_arrival_cuts_it_at_every_unit(tiny_model_dir):
+    """A video is one vision item per temporal grid: its encode splits across steps like several images', and a short
+    request waiting stops each step after one unit, the answer unchanged."""
+    config = long_all(tiny_model_dir, VIDEO_MESSAGES)
+    quiet = Harness(tiny_model_dir, scheduler=config)
+    ids, scheduled, ran = encoder_steps(quiet, lambda: False, VIDEO_MESSAGES)
+    num_units = sum(scheduled[0])
+    assert len(scheduled[0]) == 2 and len(scheduled) == 1 and ran == [num_units]  # both grids in one quiet step
+
+    busy = Harness(tiny_model_dir, scheduler=config)
+    ids_cut, scheduled_cut, ran_cut = encoder_steps(busy, lambda: True, VIDEO_MESSAGES)
+    # the first grid unit by unit; once it is done, a prefill chunk over its tokens may reach into the second grid,
+    # and the units that chunk needs run in its step (not interruptible), as for consecutive images
+    assert ran_cut[:2] == [1, 1] and sum(ran_cut) == num_units and len(ran_cut) >= 3
+    assert busy.engine.stats().num_encoder_interrupts >= 2
+    assert ids_cut == ids
+    assert busy.engine.executor.runner.num_vision_calls == 2  # each grid encoded once, in pieces
