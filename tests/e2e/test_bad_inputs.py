@@ -60,6 +60,30 @@ def data_url(data: bytes, mime: str = "image/png") -> str:
     return f"data:{mime};base64," + base64.b64encode(data).decode()
 
 
+@functools.cache
+def clip(kind: str = "ok") -> bytes:
+    """Small synthetic clips (firsttoken/inputs/video_synth.py), good and bad."""
+    if kind == "ok":
+        return make_clip(2, 64, 48, fps=10, gop=5)
+    if kind == "zero-frames":
+        return make_clip(1, 32, 32, container="matroska", audio=True, num_frames=0)
+    if kind == "audio-only":
+        return make_clip(1, 32, 32, container="mp4", audio=True, video=False)
+    if kind == "ffv1":
+        return make_clip(1, 32, 32, fps=10, codec="ffv1", container="matroska")
+    if kind == "bomb":  # two flat 9.4-megapixel frames in ~30 KiB
+        return make_clip(0.2, 4096, 2304, fps=10, flat=True)
+    if kind == "absurd-duration":
+        return patch_mkv_duration(make_clip(1, 32, 32, fps=10, container="matroska"), 10**7)
+    if kind == "understated":  # claims 2 s, holds 90 s
+        return patch_mkv_duration(make_clip(90, 32, 32, fps=10, container="matroska", gop=30), 2.0)
+    raise ValueError(kind)
+
+
+def video_url(kind: str = "ok") -> str:
+    return data_url(clip(kind), "video/mp4")
+
+
 DNS = {
     "images.test": ["93.184.216.34"],
     "loopback.images.test": ["127.0.0.1"],
@@ -70,6 +94,7 @@ DNS = {
 }
 ROUTES = {
     ("images.test", "/cat.png"): ok(png_bytes(64, 48)),
+    ("images.test", "/clip.mp4"): ok(clip()),
     ("hop.images.test", "/to-metadata"): redirect("http://metadata.images.test/latest/meta-data/iam"),
     ("hop.images.test", "/to-loopback"): redirect("http://127.0.0.1:8000/v1/engine/stats"),
     ("hop.images.test", "/to-elsewhere"): redirect("https://unlisted.example.org/cat.png"),
@@ -112,30 +137,6 @@ def image(url: str) -> dict:
 
 def video(url: str, **extra) -> dict:
     return {"type": "video_url", "video_url": {"url": url, **extra}}
-
-
-@functools.cache
-def clip(kind: str = "ok") -> bytes:
-    """Small synthetic clips (firsttoken/inputs/video_synth.py), good and bad."""
-    if kind == "ok":
-        return make_clip(2, 64, 48, fps=10, gop=5)
-    if kind == "zero-frames":
-        return make_clip(1, 32, 32, container="matroska", audio=True, num_frames=0)
-    if kind == "audio-only":
-        return make_clip(1, 32, 32, container="mp4", audio=True, video=False)
-    if kind == "ffv1":
-        return make_clip(1, 32, 32, fps=10, codec="ffv1", container="matroska")
-    if kind == "bomb":  # two flat 9.4-megapixel frames in ~30 KiB
-        return make_clip(0.2, 4096, 2304, fps=10, flat=True)
-    if kind == "absurd-duration":
-        return patch_mkv_duration(make_clip(1, 32, 32, fps=10, container="matroska"), 10**7)
-    if kind == "understated":  # claims 2 s, holds 90 s
-        return patch_mkv_duration(make_clip(90, 32, 32, fps=10, container="matroska", gop=30), 2.0)
-    raise ValueError(kind)
-
-
-def video_url(kind: str = "ok") -> str:
-    return data_url(clip(kind), "video/mp4")
 
 
 VIDEO_PARAM = "messages[0].content[0].video_url"
@@ -379,6 +380,7 @@ def env(tmp_path_factory: pytest.TempPathFactory) -> Env:
     media_dir = root / "media"
     media_dir.mkdir()
     (media_dir / "inside.png").write_bytes(png_bytes(40, 30))
+    (media_dir / "clip.mp4").write_bytes(clip())
     outside = root / "secret.png"
     outside.write_bytes(png_bytes(40, 30))
     link = media_dir / "link.png"
@@ -492,6 +494,12 @@ def test_allowed_inputs_still_work(guarded: LiveServer, env: Env, fetcher: FakeF
         assert r.status_code == 200, r.text
         assert r.json()["usage"]["prompt_tokens"] > 10
     assert [(s.host, s.ip) for s in fetcher.sent if s.target == "/cat.png"][-1] == ("images.test", "93.184.216.34")
+    for url in ("clip.mp4", f"file://{env.media_dir / 'clip.mp4'}", "https://images.test/clip.mp4"):
+        r = httpx.post(f"{guarded.base_url}/v1/chat/completions", timeout=60,
+                       json={"model": guarded.model, "max_tokens": 2, **chat(video(url))})
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["prompt_tokens"] > 128  # at least one two-frame grid at its smallest
+    assert [s.host for s in fetcher.sent if s.target == "/clip.mp4"] == ["images.test"]
 
 
 def test_after_the_corpus_the_servers_answer_and_hold_nothing(guarded: LiveServer, live_server: LiveServer) -> None:
