@@ -57,6 +57,7 @@ class Server:
         for _ in range(600):
             try:
                 if httpx.get(f"{self.base}/health", timeout=2).status_code == 200:
+                    self.model = httpx.get(f"{self.base}/v1/models", timeout=10).json()["data"][0]["id"]
                     return
             except httpx.HTTPError:
                 pass
@@ -65,14 +66,14 @@ class Server:
 
     def ask(self, msgs: list[dict]) -> dict:
         r = httpx.post(f"{self.base}/v1/chat/completions", timeout=900,
-                       json={"model": "x", "messages": msgs, "max_tokens": 1, "temperature": 0})
+                       json={"model": self.model, "messages": msgs, "max_tokens": 1, "temperature": 0})
         body = r.json()
         if r.status_code != 200:
             raise SystemExit(json.dumps(body))
         return body["usage"]
 
     def tokenize(self, msgs: list[dict]) -> dict:
-        return httpx.post(f"{self.base}/tokenize", json={"model": "x", "messages": msgs}, timeout=300).json()
+        return httpx.post(f"{self.base}/tokenize", json={"model": self.model, "messages": msgs}, timeout=300).json()
 
     def close(self) -> None:
         self.proc.terminate()
