@@ -3,9 +3,9 @@
 ``resolve_engine_config`` settles, once: the device (``--device auto``: cuda where the ``Machine`` value has a
 CUDA device), the model's dtype, quantization, kernels and decode layers
 (loading/plan.py's ``plan_model``, the only code that decides ``auto``), torch's threads, the KV pool's blocks and
-context length, the encoder cache's size in tokens, and the decode batch sizes captured as CUDA graphs. The engine is built from the ``ResolvedEngineConfig``, logs
-``describe()`` once at start-up as one block, and ``GET /v1/engine/config`` reports ``as_dict()``; nothing
-downstream derives any of it again.
+context length, the encoder cache's size in tokens, and the decode batch sizes captured as CUDA graphs. The engine
+is built from the ``ResolvedEngineConfig``, logs ``describe()`` once at start-up as one block, and
+``GET /v1/engine/config`` reports ``as_dict()``; nothing downstream derives any of it again.
 """
 
 from __future__ import annotations
