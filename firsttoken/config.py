@@ -40,6 +40,7 @@ Device = Literal["auto", "cpu", "cuda"]  # where the engine runs; engine/resolve
 ResolvedDevice = Literal["cpu", "cuda"]
 LoadFormat = Literal["auto", "dummy"]  # loading/loader.py: the checkpoint's safetensors, or random weights
 AttentionBackendName = Literal["sdpa", "triton"]  # attention/registry.py
+CudaGraphs = Literal["auto", "off"]  # runner/cuda_graphs.py; engine/resolve.py decides what auto takes
 Scheduling = Literal["lanes", "fcfs"]
 LongOrder = Literal["deadline", "least-work"]
 KvAdmission = Literal["whole-prompt", "optimistic"]
@@ -336,6 +337,11 @@ class EngineConfig:
         "attention implementation over the paged KV cache: sdpa (torch's SDPA, any device: the reference) or triton "
         "(firsttoken's Triton kernels: paged prefill and split-K decode; --device cuda only, not yet measured on a "
         "GPU: docs/gpu.md)"))
+    cuda_graphs: CudaGraphs = field(default="auto", metadata=option(
+        "decode steps through CUDA graphs captured at start-up, one per batch-size bucket (1, 2, 4, then every 8 up "
+        "to --max-num-seqs; a batch is padded up to its bucket, larger batches and steps with prefill run eagerly). "
+        "auto: on with --device cuda and --attention-backend triton (the sdpa backend's decode changes shape with "
+        "the longest context, which a graph cannot replay), off on the CPU; off: every step eager"))
     num_threads: int | None = field(default=None, metadata=option(
         "torch threads for the engine (default: all cores)"))
     decode_threads: int | None = field(default=None, metadata=option(

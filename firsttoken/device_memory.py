@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 MIB = 2**20
 GPU_MEMORY_UTILIZATION = 0.9  # --gpu-memory-utilization's default (vLLM's too)
@@ -92,6 +92,13 @@ def kv_pool_from_device(total_bytes: int, utilization: float, in_use_after_load_
 
 def _mib(num_bytes: int) -> str:
     return f"{num_bytes / MIB:.0f} MiB"
+
+
+class MeasureDeviceMemory(Protocol):
+    """What start-up calls to learn the device's facts (engine.py): ``load()`` puts the weights on the device,
+    ``profile()`` runs the profiling forward; ``measure_device_memory`` on CUDA, tests return injected facts."""
+
+    def __call__(self, load: Callable[[], object], profile: Callable[[], object]) -> DeviceMemory: ...
 
 
 def measure_device_memory(load: Callable[[], object], profile: Callable[[], object],

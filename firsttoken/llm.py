@@ -88,7 +88,8 @@ class LLM:
         engine_config = self.config.engine
         if engine_config.decode_threads is None:  # no server threads to leave a core to: decode on all of them
             engine_config = replace(engine_config, decode_threads=engine_config.num_threads or DEFAULT_THREADS)
-        self.engine = LLMEngine(self.model_dir, engine_config, decoder)
+        self.engine = LLMEngine(self.model_dir, engine_config, decoder,
+                                profile_image_tokens=self.config.images.image_max_tokens)
         self.processor = InputProcessor(
             self.tokenizer,
             self.engine.model_config,

@@ -103,10 +103,13 @@ def check_checkpoint(flag: str, model_dir: Path, weights: bool = True) -> "Model
 
 
 def _check_kv(config: "EngineConfig", model_config: "ModelConfig") -> None:
-    """The pool must hold one block, and --max-model-len must fit the model and the pool (the engine's rule)."""
-    from firsttoken.engine.resolve import activation_dtype, plan_kv_capacity
+    """The pool must hold one block, and --max-model-len must fit the model and the pool (the engine's rule); on
+    cuda without --kv-cache-memory the pool is not known before start-up measures the device."""
+    from firsttoken.engine.resolve import activation_device, activation_dtype, plan_kv_capacity
     from firsttoken.loading.plan_values import TORCH_DTYPES
 
+    if config.cache.kv_cache_memory_bytes is None and activation_device(config) == "cuda":
+        return  # the pool is what the device leaves, measured at start-up (engine.py checks it there)
     dtype = activation_dtype(config)  # the resolve step's answer for these flags (the model is not loaded yet)
     dtype_bytes = TORCH_DTYPES[dtype].itemsize
     block_bytes = model_config.kv_bytes_per_token(dtype_bytes) * config.cache.block_size

@@ -13,7 +13,8 @@ from dataclasses import replace
 from pathlib import Path
 
 from firsttoken.batch import RunnerOutput, ScheduledBatch, ScheduledChunk
-from firsttoken.config import EngineConfig
+from firsttoken.config import EngineConfig, ImageConfig
+from firsttoken.device_memory import MeasureDeviceMemory, measure_device_memory
 from firsttoken.engine.detokenizer import IncrementalDetokenizer, TokenDecoder
 from firsttoken.engine.resolve import ResolvedEngineConfig, resolve_engine_config
 from firsttoken.loading.plan_values import Machine
@@ -27,6 +28,7 @@ from firsttoken.metrics.timeline import Timeline
 from firsttoken.models.registry import load_model_config
 from firsttoken.runner.executor import Executor, InProcessExecutor
 from firsttoken.runner.model_runner import FaultHook, ThreadPlan
+from firsttoken.runner.profile import ProfileStep
 from firsttoken.scheduler.cost_model import CostModel
 from firsttoken.scheduler.request import Request
 from firsttoken.scheduler.scheduler import Scheduler
@@ -54,12 +56,28 @@ class LLMEngine:
         fault_hook: FaultHook | None = None,
         observer: StatsObserver | None = None,
         machine: Machine | None = None,
+        measure_memory: MeasureDeviceMemory | None = None,
+        profile_image_tokens: int | None = None,
+        executor_factory: Callable[..., InProcessExecutor] = InProcessExecutor,
     ) -> None:
         """``config``: the flags, resolved here for this checkpoint on ``machine`` (default: this one), or already
-        resolved (engine/resolve.py)."""
+        resolved (engine/resolve.py). Where the device sizes the KV pool (``_start``): ``measure_memory`` measures
+        it around loading and the profiling forward (default: device_memory.measure_device_memory; tests inject
+        facts), whose image has ``profile_image_tokens`` visual tokens (--image-max-tokens; default its default).
+        ``executor_factory``: InProcessExecutor's constructor (tests put a cuda-resolved model on the CPU)."""
         self.model_config = load_model_config(model_dir)
         if isinstance(config, EngineConfig):
             config = resolve_engine_config(config, model_dir, machine, self.model_config)
+        machine = machine or Machine.for_flags(config.requested.cpu_kernels, config.requested.device)  # as resolved
+        threads = ThreadPlan(config.num_threads, config.decode_threads)
+
+        def load() -> InProcessExecutor:
+            return executor_factory(model_dir, self.model_config, config.model, machine, config.kv.block_size,
+                                    config.requested.seed, fault_hook, threads=threads, interrupt=self._interrupt)
+
+        image_tokens = ImageConfig().image_max_tokens if profile_image_tokens is None else profile_image_tokens
+        config, executor = self._start(config, model_dir, machine, load, measure_memory, image_tokens)
+        self.executor: Executor = executor
         self.resolved: ResolvedEngineConfig = config  # what it runs with: GET /v1/engine/config
         self.config: EngineConfig = config.requested
         self.observer: StatsObserver = observer or NullObserver()
@@ -69,12 +87,6 @@ class LLMEngine:
         self.short_request_pending: Callable[[], bool] | None = None
         self.capacity = config.kv
         log.info(config.describe())  # the one start-up block: every choice the engine runs with
-        machine = machine or Machine.for_flags(self.config.cpu_kernels, self.config.device)  # as resolved
-        self.executor: Executor = InProcessExecutor(
-            model_dir, self.model_config, config.model, machine, self.capacity.num_blocks,
-            self.capacity.block_size, self.config.seed, fault_hook,
-            threads=ThreadPlan(config.num_threads, config.decode_threads), interrupt=self._interrupt,
-        )
         self.cost_model = CostModel()  # prices every step (fitted at calibrate, learning from each step after)
         self.scheduler = self._new_scheduler()
         self.requests: dict[str, Request] = {}
@@ -85,6 +97,27 @@ class LLMEngine:
         self._busy_s = 0.0  # seconds spent inside step(), since start
         self._num_steps = 0  # steps with work, since start (or calibration)
         self._ending: list[tuple[Request, FinishReason]] | None = None  # while a step runs: what it ended
+
+    def _start(self, config: ResolvedEngineConfig, model_dir: str | Path, machine: Machine,
+               load: Callable[[], InProcessExecutor], measure: MeasureDeviceMemory | None,
+               image_tokens: int) -> tuple[ResolvedEngineConfig, InProcessExecutor]:
+        """Start-up's order (vLLM's): load the weights; where the device sizes the KV pool (cuda without
+        --kv-cache-memory), one profiling forward at the largest step the budgets allow (runner/profile.py), the
+        device's memory measured around both, and the configuration resolved again with those facts (a one-line
+        DeviceMemoryTooSmall when they leave no pool); then the KV pool of the resolved blocks, and the decode
+        graphs captured over it (--cuda-graphs). On the CPU: load, allocate, nothing else."""
+        if not config.needs_device_memory:
+            executor = load()
+        else:
+            loaded: list[InProcessExecutor] = []
+            step = ProfileStep.of(config.requested, self.model_config, image_tokens)
+            facts = (measure or measure_device_memory)(lambda: loaded.append(load()),
+                                                       lambda: loaded[0].profile_step(step))
+            executor = loaded[0]
+            config = resolve_engine_config(config.requested, model_dir, machine, self.model_config,
+                                           device_memory=facts)
+        executor.allocate_kv_cache(config.kv.num_blocks, config.cuda_graph_sizes, config.kv.max_model_len)
+        return config, executor
 
     def calibrate(self) -> None:
         """Fit the step-cost model on a few synthetic requests before serving (engine/calibration.py). They run on a

@@ -3,9 +3,9 @@
 ``resolve_engine_config`` settles, once: the device (``--device auto``: cuda where the ``Machine`` value has a
 CUDA device), the model's dtype, quantization, kernels and decode layers
 (loading/plan.py's ``plan_model``, the only code that decides ``auto``), torch's threads, the KV pool's blocks and
-context length, and the encoder cache's size in tokens. The engine is built from the ``ResolvedEngineConfig``, logs
-``describe()`` once at start-up as one block, and ``GET /v1/engine/config`` reports ``as_dict()``; nothing
-downstream derives any of it again.
+context length, the encoder cache's size in tokens, and the decode batch sizes captured as CUDA graphs. The engine
+is built from the ``ResolvedEngineConfig``, logs ``describe()`` once at start-up as one block, and
+``GET /v1/engine/config`` reports ``as_dict()``; nothing downstream derives any of it again.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from firsttoken.loading.plan import plan_model, resolve_device, resolve_dtype
 from firsttoken.loading.plan_values import TORCH_DTYPES, CudaFacts, Machine, ModelPlan
 from firsttoken.models.config import ModelConfig
 from firsttoken.models.registry import family_named, load_model_config
+from firsttoken.runner.cuda_graphs import capture_sizes
 from firsttoken.runner.model_runner import ThreadPlan
 
 log = logging.getLogger("firsttoken.engine")
@@ -115,6 +116,19 @@ def kv_blocks_from_device(model: ModelConfig, config: EngineConfig, dtype_bytes:
                                cache.block_size, min_blocks).num_blocks
 
 
+def resolve_cuda_graphs(config: EngineConfig, device: str, attention_backend: str) -> tuple[tuple[int, ...], str]:
+    """--cuda-graphs: the decode batch sizes captured (empty: off) and why. auto is on for cuda with the Triton
+    backend, whose decode reads lengths and block tables from device tensors at a fixed grid."""
+    if config.cuda_graphs == "off":
+        return (), "--cuda-graphs off"
+    if device != "cuda":
+        return (), f"auto: device {device} runs every step eagerly"
+    if attention_backend != "triton":
+        return (), (f"auto: the {attention_backend} backend's decode changes shape with the longest context, which "
+                    "a graph cannot replay; --attention-backend triton captures")
+    return capture_sizes(config.scheduler.max_num_seqs), "auto: cuda with the triton backend"
+
+
 @dataclass(frozen=True)
 class ResolvedEngineConfig:
     """``EngineConfig`` with everything it leaves to ``auto`` or a default settled for this checkpoint here."""
@@ -126,15 +140,41 @@ class ResolvedEngineConfig:
     decode_threads: int  # torch's threads in steps that only decode (runner/model_runner.py's ThreadPlan)
     kv: KVCapacity
     encoder_cache_tokens: int  # visual tokens' embeddings the encoder cache holds (0: off)
+    cuda_graph_sizes: tuple[int, ...] = ()  # decode batch sizes captured as CUDA graphs (empty: every step eager)
+    cuda_graphs_why: str = "off"
+    device_memory: DeviceMemory | None = None  # the device's facts the KV pool was sized from (cuda), else None
+
+    @property
+    def sizes_kv_from_device(self) -> bool:
+        """The KV pool is what --gpu-memory-utilization of the device leaves (cuda, --kv-cache-memory not given)."""
+        return self.model.device == "cuda" and self.requested.cache.kv_cache_memory_bytes is None
+
+    @property
+    def needs_device_memory(self) -> bool:
+        """The pool is to be sized from the device and has not been: ``kv`` is provisional (1GiB, its context not
+        checked against --max-model-len) until start-up resolves again with the measured facts (engine.py)."""
+        return self.sizes_kv_from_device and self.device_memory is None
 
     def describe(self) -> str:
         """The start-up block: one line per choice."""
         lines = [f"cpu: {self.cpu}", *self.model.describe_lines,
                  f"threads: {self.num_threads} (decode-only steps {self.decode_threads})",
+                 "cuda graphs: " + (f"decode batches {', '.join(map(str, self.cuda_graph_sizes))} "
+                                    f"({self.cuda_graphs_why})" if self.cuda_graph_sizes
+                                    else f"off ({self.cuda_graphs_why})"),
+                 *self._device_memory_lines(),
                  self.kv.describe(),
                  f"encoder cache: {self.encoder_cache_tokens} visual tokens"
                  + ("" if self.requested.cache.enable_encoder_cache else " (off)")]
         return "engine configuration:\n  " + "\n  ".join(lines)
+
+    def _device_memory_lines(self) -> list[str]:
+        m = self.device_memory
+        if m is None or not self.sizes_kv_from_device:
+            return []
+        return [f"device memory: {m.total_bytes / 2**20:.0f} MiB x {self.requested.cache.gpu_memory_utilization:g} "
+                f"utilization; {m.in_use_after_load_bytes / 2**20:.0f} MiB in use after loading, profiling peak "
+                f"{m.profile_peak_bytes / 2**20:.0f} MiB (the KV pool is what is left)"]
 
     def as_dict(self) -> dict[str, Any]:
         """Plain JSON: what GET /v1/engine/config returns."""
@@ -152,7 +192,8 @@ def resolve_engine_config(config: EngineConfig, model_dir: str | Path, machine: 
     The KV pool: ``--kv-cache-memory`` when given; else on cuda what --gpu-memory-utilization of the device leaves
     (``kv_blocks_from_device``) by ``device_memory``, the facts ``device_memory.measure_device_memory`` measures
     after loading the weights and one profiling forward (tests inject them); else 1GiB (the CPU, and cuda until the
-    start-up path measures the device: nothing measures it inside this step)."""
+    start-up measures the device: ``needs_device_memory``; the engine does, after loading the weights, and resolves
+    again with the facts). Nothing measures the device inside this step."""
     machine = machine or Machine.for_flags(config.cpu_kernels, config.device)
     model_config = model_config or load_model_config(model_dir)
     threads = ThreadPlan(config.num_threads, config.decode_threads)
@@ -160,10 +201,16 @@ def resolve_engine_config(config: EngineConfig, model_dir: str | Path, machine: 
                       config.attention_backend, num_threads=threads.threads, load_format=config.load_format)
     dtype_bytes = torch.tensor([], dtype=plan.torch_dtype).element_size()  # the KV cache's and the encoder's
     num_blocks = None
-    if plan.device == "cuda" and config.cache.kv_cache_memory_bytes is None and device_memory is not None:
+    from_device = plan.device == "cuda" and config.cache.kv_cache_memory_bytes is None
+    if from_device and device_memory is not None:
         num_blocks = kv_blocks_from_device(model_config, config, dtype_bytes, device_memory)
-    capacity = plan_kv_capacity(model_config, config, dtype_bytes, num_blocks)
+    provisional = from_device and device_memory is None  # --max-model-len is checked against the measured pool
+    sized = dataclasses.replace(config, scheduler=dataclasses.replace(config.scheduler, max_model_len=None)) \
+        if provisional else config
+    capacity = plan_kv_capacity(model_config, sized, dtype_bytes, num_blocks)
     per_token = family_named(model_config.family).encoder_bytes_per_token(model_config, dtype_bytes)
     encoder_tokens = config.cache.encoder_cache_memory_bytes // per_token if config.cache.enable_encoder_cache else 0
+    graph_sizes, graphs_why = resolve_cuda_graphs(config, plan.device, plan.attention_backend)
     return ResolvedEngineConfig(config, plan, machine.cpu.summary(), threads.threads, threads.decode_threads,
-                                capacity, encoder_tokens)
+                                capacity, encoder_tokens, graph_sizes, graphs_why,
+                                device_memory if from_device else None)

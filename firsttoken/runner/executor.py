@@ -15,8 +15,10 @@ from firsttoken.batch import RunnerOutput, ScheduledBatch
 from firsttoken.loading.loader import build_model
 from firsttoken.loading.plan_values import Machine, ModelPlan
 from firsttoken.models.config import ModelConfig
+from firsttoken.runner.cuda_graphs import CudaGraphRunner, GraphInputs
 from firsttoken.runner.kv_cache import allocate_kv_caches
 from firsttoken.runner.model_runner import FaultHook, ModelRunner, ThreadPlan
+from firsttoken.runner.profile import ProfileStep, profile_forward
 from firsttoken.sampling.sampler import Sampler
 
 
@@ -37,8 +39,10 @@ class Executor(Protocol):
 
 
 class InProcessExecutor:
-    """Loads the checkpoint as its plan says, allocates the paged KV cache, and runs batches in the calling
-    thread."""
+    """Loads the checkpoint as its plan says and runs batches in the calling thread. Built in start-up's order
+    (engine.py): the constructor loads the weights; ``profile_step`` may run the profiling forward (the device
+    sizes the KV pool from its peak); ``allocate_kv_cache`` allocates the paged KV cache and makes the runner,
+    before the first ``execute``."""
 
     def __init__(
         self,
@@ -46,7 +50,6 @@ class InProcessExecutor:
         model_config: ModelConfig,
         plan: ModelPlan,
         machine: Machine,
-        num_kv_blocks: int,
         block_size: int,
         seed: int | None = None,
         fault_hook: FaultHook | None = None,
@@ -55,10 +58,33 @@ class InProcessExecutor:
     ) -> None:
         """``plan``: how the model runs here (loading/plan.py, resolved by the engine); ``interrupt``: the runner
         asks it between interruptible encoder units (ModelRunner)."""
-        model = build_model(model_dir, plan, machine)
-        kv_caches = allocate_kv_caches(model_config, num_kv_blocks, block_size, plan.torch_dtype, plan.device)
-        sampler = Sampler(seed, kernels=plan.sampler_kernels)
-        self.runner = ModelRunner(model, kv_caches, block_size, sampler, fault_hook, threads, interrupt, plan.device)
+        self.model = build_model(model_dir, plan, machine)
+        self.model_config = model_config
+        self.plan = plan
+        self.block_size = block_size
+        self._seed, self._fault_hook, self._threads, self._interrupt = seed, fault_hook, threads, interrupt
+        self.runner: ModelRunner  # made by allocate_kv_cache (no step runs before it)
+
+    def profile_step(self, step: ProfileStep) -> None:
+        """One forward at ``step`` (runner/profile.py); only before ``allocate_kv_cache``."""
+        profile_forward(self.model, self.model_config, step, self.block_size, self.plan.device)
+
+    def allocate_kv_cache(self, num_blocks: int, cuda_graph_sizes: tuple[int, ...] = (),
+                          max_model_len: int = 0) -> None:
+        """The KV pool of ``num_blocks`` blocks, and the runner over it. With ``cuda_graph_sizes`` (cuda only) one
+        block more, the scratch block the graphs' padding rows write (block ``num_blocks``, outside the scheduler's
+        pool), and the decode graphs for contexts up to ``max_model_len``, captured now."""
+        scratch = 1 if cuda_graph_sizes else 0
+        kv_caches = allocate_kv_caches(self.model_config, num_blocks + scratch, self.block_size,
+                                       self.plan.torch_dtype, self.plan.device)
+        graphs = None
+        if cuda_graph_sizes:
+            inputs = GraphInputs(max(cuda_graph_sizes), max_model_len, self.block_size, num_blocks, self.plan.device)
+            graphs = CudaGraphRunner(self.model, kv_caches, inputs, cuda_graph_sizes)
+            graphs.capture()
+        sampler = Sampler(self._seed, kernels=self.plan.sampler_kernels)
+        self.runner = ModelRunner(self.model, kv_caches, self.block_size, sampler, self._fault_hook, self._threads,
+                                  self._interrupt, self.plan.device, graphs)
 
     def execute(self, batch: ScheduledBatch) -> RunnerOutput:
         return self.runner.execute(batch)

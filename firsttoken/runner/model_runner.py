@@ -38,6 +38,7 @@ from firsttoken.batch import (
 )
 from firsttoken.kernels.cpu_linear import set_kernel_spin, set_kernel_threads
 from firsttoken.models.interfaces import EncodeState, ImageEmbeddings, ImageRows
+from firsttoken.runner.cuda_graphs import CudaGraphRunner
 from firsttoken.sampling.penalties import TokenHistory
 from firsttoken.sampling.sampler import Sampler, SampleRow, make_generator
 from firsttoken.structured import GrammarMatcher, allocate_bitmask, apply_bitmask
@@ -145,13 +146,16 @@ class ModelRunner:
         threads: ThreadPlan | None = None,
         interrupt: Callable[[], bool] | None = None,
         device: torch.device | str = "cpu",
+        graphs: CudaGraphRunner | None = None,
     ) -> None:
         """``interrupt``: asked between the units of encoder work the scheduler marked interruptible; True (a short
         request arrived) stops that work once the step has done any work (an encoder unit or its forward).
         ``device``: where the model and the KV caches live (the resolved --device); each step's inputs are built on
         the CPU and copied there once, images' pixels through pinned memory; the sampler runs on the CPU (a CUDA
-        step copies its sampled rows' logits back)."""
+        step copies its sampled rows' logits back). ``graphs``: captured decode graphs (runner/cuda_graphs.py) that
+        a pure-decode step within their buckets replays instead of the eager forward; None: every step eager."""
         self.device = torch.device(device)
+        self.graphs = graphs
         self._copy_async = self.device.type == "cuda"  # host -> device copies from pinned memory, not waited for
         self.model = model
         self.kv_caches = kv_caches
@@ -334,13 +338,19 @@ class ModelRunner:
         sampling = [(row, c) for row, c in zip(inputs.last_rows, chunks) if c.sample]
         masks = self._start_masks([c for _, c in sampling])  # filled while the forward runs
         every_row = bool(sampling) and len(sampling) == len(inputs.input_ids)  # a decode-only batch samples all
+        logits: torch.Tensor | None = None
         try:
-            out = self.model.forward_step(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta,
-                                          inputs.images, all_logits=every_row)
+            if self.graphs is not None and every_row and all(c.is_decode for c in chunks):  # a pure-decode step
+                logits = self.graphs.run(inputs.input_ids, inputs.positions, inputs.meta)  # None: above the buckets
+            if logits is None:
+                out = self.model.forward_step(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta,
+                                              inputs.images, all_logits=every_row)
         finally:
             if masks is not None:
                 masks.wait()  # the matchers are the step's again (also when the forward failed)
         timing["forward_done"] = time.monotonic()
+        if logits is not None:  # decode rows only: no prompt position to score
+            return self._sample(logits, [c for _, c in sampling], failed, masks)
         self._score_prompts(chunks, inputs.last_rows, out.hidden)
         if not sampling:
             return {}, {}

@@ -52,7 +52,7 @@ def build_engine(config: ServeConfig, model_dir: Path, tokenizer: Any, recorder:
         log.warning("no --model given: serving the built-in demo checkpoint (random weights, nonsense answers) "
                     "from %s", model_dir)
     engine = LLMEngine(model_dir, config.engine, tokenizer=_decoder(tokenizer), fault_hook=fault_hook,
-                       observer=recorder)
+                       observer=recorder, profile_image_tokens=config.images.image_max_tokens)
     if config.engine.scheduler.step_time_target != "off" or config.engine.scheduler.ttft_slo:
         engine.calibrate()  # the step-cost model prices steps and predicts TTFT from the first request on
     return AsyncEngine(engine, on_abort=recorder.on_aborted)

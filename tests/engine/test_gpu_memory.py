@@ -1,11 +1,14 @@
 """--gpu-memory-utilization (issue 39, deliverable 4): the KV pool from a device's memory. One pure function
 (device_memory.kv_pool_from_device) does the arithmetic for both the engine's resolve step and `firsttoken plan
---memory`; here, on the CPU, its table of cases, and the resolve step on an injected CUDA machine with injected device
-facts giving plan's block count for the same inputs. The measurement on a real device is tests/gpu/test_memory_cuda.py.
+--memory`; here, on the CPU, its table of cases, the resolve step on an injected CUDA machine with injected device
+facts giving plan's block count for the same inputs, and the engine's start-up order (load, profiling forward,
+measure, resolve, allocate) driven with injected facts. The measurement on a real device is
+tests/gpu/test_memory_cuda.py.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -14,7 +17,10 @@ import pytest
 from firsttoken.cli.main import build_parser, main
 from firsttoken.config import CacheConfig, EngineConfig, SchedulerConfig
 from firsttoken.device_memory import DeviceMemory, DeviceMemoryTooSmall, KvPool, kv_pool_from_device
+from firsttoken.engine.engine import LLMEngine
 from firsttoken.engine.resolve import resolve_engine_config
+from firsttoken.runner.executor import InProcessExecutor
+from firsttoken.runner.profile import ProfileStep
 from firsttoken.loading.plan_values import CudaFacts, Machine
 from firsttoken.models.checkpoint import make_dummy_model
 from firsttoken.tools.plan import PlanInputs, make_plan
@@ -132,7 +138,11 @@ def test_on_cuda_a_given_kv_cache_memory_wins_and_an_unmeasured_device_keeps_the
     resolved = resolve_engine_config(given, dummy_2b, machine.with_cuda(H200), device_memory=facts)
     assert resolved.kv.num_blocks == GiB // (BF16_2B_TOKEN * 16)
     unmeasured = resolve_engine_config(EngineConfig(load_format="dummy"), dummy_2b, machine.with_cuda(H200))
-    assert unmeasured.kv.num_blocks == GiB // (BF16_2B_TOKEN * 16)  # 1GiB until start-up measures the device
+    assert unmeasured.needs_device_memory and not resolved.needs_device_memory
+    assert unmeasured.kv.num_blocks == GiB // (BF16_2B_TOKEN * 16)  # provisional until start-up measures the device
+    # a --max-model-len that 1GiB would not hold is not refused before the device is measured
+    long = EngineConfig(load_format="dummy", scheduler=SchedulerConfig(max_model_len=32768))
+    assert resolve_engine_config(long, dummy_2b, machine.with_cuda(H200)).needs_device_memory
 
 
 def test_on_the_cpu_the_flag_changes_nothing(tiny_model_dir: Path, machine: Machine):
@@ -157,3 +167,128 @@ def test_serve_help_lists_the_flag_and_its_default():
     assert entry.startswith("share of the CUDA device's memory") and "(default: 0.9)" in entry
     kv_entry = text.split("--kv-cache-memory SIZE ")[-1].split("--gpu-memory-utilization X ")[0]
     assert "default: 1GiB on the CPU" in kv_entry
+
+
+# ---- start-up's order: load -> profiling forward -> measure -> resolve -> allocate ---------------------------------
+
+class OnTheCpu(InProcessExecutor):
+    """The real executor with a cuda-resolved plan's model put on the CPU, recording start-up's calls."""
+
+    calls: list[str]
+
+    def __init__(self, model_dir, model_config, plan, *args, **kwargs) -> None:
+        super().__init__(model_dir, model_config, dataclasses.replace(plan, device="cpu"), *args, **kwargs)
+        self.calls = ["load"]
+        self.steps: list[ProfileStep] = []
+
+    def profile_step(self, step: ProfileStep) -> None:
+        self.calls.append("profile")
+        self.steps.append(step)
+        super().profile_step(step)
+
+    def allocate_kv_cache(self, num_blocks: int, cuda_graph_sizes: tuple[int, ...] = (),
+                          max_model_len: int = 0) -> None:
+        self.calls.append(f"allocate {num_blocks}")
+        super().allocate_kv_cache(num_blocks, cuda_graph_sizes, max_model_len)
+
+
+class InjectedDevice:
+    """measure_device_memory's seam: runs load and profile in its order and reports the given facts."""
+
+    def __init__(self, facts: DeviceMemory) -> None:
+        self.facts = facts
+        self.calls: list[str] = []
+
+    def __call__(self, load, profile) -> DeviceMemory:
+        load()
+        self.calls.append("measured after load")
+        profile()
+        self.calls.append("measured peak")
+        return self.facts
+
+
+def tiny_plan(tiny_model_dir: Path, device: int, util: float, encoder: int, max_batched_tokens: int):
+    config = json.loads((tiny_model_dir / "config.json").read_text())
+    inputs = PlanInputs(peak_concurrency=4, device_memory_bytes=device, memory_utilization=util, dtype="bfloat16",
+                        encoder_cache_memory_bytes=encoder, max_batched_tokens=max_batched_tokens)
+    return make_plan(config, inputs)
+
+
+def cuda_engine(model_dir: Path, machine: Machine, device: InjectedDevice, config: EngineConfig,
+                image_tokens: int = 64) -> LLMEngine:
+    return LLMEngine(model_dir, config, tokenizer=None, machine=machine.with_cuda(H200), measure_memory=device,
+                     profile_image_tokens=image_tokens, executor_factory=OnTheCpu)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("device, util, encoder, max_batched_tokens", [
+    (64 * MiB, 0.9, 4 * MiB, 256),
+    (48 * MiB, 0.75, 0, 128),
+])
+def test_start_up_on_cuda_profiles_then_allocates_the_pool_plan_memory_computes(tiny_model_dir, machine, tmp_path,
+                                                                                capsys, device, util, encoder,
+                                                                                max_batched_tokens):
+    """The engine on an injected CUDA machine, without --kv-cache-memory: the weights load, one profiling forward
+    runs at the budgets' largest step (the real forward, on the CPU here), the injected device facts (plan's paper
+    figures) are read, and the pool allocated is plan --memory's, through the library and the CLI."""
+    plan = tiny_plan(tiny_model_dir, device, util, encoder, max_batched_tokens)
+    probe = InjectedDevice(DeviceMemory(device, plan.weights_bytes, plan.workspace.peak_bytes))
+    config = EngineConfig(
+        cache=CacheConfig(gpu_memory_utilization=util, encoder_cache_memory_bytes=encoder,
+                          enable_encoder_cache=encoder > 0),
+        scheduler=SchedulerConfig(max_batched_tokens=max_batched_tokens, max_model_len=plan.max_model_len,
+                                  max_num_seqs=8, step_time_target="off"))
+    engine = cuda_engine(tiny_model_dir, machine, probe, config)
+    executor = engine.executor
+    assert isinstance(executor, OnTheCpu)
+    assert executor.calls == ["load", "profile", f"allocate {plan.num_kv_blocks}"]
+    assert probe.calls == ["measured after load", "measured peak"]
+    assert executor.steps == [ProfileStep(num_tokens=max_batched_tokens, image_tokens=64, num_sampled_rows=8)]
+    assert engine.resolved.model.device == "cuda" and engine.resolved.device_memory == probe.facts
+    assert engine.resolved.kv.num_blocks == engine.scheduler.kv.num_blocks == plan.num_kv_blocks > 0
+    assert executor.runner.kv_caches[0].shape[1] == plan.num_kv_blocks  # the tensors allocated
+    assert engine.resolved.as_dict()["device_memory"]["profile_peak_bytes"] == plan.workspace.peak_bytes
+    assert "device memory: " in engine.resolved.describe()
+
+    cfg = tmp_path / "config.json"
+    cfg.write_text((tiny_model_dir / "config.json").read_text())
+    assert main(["plan", "--config", str(cfg), "--memory", str(device), "--gpu-memory-utilization", str(util),
+                 "--peak-concurrency", "4", "--encoder-cache-memory", str(encoder), "--max-batched-tokens",
+                 str(max_batched_tokens), "--dtype", "bfloat16", "--json", "-"]) == 0
+    assert json.loads(capsys.readouterr().out)["num_kv_blocks"] == engine.resolved.kv.num_blocks
+
+
+@pytest.mark.parametrize("facts, scheduler, match", [
+    (DeviceMemory(8 * MiB, 8 * MiB, 0), SchedulerConfig(), "^no room for a KV pool on the device: 8 MiB x 0.9"),
+    (DeviceMemory(64 * MiB, 4 * MiB, 50 * MiB), SchedulerConfig(), "^no room for a KV pool on the device"),
+    # 57.6 MiB usable - 4 - 4 - 512 MiB of encoder cache by default: nothing left
+    (DeviceMemory(64 * MiB, 4 * MiB, 4 * MiB), SchedulerConfig(), "^no room"),
+    (DeviceMemory(1024 * MiB, 4 * MiB, 4 * MiB), SchedulerConfig(max_model_len=2**22),
+     "^the KV pool the device leaves holds .* fewer than the 262144 one max-length request needs"),
+])
+def test_a_device_that_leaves_no_pool_stops_start_up_in_one_line(tiny_model_dir, machine, facts, scheduler, match):
+    config = EngineConfig(scheduler=scheduler)
+    with pytest.raises(DeviceMemoryTooSmall, match=match) as err:
+        cuda_engine(tiny_model_dir, machine, InjectedDevice(facts), config)
+    assert "\n" not in str(err.value)
+
+
+def test_on_the_cpu_start_up_neither_profiles_nor_measures(tiny_model_dir, machine):
+    """The CPU path is unchanged: the weights load and the default 1GiB pool is allocated; the measuring seam and
+    the profiling forward are never called."""
+
+    def never(load, profile):
+        raise AssertionError("the CPU path measured a device")
+
+    calls: list[str] = []
+
+    class Recording(InProcessExecutor):
+        def profile_step(self, step: ProfileStep) -> None:
+            calls.append("profile")
+
+    engine = LLMEngine(tiny_model_dir, EngineConfig(), tokenizer=None,  # type: ignore[arg-type]
+                       machine=machine.with_cuda(CudaFacts.absent("no CUDA (test)")), measure_memory=never,
+                       executor_factory=Recording)
+    assert calls == [] and engine.resolved.device_memory is None and not engine.resolved.needs_device_memory
+    per_token = engine.resolved.kv.kv_bytes_per_token
+    assert engine.resolved.kv.num_blocks == GiB // (per_token * 16)
+    assert engine.executor.runner.kv_caches[0].shape[1] == engine.resolved.kv.num_blocks

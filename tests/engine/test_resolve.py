@@ -67,7 +67,7 @@ def test_the_resolved_configuration_is_plain_json_and_one_line_per_choice(tiny_m
     assert head == "engine configuration:"
     assert [line.split(":")[0].strip() for line in lines] == [
         "cpu", "device", "weights", "dtype", "quantization", "decode steps' products", "decode steps' decoder layers",
-        "float32 weights' layout", "threads", "KV cache", "encoder cache"]
+        "float32 weights' layout", "threads", "cuda graphs", "KV cache", "encoder cache"]
 
 
 def test_the_engine_runs_with_what_it_resolved_and_logs_it_once(tiny_model_dir: Path, caplog):

@@ -43,3 +43,26 @@ def test_the_pool_sized_from_the_device_leaves_one_minus_utilization_free(tiny_m
     free_after, _ = torch.cuda.mem_get_info(0)
     del pool
     assert free_after >= (1 - utilization) * total - SLACK, (facts, pool_bytes, free_after)
+
+
+def test_start_up_measures_the_device_and_allocates_what_it_leaves(tiny_model_dir: Path) -> None:
+    """The engine's own start-up on cuda without --kv-cache-memory: weights, one profiling forward at the budgets'
+    largest step (2048 tokens, a 1280-token image), the facts measured, the pool that leaves allocated; afterwards at
+    least (1 - utilization) of the device is free and requests are served."""
+    import gc
+
+    utilization = 0.3
+    llm = LLM(tiny_model_dir, device="cuda", dtype="float32", gpu_memory_utilization=utilization)
+    resolved = llm.engine.resolved
+    facts = resolved.device_memory
+    assert facts is not None and facts.in_use_after_load_bytes > 0 and facts.profile_peak_bytes > 0
+    kv = llm.engine.executor.runner.kv_caches
+    assert kv[0].shape[1] == resolved.kv.num_blocks  # sdpa: no graphs, so no scratch block
+    torch.cuda.synchronize(0)
+    free, total = torch.cuda.mem_get_info(0)
+    assert free >= (1 - utilization) * total - SLACK, (facts, resolved.kv, free)
+    out = llm.complete("hello " * 50, {"temperature": 0, "max_tokens": 4})
+    assert out.error is None
+    del llm, kv
+    gc.collect()
+    torch.cuda.empty_cache()
