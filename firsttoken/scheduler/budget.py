@@ -23,10 +23,11 @@ from firsttoken.types import EncoderUnit
 
 class StepBudget:
     def __init__(self, num_tokens: int, seconds: float = math.inf, cost: CostModel | None = None,
-                 whole_images: bool = False, target_s: float = math.inf) -> None:
+                 whole_images: bool = False, target_s: float = math.inf, chunk_s: float = math.inf) -> None:
         """``whole_images``: encoder units are neither limited nor charged (a throughput step: images are encoded
         whole, and the token budget is the prefill chunk's alone). ``target_s``: the step's bound, its per-step
-        constant included (``seconds`` is what is left of it for work); shares are of it."""
+        constant included (``seconds`` is what is left of it for work); shares are of it. ``chunk_s``: predicted
+        seconds prefill chunks may take (priced whenever a fitted cost model prices grants)."""
         self.whole_images = whole_images
         self.target_s = target_s
         self.total = num_tokens
@@ -39,7 +40,7 @@ class StepBudget:
         self.spent_s = 0.0  # predicted seconds taken so far (0 without a pricer)
         self.features = StepFeatures()  # everything taken so far
         self.floor_tokens = 0  # a chunk may always have this many tokens, time or not (progress guarantee)
-        self.chunk_seconds = math.inf  # predicted seconds prefill chunks may still take (on top of ``seconds``)
+        self.chunk_seconds = chunk_s  # predicted seconds prefill chunks may still take (on top of ``seconds``)
 
     @property
     def used(self) -> int:
@@ -80,10 +81,10 @@ class StepBudget:
     def chunk_tokens(self, wanted: int, context: int, samples_at_end: bool) -> int:
         """The most new tokens (<= wanted) of a prefill chunk at ``context`` that fit; 0 when none do."""
         n = min(wanted, self.remaining)
-        if n <= 0 or self.cost is None:
+        seconds = min(self.seconds, self.chunk_seconds)
+        if n <= 0 or self.pricer is None or math.isinf(seconds):
             return max(n, 0)
         floor = min(n, self.floor_tokens)
-        seconds = min(self.seconds, self.chunk_seconds)
         if self.price(prefill_chunk(n, context, samples_at_end and n == wanted)) <= seconds:
             return n
         lo, hi = 0, n  # price grows with n: the largest n that fits

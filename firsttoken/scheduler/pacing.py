@@ -7,7 +7,8 @@ One policy, chosen once from the config:
   P90 of the recent ones, at least twice the per-step constant; or the seconds given), lowered while requests
   decode so that each one's next token keeps ``--itl-target``'s pace. Under ``auto`` a lone request (nobody
   decoding, nobody else waiting or running) gets a *throughput* step instead: its images encoded whole and the
-  prefill chunk sized by ``throughput_chunk_tokens``; the next step after anyone arrives is bounded again.
+  prefill chunk sized by ``throughput_chunk_tokens`` (fewer tokens deeper into a prompt: no longer in predicted
+  seconds than that chunk at context 0); the next step after anyone arrives is bounded again.
 
 Until the cost model is trained, and while the engine calibrates it, steps are budgeted in tokens only.
 """
@@ -62,7 +63,13 @@ class Pacing:
         token in it; ``alone``: one live request in all."""
         target = self.step_time_target()
         if math.isfinite(target) and alone and not decoding and self.throughput_steps:
-            return StepBudget(self.throughput_chunk_tokens(), cost=self.cost_model, whole_images=True), True
+            # the chunk's forward is priced no longer than the throughput chunk's at a prompt's start: a short request
+            # arriving during it waits that long at most, however long the context (attention) has grown
+            size = self.throughput_chunk_tokens()
+            chunk_s = self.cost_model.work_s(prefill_chunk(size, 0, True))
+            budget = StepBudget(size, cost=self.cost_model, whole_images=True, chunk_s=chunk_s)
+            budget.grant_floor(min(self.block_size, size))  # progress at any context
+            return budget, True
         if math.isfinite(target) and decoding:
             target = min(target, self._itl_step_bound(decoding))  # streaming answers' next tokens wait for it
         overhead = float(self.cost_model.coef[0]) if math.isfinite(target) else 0.0  # the per-step constant

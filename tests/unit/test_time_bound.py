@@ -10,7 +10,7 @@ import pytest
 
 from firsttoken.models.config import VisionConfig
 from firsttoken.models.qwen2_vl_vision import full_attention_units
-from firsttoken.scheduler.cost_model import FEATURE_NAMES, CostModel, encoder_units
+from firsttoken.scheduler.cost_model import FEATURE_NAMES, CostModel, encoder_units, prefill_chunk
 from firsttoken.scheduler.admission import protected_place
 from firsttoken.scheduler.lanes import LONG_MIN_SHARE
 from firsttoken.types import PromptWork
@@ -481,6 +481,26 @@ def test_a_request_arriving_mid_way_brings_the_bound_back_within_one_step():
         assert predicted(sched, batch) <= target + 1e-9  # bounded from the very next step on, decodes included
     alone_again = run_step(sched)
     assert sum(c.num_new_tokens for c in alone_again.chunks) == sched.pacing.throughput_chunk_tokens() > 60
+
+
+def test_deep_into_a_lone_prompt_a_throughput_chunk_is_no_longer_than_the_first():
+    # attention makes a chunk at context c cost more than at 0: a throughput step's forward (which a short request
+    # arriving during it must wait for) is held to the throughput chunk's price at context 0, so deeper chunks are
+    # shorter. Steps: at most ceil(N / n_end), n_end the chunk that fits at the prompt's end
+    costs = {**COSTS, "prefill_attention": 1e-6}
+    model = CostModel(prior=tuple(costs.get(name, 0.0) for name in FEATURE_NAMES))
+    sched = scheduler(step_time_target="auto", max_batched_tokens=1024, cost_model=model)
+    size = sched.pacing.throughput_chunk_tokens()
+    first_s = model.work_s(prefill_chunk(size, 0, True))
+    sched.add(fake_request("doc", prompt_len=3000, max_tokens=1))
+    chunks = []
+    while sched.has_work:
+        chunks += [c for c in run_step(sched).chunks]
+    assert chunks[0].num_new_tokens == size
+    assert all(model.work_s(prefill_chunk(c.num_new_tokens, c.context_len, c.sample)) <= first_s + 1e-9
+               for c in chunks)
+    n_end = max(n for n in range(1, size + 1) if model.work_s(prefill_chunk(n, 3000 - n, True)) <= first_s)
+    assert chunks[-1].num_new_tokens < size and len(chunks) <= math.ceil(3000 / n_end)
 
 
 def test_a_second_long_request_keeps_steps_bounded_and_a_given_target_bounds_every_step():
