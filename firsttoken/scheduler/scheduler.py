@@ -271,18 +271,28 @@ class Scheduler:
         else:
             end = start + budget.chunk_tokens(wanted, start, samples_at_end=True)
             step.full |= end == start  # what the step has left fits none of it (wait_reason: step_full)
+        window, ready = end - start, True
         for index, im in req.images_in(start, end):
             whole = whole_prompt or req.lane == SHORT or budget.whole_images
-            if not self.encoder.ensure(req, index, im, budget, step, all_units=whole) or (
-                    budget.whole_images and im.content_hash in step.finishing_hashes):
+            ready = self.encoder.ensure(req, index, im, budget, step, all_units=whole)
+            if not ready or (budget.whole_images and im.content_hash in step.finishing_hashes):
                 end = im.offset  # (in a throughput step, before an image encoded in it: that work stays interruptible)
                 break
+        if budget.whole_images and ready:  # the next chunk's images too, so it is not cut before each of them
+            self._encode_ahead(req, budget, step, end, end + window)
         if req.num_prompt_tokens >= self.config.long_prompt_threshold:
             step.has_long_work = True
         if not whole_prompt:
             end = min(end, start + (budget.remaining if whole_short else budget.chunk_tokens(wanted, start, True)))
         if end > start:
             self._schedule_tokens(req, end - start, budget, step)
+
+    def _encode_ahead(self, req: Request, budget: StepBudget, step: StepDraft, lo: int, hi: int) -> None:
+        """In a throughput step, encode (whole, interruptible) the images of prompt range [lo, hi) too: the next step's
+        chunk then spans them instead of stopping before each (a video's grids are many small images)."""
+        for index, im in req.images_in(lo, hi):
+            if not self.encoder.ensure(req, index, im, budget, step, all_units=True):
+                break
 
     def _schedule_tokens(self, req: Request, num_new: int, budget: StepBudget, step: StepDraft) -> None:
         if not self._ensure_blocks(req, req.num_computed_tokens + num_new, step):

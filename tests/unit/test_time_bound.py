@@ -469,6 +469,22 @@ def test_a_lone_request_runs_throughput_steps_whole_images_and_the_fastest_chunk
     assert bounded <= 1  # none bounded by the target (the last step may be small)
 
 
+def test_a_lone_video_is_not_cut_at_every_grid_the_next_chunks_grids_are_encoded_ahead():
+    # a video is one vision item per temporal grid: 24 grids of 100 tokens after 100 tokens of text. A throughput
+    # step that stops its chunk before a grid it encodes also encodes the grids the next chunk (S = 256 tokens) will
+    # span, so the prompt takes at most ceil(N / S) + 2 steps, not one step per grid (24)
+    sched = scheduler(step_time_target="auto", max_batched_tokens=1024)
+    size = sched.pacing.throughput_chunk_tokens()
+    grids = [(f"g{k}", 100 + 100 * k, 100) for k in range(24)]
+    sched.add(fake_request("clip", prompt_len=2600, max_tokens=1, encoder_depth=2, images=grids))
+    steps = 0
+    while sched.has_work:
+        batch = run_step(sched)
+        steps += 1
+        assert all(w.interruptible for w in batch.encoder_work)  # a short arrival still cuts the encode
+    assert steps <= math.ceil(2600 / size) + 2 < 24
+
+
 def test_a_request_arriving_mid_way_brings_the_bound_back_within_one_step():
     sched = scheduler(step_time_target="auto", max_batched_tokens=1024)
     sched.add(fake_request("doc", prompt_len=4000, max_tokens=1))
