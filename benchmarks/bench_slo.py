@@ -2,6 +2,7 @@
 
     python benchmarks/bench_slo.py [--model DIR] [--utilizations 0.6,0.8] [--overload 1.3] [--num-requests 60]
                                    [--json out.json] [--plot-dir DIR] [--before OTHER_CHECKOUT]
+                                   [--mix text=0.5,1img=0.2,3img=0.1,video=0.2 --video-seconds 10]
 
 The seed's mix (50% text ~800 tokens, 30% one 1024x1024 image, 20% three, each beside ~800 tokens of text), seeded
 Poisson arrivals. The rate is calibrated, never fixed: each class's unloaded service time (mean e2e of requests sent
@@ -45,7 +46,8 @@ from firsttoken.config import ImageConfig  # noqa: E402
 from firsttoken.tools.bench import BenchConfig, run_bench  # noqa: E402
 from firsttoken.tools.bench.runner import measure_calibration  # noqa: E402
 
-CLASSES = ("text", "1img", "3img")
+CLASSES = ("text", "1img", "3img")  # the classes of --mix (main sets them; the seed's by default)
+SEED_MIX = "text=0.5,1img=0.3,3img=0.2"
 WORDS_FOR_800_TOKENS = 512  # bench's English words -> ~800 tokens of the checkpoint's tokenizer (see bench_lanes)
 LOADED = {"fcfs": ["--scheduling", "fcfs"], "lanes-tokens": ["--step-time-target", "off"], "default": [],
           "no-bias": ["--ttft-bias-step", "0"],  # no-bias: the predicted TTFT without its learnt correction
@@ -57,8 +59,18 @@ LOWERED = re.compile(r"lowered from (\d+) to (\d+) per image")
 
 def config(base: str, args: argparse.Namespace, **kw) -> BenchConfig:
     kw.setdefault("seed", args.seed)
+    kw.setdefault("mix", parse_mix(args.mix))
     return BenchConfig(url=base, model="m", workload="seed-mix", text_tokens=WORDS_FOR_800_TOKENS,
-                       image_text_tokens=WORDS_FOR_800_TOKENS, output_tokens=args.output_tokens, progress=False, **kw)
+                       image_text_tokens=WORDS_FOR_800_TOKENS, output_tokens=args.output_tokens, progress=False,
+                       video_seconds=args.video_seconds, **kw)
+
+
+def parse_mix(text: str) -> tuple[tuple[str, float], ...]:
+    return tuple((name.strip(), float(w)) for name, _, w in (part.partition("=") for part in text.split(",")))
+
+
+def visual_classes() -> tuple[str, ...]:
+    return tuple(c for c in CLASSES if c != "text")
 
 
 def nearest_rank(values: list[float], q: float) -> float | None:
@@ -189,7 +201,7 @@ def targets_loaded(results: dict, unloaded: dict) -> list[str]:
     was = f"lanes-tokens {old['text']['p99'] / unloaded['text']:.2f}x, " if old else ""
     lines.append(f"text P99 / unloaded = {text:.2f}x (target <= 2.5x: {verdict(text <= 2.5)}; "
                  f"{was}fcfs {f['text']['p99'] / unloaded['text']:.2f}x)")
-    for cls in ("1img", "3img"):
+    for cls in visual_classes():
         ratio = d[cls]["p99"] / f[cls]["p99"]
         was = f"; lanes-tokens {old[cls]['p99'] / f[cls]['p99']:.2f}x" if old else ""
         lines.append(f"{cls} P99 default / fcfs = {ratio:.2f}x (target <= 1.05x: {verdict(ratio <= 1.05)}{was})")
@@ -221,9 +233,9 @@ def targets_overload(results: dict) -> list[str]:
         g0 = results[other]["summary"]["goodput_rps"]
         ratio = s["goodput_rps"] / g0 if g0 else math.inf
         lines.append(f"goodput slo / {other} = {ratio:.2f}x (target >= 1.5x: {verdict(ratio >= 1.5)})")
-    budgets = [s[c]["mean_image_budget"] for c in ("1img", "3img") if s[c]["mean_image_budget"] is not None]
+    budgets = [s[c]["mean_image_budget"] for c in visual_classes() if s[c]["mean_image_budget"] is not None]
     lines.append("mean visual-token budget applied per image: "
-                 + ", ".join(f"{c} {s[c]['mean_image_budget']:.0f}" for c in ("1img", "3img")
+                 + ", ".join(f"{c} {s[c]['mean_image_budget']:.0f}" for c in visual_classes()
                              if s[c]["mean_image_budget"] is not None)
                  + ("" if budgets else "-"))
     return lines
@@ -236,14 +248,14 @@ def plot(results: dict, title: str, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, len(results), figsize=(5 * len(results), 4), sharey=True, squeeze=False)
-    colors = {"text": "#1f77b4", "1img": "#ff7f0e", "3img": "#d62728"}
+    colors = {"text": "#1f77b4", "1img": "#ff7f0e", "3img": "#d62728", "video": "#2ca02c"}
     for ax, (name, r) in zip(axes[0], results.items()):
         for cls in CLASSES:
             pts = [(x["start_s"], x["ttft_s"]) for x in r["records"] if x["cls"] == cls and not x["warmup"]
                    and x["ttft_s"] is not None]
-            ax.scatter([p[0] for p in pts], [p[1] for p in pts], s=10, color=colors[cls], label=cls)
+            ax.scatter([p[0] for p in pts], [p[1] for p in pts], s=10, color=colors.get(cls), label=cls)
             refused = [x["start_s"] for x in r["records"] if x["cls"] == cls and x["status"] == 429]
-            ax.scatter(refused, [0] * len(refused), marker="x", s=14, color=colors[cls])
+            ax.scatter(refused, [0] * len(refused), marker="x", s=14, color=colors.get(cls))
         ax.set_title(name)
         ax.set_xlabel("arrival (s)")
         ax.set_yscale("log")
@@ -268,6 +280,8 @@ def main() -> None:
     ap.add_argument("--image-slo-x", type=float, default=1.5,
                     help="image objective = this x unloaded three-image TTFT")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--mix", default=SEED_MIX, help="classes and weights (text, Nimg, video), as firsttoken bench's")
+    ap.add_argument("--video-seconds", type=float, default=4.0, help="each video class request's clip length")
     ap.add_argument("--json", default=None)
     ap.add_argument("--plot-dir", default=None)
     ap.add_argument("--configs", default=",".join(LOADED), help="which loaded configurations to run")
@@ -282,6 +296,8 @@ def main() -> None:
                     help="another configuration of the overload run, with --ttft-slo as `slo` has it, e.g. "
                          "'margin0=--ttft-slo-wait-margin 0' (repeatable; compared with `slo` on the same arrivals)")
     args = ap.parse_args()
+    global CLASSES
+    CLASSES = tuple(name for name, _ in parse_mix(args.mix))
     for item in args.config:
         name, _, flags = item.partition("=")
         LOADED[name] = shlex.split(flags)
