@@ -180,6 +180,7 @@ class ResolvedEngineConfig:
         """Plain JSON: what GET /v1/engine/config returns."""
         out = dataclasses.asdict(self)
         out["kv"]["num_tokens"] = self.kv.num_tokens
+        out["cuda_graph_sizes"] = list(self.cuda_graph_sizes)  # as JSON carries it
         return out
 
 
