@@ -28,17 +28,15 @@ def pixel_content_hash(image: ProcessedImage) -> str:
     return h.hexdigest()
 
 
-def grid_content_hashes(pixel_values: torch.Tensor, grid_thw: tuple[int, int, int]) -> tuple[str, ...]:
-    """A video's identity per temporal grid: ``pixel_content_hash`` of each grid as the one-grid item the engine
-    encodes (grid (1, h, w), its h*w patch rows), so a grid and an image of the same pixels share encoder output."""
-    t, h, w = grid_thw
-    rows = h * w
-    flat = pixel_values.contiguous()
+def grid_content_hashes(grids: Sequence[torch.Tensor], grid_hw: tuple[int, int]) -> tuple[str, ...]:
+    """A video's identity per temporal grid (``grids``: each grid's h*w patch rows, video_pixels.grid_rows): the hash
+    ``pixel_content_hash`` gives the one-grid item the engine encodes (grid (1, h, w)), so a grid and an image of the
+    same pixels share encoder output."""
     out = []
-    for k in range(t):
+    for rows in grids:
         digest = hashlib.blake2b(digest_size=16)
-        digest.update(repr((1, h, w)).encode())
-        digest.update(flat[k * rows:(k + 1) * rows].numpy().tobytes())
+        digest.update(repr((1, *grid_hw)).encode())
+        digest.update(rows.contiguous().numpy().tobytes())
         out.append(digest.hexdigest())
     return tuple(out)
 

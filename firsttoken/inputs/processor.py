@@ -63,7 +63,7 @@ from firsttoken.inputs.video import (
     plan_frame_list,
     plan_video_bytes,
 )
-from firsttoken.inputs.video_pixels import video_pixel_values
+from firsttoken.inputs.video_pixels import grid_rows, video_pixel_values
 from firsttoken.inputs.prompt import (
     ChatPrompt,
     ImagePart,
@@ -165,10 +165,12 @@ class _Video:
 
 @dataclass(frozen=True)
 class ProcessedVideo:
-    """A video's pixel values [grids * h * w, C * T * P * P] and each temporal grid's content hash."""
+    """A video's pixel values [grids * h * w, C * T * P * P], each temporal grid's rows (views of them) and content
+    hash."""
 
-    pixel_values: torch.Tensor
+    pixel_values: torch.Tensor  # what the processed-media cache sizes it by
     grid_thw: tuple[int, int, int]
+    grids: tuple[torch.Tensor, ...]
     grid_hashes: tuple[str, ...]
 
 
@@ -553,7 +555,8 @@ class InputProcessor:
             pixels, grid = video_pixel_values(decoded.frames, self.model_config.image_processor)
             if tuple(grid) != tuple(plan.grid_thw):  # the plan and the pixels disagree: a bug
                 raise RuntimeError(f"video decoded to grid {tuple(grid)}, planned {plan.grid_thw}")
-            return ProcessedVideo(pixels, plan.grid_thw, grid_content_hashes(pixels, plan.grid_thw))
+            grids = tuple(grid_rows(pixels, grid))
+            return ProcessedVideo(pixels, plan.grid_thw, grids, grid_content_hashes(grids, grid[1:]))
 
         try:
             return self.image_cache.get_or_build(key, build)  # type: ignore[arg-type,return-value]
@@ -626,13 +629,11 @@ class InputProcessor:
         ]
         for video, offsets in zip(videos, ids.video_offsets):
             _, h, w = video.grid_thw
-            rows = h * w
             units = self.family.encoder_units(vision, (1, h, w))
             items += [
-                ImageItem(content_hash=digest, offset=offset, num_tokens=rows // vision.spatial_merge_size ** 2,
-                          grid_thw=(1, h, w), encoder_units=units,
-                          pixel_values=video.pixel_values[k * rows:(k + 1) * rows], kind="video")
-                for k, (digest, offset) in enumerate(zip(video.grid_hashes, offsets))
+                ImageItem(content_hash=digest, offset=offset, num_tokens=h * w // vision.spatial_merge_size ** 2,
+                          grid_thw=(1, h, w), encoder_units=units, pixel_values=rows, kind="video")
+                for rows, digest, offset in zip(video.grids, video.grid_hashes, offsets)
             ]
         items.sort(key=lambda item: item.offset)
         return EngineRequest(
@@ -685,7 +686,9 @@ class InputProcessor:
         video grid (one vision item each)."""
         patch, vision = self.model_config.image_processor.patch_size, self.model_config.vision
         grids = [(1, p.resized_size[1] // patch, p.resized_size[0] // patch) for p in ids.plans]
-        grids += [(1, h, w) for v in ids.videos for _ in range(v.plan.grid_thw[0]) for h, w in [v.plan.grid_thw[1:]]]
+        for v in ids.videos:
+            t, h, w = v.plan.grid_thw
+            grids += [(1, h, w)] * t
         units = [u for grid in grids for u in self.family.encoder_units(vision, grid)]
         return PromptWork(len(ids.token_ids), len(grids), sum(u.num_patches for u in units),
                           float(sum(u.attention_pairs for u in units)), len(units), num_videos=len(ids.videos))
