@@ -532,7 +532,7 @@ class InputProcessor:
         except BudgetError as err:
             raise InputError(str(err), err.param) from None
         except ImageInputError as err:
-            raise ImageInputError(err.code, str(err), err.param or param) from None
+            raise type(err)(err.code, str(err), err.param or param) from None  # a VideoInputError stays one
 
     def _frame_bytes(self, url: str, k: int, n: int) -> bytes:
         try:
@@ -561,7 +561,7 @@ class InputProcessor:
         try:
             return self.image_cache.get_or_build(key, build)  # type: ignore[arg-type,return-value]
         except ImageInputError as err:
-            raise ImageInputError(err.code, str(err), err.param or video.param) from None
+            raise type(err)(err.code, str(err), err.param or video.param) from None
 
     def _check_length(self, prompt: _Prompt, field: str, requested: int | None, prompt_param: str) -> int:
         """Room left for output; every message names what was counted, the limit, and what to do."""
