@@ -375,13 +375,15 @@ class InputProcessor:
     def _chat_prompt(self, prompt: ChatPrompt) -> _Prompt:
         image_parts = _parts_of(prompt, ImagePart, "image_url")
         limit = self.images.max_images_per_request
-        if len(image_parts) > limit:
+        if len(image_parts) > limit:  # named: the first image over the limit
             raise InputError(
                 f"too many images: {len(image_parts)} in this request, the limit is {limit} per request; "
                 f"send at most {limit} images",
-                prompt.param,
+                image_parts[limit][0],
             )
-        video_parts = _parts_of(prompt, VideoPart, "video_url")
+        # a frame list came as a part's "video" field, a container as its "video_url"
+        video_parts = [(param.removesuffix("video_url") + "video" if part.frames is not None else param, part)
+                       for param, part in _parts_of(prompt, VideoPart, "video_url")]
         if len(video_parts) > self.videos.max_videos_per_request:
             limit = self.videos.max_videos_per_request
             raise InputError(f"too many videos: {len(video_parts)} in this request, the limit is {limit} per request; "

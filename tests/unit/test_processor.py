@@ -185,7 +185,7 @@ def test_undecodable_images_raise_client_safe_errors(processor: InputProcessor) 
 def test_too_many_images_are_refused_before_loading(processor: InputProcessor) -> None:
     with pytest.raises(InputError, match="too many images") as err:
         process(processor, chat(*[image("data:,broken")] * 4), "r1")
-    assert err.value.param == "messages"
+    assert err.value.param == f"messages[0].content[{processor.images.max_images_per_request}].image_url"
 
 
 def test_count_chat_reports_text_and_image_tokens(processor: InputProcessor) -> None:
