@@ -35,6 +35,7 @@ from firsttoken.api.protocol import (
     TokenizeRequest,
 )
 from firsttoken.api.responses_api import RESPONSES_UNSUPPORTED, ResponsesRequest
+from firsttoken.inputs.video_synth import make_clip
 from tests.e2e.conftest import make_image
 from tests.e2e.test_bad_inputs import data_url, png_bytes, png_header_only
 
@@ -45,6 +46,11 @@ MODEL = "tiny"
 MAX_MODEL_LEN = 512
 MAX_PIXELS = 112 * 112
 MAX_IMAGES = 3
+MAX_VIDEOS = 2  # the server's default --max-videos-per-request
+VIDEO_FPS = 2.0  # the server's default --video-fps: a request may ask for less, never more
+VIDEO_MAX_TOKENS = 4096  # the server's default --video-max-tokens
+VIDEO_MIN_FRAME_TOKENS = 128  # the server's default --video-min-frame-tokens: the least a video may ask for
+VIDEO_MAX_FRAMES = 768  # the server's default --video-max-frames
 IMAGE_MAX_TOKENS = 1280  # the server's default cap of visual tokens per image
 VOCAB = 16064  # the tiny checkpoint's vocab_size
 MAX_CHOICES = 128  # prompts x n one request may ask for
@@ -274,6 +280,22 @@ IMAGE_VERDICTS = {url: verdict for url, verdict in IMAGE_CATALOG.values()}
 DECODE_FAILURES = frozenset({IMAGE_CATALOG["truncated png"][0]})
 VALID_IMAGES = [url for url, v in IMAGE_CATALOG.values() if v == V.OK]
 
+_CLIP = make_clip(1, 32, 32, fps=10, gop=5)  # 10 frames: sampled at 2 fps, one temporal grid
+# name -> (url, verdict): every video_url a drawn body can carry (a URL not listed here is BAD)
+VIDEO_CATALOG: dict[str, tuple[str, V]] = {
+    "1 s 32x32 mp4": (data_url(_CLIP, "video/mp4"), V.OK),
+    "truncated mp4 (its first half)": (data_url(_CLIP[: len(_CLIP) // 2], "video/mp4"), V.BAD),
+    "text bytes as video/mp4": (data_url(b"not a video" * 50, "video/mp4"), V.BAD),
+    "a png as the video": (data_url(_png(8, 8)), V.BAD),
+    "https URL (remote media off)": ("https://images.test/clip.mp4", V.BAD),
+    "empty URL": ("", V.BAD),
+}
+VIDEO_NAMES = {url: name for name, (url, _) in VIDEO_CATALOG.items()}
+VIDEO_VERDICTS = {url: verdict for url, verdict in VIDEO_CATALOG.values()}
+VALID_VIDEOS = [url for url, v in VIDEO_CATALOG.values() if v == V.OK]
+# frames a frame-list video may hold: OK images of one size (a list mixing sizes is not drawn)
+VIDEO_FRAMES = [IMAGE_CATALOG["64x48 jpeg"][0], IMAGE_CATALOG[f"112x112 png (= the pixel limit {MAX_PIXELS})"][0]]
+
 LONG_TEXT = "word " * 300  # MAYBE by length; /tokenize's count decides
 HUGE_TEXT = "word " * 3000  # over the 512-token context however it tokenizes
 TEXTS: dict[str, V] = {LONG_TEXT: V.MAYBE, HUGE_TEXT: V.BAD}
@@ -463,6 +485,27 @@ def images(draw: st.DrawFn, valid: bool = True) -> dict:
     return {"type": "image_url", "image_url": image_url}
 
 
+@st.composite
+def videos(draw: st.DrawFn, valid: bool = True) -> dict:
+    """A ``video_url`` part, or Qwen's frame list (``{"type": "video", "video": [frame urls]}``), with some of the
+    request's asks (fps, max_frames, max_visual_tokens)."""
+    asks: dict[str, Any] = {}
+    if draw(sometimes):
+        asks["fps"] = draw(st.sampled_from([None, 1, 2.0, 0.5] if valid else [0, -1, VIDEO_FPS * 2, "x", 1]))
+    if draw(sometimes):
+        asks["max_frames"] = draw(st.sampled_from([None, 4, 8] if valid else [1, 0, -2, "x", VIDEO_MAX_FRAMES + 1, 8]))
+    if draw(sometimes):
+        asks["max_visual_tokens"] = draw(st.sampled_from(
+            [None, VIDEO_MAX_TOKENS] if valid else [0, -1, 16, VIDEO_MAX_TOKENS + 1, "x", VIDEO_MAX_TOKENS]))
+    if draw(st.booleans()):
+        frames = [draw(st.sampled_from(VIDEO_FRAMES))] * draw(st.integers(2, 4))
+        if not valid and draw(st.booleans()):
+            frames[draw(st.integers(0, len(frames) - 1))] = draw(st.sampled_from(list(IMAGE_VERDICTS)))
+        return {"type": "video", "video": frames, **asks}
+    url = draw(st.sampled_from(VALID_VIDEOS if valid else list(VIDEO_VERDICTS)))
+    return {"type": "video_url", "video_url": {"url": url, **asks}}
+
+
 def texts(valid: bool = True) -> SearchStrategy[str]:
     edges = [t for t in TEXT_EDGES if text_rule(t) == V.OK] if valid else TEXT_EDGES
     return st.one_of(st.sampled_from(edges), st.text(max_size=12))
@@ -485,7 +528,7 @@ def contents(draw: st.DrawFn) -> Any:
         return draw(texts())
     if kind == "empty":
         return draw(st.sampled_from([None, "", []]))
-    parts = draw(st.lists(st.one_of(images(), text_parts()), max_size=4))
+    parts = draw(st.lists(st.one_of(images(), text_parts(), images(), text_parts(), videos()), max_size=4))
     image = next((p for p in parts if p["type"] == "image_url"), None)
     if image is not None and draw(sometimes):  # the same image twice in one message
         parts.insert(draw(st.integers(0, len(parts))), image)
@@ -501,15 +544,16 @@ def valid_messages(draw: st.DrawFn) -> list[dict]:
         if content is not None or draw(st.booleans()):
             message["content"] = content
         out.append(message)
-    budget = MAX_IMAGES  # within the image limit: a mutation may go beyond it
+    budget = {"image": MAX_IMAGES, "video": MAX_VIDEOS}  # within the limits: a mutation may go beyond them
     for m in out:
         if isinstance(m.get("content"), list):
             kept = []
             for part in m["content"]:
-                if part["type"] == "image_url":
-                    if budget == 0:
+                kind = "image" if part["type"] == "image_url" else "video" if part["type"] != "text" else None
+                if kind is not None:
+                    if budget[kind] == 0:
                         continue
-                    budget -= 1
+                    budget[kind] -= 1
                 kept.append(part)
             m["content"] = kept
     return out
@@ -536,10 +580,12 @@ def mutated_messages(draw: st.DrawFn, value: list[dict]) -> Any:
         parts = out[i]["content"] if isinstance(out[i].get("content"), list) else []
         if how == "part":
             new = draw(st.one_of(images(valid=False), st.sampled_from(WRONG_PARTS), images(valid=False),
-                                 text_parts(valid=False)))
+                                 text_parts(valid=False), videos(valid=False)))
             parts.insert(draw(st.integers(0, len(parts))), new)
-        else:  # beyond the image limit, or just at it, duplicates included
+        elif draw(st.integers(0, 3)):  # beyond the image limit, or just at it, duplicates included
             parts += [draw(images())] * draw(st.integers(1, MAX_IMAGES + 1))
+        else:  # or the video limit
+            parts += [draw(videos())] * draw(st.integers(1, MAX_VIDEOS + 1))
         out[i]["content"] = parts
     return out
 
@@ -667,16 +713,42 @@ class Expect:
         return not (self.bad or self.unknown_model or self.raw_body)
 
 
-def part_verdict(part: Any, decoded: bool) -> tuple[V, int]:
-    """(verdict, images) of one content part; ``decoded``: the route decodes images (generation), or only reads
-    their headers (/tokenize)."""
-    if not isinstance(part, dict) or part.get("type") not in ("text", "image_url"):
-        return V.BAD, 0
+def video_verdict(part: dict, decoded: bool) -> V:
+    """A ``video_url`` or frame-list part's verdict: its source, then its asks."""
+    if part["type"] == "video":
+        frames, asks = part.get("video"), part
+        if not isinstance(frames, list) or not frames or not all(isinstance(f, str) for f in frames):
+            return V.BAD
+        # every catalog image has its own size, and a list's frames must share one
+        verdict = IMAGE_VERDICTS.get(frames[0], V.BAD) if len(set(frames)) == 1 else V.BAD
+    else:
+        asks = part.get("video_url")
+        if not isinstance(asks, dict) or not isinstance(asks.get("url"), str):
+            return V.BAD
+        verdict = VIDEO_VERDICTS.get(asks["url"], V.BAD)
+        if not decoded and asks["url"] == VIDEO_CATALOG["truncated mp4 (its first half)"][0]:
+            verdict = V.MAYBE  # its header may read: /tokenize decodes nothing
+    fps = asks.get("fps")
+    if fps is not None:
+        fps_ok = isinstance(fps, (int, float)) and not isinstance(fps, bool) and 0 < fps <= VIDEO_FPS
+        verdict = max(verdict, V.OK if fps_ok else V.BAD)
+    frames_verdict = int_in(2, VIDEO_MAX_FRAMES)(asks.get("max_frames"))
+    tokens_verdict = int_in(VIDEO_MIN_FRAME_TOKENS, VIDEO_MAX_TOKENS)(asks.get("max_visual_tokens"))
+    return max(verdict, frames_verdict, tokens_verdict)
+
+
+def part_verdict(part: Any, decoded: bool) -> tuple[V, int, int]:
+    """(verdict, images, videos) of one content part; ``decoded``: the route decodes images (generation), or only
+    reads their headers (/tokenize)."""
+    if not isinstance(part, dict) or part.get("type") not in ("text", "image_url", "video_url", "video"):
+        return V.BAD, 0, 0
     if part["type"] == "text":
-        return text_rule(part.get("text")), 0
+        return text_rule(part.get("text")), 0, 0
+    if part["type"] in ("video_url", "video"):
+        return video_verdict(part, decoded), 0, 1
     image_url = part.get("image_url")
     if not isinstance(image_url, dict) or not isinstance(image_url.get("url"), str):
-        return V.BAD, 1
+        return V.BAD, 1, 0
     verdict = IMAGE_VERDICTS.get(image_url["url"], V.BAD)
     if not decoded and image_url["url"] in DECODE_FAILURES:
         verdict = V.MAYBE
@@ -687,7 +759,7 @@ def part_verdict(part: Any, decoded: bool) -> tuple[V, int]:
     budget_verdict = int_in(1, IMAGE_MAX_TOKENS)(budget)
     if budget_verdict == V.OK and budget is not None and budget < 16:
         budget_verdict = V.MAYBE  # too few tokens for some shapes at the model's smallest size
-    return max(verdict, budget_verdict), 1
+    return max(verdict, budget_verdict), 1, 0
 
 
 def image_urls(body: dict) -> list[str]:
@@ -713,7 +785,7 @@ def call_verdict(call: Any) -> V:
 def messages_verdict(value: Any, decoded: bool = True) -> V:
     if not isinstance(value, list) or not value:
         return V.BAD
-    verdict, num_images = V.OK, 0
+    verdict, num_images, num_videos = V.OK, 0, 0
     for m in value:
         if not isinstance(m, dict) or m.get("role") not in ("system", "developer", "user", "assistant", "tool"):
             return V.BAD
@@ -734,11 +806,11 @@ def messages_verdict(value: Any, decoded: bool = True) -> V:
             verdict = max(verdict, text_rule(content))
         elif isinstance(content, list):
             for part in content:
-                v, n = part_verdict(part, decoded)
-                verdict, num_images = max(verdict, v), num_images + n
+                v, n, k = part_verdict(part, decoded)
+                verdict, num_images, num_videos = max(verdict, v), num_images + n, num_videos + k
         else:
             return V.BAD
-    return V.BAD if num_images > MAX_IMAGES else verdict
+    return V.BAD if num_images > MAX_IMAGES or num_videos > MAX_VIDEOS else verdict
 
 
 def judge(route: str, body: dict | bytes, prompt_tokens: int | None) -> Expect:

@@ -48,7 +48,9 @@ from tests.e2e.fuzz_bodies import (
     COMPLETIONS,
     IMAGE_CATALOG,
     IMAGE_NAMES,
+    VIDEO_NAMES,
     MAX_IMAGES,
+    MAX_VIDEOS,
     MAX_MODEL_LEN,
     MAX_PIXELS,
     MODEL,
@@ -128,6 +130,10 @@ def shown(body: dict | bytes) -> str:
     def short(value: Any) -> Any:
         if isinstance(value, dict) and isinstance(value.get("url"), str) and value["url"] in IMAGE_NAMES:
             return {**{k: short(v) for k, v in value.items()}, "url": f"<image: {IMAGE_NAMES[value['url']]}>"}
+        if isinstance(value, dict) and isinstance(value.get("url"), str) and value["url"] in VIDEO_NAMES:
+            return {**{k: short(v) for k, v in value.items()}, "url": f"<video: {VIDEO_NAMES[value['url']]}>"}
+        if isinstance(value, str) and value in IMAGE_NAMES:  # a frame of a frame-list video
+            return f"<image: {IMAGE_NAMES[value]}>"
         if isinstance(value, dict):
             return {k: short(v) for k, v in value.items()}
         if isinstance(value, list):
@@ -246,22 +252,37 @@ def check_error(ex: Exchange, payload: Any, status: int, expect: Expect) -> None
     top = param.split(".", 1)[0].split("[", 1)[0]
     named = top in suspects or any(re.search(rf"(?<![\w.]){re.escape(s)}(?!\w)", error["message"]) for s in suspects)
     ex.check(named, f"the error names none of the suspect fields {sorted(suspects)}")
-    image = re.fullmatch(r"messages\[(\d+)\]\.content\[(\d+)\]\.image_url(\..+)?", param)
-    if image is not None:  # an image's own field: that image must be one the oracle suspects
+    media = re.fullmatch(r"messages\[(\d+)\]\.content\[(\d+)\](\.(image_url|video_url|video))?([.[].+)?", param)
+    if media is not None and media[3] and not over_count(ex.body.get("messages"), media[4]):
+        # an image's or video's own field (not the first one over the count): a part the oracle suspects
         try:
-            part = ex.body["messages"][int(image[1])]["content"][int(image[2])]
+            part = ex.body["messages"][int(media[1])]["content"][int(media[2])]
         except (IndexError, KeyError, TypeError):
             ex.fail(f"the error names {param}, which the body does not have")
         ex.check(part_verdict(part, decoded=ex.route != TOKENIZE)[0] != V.OK,
-                 f"the error names {param}, an image part the oracle judged correct")
+                 f"the error names {param}, a part the oracle judged correct")
     image = re.fullmatch(r"input\[(\d+)\]\.content\[(\d+)\]\.image_url", param)
-    if image is not None:
+    items = ex.body.get("input") if isinstance(ex.body.get("input"), list) else []
+    images = sum(isinstance(p, dict) and p.get("type") == "input_image" for item in items if isinstance(item, dict)
+                 and isinstance(item.get("content"), list) for p in item["content"])
+    if image is not None and images <= MAX_IMAGES:  # over the count, the first image beyond it is named
         try:
             part = ex.body["input"][int(image[1])]["content"][int(image[2])]
         except (IndexError, KeyError, TypeError):
             ex.fail(f"the error names {param}, which the body does not have")
         ex.check(responses_part_verdict(part)[0] != V.OK,
                  f"the error names {param}, an image part the oracle judged correct")
+
+
+def over_count(messages: Any, field: str) -> bool:
+    """The conversation holds more image parts (``field`` image_url) or video parts (video_url, video) than the
+    server takes: the error then names the first part over the limit, itself correct."""
+    if not isinstance(messages, list):
+        return False
+    kinds = ("image_url",) if field == "image_url" else ("video_url", "video")
+    count = sum(isinstance(p, dict) and p.get("type") in kinds for m in messages if isinstance(m, dict)
+                and isinstance(m.get("content"), list) for p in m["content"])
+    return count > (MAX_IMAGES if field == "image_url" else MAX_VIDEOS)
 
 
 def check_timings(ex: Exchange, usage: dict) -> None:
@@ -297,11 +318,12 @@ def check_generation(ex: Exchange, body: dict, room: int | None, usage: dict, fi
         ex.check(logprobs_seen == usage["completion_tokens"],
                  f"logprobs for {logprobs_seen} tokens, {usage['completion_tokens']} generated")
     timings = usage.get("firsttoken") or {}
-    urls = image_urls(body)
-    unique = {json.dumps(p, sort_keys=True) for m in body["messages"] if isinstance(m.get("content"), list)
-              for p in m["content"] if p.get("type") == "image_url"} if urls else set()  # (url, detail, budget)
-    vision = (timings.get("images_encoded") or 0) + (timings.get("encoder_cache_hits") or 0)
-    ex.check(vision <= len(unique), f"{vision} images encoded or cache hits for {len(unique)} distinct image parts")
+    messages = body.get("messages") if isinstance(body.get("messages"), list) else []
+    parts = [p for m in messages if isinstance(m.get("content"), list) for p in m["content"]]
+    if not any(p.get("type") in ("video_url", "video") for p in parts):  # a video is one vision item per grid
+        unique = {json.dumps(p, sort_keys=True) for p in parts if p.get("type") == "image_url"}  # (url, detail, budget)
+        vision = (timings.get("images_encoded") or 0) + (timings.get("encoder_cache_hits") or 0)
+        ex.check(vision <= len(unique), f"{vision} images encoded or cache hits for {len(unique)} distinct image parts")
 
 
 def wants_logprobs(route: str, body: dict) -> bool:
@@ -450,8 +472,8 @@ def check_responses_stream(ex: Exchange, body: dict, room: int | None, expect: E
 def check_tokenize(ex: Exchange, body: dict) -> None:
     payload = ex.response.json()
     ex.check(payload["count"] == len(payload["tokens"]), "count differs from the token list")
-    ex.check(payload["num_text_tokens"] + sum(im["num_tokens"] for im in payload["images"]) == payload["count"],
-             "text + image tokens differ from count")
+    vision = sum(item["num_tokens"] for item in payload["images"] + payload.get("videos", []))
+    ex.check(payload["num_text_tokens"] + vision == payload["count"], "text + image + video tokens differ from count")
     ex.check(payload["max_model_len"] == MAX_MODEL_LEN, "max_model_len")
     if lax_true(body.get("return_token_strs")):
         ex.check(len(payload["token_strs"]) == payload["count"], "token_strs differ from the tokens")
@@ -516,7 +538,10 @@ def exchange(fz: Fuzzed, route: str, drawn: dict | bytes) -> None:
         event(f"{status}" if status < 400 else f"{status} naming {param_of(ex.response)}")
         if status == 200 and isinstance(body, dict):
             sent = as_chat_body(body) if route == RESPONSES else body
-            event(f"200 with {len(image_urls(sent))} images" + (", streamed" if lax_true(body.get("stream")) else ""))
+            videos = sum(p.get("type") in ("video_url", "video") for m in sent.get("messages") or []
+                         if isinstance(m, dict) and isinstance(m.get("content"), list) for p in m["content"])
+            event(f"200 with {len(image_urls(sent))} images, {videos} videos"
+                  + (", streamed" if lax_true(body.get("stream")) else ""))
     ex.check(status < 500, "a 5xx")
     ex.check(200 <= status < 300 or 400 <= status < 500, "neither a 2xx nor a 4xx")
     if status >= 400:
