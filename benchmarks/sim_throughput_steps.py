@@ -9,6 +9,11 @@ one- and three-image P99 / fcfs's (<= 1.05x). Deterministic; ~5 s of CPU per see
 "no-throughput" turns off the pacing policy's throughput steps on each simulated replica (there is no flag: under
 --step-time-target auto a lone request always gets them). What the simulator cannot show: image decoding and HTTP
 contending for the engine's cores, and a machine whose speed drifts between runs.
+
+Each load's line also prints the text lane's price, 1 / (1 - U x text's share of the work): under fcfs a
+three-image prompt waits for the text that arrived before it; with a text lane (text P99 within 2.5x of unloaded,
+~1 s) it also waits for all text arriving while it waits or runs, so its sojourn stretches by about that factor
+(a heuristic from work conservation, not a bound per request: the image classes also reorder among themselves).
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+from dataclasses import replace
 from pathlib import Path
 
 import firsttoken.tools.simulate as sim
@@ -44,6 +50,19 @@ def p99_by_class(base: sim.Profile, workload, config: str, noise: float, seed: i
     return {c: sim.nearest_rank(sorted(o.ttft_s for o in outs), 99) for c, outs in result.by_class().items()}
 
 
+def text_lane_price(base: sim.Profile, model, u: float, seed: int) -> float:
+    """1 / (1 - U x text's share of the seed mix's work), each class's work its end-to-end time alone."""
+    workload = sim.seed_mix(model, rate=1.0, num_requests=300, seed=seed)
+    work = {}
+    for r in workload:
+        if r.cls not in work:
+            alone = sim.simulate([replace(r, arrival_s=0.0)], [base], sim.Router("round-robin")).outcomes[0]
+            work[r.cls] = alone.e2e_s or 0.0
+    total = sum(work[r.cls] for r in workload)
+    text = sum(work[r.cls] for r in workload if r.cls == "text")
+    return 1.0 / (1.0 - u * text / total)
+
+
 def ratios(p99: dict[str, dict[str, float]], unloaded: dict[str, float]) -> dict[str, dict[str, float]]:
     return {config: {c: p99[config][c] / (unloaded["text"] if c == "text" else p99["fcfs"][c]) for c in TARGETS}
             for config in CONFIGS if config != "fcfs"}
@@ -65,6 +84,7 @@ def main() -> None:
     base = sim.Profile(coefficients, SchedulerConfig(), num_kv_blocks=8192, preprocess_s=PREPROCESS_S)
     unloaded = unloaded_ttft(base, model)
     loads = []  # (label, seed, workload)
+    prices = {}  # label -> the text lane's price (seed 1's mix)
     if args.trace:
         data = json.loads(Path(args.trace).read_text())
         for key in (k for k in data if k.startswith("U=")):
@@ -73,6 +93,7 @@ def main() -> None:
     else:
         for n in (int(x) for x in args.num_requests.split(",")):
             for u in (float(x) for x in args.utilizations.split(",")):
+                prices[f"U={u} n={n}"] = text_lane_price(base, model, u, seed=1)
                 for seed in range(1, args.seeds + 1):
                     capacity = sim.capacity_rps(base, sim.seed_mix(model, rate=1.0, num_requests=300, seed=seed))
                     loads.append((f"U={u} n={n}", seed, sim.seed_mix(model, rate=u * capacity, num_requests=n,
@@ -90,10 +111,12 @@ def main() -> None:
             for c, target in TARGETS.items():
                 v = sorted(r["ratios"][config][c] for r in runs if r["load"] == label)
                 cells.append(f"{statistics.median(v):.2f} [{v[0]:.2f}-{v[-1]:.2f}] {sum(x <= target for x in v)}/{len(v)}")
-            print(f"{label:16s} {config:14s} | " + " | ".join(cells))
+            price = f" | text lane's price {prices[label]:.2f}x" if label in prices else ""
+            print(f"{label:16s} {config:14s} | " + " | ".join(cells) + price)
     if args.json:
         Path(args.json).write_text(json.dumps({"args": vars(args), "coefficients": coefficients,
-                                               "unloaded_ttft_s": unloaded, "runs": runs}, indent=1))
+                                               "unloaded_ttft_s": unloaded, "runs": runs,
+                                               "text_lane_price": prices}, indent=1))
 
 
 if __name__ == "__main__":
