@@ -76,7 +76,8 @@ def build(tree: LlamaCppTree, jobs: int = 2) -> None:
     if not tree.src.exists():
         archive = root / "dl" / f"{SDIST}.tar.gz"
         if not archive.exists():
-            _run([*NICE, sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
+            # the sdist of this package only: ":all:" would build every build dependency from source too
+            _run([*NICE, sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", "llama-cpp-python",
                   LLAMA_CPP_PYTHON, "-d", str(archive.parent)])  # fmt: skip
         with tarfile.open(archive) as tar:
             tar.extractall(root, filter="data")
