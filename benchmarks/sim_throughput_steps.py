@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-from dataclasses import replace
 from pathlib import Path
 
 import firsttoken.tools.simulate as sim
@@ -52,15 +51,8 @@ def p99_by_class(base: sim.Profile, workload, config: str, noise: float, seed: i
 
 def text_lane_price(base: sim.Profile, model, u: float, seed: int) -> float:
     """1 / (1 - U x text's share of the seed mix's work), each class's work its end-to-end time alone."""
-    workload = sim.seed_mix(model, rate=1.0, num_requests=300, seed=seed)
-    work = {}
-    for r in workload:
-        if r.cls not in work:
-            alone = sim.simulate([replace(r, arrival_s=0.0)], [base], sim.Router("round-robin")).outcomes[0]
-            work[r.cls] = alone.e2e_s or 0.0
-    total = sum(work[r.cls] for r in workload)
-    text = sum(work[r.cls] for r in workload if r.cls == "text")
-    return 1.0 / (1.0 - u * text / total)
+    work = sim.class_work_s(base, sim.seed_mix(model, rate=1.0, num_requests=300, seed=seed))
+    return 1.0 / (1.0 - u * work["text"] / sum(work.values()))
 
 
 def ratios(p99: dict[str, dict[str, float]], unloaded: dict[str, float]) -> dict[str, dict[str, float]]:

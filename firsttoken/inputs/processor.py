@@ -373,7 +373,7 @@ class InputProcessor:
         return prompt.token_ids
 
     def _chat_prompt(self, prompt: ChatPrompt) -> _Prompt:
-        image_parts = _parts_of(prompt, ImagePart, "image_url")
+        image_parts = _parts_of(prompt, ImagePart, lambda part: "image_url")
         limit = self.images.max_images_per_request
         if len(image_parts) > limit:  # named: the first image over the limit
             raise InputError(
@@ -381,9 +381,7 @@ class InputProcessor:
                 f"send at most {limit} images",
                 image_parts[limit][0],
             )
-        # a frame list came as a part's "video" field, a container as its "video_url"
-        video_parts = [(param.removesuffix("video_url") + "video" if part.frames is not None else param, part)
-                       for param, part in _parts_of(prompt, VideoPart, "video_url")]
+        video_parts = _parts_of(prompt, VideoPart, _video_field)
         if len(video_parts) > self.videos.max_videos_per_request:
             limit = self.videos.max_videos_per_request
             raise InputError(f"too many videos: {len(video_parts)} in this request, the limit is {limit} per request; "
@@ -765,15 +763,21 @@ def _or(value: Any, default: Any) -> Any:
     return default if value is None else value
 
 
-def _parts_of(prompt: ChatPrompt, kind: type, field: str) -> list[tuple[str, Any]]:
-    """(request field, part) of every ``kind`` part in the conversation, in order."""
+def _parts_of(prompt: ChatPrompt, kind: type, field: Callable[[Any], str]) -> list[tuple[str, Any]]:
+    """(request field, part) of every ``kind`` part in the conversation, in order; ``field(part)``: the part's own
+    field, as the request named it."""
     return [
-        (f"{prompt.field_of(i)}.content[{j}].{field}", part)
+        (f"{prompt.field_of(i)}.content[{j}].{field(part)}", part)
         for i, m in enumerate(prompt.messages)
         if isinstance(m.content, tuple)
         for j, part in enumerate(m.content)
         if isinstance(part, kind)
     ]
+
+
+def _video_field(part: VideoPart) -> str:
+    """A frame list came as the part's ``video`` field, a container as its ``video_url``."""
+    return "video" if part.frames is not None else "video_url"
 
 
 def _template_message(message: Message) -> dict[str, Any]:

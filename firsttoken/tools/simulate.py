@@ -182,20 +182,25 @@ def seed_mix(
     return out
 
 
-def capacity_rps(profile: Profile, workload: Sequence[SimRequest]) -> float:
-    """Requests/s one replica finishes one at a time for this workload's class mix, as `firsttoken bench
-    --utilization` measures a server: 1 / sum(share x unloaded end-to-end seconds), each class's first request
-    simulated alone."""
+def class_work_s(profile: Profile, workload: Sequence[SimRequest]) -> dict[str, float]:
+    """Each class's share of the workload's work in seconds per request: share x its first request's end-to-end
+    seconds simulated alone (as `firsttoken bench --utilization` measures a server's service times)."""
     first: dict[str, SimRequest] = {}
     counts: dict[str, int] = {}
     for r in workload:
         first.setdefault(r.cls, r)
         counts[r.cls] = counts.get(r.cls, 0) + 1
-    mean = 0.0
+    out = {}
     for cls, r in first.items():
         alone = simulate([replace(r, arrival_s=0.0)], [profile], Router("round-robin")).outcomes[0]
-        mean += counts[cls] / len(workload) * (alone.e2e_s or 0.0)
-    return 1.0 / mean
+        out[cls] = counts[cls] / len(workload) * (alone.e2e_s or 0.0)
+    return out
+
+
+def capacity_rps(profile: Profile, workload: Sequence[SimRequest]) -> float:
+    """Requests/s one replica finishes one at a time for this workload's class mix: 1 / sum(share x unloaded
+    end-to-end seconds)."""
+    return 1.0 / sum(class_work_s(profile, workload).values())
 
 
 def from_trace(records: Sequence[dict[str, Any]], model: ModelConfig, image_size: tuple[int, int] = (1024, 1024),

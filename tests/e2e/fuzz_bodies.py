@@ -740,11 +740,11 @@ def video_verdict(part: dict, decoded: bool) -> V:
 def part_verdict(part: Any, decoded: bool) -> tuple[V, int, int]:
     """(verdict, images, videos) of one content part; ``decoded``: the route decodes images (generation), or only
     reads their headers (/tokenize)."""
-    if not isinstance(part, dict) or part.get("type") not in ("text", "image_url", "video_url", "video"):
+    if not isinstance(part, dict) or part.get("type") not in ("text", "image_url", *VIDEO_TYPES):
         return V.BAD, 0, 0
     if part["type"] == "text":
         return text_rule(part.get("text")), 0, 0
-    if part["type"] in ("video_url", "video"):
+    if part["type"] in VIDEO_TYPES:
         return video_verdict(part, decoded), 0, 1
     image_url = part.get("image_url")
     if not isinstance(image_url, dict) or not isinstance(image_url.get("url"), str):
@@ -762,11 +762,24 @@ def part_verdict(part: Any, decoded: bool) -> tuple[V, int, int]:
     return max(verdict, budget_verdict), 1, 0
 
 
+VIDEO_TYPES = ("video_url", "video")
+
+
+def content_parts(messages: Any, key: str = "content") -> list[dict]:
+    """Every dict part of every list ``content`` in a conversation (chat messages, or Responses input items), in
+    order; anything else is skipped."""
+    messages = messages if isinstance(messages, list) else []
+    return [p for m in messages if isinstance(m, dict) and isinstance(m.get(key), list) for p in m[key]
+            if isinstance(p, dict)]
+
+
 def image_urls(body: dict) -> list[str]:
-    messages = body.get("messages") if isinstance(body.get("messages"), list) else []
-    return [p["image_url"]["url"] for m in messages if isinstance(m, dict) and isinstance(m.get("content"), list)
-            for p in m["content"] if isinstance(p, dict) and isinstance(p.get("image_url"), dict)
-            and "url" in p["image_url"]]
+    return [p["image_url"]["url"] for p in content_parts(body.get("messages"))
+            if isinstance(p.get("image_url"), dict) and "url" in p["image_url"]]
+
+
+def num_videos(body: dict) -> int:
+    return sum(p.get("type") in VIDEO_TYPES for p in content_parts(body.get("messages")))
 
 
 def call_verdict(call: Any) -> V:

@@ -73,7 +73,9 @@ from tests.e2e.fuzz_bodies import (
     V,
     chat_bodies,
     completion_bodies,
+    content_parts,
     image_urls,
+    num_videos,
     judge,
     lax_true,
     messages_verdict,
@@ -253,7 +255,7 @@ def check_error(ex: Exchange, payload: Any, status: int, expect: Expect) -> None
     named = top in suspects or any(re.search(rf"(?<![\w.]){re.escape(s)}(?!\w)", error["message"]) for s in suspects)
     ex.check(named, f"the error names none of the suspect fields {sorted(suspects)}")
     media = re.fullmatch(r"messages\[(\d+)\]\.content\[(\d+)\](\.(image_url|video_url|video))?([.[].+)?", param)
-    if media is not None and media[3] and not over_count(ex.body.get("messages"), media[4]):
+    if media is not None and media[3] and not over_count(ex.body, media[4]):
         # an image's or video's own field (not the first one over the count): a part the oracle suspects
         try:
             part = ex.body["messages"][int(media[1])]["content"][int(media[2])]
@@ -262,9 +264,8 @@ def check_error(ex: Exchange, payload: Any, status: int, expect: Expect) -> None
         ex.check(part_verdict(part, decoded=ex.route != TOKENIZE)[0] != V.OK,
                  f"the error names {param}, a part the oracle judged correct")
     image = re.fullmatch(r"input\[(\d+)\]\.content\[(\d+)\]\.image_url", param)
-    items = ex.body.get("input") if isinstance(ex.body.get("input"), list) else []
-    images = sum(isinstance(p, dict) and p.get("type") == "input_image" for item in items if isinstance(item, dict)
-                 and isinstance(item.get("content"), list) for p in item["content"])
+    items = ex.body.get("input")
+    images = sum(p.get("type") == "input_image" for p in content_parts(items))
     if image is not None and images <= MAX_IMAGES:  # over the count, the first image beyond it is named
         try:
             part = ex.body["input"][int(image[1])]["content"][int(image[2])]
@@ -274,15 +275,12 @@ def check_error(ex: Exchange, payload: Any, status: int, expect: Expect) -> None
                  f"the error names {param}, an image part the oracle judged correct")
 
 
-def over_count(messages: Any, field: str) -> bool:
-    """The conversation holds more image parts (``field`` image_url) or video parts (video_url, video) than the
-    server takes: the error then names the first part over the limit, itself correct."""
-    if not isinstance(messages, list):
-        return False
-    kinds = ("image_url",) if field == "image_url" else ("video_url", "video")
-    count = sum(isinstance(p, dict) and p.get("type") in kinds for m in messages if isinstance(m, dict)
-                and isinstance(m.get("content"), list) for p in m["content"])
-    return count > (MAX_IMAGES if field == "image_url" else MAX_VIDEOS)
+def over_count(body: dict, field: str) -> bool:
+    """The conversation holds more image parts (``field`` image_url) or video parts than the server takes: the
+    error then names the first part over the limit, itself correct."""
+    if field == "image_url":
+        return sum(p.get("type") == "image_url" for p in content_parts(body.get("messages"))) > MAX_IMAGES
+    return num_videos(body) > MAX_VIDEOS
 
 
 def check_timings(ex: Exchange, usage: dict) -> None:
@@ -318,10 +316,9 @@ def check_generation(ex: Exchange, body: dict, room: int | None, usage: dict, fi
         ex.check(logprobs_seen == usage["completion_tokens"],
                  f"logprobs for {logprobs_seen} tokens, {usage['completion_tokens']} generated")
     timings = usage.get("firsttoken") or {}
-    messages = body.get("messages") if isinstance(body.get("messages"), list) else []
-    parts = [p for m in messages if isinstance(m.get("content"), list) for p in m["content"]]
-    if not any(p.get("type") in ("video_url", "video") for p in parts):  # a video is one vision item per grid
-        unique = {json.dumps(p, sort_keys=True) for p in parts if p.get("type") == "image_url"}  # (url, detail, budget)
+    if not num_videos(body):  # a video is one vision item per grid
+        unique = {json.dumps(p, sort_keys=True) for p in content_parts(body.get("messages"))
+                  if p.get("type") == "image_url"}  # (url, detail, budget)
         vision = (timings.get("images_encoded") or 0) + (timings.get("encoder_cache_hits") or 0)
         ex.check(vision <= len(unique), f"{vision} images encoded or cache hits for {len(unique)} distinct image parts")
 
@@ -538,9 +535,7 @@ def exchange(fz: Fuzzed, route: str, drawn: dict | bytes) -> None:
         event(f"{status}" if status < 400 else f"{status} naming {param_of(ex.response)}")
         if status == 200 and isinstance(body, dict):
             sent = as_chat_body(body) if route == RESPONSES else body
-            videos = sum(p.get("type") in ("video_url", "video") for m in sent.get("messages") or []
-                         if isinstance(m, dict) and isinstance(m.get("content"), list) for p in m["content"])
-            event(f"200 with {len(image_urls(sent))} images, {videos} videos"
+            event(f"200 with {len(image_urls(sent))} images, {num_videos(sent)} videos"
                   + (", streamed" if lax_true(body.get("stream")) else ""))
     ex.check(status < 500, "a 5xx")
     ex.check(200 <= status < 300 or 400 <= status < 500, "neither a 2xx nor a 4xx")
