@@ -68,3 +68,25 @@ def machine_with_cpu(**cpu):
     if "flags" in cpu:
         cpu["flags"] = frozenset(cpu["flags"])
     return Machine.detect().with_cpu(CpuFeatures(**cpu)).with_cuda(CudaFacts.absent("CPU rules' test machine"))
+
+
+# The CPU classes this project meets, as /proc/cpuinfo would report them (the flags firsttoken decides by): tests of
+# the resolve and plan rules run for each by injection (``machine_with_cpu(**CPU_CLASSES[name])``), whatever CPU
+# they run on.
+_AVX2 = {"avx2", "fma"}
+_AVX512 = _AVX2 | {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni"}
+CPU_CLASSES: dict[str, dict] = {
+    "avx2": {"flags": _AVX2, "vendor": "AuthenticAMD"},  # e.g. EPYC Rome/Milan
+    "avx512": {"flags": _AVX512, "vendor": "GenuineIntel"},  # e.g. Xeon Cascade Lake: AVX-512 without bf16
+    "avx512-bf16": {"flags": _AVX512 | {"avx512_bf16"}, "vendor": "AuthenticAMD"},  # e.g. EPYC Genoa: no AMX
+    "amx": {"flags": _AVX512 | {"avx512_bf16", "amx_tile", "amx_bf16", "amx_int8"},
+            "vendor": "GenuineIntel"},  # e.g. Xeon Sapphire Rapids
+}
+
+
+def cpu_features_of(name: str):
+    """``CPU_CLASSES[name]`` as a ``CpuFeatures``."""
+    from firsttoken.kernels.cpu_features import CpuFeatures
+
+    spec = CPU_CLASSES[name]
+    return CpuFeatures(flags=frozenset(spec["flags"]), vendor=spec["vendor"])

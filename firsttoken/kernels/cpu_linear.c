@@ -466,12 +466,14 @@ ROWS(rows, float, f32x8, 3)
 ROWS(rows, float, f32x8, 4)
 LINEAR_RM(ft_linear_rm, float, rows)
 
-/* ---- bfloat16 weights, row-major [N, K] (--dtype bfloat16: the checkpoint's layout) ----
+/* ---- bfloat16 weights, row-major [N, K] (--dtype bfloat16: the checkpoint's layout; --quantization bf16) ----
 
-   The same dot products as ft_linear_rm, the weights read as bf16 (half the bytes) and widened exactly to float32
-   (a bf16 is the top half of a float32) before the same multiply-adds; x and out are float32 (the caller widens
-   the few rows and rounds the outputs back to bf16, as torch's bf16 product rounds its float32 sums). Every output
-   is summed in the same order whatever M and the thread count. The Python side checks K % 16 == 0. */
+   ft_linear_rm_bf16: the same dot products as ft_linear_rm, the weights read as bf16 (half the bytes) and widened
+   exactly to float32 (a bf16 is the top half of a float32) before the same multiply-adds; x and out are float32,
+   any float32 values: float32 arithmetic on every CPU (--quantization bf16's promise). A bf16 model's caller widens
+   its few rows and rounds the outputs back to bf16, as torch's bf16 product rounds its float32 sums; it calls
+   ft_linear_rm_bf16_bf16x instead, which may take the dot-product loop below. Every output is summed in the same
+   order whatever M and the thread count. The Python side checks K % 16 == 0. */
 
 static inline __m256 bf16x8(const uint16_t *p) {
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
@@ -481,13 +483,14 @@ ROWS(rows_bf16_, uint16_t, bf16x8, 1)
 ROWS(rows_bf16_, uint16_t, bf16x8, 2)
 ROWS(rows_bf16_, uint16_t, bf16x8, 3)
 ROWS(rows_bf16_, uint16_t, bf16x8, 4)
-LINEAR_RM(ft_linear_rm_bf16_avx2, uint16_t, rows_bf16_)
+LINEAR_RM(ft_linear_rm_bf16, uint16_t, rows_bf16_)
 
 /* ---- bfloat16 weights with AVX512-BF16 dot products (vdpbf16ps), where the CPU has them ----
 
-   ft_linear_rm_bf16 takes this path on CPUs with AVX512-BF16 when K % 32 == 0, else ft_linear_rm_bf16_avx2. The
-   rows of x are taken as bf16 (they hold bf16 values: the activations of a bf16 model, widened; anything else is
-   rounded to nearest even first), packed once per call. Each weight row is read once, in one sequential stream,
+   ft_linear_rm_bf16_bf16x takes this path on CPUs with AVX512-BF16 when K % 32 == 0, else ft_linear_rm_bf16. The
+   rows of x are taken as bf16 (they must hold bf16 values: the activations of a bf16 model, widened; anything else
+   would be rounded to nearest even first, which is why float32 activations never come here), packed once per
+   call. Each weight row is read once, in one sequential stream,
    and dotted with up to 16 rows of x while in L1: one 16-lane float32 accumulator per row of x, 32 products an
    instruction, k in order (lane l sums k = 32 j + 2 l and 2 l + 1 over j; vdpbf16ps treats denormal inputs as
    zero and rounds to nearest even), then one fixed tree over the lanes (l with l + 8, then + 4, + 2, + 1).
@@ -589,13 +592,14 @@ DPBF16 static void linear_rm_bf16_dp(const float *x, int64_t ldx, const uint16_t
     ft_parallel(threads, (N + t.per - 1) / t.per, dp_chunk, &t);
 }
 
-int ft_bf16_dp(void) { return avx512_bf16_cpu; } /* ft_linear_rm_bf16's loop where K % 32 == 0 (the log) */
+int ft_bf16_dp(void) { return avx512_bf16_cpu; } /* ft_linear_rm_bf16_bf16x's loop where K % 32 == 0 (the log) */
 
-void ft_linear_rm_bf16(const float *x, int64_t ldx, const uint16_t *w, const float *bias, float *out, int64_t ldo,
-                       int64_t M, int64_t N, int64_t K, int threads) {
+/* x: rows holding bf16 values (a bf16 model's activations, widened to float32) */
+void ft_linear_rm_bf16_bf16x(const float *x, int64_t ldx, const uint16_t *w, const float *bias, float *out,
+                             int64_t ldo, int64_t M, int64_t N, int64_t K, int threads) {
     uint16_t *xb = avx512_bf16_cpu && K % 32 == 0 ? malloc((size_t)(M * K) * sizeof(uint16_t)) : NULL;
     if (xb == NULL) {
-        ft_linear_rm_bf16_avx2(x, ldx, w, bias, out, ldo, M, N, K, threads);
+        ft_linear_rm_bf16(x, ldx, w, bias, out, ldo, M, N, K, threads);
         return;
     }
     linear_rm_bf16_dp(x, ldx, w, bias, out, ldo, M, N, K, threads, xb);
@@ -1048,10 +1052,14 @@ typedef struct {
     const float *qkv_s, *o_s, *gate_up_s, *down_s; /* KIND_I8_IM's and KIND_I8_BLK's scales per output, else NULL */
 } ft_layer;
 
+/* bf16: x holds bf16 values (a bf16 model's step); else float32 activations, whose products stay float32
+   arithmetic (bf16 weights widened, never x rounded) */
 static void product(int32_t kind, const float *x, int64_t ldx, const void *w, const float *scale, const float *bias,
-                    float *out, int64_t ldo, int64_t M, int64_t N, int64_t K, int threads) {
+                    float *out, int64_t ldo, int64_t M, int64_t N, int64_t K, int threads, int bf16) {
     if (kind == KIND_I8_IM || kind == KIND_I8_BLK) /* ldo == N at every call below */
         int8_linear(x, ldx, (const int8_t *)w, scale, bias, out, M, N, K, threads, kind == KIND_I8_BLK);
+    else if (kind == KIND_BF16_RM && bf16)
+        ft_linear_rm_bf16_bf16x(x, ldx, (const uint16_t *)w, bias, out, ldo, M, N, K, threads);
     else if (kind == KIND_BF16_RM)
         ft_linear_rm_bf16(x, ldx, (const uint16_t *)w, bias, out, ldo, M, N, K, threads);
     else if (kind == KIND_F32_RM)
@@ -1397,7 +1405,7 @@ int ft_decode_layers(const ft_layer *layers, int64_t L, void *const *kv, int64_t
         const ft_layer *p = layers + l;
         char *kc = kv[l], *vc = (char *)kv[l] + kv_half * esize;
         for (int64_t m = 0; m < M; m++) norm_row(xf + m * H, p->in_norm, h + m * H, H, eps, bf16);
-        product(p->qkv_kind, h, H, p->qkv_w, p->qkv_s, p->qkv_b, qkv, nqkv, M, nqkv, H, threads);
+        product(p->qkv_kind, h, H, p->qkv_w, p->qkv_s, p->qkv_b, qkv, nqkv, M, nqkv, H, threads, bf16);
         round_rows(qkv, M * nqkv, bf16);
         for (int64_t m = 0; m < M; m++) {
             float *r = qkv + m * nqkv;
@@ -1414,10 +1422,10 @@ int ft_decode_layers(const ft_layer *layers, int64_t L, void *const *kv, int64_t
         attend_task at_task = {qkv, att, kc, vc, row_at, seq_lens, scores, nqkv, nh, nkv, G, D, padded, scale, bf16,
                                wide};
         ft_parallel(threads, tasks, attend_one, &at_task);
-        product(p->o_kind, att, nh * D, p->o_w, p->o_s, NULL, y, H, M, H, nh * D, threads);
+        product(p->o_kind, att, nh * D, p->o_w, p->o_s, NULL, y, H, M, H, nh * D, threads, bf16);
         for (int64_t i = 0; i < M * H; i++) xf[i] = rnd(xf[i] + rnd(y[i], bf16), bf16);
         for (int64_t m = 0; m < M; m++) norm_row(xf + m * H, p->post_norm, h + m * H, H, eps, bf16);
-        product(p->gate_up_kind, h, H, p->gate_up_w, p->gate_up_s, NULL, gu, 2 * I, M, 2 * I, H, threads);
+        product(p->gate_up_kind, h, H, p->gate_up_w, p->gate_up_s, NULL, gu, 2 * I, M, 2 * I, H, threads, bf16);
         for (int64_t m = 0; m < M; m++) {
             float *g = gu + m * 2 * I, *u = g + I;
             for (int64_t i = 0; i < I; i++) {
@@ -1425,14 +1433,14 @@ int ft_decode_layers(const ft_layer *layers, int64_t L, void *const *kv, int64_t
                 g[i] = rnd(rnd(a / (1.0f + expf(-a)), bf16) * b, bf16);
             }
         }
-        product(p->down_kind, gu, 2 * I, p->down_w, p->down_s, NULL, y, H, M, H, I, threads);
+        product(p->down_kind, gu, 2 * I, p->down_w, p->down_s, NULL, y, H, M, H, I, threads, bf16);
         for (int64_t i = 0; i < M * H; i++) xf[i] = rnd(xf[i] + rnd(y[i], bf16), bf16);
     }
     if (final_norm) { /* the model's final norm, then (head_w) its lm_head: the hidden states are the normed rows */
         for (int64_t m = 0; m < M; m++) norm_row(xf + m * H, final_norm, h + m * H, H, eps, bf16);
         memcpy(xf, h, (size_t)(M * H) * sizeof(float));
         if (head_w) {
-            product(head_kind, h, H, head_w, head_s, NULL, logits, vocab, M, vocab, H, threads);
+            product(head_kind, h, H, head_w, head_s, NULL, logits, vocab, M, vocab, H, threads, bf16);
             round_rows(logits, M * vocab, bf16); /* as the eager lm_head's bf16 output, widened by .float() */
         }
     }

@@ -14,7 +14,9 @@ docs/runs/notes/weights-fp16-int8-bf16.md). On CPUs with AVX512-BF16 the same pr
 instructions instead (vdpbf16ps: 32 bf16 products an instruction, no widening; each weight row still read once in
 one stream, up to 16 rows of x against it), faster than the AVX2 loop from a few rows up (one row is memory-bound
 either way), so there bf16 products of up to ``MAX_ROWS_BF16_DP`` rows take the kernels (``_Kernel.max_rows_bf16``;
-why: docs/runs/notes/decode-kernels.md#bf16-products-as-avx512-bf16-dot-products).
+why: docs/runs/notes/decode-kernels.md#bf16-products-as-avx512-bf16-dot-products). Those instructions read the
+rows as bf16 too, so only a bf16 model's rows (bf16 values) take them: float32 activations beside bf16 weights
+(``--quantization bf16``) always take the widening loop, float32 arithmetic on every CPU.
 
 The weights keep the layouts their layers' methods give them (models/linear.py: widening layers input-major or
 row-major, the narrowing down projection row-major); each layout has its kernel. Every output is summed in the
@@ -156,8 +158,10 @@ class _Kernel:
         args = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
                 ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int]
         self.input_major, self.row_major = self.lib.ft_linear_im, self.lib.ft_linear_rm
-        self.row_major_bf16 = self.lib.ft_linear_rm_bf16
-        for fn in (self.input_major, self.row_major, self.row_major_bf16):
+        # bf16 weights: float32 rows (widened weights, float32 arithmetic), or rows holding bf16 values (a bf16
+        # model's: AVX512-BF16 dot products where the CPU has them)
+        self.row_major_bf16, self.row_major_bf16x = self.lib.ft_linear_rm_bf16, self.lib.ft_linear_rm_bf16_bf16x
+        for fn in (self.input_major, self.row_major, self.row_major_bf16, self.row_major_bf16x):
             fn.restype, fn.argtypes = None, args
         p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
         self.int8_rows, self.quant, self.dequant = self.lib.ft_int8_linear, self.lib.ft_quant_rows, self.lib.ft_dequant
@@ -193,13 +197,17 @@ class _Kernel:
         self.lib.ft_pool_stats(out)
         return {"regions": out[0], "worker_items": out[1], "workers": out[2]}
 
-    def linear(self, rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    def linear(self, rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+               bf16_rows: bool = False) -> torch.Tensor:
         """rows [M, K] float32 with unit column stride; weight [N, K] float32, row-major or input-major (its
-        transpose contiguous), shaped as ``kernel_applies`` requires; bias [N] contiguous or None."""
+        transpose contiguous), or bfloat16 row-major, shaped as ``kernel_applies`` requires; bias [N] float32
+        contiguous or None. A bf16 weight's product is float32 arithmetic on the widened weight, unless
+        ``bf16_rows`` says every row holds bf16 values (a bf16 model's activations, widened): then it may take
+        AVX512-BF16 dot products, which read the rows as bf16 (exact for such rows, a rounding of any other)."""
         m, k = rows.shape
         n = weight.shape[0]
         if weight.dtype == torch.bfloat16:  # row-major only; rows and bias float32, outputs float32
-            fn = self.row_major_bf16
+            fn = self.row_major_bf16x if bf16_rows else self.row_major_bf16
         else:
             fn = self.row_major if weight.is_contiguous() else self.input_major
         out = torch.empty(m, n, dtype=torch.float32)
@@ -319,12 +327,15 @@ def _check(kernel: _Kernel) -> str | None:
                 if not torch.allclose(got, want, rtol=1e-5, atol=1e-5):
                     return f"the built kernels disagree with torch (max |diff| {(got - want).abs().max():.3g})"
     rows16 = torch.randn(5, 64, generator=g).to(torch.bfloat16).float()  # bf16 values, as a bf16 model's rows
+    rows32 = torch.randn(5, 64, generator=g)  # float32 activations beside bf16 weights (--quantization bf16)
     for k in (48, 64):  # K % 32 != 0: the AVX2 loop; 64: the dot-product loop where the CPU has AVX512-BF16
         w16 = torch.randn(40, k, generator=g).to(torch.bfloat16)
         for m in range(1, 6):
-            got, want = kernel.linear(rows16[:m, :k], w16, bias), F.linear(rows16[:m, :k], w16.float(), bias)
-            if not torch.allclose(got, want, rtol=1e-5, atol=1e-5):
-                return f"the built bf16 kernel disagrees with torch (max |diff| {(got - want).abs().max():.3g})"
+            for rows, bf16_rows in ((rows16, True), (rows16, False), (rows32, False)):
+                got = kernel.linear(rows[:m, :k], w16, bias, bf16_rows=bf16_rows)
+                want = F.linear(rows[:m, :k], w16.float(), bias)
+                if not torch.allclose(got, want, rtol=1e-5, atol=1e-5):
+                    return f"the built bf16 kernel disagrees with torch (max |diff| {(got - want).abs().max():.3g})"
     q, scales = kernel.quant_rows(x)
     if not torch.equal(q, torch.round(x * (1 / scales)[:, None]).to(torch.int8)):
         return "the built int8 quantize kernel disagrees with torch"

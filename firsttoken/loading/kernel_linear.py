@@ -38,7 +38,7 @@ class FewRowsKernel:
                 torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)):
             return F.linear(x, weight, layer.bias)
         if x.dtype == torch.bfloat16:  # float32 sums rounded to bf16 at the end, as torch's bf16 product
-            out = self.kernels.linear(rows.float(), weight, getattr(layer, "bias32", None))
+            out = self.kernels.linear(rows.float(), weight, getattr(layer, "bias32", None), bf16_rows=True)
             return out.to(torch.bfloat16).view(*x.shape[:-1], layer.out_features)
         if rows.stride(-1) != 1:
             rows = rows.contiguous()

@@ -36,19 +36,29 @@ from firsttoken.models.registry import family_of, load_model_config
 from firsttoken.models.weight_files import stored_linear_dtypes
 
 
-def _products(quantization: str, kernels_unused: str | None, fp16_multithreaded: bool, machine: Machine) -> str:
-    """What computes the language model's products, in words."""
+BF16_WEIGHTS_ARITHMETIC = "each widened exactly to float32, float32 activations and sums: float32 inference's " \
+                          "arithmetic on every CPU"
+
+
+def _products(quantization: str, kernels_unused: str | None, fp16_multithreaded: bool, machine: Machine,
+              dtype: torch.dtype) -> str:
+    """What computes the language model's products, and in what arithmetic where the CPU decides it, in words."""
     if quantization == "int8":
         return "int8 weights: " + int8_paths(machine.kernels if kernels_unused is None else None,
                                              machine.int_mm_exact, kernels_unused)
     if quantization == "bf16":
-        return "bf16 weights: " + ("by firsttoken's kernels" if kernels_unused is None
-                                   else f"widened for torch's ({kernels_unused})")
+        return f"bf16 weights ({BF16_WEIGHTS_ARITHMETIC}): " + (
+            "by firsttoken's kernels" if kernels_unused is None else f"by torch's ({kernels_unused})")
     if quantization == "fp16":
         return "float16 weights: FBGEMM's " + ("multithreaded" if fp16_multithreaded else "one-thread") \
             + " entry point"
-    return "firsttoken's few-rows AVX2 kernels" if kernels_unused is None \
-        else f"torch's (few-rows kernels not used: {kernels_unused})"
+    if kernels_unused is not None:
+        return f"torch's (few-rows kernels not used: {kernels_unused})"
+    if dtype == torch.bfloat16:
+        return "firsttoken's few-rows kernels: bf16 rows and weights, float32 sums rounded to bf16, " + (
+            "as AVX512-BF16 dot products (bf16 denormals read as zero)" if machine.cpu.has("avx512_bf16")
+            else "the weights widened by the AVX2 loop")
+    return "firsttoken's few-rows AVX2 kernels"
 
 
 def resolve_device(device: Device | str, cuda: CudaFacts) -> tuple[ResolvedDevice, str]:
@@ -111,8 +121,8 @@ def auto_quantization(model_dir: Path, dtype: torch.dtype, device: str, kernels_
                       ) -> tuple[ResolvedQuantization, str]:
     """What ``--quantization auto`` applies, and why: "bf16" where the checkpoint stores its language model's
     linear weights in bf16 and the model runs float32 activations on the CPU with firsttoken's kernels (those
-    weights at their own bytes: decode steps read half of float32's; the same values, so float32 inference's
-    arithmetic), else "none"."""
+    weights at their own bytes: decode steps read half of float32's; the same values, widened exactly, never the
+    activations rounded: float32 inference's arithmetic on every CPU, AVX512-BF16 ones included), else "none"."""
     if device != "cpu":
         return "none", f"auto: device {device}"
     if dtype != torch.float32:
@@ -194,7 +204,7 @@ def plan_model(
         weights_input_major=device == "cpu" and torch_dtype == torch.float32 and quantization == "none"
         and not keeps_row_major(quantization, unused, machine.cpu),
         fp16_multithreaded=fp16_multithreaded, attention_backend=attention_backend, fused_decode="not planned yet",
-        products=_products(quantization, unused, fp16_multithreaded, machine),
+        products=_products(quantization, unused, fp16_multithreaded, machine, torch_dtype),
         sampler_kernels=device == "cpu" and cpu_kernels != "off",
     )
     family = family_of(model_dir)

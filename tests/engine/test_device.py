@@ -21,6 +21,7 @@ from firsttoken.loading.plan_values import CudaFacts, Machine
 from firsttoken.models.checkpoint import make_dummy_model
 from firsttoken.models.registry import family_of, load_model_config
 from firsttoken.models.recipe import TOKEN_IDS
+from tests.helpers import CPU_CLASSES, cpu_features_of
 from tests.published_configs import QWEN2_VL_2B
 
 H200 = CudaFacts(True, name="NVIDIA H200 (injected)")
@@ -47,14 +48,21 @@ def dummy_2b(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_dummy_model(tmp_path_factory.mktemp("dummy-2b"), config)
 
 
-def test_auto_takes_the_cuda_device_the_machine_has_and_bf16_there(tiny_model_dir: Path, machine: Machine):
+@pytest.mark.parametrize("cpu_class", CPU_CLASSES)
+def test_auto_takes_the_cuda_device_the_machine_has_and_bf16_there(tiny_model_dir: Path, machine: Machine,
+                                                                   cpu_class: str):
+    """Beside any CPU: the CUDA device and bf16 on it; without one, the CPU's own dtype (float32 where the CPU has no
+    native bf16, whose KV bytes per token are twice the GPU's)."""
+    machine = machine.with_cpu(cpu_features_of(cpu_class))
     on_gpu = resolve_engine_config(EngineConfig(cache=SMALL_KV), tiny_model_dir, machine.with_cuda(H200))
     on_cpu = resolve_engine_config(EngineConfig(cache=SMALL_KV), tiny_model_dir,
                                    machine.with_cuda(CudaFacts.absent("no CUDA (test)")))
     assert (on_gpu.model.device, on_gpu.model.dtype, on_gpu.model.quantization) == ("cuda", "bfloat16", "none")
     assert on_cpu.model.device == "cpu" and on_cpu.model.device_why == "auto: no CUDA (test)"
     assert on_gpu.model.kernels_unused == "device cuda" and not on_gpu.model.sampler_kernels
-    assert on_gpu.kv.kv_bytes_per_token * 2 == on_cpu.kv.kv_bytes_per_token  # bf16 KV beside float32's
+    cpu_dtype = "bfloat16" if cpu_class in ("avx512-bf16", "amx") else "float32"
+    assert on_cpu.model.dtype == cpu_dtype
+    assert on_gpu.kv.kv_bytes_per_token * (2 if cpu_dtype == "float32" else 1) == on_cpu.kv.kv_bytes_per_token
     assert "device: cuda (auto: CUDA device NVIDIA H200 (injected))" in on_gpu.describe().splitlines()[2]
     served = json.loads(json.dumps(on_gpu.as_dict()))  # GET /v1/engine/config
     assert served["model"]["device"] == "cuda" and served["requested"]["device"] == "auto"

@@ -16,7 +16,7 @@ from firsttoken.engine.resolve import resolve_engine_config
 from firsttoken.inputs.processor import load_tokenizer
 from firsttoken.models.checkpoint import make_model
 from tests.conftest import require_program
-from tests.helpers import machine_with_cpu
+from tests.helpers import CPU_CLASSES, machine_with_cpu
 
 AVX2 = {"avx2", "fma"}
 NATIVE_BF16 = AVX2 | {"avx512f", "avx512_bf16"}
@@ -54,6 +54,47 @@ def test_quantization_auto_reads_the_checkpoint_and_the_kernels(bf16_published: 
     without = resolve_engine_config(EngineConfig(), bf16_published, machine.without_kernels("no compiler (test)"))
     assert without.model.quantization == "none" and "no compiler (test)" in without.model.quantization_why
     assert "no compiler (test)" in without.model.fused_decode
+
+
+# Per CPU class: --dtype auto on a float32 checkpoint, and what computes its decode products (the arithmetic named
+# where the CPU decides it); a bf16 checkpoint under auto; the same checkpoint under --dtype float32.
+FLOAT32_KERNELS = "firsttoken's few-rows AVX2 kernels"
+BF16_DOT_PRODUCTS = "firsttoken's few-rows kernels: bf16 rows and weights, float32 sums rounded to bf16, as " \
+                    "AVX512-BF16 dot products (bf16 denormals read as zero)"
+BF16_WEIGHTS = "bf16 weights (each widened exactly to float32, float32 activations and sums: float32 inference's " \
+               "arithmetic on every CPU): by firsttoken's kernels"
+PER_CPU_CLASS = {  # class: (auto dtype, its products, a bf16 checkpoint's (quantization, products) under auto)
+    "avx2": ("float32", FLOAT32_KERNELS, ("bf16", BF16_WEIGHTS)),
+    "avx512": ("float32", "torch's (few-rows kernels not used: this CPU has AVX-512 (not AMD's)", ("bf16", BF16_WEIGHTS)),
+    "avx512-bf16": ("bfloat16", BF16_DOT_PRODUCTS, ("none", BF16_DOT_PRODUCTS)),
+    "amx": ("bfloat16", "torch's (few-rows kernels not used: bf16 products measured against torch's only",
+            ("none", "torch's (few-rows kernels not used: bf16 products measured")),
+}
+
+
+@pytest.mark.parametrize("cpu_class", CPU_CLASSES)
+def test_each_cpu_class_resolves_its_dtype_and_states_the_arithmetic_of_its_products(
+        cpu_class: str, tiny_model_dir: Path, bf16_published: Path):
+    """What each CPU class this project meets resolves, by injection, and the arithmetic its decode products compute
+    stated where the choice is made (the start-up block and GET /v1/engine/config). A bf16 checkpoint run with float32
+    activations keeps float32 inference's arithmetic on every class, AVX512-BF16 ones included: its rows are never
+    rounded to bf16."""
+    require_program("cc", "gcc", "gcc")  # the kernels the plan reads are built with it
+    machine = machine_with_cpu(**CPU_CLASSES[cpu_class])
+    dtype, products, (bf16_quantization, bf16_products) = PER_CPU_CLASS[cpu_class]
+    config = EngineConfig(cache=CacheConfig(kv_cache_memory_bytes=4 << 20))
+    float32_checkpoint = resolve_engine_config(config, tiny_model_dir, machine)
+    assert (float32_checkpoint.model.dtype, float32_checkpoint.model.quantization) == (dtype, "none")
+    assert float32_checkpoint.model.products.startswith(products)
+    bf16_checkpoint = resolve_engine_config(config, bf16_published, machine)
+    assert (bf16_checkpoint.model.dtype, bf16_checkpoint.model.quantization) == (dtype, bf16_quantization)
+    assert bf16_checkpoint.model.products.startswith(bf16_products)
+    as_float32 = resolve_engine_config(EngineConfig(dtype="float32", cache=config.cache), bf16_published, machine)
+    assert (as_float32.model.dtype, as_float32.model.quantization) == ("float32", "bf16")
+    assert as_float32.model.products == BF16_WEIGHTS
+    served = json.loads(json.dumps(as_float32.as_dict()))  # GET /v1/engine/config
+    assert served["model"]["products"] == BF16_WEIGHTS
+    assert f"decode steps' products: {BF16_WEIGHTS}" in as_float32.describe()
 
 
 def test_the_resolved_configuration_is_plain_json_and_one_line_per_choice(tiny_model_dir: Path):

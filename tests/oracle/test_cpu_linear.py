@@ -249,6 +249,35 @@ def test_bf16_dot_product_loop_where_the_cpu_has_avx512_bf16(kernel_built):
     assert cpu_linear.built_kernels().max_rows_bf16 == (MAX_ROWS_BF16_DP if has else MAX_ROWS_BF16)
 
 
+def test_float32_rows_against_bf16_weights_are_float32_arithmetic_on_this_cpu(kernel_built):
+    """--quantization bf16's products (float32 activations, bf16 weights): on whatever CPU this runs, the kernels
+    compute float32's product of the widened weights, K % 32 == 0 included (where an AVX512-BF16 CPU has dot
+    products, which would round the rows to bf16), for every row count the kernels take and both thread counts.
+    Rows holding bf16 values may take the dot products: the same values, sums in another order."""
+    kernel = cpu_linear.built_kernels()
+    g = torch.Generator().manual_seed(5)
+    before = torch.get_num_threads()
+    try:
+        for n, k in ((64, 64), (40, 128), (96, 48)):
+            weight = (torch.randn(n, k, generator=g) / k**0.5).to(torch.bfloat16)
+            bias = torch.randn(n, generator=g)
+            x = torch.randn(MAX_ROWS, k, generator=g)  # float32 values, almost none of them a bf16 value
+            x16 = x.to(torch.bfloat16).float()
+            for threads in (1, 2):
+                torch.set_num_threads(threads)
+                for rows in (1, 2, 5, MAX_ROWS):
+                    want = F.linear(x[:rows].double(), weight.double(), bias.double())
+                    got = kernel.linear(x[:rows], weight, bias)
+                    # float32 sums of K exact products: within K float32 roundings of the float64 product
+                    tolerance = k * 2**-24 * (x[:rows].abs() @ weight.float().abs().t() + bias.abs())
+                    assert ((got.double() - want).abs() <= tolerance.double()).all(), (n, k, threads, rows)
+                    want16 = F.linear(x16[:rows], weight.float(), bias)
+                    torch.testing.assert_close(kernel.linear(x16[:rows], weight, bias, bf16_rows=True), want16,
+                                               rtol=1e-5, atol=1e-5)
+    finally:
+        torch.set_num_threads(before)
+
+
 @pytest.mark.parametrize("flags,used", [({"avx2", "avx512f", "avx512_bf16"}, True),
                                          ({"avx2", "avx512f", "avx512_bf16", "amx_bf16"}, False),
                                          ({"avx2", "avx512f"}, False), ({"avx2"}, False)],
