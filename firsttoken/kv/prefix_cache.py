@@ -13,8 +13,9 @@ key holds everything its KV is computed from:
 - everything before it: block i's key contains block i-1's hash, so equal hashes mean equal whole prefixes.
 The optional `extra_key` (model id, LoRA id, cache salt) enters the first block and so, through the chain, every
 block. Hashes are blake2b digests of a length-prefixed little-endian encoding, so they are equal across processes,
-machines and `PYTHONHASHSEED` values. `compute_block_hashes` is pure Python over ints; `prompt_block_hashes` reads an
-`EngineRequest`'s positions into ints for it (the one place a tensor is read, and none is kept).
+machines and `PYTHONHASHSEED` values. `compute_block_hashes` is pure Python over ints; `prompt_block_hashes` hashes
+an `EngineRequest`'s tokens packed by `EngineRequest.token_records` (the one place its tensors are read: the same
+bytes, so the same keys, and none is kept).
 """
 
 from __future__ import annotations
@@ -75,20 +76,39 @@ def compute_block_hashes(
     3 rows, t, h, w). `prev_hashes` are hashes already computed for the leading blocks of this same sequence (for
     instance before decode tokens were appended); they are kept as they are and only later full blocks are hashed.
     """
-    if block_size <= 0:
-        raise ValueError(f"block_size must be > 0, got {block_size}")
-    num_full_blocks = len(token_ids) // block_size
-    if len(prev_hashes) > num_full_blocks:
-        raise ValueError(f"prev_hashes has {len(prev_hashes)} hashes but token_ids only {num_full_blocks} full blocks")
     if not positions or any(len(row) != len(token_ids) for row in positions):
         raise ValueError(f"positions needs at least one row of {len(token_ids)} positions (one per token), got rows "
                          f"of {[len(row) for row in positions]}")
-    spans = _checked_spans(image_spans, len(token_ids))
+    records = _token_records(token_ids, positions, 0, len(token_ids) // max(block_size, 1) * max(block_size, 1))
+    return hash_token_records(records, len(positions), len(token_ids), block_size, image_spans, extra_key=extra_key,
+                              prev_hashes=prev_hashes)
+
+
+def hash_token_records(
+    records: bytes,
+    num_position_rows: int,
+    num_tokens: int,
+    block_size: int,
+    image_spans: Sequence[ImageSpan] = (),
+    *,
+    extra_key: str | bytes | None = None,
+    prev_hashes: Sequence[BlockHash] = (),
+) -> list[BlockHash]:
+    """`compute_block_hashes` from the tokens already packed: `records` holds at least the full blocks' tokens,
+    from token 0, one record each of (id, position row 0, row 1, ...) as little-endian int64s (EngineRequest's
+    `token_records`)."""
+    if block_size <= 0:
+        raise ValueError(f"block_size must be > 0, got {block_size}")
+    num_full_blocks = num_tokens // block_size
+    if len(prev_hashes) > num_full_blocks:
+        raise ValueError(f"prev_hashes has {len(prev_hashes)} hashes but token_ids only {num_full_blocks} full blocks")
+    record_bytes = 8 * (1 + num_position_rows)
+    if len(records) < num_full_blocks * block_size * record_bytes:
+        raise ValueError(f"records hold {len(records) // record_bytes} tokens, the full blocks "
+                         f"{num_full_blocks * block_size}")
+    spans = _checked_spans(image_spans, num_tokens)
     span_ends = [span.end for span in spans]  # ascending, since spans are sorted and disjoint
     block_hashes = list(prev_hashes)
-    first = len(block_hashes) * block_size  # the first token to hash
-    records = _token_records(token_ids, positions, first, num_full_blocks * block_size)
-    record_bytes = 8 * (1 + len(positions))
     for block_index in range(len(block_hashes), num_full_blocks):
         block_start = block_index * block_size
         block_end = block_start + block_size
@@ -96,8 +116,8 @@ def compute_block_hashes(
         block_hashes.append(
             _hash_block(
                 parent,
-                len(positions),
-                records[(block_start - first) * record_bytes : (block_end - first) * record_bytes],
+                num_position_rows,
+                records[block_start * record_bytes : block_end * record_bytes],
                 _image_keys(spans, span_ends, block_start, block_end),
                 extra_key if block_index == 0 else None,
             )
@@ -109,10 +129,10 @@ def prompt_block_hashes(request: EngineRequest, block_size: int, num_tokens: int
     """The keys of the full blocks of `request`'s first `num_tokens` prompt tokens (all when None or more), as the
     engine's prefix cache looks them up: its token ids, its images' and video grids' spans, its M-RoPE positions.
     Every image must lie wholly inside or wholly past the first `num_tokens` tokens (ValueError otherwise)."""
-    end = request.num_prompt_tokens if num_tokens is None else num_tokens
+    end = min(request.num_prompt_tokens, request.num_prompt_tokens if num_tokens is None else num_tokens)
     spans = [ImageSpan(im.content_hash, im.offset, im.num_tokens) for im in request.images if im.offset < end]
-    positions = request.mrope_positions[:, :end].tolist()  # [3][end] ints (t, h, w)
-    return compute_block_hashes(request.prompt_token_ids[:end], block_size, spans, positions=positions)
+    full = end // block_size * block_size if block_size > 0 else 0
+    return hash_token_records(request.token_records(full), 3, end, block_size, spans)
 
 
 def _hash_block(
@@ -128,16 +148,14 @@ def _hash_block(
     (M-RoPE: t, h, w), little-endian int64s. image_keys: `(content_hash, block_start - image_start)` for each image
     overlapping the block, in prompt order; the offset is negative when the image starts inside the block.
     """
-    hasher = hashlib.blake2b(digest_size=_DIGEST_BYTES)
-    _put_bytes(hasher, parent_hash)
-    _put_bytes(hasher, _encode_extra_key(extra_key))
-    hasher.update(struct.pack("<Q", num_position_rows))
-    _put_bytes(hasher, token_records)
-    hasher.update(struct.pack("<Q", len(image_keys)))
+    extra = _encode_extra_key(extra_key)
+    parts = [struct.pack("<Q", len(parent_hash)), parent_hash, struct.pack("<Q", len(extra)), extra,
+             struct.pack("<QQ", num_position_rows, len(token_records)), token_records,
+             struct.pack("<Q", len(image_keys))]
     for content_hash, offset_tokens in image_keys:
-        _put_bytes(hasher, content_hash.encode("utf-8"))
-        hasher.update(struct.pack("<q", offset_tokens))
-    return BlockHash(hasher.digest())
+        encoded = content_hash.encode("utf-8")
+        parts += (struct.pack("<Q", len(encoded)), encoded, struct.pack("<q", offset_tokens))
+    return BlockHash(hashlib.blake2b(b"".join(parts), digest_size=_DIGEST_BYTES).digest())
 
 
 def _token_records(token_ids: Sequence[int], positions: Sequence[Sequence[int]], start: int, end: int) -> bytes:
@@ -178,6 +196,3 @@ def _encode_extra_key(extra_key: str | bytes | None) -> bytes:
     return b"b" + bytes(extra_key)
 
 
-def _put_bytes(hasher: "hashlib._Hash", data: bytes) -> None:
-    hasher.update(struct.pack("<Q", len(data)))
-    hasher.update(data)

@@ -240,6 +240,25 @@ def test_block_hashes_are_chained_full_blocks_with_extra_key() -> None:
         compute_block_hashes(token_ids, BLOCK_SIZE, positions=text_positions(9))
 
 
+def test_a_requests_keys_are_the_keys_of_its_ids_images_and_positions() -> None:
+    """The engine's and the router's path (an EngineRequest's tensors packed once) keys a prompt exactly as the pure
+    ints path does, cut at any length."""
+    import torch
+
+    from firsttoken.kv.prefix_cache import prompt_block_hashes
+    from firsttoken.types import EngineRequest, ImageItem, SamplingParams
+
+    ids = tuple(range(100, 130))
+    positions = torch.tensor([list(range(30)), [p + (p % 3) for p in range(30)], [p * 2 for p in range(30)]])
+    image = ImageItem("pic", 5, 9, (1, 6, 6), (), None)
+    request = EngineRequest("r", ids, (image,), positions, 0, SamplingParams(max_tokens=1), 0.0, 0.0)
+    for end in (30, 14, 4, 3):  # whole; past the image; before it; no full block
+        spans = (ImageSpan("pic", 5, 9),) if end > 5 else ()
+        want = compute_block_hashes(list(ids[:end]), BLOCK_SIZE, spans, positions=positions[:, :end].tolist())
+        assert prompt_block_hashes(request, BLOCK_SIZE, end) == want
+    assert prompt_block_hashes(request, BLOCK_SIZE) == prompt_block_hashes(request, BLOCK_SIZE, 30)
+
+
 def test_block_hashes_are_equal_across_processes() -> None:
     code = (
         "from firsttoken.kv.prefix_cache import ImageSpan, compute_block_hashes;"
