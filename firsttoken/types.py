@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, Protocol
 
+import numpy
 import torch
 
 # ---------------------------------------------------------------------------------------------- sampling
@@ -165,6 +166,14 @@ class EngineRequest:
     @property
     def num_image_tokens(self) -> int:
         return sum(im.num_tokens for im in self.images)
+
+    def token_records(self, num_tokens: int) -> bytes:
+        """The first ``num_tokens`` prompt tokens as the prefix cache keys them (kv/prefix_cache.py): one record a
+        token of (id, t, h, w), little-endian int64s."""
+        records = numpy.empty((num_tokens, 4), dtype="<i8")
+        records[:, 0] = self.prompt_token_ids[:num_tokens]
+        records[:, 1:] = self.mrope_positions[:, :num_tokens].t().numpy()
+        return records.tobytes()
 
 
 class FinishReason(str, Enum):

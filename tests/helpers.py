@@ -13,6 +13,39 @@ def process(processor: InputProcessor, req, request_id: str = "r1") -> EngineReq
     return processor.process(req.prompts()[0], req.to_sampling(), request_id, time.monotonic())
 
 
+def assert_equal_keys_mean_equal_inputs(a: EngineRequest, b: EngineRequest, block_size: int) -> int:
+    """The prefix cache's invariant over two prompts: wherever a full block of ``a`` and one of ``b`` have the same
+    key (the scheduler's own, ``Request.ensure_block_hashes``), the two blocks sit at the same index and feed the
+    model the same inputs there: token ids, vision inputs (which item's content, and which of its rows, at each
+    token) and rotary positions (every M-RoPE row). Equal keys mean shared KV, so anything less serves one prompt
+    the other's KV. Returns the number of blocks that shared a key."""
+    from firsttoken.scheduler.request import Request
+
+    keys_b = {key: j for j, key in enumerate(Request(b, arrival_seq=0).ensure_block_hashes(block_size))}
+    num_shared = 0
+    for i, key in enumerate(Request(a, arrival_seq=0).ensure_block_hashes(block_size)):
+        if key not in keys_b:
+            continue
+        num_shared += 1
+        lo, hi = i * block_size, (i + 1) * block_size
+        where = f"block {i} of {a.request_id} shares its key with block {keys_b[key]} of {b.request_id}"
+        assert keys_b[key] == i, where
+        assert a.prompt_token_ids[lo:hi] == b.prompt_token_ids[lo:hi], f"{where}: other token ids"
+        assert _vision_rows(a, lo, hi) == _vision_rows(b, lo, hi), f"{where}: other images or image rows"
+        assert a.mrope_positions[:, lo:hi].tolist() == b.mrope_positions[:, lo:hi].tolist(), f"{where}: other positions"
+    return num_shared
+
+
+def _vision_rows(request: EngineRequest, lo: int, hi: int) -> list[tuple[str, int] | None]:
+    """Per prompt index in [lo, hi): (content hash, row of that item's encoder output) where a vision item feeds the
+    token's embedding, else None (the token id's own embedding)."""
+    rows: list[tuple[str, int] | None] = [None] * (hi - lo)
+    for im in request.images:
+        for k in range(max(lo, im.offset), min(hi, im.end)):
+            rows[k - lo] = (im.content_hash, k - im.offset)
+    return rows
+
+
 def make_processor(model_dir, max_model_len: int = 4096, **image_options) -> InputProcessor:
     """The tiny checkpoint's processor with the checkpoint's generation defaults; ``image_options`` are
     ImageConfig fields (budget, limits)."""

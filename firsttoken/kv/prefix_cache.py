@@ -1,13 +1,21 @@
 """Content keys for KV blocks: what a block of the prefix cache is looked up by.
 
 Contract: `compute_block_hashes` turns a token sequence into one `BlockHash` per FULL block of `block_size`
-tokens (a trailing partial block has no hash and is never cached). Hashes are chained: block i's key contains
-block i-1's hash, so equal hashes mean equal whole prefixes, not just equal blocks. A block's key holds its
-token ids and, for every image whose tokens overlap the block, `(image content_hash, block_start - image_start)`:
-image placeholder token ids are the same for every picture, so the ids alone would let two different images
-share KV. The optional `extra_key` (model id, LoRA id, cache salt) enters the first block and so, through the
-chain, every block. Hashes are blake2b digests of a length-prefixed little-endian encoding, so they are equal
-across processes, machines and `PYTHONHASHSEED` values. Pure Python, no tensors.
+tokens (a trailing partial block has no hash and is never cached). Equal keys must mean equal KV, so a block's
+key holds everything its KV is computed from:
+- its token ids;
+- for every image (or video grid) whose tokens overlap the block, `(content_hash, block_start - image_start)`:
+  placeholder token ids are the same for every picture, so the ids alone would let two different images share KV;
+- its tokens' rotary positions, every row (M-RoPE's t, h, w): they are not a function of the ids and images (a
+  Qwen2.5-VL video's time positions scale with its seconds per grid, an image's follow its grid, and every later
+  token's shift with the rope delta of the vision items before it), so the key carries the positions themselves
+  rather than the facts a family derives them from;
+- everything before it: block i's key contains block i-1's hash, so equal hashes mean equal whole prefixes.
+The optional `extra_key` (model id, LoRA id, cache salt) enters the first block and so, through the chain, every
+block. Hashes are blake2b digests of a length-prefixed little-endian encoding, so they are equal across processes,
+machines and `PYTHONHASHSEED` values. `compute_block_hashes` is pure Python over ints; `prompt_block_hashes` hashes
+an `EngineRequest`'s tokens packed by `EngineRequest.token_records` (the one place its tensors are read: the same
+bytes, so the same keys, and none is kept).
 """
 
 from __future__ import annotations
@@ -17,9 +25,13 @@ import hashlib
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import NewType
+from itertools import chain
+from typing import TYPE_CHECKING, NewType
 
-# A 16-byte blake2b digest. Equal BlockHash <=> equal (extra_key, tokens, images) for the whole prefix
+if TYPE_CHECKING:
+    from firsttoken.types import EngineRequest
+
+# A 16-byte blake2b digest. Equal BlockHash <=> equal (extra_key, tokens, images, positions) for the whole prefix
 # ending at that block, up to a 2**-128 collision chance.
 BlockHash = NewType("BlockHash", bytes)
 
@@ -53,20 +65,48 @@ def compute_block_hashes(
     token_ids: Sequence[int],
     block_size: int,
     image_spans: Sequence[ImageSpan] = (),
+    *,
+    positions: Sequence[Sequence[int]],
     extra_key: str | bytes | None = None,
     prev_hashes: Sequence[BlockHash] = (),
 ) -> list[BlockHash]:
     """One chained hash per full block of `token_ids`.
 
-    `prev_hashes` are hashes already computed for the leading blocks of this same sequence (for instance
-    before decode tokens were appended); they are kept as they are and only later full blocks are hashed.
+    `positions`: the rotary position rows the model computes the tokens at, each `len(token_ids)` ints (M-RoPE:
+    3 rows, t, h, w). `prev_hashes` are hashes already computed for the leading blocks of this same sequence (for
+    instance before decode tokens were appended); they are kept as they are and only later full blocks are hashed.
     """
+    if not positions or any(len(row) != len(token_ids) for row in positions):
+        raise ValueError(f"positions needs at least one row of {len(token_ids)} positions (one per token), got rows "
+                         f"of {[len(row) for row in positions]}")
+    records = _token_records(token_ids, positions, 0, len(token_ids) // max(block_size, 1) * max(block_size, 1))
+    return hash_token_records(records, len(positions), len(token_ids), block_size, image_spans, extra_key=extra_key,
+                              prev_hashes=prev_hashes)
+
+
+def hash_token_records(
+    records: bytes,
+    num_position_rows: int,
+    num_tokens: int,
+    block_size: int,
+    image_spans: Sequence[ImageSpan] = (),
+    *,
+    extra_key: str | bytes | None = None,
+    prev_hashes: Sequence[BlockHash] = (),
+) -> list[BlockHash]:
+    """`compute_block_hashes` from the tokens already packed: `records` holds at least the full blocks' tokens,
+    from token 0, one record each of (id, position row 0, row 1, ...) as little-endian int64s (EngineRequest's
+    `token_records`)."""
     if block_size <= 0:
         raise ValueError(f"block_size must be > 0, got {block_size}")
-    num_full_blocks = len(token_ids) // block_size
+    num_full_blocks = num_tokens // block_size
     if len(prev_hashes) > num_full_blocks:
         raise ValueError(f"prev_hashes has {len(prev_hashes)} hashes but token_ids only {num_full_blocks} full blocks")
-    spans = _checked_spans(image_spans, len(token_ids))
+    record_bytes = 8 * (1 + num_position_rows)
+    if len(records) < num_full_blocks * block_size * record_bytes:
+        raise ValueError(f"records hold {len(records) // record_bytes} tokens, the full blocks "
+                         f"{num_full_blocks * block_size}")
+    spans = _checked_spans(image_spans, num_tokens)
     span_ends = [span.end for span in spans]  # ascending, since spans are sorted and disjoint
     block_hashes = list(prev_hashes)
     for block_index in range(len(block_hashes), num_full_blocks):
@@ -74,9 +114,10 @@ def compute_block_hashes(
         block_end = block_start + block_size
         parent = block_hashes[-1] if block_hashes else _ROOT_PARENT
         block_hashes.append(
-            hash_block(
+            _hash_block(
                 parent,
-                token_ids[block_start:block_end],
+                num_position_rows,
+                records[block_start * record_bytes : block_end * record_bytes],
                 _image_keys(spans, span_ends, block_start, block_end),
                 extra_key if block_index == 0 else None,
             )
@@ -84,26 +125,43 @@ def compute_block_hashes(
     return block_hashes
 
 
-def hash_block(
-    parent_hash: bytes,
-    block_token_ids: Sequence[int],
-    image_keys: Sequence[tuple[str, int]] = (),
-    extra_key: str | bytes | None = None,
-) -> BlockHash:
-    """The hash of one block given its parent's hash (b"" for block 0), its tokens and its image keys.
+def prompt_block_hashes(request: EngineRequest, block_size: int, num_tokens: int | None = None) -> list[BlockHash]:
+    """The keys of the full blocks of `request`'s first `num_tokens` prompt tokens (all when None or more), as the
+    engine's prefix cache looks them up: its token ids, its images' and video grids' spans, its M-RoPE positions.
+    Every image must lie wholly inside or wholly past the first `num_tokens` tokens (ValueError otherwise)."""
+    end = min(request.num_prompt_tokens, request.num_prompt_tokens if num_tokens is None else num_tokens)
+    spans = [ImageSpan(im.content_hash, im.offset, im.num_tokens) for im in request.images if im.offset < end]
+    full = end // block_size * block_size if block_size > 0 else 0
+    return hash_token_records(request.token_records(full), 3, end, block_size, spans)
 
-    image_keys: `(content_hash, block_start - image_start)` for each image overlapping the block, in
-    prompt order; the offset is negative when the image starts inside the block.
+
+def _hash_block(
+    parent_hash: bytes,
+    num_position_rows: int,
+    token_records: bytes,
+    image_keys: Sequence[tuple[str, int]],
+    extra_key: str | bytes | None,
+) -> BlockHash:
+    """The hash of one block given its parent's hash (b"" for block 0), its token records and its image keys.
+
+    token_records: per token of the block, its id then its position on each of `num_position_rows` rotary axes
+    (M-RoPE: t, h, w), little-endian int64s. image_keys: `(content_hash, block_start - image_start)` for each image
+    overlapping the block, in prompt order; the offset is negative when the image starts inside the block.
     """
-    hasher = hashlib.blake2b(digest_size=_DIGEST_BYTES)
-    _put_bytes(hasher, parent_hash)
-    _put_bytes(hasher, _encode_extra_key(extra_key))
-    hasher.update(struct.pack(f"<Q{len(block_token_ids)}q", len(block_token_ids), *block_token_ids))
-    hasher.update(struct.pack("<Q", len(image_keys)))
+    extra = _encode_extra_key(extra_key)
+    parts = [struct.pack("<Q", len(parent_hash)), parent_hash, struct.pack("<Q", len(extra)), extra,
+             struct.pack("<QQ", num_position_rows, len(token_records)), token_records,
+             struct.pack("<Q", len(image_keys))]
     for content_hash, offset_tokens in image_keys:
-        _put_bytes(hasher, content_hash.encode("utf-8"))
-        hasher.update(struct.pack("<q", offset_tokens))
-    return BlockHash(hasher.digest())
+        encoded = content_hash.encode("utf-8")
+        parts += (struct.pack("<Q", len(encoded)), encoded, struct.pack("<q", offset_tokens))
+    return BlockHash(hashlib.blake2b(b"".join(parts), digest_size=_DIGEST_BYTES).digest())
+
+
+def _token_records(token_ids: Sequence[int], positions: Sequence[Sequence[int]], start: int, end: int) -> bytes:
+    """Tokens [start, end) as one record each, (id, position row 0, row 1, ...), in little-endian int64s."""
+    columns = [token_ids[start:end], *(row[start:end] for row in positions)]
+    return struct.pack(f"<{(end - start) * len(columns)}q", *chain.from_iterable(zip(*columns)))
 
 
 def _checked_spans(image_spans: Sequence[ImageSpan], num_tokens: int) -> list[ImageSpan]:
@@ -138,6 +196,3 @@ def _encode_extra_key(extra_key: str | bytes | None) -> bytes:
     return b"b" + bytes(extra_key)
 
 
-def _put_bytes(hasher: "hashlib._Hash", data: bytes) -> None:
-    hasher.update(struct.pack("<Q", len(data)))
-    hasher.update(data)

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field, replace
 from enum import Enum
 
 from firsttoken.batch import NewRequest
-from firsttoken.kv.prefix_cache import BlockHash, ImageSpan, compute_block_hashes
+from firsttoken.kv.prefix_cache import BlockHash, prompt_block_hashes
 from firsttoken.types import (
     EngineRequest,
     FinishReason,
@@ -101,8 +101,8 @@ class Request:
         return images_in(self.images, start, end)
 
     def ensure_block_hashes(self, block_size: int) -> list[BlockHash]:
-        """The prompt's full blocks' hashes (an image's blocks keyed by its hash and offset), computed once."""
+        """The prompt's full blocks' hashes (tokens, positions, and an image's blocks its hash and offset), computed
+        once."""
         if self.block_hashes is None:
-            spans = [ImageSpan(im.content_hash, im.offset, im.num_tokens) for im in self.images]
-            self.block_hashes = compute_block_hashes(self.prompt_token_ids, block_size, spans)
+            self.block_hashes = prompt_block_hashes(self.engine_request, block_size)
         return self.block_hashes

@@ -22,7 +22,7 @@ from collections import OrderedDict
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
-from firsttoken.kv.prefix_cache import BlockHash, ImageSpan, compute_block_hashes
+from firsttoken.kv.prefix_cache import BlockHash, prompt_block_hashes
 from firsttoken.types import EngineRequest
 
 POLICIES = ("affinity", "p2c", "round-robin")
@@ -48,13 +48,11 @@ def routing_hints(request: EngineRequest, block_size: int) -> RoutingHints:
     past that cut, whichever is earlier, so the kept prefix never holds part of an image (a replica keys a block of
     an image by its content hash and offset; keyed as text, it would name a block no replica ever caches)."""
     cut = MAX_PREFIX_BLOCKS * block_size
-    spans = []
     for im in sorted(request.images, key=lambda im: im.offset):
         if im.end > cut:  # it and every later image (spans are disjoint) are left out with the tokens from here
             cut = min(cut, im.offset)
             break
-        spans.append(ImageSpan(im.content_hash, im.offset, im.num_tokens))
-    keys = compute_block_hashes(request.prompt_token_ids[:cut], block_size, spans)
+    keys = prompt_block_hashes(request, block_size, cut)
     return RoutingHints(request.num_prompt_tokens, tuple(keys))
 
 

@@ -22,7 +22,7 @@ from firsttoken.inputs.processor import InputProcessor
 from firsttoken.models.checkpoint import make_model
 from firsttoken.models.registry import families, family_named
 from tests.e2e.conftest import image_data_url, make_image
-from tests.helpers import process
+from tests.helpers import assert_equal_keys_mean_equal_inputs, make_processor, process
 
 _ids = itertools.count()
 
@@ -80,6 +80,19 @@ def user(text: str, *images) -> dict:
 
 def system(text: str) -> dict:
     return {"role": "system", "content": text}
+
+
+def video(text: str, frames: list[str], fps: float, *images) -> dict:
+    """A user turn of a video given as frames (data URLs) played at ``fps``, then ``images``, then the text."""
+    parts = [{"type": "video", "video": frames, "fps": fps}]
+    parts += [{"type": "image_url", "image_url": {"url": image_data_url(im)}} for im in images]
+    return {"role": "user", "content": parts + [{"type": "text", "text": text}]}
+
+
+@pytest.fixture(scope="module")
+def frames() -> list[str]:
+    """8 frames of one size (4 temporal grids): the same pixels whatever fps a request plays them at."""
+    return [image_data_url(make_image(112, 84, seed=20 + k)) for k in range(8)]
 
 
 @pytest.fixture(scope="module")
@@ -175,6 +188,36 @@ def test_greedy_outputs_identical_with_caches_on_and_off(tiny_model_dir, picture
         turns = conversations[case]
     for messages in turns:
         assert on.run(messages)[0] == off.run(messages)[0]
+
+
+def test_blocks_that_share_a_prefix_key_feed_the_model_the_same_inputs(tiny_model_dir, pictures, frames):
+    """Over prompts that share much (the template head, pictures, the same frames at other fps, the same picture at
+    another grid), every pair of blocks with one key holds the same token ids, vision rows and M-RoPE positions."""
+    processor = make_processor(tiny_model_dir)
+    low = {"type": "image_url", "image_url": {"url": image_data_url(pictures[0]), "max_visual_tokens": 4}}
+    conversations = {
+        "text": [user("Describe.")],
+        "system+text": [system("Be brief."), user("Describe.")],
+        "picture": [user("Describe.", pictures[0])],
+        "picture at a smaller grid": [{"role": "user", "content": [low, {"type": "text", "text": "Describe."}]}],
+        "other picture": [user("Describe.", pictures[2])],
+        "two pictures": [user("Describe.", pictures[0], pictures[1])],
+        "frames at 2 fps": [video("Describe.", frames, 2.0)],
+        "frames at 0.5 fps": [video("Describe.", frames, 0.5)],
+        "frames at 1 fps": [video("Describe.", frames, 1.0)],
+        "frames at 2 fps, picture": [video("Describe.", frames, 2.0, pictures[0])],
+        "frames at 0.5 fps, picture": [video("Describe.", frames, 0.5, pictures[0])],
+        "picture, then frames at 0.5 fps": [user("Look.", pictures[0]), video("Describe.", frames, 0.5)],
+        "picture, then frames at 2 fps": [user("Look.", pictures[0]), video("Describe.", frames, 2.0)],
+    }
+    requests = []
+    for name, messages in conversations.items():
+        body = ChatCompletionRequest.model_validate({"model": "m", "messages": messages, "max_tokens": 1})
+        requests.append(process(processor, body, name))
+    block_size = CacheConfig().block_size
+    num_shared = [assert_equal_keys_mean_equal_inputs(a, b, block_size)
+                  for i, a in enumerate(requests) for b in requests[i + 1:]]
+    assert sum(num_shared) > len(num_shared)  # the invariant was put to the test: many blocks shared a key
 
 
 def test_a_repeated_image_is_not_decoded_again(tiny_model_dir, pictures):

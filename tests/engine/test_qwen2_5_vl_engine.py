@@ -1,6 +1,7 @@
 """Qwen2.5-VL through the real engine: the long lane splits its vision tower across steps by each block's cost (a
 windowed block costs a fraction of a full one), with the same greedy tokens as running the whole prompt in one
-step. Its caches are test_caches.py's, run on every family."""
+step; the same frames at another fps answer as they do cold (their time positions differ). Its caches are
+test_caches.py's, run on every family."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from firsttoken.config import SchedulerConfig
 from firsttoken.engine.engine import LLMEngine
 from firsttoken.models.checkpoint import make_model
 from tests.e2e.conftest import make_image
-from tests.engine.test_caches import Harness, user
+from tests.engine.test_caches import Harness, frames, user, video  # noqa: F401  (frames: its fixture)
 from tests.helpers import RecordingExecutor, process
 
 FAMILY = "qwen2.5-vl"
@@ -89,3 +90,23 @@ def test_long_lane_splits_the_tower_by_block_cost_and_answers_like_one_whole_ste
     (expected,) = run_to_end(whole.engine).values()
     assert got[long_request.request_id] == expected
     assert [sum(w.num_units for w in b.encoder_work) for b in recorder2.batches if b.encoder_work] == [4]  # one step
+
+
+# ---------------------------------------------------------------- caches: the same frames at another fps
+
+
+def test_the_same_frames_at_another_fps_answer_as_a_cold_run_at_that_fps(tiny_model_dir, frames):
+    """Qwen2.5-VL plays temporal grid g at time g * tokens_per_second * 2 / fps: the frames' pixels and so their
+    encoder outputs are the same at any fps, their KV is not past grid 0."""
+    at_two, at_half = [video("What happens?", frames, 2.0)], [video("What happens?", frames, 0.5)]
+    cold = Harness(tiny_model_dir).run(at_half, max_tokens=12)[0]
+    warm = Harness(tiny_model_dir)
+    first = warm.run(at_two, max_tokens=12)[0]
+    assert first != cold  # the model answers the two fps differently, so a wrong reuse shows in the answer
+    ids, _, stats = warm.run(at_half, max_tokens=12)
+    assert ids == cold
+    grids = [im for im in request(warm, at_half).images if im.kind == "video"]
+    assert len(grids) == 4 and (stats.num_images_encoded, stats.num_encoder_cache_hits) == (0, 4)
+    # KV reuse stops at the first block holding a token of grid 1, the first at another time position
+    block_size = warm.engine.scheduler.kv.block_size
+    assert stats.num_cached_prompt_tokens == grids[1].offset // block_size * block_size > 0

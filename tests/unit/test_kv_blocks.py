@@ -46,8 +46,13 @@ def make_manager(num_blocks: int, enable_prefix_caching: bool = True) -> Checked
     return manager
 
 
+def text_positions(num_tokens: int) -> list[list[int]]:
+    """A text-only prompt's M-RoPE rows: token i at (i, i, i)."""
+    return [list(range(num_tokens))] * 3
+
+
 def hashes(token_ids: list[int], image_spans: tuple[ImageSpan, ...] = ()) -> list[BlockHash]:
-    return compute_block_hashes(token_ids, BLOCK_SIZE, image_spans)
+    return compute_block_hashes(token_ids, BLOCK_SIZE, image_spans, positions=text_positions(len(token_ids)))
 
 
 def prefill(manager: KVCacheManager, request_id: str, token_ids: list[int], spans: tuple[ImageSpan, ...] = ()) -> int:
@@ -182,16 +187,38 @@ def test_different_images_with_identical_placeholders_never_share_blocks() -> No
 
 
 def test_same_image_shares_only_at_the_same_offset_within_a_block() -> None:
-    base = compute_block_hashes([IMAGE_PAD] * 8, BLOCK_SIZE, [ImageSpan("cat", 0, 8)])
-    assert base == compute_block_hashes([IMAGE_PAD] * 8, BLOCK_SIZE, [ImageSpan("cat", 0, 8)])
+    base = hashes([IMAGE_PAD] * 8, (ImageSpan("cat", 0, 8),))
+    assert base == hashes([IMAGE_PAD] * 8, (ImageSpan("cat", 0, 8),))
     # Same tokens, image starting one token later: block 0 sees the image at offset -1, not 0.
-    shifted = compute_block_hashes([IMAGE_PAD] * 8, BLOCK_SIZE, [ImageSpan("cat", 1, 7)])
+    shifted = hashes([IMAGE_PAD] * 8, (ImageSpan("cat", 1, 7),))
     assert shifted[0] != base[0] and shifted[1] != base[1]
     # An image straddling a block boundary keys both blocks it touches.
     straddle = [9, 9, IMAGE_PAD, IMAGE_PAD, IMAGE_PAD, 9, 9, 9]
-    cat = compute_block_hashes(straddle, BLOCK_SIZE, [ImageSpan("cat", 2, 3)])
-    dog = compute_block_hashes(straddle, BLOCK_SIZE, [ImageSpan("dog", 2, 3)])
+    cat = hashes(straddle, (ImageSpan("cat", 2, 3),))
+    dog = hashes(straddle, (ImageSpan("dog", 2, 3),))
     assert cat[0] != dog[0] and cat[1] != dog[1]
+
+
+def test_the_same_tokens_and_clip_at_another_time_step_share_only_the_blocks_before_the_positions_differ() -> None:
+    # Qwen2.5-VL plays a clip's grid g at time start + g * step, the step scaling with the clip's seconds per grid:
+    # the same frames at another fps are the same tokens and the same pixels, at other positions from grid 1 on.
+    prompt = [1, 2, 3, 4] + [IMAGE_PAD] * 8 + [5, 6, 7, 8]  # text block, grid 0's block, grid 1's block, text block
+    clip = (ImageSpan("clip", start=4, length=8),)
+
+    def positions(step: int) -> list[list[int]]:
+        t = [0, 1, 2, 3] + [4 + k // 4 * step for k in range(8)] + [6, 7, 8, 9]  # 2 grids of 2 x 2 tokens
+        h = [0, 1, 2, 3] + [4 + k // 2 % 2 for k in range(8)] + [6, 7, 8, 9]
+        w = [0, 1, 2, 3] + [4 + k % 2 for k in range(8)] + [6, 7, 8, 9]
+        return [t, h, w]
+
+    manager = make_manager(16)
+    cached = {}
+    for request_id, step in (("fps 2", 1), ("fps 1", 2), ("fps 1 again", 2)):
+        block_hashes = compute_block_hashes(prompt, BLOCK_SIZE, clip, positions=positions(step))
+        cached[request_id] = manager.allocate(request_id, len(prompt), block_hashes, len(prompt) - 1)
+        manager.cache_blocks(request_id, block_hashes, len(prompt))
+    # the text and grid 0 (at time 4 at either step) are shared; grid 1 and everything after it only at one step
+    assert cached == {"fps 2": 0, "fps 1": 8, "fps 1 again": 12}
 
 
 def test_block_hashes_are_chained_full_blocks_with_extra_key() -> None:
@@ -200,24 +227,48 @@ def test_block_hashes_are_chained_full_blocks_with_extra_key() -> None:
     assert len(block_hashes) == 2  # 2 tokens of a partial block are not hashed
     changed_first = hashes([99] + token_ids[1:])
     assert changed_first[0] != block_hashes[0] and changed_first[1] != block_hashes[1]
-    salted = compute_block_hashes(token_ids, BLOCK_SIZE, extra_key="lora-7")
+    salted = compute_block_hashes(token_ids, BLOCK_SIZE, positions=text_positions(10), extra_key="lora-7")
     assert salted[0] != block_hashes[0] and salted[1] != block_hashes[1]
-    grown = compute_block_hashes(token_ids + [10, 11], BLOCK_SIZE, prev_hashes=block_hashes)
+    grown = compute_block_hashes(token_ids + [10, 11], BLOCK_SIZE, positions=text_positions(12),
+                                 prev_hashes=block_hashes)
     assert grown == hashes(token_ids + [10, 11])
     with pytest.raises(ValueError):
-        compute_block_hashes(token_ids, BLOCK_SIZE, [ImageSpan("x", 8, 4)])  # runs past the tokens
+        hashes(token_ids, (ImageSpan("x", 8, 4),))  # runs past the tokens
     with pytest.raises(ValueError):
-        compute_block_hashes(token_ids, BLOCK_SIZE, [ImageSpan("x", 0, 4), ImageSpan("y", 2, 4)])
+        hashes(token_ids, (ImageSpan("x", 0, 4), ImageSpan("y", 2, 4)))
+    with pytest.raises(ValueError, match="one per token"):
+        compute_block_hashes(token_ids, BLOCK_SIZE, positions=text_positions(9))
+
+
+def test_a_requests_keys_are_the_keys_of_its_ids_images_and_positions() -> None:
+    """The engine's and the router's path (an EngineRequest's tensors packed once) keys a prompt exactly as the pure
+    ints path does, cut at any length."""
+    import torch
+
+    from firsttoken.kv.prefix_cache import prompt_block_hashes
+    from firsttoken.types import EngineRequest, ImageItem, SamplingParams
+
+    ids = tuple(range(100, 130))
+    positions = torch.tensor([list(range(30)), [p + (p % 3) for p in range(30)], [p * 2 for p in range(30)]])
+    image = ImageItem("pic", 5, 9, (1, 6, 6), (), None)
+    request = EngineRequest("r", ids, (image,), positions, 0, SamplingParams(max_tokens=1), 0.0, 0.0)
+    for end in (30, 14, 4, 3):  # whole; past the image; before it; no full block
+        spans = (ImageSpan("pic", 5, 9),) if end > 5 else ()
+        want = compute_block_hashes(list(ids[:end]), BLOCK_SIZE, spans, positions=positions[:, :end].tolist())
+        assert prompt_block_hashes(request, BLOCK_SIZE, end) == want
+    assert prompt_block_hashes(request, BLOCK_SIZE) == prompt_block_hashes(request, BLOCK_SIZE, 30)
 
 
 def test_block_hashes_are_equal_across_processes() -> None:
     code = (
         "from firsttoken.kv.prefix_cache import ImageSpan, compute_block_hashes;"
-        "print(compute_block_hashes(list(range(8)), 4, [ImageSpan('cat', 2, 3)], 'm')[1].hex())"
+        "print(compute_block_hashes(list(range(8)), 4, [ImageSpan('cat', 2, 3)], positions=[list(range(8))] * 3,"
+        " extra_key='m')[1].hex())"
     )
     env = {**os.environ, "PYTHONHASHSEED": "12345"}
     other = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
-    here = compute_block_hashes(list(range(8)), 4, [ImageSpan("cat", 2, 3)], "m")[1].hex()
+    here = compute_block_hashes(list(range(8)), 4, [ImageSpan("cat", 2, 3)], positions=text_positions(8),
+                                extra_key="m")[1].hex()
     assert other.stdout.strip() == here
 
 
@@ -281,21 +332,35 @@ def test_pool_check_invariants_catches_corruption() -> None:
 
 
 # ---- randomized: 2000 operations against a fake runner that writes "KV" -------------------------------
-KvValue = tuple[tuple[int, ...], tuple[tuple[str, int], ...]]  # (tokens up to here, images started so far)
+Position = tuple[int, int, int]  # a token's M-RoPE (t, h, w)
+# (tokens up to here, images started so far, the positions of the tokens up to here)
+KvValue = tuple[tuple[int, ...], tuple[tuple[str, int], ...], tuple[Position, ...]]
 
 
 @dataclass
 class FakeRequest:
     token_ids: list[int]
     image_spans: tuple[ImageSpan, ...]
+    positions: list[Position]  # one per token
     num_prompt_tokens: int
     num_computed_tokens: int = 0
     block_hashes: list[BlockHash] = field(default_factory=list)
 
     def expected_kv(self, position: int) -> KvValue:
-        """What a correct model would store at `position`: it depends on every token and image before it."""
+        """What a correct model would store at `position`: it depends on every token, image and rotary position
+        up to it."""
         images = tuple((span.content_hash, span.start) for span in self.image_spans if span.start <= position)
-        return tuple(self.token_ids[: position + 1]), images
+        return tuple(self.token_ids[: position + 1]), images, tuple(self.positions[: position + 1])
+
+    def keys(self) -> list[BlockHash]:
+        rows = [list(row) for row in zip(*self.positions)]
+        return compute_block_hashes(self.token_ids, BLOCK_SIZE, self.image_spans, positions=rows,
+                                    prev_hashes=self.block_hashes)
+
+    def append(self, token_id: int) -> None:
+        """A sampled token, one past the last position on every axis."""
+        self.token_ids.append(token_id)
+        self.positions.append((max(self.positions[-1]) + 1,) * 3)
 
 
 class FakeRunner:
@@ -321,22 +386,29 @@ class FakeRunner:
 
 
 def random_prompt(rng: random.Random) -> FakeRequest:
-    """Prompts from a few shared system prefixes, maybe an image (3 pictures, same placeholder ids), a tail."""
+    """Prompts from a few shared system prefixes, maybe a clip (3 clips, same placeholder ids) played at one of two
+    time steps, a tail. The clip's tokens are grids of 2 at time ``grid * step`` (Qwen2.5-VL's video positions
+    scale so with the seconds per grid); the text after it resumes 2 past the clip's start either way."""
     token_ids = list(rng.choice([[1, 2, 3, 4, 5, 6], [1, 2, 3, 4, 7, 7, 7], [9] * 9, []]))
+    positions: list[Position] = [(i, i, i) for i in range(len(token_ids))]
     spans: tuple[ImageSpan, ...] = ()
     if rng.random() < 0.6:
-        length = rng.choice([3, 4, 6])
-        spans = (ImageSpan(rng.choice("abc"), len(token_ids), length),)
+        length, step, start = rng.choice([3, 4, 6]), rng.choice([1, 2]), len(token_ids)
+        spans = (ImageSpan(rng.choice("abc"), start, length),)
         token_ids += [IMAGE_PAD] * length
-    token_ids += [rng.randrange(3) for _ in range(rng.randrange(1, 8))]
-    return FakeRequest(token_ids, spans, num_prompt_tokens=len(token_ids))
+        positions += [(start + k // 2 * step, start, start + k % 2) for k in range(length)]
+    resume = len(positions) if not spans else spans[0].start + 2
+    tail = rng.randrange(1, 8)
+    token_ids += [rng.randrange(3) for _ in range(tail)]
+    positions += [(resume + i,) * 3 for i in range(tail)]
+    return FakeRequest(token_ids, spans, positions, num_prompt_tokens=len(token_ids))
 
 
 def admit(
     manager: KVCacheManager, runner: FakeRunner, request_id: str, request: FakeRequest, rng: random.Random
 ) -> bool:
     """First allocation with a random first chunk; checks can_allocate agrees and the hit KV is right."""
-    request.block_hashes = compute_block_hashes(request.token_ids, BLOCK_SIZE, request.image_spans)
+    request.block_hashes = request.keys()
     max_cached_tokens = request.num_prompt_tokens - 1
     num_expected = manager.num_cached_prefix_tokens(request.block_hashes, max_cached_tokens)
     first_chunk_tokens = min(request.num_prompt_tokens, num_expected + rng.randrange(1, 9))
@@ -356,10 +428,8 @@ def step(
 ) -> None:
     """Compute the next prefill chunk, or one decode token; publish what became full."""
     if request.num_computed_tokens >= request.num_prompt_tokens:
-        request.token_ids.append(rng.randrange(3))  # the sampled token
-        request.block_hashes = compute_block_hashes(
-            request.token_ids, BLOCK_SIZE, request.image_spans, prev_hashes=request.block_hashes
-        )
+        request.append(rng.randrange(3))  # the sampled token
+        request.block_hashes = request.keys()
     end = min(len(request.token_ids), request.num_computed_tokens + rng.randrange(1, 9))
     table_before = manager.block_table(request_id)
     if manager.allocate(request_id, end) is None:

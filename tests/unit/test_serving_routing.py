@@ -11,10 +11,10 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from firsttoken.cli.main import build_parser
 from firsttoken.cli.serve import serve_config
+from firsttoken.scheduler.request import Request
 from firsttoken.serving.options import FleetOptions, ReplicaCount
 from firsttoken.serving.fleet import sum_stats
 from firsttoken.serving.metrics import merge_expositions
-from firsttoken.kv.prefix_cache import ImageSpan, compute_block_hashes
 from firsttoken.serving.routing import (
     LONG_POOL,
     MAX_PREFIX_BLOCKS,
@@ -51,9 +51,8 @@ def _image_request(num_tokens: int, images: list[tuple[str, int, int]]) -> Engin
 
 
 def _replica_keys(request: EngineRequest) -> list:
-    """The keys a replica's prefix cache gives the prompt's blocks: over the whole prompt, every image in."""
-    spans = [ImageSpan(im.content_hash, im.offset, im.num_tokens) for im in request.images]
-    return compute_block_hashes(request.prompt_token_ids, BLOCK, spans)
+    """The keys a replica's prefix cache gives the prompt's blocks: its scheduler's, over the whole prompt."""
+    return Request(request, arrival_seq=0).ensure_block_hashes(BLOCK)
 
 
 def _loads(*in_flight: int, capacity: int = 4) -> list[ReplicaLoad]:
