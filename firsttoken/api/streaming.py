@@ -28,10 +28,12 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass
 
+from starlette.requests import ClientDisconnect
 from starlette.responses import StreamingResponse
-from starlette.types import Receive, Scope, Send
+from starlette.types import Message, Receive, Scope, Send
 
 from firsttoken.api.errors import error_body
+from firsttoken.api.middleware import client_left
 from firsttoken.api.protocol import (
     ChatChunkChoice,
     ChatCompletionChunk,
@@ -75,7 +77,9 @@ class StreamContext:
 
 class EngineStreamResponse(StreamingResponse):
     """A StreamingResponse that always closes its body generator (so its ``finally`` blocks run now, not at
-    garbage collection) and then calls ``on_close`` (releases the request's concurrency slot)."""
+    garbage collection) and then calls ``on_close`` (releases the request's concurrency slot). A client that leaves
+    before the stream's end (Starlette sees its ``http.disconnect``; an ASGI 2.4 server raises ClientDisconnect on
+    the next send) is a disconnect at stage "answer" (middleware.client_left), never an error."""
 
     def __init__(self, content: AsyncIterator[str], on_close: Callable[[], None], **kwargs) -> None:
         super().__init__(content, media_type="text/event-stream", **kwargs)
@@ -83,9 +87,21 @@ class EngineStreamResponse(StreamingResponse):
         self._on_close = on_close
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        left = False
+
+        async def watched_receive() -> Message:  # Starlette listens for the disconnect while it streams
+            nonlocal left
+            message = await receive()
+            left = left or message["type"] == "http.disconnect"
+            return message
+
         try:
-            await super().__call__(scope, receive, send)
+            await super().__call__(scope, watched_receive, send)
+        except ClientDisconnect:
+            left = True
         finally:
+            if left:
+                client_left(scope, "answer")
             try:
                 await asyncio.shield(self._generator.aclose())  # type: ignore[attr-defined]
             finally:
