@@ -14,9 +14,14 @@ uses (continuous batching, chunked prefill, lanes, prefix and encoder caches), w
 of them, one per conversation (as vLLM's ``LLM.generate`` takes a list of ``SamplingParams``). ``complete`` does the
 same for raw prompts. Options are the ``firsttoken serve`` flags by name (``kv_cache_memory="2GiB"``,
 ``image_max_tokens=1280``, ``no_prefix_cache=True``), so every default is the server's (but ``decode_threads``:
-with no server threads to leave a core to, decoding uses all of them). Inputs are validated exactly
-as the server validates an HTTP body: a bad request raises ``ValueError`` with the server's 400 message before
-anything runs.
+with no server threads to leave a core to, decoding uses all of them).
+
+Inputs are validated by the HTTP routes' own schemas: ``chat`` makes /v1/chat/completions' body of the conversation
+and the sampling fields, ``complete`` /v1/completions' (its ``logprobs`` is the number of alternatives), so every
+field means, converts and is refused as it is over HTTP: a bad one raises ``InputError`` (a ``ValueError``) with the
+message and ``param`` of the route's 400, before anything runs. Two differences: a key that is no field of the body
+is refused (HTTP ignores it, for clients that send extras), and so are the fields that frame an answer rather than
+sample it (``NOT_SAMPLING``: ``n``, ``stream``, ``tools``, ...). A ``SamplingRequest`` is taken as it is.
 """
 
 from __future__ import annotations
@@ -26,27 +31,27 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
+from fastapi.exceptions import RequestValidationError
+from pydantic import BaseModel
 
-from firsttoken.api.protocol import ChatMessage
+from firsttoken.api.body import validate_model
+from firsttoken.api.errors import validation_error_message
+from firsttoken.api.protocol import UNSUPPORTED_FIELDS, ChatCompletionRequest, CompletionRequest
 from firsttoken.config import GenerationDefaults, ServeConfig, config_from_options
 from firsttoken.engine.engine import LLMEngine
-from firsttoken.inputs.processor import InputProcessor, load_tokenizer
-from firsttoken.inputs.prompt import (
-    ChatPrompt,
-    ImagePart,
-    Message,
-    Prompt,
-    SamplingRequest,
-    TextPrompt,
-)
+from firsttoken.inputs.processor import InputError, InputProcessor, load_tokenizer
+from firsttoken.inputs.prompt import ChatPrompt, ImagePart, Message, Prompt, SamplingRequest
 from firsttoken.kernels.cpu_linear import set_kernel_threads
 from firsttoken.metrics.timeline import Timeline
+from firsttoken.quoting import quote
 from firsttoken.runner.model_runner import DEFAULT_THREADS
-from firsttoken.structured.spec import from_response_format, from_structured_outputs
 from firsttoken.types import EngineRequest, FinishReason, TokenLogprob
+
+M = TypeVar("M", bound=BaseModel)
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -110,22 +115,25 @@ class LLM:
         ``sampling``: one for every conversation, or a list with one per conversation."""
         batch = _is_batch(messages)
         conversations = list(messages) if batch else [messages]
-        prompts = [ChatPrompt(tuple(_message(m) for m in c)) for c in conversations]
-        results = self.run(prompts, sampling)
+        made = [_chat(c, s) for c, s in zip(conversations, _per_prompt(sampling, len(conversations)))]
+        results = self.run([prompt for prompt, _ in made], [request for _, request in made])
         return results if batch else results[0]
 
     def complete(
         self, prompts: str | Sequence[str], sampling: Sampling | Sequence[Sampling] = None
     ) -> RequestResult | list[RequestResult]:
-        """Raw text prompts (chat control tokens honoured, as /v1/completions); ``sampling`` as for ``chat``."""
+        """Raw text prompts (chat control tokens honoured, as /v1/completions, whose fields ``sampling`` takes:
+        ``logprobs`` is the number of alternatives); ``sampling`` as for ``chat``."""
         batch = not isinstance(prompts, str)
         texts = list(prompts) if batch else [prompts]
-        results = self.run([TextPrompt(t) for t in texts], sampling)
+        made = [_completion(t, s) for t, s in zip(texts, _per_prompt(sampling, len(texts)))]
+        results = self.run([prompt for prompt, _ in made], [request for _, request in made])
         return results if batch else results[0]
 
-    def run(self, prompts: Sequence[Prompt], sampling: Sampling | Sequence[Sampling]) -> list[RequestResult]:
-        """Preprocess every prompt (any refusal raises before anything runs), then step the engine until all
-        finish."""
+    def run(self, prompts: Sequence[Prompt], sampling: SamplingRequest | Sequence[SamplingRequest] = SamplingRequest()
+            ) -> list[RequestResult]:
+        """The input processor's own values (``chat`` and ``complete`` make them from OpenAI-style ones): preprocess
+        every prompt (any refusal raises before anything runs), then step the engine until all finish."""
         per_prompt = _per_prompt(sampling, len(prompts))
         arrival = time.monotonic()
         requests: list[EngineRequest] = []
@@ -191,20 +199,88 @@ class _Collected:
 
 def _is_batch(messages: Any) -> bool:
     """A list of conversations (each a list of messages) vs one conversation (a list of message mappings)."""
-    return bool(messages) and not isinstance(messages[0], Mapping)
+    return isinstance(messages, Sequence) and bool(messages) and not isinstance(messages[0], Mapping)
 
 
-def _message(m: Mapping[str, Any]) -> Message:
-    """An OpenAI-style message, validated by the server's schema; ``{"type": "image_pil", "image_pil": img}`` parts
-    (PIL images, as vLLM's offline API accepts) are encoded to PNG bytes."""
-    content = m.get("content")
+OFFLINE_MODEL = "offline"  # the ``model`` of the bodies the offline API validates (it serves the model it loaded)
+
+# Request fields that say what to answer or how to frame the answer, not how to sample: the offline API takes its
+# prompts as arguments and answers each with one whole RequestResult of text.
+NOT_SAMPLING: dict[str, str] = {
+    "model": "the LLM serves the model it loaded",
+    "messages": "the conversation is chat()'s first argument",
+    "prompt": "the prompts are complete()'s first argument",
+    "stream": "results come back whole",
+    "stream_options": "results come back whole",
+    "n": "each prompt gets one result; repeat the prompt (with other seeds) for more",
+    "echo": "a result holds the generated text only",
+    "tools": "a result holds text, not parsed tool calls",
+    "tool_choice": "a result holds text, not parsed tool calls",
+    "parallel_tool_calls": "a result holds text, not parsed tool calls",
+}
+
+
+def _chat(conversation: Conversation, sampling: Sampling) -> tuple[ChatPrompt, SamplingRequest]:
+    """The conversation and OpenAI-style sampling fields validated as /v1/chat/completions validates its body (a
+    refusal is its 400's message); ``{"type": "image_pil", "image_pil": img}`` parts (PIL images, as vLLM's offline
+    API accepts) stand in as empty text parts, then become PNG bytes."""
+    messages = [_without_pil(m) for m in conversation] if isinstance(conversation, Sequence) else conversation
+    body = {**_sampling_fields(sampling, ChatCompletionRequest, "/v1/chat/completions"), "model": OFFLINE_MODEL,
+            "messages": messages}
+    request = _validated(ChatCompletionRequest, body)
+    prompt = request.to_prompt()
+    prompt = replace(prompt, messages=tuple(_with_pil(m, original) for m, original in zip(prompt.messages,
+                                                                                         conversation)))
+    return prompt, sampling if isinstance(sampling, SamplingRequest) else request.to_sampling()
+
+
+def _completion(text: str, sampling: Sampling) -> tuple[Prompt, SamplingRequest]:
+    """A prompt and OpenAI-style sampling fields validated as /v1/completions validates its body."""
+    body = {**_sampling_fields(sampling, CompletionRequest, "/v1/completions"), "model": OFFLINE_MODEL, "prompt": text}
+    request = _validated(CompletionRequest, body)
+    return request.prompts()[0], sampling if isinstance(sampling, SamplingRequest) else request.to_sampling()
+
+
+def _validated(model: type[M], body: dict[str, Any]) -> M:
+    """``body`` as its HTTP route validates it; a refusal raises InputError (a ValueError) with the message and
+    param of that route's 400."""
+    try:
+        return validate_model(body, model)
+    except RequestValidationError as err:
+        raise InputError(*validation_error_message(err)) from None
+
+
+def _sampling_fields(sampling: Sampling, model: type[BaseModel], route: str) -> dict[str, Any]:
+    """OpenAI-style sampling fields, each a field of ``model`` (or one of UNSUPPORTED_FIELDS, which its validation
+    refuses unless "off"), none of NOT_SAMPLING; a SamplingRequest (already the processor's value) or None: none."""
+    if sampling is None or isinstance(sampling, SamplingRequest):
+        return {}
+    if not isinstance(sampling, Mapping):
+        raise InputError(f"sampling is a mapping of request fields or a SamplingRequest, not a "
+                         f"{type(sampling).__name__}")
+    for key in sampling:
+        if key in NOT_SAMPLING:
+            raise InputError(f"'{key}' is not a sampling field: {NOT_SAMPLING[key]}", key)
+        if key not in model.model_fields and key not in UNSUPPORTED_FIELDS:
+            raise InputError(f"'{quote(str(key))}' is not a field of {route}'s body", str(key))
+    return dict(sampling)
+
+
+def _without_pil(message: Any) -> Any:
+    """A message with each PIL image part as an empty text part (the schema knows no PIL images)."""
+    content = message.get("content") if isinstance(message, Mapping) else None
     if not isinstance(content, list) or not any(_is_pil_part(p) for p in content):
-        return ChatMessage.model_validate(m).to_message()
-    stand_ins = [{"type": "text", "text": ""} if _is_pil_part(p) else p for p in content]
-    validated = ChatMessage.model_validate({**m, "content": stand_ins}).to_message()
-    parts = [ImagePart(data=_png(p["image_pil"])) if _is_pil_part(p) else q
-             for p, q in zip(content, validated.content or ())]
-    return Message(validated.role, tuple(parts))
+        return message
+    return {**message, "content": [{"type": "text", "text": ""} if _is_pil_part(p) else p for p in content]}
+
+
+def _with_pil(message: Message, original: Any) -> Message:
+    """``message`` with the PIL images of ``original`` (the client's message) back in place of their stand-ins."""
+    content = original.get("content") if isinstance(original, Mapping) else None
+    if not isinstance(content, list) or not any(_is_pil_part(p) for p in content):
+        return message
+    parts = [ImagePart(data=_png(p["image_pil"])) if _is_pil_part(p) else q for p, q in zip(content, message.content)]
+    return replace(message, content=tuple(parts))
 
 
 def _png(image: Any) -> bytes:
@@ -217,33 +293,11 @@ def _is_pil_part(part: Any) -> bool:
     return isinstance(part, Mapping) and part.get("type") == "image_pil"
 
 
-def _per_prompt(sampling: Sampling | Sequence[Sampling], num_prompts: int) -> list[SamplingRequest]:
-    """One SamplingRequest per prompt: the same one for all, or a list (or tuple) with one per prompt."""
+def _per_prompt(sampling: T | Sequence[T], num_prompts: int) -> list[T]:
+    """One sampling per prompt: the same one for all, or a list (or tuple) with one per prompt."""
     if isinstance(sampling, (list, tuple)):
         if len(sampling) != num_prompts:
             raise ValueError(f"got {len(sampling)} sampling settings for {num_prompts} prompts: give one for all, "
                              "or one per prompt")
-        return [_sampling(s) for s in sampling]
-    return [_sampling(sampling)] * num_prompts
-
-
-def _sampling(sampling: Sampling) -> SamplingRequest:
-    """A SamplingRequest as given, or from OpenAI-style fields (``temperature``, ``max_tokens``, ``stop``, ...,
-    ``response_format`` or vLLM's ``structured_outputs``: docs/structured_outputs.md)."""
-    if sampling is None:
-        return SamplingRequest()
-    if isinstance(sampling, SamplingRequest):
-        return sampling
-    fields = dict(sampling)
-    response_format, structured = fields.pop("response_format", None), fields.pop("structured_outputs", None)
-    if response_format is not None and structured is not None:
-        raise ValueError("give at most one of response_format and structured_outputs")
-    spec = from_response_format(response_format) if response_format is not None else from_structured_outputs(structured)
-    if spec is not None:
-        fields["structured"] = spec
-    if isinstance(fields.get("stop"), str):
-        fields["stop"] = (fields["stop"],)
-    for key in ("stop", "stop_token_ids"):
-        if key in fields:
-            fields[key] = tuple(fields[key])
-    return SamplingRequest(**fields)
+        return list(sampling)
+    return [sampling] * num_prompts  # type: ignore[list-item]

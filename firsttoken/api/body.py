@@ -39,7 +39,12 @@ async def read_model(request: Request, model: type[M]) -> M:
 
 def parse_model(body: bytes, model: type[M]) -> M:
     """``model`` validated from a JSON body; APIError(400) or RequestValidationError naming what is wrong."""
-    value = parse_json_object(body)
+    return validate_model(parse_json_object(body), model)
+
+
+def validate_model(value: dict[str, Any], model: type[M]) -> M:
+    """``model`` validated from a body's JSON object (the offline API's bodies too, built from Python values);
+    RequestValidationError naming what is wrong (errors.validation_error_message renders it)."""
     try:
         return model.model_validate(value)
     except ValidationError as err:

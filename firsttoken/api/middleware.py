@@ -13,6 +13,9 @@
 - these refusals (400, 415, 413, 408) go out with ``Connection: close`` while the client may still be sending
   its body; the protocol (api/http_protocol.py) then reads and discards the rest, within bounds, before it
   closes (a lingering close), so a client that writes its whole body before reading still reads the answer;
+- a client that left: starlette's ``ClientDisconnect`` (raised where the body is read, or a response is sent,
+  after the client went away) is no error but a disconnect: ``client_left`` logs it at INFO and leaves its stage
+  in the scope for the disconnect counter (api/observability.py), as every other place that sees a client leave;
 - last resort: an exception no handler took becomes a generic 500 (no trace, no addresses); the traceback
   goes to the server log with the request id.
 """
@@ -24,6 +27,7 @@ import logging
 import re
 import uuid
 
+from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from firsttoken.api.errors import HTTPRefusal, error_response
@@ -37,8 +41,21 @@ _CLIENT_ID_RE = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
 CLOSE = {"Connection": "close"}  # the body was not read to its end: this connection cannot carry another request
 
 
+# Where a client left before its answer was complete (recorder.DISCONNECT_STAGES), left in the scope by whoever saw
+# it (``client_left``) for the disconnect counter
+CLIENT_LEFT_KEY = "firsttoken.client_left"
+
+
 def request_id_of(scope: Scope) -> str:
     return scope.get(REQUEST_ID_KEY) or "-"
+
+
+def client_left(scope: Scope, stage: str) -> None:
+    """The client went away at ``stage`` (recorder.DISCONNECT_STAGES): a normal event, logged at INFO (nothing failed)
+    and left in the scope, where the disconnect counter reads it once the request is done."""
+    scope[CLIENT_LEFT_KEY] = stage
+    logger.info("client disconnected during its %s: %s %s (request id %s)", stage, scope.get("method"),
+                scope.get("path"), request_id_of(scope))
 
 
 class RequestContextMiddleware:
@@ -73,6 +90,8 @@ class RequestContextMiddleware:
             return
         try:
             await self.app(scope, self._guarded(receive), send_with_id)
+        except ClientDisconnect:  # nobody to answer
+            client_left(scope, "answer" if started else "body")
         except Exception:
             logger.exception(
                 "unhandled error in %s %s (request id %s)", scope.get("method"), scope.get("path"), request_id

@@ -18,8 +18,9 @@ attach a header to a navigation; the page holds no data, asks for the key, keeps
 sends it on its /stats fetches, which are checked like any other route.
 
 Middleware order (outermost first): RejectionCounter (sees every 4xx, the 413s RequestContextMiddleware
-answers itself included) -> RequestContextMiddleware (request id) -> ApiKeyMiddleware (needs the request id
-for its log context and its 401) -> routes.
+answers itself included, and the stage of every client that left, once its request is done) ->
+RequestContextMiddleware (request id) -> ApiKeyMiddleware (needs the request id for its log context and its 401)
+-> routes.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from firsttoken.api.errors import REJECT_REASON_KEY, error_response
 from firsttoken.api.logs import current_request_id
-from firsttoken.api.middleware import REQUEST_ID_KEY
+from firsttoken.api.middleware import CLIENT_LEFT_KEY, REQUEST_ID_KEY
 from firsttoken.config import ServerConfig
 from firsttoken.engine.client import EngineClient
 from firsttoken.metrics.prometheus import make_registry
@@ -63,7 +64,7 @@ REJECTION_REASONS = {
     415: "unsupported_encoding",
     429: "too_many_requests",
 }
-CLIENT_CLOSED_REQUEST = 499  # not a rejection: the client left (counted as outcome="abort")
+CLIENT_CLOSED_REQUEST = 499  # not a rejection: the client left (a client disconnect, stage "answer")
 _MAX_TRACKED = 10_000  # per-request side data kept for requests whose response never completes
 
 
@@ -319,7 +320,8 @@ class ApiKeyMiddleware:
 
 
 class RejectionCounter:
-    """Counts every 4xx answer by reason: the tag an error handler left in the scope, else the status."""
+    """Counts every 4xx answer by reason (the tag an error handler left in the scope, else the status), and every
+    client that left before its answer was complete by the stage left in the scope (middleware.client_left)."""
 
     def __init__(self, app: ASGIApp, recorder: Recorder) -> None:
         self.app = app
@@ -338,7 +340,12 @@ class RejectionCounter:
                     self.recorder.on_rejected(reason)
             await send(message)
 
-        await self.app(scope, receive, counting_send)
+        try:
+            await self.app(scope, receive, counting_send)
+        finally:
+            stage = scope.get(CLIENT_LEFT_KEY)
+            if stage is not None:
+                self.recorder.on_client_disconnect(stage)
 
 
 def observability_from_config(server: ServerConfig, tokenizer: Any,

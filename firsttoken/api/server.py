@@ -43,7 +43,7 @@ from firsttoken.api.errors import (
     install_error_handlers,
     model_not_found,
 )
-from firsttoken.api.middleware import RequestContextMiddleware
+from firsttoken.api.middleware import RequestContextMiddleware, client_left
 from firsttoken.api.observability import Observability
 from firsttoken.api.preprocess_pools import PreprocessPools
 from firsttoken.api.protocol import (
@@ -195,6 +195,7 @@ def build_app(
         try:
             collected = await collect_outputs(engine, requests, functools.partial(_wait_disconnect, raw), after)
         except ClientDisconnected:
+            client_left(raw.scope, "answer")
             return Response(status_code=CLIENT_CLOSED_REQUEST)
         except Exception as exc:
             return error_response(*engine_failure(engine, requests[0], exc))

@@ -6,6 +6,8 @@ Chat stream (fixtures/vllm-0.32/chat-stream-image.txt):
     data: chunk  delta {"content": "..."}, finish_reason             the last output
     data: chunk  choices [], usage {... "firsttoken": timings}       only with stream_options.include_usage
     data: [DONE]
+Every token chunk of a choice, whatever made its delta (the text, or the tool-call parser), carries that output's
+``logprobs`` when asked, and with ``continuous_usage_stats`` every chunk (the role chunk too) its choice's usage so far.
 A request the engine fails mid-stream sends ``data: {"error": {...}}`` then ``data: [DONE]``.
 
 Abort guarantee: ``stream_outputs`` calls ``engine.abort`` in a ``finally`` unless the engine reported the
@@ -26,10 +28,12 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass
 
+from starlette.requests import ClientDisconnect
 from starlette.responses import StreamingResponse
-from starlette.types import Receive, Scope, Send
+from starlette.types import Message, Receive, Scope, Send
 
 from firsttoken.api.errors import error_body
+from firsttoken.api.middleware import client_left
 from firsttoken.api.protocol import (
     ChatChunkChoice,
     ChatCompletionChunk,
@@ -73,7 +77,9 @@ class StreamContext:
 
 class EngineStreamResponse(StreamingResponse):
     """A StreamingResponse that always closes its body generator (so its ``finally`` blocks run now, not at
-    garbage collection) and then calls ``on_close`` (releases the request's concurrency slot)."""
+    garbage collection) and then calls ``on_close`` (releases the request's concurrency slot). A client that leaves
+    before the stream's end (Starlette sees its ``http.disconnect``; an ASGI 2.4 server raises ClientDisconnect on
+    the next send) is a disconnect at stage "answer" (middleware.client_left), never an error."""
 
     def __init__(self, content: AsyncIterator[str], on_close: Callable[[], None], **kwargs) -> None:
         super().__init__(content, media_type="text/event-stream", **kwargs)
@@ -81,9 +87,21 @@ class EngineStreamResponse(StreamingResponse):
         self._on_close = on_close
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        left = False
+
+        async def watched_receive() -> Message:  # Starlette listens for the disconnect while it streams
+            nonlocal left
+            message = await receive()
+            left = left or message["type"] == "http.disconnect"
+            return message
+
         try:
-            await super().__call__(scope, receive, send)
+            await super().__call__(scope, watched_receive, send)
+        except ClientDisconnect:
+            left = True
         finally:
+            if left:
+                client_left(scope, "answer")
             try:
                 await asyncio.shield(self._generator.aclose())  # type: ignore[attr-defined]
             finally:
@@ -228,37 +246,46 @@ async def chat_sse(
     engine: EngineClient, requests: Sequence[EngineRequest], ctx: StreamContext, piece: TokenPieceFn,
     tools: Callable[[], ToolOutput] | None = None, after: Sequence[int | None] = (),
 ) -> AsyncIterator[str]:
-    """``tools``: a fresh tool-call parser per choice (None: no tools)."""
+    """``tools``: a fresh tool-call parser per choice (None: no tools). Whatever makes a choice's deltas (its text
+    as it comes, or its tool-call parser), every chunk is framed by ``chunks``, which adds what the request asked
+    for beyond the text: each output's logprobs, and with continuous usage the choice's usage so far."""
     frames = StreamFrames("chat.completion.chunk", ctx.response_id, ctx.created, ctx.model)
     parsers = [tools() for _ in requests] if tools is not None else None
     finals: dict[int, RequestOutput] = {}
 
-    def chunk(i: int, out: RequestOutput, delta: DeltaMessage, finish_reason: str | None) -> str:
-        choice = ChatChunkChoice(index=i, delta=delta, logprobs=chat_logprobs(out.logprobs, piece),
-                                 finish_reason=finish_reason)
-        return sse(ChatCompletionChunk(id=ctx.response_id, created=ctx.created, model=ctx.model, choices=[choice],
-                                       usage=running_usage(out) if ctx.continuous_usage else None).to_json())
-
-    def text_chunk(i: int, out: RequestOutput, finish_reason: str | None) -> str:
-        content = out.new_text or None
-        if not out.logprobs and not ctx.continuous_usage:
-            return frames.chat(content, finish_reason, index=i)
-        return chunk(i, out, DeltaMessage(content=content), finish_reason)
-
-    def tool_chunks(i: int, out: RequestOutput, finish_reason: str | None) -> list[str]:
-        """The output's text through choice i's tool-call parser: content deltas and tool-call deltas."""
-        assert parsers is not None
+    def deltas(i: int, out: RequestOutput) -> list[DeltaMessage]:
+        """Choice i's deltas for one output: its new text, or what the choice's tool-call parser makes of it
+        (content deltas and tool-call deltas)."""
+        if parsers is None:
+            return [DeltaMessage(content=out.new_text)] if out.new_text else []
         parser = parsers[i]
         pieces = parser.feed(out.new_text) + (parser.finish() if out.finished else [])
-        frames_out = [frames.chat(p.content, index=i) if p.content is not None else sse(ChatCompletionChunk(
-            id=ctx.response_id, created=ctx.created, model=ctx.model, choices=[ChatChunkChoice(
-                index=i, delta=DeltaMessage(tool_calls=[tool_delta(p)]))]).to_json()) for p in pieces]
-        if finish_reason is not None:
-            frames_out.append(frames.chat(None, parser.finish_reason(finish_reason), index=i))
-        return frames_out
+        return [DeltaMessage(content=p.content) if p.content is not None else DeltaMessage(tool_calls=[tool_delta(p)])
+                for p in pieces]
 
-    for i in range(len(requests)):
-        yield frames.chat("", role=True, index=i)
+    def chunks(i: int, deltas: list[DeltaMessage], finish_reason: str | None, logprobs: Sequence[TokenLogprob],
+               usage: Usage | None) -> list[str]:
+        """Choice i's chunks, one per delta (an empty delta when there is none but logprobs or a finish reason to
+        send): ``logprobs`` ride the first, ``finish_reason`` the last, ``usage`` (None: not asked for) each."""
+        if not deltas and (logprobs or finish_reason):
+            deltas = [DeltaMessage()]
+        out: list[str] = []
+        for k, delta in enumerate(deltas):
+            reason = finish_reason if k == len(deltas) - 1 else None
+            scores = logprobs if k == 0 else ()
+            if not scores and usage is None and delta.tool_calls is None:
+                out.append(frames.chat(delta.content, reason, role=delta.role is not None, index=i))
+                continue
+            choice = ChatChunkChoice(index=i, delta=delta, logprobs=chat_logprobs(scores, piece),
+                                     finish_reason=reason)
+            out.append(sse(ChatCompletionChunk(id=ctx.response_id, created=ctx.created, model=ctx.model,
+                                               choices=[choice], usage=usage).to_json()))
+        return out
+
+    for i, request in enumerate(requests):
+        usage = running_usage(request.num_prompt_tokens, 0) if ctx.continuous_usage else None
+        for frame in chunks(i, [DeltaMessage(role="assistant", content="")], None, (), usage):
+            yield frame
     async with aclosing(guarded_outputs(engine, requests, after)) as outputs:
         async for item in outputs:
             if isinstance(item, str):  # an error event
@@ -269,13 +296,14 @@ async def chat_sse(
             finish = out.finish_reason.value if out.finished and out.finish_reason else None
             if i == 0:
                 ctx.timeline.observe(out)
+            new = deltas(i, out)
             if parsers is not None:
-                for frame in tool_chunks(i, out, finish):
-                    yield frame
-                    ctx.timeline.mark_first_byte()
-            elif out.new_text or out.logprobs or finish:
-                yield text_chunk(i, out, finish)
-                if out.new_text and i == 0:
+                finish = parsers[i].finish_reason(finish)  # once the parser has read the whole answer
+            usage = running_usage(out.num_prompt_tokens, out.num_output_tokens) if ctx.continuous_usage else None
+            visible = i == 0 and any(d.content or d.tool_calls for d in new)  # choice 0's timeline: text or a call
+            for frame in chunks(i, new, finish, out.logprobs, usage):
+                yield frame
+                if visible:
                     ctx.timeline.mark_first_byte()  # resumed: the chunk has been handed to the transport
             if out.finished:
                 finals[i] = out
@@ -286,10 +314,10 @@ async def chat_sse(
     yield DONE
 
 
-def running_usage(out: RequestOutput) -> Usage:
+def running_usage(num_prompt_tokens: int, num_output_tokens: int) -> Usage:
     """A choice's usage so far (stream_options.continuous_usage_stats, as vLLM)."""
-    return Usage(prompt_tokens=out.num_prompt_tokens, completion_tokens=out.num_output_tokens,
-                 total_tokens=out.num_prompt_tokens + out.num_output_tokens)
+    return Usage(prompt_tokens=num_prompt_tokens, completion_tokens=num_output_tokens,
+                 total_tokens=num_prompt_tokens + num_output_tokens)
 
 
 def tool_delta(p: Piece) -> ToolCallDelta:
@@ -330,9 +358,10 @@ async def completion_sse(
                                                    lead.token_ids[0] if lead is not None and out.logprobs else None)
                     text = (lead.text if lead is not None else "") + out.new_text
                     choice = CompletionChoice(index=i, text=text, finish_reason=finish, logprobs=logprobs)
+                    usage = running_usage(out.num_prompt_tokens, out.num_output_tokens) if ctx.continuous_usage \
+                        else None
                     body = CompletionResponse(id=ctx.response_id, created=ctx.created, model=ctx.model,
-                                              choices=[choice], usage=running_usage(out) if ctx.continuous_usage
-                                              else None)
+                                              choices=[choice], usage=usage)
                     yield sse(body.to_json())
                 else:
                     yield frames.completion(out.new_text, finish, index=i)

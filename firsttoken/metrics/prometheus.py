@@ -22,7 +22,7 @@ from prometheus_client.core import (
 from prometheus_client.utils import floatToGoString
 
 from firsttoken.metrics.histogram import Histogram
-from firsttoken.metrics.recorder import Recorder
+from firsttoken.metrics.recorder import DISCONNECT_STAGES, Recorder
 from firsttoken.metrics.stats import EngineSnapshot
 
 REQUEST_LABELS = ["lane", "images"]
@@ -106,6 +106,14 @@ class FirsttokenCollector:
         for reason, n in sorted({**dict.fromkeys(ABORT_REASONS, 0), **s.aborts}.items()):
             aborts.add_metric([reason], n)
         yield aborts
+        disconnects = CounterMetricFamily(
+            "firsttoken_client_disconnects", "Clients that left before their answer was complete, by stage (body: "
+            "while sending the request body; answer: while it was generated or streamed). Not errors.",
+            labels=["stage"],
+        )  # fmt: skip
+        for stage, n in sorted({**dict.fromkeys(DISCONNECT_STAGES, 0), **s.client_disconnects}.items()):
+            disconnects.add_metric([stage], n)
+        yield disconnects
         c = s.counters
         yield _counter("firsttoken_prompt_tokens", "Prompt tokens of finished requests.", c["prompt_tokens"])
         yield _counter("firsttoken_generation_tokens", "Generated tokens of finished requests.", c["generation_tokens"])

@@ -36,6 +36,9 @@ from firsttoken.metrics.window import (
 )
 
 DEFAULT_LANE = "default"
+# Where a client left before its answer was complete: while sending its request body | while its answer was made or
+# streamed (the HTTP layer tells: api/middleware.py client_left)
+DISCONNECT_STAGES = ("body", "answer")
 # Outcomes whose record cannot gain anything from the HTTP layer: recorded at the next flush.
 _FINAL_AT_ENGINE = frozenset({"abort", "error"})
 
@@ -102,6 +105,7 @@ class RecorderSnapshot:
     requests: dict[tuple[str, str, str], int]  # (lane, images, outcome) -> count
     rejections: dict[str, int]  # reason -> count
     aborts: dict[str, int]  # reason -> count: requests the server aborted mid-generation (e.g. client_not_reading)
+    client_disconnects: dict[str, int]  # stage (body | answer) -> clients that left before their answer was complete
     counters: dict[str, float]  # name -> value (tokens, steps, encoder work)
     step_tokens: Histogram
     step_duration_s: Histogram
@@ -113,7 +117,8 @@ class RecorderSnapshot:
 
 
 class Recorder:
-    """Implements StatsObserver (engine thread) and the HTTP layer's side (``complete``, ``on_rejected``)."""
+    """Implements StatsObserver (engine thread) and the HTTP layer's side (``complete``, ``on_rejected``,
+    ``on_client_disconnect``)."""
 
     def __init__(
         self,
@@ -134,6 +139,7 @@ class Recorder:
         self._requests: dict[tuple[str, str, str], int] = {}
         self._rejections: dict[str, int] = {}
         self._aborts: dict[str, int] = {}
+        self._client_disconnects: dict[str, int] = {}
         self._counters: dict[str, float] = dict.fromkeys(COUNTERS, 0)
         self._step_tokens = Histogram(TOKEN_BUCKETS)
         self._step_duration_s = Histogram(TIME_BUCKETS_S)
@@ -192,6 +198,11 @@ class Recorder:
         with self._lock:
             self._aborts[reason] = self._aborts.get(reason, 0) + 1
 
+    def on_client_disconnect(self, stage: str) -> None:
+        """A client left at ``stage`` (DISCONNECT_STAGES) before its answer was complete."""
+        with self._lock:
+            self._client_disconnects[stage] = self._client_disconnects.get(stage, 0) + 1
+
     # ---- readers ---------------------------------------------------------------------------------------
     def flush(self) -> None:
         with self._lock:
@@ -214,6 +225,7 @@ class Recorder:
                 requests=dict(self._requests),
                 rejections=dict(self._rejections),
                 aborts=dict(self._aborts),
+                client_disconnects=dict(self._client_disconnects),
                 counters=dict(self._counters),
                 step_tokens=self._step_tokens.copy(),
                 step_duration_s=self._step_duration_s.copy(),

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import httpx
 import pytest
 import torch
 
@@ -216,3 +217,50 @@ def test_int8_weights_through_the_engine_answer_like_float32_and_regress_runs_un
     finally:
         stop_server(srv, thread, live.engine)
     assert code == 0 and [b["mean_visual_tokens"] for b in report["budgets"]] == [256, 256]
+
+
+# sampling fields each route refuses; the offline API must refuse them with the same 400 message and param
+BAD_SAMPLING = [{"temperature": "hot"}, {"max_tokens": "many"}, {"seed": 2**70}, {"logit_bias": {"five": 1}},
+                {"logit_bias": {"5": 1000}}, {"logit_bias": [5, 100]}, {"stop": [""]}, {"stop": 7}, {"min_p": 0.5},
+                {"response_format": {"type": "bogus"}}, {"top_k": 1.5}, {"ignore_eos": "sometimes"}]
+HI = [{"role": "user", "content": "hi"}]
+
+
+def test_logit_bias_in_openais_form_biases_offline_as_over_http(llm: LLM, live_server: LiveServer):
+    client, biased = live_server.client(), {**GREEDY, "logit_bias": {"5": 100}}
+    over_http = client.chat.completions.create(model=live_server.model, messages=HI, **biased)
+    offline = llm.chat(HI, biased)
+    assert offline.token_ids == (5,) * GREEDY["max_tokens"]
+    assert offline.text == over_http.choices[0].message.content
+    completion = client.completions.create(model=live_server.model, prompt="Once upon a time", **biased)
+    assert llm.complete("Once upon a time", biased).text == completion.choices[0].text
+
+
+def test_a_bad_sampling_field_raises_the_routes_400_message_and_param(llm: LLM, live_server: LiveServer):
+    steps = llm.engine.stats().num_steps
+    mismatches = []
+    for route, body, offline in (("chat/completions", {"messages": HI}, lambda s: llm.chat(HI, s)),
+                                 ("completions", {"prompt": "hi"}, lambda s: llm.complete("hi", s))):
+        for bad in BAD_SAMPLING:
+            r = httpx.post(f"{live_server.base_url}/v1/{route}", json={"model": live_server.model, **body, **bad})
+            assert r.status_code == 400, (route, bad, r.text)
+            error = r.json()["error"]
+            try:
+                offline(bad)
+                got = "no error"
+            except ValueError as err:
+                got = (str(err), getattr(err, "param", None))
+            if got != (error["message"], error["param"]):
+                mismatches.append(f"{route} {bad}: offline {got!r}, http {(error['message'], error['param'])!r}")
+    assert not mismatches, "\n".join(mismatches)
+    assert llm.engine.stats().num_steps == steps  # refused before anything ran
+
+
+def test_a_field_the_offline_api_does_not_take_is_refused_by_name(llm: LLM):
+    for run, prompt, sampling, param in ((llm.chat, HI, {"max_token": 5}, "max_token"),  # a typo: not ignored
+                                         (llm.chat, HI, {"n": 2}, "n"),  # one result per prompt
+                                         (llm.chat, HI, {"stream": True}, "stream"),
+                                         (llm.complete, "hi", {"top_logprobs": 2}, "top_logprobs")):  # logprobs=N
+        with pytest.raises(ValueError, match=f"'{param}'") as refused:
+            run(prompt, sampling)
+        assert refused.value.param == param
