@@ -72,7 +72,8 @@ class SoakConfig:
 class SoakResult:
     duration_s: float = 0.0
     # totals: "good_ok", "good_429", "good_wrong", "good_transport_error", "disconnect_early",
-    # "disconnect_mid_decode", "bad_4xx", "bad_wrong", "adversarial_ok", "adversarial_wrong", "bursts"
+    # "disconnect_mid_decode", "bad_4xx", "bad_wrong", "bad_429", "adversarial_ok", "adversarial_wrong",
+    # "adversarial_429", "bursts"
     outcomes: Counter = field(default_factory=Counter)
     by_kind: dict[str, Counter] = field(default_factory=dict)  # kind -> the same outcomes, that kind's only
     failures: list[str] = field(default_factory=list)  # each a one-line description of a failed check
@@ -93,14 +94,16 @@ class SoakResult:
 
 
 class Outcomes(NamedTuple):
-    """The outcome names a refusable case counts under: it kept its rule, or broke it."""
+    """The outcome names a refusable case counts under: it kept its rule, broke it, or was not tried (a 429: the
+    queue was full, which says nothing about the input)."""
 
     ok: str
     wrong: str
+    overloaded: str
 
 
-BAD = Outcomes("bad_4xx", "bad_wrong")
-ADVERSARIAL = Outcomes("adversarial_ok", "adversarial_wrong")
+BAD = Outcomes("bad_4xx", "bad_wrong", "bad_429")
+ADVERSARIAL = Outcomes("adversarial_ok", "adversarial_wrong", "adversarial_429")
 
 
 class Rotation:
@@ -191,9 +194,14 @@ class Soak:
     async def send_refusable(self, client: httpx.AsyncClient, case: Case, outcomes: Outcomes) -> None:
         """A bad or adversarial case, sent whole: its rule says how it must end."""
         try:
-            problem = case.rule(await send(client, case.route, _full(case.body), stream=False))
+            got = await send(client, case.route, _full(case.body), stream=False)
         except httpx.HTTPError as err:
-            problem = type(err).__name__
+            got, problem = None, type(err).__name__
+        else:
+            problem = case.rule(got)
+        if got is not None and got.status == 429:
+            self.result.count(case.kind, outcomes.overloaded)
+            return
         self.result.count(case.kind, outcomes.wrong if problem else outcomes.ok)
         if problem:
             self.fail(f"{case.kind}: {problem}")
@@ -339,8 +347,9 @@ def report(result: SoakResult) -> str:
         f"  good {good}: {o['good_ok']} correct, {o['good_429']} 429, {o['good_wrong']} wrong, "
         f"{o['good_transport_error']} transport errors",
         f"  disconnects: {o['disconnect_early']} early (queued/prefill), {o['disconnect_mid_decode']} mid-decode",
-        f"  bad inputs: {o['bad_4xx']} got 4xx, {o['bad_wrong']} did not",
-        f"  adversarial inputs: {o['adversarial_ok']} refused or ended with an error, {o['adversarial_wrong']} did not",
+        f"  bad inputs: {o['bad_4xx']} got 4xx, {o['bad_wrong']} did not, {o['bad_429']} not tried (429)",
+        f"  adversarial inputs: {o['adversarial_ok']} refused or ended with an error, {o['adversarial_wrong']} did "
+        f"not, {o['adversarial_429']} not tried (429)",
         "  by kind:",
         *(f"    {kind}: " + " ".join(f"{k}={v}" for k, v in sorted(c.items()))
           for kind, c in sorted(result.by_kind.items())),

@@ -37,5 +37,5 @@ def test_short_soak_loses_nothing_and_leaks_nothing(tiny_model_dir: Path, tmp_pa
     by_kind = result["by_kind"]
     assert {kind for kind in GOOD_KINDS if by_kind.get(kind, {}).get("good_ok", 0) > 0} == GOOD_KINDS
     assert {kind for kind in BAD_KINDS if by_kind.get(kind, {}).get("bad_4xx", 0) > 0} == BAD_KINDS
-    assert o.get("adversarial_ok", 0) + o.get("adversarial_wrong", 0) == 0  # off unless --adversarial
+    assert not [k for k in o if k.startswith("adversarial")]  # off unless --adversarial
     assert result["final_stats"]["kv_blocks_used"] == 0 and result["final_stats"]["num_waiting"] == 0
