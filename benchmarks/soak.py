@@ -1,30 +1,33 @@
 """Soak: minutes of mixed load on a server this script starts, then checks that nothing was lost or leaked.
 
-Load (seeded): workers send good requests (text or one image, greedy, some streamed) with ~10% random client
-disconnects (right after sending: queued or mid-prefill; or after a few SSE chunks: mid-decode) and ~5% bad inputs;
-every ``--burst-every-s`` a burst of ``--burst-size`` requests lands at once, above what the small
-``--max-queued-requests`` lets wait, so overload answers (429) happen.
+Load (seeded): workers send good requests of every kind in ``soak_kinds.py`` (text, images, JSON schemas, regexes,
+a lark grammar, choices, tool calls named and required, a video, ``n`` = 2, logprobs, the Responses API; greedy, some
+streamed, in turn so that every kind is sent) with ~10% random client disconnects (right after sending: queued or
+mid-prefill; or after a few SSE chunks: mid-decode) and ~5% bad inputs of every kind; every ``--burst-every-s`` a
+burst of ``--burst-size`` requests lands at once, above what the small ``--max-queued-requests`` lets wait, so
+overload answers (429) happen. ``--adversarial`` adds ~3% adversarial inputs (an ambiguous grammar with n = 2, a
+regex no string matches).
 
 Checks (exit status 1 if any fails):
-  * every good request got 429 (with Retry-After), or a complete answer equal to the same request's answer sent alone beforehand
-    (temperature 0, float32: batching must not change a token);
-  * every bad input got a 4xx;
+  * every good request got 429 (with Retry-After), or a complete answer equal to the same request's answer sent
+    alone beforehand (temperature 0, float32: batching must not change a token; n copies of it for n > 1, the chat
+    twin's for the Responses route), that also keeps its kind's rule (a schema's answer validates, a regex's
+    fullmatches, a grammar's parses, tool arguments validate, one logprob entry per token, ...);
+  * every bad input got a 4xx in OpenAI's error shape; every adversarial input a 4xx or an error finish, never a 5xx;
   * after the load the KV pool is all free and nothing runs or waits (GET /v1/engine/stats);
   * the server's RSS after the load is within ``--rss-growth-mib`` of its RSS after warm-up;
   * the server still answers a good request correctly and /health is 200.
 
-    python benchmarks/soak.py [--model DIR] [--duration-s 300] [--seed 0] [--json out.json]
+    python benchmarks/soak.py [--model DIR] [--duration-s 300] [--seed 0] [--adversarial] [--json out.json]
 
 Without --model it builds the tiny random checkpoint in a temporary directory. tests/soak/test_soak_short.py
-runs a ~20 s version in CI.
+runs a short version in CI.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import base64
-import io
 import json
 import os
 import random
@@ -36,8 +39,13 @@ import time
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
 import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from soak_answers import Answer, send  # noqa: E402
+from soak_kinds import Case, adversarial_cases, bad_cases, good_cases  # noqa: E402
 
 MODEL = "soak"
 
@@ -51,8 +59,10 @@ class SoakConfig:
     burst_size: int = 12
     disconnect_fraction: float = 0.10
     bad_fraction: float = 0.05
+    adversarial_fraction: float = 0.03  # of a worker's requests, with --adversarial only
+    adversarial: bool = False
     max_queued_requests: int = 2  # per lane; small, so bursts overflow
-    max_tokens: int = 12
+    max_tokens: int = 12  # of the free kinds; the constrained kinds carry their own (soak_kinds)
     warmup_s: float = 3.0  # RSS baseline is taken this long into the load
     rss_growth_mib: float = 150.0
     seed: int = 0
@@ -61,7 +71,11 @@ class SoakConfig:
 @dataclass
 class SoakResult:
     duration_s: float = 0.0
-    outcomes: Counter = field(default_factory=Counter)  # "good_ok", "good_429", "disconnect", "bad_4xx", ...
+    # totals: "good_ok", "good_429", "good_wrong", "good_transport_error", "disconnect_early",
+    # "disconnect_mid_decode", "bad_4xx", "bad_wrong", "bad_429", "adversarial_ok", "adversarial_wrong",
+    # "adversarial_429", "bursts"
+    outcomes: Counter = field(default_factory=Counter)
+    by_kind: dict[str, Counter] = field(default_factory=dict)  # kind -> the same outcomes, that kind's only
     failures: list[str] = field(default_factory=list)  # each a one-line description of a failed check
     rss_warm_mib: float = 0.0
     rss_end_mib: float = 0.0
@@ -71,86 +85,51 @@ class SoakResult:
     def ok(self) -> bool:
         return not self.failures
 
-
-# ------------------------------------------------------------------------------------------- workload
-
-
-def _png_data_url(width: int, height: int, seed: int) -> str:
-    from PIL import Image
-
-    img = Image.new("RGB", (width, height), (seed * 53 % 256, 120, 200 - seed * 31 % 200))
-    for x in range(0, width, 7):  # a little structure, so images differ beyond their colour
-        for y in range(0, height, 5):
-            img.putpixel((x, y), ((x * 13 + seed) % 256, (y * 7) % 256, (x + y) % 256))
-    buf = io.BytesIO()
-    img.save(buf, format="PNG")
-    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+    def count(self, kind: str, outcome: str) -> None:
+        self.outcomes[outcome] += 1
+        self.by_kind.setdefault(kind, Counter())[outcome] += 1
 
 
-def good_prompts() -> list[dict]:
-    """Distinct good request bodies (text and one-image), each answered greedily."""
-    texts = ["Tell me about the sea.", "def fibonacci(n):", "List three colours and a number: " * 3,
-             "Why is the sky blue? Answer briefly."]
-    bodies = [{"messages": [{"role": "user", "content": t}]} for t in texts]
-    for i, (w, h) in enumerate([(56, 56), (112, 84), (64, 160), (200, 120)]):
-        bodies.append({"messages": [{"role": "user", "content": [
-            {"type": "image_url", "image_url": {"url": _png_data_url(w, h, i)}},
-            {"type": "text", "text": f"What is in picture {i}?"}]}]})
-    return bodies
+# ------------------------------------------------------------------------------------------- load
 
 
-BAD_BODIES = [
-    {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:image/png;base64,@@"}},
-                                               {"type": "text", "text": "x"}]}]},
-    {"messages": [{"role": "user", "content": "hi"}], "max_tokens": -1},
-    {"messages": [{"role": "user", "content": "hi"}], "model": "not-the-model"},
-    {"messages": []},
-    {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://169.254.169.254/"}},
-                                               {"type": "text", "text": "x"}]}]},
-    {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "/etc/passwd"}},
-                                               {"type": "text", "text": "x"}]}]},
-]
+class Outcomes(NamedTuple):
+    """The outcome names a refusable case counts under: it kept its rule, broke it, or was not tried (a 429: the
+    queue was full, which says nothing about the input)."""
+
+    ok: str
+    wrong: str
+    overloaded: str
 
 
-def _full(body: dict, cfg: SoakConfig, stream: bool = False) -> dict:
-    return {"model": MODEL, "max_tokens": cfg.max_tokens, "temperature": 0.0, "stream": stream, **body}
+BAD = Outcomes("bad_4xx", "bad_wrong", "bad_429")
+ADVERSARIAL = Outcomes("adversarial_ok", "adversarial_wrong", "adversarial_429")
 
 
-@dataclass(frozen=True)
-class Answer:
-    status: int
-    text: str = ""
-    finish_reason: str | None = None
-    retry_after: str | None = None  # a 429's Retry-After header
+class Rotation:
+    """Cases in a seeded order, handed out in turn (every case once per len(cases) picks, whichever worker asks),
+    so that a short run still sends every kind."""
+
+    def __init__(self, cases: list[Case], seed: int) -> None:
+        self.cases = list(cases)  # in the order they are handed out
+        random.Random(seed).shuffle(self.cases)
+        self.at = 0
+
+    def next(self) -> Case:
+        case = self.cases[self.at % len(self.cases)]
+        self.at += 1
+        return case
 
 
-async def ask(client: httpx.AsyncClient, body: dict, stream: bool) -> Answer:
-    """One request; a streamed answer is reassembled from its SSE deltas."""
-    if not stream:
-        r = await client.post("/v1/chat/completions", json=body)
-        if r.status_code != 200:
-            return Answer(r.status_code, retry_after=r.headers.get("retry-after"))
-        choice = r.json()["choices"][0]
-        return Answer(200, choice["message"]["content"], choice["finish_reason"])
-    parts: list[str] = []
-    finish = None
-    async with client.stream("POST", "/v1/chat/completions", json=body) as r:
-        if r.status_code != 200:
-            await r.aread()
-            return Answer(r.status_code, retry_after=r.headers.get("retry-after"))
-        async for line in r.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            for choice in json.loads(line[6:]).get("choices", []):
-                parts.append(choice.get("delta", {}).get("content") or "")
-                finish = choice.get("finish_reason") or finish
-    return Answer(200, "".join(parts), finish)
+def _full(case_body: dict, stream: bool = False) -> dict:
+    return {"model": MODEL, "temperature": 0.0, "stream": stream, **case_body}
 
 
-async def disconnect(client: httpx.AsyncClient, body: dict, rng: random.Random) -> str:
-    """Send, then walk away: after a random delay (queued or mid-prefill) or after a few chunks (mid-decode)."""
+async def disconnect(client: httpx.AsyncClient, case: Case, rng: random.Random) -> str:
+    """Send streamed, then walk away: after a random delay (queued or mid-prefill) or after a few chunks
+    (mid-decode)."""
     if rng.random() < 0.5:
-        task = asyncio.ensure_future(ask(client, body, stream=True))
+        task = asyncio.ensure_future(send(client, case.route, _full(case.body), stream=True))
         await asyncio.sleep(rng.uniform(0.0, 0.3))
         task.cancel()
         try:
@@ -159,7 +138,8 @@ async def disconnect(client: httpx.AsyncClient, body: dict, rng: random.Random) 
             pass
         return "disconnect_early"
     chunks = rng.randint(1, 4)
-    async with client.stream("POST", "/v1/chat/completions", json=body) as r:
+    body = {**_full(case.body), **case.route.stream_fields}
+    async with client.stream("POST", case.route.path, json=body) as r:
         async for _ in r.aiter_lines():
             chunks -= 1
             if chunks <= 0:
@@ -172,65 +152,96 @@ class Soak:
         self.cfg = cfg
         self.base_url = base_url
         self.pid = pid
-        self.prompts = good_prompts()
-        self.reference: list[Answer] = []
+        self.cases = good_cases(cfg.max_tokens)
+        self.expected: dict[Case, Answer] = {}  # the answer every copy of a case must equal
+        self.good = Rotation(self.cases, cfg.seed)
+        self.bad = Rotation(bad_cases(), cfg.seed + 1)
+        self.adversarial = Rotation(adversarial_cases(), cfg.seed + 2)
         self.result = SoakResult()
 
     def fail(self, what: str) -> None:
         if len(self.result.failures) < 50:
             self.result.failures.append(what)
 
-    async def good(self, client: httpx.AsyncClient, rng: random.Random) -> None:
-        i = rng.randrange(len(self.prompts))
+    async def alone(self, client: httpx.AsyncClient, case: Case) -> Answer:
+        """The case's expected answer: its alone request, sent now with nothing else in flight."""
+        route, body = case.alone
+        answer = (await send(client, route, _full(body), stream=False)).times(case.copies)
+        problem = case.rule(answer)
+        if problem is not None:
+            self.fail(f"{case.kind} alone breaks its rule: {problem}")
+        return answer
+
+    async def send_good(self, client: httpx.AsyncClient, case: Case, rng: random.Random) -> None:
         stream = rng.random() < 0.5
         try:
-            got = await ask(client, _full(self.prompts[i], self.cfg, stream), stream)
+            got = await send(client, case.route, _full(case.body), stream)
         except httpx.HTTPError as err:
-            self.result.outcomes["good_transport_error"] += 1
-            self.fail(f"good request {i}: {type(err).__name__}")
+            self.result.count(case.kind, "good_transport_error")
+            self.fail(f"good {case.kind}: {type(err).__name__}")
             return
         if got.status == 429:
-            self.result.outcomes["good_429"] += 1
+            self.result.count(case.kind, "good_429")
             if not (got.retry_after or "").isdigit():
                 self.fail(f"a 429 without a Retry-After of whole seconds: {got.retry_after!r}")
-        elif got == self.reference[i]:
-            self.result.outcomes["good_ok"] += 1
-        else:
-            self.result.outcomes["good_wrong"] += 1
-            self.fail(f"good request {i} (stream={stream}): {got} != alone {self.reference[i]}")
+            return
+        expected = self.expected[case]
+        problem = case.rule(got) or (None if got == expected else f"{got} != alone {expected}")
+        self.result.count(case.kind, "good_wrong" if problem else "good_ok")
+        if problem:
+            self.fail(f"good {case.kind} (stream={stream}): {problem}")
 
-    async def bad(self, client: httpx.AsyncClient, rng: random.Random) -> None:
-        body = rng.choice(BAD_BODIES)
-        r = await client.post("/v1/chat/completions", json={**_full({}, self.cfg), **body})
-        ok = 400 <= r.status_code < 500 and "error" in r.json()
-        self.result.outcomes["bad_4xx" if ok else "bad_wrong"] += 1
-        if not ok:
-            self.fail(f"bad input got {r.status_code}")
+    async def send_refusable(self, client: httpx.AsyncClient, case: Case, outcomes: Outcomes) -> None:
+        """A bad or adversarial case, sent whole: its rule says how it must end."""
+        try:
+            got = await send(client, case.route, _full(case.body), stream=False)
+        except httpx.HTTPError as err:
+            got, problem = None, type(err).__name__
+        else:
+            problem = case.rule(got)
+        if got is not None and got.status == 429:
+            self.result.count(case.kind, outcomes.overloaded)
+            return
+        self.result.count(case.kind, outcomes.wrong if problem else outcomes.ok)
+        if problem:
+            self.fail(f"{case.kind}: {problem}")
 
     async def one(self, client: httpx.AsyncClient, rng: random.Random) -> None:
         roll = rng.random()
+        bad_below = self.cfg.disconnect_fraction + self.cfg.bad_fraction
         if roll < self.cfg.disconnect_fraction:
-            body = _full(self.prompts[rng.randrange(len(self.prompts))], self.cfg, stream=True)
+            case = self.cases[rng.randrange(len(self.cases))]
             try:
-                self.result.outcomes[await disconnect(client, body, rng)] += 1
+                self.result.count(case.kind, await disconnect(client, case, rng))
             except httpx.HTTPError:
-                self.result.outcomes["disconnect_early"] += 1
-        elif roll < self.cfg.disconnect_fraction + self.cfg.bad_fraction:
-            await self.bad(client, rng)
+                self.result.count(case.kind, "disconnect_early")
+        elif roll < bad_below:
+            await self.send_refusable(client, self.bad.next(), BAD)
+        elif self.cfg.adversarial and roll < bad_below + self.cfg.adversarial_fraction:
+            await self.send_refusable(client, self.adversarial.next(), ADVERSARIAL)
         else:
-            await self.good(client, rng)
+            await self.send_good(client, self.good.next(), rng)
 
     async def worker(self, client: httpx.AsyncClient, seed: int, deadline: float) -> None:
         rng = random.Random(seed)
         while time.monotonic() < deadline:
             await self.one(client, rng)
 
-    async def bursts(self, client: httpx.AsyncClient, deadline: float) -> None:
+    async def bursts(self, client: httpx.AsyncClient, t0: float, deadline: float) -> None:
+        """A burst lands at t0 + k * burst_every_s while that is before the deadline, whether or not the one before
+        has been answered; the bursts draw from their own rotation (most of a burst gets 429, and the workers'
+        rotation is what sends every kind to completion)."""
         rng = random.Random(self.cfg.seed + 999)
-        while time.monotonic() + self.cfg.burst_every_s < deadline:
-            await asyncio.sleep(self.cfg.burst_every_s)
-            await asyncio.gather(*(self.good(client, rng) for _ in range(self.cfg.burst_size)))
+        rotation = Rotation(self.cases, self.cfg.seed + 3)
+        landed: list[asyncio.Future] = []
+        at = t0 + self.cfg.burst_every_s
+        while at < deadline:
+            await asyncio.sleep(max(0.0, at - time.monotonic()))
+            landed.append(asyncio.gather(*(self.send_good(client, rotation.next(), rng)
+                                           for _ in range(self.cfg.burst_size))))
             self.result.outcomes["bursts"] += 1
+            at += self.cfg.burst_every_s
+        await asyncio.gather(*landed)
 
     async def sample_rss_after_warmup(self) -> None:
         await asyncio.sleep(self.cfg.warmup_s)
@@ -239,15 +250,16 @@ class Soak:
     async def run(self) -> SoakResult:
         limits = httpx.Limits(max_connections=self.cfg.concurrency + self.cfg.burst_size + 4)
         async with httpx.AsyncClient(base_url=self.base_url, timeout=120, limits=limits) as client:
-            for body in self.prompts:  # each good request alone: the answer every later copy must equal
-                self.reference.append(await ask(client, _full(body, self.cfg), stream=False))
-            if any(a.status != 200 for a in self.reference):
-                self.fail(f"reference requests failed: {[a.status for a in self.reference]}")
+            for case in self.cases:  # each good request alone: the answer every later copy must equal
+                self.expected[case] = await self.alone(client, case)
+            if self.result.failures:
                 return self.result
+            for case in self.bad.cases:  # every bad input once (a short run draws only some under load)
+                await self.send_refusable(client, case, BAD)
             t0 = time.monotonic()
             deadline = t0 + self.cfg.duration_s
             workers = [self.worker(client, self.cfg.seed * 1000 + w, deadline) for w in range(self.cfg.concurrency)]
-            await asyncio.gather(self.sample_rss_after_warmup(), self.bursts(client, deadline), *workers)
+            await asyncio.gather(self.sample_rss_after_warmup(), self.bursts(client, t0, deadline), *workers)
             self.result.duration_s = time.monotonic() - t0
             await self.check_after(client)
         return self.result
@@ -267,13 +279,16 @@ class Soak:
         growth = self.result.rss_end_mib - self.result.rss_warm_mib
         if growth > self.cfg.rss_growth_mib:
             self.fail(f"RSS grew {growth:.0f} MiB after warm-up (bound {self.cfg.rss_growth_mib:.0f})")
-        final = await ask(client, _full(self.prompts[-1], self.cfg), stream=False)
-        if final != self.reference[-1]:
-            self.fail(f"final request: {final} != {self.reference[-1]}")
+        last = self.cases[-1]
+        final = await send(client, last.route, _full(last.body), stream=False)
+        if final != self.expected[last]:
+            self.fail(f"final request: {final} != {self.expected[last]}")
         if (await client.get("/health")).status_code != 200:
             self.fail("/health is not 200 after the load")
-        if self.result.outcomes["good_ok"] == 0:
-            self.fail("no good request completed")
+        silent = [kind for kind in dict.fromkeys(c.kind for c in self.cases)
+                  if not self.result.by_kind.get(kind, Counter())["good_ok"]]
+        if silent:
+            self.fail(f"no good request of {silent} completed")
 
 
 # ------------------------------------------------------------------------------------------- server
@@ -332,7 +347,12 @@ def report(result: SoakResult) -> str:
         f"  good {good}: {o['good_ok']} correct, {o['good_429']} 429, {o['good_wrong']} wrong, "
         f"{o['good_transport_error']} transport errors",
         f"  disconnects: {o['disconnect_early']} early (queued/prefill), {o['disconnect_mid_decode']} mid-decode",
-        f"  bad inputs: {o['bad_4xx']} got 4xx, {o['bad_wrong']} did not",
+        f"  bad inputs: {o['bad_4xx']} got 4xx, {o['bad_wrong']} did not, {o['bad_429']} not tried (429)",
+        f"  adversarial inputs: {o['adversarial_ok']} refused or ended with an error, {o['adversarial_wrong']} did "
+        f"not, {o['adversarial_429']} not tried (429)",
+        "  by kind:",
+        *(f"    {kind}: " + " ".join(f"{k}={v}" for k, v in sorted(c.items()))
+          for kind, c in sorted(result.by_kind.items())),
         f"  RSS: {result.rss_warm_mib:.0f} MiB after warm-up -> {result.rss_end_mib:.0f} MiB at the end",
         f"  engine after: kv_blocks_used={result.final_stats.get('kv_blocks_used')} "
         f"running={result.final_stats.get('num_running')} waiting={result.final_stats.get('num_waiting')}",
@@ -352,6 +372,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rss-growth-mib", type=float, default=150.0)
     p.add_argument("--warmup-s", type=float, default=None, help="default: 10%% of the duration, at least 3 s")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--adversarial", action="store_true",
+                   help="also send adversarial inputs (an ambiguous grammar, n 2; a regex no string matches)")
     p.add_argument("--json", type=Path, default=None, help="write the result here")
     args = p.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
@@ -364,11 +386,12 @@ def main(argv: list[str] | None = None) -> int:
                          burst_size=args.burst_size, burst_every_s=args.burst_every_s,
                          max_queued_requests=args.max_queued_requests, rss_growth_mib=args.rss_growth_mib,
                          warmup_s=args.warmup_s if args.warmup_s is not None else max(3.0, args.duration_s / 10),
-                         seed=args.seed)
+                         seed=args.seed, adversarial=args.adversarial)
         result = run_soak(cfg)
     print(report(result))
     if args.json:
         out = {**asdict(result), "outcomes": dict(result.outcomes), "ok": result.ok,
+               "by_kind": {kind: dict(c) for kind, c in sorted(result.by_kind.items())},
                "config": {k: str(v) for k, v in asdict(cfg).items()}}
         args.json.write_text(json.dumps(out, indent=2))
     return 0 if result.ok else 1
