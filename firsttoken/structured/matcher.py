@@ -55,6 +55,11 @@ class GrammarMatcher:
         """bitmask: [rows, ceil(vocab / 32)] int32 (``allocate_bitmask``); writes row ``row`` only."""
         llguidance.numpy.fill_next_token_bitmask(self._matcher, bitmask, row)
 
+    def forced_tokens(self) -> list[int]:
+        """The tokens the grammar allows next and nothing else, in order (after a fill): every answer from here
+        goes on with them."""
+        return list(self._matcher.compute_ff_tokens())
+
     def accept(self, token_id: int) -> bool:
         if not self._matcher.consume_token(token_id):
             return False

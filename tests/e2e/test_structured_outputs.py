@@ -137,6 +137,35 @@ def test_a_spec_that_cannot_compile_is_a_400_naming_it(live_server, body: dict, 
     assert live_server.stats()["num_steps"] == before  # nothing reached the engine
 
 
+IMPOSSIBLE_TOOL = {"type": "function", "function": {"name": "never", "parameters": {
+    "type": "object", "properties": {"n": {"type": "integer", "minimum": 5, "maximum": 1}}, "required": ["n"]}}}
+# every kind of spec, each matching no output at all
+NO_OUTPUT = [
+    ({"structured_outputs": {"regex": r"[^\s\S]"}}, "structured_outputs"),
+    ({"guided_regex": r"id-[^\x00-\x{10FFFF}]"}, "guided_regex"),
+    ({"structured_outputs": {"grammar": r"start: /[^\s\S]/"}}, "structured_outputs"),
+    ({"structured_outputs": {"grammar": 'start: "The answer is " NOTHING\nNOTHING: /[^\\s\\S]/'}},
+     "structured_outputs"),
+    ({"response_format": schema_format({"type": "integer", "minimum": 5, "maximum": 1})}, "response_format"),
+    ({"tools": [IMPOSSIBLE_TOOL], "tool_choice": "required"}, "tool_choice"),
+    ({"tools": [IMPOSSIBLE_TOOL], "tool_choice": {"type": "function", "function": {"name": "never"}}}, "tool_choice"),
+]
+
+
+def test_a_spec_no_output_can_match_is_a_400_whatever_its_kind(live_server) -> None:
+    """Not an empty answer with finish_reason stop: a regex, a grammar, a schema or tools that nothing can match
+    are refused before anything queues, as an unsatisfiable schema always was."""
+    before = live_server.stats()["num_steps"]
+    for body, param in NO_OUTPUT:
+        r = httpx.post(f"{live_server.base_url}/v1/chat/completions", timeout=30, json={
+            "model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5, **body})
+        assert r.status_code == 400, (body, r.text)
+        error = r.json()["error"]
+        assert error["param"] == param and ("no output can match" in error["message"]
+                                            or "Unsatisfiable" in error["message"]), (body, error)
+    assert live_server.stats()["num_steps"] == before  # nothing reached the engine
+
+
 def test_a_grammar_that_dead_ends_mid_answer_ends_with_a_400_not_a_stop(live_server) -> None:
     """A grammar nothing can complete once its first word is written: that answer is no match, so the request ends
     with an error naming why (an error event mid-stream), not with the word and finish_reason stop."""

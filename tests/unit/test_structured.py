@@ -252,6 +252,29 @@ def test_a_spec_that_does_not_compile_is_refused_with_what_is_wrong(compiler, re
         compiler.compile(spec)
 
 
+# each matches no output at all, and the compile can tell
+MATCH_NOTHING = [
+    ("regex", r"[^\s\S]"),
+    ("regex", r"id-[^\x00-\x{10FFFF}]"),
+    ("grammar", r"start: /[^\s\S]/"),
+    ("grammar", 'start: "The answer is " NOTHING\nNOTHING: /[^\\s\\S]/'),
+]
+# specs that look alike and still compile: each matches something, or shows its dead end only while decoding
+COMPILES = [
+    ("regex", r"a{0}"),  # only the empty answer
+    ("grammar", 'start: "The answer is " ("yes" | "no")'),
+    ("grammar", 'start: ("yes" | "no") /[^\\s\\S]/'),  # nothing after its first word, which is not forced
+]
+
+
+def test_a_spec_no_output_can_match_is_refused_whatever_its_kind(compiler):
+    for kind, source in MATCH_NOTHING:
+        with pytest.raises(ValueError, match=f"structured_outputs.{kind}: no output can match it"):
+            compiler.compile(from_structured_outputs({kind: source}))
+    for kind, source in COMPILES:
+        compiler.compile(from_structured_outputs({kind: source}))
+
+
 @pytest.mark.parametrize("parse, value, says", [
     (from_response_format, {"type": "xml"}, "response_format.type"),
     (from_response_format, {"type": "json_schema"}, "response_format.json_schema"),
