@@ -1,7 +1,8 @@
 """What output grammars cost a decode step: decode steps of the `small` checkpoint at batch 1 and 16 (``--batch-sizes``)
 with 0, 1 and all rows constrained (a regex that cannot end within the answer, so every row decodes all its tokens), rounds alternating
-between the three in one process, so load from elsewhere falls on all alike. The masks are filled on the runner's
-mask thread while the forward runs; what is left on the step is waiting for them and applying them.
+between the three in one process, so load from elsewhere falls on all alike. Each constrained row's next mask is
+filled on the grammar threads from the moment its token is sampled (structured/masks.py); what is left on the step
+is collecting the masks (waiting only where one is not done) and applying them.
 
     PYTHONPATH=$PWD python benchmarks/bench_structured_step.py [--model DIR] [--rounds 5] [--batch-sizes 1,16]
         [--json OUT]
@@ -53,7 +54,7 @@ def round_ms(engine, proc, batch: int, num_constrained: int, max_tokens: int, ta
         if i < num_constrained:
             body["structured_outputs"] = {"regex": REGEX}
         req = CompletionRequest.model_validate(body)
-        engine.add_request(proc.process(req.to_prompt(), req.to_sampling(), f"{tag}-{i}", time.monotonic()))
+        engine.add_request(proc.process(req.prompts()[0], req.to_sampling(), f"{tag}-{i}", time.monotonic()))
     steps = []
     while engine.has_unfinished():
         decoding = engine.stats().num_running == batch and engine.stats().num_waiting == 0

@@ -128,9 +128,11 @@ class RunnerOutput:
     """What the runner actually did in one step. The scheduler's bookkeeping follows it (``Scheduler.update``);
     nothing is assumed from what was scheduled.
 
-    A request id appears in at most one of ``failed`` (its work raised: the engine fails that request only) and
+    A request id appears in at most one of ``failed`` (its work raised: the engine fails that request only),
+    ``constraint_failed`` (its output grammar ended it: the client's grammar's fault, not an internal error),
     ``skipped_request_ids`` (its chunk did not run because an input it needed is missing, e.g. an image whose
-    encode failed this step for another request; it is scheduled again)."""
+    encode failed this step for another request; it is scheduled again) and ``mask_pending_request_ids`` (its chunk
+    ran, but its output mask was not ready in time: it sampled nothing, and its last token runs again next step)."""
 
     sampled: dict[str, int]  # request_id -> new token id
     logprobs: dict[str, TokenLogprob]
@@ -146,6 +148,8 @@ class RunnerOutput:
     forward_s: float = 0.0  # seconds of the step's batched forward: packing its inputs, the model, logits, sampling
     # request_id -> the logprobs of the prompt tokens its chunk scored (each position's next token), in order
     prompt_logprobs: dict[str, tuple[TokenLogprob, ...]] = field(default_factory=dict)
+    mask_pending_request_ids: frozenset[str] = frozenset()
+    constraint_failed: dict[str, str] = field(default_factory=dict)  # request_id -> why (client-safe)
 
     def merged(self, late: "RunnerOutput") -> "RunnerOutput":
         """This step's output with what its deferred encoder work (``Executor.finish_step``) reported after it."""

@@ -7,6 +7,7 @@ read off each field), so a default cannot drift between a flag table and a datac
       engine: EngineConfig       dtype, device, attention backend, threads, seed, timeouts
         cache: CacheConfig       KV pool, block size, prefix and encoder caches
         scheduler: SchedulerConfig   step budget, lanes, admission, queues, context length
+        grammar: GrammarConfig   output grammars' work: threads, a step's wait for a mask, a request's budget
       images: ImageConfig        visual-token budget, image and input limits, where images may come from
       videos: VideoConfig        video budget (frames, tokens) and the limits checked on a container's header
       server: ServerConfig       HTTP: bind, bodies, concurrency, shutdown, logs, /stats, API key
@@ -172,6 +173,31 @@ class CacheConfig:
     def kv_pool_bytes(self) -> int:
         """The KV pool's bytes where they are not taken from a device: as given, else DEFAULT_KV_CACHE_MEMORY."""
         return DEFAULT_KV_CACHE_MEMORY if self.kv_cache_memory_bytes is None else self.kv_cache_memory_bytes
+
+
+@dataclass(frozen=True)
+class GrammarConfig:
+    """How constrained requests' grammar work runs (firsttoken/structured/masks.py): off the step's thread, each
+    row's mask bounded per step and per request, so no grammar holds its batch-mates back."""
+
+    mask_threads: int = field(default=4, metadata=option(
+        "threads that advance constrained requests' grammars by their sampled tokens and fill their next output "
+        "masks, several requests at once (the grammar library works without the GIL), off the step's thread",
+        flag="--grammar-threads"))
+    mask_wait_s: float = field(default=0.01, metadata=option(
+        "seconds a step waits, once its forward is done, for a constrained request's next output mask (worked on "
+        "since its last token); a request whose mask is not ready samples nothing in this step and its last token "
+        "runs again in the next, so its batch-mates never wait longer (0: never wait)", flag="--grammar-mask-wait"))
+    request_mask_s: float = field(default=10.0, metadata=option(
+        "seconds of grammar work (advancing the matcher, filling masks) one request may use in all; over it the "
+        "request ends with finish_reason error, HTTP 400 (an error event mid-stream) saying so, and its "
+        "batch-mates go on (an ambiguous grammar's work grows with each token)", flag="--grammar-mask-budget"))
+
+    def __post_init__(self) -> None:
+        _at_least("mask_threads", self.mask_threads, 1)
+        if not self.mask_wait_s >= 0:
+            raise ValueError("mask_wait_s must be >= 0 seconds")
+        _positive("request_mask_s", self.request_mask_s)
 
 
 @dataclass(frozen=True)
@@ -359,6 +385,7 @@ class EngineConfig:
         "(firsttoken_requests_aborted_total{reason=\"client_not_reading\"})"))
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    grammar: GrammarConfig = field(default_factory=GrammarConfig)
 
     def __post_init__(self) -> None:
         _check_choices(self)  # dtype, quantization, cpu_kernels, device, load_format, attention_backend

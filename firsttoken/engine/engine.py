@@ -73,7 +73,8 @@ class LLMEngine:
 
         def load() -> InProcessExecutor:
             return executor_factory(model_dir, self.model_config, config.model, machine, config.kv.block_size,
-                                    config.requested.seed, fault_hook, threads=threads, interrupt=self._interrupt)
+                                    config.requested.seed, fault_hook, threads=threads, interrupt=self._interrupt,
+                                    grammar=config.requested.grammar)
 
         image_tokens = ImageConfig().image_max_tokens if profile_image_tokens is None else profile_image_tokens
         config, executor = self._start(config, model_dir, machine, load, measure_memory, image_tokens)
@@ -294,6 +295,9 @@ class LLMEngine:
         for rid, message in result.failed.items():
             if rid in self.requests:
                 outputs.append(self._fail(self.requests[rid], message))
+        for rid, message in result.constraint_failed.items():  # its own grammar's doing: the request was bad
+            if rid in self.requests:
+                outputs.append(self._fail(self.requests[rid], message, status=400))
         for rid, seconds in result.encoder_s.items():
             if rid in self.requests:
                 self.requests[rid].count("encoder_s", seconds)

@@ -91,13 +91,42 @@ def forced_call_spec(tools: Sequence[tuple[str, dict[str, Any] | None]], named: 
     schemas = {name: params if params is not None else ANY_OBJECT for name, params in tools}
     if named is not None:
         return GrammarSpec("json_schema", canonical_json(schemas[named]), False, "tool_choice")
-    call = {"anyOf": [{"type": "object", "properties": {"name": {"const": name}, "arguments": schema},
-                       "required": ["name", "arguments"], "additionalProperties": False}
-                      for name, schema in schemas.items()]}
-    array: dict[str, Any] = {"type": "array", "items": call, "minItems": 1}
+    # each tool's schema moves under the array's root, at #/$defs/<name>: its own references ("#/$defs/Address",
+    # "#" for itself) are rebased there, so they still name its parts (a tool's name is a JSON pointer's token as is)
+    call = {"anyOf": [{"type": "object", "properties": {"name": {"const": name},
+                                                        "arguments": {"$ref": f"#/$defs/{name}"}},
+                       "required": ["name", "arguments"], "additionalProperties": False} for name in schemas]}
+    array: dict[str, Any] = {"$defs": {name: rebase_refs(schema, f"#/$defs/{name}") for name, schema in schemas.items()},
+                             "type": "array", "items": call, "minItems": 1}
     if not parallel:
         array["maxItems"] = 1
     return GrammarSpec("json_schema", canonical_json(array), False, "tool_choice")
+
+
+# keywords whose values are data, not schemas: a "$ref" inside them is a value to match, never a reference
+_DATA_KEYWORDS = frozenset({"const", "enum", "default", "examples"})
+# keywords whose values map names (any, "const" included) to schemas
+_SCHEMA_MAPS = frozenset({"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"})
+
+
+def rebase_refs(schema: Any, base: str) -> Any:
+    """``schema`` with every reference into its own document ("#", "#/...") made relative to ``base``, the place
+    it is moved to in a larger document; other references (another document's, an anchor) are left as they are."""
+    if isinstance(schema, list):
+        return [rebase_refs(item, base) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out: dict[str, Any] = {}
+    for key, value in schema.items():
+        if key == "$ref" and isinstance(value, str) and (value == "#" or value.startswith("#/")):
+            out[key] = base + value[1:]
+        elif key in _DATA_KEYWORDS:
+            out[key] = value
+        elif key in _SCHEMA_MAPS and isinstance(value, dict):
+            out[key] = {name: rebase_refs(sub, base) for name, sub in value.items()}
+        else:
+            out[key] = rebase_refs(value, base)
+    return out
 
 
 def _text_of(m: Message) -> str:

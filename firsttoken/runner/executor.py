@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Protocol
 
 from firsttoken.batch import RunnerOutput, ScheduledBatch
+from firsttoken.config import GrammarConfig
 from firsttoken.loading.loader import build_model
 from firsttoken.loading.plan_values import Machine, ModelPlan
 from firsttoken.models.config import ModelConfig
@@ -55,14 +56,17 @@ class InProcessExecutor:
         fault_hook: FaultHook | None = None,
         threads: ThreadPlan | None = None,
         interrupt: Callable[[], bool] | None = None,
+        grammar: GrammarConfig | None = None,
     ) -> None:
         """``plan``: how the model runs here (loading/plan.py, resolved by the engine); ``interrupt``: the runner
-        asks it between interruptible encoder units (ModelRunner)."""
+        asks it between interruptible encoder units; ``grammar``: how it runs constrained requests' grammar work
+        (ModelRunner)."""
         self.model = build_model(model_dir, plan, machine)
         self.model_config = model_config
         self.plan = plan
         self.block_size = block_size
         self._seed, self._fault_hook, self._threads, self._interrupt = seed, fault_hook, threads, interrupt
+        self._grammar = grammar
         self.runner: ModelRunner  # made by allocate_kv_cache (no step runs before it)
 
     def profile_step(self, step: ProfileStep) -> None:
@@ -84,7 +88,7 @@ class InProcessExecutor:
             graphs.capture()
         sampler = Sampler(self._seed, kernels=self.plan.sampler_kernels)
         self.runner = ModelRunner(self.model, kv_caches, self.block_size, sampler, self._fault_hook, self._threads,
-                                  self._interrupt, self.plan.device, graphs)
+                                  self._interrupt, self.plan.device, graphs, self._grammar)
 
     def execute(self, batch: ScheduledBatch) -> RunnerOutput:
         return self.runner.execute(batch)

@@ -12,7 +12,8 @@ EncodeState kept in between; a chunk may end inside an image, later chunks slice
 every chunk's tokens into one batch (image rows placed over their pad tokens, M-RoPE positions sliced from the
 request's precomputed table, a generated token's made from its index: no per-token Python, no per-request tensors
 for a decode); one forward over the paged KV cache; logits only at the last token of chunks that
-sample; the sampler picks tokens. Everything it did is reported back as RunnerOutput, and the scheduler's
+sample; the sampler picks tokens (a constrained row's under its grammar's mask, worked on off this thread:
+structured/masks.py). Everything it did is reported back as RunnerOutput, and the scheduler's
 bookkeeping follows that report, not the plan it scheduled.
 """
 
@@ -21,7 +22,6 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -36,12 +36,14 @@ from firsttoken.batch import (
     ScheduledBatch,
     ScheduledChunk,
 )
+from firsttoken.config import GrammarConfig
 from firsttoken.kernels.cpu_linear import set_kernel_spin, set_kernel_threads
 from firsttoken.models.interfaces import EncodeState, ImageEmbeddings, ImageRows
 from firsttoken.runner.cuda_graphs import CudaGraphRunner
 from firsttoken.sampling.penalties import TokenHistory
 from firsttoken.sampling.sampler import Sampler, SampleRow, make_generator
-from firsttoken.structured import GrammarMatcher, allocate_bitmask, apply_bitmask
+from firsttoken.structured import apply_bitmask
+from firsttoken.structured.masks import ConstrainedRow, MaskWorker, StepMasks, stack_masks
 from firsttoken.types import ImageItem, SamplingParams, TokenLogprob, images_in
 
 log = logging.getLogger("firsttoken.runner")
@@ -74,16 +76,22 @@ class RequestState:
     sampling: SamplingParams
     generator: torch.Generator | None  # per-request RNG when sampling.seed is set
     history: TokenHistory | None  # what penalties read, when the request has any
-    matcher: GrammarMatcher | None = None  # where its output is in its grammar, when it has one
+    grammar: ConstrainedRow | None = None  # its matcher and next mask, when its output has a grammar
     output_token_ids: list[int] = field(default_factory=list)  # what this runner sampled for it
 
     @staticmethod
-    def of(new: NewRequest) -> "RequestState":
+    def of(new: NewRequest, vocab_size: int) -> "RequestState":
+        """``vocab_size``: the logits' width (the masks')."""
         history = TokenHistory(new.prompt_token_ids) if new.sampling.has_penalties else None
         grammar = new.sampling.grammar
         return RequestState(new.request_id, new.prompt_token_ids, new.images, new.mrope_positions, new.mrope_delta,
                             new.sampling, make_generator(new.sampling.seed), history,
-                            grammar.matcher() if grammar is not None else None)
+                            ConstrainedRow(grammar.matcher(), vocab_size) if grammar is not None else None)
+
+    def continues_after(self, token_id: int) -> bool:
+        """Whether a token may be asked of it after ``token_id``, its next (not yet appended): that one does not end
+        it for certain (not one of its stop or EOS tokens, not its max_tokens-th)."""
+        return not self.sampling.ends_with(token_id) and len(self.output_token_ids) + 1 < self.sampling.max_tokens
 
     def append(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
@@ -147,13 +155,16 @@ class ModelRunner:
         interrupt: Callable[[], bool] | None = None,
         device: torch.device | str = "cpu",
         graphs: CudaGraphRunner | None = None,
+        grammar: GrammarConfig | None = None,
     ) -> None:
         """``interrupt``: asked between the units of encoder work the scheduler marked interruptible; True (a short
         request arrived) stops that work once the step has done any work (an encoder unit or its forward).
         ``device``: where the model and the KV caches live (the resolved --device); each step's inputs are built on
         the CPU and copied there once, images' pixels through pinned memory; the sampler runs on the CPU (a CUDA
         step copies its sampled rows' logits back). ``graphs``: captured decode graphs (runner/cuda_graphs.py) that
-        a pure-decode step within their buckets replays instead of the eager forward; None: every step eager."""
+        a pure-decode step within their buckets replays instead of the eager forward; None: every step eager.
+        ``grammar``: how constrained requests' grammar work runs and is bounded (structured/masks.py; default:
+        GrammarConfig's defaults)."""
         self.device = torch.device(device)
         self.graphs = graphs
         self._copy_async = self.device.type == "cuda"  # host -> device copies from pinned memory, not waited for
@@ -170,9 +181,10 @@ class ModelRunner:
         self.interrupt = interrupt
         self._step_units = 0  # model work run so far in this step: encoder units, and the forward as one
         self._deferred: list[EncoderWork] = []  # this step's interruptible encoder work, run by finish_step()
-        self._bitmask: np.ndarray | None = None  # [rows, ceil(vocab / 32)] int32, reused: constrained rows' masks
+        self._bitmask: np.ndarray | None = None  # [rows, ceil(vocab / 32)] int32, reused: a step's sampled rows' masks
         self._prompt_scores: dict[str, tuple[TokenLogprob, ...]] = {}  # this step's prompt logprobs, by request
-        self._mask_pool: ThreadPoolExecutor | None = None  # fills them while the forward runs (started on first use)
+        self.masks = MaskWorker(grammar or GrammarConfig())  # constrained requests' grammar work, off this thread
+        self._step_masks = StepMasks()  # what this step found of its constrained rows' masks
 
     @property
     def encoder_cache_bytes(self) -> int:
@@ -183,11 +195,17 @@ class ModelRunner:
         """The step's encoder work that its chunks need, then the forward and sampling. Its interruptible encoder
         work (no chunk of the step needs it) is kept for ``finish_step``, so the sampled tokens can go out first.
         Never raises for one request's sake: encode, forward and sampling failures are reported per request in
-        ``failed``; chunks whose image embeddings are missing are reported in ``skipped_request_ids``."""
+        ``failed``; chunks whose image embeddings are missing are reported in ``skipped_request_ids``; constrained
+        rows whose mask was not ready in ``mask_pending_request_ids``, those their grammar ended in
+        ``constraint_failed``."""
         for rid in batch.finished_request_ids:
-            self.requests.pop(rid, None)
+            gone = self.requests.pop(rid, None)
+            if gone is not None and gone.grammar is not None:
+                gone.grammar.cancel()
         for new in batch.new_requests:
-            self.requests[new.request_id] = RequestState.of(new)
+            state = self.requests[new.request_id] = RequestState.of(new, self.model.config.vocab_size)
+            if state.grammar is not None:
+                self.masks.start(state.grammar)  # its first mask, while its prefill runs
         for h in batch.freed_encoder_hashes:
             self.encoder_outputs.pop(h, None)
             self._encode_jobs.pop(h, None)
@@ -219,6 +237,7 @@ class ModelRunner:
             chunks.append(chunk)
         timing: dict[str, float] = {}
         self._prompt_scores = {}
+        self._step_masks = StepMasks()
         sampled: dict[str, int] = {}
         logprobs: dict[str, TokenLogprob] = {}
         forward_start = time.monotonic()
@@ -247,6 +266,8 @@ class ModelRunner:
             sample_done_s=now,
             forward_s=now - forward_start if chunks else 0.0,
             prompt_logprobs={r: lp for r, lp in self._prompt_scores.items() if r not in failed},
+            mask_pending_request_ids=self._step_masks.pending - failed.keys(),
+            constraint_failed={r: why for r, why in self._step_masks.refused.items() if r not in failed},
         )
 
     @torch.inference_mode()
@@ -336,21 +357,16 @@ class ModelRunner:
     ) -> tuple[dict[str, int], dict[str, TokenLogprob]]:
         inputs = self._pack(chunks)
         sampling = [(row, c) for row, c in zip(inputs.last_rows, chunks) if c.sample]
-        masks = self._start_masks([c for _, c in sampling])  # filled while the forward runs
         every_row = bool(sampling) and len(sampling) == len(inputs.input_ids)  # a decode-only batch samples all
         logits: torch.Tensor | None = None
-        try:
-            if self.graphs is not None and every_row and all(c.is_decode for c in chunks):  # a pure-decode step
-                logits = self.graphs.run(inputs.input_ids, inputs.positions, inputs.meta)  # None: above the buckets
-            if logits is None:
-                out = self.model.forward_step(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta,
-                                              inputs.images, all_logits=every_row)
-        finally:
-            if masks is not None:
-                masks.wait()  # the matchers are the step's again (also when the forward failed)
+        if self.graphs is not None and every_row and all(c.is_decode for c in chunks):  # a pure-decode step
+            logits = self.graphs.run(inputs.input_ids, inputs.positions, inputs.meta)  # None: above the buckets
+        if logits is None:
+            out = self.model.forward_step(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta,
+                                          inputs.images, all_logits=every_row)
         timing["forward_done"] = time.monotonic()
         if logits is not None:  # decode rows only: no prompt position to score
-            return self._sample(logits, [c for _, c in sampling], failed, masks)
+            return self._sample(logits, [c for _, c in sampling], failed)
         self._score_prompts(chunks, inputs.last_rows, out.hidden)
         if not sampling:
             return {}, {}
@@ -360,7 +376,7 @@ class ModelRunner:
             if not every_row:
                 hidden = hidden[torch.tensor([row for row, _ in sampling])]
             logits = self.model.compute_logits(hidden)  # [num_sampling, vocab] float32
-        return self._sample(logits, [c for _, c in sampling], failed, masks)
+        return self._sample(logits, [c for _, c in sampling], failed)
 
     def _score_prompts(self, chunks: list[ScheduledChunk], last_rows: list[int], hidden: torch.Tensor | None) -> None:
         """For requests that asked for prompt logprobs: each of the chunk's positions scores the prompt token after
@@ -385,32 +401,6 @@ class ModelRunner:
                     alternatives = [tuple(zip(i, v)) for i, v in zip(idx.tolist(), vals.tolist())]
                 scored = tuple(TokenLogprob(t, lp, alt) for t, lp, alt in zip(targets, chosen, alternatives))
             self._prompt_scores[chunk.request_id] = scored
-
-    def _start_masks(self, chunks: list[ScheduledChunk]) -> _PendingMasks | None:
-        """The constrained rows' bitmasks (row i: chunks[i]), filled on the mask thread; None when no row is
-        constrained (unconstrained steps pay nothing)."""
-        rows = [i for i, c in enumerate(chunks) if self.requests[c.request_id].matcher is not None]
-        if not rows:
-            return None
-        words = (self.model.config.vocab_size + 31) // 32
-        if self._bitmask is None or self._bitmask.shape[0] < len(chunks) or self._bitmask.shape[1] != words:
-            self._bitmask = allocate_bitmask(max(len(chunks), 8), self.model.config.vocab_size)
-        bitmask = self._bitmask
-        matchers = [self.requests[chunks[i].request_id].matcher for i in rows]
-        if self._mask_pool is None:
-            self._mask_pool = ThreadPoolExecutor(1, thread_name_prefix="firsttoken-masks")
-
-        errors: dict[int, str] = {}
-
-        def fill() -> None:  # llguidance fills with the GIL released
-            for row, matcher in zip(rows, matchers):
-                try:
-                    matcher.fill_bitmask(bitmask, row)  # type: ignore[union-attr]
-                except Exception as e:  # the library failed this request's grammar: its own failure only
-                    log.warning("filling the output mask of %s failed: %s", chunks[row].request_id, e)
-                    errors[row] = "the output constraint failed: the grammar library could not say what may follow"
-
-        return _PendingMasks(self._mask_pool.submit(fill), bitmask, rows, errors)
 
     def _pack(self, chunks: list[ScheduledChunk]) -> _PackedInputs:
         """Every chunk's tokens back to back: ids, M-RoPE positions, image rows, attention metadata. A token past
@@ -460,8 +450,10 @@ class ModelRunner:
 
     def _sample(
         self, logits: torch.Tensor, chunks: list[ScheduledChunk], failed: dict[str, str],
-        masks: _PendingMasks | None = None,
     ) -> tuple[dict[str, int], dict[str, TokenLogprob]]:
+        """Sample row i of ``logits`` for chunks[i]. A constrained row samples only under its mask: where the mask
+        is not ready in time the row is left out (pending), where its grammar ended it, it is left out too
+        (``_step_masks``). Each sampled constrained row's grammar work for its next token starts at once."""
         keep: list[int] = []
         for i, c in enumerate(chunks):
             try:
@@ -469,59 +461,34 @@ class ModelRunner:
                 keep.append(i)
             except RequestFailure as e:
                 failed[e.request_id] = e.message
+        grammars = {chunks[i].request_id: g for i in keep if (g := self.requests[chunks[i].request_id].grammar)}
+        if grammars:
+            self._step_masks = self.masks.collect(grammars)
+            failed.update(self._step_masks.crashed)
+            keep = [i for i in keep if chunks[i].request_id not in grammars or
+                    chunks[i].request_id in self._step_masks.ready]
         if not keep:
             return {}, {}
+        logits = logits if len(keep) == logits.shape[0] else logits[keep]
         chunks = [chunks[i] for i in keep]
         if logits.device.type != "cpu":  # the sampler (its per-request generators, penalties, masks) is the CPU's
             logits = logits.cpu()
         states = [self.requests[c.request_id] for c in chunks]
         rows = [SampleRow(s.sampling, s.generator, s.prompt_token_ids, s.output_token_ids, s.history) for s in states]
-        logits = logits if len(keep) == logits.shape[0] else logits[keep]
-        constrained = [i for i, s in enumerate(states) if s.matcher is not None]
-        if masks is not None:  # rows without a grammar are neither read nor written
-            masks.apply(logits, keep)
+        masked = [s.grammar for s in states]
+        if any(g is not None for g in masked):  # rows without a grammar are neither read nor written
+            self._bitmask, constrained = stack_masks(masked, self._bitmask)
+            apply_bitmask(logits, self._bitmask, constrained)
         result = self.sampler.sample(logits, rows)
-        if masks is not None:
-            result.failed.update({keep.index(r): m for r, m in masks.errors.items() if r in keep})
         for i, message in result.failed.items():
             failed[chunks[i].request_id] = message
-        for i in constrained:
-            if i not in result.failed and not _accepted(states[i].matcher, result.token_ids[i]):
-                why = states[i].matcher.error or "the grammar library failed"  # type: ignore[union-attr]
-                failed[chunks[i].request_id] = f"the output constraint failed: {why}"
-                result.failed[i] = failed[chunks[i].request_id]
         sampled = {c.request_id: t for i, (c, t) in enumerate(zip(chunks, result.token_ids)) if i not in result.failed}
+        for c, state in zip(chunks, states):
+            token = sampled.get(c.request_id)
+            if state.grammar is not None and token is not None and state.continues_after(token):
+                self.masks.start(state.grammar, token)  # the token goes out now; the grammar takes it meanwhile
         logprobs = {c.request_id: lp for c, lp in zip(chunks, result.logprobs) if lp is not None}
         return sampled, logprobs
-
-
-@dataclass(frozen=True)
-class _PendingMasks:
-    """A step's constrained rows' bitmasks, being filled on the mask thread (row i: the step's i-th sampled chunk)."""
-
-    filling: Future
-    bitmask: np.ndarray  # [>= rows, ceil(vocab / 32)] int32
-    rows: list[int]  # the constrained rows
-    errors: dict[int, str]  # rows whose fill failed (filled by the mask thread; read after wait)
-
-    def wait(self) -> None:
-        self.filling.result()
-
-    def apply(self, logits: torch.Tensor, keep: list[int]) -> None:
-        """Mask ``logits`` (row j: sampled chunk keep[j]) where each kept constrained row's grammar forbids a token."""
-        position = {row: j for j, row in enumerate(keep)}
-        kept = [r for r in self.rows if r in position]
-        aligned = self.bitmask if keep == list(range(len(keep))) else self.bitmask[keep]
-        apply_bitmask(logits, aligned, [position[r] for r in kept])
-
-
-def _accepted(matcher: GrammarMatcher | None, token_id: int) -> bool:
-    """The matcher advanced by the sampled token; False when its grammar forbids it or the library failed."""
-    try:
-        return matcher is not None and matcher.accept(token_id)
-    except Exception:
-        log.exception("the output grammar failed on a sampled token")
-        return False
 
 
 @dataclass(frozen=True)

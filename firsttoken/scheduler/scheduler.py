@@ -142,10 +142,11 @@ class Scheduler:
                started_s: float | None = None) -> StepReport | None:
         """Follow what happened since the last schedule: the runner's whole report of the step (with the encoder work
         it ran after the tokens went out: units run, images it holds nothing for, chunks run; a failed or skipped one
-        computed nothing), then ``finished``, the requests the caller ended: on the step's tokens (already on their
-        requests), or between steps with no batch and no result (an abort, a timeout). With ``started_s`` (when the
-        step began, on this clock) its wall time to now teaches the cost model the work actually done (less units an
-        interrupt cut), and the report says what the model predicted."""
+        computed nothing, one whose mask was pending all but its last token), then ``finished``, the requests the
+        caller ended: on the step's tokens (already on their requests), or between steps with no batch and no result
+        (an abort, a timeout). With ``started_s`` (when the step began, on this clock) its wall time to now teaches
+        the cost model the work actually done (less units an interrupt cut), and the report says what the model
+        predicted."""
         if batch is None or result is None:
             for req, reason in finished:
                 self.finish(req, reason)
@@ -157,7 +158,7 @@ class Scheduler:
                 req = self.requests[rid]
                 if rid in result.sampled and len(req.output_token_ids) == 1:
                     self.admission.observe_first_token(req, result.sample_done_s)
-                self._on_chunk_done(req, chunk)
+                self._on_chunk_done(req, chunk, chunk.end - int(rid in result.mask_pending_request_ids))
         for req, reason in finished:
             self.finish(req, reason)
         if started_s is None:
@@ -169,12 +170,14 @@ class Scheduler:
         return StepReport(predicted, duration_s, self.num_steps, self.kv.num_used_blocks, self.kv.num_blocks,
                           len(self.running), len(self.waiting))
 
-    def _on_chunk_done(self, req: Request, chunk: ScheduledChunk) -> None:
-        """KV for the chunk is written: publish full blocks, release images the prefill has passed."""
-        req.num_computed_tokens = chunk.end
+    def _on_chunk_done(self, req: Request, chunk: ScheduledChunk, end: int) -> None:
+        """KV for the chunk's tokens up to ``end`` counts as written (``chunk.end``, or one less where its mask was
+        pending and nothing was sampled: that token runs again): publish full blocks, release images the prefill has
+        passed."""
+        req.num_computed_tokens = end
         if req.block_hashes:
-            self.kv.cache_blocks(req.request_id, req.block_hashes, min(chunk.end, req.num_prompt_tokens))
-        self.encoder.release_passed(req, chunk.end)
+            self.kv.cache_blocks(req.request_id, req.block_hashes, min(end, req.num_prompt_tokens))
+        self.encoder.release_passed(req, end)
 
     # ---- lanes: what a lane policy serves a step through (lanes.LaneServer) ---------------------------------
     def has_prefill_work(self, lane: str) -> bool:

@@ -2,7 +2,10 @@
 
 llguidance does the work: a spec becomes an llguidance grammar (JSON schema, Lark, regex), and an ``LLMatcher``
 built from it over the model's tokenizer is the compiled form (building it parses the grammar and checks it against
-the vocabulary; an error there is the spec's fault). The compiled grammar keeps that matcher untouched; each request
+the vocabulary; an error there is the spec's fault). A grammar no output can match is refused too, whatever its kind:
+the JSON schema compiler proves many schemas unsatisfiable itself; for every kind, a grammar whose first mask, or a
+mask after the text every answer must begin with, allows no token (a regex of an empty class, a Lark rule of one
+after a literal) is refused here (a dead end further on ends its request while decoding: masks.py). The compiled grammar keeps that matcher untouched; each request
 gets a copy (``CompiledGrammar.matcher()``), so a repeated spec costs one dictionary look-up and a copy.
 
 Thread-safe: the preprocessing pools compile from several threads. Two threads compiling the same new spec at once
@@ -20,7 +23,8 @@ from typing import Any
 
 import llguidance
 
-from firsttoken.structured.matcher import GrammarMatcher
+from firsttoken.structured.bitmask import allocate_bitmask
+from firsttoken.structured.matcher import DEAD_END, GrammarMatcher
 from firsttoken.structured.messages import one_line
 from firsttoken.structured.spec import GrammarSpec
 
@@ -28,6 +32,8 @@ from firsttoken.structured.spec import GrammarSpec
 # 15 spaces of indentation). Unbounded (vLLM's default) lets a weak model spend its answer on whitespace (the random
 # demo model's receipts then ran to thousands of tokens, nearly all spaces and line breaks).
 JSON_WHITESPACE = r"[\x20\x0A\x0D\x09]{0,16}"
+# how far along the text every answer must begin with (a Lark literal, a schema's "{") a compile looks for a dead end
+FORCED_PROBE_TOKENS = 128
 
 
 @dataclass(frozen=True)
@@ -130,7 +136,29 @@ class GrammarCompiler:
         matcher = llguidance.LLMatcher(self.tokenizer, grammar, log_level=0)
         if matcher.is_error():
             raise ValueError(f"{where}: {one_line(matcher.get_error())}")
+        dead_end = self._dead_end(matcher)
+        if dead_end is not None:
+            why = "" if dead_end == DEAD_END else f" ({dead_end})"
+            raise ValueError(f"{where}: no output can match it{why}")
         return matcher, tuple(one_line(w) for w in matcher.get_grammar_warnings())
+
+    def _dead_end(self, pristine: llguidance.LLMatcher) -> str | None:
+        """Why no output can match the grammar, where the output every answer begins with shows it: the first mask,
+        then each mask after the tokens the grammar forces from there (at most ``FORCED_PROBE_TOKENS`` in all);
+        None where none is found (a dead end further on ends its request while decoding)."""
+        probe = GrammarMatcher(pristine)  # a copy: the compiled grammar's own matcher stays at its start
+        mask = allocate_bitmask(1, self.vocab_size)
+        budget = FORCED_PROBE_TOKENS
+        while True:
+            probe.fill_bitmask(mask, 0)
+            if probe.error is not None:
+                return probe.error
+            forced = probe.forced_tokens()[:budget]
+            if not forced:
+                return None
+            if not all(probe.accept(t) for t in forced):
+                return probe.error
+            budget -= len(forced)
 
     def _grammar(self, spec: GrammarSpec) -> str:
         if spec.kind in ("json_schema", "json_object"):

@@ -7,8 +7,11 @@ from __future__ import annotations
 from typing import Literal
 
 import langchain_openai  # the test extra's
+import openai
 import pytest
 from pydantic import BaseModel, Field
+
+from tests.e2e.test_tools import Move
 
 
 class Receipt(BaseModel):
@@ -55,6 +58,20 @@ def test_bind_tools_gives_calls_with_valid_arguments(live_server, tool_choice) -
         for call in message.tool_calls:
             assert call["name"] == "get_weather"
             assert call["args"]["city"] in ("Paris", "Lima", "Oslo") and call["args"]["unit"] in ("c", "f")
+
+
+def test_bind_tools_any_takes_a_tool_whose_schema_has_defs(live_server) -> None:
+    """A tool given as its JSON schema (an MCP server's, openai.pydantic_function_tool's) keeps $defs and
+    "#/$defs/..." references; tool_choice "any" (OpenAI's "required") holds the calls to it."""
+    tool = openai.pydantic_function_tool(Move)
+    assert "$defs" in tool["function"]["parameters"]
+    for seed in range(2):
+        message = chat(live_server, temperature=1.0, seed=seed).bind_tools([tool], tool_choice="any").invoke(
+            "I moved to Lima.")
+        assert message.tool_calls, message
+        for call in message.tool_calls:
+            assert call["name"] == "Move"
+            Move.model_validate(call["args"])
 
 
 def test_the_legacy_openai_class_completes_a_batch(live_server) -> None:

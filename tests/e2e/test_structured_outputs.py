@@ -137,6 +137,82 @@ def test_a_spec_that_cannot_compile_is_a_400_naming_it(live_server, body: dict, 
     assert live_server.stats()["num_steps"] == before  # nothing reached the engine
 
 
+IMPOSSIBLE_TOOL = {"type": "function", "function": {"name": "never", "parameters": {
+    "type": "object", "properties": {"n": {"type": "integer", "minimum": 5, "maximum": 1}}, "required": ["n"]}}}
+# every kind of spec, each matching no output at all
+NO_OUTPUT = [
+    ({"structured_outputs": {"regex": r"[^\s\S]"}}, "structured_outputs"),
+    ({"guided_regex": r"id-[^\x00-\x{10FFFF}]"}, "guided_regex"),
+    ({"structured_outputs": {"grammar": r"start: /[^\s\S]/"}}, "structured_outputs"),
+    ({"structured_outputs": {"grammar": 'start: "The answer is " NOTHING\nNOTHING: /[^\\s\\S]/'}},
+     "structured_outputs"),
+    ({"response_format": schema_format({"type": "integer", "minimum": 5, "maximum": 1})}, "response_format"),
+    ({"tools": [IMPOSSIBLE_TOOL], "tool_choice": "required"}, "tool_choice"),
+    ({"tools": [IMPOSSIBLE_TOOL], "tool_choice": {"type": "function", "function": {"name": "never"}}}, "tool_choice"),
+]
+
+
+def test_a_spec_no_output_can_match_is_a_400_whatever_its_kind(live_server) -> None:
+    """Not an empty answer with finish_reason stop: a regex, a grammar, a schema or tools that nothing can match
+    are refused before anything queues, as an unsatisfiable schema always was."""
+    before = live_server.stats()["num_steps"]
+    for body, param in NO_OUTPUT:
+        r = httpx.post(f"{live_server.base_url}/v1/chat/completions", timeout=30, json={
+            "model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5, **body})
+        assert r.status_code == 400, (body, r.text)
+        error = r.json()["error"]
+        assert error["param"] == param and ("no output can match" in error["message"]
+                                            or "Unsatisfiable" in error["message"]), (body, error)
+    assert live_server.stats()["num_steps"] == before  # nothing reached the engine
+
+
+def test_a_grammar_that_dead_ends_mid_answer_ends_with_a_400_not_a_stop(live_server) -> None:
+    """A grammar nothing can complete once its first word is written: that answer is no match, so the request ends
+    with an error naming why (an error event mid-stream), not with the word and finish_reason stop."""
+    grammar = {"structured_outputs": {"grammar": 'start: ("yes" | "no") /[^\\s\\S]/'}}
+    r = httpx.post(f"{live_server.base_url}/v1/chat/completions", timeout=30, json={
+        "model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 10, **grammar})
+    assert r.status_code == 400, r.text
+    assert "no token can continue the output" in r.json()["error"]["message"]
+    with pytest.raises(openai.APIError, match="no token can continue the output"):
+        for _ in ask(live_server.client(), stream=True, max_tokens=10, extra_body=grammar):
+            pass
+    live_server.wait_idle()
+
+
+AMBIGUOUS = 'start: x\nx: "a" | x x | x x x'  # every string of a's, in exponentially many parses
+
+
+def test_an_ambiguous_grammar_ends_itself_with_a_400_and_its_batch_mate_finishes(tiny_model_dir) -> None:
+    """The issue's case: an ambiguous grammar's work per token grows with the output. Over its budget (small here)
+    the request ends with a 400 saying so; the unconstrained request beside it finishes as asked, and the server
+    goes on serving."""
+    import concurrent.futures as cf
+
+    from firsttoken.models.recipe import TOKEN_IDS
+    from tests.e2e.conftest import start_server, stop_server
+
+    live, server, thread = start_server(tiny_model_dir, grammar_mask_budget=0.3)
+    try:
+        client = live.client()
+        keep_writing = {str(TOKEN_IDS[t]): -100 for t in ("<|im_end|>", "<|endoftext|>")}
+        with cf.ThreadPoolExecutor(2) as pool:
+            slow = pool.submit(httpx.post, f"{live.base_url}/v1/chat/completions", timeout=120, json={
+                "model": "tiny", "messages": [{"role": "user", "content": "Write a's."}], "n": 2,
+                "max_tokens": 2000, "temperature": 1.0, "logit_bias": keep_writing,
+                "structured_outputs": {"grammar": AMBIGUOUS}})
+            free = pool.submit(ask, client, max_tokens=30, temperature=1.0, seed=1, extra_body={"ignore_eos": True})
+            out = free.result()
+            r = slow.result()
+        assert out.choices[0].finish_reason == "length" and out.usage.completion_tokens == 30
+        assert r.status_code == 400, r.text
+        assert "--grammar-mask-budget" in r.json()["error"]["message"]
+        live.wait_idle()
+        assert ask(client, max_tokens=5).choices[0].finish_reason in ("stop", "length")
+    finally:
+        stop_server(server, thread, live.engine)
+
+
 def test_constrained_and_free_requests_share_steps(live_server) -> None:
     import concurrent.futures as cf
 

@@ -7,9 +7,13 @@ from __future__ import annotations
 
 import json
 
+from typing import Literal
+
 import httpx
 import jsonschema
+import openai
 import pytest
+from pydantic import BaseModel, Field
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Lima", "Oslo"]},
                                             "unit": {"type": "string", "enum": ["c", "f"]}},
@@ -53,6 +57,35 @@ def test_required_gives_one_or_more_valid_calls_and_parallel_false_gives_one(liv
         check_calls(calls)
         if not parallel:
             assert len(calls) == 1
+
+
+class Address(BaseModel):
+    """An address."""
+
+    city: Literal["Paris", "Lima", "Oslo"]
+    zip: int = Field(ge=1, le=99)
+
+
+class Move(BaseModel):
+    """Move house: a nested model, which pydantic writes as $defs and "#/$defs/Address" references."""
+
+    home: Address
+    work: Address | None
+
+
+def test_required_takes_tools_whose_parameters_reference_their_own_defs(live_server) -> None:
+    client = live_server.client()
+    tools = [openai.pydantic_function_tool(Move), TOOLS[1]]
+    assert "$defs" in tools[0]["function"]["parameters"]
+    for seed in range(3):
+        out = client.chat.completions.create(model="tiny", messages=ASK, tools=tools, tool_choice="required",
+                                             max_tokens=200, temperature=1.0, seed=seed)
+        assert out.choices[0].finish_reason == "tool_calls", out.choices[0]
+        for call in out.choices[0].message.tool_calls:
+            if call.function.name == "Move":
+                Move.model_validate_json(call.function.arguments)
+            else:
+                check_calls([call])
 
 
 @pytest.mark.parametrize("tool_choice", [{"type": "function", "function": {"name": "get_time"}}, "required"])

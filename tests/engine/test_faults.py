@@ -36,12 +36,13 @@ class FailOne:
             raise RuntimeError("injected fault")
 
 
-def build(model_dir: Path, hook=None):
+def build(model_dir: Path, hook=None, **engine_options):
+    """``engine_options``: more EngineConfig fields."""
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(model_dir)
     cfg = EngineConfig(dtype="float32", cache=CacheConfig(kv_cache_memory_bytes=8 * 2**20),
-                       scheduler=SchedulerConfig(max_batched_tokens=128, step_time_target="off"))
+                       scheduler=SchedulerConfig(max_batched_tokens=128, step_time_target="off"), **engine_options)
     engine = LLMEngine(model_dir, cfg, tok.backend_tokenizer, fault_hook=hook)
     proc = InputProcessor(tok, engine.model_config, GenerationDefaults.from_pretrained(model_dir),
                           max_model_len=engine.max_model_len)

@@ -1,18 +1,21 @@
-"""Output grammars in the engine: a grammar that fails mid-answer ends only its own request, with a clear error; the
-mask holds through chunked prefill, penalties, seeds and preemption by recompute (the runner keeps the matcher in
-step with the tokens it keeps)."""
+"""Output grammars in the engine: a grammar whose work is slow holds no batch-mate back, and one over its work budget
+or failing mid-answer ends only its own request, with a clear error; the mask holds through chunked prefill,
+penalties, seeds and preemption by recompute (the runner keeps the matcher in step with the tokens it keeps)."""
 
 from __future__ import annotations
 
 import json
+import threading
 from dataclasses import replace
 from pathlib import Path
 
 import jsonschema
+import numpy as np
 import pytest
 
 from firsttoken.api.protocol import ChatCompletionRequest
-from firsttoken.types import FinishReason
+from firsttoken.config import GrammarConfig
+from firsttoken.types import FinishReason, RequestOutput
 from tests.engine.test_faults import build, requests, run_all
 from tests.helpers import process
 
@@ -30,7 +33,9 @@ class RejectAfter:
         def __init__(self, n: int) -> None:
             self.n, self.seen = n, 0
 
-        error = "parser limit reached"
+        @property
+        def error(self) -> str | None:
+            return "parser limit reached" if self.seen >= self.n else None
 
         def fill_bitmask(self, bitmask, row: int) -> None:
             bitmask[row] = -1  # every token allowed
@@ -47,7 +52,7 @@ class RaiseOnFill(RejectAfter):
         return RaiseOnFill.Matcher(self.n)
 
     class Matcher(RejectAfter.Matcher):
-        error = None
+        error = None  # type: ignore[assignment]
 
         def fill_bitmask(self, bitmask, row: int) -> None:
             if self.seen + 1 >= self.n:
@@ -59,8 +64,107 @@ class RaiseOnFill(RejectAfter):
             return True
 
 
-@pytest.mark.parametrize("grammar, says", [(RejectAfter(3), "parser limit"), (RaiseOnFill(3), "library")])
-def test_a_grammar_failing_mid_answer_ends_only_its_request(tiny_model_dir: Path, grammar, says: str) -> None:
+EVEN_IDS = np.int32(0x55555555)  # a bitmask word allowing the even token ids of its 32
+HELD_AT_MOST_S = 60.0  # how long a held mask waits to be released (only code that waits for it reaches this)
+
+
+class EvenTokens:
+    """A grammar that allows the even token ids; with ``release``, each mask is filled only once the test releases
+    it (a library stuck on an ambiguous grammar)."""
+
+    def __init__(self, release: threading.Event | None = None) -> None:
+        self.release = release
+
+    def matcher(self) -> EvenTokens.Matcher:
+        return EvenTokens.Matcher(self.release)
+
+    class Matcher:
+        error = None
+
+        def __init__(self, release: threading.Event | None) -> None:
+            self.release = release
+
+        def fill_bitmask(self, bitmask, row: int) -> None:
+            if self.release is not None and not self.release.wait(HELD_AT_MOST_S):
+                self.release.set()  # (a step waiting for it never ends: let it, once, so the test can fail)
+            bitmask[row] = EVEN_IDS
+
+        def accept(self, token_id: int) -> bool:
+            return token_id % 2 == 0
+
+
+def steps_until(engine, reqs, rid: str) -> tuple[int, dict[str, list[int]], dict[str, RequestOutput]]:
+    """Add ``reqs`` and step until ``rid`` has finished: (steps, tokens so far per request, final outputs)."""
+    for r in reqs:
+        engine.add_request(r)
+    ids: dict[str, list[int]] = {r.request_id: [] for r in reqs}
+    finals: dict[str, RequestOutput] = {}
+    steps = 0
+    while rid not in finals:
+        steps += 1
+        for o in engine.step():
+            ids[o.request_id] += o.new_token_ids
+            if o.finished:
+                finals[o.request_id] = o
+    return steps, ids, finals
+
+
+def constrained(req, grammar):
+    return replace(req, sampling=replace(req.sampling, grammar=grammar))
+
+
+def test_an_unconstrained_request_never_waits_for_a_batch_mates_mask(tiny_model_dir: Path) -> None:
+    """A constrained request whose masks are held back (its grammar's work outlasting every step) samples nothing
+    and holds no one back: its unconstrained batch-mate finishes in as many steps, with the same tokens, as alone.
+    Once its masks come, it answers exactly what it answers alone (a row never samples without its mask)."""
+    engine, proc = build(tiny_model_dir)
+    free, slow = requests(proc)[0], requests(proc)[2]
+    alone_steps, alone_ids, _ = steps_until(engine, [free], free.request_id)
+    engine, proc = build(tiny_model_dir)
+    _, reference, _ = steps_until(engine, [constrained(slow, EvenTokens())], slow.request_id)
+    assert reference[slow.request_id] and all(t % 2 == 0 for t in reference[slow.request_id])
+
+    release = threading.Event()
+    engine, proc = build(tiny_model_dir)
+    try:
+        steps, ids, finals = steps_until(engine, [free, constrained(slow, EvenTokens(release))], free.request_id)
+        assert steps == alone_steps and ids[free.request_id] == alone_ids[free.request_id]
+        assert finals[free.request_id].finish_reason == FinishReason.LENGTH
+        assert ids[slow.request_id] == []  # no mask, no token
+    finally:
+        release.set()
+    while engine.has_unfinished():
+        for o in engine.step():
+            ids[o.request_id] += o.new_token_ids
+        engine.scheduler.check_invariants()
+    assert ids[slow.request_id] == reference[slow.request_id]
+    assert engine.stats().kv_blocks_used == 0
+
+
+def test_a_grammar_over_its_work_budget_ends_its_request_with_a_400_and_no_one_else(tiny_model_dir: Path) -> None:
+    engine, proc = build(tiny_model_dir)
+    free, slow = requests(proc)[0], requests(proc)[2]
+    alone_steps, alone_ids, _ = steps_until(engine, [free], free.request_id)
+    release = threading.Event()
+    engine, proc = build(tiny_model_dir, grammar=GrammarConfig(request_mask_s=0.05))
+    try:
+        steps, ids, finals = steps_until(engine, [free, constrained(slow, EvenTokens(release))], free.request_id)
+        assert steps == alone_steps and ids[free.request_id] == alone_ids[free.request_id]
+        while slow.request_id not in finals:
+            finals.update((o.request_id, o) for o in engine.step() if o.finished)
+    finally:
+        release.set()
+    out = finals[slow.request_id]
+    assert out.finish_reason == FinishReason.ERROR and out.error_status == 400 and out.num_output_tokens == 0
+    assert "--grammar-mask-budget" in out.error and "0.05 s" in out.error
+    assert engine.stats().kv_blocks_used == 0 and engine.stats().num_running == 0
+
+
+# the grammar takes each token off the step's thread, after it went out: a token refused there (within its mask, so
+# by a parser limit) is sent, and the request ends at its next step; a mask that fails ends it before its token
+@pytest.mark.parametrize("grammar, says, sent", [(RejectAfter(3), "parser limit", 3), (RaiseOnFill(3), "library", 2)])
+def test_a_grammar_failing_mid_answer_ends_only_its_request(tiny_model_dir: Path, grammar, says: str,
+                                                            sent: int) -> None:
     engine, proc = build(tiny_model_dir)
     reference = run_all(engine, requests(proc))
     engine, proc = build(tiny_model_dir)
@@ -70,7 +174,7 @@ def test_a_grammar_failing_mid_answer_ends_only_its_request(tiny_model_dir: Path
     out = run_all(engine, reqs)
     ids, reason, error = out[victim.request_id]
     assert reason == FinishReason.ERROR and "output constraint failed" in error and says in error
-    assert ids == reference[victim.request_id][0][:2]  # the two tokens it accepted went out
+    assert ids == reference[victim.request_id][0][:sent]
     for rid in reference:
         if rid != victim.request_id:
             assert out[rid] == reference[rid]  # batch-mates: same tokens, same finish

@@ -14,6 +14,7 @@ import pytest
 import torch
 from tokenizers import Tokenizer
 
+from firsttoken.inputs.tools import forced_call_spec
 from firsttoken.models.recipe import TOKEN_IDS, VOCAB_SIZE
 from firsttoken.models.train_tokenizer import ASSET_PATH
 from firsttoken.structured import (
@@ -151,6 +152,31 @@ def test_a_choice_is_one_of_the_choices(compiler, tokenizer, seed):
     assert tokenizer.decode(decode_greedy(matcher, seed), skip_special_tokens=False) in choices
 
 
+# parameters as pydantic writes a nested model (a $defs entry and a "#/$defs/..." reference) and a recursive one ("#")
+ADDRESS_TOOL = {"$defs": {"Address": {"type": "object", "properties": {
+    "city": {"type": "string", "enum": ["Paris", "Lima"]}, "zip": {"type": "integer", "minimum": 1, "maximum": 99}},
+    "required": ["city", "zip"], "additionalProperties": False}},
+    "type": "object", "properties": {"home": {"$ref": "#/$defs/Address"},
+                                     "work": {"anyOf": [{"$ref": "#/$defs/Address"}, {"type": "null"}]}},
+    "required": ["home", "work"], "additionalProperties": False}
+TREE_TOOL = {"type": "object", "properties": {"label": {"type": "string", "enum": ["x", "y"]},
+                                              "kids": {"type": "array", "maxItems": 2, "items": {"$ref": "#"}}},
+             "required": ["label", "kids"], "additionalProperties": False}
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_a_required_tool_choice_holds_tools_with_references_to_their_own_schemas(compiler, tokenizer, seed):
+    """tool_choice "required" nests each tool's parameters under a new root: their "#..." references still name
+    their own parts, so the calls validate against each tool's schema as the client wrote it."""
+    tools = {"move": ADDRESS_TOOL, "grow": TREE_TOOL}
+    spec = forced_call_spec(list(tools.items()), None, True)
+    text = tokenizer.decode(decode_greedy(compiler.compile(spec).matcher(), seed), skip_special_tokens=False)
+    calls = json.loads(text)
+    assert calls
+    for call in calls:
+        jsonschema.validate(call["arguments"], tools[call["name"]])
+
+
 @pytest.mark.parametrize("grammar", ['root ::= "yes" | "no"', 'start: "yes" | "no"'])
 def test_a_grammar_in_gbnf_or_lark_is_followed(compiler, tokenizer, grammar):
     matcher = compiler.compile(from_structured_outputs({"grammar": grammar})).matcher()
@@ -224,6 +250,29 @@ def test_a_spec_that_does_not_compile_is_refused_with_what_is_wrong(compiler, re
     assert compiler.stats.entries == entries  # refused specs are not cached
     with pytest.raises(ValueError):  # and refused again, not served from anywhere
         compiler.compile(spec)
+
+
+# each matches no output at all, and the compile can tell
+MATCH_NOTHING = [
+    ("regex", r"[^\s\S]"),
+    ("regex", r"id-[^\x00-\x{10FFFF}]"),
+    ("grammar", r"start: /[^\s\S]/"),
+    ("grammar", 'start: "The answer is " NOTHING\nNOTHING: /[^\\s\\S]/'),
+]
+# specs that look alike and still compile: each matches something, or shows its dead end only while decoding
+COMPILES = [
+    ("regex", r"a{0}"),  # only the empty answer
+    ("grammar", 'start: "The answer is " ("yes" | "no")'),
+    ("grammar", 'start: ("yes" | "no") /[^\\s\\S]/'),  # nothing after its first word, which is not forced
+]
+
+
+def test_a_spec_no_output_can_match_is_refused_whatever_its_kind(compiler):
+    for kind, source in MATCH_NOTHING:
+        with pytest.raises(ValueError, match=f"structured_outputs.{kind}: no output can match it"):
+            compiler.compile(from_structured_outputs({kind: source}))
+    for kind, source in COMPILES:
+        compiler.compile(from_structured_outputs({kind: source}))
 
 
 @pytest.mark.parametrize("parse, value, says", [

@@ -1,0 +1,164 @@
+"""Constrained requests' grammar work, off the step's thread and bounded: ``MaskWorker`` and ``ConstrainedRow``.
+
+Per token a constrained request asks its grammar library two things: advance the matcher by the sampled token, then
+fill the next token's mask. Either can take long: an ambiguous grammar's Earley rows grow with the output (each
+token's work ~cubic in its length), and no call into the library can be interrupted. So neither runs on the step's
+thread. Each request's next mask is one job on a pool of ``mask_threads`` threads (llguidance works without the
+GIL, so requests' jobs run at once, and beside the forward), started as soon as its token is sampled (its first mask:
+as soon as the runner meets the request), so it runs while the engine updates, schedules and runs the next forward.
+
+Contract with the step (runner/model_runner.py), which reads ``MaskWorker.collect`` once its forward is done:
+- a row whose mask is ready samples under it; a constrained row never samples without its mask;
+- a row whose mask is not ready within ``mask_wait_s`` of the forward's end is **pending**: it samples nothing in
+  this step and its last token runs again in the next (its job goes on meanwhile), so its batch-mates never wait
+  for it longer than that and lose no step;
+- a row whose grammar has failed it (a dead end: no token can continue the output; a parser limit) or whose jobs
+  have used more than ``request_mask_s`` seconds in all (a running job's time counts as it runs) is **refused**:
+  the request ends with that reason, the client's grammar's fault;
+- a row whose library raised is **crashed**: the request ends with an internal error.
+
+One job at a time per request: a new one starts only after the step read the last one's mask (the matcher is one
+thread's at a time: the job's, else the runner's, which only reads it).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Mapping
+from concurrent.futures import Executor, Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from firsttoken.config import GrammarConfig
+from firsttoken.structured.bitmask import allocate_bitmask
+
+log = logging.getLogger("firsttoken.structured")
+
+CRASHED = "the output constraint failed: the grammar library could not say what may follow"
+
+
+class ConstrainedRow:
+    """One constrained request's matcher, its next mask and the seconds its jobs used. ``matcher``: the request's
+    own (``GrammarMatcher`` or anything with its ``fill_bitmask(bitmask, row)``, ``accept(token) -> bool`` and
+    ``error``)."""
+
+    def __init__(self, matcher: Any, vocab_size: int) -> None:
+        self.matcher = matcher
+        self.mask = allocate_bitmask(1, vocab_size)  # [1, ceil(vocab / 32)] int32: the next token's, once ready
+        self.refused: str | None = None  # why the grammar failed the request (the client's fault)
+        self.crashed = False  # the library raised
+        self._job: Future | None = None
+        self._lock = threading.Lock()  # guards the two times below (the job writes them, the step reads them)
+        self._spent_s = 0.0  # seconds the finished jobs ran
+        self._started_s: float | None = None  # when the running job began (None: none is running)
+
+    def spent_s(self, now: float) -> float:
+        """Seconds of grammar work so far, the running job's included (up to ``now``)."""
+        with self._lock:
+            return self._spent_s + (now - self._started_s if self._started_s is not None else 0.0)
+
+    def wait(self, timeout_s: float) -> bool:
+        """Whether the job is done, waiting at most ``timeout_s`` for it."""
+        if self._job is None:
+            return False
+        if timeout_s > 0 and not self._job.done():
+            try:
+                self._job.exception(timeout=timeout_s)  # the job itself never raises (``_run``)
+            except TimeoutError:
+                return False
+        return self._job.done()
+
+    def start(self, pool: Executor, token_id: int | None, clock: Callable[[], float]) -> None:
+        """Its next job on ``pool`` (``MaskWorker.start``)."""
+        self._job = pool.submit(self._run, token_id, clock)
+
+    def cancel(self) -> None:
+        """The request is gone: its job, if it has not begun, never will (a running one finishes, unread)."""
+        if self._job is not None:
+            self._job.cancel()
+
+    def _run(self, token_id: int | None, clock: Callable[[], float]) -> None:
+        """The job: take ``token_id`` (None: none), then fill the next mask; whatever happens is recorded here."""
+        start = clock()
+        with self._lock:
+            self._started_s = start
+        try:
+            if token_id is not None and not self.matcher.accept(token_id):
+                self.refused = self.matcher.error or "the grammar refused a token its own mask allowed"
+            else:
+                self.matcher.fill_bitmask(self.mask, 0)
+                self.refused = self.matcher.error  # a dead end, a parser limit: the mask says nothing usable
+        except Exception as e:  # the library failed this request's grammar: its own failure only
+            log.warning("the output grammar's library failed: %s", e)
+            self.crashed = True
+        finally:
+            with self._lock:
+                self._spent_s += clock() - start
+                self._started_s = None
+
+
+@dataclass(frozen=True)
+class StepMasks:
+    """What ``MaskWorker.collect`` found for a step's constrained rows, by request id (each in one place)."""
+
+    ready: frozenset[str] = frozenset()  # sample under their row's ``mask``
+    pending: frozenset[str] = frozenset()  # no mask in time: nothing sampled, the last token runs again
+    refused: dict[str, str] = field(default_factory=dict)  # the grammar ended the request: why (client-safe)
+    crashed: dict[str, str] = field(default_factory=dict)  # the library raised: an internal error
+
+
+class MaskWorker:
+    """The pool that runs constrained rows' jobs, and the bounds a step reads them under (``GrammarConfig``).
+    ``clock``: monotonic seconds (a test may pass its own)."""
+
+    def __init__(self, config: GrammarConfig, clock: Callable[[], float] = time.monotonic) -> None:
+        self.config = config
+        self._clock = clock
+        self._pool: ThreadPoolExecutor | None = None  # started with the first job
+
+    def start(self, row: ConstrainedRow, token_id: int | None = None) -> None:
+        """Advance ``row`` by ``token_id`` (None: its first mask) and fill its next mask, on the pool. Only once the
+        row's last job is done and its mask was read (or before its first)."""
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(self.config.mask_threads, thread_name_prefix="firsttoken-masks")
+        row.start(self._pool, token_id, self._clock)
+
+    def collect(self, rows: Mapping[str, ConstrainedRow]) -> StepMasks:
+        """Each row's verdict for this step (module docstring), waiting at most ``mask_wait_s`` from now for all of
+        them together (their jobs run at once)."""
+        deadline = self._clock() + self.config.mask_wait_s
+        ready: set[str] = set()
+        pending: set[str] = set()
+        refused: dict[str, str] = {}
+        crashed: dict[str, str] = {}
+        for rid, row in rows.items():
+            done = row.wait(deadline - self._clock())
+            if done and row.crashed:
+                crashed[rid] = CRASHED
+            elif done and row.refused is not None:
+                refused[rid] = f"the output constraint failed: {row.refused}"
+            elif row.spent_s(self._clock()) > self.config.request_mask_s:
+                refused[rid] = (f"the output constraint failed: its grammar needed more than "
+                                f"{self.config.request_mask_s:g} s of work (--grammar-mask-budget); an ambiguous "
+                                f"grammar's work grows with every token: make it unambiguous or shorter")
+            elif done:
+                ready.add(rid)
+            else:
+                pending.add(rid)
+        return StepMasks(frozenset(ready), frozenset(pending), refused, crashed)
+
+
+def stack_masks(rows: list[ConstrainedRow | None], out: np.ndarray | None) -> tuple[np.ndarray, list[int]]:
+    """The rows' masks as one bitmask (row i: rows[i]'s; None rows are left as they were) and the indices of the rows
+    that have one (at least one must); ``out`` is reused when it is [>= len(rows), words] int32."""
+    constrained = [i for i, r in enumerate(rows) if r is not None]
+    words = rows[constrained[0]].mask.shape[1]  # type: ignore[union-attr]
+    if out is None or out.shape[0] < len(rows) or out.shape[1] != words:
+        out = allocate_bitmask(max(len(rows), 8), 32 * words)
+    for i in constrained:
+        out[i] = rows[i].mask[0]  # type: ignore[union-attr]
+    return out, constrained
