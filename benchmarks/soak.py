@@ -5,8 +5,9 @@ a lark grammar, choices, tool calls named and required, a video, ``n`` = 2, logp
 streamed, in turn so that every kind is sent) with ~10% random client disconnects (right after sending: queued or
 mid-prefill; or after a few SSE chunks: mid-decode) and ~5% bad inputs of every kind; every ``--burst-every-s`` a
 burst of ``--burst-size`` requests lands at once, above what the small ``--max-queued-requests`` lets wait, so
-overload answers (429) happen. ``--adversarial`` adds ~3% adversarial inputs (an ambiguous grammar with n = 2, a
-regex no string matches).
+overload answers (429) happen. Adversarial inputs (an ambiguous grammar with n = 2, a regex no string matches) are
+sent each at least once under load and ~3% of the time after (``--no-adversarial``: none); the server runs with
+``--grammar-mask-budget`` ``--grammar-mask-budget-s`` (2 s), so the grammar ends within the run.
 
 Checks (exit status 1 if any fails):
   * every good request got 429 (with Retry-After), or a complete answer equal to the same request's answer sent
@@ -18,7 +19,7 @@ Checks (exit status 1 if any fails):
   * the server's RSS after the load is within ``--rss-growth-mib`` of its RSS after warm-up;
   * the server still answers a good request correctly and /health is 200.
 
-    python benchmarks/soak.py [--model DIR] [--duration-s 300] [--seed 0] [--adversarial] [--json out.json]
+    python benchmarks/soak.py [--model DIR] [--duration-s 300] [--seed 0] [--no-adversarial] [--json out.json]
 
 Without --model it builds the tiny random checkpoint in a temporary directory. tests/soak/test_soak_short.py
 runs a short version in CI.
@@ -60,7 +61,8 @@ class SoakConfig:
     disconnect_fraction: float = 0.10
     bad_fraction: float = 0.05
     adversarial_fraction: float = 0.03  # of a worker's requests, with --adversarial only
-    adversarial: bool = False
+    adversarial: bool = True
+    grammar_mask_budget_s: float = 2.0  # the server's --grammar-mask-budget: how long an adversarial grammar may take
     max_queued_requests: int = 2  # per lane; small, so bursts overflow
     max_tokens: int = 12  # of the free kinds; the constrained kinds carry their own (soak_kinds)
     warmup_s: float = 3.0  # RSS baseline is taken this long into the load
@@ -243,6 +245,20 @@ class Soak:
             at += self.cfg.burst_every_s
         await asyncio.gather(*landed)
 
+    async def adversarial_under_load(self, client: httpx.AsyncClient, deadline: float) -> None:
+        """Every adversarial input once while the load runs (a short run draws only some), each tried again after
+        a 429 until one is answered or the load ends: the good answers sent meanwhile must still equal their
+        alone-answers."""
+        if not self.cfg.adversarial:
+            return
+        for case in self.adversarial.cases:
+            while time.monotonic() < deadline:
+                before = self.result.by_kind.get(case.kind, Counter())[ADVERSARIAL.overloaded]
+                await self.send_refusable(client, case, ADVERSARIAL)
+                if self.result.by_kind[case.kind][ADVERSARIAL.overloaded] == before:
+                    break
+                await asyncio.sleep(0.2)
+
     async def sample_rss_after_warmup(self) -> None:
         await asyncio.sleep(self.cfg.warmup_s)
         self.result.rss_warm_mib = rss_mib(self.pid)
@@ -259,7 +275,8 @@ class Soak:
             t0 = time.monotonic()
             deadline = t0 + self.cfg.duration_s
             workers = [self.worker(client, self.cfg.seed * 1000 + w, deadline) for w in range(self.cfg.concurrency)]
-            await asyncio.gather(self.sample_rss_after_warmup(), self.bursts(client, t0, deadline), *workers)
+            await asyncio.gather(self.sample_rss_after_warmup(), self.bursts(client, t0, deadline),
+                                 self.adversarial_under_load(client, deadline), *workers)
             self.result.duration_s = time.monotonic() - t0
             await self.check_after(client)
         return self.result
@@ -309,7 +326,7 @@ def start_server(cfg: SoakConfig, extra: list[str]) -> tuple[subprocess.Popen, s
     cmd = [sys.executable, "-m", "firsttoken.cli.main", "serve", "--model", str(cfg.model_dir), "--port", str(port),
            "--served-model-name", MODEL, "--dtype", "float32", "--kv-cache-memory", "16MiB",
            "--max-batched-tokens", "256", "--max-queued-requests", str(cfg.max_queued_requests),
-           "--log-level", "warning", *extra]
+           "--grammar-mask-budget", str(cfg.grammar_mask_budget_s), "--log-level", "warning", *extra]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL)
     base = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 120
@@ -372,8 +389,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rss-growth-mib", type=float, default=150.0)
     p.add_argument("--warmup-s", type=float, default=None, help="default: 10%% of the duration, at least 3 s")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--adversarial", action="store_true",
-                   help="also send adversarial inputs (an ambiguous grammar, n 2; a regex no string matches)")
+    p.add_argument("--adversarial", action=argparse.BooleanOptionalAction, default=True,
+                   help="also send adversarial inputs (an ambiguous grammar, n 2; a regex no string matches), each "
+                        "at least once under load")
+    p.add_argument("--grammar-mask-budget-s", type=float, default=2.0,
+                   help="the server's --grammar-mask-budget (an adversarial grammar's end)")
     p.add_argument("--json", type=Path, default=None, help="write the result here")
     args = p.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
@@ -386,7 +406,8 @@ def main(argv: list[str] | None = None) -> int:
                          burst_size=args.burst_size, burst_every_s=args.burst_every_s,
                          max_queued_requests=args.max_queued_requests, rss_growth_mib=args.rss_growth_mib,
                          warmup_s=args.warmup_s if args.warmup_s is not None else max(3.0, args.duration_s / 10),
-                         seed=args.seed, adversarial=args.adversarial)
+                         seed=args.seed, adversarial=args.adversarial,
+                         grammar_mask_budget_s=args.grammar_mask_budget_s)
         result = run_soak(cfg)
     print(report(result))
     if args.json:
