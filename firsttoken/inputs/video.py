@@ -38,6 +38,7 @@ import math
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -55,6 +56,9 @@ from firsttoken.inputs.image import (
 from firsttoken.inputs.video_pixels import resize_frame
 from firsttoken.models.config import ImageProcessorConfig
 
+if TYPE_CHECKING:  # PyAV is imported where a container is opened
+    from av.video.frame import VideoFrame
+
 # qwen-vl-utils 0.0.14 (vision_process.py): the sampling rules this module reproduces.
 FRAME_FACTOR = 2  # sampled frames come in pairs (one temporal patch of two frames per grid)
 FPS_MIN_FRAMES = 4
@@ -66,6 +70,9 @@ CONTAINERS = {"mov": "MP4/MOV", "matroska": "WebM/Matroska", "avi": "AVI"}
 # Codecs we decode (FFmpeg codec names). A stream in another codec is refused naming it.
 ALLOWED_CODECS = ("h264", "hevc", "vp8", "vp9", "av1", "mpeg4", "mpeg2video", "mjpeg")
 MAX_DECLARED_FPS = 1000.0
+# Containers whose packets FFmpeg stamps by their place in the file (decode order), not by when they are shown: AVI
+# has no presentation times. With B-frames the two orders differ; the decoder's output order is the shown one.
+DECODE_ORDER_CONTAINERS = ("avi",)
 _ISO_BOXES = (b"ftyp", b"moov", b"mdat", b"free", b"wide", b"skip", b"pnot")
 
 
@@ -95,16 +102,23 @@ class VideoHeader:
 
 @dataclass(frozen=True)
 class VideoIndex:
-    """The video stream's packets, demuxed but not decoded: presentation timestamps in stream time base."""
+    """The video stream's packets, demuxed but not decoded: the clip's frames on its presentation timeline, in stream
+    time base. Frame ``i`` of the clip (what a plan's ``frame_indices`` count) is the frame shown at ``pts[i]``."""
 
-    pts: tuple[int, ...]  # every frame's pts, in presentation order
-    key_pts: tuple[int, ...]  # the key frames' pts, sorted
+    pts: tuple[int, ...]  # every frame's presentation stamp, ascending
+    key_pts: tuple[int, ...]  # the key frames' stamps, ascending: where a decode may start
     time_base: float  # seconds per pts unit
-    start_pts: int
+    # True where the container stamps packets in decode order (AVI stores no presentation times): a decoded frame's
+    # place on the timeline is then its count from the first frame the decoder gives, not its stamp
+    decode_order_stamps: bool = False
 
     @property
     def num_frames(self) -> int:
         return len(self.pts)
+
+    def seconds(self, i: int) -> float:
+        """Frame ``i``'s presentation time from the clip's first frame."""
+        return (self.pts[i] - self.pts[0]) * self.time_base
 
 
 def sniff_container(data: bytes) -> str | None:
@@ -293,7 +307,7 @@ def index_video(
     if not keys or keys[0] > pts[0]:  # a stream whose first packet is not flagged key: decode from the start
         keys.insert(0, pts[0])
     keys.sort()
-    return VideoIndex(tuple(pts), tuple(keys), tb, start)
+    return VideoIndex(tuple(pts), tuple(keys), tb, header.container in DECODE_ORDER_CONTAINERS)
 
 
 def _timeout(limits: VideoConfig) -> VideoInputError:
@@ -480,7 +494,7 @@ def _plan(
 @dataclass
 class DecodedVideo:
     """The sampled frames, RGB uint8 [num_frames, height, width, 3] at the plan's resized size (or as decoded with
-    ``resize=False``), with their presentation times in seconds from the stream's start."""
+    ``resize=False``), with their presentation times in seconds from the clip's first frame."""
 
     frames: np.ndarray
     plan: VideoPlan
@@ -491,9 +505,12 @@ def decode_video(
     data: bytes, header: VideoHeader, index: VideoIndex, plan: VideoPlan, limits: VideoConfig,
     backend: PyAVBackend | None = None, deadline: float | None = None, resize: bool = True,
 ) -> DecodedVideo:
-    """Decode only the plan's frames. Per sampled frame: seek to the latest key frame at or before it unless the
-    decoder already stands between that key frame and it, then decode forward to it; convert and resize that frame
-    alone. At most one full-size RGB frame is alive at a time (``backend.max_held``)."""
+    """Decode only the plan's frames: for each, the frame shown at its place on the index's timeline. Where the
+    container stamps frames with their presentation time, per sampled frame: seek to the latest key frame at or
+    before it unless the decoder already stands between that key frame and it, then decode forward to it. Where it
+    stamps them in decode order (AVI), one forward pass from the first frame, placing frames by their count (a seek
+    would lose it). Each sampled frame is converted and resized alone: at most one full-size RGB frame is alive at
+    a time (``backend.max_held``)."""
     be = _backend(backend)
     deadline = deadline if deadline is not None else time.monotonic() + limits.video_decode_timeout_s
     rw, rh = plan.resized_size
@@ -506,34 +523,27 @@ def decode_video(
             if be.threads > 1:
                 s.thread_type = "AUTO"
             s.codec_context.thread_count = be.threads
-            pos: int | None = None  # pts of the frame the decoder last gave
-            frames: Iterator = iter(())
+            pos = -1  # timeline place of the frame the decoder last gave (-1: none since the decode (re)started)
+            frames: Iterator[tuple[int, VideoFrame]] = iter(())
             for k, i in enumerate(plan.frame_indices):
-                target = index.pts[i]
-                if pos == target and k:  # the same frame again (a padded plan): copy it
+                if k and i == plan.frame_indices[k - 1]:  # the same frame again (a padded plan): copy it
                     out[k] = out[k - 1]
                     pts_s.append(pts_s[-1])
                     continue
-                key = index.key_pts[max(0, bisect.bisect_right(index.key_pts, target) - 1)]
-                if pos is None or not key <= pos < target:  # seeking skips work (or the decoder is past it)
-                    c.seek(key, stream=s, backward=True, any_frame=False)
-                    frames = c.decode(s)
-                    pos = None
-                for frame in frames:
-                    be.frames_decoded += 1
-                    if time.monotonic() > deadline:
-                        raise _timeout(limits)
-                    if frame.width != header.width or frame.height != header.height:
-                        raise VideoInputError(
-                            "invalid_video", f"a frame decoded at {frame.width}x{frame.height}, not the "
-                            f"{header.width}x{header.height} the header declares"
-                        )
-                    if frame.pts is None:
-                        continue
-                    pos = int(frame.pts)
-                    if pos >= target:
+                if index.decode_order_stamps:
+                    if k == 0:
+                        frames = _shown(c.decode(s), index, header, limits, be, deadline)
+                else:
+                    target = index.pts[i]
+                    key = index.key_pts[max(0, bisect.bisect_right(index.key_pts, target) - 1)]
+                    if pos < 0 or not key <= index.pts[pos] < target:  # seeking skips work (or the decoder is past it)
+                        c.seek(key, stream=s, backward=True, any_frame=False)
+                        frames = _shown(c.decode(s), index, header, limits, be, deadline)
+                        pos = -1
+                for pos, frame in frames:
+                    if pos >= i:
                         out[k] = _convert(be, frame, shape, resize)
-                        pts_s.append((pos - index.start_pts) * index.time_base)
+                        pts_s.append(index.seconds(pos))
                         break
                 else:
                     raise VideoInputError(
@@ -545,6 +555,30 @@ def decode_video(
     except _av_errors():
         raise VideoInputError("invalid_video", "video data is truncated or corrupt (a frame cannot be decoded)") from None
     return DecodedVideo(out, plan, pts_s)
+
+
+def _shown(
+    decoded: Iterator[VideoFrame], index: VideoIndex, header: VideoHeader, limits: VideoConfig, be: PyAVBackend,
+    deadline: float,
+) -> Iterator[tuple[int, VideoFrame]]:
+    """The decoder's frames (which it gives in presentation order) with their place on the index's timeline: by
+    stamp, or, where the stamps are decode order, by count from the first frame. Checks the deadline and the frame
+    size at every frame decoded."""
+    count = 0
+    for frame in decoded:
+        be.frames_decoded += 1
+        if time.monotonic() > deadline:
+            raise _timeout(limits)
+        if frame.width != header.width or frame.height != header.height:
+            raise VideoInputError(
+                "invalid_video", f"a frame decoded at {frame.width}x{frame.height}, not the "
+                f"{header.width}x{header.height} the header declares"
+            )
+        if index.decode_order_stamps:
+            count += 1
+            yield count - 1, frame
+        elif frame.pts is not None:
+            yield bisect.bisect_left(index.pts, int(frame.pts)), frame
 
 
 def _convert(be: PyAVBackend, frame, shape: tuple[int, int], resize: bool) -> np.ndarray:

@@ -200,6 +200,35 @@ def test_resized_frames_have_the_plans_size_and_the_decoder_holds_one_full_frame
     assert be.max_held == 1
 
 
+# (container, codec, bframes): with B-frames (for VP9, hidden alt-ref frames) frames are stored out of display order
+PRESENTATION_CASES = [
+    ("avi", "libx264", 0), ("avi", "libx264", 3), ("avi", "mpeg4", 3),
+    ("mp4", "libx264", 0), ("mp4", "libx264", 3),
+    ("matroska", "libx264", 0), ("matroska", "libx264", 3),
+    ("webm", "libvpx-vp9", 0), ("webm", "libvpx-vp9", 3),
+]
+
+
+def assert_frames_shown_at_their_times(data: bytes, limits: VideoConfig) -> None:
+    """Each sampled frame is the frame a front-to-back decode of the same file shows at the sampled place, and its
+    time is that place over the frame rate; the plan counts the frames that decode shows."""
+    ref = reference_frames(data)
+    loaded = load_video(data, limits, PROC, resize=False)
+    assert loaded.index.num_frames == len(ref)
+    wrong = [i for k, i in enumerate(loaded.plan.frame_indices) if not np.array_equal(loaded.video.frames[k], ref[i])]
+    assert wrong == [], f"{len(wrong)} of {loaded.plan.num_frames} sampled frames are not the frame shown there"
+    # (Matroska stamps in milliseconds)
+    assert loaded.video.pts_s == pytest.approx([i / loaded.header.fps for i in loaded.plan.frame_indices], abs=1e-3)
+
+
+@pytest.mark.parametrize(("container", "codec", "bframes"), PRESENTATION_CASES,
+                         ids=[f"{c}-{k}-b{b}" for c, k, b in PRESENTATION_CASES])
+def test_each_sampled_frame_is_the_one_shown_at_its_time(container: str, codec: str, bframes: int) -> None:
+    data = make_clip(3, 64, 48, fps=30, gop=12, container=container, codec=codec, bframes=bframes)
+    for fps in (2.0, 10.0):  # 6 and 30 of the 90 frames
+        assert_frames_shown_at_their_times(data, VideoConfig(video_fps=fps))
+
+
 @pytest.mark.parametrize(("container", "codec", "name"), [
     ("matroska", "libvpx-vp9", "vp9"), ("matroska", "libvpx", "vp8"), ("avi", "mpeg4", "mpeg4"),
     ("mp4", "libx264", "h264"), ("mp4", "libx265", "hevc"),  # x265 puts B-frames in: decode order != display order
