@@ -6,8 +6,8 @@ Three stages, each reading less than the next would (docs/video.md):
 1. ``probe_video``: the container's header only (no packet read, no frame decoded): container format, codec, frame
    size, frame rate, duration and frame count. Every limit that can be checked there is (``VideoConfig``: bytes,
    pixels per frame, seconds, frames in the container); a video over one is refused naming what was counted.
-2. ``index_video``: the video stream's packets, demuxed but not decoded: every frame's presentation timestamp and
-   which are key frames. This is the frame count the plan uses, so a header that lies about its length cannot make
+2. ``index_video``: the video stream's packets, demuxed but not decoded: every shown frame's presentation timestamp
+   (not the pre-roll an MP4 edit list hides) and which are key frames. This is the frame count the plan uses, so a header that lies about its length cannot make
    the server sample (or decode) past what the limits allow: the pass stops, refusing, at the first packet over
    ``max_video_source_frames`` or ``video_max_seconds``, and a container holding fewer frames than its header
    declares is refused as truncated.
@@ -258,7 +258,9 @@ def index_video(
     data: bytes, header: VideoHeader, limits: VideoConfig, backend: PyAVBackend | None = None,
     deadline: float | None = None,
 ) -> VideoIndex:
-    """Demux the video stream's packets (no decoding) up to the limits: every frame's pts and the key frames."""
+    """Demux the video stream's packets (no decoding) up to the limits: every shown frame's pts and the key frames.
+    Frames an MP4 edit list hides (the pre-roll before a cut made without re-encoding, which FFmpeg flags discard
+    and its decoder drops) are no frames of the clip: they are counted against the limits, never planned."""
     be = _backend(backend)
     deadline = deadline if deadline is not None else time.monotonic() + limits.video_decode_timeout_s
     max_frames = limits.max_video_source_frames
@@ -268,19 +270,22 @@ def index_video(
             tb = float(s.time_base)
             start = int(s.start_time or 0)
             max_pts = start + limits.video_max_seconds / tb
-            pts: list[int] = []
-            keys: list[int] = []
+            pts: list[int] = []  # the shown frames'
+            keys: list[int] = []  # hidden ones included: a decode may have to start before the first shown frame
+            num_packets = 0
             for packet in c.demux(s):
                 if packet.size == 0:  # the end-of-stream marker PyAV yields per stream
                     continue
                 be.packets_demuxed += 1
+                num_packets += 1
                 p = packet.pts if packet.pts is not None else packet.dts
                 if p is None:
                     continue
-                pts.append(int(p))
+                if not packet.is_discard:
+                    pts.append(int(p))
                 if packet.is_keyframe:
                     keys.append(int(p))
-                if len(pts) > max_frames:
+                if num_packets > max_frames:
                     raise VideoInputError(
                         "video_too_long", f"video holds more than {max_frames} frames (its header declares "
                         f"{header.num_frames}); the limit is {max_frames}"
@@ -298,15 +303,15 @@ def index_video(
         raise VideoInputError("invalid_video", "video data is truncated or corrupt (its packets cannot be read)") from None
     if not pts:
         raise VideoInputError("invalid_video", f"video holds 0 frames (its header declares {header.num_frames})")
-    if header.frames_declared and len(pts) < header.num_frames:
+    if header.frames_declared and num_packets < header.num_frames:  # an MP4 declares its hidden frames too
         raise VideoInputError(
             "invalid_video", f"video is truncated: its header declares {header.num_frames} frames, "
-            f"{len(pts)} are present"
+            f"{num_packets} are present"
         )
     pts.sort()
+    keys.sort()
     if not keys or keys[0] > pts[0]:  # a stream whose first packet is not flagged key: decode from the start
         keys.insert(0, pts[0])
-    keys.sort()
     return VideoIndex(tuple(pts), tuple(keys), tb, header.container in DECODE_ORDER_CONTAINERS)
 
 
@@ -577,7 +582,7 @@ def _shown(
         if index.decode_order_stamps:
             count += 1
             yield count - 1, frame
-        elif frame.pts is not None:
+        elif frame.pts is not None and frame.pts >= index.pts[0]:  # (before it: hidden by an edit list)
             yield bisect.bisect_left(index.pts, int(frame.pts)), frame
 
 

@@ -126,6 +126,27 @@ def _write(out: object, n: int, width: int, height: int, fps: int, codec: str, c
                 c.mux(packet)
 
 
+def trim_clip(data: bytes, start_s: float) -> bytes:
+    """An MP4 cut from ``start_s`` without re-encoding, as ``ffmpeg -ss START -i in.mp4 -c copy out.mp4`` cuts it: the
+    packets from the key frame at or before ``start_s`` on, their timestamps moved so that ``start_s`` is 0. The
+    frames before it (the pre-roll the decoder needs) get negative timestamps, which the MP4 muxer hides behind an
+    edit list: a player shows the clip from ``start_s``, a reader that ignores the edit list sees them all."""
+    out = io.BytesIO()
+    with av.open(io.BytesIO(data)) as src, av.open(out, "w", format="mp4") as dst:
+        stream = src.streams.video[0]
+        shift = round(start_s / stream.time_base)
+        cut = dst.add_stream_from_template(stream)
+        src.seek(shift, stream=stream, backward=True, any_frame=False)
+        for packet in src.demux(stream):
+            if packet.size == 0:  # the end-of-stream marker PyAV yields per stream
+                continue
+            packet.pts -= shift
+            packet.dts -= shift
+            packet.stream = cut
+            dst.mux(packet)
+    return out.getvalue()
+
+
 def write_clip(path: Path, **kwargs: object) -> Path:
     path.write_bytes(make_clip(**kwargs))  # type: ignore[arg-type]
     return path

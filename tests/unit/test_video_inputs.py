@@ -29,7 +29,7 @@ from firsttoken.inputs.video import (
     plan_video_bytes,
     probe_video,
 )
-from firsttoken.inputs.video_synth import make_clip
+from firsttoken.inputs.video_synth import make_clip, trim_clip
 from firsttoken.models.config import ImageProcessorConfig
 from tests.video_fakes import open_fds, patch_mkv_duration, qwen_plan, qwen_vl_utils_oracle, threads_alive
 
@@ -226,6 +226,20 @@ def assert_frames_shown_at_their_times(data: bytes, limits: VideoConfig) -> None
 def test_each_sampled_frame_is_the_one_shown_at_its_time(container: str, codec: str, bframes: int) -> None:
     data = make_clip(3, 64, 48, fps=30, gop=12, container=container, codec=codec, bframes=bframes)
     for fps in (2.0, 10.0):  # 6 and 30 of the 90 frames
+        assert_frames_shown_at_their_times(data, VideoConfig(video_fps=fps))
+
+
+@pytest.mark.parametrize("bframes", [0, 3])
+def test_an_mp4_cut_without_reencoding_is_planned_over_the_frames_it_shows(bframes: int) -> None:
+    """Cut at 4.9 s the usual way (ffmpeg -ss 4.9 -c copy: trim_clip), a 7 s clip whose only key frame is at 0 s
+    keeps 49 frames of pre-roll that its edit list hides: the clip is the 21 frames from 4.9 s, 2.0 s of video."""
+    data = trim_clip(make_clip(7, 64, 48, fps=10, bframes=bframes), 4.9)
+    be = PyAVBackend()
+    loaded = load_video(data, VideoConfig(), PROC, backend=be, resize=False)
+    assert (loaded.header.num_frames, loaded.index.num_frames) == (70, 21)  # the header counts the hidden frames
+    assert loaded.plan.frame_indices == (0, 7, 13, 20) and loaded.plan.timestamps_s[-1] == pytest.approx(2.0)
+    assert be.frames_converted == 4
+    for fps in (2.0, 10.0):
         assert_frames_shown_at_their_times(data, VideoConfig(video_fps=fps))
 
 
