@@ -92,3 +92,15 @@ def qwen_plan(q: SimpleNamespace, total: int, video_fps: float, width: int, heig
                      int(min_pixels * 1.05))
     rh, rw = q.smart_resize(height, width, factor=factor, min_pixels=min_pixels, max_pixels=max_pixels)
     return nframes, idx, (rw, rh)
+
+
+class TickingClock:
+    """A clock for PyAVBackend that moves one second each time it is read: the backend reads it at every packet and
+    every decoded frame, so a deadline of N seconds is N reads."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        self.now += 1.0
+        return self.now

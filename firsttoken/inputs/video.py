@@ -36,7 +36,7 @@ import bisect
 import io
 import math
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -111,6 +111,9 @@ class VideoIndex:
     # True where the container stamps packets in decode order (AVI stores no presentation times): a decoded frame's
     # place on the timeline is then its count from the first frame the decoder gives, not its stamp
     decode_order_stamps: bool = False
+    # seconds of the video's one deadline (--video-decode-timeout) spent up to the end of the packet pass; a decode
+    # started later gets what is left
+    deadline_used_s: float = 0.0
 
     @property
     def num_frames(self) -> int:
@@ -134,10 +137,12 @@ def sniff_container(data: bytes) -> str | None:
 
 class PyAVBackend:
     """Opens containers from bytes with PyAV; counts what it does (the seam tests use: pass a fresh instance and read
-    its counters). One decoder thread by default: the server's preprocessing pool is what runs videos in parallel."""
+    its counters). One decoder thread by default: the server's preprocessing pool is what runs videos in parallel.
+    ``clock``: monotonic seconds, read at every packet and every decoded frame against the video's deadline."""
 
-    def __init__(self, threads: int = 1) -> None:
+    def __init__(self, threads: int = 1, clock: Callable[[], float] = time.monotonic) -> None:
         self.threads = threads
+        self.clock = clock
         self.opened = 0  # containers opened
         self.packets_demuxed = 0
         self.frames_decoded = 0  # frames out of the decoder, sampled or not
@@ -262,7 +267,7 @@ def index_video(
     Frames an MP4 edit list hides (the pre-roll before a cut made without re-encoding, which FFmpeg flags discard
     and its decoder drops) are no frames of the clip: they are counted against the limits, never planned."""
     be = _backend(backend)
-    deadline = deadline if deadline is not None else time.monotonic() + limits.video_decode_timeout_s
+    deadline = deadline if deadline is not None else be.clock() + limits.video_decode_timeout_s
     max_frames = limits.max_video_source_frames
     try:
         with be.open(data, header.container) as c:
@@ -295,12 +300,13 @@ def index_video(
                         "video_too_long", f"video runs past {limits.video_max_seconds:g} s (its header declares "
                         f"{header.duration_s:.1f} s); the limit is {limits.video_max_seconds:g} s"
                     )
-                if time.monotonic() > deadline:
+                if be.clock() > deadline:
                     raise _timeout(limits)
     except VideoInputError:
         raise
     except _av_errors():
         raise VideoInputError("invalid_video", "video data is truncated or corrupt (its packets cannot be read)") from None
+    used_s = limits.video_decode_timeout_s - (deadline - be.clock())
     if not pts:
         raise VideoInputError("invalid_video", f"video holds 0 frames (its header declares {header.num_frames})")
     if header.frames_declared and num_packets < header.num_frames:  # an MP4 declares its hidden frames too
@@ -312,7 +318,7 @@ def index_video(
     keys.sort()
     if not keys or keys[0] > pts[0]:  # a stream whose first packet is not flagged key: decode from the start
         keys.insert(0, pts[0])
-    return VideoIndex(tuple(pts), tuple(keys), tb, header.container in DECODE_ORDER_CONTAINERS)
+    return VideoIndex(tuple(pts), tuple(keys), tb, header.container in DECODE_ORDER_CONTAINERS, used_s)
 
 
 def _timeout(limits: VideoConfig) -> VideoInputError:
@@ -515,9 +521,10 @@ def decode_video(
     before it unless the decoder already stands between that key frame and it, then decode forward to it. Where it
     stamps them in decode order (AVI), one forward pass from the first frame, placing frames by their count (a seek
     would lose it). Each sampled frame is converted and resized alone: at most one full-size RGB frame is alive at
-    a time (``backend.max_held``)."""
+    a time (``backend.max_held``). The deadline is the video's one: what the packet pass left of it, unless given."""
     be = _backend(backend)
-    deadline = deadline if deadline is not None else time.monotonic() + limits.video_decode_timeout_s
+    if deadline is None:
+        deadline = be.clock() + limits.video_decode_timeout_s - index.deadline_used_s
     rw, rh = plan.resized_size
     shape = (rh, rw) if resize else (header.height, header.width)
     out = np.empty((plan.num_frames, *shape, 3), dtype=np.uint8)
@@ -572,7 +579,7 @@ def _shown(
     count = 0
     for frame in decoded:
         be.frames_decoded += 1
-        if time.monotonic() > deadline:
+        if be.clock() > deadline:
             raise _timeout(limits)
         if frame.width != header.width or frame.height != header.height:
             raise VideoInputError(
@@ -613,9 +620,11 @@ def plan_video_bytes(
     data: bytes, limits: VideoConfig, proc: ImageProcessorConfig, ask: VideoAsk = VideoAsk(),
     backend: PyAVBackend | None = None, param: str = "video_url", deadline: float | None = None,
 ) -> tuple[VideoHeader, VideoIndex, VideoPlan]:
-    """Header, packet index and plan, nothing decoded: the video's exact token count (for /tokenize, admission)."""
+    """Header, packet index and plan, nothing decoded: the video's exact token count (for /tokenize, admission). The
+    video's deadline starts here (unless given): ``index.deadline_used_s`` carries what was spent to the decode."""
     be = _backend(backend)
     check_ask(limits, ask, param)
+    deadline = deadline if deadline is not None else be.clock() + limits.video_decode_timeout_s
     header = probe_video(data, limits, be)
     index = index_video(data, header, limits, be, deadline)
     plan = plan_video(index.num_frames, header.fps, header.width, header.height, limits, proc, ask, param)
@@ -628,9 +637,8 @@ def load_video(
 ) -> LoadedVideo:
     """Probe, index, plan, decode: everything a video part needs, under one deadline."""
     be = _backend(backend)
-    deadline = time.monotonic() + limits.video_decode_timeout_s
-    header, index, plan = plan_video_bytes(data, limits, proc, ask, be, param, deadline)
-    return LoadedVideo(header, index, plan, decode_video(data, header, index, plan, limits, be, deadline, resize))
+    header, index, plan = plan_video_bytes(data, limits, proc, ask, be, param)
+    return LoadedVideo(header, index, plan, decode_video(data, header, index, plan, limits, be, resize=resize))
 
 
 # ---------------------------------------------------------------------------------------------- frame lists

@@ -31,7 +31,14 @@ from firsttoken.inputs.video import (
 )
 from firsttoken.inputs.video_synth import make_clip, trim_clip
 from firsttoken.models.config import ImageProcessorConfig
-from tests.video_fakes import open_fds, patch_mkv_duration, qwen_plan, qwen_vl_utils_oracle, threads_alive
+from tests.video_fakes import (
+    TickingClock,
+    open_fds,
+    patch_mkv_duration,
+    qwen_plan,
+    qwen_vl_utils_oracle,
+    threads_alive,
+)
 
 PROC = ImageProcessorConfig()  # Qwen2/2.5-VL: 14 px patches, 2x2 merge, 2 frames per temporal patch
 PROC3 = ImageProcessorConfig(patch_size=16)  # Qwen3-VL's 16 px patches
@@ -282,6 +289,25 @@ def test_a_passed_deadline_is_a_timeout_not_a_decode(clip: bytes) -> None:
     with pytest.raises(VideoInputError, match="longer than") as err:
         decode_video(clip, header, index, plan, limits, be, deadline=time.monotonic() - 1)
     assert be.frames_decoded == 1 and be.frames_converted == 0
+
+
+def test_one_deadline_covers_reading_and_decoding_a_video(clip: bytes) -> None:
+    """As the server runs a video (plan before admission, decode after), the packet pass and the decode share one
+    --video-decode-timeout. The clock ticks a second per read: the 90 packets use 90+ of 100 seconds, and decoding
+    the 6 sampled frames needs 33 frames through the decoder, so the decode runs out after the few seconds left."""
+    be = PyAVBackend(clock=TickingClock())
+    limits = VideoConfig(video_decode_timeout_s=100)
+    header, index, plan = plan_video_bytes(clip, limits, PROC, backend=be)
+    assert be.packets_demuxed == 90
+    with pytest.raises(VideoInputError, match="longer than 100 s") as err:
+        decode_video(clip, header, index, plan, limits, be)
+    assert err.value.code == "video_timeout"
+    assert be.clock.now < 110  # about 100 reads in all (a few more start and end the two stages), not 2 x 100
+    assert 0 < be.frames_decoded < 33 and be.frames_converted < 6
+    be = PyAVBackend(clock=TickingClock())  # with room for both, the same video decodes
+    limits = VideoConfig(video_decode_timeout_s=150)
+    header, index, plan = plan_video_bytes(clip, limits, PROC, backend=be)
+    assert decode_video(clip, header, index, plan, limits, be).frames.shape[0] == 6
 
 
 # ---------------------------------------------------------------------------------------------- bad videos
