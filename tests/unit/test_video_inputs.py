@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import gc
 import itertools
+import json
+import subprocess
+import sys
 import time
 
 import av
@@ -22,17 +25,18 @@ from firsttoken.inputs.video import (
     VideoInputError,
     decode_frame_list,
     decode_video,
-    index_video,
     load_video,
     plan_frame_list,
     plan_video,
     plan_video_bytes,
     probe_video,
+    read_video,
 )
 from firsttoken.inputs.video_synth import make_clip, trim_clip
 from firsttoken.models.config import ImageProcessorConfig
 from tests.video_fakes import (
     TickingClock,
+    many_streams,
     open_fds,
     patch_mkv_duration,
     qwen_plan,
@@ -191,9 +195,9 @@ def test_decode_returns_exactly_the_planned_frames_reading_only_what_it_must(cli
     for k, i in enumerate(loaded.plan.frame_indices):
         assert np.array_equal(loaded.video.frames[k], ref[i])
     assert loaded.video.pts_s == pytest.approx([i / 30 for i in loaded.plan.frame_indices])
-    # Counts: one container for the header, one for the packets, one to decode; every packet demuxed once; decoding
+    # Counts: one container for the header and the packets, one to decode; every packet demuxed once; decoding
     # starts at the key frame before each sampled frame (0, 10, 30, 50, 70, 80), so it stops well short of all 90.
-    assert be.opened == 3 and be.packets_demuxed == 90
+    assert be.opened == 2 and be.packets_demuxed == 90
     assert be.frames_converted == 6
     assert be.frames_decoded == 1 + 9 + 7 + 4 + 2 + 10 == 33
     assert be.max_held == 1 and be.held == 0  # one full-size RGB frame alive at a time
@@ -280,11 +284,10 @@ def test_plan_from_bytes_decodes_nothing(clip: bytes) -> None:
 def test_a_passed_deadline_is_a_timeout_not_a_decode(clip: bytes) -> None:
     be = PyAVBackend()
     limits = VideoConfig()
-    header = probe_video(clip, limits, be)
     with pytest.raises(VideoInputError, match="longer than 30 s") as err:
-        index_video(clip, header, limits, be, deadline=time.monotonic() - 1)
+        read_video(clip, limits, be, deadline=time.monotonic() - 1)
     assert err.value.code == "video_timeout"
-    index = index_video(clip, header, limits, be)
+    header, index = read_video(clip, limits, be)
     plan = plan_video(index.num_frames, header.fps, header.width, header.height, limits, PROC)
     with pytest.raises(VideoInputError, match="longer than") as err:
         decode_video(clip, header, index, plan, limits, be, deadline=time.monotonic() - 1)
@@ -333,6 +336,68 @@ def test_over_a_header_limit_nothing_is_demuxed_or_decoded(clip: bytes) -> None:
         err, be = _refused(clip, limits)
         assert (err.code, str(err)) == (code, message)
         assert (be.packets_demuxed, be.frames_decoded) == (0, 0)
+
+
+@pytest.mark.parametrize(("container", "name"), [("mp4", "MP4/MOV"), ("matroska", "WebM/Matroska"), ("avi", "AVI")])
+def test_a_container_of_more_streams_than_the_limit_is_refused_before_ffmpeg_opens_it(container: str, name: str) -> None:
+    one = make_clip(0.2, 32, 32, fps=10, container=container)
+    err, be = _refused(many_streams(one, 17, container))
+    assert (err.code, str(err)) == ("unsupported_video", f"video container ({name}) holds 17 streams; the limit is 16")
+    assert be.opened == 0
+    loaded = load_video(many_streams(one, 16, container), VideoConfig(), PROC)  # at the limit: served
+    assert (loaded.header.num_streams, loaded.plan.num_frames) == (16, 2)
+
+
+# The child reads each file, loads it once and prints what it cost: its peak RSS over the RSS it had just before
+# (everything imported, one small clip already decoded; Linux's peak is reset through /proc/self/clear_refs), CPU
+# seconds, the backend's counts and the refusal.
+_COST_CHILD = """
+import json, sys, time
+from firsttoken.config import VideoConfig
+from firsttoken.inputs.video import PyAVBackend, VideoInputError, load_video
+from firsttoken.inputs.video_synth import make_clip
+from firsttoken.models.config import ImageProcessorConfig
+load_video(make_clip(1, 64, 48, fps=10), VideoConfig(), ImageProcessorConfig())
+def status_kib(field):
+    return int(next(line.split()[1] for line in open("/proc/self/status") if line.startswith(field + ":")))
+out = []
+for path in sys.argv[1:]:
+    data = open(path, "rb").read()
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # the peak (VmHWM) starts again from the RSS now
+    rss = status_kib("VmRSS")
+    cpu, be, refusal = time.process_time(), PyAVBackend(), None
+    try:
+        load_video(data, VideoConfig(), ImageProcessorConfig(), backend=be)
+    except VideoInputError as err:
+        refusal = str(err)
+    out.append({"rise_bytes": (status_kib("VmHWM") - rss) * 1024,
+                "cpu_s": time.process_time() - cpu, "opened": be.opened, "decoded": be.frames_decoded,
+                "refusal": refusal})
+print(json.dumps(out))
+"""
+
+
+def test_many_large_one_frame_streams_cost_no_decoding_before_their_400(tmp_path) -> None:
+    """64 streams of one 4096x2160 frame each in a ~2.6 MB Matroska file: FFmpeg's probe decoded a frame of every
+    stream when the container was opened, before any check of ours (~1.4 GB of RSS and ~4.4 CPU seconds here, more
+    with two preprocessing threads at once). Now it is refused from its structure before FFmpeg opens it; and at
+    the default limit of 16 streams, the one open reads one packet and decodes none: the 400 names the one frame.
+    Bounds, generous: RSS rises under 200 MB, under 2 CPU seconds each (measured in a fresh process)."""
+    frame = make_clip(0.1, 4096, 2160, fps=10, container="matroska")  # one frame
+    paths = []
+    for n in (16, 64):  # the one FFmpeg opens first: the allocator may keep what it frees for the next
+        paths.append(tmp_path / f"streams{n}.mkv")
+        paths[-1].write_bytes(many_streams(frame, n, "matroska"))
+    run = subprocess.run([sys.executable, "-c", _COST_CHILD, *map(str, paths)], capture_output=True, text=True,
+                         timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    at_limit, over = json.loads(run.stdout)
+    assert over["refusal"] == "video container (WebM/Matroska) holds 64 streams; the limit is 16"
+    assert at_limit["refusal"] == "video holds 1 frame; at least 2 are needed"
+    assert (over["opened"], at_limit["opened"], at_limit["decoded"]) == (0, 1, 0)
+    for cost in (over, at_limit):
+        assert cost["rise_bytes"] < 200 * 2**20 and cost["cpu_s"] < 2.0, cost
 
 
 def test_a_decompression_bomb_is_refused_from_its_header() -> None:
