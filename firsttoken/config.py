@@ -480,6 +480,9 @@ class VideoConfig:
         "decoding; more gets HTTP 400"))
     max_video_pixels: int = field(default=4096 * 4096, metadata=option(
         "declared width x height per video frame, checked from the header before decoding; more gets HTTP 400"))
+    max_video_streams: int = field(default=16, metadata=option(
+        "streams (tracks of any kind) a video's container may hold, counted from its structure before FFmpeg opens "
+        "it (FFmpeg sets up a decoder per stream while probing); more gets HTTP 400"))
     max_video_bytes: int = field(default=256 * 2**20, metadata=option(
         "encoded bytes per video, checked before base64-decoding, reading or fetching it; more gets HTTP 400",
         parse=parse_bytes))
@@ -502,6 +505,7 @@ class VideoConfig:
         _positive("video_max_seconds", self.video_max_seconds)
         _at_least("max_video_source_frames", self.max_video_source_frames, 1)
         _at_least("max_video_pixels", self.max_video_pixels, 1)
+        _at_least("max_video_streams", self.max_video_streams, 1)
         _at_least("max_video_bytes", self.max_video_bytes, 1)
         _positive("video_decode_timeout_s", self.video_decode_timeout_s)
         _at_least("max_videos_per_request", self.max_videos_per_request, 0)

@@ -127,6 +127,12 @@ class ImageItem:
     encoder_units: tuple[EncoderUnit, ...]  # its vision-tower work, in order (the model family's split)
     pixel_values: torch.Tensor | None  # [num_patches, C * T * P * P]; None when the encoder output is cached
     kind: str = "image"  # "image" | "video"
+    video_index: int | None = None  # kind "video": which of the prompt's videos (0, 1, ...) this grid is of
+
+    def __post_init__(self) -> None:
+        if (self.kind == "video") != (self.video_index is not None):
+            raise ValueError(f"a {self.kind} item has video_index={self.video_index}: a video grid needs one, "
+                             "an image none")
 
     @property
     def end(self) -> int:
@@ -335,11 +341,5 @@ class EngineStats:
 
 
 def count_videos(items: "Sequence[ImageItem]") -> int:
-    """Videos among a prompt's vision items: runs of consecutive video grids with one grid shape."""
-    count, previous = 0, None
-    for item in items:
-        if item.kind == "video" and (previous is None or previous.kind != "video"
-                                     or previous.grid_thw != item.grid_thw):
-            count += 1
-        previous = item
-    return count
+    """Videos among a prompt's vision items: the distinct videos their grids are of."""
+    return len({item.video_index for item in items if item.kind == "video"})

@@ -25,6 +25,25 @@ def patch_mkv_duration(data: bytes, seconds: float) -> bytes:
     return data[:at] + struct.pack(">d", seconds * 1000.0) + data[at + 8:]
 
 
+def many_streams(clip: bytes, num_streams: int, container: str) -> bytes:
+    """``clip``'s video stream muxed ``num_streams`` times into one ``container`` file (packets copied, nothing
+    re-encoded): a container of many streams, each as big as the clip's frames. ``clip`` must suit ``container``
+    (AVI takes H.264 only as an AVI clip's packets)."""
+    import io
+
+    import av
+
+    out = io.BytesIO()
+    with av.open(io.BytesIO(clip)) as src, av.open(out, "w", format=container) as dst:
+        stream = src.streams.video[0]
+        copies = [dst.add_stream_from_template(stream) for _ in range(num_streams)]
+        for packet in [p for p in src.demux(stream) if p.size]:
+            for copy in copies:
+                packet.stream = copy
+                dst.mux(packet)
+    return out.getvalue()
+
+
 def open_fds() -> int:
     return len(os.listdir("/proc/self/fd"))
 
@@ -92,3 +111,15 @@ def qwen_plan(q: SimpleNamespace, total: int, video_fps: float, width: int, heig
                      int(min_pixels * 1.05))
     rh, rw = q.smart_resize(height, width, factor=factor, min_pixels=min_pixels, max_pixels=max_pixels)
     return nframes, idx, (rw, rh)
+
+
+class TickingClock:
+    """A clock for PyAVBackend that moves one second each time it is read: the backend reads it at every packet and
+    every decoded frame, so a deadline of N seconds is N reads."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        self.now += 1.0
+        return self.now

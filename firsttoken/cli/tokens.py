@@ -25,7 +25,8 @@ from firsttoken.cli.usage import (
 from firsttoken.config import ImageConfig, VideoConfig, build_config, config_flags
 from firsttoken.inputs.budget import image_budget, plan_image
 from firsttoken.inputs.image import ImageInputError, probe_image
-from firsttoken.inputs.video import plan_video_bytes, sniff_container
+from firsttoken.inputs.video import plan_video_bytes
+from firsttoken.inputs.video_container import sniff_container
 from firsttoken.models.config import ImageProcessorConfig
 from firsttoken.models.registry import read_json
 

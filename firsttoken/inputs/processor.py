@@ -627,12 +627,12 @@ class InputProcessor:
             )
             for im, offset in zip(images, ids.offsets)
         ]
-        for video, offsets in zip(videos, ids.video_offsets):
+        for v, (video, offsets) in enumerate(zip(videos, ids.video_offsets)):
             _, h, w = video.grid_thw
             units = self.family.encoder_units(vision, (1, h, w))
             items += [
                 ImageItem(content_hash=digest, offset=offset, num_tokens=h * w // vision.spatial_merge_size ** 2,
-                          grid_thw=(1, h, w), encoder_units=units, pixel_values=rows, kind="video")
+                          grid_thw=(1, h, w), encoder_units=units, pixel_values=rows, kind="video", video_index=v)
                 for rows, digest, offset in zip(video.grids, video.grid_hashes, offsets)
             ]
         items.sort(key=lambda item: item.offset)

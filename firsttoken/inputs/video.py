@@ -3,21 +3,24 @@ only those frames, in bounded memory and time.
 
 Three stages, each reading less than the next would (docs/video.md):
 
-1. ``probe_video``: the container's header only (no packet read, no frame decoded): container format, codec, frame
-   size, frame rate, duration and frame count. Every limit that can be checked there is (``VideoConfig``: bytes,
-   pixels per frame, seconds, frames in the container); a video over one is refused naming what was counted.
-2. ``index_video``: the video stream's packets, demuxed but not decoded: every frame's presentation timestamp and
-   which are key frames. This is the frame count the plan uses, so a header that lies about its length cannot make
-   the server sample (or decode) past what the limits allow: the pass stops, refusing, at the first packet over
-   ``max_video_source_frames`` or ``video_max_seconds``, and a container holding fewer frames than its header
-   declares is refused as truncated.
+1. Before FFmpeg sees the bytes: their size, the container's kind (``video_container.sniff_container``) and how many
+   streams it declares (``count_streams``, from its own structure). FFmpeg's probe, which ``av.open`` runs, is
+   bounded (``header_probe``): it reads one packet and decodes nothing it may skip.
+2. ``read_video``, one open of the container: the header (``probe_video`` alone reads just this): codec, frame size,
+   frame rate, duration and frame count, where every limit that can be checked is (``VideoConfig``: pixels per frame,
+   seconds, frames in the container; a video over one is refused naming what was counted); then the video stream's
+   packets, demuxed but not decoded: every shown frame's presentation timestamp (not the pre-roll an MP4 edit list
+   hides) and which are key frames. This is the frame count the plan uses, so a header that lies about its length
+   cannot make the server sample (or decode) past what the limits allow: the pass stops, refusing, at the first
+   packet over ``max_video_source_frames`` or ``video_max_seconds``, and a container holding fewer frames than its
+   header declares is refused as truncated.
 3. ``plan_video`` then ``decode_video``: Qwen's sampling (qwen-vl-utils 0.0.14 ``smart_nframes`` and
    ``torch.linspace(0, n - 1, k).round()``: 2 fps, an even count, 4 to 768 frames) under a per-video token cap
    (``video_max_tokens``; frames shrink toward the per-frame minimum first, then the count drops), and a decode
    that seeks to the latest key frame before each sampled frame only when that skips work, converts only the
    sampled frames, resizes each to the plan's size as it comes out of the decoder (one full-size frame held at a
-   time; ``video_pixels.resize_frame``, bit-identical to transformers' video processors), and checks a deadline
-   between frames. The container is closed on every way out.
+   time; ``video_pixels.resize_frame``, bit-identical to transformers' video processors), and checks the video's
+   one deadline (from step 2 on) between frames. The container is closed on every way out.
 
 A video may also be a list of frames (images, as vLLM accepts): ``plan_frame_list`` / ``decode_frame_list``, under
 the same caps; every frame is probed (``probe_image``) before any is decoded.
@@ -36,8 +39,10 @@ import bisect
 import io
 import math
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -52,21 +57,31 @@ from firsttoken.inputs.image import (
     probe_image,
     smart_resize,
 )
+from firsttoken.inputs.video_container import CONTAINERS, count_streams, sniff_container
 from firsttoken.inputs.video_pixels import resize_frame
 from firsttoken.models.config import ImageProcessorConfig
+
+if TYPE_CHECKING:  # PyAV is imported where a container is opened
+    from av.container import InputContainer
+    from av.video.frame import VideoFrame
 
 # qwen-vl-utils 0.0.14 (vision_process.py): the sampling rules this module reproduces.
 FRAME_FACTOR = 2  # sampled frames come in pairs (one temporal patch of two frames per grid)
 FPS_MIN_FRAMES = 4
 
-# Containers we let FFmpeg parse, told by their first bytes; anything else is refused before FFmpeg sees it (its
-# playlist and concat demuxers open other files and URLs by themselves). Value: FFmpeg's demuxer name, passed to
-# av.open so FFmpeg probes nothing.
-CONTAINERS = {"mov": "MP4/MOV", "matroska": "WebM/Matroska", "avi": "AVI"}
 # Codecs we decode (FFmpeg codec names). A stream in another codec is refused naming it.
 ALLOWED_CODECS = ("h264", "hevc", "vp8", "vp9", "av1", "mpeg4", "mpeg2video", "mjpeg")
 MAX_DECLARED_FPS = 1000.0
-_ISO_BOXES = (b"ftyp", b"moov", b"mdat", b"free", b"wide", b"skip", b"pnot")
+# Containers whose packets FFmpeg stamps by their place in the file (decode order), not by when they are shown: AVI
+# has no presentation times. With B-frames the two orders differ; the decoder's output order is the shown one.
+DECODE_ORDER_CONTAINERS = ("avi",)
+# Opening a container runs FFmpeg's probe (avformat_find_stream_info): it sets up a decoder for every stream and
+# decodes frames until it knows each one's pixel format and, for H.264, how far frames are reordered; unbounded, a
+# file of many large one-frame streams costs a decoded frame per stream before any check of ours. Bounded here, per
+# open (with the stream count, checked before FFmpeg sees the file):
+HEADER_PROBE_BYTES = 32  # FFmpeg's minimum: reading the header and packets, the probe reads one packet
+DECODE_PROBE_BYTES = 5_000_000  # FFmpeg's default, for the one stream a decode probes
+DECODE_PROBE_US = 5_000_000  # ... and its default analysis duration, in microseconds
 
 
 class VideoInputError(ImageInputError):
@@ -91,39 +106,76 @@ class VideoHeader:
     num_frames: int  # declared by the container, else round(duration_s * fps)
     frames_declared: bool  # True: the container states its frame count (MP4); False: estimated from the duration
     num_bytes: int
+    stream_index: int  # FFmpeg's index of the video stream read (the container's first)
+    num_streams: int  # streams in the container, of every kind
 
 
 @dataclass(frozen=True)
 class VideoIndex:
-    """The video stream's packets, demuxed but not decoded: presentation timestamps in stream time base."""
+    """The video stream's packets, demuxed but not decoded: the clip's frames on its presentation timeline, in stream
+    time base. Frame ``i`` of the clip (what a plan's ``frame_indices`` count) is the frame shown at ``pts[i]``."""
 
-    pts: tuple[int, ...]  # every frame's pts, in presentation order
-    key_pts: tuple[int, ...]  # the key frames' pts, sorted
+    pts: tuple[int, ...]  # every frame's presentation stamp, ascending
+    key_pts: tuple[int, ...]  # the key frames' stamps, ascending: where a decode may start
     time_base: float  # seconds per pts unit
-    start_pts: int
+    # True where the container stamps packets in decode order (AVI stores no presentation times): a decoded frame's
+    # place on the timeline is then its count from the first frame the decoder gives, not its stamp
+    decode_order_stamps: bool = False
+    # seconds of the video's one deadline (--video-decode-timeout) spent up to the end of the packet pass; a decode
+    # started later gets what is left
+    deadline_used_s: float = 0.0
 
     @property
     def num_frames(self) -> int:
         return len(self.pts)
 
+    def seconds(self, i: int) -> float:
+        """Frame ``i``'s presentation time from the clip's first frame."""
+        return (self.pts[i] - self.pts[0]) * self.time_base
 
-def sniff_container(data: bytes) -> str | None:
-    """FFmpeg's demuxer name for the container ``data`` starts like, or None."""
-    if len(data) >= 12 and data[4:8] in _ISO_BOXES:
-        return "mov"
-    if data[:4] == b"\x1a\x45\xdf\xa3":
-        return "matroska"
-    if len(data) >= 12 and data[:4] == b"RIFF" and data[8:12] == b"AVI ":
-        return "avi"
-    return None
+
+@dataclass(frozen=True)
+class FFmpegProbe:
+    """What av.open passes FFmpeg: ``options`` for the container and every stream's probe decoder,
+    ``stream_options`` by stream index, over ``options``."""
+
+    options: dict[str, str]
+    stream_options: tuple[dict[str, str], ...] = ()
+
+
+def header_probe(limits: VideoConfig) -> FFmpegProbe:
+    """For reading the header and packets: the probe reads one packet and decodes nothing it may skip (H.264,
+    HEVC, AV1, MPEG-2 and MJPEG decode nothing; MPEG-4 Part 2 and VP9 decoders ignore skip_frame and may decode
+    that one packet). No max_pixels here: where a decoder refuses a size over it, FFmpeg reports the stream's size
+    as 0x0, and the header check would no longer name the size it refuses."""
+    return FFmpegProbe({**_probe_bounds(limits), "probesize": str(HEADER_PROBE_BYTES), "skip_frame": "all"})
+
+
+def decode_probe(limits: VideoConfig, header: VideoHeader) -> FFmpegProbe:
+    """For decoding (a header that passed the checks): FFmpeg's usual probe on the video stream alone (its first
+    frames tell the decoder how far frames are reordered, which it would otherwise learn by dropping frames), no
+    frame over the pixel limit whatever size the bitstream claims; no other stream's decoder opens."""
+    closed = {"codec_whitelist": "none"}  # no decoder is named "none": avcodec_open2 refuses them all
+    return FFmpegProbe(
+        {**_probe_bounds(limits), "probesize": str(DECODE_PROBE_BYTES), "analyzeduration": str(DECODE_PROBE_US),
+         "max_pixels": str(limits.max_video_pixels)},
+        tuple({} if i == header.stream_index else closed for i in range(header.num_streams)),
+    )
+
+
+def _probe_bounds(limits: VideoConfig) -> dict[str, str]:
+    # max_streams: FFmpeg's own stream cap, for a structure count_streams could not read
+    return {"max_streams": str(limits.max_video_streams), "threads": "1"}
 
 
 class PyAVBackend:
     """Opens containers from bytes with PyAV; counts what it does (the seam tests use: pass a fresh instance and read
-    its counters). One decoder thread by default: the server's preprocessing pool is what runs videos in parallel."""
+    its counters). One decoder thread by default: the server's preprocessing pool is what runs videos in parallel.
+    ``clock``: monotonic seconds, read at every packet and every decoded frame against the video's deadline."""
 
-    def __init__(self, threads: int = 1) -> None:
+    def __init__(self, threads: int = 1, clock: Callable[[], float] = time.monotonic) -> None:
         self.threads = threads
+        self.clock = clock
         self.opened = 0  # containers opened
         self.packets_demuxed = 0
         self.frames_decoded = 0  # frames out of the decoder, sampled or not
@@ -131,11 +183,12 @@ class PyAVBackend:
         self.held = 0  # full-size RGB frames alive now
         self.max_held = 0  # ... at most, over this backend's life
 
-    def open(self, data: bytes, container: str):  # -> av.container.InputContainer
+    def open(self, data: bytes, container: str, probe: FFmpegProbe) -> InputContainer:
         import av
 
         self.opened += 1
-        return av.open(io.BytesIO(data), mode="r", format=container, metadata_errors="ignore")
+        return av.open(io.BytesIO(data), mode="r", format=container, metadata_errors="ignore",
+                       options=probe.options, stream_options=list(probe.stream_options))
 
     def _hold(self, n: int) -> None:
         self.held += n
@@ -155,7 +208,26 @@ def _av_errors() -> tuple[type[BaseException], ...]:
 
 
 def probe_video(data: bytes, limits: VideoConfig, backend: PyAVBackend | None = None) -> VideoHeader:
-    """The container's header, checked against ``limits``; no packet is read, no frame decoded."""
+    """The container's header, checked against ``limits``; no packet is read past FFmpeg's one-packet probe,
+    nothing decoded that the probe may skip (``header_probe``)."""
+    with _header(data, limits, _backend(backend)) as (_, header):
+        return header
+
+
+def read_video(
+    data: bytes, limits: VideoConfig, backend: PyAVBackend | None = None, deadline: float | None = None,
+) -> tuple[VideoHeader, VideoIndex]:
+    """The header, checked, then the packet index, from one open of the container: nothing decoded. The video's
+    deadline starts here unless given."""
+    be = _backend(backend)
+    deadline = deadline if deadline is not None else be.clock() + limits.video_decode_timeout_s
+    with _header(data, limits, be) as (c, header):
+        return header, _read_index(c, header, limits, be, deadline)
+
+
+@contextmanager
+def _header(data: bytes, limits: VideoConfig, be: PyAVBackend) -> Iterator[tuple[InputContainer, VideoHeader]]:
+    """The open container and its checked header; every check that needs no FFmpeg runs before it opens."""
     if not data:
         raise VideoInputError("invalid_video", "video data is empty")
     if len(data) > limits.max_video_bytes:
@@ -167,10 +239,15 @@ def probe_video(data: bytes, limits: VideoConfig, backend: PyAVBackend | None = 
         raise VideoInputError(
             "invalid_video", f"data is not a supported video container ({', '.join(CONTAINERS.values())})"
         )
-    be = _backend(backend)
+    num_streams = count_streams(data, container)
+    if num_streams is not None and num_streams > limits.max_video_streams:
+        raise VideoInputError(
+            "unsupported_video", f"video container ({CONTAINERS[container]}) holds {num_streams} streams; the limit "
+            f"is {limits.max_video_streams}"
+        )
     try:
-        with be.open(data, container) as c:
-            return _read_header(c, container, len(data), limits)
+        with be.open(data, container, header_probe(limits)) as c:
+            yield c, _read_header(c, container, len(data), limits)
     except VideoInputError:
         raise
     except _av_errors():
@@ -180,7 +257,7 @@ def probe_video(data: bytes, limits: VideoConfig, backend: PyAVBackend | None = 
         ) from None
 
 
-def _read_header(c, container: str, num_bytes: int, limits: VideoConfig) -> VideoHeader:  # c: InputContainer
+def _read_header(c: InputContainer, container: str, num_bytes: int, limits: VideoConfig) -> VideoHeader:
     videos = list(c.streams.video)
     if not videos:
         audio = len(c.streams.audio)
@@ -237,63 +314,65 @@ def _read_header(c, container: str, num_bytes: int, limits: VideoConfig) -> Vide
         )
     if frames <= 0:
         raise VideoInputError("invalid_video", "video declares 0 frames (and no duration)")
-    return VideoHeader(container, codec, width, height, fps, duration, frames, declared, num_bytes)
+    return VideoHeader(container, codec, width, height, fps, duration, frames, declared, num_bytes, s.index,
+                       len(c.streams))
 
 
-def index_video(
-    data: bytes, header: VideoHeader, limits: VideoConfig, backend: PyAVBackend | None = None,
-    deadline: float | None = None,
+def _read_index(
+    c: InputContainer, header: VideoHeader, limits: VideoConfig, be: PyAVBackend, deadline: float,
 ) -> VideoIndex:
-    """Demux the video stream's packets (no decoding) up to the limits: every frame's pts and the key frames."""
-    be = _backend(backend)
-    deadline = deadline if deadline is not None else time.monotonic() + limits.video_decode_timeout_s
+    """Demux the video stream's packets (no decoding) up to the limits: every shown frame's pts and the key frames.
+    Frames an MP4 edit list hides (the pre-roll before a cut made without re-encoding, which FFmpeg flags discard
+    and its decoder drops) are no frames of the clip: they are counted against the limits, never planned."""
     max_frames = limits.max_video_source_frames
+    s = c.streams[header.stream_index]
+    tb = float(s.time_base)
+    max_pts = int(s.start_time or 0) + limits.video_max_seconds / tb
+    pts: list[int] = []  # the shown frames'
+    keys: list[int] = []  # hidden ones included: a decode may have to start before the first shown frame
+    num_packets = 0
     try:
-        with be.open(data, header.container) as c:
-            s = c.streams.video[0]
-            tb = float(s.time_base)
-            start = int(s.start_time or 0)
-            max_pts = start + limits.video_max_seconds / tb
-            pts: list[int] = []
-            keys: list[int] = []
-            for packet in c.demux(s):
-                if packet.size == 0:  # the end-of-stream marker PyAV yields per stream
-                    continue
-                be.packets_demuxed += 1
-                p = packet.pts if packet.pts is not None else packet.dts
-                if p is None:
-                    continue
+        for packet in c.demux(s):
+            if packet.size == 0:  # the end-of-stream marker PyAV yields per stream
+                continue
+            be.packets_demuxed += 1
+            num_packets += 1
+            p = packet.pts if packet.pts is not None else packet.dts
+            if p is None:
+                continue
+            if not packet.is_discard:
                 pts.append(int(p))
-                if packet.is_keyframe:
-                    keys.append(int(p))
-                if len(pts) > max_frames:
-                    raise VideoInputError(
-                        "video_too_long", f"video holds more than {max_frames} frames (its header declares "
-                        f"{header.num_frames}); the limit is {max_frames}"
-                    )
-                if p > max_pts:
-                    raise VideoInputError(
-                        "video_too_long", f"video runs past {limits.video_max_seconds:g} s (its header declares "
-                        f"{header.duration_s:.1f} s); the limit is {limits.video_max_seconds:g} s"
-                    )
-                if time.monotonic() > deadline:
-                    raise _timeout(limits)
+            if packet.is_keyframe:
+                keys.append(int(p))
+            if num_packets > max_frames:
+                raise VideoInputError(
+                    "video_too_long", f"video holds more than {max_frames} frames (its header declares "
+                    f"{header.num_frames}); the limit is {max_frames}"
+                )
+            if p > max_pts:
+                raise VideoInputError(
+                    "video_too_long", f"video runs past {limits.video_max_seconds:g} s (its header declares "
+                    f"{header.duration_s:.1f} s); the limit is {limits.video_max_seconds:g} s"
+                )
+            if be.clock() > deadline:
+                raise _timeout(limits)
     except VideoInputError:
         raise
     except _av_errors():
         raise VideoInputError("invalid_video", "video data is truncated or corrupt (its packets cannot be read)") from None
+    used_s = limits.video_decode_timeout_s - (deadline - be.clock())
     if not pts:
         raise VideoInputError("invalid_video", f"video holds 0 frames (its header declares {header.num_frames})")
-    if header.frames_declared and len(pts) < header.num_frames:
+    if header.frames_declared and num_packets < header.num_frames:  # an MP4 declares its hidden frames too
         raise VideoInputError(
             "invalid_video", f"video is truncated: its header declares {header.num_frames} frames, "
-            f"{len(pts)} are present"
+            f"{num_packets} are present"
         )
     pts.sort()
+    keys.sort()
     if not keys or keys[0] > pts[0]:  # a stream whose first packet is not flagged key: decode from the start
         keys.insert(0, pts[0])
-    keys.sort()
-    return VideoIndex(tuple(pts), tuple(keys), tb, start)
+    return VideoIndex(tuple(pts), tuple(keys), tb, header.container in DECODE_ORDER_CONTAINERS, used_s)
 
 
 def _timeout(limits: VideoConfig) -> VideoInputError:
@@ -413,7 +492,7 @@ def plan_video(
     num_frames: int, fps: float, width: int, height: int, limits: VideoConfig, proc: ImageProcessorConfig,
     ask: VideoAsk = VideoAsk(), param: str = "video_url",
 ) -> VideoPlan:
-    """The sampled frames and their size for a video of ``num_frames`` frames at ``fps`` (from ``index_video``).
+    """The sampled frames and their size for a video of ``num_frames`` frames at ``fps`` (from ``read_video``).
 
     Frames: Qwen's ``smart_nframes`` at the asked (or server's) fps, min 4, max the asked (or server's) max_frames.
     Size: Qwen's fetch_video rule with ``total_pixels`` = the token budget: per-frame max_pixels =
@@ -480,7 +559,7 @@ def _plan(
 @dataclass
 class DecodedVideo:
     """The sampled frames, RGB uint8 [num_frames, height, width, 3] at the plan's resized size (or as decoded with
-    ``resize=False``), with their presentation times in seconds from the stream's start."""
+    ``resize=False``), with their presentation times in seconds from the clip's first frame."""
 
     frames: np.ndarray
     plan: VideoPlan
@@ -491,49 +570,47 @@ def decode_video(
     data: bytes, header: VideoHeader, index: VideoIndex, plan: VideoPlan, limits: VideoConfig,
     backend: PyAVBackend | None = None, deadline: float | None = None, resize: bool = True,
 ) -> DecodedVideo:
-    """Decode only the plan's frames. Per sampled frame: seek to the latest key frame at or before it unless the
-    decoder already stands between that key frame and it, then decode forward to it; convert and resize that frame
-    alone. At most one full-size RGB frame is alive at a time (``backend.max_held``)."""
+    """Decode only the plan's frames: for each, the frame shown at its place on the index's timeline. Where the
+    container stamps frames with their presentation time, per sampled frame: seek to the latest key frame at or
+    before it unless the decoder already stands between that key frame and it, then decode forward to it. Where it
+    stamps them in decode order (AVI), one forward pass from the first frame, placing frames by their count (a seek
+    would lose it). Each sampled frame is converted and resized alone: at most one full-size RGB frame is alive at
+    a time (``backend.max_held``). The deadline is the video's one: what the packet pass left of it, unless given."""
     be = _backend(backend)
-    deadline = deadline if deadline is not None else time.monotonic() + limits.video_decode_timeout_s
+    if deadline is None:
+        deadline = be.clock() + limits.video_decode_timeout_s - index.deadline_used_s
     rw, rh = plan.resized_size
     shape = (rh, rw) if resize else (header.height, header.width)
     out = np.empty((plan.num_frames, *shape, 3), dtype=np.uint8)
     pts_s: list[float] = []
     try:
-        with be.open(data, header.container) as c:
-            s = c.streams.video[0]
+        with be.open(data, header.container, decode_probe(limits, header)) as c:
+            s = c.streams[header.stream_index]
             if be.threads > 1:
                 s.thread_type = "AUTO"
             s.codec_context.thread_count = be.threads
-            pos: int | None = None  # pts of the frame the decoder last gave
-            frames: Iterator = iter(())
+            s.codec_context.options = {**s.codec_context.options, "max_pixels": str(limits.max_video_pixels)}
+            pos = -1  # timeline place of the frame the decoder last gave (-1: none since the decode (re)started)
+            frames: Iterator[tuple[int, VideoFrame]] = iter(())
             for k, i in enumerate(plan.frame_indices):
-                target = index.pts[i]
-                if pos == target and k:  # the same frame again (a padded plan): copy it
+                if k and i == plan.frame_indices[k - 1]:  # the same frame again (a padded plan): copy it
                     out[k] = out[k - 1]
                     pts_s.append(pts_s[-1])
                     continue
-                key = index.key_pts[max(0, bisect.bisect_right(index.key_pts, target) - 1)]
-                if pos is None or not key <= pos < target:  # seeking skips work (or the decoder is past it)
-                    c.seek(key, stream=s, backward=True, any_frame=False)
-                    frames = c.decode(s)
-                    pos = None
-                for frame in frames:
-                    be.frames_decoded += 1
-                    if time.monotonic() > deadline:
-                        raise _timeout(limits)
-                    if frame.width != header.width or frame.height != header.height:
-                        raise VideoInputError(
-                            "invalid_video", f"a frame decoded at {frame.width}x{frame.height}, not the "
-                            f"{header.width}x{header.height} the header declares"
-                        )
-                    if frame.pts is None:
-                        continue
-                    pos = int(frame.pts)
-                    if pos >= target:
+                if index.decode_order_stamps:
+                    if k == 0:
+                        frames = _shown(c.decode(s), index, header, limits, be, deadline)
+                else:
+                    target = index.pts[i]
+                    key = index.key_pts[max(0, bisect.bisect_right(index.key_pts, target) - 1)]
+                    if pos < 0 or not key <= index.pts[pos] < target:  # seeking skips work (or the decoder is past it)
+                        c.seek(key, stream=s, backward=True, any_frame=False)
+                        frames = _shown(c.decode(s), index, header, limits, be, deadline)
+                        pos = -1
+                for pos, frame in frames:
+                    if pos >= i:
                         out[k] = _convert(be, frame, shape, resize)
-                        pts_s.append((pos - index.start_pts) * index.time_base)
+                        pts_s.append(index.seconds(pos))
                         break
                 else:
                     raise VideoInputError(
@@ -545,6 +622,30 @@ def decode_video(
     except _av_errors():
         raise VideoInputError("invalid_video", "video data is truncated or corrupt (a frame cannot be decoded)") from None
     return DecodedVideo(out, plan, pts_s)
+
+
+def _shown(
+    decoded: Iterator[VideoFrame], index: VideoIndex, header: VideoHeader, limits: VideoConfig, be: PyAVBackend,
+    deadline: float,
+) -> Iterator[tuple[int, VideoFrame]]:
+    """The decoder's frames (which it gives in presentation order) with their place on the index's timeline: by
+    stamp, or, where the stamps are decode order, by count from the first frame. Checks the deadline and the frame
+    size at every frame decoded."""
+    count = 0
+    for frame in decoded:
+        be.frames_decoded += 1
+        if be.clock() > deadline:
+            raise _timeout(limits)
+        if frame.width != header.width or frame.height != header.height:
+            raise VideoInputError(
+                "invalid_video", f"a frame decoded at {frame.width}x{frame.height}, not the "
+                f"{header.width}x{header.height} the header declares"
+            )
+        if index.decode_order_stamps:
+            count += 1
+            yield count - 1, frame
+        elif frame.pts is not None and frame.pts >= index.pts[0]:  # (before it: hidden by an edit list)
+            yield bisect.bisect_left(index.pts, int(frame.pts)), frame
 
 
 def _convert(be: PyAVBackend, frame, shape: tuple[int, int], resize: bool) -> np.ndarray:
@@ -574,11 +675,12 @@ def plan_video_bytes(
     data: bytes, limits: VideoConfig, proc: ImageProcessorConfig, ask: VideoAsk = VideoAsk(),
     backend: PyAVBackend | None = None, param: str = "video_url", deadline: float | None = None,
 ) -> tuple[VideoHeader, VideoIndex, VideoPlan]:
-    """Header, packet index and plan, nothing decoded: the video's exact token count (for /tokenize, admission)."""
+    """Header, packet index and plan, nothing decoded: the video's exact token count (for /tokenize, admission). The
+    video's deadline starts here (unless given): ``index.deadline_used_s`` carries what was spent to the decode."""
     be = _backend(backend)
     check_ask(limits, ask, param)
-    header = probe_video(data, limits, be)
-    index = index_video(data, header, limits, be, deadline)
+    deadline = deadline if deadline is not None else be.clock() + limits.video_decode_timeout_s
+    header, index = read_video(data, limits, be, deadline)
     plan = plan_video(index.num_frames, header.fps, header.width, header.height, limits, proc, ask, param)
     return header, index, plan
 
@@ -589,9 +691,8 @@ def load_video(
 ) -> LoadedVideo:
     """Probe, index, plan, decode: everything a video part needs, under one deadline."""
     be = _backend(backend)
-    deadline = time.monotonic() + limits.video_decode_timeout_s
-    header, index, plan = plan_video_bytes(data, limits, proc, ask, be, param, deadline)
-    return LoadedVideo(header, index, plan, decode_video(data, header, index, plan, limits, be, deadline, resize))
+    header, index, plan = plan_video_bytes(data, limits, proc, ask, be, param)
+    return LoadedVideo(header, index, plan, decode_video(data, header, index, plan, limits, be, resize=resize))
 
 
 # ---------------------------------------------------------------------------------------------- frame lists

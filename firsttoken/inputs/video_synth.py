@@ -49,12 +49,15 @@ def make_clip(
     options: dict[str, str] | None = None,
     num_frames: int | None = None,
     flat: bool = False,
+    bframes: int | None = None,
 ) -> bytes:
     """An encoded clip of round(seconds * fps) frames. ``gop``: frames between key frames (None: the encoder's
     default, 250 for libx264). ``video=False`` with ``audio=True`` makes an audio-only container. ``options``: the
     muxer's (``{"movflags": "faststart"}`` puts an MP4's index before its frames). ``num_frames``: video frames
     to draw instead of seconds x fps (0 with ``audio=True``: a video stream that holds no frame). ``flat``: every
-    frame one grey (huge frames in a tiny file: a decompression bomb)."""
+    frame one grey (huge frames in a tiny file: a decompression bomb). ``bframes``: frames the encoder may code out
+    of display order between two references (None: the encoder's default; libx264's ultrafast preset uses none;
+    for libvpx, VP9 or VP8, any value > 0 turns on hidden alt-ref frames, their counterpart)."""
     if video and (width % 2 or height % 2):
         raise ValueError("make_clip draws yuv420p frames: give an even width and height")
     n = round(seconds * fps) if num_frames is None else num_frames
@@ -62,15 +65,17 @@ def make_clip(
         # FFmpeg's faststart rewrites the file by name in a second pass: it cannot write to memory.
         with tempfile.TemporaryDirectory() as tmp:
             path = Path(tmp) / f"clip.{container}"
-            _write(str(path), n, width, height, fps, codec, container, gop, audio, video, options, seconds, flat)
+            _write(str(path), n, width, height, fps, codec, container, gop, audio, video, options, seconds, flat,
+                   bframes)
             return path.read_bytes()
     out = io.BytesIO()
-    _write(out, n, width, height, fps, codec, container, gop, audio, video, options or {}, seconds, flat)
+    _write(out, n, width, height, fps, codec, container, gop, audio, video, options or {}, seconds, flat, bframes)
     return out.getvalue()
 
 
 def _write(out: object, n: int, width: int, height: int, fps: int, codec: str, container: str, gop: int | None,
-           audio: bool, video: bool, options: dict[str, str], seconds: float, flat: bool) -> None:
+           audio: bool, video: bool, options: dict[str, str], seconds: float, flat: bool,
+           bframes: int | None) -> None:
     with av.open(out, "w", format=container, options=options) as c:
         vs = None
         if video:
@@ -82,6 +87,11 @@ def _write(out: object, n: int, width: int, height: int, fps: int, codec: str, c
                 vs.options = {"preset": "ultrafast"}
             elif vs.codec_context.name == "libx265":
                 vs.options = {"preset": "ultrafast", "x265-params": "log-level=error"}
+            if bframes is not None:
+                if vs.codec_context.name.startswith("libvpx"):
+                    vs.options = {"auto-alt-ref": "1" if bframes else "0", "lag-in-frames": str(4 * bframes)}
+                else:
+                    vs.codec_context.max_b_frames = bframes
         aus = None
         if audio:
             aus = c.add_stream("aac", rate=16000)
@@ -114,6 +124,27 @@ def _write(out: object, n: int, width: int, height: int, fps: int, codec: str, c
                     c.mux(packet)
             for packet in aus.encode():
                 c.mux(packet)
+
+
+def trim_clip(data: bytes, start_s: float) -> bytes:
+    """An MP4 cut from ``start_s`` without re-encoding, as ``ffmpeg -ss START -i in.mp4 -c copy out.mp4`` cuts it: the
+    packets from the key frame at or before ``start_s`` on, their timestamps moved so that ``start_s`` is 0. The
+    frames before it (the pre-roll the decoder needs) get negative timestamps, which the MP4 muxer hides behind an
+    edit list: a player shows the clip from ``start_s``, a reader that ignores the edit list sees them all."""
+    out = io.BytesIO()
+    with av.open(io.BytesIO(data)) as src, av.open(out, "w", format="mp4") as dst:
+        stream = src.streams.video[0]
+        shift = round(start_s / stream.time_base)
+        cut = dst.add_stream_from_template(stream)
+        src.seek(shift, stream=stream, backward=True, any_frame=False)
+        for packet in src.demux(stream):
+            if packet.size == 0:  # the end-of-stream marker PyAV yields per stream
+                continue
+            packet.pts -= shift
+            packet.dts -= shift
+            packet.stream = cut
+            dst.mux(packet)
+    return out.getvalue()
 
 
 def write_clip(path: Path, **kwargs: object) -> Path:

@@ -32,7 +32,7 @@ from tests.e2e.conftest import (
     stop_server,
 )
 from tests.media_fakes import FakeFetcher, FakeResolver, ok, redirect
-from tests.video_fakes import patch_mkv_duration
+from tests.video_fakes import many_streams, patch_mkv_duration
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "bad_inputs.md"
 MAX_IMAGES, MAX_PIXELS, MAX_BODY = 2, 4_000_000, 1 * 2**20
@@ -77,6 +77,8 @@ def clip(kind: str = "ok") -> bytes:
         return patch_mkv_duration(make_clip(1, 32, 32, fps=10, container="matroska"), 10**7)
     if kind == "understated":  # claims 2 s, holds 90 s
         return patch_mkv_duration(make_clip(90, 32, 32, fps=10, container="matroska", gop=30), 2.0)
+    if kind == "many-streams":  # one clip's stream, 64 times
+        return many_streams(make_clip(0.2, 32, 32, fps=10, container="matroska"), 64, "matroska")
     raise ValueError(kind)
 
 
@@ -227,6 +229,8 @@ CORPUS: tuple[BadInput, ...] = (
              param=VIDEO_PARAM),
     BadInput("video: frames of 4096x2304 in 30 KiB (bomb, over --max-video-pixels)", 400,
              lambda e: chat(video(video_url("bomb"))), param=VIDEO_PARAM),
+    BadInput("video: 64 streams in one container (over --max-video-streams 16)", 400,
+             lambda e: chat(video(video_url("many-streams"))), param=VIDEO_PARAM),
     BadInput("video: header declares 10^7 s", 400, lambda e: chat(video(video_url("absurd-duration"))),
              param=VIDEO_PARAM),
     BadInput(f"video: header says 2 s, packets run 90 s (over --video-max-seconds {MAX_VIDEO_SECONDS:g})", 400,

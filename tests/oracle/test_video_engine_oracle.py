@@ -160,8 +160,12 @@ def engine_request(hf_model, config: ModelConfig, prompt: VideoPrompt, rid: str)
     ``get_rope_index``."""
     family = family_named(config.family)
     items, spans = [], iter(prompt.spans)
+    videos = 0
     for part in prompt.parts:
         t, h, w = part.grid
+        video_index = None
+        if part.kind == VIDEO_KIND:
+            video_index, videos = videos, videos + 1
         grid = (1, h, w)
         for k in range(t):
             rows = part.pixels[k * h * w : (k + 1) * h * w]
@@ -170,7 +174,7 @@ def engine_request(hf_model, config: ModelConfig, prompt: VideoPrompt, rid: str)
                        for i in prompt.ids[offset : offset + num_tokens])
             digest = hashlib.sha256(rows.numpy().tobytes() + repr(grid).encode()).hexdigest()
             items.append(ImageItem(digest, offset, num_tokens, grid, family.encoder_units(config.vision, grid), rows,
-                                   "video" if part.kind == VIDEO_KIND else "image"))
+                                   "video" if part.kind == VIDEO_KIND else "image", video_index))
     vision = {k: v for k, v in prompt.hf_inputs(config.family).items() if not k.startswith("pixel_values")}
     input_ids = torch.tensor([prompt.ids])
     positions, delta = hf_model.model.get_rope_index(input_ids, token_types(config, prompt.ids), **vision)

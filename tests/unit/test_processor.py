@@ -253,3 +253,20 @@ def test_huge_text_is_refused_by_its_length_naming_what_was_counted(processor: I
     assert err.value.param == "messages"
     with pytest.raises(InputError, match="text alone has at least"):
         processor.count(TextPrompt("word " * 20_000))  # /tokenize: refused past the context, not counted whole
+
+
+def test_two_clips_of_one_size_back_to_back_are_two_videos(processor: InputProcessor) -> None:
+    """The engine logs num_videos (request log, metrics, the SLO class) from the items the processor makes: two
+    different clips of the same size, one after the other, are two videos of two grids each, not one of four."""
+    from firsttoken.inputs.video_synth import make_clip
+    from firsttoken.types import PromptWork, count_videos
+
+    def clip(seconds: float) -> dict:  # 64x48 at 10 fps: 2 s and 2.5 s sample 4 frames each (other ones), two grids
+        data = make_clip(seconds, 64, 48, fps=10, gop=5)
+        return {"type": "video_url", "video_url": {"url": "data:video/mp4;base64," + base64.b64encode(data).decode()}}
+
+    er = process(processor, chat(clip(2.0), clip(2.5), text("Same or different?")))
+    grids = [im for im in er.images if im.kind == "video"]
+    assert len(grids) == 4 and len({im.grid_thw for im in grids}) == 1
+    assert count_videos(er.images) == PromptWork.of(len(er.prompt_token_ids), er.images).num_videos == 2
+    assert [im.video_index for im in grids] == [0, 0, 1, 1]

@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import gc
 import itertools
+import json
+import subprocess
+import sys
 import time
 
 import av
@@ -22,16 +25,24 @@ from firsttoken.inputs.video import (
     VideoInputError,
     decode_frame_list,
     decode_video,
-    index_video,
     load_video,
     plan_frame_list,
     plan_video,
     plan_video_bytes,
     probe_video,
+    read_video,
 )
-from firsttoken.inputs.video_synth import make_clip
+from firsttoken.inputs.video_synth import make_clip, trim_clip
 from firsttoken.models.config import ImageProcessorConfig
-from tests.video_fakes import open_fds, patch_mkv_duration, qwen_plan, qwen_vl_utils_oracle, threads_alive
+from tests.video_fakes import (
+    TickingClock,
+    many_streams,
+    open_fds,
+    patch_mkv_duration,
+    qwen_plan,
+    qwen_vl_utils_oracle,
+    threads_alive,
+)
 
 PROC = ImageProcessorConfig()  # Qwen2/2.5-VL: 14 px patches, 2x2 merge, 2 frames per temporal patch
 PROC3 = ImageProcessorConfig(patch_size=16)  # Qwen3-VL's 16 px patches
@@ -184,9 +195,9 @@ def test_decode_returns_exactly_the_planned_frames_reading_only_what_it_must(cli
     for k, i in enumerate(loaded.plan.frame_indices):
         assert np.array_equal(loaded.video.frames[k], ref[i])
     assert loaded.video.pts_s == pytest.approx([i / 30 for i in loaded.plan.frame_indices])
-    # Counts: one container for the header, one for the packets, one to decode; every packet demuxed once; decoding
+    # Counts: one container for the header and the packets, one to decode; every packet demuxed once; decoding
     # starts at the key frame before each sampled frame (0, 10, 30, 50, 70, 80), so it stops well short of all 90.
-    assert be.opened == 3 and be.packets_demuxed == 90
+    assert be.opened == 2 and be.packets_demuxed == 90
     assert be.frames_converted == 6
     assert be.frames_decoded == 1 + 9 + 7 + 4 + 2 + 10 == 33
     assert be.max_held == 1 and be.held == 0  # one full-size RGB frame alive at a time
@@ -198,6 +209,49 @@ def test_resized_frames_have_the_plans_size_and_the_decoder_holds_one_full_frame
     rw, rh = loaded.plan.resized_size
     assert loaded.video.frames.shape == (6, rh, rw, 3) and loaded.video.frames.dtype == np.uint8
     assert be.max_held == 1
+
+
+# (container, codec, bframes): with B-frames (for VP9, hidden alt-ref frames) frames are stored out of display order
+PRESENTATION_CASES = [
+    ("avi", "libx264", 0), ("avi", "libx264", 3), ("avi", "mpeg4", 3),
+    ("mp4", "libx264", 0), ("mp4", "libx264", 3),
+    ("matroska", "libx264", 0), ("matroska", "libx264", 3),
+    ("webm", "libvpx-vp9", 0), ("webm", "libvpx-vp9", 3),
+]
+
+
+def assert_frames_shown_at_their_times(data: bytes, limits: VideoConfig) -> None:
+    """Each sampled frame is the frame a front-to-back decode of the same file shows at the sampled place, and its
+    time is that place over the frame rate; the plan counts the frames that decode shows."""
+    ref = reference_frames(data)
+    loaded = load_video(data, limits, PROC, resize=False)
+    assert loaded.index.num_frames == len(ref)
+    wrong = [i for k, i in enumerate(loaded.plan.frame_indices) if not np.array_equal(loaded.video.frames[k], ref[i])]
+    assert wrong == [], f"{len(wrong)} of {loaded.plan.num_frames} sampled frames are not the frame shown there"
+    # (Matroska stamps in milliseconds)
+    assert loaded.video.pts_s == pytest.approx([i / loaded.header.fps for i in loaded.plan.frame_indices], abs=1e-3)
+
+
+@pytest.mark.parametrize(("container", "codec", "bframes"), PRESENTATION_CASES,
+                         ids=[f"{c}-{k}-b{b}" for c, k, b in PRESENTATION_CASES])
+def test_each_sampled_frame_is_the_one_shown_at_its_time(container: str, codec: str, bframes: int) -> None:
+    data = make_clip(3, 64, 48, fps=30, gop=12, container=container, codec=codec, bframes=bframes)
+    for fps in (2.0, 10.0):  # 6 and 30 of the 90 frames
+        assert_frames_shown_at_their_times(data, VideoConfig(video_fps=fps))
+
+
+@pytest.mark.parametrize("bframes", [0, 3])
+def test_an_mp4_cut_without_reencoding_is_planned_over_the_frames_it_shows(bframes: int) -> None:
+    """Cut at 4.9 s the usual way (ffmpeg -ss 4.9 -c copy: trim_clip), a 7 s clip whose only key frame is at 0 s
+    keeps 49 frames of pre-roll that its edit list hides: the clip is the 21 frames from 4.9 s, 2.0 s of video."""
+    data = trim_clip(make_clip(7, 64, 48, fps=10, bframes=bframes), 4.9)
+    be = PyAVBackend()
+    loaded = load_video(data, VideoConfig(), PROC, backend=be, resize=False)
+    assert (loaded.header.num_frames, loaded.index.num_frames) == (70, 21)  # the header counts the hidden frames
+    assert loaded.plan.frame_indices == (0, 7, 13, 20) and loaded.plan.timestamps_s[-1] == pytest.approx(2.0)
+    assert be.frames_converted == 4
+    for fps in (2.0, 10.0):
+        assert_frames_shown_at_their_times(data, VideoConfig(video_fps=fps))
 
 
 @pytest.mark.parametrize(("container", "codec", "name"), [
@@ -230,15 +284,33 @@ def test_plan_from_bytes_decodes_nothing(clip: bytes) -> None:
 def test_a_passed_deadline_is_a_timeout_not_a_decode(clip: bytes) -> None:
     be = PyAVBackend()
     limits = VideoConfig()
-    header = probe_video(clip, limits, be)
     with pytest.raises(VideoInputError, match="longer than 30 s") as err:
-        index_video(clip, header, limits, be, deadline=time.monotonic() - 1)
+        read_video(clip, limits, be, deadline=time.monotonic() - 1)
     assert err.value.code == "video_timeout"
-    index = index_video(clip, header, limits, be)
+    header, index = read_video(clip, limits, be)
     plan = plan_video(index.num_frames, header.fps, header.width, header.height, limits, PROC)
     with pytest.raises(VideoInputError, match="longer than") as err:
         decode_video(clip, header, index, plan, limits, be, deadline=time.monotonic() - 1)
     assert be.frames_decoded == 1 and be.frames_converted == 0
+
+
+def test_one_deadline_covers_reading_and_decoding_a_video(clip: bytes) -> None:
+    """As the server runs a video (plan before admission, decode after), the packet pass and the decode share one
+    --video-decode-timeout. The clock ticks a second per read: the 90 packets use 90+ of 100 seconds, and decoding
+    the 6 sampled frames needs 33 frames through the decoder, so the decode runs out after the few seconds left."""
+    be = PyAVBackend(clock=TickingClock())
+    limits = VideoConfig(video_decode_timeout_s=100)
+    header, index, plan = plan_video_bytes(clip, limits, PROC, backend=be)
+    assert be.packets_demuxed == 90
+    with pytest.raises(VideoInputError, match="longer than 100 s") as err:
+        decode_video(clip, header, index, plan, limits, be)
+    assert err.value.code == "video_timeout"
+    assert be.clock.now < 110  # about 100 reads in all (a few more start and end the two stages), not 2 x 100
+    assert 0 < be.frames_decoded < 33 and be.frames_converted < 6
+    be = PyAVBackend(clock=TickingClock())  # with room for both, the same video decodes
+    limits = VideoConfig(video_decode_timeout_s=150)
+    header, index, plan = plan_video_bytes(clip, limits, PROC, backend=be)
+    assert decode_video(clip, header, index, plan, limits, be).frames.shape[0] == 6
 
 
 # ---------------------------------------------------------------------------------------------- bad videos
@@ -264,6 +336,68 @@ def test_over_a_header_limit_nothing_is_demuxed_or_decoded(clip: bytes) -> None:
         err, be = _refused(clip, limits)
         assert (err.code, str(err)) == (code, message)
         assert (be.packets_demuxed, be.frames_decoded) == (0, 0)
+
+
+@pytest.mark.parametrize(("container", "name"), [("mp4", "MP4/MOV"), ("matroska", "WebM/Matroska"), ("avi", "AVI")])
+def test_a_container_of_more_streams_than_the_limit_is_refused_before_ffmpeg_opens_it(container: str, name: str) -> None:
+    one = make_clip(0.2, 32, 32, fps=10, container=container)
+    err, be = _refused(many_streams(one, 17, container))
+    assert (err.code, str(err)) == ("unsupported_video", f"video container ({name}) holds 17 streams; the limit is 16")
+    assert be.opened == 0
+    loaded = load_video(many_streams(one, 16, container), VideoConfig(), PROC)  # at the limit: served
+    assert (loaded.header.num_streams, loaded.plan.num_frames) == (16, 2)
+
+
+# The child reads each file, loads it once and prints what it cost: its peak RSS over the RSS it had just before
+# (everything imported, one small clip already decoded; Linux's peak is reset through /proc/self/clear_refs), CPU
+# seconds, the backend's counts and the refusal.
+_COST_CHILD = """
+import json, sys, time
+from firsttoken.config import VideoConfig
+from firsttoken.inputs.video import PyAVBackend, VideoInputError, load_video
+from firsttoken.inputs.video_synth import make_clip
+from firsttoken.models.config import ImageProcessorConfig
+load_video(make_clip(1, 64, 48, fps=10), VideoConfig(), ImageProcessorConfig())
+def status_kib(field):
+    return int(next(line.split()[1] for line in open("/proc/self/status") if line.startswith(field + ":")))
+out = []
+for path in sys.argv[1:]:
+    data = open(path, "rb").read()
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # the peak (VmHWM) starts again from the RSS now
+    rss = status_kib("VmRSS")
+    cpu, be, refusal = time.process_time(), PyAVBackend(), None
+    try:
+        load_video(data, VideoConfig(), ImageProcessorConfig(), backend=be)
+    except VideoInputError as err:
+        refusal = str(err)
+    out.append({"rise_bytes": (status_kib("VmHWM") - rss) * 1024,
+                "cpu_s": time.process_time() - cpu, "opened": be.opened, "decoded": be.frames_decoded,
+                "refusal": refusal})
+print(json.dumps(out))
+"""
+
+
+def test_many_large_one_frame_streams_cost_no_decoding_before_their_400(tmp_path) -> None:
+    """64 streams of one 4096x2160 frame each in a ~2.6 MB Matroska file: FFmpeg's probe decoded a frame of every
+    stream when the container was opened, before any check of ours (~1.4 GB of RSS and ~4.4 CPU seconds here, more
+    with two preprocessing threads at once). Now it is refused from its structure before FFmpeg opens it; and at
+    the default limit of 16 streams, the one open reads one packet and decodes none: the 400 names the one frame.
+    Bounds, generous: RSS rises under 200 MB, under 2 CPU seconds each (measured in a fresh process)."""
+    frame = make_clip(0.1, 4096, 2160, fps=10, container="matroska")  # one frame
+    paths = []
+    for n in (16, 64):  # the one FFmpeg opens first: the allocator may keep what it frees for the next
+        paths.append(tmp_path / f"streams{n}.mkv")
+        paths[-1].write_bytes(many_streams(frame, n, "matroska"))
+    run = subprocess.run([sys.executable, "-c", _COST_CHILD, *map(str, paths)], capture_output=True, text=True,
+                         timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    at_limit, over = json.loads(run.stdout)
+    assert over["refusal"] == "video container (WebM/Matroska) holds 64 streams; the limit is 16"
+    assert at_limit["refusal"] == "video holds 1 frame; at least 2 are needed"
+    assert (over["opened"], at_limit["opened"], at_limit["decoded"]) == (0, 1, 0)
+    for cost in (over, at_limit):
+        assert cost["rise_bytes"] < 200 * 2**20 and cost["cpu_s"] < 2.0, cost
 
 
 def test_a_decompression_bomb_is_refused_from_its_header() -> None:
