@@ -412,8 +412,8 @@ class SimReplica:
 
 
 def _engine_request(r: SimRequest) -> EngineRequest:
-    """Token ids the scheduler can hash: distinct per request (no accidental prefix hits), shared within a
-    conversation; image pads where the images are."""
+    """Token ids and positions the scheduler can hash: distinct per request (no accidental prefix hits), shared
+    within a conversation; image pads where the images are."""
     if r.text_tokens < 1:
         raise ValueError(f"request {r.request_id} has no text tokens")
     key = r.conversation or r.request_id
@@ -427,7 +427,8 @@ def _engine_request(r: SimRequest) -> EngineRequest:
         ids += [2] * im.num_tokens
         ids.append(3)
     ids += [base + head + i for i in range(r.text_tokens - head)]
-    return EngineRequest(r.request_id, tuple(ids), tuple(items), torch.zeros((3, 0), dtype=torch.long), 0,
+    positions = torch.arange(len(ids)).expand(3, -1)  # [3, num_tokens]: keyed as text (one conversation, one layout)
+    return EngineRequest(r.request_id, tuple(ids), tuple(items), positions, 0,
                          SamplingParams(max_tokens=r.output_tokens, temperature=0.0, ignore_eos=True),
                          r.arrival_s, r.arrival_s)
 
