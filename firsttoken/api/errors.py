@@ -7,18 +7,7 @@ text they name goes through ``quoting.quote``: bounded, encodable), every messag
 at ``MAX_MESSAGE_CHARS`` once more where the body is rendered, and unexpected exceptions become a generic 500
 whose details stay in the server log (see middleware.py).
 
-Status map:
-    400  empty / non-UTF-8 / non-JSON / too deeply nested bodies, schema errors (FastAPI's 422 is overridden),
-         unsupported fields, bad sampling values, bad images, Content-Length together with Transfer-Encoding
-    401  missing or wrong API key (with --api-key; api/observability.py)
-    404  unknown model or route
-    405  wrong method
-    408  the request body did not arrive within --request-body-timeout
-    413  request body over the limit
-    415  a compressed (Content-Encoding) request body
-    429  too many requests in flight, or the request's lane queue is full (with Retry-After)
-    500  anything unexpected, or a request the engine failed
-    503  engine not alive
+Status map: ``ERROR_MEANINGS`` (what /openapi.json says of each status; api/openapi.py).
 """
 
 from __future__ import annotations
@@ -51,6 +40,23 @@ ERROR_TYPES: dict[int, str] = {
     429: "RateLimitError",
     500: "InternalServerError",
     503: "ServiceUnavailableError",
+}
+
+# What each status means, as /openapi.json documents it on every route that can send it (api/openapi.py).
+ERROR_MEANINGS: dict[int, str] = {
+    400: "the body is empty, not UTF-8, not JSON, nested too deeply or not the schema's; a field is unsupported, "
+         "out of range or names media that cannot be used; or Content-Length came with Transfer-Encoding. "
+         "`param` names the field",
+    401: "missing or wrong API key (the server runs with --api-key): send 'Authorization: Bearer <key>'",
+    404: "what the request names (model, response, engine) does not exist here; `param` names it",
+    405: "the route does not take this method",
+    408: "the request body did not arrive within --request-body-timeout",
+    413: "the request body is over --max-request-bytes",
+    415: "a compressed (Content-Encoding) request body",
+    429: "too many requests in flight, or the request's lane queue is full; Retry-After says when to come back",
+    500: "an unexpected failure, or one the engine met on this request (details in the server log, by X-Request-Id)",
+    503: "the engine is not running, or the server is shutting down: retry on another replica",
+    504: "the request ran past --request-timeout",
 }
 
 
