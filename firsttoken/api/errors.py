@@ -7,18 +7,7 @@ text they name goes through ``quoting.quote``: bounded, encodable), every messag
 at ``MAX_MESSAGE_CHARS`` once more where the body is rendered, and unexpected exceptions become a generic 500
 whose details stay in the server log (see middleware.py).
 
-Status map:
-    400  empty / non-UTF-8 / non-JSON / too deeply nested bodies, schema errors (FastAPI's 422 is overridden),
-         unsupported fields, bad sampling values, bad images, Content-Length together with Transfer-Encoding
-    401  missing or wrong API key (with --api-key; api/observability.py)
-    404  unknown model or route
-    405  wrong method
-    408  the request body did not arrive within --request-body-timeout
-    413  request body over the limit
-    415  a compressed (Content-Encoding) request body
-    429  too many requests in flight, or the request's lane queue is full (with Retry-After)
-    500  anything unexpected, or a request the engine failed
-    503  engine not alive
+Status map: ``ERROR_MEANINGS`` (what /openapi.json says of each status; api/openapi.py).
 """
 
 from __future__ import annotations
@@ -31,7 +20,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from firsttoken.api.protocol import ErrorInfo, ErrorResponse, FieldError
+from firsttoken.api.protocol import MESSAGE_ROLES, ErrorInfo, ErrorResponse, FieldError
 from firsttoken.inputs.image import ImageInputError
 from firsttoken.inputs.processor import AdmissionRefused, InputError
 from firsttoken.inputs.video import VideoInputError
@@ -51,6 +40,23 @@ ERROR_TYPES: dict[int, str] = {
     429: "RateLimitError",
     500: "InternalServerError",
     503: "ServiceUnavailableError",
+}
+
+# What each status means, as /openapi.json documents it on every route that can send it (api/openapi.py).
+ERROR_MEANINGS: dict[int, str] = {
+    400: "the body is empty, not UTF-8, not JSON, nested too deeply or not the schema's; a field is unsupported, "
+         "out of range or names media that cannot be used; or Content-Length came with Transfer-Encoding. "
+         "`param` names the field",
+    401: "missing or wrong API key (the server runs with --api-key): send 'Authorization: Bearer <key>'",
+    404: "what the request names (model, response, engine) does not exist here; `param` names it",
+    405: "the route does not take this method",
+    408: "the request body did not arrive within --request-body-timeout",
+    413: "the request body is over --max-request-bytes",
+    415: "a compressed (Content-Encoding) request body",
+    429: "too many requests in flight, or the request's lane queue is full; Retry-After says when to come back",
+    500: "an unexpected failure, or one the engine met on this request (details in the server log, by X-Request-Id)",
+    503: "the engine is not running, or the server is shutting down: retry on another replica",
+    504: "the request ran past --request-timeout",
 }
 
 
@@ -107,20 +113,36 @@ def validation_error_message(exc: RequestValidationError) -> tuple[str, str | No
     errors = exc.errors()
     if not errors:
         return "invalid request body", None
-    # With unions pydantic reports one error per branch; the deepest location is the most specific.
-    first = max(errors, key=lambda e: len(e.get("loc", ())))
+    # With unions pydantic reports one error per branch; the deepest location is the most specific, and of equally
+    # deep ones a branch whose type matched (its value out of bounds) says more than one of another type.
+    first = max(errors, key=lambda e: (len(e.get("loc", ())), not str(e.get("type", "")).endswith("_type")))
     kind = first.get("type")
     cause = (first.get("ctx") or {}).get("error")
     if isinstance(cause, FieldError):
         return str(cause), cause.field
     param = _param_path(first.get("loc", ()))
     msg = str(first.get("msg", "invalid value")).removeprefix("Value error, ")
+    if kind in ("union_tag_invalid", "union_tag_not_found"):  # the tag field is the one at fault: name it
+        ctx = first.get("ctx") or {}
+        tag = str(ctx.get("discriminator", "")).strip("'")
+        param = f"{param}.{tag}" if param else tag
+        if kind == "union_tag_not_found":
+            kind = "missing"
+        else:  # pydantic's text repeats the client's tag whole
+            msg = f"unknown '{tag}' '{quote(str(ctx.get('tag')))}'; expected {ctx.get('expected_tags')}"
     if kind == "missing":
         return f"missing required field '{param}'", param
-    if kind == "union_tag_invalid":  # pydantic's text repeats the client's tag whole
-        ctx = first.get("ctx") or {}
-        msg = f"unknown {ctx.get('discriminator')} '{quote(str(ctx.get('tag')))}'; expected {ctx.get('expected_tags')}"
+    bound = _BOUNDS.get(str(kind))
+    value = first.get("input")
+    if bound is not None and param and isinstance(value, (int, float)) and not isinstance(value, bool):
+        words, key = bound  # as SamplingParams and vLLM word them: "max_tokens must be at least 1, got -1"
+        return f"{param} must be {words} {(first.get('ctx') or {}).get(key)}, got {quote(value)}", param
     return (f"{param}: {msg}" if param else msg), param
+
+
+# pydantic's range errors on a number: (the bound in words, its key in the error's ctx)
+_BOUNDS = {"greater_than_equal": ("at least", "ge"), "less_than_equal": ("at most", "le"),
+           "greater_than": ("greater than", "gt"), "less_than": ("less than", "lt")}
 
 
 _UNION_TYPE_LABELS = frozenset({"str", "int", "float", "bool", "list", "dict", "none"})
@@ -131,9 +153,10 @@ _PART_TAGS = frozenset({"input_text", "output_text", "input_image"})
 def _param_path(loc: tuple[Any, ...]) -> str | None:
     """('body', 'messages', 0, 'content', 'list[tagged-union[..]]', 1, 'text', 'text') -> 'messages[0].content[1].text'.
 
-    Pydantic inserts union-branch labels into locations: type names ('str', 'list[...]', 'function-after[...]')
-    are dropped; a discriminated union's tag repeats the field name in chat's schemas ('text', 'image_url'), so a
-    part equal to the one before it is dropped too, and the Responses API's part tags (``_PART_TAGS``) are."""
+    Pydantic inserts union-branch labels into locations: type names ('str', 'list[...]', 'function-after[...]',
+    model classes) are dropped; a discriminated union's tag repeats the field name in chat's schemas ('text',
+    'image_url'), so a part equal to the one before it is dropped too, and so are the Responses API's part tags
+    (``_PART_TAGS``) and a message's role after its index (``MESSAGE_ROLES``: 'messages', 0, 'tool', 'content')."""
     out = ""
     prev: Any = None
     for part in loc[1:] if loc and loc[0] == "body" else loc:
@@ -144,6 +167,8 @@ def _param_path(loc: tuple[Any, ...]) -> str | None:
             and part != prev
             and part not in _UNION_TYPE_LABELS
             and part not in _PART_TAGS
+            and not (isinstance(prev, int) and part in MESSAGE_ROLES)
+            and not part[:1].isupper()  # a union's branch that is a model: its class name (NamedToolChoice)
             and not any(c in part for c in "[]-")
         ):
             out += f".{part}" if out else part

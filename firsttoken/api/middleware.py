@@ -35,6 +35,11 @@ from firsttoken.quoting import quote
 
 logger = logging.getLogger("firsttoken.api")
 
+# What this layer may answer any request with (framing 400, 413, 415, the last-resort 500), and a request whose
+# route reads its body with (408, the body's deadline): api/openapi.py documents them on every operation.
+ANY_REQUEST_ERRORS = (400, 413, 415, 500)
+BODY_READ_ERRORS = (408,)
+
 REQUEST_ID_KEY = "firsttoken.request_id"
 REQUEST_ID_HEADER = b"x-request-id"
 _CLIENT_ID_RE = re.compile(r"[A-Za-z0-9._:\-]{1,128}")

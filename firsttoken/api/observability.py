@@ -45,6 +45,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from firsttoken.api.errors import REJECT_REASON_KEY, error_response
 from firsttoken.api.logs import current_request_id
 from firsttoken.api.middleware import CLIENT_LEFT_KEY, REQUEST_ID_KEY
+from firsttoken.api.openapi import answer
 from firsttoken.config import ServerConfig
 from firsttoken.engine.client import EngineClient
 from firsttoken.metrics.prometheus import make_registry
@@ -150,7 +151,8 @@ class Observability:
         app.user_middleware.append(Middleware(ApiKeyMiddleware, api_key=self.api_key))  # innermost
         page = resources.files("firsttoken.api").joinpath("dashboard.html").read_text(encoding="utf-8")
 
-        @app.get("/metrics")
+        @app.get("/metrics", response_class=Response, responses=answer(CONTENT_TYPE_LATEST, {"type": "string"},
+                                                                      "Prometheus' text exposition format"))
         async def metrics() -> Response:
             body = generate_latest(registry)
             if self.merge_metrics is not None:
@@ -161,11 +163,15 @@ class Observability:
         async def stats() -> JSONResponse:
             return JSONResponse(self.stats())
 
-        @app.get("/dashboard")
+        @app.get("/dashboard", response_class=HTMLResponse)
         async def dashboard() -> HTMLResponse:
             return HTMLResponse(page, headers={"Cache-Control": "no-store"})
 
         return _TokenTimedEngine(engine, self)
+
+    def guards(self, path: str) -> bool:
+        """Whether a request to ``path`` needs the API key (its 401 is documented there: api/openapi.py)."""
+        return self.api_key is not None and path not in OPEN_PATHS
 
     def engine_snapshot(self) -> EngineSnapshot:
         assert self._engine is not None, "install() first"

@@ -1,16 +1,20 @@
 """OpenAI-compatible request and response schemas (pydantic v2).
 
-Requests tolerate harmless unknown fields (``user``, ``metadata``, ``store``, vendor extras); known fields are
-type-checked here and range-checked once, by SamplingParams, in the input processor. Three rules hold at this
-boundary for every request field:
+Requests tolerate harmless unknown fields (``user``, ``metadata``, ``store``, vendor extras). Known fields are
+validated here, and the published schema (/openapi.json, api/openapi.py) is these models' own, so it admits what
+the validation admits. Rules that hold at this boundary for every request field:
 
+- a value is the JSON type its schema states (strict: no "5" for 5, no true for 1.0; an integral 5.0 is 5);
 - every string is valid Unicode (``Text``): JSON may carry a lone UTF-16 surrogate such as ``"\ud800"``, which
   Python accepts and every tokenizer, encoder and file system later chokes on; it is refused here, naming the
   field;
-- every integer fits in 64 bits (``Int64``), so no message ever prints a thousand-digit number;
-- a field that asks for something this server does not do (``UNSUPPORTED_FIELDS``: tools,
-  logit_bias, ...) is refused with a 400 naming it, unless its value means "off": a client that asked for JSON
-  must never get prose with a 200.
+- every integer fits in 64 bits (``integer()``), so no message ever prints a thousand-digit number; the sampling
+  fields' ranges are stated and checked here too (``Temperature`` ...; SamplingParams checks the same bounds for
+  in-process callers);
+- a rule the schema cannot state (an image must decode, the prompt must fit the context, a grammar must compile)
+  marks its field ``checked()``: the schema says so, and a value it admits may still get a 400 naming the field;
+- a field that asks for something this server does not do (``UNSUPPORTED_FIELDS``) is refused with a 400 naming
+  it, unless its value means "off": a client that asked for JSON must never get prose with a 200.
 
 Responses follow OpenAI's shapes and vLLM's framing (see tests/fixtures/vllm-0.32) with
 one extension:
@@ -26,19 +30,21 @@ below the api package sees these schemas.
 from __future__ import annotations
 
 import json
-import re
 import math
+import re
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
-from typing import Annotated, Any, Literal, Union
+from typing import Annotated, Any, Literal, TypeVar, Union, get_args
 
 from pydantic import (
     AfterValidator,
     BaseModel,
+    BeforeValidator,
     ConfigDict,
     Field,
     PrivateAttr,
+    RootModel,
     field_validator,
     model_serializer,
     model_validator,
@@ -47,7 +53,9 @@ from pydantic import (
 from firsttoken.inputs import prompt
 from firsttoken.quoting import LONE_SURROGATE, quote
 from firsttoken.inputs.tools import forced_call_spec
+from firsttoken.inputs.processor import MAX_STOP_TOKEN_IDS
 from firsttoken.structured.spec import GrammarSpec, from_response_format, from_structured_outputs
+from firsttoken.types import MAX_LOGIT_BIAS, MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, MAX_TOP_LOGPROBS
 
 # ------------------------------------------------------------------------------------------- field types
 
@@ -59,9 +67,71 @@ def _valid_unicode(text: str) -> str:
 
 
 Text = Annotated[str, AfterValidator(_valid_unicode)]  # every request string: encodable as UTF-8
+
+
+def text(**bounds: int) -> Any:
+    """A request string of bounded length (min_length, max_length, as the schema states them); its Unicode is
+    checked first, so a lone surrogate is named as such rather than failing the length count."""
+    return Annotated[str, Field(**bounds), BeforeValidator(lambda v: _valid_unicode(v) if isinstance(v, str) else v)]
+
+
+def _integral(value: Any) -> Any:
+    """JSON's integers include 5.0 (JSON Schema's too): an integral float is that integer; every other value is
+    left to the strict check (no "5", no true). An infinity stands for an integer of more digits than Python reads
+    (api/body.py), past every bound."""
+    if isinstance(value, float) and math.isinf(value):
+        raise ValueError(f"must be an integer within 64 bits, got {'-' if value < 0 else ''}inf")
+    return int(value) if isinstance(value, float) and value.is_integer() else value
+
+
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
-Int64 = Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)]  # what OpenAI and vLLM accept for integer fields
+
+
+def integer(ge: int = INT64_MIN, le: int = INT64_MAX) -> Any:
+    """A request integer in [ge, le] (64-bit unless narrower: what OpenAI and vLLM accept); the bounds sit on the
+    int itself, so the schema states them as minimum and maximum."""
+    return Annotated[int, Field(ge=ge, le=le), BeforeValidator(_integral)]
+
+
+Int64 = integer()
+_T = TypeVar("_T")
+NonEmpty = Annotated[list[_T], Field(min_length=1)]  # NonEmpty[X]: a list of at least one X
 MAX_CHOICES = 128  # choices one request may ask for (prompts x n): each is an engine request
+
+CHECKED = "x-firsttoken-checked"  # the schema keyword that marks a field checked beyond its schema (``checked``)
+
+
+def checked(what: str, **field: Any) -> Any:
+    """A field whose value the server checks beyond what its schema can state (``what``: media that must load, a
+    prompt that must fit the context, a grammar that must compile, ids of this model's vocabulary, a rule across
+    fields): a value the schema admits may still be refused with a 400 naming the field. The published schema says
+    so, in the field's description and its ``x-firsttoken-checked``. ``field``: the rest of its pydantic Field."""
+    return Field(description=f"Checked beyond this schema: {what}.", json_schema_extra={CHECKED: what}, **field)
+
+
+CHECK_FITS = "the rendered prompt must fit the context (max_model_len, GET /v1/models)"
+CHECK_MEDIA = ("each image and video part must load and decode within the server's limits (how many per request, "
+               f"pixels, duration, the allowed media sources), and {CHECK_FITS}")
+CHECK_ROOM = "the prompt plus this many tokens must fit the context (max_model_len)"
+CHECK_GRAMMAR = ("the constraint must compile (a JSON schema, regex, choice list or grammar this server supports); "
+                 "at most one output constraint per request, and none with a forced tool call")
+CHECK_VOCABULARY = "token ids of this model's vocabulary"
+
+# Sampling bounds: stated in the published schema and checked here, before any preprocessing. SamplingParams
+# (types.py) checks the same bounds again for in-process callers; tests/unit/test_openapi.py pins them equal.
+Temperature = Annotated[float, Field(ge=0, le=2, allow_inf_nan=False)]
+TopP = Annotated[float, Field(gt=0, le=1, allow_inf_nan=False)]
+TopK = integer(ge=0)  # 0: off
+Penalty = Annotated[float, Field(ge=-2, le=2, allow_inf_nan=False)]  # presence and frequency
+RepetitionPenalty = Annotated[float, Field(gt=0, le=10, allow_inf_nan=False)]
+MaxTokens = integer(ge=1)  # the context's room decides the rest (beyond the schema)
+TopLogprobs = integer(ge=0, le=MAX_TOP_LOGPROBS)
+StopString = text(min_length=1, max_length=MAX_STOP_STRING_CHARS)
+TokenId = integer(ge=0)  # the vocabulary's size decides the rest (beyond the schema)
+TOKEN_ID_KEY = re.compile(r"^[0-9]{1,20}$")  # logit_bias keys: token ids written as strings, as OpenAI
+MAX_BIAS = 100  # what logit_bias may add to a logit, either way
+LOGIT_BIAS_SCHEMA = {"propertyNames": {"pattern": TOKEN_ID_KEY.pattern},
+                     "additionalProperties": {"type": "number", "minimum": -MAX_BIAS, "maximum": MAX_BIAS}}
 
 
 class FieldError(ValueError):
@@ -107,8 +177,6 @@ UNSUPPORTED_FIELDS: dict[str, Unsupported] = {
     "min_p": Unsupported(lambda v: v is None or v == 0, "min_p sampling is not implemented"),
     "prompt_logprobs": Unsupported(lambda v: v is None or v == 0, "prompt logprobs are not implemented"),
     "include_stop_str_in_output": Unsupported(_absent, "returning the stop string is not implemented"),
-    "add_generation_prompt": Unsupported(lambda v: v is None or v is True,
-                                         "only add_generation_prompt=true is implemented for chat completions"),
     "continue_final_message": Unsupported(_absent, "continuing the final message is not implemented"),
     "echo": Unsupported(lambda v: v is None or v is False, "echo is implemented for /v1/completions only"),
 }  # fmt: skip
@@ -130,7 +198,9 @@ def refuse_unsupported(body: Any, implemented: Iterable[str] = (),
 
 
 class _Request(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    # strict: a value is the JSON type the schema states (no "5" for 5, no true for 1.0), so the published schema
+    # admits exactly what is accepted
+    model_config = ConfigDict(extra="ignore", strict=True)
 
 
 class _Response(BaseModel):
@@ -149,7 +219,8 @@ class ImageURL(_Request):
     url: Text
     # "low": a small fixed visual-token budget; "high"/"auto"/None: the server's cap (see inputs/budget.py)
     detail: Literal["auto", "low", "high"] | None = None
-    max_visual_tokens: Int64 | None = Field(default=None, ge=1)  # extension: at most this many tokens, <= the cap
+    # extension: at most this many visual tokens, <= the server's cap
+    max_visual_tokens: integer(ge=1) | None = None  # type: ignore[valid-type]
 
 
 class ImagePart(_Request):
@@ -163,8 +234,8 @@ class VideoURL(_Request):
 
     url: Text
     fps: float | None = Field(default=None, gt=0)
-    max_frames: Int64 | None = Field(default=None, ge=2)
-    max_visual_tokens: Int64 | None = Field(default=None, ge=1)
+    max_frames: integer(ge=2) | None = None  # type: ignore[valid-type]
+    max_visual_tokens: integer(ge=1) | None = None  # type: ignore[valid-type]
 
 
 class VideoPart(_Request):
@@ -178,14 +249,14 @@ class VideoFramesPart(_Request):
     type: Literal["video"]
     video: list[Text] = Field(min_length=1)
     fps: float | None = Field(default=None, gt=0)
-    max_frames: Int64 | None = Field(default=None, ge=2)
-    max_visual_tokens: Int64 | None = Field(default=None, ge=1)
+    max_frames: integer(ge=2) | None = None  # type: ignore[valid-type]
+    max_visual_tokens: integer(ge=1) | None = None  # type: ignore[valid-type]
 
 
 ContentPart = Annotated[Union[TextPart, ImagePart, VideoPart, VideoFramesPart], Field(discriminator="type")]
 
 
-TOOL_NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")  # OpenAI's rule for function names
+TOOL_NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")  # OpenAI's rule for function names (whole names: fullmatch)
 
 
 def _tool_name(name: str) -> str:
@@ -195,7 +266,7 @@ def _tool_name(name: str) -> str:
     return name
 
 
-ToolName = Annotated[Text, AfterValidator(_tool_name)]
+ToolName = Annotated[Text, AfterValidator(_tool_name), Field(json_schema_extra={"pattern": TOOL_NAME.pattern})]
 
 
 class FunctionCallIn(_Request):
@@ -211,21 +282,25 @@ class ToolCallIn(_Request):
     function: FunctionCallIn
 
 
-class ChatMessage(_Request):
-    # Roles are a closed set: the chat template prints the role verbatim, so free text here would be a
-    # template-injection channel. "developer" (OpenAI's newer name for system) is rendered as system.
-    role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: Text | list[ContentPart] | None = None
-    tool_calls: list[ToolCallIn] | None = None  # assistant turns
-    tool_call_id: Text | None = None  # tool turns: the call this result answers
+def _no_calls(calls: Any) -> Any:
+    if calls:
+        raise ValueError("only assistant messages carry tool_calls")
+    return calls
 
-    @model_validator(mode="after")
-    def _tool_fields_where_they_belong(self) -> ChatMessage:
-        if self.tool_calls and self.role != "assistant":
-            raise ValueError("only assistant messages carry tool_calls")
-        if self.role == "tool" and not isinstance(self.content, str):
-            raise ValueError("a tool message's content is the tool's result, as a string")
-        return self
+
+# tool_calls on a turn that is not the assistant's: null or empty, as clients send them (the schema's maxItems 0,
+# said in words by the validator)
+NoCalls = Annotated[Annotated[list[ToolCallIn], Field(max_length=0)] | None, BeforeValidator(_no_calls)]
+
+
+class _MessageFields(_Request):
+    """What a chat message may carry; each role's class below narrows it, so the published schema states per role
+    what the validation takes (a tool message without its result is refused by both)."""
+
+    role: str
+    content: Text | list[ContentPart] | None = None
+    tool_calls: NoCalls = None
+    tool_call_id: Text | None = None  # tool turns: the call this result answers
 
     def texts(self) -> list[str]:
         """Every piece of text the client wrote in this message (what the tokenizer will see)."""
@@ -248,6 +323,46 @@ class ChatMessage(_Request):
         if not isinstance(self.content, list):
             return prompt.Message(role, self.content, calls, self.tool_call_id)
         return prompt.Message(role, tuple(_prompt_part(p) for p in self.content), calls, self.tool_call_id)
+
+
+class SystemMessageIn(_MessageFields):
+    role: Literal["system", "developer"]  # developer: OpenAI's newer name for system, rendered as system
+
+
+class UserMessageIn(_MessageFields):
+    role: Literal["user"]
+
+
+class AssistantMessageIn(_MessageFields):
+    role: Literal["assistant"]
+    tool_calls: list[ToolCallIn] | None = None
+
+
+class ToolMessageIn(_MessageFields):
+    role: Literal["tool"]
+    content: Text  # the tool's result
+
+
+# Roles are a closed set: the chat template prints the role verbatim, so free text there would be a
+# template-injection channel.
+_ROLE_TYPES = (SystemMessageIn, UserMessageIn, AssistantMessageIn, ToolMessageIn)
+AnyMessage = Annotated[Union[_ROLE_TYPES], Field(discriminator="role")]  # type: ignore[valid-type]
+# the discriminator's values: pydantic puts the one it chose in an error's location (errors.py leaves it out)
+MESSAGE_ROLES = frozenset(role for m in _ROLE_TYPES for role in get_args(m.model_fields["role"].annotation))
+
+
+class ChatMessage(RootModel[AnyMessage]):
+    """One message of a conversation, of whichever role it names."""
+
+    def texts(self) -> list[str]:
+        return self.root.texts()
+
+    @property
+    def num_images(self) -> int:
+        return self.root.num_images
+
+    def to_message(self) -> prompt.Message:
+        return self.root.to_message()
 
 
 def _prompt_part(p: ContentPart) -> prompt.TextPart | prompt.ImagePart | prompt.VideoPart:
@@ -295,6 +410,41 @@ def to_chat_prompt(messages: list[ChatMessage], add_generation_prompt: bool = Tr
     return prompt.ChatPrompt(tuple(m.to_message() for m in messages), add_generation_prompt, functions)
 
 
+class ChatPromptFields(_Request):
+    """What the chat template renders: the fields of every route that takes a conversation (chat completions and
+    /tokenize's chat form), validated and rendered here once, so a field added here is counted by /tokenize as
+    the chat route prefills it."""
+
+    messages: Messages = checked(CHECK_MEDIA)
+    tools: list[ToolDef] | None = checked("function names distinct; a forced call's parameters a JSON schema this "
+                                          "server compiles", default=None, max_length=128)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = checked(
+        "a named function must be one of tools; required or named needs tools", default=None)
+    add_generation_prompt: bool = True  # false: the prompt ends with the last message (no assistant header)
+
+    @model_validator(mode="after")
+    def _tool_choice_names_a_tool(self) -> ChatPromptFields:
+        names = [t.function.name for t in self.tools or ()]
+        if len(set(names)) != len(names):
+            raise FieldError("tools", "function names in tools must be distinct")
+        choice = self.tool_choice
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+            raise FieldError("tool_choice", "tool_choice names a function that is not in tools")
+        if (choice == "required" or isinstance(choice, NamedToolChoice)) and not names:
+            raise FieldError("tool_choice", "tool_choice requires tools")
+        return self
+
+    def to_prompt(self) -> prompt.ChatPrompt:
+        return to_chat_prompt(self.messages, self.add_generation_prompt, self.tools)
+
+    def texts(self) -> list[str]:
+        return [t for m in self.messages for t in m.texts()]
+
+    @property
+    def num_images(self) -> int:
+        return sum(m.num_images for m in self.messages)
+
+
 class StreamOptions(_Request):
     include_usage: bool = False
     continuous_usage_stats: bool = False  # vLLM's: every chunk carries its choice's usage so far
@@ -306,26 +456,29 @@ class _SamplingFields(_Request):
     model: Text
     stream: bool = False
     stream_options: StreamOptions | None = None
-    max_tokens: Int64 | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: Int64 | None = None
+    max_tokens: MaxTokens | None = checked(CHECK_ROOM, default=None)
+    temperature: Temperature | None = None
+    top_p: TopP | None = None
+    top_k: TopK | None = None
     seed: Int64 | None = None
-    stop: Text | list[Text] | None = None
-    stop_token_ids: list[Int64] | None = None  # vLLM extension
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    repetition_penalty: float | None = None
-    n: Int64 | None = 1
+    stop: StopString | Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS)] | None = None
+    stop_token_ids: Annotated[list[TokenId], Field(max_length=MAX_STOP_TOKEN_IDS)] | None = checked(
+        CHECK_VOCABULARY, default=None)  # vLLM extension
+    presence_penalty: Penalty | None = None
+    frequency_penalty: Penalty | None = None
+    repetition_penalty: RepetitionPenalty | None = None
+    n: integer(ge=1, le=MAX_CHOICES) | None = 1  # type: ignore[valid-type]
     ignore_eos: bool = False
-    logit_bias: dict[Text, float] | None = None  # token id (as a string, as OpenAI) -> added to its logit, -100..100
+    # token id (as a string, as OpenAI) -> added to its logit
+    logit_bias: Annotated[dict[Text, float], Field(max_length=MAX_LOGIT_BIAS, json_schema_extra=LOGIT_BIAS_SCHEMA)] \
+        | None = checked(CHECK_VOCABULARY, default=None)
     # what the answer must match (docs/structured_outputs.md): OpenAI's, vLLM's, and vLLM's older guided_* names
-    response_format: dict[str, Any] | None = None
-    structured_outputs: dict[str, Any] | None = None
-    guided_json: Text | dict[str, Any] | None = None
-    guided_regex: Text | None = None
-    guided_choice: list[Text] | None = None
-    guided_grammar: Text | None = None
+    response_format: dict[str, Any] | None = checked(CHECK_GRAMMAR, default=None)
+    structured_outputs: dict[str, Any] | None = checked(CHECK_GRAMMAR, default=None)
+    guided_json: Text | dict[str, Any] | None = checked(CHECK_GRAMMAR, default=None)
+    guided_regex: Text | None = checked(CHECK_GRAMMAR, default=None)
+    guided_choice: list[Text] | None = checked(CHECK_GRAMMAR, default=None)
+    guided_grammar: Text | None = checked(CHECK_GRAMMAR, default=None)
     _output_spec: GrammarSpec | None = PrivateAttr(default=None)
 
     @model_validator(mode="before")
@@ -360,12 +513,8 @@ class _SamplingFields(_Request):
 
     @field_validator("n")
     @classmethod
-    def _choices(cls, n: int | None) -> int:
-        if n is None:
-            return 1
-        if not 1 <= n <= MAX_CHOICES:
-            raise ValueError(f"n must be from 1 to {MAX_CHOICES}, got {n}")
-        return n
+    def _one_choice_by_default(cls, n: int | None) -> int:
+        return 1 if n is None else n
 
     @property
     def _bias(self) -> tuple[tuple[int, float], ...]:
@@ -374,20 +523,14 @@ class _SamplingFields(_Request):
     @field_validator("logit_bias")
     @classmethod
     def _token_id_keys(cls, bias: dict[str, float] | None) -> dict[str, float] | None:
+        """LOGIT_BIAS_SCHEMA's rules, checked here so the error names the field, not the client's key as one."""
         for key, value in (bias or {}).items():
-            if not key.strip().lstrip("-").isdigit() or len(key) > 20:
+            if not TOKEN_ID_KEY.fullmatch(key):
                 raise ValueError(f"logit_bias keys are token ids; {quote(key[:40])} is not one")
-            if not math.isfinite(value) or not -100 <= value <= 100:
-                raise ValueError(f"logit_bias values must be between -100 and 100, got {value!r} for {key[:40]}")
+            if not math.isfinite(value) or not -MAX_BIAS <= value <= MAX_BIAS:
+                raise ValueError(f"logit_bias values must be between -{MAX_BIAS} and {MAX_BIAS}, got {value!r} for "
+                                 f"{key}")
         return bias
-
-    @field_validator("stop")
-    @classmethod
-    def _non_empty_stops(cls, stop: str | list[str] | None) -> str | list[str] | None:
-        stops = [stop] if isinstance(stop, str) else (stop or [])
-        if any(s == "" for s in stops):
-            raise ValueError("stop strings must not be empty")
-        return stop
 
     @property
     def include_usage(self) -> bool:
@@ -427,25 +570,15 @@ class _SamplingFields(_Request):
         )
 
 
-class ChatCompletionRequest(_SamplingFields):
-    messages: Messages
-    max_completion_tokens: Int64 | None = None  # OpenAI's newer name; wins over max_tokens
+class ChatCompletionRequest(ChatPromptFields, _SamplingFields):
+    # OpenAI's newer name; wins over max_tokens
+    max_completion_tokens: MaxTokens | None = checked(CHECK_ROOM, default=None)
     logprobs: bool | None = False
-    top_logprobs: Int64 | None = None
-    tools: list[ToolDef] | None = Field(default=None, max_length=128)
-    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    top_logprobs: TopLogprobs | None = checked("needs logprobs: true", default=None)
     parallel_tool_calls: bool | None = None
 
     @model_validator(mode="after")
-    def _tool_choice_names_a_tool(self) -> ChatCompletionRequest:
-        names = [t.function.name for t in self.tools or ()]
-        if len(set(names)) != len(names):
-            raise FieldError("tools", "function names in tools must be distinct")
-        choice = self.tool_choice
-        if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
-            raise FieldError("tool_choice", "tool_choice names a function that is not in tools")
-        if (choice == "required" or isinstance(choice, NamedToolChoice)) and not names:
-            raise FieldError("tool_choice", "tool_choice requires tools")
+    def _forced_call_or_output_constraint(self) -> ChatCompletionRequest:
         if self.forced_tools and self._output_spec is not None:
             raise FieldError("tool_choice", "a required or named tool_choice cannot be combined with an output "
                                             "constraint (response_format, structured_outputs)")
@@ -464,22 +597,12 @@ class ChatCompletionRequest(_SamplingFields):
     def forced_tools(self) -> bool:
         return self.tool_mode in ("required", "named")
 
-    def texts(self) -> list[str]:
-        return [t for m in self.messages for t in m.texts()]
-
-    @property
-    def num_images(self) -> int:
-        return sum(m.num_images for m in self.messages)
-
     @property
     def requested_max_tokens(self) -> tuple[str, int | None]:
         """(the field the client used, its value): error messages name the field the client sent."""
         if self.max_completion_tokens is not None:
             return "max_completion_tokens", self.max_completion_tokens
         return "max_tokens", self.max_tokens
-
-    def to_prompt(self) -> prompt.ChatPrompt:
-        return to_chat_prompt(self.messages, tools=self.tools)
 
     def prompts(self) -> list[prompt.ChatPrompt]:
         return [self.to_prompt()]
@@ -497,19 +620,22 @@ class ChatCompletionRequest(_SamplingFields):
 
 class CompletionRequest(_SamplingFields):
     # one prompt or several, as text or token ids (OpenAI's four forms); each gets n choices, index prompt * n + j
-    prompt: Text | list[Text] | list[Int64] | list[list[Int64]]
-    logprobs: Int64 | None = None  # number of alternatives per position, as in OpenAI's legacy API
+    prompt: Text | NonEmpty[Text] | NonEmpty[Int64] | NonEmpty[NonEmpty[Int64]] = checked(
+        f"each prompt must have at least one token, and with max_tokens fit the context; {CHECK_VOCABULARY}, no vision "
+        f"placeholders; prompts x n at most {MAX_CHOICES}")
+    logprobs: TopLogprobs | None = None  # number of alternatives per position, as in OpenAI's legacy API
     echo: bool = False  # the answer starts with the prompt; with logprobs, the prompt's tokens are scored too
 
-    @field_validator("prompt")
+    @field_validator("prompt", mode="before")
     @classmethod
-    def _some_prompt(cls, p: str | list) -> str | list:
+    def _some_prompt(cls, p: Any) -> Any:
+        """The schema's min lengths, said in words before the union's four forms each report their own error."""
         if isinstance(p, list):
             if not p:
                 raise ValueError("give at least one prompt (an empty list was sent)")
-            if isinstance(p[0], list) and not all(p):
-                raise ValueError(f"prompt[{next(i for i, ids in enumerate(p) if not ids)}] is an empty list of "
-                                 "token ids")
+            empty = [i for i, ids in enumerate(p) if ids == []]
+            if isinstance(p[0], list) and empty:
+                raise ValueError(f"prompt[{empty[0]}] is an empty list of token ids")
         return p
 
     @model_validator(mode="after")
@@ -549,34 +675,34 @@ class CompletionRequest(_SamplingFields):
         return sampling
 
 
-class TokenizeRequest(_Request):
-    """Either a chat body (``messages``, the same as /v1/chat/completions) or a plain ``prompt``."""
+class TokenizeRequest(ChatPromptFields):
+    """Either a chat body (``messages`` and every other field the chat route renders: tools, tool_choice,
+    add_generation_prompt) or a plain ``prompt``: exactly one of the two, as the schema's ``oneOf`` says too."""
+
+    model_config = ConfigDict(json_schema_extra={"oneOf": [{"required": ["messages"], "properties": {"messages": {
+        "type": "array"}}}, {"required": ["prompt"], "properties": {"prompt": {"type": "string"}}}]})
 
     model: Text | None = None
-    messages: Messages | None = None
-    prompt: Text | None = None
-    add_generation_prompt: bool = True
+    # optional here: the prompt form has none
+    messages: Messages | None = checked(CHECK_MEDIA, default=None)  # type: ignore[assignment]
+    prompt: Text | None = checked(CHECK_FITS, default=None)
     return_token_strs: bool = False
-
-    def texts(self) -> list[str]:
-        if self.prompt is not None:
-            return [self.prompt]
-        return [t for m in self.messages or () for t in m.texts()]
-
-    def to_prompt(self) -> prompt.Prompt:
-        if self.messages is not None:
-            return to_chat_prompt(self.messages, self.add_generation_prompt)
-        return prompt.TextPrompt(self.prompt or "")
-
-    @property
-    def num_images(self) -> int:
-        return sum(m.num_images for m in self.messages or ())
 
     @model_validator(mode="after")
     def _one_input(self) -> TokenizeRequest:
         if (self.messages is None) == (self.prompt is None):
             raise ValueError("give exactly one of 'messages' or 'prompt'")
         return self
+
+    def texts(self) -> list[str]:
+        return [self.prompt] if self.prompt is not None else super().texts()
+
+    @property
+    def num_images(self) -> int:
+        return 0 if self.messages is None else super().num_images
+
+    def to_prompt(self) -> prompt.Prompt:  # type: ignore[override]
+        return prompt.TextPrompt(self.prompt) if self.prompt is not None else super().to_prompt()
 
 
 # ------------------------------------------------------------------------------------------- responses
@@ -765,6 +891,10 @@ class TokenizeResponse(_Response):
     # extension: seconds to this prompt's first token if it were sent now, from the engine's step-cost model and the
     # work queued ahead of it (None until the model is fitted)
     predicted_ttft_s: float | None = None
+
+
+class Health(_Response):
+    status: Literal["ok"] = "ok"
 
 
 class ErrorInfo(_Response):

@@ -32,7 +32,16 @@ from firsttoken.api.errors import error_body
 from firsttoken.api.protocol import (
     FieldError,
     Int64,
+    MaxTokens,
+    CHECK_FITS,
+    CHECK_GRAMMAR,
+    CHECK_MEDIA,
+    CHECK_ROOM,
+    checked,
+    Temperature,
     Text,
+    TopK,
+    TopP,
     Unsupported,
     UnsupportedFieldError,
     Usage,
@@ -163,15 +172,15 @@ class TextConfig(_Request):
 
 class ResponsesRequest(_Request):
     model: Text
-    input: Text | list[InputMessage]
-    instructions: Text | None = None
-    max_output_tokens: Int64 | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: Int64 | None = None  # extension (vLLM's)
+    input: Text | list[InputMessage] = checked(CHECK_MEDIA)
+    instructions: Text | None = checked(CHECK_FITS, default=None)
+    max_output_tokens: MaxTokens | None = checked(CHECK_ROOM, default=None)
+    temperature: Temperature | None = None
+    top_p: TopP | None = None
+    top_k: TopK | None = None  # extension (vLLM's)
     seed: Int64 | None = None  # extension (vLLM's)
     stream: bool = False
-    text: TextConfig | None = None
+    text: TextConfig | None = checked(CHECK_GRAMMAR, default=None)
     metadata: dict[str, Any] | None = None  # echoed back
     user: Text | None = None
     store: bool | None = None  # accepted; nothing is stored

@@ -32,9 +32,7 @@ from contextlib import asynccontextmanager
 from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
-from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response
-from pydantic import BaseModel
 
 from firsttoken.api.body import read_model
 from firsttoken.api.errors import (
@@ -45,6 +43,7 @@ from firsttoken.api.errors import (
 )
 from firsttoken.api.middleware import RequestContextMiddleware, client_left
 from firsttoken.api.observability import Observability
+from firsttoken.api.openapi import body_route, errors, openapi_schema
 from firsttoken.api.preprocess_pools import PreprocessPools
 from firsttoken.api.protocol import (
     AssistantMessage,
@@ -55,6 +54,7 @@ from firsttoken.api.protocol import (
     CompletionRequest,
     CompletionResponse,
     FunctionCallOut,
+    Health,
     ImageTokenInfo,
     VideoTokenInfo,
     ModelCard,
@@ -123,7 +123,8 @@ def build_app(
         pools.shutdown()
 
     app = FastAPI(title="firsttoken", version=__version__, lifespan=lifespan, redoc_url=None)
-    app.openapi = functools.partial(_openapi, app)  # type: ignore[method-assign]
+    guarded = observability.guards if observability is not None else lambda _: False
+    app.openapi = functools.partial(openapi_schema, app, DOCUMENTED_MODELS, guarded)  # type: ignore[method-assign]
     app.add_middleware(
         RequestContextMiddleware,
         max_body_bytes=server.max_request_bytes,
@@ -210,7 +211,8 @@ def build_app(
         done(ctx.response_id, ctx.timeline)
         return response
 
-    @app.post("/v1/chat/completions", **_documented(ChatCompletionRequest, ChatCompletionResponse))
+    @app.post("/v1/chat/completions", **body_route(ChatCompletionRequest, ChatCompletionResponse, *GENERATION_ERRORS,
+                                                    stream=True))
     async def chat_completions(raw: Request) -> Response:
         req = await read_model(raw, ChatCompletionRequest)
         requests, after, ctx = await start(req, "chatcmpl-")
@@ -241,7 +243,7 @@ def build_app(
 
         return await respond(raw, requests, after, ctx, build)
 
-    @app.post("/v1/completions", **_documented(CompletionRequest, CompletionResponse))
+    @app.post("/v1/completions", **body_route(CompletionRequest, CompletionResponse, *GENERATION_ERRORS, stream=True))
     async def completions(raw: Request) -> Response:
         req = await read_model(raw, CompletionRequest)
         requests, after, ctx = await start(req, "cmpl-")
@@ -276,7 +278,7 @@ def build_app(
 
         return await respond(raw, requests, after, ctx, build)
 
-    @app.post("/v1/responses", **_documented(ResponsesRequest, ResponseObject))
+    @app.post("/v1/responses", **body_route(ResponsesRequest, ResponseObject, *GENERATION_ERRORS, stream=True))
     async def responses(raw: Request) -> Response:
         """Stateless: nothing is stored, so a response cannot be retrieved or continued by its id."""
         req = await read_model(raw, ResponsesRequest)
@@ -289,19 +291,19 @@ def build_app(
 
         return await respond(raw, requests, after, ctx, build)
 
-    @app.get("/v1/responses/{response_id}")
+    @app.get("/v1/responses/{response_id}", status_code=404, response_class=Response, responses=errors(404))
     async def stored_response(response_id: str) -> Response:
         """``client.responses.retrieve``: nothing is stored, so every id is unknown (with a message that says why)."""
         return error_response(404, "responses are not stored on this server (it is stateless), so none can be "
                                    "retrieved by id", "response_id")
 
-    @app.post("/tokenize", **_documented(TokenizeRequest))
-    async def tokenize(raw: Request) -> TokenizeResponse:
+    @app.post("/tokenize", **body_route(TokenizeRequest, TokenizeResponse, 404))
+    async def tokenize(raw: Request) -> Response:
         req = await read_model(raw, TokenizeRequest)
         check_model(req.model)
         pool = pools.for_request(req)
         count = await off_loop(pool, processor.count, req.to_prompt())
-        return TokenizeResponse(
+        return JSONResponse(TokenizeResponse(
             count=count.total,
             max_model_len=model.max_model_len,
             tokens=list(count.token_ids),
@@ -311,32 +313,32 @@ def build_app(
             videos=[VideoTokenInfo(**dataclasses.asdict(v)) for v in count.videos],
             max_input_tokens=processor.max_input_tokens,
             predicted_ttft_s=count.predicted_ttft_s,
-        )
+        ).model_dump())
 
     @app.get("/v1/models")
     async def models() -> ModelList:
         card = ModelCard(id=model.name, root=model.root, max_model_len=model.max_model_len)
         return ModelList(data=[card])
 
-    @app.get("/v1/models/{model_id:path}")
+    @app.get("/v1/models/{model_id:path}", responses=errors(404))
     async def model_card(model_id: str) -> ModelCard:
         """``client.models.retrieve(name)``: the served model's card, or 404 in OpenAI's shape."""
         check_model(model_id)
         return ModelCard(id=model.name, root=model.root, max_model_len=model.max_model_len)
 
-    @app.get("/health")
-    async def health() -> Response:
+    @app.get("/health", response_model=Health, responses=errors(503))
+    async def health() -> Health | Response:
         if not engine.is_alive:
             return error_response(503, "the engine is not running")
         if engine.is_draining:
             return error_response(503, "the server is shutting down")
-        return JSONResponse({"status": "ok"})
+        return Health()
 
     @app.get("/v1/engine/stats")
     async def engine_stats() -> dict[str, object]:
         return dataclasses.asdict(engine.stats())
 
-    @app.get("/v1/engine/config")
+    @app.get("/v1/engine/config", responses=errors(404))
     async def engine_config() -> Response:
         if model.engine_config is None:
             return error_response(404, "this server fronts no single engine: ask a replica")
@@ -345,31 +347,11 @@ def build_app(
     return app
 
 
-_SCHEMAS = "#/components/schemas/"
-
-
-def _documented(request: type[BaseModel], response: type[BaseModel] | None = None) -> dict[str, Any]:
-    """A route that reads its body itself (read_model: limits and errors of its own) still publishes the body's and
-    the answer's schemas in /openapi.json (``_openapi`` adds the models to its components)."""
-    doc: dict[str, Any] = {"openapi_extra": {"requestBody": {"required": True, "content": {"application/json": {
-        "schema": {"$ref": _SCHEMAS + request.__name__}}}}}}
-    if response is not None:
-        doc["responses"] = {200: {"content": {"application/json": {"schema": {"$ref": _SCHEMAS + response.__name__}},
-                                              "text/event-stream": {}}}}
-    return doc
-
-
-def _openapi(app: FastAPI) -> dict[str, Any]:
-    if app.openapi_schema is None:
-        schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
-        components = schema.setdefault("components", {}).setdefault("schemas", {})
-        for model in (ChatCompletionRequest, CompletionRequest, TokenizeRequest, ResponsesRequest,
-                      ChatCompletionResponse, CompletionResponse, ResponseObject):
-            body = model.model_json_schema(ref_template=_SCHEMAS + "{model}")
-            components.update(body.pop("$defs", {}))
-            components[model.__name__] = body
-        app.openapi_schema = schema
-    return app.openapi_schema
+# what a generation route's handler may answer besides 400 (the body) and the layers' errors (api/openapi.py): an
+# unknown model, a full server or lane, a stopped or draining engine, a request past --request-timeout
+GENERATION_ERRORS = (404, 429, 503, 504)
+DOCUMENTED_MODELS = (ChatCompletionRequest, CompletionRequest, TokenizeRequest, ResponsesRequest,
+                     ChatCompletionResponse, CompletionResponse, ResponseObject, TokenizeResponse)
 
 
 def tool_output(req: ChatCompletionRequest) -> ToolOutput | None:

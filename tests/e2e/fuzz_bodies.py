@@ -169,7 +169,7 @@ def logit_bias_rule(v: Any) -> V:
         return V.BAD
     verdicts = [V.OK]
     for key, value in v.items():
-        if not (isinstance(key, str) and key.strip().isdigit() and int(key) < VOCAB):
+        if not (isinstance(key, str) and re.fullmatch(r"[0-9]{1,20}", key) and int(key) < VOCAB):
             verdicts.append(V.BAD)
         elif isinstance(value, bool) or _numeric_string(value):
             verdicts.append(V.MAYBE)
@@ -409,6 +409,7 @@ CHAT_SPECS: dict[str, Spec] = {
     "max_completion_tokens": SAMPLING_SPECS["max_tokens"],
     "logprobs": Spec(boolean(nullable=True), st.one_of(st.booleans(), st.none()), (1, 0, "true", 5, [], "x")),
     "top_logprobs": Spec(int_in(0, 20), st.one_of(st.none(), st.integers(0, 20)), (0, 1, 20, 21, -1, 10**6, True)),
+    "add_generation_prompt": Spec(boolean(nullable=False), st.booleans(), (None, "no", 3)),
 }
 COMPLETION_SPECS: dict[str, Spec] = {
     **SAMPLING_SPECS,
@@ -428,7 +429,6 @@ UNSUPPORTED_EDGES: tuple[tuple[str, Any, V], ...] = (
     ("echo", True, V.BAD), ("min_tokens", 0, V.OK), ("min_tokens", 4, V.BAD), ("min_p", 0, V.OK),
     ("min_p", 0.1, V.BAD), ("suffix", "", V.OK), ("suffix", "x", V.BAD), ("modalities", ["text"], V.OK),
     ("modalities", ["audio"], V.BAD), ("prompt_logprobs", 2, V.BAD),
-    ("add_generation_prompt", True, V.OK), ("add_generation_prompt", False, V.BAD),
 )
 # response_format, structured_outputs, guided_*, tools and tool_choice are schema fields now (fuzzed with a MAYBE
 # rule: accepted, or refused naming the field); their refusals are rows of tests/e2e/test_bad_inputs.py

@@ -36,7 +36,7 @@ import httpx
 import pytest
 from hypothesis import HealthCheck, currently_in_test_context, event, example, given, seed, settings
 
-from firsttoken.api.protocol import UNSUPPORTED_FIELDS
+from firsttoken.api.protocol import UNSUPPORTED_FIELDS, ChatPromptFields
 from firsttoken.api.responses_api import RESPONSES_UNSUPPORTED
 from tests.e2e.conftest import LiveServer, start_server, stop_server
 from tests.e2e.fuzz_bodies import (
@@ -77,6 +77,7 @@ from tests.e2e.fuzz_bodies import (
     image_urls,
     num_videos,
     judge,
+    spec_of,
     lax_true,
     messages_verdict,
     part_verdict,
@@ -219,12 +220,16 @@ def resolve(fz: Fuzzed, route: str, body: dict | bytes) -> tuple[dict | bytes, i
     else:
         prompt_ok = messages_verdict(body.get("messages")) if route == CHAT else text_rule(body.get("prompt"))
         wanted, prompt = prompt_ok != V.BAD and key in body, body.get(key)
+    counted: dict[str, Any] = {key: prompt}
+    if route == CHAT:  # the body's fields the chat template renders (tools ...), counted by /tokenize as by chat
+        counted = {k: body[k] for k in ChatPromptFields.model_fields if k in body}
+        prompt_ok = max([prompt_ok, *(spec_of(CHAT_SPECS, k).rule(v) for k, v in counted.items() if k != key)])
     if wanted:
-        r = fz.http.post(TOKENIZE, json={key: prompt})
+        r = fz.http.post(TOKENIZE, json=counted)
         if r.status_code == 200:
             count = r.json()["count"]
         else:
-            Exchange(TOKENIZE, {key: prompt}, r).check(
+            Exchange(TOKENIZE, counted, r).check(
                 400 <= r.status_code < 500 and prompt_ok != V.OK, "/tokenize refused a prompt the oracle judged correct")
     room = None if count is None else MAX_MODEL_LEN - count
     resolved = {k: (max(1, room if room is not None else MAX_MODEL_LEN - 30) + v.delta if isinstance(v, AtRoom) else v)

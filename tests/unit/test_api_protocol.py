@@ -672,7 +672,7 @@ def ascii_json(body: dict) -> bytes:
         (b"[" * 50_000 + b"]" * 50_000, {}, 400, "nested too deeply: JSON objects and arrays may nest at most 64"),
         (b'{"a": ' + b"[" * 70 + b"]" * 70 + b"}", {}, 400, "nested too deeply"),
         (ascii_json(CHAT_BODY)[:-1] + b', "max_tokens": ' + b"9" * 5000 + b"}", {}, 400,
-         "max_tokens: Input should be a finite number"),  # valid JSON, past every bound: named like 10**30
+         "max_tokens: must be an integer within 64 bits, got inf"),  # valid JSON, past every bound: named
         (b"\x1f\x8b\x08\x00", {"content-encoding": "gzip"}, 415, "Content-Encoding 'gzip' is not supported"),
         (b'{"model": "q"}', {"content-encoding": "br"}, 415, "send the body uncompressed"),
         (b'{"model": "q"}', {"transfer-encoding": "chunked"}, 400, "both Content-Length and Transfer-Encoding"),
@@ -711,7 +711,6 @@ UNSUPPORTED = [
     ("prediction", {"type": "content", "content": "x"}),
     ("best_of", 3),
     ("min_tokens", 5),
-    ("add_generation_prompt", False),
 ]
 
 
@@ -798,7 +797,7 @@ def test_a_long_unknown_model_is_quoted_not_echoed(processor: InputProcessor) ->
 def test_an_unknown_part_type_is_quoted_not_echoed(processor: InputProcessor) -> None:
     body = {**CHAT_BODY, "messages": [{"role": "user", "content": [{"type": "t" * 10_000}]}]}
     err = error_of(post(processor, "/v1/chat/completions", json=body), 400)
-    assert err["param"] == "messages[0].content[0]" and len(err["message"]) < 200
+    assert err["param"] == "messages[0].content[0].type" and len(err["message"]) < 200
 
 
 @pytest.mark.parametrize("seed", [2**64, -(2**63) - 1, 10**30])

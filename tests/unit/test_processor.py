@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import io
+import time
 from pathlib import Path
 
 import pytest
@@ -12,7 +13,7 @@ from PIL import Image
 from firsttoken.api.protocol import ChatCompletionRequest, CompletionRequest
 from firsttoken.inputs.image import ImageInputError
 from firsttoken.inputs.processor import InputError, InputProcessor
-from firsttoken.inputs.prompt import TextPrompt
+from firsttoken.inputs.prompt import SamplingRequest, TextPrompt
 from tests.helpers import make_processor, process
 
 MAX_MODEL_LEN = 4096
@@ -145,11 +146,18 @@ def test_request_values_override_defaults(processor: InputProcessor) -> None:
     assert (s.logprobs, s.top_logprobs) == (True, 2) and 7 in s.stop_token_ids
 
 
+def with_sampling(processor: InputProcessor, req: ChatCompletionRequest, **fields) -> None:
+    """``req``'s prompt through the processor with sampling as an in-process caller (the offline LLM) builds it: the
+    processor's own checks, which the HTTP request models state and apply before it (tests/unit/test_openapi.py)."""
+    processor.process(req.prompts()[0], SamplingRequest(**fields), "r1", time.monotonic())
+
+
 @pytest.mark.parametrize(
     ("fields", "param", "message"),
     [
         ({"max_tokens": -1}, "max_tokens", "max_tokens must be at least 1, got -1"),
-        ({"max_completion_tokens": 0}, "max_completion_tokens", "max_completion_tokens must be at least 1, got 0"),
+        ({"max_tokens": 0, "names": (("max_tokens", "max_completion_tokens"),)}, "max_completion_tokens",
+         "max_completion_tokens must be at least 1, got 0"),
         ({"temperature": 3.0}, "temperature", "temperature must be between 0 and 2, got 3.0"),
         ({"top_logprobs": 2}, "top_logprobs", "top_logprobs requires logprobs"),
         ({"max_tokens": MAX_MODEL_LEN}, "max_tokens", "maximum context length is 4096"),
@@ -157,14 +165,13 @@ def test_request_values_override_defaults(processor: InputProcessor) -> None:
 )
 def test_bad_sampling_values_name_the_field(processor: InputProcessor, fields: dict, param: str, message: str) -> None:
     with pytest.raises(InputError, match=message) as err:
-        process(processor, chat("hi", **fields), "r1")
+        with_sampling(processor, chat("hi"), **fields)
     assert err.value.param == param
 
 
 def test_sampling_errors_are_found_before_images_are_decoded(processor: InputProcessor) -> None:
-    req = chat(image("data:image/png;base64,!!!not base64!!!"), text("hi"), max_tokens=-1)
     with pytest.raises(InputError) as err:
-        process(processor, req, "r1")
+        with_sampling(processor, chat(image("data:image/png;base64,!!!not base64!!!"), text("hi")), max_tokens=-1)
     assert err.value.param == "max_tokens"
 
 
@@ -212,11 +219,11 @@ def test_token_piece_returns_raw_bytes_of_byte_level_tokens(processor: InputProc
 @pytest.mark.parametrize(
     ("fields", "param", "message"),
     [
-        ({"stop": [f"s{i}" for i in range(33)]}, "stop", "stop may hold at most 32 strings, got 33"),
-        ({"stop": "x" * 257}, "stop", "stop strings may be at most 256 characters each, got one of 257"),
-        ({"stop_token_ids": list(range(65))}, "stop_token_ids", "at most 64 ids, got 65"),
-        ({"stop_token_ids": [3, -1]}, "stop_token_ids[1]", r"stop_token_ids\[1\] = -1 is not a token id"),
-        ({"stop_token_ids": [10**12]}, "stop_token_ids[0]", "is not a token id of this model"),
+        ({"stop": tuple(f"s{i}" for i in range(33))}, "stop", "stop may hold at most 32 strings, got 33"),
+        ({"stop": ("x" * 257,)}, "stop", "stop strings may be at most 256 characters each, got one of 257"),
+        ({"stop_token_ids": tuple(range(65))}, "stop_token_ids", "at most 64 ids, got 65"),
+        ({"stop_token_ids": (3, -1)}, "stop_token_ids[1]", r"stop_token_ids\[1\] = -1 is not a token id"),
+        ({"stop_token_ids": (10**12,)}, "stop_token_ids[0]", "is not a token id of this model"),
         ({"logprobs": True, "top_logprobs": 21}, "top_logprobs", "top_logprobs must be between 0 and 20, got 21"),
     ],
 )
@@ -224,13 +231,14 @@ def test_per_token_costs_are_bounded_naming_the_field(
     processor: InputProcessor, fields: dict, param: str, message: str
 ) -> None:
     with pytest.raises(InputError, match=message) as err:
-        process(processor, chat("hi", **fields), "r1")
+        with_sampling(processor, chat("hi"), max_tokens=1, **fields)
     assert err.value.param == param
 
 
 def test_completions_logprobs_errors_name_the_field_the_client_sent(processor: InputProcessor) -> None:
     with pytest.raises(InputError, match="logprobs must be between 0 and 20, got 21") as err:
-        process(processor, CompletionRequest(model="m", prompt="hi", logprobs=21), "r1")
+        with_sampling(processor, chat("hi"), max_tokens=1, logprobs=True, top_logprobs=21,
+                      names=(("top_logprobs", "logprobs"),))
     assert err.value.param == "logprobs"
 
 
