@@ -26,7 +26,9 @@
 #   --bundle FILE  FILE (.tar.gz) holds RESULTS_DIR as it stands after every step: on a loan put it under $OUT, so
 #                  a call stopped at its limit still returns what finished (one file of the 8 that come back)
 # Exit status: 0 when every step ended done (and the gate passed); 2 without CUDA on a device run; else 1.
-# The repository is on PYTHONPATH (firsttoken is not installed there; the machine keeps its torch 2.11).
+# The repository is on PYTHONPATH (firsttoken is not installed there; the machine keeps its torch 2.11). $PYTHON
+# names the interpreter (default python3, the GPU machine's torch one); the servers the served step starts run on
+# it too. $FIRSTTOKEN_GPU_TABLE_MODELS: where the checkpoint directories are made (default: the temp dir).
 set -u
 SMOKE=
 TESTS=0
