@@ -1,10 +1,11 @@
 """transformers' model of a checkpoint's family over our engine's weights, sharing their memory.
 
 A device run has no weights on disk (a 7B checkpoint is 15 GB in bf16, 30 GB in fp32) and no room for a second
-copy of them beside ours in fp32, so transformers' model is built on the device with its own random init and then
-given views of our tensors in its own names (``WeightMapping.checkpoint_views``: q/k/v and gate/up are row slices
-of our fused projections, the patch embedding our Linear weight seen as its Conv3d). Both models then compute
-with the very same numbers; nothing is copied. Its attention is SDPA.
+copy of them beside ours in fp32, so transformers' model is built on the device with its own random init, in bf16
+whatever the dtype compared (the init's parameters are dropped at once: the smallest passing copy), and then given
+views of our tensors in its own names (``WeightMapping.checkpoint_views``: q/k/v and gate/up are row slices of our
+fused projections, the patch embedding our Linear weight seen as its Conv3d), which keep our dtype. Both models
+then compute with the very same numbers; nothing is copied. Its attention is SDPA.
 """
 
 from __future__ import annotations
@@ -47,9 +48,15 @@ def transformers_over(model_dir: Path, ours: nn.Module, dtype: torch.dtype, devi
     if unmatched:
         raise ValueError(f"transformers' {model_class.__name__} has parameters with no counterpart in ours: "
                          f"{unmatched[:8]}")
-    with torch.device(device), default_dtype(dtype):
+    with torch.device(device), default_dtype(torch.bfloat16):
         reference = model_class(config)  # its own init, replaced next (buffers such as rotary tables stay its own)
     reference.load_state_dict(views, strict=True, assign=True)
+    # the init's dtype must not survive anywhere the comparison reads: parameters are ours, float buffers fp32
+    stray = [name for name, t in (*reference.named_parameters(), *reference.named_buffers())
+             if t.is_floating_point() and t.dtype not in (dtype, torch.float32)]
+    if stray:
+        raise ValueError(f"transformers' {model_class.__name__} keeps {len(stray)} tensors in its init dtype: "
+                         f"{stray[:4]}")
     return reference.eval()
 
 

@@ -59,3 +59,25 @@ def test_the_smoke_run_writes_every_key_of_the_device_run_and_resumes(tmp_path: 
     for spec in manifest.STEPS:
         assert "done in an earlier run" in (results / f"{spec.name}.log").read_text(), spec.name
         assert (results / f"{spec.name}.json").read_bytes() == written[spec.name], spec.name
+
+
+def test_the_gate_passes_the_same_weights_and_fails_a_model_that_reads_one_wrongly(tmp_path: Path,
+                                                                                   monkeypatch) -> None:
+    """The gate is not vacuous: transformers over our weights agrees token for token, and the same model reading
+    one layer's k and v projections swapped (a stacking-order fault; same shapes under GQA) fails it."""
+    import torch
+
+    import steps.gate as gate
+    from reference import transformers_over
+    from setting import Setting, model_of
+
+    monkeypatch.setenv(MODELS_DIR_ENV, str(tmp_path))
+    setting = Setting.for_run(smoke=True)
+    model_dir = setting.model_dir("qwen2-vl")
+    llm = setting.llm(model_dir, "fp32", "sdpa")
+    reference = transformers_over(model_dir, model_of(llm), torch.float32, "cpu")
+    cases = gate.prompts(setting)
+    assert [gate.compare(llm, reference, cases[p], "fp32", setting)["verdict"] for p in cases] == ["equal", "equal"]
+    attention = reference.model.language_model.layers[1].self_attn
+    attention.k_proj.weight, attention.v_proj.weight = attention.v_proj.weight, attention.k_proj.weight
+    assert [gate.compare(llm, reference, cases[p], "bf16", setting)["verdict"] for p in cases] == ["mismatch"] * 2
