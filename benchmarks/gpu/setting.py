@@ -28,6 +28,7 @@ import torch
 from firsttoken.inputs.budget import REFERENCE_MAX_TOKENS
 from firsttoken.llm import LLM
 from firsttoken.models.checkpoint import make_dummy_model, make_model
+from manifest import backend_verdict
 from tests.published_configs import QWEN2_VL_7B_INSTRUCT, QWEN25_VL_7B_INSTRUCT
 
 T = TypeVar("T")
@@ -64,7 +65,7 @@ class Setting:
                        copy_bytes=16 * 2**20)  # fmt: skip
         return cls(smoke=False, device="cuda", timing_dtype="bf16", text_words=512, text_tokens=800, image_side_px=1024,
                    gate_new_tokens=16, repeats=3, decode_new_tokens=64, kv_cache_memory="2GiB",
-                   served_requests=40, served_output_tokens=16, served_probes=2, matmul_side=8192,
+                   served_requests=40, served_output_tokens=8, served_probes=2, matmul_side=8192,
                    copy_bytes=2 * 2**30)  # fmt: skip
 
     # ---- what runs ----------------------------------------------------------------------------------------------
@@ -155,13 +156,10 @@ def model_of(llm: LLM) -> torch.nn.Module:
 
 
 def gate_verdict(results_dir: Path, backend: str) -> tuple[bool, str]:
-    """(whether timing with ``backend`` may run, why not): the gate's JSON must be done and passed for it."""
+    """(whether timing with ``backend`` may run, why not): the gate must have checked it in full and passed it
+    (manifest.backend_verdict), whether or not the gate step itself finished."""
     path = results_dir / "gate.json"
     if not path.exists():
-        return False, "skipped: the gate did not finish (no gate.json)"
-    gate = json.loads(path.read_text())
-    if gate.get("status") != "done":
-        return False, f"skipped: the gate ended {gate.get('status')} ({gate.get('error') or 'see gate.log'})"
-    if not gate["values"].get(f"{backend}.passed"):
-        return False, f"skipped: the gate failed for {backend} ({gate['values'].get('rule')})"
-    return True, ""
+        return False, "skipped: the gate did not run (no gate.json)"
+    ok, why = backend_verdict(json.loads(path.read_text())["values"], backend)
+    return ok, "" if ok else f"skipped: {why}"

@@ -65,6 +65,9 @@ class Recorder:
     def value(self, key: str) -> Any:
         return self.data["values"][key]
 
+    def values(self) -> dict[str, Any]:
+        return dict(self.data["values"])
+
     def note(self, **context: Any) -> None:
         """What the figures were measured on (shapes, resolved flags, times of builds): free-form, not keys."""
         self.data["context"].update(context)

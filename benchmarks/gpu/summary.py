@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from manifest import BACKENDS, FIGURES, STEP_NAMES, TARGETS, Figure, Target  # noqa: E402
+from manifest import BACKENDS, FIGURES, STEP_NAMES, TARGETS, Figure, Target, backend_verdict  # noqa: E402
 
 TIMED_OUT = (124, 137)  # `timeout`'s exit status, and a KILL after its grace period
 
@@ -97,11 +97,13 @@ def gate_lines(data: dict[str, dict[str, Any]], steps: list[dict[str, Any]]) -> 
     if gate is None:
         return [f"gate: not run ({why_missing('gate', steps)}): every timing step skips"]
     values = gate["values"]
-    if gate["status"] != "done":
-        return [f"gate: ended {gate['status']} ({gate.get('error')}): the timing steps skip"]
-    verdict = "passed" if values["passed"] else "FAILED"
-    per = ", ".join(f"{b} {'passed' if values[f'{b}.passed'] else 'failed'}" for b in BACKENDS)
-    lines = [f"gate: {verdict} ({per}); rule: {values['rule']}"]
+    verdicts = {b: backend_verdict(values, b) for b in BACKENDS}
+    if gate["status"] == "done":
+        head = "passed" if all(ok for ok, _ in verdicts.values()) else "FAILED"
+    else:
+        head = f"ended {gate['status']} ({gate.get('error') or 'stopped at its bound'})"
+    per = ", ".join(f"{b} passed" if ok else f"{b} not cleared: {why}" for b, (ok, why) in verdicts.items())
+    lines = [f"gate: {head} ({per}); timing runs only what it cleared; rule: {values.get('rule')}"]
     for key, case in values.items():
         if isinstance(case, dict):
             lines.append(f"  {key}: {case['verdict']}, {case['steps_argmax_equal']}/{case['steps']} tokens "

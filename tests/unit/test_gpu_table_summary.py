@@ -28,10 +28,16 @@ def write(results: Path, name: str, values: dict, why: dict | None = None, statu
     (results / f"{name}.json").write_text(json.dumps(data))
 
 
+def case(verdict: str = "equal") -> dict:
+    return {"verdict": verdict, "steps": 16, "steps_argmax_equal": 16 if verdict == "equal" else 9,
+            "steps_within_tolerance": 16 if verdict != "mismatch" else 15, "max_deficit_over_sigma": 0.0,
+            "tolerance_sigma": 0.2, "generate_equal": verdict == "equal"}  # fmt: skip
+
+
 def gate_values(passed: dict[str, bool]) -> dict:
-    case = {"verdict": "equal", "steps": 16, "steps_argmax_equal": 16, "steps_within_tolerance": 16,
-            "max_deficit_over_sigma": 0.0, "tolerance_sigma": 0.2, "generate_equal": True}  # fmt: skip
-    values = {k: case for k in manifest.spec("gate").keys if k.count(".") == 2}
+    """A finished gate whose cases of a backend not ``passed`` include one mismatch (bf16, image)."""
+    values = {k: case("mismatch" if k.endswith(".image") and not passed[k.split(".")[1]] else "equal")
+              for k in manifest.spec("gate").keys if k.count(".") == 2}  # fmt: skip
     return values | {f"{b}.passed": ok for b, ok in passed.items()} | {"passed": all(passed.values()), "rule": "r"}
 
 
@@ -67,7 +73,8 @@ def test_each_target_is_met_or_missed_from_the_json_and_says_why_when_not_run(tm
     served = row(rows, "served U 0.6, text P99 / unloaded TTFT")
     assert served["verdict"] == "not run" and "stopped at its bound (125 s)" in served["why"]
     assert row(out["figures"], "decode batch 16, sdpa")["value"] == 900.0
-    assert out["gate"][0].startswith("gate: FAILED (sdpa passed, triton failed)")
+    assert out["gate"][0].startswith("gate: FAILED (sdpa passed, triton not cleared: the gate failed "
+                                     "bf16.triton.image, fp32.triton.image)")
     text_out = summary.render(out, summary.read_steps(steps_tsv))
     for t in manifest.TARGETS:
         assert t.label in text_out
@@ -136,3 +143,16 @@ def test_the_gate_rule_lets_a_near_tie_pass_and_fails_a_real_mismatch() -> None:
     assert (tie["verdict"], tie["steps_argmax_equal"]) == ("near-tie", 2)
     assert tie["max_deficit_over_sigma"] == pytest.approx(0.01 / sigma, rel=1e-4)
     assert gate.judge(logits, [0, 0, 2], 0.2)["verdict"] == "mismatch"  # 5 logits below the best: no tie
+
+
+def test_a_gate_stopped_after_clearing_sdpa_lets_the_timing_steps_measure_sdpa_only(tmp_path: Path) -> None:
+    from setting import gate_verdict
+
+    cleared = {key: case() for key in manifest.gate_cases("sdpa")}
+    write(tmp_path, "gate", cleared | {"bf16.triton.text": case(), "rule": "r"}, status="partial")
+    assert gate_verdict(tmp_path, "sdpa") == (True, "")
+    ok, why = gate_verdict(tmp_path, "triton")
+    assert not ok and why == "skipped: the gate did not check bf16.triton.image, fp32.triton.text, fp32.triton.image"
+    line = summary.summarize(tmp_path, [])["gate"][0]
+    assert line.startswith("gate: ended partial (stopped at its bound) (sdpa passed, triton not cleared: ")
+    assert gate_verdict(tmp_path / "nowhere", "sdpa") == (False, "skipped: the gate did not run (no gate.json)")
