@@ -147,6 +147,20 @@ def images_in(images: tuple[ImageItem, ...], start: int, end: int) -> list[tuple
 # ---------------------------------------------------------------------------------------------- requests
 
 @dataclass(frozen=True)
+class TokenRecords:
+    """Tokens as the prefix cache keys them: one record a token of (id, its position on each of
+    ``num_position_rows`` rotary axes), little-endian int64s, in prompt order from token 0."""
+
+    data: bytes  # num_tokens * (1 + num_position_rows) * 8 bytes
+    num_position_rows: int  # M-RoPE: 3 (t, h, w)
+    num_tokens: int
+
+    @property
+    def record_bytes(self) -> int:
+        return 8 * (1 + self.num_position_rows)
+
+
+@dataclass(frozen=True)
 class EngineRequest:
     request_id: str
     prompt_token_ids: tuple[int, ...]
@@ -173,13 +187,13 @@ class EngineRequest:
     def num_image_tokens(self) -> int:
         return sum(im.num_tokens for im in self.images)
 
-    def token_records(self, num_tokens: int) -> bytes:
-        """The first ``num_tokens`` prompt tokens as the prefix cache keys them (kv/prefix_cache.py): one record a
-        token of (id, t, h, w), little-endian int64s."""
-        records = numpy.empty((num_tokens, 4), dtype="<i8")
+    def token_records(self, num_tokens: int) -> TokenRecords:
+        """The first ``num_tokens`` prompt tokens as the prefix cache keys them (kv/prefix_cache.py)."""
+        rows = self.mrope_positions.shape[0]
+        records = numpy.empty((num_tokens, 1 + rows), dtype="<i8")
         records[:, 0] = self.prompt_token_ids[:num_tokens]
         records[:, 1:] = self.mrope_positions[:, :num_tokens].t().numpy()
-        return records.tobytes()
+        return TokenRecords(records.tobytes(), rows, num_tokens)
 
 
 class FinishReason(str, Enum):
