@@ -44,6 +44,24 @@ def many_streams(clip: bytes, num_streams: int, container: str) -> bytes:
     return out.getvalue()
 
 
+def _box(kind: bytes, body: bytes) -> bytes:
+    return struct.pack(">I4s", 8 + len(body), kind) + body
+
+
+def many_tiny_elements(container: str, num_elements: int) -> bytes:
+    """A crafted file of the smallest structure elements where ``count_streams`` looks for the streams, none of them
+    the declaring one: Matroska, a Segment of unknown size holding 2-byte Void elements; MP4, a moov of empty free
+    boxes; AVI, a LIST hdrl of empty JUNK chunks."""
+    if container == "matroska":
+        return b"\x1a\x45\xdf\xa3\x80" + b"\x18\x53\x80\x67\x01" + b"\xff" * 7 + b"\xec\x80" * num_elements
+    if container == "mov":
+        return _box(b"ftyp", b"isom\0\0\0\0") + _box(b"moov", _box(b"free", b"") * num_elements)
+    if container == "avi":
+        hdrl = b"LIST" + struct.pack("<I", 4 + 8 * num_elements) + b"hdrl" + (b"JUNK" + bytes(4)) * num_elements
+        return b"RIFF" + struct.pack("<I", 4 + len(hdrl)) + b"AVI " + hdrl
+    raise ValueError(container)
+
+
 def open_fds() -> int:
     return len(os.listdir("/proc/self/fd"))
 
