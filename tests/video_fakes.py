@@ -9,6 +9,7 @@ import logging
 import math
 import os
 import struct
+import zlib
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -46,6 +47,21 @@ def many_streams(clip: bytes, num_streams: int, container: str) -> bytes:
 
 def _box(kind: bytes, body: bytes) -> bytes:
     return struct.pack(">I4s", 8 + len(body), kind) + body
+
+
+def compress_moov(mp4: bytes) -> bytes:
+    """``mp4`` with its index compressed as QuickTime writes it (moov holding one cmov: dcom "zlib", cmvd = the
+    uncompressed size and the zlib-compressed moov box), which FFmpeg reads. The moov must follow the frames (the
+    muxer's default), so that no chunk offset moves."""
+    at = 0
+    while at + 8 <= len(mp4):
+        size, kind = struct.unpack_from(">I4s", mp4, at)
+        if kind == b"moov":
+            moov = mp4[at:at + size]
+            cmvd = _box(b"cmvd", struct.pack(">I", len(moov)) + zlib.compress(moov))
+            return mp4[:at] + _box(b"moov", _box(b"cmov", _box(b"dcom", b"zlib") + cmvd)) + mp4[at + size:]
+        at += size
+    raise ValueError("no moov box at the top level of this MP4")
 
 
 def many_tiny_elements(container: str, num_elements: int) -> bytes:

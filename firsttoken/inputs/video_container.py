@@ -94,7 +94,10 @@ def _mp4_boxes(data: bytes, start: int, end: int, walk: StructureWalk) -> Iterat
 def _mp4_streams(data: bytes, walk: StructureWalk) -> int | None:
     for kind, start, end in _mp4_boxes(data, 0, len(data), walk):
         if kind == b"moov":
-            return sum(1 for child, _, _ in _mp4_boxes(data, start, end, walk) if child == b"trak")
+            children = [child for child, _, _ in _mp4_boxes(data, start, end, walk)]
+            if b"cmov" in children:  # a compressed index: its trak boxes are inside the compressed bytes
+                return None
+            return children.count(b"trak")
     return None
 
 
