@@ -26,6 +26,28 @@ def patch_mkv_duration(data: bytes, seconds: float) -> bytes:
     return data[:at] + struct.pack(">d", seconds * 1000.0) + data[at + 8:]
 
 
+MKV_DEFAULT_DURATION = b"\x23\xe3\x83"  # EBML element DefaultDuration (0x23E383): a track's nanoseconds per frame
+
+
+def unstate_mkv_rate(data: bytes, duration_too: bool = False) -> bytes:
+    """A Matroska file that states no frame rate (its DefaultDuration element made a Void element of the same
+    length, as many muxers write none) and, with ``duration_too``, no duration (Segment Info's Duration likewise,
+    as a browser's MediaRecorder writes neither); every frame and offset stays as it was."""
+    data = _void_element(data, MKV_DEFAULT_DURATION)
+    return _void_element(data, MKV_DURATION) if duration_too else data
+
+
+def _void_element(data: bytes, marker: bytes) -> bytes:
+    at = data.find(marker)
+    if at < 0:
+        raise ValueError(f"no element {marker.hex()} in this Matroska file")
+    size_at = at + len(marker) if marker != MKV_DURATION else at + 2  # MKV_DURATION holds its size byte
+    if data[size_at] & 0x80 == 0:
+        raise ValueError("the element's size is not one byte")
+    total = size_at + 1 + (data[size_at] & 0x7F) - at
+    return data[:at] + bytes([0xEC, 0x80 | (total - 2)]) + bytes(total - 2) + data[at + total:]  # Void (0xEC)
+
+
 def many_streams(clip: bytes, num_streams: int, container: str) -> bytes:
     """``clip``'s video stream muxed ``num_streams`` times into one ``container`` file (packets copied, nothing
     re-encoded): a container of many streams, each as big as the clip's frames. ``clip`` must suit ``container``

@@ -42,6 +42,7 @@ from tests.video_fakes import (
     qwen_plan,
     qwen_vl_utils_oracle,
     threads_alive,
+    unstate_mkv_rate,
 )
 
 PROC = ImageProcessorConfig()  # Qwen2/2.5-VL: 14 px patches, 2x2 merge, 2 frames per temporal patch
@@ -211,33 +212,60 @@ def test_resized_frames_have_the_plans_size_and_the_decoder_holds_one_full_frame
     assert be.max_held == 1
 
 
-# (container, codec, bframes): with B-frames (for VP9, hidden alt-ref frames) frames are stored out of display order
+# (container, codec, bframes, header): with B-frames (for VP9, hidden alt-ref frames) frames are stored out of
+# display order; header "no rate": a Matroska file without DefaultDuration, "no rate or duration": nor Duration
 PRESENTATION_CASES = [
-    ("avi", "libx264", 0), ("avi", "libx264", 3), ("avi", "mpeg4", 3),
-    ("mp4", "libx264", 0), ("mp4", "libx264", 3),
-    ("matroska", "libx264", 0), ("matroska", "libx264", 3),
-    ("webm", "libvpx-vp9", 0), ("webm", "libvpx-vp9", 3),
+    ("avi", "libx264", 0, ""), ("avi", "libx264", 3, ""), ("avi", "mpeg4", 3, ""),
+    ("mp4", "libx264", 0, ""), ("mp4", "libx264", 3, ""),
+    ("matroska", "libx264", 0, ""), ("matroska", "libx264", 3, ""),
+    ("webm", "libvpx-vp9", 0, ""), ("webm", "libvpx-vp9", 3, ""),
+    ("matroska", "libx264", 0, "no rate"), ("matroska", "libx264", 3, "no rate"),
+    ("webm", "libvpx-vp9", 0, "no rate"), ("webm", "libvpx-vp9", 3, "no rate"),
+    ("matroska", "libx264", 3, "no rate or duration"), ("webm", "libvpx-vp9", 3, "no rate or duration"),
 ]
 
 
-def assert_frames_shown_at_their_times(data: bytes, limits: VideoConfig) -> None:
+def assert_frames_shown_at_their_times(data: bytes, limits: VideoConfig, num_sampled: int) -> None:
     """Each sampled frame is the frame a front-to-back decode of the same file shows at the sampled place, and its
-    time is that place over the frame rate; the plan counts the frames that decode shows."""
+    time is the one the plan gives the model (place over the clip's frame rate); the plan counts the frames that
+    decode shows and samples ``num_sampled`` of them."""
     ref = reference_frames(data)
     loaded = load_video(data, limits, PROC, resize=False)
     assert loaded.index.num_frames == len(ref)
+    assert loaded.plan.num_frames == num_sampled
     wrong = [i for k, i in enumerate(loaded.plan.frame_indices) if not np.array_equal(loaded.video.frames[k], ref[i])]
     assert wrong == [], f"{len(wrong)} of {loaded.plan.num_frames} sampled frames are not the frame shown there"
-    # (Matroska stamps in milliseconds)
-    assert loaded.video.pts_s == pytest.approx([i / loaded.header.fps for i in loaded.plan.frame_indices], abs=1e-3)
+    assert loaded.video.pts_s == pytest.approx(loaded.plan.timestamps_s, abs=1e-3)  # (Matroska stamps in ms)
 
 
-@pytest.mark.parametrize(("container", "codec", "bframes"), PRESENTATION_CASES,
-                         ids=[f"{c}-{k}-b{b}" for c, k, b in PRESENTATION_CASES])
-def test_each_sampled_frame_is_the_one_shown_at_its_time(container: str, codec: str, bframes: int) -> None:
+@pytest.mark.parametrize(("container", "codec", "bframes", "header"), PRESENTATION_CASES,
+                         ids=[f"{c}-{k}-b{b}{'-' + h.replace(' ', '-') if h else ''}"
+                              for c, k, b, h in PRESENTATION_CASES])
+def test_each_sampled_frame_is_the_one_shown_at_its_time(container: str, codec: str, bframes: int,
+                                                          header: str) -> None:
     data = make_clip(3, 64, 48, fps=30, gop=12, container=container, codec=codec, bframes=bframes)
-    for fps in (2.0, 10.0):  # 6 and 30 of the 90 frames
-        assert_frames_shown_at_their_times(data, VideoConfig(video_fps=fps))
+    if header:
+        data = unstate_mkv_rate(data, duration_too=header == "no rate or duration")
+    for fps, num_sampled in ((2.0, 6), (10.0, 30)):  # of the 90 frames, 3 s at 30 fps
+        assert_frames_shown_at_their_times(data, VideoConfig(video_fps=fps), num_sampled)
+
+
+def test_a_matroska_file_stating_no_frame_rate_is_measured_from_its_packets() -> None:
+    """Without DefaultDuration the one-packet probe reads no rate (FFmpeg's guess from one packet would be 60 fps
+    for this 30 fps H.264 clip, 1000 for VP9); the packets' stamps give it, and the header's estimates are not
+    checked as if the container declared them: only its stated duration is, and the packets' count."""
+    for codec in ("libx264", "libvpx-vp9"):
+        data = unstate_mkv_rate(make_clip(3, 64, 48, fps=30, container="matroska", codec=codec))
+        header = probe_video(data, VideoConfig())
+        assert (header.fps, header.num_frames, header.frames_declared, header.duration_s) == (None, None, False, 3.0)
+        loaded = load_video(data, VideoConfig(max_video_source_frames=90), PROC)
+        assert loaded.index.fps == pytest.approx(30, rel=1e-3)  # 89 intervals over 2.967 s (stamps in ms)
+        assert loaded.plan.frame_indices == (0, 18, 36, 53, 71, 89)
+        err, be = _refused(data, VideoConfig(max_video_source_frames=89))
+        assert str(err) == "video holds more than 89 frames (its header declares no frame count); the limit is 89"
+        assert be.frames_decoded == 0
+        err, be = _refused(data, VideoConfig(video_max_seconds=2.5))
+        assert str(err) == "video declares 3.0 s; the limit is 2.5 s" and be.packets_demuxed == 0
 
 
 @pytest.mark.parametrize("bframes", [0, 3])
@@ -250,8 +278,8 @@ def test_an_mp4_cut_without_reencoding_is_planned_over_the_frames_it_shows(bfram
     assert (loaded.header.num_frames, loaded.index.num_frames) == (70, 21)  # the header counts the hidden frames
     assert loaded.plan.frame_indices == (0, 7, 13, 20) and loaded.plan.timestamps_s[-1] == pytest.approx(2.0)
     assert be.frames_converted == 4
-    for fps in (2.0, 10.0):
-        assert_frames_shown_at_their_times(data, VideoConfig(video_fps=fps))
+    for fps, num_sampled in ((2.0, 4), (10.0, 20)):  # 21 frames, 2.0 s
+        assert_frames_shown_at_their_times(data, VideoConfig(video_fps=fps), num_sampled)
 
 
 @pytest.mark.parametrize(("container", "codec", "name"), [
@@ -288,7 +316,7 @@ def test_a_passed_deadline_is_a_timeout_not_a_decode(clip: bytes) -> None:
         read_video(clip, limits, be, deadline=time.monotonic() - 1)
     assert err.value.code == "video_timeout"
     header, index = read_video(clip, limits, be)
-    plan = plan_video(index.num_frames, header.fps, header.width, header.height, limits, PROC)
+    plan = plan_video(index.num_frames, index.fps, header.width, header.height, limits, PROC)
     with pytest.raises(VideoInputError, match="longer than") as err:
         decode_video(clip, header, index, plan, limits, be, deadline=time.monotonic() - 1)
     assert be.frames_decoded == 1 and be.frames_converted == 0
