@@ -52,6 +52,14 @@ def many_streams(clip: bytes, num_streams: int, container: str) -> bytes:
     """``clip``'s video stream muxed ``num_streams`` times into one ``container`` file (packets copied, nothing
     re-encoded): a container of many streams, each as big as the clip's frames. ``clip`` must suit ``container``
     (AVI takes H.264 only as an AVI clip's packets)."""
+    return remux(clip, container, num_streams)
+
+
+def remux(clip: bytes, container: str, num_streams: int = 1, skip_packets: int = 0) -> bytes:
+    """``clip``'s video packets copied into a ``container`` file (nothing re-encoded; ``num_streams`` copies of the
+    stream), less its first ``skip_packets`` (a cut that is not at a key frame). Their stamps are kept as they are,
+    decode-order stamps from an AVI clip included; an AVI file's are renumbered from 0 (it stores a frame's place,
+    and a gap would be filled with empty frames)."""
     import io
 
     import av
@@ -60,7 +68,9 @@ def many_streams(clip: bytes, num_streams: int, container: str) -> bytes:
     with av.open(io.BytesIO(clip)) as src, av.open(out, "w", format=container) as dst:
         stream = src.streams.video[0]
         copies = [dst.add_stream_from_template(stream) for _ in range(num_streams)]
-        for packet in [p for p in src.demux(stream) if p.size]:
+        for n, packet in enumerate([p for p in src.demux(stream) if p.size][skip_packets:]):
+            if container == "avi":
+                packet.pts = packet.dts = n
             for copy in copies:
                 packet.stream = copy
                 dst.mux(packet)

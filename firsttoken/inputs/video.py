@@ -74,9 +74,6 @@ FPS_MIN_FRAMES = 4
 # Codecs we decode (FFmpeg codec names). A stream in another codec is refused naming it.
 ALLOWED_CODECS = ("h264", "hevc", "vp8", "vp9", "av1", "mpeg4", "mpeg2video", "mjpeg")
 MAX_DECLARED_FPS = 1000.0
-# Containers whose packets FFmpeg stamps by their place in the file (decode order), not by when they are shown: AVI
-# has no presentation times. With B-frames the two orders differ; the decoder's output order is the shown one.
-DECODE_ORDER_CONTAINERS = ("avi",)
 # Opening a container runs FFmpeg's probe (avformat_find_stream_info): it sets up a decoder for every stream and
 # decodes frames until it knows each one's pixel format and, for H.264, how far frames are reordered; unbounded, a
 # file of many large one-frame streams costs a decoded frame per stream before any check of ours. Bounded here, per
@@ -124,9 +121,10 @@ class VideoIndex:
     time_base: float  # seconds per pts unit
     # the clip's frame rate: the container's stated one, else (frames - 1) over the span of their stamps, in (0, 1000]
     fps: float
-    # True where the container stamps packets in decode order (AVI stores no presentation times): a decoded frame's
-    # place on the timeline is then its count from the first frame the decoder gives, not its stamp
-    decode_order_stamps: bool = False
+    # True where the packets' stamps never decrease in file order. They may then be decode-order stamps (AVI stores
+    # no presentation times; nor does Matroska in VfW mode), which differ from the shown order where the decoder
+    # reorders frames: decode_video then places frames by their count, not their stamps.
+    stamps_in_file_order: bool = False
     # seconds of the video's one deadline (--video-decode-timeout) spent up to the end of the packet pass; a decode
     # started later gets what is left
     deadline_used_s: float = 0.0
@@ -183,6 +181,7 @@ class PyAVBackend:
         self.threads = threads
         self.clock = clock
         self.opened = 0  # containers opened
+        self.seeks = 0  # container seeks by a decode
         self.packets_demuxed = 0
         self.frames_decoded = 0  # frames out of the decoder, sampled or not
         self.frames_converted = 0  # frames converted to RGB (the sampled ones)
@@ -343,6 +342,7 @@ def _read_index(
     pts: list[int] = []  # the shown frames'
     keys: list[int] = []  # hidden ones included: a decode may have to start before the first shown frame
     num_packets = 0
+    in_file_order = True  # no stamp so far below the one before it
     try:
         for packet in c.demux(s):
             if packet.size == 0:  # the end-of-stream marker PyAV yields per stream
@@ -353,6 +353,7 @@ def _read_index(
             if p is None:
                 continue
             if not packet.is_discard:
+                in_file_order = in_file_order and (not pts or p >= pts[-1])
                 pts.append(int(p))
             if packet.is_keyframe:
                 keys.append(int(p))
@@ -386,7 +387,7 @@ def _read_index(
     if not keys or keys[0] > pts[0]:  # a stream whose first packet is not flagged key: decode from the start
         keys.insert(0, pts[0])
     fps = header.fps if header.fps is not None else _rate_from_stamps(pts, tb)
-    return VideoIndex(tuple(pts), tuple(keys), tb, fps, header.container in DECODE_ORDER_CONTAINERS, used_s)
+    return VideoIndex(tuple(pts), tuple(keys), tb, fps, in_file_order, used_s)
 
 
 def _rate_from_stamps(pts: list[int], time_base: float) -> float:
@@ -599,11 +600,13 @@ def decode_video(
     backend: PyAVBackend | None = None, deadline: float | None = None, resize: bool = True,
 ) -> DecodedVideo:
     """Decode only the plan's frames: for each, the frame shown at its place on the index's timeline. Where the
-    container stamps frames with their presentation time, per sampled frame: seek to the latest key frame at or
-    before it unless the decoder already stands between that key frame and it, then decode forward to it. Where it
-    stamps them in decode order (AVI), one forward pass from the first frame, placing frames by their count (a seek
-    would lose it). Each sampled frame is converted and resized alone: at most one full-size RGB frame is alive at
-    a time (``backend.max_held``). The deadline is the video's one: what the packet pass left of it, unless given."""
+    stamps give that place, per sampled frame: seek to the latest key frame at or before it unless the decoder
+    already stands between that key frame and it, then decode forward to it. Where they cannot (stamps in file
+    order, ``VideoIndex.stamps_in_file_order``, on a stream the decoder reorders: B-frames in AVI), one forward pass
+    from the first frame, placing frames by their count (a seek would lose it), and the count must come out equal
+    to the packets' (else the video is refused). Each sampled frame is converted and resized alone: at most one
+    full-size RGB frame is alive at a time (``backend.max_held``). The deadline is the video's one: what the packet
+    pass left of it, unless given."""
     be = _backend(backend)
     if deadline is None:
         deadline = be.clock() + limits.video_decode_timeout_s - index.deadline_used_s
@@ -618,6 +621,8 @@ def decode_video(
                 s.thread_type = "AUTO"
             s.codec_context.thread_count = be.threads
             s.codec_context.options = {**s.codec_context.options, "max_pixels": str(limits.max_video_pixels)}
+            # the decode probe has run the decoder on the first frames: it knows whether it reorders them
+            by_count = index.stamps_in_file_order and bool(s.codec_context.has_b_frames)
             pos = -1  # timeline place of the frame the decoder last gave (-1: none since the decode (re)started)
             frames: Iterator[tuple[int, VideoFrame]] = iter(())
             for k, i in enumerate(plan.frame_indices):
@@ -625,15 +630,16 @@ def decode_video(
                     out[k] = out[k - 1]
                     pts_s.append(pts_s[-1])
                     continue
-                if index.decode_order_stamps:
+                if by_count:
                     if k == 0:
-                        frames = _shown(c.decode(s), index, header, limits, be, deadline)
+                        frames = _shown(c.decode(s), index, header, limits, be, deadline, by_count)
                 else:
                     target = index.pts[i]
                     key = index.key_pts[max(0, bisect.bisect_right(index.key_pts, target) - 1)]
                     if pos < 0 or not key <= index.pts[pos] < target:  # seeking skips work (or the decoder is past it)
                         c.seek(key, stream=s, backward=True, any_frame=False)
-                        frames = _shown(c.decode(s), index, header, limits, be, deadline)
+                        be.seeks += 1
+                        frames = _shown(c.decode(s), index, header, limits, be, deadline, by_count)
                         pos = -1
                 for pos, frame in frames:
                     if pos >= i:
@@ -641,10 +647,16 @@ def decode_video(
                         pts_s.append(index.seconds(pos))
                         break
                 else:
+                    if by_count:
+                        raise _miscounted(pos + 1, index)
                     raise VideoInputError(
                         "invalid_video", f"video is truncated or corrupt: frame {i} of {plan.source_frames} cannot "
                         "be decoded"
                     )
+            if by_count:  # every frame placed by its count: the decoder must give one per packet, no more
+                num_decoded = pos + 1 + sum(1 for _ in frames)
+                if num_decoded != index.num_frames:
+                    raise _miscounted(num_decoded, index)
     except VideoInputError:
         raise
     except _av_errors():
@@ -652,13 +664,19 @@ def decode_video(
     return DecodedVideo(out, plan, pts_s)
 
 
+def _miscounted(num_decoded: int, index: VideoIndex) -> VideoInputError:
+    return VideoInputError(
+        "invalid_video", f"video's decoder gave {num_decoded} frames for its {index.num_frames} packets; its frames "
+        "carry no presentation times to place them by"
+    )
+
+
 def _shown(
     decoded: Iterator[VideoFrame], index: VideoIndex, header: VideoHeader, limits: VideoConfig, be: PyAVBackend,
-    deadline: float,
+    deadline: float, by_count: bool,
 ) -> Iterator[tuple[int, VideoFrame]]:
     """The decoder's frames (which it gives in presentation order) with their place on the index's timeline: by
-    stamp, or, where the stamps are decode order, by count from the first frame. Checks the deadline and the frame
-    size at every frame decoded."""
+    stamp, or ``by_count`` from the first frame. Checks the deadline and the frame size at every frame decoded."""
     count = 0
     for frame in decoded:
         be.frames_decoded += 1
@@ -669,7 +687,7 @@ def _shown(
                 "invalid_video", f"a frame decoded at {frame.width}x{frame.height}, not the "
                 f"{header.width}x{header.height} the header declares"
             )
-        if index.decode_order_stamps:
+        if by_count:
             count += 1
             yield count - 1, frame
         elif frame.pts is not None and frame.pts >= index.pts[0]:  # (before it: hidden by an edit list)

@@ -41,6 +41,7 @@ from tests.video_fakes import (
     patch_mkv_duration,
     qwen_plan,
     qwen_vl_utils_oracle,
+    remux,
     threads_alive,
     unstate_mkv_rate,
 )
@@ -212,8 +213,9 @@ def test_resized_frames_have_the_plans_size_and_the_decoder_holds_one_full_frame
     assert be.max_held == 1
 
 
-# (container, codec, bframes, header): with B-frames (for VP9, hidden alt-ref frames) frames are stored out of
-# display order; header "no rate": a Matroska file without DefaultDuration, "no rate or duration": nor Duration
+# (container, codec, bframes, variant): with B-frames (for VP9, hidden alt-ref frames) frames are stored out of
+# display order. Variants: "no rate", a Matroska file without DefaultDuration; "no rate or duration", nor Duration;
+# "in matroska", the AVI clip's packets copied into Matroska with their decode-order stamps (as in VfW mode)
 PRESENTATION_CASES = [
     ("avi", "libx264", 0, ""), ("avi", "libx264", 3, ""), ("avi", "mpeg4", 3, ""),
     ("mp4", "libx264", 0, ""), ("mp4", "libx264", 3, ""),
@@ -222,6 +224,7 @@ PRESENTATION_CASES = [
     ("matroska", "libx264", 0, "no rate"), ("matroska", "libx264", 3, "no rate"),
     ("webm", "libvpx-vp9", 0, "no rate"), ("webm", "libvpx-vp9", 3, "no rate"),
     ("matroska", "libx264", 3, "no rate or duration"), ("webm", "libvpx-vp9", 3, "no rate or duration"),
+    ("avi", "libx264", 3, "in matroska"),
 ]
 
 
@@ -238,14 +241,16 @@ def assert_frames_shown_at_their_times(data: bytes, limits: VideoConfig, num_sam
     assert loaded.video.pts_s == pytest.approx(loaded.plan.timestamps_s, abs=1e-3)  # (Matroska stamps in ms)
 
 
-@pytest.mark.parametrize(("container", "codec", "bframes", "header"), PRESENTATION_CASES,
-                         ids=[f"{c}-{k}-b{b}{'-' + h.replace(' ', '-') if h else ''}"
-                              for c, k, b, h in PRESENTATION_CASES])
+@pytest.mark.parametrize(("container", "codec", "bframes", "variant"), PRESENTATION_CASES,
+                         ids=[f"{c}-{k}-b{b}{'-' + v.replace(' ', '-') if v else ''}"
+                              for c, k, b, v in PRESENTATION_CASES])
 def test_each_sampled_frame_is_the_one_shown_at_its_time(container: str, codec: str, bframes: int,
-                                                          header: str) -> None:
+                                                          variant: str) -> None:
     data = make_clip(3, 64, 48, fps=30, gop=12, container=container, codec=codec, bframes=bframes)
-    if header:
-        data = unstate_mkv_rate(data, duration_too=header == "no rate or duration")
+    if variant == "in matroska":
+        data = remux(data, "matroska")
+    elif variant:
+        data = unstate_mkv_rate(data, duration_too=variant == "no rate or duration")
     for fps, num_sampled in ((2.0, 6), (10.0, 30)):  # of the 90 frames, 3 s at 30 fps
         assert_frames_shown_at_their_times(data, VideoConfig(video_fps=fps), num_sampled)
 
@@ -266,6 +271,31 @@ def test_a_matroska_file_stating_no_frame_rate_is_measured_from_its_packets() ->
         assert be.frames_decoded == 0
         err, be = _refused(data, VideoConfig(video_max_seconds=2.5))
         assert str(err) == "video declares 3.0 s; the limit is 2.5 s" and be.packets_demuxed == 0
+
+
+def test_an_avi_without_b_frames_is_decoded_by_seeking_to_the_key_frames() -> None:
+    """AVI stamps packets in file order, which is also the shown order where the decoder reorders nothing: the
+    decode seeks to the key frame before each sampled frame, as for the MP4 clip (33 of 90 frames decoded)."""
+    data = make_clip(3, 64, 48, fps=30, gop=10, container="avi", codec="libx264", bframes=0)
+    be = PyAVBackend()
+    loaded = load_video(data, VideoConfig(), PROC, backend=be, resize=False)
+    ref = reference_frames(data)
+    assert loaded.plan.frame_indices == (0, 18, 36, 53, 71, 89)
+    assert all(np.array_equal(loaded.video.frames[k], ref[i]) for k, i in enumerate(loaded.plan.frame_indices))
+    assert be.frames_decoded == 1 + 9 + 7 + 4 + 2 + 10 == 33
+    assert be.seeks == 6
+
+
+def test_frames_placed_by_count_must_number_the_packets() -> None:
+    """An AVI with B-frames is decoded front to back and its frames placed by their count (its stamps are decode
+    order). Cut one packet after a key frame, its first GOP cannot be decoded: the decoder gives 78 frames for 89
+    packets, so the count cannot place them, and the video is refused saying so."""
+    data = remux(make_clip(3, 64, 48, fps=30, gop=12, container="avi", codec="libx264", bframes=3), "avi",
+                 skip_packets=1)
+    err, be = _refused(data)
+    assert (err.code, str(err)) == (
+        "invalid_video", "video's decoder gave 78 frames for its 89 packets; its frames carry no presentation times "
+        "to place them by")
 
 
 @pytest.mark.parametrize("bframes", [0, 3])
