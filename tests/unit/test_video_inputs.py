@@ -448,9 +448,9 @@ def _peak_rss_resettable() -> bool:
 
 
 def test_many_large_one_frame_streams_cost_no_decoding_before_their_400(tmp_path) -> None:
-    """64 streams of one 4096x2160 frame each in a ~2.6 MB Matroska file: FFmpeg's probe decoded a frame of every
-    stream when the container was opened, before any check of ours (~1.4 GB of RSS and ~4.4 CPU seconds here, more
-    with two preprocessing threads at once). Now it is refused from its structure before FFmpeg opens it; and at
+    """64 streams of one 4096x2160 frame each in a ~2.6 MB Matroska file: FFmpeg's probe, unbounded, decodes a frame
+    of every stream when the container is opened, before any check of ours (the cost it had:
+    docs/runs/notes/2026-12-07-video-streams.md). It is refused from its structure before FFmpeg opens it; and at
     the default limit of 16 streams, the one open reads one packet and decodes none: the 400 names the one frame.
     Bounds, generous: RSS rises under 200 MB, under 2 CPU seconds each (measured in a fresh process)."""
     if not _peak_rss_resettable():
