@@ -7,9 +7,9 @@ Three stages, each reading less than the next would (docs/video.md):
    streams it declares (``count_streams``, from its own structure). FFmpeg's probe, which ``av.open`` runs, is
    bounded (``header_probe``): it reads one packet and decodes nothing it may skip.
 2. ``read_video``, one open of the container: the header (``probe_video`` alone reads just this): codec, frame size,
-   and the frame rate, duration and frame count where the container states them, where every limit that can be
-   checked is (``VideoConfig``: pixels per frame, seconds, frames in the container; a video over one is refused
-   naming what was counted); then the video stream's packets, demuxed but not decoded: every shown frame's
+   and the frame rate, duration and frame count the container states; every limit that can be checked there is
+   (``VideoConfig``: pixels per frame, seconds, frames in the container; a video over one is refused naming what was
+   counted); then the video stream's packets, demuxed but not decoded: every shown frame's
    presentation timestamp (not the pre-roll an MP4 edit list hides) and which are key frames. This is the frame
    count the plan uses, and where the container states no frame rate, the rate is measured from their stamps
    (intervals over their presentation span); so a header that lies about its length cannot make the server sample
