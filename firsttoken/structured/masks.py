@@ -8,14 +8,16 @@ GIL, so requests' jobs run at once, and beside the forward), started as soon as 
 as soon as the runner meets the request), so it runs while the engine updates, schedules and runs the next forward.
 
 Contract with the step (runner/model_runner.py), which reads ``MaskWorker.collect`` once its forward is done:
-- a row whose mask is ready samples under it; a constrained row never samples without its mask;
+- a row whose mask is ready samples under it; a constrained row never samples without its mask, and never twice
+  under one mask (a mask read once is never ready again until a new job filled it);
 - a row whose mask is not ready within ``mask_wait_s`` of the forward's end is **pending**: it samples nothing in
   this step and its last token runs again in the next (its job goes on meanwhile), so its batch-mates never wait
   for it longer than that and lose no step;
 - a row whose grammar has failed it (a dead end: no token can continue the output; a parser limit) or whose jobs
   have used more than ``request_mask_s`` seconds in all (a running job's time counts as it runs) is **refused**:
   the request ends with that reason, the client's grammar's fault;
-- a row whose library raised is **crashed**: the request ends with an internal error.
+- a row whose library raised, or that is asked for a mask it was already given, is **crashed**: the request ends
+  with an internal error.
 
 One job at a time per request: a new one starts only after the step read the last one's mask (the matcher is one
 thread's at a time: the job's, else the runner's, which only reads it).
@@ -39,6 +41,7 @@ from firsttoken.structured.bitmask import allocate_bitmask
 log = logging.getLogger("firsttoken.structured")
 
 CRASHED = "the output constraint failed: the grammar library could not say what may follow"
+STALE = "internal error: the output constraint's next mask was asked for before its grammar took the last token"
 
 
 class ConstrainedRow:
@@ -55,6 +58,21 @@ class ConstrainedRow:
         self._lock = threading.Lock()  # guards the two times below (the job writes them, the step reads them)
         self._spent_s = 0.0  # seconds the finished jobs ran
         self._started_s: float | None = None  # when the running job began (None: none is running)
+        self._read = False  # a step sampled under the job's mask: the next needs a new job
+
+    @property
+    def done(self) -> bool:
+        """Its job ended (whatever it recorded is there to read)."""
+        return self._job is not None and self._job.done()
+
+    @property
+    def read(self) -> bool:
+        """A step sampled under the job's mask (``take``): it is used up."""
+        return self._read
+
+    def take(self) -> None:
+        """The step samples under the mask: it is not to be read again before a new job (``start``) fills it."""
+        self._read = True
 
     def spent_s(self, now: float) -> float:
         """Seconds of grammar work so far, the running job's included (up to ``now``)."""
@@ -75,6 +93,7 @@ class ConstrainedRow:
     def start(self, pool: Executor, token_id: int | None, clock: Callable[[], float]) -> None:
         """Its next job on ``pool`` (``MaskWorker.start``)."""
         self._job = pool.submit(self._run, token_id, clock)
+        self._read = False
 
     def cancel(self) -> None:
         """The request is gone: its job, if it has not begun, never will (a running one finishes, unread)."""
@@ -136,6 +155,10 @@ class MaskWorker:
         refused: dict[str, str] = {}
         crashed: dict[str, str] = {}
         for rid, row in rows.items():
+            if row.read:
+                log.error("request %s: a constrained row's mask was asked for again without a new job", rid)
+                crashed[rid] = STALE
+                continue
             done = row.wait(deadline - self._clock())
             if done and row.crashed:
                 crashed[rid] = CRASHED
@@ -146,6 +169,7 @@ class MaskWorker:
                                 f"{self.config.request_mask_s:g} s of work (--grammar-mask-budget); an ambiguous "
                                 f"grammar's work grows with every token: make it unambiguous or shorter")
             elif done:
+                row.take()
                 ready.add(rid)
             else:
                 pending.add(rid)
