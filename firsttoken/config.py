@@ -186,8 +186,9 @@ class GrammarConfig:
         flag="--grammar-threads"))
     mask_wait_s: float = field(default=0.01, metadata=option(
         "seconds a step waits, once its forward is done, for a constrained request's next output mask (worked on "
-        "since its last token); a request whose mask is not ready samples nothing in this step and its last token "
-        "runs again in the next, so its batch-mates never wait longer (0: never wait)", flag="--grammar-mask-wait"))
+        "since its last token); only the first step to ask for a mask waits for it: a request whose mask is not "
+        "ready samples nothing in this step and its last token runs again in the next steps, which do not wait, so "
+        "its batch-mates wait at most this once per token of it (0: never wait)", flag="--grammar-mask-wait"))
     request_mask_s: float = field(default=10.0, metadata=option(
         "seconds of grammar work (advancing the matcher, filling masks) one request may use in all; over it the "
         "request ends with finish_reason error, HTTP 400 (an error event mid-stream) saying so, and its "

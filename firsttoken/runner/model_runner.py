@@ -263,6 +263,7 @@ class ModelRunner:
             prompt_logprobs={r: lp for r, lp in self._prompt_scores.items() if r not in failed},
             mask_pending_request_ids=self._step_masks.pending - failed.keys(),
             constraint_failed={r: why for r, why in self._step_masks.refused.items() if r not in failed},
+            mask_wait_s=self._step_masks.wait_s,
         )
 
     @torch.inference_mode()

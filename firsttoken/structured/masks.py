@@ -10,9 +10,11 @@ as soon as the runner meets the request), so it runs while the engine updates, s
 Contract with the step (runner/model_runner.py), which reads ``MaskWorker.collect`` once its forward is done:
 - a row whose mask is ready samples under it; a constrained row never samples without its mask, and never twice
   under one mask (a mask read once is never ready again until a new job filled it);
-- a row whose mask is not ready within ``mask_wait_s`` of the forward's end is **pending**: it samples nothing in
-  this step and its last token runs again in the next (its job goes on meanwhile), so its batch-mates never wait
-  for it longer than that and lose no step;
+- a step waits for a job's mask at most once, at most ``mask_wait_s`` from its forward's end: the first step to ask
+  for it (the step after the token it takes was sampled: the usual case, where the job is done or nearly). A row
+  whose mask is not ready then is **pending**: it samples nothing in this step and its last token runs again in the
+  next (its job goes on meanwhile); later steps ask without waiting, so its batch-mates wait for it at most once
+  and lose no step. The seconds a step waited are reported (``StepMasks.wait_s``);
 - a row whose grammar has failed it (a dead end: no token can continue the output; a parser limit) or whose jobs
   have used more than ``request_mask_s`` seconds in all (a running job's time counts as it runs) is **refused**:
   the request ends with that reason, the client's grammar's fault;
@@ -58,7 +60,24 @@ class ConstrainedRow:
         self._lock = threading.Lock()  # guards the two times below (the job writes them, the step reads them)
         self._spent_s = 0.0  # seconds the finished jobs ran
         self._started_s: float | None = None  # when the running job began (None: none is running)
+        self._asked = False  # a step asked for the job's mask
         self._read = False  # a step sampled under the job's mask: the next needs a new job
+
+    def spent_s(self, now: float) -> float:
+        """Seconds of grammar work so far, the running job's included (up to ``now``)."""
+        with self._lock:
+            return self._spent_s + (now - self._started_s if self._started_s is not None else 0.0)
+
+    def start(self, pool: Executor, token_id: int | None, clock: Callable[[], float]) -> None:
+        """Its next job on ``pool`` (``MaskWorker.start``)."""
+        self._job = pool.submit(self._run, token_id, clock)
+        self._asked = False
+        self._read = False
+
+    def cancel(self) -> None:
+        """The request is gone: its job, if it has not begun, never will (a running one finishes, unread)."""
+        if self._job is not None:
+            self._job.cancel()
 
     @property
     def done(self) -> bool:
@@ -70,35 +89,23 @@ class ConstrainedRow:
         """A step sampled under the job's mask (``take``): it is used up."""
         return self._read
 
+    def ask(self) -> bool:
+        """A step asks for the job's mask: whether it is the first to (and so may wait for it)."""
+        first = not self._asked
+        self._asked = True
+        return first
+
     def take(self) -> None:
         """The step samples under the mask: it is not to be read again before a new job (``start``) fills it."""
         self._read = True
 
-    def spent_s(self, now: float) -> float:
-        """Seconds of grammar work so far, the running job's included (up to ``now``)."""
-        with self._lock:
-            return self._spent_s + (now - self._started_s if self._started_s is not None else 0.0)
-
-    def wait(self, timeout_s: float) -> bool:
-        """Whether the job is done, waiting at most ``timeout_s`` for it."""
-        if self._job is None:
-            return False
-        if timeout_s > 0 and not self._job.done():
+    def wait(self, timeout_s: float) -> None:
+        """Until the job is done, at most ``timeout_s``."""
+        if self._job is not None and timeout_s > 0:
             try:
                 self._job.exception(timeout=timeout_s)  # the job itself never raises (``_run``)
             except TimeoutError:
-                return False
-        return self._job.done()
-
-    def start(self, pool: Executor, token_id: int | None, clock: Callable[[], float]) -> None:
-        """Its next job on ``pool`` (``MaskWorker.start``)."""
-        self._job = pool.submit(self._run, token_id, clock)
-        self._read = False
-
-    def cancel(self) -> None:
-        """The request is gone: its job, if it has not begun, never will (a running one finishes, unread)."""
-        if self._job is not None:
-            self._job.cancel()
+                pass
 
     def _run(self, token_id: int | None, clock: Callable[[], float]) -> None:
         """The job: take ``token_id`` (None: none), then fill the next mask; whatever happens is recorded here."""
@@ -122,12 +129,15 @@ class ConstrainedRow:
 
 @dataclass(frozen=True)
 class StepMasks:
-    """What ``MaskWorker.collect`` found for a step's constrained rows, by request id (each in one place)."""
+    """What ``MaskWorker.collect`` found for a step's constrained rows, by request id (each in one place), and how
+    long it waited for them."""
 
     ready: frozenset[str] = frozenset()  # sample under their row's ``mask``
     pending: frozenset[str] = frozenset()  # no mask in time: nothing sampled, the last token runs again
     refused: dict[str, str] = field(default_factory=dict)  # the grammar ended the request: why (client-safe)
-    crashed: dict[str, str] = field(default_factory=dict)  # the library raised: an internal error
+    crashed: dict[str, str] = field(default_factory=dict)  # the library raised, or a mask was reused: internal
+    wait_s: float = 0.0  # seconds the step waited for masks (on MaskWorker's clock)
+    num_waits: int = 0  # rows it waited for (each job's mask is waited for at most once)
 
 
 class MaskWorker:
@@ -147,19 +157,27 @@ class MaskWorker:
         row.start(self._pool, token_id, self._clock)
 
     def collect(self, rows: Mapping[str, ConstrainedRow]) -> StepMasks:
-        """Each row's verdict for this step (module docstring), waiting at most ``mask_wait_s`` from now for all of
-        them together (their jobs run at once)."""
-        deadline = self._clock() + self.config.mask_wait_s
+        """Each row's verdict for this step (module docstring). Waits at most ``mask_wait_s`` from now, for all the
+        rows whose job no step has asked for before together (their jobs run at once); none for the others."""
+        now = self._clock()
+        deadline = now + self.config.mask_wait_s
         ready: set[str] = set()
         pending: set[str] = set()
         refused: dict[str, str] = {}
         crashed: dict[str, str] = {}
+        wait_s = 0.0
+        num_waits = 0
         for rid, row in rows.items():
             if row.read:
                 log.error("request %s: a constrained row's mask was asked for again without a new job", rid)
                 crashed[rid] = STALE
                 continue
-            done = row.wait(deadline - self._clock())
+            if row.ask() and not row.done and self.config.mask_wait_s > 0:  # only the first ask waits
+                began = self._clock()
+                row.wait(deadline - began)
+                wait_s += self._clock() - began
+                num_waits += 1
+            done = row.done  # once: a job ending during these checks is read next step
             if done and row.crashed:
                 crashed[rid] = CRASHED
             elif done and row.refused is not None:
@@ -173,7 +191,7 @@ class MaskWorker:
                 ready.add(rid)
             else:
                 pending.add(rid)
-        return StepMasks(frozenset(ready), frozenset(pending), refused, crashed)
+        return StepMasks(frozenset(ready), frozenset(pending), refused, crashed, wait_s, num_waits)
 
 
 def stack_masks(rows: list[ConstrainedRow | None], out: np.ndarray | None) -> tuple[np.ndarray, list[int]]:

@@ -1,5 +1,6 @@
-"""Constrained rows' grammar work read by a step (structured/masks.py), with held matchers: a mask is read once;
-and the token rule the runner starts a job by is the engine's."""
+"""Constrained rows' grammar work read by a step (structured/masks.py), with injected clocks and held matchers: a
+pending mask is waited for once, not every step; a mask is read once; and the token rule the runner starts a job by
+is the engine's."""
 
 from __future__ import annotations
 
@@ -13,6 +14,17 @@ from firsttoken.types import FinishReason, SamplingParams
 
 VOCAB = 64
 HELD_AT_MOST_S = 60.0  # how long a held matcher waits to be released (only code that waits for it reaches this)
+
+
+class TickingClock:
+    """Each reading one second after the last: a wait measured on it is its number of readings, never wall time."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        self.now += 1.0
+        return self.now
 
 
 class Matcher:
@@ -69,3 +81,31 @@ def test_a_mask_is_read_once_and_never_ready_again_without_a_new_job() -> None:
     worker.start(row, token_id=5)
     done(row)
     assert worker.collect({"r": row}).ready == {"r"}
+
+
+def test_a_pending_mask_is_waited_for_once_not_every_step() -> None:
+    """A row pending for k steps costs its batch-mates one wait, in the first step that asks for its mask; each new
+    job's mask is waited for once again. The seconds waited are reported on the worker's clock."""
+    worker = MaskWorker(GrammarConfig(mask_wait_s=0.01, request_mask_s=1e6), clock=TickingClock())
+    release = threading.Event()
+    row = ConstrainedRow(Matcher(release), VOCAB)
+    worker.start(row)
+    try:
+        held = [worker.collect({"r": row}) for _ in range(5)]
+    finally:
+        release.set()
+    assert [s.pending for s in held] == [frozenset({"r"})] * 5
+    assert [s.num_waits for s in held] == [1, 0, 0, 0, 0]
+    assert [s.wait_s for s in held] == [1.0, 0.0, 0.0, 0.0, 0.0]  # one tick between its two readings
+    done(row)
+    step = worker.collect({"r": row})
+    assert step.ready == {"r"} and step.num_waits == 0 and step.wait_s == 0.0
+
+    again = threading.Event()
+    row.matcher.release = again
+    worker.start(row, token_id=3)  # the next token's job: a step may wait for it once more
+    try:
+        held = [worker.collect({"r": row}) for _ in range(3)]
+    finally:
+        again.set()
+    assert [s.num_waits for s in held] == [1, 0, 0] and all(s.pending == {"r"} for s in held)
