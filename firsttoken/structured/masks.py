@@ -15,9 +15,10 @@ Contract with the step (runner/model_runner.py), which reads ``MaskWorker.collec
   whose mask is not ready then is **pending**: it samples nothing in this step and its last token runs again in the
   next (its job goes on meanwhile); later steps ask without waiting, so its batch-mates wait for it at most once
   and lose no step. The seconds a step waited are reported (``StepMasks.wait_s``);
-- a row whose grammar has failed it (a dead end: no token can continue the output; a parser limit) or whose jobs
-  have used more than ``request_mask_s`` seconds in all (a running job's time counts as it runs) is **refused**:
-  the request ends with that reason, the client's grammar's fault;
+- a row whose grammar has failed it (a dead end: no token can continue the output; a parser limit), whose jobs have
+  used more than ``request_mask_s`` seconds of CPU in all (each job's own thread time, counted when it ends), or
+  whose mask has been pending for more than ``pending_mask_s`` seconds of wall time (its job queued behind other
+  requests' jobs or still running) is **refused**: the request ends with that reason, the client's grammar's fault;
 - a row whose library raised, or that is asked for a mask it was already given, is **crashed**: the request ends
   with an internal error.
 
@@ -28,7 +29,6 @@ thread's at a time: the job's, else the runner's, which only reads it).
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import Executor, Future, ThreadPoolExecutor
@@ -47,31 +47,24 @@ STALE = "internal error: the output constraint's next mask was asked for before 
 
 
 class ConstrainedRow:
-    """One constrained request's matcher, its next mask and the seconds its jobs used. ``matcher``: the request's
-    own (``GrammarMatcher`` or anything with its ``fill_bitmask(bitmask, row)``, ``accept(token) -> bool`` and
-    ``error``)."""
+    """One constrained request's matcher, its next mask and the CPU seconds its jobs used. ``matcher``: the
+    request's own (``GrammarMatcher`` or anything with its ``fill_bitmask(bitmask, row)``, ``accept(token) -> bool``
+    and ``error``)."""
 
     def __init__(self, matcher: Any, vocab_size: int) -> None:
         self.matcher = matcher
         self.mask = allocate_bitmask(1, vocab_size)  # [1, ceil(vocab / 32)] int32: the next token's, once ready
         self.refused: str | None = None  # why the grammar failed the request (the client's fault)
         self.crashed = False  # the library raised
+        self.spent_s = 0.0  # CPU seconds the done jobs used (each job adds its own before it is done)
         self._job: Future | None = None
-        self._lock = threading.Lock()  # guards the two times below (the job writes them, the step reads them)
-        self._spent_s = 0.0  # seconds the finished jobs ran
-        self._started_s: float | None = None  # when the running job began (None: none is running)
-        self._asked = False  # a step asked for the job's mask
+        self._asked_s: float | None = None  # when a step first asked for the job's mask (None: no step yet)
         self._read = False  # a step sampled under the job's mask: the next needs a new job
 
-    def spent_s(self, now: float) -> float:
-        """Seconds of grammar work so far, the running job's included (up to ``now``)."""
-        with self._lock:
-            return self._spent_s + (now - self._started_s if self._started_s is not None else 0.0)
-
-    def start(self, pool: Executor, token_id: int | None, clock: Callable[[], float]) -> None:
+    def start(self, pool: Executor, token_id: int | None, cpu_clock: Callable[[], float]) -> None:
         """Its next job on ``pool`` (``MaskWorker.start``)."""
-        self._job = pool.submit(self._run, token_id, clock)
-        self._asked = False
+        self._job = pool.submit(self._run, token_id, cpu_clock)
+        self._asked_s = None
         self._read = False
 
     def cancel(self) -> None:
@@ -89,11 +82,16 @@ class ConstrainedRow:
         """A step sampled under the job's mask (``take``): it is used up."""
         return self._read
 
-    def ask(self) -> bool:
-        """A step asks for the job's mask: whether it is the first to (and so may wait for it)."""
-        first = not self._asked
-        self._asked = True
+    def ask(self, now: float) -> bool:
+        """A step asks for the job's mask at ``now``: whether it is the first to (and so may wait for it)."""
+        first = self._asked_s is None
+        if first:
+            self._asked_s = now
         return first
+
+    def pending_s(self, now: float) -> float:
+        """Seconds since a step first asked for the job's mask (0 before any did)."""
+        return 0.0 if self._asked_s is None else now - self._asked_s
 
     def take(self) -> None:
         """The step samples under the mask: it is not to be read again before a new job (``start``) fills it."""
@@ -107,11 +105,11 @@ class ConstrainedRow:
             except TimeoutError:
                 pass
 
-    def _run(self, token_id: int | None, clock: Callable[[], float]) -> None:
-        """The job: take ``token_id`` (None: none), then fill the next mask; whatever happens is recorded here."""
-        start = clock()
-        with self._lock:
-            self._started_s = start
+    def _run(self, token_id: int | None, cpu_clock: Callable[[], float]) -> None:
+        """The job: take ``token_id`` (None: none), then fill the next mask; whatever happens is recorded here.
+        ``cpu_clock``: this thread's CPU seconds (``time.thread_time``), so time the thread waited for a core is not
+        charged to the grammar."""
+        start = cpu_clock()
         try:
             if token_id is not None and not self.matcher.accept(token_id):
                 self.refused = self.matcher.error or "the grammar refused a token its own mask allowed"
@@ -122,9 +120,7 @@ class ConstrainedRow:
             log.warning("the output grammar's library failed: %s", e)
             self.crashed = True
         finally:
-            with self._lock:
-                self._spent_s += clock() - start
-                self._started_s = None
+            self.spent_s += cpu_clock() - start
 
 
 @dataclass(frozen=True)
@@ -142,11 +138,14 @@ class StepMasks:
 
 class MaskWorker:
     """The pool that runs constrained rows' jobs, and the bounds a step reads them under (``GrammarConfig``).
-    ``clock``: monotonic seconds (a test may pass its own)."""
+    ``clock``: monotonic wall seconds, for the step's wait and a mask's pending time; ``cpu_clock``: the calling
+    thread's CPU seconds, which each job charges to its request's budget (a test may pass its own of either)."""
 
-    def __init__(self, config: GrammarConfig, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, config: GrammarConfig, clock: Callable[[], float] = time.monotonic,
+                 cpu_clock: Callable[[], float] = time.thread_time) -> None:
         self.config = config
         self._clock = clock
+        self._cpu_clock = cpu_clock
         self._pool: ThreadPoolExecutor | None = None  # started with the first job
 
     def start(self, row: ConstrainedRow, token_id: int | None = None) -> None:
@@ -154,7 +153,7 @@ class MaskWorker:
         row's last job is done and its mask was read (or before its first)."""
         if self._pool is None:
             self._pool = ThreadPoolExecutor(self.config.mask_threads, thread_name_prefix="firsttoken-masks")
-        row.start(self._pool, token_id, self._clock)
+        row.start(self._pool, token_id, self._cpu_clock)
 
     def collect(self, rows: Mapping[str, ConstrainedRow]) -> StepMasks:
         """Each row's verdict for this step (module docstring). Waits at most ``mask_wait_s`` from now, for all the
@@ -172,7 +171,7 @@ class MaskWorker:
                 log.error("request %s: a constrained row's mask was asked for again without a new job", rid)
                 crashed[rid] = STALE
                 continue
-            if row.ask() and not row.done and self.config.mask_wait_s > 0:  # only the first ask waits
+            if row.ask(now) and not row.done and self.config.mask_wait_s > 0:  # only the first ask waits
                 began = self._clock()
                 row.wait(deadline - began)
                 wait_s += self._clock() - began
@@ -182,13 +181,17 @@ class MaskWorker:
                 crashed[rid] = CRASHED
             elif done and row.refused is not None:
                 refused[rid] = f"the output constraint failed: {row.refused}"
-            elif row.spent_s(self._clock()) > self.config.request_mask_s:
+            elif done and row.spent_s > self.config.request_mask_s:
                 refused[rid] = (f"the output constraint failed: its grammar needed more than "
                                 f"{self.config.request_mask_s:g} s of work (--grammar-mask-budget); an ambiguous "
                                 f"grammar's work grows with every token: make it unambiguous or shorter")
             elif done:
                 row.take()
                 ready.add(rid)
+            elif row.pending_s(self._clock()) > self.config.pending_mask_s:
+                refused[rid] = (f"the output constraint failed: its grammar's next token waited more than "
+                                f"{self.config.pending_mask_s:g} s for its work (twice --grammar-mask-budget); an "
+                                f"ambiguous grammar's work grows with every token: make it unambiguous or shorter")
             else:
                 pending.add(rid)
         return StepMasks(frozenset(ready), frozenset(pending), refused, crashed, wait_s, num_waits)

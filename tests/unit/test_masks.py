@@ -1,9 +1,11 @@
 """Constrained rows' grammar work read by a step (structured/masks.py), with injected clocks and held matchers: a
-pending mask is waited for once, not every step; a mask is read once; and the token rule the runner starts a job by
-is the engine's."""
+pending mask is waited for once, not every step; a mask is read once; the budget charges a job's CPU time, not its
+wall time; a mask that never comes (its job queued behind slow ones, or never ending) ends its request in bounded
+time; and the token rule the runner starts a job by is the engine's."""
 
 from __future__ import annotations
 
+import itertools
 import threading
 
 import pytest
@@ -11,6 +13,7 @@ import pytest
 from firsttoken.config import GrammarConfig
 from firsttoken.structured.masks import STALE, ConstrainedRow, MaskWorker
 from firsttoken.types import FinishReason, SamplingParams
+from tests.unit.fakes import ManualClock
 
 VOCAB = 64
 HELD_AT_MOST_S = 60.0  # how long a held matcher waits to be released (only code that waits for it reaches this)
@@ -109,3 +112,51 @@ def test_a_pending_mask_is_waited_for_once_not_every_step() -> None:
     finally:
         again.set()
     assert [s.num_waits for s in held] == [1, 0, 0] and all(s.pending == {"r"} for s in held)
+
+
+def test_the_budget_charges_a_jobs_cpu_time_not_its_wall_time() -> None:
+    """A job whose thread waited long for a core (100 s of wall time here) spends only what it computed; the CPU
+    seconds the injected thread clock says each job used add up to the budget, and past it the request ends."""
+    wall = ManualClock()
+    worker = MaskWorker(GrammarConfig(request_mask_s=1.0), clock=wall)
+    row = ConstrainedRow(Matcher(on_fill=lambda: setattr(wall, "now", wall.now + 100.0)), VOCAB)
+    worker.start(row)
+    step = worker.collect({"r": done(row)})
+    assert step.ready == {"r"} and step.refused == {}
+
+    cpu = itertools.count(0.0, 0.4)  # each job reads it twice: 0.4 s of CPU a job
+    worker = MaskWorker(GrammarConfig(request_mask_s=1.0), clock=wall, cpu_clock=lambda: next(cpu))
+    row = ConstrainedRow(Matcher(), VOCAB)
+    verdicts = []
+    for token in (None, 1, 2):
+        worker.start(row, token)
+        step = worker.collect({"r": done(row)})
+        verdicts.append("ready" if step.ready else step.refused["r"])
+    assert verdicts[:2] == ["ready", "ready"]  # 0.4 s, 0.8 s
+    assert "more than 1 s of work (--grammar-mask-budget)" in verdicts[2]  # 1.2 s
+
+
+def test_a_mask_that_does_not_come_ends_its_request_after_the_pending_bound() -> None:
+    """One grammar thread, held by a job that never ends (its CPU is counted only when it does), and a second
+    request's job queued behind it (it spends nothing): both stay pending up to twice the budget in wall time from
+    the first step that asked for their masks, then both end with the client's-grammar 400."""
+    wall = ManualClock()
+    config = GrammarConfig(mask_threads=1, mask_wait_s=0.0, request_mask_s=1.0)
+    assert config.pending_mask_s == 2.0
+    worker = MaskWorker(config, clock=wall)
+    release = threading.Event()
+    slow, queued = ConstrainedRow(Matcher(release), VOCAB), ConstrainedRow(Matcher(), VOCAB)
+    worker.start(slow)
+    worker.start(queued)
+    try:
+        rows = {"slow": slow, "queued": queued}
+        verdicts = []
+        for advance_s in (0.0, 1.5, 0.4, 0.2):
+            wall.now += advance_s
+            verdicts.append(worker.collect(rows))
+    finally:
+        release.set()
+    assert [s.pending for s in verdicts[:3]] == [{"slow", "queued"}] * 3  # 0, 1.5, 1.9 s
+    assert verdicts[3].pending == frozenset() and verdicts[3].refused.keys() == {"slow", "queued"}  # 2.1 s
+    assert "waited more than 2 s" in verdicts[3].refused["queued"]
+    assert "--grammar-mask-budget" in verdicts[3].refused["queued"]
