@@ -87,9 +87,15 @@ class SamplingParams:
                 f"stop strings may be at most {MAX_STOP_STRING_CHARS} characters each, got one of {longest}"
             )
 
-    def ends_with(self, token_id: int) -> bool:
-        """Does sampling ``token_id`` end the answer (the token itself is not part of its text)?"""
-        return token_id in self.stop_token_ids or (not self.ignore_eos and token_id in self.eos_token_ids)
+    def finish_after(self, token_id: int, num_output_tokens: int) -> FinishReason | None:
+        """The request's own token rule, the one home of it (the engine ends answers by it, the runner asks it whether
+        a constrained answer's grammar must take the token): why an answer ends with ``token_id``, its
+        ``num_output_tokens``-th token. STOP: one of its stop token ids or, unless ``ignore_eos``, an EOS id (the
+        token is not part of the text); LENGTH: its ``max_tokens``-th; None: another token may follow. The engine
+        may end an answer where this says None (a stop string, the context limit), never the other way round."""
+        if token_id in self.stop_token_ids or (not self.ignore_eos and token_id in self.eos_token_ids):
+            return FinishReason.STOP
+        return FinishReason.LENGTH if num_output_tokens >= self.max_tokens else None
 
     @property
     def is_greedy(self) -> bool:
