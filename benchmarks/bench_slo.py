@@ -3,6 +3,7 @@
     python benchmarks/bench_slo.py [--model DIR] [--utilizations 0.6,0.8] [--overload 1.3] [--num-requests 60]
                                    [--json out.json] [--plot-dir DIR] [--before OTHER_CHECKOUT]
                                    [--mix text=0.5,1img=0.2,3img=0.1,video=0.2 --video-seconds 10]
+                                   [--image-size 1024x1024]
 
 The seed's mix (50% text ~800 tokens, 30% one 1024x1024 image, 20% three, each beside ~800 tokens of text), seeded
 Poisson arrivals. The rate is calibrated, never fixed: each class's unloaded service time (mean e2e of requests sent
@@ -43,7 +44,7 @@ from _common import checkout, small_model, start_server, stop_server  # noqa: E4
 from machine import machine_info  # noqa: E402
 
 from firsttoken.config import ImageConfig  # noqa: E402
-from firsttoken.tools.bench import BenchConfig, run_bench  # noqa: E402
+from firsttoken.tools.bench import BenchConfig, parse_size, run_bench  # noqa: E402
 from firsttoken.tools.bench.runner import measure_calibration  # noqa: E402
 
 CLASSES = ("text", "1img", "3img")  # the classes of --mix (main sets them; the seed's by default)
@@ -62,7 +63,7 @@ def config(base: str, args: argparse.Namespace, **kw) -> BenchConfig:
     kw.setdefault("mix", parse_mix(args.mix))
     return BenchConfig(url=base, model="m", workload="seed-mix", text_tokens=WORDS_FOR_800_TOKENS,
                        image_text_tokens=WORDS_FOR_800_TOKENS, output_tokens=args.output_tokens, progress=False,
-                       video_seconds=args.video_seconds, **kw)
+                       video_seconds=args.video_seconds, image_size=args.image_size, **kw)
 
 
 def parse_mix(text: str) -> tuple[tuple[str, float], ...]:
@@ -82,35 +83,44 @@ def calibrate(model: str, args: argparse.Namespace) -> dict:
     """Unloaded service time (e2e) and TTFT per class, on a default server, each class's requests sent alone."""
     proc, base = start_server(model, [])
     try:
-        cal = measure_calibration(replace(config(base, args), utilization=1.0,
-                                          calibration_requests=args.unloaded_requests))
-        ttft = {}
-        for cls in CLASSES:
-            r = run_bench(config(base, args, mix=((cls, 1.0),), concurrency=1, num_requests=args.unloaded_requests,
-                                 warmup=1, seed=args.seed + 7))
-            ttft[cls] = nearest_rank([x.ttft_s for x in r.records if x.ok and not x.warmup], 50)
-        return {"service_s": cal.service_s, "capacity_rps": cal.capacity_rps, "unloaded_ttft_s": ttft,
-                "num_probes": args.unloaded_requests}
+        return calibrate_on(base, args)
     finally:
         stop_server(proc)
+
+
+def calibrate_on(base: str, args: argparse.Namespace) -> dict:
+    """``calibrate`` against the server at ``base``."""
+    cal = measure_calibration(replace(config(base, args), utilization=1.0, calibration_requests=args.unloaded_requests))
+    ttft = {}
+    for cls in CLASSES:
+        r = run_bench(config(base, args, mix=((cls, 1.0),), concurrency=1, num_requests=args.unloaded_requests,
+                             warmup=1, seed=args.seed + 7))
+        ttft[cls] = nearest_rank([x.ttft_s for x in r.records if x.ok and not x.warmup], 50)
+    return {"service_s": cal.service_s, "capacity_rps": cal.capacity_rps, "unloaded_ttft_s": ttft,
+            "num_probes": args.unloaded_requests}
 
 
 def run(model: str, flags: list[str], rate: float, args: argparse.Namespace) -> dict:
     proc, base = start_server(model, flags)
     try:
-        # one request of each class first (seeds apart from the measured run: nothing it sends is cached)
-        for cls in CLASSES:
-            run_bench(config(base, args, mix=((cls, 1.0),), concurrency=1, num_requests=1, seed=args.seed + 11))
-        started = time.time()
-        report = run_bench(config(base, args, rate=rate, num_requests=args.num_requests))
-        records = [r.to_dict() for r in report.records]
-        # what the server ended with: its step-cost model, the step-time bound in force, engine totals
-        with urllib.request.urlopen(f"{base}/stats", timeout=30) as resp:
-            stats = json.load(resp)
-        server = {"cost_model": stats.get("cost_model"), "totals": stats.get("totals")}
-        return {"flags": flags, "rate": rate, "started_unix_s": started, "records": records, "server": server}
+        return run_on(base, flags, rate, args)
     finally:
         stop_server(proc)
+
+
+def run_on(base: str, flags: list[str], rate: float, args: argparse.Namespace) -> dict:
+    """One loaded run against the server at ``base`` (started with ``flags``): one request of each class first
+    (seeds apart from the measured run: nothing it sends is cached), then the seeded arrivals at ``rate``."""
+    for cls in CLASSES:
+        run_bench(config(base, args, mix=((cls, 1.0),), concurrency=1, num_requests=1, seed=args.seed + 11))
+    started = time.time()
+    report = run_bench(config(base, args, rate=rate, num_requests=args.num_requests))
+    records = [r.to_dict() for r in report.records]
+    # what the server ended with: its step-cost model, the step-time bound in force, engine totals
+    with urllib.request.urlopen(f"{base}/stats", timeout=30) as resp:
+        stats = json.load(resp)
+    server = {"cost_model": stats.get("cost_model"), "totals": stats.get("totals")}
+    return {"flags": flags, "rate": rate, "started_unix_s": started, "records": records, "server": server}
 
 
 def summarize(result: dict, slo: dict[str, float] | None, image_max_tokens: int) -> dict:
@@ -282,6 +292,7 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--mix", default=SEED_MIX, help="classes and weights (text, Nimg, video), as firsttoken bench's")
     ap.add_argument("--video-seconds", type=float, default=4.0, help="each video class request's clip length")
+    ap.add_argument("--image-size", type=parse_size, default=(1024, 1024), help="each image's WIDTHxHEIGHT")
     ap.add_argument("--json", default=None)
     ap.add_argument("--plot-dir", default=None)
     ap.add_argument("--configs", default=",".join(LOADED), help="which loaded configurations to run")

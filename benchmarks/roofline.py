@@ -47,7 +47,7 @@ import tempfile
 import time
 from collections import defaultdict
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -260,7 +260,8 @@ def encode(model: nn.Module, image: ProcessedImage, span: Callable[[str], object
     """One image through the vision tower as the runner's ``_run_encoder`` drives it, all its units in one go."""
     visual = model.visual
     with span("_visual"):
-        state = visual.start_encode(image.pixel_values.to(model.dtype), image.grid_thw)
+        pixels = image.pixel_values.to(device=_device_of(model), dtype=model.dtype)
+        state = visual.start_encode(pixels, image.grid_thw)
         with span("_vision_blocks"):
             visual.run_units(state, state.num_units)
         return visual.finish_encode(state)
@@ -270,13 +271,22 @@ def prefill(model: nn.Module, config: ModelConfig, prompt: Prompt, clock: PartCl
     """One request's prefill to its first-token logits, as the runner does it (encode, LM chunks with their image
     rows, head)."""
     span = clock.span if clock else _no_span
-    num_blocks = -(-len(prompt.ids) // BLOCK_SIZE)
-    kv_caches = allocate_kv_caches(config, num_blocks, BLOCK_SIZE, model.dtype, "cpu")
     with torch.inference_mode():
         embeds = [encode(model, im, span) for im in prompt.images]
+        return lm_prefill(model, config, prompt, embeds, span)
+
+
+def lm_prefill(model: nn.Module, config: ModelConfig, prompt: Prompt, embeds: list[ImageEmbeddings],
+               span: Callable[[str], object] = lambda _group: nullcontext()) -> torch.Tensor:  # fmt: skip
+    """The language model's part of ``prefill``: the prompt's chunks over a fresh paged KV cache on the model's
+    device, each image's rows (``embeds``, in prompt order) placed, then the head on the last row."""
+    device = _device_of(model)
+    num_blocks = -(-len(prompt.ids) // BLOCK_SIZE)
+    kv_caches = allocate_kv_caches(config, num_blocks, BLOCK_SIZE, model.dtype, device)
+    with torch.inference_mode():
         with span("inputs"):
-            input_ids = torch.tensor(prompt.ids)
-            positions = compute_mrope_positions(prompt.ids, prompt.grids, config).positions
+            input_ids = torch.tensor(prompt.ids, device=device)
+            positions = compute_mrope_positions(prompt.ids, prompt.grids, config).positions.to(device)
             offsets, at = [], 0  # each image's first pad token
             for im in prompt.images:
                 at = prompt.ids.index(config.image_token_id, at)
@@ -285,7 +295,7 @@ def prefill(model: nn.Module, config: ModelConfig, prompt: Prompt, clock: PartCl
         table = [list(range(num_blocks))]
         for start, end in prompt.chunks:
             with span("inputs"):
-                meta = AttentionMetadata.build([end - start], [start], table, BLOCK_SIZE)
+                meta = AttentionMetadata.build([end - start], [start], table, BLOCK_SIZE, device=device)
                 rows = []  # the image rows this chunk covers, as the runner's _pack places them
                 for off, emb in zip(offsets, embeds):
                     lo, hi = max(off, start), min(off + emb.num_tokens, end)
@@ -295,6 +305,10 @@ def prefill(model: nn.Module, config: ModelConfig, prompt: Prompt, clock: PartCl
                 hidden = model(input_ids[start:end], positions[:, start:end], kv_caches, meta, rows)
         with span("lm_head"):
             return model.compute_logits(hidden[-1:])
+
+
+def _device_of(model: nn.Module) -> torch.device:
+    return next(model.parameters()).device
 
 
 @contextmanager

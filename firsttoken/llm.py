@@ -130,6 +130,13 @@ class LLM:
         results = self.run([prompt for prompt, _ in made], [request for _, request in made])
         return results if batch else results[0]
 
+    def preprocess_chat(self, messages: Conversation, sampling: Sampling = None) -> EngineRequest:
+        """What ``chat`` hands the engine for one conversation (prompt token ids with the image pads expanded, M-RoPE
+        positions, each image's patches), without running it: for comparing with another implementation on the very
+        same inputs. Nothing runs or is queued (the processed-image cache keeps the pixels, as for ``chat``)."""
+        prompt, request = _chat(messages, sampling)
+        return self.processor.process(prompt, request, "preprocess-only", time.monotonic())
+
     def run(self, prompts: Sequence[Prompt], sampling: SamplingRequest | Sequence[SamplingRequest] = SamplingRequest()
             ) -> list[RequestResult]:
         """The input processor's own values (``chat`` and ``complete`` make them from OpenAI-style ones): preprocess

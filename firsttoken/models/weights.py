@@ -10,8 +10,9 @@ state dict for the model, naming every mismatch.
 
 from __future__ import annotations
 
+import math
 import re
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -47,6 +48,12 @@ class WeightMapping:
                 return name
         return None
 
+    def _stacked_pattern(self) -> re.Pattern[str] | None:
+        """Our name of a stacked part: (path, part, weight|bias) groups; None without stacked parts."""
+        if not self.stacked:
+            return None
+        return re.compile(r"^(.*?)(" + "|".join(re.escape(s.part) for s in self.stacked) + r")\.(weight|bias)$")
+
     def load_state(
         self,
         tensors: Iterable[tuple[str, Callable[[], torch.Tensor]]],
@@ -55,9 +62,7 @@ class WeightMapping:
     ) -> tuple[dict[str, torch.Tensor], list[str]]:
         """(state dict, unexpected checkpoint keys). ``tensors`` yields names with a loader so skipped tensors are
         never read; ``drop(our_name)`` skips parameters the model does not have (e.g. a tied lm_head)."""
-        stacked_re = re.compile(
-            r"^(.*?)(" + "|".join(re.escape(s.part) for s in self.stacked) + r")\.(weight|bias)$"
-        ) if self.stacked else None
+        stacked_re = self._stacked_pattern()
         by_part = {s.part: s for s in self.stacked}
         reshape = dict(self.reshape)
         state: dict[str, torch.Tensor] = {}
@@ -86,6 +91,40 @@ class WeightMapping:
             if sorted(by_index) == list(range(num_parts[name])):
                 state[name] = torch.cat([by_index[i] for i in range(num_parts[name])], dim=0)
         return state, unexpected
+
+    def checkpoint_views(
+        self, checkpoint_shapes: Mapping[str, torch.Size], ours: Mapping[str, torch.Tensor]
+    ) -> tuple[dict[str, torch.Tensor], list[str]]:
+        """``load_state``'s inverse without a copy: (checkpoint name -> a view of our tensor, checkpoint names with no
+        counterpart in ``ours``). A stacked part is its rows of our fused tensor (the parts' row counts read from
+        ``checkpoint_shapes``, in index order); a reshaped tensor is ours viewed in the checkpoint's shape. Names are
+        mapped forward (``our_name``), so renames need no inverse. Skipped names (rotary tables) and the names of a
+        tied lm_head come back unmatched: the caller decides what they hold."""
+        by_part = {s.part: s for s in self.stacked}
+        stacked_re = self._stacked_pattern()
+        fused_of: dict[str, tuple[str, int]] = {}  # checkpoint name -> (our fused name, part index)
+        rows: dict[str, dict[int, int]] = {}  # our fused name -> part index -> its rows
+        views: dict[str, torch.Tensor] = {}
+        unmatched: list[str] = []
+        for key, shape in checkpoint_shapes.items():
+            name = self.our_name(key)
+            match = stacked_re.match(name) if stacked_re and name is not None else None
+            if match and match.group(2) in by_part:
+                s = by_part[match.group(2)]
+                fused = f"{match.group(1)}{s.fused}.{match.group(3)}"
+                fused_of[key] = (fused, s.index)
+                rows.setdefault(fused, {})[s.index] = shape[0]
+            elif name is not None and name in ours and ours[name].numel() == math.prod(shape):
+                views[key] = ours[name].view(shape)
+            else:
+                unmatched.append(key)
+        for key, (fused, index) in fused_of.items():
+            if fused not in ours:
+                unmatched.append(key)
+                continue
+            start = sum(n for i, n in rows[fused].items() if i < index)
+            views[key] = ours[fused].narrow(0, start, rows[fused][index]).view(checkpoint_shapes[key])
+        return views, unmatched
 
 
 def flatten_conv3d(weight: torch.Tensor) -> torch.Tensor:

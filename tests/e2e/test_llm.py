@@ -264,3 +264,16 @@ def test_a_field_the_offline_api_does_not_take_is_refused_by_name(llm: LLM):
         with pytest.raises(ValueError, match=f"'{param}'") as refused:
             run(prompt, sampling)
         assert refused.value.param == param
+
+
+def test_preprocess_chat_gives_the_ids_and_patches_chat_runs_and_runs_nothing(llm: LLM):
+    conversation = conversations()[2]  # a system message and two images
+    request = llm.preprocess_chat(conversation, GREEDY)
+    assert not llm.engine.has_unfinished()
+    answer = llm.chat(conversation, GREEDY)
+    assert request.num_prompt_tokens == answer.usage.prompt_tokens
+    image_id = llm.engine.model_config.image_token_id
+    assert [im.offset for im in request.images] == [i for i, t in enumerate(request.prompt_token_ids)
+                                                    if t == image_id and request.prompt_token_ids[i - 1] != image_id]
+    for im in request.images:
+        assert im.pixel_values.shape[0] == im.grid_thw[0] * im.grid_thw[1] * im.grid_thw[2]

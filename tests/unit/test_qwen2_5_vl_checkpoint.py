@@ -17,24 +17,9 @@ from firsttoken.models.checkpoint import make_model
 from firsttoken.models.recipe import TOKEN_IDS
 from firsttoken.models.config import ConfigError, ModelConfig
 from firsttoken.models.registry import family_of, load_model_config, model_config_from_dict
+from tests.published_configs import QWEN25_VL_7B_INSTRUCT
 
 FAMILY = "qwen2.5-vl"
-# Qwen/Qwen2.5-VL-7B-Instruct's config.json as released (the "original" layout).
-QWEN2_5_VL_7B = {
-    "architectures": ["Qwen2_5_VLForConditionalGeneration"], "attention_dropout": 0.0, "bos_token_id": 151643,
-    "eos_token_id": 151645, "vision_start_token_id": 151652, "vision_end_token_id": 151653,
-    "vision_token_id": 151654, "image_token_id": 151655, "video_token_id": 151656, "hidden_act": "silu",
-    "hidden_size": 3584, "initializer_range": 0.02, "intermediate_size": 18944, "max_position_embeddings": 128000,
-    "max_window_layers": 28, "model_type": "qwen2_5_vl", "num_attention_heads": 28, "num_hidden_layers": 28,
-    "num_key_value_heads": 4, "rms_norm_eps": 1e-06, "rope_theta": 1000000.0, "sliding_window": 32768,
-    "tie_word_embeddings": False, "torch_dtype": "bfloat16", "transformers_version": "4.41.2", "use_cache": True,
-    "use_sliding_window": False,
-    "vision_config": {"depth": 32, "hidden_act": "silu", "hidden_size": 1280, "intermediate_size": 3420,
-                      "num_heads": 16, "in_chans": 3, "out_hidden_size": 3584, "patch_size": 14,
-                      "spatial_merge_size": 2, "spatial_patch_size": 14, "window_size": 112,
-                      "fullatt_block_indexes": [7, 15, 23, 31], "tokens_per_second": 2, "temporal_patch_size": 2},
-    "rope_scaling": {"type": "mrope", "mrope_section": [16, 24, 24]}, "vocab_size": 152064,
-}
 
 
 @pytest.fixture(scope="module")
@@ -96,7 +81,7 @@ def test_both_layouts_parse_to_the_same_config(checkpoints) -> None:
 
 
 def test_published_7b_config_parses_to_its_shapes() -> None:
-    config = model_config_from_dict(QWEN2_5_VL_7B)
+    config = model_config_from_dict(QWEN25_VL_7B_INSTRUCT)
     assert config.family == FAMILY and config.layout == "original"
     assert (config.hidden_size, config.num_hidden_layers, config.num_key_value_heads, config.head_dim) == (
         3584, 28, 4, 128)
@@ -106,14 +91,14 @@ def test_published_7b_config_parses_to_its_shapes() -> None:
     assert (v.depth, v.embed_dim, v.num_heads, v.intermediate_size, v.out_hidden_size) == (32, 1280, 16, 3420, 3584)
     assert (v.window_size, v.fullatt_block_indexes, v.patch_size, v.pixels_per_token) == (112, (7, 15, 23, 31), 14, 28)
     transformers_layout = {
-        "architectures": QWEN2_5_VL_7B["architectures"], "model_type": "qwen2_5_vl",
+        "architectures": QWEN25_VL_7B_INSTRUCT["architectures"], "model_type": "qwen2_5_vl",
         "image_token_id": 151655, "video_token_id": 151656, "vision_start_token_id": 151652,
         "vision_end_token_id": 151653, "tie_word_embeddings": False,
-        "text_config": {k: QWEN2_5_VL_7B[k] for k in ("hidden_size", "intermediate_size", "num_hidden_layers",
+        "text_config": {k: QWEN25_VL_7B_INSTRUCT[k] for k in ("hidden_size", "intermediate_size", "num_hidden_layers",
                                                       "num_attention_heads", "num_key_value_heads", "vocab_size",
                                                       "max_position_embeddings", "rms_norm_eps", "eos_token_id")}
         | {"rope_parameters": {"rope_type": "default", "rope_theta": 1e6, "mrope_section": [16, 24, 24]}},
-        "vision_config": {k: v for k, v in QWEN2_5_VL_7B["vision_config"].items()
+        "vision_config": {k: v for k, v in QWEN25_VL_7B_INSTRUCT["vision_config"].items()
                           if k not in ("in_chans", "spatial_patch_size")} | {"in_channels": 3},
     }
     assert model_config_from_dict(transformers_layout) == ModelConfig(**{**config.__dict__, "layout": "transformers"})
@@ -121,16 +106,16 @@ def test_published_7b_config_parses_to_its_shapes() -> None:
 
 @pytest.mark.parametrize("change, message", [
     ({"use_sliding_window": True}, "use_sliding_window is true; the decoder's sliding window is not supported"),
-    ({"vision_config": {**QWEN2_5_VL_7B["vision_config"], "hidden_act": "gelu"}}, "hidden_act 'gelu' unsupported"),
-    ({"vision_config": {**QWEN2_5_VL_7B["vision_config"], "window_size": 20}}, "window_size 20 is smaller than one"),
-    ({"vision_config": {**QWEN2_5_VL_7B["vision_config"], "depth": 4}}, "block index 7 is outside depth 4"),
-    ({"vision_config": {**QWEN2_5_VL_7B["vision_config"], "out_hidden_size": 2048}}, "out_hidden_size 2048 !="),
-    ({"vision_config": {**QWEN2_5_VL_7B["vision_config"], "rope_parameters": {"rope_theta": 5e5}}},
+    ({"vision_config": {**QWEN25_VL_7B_INSTRUCT["vision_config"], "hidden_act": "gelu"}}, "hidden_act 'gelu' unsupported"),
+    ({"vision_config": {**QWEN25_VL_7B_INSTRUCT["vision_config"], "window_size": 20}}, "window_size 20 is smaller than one"),
+    ({"vision_config": {**QWEN25_VL_7B_INSTRUCT["vision_config"], "depth": 4}}, "block index 7 is outside depth 4"),
+    ({"vision_config": {**QWEN25_VL_7B_INSTRUCT["vision_config"], "out_hidden_size": 2048}}, "out_hidden_size 2048 !="),
+    ({"vision_config": {**QWEN25_VL_7B_INSTRUCT["vision_config"], "rope_parameters": {"rope_theta": 5e5}}},
      "rope_theta 500000 unsupported"),
 ])
 def test_what_we_do_not_serve_is_refused_by_name(change: dict, message: str) -> None:
     with pytest.raises(ConfigError, match=message):
-        model_config_from_dict({**QWEN2_5_VL_7B, **change})
+        model_config_from_dict({**QWEN25_VL_7B_INSTRUCT, **change})
 
 
 def test_cli_make_model_small_is_near_qwen2_vl_small(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

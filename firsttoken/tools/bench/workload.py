@@ -18,7 +18,6 @@ from typing import Any
 from firsttoken.metrics.window import image_class
 from firsttoken.tools.bench.config import BenchConfig, images_of_class, videos_of_class
 from firsttoken.tools.bench.images import encode_data_url, synth_image
-from firsttoken.tools.bench.videos import encode_video_data_url, synth_clip
 
 # Common English words; with a leading space each is one token in Qwen's and most BPE vocabularies, so
 # N words is roughly N tokens.
@@ -131,12 +130,15 @@ class Workload:
                                                                        c.image_format)}}
             for k in range(n_images)
         ]
-        vw, vh = c.video_size
-        parts += [
-            {"type": "video_url", "video_url": {"url": encode_video_data_url(
-                synth_clip(c.video_seconds, vw, vh, c.video_fps, f"{key}:video{k}"))}}
-            for k in range(n_videos)
-        ]
+        if n_videos:  # PyAV only where a video is asked for: a GPU loan carries no video (docs/gpu.md)
+            from firsttoken.tools.bench.videos import encode_video_data_url, synth_clip
+
+            vw, vh = c.video_size
+            parts += [
+                {"type": "video_url", "video_url": {"url": encode_video_data_url(
+                    synth_clip(c.video_seconds, vw, vh, c.video_fps, f"{key}:video{k}"))}}
+                for k in range(n_videos)
+            ]
         parts.append({"type": "text", "text": text})
         return {"role": "user", "content": parts}
 
