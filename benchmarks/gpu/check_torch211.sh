@@ -14,7 +14,8 @@
 #      versions     what the env holds, into versions.json
 #      select       the CUDA path's test files, from an import walk (torch211.py select)
 #      names        each torch / triton / transformers / torchvision name those modules use, and the keywords
-#                   of each call, looked up in the env (torch211.py names; torch.cuda.* included)
+#                   of each call, looked up in the env (torch211.py names; torch.cuda.* included); then the
+#                   loan's own files (tests/gpu, benchmarks/gpu) imported
 #      cuda_path    pytest on those files (junit XML cuda_path.xml)
 #      interpreter  TRITON_INTERPRET=1 pytest on the files that run the Triton kernels (interpreter.xml)
 #      smoke        benchmarks/gpu/run.sh --smoke RESULTS_DIR/smoke, where this checkout's run.sh has --smoke
@@ -117,8 +118,9 @@ print(json.dumps(facts))
 PYEOF
 step select "import walk" "$PY" "$HELPER" select "$RESULTS"
 failed=0
-step names "torch / triton / transformers names and keywords" env PYTHONPATH="$REPO" "$PY" "$HELPER" names "$RESULTS" \
-    || failed=1
+# TRITON_INTERPRET=1 as tests/conftest.py sets it without CUDA: tests/gpu imports the unit tests' kernel module
+step names "torch / triton / transformers names and keywords; the loan's files imported" \
+    env PYTHONPATH="$REPO" TRITON_INTERPRET=1 "$PY" "$HELPER" names "$RESULTS" || failed=1
 step cuda_path "pytest: the CUDA path's tests" run_pytest cuda_path "$RESULTS/cuda_path_tests.txt" "$REPO" || failed=1
 step interpreter "pytest, TRITON_INTERPRET=1, $INTERPRETER_NUMPY" run_pytest interpreter \
     "$RESULTS/interpreter_tests.txt" "$NUMPY_OVERLAY:$REPO" TRITON_INTERPRET=1 || failed=1

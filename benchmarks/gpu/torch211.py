@@ -22,7 +22,8 @@ excluded: they run in their own group) and interpreter_tests.txt.
 spell out (``torch.cuda.CUDAGraph``, ``tl.dot``, ``F.scaled_dot_product_attention``, ``from transformers import
 Qwen2VLConfig``), looked up in the installed packages, and each keyword argument of a call to one checked against its
 signature (torch's C functions: their ATen schemas): code that only a device runs (``torch.cuda.*``) is checked too,
-which no CPU test reaches. Tensor methods (``x.pin_memory()``) are not: only running them checks those. RESULTS_DIR/names.json lists how many
+which no CPU test reaches. Tensor methods (``x.pin_memory()``) are not: only running them checks those. The loan's own
+files are then imported (tests/gpu's modules import without a device; its conftest only skips collecting them). RESULTS_DIR/names.json lists how many
 names were checked and each one missing (module, line, name, why); exit 1 if any is.
 
 ``summarize``: RESULTS_DIR/summary.json from versions.json, steps.tsv (name, exit status, seconds, note, a line
@@ -272,18 +273,36 @@ def missing_names(sources: dict[str, Path]) -> tuple[int, list[dict]]:
     return checked, missing
 
 
+def import_errors(modules: list[str]) -> dict[str, str]:
+    """Each module that fails to import here, with its error (tests/gpu's modules import without a device)."""
+    import importlib
+
+    errors = {}
+    for name in modules:
+        try:
+            importlib.import_module(name)
+        except Exception as exc:  # any error at import is the finding
+            errors[name] = f"{type(exc).__name__}: {exc}"
+    return errors
+
+
 def check_names(results: Path) -> int:
-    """The CUDA path's modules and the loan's own files (tests/gpu, benchmarks/gpu)."""
+    """The CUDA path's modules and the loan's own files (tests/gpu, benchmarks/gpu), which are imported too."""
     chosen = json.loads((results / "selection.json").read_text())
     modules = repo_modules()
-    names = chosen["cuda_path_modules"] + [module_name(REPO / root) for root in chosen["roots"]]
-    checked, missing = missing_names({name: modules[name] for name in names})
-    (results / "names.json").write_text(json.dumps({"checked": checked, "missing": missing}, indent=2) + "\n")
+    roots = [module_name(REPO / root) for root in chosen["roots"]]
+    checked, missing = missing_names({name: modules[name] for name in chosen["cuda_path_modules"] + roots})
+    errors = import_errors(roots)
+    (results / "names.json").write_text(
+        json.dumps({"checked": checked, "missing": missing, "imported": len(roots), "import_errors": errors},
+                   indent=2) + "\n")
     print(f"torch211: {checked} uses of torch / triton / transformers / torchvision names on the CUDA path, "
-          f"{len(missing)} missing here")
+          f"{len(missing)} missing here; {len(roots)} loan files imported, {len(errors)} failed")
     for m in missing:
         print(f"    {m['module']}:{m['line']}: {m['why']}")
-    return 1 if missing else 0
+    for name, error in errors.items():
+        print(f"    import {name}: {error}")
+    return 1 if missing or errors else 0
 
 
 @dataclass
@@ -345,7 +364,9 @@ def main(argv: list[str]) -> int:
     elif len(argv) == 2 and argv[0] == "summarize":
         summary = summarize(Path(argv[1]))
         if summary["names"] is not None:
-            print(f"torch211: names: {summary['names']['checked']} checked, {len(summary['names']['missing'])} missing")
+            names = summary["names"]
+            print(f"torch211: names: {names['checked']} checked, {len(names['missing'])} missing; "
+                  f"{names['imported']} loan files imported, {len(names['import_errors'])} failed")
         for group, counts in summary["groups"].items():
             print(f"torch211: {group}: " + ", ".join(f"{k} {v}" for k, v in counts.items() if k != "failures"))
             for node_id in counts.get("failures", []):
