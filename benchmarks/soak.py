@@ -62,6 +62,7 @@ class SoakConfig:
     bad_fraction: float = 0.05
     adversarial_fraction: float = 0.03  # of a worker's requests, with --adversarial only
     adversarial: bool = True
+    overtime_factor: float = 2.0  # the load may run this many durations past its own while a kind is unanswered
     grammar_mask_budget_s: float = 2.0  # the server's --grammar-mask-budget: how long an adversarial grammar may take
     max_queued_requests: int = 2  # per lane; small, so bursts overflow
     max_tokens: int = 12  # of the free kinds; the constrained kinds carry their own (soak_kinds)
@@ -224,9 +225,25 @@ class Soak:
         else:
             await self.send_good(client, self.good.next(), rng)
 
+    def unanswered(self) -> list[str]:
+        """The good and adversarial kinds no request of which has had its answer yet (a 429 is no answer)."""
+        kinds = [c.kind for c in self.cases] + ([c.kind for c in self.adversarial.cases] if self.cfg.adversarial
+                                                 else [])
+        answered = ("good_ok", "good_wrong", ADVERSARIAL.ok, ADVERSARIAL.wrong)
+        return [kind for kind in dict.fromkeys(kinds)
+                if not any(self.result.by_kind.get(kind, Counter())[outcome] for outcome in answered)]
+
+    def loading(self, deadline: float) -> bool:
+        """The load goes on until the deadline, and past it (up to ``overtime_factor`` x the duration more) while
+        some kind has not been answered once: how many requests fit in the window is the machine's business, that
+        every kind was answered under load is not."""
+        now = time.monotonic()
+        return now < deadline or (now < deadline + self.cfg.overtime_factor * self.cfg.duration_s
+                                  and bool(self.unanswered()))
+
     async def worker(self, client: httpx.AsyncClient, seed: int, deadline: float) -> None:
         rng = random.Random(seed)
-        while time.monotonic() < deadline:
+        while self.loading(deadline):
             await self.one(client, rng)
 
     async def bursts(self, client: httpx.AsyncClient, t0: float, deadline: float) -> None:
@@ -252,7 +269,7 @@ class Soak:
         if not self.cfg.adversarial:
             return
         for case in self.adversarial.cases:
-            while time.monotonic() < deadline:
+            while self.loading(deadline):
                 before = self.result.by_kind.get(case.kind, Counter())[ADVERSARIAL.overloaded]
                 await self.send_refusable(client, case, ADVERSARIAL)
                 if self.result.by_kind[case.kind][ADVERSARIAL.overloaded] == before:

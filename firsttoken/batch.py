@@ -150,6 +150,7 @@ class RunnerOutput:
     prompt_logprobs: dict[str, tuple[TokenLogprob, ...]] = field(default_factory=dict)
     mask_pending_request_ids: frozenset[str] = frozenset()
     constraint_failed: dict[str, str] = field(default_factory=dict)  # request_id -> why (client-safe)
+    mask_wait_s: float = 0.0  # seconds of the step spent waiting for constrained rows' masks (not model work)
 
     def merged(self, late: "RunnerOutput") -> "RunnerOutput":
         """This step's output with what its deferred encoder work (``Executor.finish_step``) reported after it."""

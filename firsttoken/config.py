@@ -186,18 +186,29 @@ class GrammarConfig:
         flag="--grammar-threads"))
     mask_wait_s: float = field(default=0.01, metadata=option(
         "seconds a step waits, once its forward is done, for a constrained request's next output mask (worked on "
-        "since its last token); a request whose mask is not ready samples nothing in this step and its last token "
-        "runs again in the next, so its batch-mates never wait longer (0: never wait)", flag="--grammar-mask-wait"))
+        "since its last token); only the first step to ask for a mask waits for it: a request whose mask is not "
+        "ready samples nothing in this step and its last token runs again in the next steps, which do not wait, so "
+        "its batch-mates wait at most this once per token of it (0: never wait)", flag="--grammar-mask-wait"))
     request_mask_s: float = field(default=10.0, metadata=option(
-        "seconds of grammar work (advancing the matcher, filling masks) one request may use in all; over it the "
-        "request ends with finish_reason error, HTTP 400 (an error event mid-stream) saying so, and its "
-        "batch-mates go on (an ambiguous grammar's work grows with each token)", flag="--grammar-mask-budget"))
+        "CPU seconds of grammar work (advancing the matcher, filling masks: each job's own thread time) one "
+        "request may use in all; over it, or waiting more than twice as long in wall time for one token's mask "
+        "(its work queued behind other requests' or not ending), the request ends with finish_reason error, HTTP "
+        "400 (an error event mid-stream) saying so, and its batch-mates go on (an ambiguous grammar's work grows "
+        "with each token)", flag="--grammar-mask-budget"))
 
     def __post_init__(self) -> None:
         _at_least("mask_threads", self.mask_threads, 1)
         if not self.mask_wait_s >= 0:
             raise ValueError("mask_wait_s must be >= 0 seconds")
         _positive("request_mask_s", self.request_mask_s)
+
+    @property
+    def pending_mask_s(self) -> float:
+        """Wall seconds one token's mask may keep its request pending (from the first step that asked for it):
+        twice ``request_mask_s``, so a grammar within its CPU budget has as long again to wait for a grammar thread
+        (other requests' jobs ahead of it) or a core, while a job that never ends (its CPU is counted only when it
+        does) or one queued behind such jobs still ends its request in bounded time."""
+        return 2 * self.request_mask_s
 
 
 @dataclass(frozen=True)

@@ -87,9 +87,15 @@ class SamplingParams:
                 f"stop strings may be at most {MAX_STOP_STRING_CHARS} characters each, got one of {longest}"
             )
 
-    def ends_with(self, token_id: int) -> bool:
-        """Does sampling ``token_id`` end the answer (the token itself is not part of its text)?"""
-        return token_id in self.stop_token_ids or (not self.ignore_eos and token_id in self.eos_token_ids)
+    def finish_after(self, token_id: int, num_output_tokens: int) -> FinishReason | None:
+        """The request's own token rule, the one home of it (the engine ends answers by it, the runner asks it whether
+        a constrained answer's grammar must take the token): why an answer ends with ``token_id``, its
+        ``num_output_tokens``-th token. STOP: one of its stop token ids or, unless ``ignore_eos``, an EOS id (the
+        token is not part of the text); LENGTH: its ``max_tokens``-th; None: another token may follow. The engine
+        may end an answer where this says None (a stop string, the context limit), never the other way round."""
+        if token_id in self.stop_token_ids or (not self.ignore_eos and token_id in self.eos_token_ids):
+            return FinishReason.STOP
+        return FinishReason.LENGTH if num_output_tokens >= self.max_tokens else None
 
     @property
     def is_greedy(self) -> bool:
@@ -147,6 +153,20 @@ def images_in(images: tuple[ImageItem, ...], start: int, end: int) -> list[tuple
 # ---------------------------------------------------------------------------------------------- requests
 
 @dataclass(frozen=True)
+class TokenRecords:
+    """Tokens as the prefix cache keys them: one record a token of (id, its position on each of
+    ``num_position_rows`` rotary axes), little-endian int64s, in prompt order from token 0."""
+
+    data: bytes  # num_tokens * (1 + num_position_rows) * 8 bytes
+    num_position_rows: int  # M-RoPE: 3 (t, h, w)
+    num_tokens: int
+
+    @property
+    def record_bytes(self) -> int:
+        return 8 * (1 + self.num_position_rows)
+
+
+@dataclass(frozen=True)
 class EngineRequest:
     request_id: str
     prompt_token_ids: tuple[int, ...]
@@ -173,13 +193,13 @@ class EngineRequest:
     def num_image_tokens(self) -> int:
         return sum(im.num_tokens for im in self.images)
 
-    def token_records(self, num_tokens: int) -> bytes:
-        """The first ``num_tokens`` prompt tokens as the prefix cache keys them (kv/prefix_cache.py): one record a
-        token of (id, t, h, w), little-endian int64s."""
-        records = numpy.empty((num_tokens, 4), dtype="<i8")
+    def token_records(self, num_tokens: int) -> TokenRecords:
+        """The first ``num_tokens`` prompt tokens as the prefix cache keys them (kv/prefix_cache.py)."""
+        rows = self.mrope_positions.shape[0]
+        records = numpy.empty((num_tokens, 1 + rows), dtype="<i8")
         records[:, 0] = self.prompt_token_ids[:num_tokens]
         records[:, 1:] = self.mrope_positions[:, :num_tokens].t().numpy()
-        return records.tobytes()
+        return TokenRecords(records.tobytes(), rows, num_tokens)
 
 
 class FinishReason(str, Enum):

@@ -88,17 +88,24 @@ class EngineStreamResponse(StreamingResponse):
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         left = False
+        complete = False  # the last body message is on its way: a disconnect from here on is the answer's end
+
+        async def watched_send(message: Message) -> None:
+            nonlocal complete
+            if message["type"] == "http.response.body" and not message.get("more_body", False):
+                complete = True  # set before the send: the server reports the end as http.disconnect at once
+            await send(message)
 
         async def watched_receive() -> Message:  # Starlette listens for the disconnect while it streams
             nonlocal left
             message = await receive()
-            left = left or message["type"] == "http.disconnect"
+            left = left or (message["type"] == "http.disconnect" and not complete)
             return message
 
         try:
-            await super().__call__(scope, watched_receive, send)
+            await super().__call__(scope, watched_receive, watched_send)
         except ClientDisconnect:
-            left = True
+            left = left or not complete
         finally:
             if left:
                 client_left(scope, "answer")

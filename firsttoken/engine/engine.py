@@ -337,19 +337,15 @@ class LLMEngine:
             self._account_first_token(req, result, step_start)
         req.stamp("first_token_s", result.sample_done_s)
         params = req.engine_request.sampling
-        reason: FinishReason | None = None
+        reason = params.finish_after(token_id, len(req.output_token_ids))
         detok = self._detok[req.request_id]
         text = ""
-        if params.ends_with(token_id):
-            reason = FinishReason.STOP
-        else:
+        if reason != FinishReason.STOP:  # (a stop token is not part of the text)
             delta = detok.add([token_id])
             text = delta.text
             if delta.stopped:
                 reason = FinishReason.STOP
-        if reason is None and (
-            len(req.output_token_ids) >= params.max_tokens or req.num_tokens >= self.capacity.max_model_len
-        ):
+        if reason is None and req.num_tokens >= self.capacity.max_model_len:
             reason = FinishReason.LENGTH
         if reason is not None and not detok.stopped:
             text += detok.flush()

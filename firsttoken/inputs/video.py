@@ -7,13 +7,15 @@ Three stages, each reading less than the next would (docs/video.md):
    streams it declares (``count_streams``, from its own structure). FFmpeg's probe, which ``av.open`` runs, is
    bounded (``header_probe``): it reads one packet and decodes nothing it may skip.
 2. ``read_video``, one open of the container: the header (``probe_video`` alone reads just this): codec, frame size,
-   frame rate, duration and frame count, where every limit that can be checked is (``VideoConfig``: pixels per frame,
-   seconds, frames in the container; a video over one is refused naming what was counted); then the video stream's
-   packets, demuxed but not decoded: every shown frame's presentation timestamp (not the pre-roll an MP4 edit list
-   hides) and which are key frames. This is the frame count the plan uses, so a header that lies about its length
-   cannot make the server sample (or decode) past what the limits allow: the pass stops, refusing, at the first
-   packet over ``max_video_source_frames`` or ``video_max_seconds``, and a container holding fewer frames than its
-   header declares is refused as truncated.
+   and the frame rate, duration and frame count the container states; every limit that can be checked there is
+   (``VideoConfig``: pixels per frame, seconds, frames in the container; a video over one is refused naming what was
+   counted); then the video stream's packets, demuxed but not decoded: every shown frame's
+   presentation timestamp (not the pre-roll an MP4 edit list hides) and which are key frames. This is the frame
+   count the plan uses, and where the container states no frame rate, the rate is measured from their stamps
+   (intervals over their presentation span); so a header that lies about its length cannot make the server sample
+   (or decode) past what the limits allow: the pass stops, refusing, at the first packet over
+   ``max_video_source_frames`` or ``video_max_seconds``, and a container holding fewer frames than its header
+   declares is refused as truncated.
 3. ``plan_video`` then ``decode_video``: Qwen's sampling (qwen-vl-utils 0.0.14 ``smart_nframes`` and
    ``torch.linspace(0, n - 1, k).round()``: 2 fps, an even count, 4 to 768 frames) under a per-video token cap
    (``video_max_tokens``; frames shrink toward the per-frame minimum first, then the count drops), and a decode
@@ -72,9 +74,6 @@ FPS_MIN_FRAMES = 4
 # Codecs we decode (FFmpeg codec names). A stream in another codec is refused naming it.
 ALLOWED_CODECS = ("h264", "hevc", "vp8", "vp9", "av1", "mpeg4", "mpeg2video", "mjpeg")
 MAX_DECLARED_FPS = 1000.0
-# Containers whose packets FFmpeg stamps by their place in the file (decode order), not by when they are shown: AVI
-# has no presentation times. With B-frames the two orders differ; the decoder's output order is the shown one.
-DECODE_ORDER_CONTAINERS = ("avi",)
 # Opening a container runs FFmpeg's probe (avformat_find_stream_info): it sets up a decoder for every stream and
 # decodes frames until it knows each one's pixel format and, for H.264, how far frames are reordered; unbounded, a
 # file of many large one-frame streams costs a decoded frame per stream before any check of ours. Bounded here, per
@@ -101,10 +100,12 @@ class VideoHeader:
     codec: str  # FFmpeg codec name, e.g. "h264", "av1" (not the decoder's: libdav1d decodes AV1)
     width: int
     height: int
-    fps: float  # average frame rate
-    duration_s: float  # the stream's duration, else the container's
-    num_frames: int  # declared by the container, else round(duration_s * fps)
-    frames_declared: bool  # True: the container states its frame count (MP4); False: estimated from the duration
+    # The frame rate the container states (MP4 stts, Matroska DefaultDuration, AVI strh); None where it states none
+    # (Matroska may not): the packet index measures it then (VideoIndex.fps).
+    fps: float | None
+    duration_s: float | None  # the stream's stated duration, else the container's, else frames / fps; None: none
+    num_frames: int | None  # declared by the container, else round(duration_s * fps) where both are stated, else None
+    frames_declared: bool  # True: the container states its frame count (MP4, AVI); only then is it checked
     num_bytes: int
     stream_index: int  # FFmpeg's index of the video stream read (the container's first)
     num_streams: int  # streams in the container, of every kind
@@ -118,9 +119,12 @@ class VideoIndex:
     pts: tuple[int, ...]  # every frame's presentation stamp, ascending
     key_pts: tuple[int, ...]  # the key frames' stamps, ascending: where a decode may start
     time_base: float  # seconds per pts unit
-    # True where the container stamps packets in decode order (AVI stores no presentation times): a decoded frame's
-    # place on the timeline is then its count from the first frame the decoder gives, not its stamp
-    decode_order_stamps: bool = False
+    # the clip's frame rate: the container's stated one, else (frames - 1) over the span of their stamps, in (0, 1000]
+    fps: float
+    # True where the packets' stamps never decrease in file order. They may then be decode-order stamps (AVI stores
+    # no presentation times; nor does Matroska in VfW mode), which differ from the shown order where the decoder
+    # reorders frames: decode_video then places frames by their count, not their stamps.
+    stamps_in_file_order: bool = False
     # seconds of the video's one deadline (--video-decode-timeout) spent up to the end of the packet pass; a decode
     # started later gets what is left
     deadline_used_s: float = 0.0
@@ -177,6 +181,7 @@ class PyAVBackend:
         self.threads = threads
         self.clock = clock
         self.opened = 0  # containers opened
+        self.seeks = 0  # container seeks by a decode
         self.packets_demuxed = 0
         self.frames_decoded = 0  # frames out of the decoder, sampled or not
         self.frames_converted = 0  # frames converted to RGB (the sampled ones)
@@ -287,43 +292,49 @@ def _read_header(c: InputContainer, container: str, num_bytes: int, limits: Vide
             "video_aspect_ratio", f"video is {width}x{height}, aspect ratio {ratio:.1f}:1; at most "
             f"{MAX_ASPECT_RATIO}:1 is accepted"
         )
-    rate = s.average_rate or s.guessed_rate or s.base_rate
-    fps = float(rate) if rate else 0.0
-    if not 0 < fps <= MAX_DECLARED_FPS:
+    # avg_frame_rate is the demuxer's, set where the container states a rate; the one-packet probe adds no estimate
+    # (its r_frame_rate, guessed from one packet, is a codec tick rate or the time base, not the frame rate).
+    fps = float(s.average_rate) if s.average_rate else None
+    if fps is not None and not 0 < fps <= MAX_DECLARED_FPS:
         raise VideoInputError("invalid_video", f"video declares a frame rate of {fps:g} fps; expected (0, "
                                                f"{MAX_DECLARED_FPS:g}]")
+    duration: float | None = None
     if s.duration is not None and s.time_base is not None and s.duration > 0:
         duration = float(s.duration * s.time_base)
     elif c.duration is not None and c.duration > 0:
         duration = c.duration / 1_000_000  # AV_TIME_BASE
-    else:
-        duration = 0.0
-    frames = int(s.frames or 0)
-    declared = frames > 0
-    if not declared:
-        frames = round(duration * fps)
-    if not duration:
-        duration = frames / fps
-    if duration > limits.video_max_seconds:
+    declared = int(s.frames or 0)
+    if declared and fps and duration is None:
+        duration = declared / fps
+    frames = declared or (round(duration * fps) if fps and duration else None)
+    if duration is not None and duration > limits.video_max_seconds:
         raise VideoInputError(
             "video_too_long", f"video declares {duration:.1f} s; the limit is {limits.video_max_seconds:g} s"
         )
-    if frames > limits.max_video_source_frames:
+    if declared > limits.max_video_source_frames:
         raise VideoInputError(
-            "video_too_long", f"video declares {frames} frames; the limit is {limits.max_video_source_frames}"
+            "video_too_long", f"video declares {declared} frames; the limit is {limits.max_video_source_frames}"
         )
-    if frames <= 0:
-        raise VideoInputError("invalid_video", "video declares 0 frames (and no duration)")
-    return VideoHeader(container, codec, width, height, fps, duration, frames, declared, num_bytes, s.index,
+    return VideoHeader(container, codec, width, height, fps, duration, frames, declared > 0, num_bytes, s.index,
                        len(c.streams))
+
+
+def _stated_frames(header: VideoHeader) -> str:
+    """The header's frame count as a refusal naming what the packets hold quotes it."""
+    return "no frame count" if header.num_frames is None else str(header.num_frames)
+
+
+def _stated_seconds(header: VideoHeader) -> str:
+    return "no duration" if header.duration_s is None else f"{header.duration_s:.1f} s"
 
 
 def _read_index(
     c: InputContainer, header: VideoHeader, limits: VideoConfig, be: PyAVBackend, deadline: float,
 ) -> VideoIndex:
-    """Demux the video stream's packets (no decoding) up to the limits: every shown frame's pts and the key frames.
-    Frames an MP4 edit list hides (the pre-roll before a cut made without re-encoding, which FFmpeg flags discard
-    and its decoder drops) are no frames of the clip: they are counted against the limits, never planned."""
+    """Demux the video stream's packets (no decoding) up to the limits: every shown frame's pts and the key frames,
+    and the clip's frame rate where the header states none. Frames an MP4 edit list hides (the pre-roll before a cut
+    made without re-encoding, which FFmpeg flags discard and its decoder drops) are no frames of the clip: they are
+    counted against the limits, never planned."""
     max_frames = limits.max_video_source_frames
     s = c.streams[header.stream_index]
     tb = float(s.time_base)
@@ -331,6 +342,7 @@ def _read_index(
     pts: list[int] = []  # the shown frames'
     keys: list[int] = []  # hidden ones included: a decode may have to start before the first shown frame
     num_packets = 0
+    in_file_order = True  # no stamp so far below the one before it
     try:
         for packet in c.demux(s):
             if packet.size == 0:  # the end-of-stream marker PyAV yields per stream
@@ -341,18 +353,19 @@ def _read_index(
             if p is None:
                 continue
             if not packet.is_discard:
+                in_file_order = in_file_order and (not pts or p >= pts[-1])
                 pts.append(int(p))
             if packet.is_keyframe:
                 keys.append(int(p))
             if num_packets > max_frames:
                 raise VideoInputError(
                     "video_too_long", f"video holds more than {max_frames} frames (its header declares "
-                    f"{header.num_frames}); the limit is {max_frames}"
+                    f"{_stated_frames(header)}); the limit is {max_frames}"
                 )
             if p > max_pts:
                 raise VideoInputError(
                     "video_too_long", f"video runs past {limits.video_max_seconds:g} s (its header declares "
-                    f"{header.duration_s:.1f} s); the limit is {limits.video_max_seconds:g} s"
+                    f"{_stated_seconds(header)}); the limit is {limits.video_max_seconds:g} s"
                 )
             if be.clock() > deadline:
                 raise _timeout(limits)
@@ -362,8 +375,9 @@ def _read_index(
         raise VideoInputError("invalid_video", "video data is truncated or corrupt (its packets cannot be read)") from None
     used_s = limits.video_decode_timeout_s - (deadline - be.clock())
     if not pts:
-        raise VideoInputError("invalid_video", f"video holds 0 frames (its header declares {header.num_frames})")
-    if header.frames_declared and num_packets < header.num_frames:  # an MP4 declares its hidden frames too
+        raise VideoInputError("invalid_video", f"video holds 0 frames (its header declares "
+                                               f"{_stated_frames(header)})")
+    if header.frames_declared and num_packets < (header.num_frames or 0):  # an MP4 declares its hidden frames too
         raise VideoInputError(
             "invalid_video", f"video is truncated: its header declares {header.num_frames} frames, "
             f"{num_packets} are present"
@@ -372,7 +386,22 @@ def _read_index(
     keys.sort()
     if not keys or keys[0] > pts[0]:  # a stream whose first packet is not flagged key: decode from the start
         keys.insert(0, pts[0])
-    return VideoIndex(tuple(pts), tuple(keys), tb, header.container in DECODE_ORDER_CONTAINERS, used_s)
+    fps = header.fps if header.fps is not None else _rate_from_stamps(pts, tb)
+    return VideoIndex(tuple(pts), tuple(keys), tb, fps, in_file_order, used_s)
+
+
+def _rate_from_stamps(pts: list[int], time_base: float) -> float:
+    """Frames per second of a clip whose container states no rate: its shown frames' intervals (count - 1) over the
+    span from the first stamp to the last (``pts`` ascending)."""
+    if len(pts) < FRAME_FACTOR:
+        raise VideoInputError("invalid_video", f"video holds {len(pts)} frame; at least {FRAME_FACTOR} are needed")
+    span_s = (pts[-1] - pts[0]) * time_base
+    if span_s <= 0 or (len(pts) - 1) / span_s > MAX_DECLARED_FPS:
+        raise VideoInputError(
+            "invalid_video", f"video states no frame rate and its {len(pts)} frames span {span_s:g} s; at most "
+            f"{MAX_DECLARED_FPS:g} frames per second are accepted"
+        )
+    return (len(pts) - 1) / span_s
 
 
 def _timeout(limits: VideoConfig) -> VideoInputError:
@@ -571,11 +600,13 @@ def decode_video(
     backend: PyAVBackend | None = None, deadline: float | None = None, resize: bool = True,
 ) -> DecodedVideo:
     """Decode only the plan's frames: for each, the frame shown at its place on the index's timeline. Where the
-    container stamps frames with their presentation time, per sampled frame: seek to the latest key frame at or
-    before it unless the decoder already stands between that key frame and it, then decode forward to it. Where it
-    stamps them in decode order (AVI), one forward pass from the first frame, placing frames by their count (a seek
-    would lose it). Each sampled frame is converted and resized alone: at most one full-size RGB frame is alive at
-    a time (``backend.max_held``). The deadline is the video's one: what the packet pass left of it, unless given."""
+    stamps give that place, per sampled frame: seek to the latest key frame at or before it unless the decoder
+    already stands between that key frame and it, then decode forward to it. Where they cannot (stamps in file
+    order, ``VideoIndex.stamps_in_file_order``, on a stream the decoder reorders: B-frames in AVI), one forward pass
+    from the first frame, placing frames by their count (a seek would lose it), and the count must come out equal
+    to the packets' (else the video is refused). Each sampled frame is converted and resized alone: at most one
+    full-size RGB frame is alive at a time (``backend.max_held``). The deadline is the video's one: what the packet
+    pass left of it, unless given."""
     be = _backend(backend)
     if deadline is None:
         deadline = be.clock() + limits.video_decode_timeout_s - index.deadline_used_s
@@ -590,6 +621,8 @@ def decode_video(
                 s.thread_type = "AUTO"
             s.codec_context.thread_count = be.threads
             s.codec_context.options = {**s.codec_context.options, "max_pixels": str(limits.max_video_pixels)}
+            # the decode probe has run the decoder on the first frames: it knows whether it reorders them
+            by_count = index.stamps_in_file_order and bool(s.codec_context.has_b_frames)
             pos = -1  # timeline place of the frame the decoder last gave (-1: none since the decode (re)started)
             frames: Iterator[tuple[int, VideoFrame]] = iter(())
             for k, i in enumerate(plan.frame_indices):
@@ -597,15 +630,16 @@ def decode_video(
                     out[k] = out[k - 1]
                     pts_s.append(pts_s[-1])
                     continue
-                if index.decode_order_stamps:
+                if by_count:
                     if k == 0:
-                        frames = _shown(c.decode(s), index, header, limits, be, deadline)
+                        frames = _shown(c.decode(s), index, header, limits, be, deadline, by_count)
                 else:
                     target = index.pts[i]
                     key = index.key_pts[max(0, bisect.bisect_right(index.key_pts, target) - 1)]
                     if pos < 0 or not key <= index.pts[pos] < target:  # seeking skips work (or the decoder is past it)
                         c.seek(key, stream=s, backward=True, any_frame=False)
-                        frames = _shown(c.decode(s), index, header, limits, be, deadline)
+                        be.seeks += 1
+                        frames = _shown(c.decode(s), index, header, limits, be, deadline, by_count)
                         pos = -1
                 for pos, frame in frames:
                     if pos >= i:
@@ -613,10 +647,16 @@ def decode_video(
                         pts_s.append(index.seconds(pos))
                         break
                 else:
+                    if by_count:
+                        raise _miscounted(pos + 1, index)
                     raise VideoInputError(
                         "invalid_video", f"video is truncated or corrupt: frame {i} of {plan.source_frames} cannot "
                         "be decoded"
                     )
+            if by_count:  # every frame placed by its count: the decoder must give one per packet, no more
+                num_decoded = pos + 1 + sum(1 for _ in frames)
+                if num_decoded != index.num_frames:
+                    raise _miscounted(num_decoded, index)
     except VideoInputError:
         raise
     except _av_errors():
@@ -624,13 +664,19 @@ def decode_video(
     return DecodedVideo(out, plan, pts_s)
 
 
+def _miscounted(num_decoded: int, index: VideoIndex) -> VideoInputError:
+    return VideoInputError(
+        "invalid_video", f"video's decoder gave {num_decoded} frames for its {index.num_frames} packets; its frames "
+        "carry no presentation times to place them by"
+    )
+
+
 def _shown(
     decoded: Iterator[VideoFrame], index: VideoIndex, header: VideoHeader, limits: VideoConfig, be: PyAVBackend,
-    deadline: float,
+    deadline: float, by_count: bool,
 ) -> Iterator[tuple[int, VideoFrame]]:
     """The decoder's frames (which it gives in presentation order) with their place on the index's timeline: by
-    stamp, or, where the stamps are decode order, by count from the first frame. Checks the deadline and the frame
-    size at every frame decoded."""
+    stamp, or ``by_count`` from the first frame. Checks the deadline and the frame size at every frame decoded."""
     count = 0
     for frame in decoded:
         be.frames_decoded += 1
@@ -641,7 +687,7 @@ def _shown(
                 "invalid_video", f"a frame decoded at {frame.width}x{frame.height}, not the "
                 f"{header.width}x{header.height} the header declares"
             )
-        if index.decode_order_stamps:
+        if by_count:
             count += 1
             yield count - 1, frame
         elif frame.pts is not None and frame.pts >= index.pts[0]:  # (before it: hidden by an edit list)
@@ -681,7 +727,7 @@ def plan_video_bytes(
     check_ask(limits, ask, param)
     deadline = deadline if deadline is not None else be.clock() + limits.video_decode_timeout_s
     header, index = read_video(data, limits, be, deadline)
-    plan = plan_video(index.num_frames, header.fps, header.width, header.height, limits, proc, ask, param)
+    plan = plan_video(index.num_frames, index.fps, header.width, header.height, limits, proc, ask, param)
     return header, index, plan
 
 

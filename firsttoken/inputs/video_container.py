@@ -3,9 +3,10 @@ streams it holds, from its own structure (MP4 boxes, Matroska elements, AVI chun
 
 FFmpeg sets up every stream of a container it opens (a decoder context each, while probing), so the stream count
 is what the server checks before handing the bytes to FFmpeg. ``count_streams`` reads only the structure that
-declares the streams and answers None where that structure is not where it looks (a truncated file, Matroska
-tracks after the first cluster, an MP4 whose index is compressed); FFmpeg's own stream cap (``max_streams``) then
-bounds what it sets up."""
+declares the streams, at most ``MAX_ELEMENTS`` elements in all, and answers None ("cannot tell") where that
+structure is not within them whole (a truncated file, Matroska tracks after the first cluster, an MP4 whose index
+is compressed, a file of many small elements before the declaring one); FFmpeg's own stream cap (``max_streams``)
+then bounds what it sets up."""
 
 from __future__ import annotations
 
@@ -17,6 +18,11 @@ from collections.abc import Iterator
 # av.open so FFmpeg probes no format.
 CONTAINERS = {"mov": "MP4/MOV", "matroska": "WebM/Matroska", "avi": "AVI"}
 _ISO_BOXES = (b"ftyp", b"moov", b"mdat", b"free", b"wide", b"skip", b"pnot")
+
+# Elements (MP4 boxes, EBML elements, RIFF chunks) one count reads at most, over every level it walks. A real file
+# declares its streams within its first few top-level elements, one element per stream plus a few; a walk over this
+# many is bounded work (each element is a few byte reads), whatever the file holds.
+MAX_ELEMENTS = 4096
 
 # Matroska (EBML) element ids, marker bits kept, as the specification writes them
 _SEGMENT, _TRACKS, _TRACK_ENTRY, _CLUSTER = 0x18538067, 0x1654AE6B, 0xAE, 0x1F43B675
@@ -33,22 +39,44 @@ def sniff_container(data: bytes) -> str | None:
     return None
 
 
-def count_streams(data: bytes, container: str) -> int | None:
+class StructureWalk:
+    """The elements one ``count_streams`` call reads: counted (``visited``), and stopped at ``max_elements``, after
+    which the call answers None. A fresh one per call; tests pass one in to count the work."""
+
+    def __init__(self, max_elements: int = MAX_ELEMENTS) -> None:
+        self.max_elements = max_elements
+        self.visited = 0
+        self.stopped = False  # True once an element past the cap was due: the walk did not finish
+
+    def visit(self) -> bool:
+        """One more element to read: True while within the cap."""
+        if self.visited >= self.max_elements:
+            self.stopped = True
+            return False
+        self.visited += 1
+        return True
+
+
+def count_streams(data: bytes, container: str, walk: StructureWalk | None = None) -> int | None:
     """Streams (tracks) the container declares: an MP4's ``trak`` boxes, a Matroska file's TrackEntry elements, an
-    AVI's ``strl`` lists. None where the declaring structure cannot be found whole."""
+    AVI's ``strl`` lists. None where the declaring structure cannot be found whole within ``walk``'s cap."""
+    walk = walk if walk is not None else StructureWalk()
     if container == "mov":
-        return _mp4_streams(data)
-    if container == "matroska":
-        return _matroska_streams(data)
-    if container == "avi":
-        return _avi_streams(data)
-    return None
+        count = _mp4_streams(data, walk)
+    elif container == "matroska":
+        count = _matroska_streams(data, walk)
+    elif container == "avi":
+        count = _avi_streams(data, walk)
+    else:
+        return None
+    return None if walk.stopped else count
 
 
-def _mp4_boxes(data: bytes, start: int, end: int) -> Iterator[tuple[bytes, int, int]]:
-    """(type, body start, body end) of the boxes in data[start:end]; stops at the first that does not fit."""
+def _mp4_boxes(data: bytes, start: int, end: int, walk: StructureWalk) -> Iterator[tuple[bytes, int, int]]:
+    """(type, body start, body end) of the boxes in data[start:end]; stops at the first that does not fit, or at the
+    walk's cap."""
     at = start
-    while at + 8 <= end:
+    while at + 8 <= end and walk.visit():
         size, kind = struct.unpack_from(">I4s", data, at)
         head = 8
         if size == 1:  # a 64-bit size follows the type
@@ -63,17 +91,21 @@ def _mp4_boxes(data: bytes, start: int, end: int) -> Iterator[tuple[bytes, int, 
         at += size
 
 
-def _mp4_streams(data: bytes) -> int | None:
-    for kind, start, end in _mp4_boxes(data, 0, len(data)):
+def _mp4_streams(data: bytes, walk: StructureWalk) -> int | None:
+    for kind, start, end in _mp4_boxes(data, 0, len(data), walk):
         if kind == b"moov":
-            return sum(1 for child, _, _ in _mp4_boxes(data, start, end) if child == b"trak")
+            children = [child for child, _, _ in _mp4_boxes(data, start, end, walk)]
+            if b"cmov" in children:  # a compressed index: its trak boxes are inside the compressed bytes
+                return None
+            return children.count(b"trak")
     return None
 
 
-def _riff_chunks(data: bytes, start: int, end: int) -> Iterator[tuple[bytes, int, int]]:
-    """(fourcc, body start, body end) of the RIFF chunks in data[start:end] (bodies padded to an even length)."""
+def _riff_chunks(data: bytes, start: int, end: int, walk: StructureWalk) -> Iterator[tuple[bytes, int, int]]:
+    """(fourcc, body start, body end) of the RIFF chunks in data[start:end] (bodies padded to an even length); stops
+    at the first that does not fit, or at the walk's cap."""
     at = start
-    while at + 8 <= end:
+    while at + 8 <= end and walk.visit():
         fourcc, size = struct.unpack_from("<4sI", data, at)
         if at + 8 + size > end:
             return
@@ -81,11 +113,11 @@ def _riff_chunks(data: bytes, start: int, end: int) -> Iterator[tuple[bytes, int
         at += 8 + size + (size & 1)
 
 
-def _avi_streams(data: bytes) -> int | None:
+def _avi_streams(data: bytes, walk: StructureWalk) -> int | None:
     # RIFF <size> "AVI " <chunks>: LIST "hdrl" holds the main header, then one LIST "strl" per stream
-    for fourcc, start, end in _riff_chunks(data, 12, len(data)):
+    for fourcc, start, end in _riff_chunks(data, 12, len(data), walk):
         if fourcc == b"LIST" and data[start:start + 4] == b"hdrl":
-            return sum(1 for f, s, _ in _riff_chunks(data, start + 4, end)
+            return sum(1 for f, s, _ in _riff_chunks(data, start + 4, end, walk)
                        if f == b"LIST" and data[s:s + 4] == b"strl")
     return None
 
@@ -102,11 +134,11 @@ def _vint(data: bytes, at: int, keep_marker: bool) -> tuple[int, int, bool] | No
     return (raw if keep_marker else value), length, value == (1 << (7 * length)) - 1
 
 
-def _ebml_elements(data: bytes, start: int, end: int) -> Iterator[tuple[int, int, int | None]]:
+def _ebml_elements(data: bytes, start: int, end: int, walk: StructureWalk) -> Iterator[tuple[int, int, int | None]]:
     """(id, body start, body end or None for an unknown size) of the elements in data[start:end]; stops at the first
-    that cannot be read."""
+    that cannot be read, or at the walk's cap."""
     at = start
-    while at < end:
+    while at < end and walk.visit():
         element, size = _vint(data, at, keep_marker=True), None
         if element is not None:
             size = _vint(data, at + element[1], keep_marker=False)
@@ -120,16 +152,16 @@ def _ebml_elements(data: bytes, start: int, end: int) -> Iterator[tuple[int, int
         at = body + size[0]
 
 
-def _matroska_streams(data: bytes) -> int | None:
+def _matroska_streams(data: bytes, walk: StructureWalk) -> int | None:
     # EBML header, then Segment: SeekHead, Info, Tracks (one TrackEntry per stream) ... Clusters
-    for element, start, end in _ebml_elements(data, 0, len(data)):
+    for element, start, end in _ebml_elements(data, 0, len(data), walk):
         if element != _SEGMENT:
             continue
-        for child, body, body_end in _ebml_elements(data, start, min(end or len(data), len(data))):
+        for child, body, body_end in _ebml_elements(data, start, min(end or len(data), len(data)), walk):
             if child == _TRACKS:
                 if body_end is None or body_end > len(data):
                     return None
-                return sum(1 for entry, _, _ in _ebml_elements(data, body, body_end) if entry == _TRACK_ENTRY)
+                return sum(1 for entry, _, _ in _ebml_elements(data, body, body_end, walk) if entry == _TRACK_ENTRY)
             if child == _CLUSTER:  # frames before the tracks: left to FFmpeg (which follows the SeekHead)
                 return None
         return None

@@ -28,6 +28,8 @@ from dataclasses import dataclass
 from itertools import chain
 from typing import TYPE_CHECKING, NewType
 
+from firsttoken.types import TokenRecords
+
 if TYPE_CHECKING:
     from firsttoken.types import EngineRequest
 
@@ -79,14 +81,13 @@ def compute_block_hashes(
     if not positions or any(len(row) != len(token_ids) for row in positions):
         raise ValueError(f"positions needs at least one row of {len(token_ids)} positions (one per token), got rows "
                          f"of {[len(row) for row in positions]}")
-    records = _token_records(token_ids, positions, 0, len(token_ids) // max(block_size, 1) * max(block_size, 1))
-    return hash_token_records(records, len(positions), len(token_ids), block_size, image_spans, extra_key=extra_key,
-                              prev_hashes=prev_hashes)
+    full = len(token_ids) // block_size * block_size if block_size > 0 else 0
+    return hash_token_records(_token_records(token_ids, positions, full), len(token_ids), block_size, image_spans,
+                              extra_key=extra_key, prev_hashes=prev_hashes)
 
 
 def hash_token_records(
-    records: bytes,
-    num_position_rows: int,
+    records: TokenRecords,
     num_tokens: int,
     block_size: int,
     image_spans: Sequence[ImageSpan] = (),
@@ -94,21 +95,19 @@ def hash_token_records(
     extra_key: str | bytes | None = None,
     prev_hashes: Sequence[BlockHash] = (),
 ) -> list[BlockHash]:
-    """`compute_block_hashes` from the tokens already packed: `records` holds at least the full blocks' tokens,
-    from token 0, one record each of (id, position row 0, row 1, ...) as little-endian int64s (EngineRequest's
-    `token_records`)."""
+    """`compute_block_hashes` from the tokens already packed: `records` holds at least the full blocks of the
+    `num_tokens` tokens (an `EngineRequest`'s `token_records`)."""
     if block_size <= 0:
         raise ValueError(f"block_size must be > 0, got {block_size}")
     num_full_blocks = num_tokens // block_size
     if len(prev_hashes) > num_full_blocks:
         raise ValueError(f"prev_hashes has {len(prev_hashes)} hashes but token_ids only {num_full_blocks} full blocks")
-    record_bytes = 8 * (1 + num_position_rows)
-    if len(records) < num_full_blocks * block_size * record_bytes:
-        raise ValueError(f"records hold {len(records) // record_bytes} tokens, the full blocks "
-                         f"{num_full_blocks * block_size}")
+    if records.num_tokens < num_full_blocks * block_size:
+        raise ValueError(f"records hold {records.num_tokens} tokens, the full blocks {num_full_blocks * block_size}")
     spans = _checked_spans(image_spans, num_tokens)
     span_ends = [span.end for span in spans]  # ascending, since spans are sorted and disjoint
     block_hashes = list(prev_hashes)
+    record_bytes = records.record_bytes
     for block_index in range(len(block_hashes), num_full_blocks):
         block_start = block_index * block_size
         block_end = block_start + block_size
@@ -116,8 +115,8 @@ def hash_token_records(
         block_hashes.append(
             _hash_block(
                 parent,
-                num_position_rows,
-                records[block_start * record_bytes : block_end * record_bytes],
+                records.num_position_rows,
+                records.data[block_start * record_bytes : block_end * record_bytes],
                 _image_keys(spans, span_ends, block_start, block_end),
                 extra_key if block_index == 0 else None,
             )
@@ -132,7 +131,7 @@ def prompt_block_hashes(request: EngineRequest, block_size: int, num_tokens: int
     end = min(request.num_prompt_tokens, request.num_prompt_tokens if num_tokens is None else num_tokens)
     spans = [ImageSpan(im.content_hash, im.offset, im.num_tokens) for im in request.images if im.offset < end]
     full = end // block_size * block_size if block_size > 0 else 0
-    return hash_token_records(request.token_records(full), 3, end, block_size, spans)
+    return hash_token_records(request.token_records(full), end, block_size, spans)
 
 
 def _hash_block(
@@ -158,10 +157,11 @@ def _hash_block(
     return BlockHash(hashlib.blake2b(b"".join(parts), digest_size=_DIGEST_BYTES).digest())
 
 
-def _token_records(token_ids: Sequence[int], positions: Sequence[Sequence[int]], start: int, end: int) -> bytes:
-    """Tokens [start, end) as one record each, (id, position row 0, row 1, ...), in little-endian int64s."""
-    columns = [token_ids[start:end], *(row[start:end] for row in positions)]
-    return struct.pack(f"<{(end - start) * len(columns)}q", *chain.from_iterable(zip(*columns)))
+def _token_records(token_ids: Sequence[int], positions: Sequence[Sequence[int]], num_tokens: int) -> TokenRecords:
+    """The first `num_tokens` tokens packed as `EngineRequest.token_records` packs a request's, from plain ints."""
+    columns = [token_ids[:num_tokens], *(row[:num_tokens] for row in positions)]
+    data = struct.pack(f"<{num_tokens * len(columns)}q", *chain.from_iterable(zip(*columns)))
+    return TokenRecords(data, len(positions), num_tokens)
 
 
 def _checked_spans(image_spans: Sequence[ImageSpan], num_tokens: int) -> list[ImageSpan]:

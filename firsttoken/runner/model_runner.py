@@ -88,11 +88,6 @@ class RequestState:
                             new.sampling, make_generator(new.sampling.seed), history,
                             ConstrainedRow(grammar.matcher(), vocab_size) if grammar is not None else None)
 
-    def continues_after(self, token_id: int) -> bool:
-        """Whether a token may be asked of it after ``token_id``, its next (not yet appended): that one does not end
-        it for certain (not one of its stop or EOS tokens, not its max_tokens-th)."""
-        return not self.sampling.ends_with(token_id) and len(self.output_token_ids) + 1 < self.sampling.max_tokens
-
     def append(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
         if self.history is not None:
@@ -268,6 +263,7 @@ class ModelRunner:
             prompt_logprobs={r: lp for r, lp in self._prompt_scores.items() if r not in failed},
             mask_pending_request_ids=self._step_masks.pending - failed.keys(),
             constraint_failed={r: why for r, why in self._step_masks.refused.items() if r not in failed},
+            mask_wait_s=self._step_masks.wait_s,
         )
 
     @torch.inference_mode()
@@ -485,7 +481,8 @@ class ModelRunner:
         sampled = {c.request_id: t for i, (c, t) in enumerate(zip(chunks, result.token_ids)) if i not in result.failed}
         for c, state in zip(chunks, states):
             token = sampled.get(c.request_id)
-            if state.grammar is not None and token is not None and state.continues_after(token):
+            if (state.grammar is not None and token is not None  # (the token is not appended yet)
+                    and state.sampling.finish_after(token, len(state.output_token_ids) + 1) is None):
                 self.masks.start(state.grammar, token)  # the token goes out now; the grammar takes it meanwhile
         logprobs = {c.request_id: lp for c, lp in zip(chunks, result.logprobs) if lp is not None}
         return sampled, logprobs

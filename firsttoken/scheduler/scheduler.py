@@ -144,9 +144,9 @@ class Scheduler:
         it ran after the tokens went out: units run, images it holds nothing for, chunks run; a failed or skipped one
         computed nothing, one whose mask was pending all but its last token), then ``finished``, the requests the
         caller ended: on the step's tokens (already on their requests), or between steps with no batch and no result
-        (an abort, a timeout). With ``started_s`` (when the step began, on this clock) its wall time to now teaches
-        the cost model the work actually done (less units an interrupt cut), and the report says what the model
-        predicted."""
+        (an abort, a timeout). With ``started_s`` (when the step began, on this clock) its wall time to now, less the
+        time it waited for grammar masks (``result.mask_wait_s``), teaches the cost model the work actually done
+        (less units an interrupt cut), and the report says what the model predicted and the step's wall time."""
         if batch is None or result is None:
             for req, reason in finished:
                 self.finish(req, reason)
@@ -166,7 +166,7 @@ class Scheduler:
         duration_s = self.clock() - started_s
         features = self.encoder.features_run(batch, result)
         predicted = self.cost_model.predict(features) if self.cost_model.is_fitted else None
-        self.cost_model.observe(features, duration_s)
+        self.cost_model.observe(features, duration_s - result.mask_wait_s)  # the model prices work, not waiting
         return StepReport(predicted, duration_s, self.num_steps, self.kv.num_used_blocks, self.kv.num_blocks,
                           len(self.running), len(self.waiting))
 

@@ -8,14 +8,19 @@ GIL, so requests' jobs run at once, and beside the forward), started as soon as 
 as soon as the runner meets the request), so it runs while the engine updates, schedules and runs the next forward.
 
 Contract with the step (runner/model_runner.py), which reads ``MaskWorker.collect`` once its forward is done:
-- a row whose mask is ready samples under it; a constrained row never samples without its mask;
-- a row whose mask is not ready within ``mask_wait_s`` of the forward's end is **pending**: it samples nothing in
-  this step and its last token runs again in the next (its job goes on meanwhile), so its batch-mates never wait
-  for it longer than that and lose no step;
-- a row whose grammar has failed it (a dead end: no token can continue the output; a parser limit) or whose jobs
-  have used more than ``request_mask_s`` seconds in all (a running job's time counts as it runs) is **refused**:
-  the request ends with that reason, the client's grammar's fault;
-- a row whose library raised is **crashed**: the request ends with an internal error.
+- a row whose mask is ready samples under it; a constrained row never samples without its mask, and never twice
+  under one mask (a mask read once is never ready again until a new job filled it);
+- a step waits for a job's mask at most once, at most ``mask_wait_s`` from its forward's end: the first step to ask
+  for it (the step after the token it takes was sampled: the usual case, where the job is done or nearly). A row
+  whose mask is not ready then is **pending**: it samples nothing in this step and its last token runs again in the
+  next (its job goes on meanwhile); later steps ask without waiting, so its batch-mates wait for it at most once
+  and lose no step. The seconds a step waited are reported (``StepMasks.wait_s``);
+- a row whose grammar has failed it (a dead end: no token can continue the output; a parser limit), whose jobs have
+  used more than ``request_mask_s`` seconds of CPU in all (each job's own thread time, counted when it ends), or
+  whose mask has been pending for more than ``pending_mask_s`` seconds of wall time (its job queued behind other
+  requests' jobs or still running) is **refused**: the request ends with that reason, the client's grammar's fault;
+- a row whose library raised, or that is asked for a mask it was already given, is **crashed**: the request ends
+  with an internal error.
 
 One job at a time per request: a new one starts only after the step read the last one's mask (the matcher is one
 thread's at a time: the job's, else the runner's, which only reads it).
@@ -24,7 +29,6 @@ thread's at a time: the job's, else the runner's, which only reads it).
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import Executor, Future, ThreadPoolExecutor
@@ -39,53 +43,73 @@ from firsttoken.structured.bitmask import allocate_bitmask
 log = logging.getLogger("firsttoken.structured")
 
 CRASHED = "the output constraint failed: the grammar library could not say what may follow"
+STALE = "internal error: the output constraint's next mask was asked for before its grammar took the last token"
 
 
 class ConstrainedRow:
-    """One constrained request's matcher, its next mask and the seconds its jobs used. ``matcher``: the request's
-    own (``GrammarMatcher`` or anything with its ``fill_bitmask(bitmask, row)``, ``accept(token) -> bool`` and
-    ``error``)."""
+    """One constrained request's matcher, its next mask and the CPU seconds its jobs used. ``matcher``: the
+    request's own (``GrammarMatcher`` or anything with its ``fill_bitmask(bitmask, row)``, ``accept(token) -> bool``
+    and ``error``)."""
 
     def __init__(self, matcher: Any, vocab_size: int) -> None:
         self.matcher = matcher
         self.mask = allocate_bitmask(1, vocab_size)  # [1, ceil(vocab / 32)] int32: the next token's, once ready
         self.refused: str | None = None  # why the grammar failed the request (the client's fault)
         self.crashed = False  # the library raised
+        self.spent_s = 0.0  # CPU seconds the done jobs used (each job adds its own before it is done)
         self._job: Future | None = None
-        self._lock = threading.Lock()  # guards the two times below (the job writes them, the step reads them)
-        self._spent_s = 0.0  # seconds the finished jobs ran
-        self._started_s: float | None = None  # when the running job began (None: none is running)
+        self._asked_s: float | None = None  # when a step first asked for the job's mask (None: no step yet)
+        self._read = False  # a step sampled under the job's mask: the next needs a new job
 
-    def spent_s(self, now: float) -> float:
-        """Seconds of grammar work so far, the running job's included (up to ``now``)."""
-        with self._lock:
-            return self._spent_s + (now - self._started_s if self._started_s is not None else 0.0)
-
-    def wait(self, timeout_s: float) -> bool:
-        """Whether the job is done, waiting at most ``timeout_s`` for it."""
-        if self._job is None:
-            return False
-        if timeout_s > 0 and not self._job.done():
-            try:
-                self._job.exception(timeout=timeout_s)  # the job itself never raises (``_run``)
-            except TimeoutError:
-                return False
-        return self._job.done()
-
-    def start(self, pool: Executor, token_id: int | None, clock: Callable[[], float]) -> None:
+    def start(self, pool: Executor, token_id: int | None, cpu_clock: Callable[[], float]) -> None:
         """Its next job on ``pool`` (``MaskWorker.start``)."""
-        self._job = pool.submit(self._run, token_id, clock)
+        self._job = pool.submit(self._run, token_id, cpu_clock)
+        self._asked_s = None
+        self._read = False
 
     def cancel(self) -> None:
         """The request is gone: its job, if it has not begun, never will (a running one finishes, unread)."""
         if self._job is not None:
             self._job.cancel()
 
-    def _run(self, token_id: int | None, clock: Callable[[], float]) -> None:
-        """The job: take ``token_id`` (None: none), then fill the next mask; whatever happens is recorded here."""
-        start = clock()
-        with self._lock:
-            self._started_s = start
+    @property
+    def done(self) -> bool:
+        """Its job ended (whatever it recorded is there to read)."""
+        return self._job is not None and self._job.done()
+
+    @property
+    def read(self) -> bool:
+        """A step sampled under the job's mask (``take``): it is used up."""
+        return self._read
+
+    def ask(self, now: float) -> bool:
+        """A step asks for the job's mask at ``now``: whether it is the first to (and so may wait for it)."""
+        first = self._asked_s is None
+        if first:
+            self._asked_s = now
+        return first
+
+    def pending_s(self, now: float) -> float:
+        """Seconds since a step first asked for the job's mask (0 before any did)."""
+        return 0.0 if self._asked_s is None else now - self._asked_s
+
+    def take(self) -> None:
+        """The step samples under the mask: it is not to be read again before a new job (``start``) fills it."""
+        self._read = True
+
+    def wait(self, timeout_s: float) -> None:
+        """Until the job is done, at most ``timeout_s``."""
+        if self._job is not None and timeout_s > 0:
+            try:
+                self._job.exception(timeout=timeout_s)  # the job itself never raises (``_run``)
+            except TimeoutError:
+                pass
+
+    def _run(self, token_id: int | None, cpu_clock: Callable[[], float]) -> None:
+        """The job: take ``token_id`` (None: none), then fill the next mask; whatever happens is recorded here.
+        ``cpu_clock``: this thread's CPU seconds (``time.thread_time``), so time the thread waited for a core is not
+        charged to the grammar."""
+        start = cpu_clock()
         try:
             if token_id is not None and not self.matcher.accept(token_id):
                 self.refused = self.matcher.error or "the grammar refused a token its own mask allowed"
@@ -96,28 +120,32 @@ class ConstrainedRow:
             log.warning("the output grammar's library failed: %s", e)
             self.crashed = True
         finally:
-            with self._lock:
-                self._spent_s += clock() - start
-                self._started_s = None
+            self.spent_s += cpu_clock() - start
 
 
 @dataclass(frozen=True)
 class StepMasks:
-    """What ``MaskWorker.collect`` found for a step's constrained rows, by request id (each in one place)."""
+    """What ``MaskWorker.collect`` found for a step's constrained rows, by request id (each in one place), and how
+    long it waited for them."""
 
     ready: frozenset[str] = frozenset()  # sample under their row's ``mask``
     pending: frozenset[str] = frozenset()  # no mask in time: nothing sampled, the last token runs again
     refused: dict[str, str] = field(default_factory=dict)  # the grammar ended the request: why (client-safe)
-    crashed: dict[str, str] = field(default_factory=dict)  # the library raised: an internal error
+    crashed: dict[str, str] = field(default_factory=dict)  # the library raised, or a mask was reused: internal
+    wait_s: float = 0.0  # seconds the step waited for masks (on MaskWorker's clock)
+    num_waits: int = 0  # rows it waited for (each job's mask is waited for at most once)
 
 
 class MaskWorker:
     """The pool that runs constrained rows' jobs, and the bounds a step reads them under (``GrammarConfig``).
-    ``clock``: monotonic seconds (a test may pass its own)."""
+    ``clock``: monotonic wall seconds, for the step's wait and a mask's pending time; ``cpu_clock``: the calling
+    thread's CPU seconds, which each job charges to its request's budget (a test may pass its own of either)."""
 
-    def __init__(self, config: GrammarConfig, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, config: GrammarConfig, clock: Callable[[], float] = time.monotonic,
+                 cpu_clock: Callable[[], float] = time.thread_time) -> None:
         self.config = config
         self._clock = clock
+        self._cpu_clock = cpu_clock
         self._pool: ThreadPoolExecutor | None = None  # started with the first job
 
     def start(self, row: ConstrainedRow, token_id: int | None = None) -> None:
@@ -125,31 +153,48 @@ class MaskWorker:
         row's last job is done and its mask was read (or before its first)."""
         if self._pool is None:
             self._pool = ThreadPoolExecutor(self.config.mask_threads, thread_name_prefix="firsttoken-masks")
-        row.start(self._pool, token_id, self._clock)
+        row.start(self._pool, token_id, self._cpu_clock)
 
     def collect(self, rows: Mapping[str, ConstrainedRow]) -> StepMasks:
-        """Each row's verdict for this step (module docstring), waiting at most ``mask_wait_s`` from now for all of
-        them together (their jobs run at once)."""
-        deadline = self._clock() + self.config.mask_wait_s
+        """Each row's verdict for this step (module docstring). Waits at most ``mask_wait_s`` from now, for all the
+        rows whose job no step has asked for before together (their jobs run at once); none for the others."""
+        now = self._clock()
+        deadline = now + self.config.mask_wait_s
         ready: set[str] = set()
         pending: set[str] = set()
         refused: dict[str, str] = {}
         crashed: dict[str, str] = {}
+        wait_s = 0.0
+        num_waits = 0
         for rid, row in rows.items():
-            done = row.wait(deadline - self._clock())
+            if row.read:
+                log.error("request %s: a constrained row's mask was asked for again without a new job", rid)
+                crashed[rid] = STALE
+                continue
+            if row.ask(now) and not row.done and self.config.mask_wait_s > 0:  # only the first ask waits
+                began = self._clock()
+                row.wait(deadline - began)
+                wait_s += self._clock() - began
+                num_waits += 1
+            done = row.done  # once: a job ending during these checks is read next step
             if done and row.crashed:
                 crashed[rid] = CRASHED
             elif done and row.refused is not None:
                 refused[rid] = f"the output constraint failed: {row.refused}"
-            elif row.spent_s(self._clock()) > self.config.request_mask_s:
+            elif done and row.spent_s > self.config.request_mask_s:
                 refused[rid] = (f"the output constraint failed: its grammar needed more than "
                                 f"{self.config.request_mask_s:g} s of work (--grammar-mask-budget); an ambiguous "
                                 f"grammar's work grows with every token: make it unambiguous or shorter")
             elif done:
+                row.take()
                 ready.add(rid)
+            elif row.pending_s(self._clock()) > self.config.pending_mask_s:
+                refused[rid] = (f"the output constraint failed: its grammar's next token waited more than "
+                                f"{self.config.pending_mask_s:g} s for its work (twice --grammar-mask-budget); an "
+                                f"ambiguous grammar's work grows with every token: make it unambiguous or shorter")
             else:
                 pending.add(rid)
-        return StepMasks(frozenset(ready), frozenset(pending), refused, crashed)
+        return StepMasks(frozenset(ready), frozenset(pending), refused, crashed, wait_s, num_waits)
 
 
 def stack_masks(rows: list[ConstrainedRow | None], out: np.ndarray | None) -> tuple[np.ndarray, list[int]]:

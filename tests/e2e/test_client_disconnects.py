@@ -85,3 +85,25 @@ def test_a_client_that_leaves_before_its_answer_is_complete_counts_in_the_same_m
     wait_for_count(live_server, "answer", answer + 2)
     assert errors_logged(caplog) == []
     assert live_server.wait_idle()["kv_blocks_used"] == 0
+
+
+def test_answers_streamed_to_their_end_are_not_disconnects(live_server: LiveServer, caplog: pytest.LogCaptureFixture):
+    """The server reports a streamed answer's end to the app as ``http.disconnect`` (ASGI 2.3): that is the answer
+    delivered, not a client leaving."""
+    caplog.set_level(logging.INFO)
+    before = disconnects(live_server)
+    client = live_server.client()
+    for _ in range(3):
+        chunks = list(client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}],
+                                                     max_tokens=4, stream=True))
+        assert chunks[-1].choices == [] or chunks[-1].choices[0].finish_reason is not None
+    with httpx.Client(timeout=30) as raw:  # a completions stream too, read to its [DONE]
+        with raw.stream("POST", f"{live_server.base_url}/v1/completions",
+                        json={"model": "tiny", "prompt": "hi", "max_tokens": 4, "stream": True}) as r:
+            assert [line for line in r.iter_lines() if line][-1] == "data: [DONE]"
+    live_server.wait_idle()
+    after = live_server.client().chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}],
+                                                         max_tokens=1)  # a later request: the counts have settled
+    assert after.usage.completion_tokens == 1
+    assert disconnects(live_server) == before
+    assert not [r for r in caplog.records if "disconnect" in r.getMessage()]

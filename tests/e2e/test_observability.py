@@ -12,6 +12,7 @@ import math
 import os
 import re
 import shutil
+import signal
 import subprocess
 import threading
 from html.parser import HTMLParser
@@ -196,9 +197,17 @@ def chromium(url: str, tmp: Path, *extra: str) -> str:
     args = [exe, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
             "--disable-background-networking", "--disable-component-update", "--disable-sync",
             "--disable-dev-shm-usage", f"--user-data-dir={tmp}", "--virtual-time-budget=4000", *extra, url]
-    done = subprocess.run(args, capture_output=True, text=True, timeout=60)
-    assert done.returncode == 0, done.stderr[-2000:]
-    return done.stdout
+    # its own session, killed whole on a timeout: chromium's zygote and renderers inherit its pipes, so killing the
+    # browser alone leaves communicate() waiting for their EOF (a hung suite instead of a failed test)
+    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        pytest.fail(f"chromium did not finish in 60 s: {err[-2000:]}")
+    assert proc.returncode == 0, err[-2000:]
+    return out
 
 
 def test_dashboard_in_chromium_plots_what_stats_reports_while_requests_flow(server: LiveServer, tmp_path: Path):

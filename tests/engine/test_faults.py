@@ -17,6 +17,7 @@ from firsttoken.config import (
 from firsttoken.engine.async_engine import AsyncEngine
 from firsttoken.engine.engine import LLMEngine
 from firsttoken.inputs.processor import InputProcessor
+from firsttoken.runner.executor import InProcessExecutor
 from firsttoken.types import FinishReason
 from tests.e2e.conftest import image_data_url, make_image
 from tests.helpers import process
@@ -36,14 +37,14 @@ class FailOne:
             raise RuntimeError("injected fault")
 
 
-def build(model_dir: Path, hook=None, **engine_options):
-    """``engine_options``: more EngineConfig fields."""
+def build(model_dir: Path, hook=None, executor_factory=InProcessExecutor, **engine_options):
+    """``engine_options``: more EngineConfig fields; ``executor_factory``: the engine's (a test's may record)."""
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(model_dir)
     cfg = EngineConfig(dtype="float32", cache=CacheConfig(kv_cache_memory_bytes=8 * 2**20),
                        scheduler=SchedulerConfig(max_batched_tokens=128, step_time_target="off"), **engine_options)
-    engine = LLMEngine(model_dir, cfg, tok.backend_tokenizer, fault_hook=hook)
+    engine = LLMEngine(model_dir, cfg, tok.backend_tokenizer, fault_hook=hook, executor_factory=executor_factory)
     proc = InputProcessor(tok, engine.model_config, GenerationDefaults.from_pretrained(model_dir),
                           max_model_len=engine.max_model_len)
     return engine, proc

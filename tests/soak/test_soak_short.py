@@ -28,6 +28,7 @@ def test_short_soak_loses_nothing_and_leaks_nothing(tiny_model_dir: Path, tmp_pa
          "--warmup-s", "3", "--burst-every-s", "3", "--json", str(out)],
         cwd=ROOT, capture_output=True, text=True, timeout=300,
     )
+    assert out.exists(), f"the soak wrote no result (exit {proc.returncode}): {proc.stdout}{proc.stderr[-3000:]}"
     result = json.loads(out.read_text())
     assert proc.returncode == 0 and result["ok"], proc.stdout + proc.stderr[-3000:]
     o = result["outcomes"]

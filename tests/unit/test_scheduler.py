@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import pytest
+
+from firsttoken.batch import RunnerOutput
+from firsttoken.scheduler.cost_model import CostModel
 from firsttoken.scheduler.request import RequestStatus
 from firsttoken.types import FinishReason
-from tests.unit.fakes import fake_request, make_scheduler, run_step
+from tests.unit.fakes import ManualClock, fake_request, make_scheduler, run_step
 
 
 def test_long_prompt_is_chunked_under_the_step_budget_and_samples_only_at_the_end():
@@ -137,3 +141,29 @@ def test_different_image_with_same_placeholders_does_not_reuse_blocks():
     sched.add(other)
     batch = run_step(sched)
     assert batch.chunks[0].context_len == 0  # block 0 (tokens 0..15) already covers image tokens 10..15
+
+
+class Observed(CostModel):
+    """The cost model, keeping the seconds it was taught for each step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.taught_s: list[float] = []
+
+    def observe(self, features, seconds: float) -> None:
+        self.taught_s.append(seconds)
+        super().observe(features, seconds)
+
+
+def test_the_cost_model_learns_a_steps_work_not_its_wait_for_grammar_masks():
+    """A step that waited for a constrained row's mask ran no model work meanwhile: the step-cost model is taught
+    its wall time less that wait (else every step beside a slow grammar would price the next ones higher)."""
+    clock, model = ManualClock(), Observed()
+    sched = make_scheduler(clock=clock, cost_model=model)
+    sched.add(fake_request("a", prompt_len=20, max_tokens=4))
+    batch = sched.schedule()
+    started = clock()
+    clock.now += 0.05
+    report = sched.update(batch, RunnerOutput({"a": 7}, {}, {}, mask_wait_s=0.01), started_s=started)
+    assert model.taught_s == [pytest.approx(0.04)]
+    assert report is not None and report.duration_s == pytest.approx(0.05)  # the step's wall time, as it was

@@ -41,7 +41,9 @@ from tests.video_fakes import (
     patch_mkv_duration,
     qwen_plan,
     qwen_vl_utils_oracle,
+    remux,
     threads_alive,
+    unstate_mkv_rate,
 )
 
 PROC = ImageProcessorConfig()  # Qwen2/2.5-VL: 14 px patches, 2x2 merge, 2 frames per temporal patch
@@ -211,33 +213,89 @@ def test_resized_frames_have_the_plans_size_and_the_decoder_holds_one_full_frame
     assert be.max_held == 1
 
 
-# (container, codec, bframes): with B-frames (for VP9, hidden alt-ref frames) frames are stored out of display order
+# (container, codec, bframes, variant): with B-frames (for VP9, hidden alt-ref frames) frames are stored out of
+# display order. Variants: "no rate", a Matroska file without DefaultDuration; "no rate or duration", nor Duration;
+# "in matroska", the AVI clip's packets copied into Matroska with their decode-order stamps (as in VfW mode)
 PRESENTATION_CASES = [
-    ("avi", "libx264", 0), ("avi", "libx264", 3), ("avi", "mpeg4", 3),
-    ("mp4", "libx264", 0), ("mp4", "libx264", 3),
-    ("matroska", "libx264", 0), ("matroska", "libx264", 3),
-    ("webm", "libvpx-vp9", 0), ("webm", "libvpx-vp9", 3),
+    ("avi", "libx264", 0, ""), ("avi", "libx264", 3, ""), ("avi", "mpeg4", 3, ""),
+    ("mp4", "libx264", 0, ""), ("mp4", "libx264", 3, ""),
+    ("matroska", "libx264", 0, ""), ("matroska", "libx264", 3, ""),
+    ("webm", "libvpx-vp9", 0, ""), ("webm", "libvpx-vp9", 3, ""),
+    ("matroska", "libx264", 0, "no rate"), ("matroska", "libx264", 3, "no rate"),
+    ("webm", "libvpx-vp9", 0, "no rate"), ("webm", "libvpx-vp9", 3, "no rate"),
+    ("matroska", "libx264", 3, "no rate or duration"), ("webm", "libvpx-vp9", 3, "no rate or duration"),
+    ("avi", "libx264", 3, "in matroska"),
 ]
 
 
-def assert_frames_shown_at_their_times(data: bytes, limits: VideoConfig) -> None:
+def assert_frames_shown_at_their_times(data: bytes, limits: VideoConfig, num_sampled: int) -> None:
     """Each sampled frame is the frame a front-to-back decode of the same file shows at the sampled place, and its
-    time is that place over the frame rate; the plan counts the frames that decode shows."""
+    time is the one the plan gives the model (place over the clip's frame rate); the plan counts the frames that
+    decode shows and samples ``num_sampled`` of them."""
     ref = reference_frames(data)
     loaded = load_video(data, limits, PROC, resize=False)
     assert loaded.index.num_frames == len(ref)
+    assert loaded.plan.num_frames == num_sampled
     wrong = [i for k, i in enumerate(loaded.plan.frame_indices) if not np.array_equal(loaded.video.frames[k], ref[i])]
     assert wrong == [], f"{len(wrong)} of {loaded.plan.num_frames} sampled frames are not the frame shown there"
-    # (Matroska stamps in milliseconds)
-    assert loaded.video.pts_s == pytest.approx([i / loaded.header.fps for i in loaded.plan.frame_indices], abs=1e-3)
+    assert loaded.video.pts_s == pytest.approx(loaded.plan.timestamps_s, abs=1e-3)  # (Matroska stamps in ms)
 
 
-@pytest.mark.parametrize(("container", "codec", "bframes"), PRESENTATION_CASES,
-                         ids=[f"{c}-{k}-b{b}" for c, k, b in PRESENTATION_CASES])
-def test_each_sampled_frame_is_the_one_shown_at_its_time(container: str, codec: str, bframes: int) -> None:
+@pytest.mark.parametrize(("container", "codec", "bframes", "variant"), PRESENTATION_CASES,
+                         ids=[f"{c}-{k}-b{b}{'-' + v.replace(' ', '-') if v else ''}"
+                              for c, k, b, v in PRESENTATION_CASES])
+def test_each_sampled_frame_is_the_one_shown_at_its_time(container: str, codec: str, bframes: int,
+                                                          variant: str) -> None:
     data = make_clip(3, 64, 48, fps=30, gop=12, container=container, codec=codec, bframes=bframes)
-    for fps in (2.0, 10.0):  # 6 and 30 of the 90 frames
-        assert_frames_shown_at_their_times(data, VideoConfig(video_fps=fps))
+    if variant == "in matroska":
+        data = remux(data, "matroska")
+    elif variant:
+        data = unstate_mkv_rate(data, duration_too=variant == "no rate or duration")
+    for fps, num_sampled in ((2.0, 6), (10.0, 30)):  # of the 90 frames, 3 s at 30 fps
+        assert_frames_shown_at_their_times(data, VideoConfig(video_fps=fps), num_sampled)
+
+
+def test_a_matroska_file_stating_no_frame_rate_is_measured_from_its_packets() -> None:
+    """Without DefaultDuration the one-packet probe reads no rate (FFmpeg's guess from one packet would be 60 fps
+    for this 30 fps H.264 clip, 1000 for VP9); the packets' stamps give it, and the header's estimates are not
+    checked as if the container declared them: only its stated duration is, and the packets' count."""
+    for codec in ("libx264", "libvpx-vp9"):
+        data = unstate_mkv_rate(make_clip(3, 64, 48, fps=30, container="matroska", codec=codec))
+        header = probe_video(data, VideoConfig())
+        assert (header.fps, header.num_frames, header.frames_declared, header.duration_s) == (None, None, False, 3.0)
+        loaded = load_video(data, VideoConfig(max_video_source_frames=90), PROC)
+        assert loaded.index.fps == pytest.approx(30, rel=1e-3)  # 89 intervals over 2.967 s (stamps in ms)
+        assert loaded.plan.frame_indices == (0, 18, 36, 53, 71, 89)
+        err, be = _refused(data, VideoConfig(max_video_source_frames=89))
+        assert str(err) == "video holds more than 89 frames (its header declares no frame count); the limit is 89"
+        assert be.frames_decoded == 0
+        err, be = _refused(data, VideoConfig(video_max_seconds=2.5))
+        assert str(err) == "video declares 3.0 s; the limit is 2.5 s" and be.packets_demuxed == 0
+
+
+def test_an_avi_without_b_frames_is_decoded_by_seeking_to_the_key_frames() -> None:
+    """AVI stamps packets in file order, which is also the shown order where the decoder reorders nothing: the
+    decode seeks to the key frame before each sampled frame, as for the MP4 clip (33 of 90 frames decoded)."""
+    data = make_clip(3, 64, 48, fps=30, gop=10, container="avi", codec="libx264", bframes=0)
+    be = PyAVBackend()
+    loaded = load_video(data, VideoConfig(), PROC, backend=be, resize=False)
+    ref = reference_frames(data)
+    assert loaded.plan.frame_indices == (0, 18, 36, 53, 71, 89)
+    assert all(np.array_equal(loaded.video.frames[k], ref[i]) for k, i in enumerate(loaded.plan.frame_indices))
+    assert be.frames_decoded == 1 + 9 + 7 + 4 + 2 + 10 == 33
+    assert be.seeks == 6
+
+
+def test_frames_placed_by_count_must_number_the_packets() -> None:
+    """An AVI with B-frames is decoded front to back and its frames placed by their count (its stamps are decode
+    order). Cut one packet after a key frame, its first GOP cannot be decoded: the decoder gives 78 frames for 89
+    packets, so the count cannot place them, and the video is refused saying so."""
+    data = remux(make_clip(3, 64, 48, fps=30, gop=12, container="avi", codec="libx264", bframes=3), "avi",
+                 skip_packets=1)
+    err, be = _refused(data)
+    assert (err.code, str(err)) == (
+        "invalid_video", "video's decoder gave 78 frames for its 89 packets; its frames carry no presentation times "
+        "to place them by")
 
 
 @pytest.mark.parametrize("bframes", [0, 3])
@@ -250,8 +308,8 @@ def test_an_mp4_cut_without_reencoding_is_planned_over_the_frames_it_shows(bfram
     assert (loaded.header.num_frames, loaded.index.num_frames) == (70, 21)  # the header counts the hidden frames
     assert loaded.plan.frame_indices == (0, 7, 13, 20) and loaded.plan.timestamps_s[-1] == pytest.approx(2.0)
     assert be.frames_converted == 4
-    for fps in (2.0, 10.0):
-        assert_frames_shown_at_their_times(data, VideoConfig(video_fps=fps))
+    for fps, num_sampled in ((2.0, 4), (10.0, 20)):  # 21 frames, 2.0 s
+        assert_frames_shown_at_their_times(data, VideoConfig(video_fps=fps), num_sampled)
 
 
 @pytest.mark.parametrize(("container", "codec", "name"), [
@@ -288,7 +346,7 @@ def test_a_passed_deadline_is_a_timeout_not_a_decode(clip: bytes) -> None:
         read_video(clip, limits, be, deadline=time.monotonic() - 1)
     assert err.value.code == "video_timeout"
     header, index = read_video(clip, limits, be)
-    plan = plan_video(index.num_frames, header.fps, header.width, header.height, limits, PROC)
+    plan = plan_video(index.num_frames, index.fps, header.width, header.height, limits, PROC)
     with pytest.raises(VideoInputError, match="longer than") as err:
         decode_video(clip, header, index, plan, limits, be, deadline=time.monotonic() - 1)
     assert be.frames_decoded == 1 and be.frames_converted == 0
@@ -378,12 +436,25 @@ print(json.dumps(out))
 """
 
 
+def _peak_rss_resettable() -> bool:
+    """Whether this process may write /proc/self/clear_refs (as the child below does; a sandbox may refuse it).
+    Writing "5" resets only this process's peak RSS, which no test reads in-process."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        return False
+    return True
+
+
 def test_many_large_one_frame_streams_cost_no_decoding_before_their_400(tmp_path) -> None:
-    """64 streams of one 4096x2160 frame each in a ~2.6 MB Matroska file: FFmpeg's probe decoded a frame of every
-    stream when the container was opened, before any check of ours (~1.4 GB of RSS and ~4.4 CPU seconds here, more
-    with two preprocessing threads at once). Now it is refused from its structure before FFmpeg opens it; and at
+    """64 streams of one 4096x2160 frame each in a ~2.6 MB Matroska file: FFmpeg's probe, unbounded, decodes a frame
+    of every stream when the container is opened, before any check of ours (the cost it had:
+    docs/runs/notes/2026-12-07-video-streams.md). It is refused from its structure before FFmpeg opens it; and at
     the default limit of 16 streams, the one open reads one packet and decodes none: the 400 names the one frame.
     Bounds, generous: RSS rises under 200 MB, under 2 CPU seconds each (measured in a fresh process)."""
+    if not _peak_rss_resettable():
+        pytest.skip("/proc/self/clear_refs is not writable here (a sandbox): the child cannot reset its peak RSS")
     frame = make_clip(0.1, 4096, 2160, fps=10, container="matroska")  # one frame
     paths = []
     for n in (16, 64):  # the one FFmpeg opens first: the allocator may keep what it frees for the next
