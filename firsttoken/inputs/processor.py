@@ -37,6 +37,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from firsttoken.config import GenerationDefaults, ImageConfig, VideoConfig
 from firsttoken.inputs.budget import BudgetError, ImagePlan, image_budget, plan_image
+from firsttoken.inputs.chat_template import ChatTemplate
 from firsttoken.inputs.image import (
     ImageInputError,
     ProcessedImage,
@@ -232,6 +233,7 @@ class InputProcessor:
         if max_model_len < 2:
             raise ValueError("max_model_len must be >= 2")
         self.tokenizer = tokenizer
+        self.chat_template = ChatTemplate(tokenizer)
         self.model_config = model_config
         self.family = family_named(model_config.family)
         self.generation_defaults = generation_defaults
@@ -392,15 +394,8 @@ class InputProcessor:
         plans = self._plan_images(blobs, budgets, params)
         videos = tuple(self._plan_video(part, param) for param, part in video_parts)
         messages, tools = self._with_tools(prompt)
-        try:
-            template_ids = self.tokenizer.apply_chat_template(
-                messages,
-                tools=tools,
-                tokenize=True,
-                add_generation_prompt=prompt.add_generation_prompt,
-                sanitize_control_tokens=True,  # client text can't forge control tokens, image slots included
-                return_dict=False,
-            )
+        try:  # client text can't forge control tokens, image slots included
+            template_ids = self.chat_template.encode(messages, tools, prompt.add_generation_prompt)
         except (TemplateError, ValueError) as err:  # the template refuses this conversation (its own words)
             raise InputError(f"the chat template cannot render these messages: {quote(str(err))}", "messages") from None
         degradable = tuple(part.detail is None and part.max_visual_tokens is None for _, part in image_parts)

@@ -133,14 +133,16 @@ def transformers_answer(model_dir: Path, prompt_ids: list[int], images: list[Ima
                         ) -> tuple[str, int]:
     """(decoded text, number of tokens) that transformers' generate answers: the checkpoint's family's reference
     class (its recipe's), its image processor as the checkpoint configures it, greedy with the sampling settings of
-    generation_config.json (repetition_penalty among them), as the server applies them."""
+    generation_config.json (repetition_penalty among them), as the server applies them. The processor is its PIL
+    backend, the pixels the server computes bit for bit; the torchvision backend, transformers' default where
+    torchvision is installed (the GPU machine), resizes differently."""
     import torch
     from transformers import AutoImageProcessor, AutoTokenizer
 
     from firsttoken.models.registry import family_of
 
     model = family_of(model_dir).checkpoint.hf_model_class().from_pretrained(model_dir, dtype=torch.float32).eval()
-    pixels = AutoImageProcessor.from_pretrained(model_dir)(images=images, return_tensors="pt")
+    pixels = AutoImageProcessor.from_pretrained(model_dir, backend="pil")(images=images, return_tensors="pt")
     input_ids = torch.tensor([prompt_ids])
     with torch.inference_mode():
         out = model.generate(input_ids=input_ids, pixel_values=pixels["pixel_values"],

@@ -44,10 +44,10 @@ def reference_pixels(model_dir: Path, images: list[Image.Image], max_pixels: int
     its longest_edge (max pixels) replaced when given."""
     from transformers import AutoImageProcessor
 
-    processor = AutoImageProcessor.from_pretrained(model_dir)
+    processor = AutoImageProcessor.from_pretrained(model_dir, backend="pil")
     if max_pixels is not None:
         processor = AutoImageProcessor.from_pretrained(
-            model_dir, size={"shortest_edge": processor.size.shortest_edge, "longest_edge": max_pixels})
+            model_dir, backend="pil", size={"shortest_edge": processor.size.shortest_edge, "longest_edge": max_pixels})
     return processor(images=images, return_tensors="pt")
 
 

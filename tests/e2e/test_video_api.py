@@ -74,7 +74,8 @@ def transformers_video_answer(model_dir: Path, prompt_ids: list[int], video: byt
     if "qwen2_5" in type(model).__module__:
         kwargs["second_per_grid_ts"] = torch.tensor([loaded.plan.seconds_per_grid])
     if images:
-        image_inputs = AutoImageProcessor.from_pretrained(model_dir)(images=list(images), return_tensors="pt")
+        image_inputs = AutoImageProcessor.from_pretrained(model_dir, backend="pil")(images=list(images),
+                                                                                   return_tensors="pt")
         kwargs.update(pixel_values=image_inputs["pixel_values"], image_grid_thw=image_inputs["image_grid_thw"])
     types = (ids == config.image_token_id).long() + 2 * (ids == config.video_token_id).long()
     with torch.inference_mode():

@@ -182,6 +182,16 @@ def image_rows(seq: Seq, a: int, b: int, base: int, image_token_id: int) -> list
     return out
 
 
+def tower_outputs(features) -> list[torch.Tensor]:
+    """transformers' vision-tower output (``get_image_features`` / ``get_video_features``) as [merged tokens, *each
+    DeepStack feature], each over every image back to back: transformers 5.24 splits each DeepStack feature per
+    image, 5.17 (the GPU machine's) gives it whole."""
+    def whole(x) -> torch.Tensor:
+        return x if isinstance(x, torch.Tensor) else torch.cat(x)
+
+    return [whole(features.pooler_output), *(whole(d) for d in getattr(features, "deepstack_features", None) or ())]
+
+
 def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     return (a - b).abs().max().item()
 

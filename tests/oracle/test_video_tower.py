@@ -23,6 +23,7 @@ from firsttoken.loading.loader import load_model
 from firsttoken.models.family import ModelFamily
 from firsttoken.models.interfaces import ImageEmbeddings
 from firsttoken.models.registry import load_model_config
+from tests.oracle.parity import tower_outputs
 
 VISION_TOL = 1e-5  # max |Δ| of the tower's outputs, fp32, as test_family_parity.py's
 Grid = tuple[int, int, int]
@@ -69,9 +70,7 @@ def outputs(out: ImageEmbeddings) -> list[torch.Tensor]:
 
 def reference(ref, pixel_values: torch.Tensor, grids: list[Grid]) -> list[torch.Tensor]:
     """transformers' tower over the whole videos: [merged tokens of every video back to back, hidden] per tensor."""
-    got = ref.model.get_video_features(pixel_values, torch.tensor(grids))
-    deepstack = getattr(got, "deepstack_features", None) or ()
-    return [torch.cat(got.pooler_output), *(torch.cat(d) for d in deepstack)]
+    return tower_outputs(ref.model.get_video_features(pixel_values, torch.tensor(grids)))
 
 
 def cat(parts: list[ImageEmbeddings]) -> list[torch.Tensor]:
