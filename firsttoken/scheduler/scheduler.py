@@ -8,8 +8,9 @@ Tokens, not phases: a request is ``num_computed_tokens`` chasing ``num_tokens``.
      what is left, in its order (deadline or least-work), its vision work a few units per step (encoder_plan.py),
      and runs anyway after ``long_max_wait_steps`` steps held back (aging). ``FcfsLanes``, the seed's starting
      point: one FIFO queue, whole-prompt prefills, whole-image encodes.
-How long a step may be is pacing.py's (time-bounded steps from the fitted cost model, throughput steps for a lone
-request, token budgets when the bound is off); what may queue and when its first token is due is admission.py's.
+How long a step may be is pacing.py's (time-bounded steps from the fitted cost model, throughput steps while only
+the long lane has prefill work, token budgets when the bound is off); what may queue and when its first token is due
+is admission.py's.
 
 How many blocks a request needs to start, and whose a growth may take, is kv_admission.py's; when a growth runs the
 pool dry, that victim is preempted by recompute, never swapped, and counted with its cause. No tensors: ints, lists.
@@ -117,7 +118,7 @@ class Scheduler:
     # ---- one step -------------------------------------------------------------------------------------------
     def schedule(self) -> ScheduledBatch:
         decoding = [r for r in self.running if r.is_decoding]
-        budget, throughput = self.pacing.step_budget(decoding, alone=len(self.requests) == 1)
+        budget, throughput = self.pacing.step_budget(decoding, long_only=self._long_lane_only())
         step = StepDraft(throughput=throughput)
         for req in decoding:
             if req.status == RequestStatus.RUNNING and budget.remaining > 0:
@@ -180,6 +181,12 @@ class Scheduler:
         self.encoder.release_passed(req, end)
 
     # ---- lanes: what a lane policy serves a step through (lanes.LaneServer) ---------------------------------
+    def _long_lane_only(self) -> bool:
+        """The long lane has prefill work and the short lane none (pacing.py: the step may be sized for
+        throughput)."""
+        names = self.lanes.names
+        return LONG in names and SHORT in names and self.has_prefill_work(LONG) and not self.has_prefill_work(SHORT)
+
     def has_prefill_work(self, lane: str) -> bool:
         return bool(self.waiting.queues[lane]) or any(r.lane == lane and not r.is_decoding for r in self.running)
 
