@@ -8,7 +8,8 @@ One policy, chosen once from the config:
   decode so that each one's next token keeps ``--itl-target``'s pace. Under ``auto`` a step gets sized for
   *throughput* instead whenever the long lane has prefill work and the short lane has none (nobody waits for a
   first token that the bound protects; decodes ride along, unless ``--itl-target`` paces them): the long lane's
-  images encoded whole (a short arrival cuts that work between units) and its prefill chunk sized by
+  images encoded whole (a short arrival cuts that work between units; while answers decode, only the bound's worth
+  of it per step, so a reader waits for no whole image) and its prefill chunk sized by
   ``throughput_chunk_tokens`` (fewer tokens deeper into a prompt: no longer in predicted seconds than that chunk at
   context 0). So the long lane runs at the speed it has alone, and a short arrival waits at most one throughput
   chunk's forward: the next step serves it, bounded again.
@@ -71,7 +72,10 @@ class Pacing:
             # arriving during it waits that long at most, however long the context (attention) has grown
             size = self.throughput_chunk_tokens()
             chunk_s = self.cost_model.work_s(prefill_chunk(size, 0, True))
-            budget = StepBudget(size, cost=self.cost_model, whole_images=True, chunk_s=chunk_s)
+            # an answer being read waits for the step's vision work too: with decodes in it, that work stays within
+            # the bound (the long lane still moves by a unit a step); without, images are encoded whole
+            encoder_s = max(target - float(self.cost_model.coef[0]), 0.0) if decoding else math.inf
+            budget = StepBudget(size, cost=self.cost_model, whole_images=True, chunk_s=chunk_s, encoder_s=encoder_s)
             budget.grant_floor(min(self.block_size, size))  # progress at any context
             return budget, True
         if math.isfinite(target) and decoding:

@@ -283,7 +283,7 @@ class Scheduler:
             step.full |= end == start  # what the step has left fits none of it (wait_reason: step_full)
         window, ready = end - start, True
         for index, im in req.images_in(start, end):
-            whole = whole_prompt or req.lane == SHORT or budget.whole_images
+            whole = whole_prompt or req.lane == SHORT or budget.encodes_whole
             ready = self.encoder.ensure(req, index, im, budget, step, all_units=whole)
             if not ready or (budget.whole_images and im.content_hash in step.finishing_hashes):
                 end = im.offset  # (in a throughput step, before an image encoded in it: that work stays interruptible)
@@ -301,7 +301,8 @@ class Scheduler:
         """In a throughput step, encode (whole, interruptible) the images of prompt range [lo, hi) too: the next step's
         chunk then spans them instead of stopping before each (a video's grids are many small images)."""
         for index, im in req.images_in(lo, hi):
-            if not self.encoder.ensure(req, index, im, budget, step, all_units=True):
+            if budget.encoder_exhausted or not self.encoder.ensure(req, index, im, budget, step,
+                                                                   all_units=budget.encodes_whole):
                 break
 
     def _schedule_tokens(self, req: Request, num_new: int, budget: StepBudget, step: StepDraft) -> None:

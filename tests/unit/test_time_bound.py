@@ -510,6 +510,28 @@ def test_a_request_arriving_mid_way_brings_the_bound_back_for_its_first_token_on
         assert sum(c.num_new_tokens for c in alone_again.chunks) == size > 60
 
 
+def test_while_an_answer_decodes_a_throughput_step_holds_only_the_bounds_worth_of_vision_work():
+    # a reader's next token waits for the step's vision work: with a decode in the step, the long lane's units are
+    # held to the step-time bound (at least one a step: progress); with nobody decoding, images are encoded whole
+    sched = scheduler(step_time_target="auto", max_batched_tokens=1024)
+    sched.add(fake_request("chat", prompt_len=60, max_tokens=400))
+    run_step(sched)  # its prompt: from now on it decodes
+    sched.add(fake_request("photos", prompt_len=3000, max_tokens=1, encoder_depth=4, arrival_seq=1,
+                           images=[("a", 100, 50), ("b", 1000, 50), ("c", 2000, 50)]))
+    bound = sched.pacing.step_time_target() - sched.cost_model.coef[0]
+    photos = sched.requests["photos"]
+    vision_steps = 0
+    while photos.num_computed_tokens < photos.num_prompt_tokens:
+        batch = run_step(sched)
+        assert sched.last_step.throughput and any(c.request_id == "chat" for c in batch.chunks)
+        priced = [sched.cost_model.work_s(encoder_units(u.num_patches, u.attention_pairs))
+                  for w in batch.encoder_work
+                  for u in photos.images[w.image_index].encoder_units[w.start_unit:w.start_unit + w.num_units]]
+        vision_steps += bool(priced)
+        assert sum(priced) <= bound + 1e-9 or len(priced) == 1
+    assert vision_steps >= 6  # 12 units of 50 ms under a 60 ms bound: spread over steps, not encoded whole
+
+
 def test_deep_into_a_lone_prompt_a_throughput_chunk_is_no_longer_than_the_first():
     # attention makes a chunk at context c cost more than at 0: a throughput step's forward (which a short request
     # arriving during it must wait for) is held to the throughput chunk's price at context 0, so deeper chunks are
