@@ -49,6 +49,7 @@ from firsttoken.tools.bench.runner import measure_calibration  # noqa: E402
 
 CLASSES = ("text", "1img", "3img")  # the classes of --mix (main sets them; the seed's by default)
 SEED_MIX = "text=0.5,1img=0.3,3img=0.2"
+SEED_MIX_ARG = [SEED_MIX]  # the run's --mix (main sets it)
 WORDS_FOR_800_TOKENS = 512  # bench's English words -> ~800 tokens of the checkpoint's tokenizer (see bench_lanes)
 LOADED = {"fcfs": ["--scheduling", "fcfs"], "lanes-tokens": ["--step-time-target", "off"], "default": [],
           "no-bias": ["--ttft-bias-step", "0"],  # no-bias: the predicted TTFT without its learnt correction
@@ -203,7 +204,18 @@ def print_load(title: str, results: dict, unloaded: dict) -> None:
                   f"(arrival span {s['arrival_span_s']:.0f} s)")
 
 
-def targets_loaded(results: dict, unloaded: dict) -> list[str]:
+def text_lane_price(cal: dict, utilization: float) -> float:
+    """1 / (1 - U x text's share of the work): how much giving text priority stretches an image request's sojourn
+    in a work-conserving scheduler, from the unloaded service times measured in the run."""
+    mix = dict(parse_mix(SEED_MIX_ARG[0]))
+    work = {cls: mix.get(cls, 0.0) * cal["service_s"][cls] for cls in cal["service_s"]}
+    share = work.get("text", 0.0) / sum(work.values())
+    return 1.0 / (1.0 - utilization * share)
+
+
+def targets_loaded(results: dict, unloaded: dict, price: float | None = None) -> list[str]:
+    """The loaded targets: text P99 within 2.5x unloaded; each image class's P99 within 1.05x fcfs's, and with
+    ``price`` (the text lane's, issue 52) its P50 and P99 within 1.05 x fcfs x price."""
     d, f = results["default"]["summary"], results["fcfs"]["summary"]
     lines = []
     text = d["text"]["p99"] / unloaded["text"]
@@ -215,6 +227,12 @@ def targets_loaded(results: dict, unloaded: dict) -> list[str]:
         ratio = d[cls]["p99"] / f[cls]["p99"]
         was = f"; lanes-tokens {old[cls]['p99'] / f[cls]['p99']:.2f}x" if old else ""
         lines.append(f"{cls} P99 default / fcfs = {ratio:.2f}x (target <= 1.05x: {verdict(ratio <= 1.05)}{was})")
+        if price is not None:
+            for q in ("p50", "p99"):
+                r = d[cls][q] / f[cls][q]
+                lines.append(f"{cls} {q.upper()} default / fcfs = {r:.2f}x (n={d[cls]['n']}/{f[cls]['n']}; target <= "
+                             f"1.05 x the text lane's price {price:.3f} = {1.05 * price:.2f}x: "
+                             f"{verdict(r <= 1.05 * price)})")
     for cls in CLASSES:
         c = d[cls]
         if c["prediction_n"]:
@@ -303,12 +321,16 @@ def main() -> None:
                     help="another checkout (a git worktree of an earlier commit): each loaded configuration also runs "
                          "on its server, right after ours on the same arrivals, as before:NAME, with the targets "
                          "read for it too (a refactor's before/after)")
+    ap.add_argument("--before-configs", default=None,
+                    help="which loaded configurations also run on --before (default: all of --configs; e.g. "
+                         "'default' when the change cannot touch fcfs)")
     ap.add_argument("--overload-config", action="append", default=[], metavar="NAME=FLAGS",
                     help="another configuration of the overload run, with --ttft-slo as `slo` has it, e.g. "
                          "'margin0=--ttft-slo-wait-margin 0' (repeatable; compared with `slo` on the same arrivals)")
     args = ap.parse_args()
     global CLASSES
     CLASSES = tuple(name for name, _ in parse_mix(args.mix))
+    SEED_MIX_ARG[0] = args.mix
     for item in args.config:
         name, _, flags = item.partition("=")
         LOADED[name] = shlex.split(flags)
@@ -330,18 +352,20 @@ def main() -> None:
         for name in args.configs.split(","):
             results[name] = run(model, LOADED[name], rate, args)
             results[name]["summary"] = summarize(results[name], None, image_max)
-            if args.before is not None:
+            if args.before is not None and name in (args.before_configs or args.configs).split(","):
                 with checkout(args.before.resolve()):
                     results[f"before:{name}"] = run(model, LOADED[name], rate, args)
                 results[f"before:{name}"]["summary"] = summarize(results[f"before:{name}"], None, image_max)
         out[f"U={u:g}"] = results
         title = f"U={u:g}: Poisson {rate:.4f}/s, {args.num_requests} requests"
         print_load(title, results, unloaded)
+        price = text_lane_price(cal, u)
+        out.setdefault("text_lane_price", {})[f"U={u:g}"] = price
         if {"fcfs", "default"} <= set(results):
-            lines += [f"U={u:g}: {x}" for x in targets_loaded(results, unloaded)]
-        if {"before:fcfs", "before:default"} <= set(results):
-            before = {"fcfs": results["before:fcfs"], "default": results["before:default"]}
-            lines += [f"U={u:g} before: {x}" for x in targets_loaded(before, unloaded)]
+            lines += [f"U={u:g}: {x}" for x in targets_loaded(results, unloaded, price)]
+        if "before:default" in results and {"before:fcfs", "fcfs"} & set(results):
+            before = {"fcfs": results.get("before:fcfs", results.get("fcfs")), "default": results["before:default"]}
+            lines += [f"U={u:g} before: {x}" for x in targets_loaded(before, unloaded, price)]
         if args.json:  # before plotting: the raw records are what matters
             Path(args.json).write_text(json.dumps(out, indent=1))
         if args.plot_dir:

@@ -228,8 +228,10 @@ class SchedulerConfig:
     step_time_target: str = field(default="auto", metadata=option(
         "seconds one engine step may take, predicted by the step-cost model fitted online from the engine's own "
         "step timings; the long lane fills each step up to it (work-conserving), so a short request arriving "
-        "mid-step waits at most one such step. auto: the predicted time of one typical short prompt's prefill; "
-        "off: token budgets only (--long-step-tokens, steps yielded to short prefills)"))
+        "mid-step waits at most one such step. auto: the predicted time of one typical short prompt's prefill, "
+        "and while the long lane alone has prompts to prefill (no short prompt waits; decodes ride along unless "
+        "--itl-target paces them) throughput-sized steps instead: images encoded whole, chunks of about one short "
+        "prompt's size; off: token budgets only (--long-step-tokens, steps yielded to short prefills)"))
     itl_target: str = field(default="off", metadata=option(
         "with a step-time bound: seconds per token each streaming answer should average, counted from its first "
         "decode step. A step that carries decodes is bounded so that each one's next token is on time by that pace "
@@ -237,7 +239,7 @@ class SchedulerConfig:
         "one behind gets steps of at least 4 per-step constants until it catches up); a short request's own prefill "
         "is still granted whole. Costs image prompts throughput (more steps, each with its fixed cost: "
         "docs/scheduling.md). auto: 0.2 s (5 tokens/s), at least 4x the per-step constant the step-cost model "
-        "measured; off: decodes take whole --step-time-target steps"))
+        "measured; off: decodes take whole --step-time-target steps, and throughput steps"))
     encoder_interrupt: bool = field(default=True, metadata=option(
         "do not stop the long lane's vision-tower work for a short request (by default a short request that arrives "
         "while a step runs image encoder units stops that step at the next unit; its prefill runs next step and the "

@@ -23,12 +23,16 @@ from firsttoken.types import EncoderUnit
 
 class StepBudget:
     def __init__(self, num_tokens: int, seconds: float = math.inf, cost: CostModel | None = None,
-                 whole_images: bool = False, target_s: float = math.inf, chunk_s: float = math.inf) -> None:
-        """``whole_images``: encoder units are neither limited nor charged (a throughput step: images are encoded
-        whole, and the token budget is the prefill chunk's alone). ``target_s``: the step's bound, its per-step
-        constant included (``seconds`` is what is left of it for work); shares are of it. ``chunk_s``: predicted
-        seconds prefill chunks may take (priced whenever a fitted cost model prices grants)."""
+                 whole_images: bool = False, target_s: float = math.inf, chunk_s: float = math.inf,
+                 encoder_s: float = math.inf) -> None:
+        """``whole_images``: a throughput step: encoder units are not charged to the token budget (which is the
+        prefill chunk's alone) and, unless ``encoder_s`` is finite, not limited either (images are encoded whole);
+        ``encoder_s``: predicted seconds of encoder units the step may hold then (a decoding answer waits for the
+        step's vision work). ``target_s``: the step's bound, its per-step constant included (``seconds`` is what is
+        left of it for work); shares are of it. ``chunk_s``: predicted seconds prefill chunks may take (priced
+        whenever a fitted cost model prices grants)."""
         self.whole_images = whole_images
+        self.encoder_seconds = encoder_s  # predicted seconds encoder units may still take (a throughput step)
         self.target_s = target_s
         self.total = num_tokens
         self.remaining = num_tokens  # tokens
@@ -49,6 +53,16 @@ class StepBudget:
     @property
     def exhausted(self) -> bool:
         return self.remaining <= 0 or self.seconds <= 0
+
+    @property
+    def encodes_whole(self) -> bool:
+        """A throughput step whose images are encoded whole, however long that takes."""
+        return self.whole_images and math.isinf(self.encoder_seconds)
+
+    @property
+    def encoder_exhausted(self) -> bool:
+        """A throughput step's vision work has used its seconds."""
+        return self.whole_images and self.encoder_seconds <= 0
 
     @property
     def bounded(self) -> bool:
@@ -99,7 +113,14 @@ class StepBudget:
     def units(self, units: Sequence[EncoderUnit]) -> int:
         """How many of the leading encoder units fit: by predicted time when time-bounded (the vision tower does not
         use the forward's token budget), else by their token-equivalent cost."""
+        if self.encodes_whole:
+            return len(units)
         if self.whole_images:
+            seconds = self.encoder_seconds
+            for i, u in enumerate(units):
+                seconds -= self.price(encoder_units(u.num_patches, u.attention_pairs))
+                if seconds < 0:
+                    return i
             return len(units)
         tokens, seconds = self.remaining, self.seconds
         for i, u in enumerate(units):
@@ -119,7 +140,10 @@ class StepBudget:
     def take_units(self, units: Sequence[EncoderUnit]) -> None:
         charged = self.cost is None and not self.whole_images  # token budgets price the vision tower in tokens
         for u in units:
+            before = self.spent_s
             self._take(encoder_units(u.num_patches, u.attention_pairs), u.cost_tokens if charged else 0)
+            if self.whole_images:
+                self.encoder_seconds -= self.spent_s - before
 
     def _take(self, features: StepFeatures, tokens: int) -> None:
         seconds = self.price(features)

@@ -5,10 +5,14 @@ One policy, chosen once from the config:
   off``: no time bound (token budgets only);
 - otherwise steps are bounded by ``step_time_target()`` (auto: the predicted prefill of a typical short prompt, the
   P90 of the recent ones, at least twice the per-step constant; or the seconds given), lowered while requests
-  decode so that each one's next token keeps ``--itl-target``'s pace. Under ``auto`` a lone request (nobody
-  decoding, nobody else waiting or running) gets a *throughput* step instead: its images encoded whole and the
-  prefill chunk sized by ``throughput_chunk_tokens`` (fewer tokens deeper into a prompt: no longer in predicted
-  seconds than that chunk at context 0); the next step after anyone arrives is bounded again.
+  decode so that each one's next token keeps ``--itl-target``'s pace. Under ``auto`` a step gets sized for
+  *throughput* instead whenever the long lane has prefill work and the short lane has none (nobody waits for a
+  first token that the bound protects; decodes ride along, unless ``--itl-target`` paces them): the long lane's
+  images encoded whole (a short arrival cuts that work between units; while answers decode, only the bound's worth
+  of it per step, so a reader waits for no whole image) and its prefill chunk sized by
+  ``throughput_chunk_tokens`` (fewer tokens deeper into a prompt: no longer in predicted seconds than that chunk at
+  context 0). So the long lane runs at the speed it has alone, and a short arrival waits at most one throughput
+  chunk's forward: the next step serves it, bounded again.
 
 Until the cost model is trained, and while the engine calibrates it, steps are budgeted in tokens only.
 """
@@ -58,16 +62,20 @@ class Pacing:
         """Its token schedule restarts (preempted by recompute) or ends (finished)."""
         self._pace.pop(request_id, None)
 
-    def step_budget(self, decoding: Sequence[Request], alone: bool) -> tuple[StepBudget, bool]:
+    def step_budget(self, decoding: Sequence[Request], long_only: bool) -> tuple[StepBudget, bool]:
         """(this step's budget, whether it is a throughput step). ``decoding``: the requests that will get their
-        token in it; ``alone``: one live request in all."""
+        token in it; ``long_only``: the long lane has prefill work and the short lane none."""
         target = self.step_time_target()
-        if math.isfinite(target) and alone and not decoding and self.throughput_steps:
+        paced = self.paced and bool(decoding)  # streaming answers keep --itl-target's pace: bounded steps
+        if math.isfinite(target) and long_only and not paced and self.throughput_steps:
             # the chunk's forward is priced no longer than the throughput chunk's at a prompt's start: a short request
             # arriving during it waits that long at most, however long the context (attention) has grown
             size = self.throughput_chunk_tokens()
             chunk_s = self.cost_model.work_s(prefill_chunk(size, 0, True))
-            budget = StepBudget(size, cost=self.cost_model, whole_images=True, chunk_s=chunk_s)
+            # an answer being read waits for the step's vision work too: with decodes in it, that work stays within
+            # the bound (the long lane still moves by a unit a step); without, images are encoded whole
+            encoder_s = max(target - float(self.cost_model.coef[0]), 0.0) if decoding else math.inf
+            budget = StepBudget(size, cost=self.cost_model, whole_images=True, chunk_s=chunk_s, encoder_s=encoder_s)
             budget.grant_floor(min(self.block_size, size))  # progress at any context
             return budget, True
         if math.isfinite(target) and decoding:

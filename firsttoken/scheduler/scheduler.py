@@ -8,8 +8,9 @@ Tokens, not phases: a request is ``num_computed_tokens`` chasing ``num_tokens``.
      what is left, in its order (deadline or least-work), its vision work a few units per step (encoder_plan.py),
      and runs anyway after ``long_max_wait_steps`` steps held back (aging). ``FcfsLanes``, the seed's starting
      point: one FIFO queue, whole-prompt prefills, whole-image encodes.
-How long a step may be is pacing.py's (time-bounded steps from the fitted cost model, throughput steps for a lone
-request, token budgets when the bound is off); what may queue and when its first token is due is admission.py's.
+How long a step may be is pacing.py's (time-bounded steps from the fitted cost model, throughput steps while only
+the long lane has prefill work, token budgets when the bound is off); what may queue and when its first token is due
+is admission.py's.
 
 How many blocks a request needs to start, and whose a growth may take, is kv_admission.py's; when a growth runs the
 pool dry, that victim is preempted by recompute, never swapped, and counted with its cause. No tensors: ints, lists.
@@ -117,7 +118,7 @@ class Scheduler:
     # ---- one step -------------------------------------------------------------------------------------------
     def schedule(self) -> ScheduledBatch:
         decoding = [r for r in self.running if r.is_decoding]
-        budget, throughput = self.pacing.step_budget(decoding, alone=len(self.requests) == 1)
+        budget, throughput = self.pacing.step_budget(decoding, long_only=self._long_lane_only())
         step = StepDraft(throughput=throughput)
         for req in decoding:
             if req.status == RequestStatus.RUNNING and budget.remaining > 0:
@@ -180,6 +181,12 @@ class Scheduler:
         self.encoder.release_passed(req, end)
 
     # ---- lanes: what a lane policy serves a step through (lanes.LaneServer) ---------------------------------
+    def _long_lane_only(self) -> bool:
+        """The long lane has prefill work and the short lane none (pacing.py: the step may be sized for
+        throughput)."""
+        names = self.lanes.names
+        return LONG in names and SHORT in names and self.has_prefill_work(LONG) and not self.has_prefill_work(SHORT)
+
     def has_prefill_work(self, lane: str) -> bool:
         return bool(self.waiting.queues[lane]) or any(r.lane == lane and not r.is_decoding for r in self.running)
 
@@ -276,7 +283,7 @@ class Scheduler:
             step.full |= end == start  # what the step has left fits none of it (wait_reason: step_full)
         window, ready = end - start, True
         for index, im in req.images_in(start, end):
-            whole = whole_prompt or req.lane == SHORT or budget.whole_images
+            whole = whole_prompt or req.lane == SHORT or budget.encodes_whole
             ready = self.encoder.ensure(req, index, im, budget, step, all_units=whole)
             if not ready or (budget.whole_images and im.content_hash in step.finishing_hashes):
                 end = im.offset  # (in a throughput step, before an image encoded in it: that work stays interruptible)
@@ -294,7 +301,8 @@ class Scheduler:
         """In a throughput step, encode (whole, interruptible) the images of prompt range [lo, hi) too: the next step's
         chunk then spans them instead of stopping before each (a video's grids are many small images)."""
         for index, im in req.images_in(lo, hi):
-            if not self.encoder.ensure(req, index, im, budget, step, all_units=True):
+            if budget.encoder_exhausted or not self.encoder.ensure(req, index, im, budget, step,
+                                                                   all_units=budget.encodes_whole):
                 break
 
     def _schedule_tokens(self, req: Request, num_new: int, budget: StepBudget, step: StepDraft) -> None:

@@ -485,18 +485,51 @@ def test_a_lone_video_is_not_cut_at_every_grid_the_next_chunks_grids_are_encoded
     assert steps <= math.ceil(2600 / size) + 2 < 24
 
 
-def test_a_request_arriving_mid_way_brings_the_bound_back_within_one_step():
+def test_a_request_arriving_mid_way_brings_the_bound_back_for_its_first_token_only():
+    # a short arrival during long-lane-only work is served whole in the very next step, bounded; once it decodes,
+    # the short lane has no prefill work and the long lane's steps are throughput-sized again, its decodes riding
+    # along. With --itl-target its answer's pace bounds the steps while it decodes
+    for itl in ("off", "auto"):
+        sched = scheduler(step_time_target="auto", max_batched_tokens=1024, itl_target=itl)
+        size = sched.pacing.throughput_chunk_tokens()
+        sched.add(fake_request("doc", prompt_len=4000, max_tokens=1))
+        first = run_step(sched)
+        assert sum(c.num_new_tokens for c in first.chunks) == size  # long lane only: the throughput chunk
+        sched.add(fake_request("chat", prompt_len=60, max_tokens=3, arrival_seq=1))
+        target = sched.pacing.step_time_target()
+        second = run_step(sched)
+        assert [(c.request_id, c.num_new_tokens) for c in second.chunks if c.request_id == "chat"] == [("chat", 60)]
+        assert predicted(sched, second) <= target + 1e-9 and not sched.last_step.throughput
+        while "chat" in sched.requests:
+            batch = run_step(sched)
+            assert any(c.request_id == "chat" and c.is_decode for c in batch.chunks)
+            assert sched.last_step.throughput == (itl == "off")
+            if itl == "auto":
+                assert predicted(sched, batch) <= max(target, sched.pacing.itl_bound()) + 1e-9
+        alone_again = run_step(sched)
+        assert sum(c.num_new_tokens for c in alone_again.chunks) == size > 60
+
+
+def test_while_an_answer_decodes_a_throughput_step_holds_only_the_bounds_worth_of_vision_work():
+    # a reader's next token waits for the step's vision work: with a decode in the step, the long lane's units are
+    # held to the step-time bound (at least one a step: progress); with nobody decoding, images are encoded whole
     sched = scheduler(step_time_target="auto", max_batched_tokens=1024)
-    sched.add(fake_request("doc", prompt_len=4000, max_tokens=1))
-    first = run_step(sched)
-    assert sum(c.num_new_tokens for c in first.chunks) == 256  # alone: the throughput chunk
-    sched.add(fake_request("chat", prompt_len=60, max_tokens=3, arrival_seq=1))
-    target = sched.pacing.step_time_target()
-    while "chat" in sched.requests:
+    sched.add(fake_request("chat", prompt_len=60, max_tokens=400))
+    run_step(sched)  # its prompt: from now on it decodes
+    sched.add(fake_request("photos", prompt_len=3000, max_tokens=1, encoder_depth=4, arrival_seq=1,
+                           images=[("a", 100, 50), ("b", 1000, 50), ("c", 2000, 50)]))
+    bound = sched.pacing.step_time_target() - sched.cost_model.coef[0]
+    photos = sched.requests["photos"]
+    vision_steps = 0
+    while photos.num_computed_tokens < photos.num_prompt_tokens:
         batch = run_step(sched)
-        assert predicted(sched, batch) <= target + 1e-9  # bounded from the very next step on, decodes included
-    alone_again = run_step(sched)
-    assert sum(c.num_new_tokens for c in alone_again.chunks) == sched.pacing.throughput_chunk_tokens() > 60
+        assert sched.last_step.throughput and any(c.request_id == "chat" for c in batch.chunks)
+        priced = [sched.cost_model.work_s(encoder_units(u.num_patches, u.attention_pairs))
+                  for w in batch.encoder_work
+                  for u in photos.images[w.image_index].encoder_units[w.start_unit:w.start_unit + w.num_units]]
+        vision_steps += bool(priced)
+        assert sum(priced) <= bound + 1e-9 or len(priced) == 1
+    assert vision_steps >= 6  # 12 units of 50 ms under a 60 ms bound: spread over steps, not encoded whole
 
 
 def test_deep_into_a_lone_prompt_a_throughput_chunk_is_no_longer_than_the_first():
@@ -519,11 +552,17 @@ def test_deep_into_a_lone_prompt_a_throughput_chunk_is_no_longer_than_the_first(
     assert chunks[-1].num_new_tokens < size and len(chunks) <= math.ceil(3000 / n_end)
 
 
-def test_a_second_long_request_keeps_steps_bounded_and_a_given_target_bounds_every_step():
+def test_long_requests_together_share_throughput_steps_and_a_given_target_bounds_every_step():
     two = scheduler(step_time_target="auto")
     for i in range(2):
         two.add(fake_request(f"doc{i}", prompt_len=2000, max_tokens=1, arrival_seq=i))
-    assert predicted(two, run_step(two)) <= two.pacing.step_time_target() + 1e-9  # the deadline order shares bounded steps
+    steps = 0
+    while two.has_work:
+        batch = run_step(two)
+        steps += 1
+        assert two.last_step.throughput  # nobody in the short lane: the long lane runs at its speed alone
+        assert sum(c.num_new_tokens for c in batch.chunks) <= two.pacing.throughput_chunk_tokens()
+    assert steps <= math.ceil(2 * 2000 / two.pacing.throughput_chunk_tokens()) + 1
     fixed = scheduler()  # --step-time-target 0.25 (seconds): the operator's bound holds even for a lone request
     fixed.add(fake_request("doc", prompt_len=2000, max_tokens=1))
     assert predicted(fixed, run_step(fixed)) <= TARGET + 1e-9

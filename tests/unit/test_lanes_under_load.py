@@ -1,0 +1,61 @@
+"""The lanes under load, work-conserving by construction (issue 52): firsttoken's own scheduler on the simulator's
+virtual clock, the seed's mix at loads calibrated to the profile's capacity, seeded arrivals. Checked by counts: the
+long lane's steps while the short lane has no prefill work are throughput-sized, the engine never idles while it has
+work, and the work the lanes price for the whole run stays within a stated bound of fcfs's on the same arrivals."""
+
+from __future__ import annotations
+
+import pytest
+
+from firsttoken.config import SchedulerConfig
+from firsttoken.models.registry import load_model_config
+from firsttoken.scheduler.request import LONG, SHORT
+from firsttoken.tools import simulate as sim
+
+COEF = {"step": 0.01, "sequences": 0.001, "sampled": 0.0005, "prefill_tokens": 2e-4, "prefill_attention": 1e-9,
+        "decode_tokens": 0.002, "decode_context": 1e-7, "encoder_patches": 2e-5, "encoder_attention": 1e-10}
+WORK_BOUND = 1.05  # the lanes' priced busy seconds over fcfs's, same arrivals: per-step constants of extra steps
+
+
+class Counting(sim.SimReplica):
+    """A replica that counts, at each step it starts: whether only the long lane had prefill work (and if so whether
+    the step was sized for throughput), and whether it had work but started nothing."""
+
+    counts: dict[str, int] = {"idle_with_work": 0, "long_only_steps": 0, "long_only_steps_bounded": 0}
+
+    def start_step(self, now: float) -> float | None:
+        s = self.scheduler
+        live = list(s.running) + list(s.waiting)
+        long_only = (s.lanes.names == (SHORT, LONG) and any(r.lane == LONG and not r.is_decoding for r in live)
+                     and not any(r.lane == SHORT and not r.is_decoding for r in live))
+        end = super().start_step(now)
+        c = Counting.counts
+        c["idle_with_work"] += end is None and s.has_work
+        if long_only and end is not None:
+            c["long_only_steps"] += 1
+            c["long_only_steps_bounded"] += not s.last_step.throughput
+        return end
+
+
+def run(workload, profile) -> tuple[sim.SimResult, dict[str, int]]:
+    Counting.counts = dict.fromkeys(Counting.counts, 0)
+    return sim.simulate(workload, [profile], sim.Router("round-robin")), dict(Counting.counts)
+
+
+@pytest.mark.parametrize("utilization", [0.6, 0.8])
+def test_the_long_lane_runs_at_its_own_speed_whenever_no_short_prompt_waits(tiny_model_dir, monkeypatch,
+                                                                             utilization):
+    monkeypatch.setattr(sim, "SimReplica", Counting)
+    model = load_model_config(tiny_model_dir)
+    lanes = sim.Profile(COEF, SchedulerConfig(), preprocess_s={"0": 0.01, "1": 0.05, "2+": 0.1})  # default flags
+    fcfs = sim.replace_scheduler(lanes, scheduling="fcfs")
+    for seed in range(2):
+        capacity = sim.capacity_rps(lanes, sim.seed_mix(model, rate=1.0, num_requests=80, seed=seed))
+        workload = sim.seed_mix(model, rate=utilization * capacity, num_requests=80, seed=seed)
+        with_lanes, counts = run(workload, lanes)
+        alone, fcfs_counts = run(workload, fcfs)
+        assert counts["long_only_steps"] > 50  # the mix leaves the long lane on its own often
+        assert counts["long_only_steps_bounded"] == 0  # each of those steps was sized for throughput
+        assert counts["idle_with_work"] == 0 == fcfs_counts["idle_with_work"]
+        assert all(o.ttft_s is not None for o in with_lanes.outcomes + alone.outcomes)
+        assert sum(with_lanes.replica_busy_s) <= WORK_BOUND * sum(alone.replica_busy_s)
