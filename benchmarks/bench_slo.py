@@ -49,7 +49,6 @@ from firsttoken.tools.bench.runner import measure_calibration  # noqa: E402
 
 CLASSES = ("text", "1img", "3img")  # the classes of --mix (main sets them; the seed's by default)
 SEED_MIX = "text=0.5,1img=0.3,3img=0.2"
-SEED_MIX_ARG = [SEED_MIX]  # the run's --mix (main sets it)
 WORDS_FOR_800_TOKENS = 512  # bench's English words -> ~800 tokens of the checkpoint's tokenizer (see bench_lanes)
 LOADED = {"fcfs": ["--scheduling", "fcfs"], "lanes-tokens": ["--step-time-target", "off"], "default": [],
           "no-bias": ["--ttft-bias-step", "0"],  # no-bias: the predicted TTFT without its learnt correction
@@ -204,11 +203,11 @@ def print_load(title: str, results: dict, unloaded: dict) -> None:
                   f"(arrival span {s['arrival_span_s']:.0f} s)")
 
 
-def text_lane_price(cal: dict, utilization: float) -> float:
+def text_lane_price(cal: dict, utilization: float, mix: str) -> float:
     """1 / (1 - U x text's share of the work): how much giving text priority stretches an image request's sojourn
     in a work-conserving scheduler, from the unloaded service times measured in the run."""
-    mix = dict(parse_mix(SEED_MIX_ARG[0]))
-    work = {cls: mix.get(cls, 0.0) * cal["service_s"][cls] for cls in cal["service_s"]}
+    shares = dict(parse_mix(mix))
+    work = {cls: shares.get(cls, 0.0) * cal["service_s"][cls] for cls in cal["service_s"]}
     share = work.get("text", 0.0) / sum(work.values())
     return 1.0 / (1.0 - utilization * share)
 
@@ -330,7 +329,6 @@ def main() -> None:
     args = ap.parse_args()
     global CLASSES
     CLASSES = tuple(name for name, _ in parse_mix(args.mix))
-    SEED_MIX_ARG[0] = args.mix
     for item in args.config:
         name, _, flags = item.partition("=")
         LOADED[name] = shlex.split(flags)
@@ -359,7 +357,7 @@ def main() -> None:
         out[f"U={u:g}"] = results
         title = f"U={u:g}: Poisson {rate:.4f}/s, {args.num_requests} requests"
         print_load(title, results, unloaded)
-        price = text_lane_price(cal, u)
+        price = text_lane_price(cal, u, args.mix)
         out.setdefault("text_lane_price", {})[f"U={u:g}"] = price
         if {"fcfs", "default"} <= set(results):
             lines += [f"U={u:g}: {x}" for x in targets_loaded(results, unloaded, price)]

@@ -17,17 +17,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import statistics
 from pathlib import Path
 
+from bench_slo import nearest_rank
+
 PHASES = ("handoff_s", "encoder_compute_s", "forward_s", "step_overhead_s", "other_steps_s", "engine_idle_s")
 COUNTS = ("prefill_steps", "steps_to_first_token", "preemptions")
-
-
-def nearest_rank(values: list[float], q: float) -> float | None:
-    v = sorted(values)
-    return v[max(1, math.ceil(q / 100 * len(v))) - 1] if v else None
 
 
 def breakdown(run: dict) -> dict:

@@ -115,16 +115,10 @@ class StepBudget:
         use the forward's token budget), else by their token-equivalent cost."""
         if self.encodes_whole:
             return len(units)
-        if self.whole_images:
-            seconds = self.encoder_seconds
-            for i, u in enumerate(units):
-                seconds -= self.price(encoder_units(u.num_patches, u.attention_pairs))
-                if seconds < 0:
-                    return i
-            return len(units)
-        tokens, seconds = self.remaining, self.seconds
+        tokens, seconds = self.remaining, self.encoder_seconds if self.whole_images else self.seconds
+        charged = self.cost is None and not self.whole_images  # token budgets price the vision tower in tokens
         for i, u in enumerate(units):
-            if self.cost is None:
+            if charged:
                 tokens -= u.cost_tokens
             seconds -= self.price(encoder_units(u.num_patches, u.attention_pairs))
             if tokens < 0 or seconds < 0:

@@ -184,6 +184,8 @@ class Scheduler:
     def _long_lane_only(self) -> bool:
         """The long lane has prefill work and the short lane none (pacing.py: the step may be sized for
         throughput)."""
+        if not self.pacing.throughput_steps:  # (fcfs, or no automatic bound: nothing to ask)
+            return False
         names = self.lanes.names
         return LONG in names and SHORT in names and self.has_prefill_work(LONG) and not self.has_prefill_work(SHORT)
 
