@@ -356,6 +356,9 @@ class EngineStats:
     ttft_bias: dict[str, float] = field(default_factory=dict)  # images "0"/"1"/"2+" -> predicted TTFT's factor
     prefix_cache_hit_tokens: int = 0
     prefix_cache_query_tokens: int = 0
+    # steps with long-lane prefill work and no short one, by sizing ("throughput" | "bounded"): steps, wall_s, and
+    # at_throughput_s, the seconds their work would take in throughput steps (scheduler/report.py LongLaneTime)
+    long_lane_only: dict[str, dict[str, float]] = field(default_factory=dict)
 
 
 

@@ -90,6 +90,7 @@ def engine_snapshot(stats: EngineStats) -> EngineSnapshot:
         itl_target_s=stats.itl_target_s,
         ttft_bias=dict(stats.ttft_bias),
         block_size=stats.block_size,
+        long_lane_only={k: dict(v) for k, v in stats.long_lane_only.items()},
     )
 
 
@@ -229,6 +230,7 @@ class Observability:
             "preemptions": sum(g.preemptions_by_reason.values()),
             "short_requests_delayed_by_long": g.num_short_delayed_by_long,
             "encoder_interrupts": g.num_encoder_interrupts,
+            "long_lane_only": g.long_lane_only,
             "prompt_tokens": int(c["prompt_tokens"]),
             "generation_tokens": int(c["generation_tokens"]),
             "prefix_cache_hit_tokens": g.prefix_cache_hit_tokens,

@@ -67,6 +67,24 @@ def _gauge(name: str, doc: str, value: float) -> Metric:
     return GaugeMetricFamily(name, doc, value=value)
 
 
+def _long_lane_only(by_size: dict[str, dict[str, float]]) -> Iterator[Metric]:
+    """The steps in which the long lane had prefill work and the short lane none, by how they were sized."""
+    steps = CounterMetricFamily(
+        "firsttoken_long_lane_only_steps", "Steps in which the long lane had prefill work and the short lane none, "
+        "by sizing: throughput (the lane's speed alone) or bounded (a step-time bound, a pace or token budgets).",
+        labels=["sized"])
+    seconds = CounterMetricFamily(
+        "firsttoken_long_lane_only_seconds", "Of those steps: wall seconds (part=wall), and the seconds their work "
+        "would take in throughput steps by the step-cost model (part=at_throughput); wall above it is the long lane "
+        "running below its throughput.", labels=["sized", "part"])
+    for sized, v in sorted(by_size.items()):
+        steps.add_metric([sized], v["steps"])
+        seconds.add_metric([sized, "wall"], v["wall_s"])
+        seconds.add_metric([sized, "at_throughput"], v["at_throughput_s"])
+    yield steps
+    yield seconds
+
+
 class FirsttokenCollector:
     def __init__(self, recorder: Recorder, engine: Callable[[], EngineSnapshot]) -> None:
         self.recorder = recorder
@@ -181,6 +199,7 @@ class FirsttokenCollector:
                        "Steps whose long-lane vision-tower work stopped at an encoder unit because a short request "
                        "arrived (it runs next step; the image resumes after it).",
                        g.num_encoder_interrupts)  # fmt: skip
+        yield from _long_lane_only(g.long_lane_only)
         yield _counter("firsttoken_encoder_cache_hits", "Images whose vision-encoder output was reused.",
                        g.encoder_cache_hits)  # fmt: skip
         yield _counter("firsttoken_encoder_cache_misses", "Images that had to go through the vision tower.",

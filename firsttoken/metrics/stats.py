@@ -79,6 +79,9 @@ class EngineSnapshot:
     ttft_bias: dict[str, float] = field(default_factory=dict)  # images class -> the predicted TTFT's learnt factor
     block_size: int = 16  # tokens per KV block
     num_encoder_interrupts: int = 0  # steps whose long-lane encoder work a short arrival cut short
+    # sized ("throughput" | "bounded") -> steps, wall_s, at_throughput_s of the steps in which only the long lane had
+    # prefill work (EngineStats.long_lane_only)
+    long_lane_only: dict[str, dict[str, float]] = field(default_factory=dict)
 
     @property
     def kv_usage_ratio(self) -> float:

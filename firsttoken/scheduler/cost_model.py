@@ -90,6 +90,7 @@ class CostModel:
         # predicted / actual of each observation, made with the coefficients of that moment (an honest error)
         self.ratios: deque[float] = deque(maxlen=window)
         self.coverage: dict[str, dict[str, float]] = {}  # term -> steps in the window with it, its largest value
+        self.version = 0  # bumped whenever the coefficients may change (refit, reset): caches of prices key on it
 
     def reset(self) -> None:
         """Forget every observation and go back to the prior."""
@@ -100,6 +101,7 @@ class CostModel:
         self.coef = self.prior.copy()
         self.num_observed = 0
         self._since_fit = 0
+        self.version += 1
 
     @property
     def is_fitted(self) -> bool:
@@ -133,6 +135,7 @@ class CostModel:
 
     def refit(self) -> Fit:
         self._since_fit = 0
+        self.version += 1
         if self._x:
             x = np.array(self._x)
             self.coef = fit_coefficients(x, np.array(self._y), self.prior, self.scales, self.ridge)

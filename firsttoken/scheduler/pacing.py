@@ -54,6 +54,7 @@ class Pacing:
         self.calibrating = calibrating
         self._short_prompt_lens: deque[int] = deque(maxlen=256)  # recent short prompts: what the bound serves
         self._pace: dict[str, tuple[float, int]] = {}  # request id -> (first decode step's time, decode steps)
+        self._chunk: tuple[tuple[int, int], int] | None = None  # ((cost model version, typical short), tokens)
 
     def note_short_prompt(self, num_tokens: int) -> None:
         self._short_prompt_lens.append(num_tokens)
@@ -138,6 +139,13 @@ class Pacing:
         short prompt and with which the step-cost model prices a cap-sized prompt (each chunk at its context,
         per-step terms once per chunk) within THROUGHPUT_SLACK of the cheapest size; if none, the cheapest (ties to
         the larger). bench_chunk_size.py measures the sizes side by side."""
+        typical = self._typical_short_tokens()
+        key = (self.cost_model.version, typical)
+        if self._chunk is None or self._chunk[0] != key:  # (pricing every size takes ~2 ms: once per refit)
+            self._chunk = key, self._throughput_chunk_tokens(typical)
+        return self._chunk[1]
+
+    def _throughput_chunk_tokens(self, typical: int) -> int:
         cap = self.config.max_batched_tokens
         sizes = {cap, *(1 << k for k in range(self.block_size.bit_length() - 1, cap.bit_length()) if 1 << k < cap)}
 
@@ -147,7 +155,6 @@ class Pacing:
 
         priced = {n: seconds(n) for n in sizes}
         cheapest = min(priced.values())
-        typical = self._typical_short_tokens()
         near = [n for n, s in priced.items() if n >= typical and s <= cheapest * (1 + THROUGHPUT_SLACK)]
         return min(near) if near else max(n for n, s in priced.items() if s <= cheapest * (1 + 1e-9))
 

@@ -22,7 +22,7 @@ import time
 from collections.abc import Callable, Sequence
 from functools import partial
 
-from firsttoken.batch import RunnerOutput, ScheduledBatch, ScheduledChunk
+from firsttoken.batch import RunnerOutput, ScheduledBatch, ScheduledChunk, StepFeatures
 from firsttoken.config import CacheConfig, SchedulerConfig
 from firsttoken.kv.block_manager import KVCacheManager
 from firsttoken.scheduler.admission import Admission, place_work_s, remaining_work_s
@@ -34,7 +34,7 @@ from firsttoken.scheduler.kv_admission import KV_ADMISSIONS
 from firsttoken.scheduler.lanes import LONG, SHORT, LaneQueues, lane_policy, long_order
 from firsttoken.scheduler.outbox import RunnerOutbox
 from firsttoken.scheduler.pacing import Pacing
-from firsttoken.scheduler.report import scheduler_stats
+from firsttoken.scheduler.report import LongLaneTime, scheduler_stats
 from firsttoken.scheduler.request import Request, RequestStatus
 from firsttoken.scheduler.step import StepDraft, StepReport
 from firsttoken.types import AdmissionVerdict, EngineStats, FinishReason, PromptWork
@@ -71,6 +71,7 @@ class Scheduler:
         self.preemptions_by_reason: dict[str, int] = {}
         self.outbox = RunnerOutbox()  # what the runner's next batch tells it besides the step's work
         self.last_step = StepDraft()  # what the last schedule() built (report.wait_reason reads it)
+        self.long_lane_time = LongLaneTime()  # steps while only the long lane had prefill work (report.py)
 
     # ---- requests in and out -------------------------------------------------------------------------------
     def check_admission(self, work: PromptWork, num_pending: int = 0,
@@ -118,8 +119,9 @@ class Scheduler:
     # ---- one step -------------------------------------------------------------------------------------------
     def schedule(self) -> ScheduledBatch:
         decoding = [r for r in self.running if r.is_decoding]
-        budget, throughput = self.pacing.step_budget(decoding, long_only=self._long_lane_only())
-        step = StepDraft(throughput=throughput)
+        long_only = self._long_lane_only()
+        budget, throughput = self.pacing.step_budget(decoding, long_only=long_only)
+        step = StepDraft(throughput=throughput, long_only=long_only)
         for req in decoding:
             if req.status == RequestStatus.RUNNING and budget.remaining > 0:
                 self._schedule_tokens(req, 1, budget, step)
@@ -166,10 +168,21 @@ class Scheduler:
             return None
         duration_s = self.clock() - started_s
         features = self.encoder.features_run(batch, result)
-        predicted = self.cost_model.predict(features) if self.cost_model.is_fitted else None
+        predicted = self.note_step_time(features, duration_s - result.mask_wait_s)
         self.cost_model.observe(features, duration_s - result.mask_wait_s)  # the model prices work, not waiting
         return StepReport(predicted, duration_s, self.num_steps, self.kv.num_used_blocks, self.kv.num_blocks,
                           len(self.running), len(self.waiting))
+
+    def note_step_time(self, features: StepFeatures, wall_s: float) -> float | None:
+        """The last scheduled step ran ``features`` in ``wall_s`` (waiting for grammar masks not counted): counted
+        for the long lane when only it had prefill work (report.py). Returns the cost model's price of the features
+        (None before it is fitted). The simulator calls it with its virtual seconds."""
+        if not self.cost_model.is_fitted:
+            return None
+        predicted = self.cost_model.predict(features)
+        if self.last_step.long_only:
+            self.long_lane_time.record(self.last_step.throughput, wall_s, predicted - float(self.cost_model.coef[0]))
+        return predicted
 
     def _on_chunk_done(self, req: Request, chunk: ScheduledChunk, end: int) -> None:
         """KV for the chunk's tokens up to ``end`` counts as written (``chunk.end``, or one less where its mask was
@@ -183,9 +196,7 @@ class Scheduler:
     # ---- lanes: what a lane policy serves a step through (lanes.LaneServer) ---------------------------------
     def _long_lane_only(self) -> bool:
         """The long lane has prefill work and the short lane none (pacing.py: the step may be sized for
-        throughput)."""
-        if not self.pacing.throughput_steps:  # (fcfs, or no automatic bound: nothing to ask)
-            return False
+        throughput; report.py counts these steps' time)."""
         names = self.lanes.names
         return LONG in names and SHORT in names and self.has_prefill_work(LONG) and not self.has_prefill_work(SHORT)
 

@@ -408,6 +408,8 @@ class SimReplica:
                 outcome.e2e_s = now - outcome.request.arrival_s
                 ended.append((req, FinishReason.LENGTH))
                 del self._outcomes[req.request_id]
+        if batch.has_work:
+            self.scheduler.note_step_time(batch.features, now - self._step_start)
         self.scheduler.update(batch, RunnerOutput({}, {}, {}, encoder_progress=self._progress), ended)
 
 

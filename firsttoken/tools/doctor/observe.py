@@ -172,6 +172,10 @@ class Observation:
     step_prediction: dict[str, float | None] | None = None
     ttft_prediction: dict[str, dict[str, float | None]] = field(default_factory=dict)  # image class -> ratio view
     step_time_target_s: float | None = None  # None: no time bound (off, or the model not trained yet)
+    itl_target_s: float | None = None  # --itl-target's pace in force (None: off)
+    # steps in which only the long lane had prefill work, by sizing ("throughput" | "bounded"): steps, wall_s,
+    # at_throughput_s (what their work would take in throughput steps; firsttoken_long_lane_only_*)
+    long_lane_only: dict[str, dict[str, float]] = field(default_factory=dict)
     image_budget_lowered: float | None = None  # requests whose visual-token budget the TTFT objective lowered
     refused_over_slo: float | None = None  # requests answered 429 because their predicted TTFT missed the objective
     # firsttoken: seconds from the end of preprocessing to each first token, summed, by image class and part
@@ -256,6 +260,13 @@ def _firsttoken(m: Samples, stats: dict[str, Any] | None) -> Observation:
         if view is not None:
             o.ttft_prediction[cls] = view
     o.step_time_target_s = m.total("firsttoken_step_time_target_seconds")
+    o.itl_target_s = m.total("firsttoken_itl_target_seconds")
+    for sized, steps in m.by_label("firsttoken_long_lane_only_steps_total", "sized").items():
+        o.long_lane_only[sized] = {
+            "steps": steps,
+            "wall_s": m.total("firsttoken_long_lane_only_seconds_total", sized=sized, part="wall") or 0.0,
+            "at_throughput_s": m.total("firsttoken_long_lane_only_seconds_total", sized=sized,
+                                       part="at_throughput") or 0.0}
     for labels, seconds in m.by_name.get("firsttoken_first_token_engine_seconds_total", []):
         o.first_token_engine_s.setdefault(labels.get("images", "all"), {})[labels.get("part", "")] = seconds
     o.image_budget_lowered = m.total("firsttoken_image_budget_lowered_total")

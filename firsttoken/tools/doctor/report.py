@@ -14,6 +14,7 @@ from firsttoken.tools.doctor.rules import (
     KVSizing,
     Thresholds,
     diagnose,
+    long_lane_below_throughput,
 )
 
 
@@ -77,6 +78,7 @@ def _state(o: Observation, th: Thresholds) -> dict[str, Any]:
         "preemptions": o.num_preemptions, "preemptions_by_reason": o.preemptions_by_reason,
         "waiting": o.waiting_by_lane, "waiting_for_capacity": o.waiting_for_capacity,
         "scheduling": sorted(o.scheduling_modes), "short_requests_delayed_by_long": o.short_delayed_by_long,
+        "long_lane_only": o.long_lane_only or None,
         "encoder_cache_hits": o.encoder_cache_hits, "encoder_cache_queries": o.encoder_cache_queries,
         "prefix_cache_hit_tokens": o.prefix_hit_tokens, "prefix_cache_query_tokens": o.prefix_query_tokens,
         "requests": o.num_requests, "running": o.num_running,
@@ -176,6 +178,11 @@ def _state_lines(o: Observation, th: Thresholds) -> list[str]:
     if o.scheduling_modes:
         lines.append(f"scheduling              {'/'.join(sorted(o.scheduling_modes))}; short requests delayed by "
                      f"long work {o.short_delayed_by_long or 0:.0f}")  # fmt: skip
+    seen = long_lane_below_throughput(o)
+    if seen is not None:
+        bounded = o.long_lane_only.get("bounded", {}).get("steps", 0)
+        lines.append(f"long lane alone         {seen[0]:.0%} below its throughput over {seen[2]} steps with only long "
+                     f"prompts to prefill ({bounded:.0f} of them bounded)")  # fmt: skip
     enc = (
         f"{o.encoder_cache_hits:.0f}/{o.encoder_cache_queries:.0f} images hit"
         if o.encoder_cache_queries is not None and o.encoder_cache_hits is not None

@@ -5,6 +5,8 @@ Shares are ratios, not absolute seconds, so the rules read the same on a laptop-
 
     image budget   excess visual tokens / all prompt tokens (engine work, queue included, scales with tokens)
     fcfs / mixed   TTFT the text-only class spent queued / all TTFT (the wait lanes take away)
+    long lane      N x image classes' own engine seconds to first token / all TTFT, where N is how far below its
+                   throughput the long lane ran while only it had prefill work (1 - at-throughput seconds / wall)
     KV pressure    min(1, preemptions per request) x (queue + encode + prefill) / all TTFT (recompute, re-wait)
     caches off     reusable share of prompts x (encode + prefill) / all TTFT
 
@@ -34,6 +36,8 @@ class Thresholds:
     delayed_fraction: float = 0.1  # short requests delayed by long work / short requests, under lanes
     assumed_reuse: float = 0.5  # caches off, no probe: share of prompt work a follow-up-heavy workload repeats
     ttft_p99_target_s: float | None = None  # optional absolute target: a finding when P99 TTFT exceeds it
+    long_lane_below: float = 0.10  # the long lane this far below its throughput while only it had work: a finding
+    long_lane_min_steps: int = 20  # ... over at least this many such steps
 
     def __post_init__(self) -> None:
         if not 0 < self.medium_share <= self.high_share <= 1:
@@ -52,7 +56,7 @@ class KVSizing:
 
 @dataclass(frozen=True)
 class Finding:
-    key: str  # image_budget | scheduling | kv_pressure | caches | ttft_target
+    key: str  # image_budget | scheduling | long_lane | kv_pressure | caches | ttft_target
     severity: str  # high | medium | low
     share: float  # estimated share of all TTFT the change would remove, 0..1
     title: str
@@ -148,6 +152,46 @@ def scheduling(ctx: Context) -> Finding | None:
     )  # fmt: skip
 
 
+def long_lane_below_throughput(o: Observation) -> tuple[float, float, int] | None:
+    """(how far below its throughput the long lane ran while only it had prefill work, the share of that shortfall
+    in steps not sized for throughput, those steps) from firsttoken's long-lane-only counters; None without them."""
+    by = o.long_lane_only
+    wall = sum(v["wall_s"] for v in by.values())
+    if not by or wall <= 0:
+        return None
+    lost = {k: max(v["wall_s"] - v["at_throughput_s"], 0.0) for k, v in by.items()}
+    below = max(0.0, 1.0 - sum(v["at_throughput_s"] for v in by.values()) / wall)
+    bounded = lost.get("bounded", 0.0) / sum(lost.values()) if sum(lost.values()) else 0.0
+    return below, bounded, int(sum(v["steps"] for v in by.values()))
+
+
+def long_lane(ctx: Context) -> Finding | None:
+    o, th = ctx.obs, ctx.th
+    seen = long_lane_below_throughput(o)
+    if seen is None:
+        return None
+    below, bounded, steps = seen
+    # a shortfall in throughput-sized steps is the step-cost model's error, not a setting: no change to name
+    if steps < th.long_lane_min_steps or below < th.long_lane_below or bounded < 0.5:
+        return None
+    total = o.ttft_total_s()
+    own = sum(v.get(p, 0.0) for k, v in o.first_token_engine_s.items() if k in IMAGE_ONLY_CLASSES
+              for p in ("encoder", "forward", "step_overhead", "idle"))
+    paced = o.itl_target_s is not None
+    by = o.long_lane_only.get("bounded", {})
+    return _finding(
+        ctx, "long_lane", below * own / total if total else 0.0,
+        f"the long lane ran {below:.0%} below its throughput under load: {by.get('steps', 0):.0f} of {steps} steps "
+        "with only long prompts to prefill were " + ("paced for streaming answers" if paced else "time-bounded"),
+        {"below_throughput": _r(below), "bounded_share_of_shortfall": _r(bounded), "long_lane_only_steps": steps,
+         "bounded_steps": by.get("steps", 0), "itl_target_s": o.itl_target_s,
+         "step_time_target_s": o.step_time_target_s},
+        "--itl-target off" if paced else "--step-time-target auto",
+        "with no short prompt waiting, a bound protects nobody's first token: steps sized for throughput serve the "
+        "images at the speed they have alone" + (" (answers then stream at the pace of those steps)" if paced else ""),
+    )  # fmt: skip
+
+
 def kv_pressure(ctx: Context) -> Finding | None:
     o, th = ctx.obs, ctx.th
     preempted = o.num_preemptions or 0.0
@@ -234,6 +278,7 @@ def ttft_target(ctx: Context) -> Finding | None:
 RULES: tuple[Callable[[Context], Finding | None], ...] = (
     image_budget,
     scheduling,
+    long_lane,
     kv_pressure,
     caches,
     ttft_target,
