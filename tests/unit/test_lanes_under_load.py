@@ -5,6 +5,9 @@ work, and the work the lanes price for the whole run stays within a stated bound
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 
 from firsttoken.config import SchedulerConfig
@@ -44,14 +47,23 @@ def run(workload, profile) -> tuple[sim.SimResult, dict[str, int]]:
     return sim.simulate(workload, [profile], sim.Router("round-robin")), dict(Counting.counts)
 
 
+# step-cost models fitted on the machines this project meets, one per CPU class, dtype and thread count measured
+MEASURED = json.loads((Path(__file__).resolve().parent.parent / "fixtures" / "cost_models.json").read_text())["models"]
+PROFILES = {"synthetic": (COEF, 2), **{name: (m["coefficients"], 1) for name, m in MEASURED.items()}}
+
+
 @pytest.mark.parametrize("utilization", [0.6, 0.8])
+@pytest.mark.parametrize("machine", list(PROFILES))
 def test_the_long_lane_runs_at_its_own_speed_whenever_no_short_prompt_waits(tiny_model_dir, monkeypatch,
-                                                                             utilization):
+                                                                             utilization, machine):
+    """By construction on every machine: the step bound and the throughput chunk come from the machine's own cost
+    model (injected here, as fitted on each CPU class, dtype and thread count in tests/fixtures/cost_models.json)."""
     monkeypatch.setattr(sim, "SimReplica", Counting)
     model = load_model_config(tiny_model_dir)
-    lanes = sim.Profile(COEF, SchedulerConfig(), preprocess_s={"0": 0.01, "1": 0.05, "2+": 0.1})  # default flags
+    coefficients, num_seeds = PROFILES[machine]
+    lanes = sim.Profile(coefficients, SchedulerConfig(), preprocess_s={"0": 0.01, "1": 0.05, "2+": 0.1})  # defaults
     fcfs = sim.replace_scheduler(lanes, scheduling="fcfs")
-    for seed in range(2):
+    for seed in range(num_seeds):
         capacity = sim.capacity_rps(lanes, sim.seed_mix(model, rate=1.0, num_requests=80, seed=seed))
         workload = sim.seed_mix(model, rate=utilization * capacity, num_requests=80, seed=seed)
         with_lanes, counts = run(workload, lanes)
