@@ -295,13 +295,19 @@ class Scheduler:
             end = start + budget.chunk_tokens(wanted, start, samples_at_end=True)
             step.full |= end == start  # what the step has left fits none of it (wait_reason: step_full)
         window, ready = end - start, True
+        # a throughput step runs the long lane first come, first served on the vision tower: a request behind one
+        # whose prompt this step leaves unfinished starts no image (its encode would delay that one's next chunk)
+        behind = budget.whole_images and step.long_prefill_left
         for index, im in req.images_in(start, end):
+            if behind and not self.encoder_cache.is_ready(im.content_hash):
+                ready, end = False, im.offset
+                break
             whole = whole_prompt or req.lane == SHORT or budget.encodes_whole
             ready = self.encoder.ensure(req, index, im, budget, step, all_units=whole)
             if not ready or (budget.whole_images and im.content_hash in step.finishing_hashes):
                 end = im.offset  # (in a throughput step, before an image encoded in it: that work stays interruptible)
                 break
-        if budget.whole_images and ready:  # the next chunk's images too, so it is not cut before each of them
+        if budget.whole_images and ready and not behind:  # the next chunk's images too, not cut before each of them
             self._encode_ahead(req, budget, step, end, end + window)
         if req.num_prompt_tokens >= self.config.long_prompt_threshold:
             step.has_long_work = True
@@ -309,6 +315,8 @@ class Scheduler:
             end = min(end, start + (budget.remaining if whole_short else budget.chunk_tokens(wanted, start, True)))
         if end > start:
             self._schedule_tokens(req, end - start, budget, step)
+        if req.lane == LONG and req.num_computed_tokens + (end - start) < req.num_tokens:
+            step.long_prefill_left = True
 
     def _encode_ahead(self, req: Request, budget: StepBudget, step: StepDraft, lo: int, hi: int) -> None:
         """In a throughput step, encode (whole, interruptible) the images of prompt range [lo, hi) too: the next step's

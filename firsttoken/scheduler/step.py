@@ -29,6 +29,7 @@ class StepDraft:
     long_held: bool = False  # the long lane had work but yielded this step to short prefills
     throughput: bool = False  # long-lane work only: sized for throughput, not bounded in time (pacing.py)
     long_only: bool = False  # when it was built, the long lane had prefill work and the short lane none
+    long_prefill_left: bool = False  # a long request served in it has prompt tokens left after it
     full: bool = False  # the step's token budget or time bound was used up (or what is left fits no prefill chunk)
     kv_blocked_ids: set[str] = field(default_factory=set)  # admissions refused for want of KV blocks
     preempted_ids: frozenset[str] = frozenset()

@@ -568,6 +568,36 @@ def test_long_requests_together_share_throughput_steps_and_a_given_target_bounds
     assert predicted(fixed, run_step(fixed)) <= TARGET + 1e-9
 
 
+def test_in_throughput_steps_the_vision_tower_serves_long_requests_first_come_first_served():
+    # two one-image prompts arrive together: the second's image waits until the first's prompt is finished, so the
+    # first gets its first token in the steps it takes alone (its leftover token budget still prefills the second's
+    # text up to its image); before, the second's whole encode ran in the first's steps and delayed its next chunk
+    def first_token_steps(sched, rid: str, log: list) -> int:
+        steps = 0
+        while sched.has_work:
+            batch = run_step(sched)
+            steps += 1
+            log.append(batch)
+            if any(c.request_id == rid and c.sample for c in batch.chunks):
+                return steps
+        raise AssertionError("no first token")
+
+    def photo(rid: str, seq: int):
+        return fake_request(rid, prompt_len=1500, max_tokens=1, encoder_depth=4, arrival_seq=seq,
+                            images=[(f"img-{rid}", 100, 500)])
+
+    alone = scheduler(step_time_target="auto", max_batched_tokens=1024)
+    alone.add(photo("first", 0))
+    alone_steps = first_token_steps(alone, "first", [])
+    pair = scheduler(step_time_target="auto", max_batched_tokens=1024)
+    pair.add(photo("first", 0))
+    pair.add(photo("second", 1))
+    log: list = []
+    assert first_token_steps(pair, "first", log) == alone_steps
+    assert not any(w.request_id == "second" for batch in log[:-1] for w in batch.encoder_work)
+    assert any(c.request_id == "second" for batch in log for c in batch.chunks)  # (the budget it left was used)
+
+
 def test_the_throughput_chunk_is_the_shortest_near_the_cheapest_that_holds_a_typical_short_prompt():
     # attention pairs add up to the same however a prompt is cut: only per-step terms (10 ms here) tell the sizes
     # apart. A shorter chunk is a shorter wait for a short request arriving during the step's forward, so the
