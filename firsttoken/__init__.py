@@ -1,7 +1,7 @@
 """firsttoken: a multimodal inference server built for a fast first token.
 
-``from firsttoken import LLM, SamplingRequest`` is the offline Python API (firsttoken/llm.py); it is imported on first
-use, so ``import firsttoken`` alone stays cheap for the command-line tools.
+``from firsttoken import LLM, SamplingRequest`` is the offline Python API (firsttoken/llm.py); it is
+imported on first use, so ``import firsttoken`` alone stays cheap for the command-line tools.
 """
 
 from typing import Any

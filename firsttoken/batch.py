@@ -1,5 +1,6 @@
-"""What crosses the scheduler -> runner boundary for one step, and what the runner reports back. A leaf module
-(it imports only firsttoken.types): the scheduler builds these, the runner (any Executor) consumes them."""
+"""What crosses the scheduler -> runner boundary for one step, and what the runner reports back. A
+leaf module (it imports only firsttoken.types): the scheduler builds these, the runner (any
+Executor) consumes them."""
 
 from __future__ import annotations
 
@@ -13,8 +14,9 @@ from firsttoken.types import ImageItem, SamplingParams, TokenLogprob
 
 @dataclass(frozen=True)
 class NewRequest:
-    """A request the runner has not seen: everything it needs to keep for it until the request finishes (token
-    history, images and their pixels, positions, sampling). Sent once, on its first admission."""
+    """A request the runner has not seen: everything it needs to keep for it until the request
+    finishes (token history, images and their pixels, positions, sampling). Sent once, on its first
+    admission."""
 
     request_id: str
     prompt_token_ids: tuple[int, ...]
@@ -26,13 +28,14 @@ class NewRequest:
 
 @dataclass(frozen=True)
 class EncoderWork:
-    """Run encoder units [start_unit, start_unit + num_units) of image ``image_index`` of a request. Unit 0 starts
-    from the pixels; after the last one the image's embeddings exist and chunks may cover its tokens.
+    """Run encoder units [start_unit, start_unit + num_units) of image ``image_index`` of a request.
+    Unit 0 starts from the pixels; after the last one the image's embeddings exist and chunks may
+    cover its tokens.
 
-    ``interruptible``: the runner may stop between this work's units when a short request arrives during the step
-    (its ``interrupt`` signal), once the step has done any work (a unit or its forward); it reports the units
-    actually run in ``RunnerOutput.encoder_progress``. The scheduler sets it only for long-lane work whose image no
-    chunk of the same step covers."""
+    ``interruptible``: the runner may stop between this work's units when a short request arrives
+    during the step (its ``interrupt`` signal), once the step has done any work (a unit or its
+    forward); it reports the units actually run in ``RunnerOutput.encoder_progress``. The scheduler
+    sets it only for long-lane work whose image no chunk of the same step covers."""
 
     request_id: str
     image_index: int
@@ -48,9 +51,11 @@ class ScheduledChunk:
     """Tokens [context_len, context_len + num_new_tokens) of a request run this step."""
 
     request_id: str
-    context_len: int  # tokens whose KV already exists (the request's num_computed_tokens before this step)
+    # tokens whose KV already exists (the request's num_computed_tokens before this step)
+    context_len: int
     num_new_tokens: int
-    block_table: tuple[int, ...]  # physical KV blocks covering at least context_len + num_new_tokens
+    # physical KV blocks covering at least context_len + num_new_tokens
+    block_table: tuple[int, ...]
     sample: bool  # the chunk reaches the last known token: sample the next one
     is_decode: bool  # one token right after the last sampled one (not a prefill chunk)
 
@@ -89,8 +94,9 @@ class StepFeatures:
 
 @dataclass(frozen=True)
 class ScheduledBatch:
-    """One step, as plain data (ids, ints, frozen request data): it could cross a thread, a process or a device.
-    The runner applies ``new_requests`` and ``finished_request_ids`` (drop their state) before the work."""
+    """One step, as plain data (ids, ints, frozen request data): it could cross a thread, a process
+    or a device. The runner applies ``new_requests`` and ``finished_request_ids`` (drop their state)
+    before the work."""
 
     new_requests: tuple[NewRequest, ...]
     chunks: tuple[ScheduledChunk, ...]
@@ -98,7 +104,8 @@ class ScheduledBatch:
     freed_encoder_hashes: tuple[str, ...]  # encoder outputs the runner may drop now
     preempted_request_ids: tuple[str, ...]
     finished_request_ids: tuple[str, ...] = ()  # finished or aborted since the last batch
-    features: StepFeatures = field(default_factory=lambda: StepFeatures())  # the work it holds, as priced
+    # the work it holds, as priced
+    features: StepFeatures = field(default_factory=lambda: StepFeatures())
 
     @property
     def has_work(self) -> bool:
@@ -107,8 +114,14 @@ class ScheduledBatch:
     @property
     def is_empty(self) -> bool:
         """Nothing for the runner: no work and no state to take, drop or forget."""
-        return not (self.new_requests or self.chunks or self.encoder_work or self.finished_request_ids
-                    or self.freed_encoder_hashes or self.preempted_request_ids)
+        return not (
+            self.new_requests
+            or self.chunks
+            or self.encoder_work
+            or self.finished_request_ids
+            or self.freed_encoder_hashes
+            or self.preempted_request_ids
+        )
 
     @property
     def num_tokens(self) -> int:
@@ -125,41 +138,54 @@ class ScheduledBatch:
 
 @dataclass(frozen=True)
 class RunnerOutput:
-    """What the runner actually did in one step. The scheduler's bookkeeping follows it (``Scheduler.update``);
-    nothing is assumed from what was scheduled.
+    """What the runner actually did in one step. The scheduler's bookkeeping follows it
+    (``Scheduler.update``); nothing is assumed from what was scheduled.
 
-    A request id appears in at most one of ``failed`` (its work raised: the engine fails that request only),
-    ``constraint_failed`` (its output grammar ended it: the client's grammar's fault, not an internal error),
-    ``skipped_request_ids`` (its chunk did not run because an input it needed is missing, e.g. an image whose
-    encode failed this step for another request; it is scheduled again) and ``mask_pending_request_ids`` (its chunk
-    ran, but its output mask was not ready in time: it sampled nothing, and its last token runs again next step)."""
+    A request id appears in at most one of ``failed`` (its work raised: the engine fails that
+    request only), ``constraint_failed`` (its output grammar ended it: the client's grammar's fault,
+    not an internal error), ``skipped_request_ids`` (its chunk did not run because an input it
+    needed is missing, e.g. an image whose encode failed this step for another request; it is
+    scheduled again) and ``mask_pending_request_ids`` (its chunk ran, but its output mask was not
+    ready in time: it sampled nothing, and its last token runs again next step)."""
 
     sampled: dict[str, int]  # request_id -> new token id
     logprobs: dict[str, TokenLogprob]
     failed: dict[str, str]  # request_id -> user-safe error message
     skipped_request_ids: frozenset[str] = frozenset()
-    encoder_progress: dict[str, int] = field(default_factory=dict)  # image hash -> units done after this step
-    discarded_encoder_hashes: frozenset[str] = frozenset()  # images the runner holds nothing for any more
-    encoder_s: dict[str, float] = field(default_factory=dict)  # request_id -> vision-tower seconds this step
+    # image hash -> units done after this step
+    encoder_progress: dict[str, int] = field(default_factory=dict)
+    # images the runner holds nothing for any more
+    discarded_encoder_hashes: frozenset[str] = frozenset()
+    # request_id -> vision-tower seconds this step
+    encoder_s: dict[str, float] = field(default_factory=dict)
     num_images_encoded: dict[str, int] = field(default_factory=dict)
-    encoder_done_s: dict[str, float] = field(default_factory=dict)  # request_id -> monotonic end of its encodes
+    # request_id -> monotonic end of its encodes
+    encoder_done_s: dict[str, float] = field(default_factory=dict)
     forward_done_s: float = 0.0  # monotonic time the forward pass finished (before sampling)
     sample_done_s: float = 0.0
-    forward_s: float = 0.0  # seconds of the step's batched forward: packing its inputs, the model, logits, sampling
-    # request_id -> the logprobs of the prompt tokens its chunk scored (each position's next token), in order
+    # seconds of the step's batched forward: packing its inputs, the model, logits, sampling
+    forward_s: float = 0.0
+    # request_id -> the logprobs of the prompt tokens its chunk scored (each position's next token),
+    # in order
     prompt_logprobs: dict[str, tuple[TokenLogprob, ...]] = field(default_factory=dict)
     mask_pending_request_ids: frozenset[str] = frozenset()
-    constraint_failed: dict[str, str] = field(default_factory=dict)  # request_id -> why (client-safe)
-    mask_wait_s: float = 0.0  # seconds of the step spent waiting for constrained rows' masks (not model work)
+    # request_id -> why (client-safe)
+    constraint_failed: dict[str, str] = field(default_factory=dict)
+    # seconds of the step spent waiting for constrained rows' masks (not model work)
+    mask_wait_s: float = 0.0
 
     def merged(self, late: "RunnerOutput") -> "RunnerOutput":
-        """This step's output with what its deferred encoder work (``Executor.finish_step``) reported after it."""
+        """This step's output with what its deferred encoder work (``Executor.finish_step``)
+        reported after it."""
         def add(a: dict, b: dict) -> dict:
             return {k: a.get(k, 0) + b.get(k, 0) for k in a.keys() | b.keys()}
 
-        return replace(self, failed={**self.failed, **late.failed},
-                       encoder_progress={**self.encoder_progress, **late.encoder_progress},
-                       discarded_encoder_hashes=self.discarded_encoder_hashes | late.discarded_encoder_hashes,
-                       encoder_s=add(self.encoder_s, late.encoder_s),
-                       num_images_encoded=add(self.num_images_encoded, late.num_images_encoded),
-                       encoder_done_s={**self.encoder_done_s, **late.encoder_done_s})
+        return replace(
+            self,
+            failed={**self.failed, **late.failed},
+            encoder_progress={**self.encoder_progress, **late.encoder_progress},
+            discarded_encoder_hashes=self.discarded_encoder_hashes | late.discarded_encoder_hashes,
+            encoder_s=add(self.encoder_s, late.encoder_s),
+            num_images_encoded=add(self.num_images_encoded, late.num_images_encoded),
+            encoder_done_s={**self.encoder_done_s, **late.encoder_done_s},
+        )

@@ -1,6 +1,7 @@
-"""One config tree: every option of the server, engine and inputs, with its only default, its range check and its
-flag, in one place. ``firsttoken serve``'s flags are generated from it (cli/serve.py: name, type, help and default
-read off each field), so a default cannot drift between a flag table and a dataclass.
+"""One config tree: every option of the server, engine and inputs, with its only default, its range
+check and its flag, in one place. ``firsttoken serve``'s flags are generated from it (cli/serve.py:
+name, type, help and default read off each field), so a default cannot drift between a flag table
+and a dataclass.
 
     ServeConfig
       model, served_model_name
@@ -12,10 +13,11 @@ read off each field), so a default cannot drift between a flag table and a datac
       videos: VideoConfig        video budget (frames, tokens) and the limits checked on a container's header
       server: ServerConfig       HTTP: bind, bodies, concurrency, shutdown, logs, /stats, API key
 
-Each field's ``option(...)`` metadata gives its help text, and where they differ from the field name, its flag
-(``--kv-cache-memory`` for ``kv_cache_memory_bytes``), a parser (sizes as ``1GiB``) and how its default is shown.
-A ValueError from a ``__post_init__`` names the field first, so the CLI can name the flag (``flag_for_field``).
-The checkpoint's architecture is not configured here: its model family parses it (models/config.py).
+Each field's ``option(...)`` metadata gives its help text, and where they differ from the field
+name, its flag (``--kv-cache-memory`` for ``kv_cache_memory_bytes``), a parser (sizes as ``1GiB``)
+and how its default is shown. A ValueError from a ``__post_init__`` names the field first, so the
+CLI can name the flag (``flag_for_field``). The checkpoint's architecture is not configured here:
+its model family parses it (models/config.py).
 """
 
 from __future__ import annotations
@@ -29,26 +31,32 @@ from typing import Any, Literal, get_args, get_origin, get_type_hints
 
 from firsttoken.units import format_size, parse_bytes
 
-# Every choice an option offers is its field's type: the flag's metavar, the range check and the error message come
-# from these (``choices_of``, ``check_choice``). ``auto`` is settled in one place, loading/plan.py (dtype,
-# quantization, kernels), with the rest of what the engine runs with in engine/resolve.py.
+# Every choice an option offers is its field's type: the flag's metavar, the range check and the
+# error message come from these (``choices_of``, ``check_choice``). ``auto`` is settled in one
+# place, loading/plan.py (dtype, quantization, kernels), with the rest of what the engine runs with
+# in engine/resolve.py.
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 ResolvedDtype = Literal["float32", "bfloat16", "float16"]
 Quantization = Literal["auto", "none", "fp16", "int8", "bf16"]  # loading/quant.py
 ResolvedQuantization = Literal["none", "fp16", "int8", "bf16"]
-CpuKernels = Literal["auto", "on", "off"]  # kernels/cpu_linear.py; loading/plan.py decides what auto takes
-Device = Literal["auto", "cpu", "cuda"]  # where the engine runs; engine/resolve.py settles auto (loading/plan.py)
+# kernels/cpu_linear.py; loading/plan.py decides what auto takes
+CpuKernels = Literal["auto", "on", "off"]
+# where the engine runs; engine/resolve.py settles auto (loading/plan.py)
+Device = Literal["auto", "cpu", "cuda"]
 ResolvedDevice = Literal["cpu", "cuda"]
-LoadFormat = Literal["auto", "dummy"]  # loading/loader.py: the checkpoint's safetensors, or random weights
+# loading/loader.py: the checkpoint's safetensors, or random weights
+LoadFormat = Literal["auto", "dummy"]
 AttentionBackendName = Literal["sdpa", "triton"]  # attention/registry.py
-CudaGraphs = Literal["auto", "off"]  # runner/cuda_graphs.py; engine/resolve.py decides what auto takes
+# runner/cuda_graphs.py; engine/resolve.py decides what auto takes
+CudaGraphs = Literal["auto", "off"]
 Scheduling = Literal["lanes", "fcfs"]
 LongOrder = Literal["deadline", "least-work"]
 KvAdmission = Literal["whole-prompt", "optimistic"]
 
 DTYPES: tuple[str, ...] = get_args(Dtype)
 QUANTIZATIONS: tuple[str, ...] = get_args(Quantization)
-FLOAT32_ACTIVATIONS = ("fp16", "int8", "bf16")  # quantizations whose products take float32 activations
+# quantizations whose products take float32 activations
+FLOAT32_ACTIVATIONS = ("fp16", "int8", "bf16")
 CPU_KERNELS: tuple[str, ...] = get_args(CpuKernels)
 DEVICES: tuple[str, ...] = get_args(Device)
 LOAD_FORMATS: tuple[str, ...] = get_args(LoadFormat)
@@ -61,7 +69,8 @@ def choices_of(annotation: Any) -> tuple[str, ...]:
 
 
 def check_choice(name: str, value: Any, choices: Any, note: str = "") -> None:
-    """ValueError naming the field unless ``value`` is one of the ``Literal`` type ``choices``' values."""
+    """ValueError naming the field unless ``value`` is one of the ``Literal`` type ``choices``'
+    values."""
     allowed = choices_of(choices)
     if value in allowed:
         return
@@ -76,12 +85,14 @@ def _type_hints(cls: type) -> dict[str, Any]:
 
 
 def _check_choices(obj: Any) -> None:
-    """Every ``Literal``-typed field of a config dataclass holds one of its values (the field's metadata may add a
-    ``choice_note`` to the message)."""
+    """Every ``Literal``-typed field of a config dataclass holds one of its values (the field's
+    metadata may add a ``choice_note`` to the message)."""
     hints = _type_hints(type(obj))
     for f in fields(obj):
         if choices_of(hints[f.name]):
-            check_choice(f.name, getattr(obj, f.name), hints[f.name], f.metadata.get("choice_note", ""))
+            check_choice(
+                f.name, getattr(obj, f.name), hints[f.name], f.metadata.get("choice_note", "")
+            )
 
 
 def option(
@@ -93,8 +104,8 @@ def option(
     switch_off: bool = False,
     choice_note: str = "",
 ) -> dict[str, Any]:
-    """Field metadata: ``switch_off`` makes a bool field a ``--no-...`` flag that sets it False; ``choice_note``
-    follows the list of a ``Literal`` field's values in its error message."""
+    """Field metadata: ``switch_off`` makes a bool field a ``--no-...`` flag that sets it False;
+    ``choice_note`` follows the list of a ``Literal`` field's values in its error message."""
     return {"help": help, "flag": flag, "parse": parse, "shown": shown, "switch_off": switch_off,
             "choice_note": choice_note}
 
@@ -128,7 +139,7 @@ def _at_least(name: str, value: int | None, low: int, allow_none: bool = False) 
         raise ValueError(f"{name} must be >= {low}")
 
 
-# ---------------------------------------------------------------------------------------------- engine
+# ------------------------------------------------------------------------------------------- engine
 
 
 DEFAULT_KV_CACHE_MEMORY = 2**30  # the KV pool where --kv-cache-memory is not given, on the CPU
@@ -140,9 +151,14 @@ class CacheConfig:
     # None: not given. On the CPU that is DEFAULT_KV_CACHE_MEMORY (1GiB); on CUDA the pool is what
     # --gpu-memory-utilization of the device leaves (engine/resolve.py, device_memory.py)
     kv_cache_memory_bytes: int | None = field(
-        default=None, metadata=option(
+        default=None,
+        metadata=option(
             "bytes for the paged KV cache pool (e.g. 1GiB); default: 1GiB on the CPU, on cuda what "
-            "--gpu-memory-utilization of the device leaves", flag="--kv-cache-memory", parse=parse_bytes))
+            "--gpu-memory-utilization of the device leaves",
+            flag="--kv-cache-memory",
+            parse=parse_bytes,
+        ),
+    )
     gpu_memory_utilization: float = field(
         default=0.9, metadata=option(
             "share of the CUDA device's memory the engine may use: the KV pool is what it leaves after the weights, "
@@ -156,8 +172,11 @@ class CacheConfig:
         default=512 * 2**20, metadata=option("bytes of vision-encoder outputs kept by image hash",
                                              flag="--encoder-cache-memory", parse=parse_bytes))
     enable_encoder_cache: bool = field(
-        default=True, metadata=option("disable the vision-encoder output cache", flag="--no-encoder-cache",
-                                      switch_off=True))
+        default=True,
+        metadata=option(
+            "disable the vision-encoder output cache", flag="--no-encoder-cache", switch_off=True
+        ),
+    )
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -165,20 +184,28 @@ class CacheConfig:
         if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes <= 0:
             raise ValueError("kv_cache_memory_bytes must be positive")
         if not 0 < self.gpu_memory_utilization <= 1:
-            raise ValueError("gpu_memory_utilization must be > 0 and <= 1 (a share of the device's memory)")
+            raise ValueError(
+                "gpu_memory_utilization must be > 0 and <= 1 (a share of the device's memory)"
+            )
         if self.encoder_cache_memory_bytes < 0:
             raise ValueError("encoder_cache_memory_bytes must be >= 0")
 
     @property
     def kv_pool_bytes(self) -> int:
-        """The KV pool's bytes where they are not taken from a device: as given, else DEFAULT_KV_CACHE_MEMORY."""
-        return DEFAULT_KV_CACHE_MEMORY if self.kv_cache_memory_bytes is None else self.kv_cache_memory_bytes
+        """The KV pool's bytes where they are not taken from a device: as given, else
+        DEFAULT_KV_CACHE_MEMORY."""
+        return (
+            DEFAULT_KV_CACHE_MEMORY
+            if self.kv_cache_memory_bytes is None
+            else self.kv_cache_memory_bytes
+        )
 
 
 @dataclass(frozen=True)
 class GrammarConfig:
-    """How constrained requests' grammar work runs (firsttoken/structured/masks.py): off the step's thread, each
-    row's mask bounded per step and per request, so no grammar holds its batch-mates back."""
+    """How constrained requests' grammar work runs (firsttoken/structured/masks.py): off the step's
+    thread, each row's mask bounded per step and per request, so no grammar holds its batch-mates
+    back."""
 
     mask_threads: int = field(default=4, metadata=option(
         "threads that advance constrained requests' grammars by their sampled tokens and fill their next output "
@@ -204,10 +231,11 @@ class GrammarConfig:
 
     @property
     def pending_mask_s(self) -> float:
-        """Wall seconds one token's mask may keep its request pending (from the first step that asked for it):
-        twice ``request_mask_s``, so a grammar within its CPU budget has as long again to wait for a grammar thread
-        (other requests' jobs ahead of it) or a core, while a job that never ends (its CPU is counted only when it
-        does) or one queued behind such jobs still ends its request in bounded time."""
+        """Wall seconds one token's mask may keep its request pending (from the first step that
+        asked for it): twice ``request_mask_s``, so a grammar within its CPU budget has as long
+        again to wait for a grammar thread (other requests' jobs ahead of it) or a core, while a job
+        that never ends (its CPU is counted only when it does) or one queued behind such jobs still
+        ends its request in bounded time."""
         return 2 * self.request_mask_s
 
 
@@ -309,16 +337,20 @@ class SchedulerConfig:
         try:
             slo = self.ttft_slo_s
         except ValueError:
-            raise ValueError("ttft_slo must look like text=1.5,image=12 (seconds per class)") from None
+            raise ValueError(
+                "ttft_slo must look like text=1.5,image=12 (seconds per class)"
+            ) from None
         if set(slo) - {"text", "image", "video"} or any(not v > 0 for v in slo.values()):
-            raise ValueError("ttft_slo classes are text, image and video, each with a positive number of seconds")
+            raise ValueError(
+                "ttft_slo classes are text, image and video, each with a positive number of seconds"
+            )
         _auto_off_or_seconds("itl_target", self.itl_target)
         _auto_off_or_seconds("step_time_target", self.step_time_target)
 
     @property
     def ttft_slo_s(self) -> dict[str, float]:
-        """{"text": seconds, "image": seconds, "video": seconds} for the classes given (a prompt with any video is of
-        class video)."""
+        """{"text": seconds, "image": seconds, "video": seconds} for the classes given (a prompt
+        with any video is of class video)."""
         out: dict[str, float] = {}
         for part in filter(None, (p.strip() for p in self.ttft_slo.split(","))):
             name, _, value = part.partition("=")
@@ -388,7 +420,9 @@ class EngineConfig:
         "decode step is bound by memory bandwidth, and the server's own threads stream its tokens meanwhile); "
         "decode steps that firsttoken's fused decode layers take give torch one thread and those kernels all "
         "--num-threads as workers of their own, which a pre-empted one never stalls"))
-    seed: int | None = field(default=None, metadata=option("seed for requests that bring no seed of their own"))
+    seed: int | None = field(
+        default=None, metadata=option("seed for requests that bring no seed of their own")
+    )
     request_timeout_s: float | None = field(default=None, metadata=option(
         "seconds a request may take from arrival to its last token; later it fails with HTTP 504 (or an error "
         "event mid-stream) and its KV blocks are freed (default: no limit)", flag="--request-timeout"))
@@ -401,28 +435,35 @@ class EngineConfig:
     grammar: GrammarConfig = field(default_factory=GrammarConfig)
 
     def __post_init__(self) -> None:
-        _check_choices(self)  # dtype, quantization, cpu_kernels, device, load_format, attention_backend
+        # dtype, quantization, cpu_kernels, device, load_format, attention_backend
+        _check_choices(self)
         if self.device == "cuda" and self.quantization in FLOAT32_ACTIVATIONS:
             raise ValueError(f"quantization {self.quantization} runs on the CPU only: with --device cuda use none "
                              "(or auto)")
         if self.quantization in FLOAT32_ACTIVATIONS and self.dtype not in ("auto", "float32"):
-            raise ValueError(f"quantization {self.quantization} runs float32 activations: use --dtype float32 "
-                             "(or auto)")
+            raise ValueError(
+                f"quantization {self.quantization} runs float32 activations: use --dtype float32 "
+                "(or auto)"
+            )
         _at_least("num_threads", self.num_threads, 1, allow_none=True)
         _at_least("decode_threads", self.decode_threads, 1, allow_none=True)
-        if self.num_threads is not None and self.decode_threads is not None and self.decode_threads > self.num_threads:
+        if (
+            self.num_threads is not None
+            and self.decode_threads is not None
+            and self.decode_threads > self.num_threads
+        ):
             raise ValueError(f"decode_threads ({self.decode_threads}) must not exceed num_threads ({self.num_threads})")
         _positive("request_timeout_s", self.request_timeout_s, allow_none=True)
         _at_least("max_unread_outputs", self.max_unread_outputs, 1)
 
 
-# ---------------------------------------------------------------------------------------------- inputs
+# ------------------------------------------------------------------------------------------- inputs
 
 
 @dataclass(frozen=True)
 class ImageConfig:
-    """The visual-token budget (inputs/budget.py applies it), the limits checked before anything is decoded, and
-    where images may come from."""
+    """The visual-token budget (inputs/budget.py applies it), the limits checked before anything is
+    decoded, and where images may come from."""
 
     image_max_tokens: int = field(default=1280, metadata=option(
         "visual tokens per image at most (the cap; images are resized to fit, aspect ratio kept; requests may ask "
@@ -444,14 +485,24 @@ class ImageConfig:
     max_input_tokens: int | None = field(default=None, metadata=option(
         "prompt tokens (text + image + chat template) a request may bring; more gets HTTP 400 (default: only the "
         "context limit applies)"))
-    allowed_media_dir: Path | None = field(default=None, metadata=option(
-        "serve local image paths / file:// URLs only inside this directory (off by default)", parse=Path))
+    allowed_media_dir: Path | None = field(
+        default=None,
+        metadata=option(
+            "serve local image paths / file:// URLs only inside this directory (off by default)",
+            parse=Path,
+        ),
+    )
     allowed_media_domains: tuple[str, ...] = field(default=(), metadata=option(
         "comma-separated hosts whose http(s) image URLs the server may fetch (off by default); never from "
         "loopback, private, link-local or metadata addresses, checked after DNS and on every redirect",
         parse=_csv, shown="none"))
-    media_fetch_timeout_s: float = field(default=5.0, metadata=option(
-        "seconds one remote image fetch may take, redirects included", flag="--media-fetch-timeout"))
+    media_fetch_timeout_s: float = field(
+        default=5.0,
+        metadata=option(
+            "seconds one remote image fetch may take, redirects included",
+            flag="--media-fetch-timeout",
+        ),
+    )
 
     def __post_init__(self) -> None:
         _at_least("image_max_tokens", self.image_max_tokens, 1)
@@ -468,10 +519,10 @@ class ImageConfig:
 
 @dataclass(frozen=True)
 class VideoConfig:
-    """The video budget (inputs/video.py plans it from the container before any frame is decoded) and the limits
-    checked on the header. Defaults follow Qwen's own utilities (qwen-vl-utils 0.0.14: 2 fps, 4 to 768 frames, 128
-    to 768 tokens per two-frame grid) except the per-video cap, which is set for a first token in seconds rather
-    than Qwen's ~115k tokens."""
+    """The video budget (inputs/video.py plans it from the container before any frame is decoded)
+    and the limits checked on the header. Defaults follow Qwen's own utilities (qwen-vl-utils
+    0.0.14: 2 fps, 4 to 768 frames, 128 to 768 tokens per two-frame grid) except the per-video cap,
+    which is set for a first token in seconds rather than Qwen's ~115k tokens."""
 
     video_max_tokens: int = field(default=4096, metadata=option(
         "visual tokens per video at most: (frames / 2) x tokens per two-frame grid; frames are sampled sparser and "
@@ -513,8 +564,10 @@ class VideoConfig:
         if self.video_max_frame_tokens < self.video_min_frame_tokens:
             raise ValueError("video_max_frame_tokens must be >= video_min_frame_tokens")
         if self.video_max_tokens < self.video_min_frame_tokens:
-            raise ValueError("video_max_tokens must be >= video_min_frame_tokens (one two-frame grid at its "
-                             "smallest size)")
+            raise ValueError(
+                "video_max_tokens must be >= video_min_frame_tokens (one two-frame grid at its "
+                "smallest size)"
+            )
         _positive("video_max_seconds", self.video_max_seconds)
         _at_least("max_video_source_frames", self.max_video_source_frames, 1)
         _at_least("max_video_pixels", self.max_video_pixels, 1)
@@ -524,15 +577,20 @@ class VideoConfig:
         _at_least("max_videos_per_request", self.max_videos_per_request, 0)
 
 
-# ---------------------------------------------------------------------------------------------- server
+# ------------------------------------------------------------------------------------------- server
 
 
 @dataclass(frozen=True)
 class ServerConfig:
     host: str = field(default="127.0.0.1", metadata=option("address to bind"))
     port: int = field(default=8000, metadata=option("port to bind"))
-    max_request_bytes: int = field(default=64 * 2**20, metadata=option(
-        "largest request body; larger gets HTTP 413 (base64 images are ~4/3 of their bytes)", parse=parse_bytes))
+    max_request_bytes: int = field(
+        default=64 * 2**20,
+        metadata=option(
+            "largest request body; larger gets HTTP 413 (base64 images are ~4/3 of their bytes)",
+            parse=parse_bytes,
+        ),
+    )
     max_concurrent_requests: int = field(default=0, metadata=option(
         "requests in flight at once (preprocessing + generation), all lanes; beyond it HTTP 429 (0: no cap; the "
         "per-lane queue bound usually suffices)"))
@@ -556,8 +614,13 @@ class ServerConfig:
         "image bytes", parse=Path))
     request_log_content: bool = field(default=False, metadata=option(
         "also write each prompt's text and image hashes to the request log"))
-    stats_window_s: float = field(default=300.0, metadata=option(
-        "seconds of finished requests that GET /stats and /dashboard summarise", flag="--stats-window"))
+    stats_window_s: float = field(
+        default=300.0,
+        metadata=option(
+            "seconds of finished requests that GET /stats and /dashboard summarise",
+            flag="--stats-window",
+        ),
+    )
     api_key: str | None = field(default=None, metadata=option(
         "require 'Authorization: Bearer KEY' on every route but /health and /dashboard (default: "
         "$FIRSTTOKEN_API_KEY; unset = open)", shown="$FIRSTTOKEN_API_KEY"))
@@ -590,7 +653,7 @@ class ServeConfig:
     server: ServerConfig = field(default_factory=ServerConfig)
 
 
-# ---------------------------------------------------------------------------------------------- flags
+# -------------------------------------------------------------------------------------------- flags
 
 
 @dataclass(frozen=True)
@@ -638,15 +701,17 @@ def flag_for_field(field_name: str, cls: type = ServeConfig) -> str | None:
 
 
 def build_config(values: dict[str, Any], cls: type = ServeConfig) -> Any:
-    """The tree from flag values by dest (missing ones keep their default); ValueError names the bad field."""
+    """The tree from flag values by dest (missing ones keep their default); ValueError names the bad
+    field."""
     return _build(cls, (), {f.path: values.get(f.dest, f.default) for f in config_flags(cls)})
 
 
 def config_from_options(base: dict[str, Any] | None = None, **options: Any) -> ServeConfig:
-    """The tree from options named by flag dest (``kv_cache_memory=2**24``, ``no_prefix_cache=True``), values as
-    parsed or as the flag's text (``kv_cache_memory="16MiB"``, ``allowed_media_domains="a.com,b.org"``). ``base``:
-    values already parsed (an argparse namespace's dict, where switches are False unless given). ValueError names
-    the field of a bad value or the unknown option."""
+    """The tree from options named by flag dest (``kv_cache_memory=2**24``,
+    ``no_prefix_cache=True``), values as parsed or as the flag's text (``kv_cache_memory="16MiB"``,
+    ``allowed_media_domains="a.com,b.org"``). ``base``: values already parsed (an argparse
+    namespace's dict, where switches are False unless given). ValueError names the field of a bad
+    value or the unknown option."""
     flags = {f.dest: f for f in config_flags()}
     unknown = set(options) - set(flags)
     if unknown:
@@ -657,7 +722,8 @@ def config_from_options(base: dict[str, Any] | None = None, **options: Any) -> S
         if isinstance(value, str) and f.parse not in (None, str):
             value = f.parse(value)
         values[dest] = value
-    for f in flags.values():  # a switch's value says whether its flag was given: the field's non-default value
+    # a switch's value says whether its flag was given: the field's non-default value
+    for f in flags.values():
         if f.parse is None and f.dest in values:
             values[f.dest] = (not values[f.dest]) if f.switch_off else bool(values[f.dest])
     return build_config(values)
@@ -691,7 +757,7 @@ def _shown(default: Any, parse: Callable[[str], Any] | None) -> str:
     return str(default)
 
 
-# ---------------------------------------------------------------------------------------------- checkpoint
+# --------------------------------------------------------------------------------------- checkpoint
 
 
 @dataclass(frozen=True)
@@ -721,7 +787,9 @@ class GenerationDefaults:
             top_p=float(d.get("top_p", 1.0)),
             top_k=int(d.get("top_k") or 0),
             repetition_penalty=float(d.get("repetition_penalty", 1.0)),
-            extra={k: v for k, v in d.items() if k not in {"eos_token_id", "temperature", "top_p", "top_k"}},
+            extra={
+                k: v
+                for k, v in d.items()
+                if k not in {"eos_token_id", "temperature", "top_p", "top_k"}
+            },
         )
-
-

@@ -9,19 +9,21 @@
         {"temperature": 0, "max_tokens": 32})
     print(out.text, out.usage, out.timings["ttft_s"])
 
-``chat`` takes one conversation or a list of them; a list runs as one batch through the same scheduler the server
-uses (continuous batching, chunked prefill, lanes, prefix and encoder caches), with one sampling for all or a list
-of them, one per conversation (as vLLM's ``LLM.generate`` takes a list of ``SamplingParams``). ``complete`` does the
-same for raw prompts. Options are the ``firsttoken serve`` flags by name (``kv_cache_memory="2GiB"``,
-``image_max_tokens=1280``, ``no_prefix_cache=True``), so every default is the server's (but ``decode_threads``:
-with no server threads to leave a core to, decoding uses all of them).
+``chat`` takes one conversation or a list of them; a list runs as one batch through the same
+scheduler the server uses (continuous batching, chunked prefill, lanes, prefix and encoder caches),
+with one sampling for all or a list of them, one per conversation (as vLLM's ``LLM.generate`` takes
+a list of ``SamplingParams``). ``complete`` does the same for raw prompts. Options are the
+``firsttoken serve`` flags by name (``kv_cache_memory="2GiB"``, ``image_max_tokens=1280``,
+``no_prefix_cache=True``), so every default is the server's (but ``decode_threads``: with no server
+threads to leave a core to, decoding uses all of them).
 
-Inputs are validated by the HTTP routes' own schemas: ``chat`` makes /v1/chat/completions' body of the conversation
-and the sampling fields, ``complete`` /v1/completions' (its ``logprobs`` is the number of alternatives), so every
-field means, converts and is refused as it is over HTTP: a bad one raises ``InputError`` (a ``ValueError``) with the
-message and ``param`` of the route's 400, before anything runs. Two differences: a key that is no field of the body
-is refused (HTTP ignores it, for clients that send extras), and so are the fields that frame an answer rather than
-sample it (``NOT_SAMPLING``: ``n``, ``stream``, ``tools``, ...). A ``SamplingRequest`` is taken as it is.
+Inputs are validated by the HTTP routes' own schemas: ``chat`` makes /v1/chat/completions' body of
+the conversation and the sampling fields, ``complete`` /v1/completions' (its ``logprobs`` is the
+number of alternatives), so every field means, converts and is refused as it is over HTTP: a bad one
+raises ``InputError`` (a ``ValueError``) with the message and ``param`` of the route's 400, before
+anything runs. Two differences: a key that is no field of the body is refused (HTTP ignores it, for
+clients that send extras), and so are the fields that frame an answer rather than sample it
+(``NOT_SAMPLING``: ``n``, ``stream``, ``tools``, ...). A ``SamplingRequest`` is taken as it is.
 """
 
 from __future__ import annotations
@@ -70,7 +72,8 @@ class RequestResult:
     token_ids: tuple[int, ...]
     finish_reason: str  # stop | length | error
     usage: Usage
-    timings: Mapping[str, float | int | None]  # the server's usage.firsttoken: ttft_s, phases, cache counts
+    # the server's usage.firsttoken: ttft_s, phases, cache counts
+    timings: Mapping[str, float | int | None]
     logprobs: tuple[TokenLogprob, ...] = ()
     error: str | None = None  # with finish_reason "error": what failed (this request only)
 
@@ -80,19 +83,25 @@ Sampling = SamplingRequest | Mapping[str, Any] | None
 
 
 class LLM:
-    """An engine in this process. Not thread-safe: call it from one thread (it runs the engine loop itself)."""
+    """An engine in this process. Not thread-safe: call it from one thread (it runs the engine loop
+    itself)."""
 
     def __init__(self, model: str | Path | None = None, **options: Any) -> None:
         from firsttoken.models.checkpoint import demo_model_dir
         from firsttoken.models.hub import resolve_model
 
-        self.config: ServeConfig = config_from_options(model=None if model is None else str(model), **options)
+        self.config: ServeConfig = config_from_options(
+            model=None if model is None else str(model), **options
+        )
         self.model_dir = resolve_model(model) if model is not None else demo_model_dir()
         self.tokenizer = load_tokenizer(self.model_dir, self.config.chat_template)
         decoder = getattr(self.tokenizer, "backend_tokenizer", None) or self.tokenizer
         engine_config = self.config.engine
-        if engine_config.decode_threads is None:  # no server threads to leave a core to: decode on all of them
-            engine_config = replace(engine_config, decode_threads=engine_config.num_threads or DEFAULT_THREADS)
+        # no server threads to leave a core to: decode on all of them
+        if engine_config.decode_threads is None:
+            engine_config = replace(
+                engine_config, decode_threads=engine_config.num_threads or DEFAULT_THREADS
+            )
         self.engine = LLMEngine(self.model_dir, engine_config, decoder,
                                 profile_image_tokens=self.config.images.image_max_tokens)
         self.processor = InputProcessor(
@@ -105,25 +114,28 @@ class LLM:
         )
         self._next_id = 0
 
-    # ---- public ------------------------------------------------------------------------------------------
+    # ---- public ----------------------------------------------------------------------------------
     def chat(
         self,
         messages: Conversation | Sequence[Conversation],
         sampling: Sampling | Sequence[Sampling] = None,
     ) -> RequestResult | list[RequestResult]:
-        """One conversation -> one result; a list of conversations -> a list of results, run as one batch.
-        ``sampling``: one for every conversation, or a list with one per conversation."""
+        """One conversation -> one result; a list of conversations -> a list of results, run as one
+        batch. ``sampling``: one for every conversation, or a list with one per conversation."""
         batch = _is_batch(messages)
         conversations = list(messages) if batch else [messages]
-        made = [_chat(c, s) for c, s in zip(conversations, _per_prompt(sampling, len(conversations)))]
+        made = [
+            _chat(c, s) for c, s in zip(conversations, _per_prompt(sampling, len(conversations)))
+        ]
         results = self.run([prompt for prompt, _ in made], [request for _, request in made])
         return results if batch else results[0]
 
     def complete(
         self, prompts: str | Sequence[str], sampling: Sampling | Sequence[Sampling] = None
     ) -> RequestResult | list[RequestResult]:
-        """Raw text prompts (chat control tokens honoured, as /v1/completions, whose fields ``sampling`` takes:
-        ``logprobs`` is the number of alternatives); ``sampling`` as for ``chat``."""
+        """Raw text prompts (chat control tokens honoured, as /v1/completions, whose fields
+        ``sampling`` takes: ``logprobs`` is the number of alternatives); ``sampling`` as for
+        ``chat``."""
         batch = not isinstance(prompts, str)
         texts = list(prompts) if batch else [prompts]
         made = [_completion(t, s) for t, s in zip(texts, _per_prompt(sampling, len(texts)))]
@@ -131,22 +143,29 @@ class LLM:
         return results if batch else results[0]
 
     def preprocess_chat(self, messages: Conversation, sampling: Sampling = None) -> EngineRequest:
-        """What ``chat`` hands the engine for one conversation (prompt token ids with the image pads expanded, M-RoPE
-        positions, each image's patches), without running it: for comparing with another implementation on the very
-        same inputs. Nothing runs or is queued (the processed-image cache keeps the pixels, as for ``chat``)."""
+        """What ``chat`` hands the engine for one conversation (prompt token ids with the image pads
+        expanded, M-RoPE positions, each image's patches), without running it: for comparing with
+        another implementation on the very same inputs. Nothing runs or is queued (the
+        processed-image cache keeps the pixels, as for ``chat``)."""
         prompt, request = _chat(messages, sampling)
         return self.processor.process(prompt, request, "preprocess-only", time.monotonic())
 
-    def run(self, prompts: Sequence[Prompt], sampling: SamplingRequest | Sequence[SamplingRequest] = SamplingRequest()
-            ) -> list[RequestResult]:
-        """The input processor's own values (``chat`` and ``complete`` make them from OpenAI-style ones): preprocess
-        every prompt (any refusal raises before anything runs), then step the engine until all finish."""
+    def run(
+        self,
+        prompts: Sequence[Prompt],
+        sampling: SamplingRequest | Sequence[SamplingRequest] = SamplingRequest(),
+    ) -> list[RequestResult]:
+        """The input processor's own values (``chat`` and ``complete`` make them from OpenAI-style
+        ones): preprocess every prompt (any refusal raises before anything runs), then step the
+        engine until all finish."""
         per_prompt = _per_prompt(sampling, len(prompts))
         arrival = time.monotonic()
         requests: list[EngineRequest] = []
         for prompt, request in zip(prompts, per_prompt):
             self._next_id += 1
-            requests.append(self.processor.process(prompt, request, f"offline-{self._next_id}", arrival))
+            requests.append(
+                self.processor.process(prompt, request, f"offline-{self._next_id}", arrival)
+            )
         collected = {r.request_id: _Collected(Timeline(arrival)) for r in requests}
         for r in requests:
             collected[r.request_id].timeline.take_request(r)
@@ -157,7 +176,9 @@ class LLM:
         try:
             while pending:
                 self._step(collected, pending)
-        finally:  # the engine changes this thread's torch and kernel threads (--decode-threads): give them back
+        # the engine changes this thread's torch and kernel threads (--decode-threads): give them
+        # back
+        finally:
             torch.set_num_threads(threads)
             set_kernel_threads(kernel_threads)
         return [collected[r.request_id].result(r.request_id) for r in requests]
@@ -185,7 +206,13 @@ class _Collected:
     final: Any = None
 
     def __init__(self, timeline: Timeline) -> None:
-        self.timeline, self.text, self.token_ids, self.logprobs, self.final = timeline, [], [], [], None
+        self.timeline, self.text, self.token_ids, self.logprobs, self.final = (
+            timeline,
+            [],
+            [],
+            [],
+            None,
+        )
 
     def result(self, request_id: str) -> RequestResult:
         final = self.final
@@ -197,7 +224,11 @@ class _Collected:
             text="".join(self.text),
             token_ids=tuple(self.token_ids),
             finish_reason=reason.value,
-            usage=Usage(final.num_prompt_tokens, final.num_output_tokens, final.stats.num_cached_prompt_tokens),
+            usage=Usage(
+                final.num_prompt_tokens,
+                final.num_output_tokens,
+                final.stats.num_cached_prompt_tokens,
+            ),
             timings=self.timeline.to_dict(),
             logprobs=tuple(self.logprobs),
             error=final.error,
@@ -205,14 +236,18 @@ class _Collected:
 
 
 def _is_batch(messages: Any) -> bool:
-    """A list of conversations (each a list of messages) vs one conversation (a list of message mappings)."""
-    return isinstance(messages, Sequence) and bool(messages) and not isinstance(messages[0], Mapping)
+    """A list of conversations (each a list of messages) vs one conversation (a list of message
+    mappings)."""
+    return (
+        isinstance(messages, Sequence) and bool(messages) and not isinstance(messages[0], Mapping)
+    )
 
 
-OFFLINE_MODEL = "offline"  # the ``model`` of the bodies the offline API validates (it serves the model it loaded)
+# the ``model`` of the bodies the offline API validates (it serves the model it loaded)
+OFFLINE_MODEL = "offline"
 
-# Request fields that say what to answer or how to frame the answer, not how to sample: the offline API takes its
-# prompts as arguments and answers each with one whole RequestResult of text.
+# Request fields that say what to answer or how to frame the answer, not how to sample: the offline
+# API takes its prompts as arguments and answers each with one whole RequestResult of text.
 NOT_SAMPLING: dict[str, str] = {
     "model": "the LLM serves the model it loaded",
     "messages": "the conversation is chat()'s first argument",
@@ -228,29 +263,47 @@ NOT_SAMPLING: dict[str, str] = {
 
 
 def _chat(conversation: Conversation, sampling: Sampling) -> tuple[ChatPrompt, SamplingRequest]:
-    """The conversation and OpenAI-style sampling fields validated as /v1/chat/completions validates its body (a
-    refusal is its 400's message); ``{"type": "image_pil", "image_pil": img}`` parts (PIL images, as vLLM's offline
-    API accepts) stand in as empty text parts, then become PNG bytes."""
-    messages = [_without_pil(m) for m in conversation] if isinstance(conversation, Sequence) else conversation
-    body = {**_sampling_fields(sampling, ChatCompletionRequest, "/v1/chat/completions"), "model": OFFLINE_MODEL,
-            "messages": messages}
+    """The conversation and OpenAI-style sampling fields validated as /v1/chat/completions validates
+    its body (a refusal is its 400's message); ``{"type": "image_pil", "image_pil": img}`` parts
+    (PIL images, as vLLM's offline API accepts) stand in as empty text parts, then become PNG
+    bytes."""
+    messages = (
+        [_without_pil(m) for m in conversation]
+        if isinstance(conversation, Sequence)
+        else conversation
+    )
+    body = {
+        **_sampling_fields(sampling, ChatCompletionRequest, "/v1/chat/completions"),
+        "model": OFFLINE_MODEL,
+        "messages": messages,
+    }
     request = _validated(ChatCompletionRequest, body)
     prompt = request.to_prompt()
-    prompt = replace(prompt, messages=tuple(_with_pil(m, original) for m, original in zip(prompt.messages,
-                                                                                         conversation)))
+    prompt = replace(
+        prompt,
+        messages=tuple(
+            _with_pil(m, original) for m, original in zip(prompt.messages, conversation)
+        ),
+    )
     return prompt, sampling if isinstance(sampling, SamplingRequest) else request.to_sampling()
 
 
 def _completion(text: str, sampling: Sampling) -> tuple[Prompt, SamplingRequest]:
     """A prompt and OpenAI-style sampling fields validated as /v1/completions validates its body."""
-    body = {**_sampling_fields(sampling, CompletionRequest, "/v1/completions"), "model": OFFLINE_MODEL, "prompt": text}
+    body = {
+        **_sampling_fields(sampling, CompletionRequest, "/v1/completions"),
+        "model": OFFLINE_MODEL,
+        "prompt": text,
+    }
     request = _validated(CompletionRequest, body)
-    return request.prompts()[0], sampling if isinstance(sampling, SamplingRequest) else request.to_sampling()
+    return request.prompts()[0], sampling if isinstance(
+        sampling, SamplingRequest
+    ) else request.to_sampling()
 
 
 def _validated(model: type[M], body: dict[str, Any]) -> M:
-    """``body`` as its HTTP route validates it; a refusal raises InputError (a ValueError) with the message and
-    param of that route's 400."""
+    """``body`` as its HTTP route validates it; a refusal raises InputError (a ValueError) with the
+    message and param of that route's 400."""
     try:
         return validate_model(body, model)
     except RequestValidationError as err:
@@ -258,8 +311,9 @@ def _validated(model: type[M], body: dict[str, Any]) -> M:
 
 
 def _sampling_fields(sampling: Sampling, model: type[BaseModel], route: str) -> dict[str, Any]:
-    """OpenAI-style sampling fields, each a field of ``model`` (or one of UNSUPPORTED_FIELDS, which its validation
-    refuses unless "off"), none of NOT_SAMPLING; a SamplingRequest (already the processor's value) or None: none."""
+    """OpenAI-style sampling fields, each a field of ``model`` (or one of UNSUPPORTED_FIELDS, which
+    its validation refuses unless "off"), none of NOT_SAMPLING; a SamplingRequest (already the
+    processor's value) or None: none."""
     if sampling is None or isinstance(sampling, SamplingRequest):
         return {}
     if not isinstance(sampling, Mapping):
@@ -278,15 +332,22 @@ def _without_pil(message: Any) -> Any:
     content = message.get("content") if isinstance(message, Mapping) else None
     if not isinstance(content, list) or not any(_is_pil_part(p) for p in content):
         return message
-    return {**message, "content": [{"type": "text", "text": ""} if _is_pil_part(p) else p for p in content]}
+    return {
+        **message,
+        "content": [{"type": "text", "text": ""} if _is_pil_part(p) else p for p in content],
+    }
 
 
 def _with_pil(message: Message, original: Any) -> Message:
-    """``message`` with the PIL images of ``original`` (the client's message) back in place of their stand-ins."""
+    """``message`` with the PIL images of ``original`` (the client's message) back in place of their
+    stand-ins."""
     content = original.get("content") if isinstance(original, Mapping) else None
     if not isinstance(content, list) or not any(_is_pil_part(p) for p in content):
         return message
-    parts = [ImagePart(data=_png(p["image_pil"])) if _is_pil_part(p) else q for p, q in zip(content, message.content)]
+    parts = [
+        ImagePart(data=_png(p["image_pil"])) if _is_pil_part(p) else q
+        for p, q in zip(content, message.content)
+    ]
     return replace(message, content=tuple(parts))
 
 

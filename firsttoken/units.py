@@ -1,4 +1,5 @@
-"""Units shared by the server's flags and the operator tools, so `plan`'s advice means what `serve` reads."""
+"""Units shared by the server's flags and the operator tools, so `plan`'s advice means what `serve`
+reads."""
 
 from __future__ import annotations
 
@@ -23,16 +24,24 @@ def parse_bytes(text: str | int) -> int:
 
 
 def format_size(num_bytes: int) -> str:
-    """The shortest exact size flag for a byte count: 2**30 -> '1GiB', 80 x 10**9 -> '80G', 1001 -> '1001'.
+    """The shortest exact size flag for a byte count: 2**30 -> '1GiB', 80 x 10**9 -> '80G', 1001 ->
+    '1001'.
 
-    parse_bytes(format_size(n)) == n for every n >= 0, so a size printed by one tool is a flag another reads.
+    parse_bytes(format_size(n)) == n for every n >= 0, so a size printed by one tool is a flag
+    another reads.
     """
-    exact = [f"{num_bytes // size}{suffix}" for suffix, size in _SIZE_UNITS if num_bytes and num_bytes % size == 0]
-    return min([*exact, str(num_bytes)], key=len)  # min keeps the first of equal lengths: binary units win ties
+    exact = [
+        f"{num_bytes // size}{suffix}"
+        for suffix, size in _SIZE_UNITS
+        if num_bytes and num_bytes % size == 0
+    ]
+    # min keeps the first of equal lengths: binary units win ties
+    return min([*exact, str(num_bytes)], key=len)
 
 
 def format_bytes(num_bytes: float) -> str:
-    """A byte count for reading (not for flags): 2 decimals in the largest binary unit, '17.00 GiB'."""
+    """A byte count for reading (not for flags): 2 decimals in the largest binary unit, '17.00
+    GiB'."""
     for unit, size in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
         if abs(num_bytes) >= size:
             return f"{num_bytes / size:.2f} {unit}"

@@ -1,18 +1,19 @@
 """A request body, bytes to schema object, with a refusal that says what is wrong.
 
-Each check is cheaper than the next and names the problem: empty → not UTF-8 → not JSON (json's reason and
-position, never the text) → nested deeper than ``MAX_JSON_DEPTH`` → not an object → the schema (pydantic
-errors become ``RequestValidationError``, rendered by errors.validation_error_message). The routes read their
-body here rather than through FastAPI's body parameter, whose failures all read "There was an error parsing
-the body".
+Each check is cheaper than the next and names the problem: empty → not UTF-8 → not JSON (json's
+reason and position, never the text) → nested deeper than ``MAX_JSON_DEPTH`` → not an object → the
+schema (pydantic errors become ``RequestValidationError``, rendered by
+errors.validation_error_message). The routes read their body here rather than through FastAPI's body
+parameter, whose failures all read "There was an error parsing the body".
 
-JSON is parsed by the standard library (it accepts NaN and Infinity, which the range checks then refuse with
-the field's name). An integer of more digits than Python converts (4300, a guard against quadratic parsing) is
-valid JSON too: it is read as an infinity of its sign, as a float of that many digits already is, so the field's
-own check refuses it by name (every integer field is 64-bit) and a field the schema ignores stays ignored. Its C
-decoder gives up on nesting deeper than the interpreter's recursion limit after reading only that far; anything
-nested deeper than ``MAX_JSON_DEPTH`` (our schemas need 5 levels) is refused as well, by a walk that only runs
-when the body holds more brackets than the limit.
+JSON is parsed by the standard library (it accepts NaN and Infinity, which the range checks then
+refuse with the field's name). An integer of more digits than Python converts (4300, a guard against
+quadratic parsing) is valid JSON too: it is read as an infinity of its sign, as a float of that many
+digits already is, so the field's own check refuses it by name (every integer field is 64-bit) and a
+field the schema ignores stays ignored. Its C decoder gives up on nesting deeper than the
+interpreter's recursion limit after reading only that far; anything nested deeper than
+``MAX_JSON_DEPTH`` (our schemas need 5 levels) is refused as well, by a walk that only runs when the
+body holds more brackets than the limit.
 """
 
 from __future__ import annotations
@@ -38,13 +39,15 @@ async def read_model(request: Request, model: type[M]) -> M:
 
 
 def parse_model(body: bytes, model: type[M]) -> M:
-    """``model`` validated from a JSON body; APIError(400) or RequestValidationError naming what is wrong."""
+    """``model`` validated from a JSON body; APIError(400) or RequestValidationError naming what is
+    wrong."""
     return validate_model(parse_json_object(body), model)
 
 
 def validate_model(value: dict[str, Any], model: type[M]) -> M:
-    """``model`` validated from a body's JSON object (the offline API's bodies too, built from Python values);
-    RequestValidationError naming what is wrong (errors.validation_error_message renders it)."""
+    """``model`` validated from a body's JSON object (the offline API's bodies too, built from
+    Python values); RequestValidationError naming what is wrong (errors.validation_error_message
+    renders it)."""
     try:
         return model.model_validate(value)
     except ValidationError as err:
@@ -57,18 +60,24 @@ def parse_json_object(body: bytes) -> dict[str, Any]:
     try:
         text = body.decode("utf-8")
     except UnicodeDecodeError as err:
-        raise APIError(400, f"request body is not valid UTF-8 (invalid byte at offset {err.start})") from None
+        raise APIError(
+            400, f"request body is not valid UTF-8 (invalid byte at offset {err.start})"
+        ) from None
     try:
         value = json.loads(text)
     except json.JSONDecodeError as err:
         raise APIError(
-            400, f"request body is not valid JSON: {err.msg} at line {err.lineno} column {err.colno}"
+            400,
+            f"request body is not valid JSON: {err.msg} at line {err.lineno} column {err.colno}",
         ) from None
     except RecursionError:
         raise APIError(400, _TOO_DEEP) from None
-    except ValueError:  # an integer of more digits than int() converts: read again, with those as +-inf
+    # an integer of more digits than int() converts: read again, with those as +-inf
+    except ValueError:
         value = json.loads(text, parse_int=_json_int)
-    if body.count(b"[") + body.count(b"{") > MAX_JSON_DEPTH and nesting_exceeds(value, MAX_JSON_DEPTH):
+    if body.count(b"[") + body.count(b"{") > MAX_JSON_DEPTH and nesting_exceeds(
+        value, MAX_JSON_DEPTH
+    ):
         raise APIError(400, _TOO_DEEP)
     if not isinstance(value, dict):
         raise APIError(400, "request body must be a JSON object")
@@ -76,7 +85,8 @@ def parse_json_object(body: bytes) -> dict[str, Any]:
 
 
 def _json_int(digits: str) -> int | float:
-    """A JSON integer; one of more digits than Python's int() converts is past every bound: +-inf."""
+    """A JSON integer; one of more digits than Python's int() converts is past every bound:
+    +-inf."""
     try:
         return int(digits)
     except ValueError:
@@ -84,7 +94,8 @@ def _json_int(digits: str) -> int | float:
 
 
 def nesting_exceeds(value: Any, limit: int) -> bool:
-    """True when containers nest more than ``limit`` deep (the top level is depth 1). Iterative; stops early."""
+    """True when containers nest more than ``limit`` deep (the top level is depth 1). Iterative;
+    stops early."""
     if not isinstance(value, (dict, list)):
         return False
     stack: list[tuple[Any, int]] = [(value, 1)]

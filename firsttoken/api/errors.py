@@ -1,11 +1,12 @@
 """Every error leaves in OpenAI's shape: ``{"error": {"message", "type", "param", "code"}}``.
 
-``type`` names and the integer ``code`` follow vLLM's server (fixtures/vllm-0.32/error-*.txt), so clients
-written against vLLM parse ours. Messages are built here or come from exceptions whose text is client-safe by
-contract (InputError, ImageInputError, APIError, HTTPRefusal); they never echo the request payload (client
-text they name goes through ``quoting.quote``: bounded, encodable), every message is made encodable and capped
-at ``MAX_MESSAGE_CHARS`` once more where the body is rendered, and unexpected exceptions become a generic 500
-whose details stay in the server log (see middleware.py).
+``type`` names and the integer ``code`` follow vLLM's server (fixtures/vllm-0.32/error-*.txt), so
+clients written against vLLM parse ours. Messages are built here or come from exceptions whose text
+is client-safe by contract (InputError, ImageInputError, APIError, HTTPRefusal); they never echo the
+request payload (client text they name goes through ``quoting.quote``: bounded, encodable), every
+message is made encodable and capped at ``MAX_MESSAGE_CHARS`` once more where the body is rendered,
+and unexpected exceptions become a generic 500 whose details stay in the server log (see
+middleware.py).
 
 Status map: ``ERROR_MEANINGS`` (what /openapi.json says of each status; api/openapi.py).
 """
@@ -42,7 +43,8 @@ ERROR_TYPES: dict[int, str] = {
     503: "ServiceUnavailableError",
 }
 
-# What each status means, as /openapi.json documents it on every route that can send it (api/openapi.py).
+# What each status means, as /openapi.json documents it on every route that can send it
+# (api/openapi.py).
 ERROR_MEANINGS: dict[int, str] = {
     400: "the body is empty, not UTF-8, not JSON, nested too deeply or not the schema's; a field is unsupported, "
          "out of range or names media that cannot be used; or Content-Length came with Transfer-Encoding. "
@@ -60,7 +62,8 @@ ERROR_MEANINGS: dict[int, str] = {
 }
 
 
-# Handlers leave a rejection reason here for the 4xx counter (api/observability.py); absent: the status decides.
+# Handlers leave a rejection reason here for the 4xx counter (api/observability.py); absent: the
+# status decides.
 REJECT_REASON_KEY = "firsttoken.reject_reason"
 
 
@@ -75,19 +78,26 @@ class APIError(Exception):
 
 
 class HTTPRefusal(StarletteHTTPException):
-    """Raised below the routes (the body reader, the middleware's receive) to refuse a request; ``detail`` is
-    client-safe. FastAPI passes HTTPExceptions through its body reading untouched."""
+    """Raised below the routes (the body reader, the middleware's receive) to refuse a request;
+    ``detail`` is client-safe. FastAPI passes HTTPExceptions through its body reading untouched."""
 
-    def __init__(self, status_code: int, detail: str, headers: dict[str, str] | None = None) -> None:
+    def __init__(
+        self, status_code: int, detail: str, headers: dict[str, str] | None = None
+    ) -> None:
         super().__init__(status_code, detail, headers)
 
 
 def model_not_found(model: str, served_model_name: str) -> APIError:
-    return APIError(404, f"The model `{quote(model)}` does not exist. Valid aliases: {served_model_name}.", "model")
+    return APIError(
+        404,
+        f"The model `{quote(model)}` does not exist. Valid aliases: {served_model_name}.",
+        "model",
+    )
 
 
 def error_body(status_code: int, message: str, param: str | None = None) -> dict[str, Any]:
-    if len(message) > MAX_MESSAGE_CHARS:  # a safety net: messages quote client text through quote() already
+    # a safety net: messages quote client text through quote() already
+    if len(message) > MAX_MESSAGE_CHARS:
         message = message[: MAX_MESSAGE_CHARS - 1] + ELLIPSIS
     info = ErrorInfo(
         message=printable(message),
@@ -98,31 +108,44 @@ def error_body(status_code: int, message: str, param: str | None = None) -> dict
     return ErrorResponse(error=info).model_dump()
 
 
-def error_response(status_code: int, message: str, param: str | None = None, retry_after_s: float | None = None,
-                   headers: dict[str, str] | None = None) -> JSONResponse:
-    """The error in OpenAI's shape. Every 429 says when to come back (``Retry-After``, whole seconds, at least
-    RETRY_AFTER_S): clients that honour it (the openai client does) would otherwise guess."""
-    response = JSONResponse(error_body(status_code, message, param), status_code=status_code, headers=headers)
+def error_response(
+    status_code: int,
+    message: str,
+    param: str | None = None,
+    retry_after_s: float | None = None,
+    headers: dict[str, str] | None = None,
+) -> JSONResponse:
+    """The error in OpenAI's shape. Every 429 says when to come back (``Retry-After``, whole
+    seconds, at least RETRY_AFTER_S): clients that honour it (the openai client does) would
+    otherwise guess."""
+    response = JSONResponse(
+        error_body(status_code, message, param), status_code=status_code, headers=headers
+    )
     if status_code == 429 and "retry-after" not in response.headers:
         response.headers["Retry-After"] = str(max(RETRY_AFTER_S, math.ceil(retry_after_s or 0)))
     return response
 
 
 def validation_error_message(exc: RequestValidationError) -> tuple[str, str | None]:
-    """(message, param) for the first schema error. Pydantic's ``input`` (the payload) is never included."""
+    """(message, param) for the first schema error. Pydantic's ``input`` (the payload) is never
+    included."""
     errors = exc.errors()
     if not errors:
         return "invalid request body", None
-    # With unions pydantic reports one error per branch; the deepest location is the most specific, and of equally
-    # deep ones a branch whose type matched (its value out of bounds) says more than one of another type.
-    first = max(errors, key=lambda e: (len(e.get("loc", ())), not str(e.get("type", "")).endswith("_type")))
+    # With unions pydantic reports one error per branch; the deepest location is the most specific,
+    # and of equally deep ones a branch whose type matched (its value out of bounds) says more than
+    # one of another type.
+    first = max(
+        errors, key=lambda e: (len(e.get("loc", ())), not str(e.get("type", "")).endswith("_type"))
+    )
     kind = first.get("type")
     cause = (first.get("ctx") or {}).get("error")
     if isinstance(cause, FieldError):
         return str(cause), cause.field
     param = _param_path(first.get("loc", ()))
     msg = str(first.get("msg", "invalid value")).removeprefix("Value error, ")
-    if kind in ("union_tag_invalid", "union_tag_not_found"):  # the tag field is the one at fault: name it
+    # the tag field is the one at fault: name it
+    if kind in ("union_tag_invalid", "union_tag_not_found"):
         ctx = first.get("ctx") or {}
         tag = str(ctx.get("discriminator", "")).strip("'")
         param = f"{param}.{tag}" if param else tag
@@ -134,9 +157,18 @@ def validation_error_message(exc: RequestValidationError) -> tuple[str, str | No
         return f"missing required field '{param}'", param
     bound = _BOUNDS.get(str(kind))
     value = first.get("input")
-    if bound is not None and param and isinstance(value, (int, float)) and not isinstance(value, bool):
-        words, key = bound  # as SamplingParams and vLLM word them: "max_tokens must be at least 1, got -1"
-        return f"{param} must be {words} {(first.get('ctx') or {}).get(key)}, got {quote(value)}", param
+    if (
+        bound is not None
+        and param
+        and isinstance(value, (int, float))
+        and not isinstance(value, bool)
+    ):
+        # as SamplingParams and vLLM word them: "max_tokens must be at least 1, got -1"
+        words, key = bound
+        return (
+            f"{param} must be {words} {(first.get('ctx') or {}).get(key)}, got {quote(value)}",
+            param,
+        )
     return (f"{param}: {msg}" if param else msg), param
 
 
@@ -146,17 +178,20 @@ _BOUNDS = {"greater_than_equal": ("at least", "ge"), "less_than_equal": ("at mos
 
 
 _UNION_TYPE_LABELS = frozenset({"str", "int", "float", "bool", "list", "dict", "none"})
-# discriminated-union tags that are no field name (the Responses API's content parts): left out of the path
+# discriminated-union tags that are no field name (the Responses API's content parts): left out of
+# the path
 _PART_TAGS = frozenset({"input_text", "output_text", "input_image"})
 
 
 def _param_path(loc: tuple[Any, ...]) -> str | None:
-    """('body', 'messages', 0, 'content', 'list[tagged-union[..]]', 1, 'text', 'text') -> 'messages[0].content[1].text'.
+    """('body', 'messages', 0, 'content', 'list[tagged-union[..]]', 1, 'text', 'text') ->
+    'messages[0].content[1].text'.
 
-    Pydantic inserts union-branch labels into locations: type names ('str', 'list[...]', 'function-after[...]',
-    model classes) are dropped; a discriminated union's tag repeats the field name in chat's schemas ('text',
-    'image_url'), so a part equal to the one before it is dropped too, and so are the Responses API's part tags
-    (``_PART_TAGS``) and a message's role after its index (``MESSAGE_ROLES``: 'messages', 0, 'tool', 'content')."""
+    Pydantic inserts union-branch labels into locations: type names ('str', 'list[...]',
+    'function-after[...]', model classes) are dropped; a discriminated union's tag repeats the field
+    name in chat's schemas ('text', 'image_url'), so a part equal to the one before it is dropped
+    too, and so are the Responses API's part tags (``_PART_TAGS``) and a message's role after its
+    index (``MESSAGE_ROLES``: 'messages', 0, 'tool', 'content')."""
     out = ""
     prev: Any = None
     for part in loc[1:] if loc and loc[0] == "body" else loc:
@@ -168,7 +203,8 @@ def _param_path(loc: tuple[Any, ...]) -> str | None:
             and part not in _UNION_TYPE_LABELS
             and part not in _PART_TAGS
             and not (isinstance(prev, int) and part in MESSAGE_ROLES)
-            and not part[:1].isupper()  # a union's branch that is a model: its class name (NamedToolChoice)
+            # a union's branch that is a model: its class name (NamedToolChoice)
+            and not part[:1].isupper()
             and not any(c in part for c in "[]-")
         ):
             out += f".{part}" if out else part
@@ -198,8 +234,12 @@ def install_error_handlers(app: FastAPI) -> None:
     async def _admission(request: Request, exc: AdmissionRefused) -> JSONResponse:
         verdict = exc.verdict
         request.scope[REJECT_REASON_KEY] = verdict.reason
-        return error_response(verdict.status, verdict.message, exc.param if verdict.status == 400 else None,
-                              verdict.retry_after_s)
+        return error_response(
+            verdict.status,
+            verdict.message,
+            exc.param if verdict.status == 400 else None,
+            verdict.retry_after_s,
+        )
 
     @app.exception_handler(ImageInputError)
     async def _image(request: Request, exc: ImageInputError) -> JSONResponse:

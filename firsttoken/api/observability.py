@@ -1,4 +1,5 @@
-"""What an operator sees of a running server: /metrics, /stats, /dashboard, the request log, API-key auth.
+"""What an operator sees of a running server: /metrics, /stats, /dashboard, the request log, API-key
+auth.
 
     GET /metrics    Prometheus text (firsttoken_* families, one registry per app; metrics/prometheus.py)
     GET /stats      P50/P95/P99 of TTFT and each phase over the sliding window, per request class (0, 1, 2+
@@ -6,21 +7,22 @@
                     engine gauges and cache hit rates (metrics/window.py), as JSON
     GET /dashboard  one self-contained HTML page (inline JS/CSS, canvas charts) that polls /stats
 
-``Observability.install(app, engine)`` adds the routes and two middlewares and returns the engine client the
-routes should use: a thin wrapper that timestamps every output token (inter-token latency, measured where
-the tokens reach the event loop). ``request_done(request_id, timeline)`` is called by the routes once a response
-has been handed to the transport; it completes the request's record in the Recorder (see recorder.py for why
-records are completed here and not in the engine thread).
+``Observability.install(app, engine)`` adds the routes and two middlewares and returns the engine
+client the routes should use: a thin wrapper that timestamps every output token (inter-token
+latency, measured where the tokens reach the event loop). ``request_done(request_id, timeline)`` is
+called by the routes once a response has been handed to the transport; it completes the request's
+record in the Recorder (see recorder.py for why records are completed here and not in the engine
+thread).
 
-Auth (``api_key``): every route except /health and /dashboard needs ``Authorization: Bearer <key>``, compared
-with hmac.compare_digest; otherwise 401 in OpenAI's error shape. /dashboard is open because a browser cannot
-attach a header to a navigation; the page holds no data, asks for the key, keeps it in sessionStorage and
-sends it on its /stats fetches, which are checked like any other route.
+Auth (``api_key``): every route except /health and /dashboard needs ``Authorization: Bearer <key>``,
+compared with hmac.compare_digest; otherwise 401 in OpenAI's error shape. /dashboard is open because
+a browser cannot attach a header to a navigation; the page holds no data, asks for the key, keeps it
+in sessionStorage and sends it on its /stats fetches, which are checked like any other route.
 
-Middleware order (outermost first): RejectionCounter (sees every 4xx, the 413s RequestContextMiddleware
-answers itself included, and the stage of every client that left, once its request is done) ->
-RequestContextMiddleware (request id) -> ApiKeyMiddleware (needs the request id for its log context and its 401)
--> routes.
+Middleware order (outermost first): RejectionCounter (sees every 4xx, the 413s
+RequestContextMiddleware answers itself included, and the stage of every client that left, once its
+request is done) -> RequestContextMiddleware (request id) -> ApiKeyMiddleware (needs the request id
+for its log context and its 401) -> routes.
 """
 
 from __future__ import annotations
@@ -65,12 +67,14 @@ REJECTION_REASONS = {
     415: "unsupported_encoding",
     429: "too_many_requests",
 }
-CLIENT_CLOSED_REQUEST = 499  # not a rejection: the client left (a client disconnect, stage "answer")
+# not a rejection: the client left (a client disconnect, stage "answer")
+CLIENT_CLOSED_REQUEST = 499
 _MAX_TRACKED = 10_000  # per-request side data kept for requests whose response never completes
 
 
 def engine_snapshot(stats: EngineStats) -> EngineSnapshot:
-    """EngineStats -> the exporter's plain data (no lanes reported: everything waits in "default")."""
+    """EngineStats -> the exporter's plain data (no lanes reported: everything waits in
+    "default")."""
     return EngineSnapshot(
         kv_blocks_used=stats.kv_blocks_used,
         kv_blocks_total=stats.kv_blocks_total,
@@ -113,7 +117,8 @@ class RequestLog:
 
 
 class _Bounded(OrderedDict):
-    """Side data per request id, oldest dropped past a cap (requests whose response never completed)."""
+    """Side data per request id, oldest dropped past a cap (requests whose response never
+    completed)."""
 
     def put(self, key: str, value: Any) -> None:
         self[key] = value
@@ -129,9 +134,9 @@ class Observability:
         detokenize: Callable[[list[int]], str] | None = None,
         merge_metrics: Callable[[bytes], Awaitable[bytes]] | None = None,
     ) -> None:
-        """``detokenize`` given: the request log carries each prompt's text (``--request-log-content``).
-        ``merge_metrics`` given: /metrics answers what it makes of this app's own exposition (a fleet's ingress
-        merges its replicas' in: serving/ingress.py)."""
+        """``detokenize`` given: the request log carries each prompt's text
+        (``--request-log-content``). ``merge_metrics`` given: /metrics answers what it makes of this
+        app's own exposition (a fleet's ingress merges its replicas' in: serving/ingress.py)."""
         if api_key is not None and not api_key:
             raise ValueError("api_key must not be empty")
         self.recorder = recorder
@@ -139,21 +144,32 @@ class Observability:
         self.detokenize = detokenize
         self.merge_metrics = merge_metrics
         self._lock = threading.Lock()
-        self._gaps: _Bounded = _Bounded()  # request id -> inter-token gaps, once its last token arrived
+        # request id -> inter-token gaps, once its last token arrived
+        self._gaps: _Bounded = _Bounded()
         self._content: _Bounded = _Bounded()  # request id -> logged content (only with detokenize)
         self._engine: EngineClient | None = None
 
-    # ---- wiring ----------------------------------------------------------------------------------------
-    def install(self, app: FastAPI, engine: EngineClient, model_name: str = "firsttoken") -> EngineClient:
-        """``model_name``: the served model name, the ``model_name`` label of the vLLM-compatible gauges."""
+    # ---- wiring ----------------------------------------------------------------------------------
+    def install(
+        self, app: FastAPI, engine: EngineClient, model_name: str = "firsttoken"
+    ) -> EngineClient:
+        """``model_name``: the served model name, the ``model_name`` label of the vLLM-compatible
+        gauges."""
         self._engine = engine
         registry = make_registry(self.recorder, self.engine_snapshot, model_name)
         app.add_middleware(RejectionCounter, recorder=self.recorder)  # outermost
         app.user_middleware.append(Middleware(ApiKeyMiddleware, api_key=self.api_key))  # innermost
-        page = resources.files("firsttoken.api").joinpath("dashboard.html").read_text(encoding="utf-8")
+        page = (
+            resources.files("firsttoken.api").joinpath("dashboard.html").read_text(encoding="utf-8")
+        )
 
-        @app.get("/metrics", response_class=Response, responses=answer(CONTENT_TYPE_LATEST, {"type": "string"},
-                                                                      "Prometheus' text exposition format"))
+        @app.get(
+            "/metrics",
+            response_class=Response,
+            responses=answer(
+                CONTENT_TYPE_LATEST, {"type": "string"}, "Prometheus' text exposition format"
+            ),
+        )
         async def metrics() -> Response:
             body = generate_latest(registry)
             if self.merge_metrics is not None:
@@ -171,7 +187,8 @@ class Observability:
         return _TokenTimedEngine(engine, self)
 
     def guards(self, path: str) -> bool:
-        """Whether a request to ``path`` needs the API key (its 401 is documented there: api/openapi.py)."""
+        """Whether a request to ``path`` needs the API key (its 401 is documented there:
+        api/openapi.py)."""
         return self.api_key is not None and path not in OPEN_PATHS
 
     def engine_snapshot(self) -> EngineSnapshot:
@@ -182,13 +199,16 @@ class Observability:
         with self._lock:
             return self._content.pop(request_id, None)
 
-    # ---- per request -----------------------------------------------------------------------------------
+    # ---- per request -----------------------------------------------------------------------------
     def request_started(self, request: EngineRequest) -> None:
         if self.detokenize is None:
             return
         content = {
             "prompt": self.detokenize(list(request.prompt_token_ids)),
-            "images": [{"content_hash": im.content_hash, "visual_tokens": im.num_tokens} for im in request.images],
+            "images": [
+                {"content_hash": im.content_hash, "visual_tokens": im.num_tokens}
+                for im in request.images
+            ],
         }
         with self._lock:
             self._content.put(request.request_id, content)
@@ -198,7 +218,8 @@ class Observability:
             self._gaps.put(request_id, gaps_s)
 
     def request_done(self, request_id: str, timeline: Timeline) -> None:
-        """The response is with the transport (its first byte marked): complete the request's record."""
+        """The response is with the transport (its first byte marked): complete the request's
+        record."""
         with self._lock:
             gaps = self._gaps.pop(request_id, ())
         http_id = current_request_id.get()
@@ -242,18 +263,23 @@ class Observability:
         }
         body["cost_model"] = {
             "coefficients": g.cost_model,
-            "coverage": g.cost_model_coverage,  # per term: steps in the fit's window with it, its largest value
+            # per term: steps in the fit's window with it, its largest value
+            "coverage": g.cost_model_coverage,
             "step_time_target_s": g.step_time_target_s,
             "itl_target_s": g.itl_target_s,
             "step_prediction": ratio_summary(s.step_prediction_ratio),
-            "ttft_prediction": {cls: ratio_summary(h) for cls, h in s.ttft_prediction_ratio.items()},
-            "ttft_bias": g.ttft_bias,  # by number of images: the factor learnt predictions are multiplied by
+            "ttft_prediction": {
+                cls: ratio_summary(h) for cls, h in s.ttft_prediction_ratio.items()
+            },
+            # by number of images: the factor learnt predictions are multiplied by
+            "ttft_bias": g.ttft_bias,
         }
         return body
 
 
 class _TokenTimedEngine:
-    """The app's EngineClient: the real one, plus a timestamp per output token for inter-token latency."""
+    """The app's EngineClient: the real one, plus a timestamp per output token for inter-token
+    latency."""
 
     def __init__(self, inner: EngineClient, obs: Observability) -> None:
         self.inner = inner
@@ -267,7 +293,8 @@ class _TokenTimedEngine:
     def is_draining(self) -> bool:
         return self.inner.is_draining
 
-    def check_admission(self, work, request_id: str | None = None):  # (PromptWork, ...) -> AdmissionVerdict
+    # (PromptWork, ...) -> AdmissionVerdict
+    def check_admission(self, work, request_id: str | None = None):
         return self.inner.check_admission(work, request_id)
 
     def release(self, request_id: str) -> None:
@@ -277,7 +304,8 @@ class _TokenTimedEngine:
         self.obs.request_started(request)
         gaps: list[float] = []
         last_s: float | None = None
-        async with aclosing(self.inner.generate(request)) as outputs:  # closing us closes (aborts) the inner
+        # closing us closes (aborts) the inner
+        async with aclosing(self.inner.generate(request)) as outputs:
             async for out in outputs:
                 if out.new_token_ids:
                     now = time.monotonic()
@@ -296,8 +324,8 @@ class _TokenTimedEngine:
 
 
 class ApiKeyMiddleware:
-    """Bearer-token check (constant time) on every route but OPEN_PATHS; also puts the request id in the
-    logging context for everything below it."""
+    """Bearer-token check (constant time) on every route but OPEN_PATHS; also puts the request id in
+    the logging context for everything below it."""
 
     def __init__(self, app: ASGIApp, api_key: str | None) -> None:
         self.app = app
@@ -309,9 +337,15 @@ class ApiKeyMiddleware:
             return
         token = current_request_id.set(scope.get(REQUEST_ID_KEY) or "-")
         try:
-            if self.expected is not None and scope["path"] not in OPEN_PATHS and not self._authorized(scope):
+            if (
+                self.expected is not None
+                and scope["path"] not in OPEN_PATHS
+                and not self._authorized(scope)
+            ):
                 scope[REJECT_REASON_KEY] = "unauthorized"
-                response = error_response(401, "missing or invalid API key: send 'Authorization: Bearer <key>'")
+                response = error_response(
+                    401, "missing or invalid API key: send 'Authorization: Bearer <key>'"
+                )
                 response.headers["WWW-Authenticate"] = "Bearer"
                 await response(scope, receive, send)
                 return
@@ -328,8 +362,9 @@ class ApiKeyMiddleware:
 
 
 class RejectionCounter:
-    """Counts every 4xx answer by reason (the tag an error handler left in the scope, else the status), and every
-    client that left before its answer was complete by the stage left in the scope (middleware.client_left)."""
+    """Counts every 4xx answer by reason (the tag an error handler left in the scope, else the
+    status), and every client that left before its answer was complete by the stage left in the
+    scope (middleware.client_left)."""
 
     def __init__(self, app: ASGIApp, recorder: Recorder) -> None:
         self.app = app
@@ -344,7 +379,9 @@ class RejectionCounter:
             if message["type"] == "http.response.start":
                 status = int(message["status"])
                 if 400 <= status < 500 and status != CLIENT_CLOSED_REQUEST:
-                    reason = scope.get(REJECT_REASON_KEY) or REJECTION_REASONS.get(status, f"http_{status}")
+                    reason = scope.get(REJECT_REASON_KEY) or REJECTION_REASONS.get(
+                        status, f"http_{status}"
+                    )
                     self.recorder.on_rejected(reason)
             await send(message)
 
@@ -356,15 +393,25 @@ class RejectionCounter:
                 self.recorder.on_client_disconnect(stage)
 
 
-def observability_from_config(server: ServerConfig, tokenizer: Any,
-                              merge_metrics: Callable[[bytes], Awaitable[bytes]] | None = None) -> Observability:
-    """The server config's observability part: --stats-window, --request-log[-content], --api-key."""
+def observability_from_config(
+    server: ServerConfig,
+    tokenizer: Any,
+    merge_metrics: Callable[[bytes], Awaitable[bytes]] | None = None,
+) -> Observability:
+    """The server config's observability part: --stats-window, --request-log[-content],
+    --api-key."""
     import os
 
     recorder = Recorder(window_s=server.stats_window_s)
     api_key = server.api_key or os.environ.get("FIRSTTOKEN_API_KEY") or None
-    detokenize = (lambda ids: tokenizer.decode(ids, skip_special_tokens=True)) if server.request_log_content else None
-    obs = Observability(recorder, api_key=api_key, detokenize=detokenize, merge_metrics=merge_metrics)
+    detokenize = (
+        (lambda ids: tokenizer.decode(ids, skip_special_tokens=True))
+        if server.request_log_content
+        else None
+    )
+    obs = Observability(
+        recorder, api_key=api_key, detokenize=detokenize, merge_metrics=merge_metrics
+    )
     if server.request_log is not None:
         recorder.sink = RequestLog(Path(server.request_log), obs.content_of if detokenize else None)
     return obs

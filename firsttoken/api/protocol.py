@@ -1,20 +1,24 @@
 """OpenAI-compatible request and response schemas (pydantic v2).
 
-Requests tolerate harmless unknown fields (``user``, ``metadata``, ``store``, vendor extras). Known fields are
-validated here, and the published schema (/openapi.json, api/openapi.py) is these models' own, so it admits what
-the validation admits. Rules that hold at this boundary for every request field:
+Requests tolerate harmless unknown fields (``user``, ``metadata``, ``store``, vendor extras). Known
+fields are validated here, and the published schema (/openapi.json, api/openapi.py) is these models'
+own, so it admits what the validation admits. Rules that hold at this boundary for every request
+field:
 
-- a value is the JSON type its schema states (strict: no "5" for 5, no true for 1.0; an integral 5.0 is 5);
-- every string is valid Unicode (``Text``): JSON may carry a lone UTF-16 surrogate such as ``"\ud800"``, which
-  Python accepts and every tokenizer, encoder and file system later chokes on; it is refused here, naming the
-  field;
-- every integer fits in 64 bits (``integer()``), so no message ever prints a thousand-digit number; the sampling
-  fields' ranges are stated and checked here too (``Temperature`` ...; SamplingParams checks the same bounds for
-  in-process callers);
-- a rule the schema cannot state (an image must decode, the prompt must fit the context, a grammar must compile)
-  marks its field ``checked()``: the schema says so, and a value it admits may still get a 400 naming the field;
-- a field that asks for something this server does not do (``UNSUPPORTED_FIELDS``) is refused with a 400 naming
-  it, unless its value means "off": a client that asked for JSON must never get prose with a 200.
+- a value is the JSON type its schema states (strict: no "5" for 5, no true for 1.0; an integral 5.0
+  is 5);
+- every string is valid Unicode (``Text``): JSON may carry a lone UTF-16 surrogate such as
+  ``"\ud800"``, which Python accepts and every tokenizer, encoder and file system later chokes on;
+  it is refused here, naming the field;
+- every integer fits in 64 bits (``integer()``), so no message ever prints a thousand-digit number;
+  the sampling fields' ranges are stated and checked here too (``Temperature`` ...; SamplingParams
+  checks the same bounds for in-process callers);
+- a rule the schema cannot state (an image must decode, the prompt must fit the context, a grammar
+  must compile) marks its field ``checked()``: the schema says so, and a value it admits may still
+  get a 400 naming the field;
+- a field that asks for something this server does not do (``UNSUPPORTED_FIELDS``) is refused with a
+  400 naming it, unless its value means "off": a client that asked for JSON must never get prose
+  with a 200.
 
 Responses follow OpenAI's shapes and vLLM's framing (see tests/fixtures/vllm-0.32) with
 one extension:
@@ -23,8 +27,8 @@ one extension:
                        encode, prefill, sample, send), e2e_s, encoder/prefix-cache counts. Present on
                        non-streaming responses and on the streaming usage chunk.
 
-Requests convert to the input processor's neutral values (``to_prompt``, ``to_sampling``: inputs/prompt.py); nothing
-below the api package sees these schemas.
+Requests convert to the input processor's neutral values (``to_prompt``, ``to_sampling``:
+inputs/prompt.py); nothing below the api package sees these schemas.
 """
 
 from __future__ import annotations
@@ -55,14 +59,21 @@ from firsttoken.quoting import LONE_SURROGATE, quote
 from firsttoken.inputs.tools import forced_call_spec
 from firsttoken.inputs.processor import MAX_STOP_TOKEN_IDS
 from firsttoken.structured.spec import GrammarSpec, from_response_format, from_structured_outputs
-from firsttoken.types import MAX_LOGIT_BIAS, MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, MAX_TOP_LOGPROBS
+from firsttoken.types import (
+    MAX_LOGIT_BIAS,
+    MAX_STOP_STRING_CHARS,
+    MAX_STOP_STRINGS,
+    MAX_TOP_LOGPROBS,
+)
 
-# ------------------------------------------------------------------------------------------- field types
+# -------------------------------------------------------------------------------------- field types
 
 
 def _valid_unicode(text: str) -> str:
     if LONE_SURROGATE.search(text):
-        raise ValueError("must be valid Unicode, but contains a lone UTF-16 surrogate (\\ud800-\\udfff)")
+        raise ValueError(
+            "must be valid Unicode, but contains a lone UTF-16 surrogate (\\ud800-\\udfff)"
+        )
     return text
 
 
@@ -70,15 +81,20 @@ Text = Annotated[str, AfterValidator(_valid_unicode)]  # every request string: e
 
 
 def text(**bounds: int) -> Any:
-    """A request string of bounded length (min_length, max_length, as the schema states them); its Unicode is
-    checked first, so a lone surrogate is named as such rather than failing the length count."""
-    return Annotated[str, Field(**bounds), BeforeValidator(lambda v: _valid_unicode(v) if isinstance(v, str) else v)]
+    """A request string of bounded length (min_length, max_length, as the schema states them); its
+    Unicode is checked first, so a lone surrogate is named as such rather than failing the length
+    count."""
+    return Annotated[
+        str,
+        Field(**bounds),
+        BeforeValidator(lambda v: _valid_unicode(v) if isinstance(v, str) else v),
+    ]
 
 
 def _integral(value: Any) -> Any:
-    """JSON's integers include 5.0 (JSON Schema's too): an integral float is that integer; every other value is
-    left to the strict check (no "5", no true). An infinity stands for an integer of more digits than Python reads
-    (api/body.py), past every bound."""
+    """JSON's integers include 5.0 (JSON Schema's too): an integral float is that integer; every
+    other value is left to the strict check (no "5", no true). An infinity stands for an integer of
+    more digits than Python reads (api/body.py), past every bound."""
     if isinstance(value, float) and math.isinf(value):
         raise ValueError(f"must be an integer within 64 bits, got {'-' if value < 0 else ''}inf")
     return int(value) if isinstance(value, float) and value.is_integer() else value
@@ -88,8 +104,8 @@ INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
 
 def integer(ge: int = INT64_MIN, le: int = INT64_MAX) -> Any:
-    """A request integer in [ge, le] (64-bit unless narrower: what OpenAI and vLLM accept); the bounds sit on the
-    int itself, so the schema states them as minimum and maximum."""
+    """A request integer in [ge, le] (64-bit unless narrower: what OpenAI and vLLM accept); the
+    bounds sit on the int itself, so the schema states them as minimum and maximum."""
     return Annotated[int, Field(ge=ge, le=le), BeforeValidator(_integral)]
 
 
@@ -98,15 +114,21 @@ _T = TypeVar("_T")
 NonEmpty = Annotated[list[_T], Field(min_length=1)]  # NonEmpty[X]: a list of at least one X
 MAX_CHOICES = 128  # choices one request may ask for (prompts x n): each is an engine request
 
-CHECKED = "x-firsttoken-checked"  # the schema keyword that marks a field checked beyond its schema (``checked``)
+# the schema keyword that marks a field checked beyond its schema (``checked``)
+CHECKED = "x-firsttoken-checked"
 
 
 def checked(what: str, **field: Any) -> Any:
-    """A field whose value the server checks beyond what its schema can state (``what``: media that must load, a
-    prompt that must fit the context, a grammar that must compile, ids of this model's vocabulary, a rule across
-    fields): a value the schema admits may still be refused with a 400 naming the field. The published schema says
-    so, in the field's description and its ``x-firsttoken-checked``. ``field``: the rest of its pydantic Field."""
-    return Field(description=f"Checked beyond this schema: {what}.", json_schema_extra={CHECKED: what}, **field)
+    """A field whose value the server checks beyond what its schema can state (``what``: media that
+    must load, a prompt that must fit the context, a grammar that must compile, ids of this model's
+    vocabulary, a rule across fields): a value the schema admits may still be refused with a 400
+    naming the field. The published schema says so, in the field's description and its
+    ``x-firsttoken-checked``. ``field``: the rest of its pydantic Field."""
+    return Field(
+        description=f"Checked beyond this schema: {what}.",
+        json_schema_extra={CHECKED: what},
+        **field,
+    )
 
 
 CHECK_FITS = "the rendered prompt must fit the context (max_model_len, GET /v1/models)"
@@ -117,8 +139,9 @@ CHECK_GRAMMAR = ("the constraint must compile (a JSON schema, regex, choice list
                  "at most one output constraint per request, and none with a forced tool call")
 CHECK_VOCABULARY = "token ids of this model's vocabulary"
 
-# Sampling bounds: stated in the published schema and checked here, before any preprocessing. SamplingParams
-# (types.py) checks the same bounds again for in-process callers; tests/unit/test_openapi.py pins them equal.
+# Sampling bounds: stated in the published schema and checked here, before any preprocessing.
+# SamplingParams (types.py) checks the same bounds again for in-process callers;
+# tests/unit/test_openapi.py pins them equal.
 Temperature = Annotated[float, Field(ge=0, le=2, allow_inf_nan=False)]
 TopP = Annotated[float, Field(gt=0, le=1, allow_inf_nan=False)]
 TopK = integer(ge=0)  # 0: off
@@ -128,14 +151,18 @@ MaxTokens = integer(ge=1)  # the context's room decides the rest (beyond the sch
 TopLogprobs = integer(ge=0, le=MAX_TOP_LOGPROBS)
 StopString = text(min_length=1, max_length=MAX_STOP_STRING_CHARS)
 TokenId = integer(ge=0)  # the vocabulary's size decides the rest (beyond the schema)
-TOKEN_ID_KEY = re.compile(r"^[0-9]{1,20}$")  # logit_bias keys: token ids written as strings, as OpenAI
+# logit_bias keys: token ids written as strings, as OpenAI
+TOKEN_ID_KEY = re.compile(r"^[0-9]{1,20}$")
 MAX_BIAS = 100  # what logit_bias may add to a logit, either way
-LOGIT_BIAS_SCHEMA = {"propertyNames": {"pattern": TOKEN_ID_KEY.pattern},
-                     "additionalProperties": {"type": "number", "minimum": -MAX_BIAS, "maximum": MAX_BIAS}}
+LOGIT_BIAS_SCHEMA = {
+    "propertyNames": {"pattern": TOKEN_ID_KEY.pattern},
+    "additionalProperties": {"type": "number", "minimum": -MAX_BIAS, "maximum": MAX_BIAS},
+}
 
 
 class FieldError(ValueError):
-    """A request field's value refused with a message that names it; ``field`` is the error's ``param``."""
+    """A request field's value refused with a message that names it; ``field`` is the error's
+    ``param``."""
 
     def __init__(self, field: str, message: str) -> None:
         super().__init__(message)
@@ -152,7 +179,8 @@ class Unsupported:
 
     is_off: Callable[[Any], bool]
     what: str
-    names_type: bool = False  # the message repeats the value's "type" (response_format: json_object, ...)
+    # the message repeats the value's "type" (response_format: json_object, ...)
+    names_type: bool = False
 
 
 def _absent(value: Any) -> bool:
@@ -160,9 +188,9 @@ def _absent(value: Any) -> bool:
     return value is None or value is False or value in ("", [], {})
 
 
-# OpenAI and vLLM request fields that change what is generated but are not implemented here. Fields that change
-# nothing a client could notice (user, metadata, store, service_tier, parallel_tool_calls, stream_options ...)
-# are tolerated and ignored.
+# OpenAI and vLLM request fields that change what is generated but are not implemented here. Fields
+# that change nothing a client could notice (user, metadata, store, service_tier,
+# parallel_tool_calls, stream_options ...) are tolerated and ignored.
 UNSUPPORTED_FIELDS: dict[str, Unsupported] = {
     "functions": Unsupported(_absent, "function calling is not implemented"),
     "function_call": Unsupported(lambda v: _absent(v) or v in ("none", "auto"), "function calling is not implemented"),
@@ -184,22 +212,25 @@ UNSUPPORTED_FIELDS: dict[str, Unsupported] = {
 
 def refuse_unsupported(body: Any, implemented: Iterable[str] = (),
                        table: dict[str, Unsupported] = UNSUPPORTED_FIELDS) -> Any:
-    """The before-validator of the generation requests: the first unsupported field set to something, refused.
-    ``implemented``: the request type's own fields, never refused here (echo is one of completions', not chat's).
-    ``table``: the route's unsupported fields (the Responses API has its own)."""
+    """The before-validator of the generation requests: the first unsupported field set to
+    something, refused. ``implemented``: the request type's own fields, never refused here (echo is
+    one of completions', not chat's). ``table``: the route's unsupported fields (the Responses API
+    has its own)."""
     if isinstance(body, dict):
         for name, rule in table.items():
             value = body.get(name)
             if name in body and name not in implemented and not rule.is_off(value):
                 kind = value.get("type") if rule.names_type and isinstance(value, dict) else None
                 asked = f" {quote(kind)}" if isinstance(kind, str) else ""
-                raise UnsupportedFieldError(name, f"'{name}'{asked} is not supported by this server: {rule.what}")
+                raise UnsupportedFieldError(
+                    name, f"'{name}'{asked} is not supported by this server: {rule.what}"
+                )
     return body
 
 
 class _Request(BaseModel):
-    # strict: a value is the JSON type the schema states (no "5" for 5, no true for 1.0), so the published schema
-    # admits exactly what is accepted
+    # strict: a value is the JSON type the schema states (no "5" for 5, no true for 1.0), so the
+    # published schema admits exactly what is accepted
     model_config = ConfigDict(extra="ignore", strict=True)
 
 
@@ -207,7 +238,7 @@ class _Response(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
-# ------------------------------------------------------------------------------------------- requests
+# ----------------------------------------------------------------------------------------- requests
 
 
 class TextPart(_Request):
@@ -217,7 +248,8 @@ class TextPart(_Request):
 
 class ImageURL(_Request):
     url: Text
-    # "low": a small fixed visual-token budget; "high"/"auto"/None: the server's cap (see inputs/budget.py)
+    # "low": a small fixed visual-token budget; "high"/"auto"/None: the server's cap (see
+    # inputs/budget.py)
     detail: Literal["auto", "low", "high"] | None = None
     # extension: at most this many visual tokens, <= the server's cap
     max_visual_tokens: integer(ge=1) | None = None  # type: ignore[valid-type]
@@ -253,20 +285,27 @@ class VideoFramesPart(_Request):
     max_visual_tokens: integer(ge=1) | None = None  # type: ignore[valid-type]
 
 
-ContentPart = Annotated[Union[TextPart, ImagePart, VideoPart, VideoFramesPart], Field(discriminator="type")]
+ContentPart = Annotated[
+    Union[TextPart, ImagePart, VideoPart, VideoFramesPart], Field(discriminator="type")
+]
 
 
-TOOL_NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")  # OpenAI's rule for function names (whole names: fullmatch)
+# OpenAI's rule for function names (whole names: fullmatch)
+TOOL_NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
 
 
 def _tool_name(name: str) -> str:
     if not TOOL_NAME.fullmatch(name):
-        raise ValueError(f"function names are 1 to 64 of a-z, A-Z, 0-9, _ and - (got {len(name)} characters "
-                         "that are not one)")
+        raise ValueError(
+            f"function names are 1 to 64 of a-z, A-Z, 0-9, _ and - (got {len(name)} characters "
+            "that are not one)"
+        )
     return name
 
 
-ToolName = Annotated[Text, AfterValidator(_tool_name), Field(json_schema_extra={"pattern": TOOL_NAME.pattern})]
+ToolName = Annotated[
+    Text, AfterValidator(_tool_name), Field(json_schema_extra={"pattern": TOOL_NAME.pattern})
+]
 
 
 class FunctionCallIn(_Request):
@@ -288,9 +327,11 @@ def _no_calls(calls: Any) -> Any:
     return calls
 
 
-# tool_calls on a turn that is not the assistant's: null or empty, as clients send them (the schema's maxItems 0,
-# said in words by the validator)
-NoCalls = Annotated[Annotated[list[ToolCallIn], Field(max_length=0)] | None, BeforeValidator(_no_calls)]
+# tool_calls on a turn that is not the assistant's: null or empty, as clients send them (the
+# schema's maxItems 0, said in words by the validator)
+NoCalls = Annotated[
+    Annotated[list[ToolCallIn], Field(max_length=0)] | None, BeforeValidator(_no_calls)
+]
 
 
 class _MessageFields(_Request):
@@ -315,18 +356,28 @@ class _MessageFields(_Request):
     def num_images(self) -> int:
         """Its image and video parts (what makes preprocessing heavy)."""
         visual = (ImagePart, VideoPart, VideoFramesPart)
-        return sum(isinstance(p, visual) for p in self.content) if isinstance(self.content, list) else 0
+        return (
+            sum(isinstance(p, visual) for p in self.content)
+            if isinstance(self.content, list)
+            else 0
+        )
 
     def to_message(self) -> prompt.Message:
         role = "system" if self.role == "developer" else self.role
-        calls = tuple(prompt.ToolCall(c.id, c.function.name, c.function.arguments) for c in self.tool_calls or ())
+        calls = tuple(
+            prompt.ToolCall(c.id, c.function.name, c.function.arguments)
+            for c in self.tool_calls or ()
+        )
         if not isinstance(self.content, list):
             return prompt.Message(role, self.content, calls, self.tool_call_id)
-        return prompt.Message(role, tuple(_prompt_part(p) for p in self.content), calls, self.tool_call_id)
+        return prompt.Message(
+            role, tuple(_prompt_part(p) for p in self.content), calls, self.tool_call_id
+        )
 
 
 class SystemMessageIn(_MessageFields):
-    role: Literal["system", "developer"]  # developer: OpenAI's newer name for system, rendered as system
+    # developer: OpenAI's newer name for system, rendered as system
+    role: Literal["system", "developer"]
 
 
 class UserMessageIn(_MessageFields):
@@ -347,8 +398,11 @@ class ToolMessageIn(_MessageFields):
 # template-injection channel.
 _ROLE_TYPES = (SystemMessageIn, UserMessageIn, AssistantMessageIn, ToolMessageIn)
 AnyMessage = Annotated[Union[_ROLE_TYPES], Field(discriminator="role")]  # type: ignore[valid-type]
-# the discriminator's values: pydantic puts the one it chose in an error's location (errors.py leaves it out)
-MESSAGE_ROLES = frozenset(role for m in _ROLE_TYPES for role in get_args(m.model_fields["role"].annotation))
+# the discriminator's values: pydantic puts the one it chose in an error's location (errors.py
+# leaves it out)
+MESSAGE_ROLES = frozenset(
+    role for m in _ROLE_TYPES for role in get_args(m.model_fields["role"].annotation)
+)
 
 
 class ChatMessage(RootModel[AnyMessage]):
@@ -373,7 +427,9 @@ def _prompt_part(p: ContentPart) -> prompt.TextPart | prompt.ImagePart | prompt.
                                 max_visual_tokens=p.image_url.max_visual_tokens)
     if isinstance(p, VideoPart):
         v = p.video_url
-        return prompt.VideoPart(url=v.url, fps=v.fps, max_frames=v.max_frames, max_visual_tokens=v.max_visual_tokens)
+        return prompt.VideoPart(
+            url=v.url, fps=v.fps, max_frames=v.max_frames, max_visual_tokens=v.max_visual_tokens
+        )
     return prompt.VideoPart(frames=tuple(p.video), fps=p.fps, max_frames=p.max_frames,
                             max_visual_tokens=p.max_visual_tokens)
 
@@ -405,9 +461,13 @@ Messages = Annotated[list[ChatMessage], Field(min_length=1)]
 
 def to_chat_prompt(messages: list[ChatMessage], add_generation_prompt: bool = True,
                    tools: list[ToolDef] | None = None) -> prompt.ChatPrompt:
-    functions = tuple(prompt.Function(t.function.name, t.function.description, t.function.parameters)
-                      for t in tools or ())
-    return prompt.ChatPrompt(tuple(m.to_message() for m in messages), add_generation_prompt, functions)
+    functions = tuple(
+        prompt.Function(t.function.name, t.function.description, t.function.parameters)
+        for t in tools or ()
+    )
+    return prompt.ChatPrompt(
+        tuple(m.to_message() for m in messages), add_generation_prompt, functions
+    )
 
 
 class ChatPromptFields(_Request):
@@ -416,11 +476,15 @@ class ChatPromptFields(_Request):
     the chat route prefills it."""
 
     messages: Messages = checked(CHECK_MEDIA)
-    tools: list[ToolDef] | None = checked("function names distinct; a forced call's parameters a JSON schema this "
-                                          "server compiles", default=None, max_length=128)
+    tools: list[ToolDef] | None = checked(
+        "function names distinct; a forced call's parameters a JSON schema this server compiles",
+        default=None,
+        max_length=128,
+    )
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = checked(
         "a named function must be one of tools; required or named needs tools", default=None)
-    add_generation_prompt: bool = True  # false: the prompt ends with the last message (no assistant header)
+    # false: the prompt ends with the last message (no assistant header)
+    add_generation_prompt: bool = True
 
     @model_validator(mode="after")
     def _tool_choice_names_a_tool(self) -> ChatPromptFields:
@@ -470,9 +534,14 @@ class _SamplingFields(_Request):
     n: integer(ge=1, le=MAX_CHOICES) | None = 1  # type: ignore[valid-type]
     ignore_eos: bool = False
     # token id (as a string, as OpenAI) -> added to its logit
-    logit_bias: Annotated[dict[Text, float], Field(max_length=MAX_LOGIT_BIAS, json_schema_extra=LOGIT_BIAS_SCHEMA)] \
-        | None = checked(CHECK_VOCABULARY, default=None)
-    # what the answer must match (docs/structured_outputs.md): OpenAI's, vLLM's, and vLLM's older guided_* names
+    logit_bias: (
+        Annotated[
+            dict[Text, float], Field(max_length=MAX_LOGIT_BIAS, json_schema_extra=LOGIT_BIAS_SCHEMA)
+        ]
+        | None
+    ) = checked(CHECK_VOCABULARY, default=None)
+    # what the answer must match (docs/structured_outputs.md): OpenAI's, vLLM's, and vLLM's older
+    # guided_* names
     response_format: dict[str, Any] | None = checked(CHECK_GRAMMAR, default=None)
     structured_outputs: dict[str, Any] | None = checked(CHECK_GRAMMAR, default=None)
     guided_json: Text | dict[str, Any] | None = checked(CHECK_GRAMMAR, default=None)
@@ -488,24 +557,44 @@ class _SamplingFields(_Request):
 
     @model_validator(mode="after")
     def _one_output_constraint(self) -> _SamplingFields:
-        """At most one of the constraint fields, each well formed (whether its grammar compiles is asked later,
-        in the preprocessing pool, before the request queues)."""
-        guided = {k: v for k, v in (("json", self.guided_json), ("regex", self.guided_regex),
-                                    ("choice", self.guided_choice), ("grammar", self.guided_grammar)) if v is not None}
-        given = [name for name, v in (("response_format", self.response_format),
-                                      ("structured_outputs", self.structured_outputs)) if v is not None]
+        """At most one of the constraint fields, each well formed (whether its grammar compiles is
+        asked later, in the preprocessing pool, before the request queues)."""
+        guided = {
+            k: v
+            for k, v in (
+                ("json", self.guided_json),
+                ("regex", self.guided_regex),
+                ("choice", self.guided_choice),
+                ("grammar", self.guided_grammar),
+            )
+            if v is not None
+        }
+        given = [
+            name
+            for name, v in (
+                ("response_format", self.response_format),
+                ("structured_outputs", self.structured_outputs),
+            )
+            if v is not None
+        ]
         given += [f"guided_{k}" for k in guided]
         if len(given) > 1:
-            raise FieldError(given[1], f"give at most one output constraint; got {', '.join(given)}")
+            raise FieldError(
+                given[1], f"give at most one output constraint; got {', '.join(given)}"
+            )
         try:
             if self.response_format is not None:
                 spec = from_response_format(self.response_format)
             else:
-                spec = from_structured_outputs(self.structured_outputs if self.structured_outputs is not None
-                                               else guided or None)
+                spec = from_structured_outputs(
+                    self.structured_outputs
+                    if self.structured_outputs is not None
+                    else guided or None
+                )
         except ValueError as err:
-            raise FieldError(given[0], str(err).replace("structured_outputs.", "guided_") if guided else str(err)) \
-                from None
+            raise FieldError(
+                given[0], str(err).replace("structured_outputs.", "guided_") if guided else str(err)
+            ) from None
         if spec is not None and guided:
             spec = replace(spec, origin=given[0])  # compile errors name what the client sent
         self._output_spec = spec
@@ -523,7 +612,8 @@ class _SamplingFields(_Request):
     @field_validator("logit_bias")
     @classmethod
     def _token_id_keys(cls, bias: dict[str, float] | None) -> dict[str, float] | None:
-        """LOGIT_BIAS_SCHEMA's rules, checked here so the error names the field, not the client's key as one."""
+        """LOGIT_BIAS_SCHEMA's rules, checked here so the error names the field, not the client's
+        key as one."""
         for key, value in (bias or {}).items():
             if not TOKEN_ID_KEY.fullmatch(key):
                 raise ValueError(f"logit_bias keys are token ids; {quote(key[:40])} is not one")
@@ -539,7 +629,11 @@ class _SamplingFields(_Request):
     @property
     def continuous_usage(self) -> bool:
         """As vLLM: only with include_usage too."""
-        return self.include_usage and self.stream_options is not None and self.stream_options.continuous_usage_stats
+        return (
+            self.include_usage
+            and self.stream_options is not None
+            and self.stream_options.continuous_usage_stats
+        )
 
     @property
     def stop_strings(self) -> tuple[str, ...]:
@@ -580,8 +674,11 @@ class ChatCompletionRequest(ChatPromptFields, _SamplingFields):
     @model_validator(mode="after")
     def _forced_call_or_output_constraint(self) -> ChatCompletionRequest:
         if self.forced_tools and self._output_spec is not None:
-            raise FieldError("tool_choice", "a required or named tool_choice cannot be combined with an output "
-                                            "constraint (response_format, structured_outputs)")
+            raise FieldError(
+                "tool_choice",
+                "a required or named tool_choice cannot be combined with an output "
+                "constraint (response_format, structured_outputs)",
+            )
         return self
 
     @property
@@ -608,28 +705,41 @@ class ChatCompletionRequest(ChatPromptFields, _SamplingFields):
         return [self.to_prompt()]
 
     def to_sampling(self) -> prompt.SamplingRequest:
-        sampling = self._sampling(self.requested_max_tokens, bool(self.logprobs), self.top_logprobs or 0,
-                                  "top_logprobs")
-        if self.forced_tools:  # the answer is the call: valid JSON for the function's schema by construction
-            sampling = replace(sampling, structured=forced_call_spec(
-                [(t.function.name, t.function.parameters) for t in self.tools or ()],
-                self.tool_choice.function.name if isinstance(self.tool_choice, NamedToolChoice) else None,
-                self.parallel_tool_calls is not False))
+        sampling = self._sampling(
+            self.requested_max_tokens, bool(self.logprobs), self.top_logprobs or 0, "top_logprobs"
+        )
+        # the answer is the call: valid JSON for the function's schema by construction
+        if self.forced_tools:
+            sampling = replace(
+                sampling,
+                structured=forced_call_spec(
+                    [(t.function.name, t.function.parameters) for t in self.tools or ()],
+                    self.tool_choice.function.name
+                    if isinstance(self.tool_choice, NamedToolChoice)
+                    else None,
+                    self.parallel_tool_calls is not False,
+                ),
+            )
         return sampling
 
 
 class CompletionRequest(_SamplingFields):
-    # one prompt or several, as text or token ids (OpenAI's four forms); each gets n choices, index prompt * n + j
+    # one prompt or several, as text or token ids (OpenAI's four forms); each gets n choices, index
+    # prompt * n + j
     prompt: Text | NonEmpty[Text] | NonEmpty[Int64] | NonEmpty[NonEmpty[Int64]] = checked(
         f"each prompt must have at least one token, and with max_tokens fit the context; {CHECK_VOCABULARY}, no vision "
-        f"placeholders; prompts x n at most {MAX_CHOICES}")
-    logprobs: TopLogprobs | None = None  # number of alternatives per position, as in OpenAI's legacy API
-    echo: bool = False  # the answer starts with the prompt; with logprobs, the prompt's tokens are scored too
+        f"placeholders; prompts x n at most {MAX_CHOICES}"
+    )
+    # number of alternatives per position, as in OpenAI's legacy API
+    logprobs: TopLogprobs | None = None
+    # the answer starts with the prompt; with logprobs, the prompt's tokens are scored too
+    echo: bool = False
 
     @field_validator("prompt", mode="before")
     @classmethod
     def _some_prompt(cls, p: Any) -> Any:
-        """The schema's min lengths, said in words before the union's four forms each report their own error."""
+        """The schema's min lengths, said in words before the union's four forms each report their
+        own error."""
         if isinstance(p, list):
             if not p:
                 raise ValueError("give at least one prompt (an empty list was sent)")
@@ -641,8 +751,11 @@ class CompletionRequest(_SamplingFields):
     @model_validator(mode="after")
     def _bounded_choices(self) -> CompletionRequest:
         if len(self.prompts()) * self.n > MAX_CHOICES:
-            raise FieldError("prompt", f"{len(self.prompts())} prompts x n={self.n} is {len(self.prompts()) * self.n} "
-                             f"choices; at most {MAX_CHOICES} per request")
+            raise FieldError(
+                "prompt",
+                f"{len(self.prompts())} prompts x n={self.n} is {len(self.prompts()) * self.n} "
+                f"choices; at most {MAX_CHOICES} per request",
+            )
         return self
 
     def prompts(self) -> list[prompt.TextPrompt | prompt.TokenPrompt]:
@@ -669,7 +782,9 @@ class CompletionRequest(_SamplingFields):
 
     def to_sampling(self) -> prompt.SamplingRequest:
         # the legacy API's logprobs=N means "N alternatives per position"
-        sampling = self._sampling(self.requested_max_tokens, self.logprobs is not None, self.logprobs or 0, "logprobs")
+        sampling = self._sampling(
+            self.requested_max_tokens, self.logprobs is not None, self.logprobs or 0, "logprobs"
+        )
         if self.echo and self.logprobs is not None:
             sampling = replace(sampling, prompt_logprobs=self.logprobs)
         return sampling
@@ -679,8 +794,14 @@ class TokenizeRequest(ChatPromptFields):
     """Either a chat body (``messages`` and every other field the chat route renders: tools, tool_choice,
     add_generation_prompt) or a plain ``prompt``: exactly one of the two, as the schema's ``oneOf`` says too."""
 
-    model_config = ConfigDict(json_schema_extra={"oneOf": [{"required": ["messages"], "properties": {"messages": {
-        "type": "array"}}}, {"required": ["prompt"], "properties": {"prompt": {"type": "string"}}}]})
+    model_config = ConfigDict(
+        json_schema_extra={
+            "oneOf": [
+                {"required": ["messages"], "properties": {"messages": {"type": "array"}}},
+                {"required": ["prompt"], "properties": {"prompt": {"type": "string"}}},
+            ]
+        }
+    )
 
     model: Text | None = None
     # optional here: the prompt form has none
@@ -705,7 +826,7 @@ class TokenizeRequest(ChatPromptFields):
         return prompt.TextPrompt(self.prompt) if self.prompt is not None else super().to_prompt()
 
 
-# ------------------------------------------------------------------------------------------- responses
+# ---------------------------------------------------------------------------------------- responses
 
 
 class PromptTokensDetails(_Response):
@@ -717,7 +838,8 @@ class Usage(_Response):
     completion_tokens: int
     total_tokens: int
     prompt_tokens_details: PromptTokensDetails | None = None
-    firsttoken: dict[str, float | int | str | None] | None = None  # Timeline.to_dict(); see the module docstring
+    # Timeline.to_dict(); see the module docstring
+    firsttoken: dict[str, float | int | str | None] | None = None
 
 
 class TopLogprob(_Response):
@@ -811,7 +933,8 @@ class ChatCompletionChunk(_Response):
     usage: Usage | None = None
 
     def to_json(self) -> str:
-        """vLLM's framing: delta carries only the keys that are set, and ``usage`` only on the usage chunk."""
+        """vLLM's framing: delta carries only the keys that are set, and ``usage`` only on the usage
+        chunk."""
         body: dict[str, Any] = self.model_dump(exclude={"usage"} if self.usage is None else set())
         for choice, raw in zip(body["choices"], self.choices):
             choice["delta"] = raw.delta.model_dump(exclude_none=True)
@@ -820,7 +943,8 @@ class ChatCompletionChunk(_Response):
 
 class CompletionLogprobs(_Response):
     tokens: list[str]
-    token_logprobs: list[float | None]  # None: an echoed prompt's first token (nothing before it to predict it)
+    # None: an echoed prompt's first token (nothing before it to predict it)
+    token_logprobs: list[float | None]
     top_logprobs: list[dict[str, float] | None] | None
     text_offset: list[int]
 
@@ -863,7 +987,8 @@ class ImageTokenInfo(_Response):
     original_size: tuple[int, int]  # (width, height) as decoded
     resized_size: tuple[int, int]  # (width, height) after the pixel budget
     num_tokens: int  # visual tokens after the 2x2 merge
-    budget_tokens: int  # the budget the image was resized under (server cap, detail=low, or max_visual_tokens)
+    # the budget the image was resized under (server cap, detail=low, or max_visual_tokens)
+    budget_tokens: int
 
 
 class VideoTokenInfo(_Response):
@@ -876,7 +1001,8 @@ class VideoTokenInfo(_Response):
     num_frames: int  # frames sampled (an even count; two per grid)
     sample_fps: float
     num_tokens: int  # visual tokens: grids x tokens per grid
-    budget_tokens: int  # the per-video cap it was planned under (--video-max-tokens or max_visual_tokens)
+    # the per-video cap it was planned under (--video-max-tokens or max_visual_tokens)
+    budget_tokens: int
 
 
 class TokenizeResponse(_Response):
@@ -887,9 +1013,10 @@ class TokenizeResponse(_Response):
     num_text_tokens: int  # extension: count minus the image- and video-pad tokens
     images: list[ImageTokenInfo] = Field(default_factory=list)  # extension
     videos: list[VideoTokenInfo] = Field(default_factory=list)  # extension
-    max_input_tokens: int | None = None  # extension: the server's prompt limit (text + image + template tokens)
-    # extension: seconds to this prompt's first token if it were sent now, from the engine's step-cost model and the
-    # work queued ahead of it (None until the model is fitted)
+    # extension: the server's prompt limit (text + image + template tokens)
+    max_input_tokens: int | None = None
+    # extension: seconds to this prompt's first token if it were sent now, from the engine's
+    # step-cost model and the work queued ahead of it (None until the model is fitted)
     predicted_ttft_s: float | None = None
 
 
@@ -909,32 +1036,57 @@ class ErrorResponse(_Response):
 
 
 class StreamFrames:
-    """One stream's token chunks as SSE frames, rendered without the response models: every chunk of a stream
-    shares its id, object, created and model, so that head is rendered once, and a chunk carrying no logprobs is
-    the head plus its delta (chat) or text (completions) and finish reason. The bytes are the models' own
-    (``ChatCompletionChunk.to_json``, ``CompletionResponse.to_json``; tests/unit/test_api_protocol.py compares
-    them): the models' cost would be paid on the event loop once per token per stream while the engine's step runs
-    on the same cores (why: docs/runs/notes/decode-kernels.md#what-serving-adds-to-a-decode-token-session-32).
-    Chunks with logprobs and the usage chunk still go through the models."""
+    """One stream's token chunks as SSE frames, rendered without the response models: every chunk of
+    a stream shares its id, object, created and model, so that head is rendered once, and a chunk
+    carrying no logprobs is the head plus its delta (chat) or text (completions) and finish reason.
+    The bytes are the models' own (``ChatCompletionChunk.to_json``, ``CompletionResponse.to_json``;
+    tests/unit/test_api_protocol.py compares them): the models' cost would be paid on the event loop
+    once per token per stream while the engine's step runs on the same cores (why:
+    docs/runs/notes/decode-kernels.md#what-serving-adds-to-a-decode-token-session-32). Chunks with
+    logprobs and the usage chunk still go through the models."""
 
     __slots__ = ("_head",)
 
-    def __init__(self, obj: Literal["chat.completion.chunk", "text_completion"], response_id: str, created: int,
-                 model: str) -> None:
+    def __init__(
+        self,
+        obj: Literal["chat.completion.chunk", "text_completion"],
+        response_id: str,
+        created: int,
+        model: str,
+    ) -> None:
         head = _dumps({"id": response_id, "object": obj, "created": created, "model": model})
         self._head = "data: " + head[:-1] + ',"choices":[{"index":'
 
-    def chat(self, content: str | None, finish_reason: str | None = None, role: bool = False, index: int = 0) -> str:
-        """``delta`` holds the role when ``role`` and the content unless it is None (the models' exclude_none)."""
+    def chat(
+        self,
+        content: str | None,
+        finish_reason: str | None = None,
+        role: bool = False,
+        index: int = 0,
+    ) -> str:
+        """``delta`` holds the role when ``role`` and the content unless it is None (the models'
+        exclude_none)."""
         delta = '"role":"assistant"' if role else ""
         if content is not None:
             delta += ("," if role else "") + '"content":' + _dumps(content)
-        return (self._head + str(index) + ',"delta":{' + delta + '},"logprobs":null,"finish_reason":'
-                + _finish(finish_reason))
+        return (
+            self._head
+            + str(index)
+            + ',"delta":{'
+            + delta
+            + '},"logprobs":null,"finish_reason":'
+            + _finish(finish_reason)
+        )
 
     def completion(self, text: str, finish_reason: str | None = None, index: int = 0) -> str:
-        return (self._head + str(index) + ',"text":' + _dumps(text) + ',"logprobs":null,"finish_reason":'
-                + _finish(finish_reason))
+        return (
+            self._head
+            + str(index)
+            + ',"text":'
+            + _dumps(text)
+            + ',"logprobs":null,"finish_reason":'
+            + _finish(finish_reason)
+        )
 
 
 def _finish(reason: str | None) -> str:

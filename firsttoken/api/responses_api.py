@@ -1,21 +1,25 @@
-"""OpenAI's Responses API, ``POST /v1/responses``, served statelessly as vLLM serves it: a request is a
-conversation (``instructions`` + ``input``) turned into the chat route's prompt and sampling, run through the same
-preprocessing, admission and engine; the answer is one assistant ``message`` item.
+"""OpenAI's Responses API, ``POST /v1/responses``, served statelessly as vLLM serves it: a request
+is a conversation (``instructions`` + ``input``) turned into the chat route's prompt and sampling,
+run through the same preprocessing, admission and engine; the answer is one assistant ``message``
+item.
 
-Accepted: ``model``, ``input`` (a string, or message items whose content is a string or ``input_text`` /
-``input_image`` / ``output_text`` parts), ``instructions`` (a system message first), ``max_output_tokens``,
-``temperature``, ``top_p``, ``stream``, ``text.format`` (text, json_object, json_schema: the GrammarSpec chat's
-``response_format`` builds), ``metadata``, ``user``, ``store`` (nothing is stored: the answer says ``store: false``
-and cannot be retrieved), and the extensions ``seed`` and ``top_k``.
-Refused with a 400 naming the field (``RESPONSES_UNSUPPORTED``, and item / part types other than the above), before
-anything is preprocessed: what needs stored state (``previous_response_id``, ``conversation``, ``background``,
-``prompt``), ``tools``, ``reasoning`` with an effort or summary, ``include``, ``truncation: auto``.
+Accepted: ``model``, ``input`` (a string, or message items whose content is a string or
+``input_text`` / ``input_image`` / ``output_text`` parts), ``instructions`` (a system message
+first), ``max_output_tokens``, ``temperature``, ``top_p``, ``stream``, ``text.format`` (text,
+json_object, json_schema: the GrammarSpec chat's ``response_format`` builds), ``metadata``,
+``user``, ``store`` (nothing is stored: the answer says ``store: false`` and cannot be retrieved),
+and the extensions ``seed`` and ``top_k``.
+Refused with a 400 naming the field (``RESPONSES_UNSUPPORTED``, and item / part types other than the
+above), before anything is preprocessed: what needs stored state (``previous_response_id``,
+``conversation``, ``background``, ``prompt``), ``tools``, ``reasoning`` with an effort or summary,
+``include``, ``truncation: auto``.
 
-Streaming sends the events the official client's ``responses.stream`` assembles (``event:`` + ``data:`` frames,
-numbered by ``sequence_number``): response.created, response.in_progress, response.output_item.added,
-response.content_part.added, response.output_text.delta per engine output with text, response.output_text.done,
-response.content_part.done, response.output_item.done, then response.completed or response.incomplete (its usage
-with the ``firsttoken`` timeline). A failure mid-stream is one ``error`` event. No ``[DONE]``.
+Streaming sends the events the official client's ``responses.stream`` assembles (``event:`` +
+``data:`` frames, numbered by ``sequence_number``): response.created, response.in_progress,
+response.output_item.added, response.content_part.added, response.output_text.delta per engine
+output with text, response.output_text.done, response.content_part.done, response.output_item.done,
+then response.completed or response.incomplete (its usage with the ``firsttoken`` timeline). A
+failure mid-stream is one ``error`` event. No ``[DONE]``.
 """
 
 from __future__ import annotations
@@ -66,9 +70,9 @@ def _no_reasoning(value: Any) -> bool:
         value.get(k) in (None, "none") for k in ("effort", "summary", "generate_summary")))
 
 
-# Responses fields that change what is generated (or promise state) but are not implemented; the rest
-# (metadata, user, store, service_tier, parallel_tool_calls, max_tool_calls, top_logprobs, stream_options,
-# text.verbosity, ...) change nothing a client could notice and are ignored.
+# Responses fields that change what is generated (or promise state) but are not implemented; the
+# rest (metadata, user, store, service_tier, parallel_tool_calls, max_tool_calls, top_logprobs,
+# stream_options, text.verbosity, ...) change nothing a client could notice and are ignored.
 RESPONSES_UNSUPPORTED: dict[str, Unsupported] = {
     "previous_response_id": Unsupported(_absent, f"there is no stored response to continue: {_STATELESS}"),
     "conversation": Unsupported(_absent, f"there are no stored conversations: {_STATELESS}"),
@@ -92,8 +96,8 @@ PART_TYPES = ("input_text", "input_image", "output_text")
 
 
 def _refuse_unknown_items(body: Any) -> None:
-    """Input items and content parts of a type this server does not take, refused naming where they are (the
-    schema's own message for a closed set of tags would not say what is supported)."""
+    """Input items and content parts of a type this server does not take, refused naming where they
+    are (the schema's own message for a closed set of tags would not say what is supported)."""
     items = body.get("input") if isinstance(body, dict) else None
     if not isinstance(items, list):
         return
@@ -102,8 +106,11 @@ def _refuse_unknown_items(body: Any) -> None:
             continue  # the schema names it
         kind = item.get("type", "message")
         if kind not in ITEM_TYPES:
-            raise UnsupportedFieldError(f"input[{i}].type", f"input[{i}] is an item of type {_named(kind)}; this "
-                                        "server takes message items only (role and content)")
+            raise UnsupportedFieldError(
+                f"input[{i}].type",
+                f"input[{i}] is an item of type {_named(kind)}; this "
+                "server takes message items only (role and content)",
+            )
         content = item.get("content")
         for j, part in enumerate(content if isinstance(content, list) else ()):
             if not isinstance(part, dict):
@@ -111,25 +118,34 @@ def _refuse_unknown_items(body: Any) -> None:
             where = f"input[{i}].content[{j}]"
             kind = part.get("type")
             if kind not in PART_TYPES:
-                raise UnsupportedFieldError(f"{where}.type", f"{where} is a part of type {_named(kind)}; the parts "
-                                            f"this server takes are {', '.join(PART_TYPES)}")
+                raise UnsupportedFieldError(
+                    f"{where}.type",
+                    f"{where} is a part of type {_named(kind)}; the parts "
+                    f"this server takes are {', '.join(PART_TYPES)}",
+                )
             if kind == "input_image" and part.get("file_id") is not None:
-                raise UnsupportedFieldError(f"{where}.file_id", f"{where}.file_id: there are no stored files; send "
-                                            "the image as image_url (a data: URL or an allowed URL)")
+                raise UnsupportedFieldError(
+                    f"{where}.file_id",
+                    f"{where}.file_id: there are no stored files; send "
+                    "the image as image_url (a data: URL or an allowed URL)",
+                )
             if kind == "input_image" and part.get("image_url") is None:
-                raise FieldError(f"{where}.image_url", f"{where}.image_url is required (a data: URL or an allowed "
-                                 "URL)")
+                raise FieldError(
+                    f"{where}.image_url",
+                    f"{where}.image_url is required (a data: URL or an allowed URL)",
+                )
 
 
 def _named(kind: Any) -> str:
     return f"'{quote(kind)}'" if isinstance(kind, str) else f"{type(kind).__name__} (no type)"
 
 
-# ------------------------------------------------------------------------------------------- requests
+# ----------------------------------------------------------------------------------------- requests
 
 
 class InputText(_Request):
-    type: Literal["input_text", "output_text"]  # output_text: an assistant turn's text, sent back as history
+    # output_text: an assistant turn's text, sent back as history
+    type: Literal["input_text", "output_text"]
     text: Text
 
 
@@ -154,15 +170,25 @@ class InputMessage(_Request):
 
     @property
     def num_images(self) -> int:
-        return 0 if isinstance(self.content, str) else sum(isinstance(p, InputImage) for p in self.content)
+        return (
+            0
+            if isinstance(self.content, str)
+            else sum(isinstance(p, InputImage) for p in self.content)
+        )
 
     def to_message(self) -> prompt.Message:
         role = "system" if self.role == "developer" else self.role
         if isinstance(self.content, str):
             return prompt.Message(role, self.content)
-        return prompt.Message(role, tuple(
-            prompt.TextPart(p.text) if isinstance(p, InputText) else prompt.ImagePart(url=p.image_url, detail=p.detail)
-            for p in self.content))
+        return prompt.Message(
+            role,
+            tuple(
+                prompt.TextPart(p.text)
+                if isinstance(p, InputText)
+                else prompt.ImagePart(url=p.image_url, detail=p.detail)
+                for p in self.content
+            ),
+        )
 
 
 class TextConfig(_Request):
@@ -187,7 +213,8 @@ class ResponsesRequest(_Request):
     _output_spec: GrammarSpec | None = PrivateAttr(default=None)
 
     @property
-    def n(self) -> int:  # what the generation routes' common head reads: one choice, usage at the end
+    # what the generation routes' common head reads: one choice, usage at the end
+    def n(self) -> int:
         return 1
 
     @property
@@ -215,22 +242,28 @@ class ResponsesRequest(_Request):
     @model_validator(mode="after")
     def _output_format(self) -> ResponsesRequest:
         try:
-            self._output_spec = from_text_format(self.text.format if self.text is not None else None)
+            self._output_spec = from_text_format(
+                self.text.format if self.text is not None else None
+            )
         except ValueError as err:
             raise FieldError("text.format", str(err)) from None
         return self
 
     def texts(self) -> list[str]:
         head = [self.instructions] if self.instructions is not None else []
-        return head + ([self.input] if isinstance(self.input, str) else [t for m in self.input for t in m.texts()])
+        return head + (
+            [self.input]
+            if isinstance(self.input, str)
+            else [t for m in self.input for t in m.texts()]
+        )
 
     @property
     def num_images(self) -> int:
         return 0 if isinstance(self.input, str) else sum(m.num_images for m in self.input)
 
     def to_prompt(self) -> prompt.ChatPrompt:
-        """The conversation: instructions as a system message first, then the input's messages; errors name each
-        message by its field (``input[2].content[0].image_url``)."""
+        """The conversation: instructions as a system message first, then the input's messages;
+        errors name each message by its field (``input[2].content[0].image_url``)."""
         messages, fields = [], []
         if self.instructions is not None:
             messages.append(prompt.Message("system", self.instructions))
@@ -247,12 +280,18 @@ class ResponsesRequest(_Request):
         return [self.to_prompt()]
 
     def to_sampling(self) -> prompt.SamplingRequest:
-        return prompt.SamplingRequest(max_tokens=self.max_output_tokens, temperature=self.temperature,
-                                      top_p=self.top_p, top_k=self.top_k, seed=self.seed,
-                                      structured=self._output_spec, names=(("max_tokens", "max_output_tokens"),))
+        return prompt.SamplingRequest(
+            max_tokens=self.max_output_tokens,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            seed=self.seed,
+            structured=self._output_spec,
+            names=(("max_tokens", "max_output_tokens"),),
+        )
 
 
-# ------------------------------------------------------------------------------------------- responses
+# ---------------------------------------------------------------------------------------- responses
 
 
 class OutputText(_Response):
@@ -283,13 +322,19 @@ class ResponseUsage(_Response):
     output_tokens: int
     output_tokens_details: OutputTokensDetails = Field(default_factory=OutputTokensDetails)
     total_tokens: int
-    firsttoken: dict[str, float | int | str | None] | None = None  # the Timeline, as on the chat route
+    # the Timeline, as on the chat route
+    firsttoken: dict[str, float | int | str | None] | None = None
 
     @classmethod
     def of(cls, usage: Usage) -> ResponseUsage:
         cached = usage.prompt_tokens_details.cached_tokens if usage.prompt_tokens_details else 0
-        return cls(input_tokens=usage.prompt_tokens, input_tokens_details=InputTokensDetails(cached_tokens=cached),
-                   output_tokens=usage.completion_tokens, total_tokens=usage.total_tokens, firsttoken=usage.firsttoken)
+        return cls(
+            input_tokens=usage.prompt_tokens,
+            input_tokens_details=InputTokensDetails(cached_tokens=cached),
+            output_tokens=usage.completion_tokens,
+            total_tokens=usage.total_tokens,
+            firsttoken=usage.firsttoken,
+        )
 
 
 class IncompleteDetails(_Response):
@@ -326,18 +371,39 @@ class ResponseObject(_Response):
 
 
 def status_of(final: RequestOutput) -> Status:
-    """A response cut by its token budget (max_output_tokens, or the room the context left) is incomplete."""
+    """A response cut by its token budget (max_output_tokens, or the room the context left) is
+    incomplete."""
     return "incomplete" if final.finish_reason is FinishReason.LENGTH else "completed"
 
 
-def response_object(req: ResponsesRequest, ctx: StreamContext, status: Status, output: list[OutputMessage],
-                    usage: ResponseUsage | None = None) -> ResponseObject:
+def response_object(
+    req: ResponsesRequest,
+    ctx: StreamContext,
+    status: Status,
+    output: list[OutputMessage],
+    usage: ResponseUsage | None = None,
+) -> ResponseObject:
     return ResponseObject(
-        id=ctx.response_id, created_at=ctx.created, status=status, model=ctx.model, output=output, usage=usage,
-        incomplete_details=IncompleteDetails(reason="max_output_tokens") if status == "incomplete" else None,
-        instructions=req.instructions, max_output_tokens=req.max_output_tokens, metadata=req.metadata,
-        temperature=req.temperature, top_p=req.top_p, user=req.user,
-        text={"format": req.text.format if req.text is not None and req.text.format is not None else {"type": "text"}},
+        id=ctx.response_id,
+        created_at=ctx.created,
+        status=status,
+        model=ctx.model,
+        output=output,
+        usage=usage,
+        incomplete_details=IncompleteDetails(reason="max_output_tokens")
+        if status == "incomplete"
+        else None,
+        instructions=req.instructions,
+        max_output_tokens=req.max_output_tokens,
+        metadata=req.metadata,
+        temperature=req.temperature,
+        top_p=req.top_p,
+        user=req.user,
+        text={
+            "format": req.text.format
+            if req.text is not None and req.text.format is not None
+            else {"type": "text"}
+        },
     )
 
 
@@ -347,25 +413,34 @@ def message_id() -> str:
 
 def finished_response(req: ResponsesRequest, ctx: StreamContext, text: str, final: RequestOutput,
                       item_id: str | None = None) -> ResponseObject:
-    """The whole answer: one assistant message holding the text, and the usage with the request's timeline."""
+    """The whole answer: one assistant message holding the text, and the usage with the request's
+    timeline."""
     status = status_of(final)
-    message = OutputMessage(id=item_id or message_id(), status=status, content=[OutputText(text=text)])
-    return response_object(req, ctx, status, [message], ResponseUsage.of(usage_of([final], ctx.timeline)))
+    message = OutputMessage(
+        id=item_id or message_id(), status=status, content=[OutputText(text=text)]
+    )
+    return response_object(
+        req, ctx, status, [message], ResponseUsage.of(usage_of([final], ctx.timeline))
+    )
 
 
 async def responses_sse(engine: EngineClient, request: EngineRequest, req: ResponsesRequest,
                         ctx: StreamContext) -> AsyncIterator[str]:
-    """The stream of one response (see the module docstring). Leaving early aborts the request (guarded_outputs ->
-    stream_outputs)."""
+    """The stream of one response (see the module docstring). Leaving early aborts the request
+    (guarded_outputs -> stream_outputs)."""
     sequence = iter(range(1 << 62))
 
     def event(kind: str, **body: Any) -> str:
-        data = json.dumps({"type": kind, "sequence_number": next(sequence), **body}, ensure_ascii=False,
-                          separators=(",", ":"))
+        data = json.dumps(
+            {"type": kind, "sequence_number": next(sequence), **body},
+            ensure_ascii=False,
+            separators=(",", ":"),
+        )
         return f"event: {kind}\ndata: {data}\n\n"
 
     def failed(status: int, message: str) -> str:
-        error = error_body(status, message)["error"]  # "error" too: the openai client raises on it, as on chat
+        # "error" too: the openai client raises on it, as on chat
+        error = error_body(status, message)["error"]
         return event("error", code=str(status), message=error["message"], param=None, error=error)
 
     item_id = message_id()
@@ -388,7 +463,8 @@ async def responses_sse(engine: EngineClient, request: EngineRequest, req: Respo
             if out.new_text:
                 pieces.append(out.new_text)
                 yield event("response.output_text.delta", **where, delta=out.new_text, logprobs=[])
-                ctx.timeline.mark_first_byte()  # resumed: the event has been handed to the transport
+                # resumed: the event has been handed to the transport
+                ctx.timeline.mark_first_byte()
             if out.finished:
                 final = out
     assert final is not None  # fan_in ends after the finished output

@@ -1,5 +1,5 @@
-"""The OpenAI-compatible HTTP app. Routes stay thin: check the model, take a slot, preprocess off the event
-loop, hand the EngineRequest to the engine, frame what comes back.
+"""The OpenAI-compatible HTTP app. Routes stay thin: check the model, take a slot, preprocess off
+the event loop, hand the EngineRequest to the engine, frame what comes back.
 
     POST /v1/chat/completions   stream and non-stream
     POST /v1/completions        plain text prompt
@@ -12,10 +12,11 @@ loop, hand the EngineRequest to the engine, frame what comes back.
     GET  /v1/engine/config      the configuration the engine runs with, every ``auto`` settled (engine/resolve.py)
     GET  /metrics, /stats, /dashboard   with an Observability: see api/observability.py (also --api-key)
 
-Everything the app uses arrives through ``build_app`` (engine, processor, the served model, the server's config):
-tests pass fakes there.
-Bodies are read by api/body.py (each malformed body gets a message that says what is wrong); preprocessing
-runs on api/preprocess_pools.py's pools (a light request never waits behind a heavy one).
+Everything the app uses arrives through ``build_app`` (engine, processor, the served model, the
+server's config): tests pass fakes there.
+Bodies are read by api/body.py (each malformed body gets a message that says what is wrong);
+preprocessing runs on api/preprocess_pools.py's pools (a light request never waits behind a heavy
+one).
 """
 
 from __future__ import annotations
@@ -65,7 +66,12 @@ from firsttoken.api.protocol import (
     ToolCallOut,
 )
 from firsttoken.api.responses import chat_logprobs, completion_logprobs, usage_of
-from firsttoken.api.responses_api import ResponseObject, ResponsesRequest, finished_response, responses_sse
+from firsttoken.api.responses_api import (
+    ResponseObject,
+    ResponsesRequest,
+    finished_response,
+    responses_sse,
+)
 from firsttoken.api.settings import ServedModel
 from firsttoken.api.tools import ToolOutput
 from firsttoken.api.streaming import (
@@ -88,7 +94,8 @@ from firsttoken.types import EngineRequest, FinishReason
 from firsttoken.version import __version__
 
 T = TypeVar("T")
-CLIENT_CLOSED_REQUEST = 499  # nginx's status for "the client went away"; nobody receives it, logs do
+# nginx's status for "the client went away"; nobody receives it, logs do
+CLIENT_CLOSED_REQUEST = 499
 
 
 class _Slots:
@@ -115,7 +122,8 @@ def build_app(
     observability: Observability | None = None,
 ) -> FastAPI:
     pools = PreprocessPools(server.num_preprocess_threads)
-    slots = _Slots(server.max_concurrent_requests)  # also what a graceful shutdown waits on (app.state.slots)
+    # also what a graceful shutdown waits on (app.state.slots)
+    slots = _Slots(server.max_concurrent_requests)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -134,7 +142,9 @@ def build_app(
     app.state.slots = slots
     if observability is not None:  # /metrics /stats /dashboard, API key, per-token timing
         engine = observability.install(app, engine, model.name)
-    done: Callable[[str, Timeline], None] = observability.request_done if observability else lambda *_: None
+    done: Callable[[str, Timeline], None] = (
+        observability.request_done if observability else lambda *_: None
+    )
 
     def closer(ctx: StreamContext) -> Callable[[], None]:
         """A stream's on_close: give back its slot, then complete its metrics record."""
@@ -161,9 +171,10 @@ def build_app(
     async def start(
         req: ChatCompletionRequest | CompletionRequest | ResponsesRequest, prefix: str
     ) -> tuple[list[EngineRequest], list[int | None], StreamContext]:
-        """Common head of both generation routes: one engine request per choice (prompt k // n; a seed given is
-        the first choice's, seed + j the j-th's, as vLLM), each preprocessed and admitted here, and the choice each
-        waits for (streaming.fan_in). The caller owns the slot taken here once this returns."""
+        """Common head of both generation routes: one engine request per choice (prompt k // n; a
+        seed given is the first choice's, seed + j the j-th's, as vLLM), each preprocessed and
+        admitted here, and the choice each waits for (streaming.fan_in). The caller owns the slot
+        taken here once this returns."""
         timeline = Timeline(arrival_s=time.monotonic())
         check_model(req.model)
         check_alive()
@@ -176,17 +187,36 @@ def build_app(
         try:
             for k, request_id in enumerate(ids):
                 j = k % n
-                choice = sampling if j == 0 or sampling.seed is None else replace(sampling, seed=sampling.seed + j)
-                requests.append(await off_loop(pools.for_request(req), processor.process, prompts[k // n], choice,
-                                               request_id, timeline.arrival_s))
+                choice = (
+                    sampling
+                    if j == 0 or sampling.seed is None
+                    else replace(sampling, seed=sampling.seed + j)
+                )
+                requests.append(
+                    await off_loop(
+                        pools.for_request(req),
+                        processor.process,
+                        prompts[k // n],
+                        choice,
+                        request_id,
+                        timeline.arrival_s,
+                    )
+                )
         except BaseException:
             slots.give_back()
             for request_id in ids[: len(requests) + 1]:
                 engine.release(request_id)  # its admission place, if preprocessing got that far
             raise
         timeline.take_request(requests[0])
-        ctx = StreamContext(response_id, int(time.time()), model.name, req.include_usage, timeline, n,
-                            req.continuous_usage)
+        ctx = StreamContext(
+            response_id,
+            int(time.time()),
+            model.name,
+            req.include_usage,
+            timeline,
+            n,
+            req.continuous_usage,
+        )
         return requests, [None if k % n == 0 else k - k % n for k in range(count)], ctx
 
     async def respond(
@@ -194,7 +224,9 @@ def build_app(
         build: Callable[[list[Collected]], Response],
     ) -> Response:
         try:
-            collected = await collect_outputs(engine, requests, functools.partial(_wait_disconnect, raw), after)
+            collected = await collect_outputs(
+                engine, requests, functools.partial(_wait_disconnect, raw), after
+            )
         except ClientDisconnected:
             client_left(raw.scope, "answer")
             return Response(status_code=CLIENT_CLOSED_REQUEST)
@@ -211,25 +243,42 @@ def build_app(
         done(ctx.response_id, ctx.timeline)
         return response
 
-    @app.post("/v1/chat/completions", **body_route(ChatCompletionRequest, ChatCompletionResponse, *GENERATION_ERRORS,
-                                                    stream=True))
+    @app.post(
+        "/v1/chat/completions",
+        **body_route(
+            ChatCompletionRequest, ChatCompletionResponse, *GENERATION_ERRORS, stream=True
+        ),
+    )
     async def chat_completions(raw: Request) -> Response:
         req = await read_model(raw, ChatCompletionRequest)
         requests, after, ctx = await start(req, "chatcmpl-")
         if req.stream:
             tools = functools.partial(tool_output, req) if req.tool_mode != "none" else None
-            return EngineStreamResponse(chat_sse(engine, requests, ctx, processor.token_piece, tools, after),
-                                        closer(ctx))
+            return EngineStreamResponse(
+                chat_sse(engine, requests, ctx, processor.token_piece, tools, after), closer(ctx)
+            )
 
         def choice(index: int, c: Collected) -> ChatChoice:
             tools = tool_output(req)
             reason = c.final.finish_reason.value if c.final.finish_reason else None
             content, calls = (c.text, []) if tools is None else tools.complete(c.text)
-            message = AssistantMessage(content=content, tool_calls=[ToolCallOut(
-                id=call.id, function=FunctionCallOut(name=call.name, arguments=call.arguments)) for call in calls]
-                or None)
-            return ChatChoice(index=index, message=message, logprobs=chat_logprobs(c.logprobs, processor.token_piece),
-                              finish_reason=tools.finish_reason(reason) if tools is not None else reason)
+            message = AssistantMessage(
+                content=content,
+                tool_calls=[
+                    ToolCallOut(
+                        id=call.id,
+                        function=FunctionCallOut(name=call.name, arguments=call.arguments),
+                    )
+                    for call in calls
+                ]
+                or None,
+            )
+            return ChatChoice(
+                index=index,
+                message=message,
+                logprobs=chat_logprobs(c.logprobs, processor.token_piece),
+                finish_reason=tools.finish_reason(reason) if tools is not None else reason,
+            )
 
         def build(collected: list[Collected]) -> Response:
             body = ChatCompletionResponse(
@@ -243,20 +292,36 @@ def build_app(
 
         return await respond(raw, requests, after, ctx, build)
 
-    @app.post("/v1/completions", **body_route(CompletionRequest, CompletionResponse, *GENERATION_ERRORS, stream=True))
+    @app.post(
+        "/v1/completions",
+        **body_route(CompletionRequest, CompletionResponse, *GENERATION_ERRORS, stream=True),
+    )
     async def completions(raw: Request) -> Response:
         req = await read_model(raw, CompletionRequest)
         requests, after, ctx = await start(req, "cmpl-")
         prompts = req.prompts()
-        echo = [Echo(p.text if isinstance(p, TextPrompt) else processor.decode(p.token_ids), r.prompt_token_ids)
-                for p, r in zip((prompts[k // req.n] for k in range(len(requests))), requests)] if req.echo else []
+        echo = (
+            [
+                Echo(
+                    p.text if isinstance(p, TextPrompt) else processor.decode(p.token_ids),
+                    r.prompt_token_ids,
+                )
+                for p, r in zip((prompts[k // req.n] for k in range(len(requests))), requests)
+            ]
+            if req.echo
+            else []
+        )
         if req.stream:
-            return EngineStreamResponse(completion_sse(engine, requests, ctx, processor.token_piece, after, echo),
-                                        closer(ctx))
+            return EngineStreamResponse(
+                completion_sse(engine, requests, ctx, processor.token_piece, after, echo),
+                closer(ctx),
+            )
 
         def choice(i: int, c: Collected) -> CompletionChoice:
             lead = echo[i] if echo else None
-            scores = [*c.prompt_logprobs, *c.logprobs] if lead is not None and c.logprobs else c.logprobs
+            scores = (
+                [*c.prompt_logprobs, *c.logprobs] if lead is not None and c.logprobs else c.logprobs
+            )
             first = lead.token_ids[0] if lead is not None and c.logprobs else None
             return CompletionChoice(
                 index=i,
@@ -278,7 +343,10 @@ def build_app(
 
         return await respond(raw, requests, after, ctx, build)
 
-    @app.post("/v1/responses", **body_route(ResponsesRequest, ResponseObject, *GENERATION_ERRORS, stream=True))
+    @app.post(
+        "/v1/responses",
+        **body_route(ResponsesRequest, ResponseObject, *GENERATION_ERRORS, stream=True),
+    )
     async def responses(raw: Request) -> Response:
         """Stateless: nothing is stored, so a response cannot be retrieved or continued by its id."""
         req = await read_model(raw, ResponsesRequest)
@@ -287,15 +355,26 @@ def build_app(
             return EngineStreamResponse(responses_sse(engine, requests[0], req, ctx), closer(ctx))
 
         def build(collected: list[Collected]) -> Response:
-            return JSONResponse(finished_response(req, ctx, collected[0].text, collected[0].final).model_dump())
+            return JSONResponse(
+                finished_response(req, ctx, collected[0].text, collected[0].final).model_dump()
+            )
 
         return await respond(raw, requests, after, ctx, build)
 
-    @app.get("/v1/responses/{response_id}", status_code=404, response_class=Response, responses=errors(404))
+    @app.get(
+        "/v1/responses/{response_id}",
+        status_code=404,
+        response_class=Response,
+        responses=errors(404),
+    )
     async def stored_response(response_id: str) -> Response:
         """``client.responses.retrieve``: nothing is stored, so every id is unknown (with a message that says why)."""
-        return error_response(404, "responses are not stored on this server (it is stateless), so none can be "
-                                   "retrieved by id", "response_id")
+        return error_response(
+            404,
+            "responses are not stored on this server (it is stateless), so none can be "
+            "retrieved by id",
+            "response_id",
+        )
 
     @app.post("/tokenize", **body_route(TokenizeRequest, TokenizeResponse, 404))
     async def tokenize(raw: Request) -> Response:
@@ -303,17 +382,21 @@ def build_app(
         check_model(req.model)
         pool = pools.for_request(req)
         count = await off_loop(pool, processor.count, req.to_prompt())
-        return JSONResponse(TokenizeResponse(
-            count=count.total,
-            max_model_len=model.max_model_len,
-            tokens=list(count.token_ids),
-            token_strs=[processor.token_piece(t)[0] for t in count.token_ids] if req.return_token_strs else None,
-            num_text_tokens=count.num_text_tokens,
-            images=[ImageTokenInfo(**dataclasses.asdict(im)) for im in count.images],
-            videos=[VideoTokenInfo(**dataclasses.asdict(v)) for v in count.videos],
-            max_input_tokens=processor.max_input_tokens,
-            predicted_ttft_s=count.predicted_ttft_s,
-        ).model_dump())
+        return JSONResponse(
+            TokenizeResponse(
+                count=count.total,
+                max_model_len=model.max_model_len,
+                tokens=list(count.token_ids),
+                token_strs=[processor.token_piece(t)[0] for t in count.token_ids]
+                if req.return_token_strs
+                else None,
+                num_text_tokens=count.num_text_tokens,
+                images=[ImageTokenInfo(**dataclasses.asdict(im)) for im in count.images],
+                videos=[VideoTokenInfo(**dataclasses.asdict(v)) for v in count.videos],
+                max_input_tokens=processor.max_input_tokens,
+                predicted_ttft_s=count.predicted_ttft_s,
+            ).model_dump()
+        )
 
     @app.get("/v1/models")
     async def models() -> ModelList:
@@ -347,8 +430,9 @@ def build_app(
     return app
 
 
-# what a generation route's handler may answer besides 400 (the body) and the layers' errors (api/openapi.py): an
-# unknown model, a full server or lane, a stopped or draining engine, a request past --request-timeout
+# what a generation route's handler may answer besides 400 (the body) and the layers' errors
+# (api/openapi.py): an unknown model, a full server or lane, a stopped or draining engine, a request
+# past --request-timeout
 GENERATION_ERRORS = (404, 429, 503, 504)
 DOCUMENTED_MODELS = (ChatCompletionRequest, CompletionRequest, TokenizeRequest, ResponsesRequest,
                      ChatCompletionResponse, CompletionResponse, ResponseObject, TokenizeResponse)
@@ -364,6 +448,7 @@ def tool_output(req: ChatCompletionRequest) -> ToolOutput | None:
 
 
 async def _wait_disconnect(raw: Request) -> None:
-    """Returns when the client disconnects (the body has been read; the next ASGI message is the disconnect)."""
+    """Returns when the client disconnects (the body has been read; the next ASGI message is the
+    disconnect)."""
     while (await raw.receive())["type"] != "http.disconnect":
         pass

@@ -1,10 +1,12 @@
-"""Graceful shutdown: on SIGTERM (or Ctrl-C) stop taking work, let in-flight requests finish, then exit 0.
+"""Graceful shutdown: on SIGTERM (or Ctrl-C) stop taking work, let in-flight requests finish, then
+exit 0.
 
-First signal: the engine client starts draining, so new generation requests and /health answer 503 while the
-listening socket stays open (a load balancer sees the 503 and moves traffic away); requests already in flight
-(including those still preprocessing) finish, for up to ``shutdown_timeout_s``. Then uvicorn closes the socket and
-cancels whatever is left; a cancelled request's stream aborts it in the engine, so its KV blocks are freed. A
-second signal skips the wait.
+First signal: the engine client starts draining, so new generation requests and /health answer 503
+while the listening socket stays open (a load balancer sees the 503 and moves traffic away);
+requests already in flight (including those still preprocessing) finish, for up to
+``shutdown_timeout_s``. Then uvicorn closes the socket and cancels whatever is left; a cancelled
+request's stream aborts it in the engine, so its KV blocks are freed. A second signal skips the
+wait.
 """
 
 from __future__ import annotations

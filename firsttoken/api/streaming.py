@@ -1,4 +1,5 @@
-"""Server-sent events in vLLM's framing, and the guarantee that a vanished client aborts its request.
+"""Server-sent events in vLLM's framing, and the guarantee that a vanished client aborts its
+request.
 
 Chat stream (fixtures/vllm-0.32/chat-stream-image.txt):
     data: chunk  delta {"role": "assistant", "content": ""}          role only, sent before any token
@@ -6,16 +7,18 @@ Chat stream (fixtures/vllm-0.32/chat-stream-image.txt):
     data: chunk  delta {"content": "..."}, finish_reason             the last output
     data: chunk  choices [], usage {... "firsttoken": timings}       only with stream_options.include_usage
     data: [DONE]
-Every token chunk of a choice, whatever made its delta (the text, or the tool-call parser), carries that output's
-``logprobs`` when asked, and with ``continuous_usage_stats`` every chunk (the role chunk too) its choice's usage so far.
-A request the engine fails mid-stream sends ``data: {"error": {...}}`` then ``data: [DONE]``.
+Every token chunk of a choice, whatever made its delta (the text, or the tool-call parser), carries
+that output's ``logprobs`` when asked, and with ``continuous_usage_stats`` every chunk (the role
+chunk too) its choice's usage so far. A request the engine fails mid-stream sends
+``data: {"error": {...}}`` then ``data: [DONE]``.
 
-Abort guarantee: ``stream_outputs`` calls ``engine.abort`` in a ``finally`` unless the engine reported the
-request finished. It runs whether the client leaves while the request waits, prefills or decodes:
-- the task iterating the engine is cancelled (Starlette cancels the response when the client disconnects):
-  CancelledError surfaces inside ``stream_outputs``;
-- the SSE generator is suspended at a ``yield`` when the transport fails: ``EngineStreamResponse`` always
-  ``aclose()``s it, and every generator here closes the one it iterates (``aclosing``).
+Abort guarantee: ``stream_outputs`` calls ``engine.abort`` in a ``finally`` unless the engine
+reported the request finished. It runs whether the client leaves while the request waits, prefills
+or decodes:
+- the task iterating the engine is cancelled (Starlette cancels the response when the client
+  disconnects): CancelledError surfaces inside ``stream_outputs``;
+- the SSE generator is suspended at a ``yield`` when the transport fails: ``EngineStreamResponse``
+  always ``aclose()``s it, and every generator here closes the one it iterates (``aclosing``).
 The abort itself is shielded, so a second cancellation while unwinding cannot skip it.
 """
 
@@ -72,14 +75,17 @@ class StreamContext:
     model: str
     include_usage: bool
     timeline: Timeline  # choice 0's, owned by the event loop: engine stamps arrive on each output
-    n: int = 1  # choices per prompt (choice k is prompt k // n): a prompt's tokens count once in the usage
-    continuous_usage: bool = False  # stream_options.continuous_usage_stats: every chunk carries its choice's usage
+    # choices per prompt (choice k is prompt k // n): a prompt's tokens count once in the usage
+    n: int = 1
+    # stream_options.continuous_usage_stats: every chunk carries its choice's usage
+    continuous_usage: bool = False
 
 class EngineStreamResponse(StreamingResponse):
-    """A StreamingResponse that always closes its body generator (so its ``finally`` blocks run now, not at
-    garbage collection) and then calls ``on_close`` (releases the request's concurrency slot). A client that leaves
-    before the stream's end (Starlette sees its ``http.disconnect``; an ASGI 2.4 server raises ClientDisconnect on
-    the next send) is a disconnect at stage "answer" (middleware.client_left), never an error."""
+    """A StreamingResponse that always closes its body generator (so its ``finally`` blocks run now,
+    not at garbage collection) and then calls ``on_close`` (releases the request's concurrency
+    slot). A client that leaves before the stream's end (Starlette sees its ``http.disconnect``; an
+    ASGI 2.4 server raises ClientDisconnect on the next send) is a disconnect at stage "answer"
+    (middleware.client_left), never an error."""
 
     def __init__(self, content: AsyncIterator[str], on_close: Callable[[], None], **kwargs) -> None:
         super().__init__(content, media_type="text/event-stream", **kwargs)
@@ -88,15 +94,18 @@ class EngineStreamResponse(StreamingResponse):
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         left = False
-        complete = False  # the last body message is on its way: a disconnect from here on is the answer's end
+        # the last body message is on its way: a disconnect from here on is the answer's end
+        complete = False
 
         async def watched_send(message: Message) -> None:
             nonlocal complete
             if message["type"] == "http.response.body" and not message.get("more_body", False):
-                complete = True  # set before the send: the server reports the end as http.disconnect at once
+                # set before the send: the server reports the end as http.disconnect at once
+                complete = True
             await send(message)
 
-        async def watched_receive() -> Message:  # Starlette listens for the disconnect while it streams
+        # Starlette listens for the disconnect while it streams
+        async def watched_receive() -> Message:
             nonlocal left
             message = await receive()
             left = left or (message["type"] == "http.disconnect" and not complete)
@@ -115,8 +124,11 @@ class EngineStreamResponse(StreamingResponse):
                 self._on_close()
 
 
-async def stream_outputs(engine: EngineClient, request: EngineRequest) -> AsyncIterator[RequestOutput]:
-    """The engine's outputs for one request; ends after the finished one. Aborts unless it finished."""
+async def stream_outputs(
+    engine: EngineClient, request: EngineRequest
+) -> AsyncIterator[RequestOutput]:
+    """The engine's outputs for one request; ends after the finished one. Aborts unless it
+    finished."""
     outputs = engine.generate(request)
     finished = False
     try:
@@ -134,7 +146,8 @@ async def stream_outputs(engine: EngineClient, request: EngineRequest) -> AsyncI
 
 
 async def _shielded(awaitable: Awaitable[None]) -> None:
-    """Run to completion even if the caller is cancelled meanwhile (the caller still sees its cancellation)."""
+    """Run to completion even if the caller is cancelled meanwhile (the caller still sees its
+    cancellation)."""
     task = asyncio.ensure_future(awaitable)
     try:
         await asyncio.shield(task)
@@ -145,16 +158,19 @@ async def _shielded(awaitable: Awaitable[None]) -> None:
 
 async def fan_in(engine: EngineClient, requests: Sequence[EngineRequest],
                  after: Sequence[int | None] = ()) -> AsyncIterator[tuple[int, RequestOutput]]:
-    """The outputs of a response's requests (its choices) as (index, output), each request's in order; ends once
-    all have finished. ``after[i]``: the choice whose first output request i waits for before it starts (an earlier
-    choice of the same prompt: by then that prompt's KV blocks are in the prefix cache and its images encoded, so
-    the prompt is prefilled once), or None. Leaving early aborts what still runs and releases what never started."""
+    """The outputs of a response's requests (its choices) as (index, output), each request's in
+    order; ends once all have finished. ``after[i]``: the choice whose first output request i waits
+    for before it starts (an earlier choice of the same prompt: by then that prompt's KV blocks are
+    in the prefix cache and its images encoded, so the prompt is prefilled once), or None. Leaving
+    early aborts what still runs and releases what never started."""
     if len(requests) == 1:
         async with aclosing(stream_outputs(engine, requests[0])) as outputs:
             async for out in outputs:
                 yield 0, out
         return
-    queue: asyncio.Queue[tuple[int, RequestOutput | Exception]] = asyncio.Queue(maxsize=64 * len(requests))
+    queue: asyncio.Queue[tuple[int, RequestOutput | Exception]] = asyncio.Queue(
+        maxsize=64 * len(requests)
+    )
     started = [asyncio.Event() for _ in requests]
 
     async def pump(i: int) -> None:
@@ -211,11 +227,13 @@ class ClientDisconnected(Exception):
 
 
 async def collect_outputs(
-    engine: EngineClient, requests: Sequence[EngineRequest], wait_disconnect: Callable[[], Awaitable[None]],
+    engine: EngineClient,
+    requests: Sequence[EngineRequest],
+    wait_disconnect: Callable[[], Awaitable[None]],
     after: Sequence[int | None] = (),
 ) -> list[Collected]:
-    """Run a non-streaming response's requests to the end (``fan_in``), aborting them if the client disconnects
-    first. One failed request ends the response: the list is then that one alone."""
+    """Run a non-streaming response's requests to the end (``fan_in``), aborting them if the client
+    disconnects first. One failed request ends the response: the list is then that one alone."""
 
     async def run() -> list[Collected]:
         parts: list[list[str]] = [[] for _ in requests]
@@ -250,30 +268,45 @@ async def collect_outputs(
 
 
 async def chat_sse(
-    engine: EngineClient, requests: Sequence[EngineRequest], ctx: StreamContext, piece: TokenPieceFn,
-    tools: Callable[[], ToolOutput] | None = None, after: Sequence[int | None] = (),
+    engine: EngineClient,
+    requests: Sequence[EngineRequest],
+    ctx: StreamContext,
+    piece: TokenPieceFn,
+    tools: Callable[[], ToolOutput] | None = None,
+    after: Sequence[int | None] = (),
 ) -> AsyncIterator[str]:
-    """``tools``: a fresh tool-call parser per choice (None: no tools). Whatever makes a choice's deltas (its text
-    as it comes, or its tool-call parser), every chunk is framed by ``chunks``, which adds what the request asked
-    for beyond the text: each output's logprobs, and with continuous usage the choice's usage so far."""
+    """``tools``: a fresh tool-call parser per choice (None: no tools). Whatever makes a choice's
+    deltas (its text as it comes, or its tool-call parser), every chunk is framed by ``chunks``,
+    which adds what the request asked for beyond the text: each output's logprobs, and with
+    continuous usage the choice's usage so far."""
     frames = StreamFrames("chat.completion.chunk", ctx.response_id, ctx.created, ctx.model)
     parsers = [tools() for _ in requests] if tools is not None else None
     finals: dict[int, RequestOutput] = {}
 
     def deltas(i: int, out: RequestOutput) -> list[DeltaMessage]:
-        """Choice i's deltas for one output: its new text, or what the choice's tool-call parser makes of it
-        (content deltas and tool-call deltas)."""
+        """Choice i's deltas for one output: its new text, or what the choice's tool-call parser
+        makes of it (content deltas and tool-call deltas)."""
         if parsers is None:
             return [DeltaMessage(content=out.new_text)] if out.new_text else []
         parser = parsers[i]
         pieces = parser.feed(out.new_text) + (parser.finish() if out.finished else [])
-        return [DeltaMessage(content=p.content) if p.content is not None else DeltaMessage(tool_calls=[tool_delta(p)])
-                for p in pieces]
+        return [
+            DeltaMessage(content=p.content)
+            if p.content is not None
+            else DeltaMessage(tool_calls=[tool_delta(p)])
+            for p in pieces
+        ]
 
-    def chunks(i: int, deltas: list[DeltaMessage], finish_reason: str | None, logprobs: Sequence[TokenLogprob],
-               usage: Usage | None) -> list[str]:
-        """Choice i's chunks, one per delta (an empty delta when there is none but logprobs or a finish reason to
-        send): ``logprobs`` ride the first, ``finish_reason`` the last, ``usage`` (None: not asked for) each."""
+    def chunks(
+        i: int,
+        deltas: list[DeltaMessage],
+        finish_reason: str | None,
+        logprobs: Sequence[TokenLogprob],
+        usage: Usage | None,
+    ) -> list[str]:
+        """Choice i's chunks, one per delta (an empty delta when there is none but logprobs or a
+        finish reason to send): ``logprobs`` ride the first, ``finish_reason`` the last, ``usage``
+        (None: not asked for) each."""
         if not deltas and (logprobs or finish_reason):
             deltas = [DeltaMessage()]
         out: list[str] = []
@@ -285,8 +318,17 @@ async def chat_sse(
                 continue
             choice = ChatChunkChoice(index=i, delta=delta, logprobs=chat_logprobs(scores, piece),
                                      finish_reason=reason)
-            out.append(sse(ChatCompletionChunk(id=ctx.response_id, created=ctx.created, model=ctx.model,
-                                               choices=[choice], usage=usage).to_json()))
+            out.append(
+                sse(
+                    ChatCompletionChunk(
+                        id=ctx.response_id,
+                        created=ctx.created,
+                        model=ctx.model,
+                        choices=[choice],
+                        usage=usage,
+                    ).to_json()
+                )
+            )
         return out
 
     for i, request in enumerate(requests):
@@ -305,19 +347,29 @@ async def chat_sse(
                 ctx.timeline.observe(out)
             new = deltas(i, out)
             if parsers is not None:
-                finish = parsers[i].finish_reason(finish)  # once the parser has read the whole answer
-            usage = running_usage(out.num_prompt_tokens, out.num_output_tokens) if ctx.continuous_usage else None
-            visible = i == 0 and any(d.content or d.tool_calls for d in new)  # choice 0's timeline: text or a call
+                # once the parser has read the whole answer
+                finish = parsers[i].finish_reason(finish)
+            usage = (
+                running_usage(out.num_prompt_tokens, out.num_output_tokens)
+                if ctx.continuous_usage
+                else None
+            )
+            # choice 0's timeline: text or a call
+            visible = i == 0 and any(d.content or d.tool_calls for d in new)
             for frame in chunks(i, new, finish, out.logprobs, usage):
                 yield frame
                 if visible:
-                    ctx.timeline.mark_first_byte()  # resumed: the chunk has been handed to the transport
+                    # resumed: the chunk has been handed to the transport
+                    ctx.timeline.mark_first_byte()
             if out.finished:
                 finals[i] = out
     if ctx.include_usage:
         usage = usage_of([finals[i] for i in range(len(requests))], ctx.timeline, ctx.n)
-        yield sse(ChatCompletionChunk(id=ctx.response_id, created=ctx.created, model=ctx.model, choices=[],
-                                      usage=usage).to_json())
+        yield sse(
+            ChatCompletionChunk(
+                id=ctx.response_id, created=ctx.created, model=ctx.model, choices=[], usage=usage
+            ).to_json()
+        )
     yield DONE
 
 
@@ -328,16 +380,22 @@ def running_usage(num_prompt_tokens: int, num_output_tokens: int) -> Usage:
 
 
 def tool_delta(p: Piece) -> ToolCallDelta:
-    """A parser piece of a call as OpenAI's delta: id, type and name on a call's first delta, arguments after."""
+    """A parser piece of a call as OpenAI's delta: id, type and name on a call's first delta,
+    arguments after."""
     return ToolCallDelta(index=p.index or 0, id=p.call_id, type="function" if p.call_id else None,
                          function=FunctionCallDelta(name=p.name, arguments=p.arguments))
 
 
 async def completion_sse(
-    engine: EngineClient, requests: Sequence[EngineRequest], ctx: StreamContext, piece: TokenPieceFn,
-    after: Sequence[int | None] = (), echo: Sequence[Echo] = (),
+    engine: EngineClient,
+    requests: Sequence[EngineRequest],
+    ctx: StreamContext,
+    piece: TokenPieceFn,
+    after: Sequence[int | None] = (),
+    echo: Sequence[Echo] = (),
 ) -> AsyncIterator[str]:
-    """``echo`` (one per choice, or none): each choice's first chunk leads with its prompt (and its scores)."""
+    """``echo`` (one per choice, or none): each choice's first chunk leads with its prompt (and its
+    scores)."""
     text_len = [0] * len(requests)
     finals: dict[int, RequestOutput] = {}
     echoed: set[int] = set()
@@ -361,14 +419,28 @@ async def completion_sse(
                     scores = out.logprobs
                     if lead is not None and out.logprobs:
                         scores = (*out.prompt_logprobs, *out.logprobs)
-                    logprobs = completion_logprobs(scores, piece, text_len[i],
-                                                   lead.token_ids[0] if lead is not None and out.logprobs else None)
+                    logprobs = completion_logprobs(
+                        scores,
+                        piece,
+                        text_len[i],
+                        lead.token_ids[0] if lead is not None and out.logprobs else None,
+                    )
                     text = (lead.text if lead is not None else "") + out.new_text
-                    choice = CompletionChoice(index=i, text=text, finish_reason=finish, logprobs=logprobs)
-                    usage = running_usage(out.num_prompt_tokens, out.num_output_tokens) if ctx.continuous_usage \
+                    choice = CompletionChoice(
+                        index=i, text=text, finish_reason=finish, logprobs=logprobs
+                    )
+                    usage = (
+                        running_usage(out.num_prompt_tokens, out.num_output_tokens)
+                        if ctx.continuous_usage
                         else None
-                    body = CompletionResponse(id=ctx.response_id, created=ctx.created, model=ctx.model,
-                                              choices=[choice], usage=usage)
+                    )
+                    body = CompletionResponse(
+                        id=ctx.response_id,
+                        created=ctx.created,
+                        model=ctx.model,
+                        choices=[choice],
+                        usage=usage,
+                    )
                     yield sse(body.to_json())
                 else:
                     yield frames.completion(out.new_text, finish, index=i)
@@ -379,7 +451,9 @@ async def completion_sse(
                 finals[i] = out
     if ctx.include_usage:
         usage = usage_of([finals[i] for i in range(len(requests))], ctx.timeline, ctx.n)
-        body = CompletionResponse(id=ctx.response_id, created=ctx.created, model=ctx.model, choices=[], usage=usage)
+        body = CompletionResponse(
+            id=ctx.response_id, created=ctx.created, model=ctx.model, choices=[], usage=usage
+        )
         yield sse(body.to_json())
     yield DONE
 
@@ -393,8 +467,8 @@ async def guarded_outputs(
     engine: EngineClient, requests: Sequence[EngineRequest], after: Sequence[int | None] = (),
     on_error: Callable[[int, str], str] = error_event,
 ) -> AsyncIterator[tuple[int, RequestOutput] | str]:
-    """Outputs, with an engine failure turned into one SSE error event (str, ``on_error(status, message)``)
-    instead of a broken stream."""
+    """Outputs, with an engine failure turned into one SSE error event (str,
+    ``on_error(status, message)``) instead of a broken stream."""
     try:
         async with aclosing(fan_in(engine, requests, after)) as outputs:
             async for i, out in outputs:
@@ -408,8 +482,8 @@ async def guarded_outputs(
 
 def engine_failure(engine: EngineClient, request: EngineRequest, exc: Exception) -> tuple[int, str]:
     """(status, client-safe message) for an exception raised by ``engine.generate``:
-    a stopped engine is 503; a ValueError is the engine refusing the request at admission (its message is
-    written for the client), 400; anything else is logged and becomes a generic 500."""
+    a stopped engine is 503; a ValueError is the engine refusing the request at admission (its
+    message is written for the client), 400; anything else is logged and becomes a generic 500."""
     if not engine.is_alive:
         return 503, "the engine is not running"
     if isinstance(exc, ValueError):

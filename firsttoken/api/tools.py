@@ -1,16 +1,19 @@
-"""Tool calls out of the answer's text, whole or as it streams (inputs/tools.py puts the tools in the prompt).
+"""Tool calls out of the answer's text, whole or as it streams (inputs/tools.py puts the tools in
+the prompt).
 
 By ``tool_choice`` (``ChatCompletionRequest.tool_mode``):
-- ``auto``: the model may write hermes calls, ``<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>``,
-  anywhere in its text; each well-formed one (JSON, a name among the tools', an object of arguments) becomes a
-  tool call, the text outside them the content. A malformed call stays in the content as written: never a 500.
-- ``named``: the answer is the arguments object (held to the function's schema by the grammar), streamed as the
-  call's argument deltas.
-- ``required``: the answer is a JSON array of ``{"name", "arguments"}`` (held to the tools' schemas): each call
-  goes out once its name is read, then its arguments text as it arrives (``_ArrayScan``). An answer cut short
-  (``length``) keeps the calls begun; one with no call begun is the content.
-Under ``auto`` a call goes out whole when its ``</tool_call>`` arrives: nothing holds that text to JSON, and a call
-once sent cannot be taken back into the content.
+- ``auto``: the model may write hermes calls,
+  ``<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>``, anywhere in its text; each
+  well-formed one (JSON, a name among the tools', an object of arguments) becomes a tool call, the
+  text outside them the content. A malformed call stays in the content as written: never a 500.
+- ``named``: the answer is the arguments object (held to the function's schema by the grammar),
+  streamed as the call's argument deltas.
+- ``required``: the answer is a JSON array of ``{"name", "arguments"}`` (held to the tools'
+  schemas): each call goes out once its name is read, then its arguments text as it arrives
+  (``_ArrayScan``). An answer cut short (``length``) keeps the calls begun; one with no call begun
+  is the content.
+Under ``auto`` a call goes out whole when its ``</tool_call>`` arrives: nothing holds that text to
+JSON, and a call once sent cannot be taken back into the content.
 - ``none``: no parsing.
 A choice with calls finishes with ``tool_calls`` (``stop`` for a named function, as OpenAI does).
 """
@@ -33,7 +36,8 @@ class Call:
 
 @dataclass(frozen=True)
 class Piece:
-    """One thing to send: content text, the start of a call (its id and name), or more of a call's arguments."""
+    """One thing to send: content text, the start of a call (its id and name), or more of a call's
+    arguments."""
 
     content: str | None = None
     index: int | None = None  # the call's place among this answer's calls
@@ -57,7 +61,7 @@ class ToolOutput:
     _named_id: str = field(default_factory=new_call_id)
     _array: _ArrayScan = field(default_factory=lambda: _ArrayScan())
 
-    # ---- streaming ------------------------------------------------------------------------------------------
+    # ---- streaming -------------------------------------------------------------------------------
     def feed(self, text: str) -> list[Piece]:
         if self.mode == "named":
             pieces = [] if self.calls else [self._start_named()]
@@ -84,7 +88,7 @@ class ToolOutput:
             return "tool_calls"
         return reason
 
-    # ---- a whole answer -------------------------------------------------------------------------------------
+    # ---- a whole answer --------------------------------------------------------------------------
     def complete(self, text: str) -> tuple[str | None, list[Call]]:
         """(content, calls) of a finished answer."""
         pieces = self.feed(text) + self.finish()
@@ -94,7 +98,7 @@ class ToolOutput:
             return None, self.calls
         return (content.strip() or None) if self.calls else content, self.calls
 
-    # ---- internals ------------------------------------------------------------------------------------------
+    # ---- internals -------------------------------------------------------------------------------
     def _start_named(self) -> Piece:
         self.calls.append(Call(self._named_id, self.named or "", ""))
         return Piece(index=0, call_id=self._named_id, name=self.named, arguments="")
@@ -110,22 +114,35 @@ class ToolOutput:
             if not self._in_call:
                 at = self._buffer.find(START)
                 if at < 0:
-                    keep = _partial_suffix(self._buffer, START)  # may be the start of a call: held back
-                    text, self._buffer = self._buffer[: len(self._buffer) - keep], self._buffer[len(self._buffer) - keep:]
+                    # may be the start of a call: held back
+                    keep = _partial_suffix(self._buffer, START)
+                    text, self._buffer = (
+                        self._buffer[: len(self._buffer) - keep],
+                        self._buffer[len(self._buffer) - keep :],
+                    )
                     if text and (text.strip() or not self.calls):
                         pieces.append(Piece(content=text))
                     return pieces
-                before, self._buffer, self._in_call = self._buffer[:at], self._buffer[at + len(START):], True
+                before, self._buffer, self._in_call = (
+                    self._buffer[:at],
+                    self._buffer[at + len(START) :],
+                    True,
+                )
                 if before.strip():
                     pieces.append(Piece(content=before))
             else:
                 end = self._buffer.find(END)
                 if end < 0:
                     return pieces
-                body, self._buffer, self._in_call = self._buffer[:end], self._buffer[end + len(END):], False
+                body, self._buffer, self._in_call = (
+                    self._buffer[:end],
+                    self._buffer[end + len(END) :],
+                    False,
+                )
                 call = _hermes_call(body, self.names)
-                pieces += self._add(call) if call is not None else [Piece(content=START + body + END)]
-
+                pieces += (
+                    self._add(call) if call is not None else [Piece(content=START + body + END)]
+                )
 
 
 def _hermes_call(body: str, names: frozenset[str]) -> Call | None:
@@ -133,7 +150,8 @@ def _hermes_call(body: str, names: frozenset[str]) -> Call | None:
 
 
 def _loads(text: str) -> object:
-    """The JSON value of ``text``, or None when it is not JSON (None is never a call, an array or arguments)."""
+    """The JSON value of ``text``, or None when it is not JSON (None is never a call, an array or
+    arguments)."""
     try:
         return json.loads(text)
     except json.JSONDecodeError:
@@ -161,9 +179,10 @@ def _partial_suffix(text: str, marker: str) -> int:
 
 @dataclass
 class _ArrayScan:
-    """Calls out of ``[{"name": ..., "arguments": {...}}, ...]`` as its text arrives, one character at a time: the
-    grammar holds the text to that shape, so a call begins once its name's string closes, and its arguments are
-    the raw text of its ``arguments`` value. Depth 1 is inside the array, 2 inside a call, 3+ inside its arguments."""
+    """Calls out of ``[{"name": ..., "arguments": {...}}, ...]`` as its text arrives, one character
+    at a time: the grammar holds the text to that shape, so a call begins once its name's string
+    closes, and its arguments are the raw text of its ``arguments`` value. Depth 1 is inside the
+    array, 2 inside a call, 3+ inside its arguments."""
 
     depth: int = 0
     in_string: bool = False
@@ -172,7 +191,8 @@ class _ArrayScan:
     token: str = ""  # the raw text of the current key or name string
     reading: str = ""  # "key", "name", "arguments" or ""
     name: str | None = None
-    arguments: str = ""  # this call's arguments so far (all of them, sent or held until the name is known)
+    # this call's arguments so far (all of them, sent or held until the name is known)
+    arguments: str = ""
     sent: int = 0  # how much of ``arguments`` went out
 
     def feed(self, text: str, calls: list[Call]) -> list[Piece]:
@@ -238,6 +258,8 @@ class _ArrayScan:
         elif self.reading == "name":
             self.name, self.reading = str(_loads(self.token)), "done"
             calls.append(Call(new_call_id(), self.name, ""))
-            pieces.append(Piece(index=len(calls) - 1, call_id=calls[-1].id, name=self.name, arguments=""))
+            pieces.append(
+                Piece(index=len(calls) - 1, call_id=calls[-1].id, name=self.name, arguments="")
+            )
         elif self.reading == "other":
             self.reading = "done"

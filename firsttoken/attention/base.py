@@ -1,18 +1,21 @@
-"""The attention backend contract: one forward over a packed batch of sequences and a paged KV cache.
+"""The attention backend contract: one forward over a packed batch of sequences and a paged KV
+cache.
 
-A forward step carries ``num_seqs`` sequences. Sequence ``i`` brings ``query_lens[i]`` new tokens (a prefill
-chunk of any length, or a single decode token) on top of ``context_lens[i]`` tokens whose keys/values are
-already in the cache. New tokens of all sequences are packed back to back: sequence ``i`` owns rows
-``query_start_loc[i] : query_start_loc[i + 1]`` of every ``[num_tokens, ...]`` tensor.
+A forward step carries ``num_seqs`` sequences. Sequence ``i`` brings ``query_lens[i]`` new tokens (a
+prefill chunk of any length, or a single decode token) on top of ``context_lens[i]`` tokens whose
+keys/values are already in the cache. New tokens of all sequences are packed back to back: sequence
+``i`` owns rows ``query_start_loc[i] : query_start_loc[i + 1]`` of every ``[num_tokens, ...]``
+tensor.
 
-The KV cache of one layer is a tensor ``[2, num_blocks, block_size, num_kv_heads, head_dim]`` (index 0 = K,
-1 = V). A sequence's logical token ``j`` lives in physical block ``block_tables[i][j // block_size]`` at offset
-``j % block_size``; ``slot_mapping[t] = block * block_size + offset`` is where new token ``t`` is written.
+The KV cache of one layer is a tensor ``[2, num_blocks, block_size, num_kv_heads, head_dim]`` (index
+0 = K, 1 = V). A sequence's logical token ``j`` lives in physical block
+``block_tables[i][j // block_size]`` at offset ``j % block_size``;
+``slot_mapping[t] = block * block_size + offset`` is where new token ``t`` is written.
 
-A backend (1) writes the new keys/values into their slots and (2) computes causal attention for each new
-token over all of its sequence's tokens up to and including itself (``context_lens[i] + position in chunk``),
-reading past keys/values through the block table. Model code passes this metadata explicitly; nothing lives
-in module globals.
+A backend (1) writes the new keys/values into their slots and (2) computes causal attention for each
+new token over all of its sequence's tokens up to and including itself
+(``context_lens[i] + position in chunk``), reading past keys/values through the block table. Model
+code passes this metadata explicitly; nothing lives in module globals.
 """
 
 from __future__ import annotations
@@ -50,7 +53,8 @@ class AttentionMetadata:
 
     @cached_property
     def seq_lens_tensor(self) -> torch.Tensor:
-        """[num_seqs] int32 ``seq_lens`` on the block tables' device (for kernels that read it per sequence)."""
+        """[num_seqs] int32 ``seq_lens`` on the block tables' device (for kernels that read it per
+        sequence)."""
         return torch.tensor(self.seq_lens, dtype=torch.int32, device=self.block_tables.device)
 
     @cached_property
@@ -59,25 +63,30 @@ class AttentionMetadata:
 
     @cached_property
     def padded_kv_blocks(self) -> torch.Tensor:
-        """[num_seqs, blocks covering the longest sequence] int64 block ids, for a gather padded to the longest
-        sequence (a shorter sequence's padding reads block 0: mask it with ``padded_key_mask``)."""
+        """[num_seqs, blocks covering the longest sequence] int64 block ids, for a gather padded to
+        the longest sequence (a shorter sequence's padding reads block 0: mask it with
+        ``padded_key_mask``)."""
         num_blocks = -(-max(self.seq_lens, default=0) // self.block_size)
         return self.block_tables[:, :num_blocks].long()
 
     @cached_property
     def single_run_start(self) -> int | None:
-        """For one sequence whose blocks (those ``padded_kv_blocks`` holds) are consecutive ids b, b + 1, ...: b, so
-        its keys and values are a view of the cache, not a gather. None otherwise."""
+        """For one sequence whose blocks (those ``padded_kv_blocks`` holds) are consecutive ids b, b
+        + 1, ...: b, so its keys and values are a view of the cache, not a gather. None
+        otherwise."""
         blocks = self.padded_kv_blocks
         if blocks.shape[0] != 1 or blocks.shape[1] == 0:
             return None
         first = int(blocks[0, 0])
-        consecutive = torch.equal(blocks[0], torch.arange(first, first + blocks.shape[1], device=blocks.device))
+        consecutive = torch.equal(
+            blocks[0], torch.arange(first, first + blocks.shape[1], device=blocks.device)
+        )
         return first if consecutive else None
 
     @cached_property
     def padded_key_mask(self) -> torch.Tensor | None:
-        """[num_seqs, 1, 1, longest seq_len] bool, True where key j < seq_lens[i]; None when no sequence is padded."""
+        """[num_seqs, 1, 1, longest seq_len] bool, True where key j < seq_lens[i]; None when no
+        sequence is padded."""
         if len(set(self.seq_lens)) <= 1:
             return None
         seq_lens = torch.tensor(self.seq_lens, device=self.block_tables.device)
@@ -92,8 +101,8 @@ class AttentionMetadata:
         block_size: int,
         device: torch.device | str = "cpu",
     ) -> AttentionMetadata:
-        """Metadata from plain per-sequence lists (block_tables[i] covers at least seq_len tokens). A handful of
-        tensor ops per step whatever the batch: no per-token Python."""
+        """Metadata from plain per-sequence lists (block_tables[i] covers at least seq_len tokens).
+        A handful of tensor ops per step whatever the batch: no per-token Python."""
         num_seqs = len(query_lens)
         max_blocks = max(1, max((len(t) for t in block_tables), default=0))
         padded: list[list[int]] = []
@@ -111,8 +120,11 @@ class AttentionMetadata:
         else:  # token t of sequence i sits at logical index context_lens[i] + (t - starts[i])
             lens = torch.tensor(query_lens, dtype=torch.int64)
             seq = torch.repeat_interleave(torch.arange(num_seqs), lens)  # [num_tokens]
-            shift = torch.tensor(context_lens, dtype=torch.int64) - torch.tensor(starts[:-1], dtype=torch.int64)
-            index = torch.arange(starts[-1], dtype=torch.int64) + shift[seq]  # [num_tokens] logical token index
+            shift = torch.tensor(context_lens, dtype=torch.int64) - torch.tensor(
+                starts[:-1], dtype=torch.int64
+            )
+            # [num_tokens] logical token index
+            index = torch.arange(starts[-1], dtype=torch.int64) + shift[seq]
             slots = table[seq, index // block_size].long() * block_size + index % block_size
         return AttentionMetadata(
             query_lens=tuple(query_lens),
@@ -127,9 +139,9 @@ class AttentionMetadata:
 class AttentionBackend(Protocol):
     """Computes paged causal attention for one layer.
 
-    q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim] (rotary already applied).
-    kv_cache: [2, num_blocks, block_size, num_kv_heads, head_dim], written in place at meta.slot_mapping.
-    Returns [num_tokens, num_heads, head_dim].
+    q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim] (rotary already
+    applied). kv_cache: [2, num_blocks, block_size, num_kv_heads, head_dim], written in place at
+    meta.slot_mapping. Returns [num_tokens, num_heads, head_dim].
     """
 
     name: str

@@ -1,4 +1,5 @@
-"""Attention backends by name. Model code asks for a backend here and never imports a kernel directly."""
+"""Attention backends by name. Model code asks for a backend here and never imports a kernel
+directly."""
 
 from __future__ import annotations
 
@@ -14,16 +15,19 @@ def _sdpa() -> AttentionBackend:
 
 
 def _triton() -> AttentionBackend:
-    from firsttoken.attention.triton_backend import TritonBackend  # imports triton on first forward only
+    # imports triton on first forward only
+    from firsttoken.attention.triton_backend import TritonBackend
 
     return TritonBackend()
 
 
-# name -> factory. A CUDA "flash" backend (firsttoken/attention/flash.py, flash-attn varlen + paged KV)
-# registers here as "flash": _flash imports lazily so CPU-only installs never import CUDA kernels.
+# name -> factory. A CUDA "flash" backend (firsttoken/attention/flash.py, flash-attn varlen + paged
+# KV) registers here as "flash": _flash imports lazily so CPU-only installs never import CUDA
+# kernels.
 _BACKENDS: dict[str, Callable[[], AttentionBackend]] = {
     "sdpa": _sdpa,
-    "triton": _triton,  # issue 39's kernels: --attention-backend triton on cuda (or CPU under TRITON_INTERPRET=1)
+    # issue 39's kernels: --attention-backend triton on cuda (or CPU under TRITON_INTERPRET=1)
+    "triton": _triton,
 }
 
 
@@ -35,5 +39,7 @@ def get_backend(name: str) -> AttentionBackend:
     """A fresh backend instance; ValueError naming the known backends for an unknown name."""
     factory = _BACKENDS.get(name)
     if factory is None:
-        raise ValueError(f"unknown attention backend {name!r}; available: {', '.join(available_backends())}")
+        raise ValueError(
+            f"unknown attention backend {name!r}; available: {', '.join(available_backends())}"
+        )
     return factory()

@@ -1,21 +1,24 @@
-"""CPU reference attention backend: paged KV cache + ``torch.nn.functional.scaled_dot_product_attention``.
+"""CPU reference attention backend: paged KV cache +
+``torch.nn.functional.scaled_dot_product_attention``.
 
 Three paths, chosen per forward from the metadata alone:
-- a sequence with ``context_len == 0`` (first prefill chunk) attends over its fresh k/v with ``is_causal=True``,
-  so it never reads the cache back;
-- a pure-decode batch (every ``query_len == 1``, batch 1 included) gathers all sequences' keys/values through the
-  block table, padded to the longest sequence, and runs one batched SDPA with a key-padding mask (one call, never
-  slower than a loop over the sequences; why: docs/runs/notes/2026-12-03-code-comment-figures.md); the gather
-  copies whole blocks with ``index_select``, and a single sequence on consecutive blocks is read in place;
-- any other sequence (a later prefill chunk) gathers its own keys/values; new token ``j`` sees cached/new tokens
-  ``0 .. context_len + j``. SDPA's causal flash kernel only aligns its mask top-left (query ``j`` sees key ``j``),
-  so a shifted mask would take the masked path, which scores every query-key pair (slower than the split below:
-  docs/scheduling.md#time-bounded-work-conserving-steps); instead the chunk attends its context without a mask (each KV
-  head's query heads folded into its query rows) and itself with the causal kernel, and the two are merged by their
-  log-sum-exp (CPU tensors in float32 or bfloat16: the flash kernel's own op returns it; elsewhere, or without that
-  op, the masked path).
-GQA goes through SDPA's ``enable_gqa`` for prefill; batched decode folds each KV head's query heads into its
-query rows instead (faster than ``enable_gqa`` on CPU). No repeated K/V is materialized.
+- a sequence with ``context_len == 0`` (first prefill chunk) attends over its fresh k/v with
+  ``is_causal=True``, so it never reads the cache back;
+- a pure-decode batch (every ``query_len == 1``, batch 1 included) gathers all sequences'
+  keys/values through the block table, padded to the longest sequence, and runs one batched SDPA
+  with a key-padding mask (one call, never slower than a loop over the sequences; why:
+  docs/runs/notes/2026-12-03-code-comment-figures.md); the gather copies whole blocks with
+  ``index_select``, and a single sequence on consecutive blocks is read in place;
+- any other sequence (a later prefill chunk) gathers its own keys/values; new token ``j`` sees
+  cached/new tokens ``0 .. context_len + j``. SDPA's causal flash kernel only aligns its mask
+  top-left (query ``j`` sees key ``j``), so a shifted mask would take the masked path, which scores
+  every query-key pair (slower than the split below:
+  docs/scheduling.md#time-bounded-work-conserving-steps); instead the chunk attends its context
+  without a mask (each KV head's query heads folded into its query rows) and itself with the causal
+  kernel, and the two are merged by their log-sum-exp (CPU tensors in float32 or bfloat16: the flash
+  kernel's own op returns it; elsewhere, or without that op, the masked path).
+GQA goes through SDPA's ``enable_gqa`` for prefill; batched decode folds each KV head's query heads
+into its query rows instead (faster than ``enable_gqa`` on CPU). No repeated K/V is materialized.
 """
 
 from __future__ import annotations
@@ -27,7 +30,8 @@ from firsttoken.attention.base import AttentionMetadata
 
 
 class SdpaBackend:
-    """Paged causal attention on any device SDPA runs on; the correctness reference for other backends."""
+    """Paged causal attention on any device SDPA runs on; the correctness reference for other
+    backends."""
 
     name = "sdpa"
 
@@ -48,7 +52,9 @@ class SdpaBackend:
         for i, (q_len, ctx_len) in enumerate(zip(meta.query_lens, meta.context_lens)):
             end = start + q_len
             if ctx_len == 0:
-                out[start:end] = _attend(q[start:end], k[start:end], v[start:end], None, scale, causal=True)
+                out[start:end] = _attend(
+                    q[start:end], k[start:end], v[start:end], None, scale, causal=True
+                )
             else:
                 seq_len = ctx_len + q_len
                 keys, values = gather_kv(kv_cache, meta.block_tables[i], seq_len)
@@ -66,8 +72,11 @@ class SdpaBackend:
         return out
 
 
-def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """Store new keys/values at their flat slots (block * block_size + offset): one copy for K and V."""
+def write_kv(
+    k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """Store new keys/values at their flat slots (block * block_size + offset): one copy for K and
+    V."""
     num_kv_heads, head_dim = kv_cache.shape[-2:]
     kv = torch.stack((k, v)).to(kv_cache.dtype)  # [2, num_tokens, num_kv_heads, head_dim]
     kv_cache.view(2, -1, num_kv_heads, head_dim).index_copy_(1, slot_mapping, kv)
@@ -84,9 +93,9 @@ def gather_kv(
 
 
 def gather_blocks(kv_cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
-    """[2, len(blocks) * block_size, num_kv_heads, head_dim]: K and V of ``blocks`` (int64 [n]) back to back.
-    ``index_select`` copies whole blocks, faster than advanced indexing (``kv_cache[:, blocks]``; why:
-    docs/runs/notes/decode-kernels.md#decode-per-step-issue-17)."""
+    """[2, len(blocks) * block_size, num_kv_heads, head_dim]: K and V of ``blocks`` (int64 [n]) back
+    to back. ``index_select`` copies whole blocks, faster than advanced indexing
+    (``kv_cache[:, blocks]``; why: docs/runs/notes/decode-kernels.md#decode-per-step-issue-17)."""
     two, num_cache_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape
     flat = kv_cache.view(two, num_cache_blocks, block_size * num_kv_heads * head_dim)
     return flat.index_select(1, blocks).view(two, -1, num_kv_heads, head_dim)
@@ -100,7 +109,8 @@ def _attend(
     scale: float,
     causal: bool,
 ) -> torch.Tensor:
-    # 4-D [1, heads, len, head_dim]: CPU SDPA only takes its flash kernel for 4-D inputs without a mask
+    # 4-D [1, heads, len, head_dim]: CPU SDPA only takes its flash kernel for 4-D inputs without a
+    # mask
     out = F.scaled_dot_product_attention(
         q.transpose(0, 1).unsqueeze(0),
         k.transpose(0, 1).unsqueeze(0),
@@ -113,30 +123,41 @@ def _attend(
     return out[0].transpose(0, 1)  # [q_len, num_heads, head_dim]
 
 
-_FLASH_LSE = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)  # (out, logsumexp)
+# (out, logsumexp)
+_FLASH_LSE = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 
 
 def _can_split(q: torch.Tensor) -> bool:
-    return _FLASH_LSE is not None and q.device.type == "cpu" and q.dtype in (torch.float32, torch.bfloat16)
+    return (
+        _FLASH_LSE is not None
+        and q.device.type == "cpu"
+        and q.dtype in (torch.float32, torch.bfloat16)
+    )
 
 
 def _attend_split(
     q: torch.Tensor,  # [q_len, num_heads, head_dim]
-    k: torch.Tensor,  # [context_len + q_len, num_kv_heads, head_dim]: the context's keys, then the chunk's own
+    # [context_len + q_len, num_kv_heads, head_dim]: the context's keys, then the chunk's own
+    k: torch.Tensor,
     v: torch.Tensor,
     context_len: int,
     scale: float,
 ) -> torch.Tensor:
-    """Causal attention of a chunk over its context and itself, as two unmasked flash calls merged by log-sum-exp:
-    softmax over both key sets = each part's output weighted by exp(its lse - the max lse), renormalized."""
+    """Causal attention of a chunk over its context and itself, as two unmasked flash calls merged
+    by log-sum-exp: softmax over both key sets = each part's output weighted by exp(its lse - the
+    max lse), renormalized."""
     q_len, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
     group = num_heads // num_kv_heads
     q4 = q.transpose(0, 1).unsqueeze(0)  # [1, heads, q_len, head_dim]
-    k4, v4 = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)  # [1, kv_heads, seq_len, head_dim]
-    # the context: no mask, so a KV head's query heads can be its query rows (GQA without repeating K/V)
+    # [1, kv_heads, seq_len, head_dim]
+    k4, v4 = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
+    # the context: no mask, so a KV head's query heads can be its query rows (GQA without repeating
+    # K/V)
     folded = q4.reshape(1, num_kv_heads, group * q_len, head_dim)
-    ctx_out, ctx_lse = _FLASH_LSE(folded, k4[:, :, :context_len], v4[:, :, :context_len], 0.0, False, scale=scale)
+    ctx_out, ctx_lse = _FLASH_LSE(
+        folded, k4[:, :, :context_len], v4[:, :, :context_len], 0.0, False, scale=scale
+    )
     ctx_out = ctx_out.reshape(1, num_heads, q_len, head_dim)
     ctx_lse = ctx_lse.reshape(1, num_heads, q_len, 1)
     # the chunk itself: causal, top-left aligned (query j sees the chunk's keys 0..j)
@@ -153,8 +174,9 @@ def _attend_split(
 def _decode_batched(
     q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float
 ) -> torch.Tensor:
-    """One query per sequence; keys padded to the longest sequence and masked by length (no mask when none is
-    padded, e.g. batch 1). The block ids and the mask come from the metadata, made once per forward."""
+    """One query per sequence; keys padded to the longest sequence and masked by length (no mask
+    when none is padded, e.g. batch 1). The block ids and the mask come from the metadata, made once
+    per forward."""
     num_kv_heads, head_dim = kv_cache.shape[3:]
     max_len = max(meta.seq_lens)
     num_seqs, num_heads = q.shape[:2]
@@ -163,7 +185,9 @@ def _decode_batched(
         start = run * meta.block_size
         kv = kv_cache.view(2, 1, -1, num_kv_heads, head_dim)[:, :, start : start + max_len]
     else:  # K and V in one gather
-        kv = gather_blocks(kv_cache, meta.padded_kv_blocks.reshape(-1)).view(2, num_seqs, -1, num_kv_heads, head_dim)
+        kv = gather_blocks(kv_cache, meta.padded_kv_blocks.reshape(-1)).view(
+            2, num_seqs, -1, num_kv_heads, head_dim
+        )
         kv = kv[:, :, :max_len]
     kv = kv.transpose(2, 3)  # [2, num_seqs, num_kv_heads, max_len, head_dim]
     # GQA without repeating K/V: the query heads sharing a KV head become that head's query rows.

@@ -1,29 +1,32 @@
-"""Triton attention kernels over the paged KV cache (issue 39): prefill chunks, split-K decode, vision varlen.
+"""Triton attention kernels over the paged KV cache (issue 39): prefill chunks, split-K decode,
+vision varlen.
 
-Importing this module imports triton and defines the kernels with ``@triton.jit``; triton decides at that moment
-whether a kernel runs compiled (CUDA) or through its NumPy interpreter (``TRITON_INTERPRET=1``, CPU tensors).
-So set ``TRITON_INTERPRET`` before the first import of this module; the backend (``triton_backend.py``) imports
-it lazily, and the package imports without triton installed.
+Importing this module imports triton and defines the kernels with ``@triton.jit``; triton decides at
+that moment whether a kernel runs compiled (CUDA) or through its NumPy interpreter
+(``TRITON_INTERPRET=1``, CPU tensors). So set ``TRITON_INTERPRET`` before the first import of this
+module; the backend (``triton_backend.py``) imports it lazily, and the package imports without
+triton installed.
 
 Layouts (those of ``attention/base.py``):
-- q, and the output: ``[num_tokens, num_heads, head_dim]``; new tokens of all sequences back to back, sequence
-  ``i`` owning rows ``cu_seqlens_q[i] : cu_seqlens_q[i + 1]``;
-- the cache of one layer ``[2, num_blocks, block_size, num_kv_heads, head_dim]``; logical key ``j`` of sequence
-  ``i`` sits in block ``block_tables[i, j // block_size]`` at offset ``j % block_size``;
+- q, and the output: ``[num_tokens, num_heads, head_dim]``; new tokens of all sequences back to
+  back, sequence ``i`` owning rows ``cu_seqlens_q[i] : cu_seqlens_q[i + 1]``;
+- the cache of one layer ``[2, num_blocks, block_size, num_kv_heads, head_dim]``; logical key ``j``
+  of sequence ``i`` sits in block ``block_tables[i, j // block_size]`` at offset ``j % block_size``;
 - GQA: query head ``h`` reads KV head ``h // (num_heads // num_kv_heads)``.
 
-One online-softmax loop serves all three kernels. A program owns one KV head and a tile of query *rows*, where a
-row is (query token, query head of that KV head's group): the group's heads are folded into the rows (group padded
-to a power of two, the padding rows masked), so each key/value tile is loaded once per group, as vLLM's
-unified attention does. Scores are kept in base 2 (``scale * log2(e)`` folded into the scale, ``exp2``); the
-log-sum-exps the decode partials hand to the reduce are base 2 too. head_dim is padded to a power of two and
-masked (80 -> 128). fp32 inputs take ``tl.dot`` in IEEE precision (no TF32), so fp32 results are comparable to
-the SDPA reference; bf16/fp16 inputs take the tensor-core dot with fp32 accumulation.
+One online-softmax loop serves all three kernels. A program owns one KV head and a tile of query
+*rows*, where a row is (query token, query head of that KV head's group): the group's heads are
+folded into the rows (group padded to a power of two, the padding rows masked), so each key/value
+tile is loaded once per group, as vLLM's unified attention does. Scores are kept in base 2
+(``scale * log2(e)`` folded into the scale, ``exp2``); the log-sum-exps the decode partials hand to
+the reduce are base 2 too. head_dim is padded to a power of two and masked (80 -> 128). fp32 inputs
+take ``tl.dot`` in IEEE precision (no TF32), so fp32 results are comparable to the SDPA reference;
+bf16/fp16 inputs take the tensor-core dot with fp32 accumulation.
 
 Only long-standing Triton language features are used (the GPU machine has Triton 3.6): masked
-``tl.load``/``tl.store``, ``tl.dot(..., input_precision=)``, ``tl.exp2``/``tl.log2``, ``tl.maximum``/``tl.max``/
-``tl.sum``, ``tl.where``, ``tl.cdiv``, ``tl.program_id``, ``tl.arange``, ``tl.constexpr``; every kernel compiles
-for sm_90 under Triton 3.6.0 and 3.9.0 (``triton_aot.py``).
+``tl.load``/``tl.store``, ``tl.dot(..., input_precision=)``, ``tl.exp2``/``tl.log2``,
+``tl.maximum``/``tl.max``/ ``tl.sum``, ``tl.where``, ``tl.cdiv``, ``tl.program_id``, ``tl.arange``,
+``tl.constexpr``; every kernel compiles for sm_90 under Triton 3.6.0 and 3.9.0 (``triton_aot.py``).
 """
 
 from __future__ import annotations
@@ -36,17 +39,21 @@ import triton.language as tl
 
 LOG2E = 1.4426950408889634
 
-# Whether triton was first imported under TRITON_INTERPRET=1: its own language helpers (tl.zeros, ...) are then
-# interpreted too. Setting the variable after triton's import makes our kernels interpreted but not those helpers,
-# which then fail inside a kernel, hence this check rather than reading the environment.
+# Whether triton was first imported under TRITON_INTERPRET=1: its own language helpers (tl.zeros,
+# ...) are then interpreted too. Setting the variable after triton's import makes our kernels
+# interpreted but not those helpers, which then fail inside a kernel, hence this check rather than
+# reading the environment.
 INTERPRETED = type(tl.zeros).__name__ == "InterpretedFunction"
 
 
 @triton.jit
-def _attend_tile(q, m_i, l_i, acc, k, v, valid, scale_log2, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr):
-    """One online-softmax step: q [M, D], k [D, N] (transposed), v [N, D], valid [M, N]. UPCAST
-    (the interpreter with 16-bit inputs, whose tl.dot multiplies bf16 bit patterns as integers in Triton
-    3.9): the 16-bit operands go to fp32 first, the same products a tensor-core dot accumulates in fp32."""
+def _attend_tile(
+    q, m_i, l_i, acc, k, v, valid, scale_log2, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr
+):
+    """One online-softmax step: q [M, D], k [D, N] (transposed), v [N, D], valid [M, N]. UPCAST (the
+    interpreter with 16-bit inputs, whose tl.dot multiplies bf16 bit patterns as integers in Triton
+    3.9): the 16-bit operands go to fp32 first, the same products a tensor-core dot accumulates in
+    fp32."""
     if UPCAST:
         q = q.to(tl.float32)
         k = k.to(tl.float32)
@@ -70,11 +77,13 @@ def _varlen_attention_kernel(
     Q, K, V, O,
     cu_seqlens_q,  # [num_seqs + 1] int32
     cu_seqlens_k,  # [num_seqs + 1] int32: keys of contiguous K/V (PAGED False)
-    seq_lens,  # [num_seqs] int32: keys per sequence (context + chunk) in the paged cache (PAGED True)
+    # [num_seqs] int32: keys per sequence (context + chunk) in the paged cache (PAGED True)
+    seq_lens,
     block_tables,  # [num_seqs, max_blocks] int32 (PAGED True)
     scale_log2,
     stride_qt, stride_qh, stride_ot, stride_oh,
-    stride_kb, stride_ks, stride_kh,  # paged: block, slot in block, head; contiguous: token, (unused), head
+    # paged: block, slot in block, head; contiguous: token, (unused), head
+    stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh,
     stride_bt,
     num_q_per_kv,
@@ -126,7 +135,9 @@ def _varlen_attention_kernel(
             n = start + tl.arange(0, BLOCK_N)
             n_ok = n < kv_end
             if PAGED:
-                blk = tl.load(block_tables + seq * stride_bt + n // BLOCK_SIZE, mask=n_ok, other=0).to(tl.int64)
+                blk = tl.load(
+                    block_tables + seq * stride_bt + n // BLOCK_SIZE, mask=n_ok, other=0
+                ).to(tl.int64)
                 slot = n % BLOCK_SIZE
                 k_off = blk * stride_kb + slot * stride_ks + kv_head * stride_kh
                 v_off = blk * stride_vb + slot * stride_vs + kv_head * stride_vh
@@ -134,12 +145,18 @@ def _varlen_attention_kernel(
                 key = (k_start + n).to(tl.int64)
                 k_off = key * stride_kb + kv_head * stride_kh
                 v_off = key * stride_vb + kv_head * stride_vh
-            k = tl.load(K + k_off[None, :] + d[:, None], mask=n_ok[None, :] & d_ok[:, None], other=0.0)
-            v = tl.load(V + v_off[:, None] + d[None, :], mask=n_ok[:, None] & d_ok[None, :], other=0.0)
+            k = tl.load(
+                K + k_off[None, :] + d[:, None], mask=n_ok[None, :] & d_ok[:, None], other=0.0
+            )
+            v = tl.load(
+                V + v_off[:, None] + d[None, :], mask=n_ok[:, None] & d_ok[None, :], other=0.0
+            )
             valid = n_ok[None, :]
             if CAUSAL:
                 valid = valid & (n[None, :] <= (context_len + tok)[:, None])
-            m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, k, v, valid, scale_log2, DOT_PRECISION, UPCAST)
+            m_i, l_i, acc = _attend_tile(
+                q, m_i, l_i, acc, k, v, valid, scale_log2, DOT_PRECISION, UPCAST
+            )
 
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         tl.store(O + q_rows[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
@@ -158,15 +175,17 @@ def _decode_partial_kernel(
     stride_bt,
     num_q_per_kv, num_heads, num_splits,
     BLOCK_SIZE: tl.constexpr,
-    GROUP: tl.constexpr,  # rows per program: num_q_per_kv padded to a power of two, at least 16 (tl.dot)
+    # rows per program: num_q_per_kv padded to a power of two, at least 16 (tl.dot)
+    GROUP: tl.constexpr,
     BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_P2: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     UPCAST: tl.constexpr,
 ):
-    """Split ``split`` of one sequence's keys for one KV head's query heads: the normalized partial output and its
-    base-2 log-sum-exp (-inf for an empty split), at MidO[seq, head, split], MidLse[seq, head, split]."""
+    """Split ``split`` of one sequence's keys for one KV head's query heads: the normalized partial
+    output and its base-2 log-sum-exp (-inf for an empty split), at MidO[seq, head, split],
+    MidLse[seq, head, split]."""
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -188,13 +207,23 @@ def _decode_partial_kernel(
     for start in range(lo, hi, BLOCK_N):
         n = start + tl.arange(0, BLOCK_N)
         n_ok = n < hi
-        blk = tl.load(block_tables + seq * stride_bt + n // BLOCK_SIZE, mask=n_ok, other=0).to(tl.int64)
+        blk = tl.load(block_tables + seq * stride_bt + n // BLOCK_SIZE, mask=n_ok, other=0).to(
+            tl.int64
+        )
         slot = n % BLOCK_SIZE
-        k = tl.load(K + (blk * stride_kb + slot * stride_ks + kv_head * stride_kh)[None, :] + d[:, None],
-                    mask=n_ok[None, :] & d_ok[:, None], other=0.0)
-        v = tl.load(V + (blk * stride_vb + slot * stride_vs + kv_head * stride_vh)[:, None] + d[None, :],
-                    mask=n_ok[:, None] & d_ok[None, :], other=0.0)
-        m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, k, v, n_ok[None, :], scale_log2, DOT_PRECISION, UPCAST)
+        k = tl.load(
+            K + (blk * stride_kb + slot * stride_ks + kv_head * stride_kh)[None, :] + d[:, None],
+            mask=n_ok[None, :] & d_ok[:, None],
+            other=0.0,
+        )
+        v = tl.load(
+            V + (blk * stride_vb + slot * stride_vs + kv_head * stride_vh)[:, None] + d[None, :],
+            mask=n_ok[:, None] & d_ok[None, :],
+            other=0.0,
+        )
+        m_i, l_i, acc = _attend_tile(
+            q, m_i, l_i, acc, k, v, n_ok[None, :], scale_log2, DOT_PRECISION, UPCAST
+        )
 
     has = l_i > 0
     out = acc / tl.where(has, l_i, 1.0)[:, None]
@@ -224,18 +253,26 @@ def _decode_reduce_kernel(
     lse = tl.load(MidLse + base + s, mask=s_ok, other=float("-inf"))
     top = tl.max(lse, 0)  # split 0 is never empty: finite
     w = tl.exp2(lse - top)
-    parts = tl.load(MidO + (base + s)[:, None] * HEAD_DIM + d[None, :], mask=s_ok[:, None] & d_ok[None, :],
-                    other=0.0)
+    parts = tl.load(
+        MidO + (base + s)[:, None] * HEAD_DIM + d[None, :],
+        mask=s_ok[:, None] & d_ok[None, :],
+        other=0.0,
+    )
     out = tl.sum(parts * w[:, None], 0) / tl.sum(w, 0)
-    tl.store(O + seq.to(tl.int64) * stride_ot + head * stride_oh + d, out.to(O.dtype.element_ty), mask=d_ok)
+    tl.store(
+        O + seq.to(tl.int64) * stride_ot + head * stride_oh + d,
+        out.to(O.dtype.element_ty),
+        mask=d_ok,
+    )
 
 
-# ---------------------------------------------------------------------------------------------- host wrappers
+# ------------------------------------------------------------------------------------ host wrappers
 
 
 def _dot_args(dtype: torch.dtype) -> dict[str, object]:
-    """fp32: IEEE dots (no TF32), so fp32 results are comparable to the SDPA reference; 16-bit operands ignore
-    the precision. UPCAST: 16-bit operands to fp32 before tl.dot, under the interpreter only."""
+    """fp32: IEEE dots (no TF32), so fp32 results are comparable to the SDPA reference; 16-bit
+    operands ignore the precision. UPCAST: 16-bit operands to fp32 before tl.dot, under the
+    interpreter only."""
     return {"DOT_PRECISION": "ieee" if dtype == torch.float32 else None,  # None: tl.dot's default
             "UPCAST": INTERPRETED and dtype != torch.float32}
 
@@ -251,7 +288,8 @@ def _check_operands(*tensors: torch.Tensor) -> None:
     if tensors[0].device.type != "cuda" and not INTERPRETED:
         raise RuntimeError(
             f"the Triton attention kernels need CUDA tensors, or TRITON_INTERPRET=1 set before triton is first "
-            f"imported to run on {tensors[0].device.type} tensors")
+            f"imported to run on {tensors[0].device.type} tensors"
+        )
     for t in tensors:
         if t.dtype != tensors[0].dtype:
             raise ValueError(f"q is {tensors[0].dtype} but another operand is {t.dtype}: the kernels take one dtype")
@@ -260,13 +298,15 @@ def _check_operands(*tensors: torch.Tensor) -> None:
 
 
 def _block_q(group: int, block_m: int) -> int:
-    """Query tokens per program so that tokens x group rows is ``block_m`` (at least 16 rows: tl.dot)."""
+    """Query tokens per program so that tokens x group rows is ``block_m`` (at least 16 rows:
+    tl.dot)."""
     return max(1, max(block_m, 16) // group)
 
 
 def paged_prefill(
     q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
-    kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim], the chunk's K/V written
+    # [2, num_blocks, block_size, num_kv_heads, head_dim], the chunk's K/V written
+    kv_cache: torch.Tensor,
     block_tables: torch.Tensor,  # [num_seqs, max_blocks] int32
     cu_seqlens_q: torch.Tensor,  # [num_seqs + 1] int32
     seq_lens: torch.Tensor,  # [num_seqs] int32: context + chunk
@@ -276,8 +316,9 @@ def paged_prefill(
     block_m: int = 64,
     block_n: int = 64,
 ) -> torch.Tensor:
-    """Each sequence's chunk of new queries over its cached prefix and itself, causal within the chunk (query t of
-    sequence i sees its logical keys 0 .. seq_lens[i] - query_len[i] + t), K/V read from the paged cache."""
+    """Each sequence's chunk of new queries over its cached prefix and itself, causal within the
+    chunk (query t of sequence i sees its logical keys 0 .. seq_lens[i] - query_len[i] + t), K/V
+    read from the paged cache."""
     num_tokens, num_heads, head_dim = q.shape
     _, _, block_size, num_kv_heads, _ = kv_cache.shape
     ratio, group = _group(num_heads, num_kv_heads)
@@ -309,7 +350,8 @@ def varlen_attention(
     q: torch.Tensor,  # [total_tokens, num_heads, head_dim]
     k: torch.Tensor,  # [total_tokens, num_kv_heads, head_dim]
     v: torch.Tensor,
-    cu_seqlens: torch.Tensor,  # [num_segments + 1] int32: segment i = rows cu_seqlens[i] : cu_seqlens[i + 1]
+    # [num_segments + 1] int32: segment i = rows cu_seqlens[i] : cu_seqlens[i + 1]
+    cu_seqlens: torch.Tensor,
     max_seqlen: int,
     scale: float | None = None,
     causal: bool = False,
@@ -317,8 +359,9 @@ def varlen_attention(
     block_m: int = 64,
     block_n: int = 64,
 ) -> torch.Tensor:
-    """Block-diagonal attention: each segment's queries over that segment's keys only (the vision towers: one
-    segment an image, or, for Qwen2.5-VL's window blocks, one segment a window). Non-causal unless asked."""
+    """Block-diagonal attention: each segment's queries over that segment's keys only (the vision
+    towers: one segment an image, or, for Qwen2.5-VL's window blocks, one segment a window).
+    Non-causal unless asked."""
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
     ratio, group = _group(num_heads, num_kv_heads)
@@ -332,7 +375,8 @@ def varlen_attention(
     grid = (num_segments, triton.cdiv(max_seqlen, block_q), num_kv_heads)
     _varlen_attention_kernel[grid](
         q, k, v, out,
-        cu_seqlens, cu_seqlens, cu_seqlens, cu_seqlens,  # seq_lens / block_tables unused (PAGED False)
+        # seq_lens / block_tables unused (PAGED False)
+        cu_seqlens, cu_seqlens, cu_seqlens, cu_seqlens,
         scale * LOG2E,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k.stride(0), 0, k.stride(1),
@@ -348,8 +392,8 @@ def varlen_attention(
 
 def decode_num_splits(max_seq_len: int, num_seqs: int, num_kv_heads: int, num_sms: int = 132,
                       min_keys_per_split: int = 256, max_splits: int = 32) -> int:
-    """Splits per sequence: enough programs to fill the device (about two per SM), never a split under
-    ``min_keys_per_split`` keys, at most ``max_splits``."""
+    """Splits per sequence: enough programs to fill the device (about two per SM), never a split
+    under ``min_keys_per_split`` keys, at most ``max_splits``."""
     programs = max(1, num_seqs * num_kv_heads)
     want = max(1, math.ceil(2 * num_sms / programs))
     cap = max(1, max_seq_len // min_keys_per_split)
@@ -366,8 +410,9 @@ def paged_decode(
     out: torch.Tensor | None = None,
     block_n: int = 64,
 ) -> torch.Tensor:
-    """One query per sequence over its whole paged context, each sequence's keys cut in ``num_splits`` ranges of
-    whole tiles (split-K: partial outputs + log-sum-exps, fp32), merged by a reduce kernel."""
+    """One query per sequence over its whole paged context, each sequence's keys cut in
+    ``num_splits`` ranges of whole tiles (split-K: partial outputs + log-sum-exps, fp32), merged by
+    a reduce kernel."""
     num_seqs, num_heads, head_dim = q.shape
     _, _, block_size, num_kv_heads, _ = kv_cache.shape
     ratio, group = _group(num_heads, num_kv_heads)
@@ -377,7 +422,9 @@ def paged_decode(
     if num_seqs == 0:
         return out
     num_splits = max(1, int(num_splits))
-    mid_o = torch.empty(num_seqs, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
+    mid_o = torch.empty(
+        num_seqs, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device
+    )
     mid_lse = torch.empty(num_seqs, num_heads, num_splits, dtype=torch.float32, device=q.device)
     head_dim_p2 = triton.next_power_of_2(head_dim)
     _decode_partial_kernel[(num_seqs, num_kv_heads, num_splits)](

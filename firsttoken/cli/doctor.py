@@ -1,4 +1,5 @@
-"""``firsttoken doctor``: where a running server's TTFT goes, and one change per cause (see tools/doctor/)."""
+"""``firsttoken doctor``: where a running server's TTFT goes, and one change per cause (see
+tools/doctor/)."""
 
 from __future__ import annotations
 
@@ -100,7 +101,8 @@ def run(args: argparse.Namespace) -> int:
         try:
             report = run_doctor(args.url, api_key=args.api_key, do_probe=args.probe, model=args.served_model,
                                 thresholds=th, kv=kv)  # fmt: skip
-        except (httpx.HTTPError, httpx.InvalidURL) as exc:  # down, unreachable, 401, not a firsttoken/vLLM server
+        # down, unreachable, 401, not a firsttoken/vLLM server
+        except (httpx.HTTPError, httpx.InvalidURL) as exc:
             raise unreachable_or_refused(args.url, exc) from None
     else:
         metrics = existing_file("--metrics-file", args.metrics_file).read_text()
@@ -113,7 +115,9 @@ def run(args: argparse.Namespace) -> int:
         try:
             report = doctor_from_texts(metrics, stats, thresholds=th, kv=kv)
         except (ValueError, KeyError) as exc:
-            raise UsageError("--metrics-file", args.metrics_file, f"cannot read it as /metrics: {exc!s}") from None
+            raise UsageError(
+                "--metrics-file", args.metrics_file, f"cannot read it as /metrics: {exc!s}"
+            ) from None
     print(json.dumps(report.to_dict(), indent=1) if args.json else format_report(report))
     return 0
 

@@ -4,9 +4,9 @@ Contract for a command module: ``add_parser(subparsers)`` registers its subparse
 ``handler=<callable(argparse.Namespace) -> int>`` as a default; the handler's return value is the
 process exit status. Add a subcommand by writing ``firsttoken/cli/<name>.py`` and listing it here.
 
-Errors are said once, here: a handler raises ``cli.usage.UsageError`` for what the user can fix (one line,
-exit 2); anything else escaping a handler is one line and exit 1, its traceback only under ``--debug``
-(or ``serve --log-level debug``).
+Errors are said once, here: a handler raises ``cli.usage.UsageError`` for what the user can fix (one
+line, exit 2); anything else escaping a handler is one line and exit 1, its traceback only under
+``--debug`` (or ``serve --log-level debug``).
 """
 
 from __future__ import annotations
@@ -32,8 +32,17 @@ from firsttoken.cli.usage import (
     first_line,
 )
 
-COMMANDS: tuple[ModuleType, ...] = (serve, serve_ray, make_model, plan_command, bench_command, tokens_command,
-                                     regress_command, doctor_command, simulate_command)
+COMMANDS: tuple[ModuleType, ...] = (
+    serve,
+    serve_ray,
+    make_model,
+    plan_command,
+    bench_command,
+    tokens_command,
+    regress_command,
+    doctor_command,
+    simulate_command,
+)
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, as shells report it
 
 
@@ -48,10 +57,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def parse_args(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> argparse.Namespace:
-    """parse_args, but an unknown flag is reported by its command's parser (``see firsttoken serve --help``)."""
+    """parse_args, but an unknown flag is reported by its command's parser
+    (``see firsttoken serve --help``)."""
     args, extras = parser.parse_known_args(argv)
     if extras:
-        commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices
+        commands = next(
+            a for a in parser._actions if isinstance(a, argparse._SubParsersAction)
+        ).choices
         commands[args.command].error(f"unrecognized arguments: {' '.join(extras)}")
     return args
 

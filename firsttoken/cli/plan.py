@@ -1,5 +1,5 @@
-"""``firsttoken plan``: where a device's memory goes and how many requests its KV pool admits, from a
-checkpoint's config (see tools/plan.py)."""
+"""``firsttoken plan``: where a device's memory goes and how many requests its KV pool admits, from
+a checkpoint's config (see tools/plan.py)."""
 
 from __future__ import annotations
 
@@ -21,7 +21,8 @@ from firsttoken.tools.plan import (
 )
 from firsttoken.units import format_size, parse_bytes
 
-_DEFAULTS = PlanInputs(peak_concurrency=1, kv_cache_memory_bytes=1)  # the defaults, read from one place
+# the defaults, read from one place
+_DEFAULTS = PlanInputs(peak_concurrency=1, kv_cache_memory_bytes=1)
 
 
 def add_parser(subparsers: Any) -> None:
@@ -29,50 +30,86 @@ def add_parser(subparsers: Any) -> None:
         "plan",
         help="memory and KV capacity planning: weights, workspace, KV pool, max concurrency, serve flags",
         description="Plan a device's memory and the KV pool for a workload from a checkpoint's config.json "
-                    "(no weights are loaded).",
+        "(no weights are loaded).",
     )
     src = parser.add_mutually_exclusive_group(required=True)
-    src.add_argument("--model", help="checkpoint directory (config.json; safetensors headers if present)")
+    src.add_argument(
+        "--model", help="checkpoint directory (config.json; safetensors headers if present)"
+    )
     src.add_argument("--config", help="a config.json file")
     memory = parser.add_mutually_exclusive_group(required=True)
-    memory.add_argument("--memory", help="the device's memory (80GiB, 80G, or bytes): the KV pool is what "
-                        "--gpu-memory-utilization of it leaves after weights, step workspace and the encoder cache")
-    memory.add_argument("--kv-cache-memory", help="the KV pool itself, as serve --kv-cache-memory takes it")
-    parser.add_argument("--gpu-memory-utilization", "--memory-utilization", dest="memory_utilization", type=float,
-                        default=MEMORY_UTILIZATION,
-                        help="share of --memory the server may use, as serve --gpu-memory-utilization "
-                             f"(default {MEMORY_UTILIZATION})")
-    parser.add_argument("--peak-concurrency", type=int, required=True, help="requests in flight at the peak")
+    memory.add_argument(
+        "--memory",
+        help="the device's memory (80GiB, 80G, or bytes): the KV pool is what "
+        "--gpu-memory-utilization of it leaves after weights, step workspace and the encoder cache",
+    )
+    memory.add_argument(
+        "--kv-cache-memory", help="the KV pool itself, as serve --kv-cache-memory takes it"
+    )
+    parser.add_argument(
+        "--gpu-memory-utilization",
+        "--memory-utilization",
+        dest="memory_utilization",
+        type=float,
+        default=MEMORY_UTILIZATION,
+        help="share of --memory the server may use, as serve --gpu-memory-utilization "
+        f"(default {MEMORY_UTILIZATION})",
+    )
+    parser.add_argument(
+        "--peak-concurrency", type=int, required=True, help="requests in flight at the peak"
+    )
     parser.add_argument("--text-tokens", type=int, default=_DEFAULTS.text_tokens)
     parser.add_argument("--images-per-request", type=int, default=_DEFAULTS.images_per_request)
     parser.add_argument("--image-tokens", type=int, default=_DEFAULTS.image_tokens,
                         help="visual-token budget per image")
     parser.add_argument("--videos-per-request", type=int, default=_DEFAULTS.videos_per_request)
-    parser.add_argument("--video-tokens", type=int, default=None,
-                        help="visual tokens per video, as serve --video-max-tokens caps them (default: "
-                             f"{_DEFAULTS.video_tokens}, serve's cap, or what --video-seconds can cost within it)")
-    parser.add_argument("--video-seconds", type=float, default=None,
-                        help="clip length: a video costs at most its sampled frames at serve's 2 fps in two-frame "
-                             "grids of at most 768 tokens, within --video-tokens")
+    parser.add_argument(
+        "--video-tokens",
+        type=int,
+        default=None,
+        help="visual tokens per video, as serve --video-max-tokens caps them (default: "
+        f"{_DEFAULTS.video_tokens}, serve's cap, or what --video-seconds can cost within it)",
+    )
+    parser.add_argument(
+        "--video-seconds",
+        type=float,
+        default=None,
+        help="clip length: a video costs at most its sampled frames at serve's 2 fps in two-frame "
+        "grids of at most 768 tokens, within --video-tokens",
+    )
     parser.add_argument("--output-tokens", type=int, default=_DEFAULTS.output_tokens)
     parser.add_argument("--template-overhead-tokens", type=int, default=None,
                         help="chat-template tokens per request (default: 21 + 2 per image)")
-    parser.add_argument("--max-model-len", type=int, default=None, help="default: prompt + output, whole blocks")
-    parser.add_argument("--max-batched-tokens", type=int, default=None,
-                        help="tokens one step runs, sizing the workspace (default: serve's 2048, raised to fit "
-                             "one image beside a decode per peak request)")
+    parser.add_argument(
+        "--max-model-len", type=int, default=None, help="default: prompt + output, whole blocks"
+    )
+    parser.add_argument(
+        "--max-batched-tokens",
+        type=int,
+        default=None,
+        help="tokens one step runs, sizing the workspace (default: serve's 2048, raised to fit "
+        "one image beside a decode per peak request)",
+    )
     parser.add_argument("--encoder-cache-memory", default=None,
                         help="vision-encoder output cache (default: serve's, "
                              f"{format_size(_DEFAULTS.encoder_cache_memory_bytes)})")
     parser.add_argument("--dtype", choices=sorted(DTYPE_BYTES), default=_DEFAULTS.dtype)
-    parser.add_argument("--quantization", choices=QUANTIZATIONS, default=_DEFAULTS.quantization,
-                        help="serve --quantization: fp16 and bf16 count the language model's linear layers at 2 bytes, "
-                             "int8 those of the language model and the vision tower at 1 byte (with --dtype "
-                             "float32); auto counts as none (serve may keep a bf16 checkpoint's weights at 2 "
-                             "bytes: the plan's figure is the larger)")
+    parser.add_argument(
+        "--quantization",
+        choices=QUANTIZATIONS,
+        default=_DEFAULTS.quantization,
+        help="serve --quantization: fp16 and bf16 count the language model's linear layers at 2 bytes, "
+        "int8 those of the language model and the vision tower at 1 byte (with --dtype "
+        "float32); auto counts as none (serve may keep a bf16 checkpoint's weights at 2 "
+        "bytes: the plan's figure is the larger)",
+    )
     parser.add_argument("--block-size", type=int, default=_DEFAULTS.block_size)
-    parser.add_argument("--decode-reserve-tokens", type=int, default=_DEFAULTS.decode_reserve_tokens)
-    parser.add_argument("--json", metavar="FILE", help="also write the plan as JSON ('-': JSON on stdout only)")
+    parser.add_argument(
+        "--decode-reserve-tokens", type=int, default=_DEFAULTS.decode_reserve_tokens
+    )
+    parser.add_argument(
+        "--json", metavar="FILE", help="also write the plan as JSON ('-': JSON on stdout only)"
+    )
     parser.set_defaults(handler=run)
 
 
@@ -118,17 +155,22 @@ def run(args: argparse.Namespace) -> int:
         try:
             Path(args.json).write_text(text + "\n")
         except OSError as exc:
-            raise UsageError("--json", args.json, f"cannot write it ({exc.strerror or exc})") from None
+            raise UsageError(
+                "--json", args.json, f"cannot write it ({exc.strerror or exc})"
+            ) from None
     return 0
 
 
 def _video_tokens(args: argparse.Namespace) -> int:
-    """Per-video tokens: the budget serve would take as --video-max-tokens, lowered to what --video-seconds costs."""
+    """Per-video tokens: the budget serve would take as --video-max-tokens, lowered to what
+    --video-seconds costs."""
     budget = _DEFAULTS.video_tokens if args.video_tokens is None else args.video_tokens
     try:
         video = VideoConfig(video_max_tokens=budget)  # serve's check: at least one two-frame grid
     except ValueError as exc:
-        raise UsageError("--video-tokens", budget, str(exc).removeprefix("video_max_tokens ")) from None
+        raise UsageError(
+            "--video-tokens", budget, str(exc).removeprefix("video_max_tokens ")
+        ) from None
     if args.video_seconds is None:
         return budget
     if not args.video_seconds > 0:

@@ -1,9 +1,10 @@
-"""``firsttoken regress``: answers under each visual-token budget vs the largest budget's (see tools/regress.py).
+"""``firsttoken regress``: answers under each visual-token budget vs the largest budget's (see
+tools/regress.py).
 
-With ``--url`` it asks that server; without, it starts our server in-process on a loopback port (float32 by
-default, so greedy answers are exact) with ``--image-max-tokens`` = the largest budget (and ``--video-max-tokens``
-= the largest video budget). Images and videos are separate reports; with both, the JSON is the images' report
-with the videos' under ``"videos"``.
+With ``--url`` it asks that server; without, it starts our server in-process on a loopback port
+(float32 by default, so greedy answers are exact) with ``--image-max-tokens`` = the largest budget
+(and ``--video-max-tokens`` = the largest video budget). Images and videos are separate reports;
+with both, the JSON is the images' report with the videos' under ``"videos"``.
 """
 
 from __future__ import annotations
@@ -31,7 +32,9 @@ def parse_budgets(text: str) -> list[int]:
     try:
         budgets = [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"budgets must be integers like 4096,1200,400, got {text!r}") from None
+        raise argparse.ArgumentTypeError(
+            f"budgets must be integers like 4096,1200,400, got {text!r}"
+        ) from None
     if not budgets or min(budgets) < 1:
         raise argparse.ArgumentTypeError("budgets must be positive integers")
     return budgets
@@ -44,8 +47,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         description=__doc__.split("\n\n")[0],
     )
     p.add_argument("--images", type=Path, default=None, help="directory of images")
-    p.add_argument("--videos", type=Path, default=None,
-                   help="directory of videos (.mp4, .webm, .mkv, .mov, .avi), each asked alone like an image")
+    p.add_argument(
+        "--videos",
+        type=Path,
+        default=None,
+        help="directory of videos (.mp4, .webm, .mkv, .mov, .avi), each asked alone like an image",
+    )
     p.add_argument("--prompts", type=Path, required=True, help="text file, one prompt per line")
     p.add_argument(
         "--budgets",
@@ -62,12 +69,21 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--url", default=None, help="server root (default: start one in-process)")
     p.add_argument(
-        "--model", default=None, help="in-process: checkpoint dir (default: the demo); with --url: the model id to send"
+        "--model",
+        default=None,
+        help="in-process: checkpoint dir (default: the demo); with --url: the model id to send",
     )
-    p.add_argument("--dtype", default="float32", help="in-process dtype (default float32: exact greedy answers)")
+    p.add_argument(
+        "--dtype",
+        default="float32",
+        help="in-process dtype (default float32: exact greedy answers)",
+    )
     p.add_argument("--max-tokens", type=int, default=16, help="tokens per answer (default 16)")
     p.add_argument(
-        "--min-agreement", type=float, default=None, help="exit 1 when a budget's exact agreement is below this (0..1)"
+        "--min-agreement",
+        type=float,
+        default=None,
+        help="exit 1 when a budget's exact agreement is below this (0..1)",
     )
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.set_defaults(handler=run)
@@ -155,9 +171,19 @@ def run(args: argparse.Namespace) -> int:
     def regress(url: str, model: str | None):
         server = ChatServer(url, model, max_tokens=args.max_tokens)
         try:
-            return ([run_regress(server, images, prompts, args.budgets, args.min_agreement)] if images else []) + (
-                [run_regress(server, videos, prompts, args.video_budgets, args.min_agreement, "video")]
-                if videos else [])
+            return (
+                [run_regress(server, images, prompts, args.budgets, args.min_agreement)]
+                if images
+                else []
+            ) + (
+                [
+                    run_regress(
+                        server, videos, prompts, args.video_budgets, args.min_agreement, "video"
+                    )
+                ]
+                if videos
+                else []
+            )
         finally:
             server.close()
 
@@ -168,7 +194,9 @@ def run(args: argparse.Namespace) -> int:
                                video_max_tokens=max(args.video_budgets)) as url:
             reports = regress(url, None)
     if args.json:
-        body = reports[0].to_dict() | ({"videos": reports[1].to_dict()} if len(reports) == 2 else {})
+        body = reports[0].to_dict() | (
+            {"videos": reports[1].to_dict()} if len(reports) == 2 else {}
+        )
         print(json.dumps(body, indent=2))
     else:
         print("\n\n".join(format_report(r) for r in reports))

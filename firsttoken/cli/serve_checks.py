@@ -1,9 +1,10 @@
-"""What ``firsttoken serve`` checks before it loads a model: each mistake a person can make with its flags,
-said as one UsageError naming the flag, the value and what to do.
+"""What ``firsttoken serve`` checks before it loads a model: each mistake a person can make with its
+flags, said as one UsageError naming the flag, the value and what to do.
 
-Only cheap checks live here (files, config.json, the KV arithmetic, a test bind of the port); they run in well
-under a second, where loading weights can take minutes. The engine and the config dataclasses keep their own
-validation: this module reads their answers and phrases them for the command line, it never restates a rule.
+Only cheap checks live here (files, config.json, the KV arithmetic, a test bind of the port); they
+run in well under a second, where loading weights can take minutes. The engine and the config
+dataclasses keep their own validation: this module reads their answers and phrases them for the
+command line, it never restates a rule.
 """
 
 from __future__ import annotations
@@ -31,7 +32,8 @@ LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 
 
 def flag_error(exc: ValueError, args: argparse.Namespace | None = None) -> UsageError:
-    """A config ValueError ("<field> must ...") as the UsageError of the flag that sets that field."""
+    """A config ValueError ("<field> must ...") as the UsageError of the flag that sets that
+    field."""
     from firsttoken.config import flag_for_field
 
     message = str(exc)
@@ -44,27 +46,36 @@ def flag_error(exc: ValueError, args: argparse.Namespace | None = None) -> Usage
 
 
 def check_serve_config(config: "ServeConfig", model_dir: Path) -> None:
-    """Raise UsageError for the first option that cannot work; ``model_dir`` is --model or the demo checkpoint.
-    Range checks already ran when the config tree was built; these need the file system, the checkpoint or the
-    network."""
+    """Raise UsageError for the first option that cannot work; ``model_dir`` is --model or the demo
+    checkpoint. Range checks already ran when the config tree was built; these need the file system,
+    the checkpoint or the network."""
     from firsttoken.api.logs import LOG_FORMATS
 
     server = config.server
     if str(server.log_level).lower() not in LOG_LEVELS:
-        raise UsageError("--log-level", server.log_level, f"unknown level; use one of {', '.join(LOG_LEVELS)}")
+        raise UsageError(
+            "--log-level", server.log_level, f"unknown level; use one of {', '.join(LOG_LEVELS)}"
+        )
     if server.log_format not in LOG_FORMATS:
-        raise UsageError("--log-format", server.log_format, f"unknown format; use one of {', '.join(LOG_FORMATS)}")
+        raise UsageError(
+            "--log-format",
+            server.log_format,
+            f"unknown format; use one of {', '.join(LOG_FORMATS)}",
+        )
     if config.images.allowed_media_dir is not None:
         existing_dir("--allowed-media-dir", config.images.allowed_media_dir)
     if config.chat_template is not None and not Path(config.chat_template).is_file():
         raise UsageError("--chat-template", config.chat_template, "no such file")
     if server.request_log is not None and not Path(server.request_log).parent.is_dir():
-        raise UsageError("--request-log", server.request_log, "its directory does not exist; create it first")
+        raise UsageError(
+            "--request-log", server.request_log, "its directory does not exist; create it first"
+        )
     _check_device(config.engine)
     model_config = check_checkpoint("--model" if config.model else "(demo checkpoint)", model_dir,
                                     weights=config.engine.load_format != "dummy")
     _check_kv(config.engine, model_config)
-    if config.engine.quantization == "fp16":  # int8 runs everywhere (exact products: loading/quant.py)
+    # int8 runs everywhere (exact products: loading/quant.py)
+    if config.engine.quantization == "fp16":
         from firsttoken.loading.quant import fp16_supported
 
         reason = fp16_supported()
@@ -74,19 +85,23 @@ def check_serve_config(config: "ServeConfig", model_dir: Path) -> None:
 
 
 def _check_device(config: "EngineConfig") -> None:
-    """--device cuda needs a CUDA device torch can use (the resolve step's rule, asked of this machine)."""
+    """--device cuda needs a CUDA device torch can use (the resolve step's rule, asked of this
+    machine)."""
     from firsttoken.loading.plan import resolve_device
     from firsttoken.loading.plan_values import CudaFacts
 
     try:
         resolve_device(config.device, CudaFacts.detect())
     except ValueError as exc:
-        raise UsageError("--device", config.device, str(exc).removeprefix(f"device {config.device}: ")) from None
+        raise UsageError(
+            "--device", config.device, str(exc).removeprefix(f"device {config.device}: ")
+        ) from None
 
 
 def check_checkpoint(flag: str, model_dir: Path, weights: bool = True) -> "ModelConfig":
-    """The checkpoint's ModelConfig, after checking what loading needs: config.json describing a model we
-    serve, safetensors weights (unless ``weights`` is False: --load-format dummy) and tokenizer files."""
+    """The checkpoint's ModelConfig, after checking what loading needs: config.json describing a
+    model we serve, safetensors weights (unless ``weights`` is False: --load-format dummy) and
+    tokenizer files."""
     from firsttoken.models.registry import family_of_config
 
     config_json = read_config_json(flag, model_dir)
@@ -97,25 +112,33 @@ def check_checkpoint(flag: str, model_dir: Path, weights: bool = True) -> "Model
     config = parse_model_config(flag, model_dir, config_json)
     if weights and not any(model_dir.glob("*.safetensors")):
         raise UsageError(flag, model_dir, "no *.safetensors weights in this directory")
-    if not any((model_dir / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json")):
-        raise UsageError(flag, model_dir, "no tokenizer files (tokenizer.json or tokenizer_config.json) here")
+    if not any(
+        (model_dir / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json")
+    ):
+        raise UsageError(
+            flag, model_dir, "no tokenizer files (tokenizer.json or tokenizer_config.json) here"
+        )
     return config
 
 
 def _check_kv(config: "EngineConfig", model_config: "ModelConfig") -> None:
-    """The pool must hold one block, and --max-model-len must fit the model and the pool (the engine's rule); on
-    cuda without --kv-cache-memory the pool is not known before start-up measures the device."""
+    """The pool must hold one block, and --max-model-len must fit the model and the pool (the
+    engine's rule); on cuda without --kv-cache-memory the pool is not known before start-up measures
+    the device."""
     from firsttoken.engine.resolve import activation_device, activation_dtype, plan_kv_capacity
     from firsttoken.loading.plan_values import TORCH_DTYPES
 
     if config.cache.kv_cache_memory_bytes is None and activation_device(config) == "cuda":
-        return  # the pool is what the device leaves, measured at start-up (engine.py checks it there)
-    dtype = activation_dtype(config)  # the resolve step's answer for these flags (the model is not loaded yet)
+        # the pool is what the device leaves, measured at start-up (engine.py checks it there)
+        return
+    # the resolve step's answer for these flags (the model is not loaded yet)
+    dtype = activation_dtype(config)
     dtype_bytes = TORCH_DTYPES[dtype].itemsize
     block_bytes = model_config.kv_bytes_per_token(dtype_bytes) * config.cache.block_size
     if config.cache.kv_pool_bytes < block_bytes:
         raise UsageError(
-            "--kv-cache-memory", format_size(config.cache.kv_pool_bytes),
+            "--kv-cache-memory",
+            format_size(config.cache.kv_pool_bytes),
             f"smaller than one KV block; this model needs at least {format_size(block_bytes)} "
             f"({config.cache.block_size} tokens x {model_config.kv_bytes_per_token(dtype_bytes)} bytes/token in "
             f"{dtype})",
@@ -125,7 +148,8 @@ def _check_kv(config: "EngineConfig", model_config: "ModelConfig") -> None:
     max_model_len = config.scheduler.max_model_len
     if max_model_len is not None and max_model_len > capacity.max_model_len:
         raise UsageError(
-            "--max-model-len", max_model_len,
+            "--max-model-len",
+            max_model_len,
             f"larger than this model and KV pool allow: {capacity.max_model_len} tokens, the lesser of "
             f"max_position_embeddings ({model_config.max_position_embeddings}) and the KV pool's "
             f"{capacity.num_tokens} tokens; lower it, or raise --kv-cache-memory",
@@ -133,7 +157,8 @@ def _check_kv(config: "EngineConfig", model_config: "ModelConfig") -> None:
 
 
 def check_port_free(host: str, port: int) -> None:
-    """Bind (host, port) once, as uvicorn will, so a taken port is said before the model loads, not after."""
+    """Bind (host, port) once, as uvicorn will, so a taken port is said before the model loads, not
+    after."""
     if not 0 <= port <= 65535:
         raise UsageError("--port", port, "not a TCP port (0-65535)")
     try:
@@ -142,14 +167,22 @@ def check_port_free(host: str, port: int) -> None:
         raise UsageError("--host", host, f"cannot resolve this address ({exc.strerror})") from None
     family, kind, proto, _, address = infos[0]
     with socket.socket(family, kind, proto) as sock:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn: TIME_WAIT is not "in use"
+        # as uvicorn: TIME_WAIT is not "in use"
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             sock.bind(address)
         except OSError as exc:
             if exc.errno == errno.EADDRINUSE:
-                raise UsageError("--port", port, f"address {host}:{port} is already in use; stop what holds it "
-                                 "or pick another --port") from None
+                raise UsageError(
+                    "--port",
+                    port,
+                    f"address {host}:{port} is already in use; stop what holds it "
+                    "or pick another --port",
+                ) from None
             if exc.errno == errno.EACCES:
-                raise UsageError("--port", port, "permission denied (ports below 1024 need privileges); "
-                                 "pick a port >= 1024") from None
+                raise UsageError(
+                    "--port",
+                    port,
+                    "permission denied (ports below 1024 need privileges); pick a port >= 1024",
+                ) from None
             raise UsageError("--host", host, f"cannot bind this address ({exc.strerror})") from None

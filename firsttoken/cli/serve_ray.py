@@ -1,14 +1,16 @@
-"""``firsttoken serve-ray``: firsttoken engine replicas on Ray Serve behind one OpenAI-compatible ingress.
+"""``firsttoken serve-ray``: firsttoken engine replicas on Ray Serve behind one OpenAI-compatible
+ingress.
 
     firsttoken serve-ray --model DIR --replicas 2
     firsttoken serve-ray --model DIR --replicas 1:4          # autoscaled on queued requests
     firsttoken serve-ray --model DIR --short-replicas 3 --long-replicas 1 --routing affinity
 
-Every ``firsttoken serve`` flag applies to each replica (engine, cache, scheduling, images) and to the ingress (HTTP
-server, limits, API key); ``--host``/``--port`` are Serve's HTTP proxy. With ``RAY_ADDRESS`` set it joins that
-cluster, else it starts a local one. The application is serving/app.py's; docs/scaling.md says how it routes.
-A Serve config file names the same application (``firsttoken.cli.serve_ray:app_builder``) with these flags as its
-``args``; ``options_from_args`` reads them exactly as the command line does.
+Every ``firsttoken serve`` flag applies to each replica (engine, cache, scheduling, images) and to
+the ingress (HTTP server, limits, API key); ``--host``/``--port`` are Serve's HTTP proxy. With
+``RAY_ADDRESS`` set it joins that cluster, else it starts a local one. The application is
+serving/app.py's; docs/scaling.md says how it routes. A Serve config file names the same application
+(``firsttoken.cli.serve_ray:app_builder``) with these flags as its ``args``; ``options_from_args``
+reads them exactly as the command line does.
 """
 
 from __future__ import annotations
@@ -63,8 +65,11 @@ _FLEET_FLAGS: tuple[tuple[str, str, type, str, str], ...] = (
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
-    p = subparsers.add_parser("serve-ray", help="run engine replicas on Ray Serve behind one OpenAI-compatible "
-                              "ingress", description=__doc__.split("\n\n")[0])
+    p = subparsers.add_parser(
+        "serve-ray",
+        help="run engine replicas on Ray Serve behind one OpenAI-compatible ingress",
+        description=__doc__.split("\n\n")[0],
+    )
     add_flags(p)
     p.set_defaults(handler=run)
 
@@ -76,7 +81,9 @@ def add_flags(p: argparse.ArgumentParser) -> None:
     for flag, name, kind, metavar, text in _FLEET_FLAGS:
         default = defaults[name]
         shown = "" if default is None else f" (default: {default})"
-        fleet.add_argument(flag, dest=name, type=kind, default=default, metavar=metavar, help=text + shown)
+        fleet.add_argument(
+            flag, dest=name, type=kind, default=default, metavar=metavar, help=text + shown
+        )
     add_config_flags(p)
 
 
@@ -93,8 +100,9 @@ def fleet_options(args: argparse.Namespace) -> FleetOptions:
 
 
 def options_from_args(values: Mapping[str, Any]) -> tuple[ServeConfig, FleetOptions]:
-    """A Serve config file's ``args`` (flag names with or without dashes -> values; ``true`` for a switch) checked
-    exactly as ``firsttoken serve-ray`` checks its command line. ValueError says which flag is wrong."""
+    """A Serve config file's ``args`` (flag names with or without dashes -> values; ``true`` for a
+    switch) checked exactly as ``firsttoken serve-ray`` checks its command line. ValueError says
+    which flag is wrong."""
     from firsttoken.cli.usage import UsageError
 
     argv: list[str] = []
@@ -104,7 +112,9 @@ def options_from_args(values: Mapping[str, Any]) -> tuple[ServeConfig, FleetOpti
             argv.append(flag)
         elif value is not False and value is not None:
             argv += [flag, str(value)]
-    parser = _ArgsParser(prog="firsttoken.cli.serve_ray:app_builder", add_help=False, allow_abbrev=False)
+    parser = _ArgsParser(
+        prog="firsttoken.cli.serve_ray:app_builder", add_help=False, allow_abbrev=False
+    )
     add_flags(parser)
     try:
         return checked_options(parser.parse_args(argv))
@@ -113,8 +123,9 @@ def options_from_args(values: Mapping[str, Any]) -> tuple[ServeConfig, FleetOpti
 
 
 def checked_options(args: argparse.Namespace) -> tuple[ServeConfig, FleetOptions]:
-    """The config tree and the fleet's options from parsed flags, and the model directory and config checked
-    (cheap: before Ray starts or a replica loads anything). A mistake is a UsageError naming its flag."""
+    """The config tree and the fleet's options from parsed flags, and the model directory and config
+    checked (cheap: before Ray starts or a replica loads anything). A mistake is a UsageError naming
+    its flag."""
     from firsttoken.cli.serve_checks import check_serve_config, flag_error
     from firsttoken.cli.usage import UsageError
     from firsttoken.models.hub import ModelNotFound
@@ -134,9 +145,11 @@ def checked_options(args: argparse.Namespace) -> tuple[ServeConfig, FleetOptions
 
 
 def app_builder(args: Mapping[str, Any]):  # -> ray.serve.Application
-    """The application for a Serve config file: ``import_path: firsttoken.cli.serve_ray:app_builder`` with ``args``
-    holding ``firsttoken serve-ray`` flags by name (``model: /models/x``, ``replicas: "1:4"``, ``max-num-seqs: 8``;
-    ``true`` for a switch), checked exactly as on the command line (docs/scaling.md)."""
+    """The application for a Serve config file:
+    ``import_path: firsttoken.cli.serve_ray:app_builder`` with ``args`` holding
+    ``firsttoken serve-ray`` flags by name (``model: /models/x``, ``replicas: "1:4"``,
+    ``max-num-seqs: 8``; ``true`` for a switch), checked exactly as on the command line
+    (docs/scaling.md)."""
     from firsttoken.serving.app import build_application
 
     config, options = options_from_args(args)
@@ -144,7 +157,8 @@ def app_builder(args: Mapping[str, Any]):  # -> ray.serve.Application
 
 
 class _ArgsParser(argparse.ArgumentParser):
-    def error(self, message: str):  # a config file's mistake is an exception for Serve to report, not an exit
+    # a config file's mistake is an exception for Serve to report, not an exit
+    def error(self, message: str):
         raise ValueError(f"serve-ray args: {message}")
 
 
@@ -158,13 +172,22 @@ def run(args: argparse.Namespace) -> int:
 
     config, options = checked_options(args)
     configure_logging(config.server.log_level, config.server.log_format)
-    # RAY_ADDRESS: join that cluster; else a new local one (never a stale `ray start` left on this machine)
+    # RAY_ADDRESS: join that cluster; else a new local one (never a stale `ray start` left on this
+    # machine)
     ray.init(address=None if os.environ.get("RAY_ADDRESS") else "local")
     serve.start(http_options={"host": config.server.host, "port": config.server.port})
-    log.info("deploying %s on Ray Serve: pools %s, routing %s", APP_NAME, options.pools(), options.routing)
-    signal.signal(signal.SIGTERM, _exit_on_term)  # as Ctrl-C: stop the application and the local cluster
+    log.info(
+        "deploying %s on Ray Serve: pools %s, routing %s",
+        APP_NAME,
+        options.pools(),
+        options.routing,
+    )
+    # as Ctrl-C: stop the application and the local cluster
+    signal.signal(signal.SIGTERM, _exit_on_term)
     try:
-        serve.run(build_application(config, options), name=APP_NAME, route_prefix="/", blocking=True)
+        serve.run(
+            build_application(config, options), name=APP_NAME, route_prefix="/", blocking=True
+        )
     except (KeyboardInterrupt, SystemExit):
         log.info("stopping %s", APP_NAME)
     finally:

@@ -1,10 +1,11 @@
-"""UsageError: a user's mistake on the command line, said in one line; and the checks several commands share.
+"""UsageError: a user's mistake on the command line, said in one line; and the checks several
+commands share.
 
-Contract: a command's handler (or the parser) raises ``UsageError(flag, value, message)`` for anything the person
-typing the command can fix; ``cli.main.main`` catches it once and prints ``firsttoken <cmd>: <flag> <value>:
-<message>`` on stderr, exit status 2 (as argparse's own usage errors). Anything else is a bug or an outage:
-``main`` prints one line and the exit status is 1; the traceback only with ``firsttoken --debug`` (or ``serve
---log-level debug``).
+Contract: a command's handler (or the parser) raises ``UsageError(flag, value, message)`` for
+anything the person typing the command can fix; ``cli.main.main`` catches it once and prints
+``firsttoken <cmd>: <flag> <value>: <message>`` on stderr, exit status 2 (as argparse's own usage
+errors). Anything else is a bug or an outage: ``main`` prints one line and the exit status is 1; the
+traceback only with ``firsttoken --debug`` (or ``serve --log-level debug``).
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ MAX_VALUE_CHARS = 200  # a quoted value is cut here: a pasted blob must not floo
 
 
 class UsageError(Exception):
-    """``flag`` as typed (``--model``) or None for a positional; ``value`` as the user gave it (None: no value)."""
+    """``flag`` as typed (``--model``) or None for a positional; ``value`` as the user gave it
+    (None: no value)."""
 
     def __init__(self, flag: str | None, value: object, message: str) -> None:
         super().__init__(message)
@@ -32,7 +34,8 @@ class UsageError(Exception):
         self.message = message
 
     def line(self, command: str) -> str:
-        """``firsttoken serve: --model /x: no such directory`` (flag and value left out when absent)."""
+        """``firsttoken serve: --model /x: no such directory`` (flag and value left out when
+        absent)."""
         subject = " ".join(p for p in (self.flag, _shown(self.value)) if p)
         return f"firsttoken {command}: {subject + ': ' if subject else ''}{self.message}"
 
@@ -45,7 +48,8 @@ def _shown(value: object) -> str | None:
 
 
 class OneLineParser(argparse.ArgumentParser):
-    """argparse, but a usage error is one line that points at --help instead of the whole usage block."""
+    """argparse, but a usage error is one line that points at --help instead of the whole usage
+    block."""
 
     def error(self, message: str) -> NoReturn:
         self.exit(EXIT_USAGE, f"{self.prog}: {message} (see {self.prog} --help)\n")
@@ -54,11 +58,11 @@ class OneLineParser(argparse.ArgumentParser):
 def from_config_error(
     exc: ValueError, args: argparse.Namespace, renamed: dict[str, str] | None = None
 ) -> UsageError | None:
-    """A config dataclass's ``ValueError("<field> must ...")`` as the flag that set the field; None when the
-    message does not start with a field that one of ``args``' flags sets.
+    """A config dataclass's ``ValueError("<field> must ...")`` as the flag that set the field; None
+    when the message does not start with a field that one of ``args``' flags sets.
 
-    Config classes name the offending field first (STYLE rule 12); the flag is that name with dashes, or
-    ``renamed[field]`` where the flag is spelled differently.
+    Config classes name the offending field first (STYLE rule 12); the flag is that name with
+    dashes, or ``renamed[field]`` where the flag is spelled differently.
     """
     message = str(exc)
     field, _, rest = message.partition(" ")
@@ -88,15 +92,20 @@ def existing_file(flag: str | None, path: str | Path) -> Path:
 
 
 def read_config_json(flag: str, path: str | Path, allow_file: bool = False) -> dict[str, Any]:
-    """The checkpoint's config.json as a dict: ``path`` is its directory (or, with allow_file, the file)."""
+    """The checkpoint's config.json as a dict: ``path`` is its directory (or, with allow_file, the
+    file)."""
     p = Path(path)
     if allow_file and p.is_file():
         config_path = p
     else:
         config_path = existing_dir(flag, path) / "config.json"
         if not config_path.is_file():
-            raise UsageError(flag, path, "no config.json in this directory; point it at a Hugging Face checkpoint "
-                             "directory (config.json, *.safetensors, tokenizer files)")
+            raise UsageError(
+                flag,
+                path,
+                "no config.json in this directory; point it at a Hugging Face checkpoint "
+                "directory (config.json, *.safetensors, tokenizer files)",
+            )
     try:
         config = json.loads(config_path.read_text())
     except (OSError, UnicodeDecodeError, ValueError) as exc:
@@ -107,15 +116,21 @@ def read_config_json(flag: str, path: str | Path, allow_file: bool = False) -> d
 
 
 def parse_model_config(
-    flag: str, path: str | Path, config_json: dict[str, Any], preprocessor: dict[str, Any] | None = None
+    flag: str,
+    path: str | Path,
+    config_json: dict[str, Any],
+    preprocessor: dict[str, Any] | None = None,
 ) -> "ModelConfig":
-    """config.json's ModelConfig; a missing or malformed field is a sentence naming it, never a bare KeyError."""
+    """config.json's ModelConfig; a missing or malformed field is a sentence naming it, never a bare
+    KeyError."""
     from firsttoken.models.registry import model_config_from_dict
 
     try:
         return model_config_from_dict(config_json, preprocessor)
     except KeyError as exc:
-        raise UsageError(flag, path, f"config.json has no {exc.args[0]!s}, which the model needs") from None
+        raise UsageError(
+            flag, path, f"config.json has no {exc.args[0]!s}, which the model needs"
+        ) from None
     except (ValueError, TypeError) as exc:
         raise UsageError(flag, path, f"config.json: {exc}") from None
 
@@ -135,11 +150,14 @@ def unreachable(flag: str, url: str, exc: Exception) -> UsageError:
     if isinstance(exc, httpx.TimeoutException):
         return UsageError(flag, url, "no answer in time; is the server up and reachable from here?")
     reason = first_line(str(exc)) or type(exc).__name__
-    return UsageError(flag, url, f"cannot connect ({reason}); is the server running at this address?")
+    return UsageError(
+        flag, url, f"cannot connect ({reason}); is the server running at this address?"
+    )
 
 
 def check_reachable(flag: str, url: str, timeout_s: float = 10.0) -> None:
-    """One GET of the server root's /health before real work starts: any HTTP answer will do, none is an error."""
+    """One GET of the server root's /health before real work starts: any HTTP answer will do, none
+    is an error."""
     import httpx
 
     try:

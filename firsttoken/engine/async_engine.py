@@ -1,18 +1,20 @@
-"""The asyncio bridge: the engine runs in one dedicated thread; the event loop never waits on a step.
+"""The asyncio bridge: the engine runs in one dedicated thread; the event loop never waits on a
+step.
 
-Commands (add, abort) go to the engine thread through a queue; outputs come back to each request's asyncio
-queue through ``loop.call_soon_threadsafe``. The engine thread is the only thread that runs model code and
-owns torch's intra-op threads (``num_threads``). If the loop dies, every open stream gets an error and
-``is_alive`` turns False, so /health answers 503.
+Commands (add, abort) go to the engine thread through a queue; outputs come back to each request's
+asyncio queue through ``loop.call_soon_threadsafe``. The engine thread is the only thread that runs
+model code and owns torch's intra-op threads (``num_threads``). If the loop dies, every open stream
+gets an error and ``is_alive`` turns False, so /health answers 503.
 
-Unread outputs are bounded: a client that stops reading a stream (its socket full, the SSE writer stuck in
-``send``) stops taking outputs from its queue while the engine goes on generating for it at full speed, holding
-a batch slot and KV blocks. When a request has ``max_unread_outputs`` outputs delivered and not taken, the
-engine thread aborts it (finish reason ``abort``, its blocks freed within the step), puts one final ``abort``
-output in its queue (the queue never grows past the bound + 1), logs it once and reports it through
-``on_abort(request_id, ABORT_CLIENT_NOT_READING)`` (a metric). A client that reads as fast as tokens come never
-has more than a few outputs in its queue; one reading slowly is cut off only once the transport's buffers and
-then this many outputs are waiting.
+Unread outputs are bounded: a client that stops reading a stream (its socket full, the SSE writer
+stuck in ``send``) stops taking outputs from its queue while the engine goes on generating for it at
+full speed, holding a batch slot and KV blocks. When a request has ``max_unread_outputs`` outputs
+delivered and not taken, the engine thread aborts it (finish reason ``abort``, its blocks freed
+within the step), puts one final ``abort`` output in its queue (the queue never grows past the bound
++ 1), logs it once and reports it through ``on_abort(request_id, ABORT_CLIENT_NOT_READING)`` (a
+metric). A client that reads as fast as tokens come never has more than a few outputs in its queue;
+one reading slowly is cut off only once the transport's buffers and then this many outputs are
+waiting.
 """
 
 from __future__ import annotations
@@ -42,7 +44,8 @@ from firsttoken.types import (
 log = logging.getLogger("firsttoken.engine")
 
 
-RESERVATION_TTL_S = 120.0  # an admission place not claimed by generate() within this long is dropped
+# an admission place not claimed by generate() within this long is dropped
+RESERVATION_TTL_S = 120.0
 ABORT_CLIENT_NOT_READING = "client_not_reading"  # the abort reason, a metric label
 
 
@@ -59,8 +62,9 @@ class _Add:
 
 
 class _Backlog:
-    """Outputs delivered to one request's queue and taken from it. One writer each: ``delivered`` only by the
-    engine thread, ``taken`` only by the event loop; the engine thread reads both (int reads are atomic)."""
+    """Outputs delivered to one request's queue and taken from it. One writer each: ``delivered``
+    only by the engine thread, ``taken`` only by the event loop; the engine thread reads both (int
+    reads are atomic)."""
 
     def __init__(self) -> None:
         self.delivered = 0
@@ -77,34 +81,41 @@ class _Abort:
 
 
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine, on_abort: Callable[[str, str], None] | None = None) -> None:
-        """``engine.config`` says the torch threads and how many outputs a request may leave unread."""
+    def __init__(
+        self, engine: LLMEngine, on_abort: Callable[[str, str], None] | None = None
+    ) -> None:
+        """``engine.config`` says the torch threads and how many outputs a request may leave
+        unread."""
         self.engine = engine
         self.num_threads = engine.config.num_threads
         self.max_unread_outputs = engine.config.max_unread_outputs
-        self._on_abort = on_abort or (lambda request_id, reason: None)  # (request id, reason): for a metric
+        # (request id, reason): for a metric
+        self._on_abort = on_abort or (lambda request_id, reason: None)
         self._commands: queue.SimpleQueue[_Add | _Abort | None] = queue.SimpleQueue()
         self._streams: dict[str, _Add] = {}
         self._alive = False
         self._in_thread = True
         self._stopping = False
         self._draining = False
-        # request id -> (lane, its work with admitted_s: when): admitted but not yet handed to the engine
+        # request id -> (lane, its work with admitted_s: when): admitted but not yet handed to the
+        # engine
         self._reservations: dict[str, tuple[str, PromptWork]] = {}
         self._reservations_lock = threading.Lock()
         self._stats = engine.stats()
-        # short requests sent by generate() (event loop) and handed to the engine (engine thread): while more were
-        # sent than handed over, a short request is waiting for the step in flight, and the runner may cut the
-        # long lane's encoder work at its next unit (--no-encoder-interrupt turns that off in the scheduler)
+        # short requests sent by generate() (event loop) and handed to the engine (engine thread):
+        # while more were sent than handed over, a short request is waiting for the step in flight,
+        # and the runner may cut the long lane's encoder work at its next unit
+        # (--no-encoder-interrupt turns that off in the scheduler)
         self._short_sent = 0
         self._short_added = 0
         engine.short_request_pending = lambda: self._short_sent > self._short_added
         self._thread = threading.Thread(target=self._run, name="firsttoken-engine", daemon=True)
 
-    # ---- lifecycle -----------------------------------------------------------------------------------
+    # ---- lifecycle -------------------------------------------------------------------------------
     def start(self, in_thread: bool = True) -> None:
-        """Run the engine loop in its thread. ``in_thread`` False: alive without it; the caller applies the queued
-        commands and steps the engine itself (a test that drives both sides in one thread)."""
+        """Run the engine loop in its thread. ``in_thread`` False: alive without it; the caller
+        applies the queued commands and steps the engine itself (a test that drives both sides in
+        one thread)."""
         self._alive = True
         self._in_thread = in_thread
         if in_thread:
@@ -113,7 +124,8 @@ class AsyncEngine:
     def shutdown(self, timeout_s: float = 5.0) -> None:
         self._stopping = True
         self._commands.put(None)
-        if self._thread.is_alive():  # started without its thread (start(in_thread=False)): nothing to join
+        # started without its thread (start(in_thread=False)): nothing to join
+        if self._thread.is_alive():
             self._thread.join(timeout_s)
 
     @property
@@ -132,7 +144,7 @@ class AsyncEngine:
     def num_in_flight(self) -> int:
         return len(self._streams)
 
-    # ---- EngineClient --------------------------------------------------------------------------------
+    # ---- EngineClient ----------------------------------------------------------------------------
     async def generate(self, request: EngineRequest) -> AsyncIterator[RequestOutput]:
         if not self.is_alive:
             raise EngineDeadError("the engine is not running")
@@ -160,17 +172,26 @@ class AsyncEngine:
         return self._stats
 
     def check_admission(self, work: PromptWork, request_id: str | None = None) -> AdmissionVerdict:
-        """Would this prompt be queued now, and how long until its first token? Counts the lane's queue plus
-        requests already admitted here but still preprocessing (a burst of large images all asks before any is
-        queued: their work is ahead of this one too). With a request_id an admitted request holds its place until
-        generate() hands it to the engine or release() gives it back."""
+        """Would this prompt be queued now, and how long until its first token? Counts the lane's
+        queue plus requests already admitted here but still preprocessing (a burst of large images
+        all asks before any is queued: their work is ahead of this one too). With a request_id an
+        admitted request holds its place until generate() hands it to the engine or release() gives
+        it back."""
         with self._reservations_lock:
             now = time.monotonic()
-            for rid in [r for r, (_, w) in self._reservations.items() if now - w.admitted_s > RESERVATION_TTL_S]:
-                del self._reservations[rid]  # never handed over (client left between preprocessing and submit)
+            for rid in [
+                r
+                for r, (_, w) in self._reservations.items()
+                if now - w.admitted_s > RESERVATION_TTL_S
+            ]:
+                # never handed over (client left between preprocessing and submit)
+                del self._reservations[rid]
             lane = route_lane(work.num_prompt_tokens, self.engine.config.scheduler)
-            # a request asked again at a lower image budget holds a reservation already: not ahead of itself
-            pending = tuple(w for rid, (v, w) in self._reservations.items() if v == lane and rid != request_id)
+            # a request asked again at a lower image budget holds a reservation already: not ahead
+            # of itself
+            pending = tuple(
+                w for rid, (v, w) in self._reservations.items() if v == lane and rid != request_id
+            )
             verdict = self.engine.check_admission(work, pending)
             if verdict.admitted and request_id is not None:
                 held = replace(work, admitted_s=now, long_place_s=verdict.long_place_s)
@@ -178,11 +199,12 @@ class AsyncEngine:
             return verdict
 
     def release(self, request_id: str) -> None:
-        """Give back an admission place that will not be used (preprocessing failed after the check)."""
+        """Give back an admission place that will not be used (preprocessing failed after the
+        check)."""
         with self._reservations_lock:
             self._reservations.pop(request_id, None)
 
-    # ---- the engine thread ---------------------------------------------------------------------------
+    # ---- the engine thread -----------------------------------------------------------------------
     def _run(self) -> None:
         if self.num_threads:
             torch.set_num_threads(self.num_threads)
@@ -191,14 +213,18 @@ class AsyncEngine:
                 block = not self.engine.has_unfinished()
                 if not self._drain_commands(block):
                     break
-                for out in self.engine.step(deliver=self._deliver_all):  # tokens leave before deferred work
+                # tokens leave before deferred work
+                for out in self.engine.step(deliver=self._deliver_all):
                     self._deliver(out)
                 self._stats = self.engine.stats()
-        except BaseException:  # the loop itself broke: tell everyone, report dead (/health 503); the thread ends
+        # the loop itself broke: tell everyone, report dead (/health 503); the thread ends
+        except BaseException:
             log.exception("engine loop died")
             self._alive = False
             for add in list(self._streams.values()):
-                add.loop.call_soon_threadsafe(add.outputs.put_nowait, EngineDeadError("the engine stopped"))
+                add.loop.call_soon_threadsafe(
+                    add.outputs.put_nowait, EngineDeadError("the engine stopped")
+                )
             self._streams.clear()
         finally:
             self._alive = False
@@ -228,7 +254,8 @@ class AsyncEngine:
         except ValueError as e:  # refused at admission: the message is written for the client (400)
             cmd.loop.call_soon_threadsafe(cmd.outputs.put_nowait, e)
             return
-        except Exception as e:  # anything else fails this request alone (500), never the loop everyone shares
+        # anything else fails this request alone (500), never the loop everyone shares
+        except Exception as e:
             log.exception("could not add request %s", rid)
             cmd.loop.call_soon_threadsafe(cmd.outputs.put_nowait, e)
             return
@@ -254,7 +281,8 @@ class AsyncEngine:
         stream.loop.call_soon_threadsafe(stream.outputs.put_nowait, out)
 
     def _abort_unread(self, stream: _Add, out: RequestOutput) -> None:
-        """The client has not taken its last ``max_unread_outputs`` outputs: abort the request, say so once."""
+        """The client has not taken its last ``max_unread_outputs`` outputs: abort the request, say
+        so once."""
         rid = out.request_id
         del self._streams[rid]
         self.engine.abort(rid)

@@ -19,12 +19,13 @@ class EngineClient(Protocol):
 
     @property
     def is_draining(self) -> bool:
-        """Shutting down: in-flight requests finish, new ones are refused (503) and /health says 503."""
+        """Shutting down: in-flight requests finish, new ones are refused (503) and /health says
+        503."""
         ...
 
     def generate(self, request: EngineRequest) -> AsyncIterator[RequestOutput]:
-        """Submit a request and iterate over its outputs; the last one has finished=True.
-        Cancelling the iterating task (client disconnect) aborts the request and frees its blocks."""
+        """Submit a request and iterate over its outputs; the last one has finished=True. Cancelling
+        the iterating task (client disconnect) aborts the request and frees its blocks."""
         ...
 
     async def abort(self, request_id: str) -> None: ...
@@ -32,9 +33,10 @@ class EngineClient(Protocol):
     def stats(self) -> EngineStats: ...
 
     def check_admission(self, work: PromptWork, request_id: str | None = None) -> AdmissionVerdict:
-        """May a prompt of this size queue now? Asked before any image is decoded; refusals carry a reason
-        (a metric label), a client message and an HTTP status (400 never fits, 429 lane queue full). With a
-        request_id an admitted request holds its place until generate() or release()."""
+        """May a prompt of this size queue now? Asked before any image is decoded; refusals carry a
+        reason (a metric label), a client message and an HTTP status (400 never fits, 429 lane queue
+        full). With a request_id an admitted request holds its place until generate() or
+        release()."""
         ...
 
     def release(self, request_id: str) -> None: ...

@@ -1,18 +1,22 @@
 """Incremental detokenization: token ids in, text deltas out, cheaply and safely.
 
 Contract of ``IncrementalDetokenizer.add``:
-- it never emits half a character: a byte-level BPE token may end inside a multi-byte UTF-8 sequence; text
-  whose decode ends in U+FFFD is held back until the next token completes it (``flush`` releases it as is);
-- it never emits any part of a stop string: a suffix of the text that could still grow into a stop string is
-  held back; when a stop string appears the text is cut just before it, ``stopped`` is set, the matched string
-  is reported, and every later call returns nothing. When several stop strings complete within one step, the
-  one that ends first wins (as if the text had arrived one character at a time), the longest on a tie;
-- per token it decodes a window of a few tokens (vLLM's prefix/read offsets), not the whole output, and the
-  stop strings cost O(new characters) (engine/stop_strings.py), however many there are: the cost per token
-  is bounded by the token's own text plus what is held back (shorter than the longest stop string).
+- it never emits half a character: a byte-level BPE token may end inside a multi-byte UTF-8
+  sequence; text whose decode ends in U+FFFD is held back until the next token completes it
+  (``flush`` releases it as is);
+- it never emits any part of a stop string: a suffix of the text that could still grow into a stop
+  string is held back; when a stop string appears the text is cut just before it, ``stopped`` is
+  set, the matched string is reported, and every later call returns nothing. When several stop
+  strings complete within one step, the one that ends first wins (as if the text had arrived one
+  character at a time), the longest on a tie;
+- per token it decodes a window of a few tokens (vLLM's prefix/read offsets), not the whole output,
+  and the stop strings cost O(new characters) (engine/stop_strings.py), however many there are: the
+  cost per token is bounded by the token's own text plus what is held back (shorter than the longest
+  stop string).
 
-Offsets index ``self._ids``: ``[prefix_offset, read_offset)`` is the context already turned into text (decoded
-again only so the new token joins it correctly, e.g. a leading space), ``[read_offset, len)`` is not yet text.
+Offsets index ``self._ids``: ``[prefix_offset, read_offset)`` is the context already turned into
+text (decoded again only so the new token joins it correctly, e.g. a leading space),
+``[read_offset, len)`` is not yet text.
 """
 
 from __future__ import annotations
@@ -31,7 +35,8 @@ REPLACEMENT_CHAR = "\ufffd"
 
 
 class TokenDecoder(Protocol):
-    """Anything with a HF-style decode: transformers tokenizers and ``tokenizers.Tokenizer`` both fit."""
+    """Anything with a HF-style decode: transformers tokenizers and ``tokenizers.Tokenizer`` both
+    fit."""
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = ...) -> str: ...
 
@@ -66,7 +71,8 @@ class IncrementalDetokenizer:
 
     @property
     def num_stop_steps(self) -> int:
-        """Work spent matching stop strings so far (automaton steps, at most 2 per character generated)."""
+        """Work spent matching stop strings so far (automaton steps, at most 2 per character
+        generated)."""
         return self._stop.steps if self._stop is not None else 0
 
     def add(self, token_ids: Sequence[int]) -> DetokenizerDelta:
@@ -81,8 +87,9 @@ class IncrementalDetokenizer:
         return self._release("".join(decoded), final=False)
 
     def flush(self) -> str:
-        """At the end of generation: everything still held back (incomplete characters decode as U+FFFD,
-        a partial stop-string match is ordinary text after all), cut at a stop string if one completes."""
+        """At the end of generation: everything still held back (incomplete characters decode as
+        U+FFFD, a partial stop-string match is ordinary text after all), cut at a stop string if one
+        completes."""
         if self._stopped:
             return ""
         tail = ""
@@ -99,7 +106,8 @@ class IncrementalDetokenizer:
         prefix_text = self._decode(self._prefix_offset, self._read_offset)
         new_text = self._decode(self._prefix_offset, len(self._ids))
         if len(new_text) <= len(prefix_text) or new_text.endswith(REPLACEMENT_CHAR):
-            return ""  # a special token skipped, or a character still incomplete: wait for more tokens
+            # a special token skipped, or a character still incomplete: wait for more tokens
+            return ""
         self._prefix_offset = self._read_offset
         self._read_offset = len(self._ids)
         return new_text[len(prefix_text) :]
@@ -118,7 +126,8 @@ class IncrementalDetokenizer:
         # The matcher has seen the held-back text already: only the new characters are fed.
         hit = self._stop.feed(new_text)
         if hit is not None:
-            cut = len(self._pending) + hit.end - len(hit.stop)  # >= 0: the held text covers the match's start
+            # >= 0: the held text covers the match's start
+            cut = len(self._pending) + hit.end - len(hit.stop)
             self._stopped = True
             self._pending = ""
             return DetokenizerDelta(text[:cut], True, hit.stop)

@@ -1,7 +1,8 @@
 """The engine: add_request / abort / step. One step is schedule -> execute -> update.
 
-Synchronous and single-threaded on purpose: the async bridge (async_engine.py) runs it in one dedicated thread,
-which owns torch's intra-op threads. Everything a request needs was prepared before add_request.
+Synchronous and single-threaded on purpose: the async bridge (async_engine.py) runs it in one
+dedicated thread, which owns torch's intra-op threads. Everything a request needs was prepared
+before add_request.
 """
 
 from __future__ import annotations
@@ -60,53 +61,76 @@ class LLMEngine:
         profile_image_tokens: int | None = None,
         executor_factory: Callable[..., InProcessExecutor] = InProcessExecutor,
     ) -> None:
-        """``config``: the flags, resolved here for this checkpoint on ``machine`` (default: this one), or already
-        resolved (engine/resolve.py). Where the device sizes the KV pool (``_start``): ``measure_memory`` measures
-        it around loading and the profiling forward (default: device_memory.measure_device_memory; tests inject
-        facts), whose image has ``profile_image_tokens`` visual tokens (--image-max-tokens; default its default).
-        ``executor_factory``: InProcessExecutor's constructor (tests put a cuda-resolved model on the CPU)."""
+        """``config``: the flags, resolved here for this checkpoint on ``machine`` (default: this
+        one), or already resolved (engine/resolve.py). Where the device sizes the KV pool
+        (``_start``): ``measure_memory`` measures it around loading and the profiling forward
+        (default: device_memory.measure_device_memory; tests inject facts), whose image has
+        ``profile_image_tokens`` visual tokens (--image-max-tokens; default its default).
+        ``executor_factory``: InProcessExecutor's constructor (tests put a cuda-resolved model on
+        the CPU)."""
         self.model_config = load_model_config(model_dir)
         if isinstance(config, EngineConfig):
             config = resolve_engine_config(config, model_dir, machine, self.model_config)
-        machine = machine or Machine.for_flags(config.requested.cpu_kernels, config.requested.device)  # as resolved
+        # as resolved
+        machine = machine or Machine.for_flags(
+            config.requested.cpu_kernels, config.requested.device
+        )
         threads = ThreadPlan(config.num_threads, config.decode_threads)
 
         def load() -> InProcessExecutor:
-            return executor_factory(model_dir, self.model_config, config.model, machine, config.kv.block_size,
-                                    config.requested.seed, fault_hook, threads=threads, interrupt=self._interrupt,
-                                    grammar=config.requested.grammar)
+            return executor_factory(
+                model_dir,
+                self.model_config,
+                config.model,
+                machine,
+                config.kv.block_size,
+                config.requested.seed,
+                fault_hook,
+                threads=threads,
+                interrupt=self._interrupt,
+                grammar=config.requested.grammar,
+            )
 
-        image_tokens = ImageConfig().image_max_tokens if profile_image_tokens is None else profile_image_tokens
-        config, executor = self._start(config, model_dir, machine, load, measure_memory, image_tokens)
+        image_tokens = (
+            ImageConfig().image_max_tokens if profile_image_tokens is None else profile_image_tokens
+        )
+        config, executor = self._start(
+            config, model_dir, machine, load, measure_memory, image_tokens
+        )
         self.executor: Executor = executor
         self.resolved: ResolvedEngineConfig = config  # what it runs with: GET /v1/engine/config
         self.config: EngineConfig = config.requested
         self.observer: StatsObserver = observer or NullObserver()
         self.tokenizer = tokenizer
-        # asked by the runner between interruptible encoder units: is a short request on its way to add_request?
-        # (set by the serving side, AsyncEngine; None: never)
+        # asked by the runner between interruptible encoder units: is a short request on its way to
+        # add_request? (set by the serving side, AsyncEngine; None: never)
         self.short_request_pending: Callable[[], bool] | None = None
         self.capacity = config.kv
         log.info(config.describe())  # the one start-up block: every choice the engine runs with
-        self.cost_model = CostModel()  # prices every step (fitted at calibrate, learning from each step after)
+        # prices every step (fitted at calibrate, learning from each step after)
+        self.cost_model = CostModel()
         self.scheduler = self._new_scheduler()
         self.requests: dict[str, Request] = {}
         self._detok: dict[str, IncrementalDetokenizer] = {}
-        self._prompt_logprobs: dict[str, list[TokenLogprob]] = {}  # scored so far, until the first token's output
+        # scored so far, until the first token's output
+        self._prompt_logprobs: dict[str, list[TokenLogprob]] = {}
         self._arrivals = 0
-        self.num_images_encoded = 0  # images the vision tower ran for (cache misses that were computed)
+        # images the vision tower ran for (cache misses that were computed)
+        self.num_images_encoded = 0
         self._busy_s = 0.0  # seconds spent inside step(), since start
         self._num_steps = 0  # steps with work, since start (or calibration)
-        self._ending: list[tuple[Request, FinishReason]] | None = None  # while a step runs: what it ended
+        # while a step runs: what it ended
+        self._ending: list[tuple[Request, FinishReason]] | None = None
 
     def _start(self, config: ResolvedEngineConfig, model_dir: str | Path, machine: Machine,
                load: Callable[[], InProcessExecutor], measure: MeasureDeviceMemory | None,
                image_tokens: int) -> tuple[ResolvedEngineConfig, InProcessExecutor]:
-        """Start-up's order (vLLM's): load the weights; where the device sizes the KV pool (cuda without
-        --kv-cache-memory), one profiling forward at the largest step the budgets allow (runner/profile.py), the
-        device's memory measured around both, and the configuration resolved again with those facts (a one-line
-        DeviceMemoryTooSmall when they leave no pool); then the KV pool of the resolved blocks, and the decode
-        graphs captured over it (--cuda-graphs). On the CPU: load, allocate, nothing else."""
+        """Start-up's order (vLLM's): load the weights; where the device sizes the KV pool (cuda
+        without --kv-cache-memory), one profiling forward at the largest step the budgets allow
+        (runner/profile.py), the device's memory measured around both, and the configuration
+        resolved again with those facts (a one-line DeviceMemoryTooSmall when they leave no pool);
+        then the KV pool of the resolved blocks, and the decode graphs captured over it
+        (--cuda-graphs). On the CPU: load, allocate, nothing else."""
         if not config.needs_device_memory:
             executor = load()
         else:
@@ -117,13 +141,16 @@ class LLMEngine:
             executor = loaded[0]
             config = resolve_engine_config(config.requested, model_dir, machine, self.model_config,
                                            device_memory=facts)
-        executor.allocate_kv_cache(config.kv.num_blocks, config.cuda_graph_sizes, config.kv.max_model_len)
+        executor.allocate_kv_cache(
+            config.kv.num_blocks, config.cuda_graph_sizes, config.kv.max_model_len
+        )
         return config, executor
 
     def calibrate(self) -> None:
-        """Fit the step-cost model on a few synthetic requests before serving (engine/calibration.py). They run on a
-        scheduler of their own, sharing the cost model, dropped after: the serving one, the engine's counts and
-        every cache an operator sees are a fresh engine's. Only before the first request."""
+        """Fit the step-cost model on a few synthetic requests before serving
+        (engine/calibration.py). They run on a scheduler of their own, sharing the cost model,
+        dropped after: the serving one, the engine's counts and every cache an operator sees are a
+        fresh engine's. Only before the first request."""
         from firsttoken.engine.calibration import calibrate
 
         if self.requests:
@@ -136,11 +163,18 @@ class LLMEngine:
             self.num_images_encoded = self._num_steps = 0
 
     def _new_scheduler(self, calibrating: bool = False) -> Scheduler:
-        """``calibrating``: a scratch one for calibrate: token budgets only, and no image output kept once its
-        request's prefill has passed it (its runner state is all released before serving starts)."""
-        return Scheduler(self.config.scheduler, self.config.cache, self.capacity.num_blocks,
-                         self.capacity.max_model_len, 0 if calibrating else self.resolved.encoder_cache_tokens,
-                         self.cost_model, calibrating=calibrating)
+        """``calibrating``: a scratch one for calibrate: token budgets only, and no image output
+        kept once its request's prefill has passed it (its runner state is all released before
+        serving starts)."""
+        return Scheduler(
+            self.config.scheduler,
+            self.config.cache,
+            self.capacity.num_blocks,
+            self.capacity.max_model_len,
+            0 if calibrating else self.resolved.encoder_cache_tokens,
+            self.cost_model,
+            calibrating=calibrating,
+        )
 
     def _interrupt(self) -> bool:
         pending = self.short_request_pending
@@ -150,10 +184,12 @@ class LLMEngine:
     def max_model_len(self) -> int:
         return self.capacity.max_model_len
 
-    # ---- requests ------------------------------------------------------------------------------------
-    def check_admission(self, work: PromptWork, pending: tuple[PromptWork, ...] = ()) -> AdmissionVerdict:
-        """May a prompt like ``work`` queue now, behind ``pending`` (admitted, still preprocessing), and when is its
-        first token due (scheduler/admission.py)? Any thread may ask."""
+    # ---- requests --------------------------------------------------------------------------------
+    def check_admission(
+        self, work: PromptWork, pending: tuple[PromptWork, ...] = ()
+    ) -> AdmissionVerdict:
+        """May a prompt like ``work`` queue now, behind ``pending`` (admitted, still preprocessing),
+        and when is its first token due (scheduler/admission.py)? Any thread may ask."""
         return self.scheduler.check_admission(work, len(pending), pending)
 
     def add_request(self, request: EngineRequest) -> None:
@@ -162,8 +198,11 @@ class LLMEngine:
         verdict = self.check_admission(PromptWork.of(request.num_prompt_tokens, request.images))
         if not verdict.admitted and verdict.reason == "never_fits":
             raise ValueError(verdict.message)
-        detok = IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids, request.sampling.stop)
-        req = Request(request, self._arrivals)  # everything that can fail is built before anything is registered
+        detok = IncrementalDetokenizer(
+            self.tokenizer, request.prompt_token_ids, request.sampling.stop
+        )
+        # everything that can fail is built before anything is registered
+        req = Request(request, self._arrivals)
         req.busy_mark_s, req.steps_mark = self._busy_s, self._num_steps
         self._arrivals += 1
         self.requests[request.request_id] = req
@@ -178,22 +217,28 @@ class LLMEngine:
         return True
 
     def has_unfinished(self) -> bool:
-        """Work to run, or runner state (finished requests, encoder outputs) the next step releases."""
+        """Work to run, or runner state (finished requests, encoder outputs) the next step
+        releases."""
         return self.scheduler.needs_step
 
-    # ---- the loop ------------------------------------------------------------------------------------
-    def step(self, deliver: Callable[[list[RequestOutput]], None] | None = None) -> list[RequestOutput]:
-        """schedule -> execute -> update. The step's wall time (all three) and the work it held train the
-        scheduler's cost model, which prices the next steps. With ``deliver``, the step's outputs go to it as soon
-        as its tokens are sampled, before the encoder work the runner left for after them (interruptible long-lane
-        units: no chunk of this step needs them); what comes after (failures of that work) is returned."""
+    # ---- the loop --------------------------------------------------------------------------------
+    def step(
+        self, deliver: Callable[[list[RequestOutput]], None] | None = None
+    ) -> list[RequestOutput]:
+        """schedule -> execute -> update. The step's wall time (all three) and the work it held
+        train the scheduler's cost model, which prices the next steps. With ``deliver``, the step's
+        outputs go to it as soon as its tokens are sampled, before the encoder work the runner left
+        for after them (interruptible long-lane units: no chunk of this step needs them); what comes
+        after (failures of that work) is returned."""
         step_start = time.monotonic()
         try:
             return self._step(step_start, deliver)
         finally:
             self._busy_s += time.monotonic() - step_start
 
-    def _step(self, step_start: float, deliver: Callable[[list[RequestOutput]], None] | None) -> list[RequestOutput]:
+    def _step(
+        self, step_start: float, deliver: Callable[[list[RequestOutput]], None] | None
+    ) -> list[RequestOutput]:
         expired = self._expire()
         batch = self.scheduler.schedule()
         if batch.is_empty:
@@ -210,7 +255,8 @@ class LLMEngine:
     def _run(self, batch: ScheduledBatch, step_start: float,
              deliver: Callable[[list[RequestOutput]], None] | None) -> list[RequestOutput]:
         try:
-            result = self.executor.execute(batch)  # reports per-request failures; raises only on an engine bug
+            # reports per-request failures; raises only on an engine bug
+            result = self.executor.execute(batch)
         except Exception:
             return self._fail_batch(batch)
         outputs = self._update(batch, result, step_start)
@@ -231,9 +277,12 @@ class LLMEngine:
             self._account(batch, result, report.duration_s)
         return outputs
 
-    def _close_step(self, batch: ScheduledBatch, result: RunnerOutput, started_s: float | None) -> StepReport | None:
-        """The scheduler follows the step's whole output and finishes what the step ended (``_finish`` defers the
-        scheduler's part to here while a step runs, so the chunks those requests ran are followed first)."""
+    def _close_step(
+        self, batch: ScheduledBatch, result: RunnerOutput, started_s: float | None
+    ) -> StepReport | None:
+        """The scheduler follows the step's whole output and finishes what the step ended
+        (``_finish`` defers the scheduler's part to here while a step runs, so the chunks those
+        requests ran are followed first)."""
         ending, self._ending = self._ending, None
         return self.scheduler.update(batch, result, ending or (), started_s)
 
@@ -246,17 +295,23 @@ class LLMEngine:
                 req.own_steps_s += duration_s
                 req.own_forward_s += result.forward_s if rid in with_chunk else 0.0
 
-    def _fail_batch(self, batch: ScheduledBatch, done: RunnerOutput | None = None) -> list[RequestOutput]:
-        """Last resort when the runner itself broke: fail the batch's requests (``done``: what it reported before
-        breaking, whose tokens went out), forget the step's encoder work (the runner restarts an image from its pixels
-        when asked for layer 0 again), keep serving."""
+    def _fail_batch(
+        self, batch: ScheduledBatch, done: RunnerOutput | None = None
+    ) -> list[RequestOutput]:
+        """Last resort when the runner itself broke: fail the batch's requests (``done``: what it
+        reported before breaking, whose tokens went out), forget the step's encoder work (the runner
+        restarts an image from its pixels when asked for layer 0 again), keep serving."""
         involved = {rid: self.requests[rid] for rid in [c.request_id for c in batch.chunks] +
                     [w.request_id for w in batch.encoder_work] if rid in self.requests}
         message = "internal error while running this request"
         log.exception("engine step failed; failing the %d requests in it", len(involved))
         outputs = [self._fail(r, message) for r in involved.values()]
-        failed = RunnerOutput({}, {}, dict.fromkeys(involved, message),
-                              discarded_encoder_hashes=frozenset(w.content_hash for w in batch.encoder_work))
+        failed = RunnerOutput(
+            {},
+            {},
+            dict.fromkeys(involved, message),
+            discarded_encoder_hashes=frozenset(w.content_hash for w in batch.encoder_work),
+        )
         self._close_step(batch, done.merged(failed) if done is not None else failed, None)
         return outputs
 
@@ -266,10 +321,18 @@ class LLMEngine:
             return []
         now = time.monotonic()
         late = [r for r in self.requests.values() if now - r.engine_request.arrival_s > timeout]
-        return [self._fail(r, f"the request did not finish within the server's {timeout:g} s request timeout",
-                           status=504) for r in late]
+        return [
+            self._fail(
+                r,
+                f"the request did not finish within the server's {timeout:g} s request timeout",
+                status=504,
+            )
+            for r in late
+        ]
 
-    def _observe_step(self, batch: ScheduledBatch, result: RunnerOutput, step_start: float, report: StepReport) -> None:
+    def _observe_step(
+        self, batch: ScheduledBatch, result: RunnerOutput, step_start: float, report: StepReport
+    ) -> None:
         self.observer.on_step(
             StepStats(
                 step=report.step,
@@ -295,31 +358,49 @@ class LLMEngine:
         for rid, message in result.failed.items():
             if rid in self.requests:
                 outputs.append(self._fail(self.requests[rid], message))
-        for rid, message in result.constraint_failed.items():  # its own grammar's doing: the request was bad
+        # its own grammar's doing: the request was bad
+        for rid, message in result.constraint_failed.items():
             if rid in self.requests:
                 outputs.append(self._fail(self.requests[rid], message, status=400))
         for rid, seconds in result.encoder_s.items():
             if rid in self.requests:
                 self.requests[rid].count("encoder_s", seconds)
-                self.requests[rid].count("num_images_encoded", result.num_images_encoded.get(rid, 0))
-        shared = len({c.request_id for c in batch.chunks} | {w.request_id for w in batch.encoder_work}) > 1
+                self.requests[rid].count(
+                    "num_images_encoded", result.num_images_encoded.get(rid, 0)
+                )
+        shared = (
+            len({c.request_id for c in batch.chunks} | {w.request_id for w in batch.encoder_work})
+            > 1
+        )
         self.num_images_encoded += sum(result.num_images_encoded.values())
         for chunk in batch.chunks if chunks else ():
             req = self.requests.get(chunk.request_id)
-            if req is None or req.request_id in result.failed or req.request_id in result.skipped_request_ids:
+            if (
+                req is None
+                or req.request_id in result.failed
+                or req.request_id in result.skipped_request_ids
+            ):
                 continue
             self._note_timing(req, chunk, result, step_start, shared)
             scored = result.prompt_logprobs.get(req.request_id)
-            if scored is not None and not req.output_token_ids:  # (after the first token, a recompute is not news)
+            # (after the first token, a recompute is not news)
+            if scored is not None and not req.output_token_ids:
                 kept = self._prompt_logprobs.setdefault(req.request_id, [])
                 del kept[chunk.context_len :]  # a recompute from the start (preempted) scores again
                 kept.extend(scored)
             if req.request_id in result.sampled:
-                outputs.append(self._append_token(req, result.sampled[req.request_id], result, step_start))
+                outputs.append(
+                    self._append_token(req, result.sampled[req.request_id], result, step_start)
+                )
         return outputs
 
     def _note_timing(
-        self, req: Request, chunk: ScheduledChunk, result: RunnerOutput, step_start: float, shared: bool
+        self,
+        req: Request,
+        chunk: ScheduledChunk,
+        result: RunnerOutput,
+        step_start: float,
+        shared: bool,
     ) -> None:
         if not chunk.is_decode:
             req.count("num_prefill_steps")
@@ -330,9 +411,15 @@ class LLMEngine:
         if chunk.end >= req.num_prompt_tokens:
             req.stamp("prefill_done_s", result.forward_done_s)
 
-    def _append_token(self, req: Request, token_id: int, result: RunnerOutput, step_start: float) -> RequestOutput:
+    def _append_token(
+        self, req: Request, token_id: int, result: RunnerOutput, step_start: float
+    ) -> RequestOutput:
         req.output_token_ids.append(token_id)
-        scored = self._prompt_logprobs.pop(req.request_id, None) if len(req.output_token_ids) == 1 else None
+        scored = (
+            self._prompt_logprobs.pop(req.request_id, None)
+            if len(req.output_token_ids) == 1
+            else None
+        )
         if req.stats.first_token_s is None:
             self._account_first_token(req, result, step_start)
         req.stamp("first_token_s", result.sample_done_s)
@@ -366,8 +453,9 @@ class LLMEngine:
         )
 
     def _account_first_token(self, req: Request, result: RunnerOutput, step_start: float) -> None:
-        """Where the engine's time went from the request's arrival here to this first token (the step in flight
-        counts up to its sampling): its encoder work, its forwards, the rest of its steps, others' steps, idle."""
+        """Where the engine's time went from the request's arrival here to this first token (the
+        step in flight counts up to its sampling): its encoder work, its forwards, the rest of its
+        steps, others' steps, idle."""
         own_s = req.own_steps_s + (result.sample_done_s - step_start)
         forward_s = req.own_forward_s + result.forward_s
         busy_before_s = self._busy_s - req.busy_mark_s  # steps completed since it arrived
@@ -416,12 +504,20 @@ class LLMEngine:
                 num_videos=count_videos(er.images),
                 num_output_tokens=len(req.output_token_ids),
                 lane=req.lane,
-                timings=Timeline(er.arrival_s, er.preprocessed_s, engine=req.stats,
-                                 predicted_ttft_s=er.predicted_ttft_s, image_budget_note=er.image_budget_note).to_dict(),
+                timings=Timeline(
+                    er.arrival_s,
+                    er.preprocessed_s,
+                    engine=req.stats,
+                    predicted_ttft_s=er.predicted_ttft_s,
+                    image_budget_note=er.image_budget_note,
+                ).to_dict(),
             )
         )
 
-    # ---- observability -------------------------------------------------------------------------------
+    # ---- observability ---------------------------------------------------------------------------
     def stats(self) -> EngineStats:
-        return replace(self.scheduler.stats(), encoder_cache_bytes=self.executor.encoder_cache_bytes,
-                       num_images_encoded=self.num_images_encoded)
+        return replace(
+            self.scheduler.stats(),
+            encoder_cache_bytes=self.executor.encoder_cache_bytes,
+            num_images_encoded=self.num_images_encoded,
+        )

@@ -1,11 +1,13 @@
-"""The one resolve step: the flags (``EngineConfig``), the checkpoint and the machine -> what the engine runs with.
+"""The one resolve step: the flags (``EngineConfig``), the checkpoint and the machine -> what the
+engine runs with.
 
-``resolve_engine_config`` settles, once: the device (``--device auto``: cuda where the ``Machine`` value has a
-CUDA device), the model's dtype, quantization, kernels and decode layers
-(loading/plan.py's ``plan_model``, the only code that decides ``auto``), torch's threads, the KV pool's blocks and
-context length, the encoder cache's size in tokens, and the decode batch sizes captured as CUDA graphs. The engine
-is built from the ``ResolvedEngineConfig``, logs ``describe()`` once at start-up as one block, and
-``GET /v1/engine/config`` reports ``as_dict()``; nothing downstream derives any of it again.
+``resolve_engine_config`` settles, once: the device (``--device auto``: cuda where the ``Machine``
+value has a CUDA device), the model's dtype, quantization, kernels and decode layers
+(loading/plan.py's ``plan_model``, the only code that decides ``auto``), torch's threads, the KV
+pool's blocks and context length, the encoder cache's size in tokens, and the decode batch sizes
+captured as CUDA graphs. The engine is built from the ``ResolvedEngineConfig``, logs ``describe()``
+once at start-up as one block, and ``GET /v1/engine/config`` reports ``as_dict()``; nothing
+downstream derives any of it again.
 """
 
 from __future__ import annotations
@@ -60,16 +62,19 @@ class KVCapacity:
 
 
 def activation_device(config: EngineConfig, cuda: CudaFacts | None = None) -> str:
-    """The device these flags resolve to on this machine (``plan_model``'s answer), for a check before the model
-    loads. ValueError for --device cuda where there is none."""
+    """The device these flags resolve to on this machine (``plan_model``'s answer), for a check
+    before the model loads. ValueError for --device cuda where there is none."""
     device, _ = resolve_device(config.device, cuda or CudaFacts.detect())
     return device
 
 
-def activation_dtype(config: EngineConfig, cpu: CpuFeatures | None = None, cuda: CudaFacts | None = None) -> str:
-    """The model's activations' dtype, and so the KV cache's, that these flags resolve to on this machine's CPU
-    and CUDA device (the same answer ``plan_model`` gives: it does not depend on the checkpoint), for a check before
-    the model loads. ValueError for --device cuda where there is none."""
+def activation_dtype(
+    config: EngineConfig, cpu: CpuFeatures | None = None, cuda: CudaFacts | None = None
+) -> str:
+    """The model's activations' dtype, and so the KV cache's, that these flags resolve to on this
+    machine's CPU and CUDA device (the same answer ``plan_model`` gives: it does not depend on the
+    checkpoint), for a check before the model loads. ValueError for --device cuda where there is
+    none."""
     device, _ = resolve_device(config.device, cuda or CudaFacts.detect())
     name, _ = resolve_dtype(config.dtype, config.quantization, cpu or CpuFeatures.detect(), device)
     return name
@@ -82,10 +87,13 @@ def kv_dtype_bytes(config: EngineConfig, cpu: CpuFeatures | None = None) -> int:
 
 def plan_kv_capacity(model: ModelConfig, config: EngineConfig, dtype_bytes: int | None = None,
                      num_blocks: int | None = None) -> KVCapacity:
-    """The KV pool of ``config.cache`` for this architecture; ``dtype_bytes``: the cache's element size (default:
-    what these flags resolve to on this machine); ``num_blocks``: the pool's blocks when they were sized from the
-    device (``kv_blocks_from_device``), else ``--kv-cache-memory``'s bytes (1GiB when not given) decide."""
-    per_token = model.kv_bytes_per_token(kv_dtype_bytes(config) if dtype_bytes is None else dtype_bytes)
+    """The KV pool of ``config.cache`` for this architecture; ``dtype_bytes``: the cache's element
+    size (default: what these flags resolve to on this machine); ``num_blocks``: the pool's blocks
+    when they were sized from the device (``kv_blocks_from_device``), else ``--kv-cache-memory``'s
+    bytes (1GiB when not given) decide."""
+    per_token = model.kv_bytes_per_token(
+        kv_dtype_bytes(config) if dtype_bytes is None else dtype_bytes
+    )
     block_size = config.cache.block_size
     if num_blocks is None:
         num_blocks = config.cache.kv_pool_bytes // (per_token * block_size)
@@ -98,27 +106,42 @@ def plan_kv_capacity(model: ModelConfig, config: EngineConfig, dtype_bytes: int 
                 f"max_model_len {config.scheduler.max_model_len} exceeds what the model and KV pool allow ({max_len})"
             )
         max_len = config.scheduler.max_model_len
-    return KVCapacity(num_blocks, block_size, per_token, max_len, config.scheduler.decode_reserve_tokens)
+    return KVCapacity(
+        num_blocks, block_size, per_token, max_len, config.scheduler.decode_reserve_tokens
+    )
 
 
-def kv_blocks_from_device(model: ModelConfig, config: EngineConfig, dtype_bytes: int, device: DeviceMemory) -> int:
-    """The KV pool's blocks on a CUDA device where --kv-cache-memory is not given: device_memory.py's
-    ``kv_pool_from_device`` (the function ``firsttoken plan --memory`` calls too) with --gpu-memory-utilization,
-    the measured (or, in tests, injected) ``device`` facts and the encoder cache's bytes. A pool that cannot hold one
-    request of --max-model-len tokens (when given; else the context is capped by the pool, as on the CPU) is a
-    DeviceMemoryTooSmall (a ValueError), one line."""
+def kv_blocks_from_device(
+    model: ModelConfig, config: EngineConfig, dtype_bytes: int, device: DeviceMemory
+) -> int:
+    """The KV pool's blocks on a CUDA device where --kv-cache-memory is not given:
+    device_memory.py's ``kv_pool_from_device`` (the function ``firsttoken plan --memory`` calls too)
+    with --gpu-memory-utilization, the measured (or, in tests, injected) ``device`` facts and the
+    encoder cache's bytes. A pool that cannot hold one request of --max-model-len tokens (when
+    given; else the context is capped by the pool, as on the CPU) is a DeviceMemoryTooSmall (a
+    ValueError), one line."""
     cache = config.cache
     encoder = cache.encoder_cache_memory_bytes if cache.enable_encoder_cache else 0
     max_len = config.scheduler.max_model_len
     min_blocks = -(-max_len // cache.block_size) if max_len is not None else 1
-    return kv_pool_from_device(device.total_bytes, cache.gpu_memory_utilization, device.in_use_after_load_bytes,
-                               device.profile_peak_bytes, encoder, model.kv_bytes_per_token(dtype_bytes),
-                               cache.block_size, min_blocks).num_blocks
+    return kv_pool_from_device(
+        device.total_bytes,
+        cache.gpu_memory_utilization,
+        device.in_use_after_load_bytes,
+        device.profile_peak_bytes,
+        encoder,
+        model.kv_bytes_per_token(dtype_bytes),
+        cache.block_size,
+        min_blocks,
+    ).num_blocks
 
 
-def resolve_cuda_graphs(config: EngineConfig, device: str, attention_backend: str) -> tuple[tuple[int, ...], str]:
-    """--cuda-graphs: the decode batch sizes captured (empty: off) and why. auto is on for cuda with the Triton
-    backend, whose decode reads lengths and block tables from device tensors at a fixed grid."""
+def resolve_cuda_graphs(
+    config: EngineConfig, device: str, attention_backend: str
+) -> tuple[tuple[int, ...], str]:
+    """--cuda-graphs: the decode batch sizes captured (empty: off) and why. auto is on for cuda with
+    the Triton backend, whose decode reads lengths and block tables from device tensors at a fixed
+    grid."""
     if config.cuda_graphs == "off":
         return (), "--cuda-graphs off"
     if device != "cuda":
@@ -131,28 +154,35 @@ def resolve_cuda_graphs(config: EngineConfig, device: str, attention_backend: st
 
 @dataclass(frozen=True)
 class ResolvedEngineConfig:
-    """``EngineConfig`` with everything it leaves to ``auto`` or a default settled for this checkpoint here."""
+    """``EngineConfig`` with everything it leaves to ``auto`` or a default settled for this
+    checkpoint here."""
 
     requested: EngineConfig  # the flags as given
     model: ModelPlan  # dtype, quantization, kernels, decode layers, each with why
     cpu: str  # the CPU features the choices read (CpuFeatures.summary)
-    num_threads: int  # torch's intra-op threads for prefill and vision steps (and the kernels' own workers)
-    decode_threads: int  # torch's threads in steps that only decode (runner/model_runner.py's ThreadPlan)
+    # torch's intra-op threads for prefill and vision steps (and the kernels' own workers)
+    num_threads: int
+    # torch's threads in steps that only decode (runner/model_runner.py's ThreadPlan)
+    decode_threads: int
     kv: KVCapacity
     encoder_cache_tokens: int  # visual tokens' embeddings the encoder cache holds (0: off)
-    cuda_graph_sizes: tuple[int, ...] = ()  # decode batch sizes captured as CUDA graphs (empty: every step eager)
+    # decode batch sizes captured as CUDA graphs (empty: every step eager)
+    cuda_graph_sizes: tuple[int, ...] = ()
     cuda_graphs_why: str = "off"
-    device_memory: DeviceMemory | None = None  # the device's facts the KV pool was sized from (cuda), else None
+    # the device's facts the KV pool was sized from (cuda), else None
+    device_memory: DeviceMemory | None = None
 
     @property
     def sizes_kv_from_device(self) -> bool:
-        """The KV pool is what --gpu-memory-utilization of the device leaves (cuda, --kv-cache-memory not given)."""
+        """The KV pool is what --gpu-memory-utilization of the device leaves (cuda,
+        --kv-cache-memory not given)."""
         return self.model.device == "cuda" and self.requested.cache.kv_cache_memory_bytes is None
 
     @property
     def needs_device_memory(self) -> bool:
-        """The pool is to be sized from the device and has not been: ``kv`` is provisional (1GiB, its context not
-        checked against --max-model-len) until start-up resolves again with the measured facts (engine.py)."""
+        """The pool is to be sized from the device and has not been: ``kv`` is provisional (1GiB,
+        its context not checked against --max-model-len) until start-up resolves again with the
+        measured facts (engine.py)."""
         return self.sizes_kv_from_device and self.device_memory is None
 
     def describe(self) -> str:
@@ -184,34 +214,68 @@ class ResolvedEngineConfig:
         return out
 
 
-def resolve_engine_config(config: EngineConfig, model_dir: str | Path, machine: Machine | None = None,
-                          model_config: ModelConfig | None = None,
-                          device_memory: DeviceMemory | None = None) -> ResolvedEngineConfig:
-    """What an engine over ``model_dir`` runs with, on ``machine`` (default: this one). ValueError names what
-    cannot run (a KV pool smaller than one block, fp16 without FBGEMM, ...).
+def resolve_engine_config(
+    config: EngineConfig,
+    model_dir: str | Path,
+    machine: Machine | None = None,
+    model_config: ModelConfig | None = None,
+    device_memory: DeviceMemory | None = None,
+) -> ResolvedEngineConfig:
+    """What an engine over ``model_dir`` runs with, on ``machine`` (default: this one). ValueError
+    names what cannot run (a KV pool smaller than one block, fp16 without FBGEMM, ...).
 
-    The KV pool: ``--kv-cache-memory`` when given; else on cuda what --gpu-memory-utilization of the device leaves
-    (``kv_blocks_from_device``) by ``device_memory``, the facts ``device_memory.measure_device_memory`` measures
-    after loading the weights and one profiling forward (tests inject them); else 1GiB (the CPU, and cuda until the
-    start-up measures the device: ``needs_device_memory``; the engine does, after loading the weights, and resolves
-    again with the facts). Nothing measures the device inside this step."""
+    The KV pool: ``--kv-cache-memory`` when given; else on cuda what --gpu-memory-utilization of the
+    device leaves (``kv_blocks_from_device``) by ``device_memory``, the facts
+    ``device_memory.measure_device_memory`` measures after loading the weights and one profiling
+    forward (tests inject them); else 1GiB (the CPU, and cuda until the start-up measures the
+    device: ``needs_device_memory``; the engine does, after loading the weights, and resolves again
+    with the facts). Nothing measures the device inside this step."""
     machine = machine or Machine.for_flags(config.cpu_kernels, config.device)
     model_config = model_config or load_model_config(model_dir)
     threads = ThreadPlan(config.num_threads, config.decode_threads)
-    plan = plan_model(model_dir, config.dtype, config.quantization, config.cpu_kernels, machine, config.device,
-                      config.attention_backend, num_threads=threads.threads, load_format=config.load_format)
-    dtype_bytes = torch.tensor([], dtype=plan.torch_dtype).element_size()  # the KV cache's and the encoder's
+    plan = plan_model(
+        model_dir,
+        config.dtype,
+        config.quantization,
+        config.cpu_kernels,
+        machine,
+        config.device,
+        config.attention_backend,
+        num_threads=threads.threads,
+        load_format=config.load_format,
+    )
+    # the KV cache's and the encoder's
+    dtype_bytes = torch.tensor([], dtype=plan.torch_dtype).element_size()
     num_blocks = None
     from_device = plan.device == "cuda" and config.cache.kv_cache_memory_bytes is None
     if from_device and device_memory is not None:
         num_blocks = kv_blocks_from_device(model_config, config, dtype_bytes, device_memory)
-    provisional = from_device and device_memory is None  # --max-model-len is checked against the measured pool
-    sized = dataclasses.replace(config, scheduler=dataclasses.replace(config.scheduler, max_model_len=None)) \
-        if provisional else config
+    # --max-model-len is checked against the measured pool
+    provisional = from_device and device_memory is None
+    sized = (
+        dataclasses.replace(
+            config, scheduler=dataclasses.replace(config.scheduler, max_model_len=None)
+        )
+        if provisional
+        else config
+    )
     capacity = plan_kv_capacity(model_config, sized, dtype_bytes, num_blocks)
     per_token = family_named(model_config.family).encoder_bytes_per_token(model_config, dtype_bytes)
-    encoder_tokens = config.cache.encoder_cache_memory_bytes // per_token if config.cache.enable_encoder_cache else 0
+    encoder_tokens = (
+        config.cache.encoder_cache_memory_bytes // per_token
+        if config.cache.enable_encoder_cache
+        else 0
+    )
     graph_sizes, graphs_why = resolve_cuda_graphs(config, plan.device, plan.attention_backend)
-    return ResolvedEngineConfig(config, plan, machine.cpu.summary(), threads.threads, threads.decode_threads,
-                                capacity, encoder_tokens, graph_sizes, graphs_why,
-                                device_memory if from_device else None)
+    return ResolvedEngineConfig(
+        config,
+        plan,
+        machine.cpu.summary(),
+        threads.threads,
+        threads.decode_threads,
+        capacity,
+        encoder_tokens,
+        graph_sizes,
+        graphs_why,
+        device_memory if from_device else None,
+    )

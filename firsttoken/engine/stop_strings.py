@@ -1,20 +1,22 @@
-"""Stop strings found in O(new characters) per token, however many there are (an Aho–Corasick automaton).
+"""Stop strings found in O(new characters) per token, however many there are (an Aho–Corasick
+automaton).
 
-The old check ran ``text.find(stop)`` for every stop string, and then compared every suffix of the held-back
-text with every stop string: per token O(number of stops × their length), which let one request with 100,000
-stop strings run for minutes. Here the stop strings become one trie with failure links, built once per request
-in O(total stop characters); then each generated character is one transition.
+The old check ran ``text.find(stop)`` for every stop string, and then compared every suffix of the
+held-back text with every stop string: per token O(number of stops × their length), which let one
+request with 100,000 stop strings run for minutes. Here the stop strings become one trie with
+failure links, built once per request in O(total stop characters); then each generated character is
+one transition.
 
-The state after a character is the node of the longest suffix of all text fed so far that is a prefix of some
-stop string. So:
-- a stop string has just ended when that node (or a node reached by following failure links: a shorter suffix)
-  ends one; ``_ends[node]`` holds the longest stop string ending there, precomputed;
-- the node's depth is exactly how many trailing characters must be held back: they could still grow into a
-  stop string, and nothing before them can.
+The state after a character is the node of the longest suffix of all text fed so far that is a
+prefix of some stop string. So:
+- a stop string has just ended when that node (or a node reached by following failure links: a
+  shorter suffix) ends one; ``_ends[node]`` holds the longest stop string ending there, precomputed;
+- the node's depth is exactly how many trailing characters must be held back: they could still grow
+  into a stop string, and nothing before them can.
 
-Work bound: a transition adds at most one to the depth, and each failure step removes at least one, so the
-failure steps never outnumber the characters fed: ``steps <= 2 x characters``. ``steps`` counts them, so tests
-check the bound by counting, not timing.
+Work bound: a transition adds at most one to the depth, and each failure step removes at least one,
+so the failure steps never outnumber the characters fed: ``steps <= 2 x characters``. ``steps``
+counts them, so tests check the bound by counting, not timing.
 """
 
 from __future__ import annotations
@@ -28,12 +30,15 @@ ROOT = 0
 
 @dataclass(frozen=True)
 class StopHit:
-    end: int  # index just past the stop string's last character, in the text of the ``feed`` call that found it
+    # index just past the stop string's last character, in the text of the ``feed`` call that found
+    # it
+    end: int
     stop: str  # the stop string; when several end at the same character, the longest
 
 
 class StopMatcher:
-    """Feed text in pieces; ``feed`` returns the first stop string that ends inside the new piece."""
+    """Feed text in pieces; ``feed`` returns the first stop string that ends inside the new
+    piece."""
 
     def __init__(self, stops: Sequence[str]) -> None:
         if any(not s for s in stops):
@@ -59,8 +64,9 @@ class StopMatcher:
         self.steps = 0  # transitions and failure steps taken since construction (the work done)
 
     def _link(self) -> tuple[list[int], list[int]]:
-        """Failure links (the node of the longest proper suffix that is also in the trie) and, per node, the
-        longest stop string ending at it: its own, else its failure node's. Breadth-first: O(trie size)."""
+        """Failure links (the node of the longest proper suffix that is also in the trie) and, per
+        node, the longest stop string ending at it: its own, else its failure node's. Breadth-first:
+        O(trie size)."""
         fail = [ROOT] * len(self._next)
         ends = list(self._word)
         queue = deque(self._next[ROOT].values())
@@ -82,8 +88,8 @@ class StopMatcher:
         return self._depth[self._node]
 
     def feed(self, text: str) -> StopHit | None:
-        """Consume ``text``; stop at (and report) the first stop string to end in it. After a hit the matcher
-        must not be fed again (generation is over)."""
+        """Consume ``text``; stop at (and report) the first stop string to end in it. After a hit
+        the matcher must not be fed again (generation is over)."""
         node = self._node
         nxt, fail = self._next, self._fail
         for i, ch in enumerate(text):

@@ -1,18 +1,18 @@
 """Image decode, resize and patchify for Qwen2-VL, on the time-to-first-token path.
 
-Contract: ``preprocess_image`` returns exactly what transformers' ``Qwen2VLImageProcessorPil`` returns for the
-same PIL image and min/max pixels (same resized size, same grid, bit-identical float32 ``pixel_values``),
-several times faster. The reference pipeline is:
+Contract: ``preprocess_image`` returns exactly what transformers' ``Qwen2VLImageProcessorPil``
+returns for the same PIL image and min/max pixels (same resized size, same grid, bit-identical
+float32 ``pixel_values``), several times faster. The reference pipeline is:
 
     convert_to_rgb (alpha composited onto white) -> PIL BICUBIC resize to smart_resize(h, w)
     -> float64 * (1/255) -> float32 -> (x - CLIP mean) / CLIP std in float32 -> patchify (frame duplicated)
 
-We keep PIL's resize (C code, identical pixels), patchify on uint8 (a quarter of the bytes), normalise
-once per frame and broadcast it into the temporal slots; ``_normalize`` is checked against the reference
-arithmetic for all 256 byte values per channel in tests/unit/test_image.py.
+We keep PIL's resize (C code, identical pixels), patchify on uint8 (a quarter of the bytes),
+normalise once per frame and broadcast it into the temporal slots; ``_normalize`` is checked against
+the reference arithmetic for all 256 byte values per channel in tests/unit/test_image.py.
 
-Untrusted bytes go through ``probe_image`` (header only) before any pixel is decoded; every failure becomes
-an ``ImageInputError`` whose message is safe to show a client.
+Untrusted bytes go through ``probe_image`` (header only) before any pixel is decoded; every failure
+becomes an ``ImageInputError`` whose message is safe to show a client.
 """
 
 from __future__ import annotations
@@ -37,10 +37,10 @@ ALLOWED_FORMATS = ("JPEG", "PNG", "WEBP", "GIF", "BMP", "TIFF")
 
 
 class ImageInputError(ValueError):
-    """A client's image was refused. ``str(err)`` is safe to return to the client: it never contains payload
-    bytes, file paths outside what the client sent, or internal details. ``code`` is a stable label for
-    metrics and the API error body; ``param`` the image's request field once the input processor knows which
-    image it was (``messages[0].content[1].image_url``)."""
+    """A client's image was refused. ``str(err)`` is safe to return to the client: it never contains
+    payload bytes, file paths outside what the client sent, or internal details. ``code`` is a
+    stable label for metrics and the API error body; ``param`` the image's request field once the
+    input processor knows which image it was (``messages[0].content[1].image_url``)."""
 
     def __init__(self, code: str, message: str, param: str | None = None) -> None:
         super().__init__(message)
@@ -48,7 +48,7 @@ class ImageInputError(ValueError):
         self.param = param
 
 
-# ---------------------------------------------------------------------------------------------- sizes
+# -------------------------------------------------------------------------------------------- sizes
 
 
 def smart_resize(
@@ -58,9 +58,10 @@ def smart_resize(
     min_pixels: int = DEFAULT_MIN_PIXELS,
     max_pixels: int = DEFAULT_MAX_PIXELS,
 ) -> tuple[int, int]:
-    """(height, width) both multiples of ``factor``, area in [min_pixels, max_pixels] where the aspect ratio
-    allows, aspect ratio kept as closely as possible. Same arithmetic as transformers' Qwen2-VL
-    ``smart_resize`` (including scaling images smaller than one cell *up* to min_pixels)."""
+    """(height, width) both multiples of ``factor``, area in [min_pixels, max_pixels] where the
+    aspect ratio allows, aspect ratio kept as closely as possible. Same arithmetic as transformers'
+    Qwen2-VL ``smart_resize`` (including scaling images smaller than one cell *up* to
+    min_pixels)."""
     if height <= 0 or width <= 0:
         raise ImageInputError("invalid_image", f"image has an empty size ({width}x{height})")
     ratio = max(height, width) / min(height, width)
@@ -83,15 +84,16 @@ def smart_resize(
 
 
 def num_visual_tokens(resized_h: int, resized_w: int, patch: int = 14, merge: int = 2) -> int:
-    """LM tokens for one image of the resized size: (h/patch) x (w/patch) patches, merge x merge per token."""
+    """LM tokens for one image of the resized size: (h/patch) x (w/patch) patches, merge x merge per
+    token."""
     return (resized_h // patch) * (resized_w // patch) // (merge * merge)
 
 
 def pixels_for_tokens(num_tokens: int, pixels_per_token: int = 28) -> int:
-    """The max_pixels that allows ``num_tokens`` visual tokens for an image that smart_resize scales down
-    normally. Not a guarantee for every image: smart_resize clamps each side to at least one cell and scales
-    tiny images *up* to min_pixels, so extreme strips can exceed it; use ``max_pixels_within_tokens`` for a
-    per-image guarantee."""
+    """The max_pixels that allows ``num_tokens`` visual tokens for an image that smart_resize scales
+    down normally. Not a guarantee for every image: smart_resize clamps each side to at least one
+    cell and scales tiny images *up* to min_pixels, so extreme strips can exceed it; use
+    ``max_pixels_within_tokens`` for a per-image guarantee."""
     if num_tokens < 1:
         raise ValueError("num_tokens must be >= 1")
     return num_tokens * pixels_per_token * pixels_per_token
@@ -105,14 +107,17 @@ def max_pixels_within_tokens(
     patch: int = 14,
     merge: int = 2,
 ) -> int:
-    """The largest max_pixels <= pixels_for_tokens(max_tokens) for which smart_resize(height, width, ...)
-    gives at most ``max_tokens`` tokens. Passing it to ``preprocess_image`` keeps the reference's exact
-    output for that max_pixels while guaranteeing the budget. Raises ImageInputError("image_too_large") when
-    no max_pixels can (min_pixels forces more tokens on this image than the budget)."""
+    """The largest max_pixels <= pixels_for_tokens(max_tokens) for which smart_resize(height, width,
+    ...) gives at most ``max_tokens`` tokens. Passing it to ``preprocess_image`` keeps the
+    reference's exact output for that max_pixels while guaranteeing the budget. Raises
+    ImageInputError("image_too_large") when no max_pixels can (min_pixels forces more tokens on this
+    image than the budget)."""
     factor = patch * merge
 
     def tokens(max_pixels: int) -> int:
-        return num_visual_tokens(*smart_resize(height, width, factor, min_pixels, max_pixels), patch, merge)
+        return num_visual_tokens(
+            *smart_resize(height, width, factor, min_pixels, max_pixels), patch, merge
+        )
 
     hi = pixels_for_tokens(max_tokens, factor)
     if tokens(hi) <= max_tokens:
@@ -123,7 +128,8 @@ def max_pixels_within_tokens(
             f"this image needs at least {tokens(1)} visual tokens (at min_pixels={min_pixels}); "
             f"the limit is {max_tokens}",
         )
-    lo = 1  # invariant: tokens(lo) <= max_tokens < tokens(hi); tokens() is non-decreasing in max_pixels
+    # invariant: tokens(lo) <= max_tokens < tokens(hi); tokens() is non-decreasing in max_pixels
+    lo = 1
     while hi - lo > 1:
         mid = (lo + hi) // 2
         if tokens(mid) <= max_tokens:
@@ -133,7 +139,7 @@ def max_pixels_within_tokens(
     return lo
 
 
-# ---------------------------------------------------------------------------------------------- decode
+# ------------------------------------------------------------------------------------------- decode
 
 
 @dataclass(frozen=True)
@@ -144,17 +150,20 @@ class ImageHeader:
 
 
 def _open(data: bytes, max_image_pixels: int) -> Image.Image:
-    """PIL's lazy open: parses the header only. Size is checked here, before any pixel is decoded."""
+    """PIL's lazy open: parses the header only. Size is checked here, before any pixel is
+    decoded."""
     if not data:
         raise ImageInputError("invalid_image", "image data is empty")
     try:
         image = Image.open(io.BytesIO(data), formats=ALLOWED_FORMATS)
     except Image.DecompressionBombError:
-        # PIL's own guard (Image.MAX_IMAGE_PIXELS, process-wide; we leave it as is) fired before ours could.
+        # PIL's own guard (Image.MAX_IMAGE_PIXELS, process-wide; we leave it as is) fired before
+        # ours could.
         raise ImageInputError(
             "image_too_large", f"image declares more pixels than the limit of {max_image_pixels}"
         ) from None
-    except Exception:  # PIL plugins raise many types (OSError, SyntaxError, struct.error, ...) on bad input
+    # PIL plugins raise many types (OSError, SyntaxError, struct.error, ...) on bad input
+    except Exception:
         raise ImageInputError(
             "invalid_image", f"data is not a supported image ({', '.join(ALLOWED_FORMATS)})"
         ) from None
@@ -170,7 +179,8 @@ def _open(data: bytes, max_image_pixels: int) -> Image.Image:
 
 
 def probe_image(data: bytes, max_image_pixels: int) -> ImageHeader:
-    """Read only the header: format and declared size, refusing non-images and oversized declarations."""
+    """Read only the header: format and declared size, refusing non-images and oversized
+    declarations."""
     image = _open(data, max_image_pixels)
     return ImageHeader(width=image.size[0], height=image.size[1], format=str(image.format))
 
@@ -189,7 +199,8 @@ def to_rgb(image: Image.Image) -> Image.Image:
 
 
 def decode_image(data: bytes, max_image_pixels: int) -> Image.Image:
-    """Probe, then decode fully into an RGB image; truncated or corrupt data raises ImageInputError."""
+    """Probe, then decode fully into an RGB image; truncated or corrupt data raises
+    ImageInputError."""
     image = _open(data, max_image_pixels)
     try:
         image.load()
@@ -202,15 +213,16 @@ def decode_image(data: bytes, max_image_pixels: int) -> Image.Image:
         raise ImageInputError("invalid_image", "image data is truncated or corrupt") from None
 
 
-# ---------------------------------------------------------------------------------------------- pixels
+# ------------------------------------------------------------------------------------------- pixels
 
 
 @dataclass(frozen=True)
 class ProcessedImage:
-    """One image ready for the vision tower. ``content_hash`` is filled by the inputs layer (mm_hash) with
-    ``dataclasses.replace`` once computed; preprocessing leaves it None."""
+    """One image ready for the vision tower. ``content_hash`` is filled by the inputs layer
+    (mm_hash) with ``dataclasses.replace`` once computed; preprocessing leaves it None."""
 
-    pixel_values: torch.Tensor  # [num_patches, in_channels * temporal_patch * patch * patch] float32
+    # [num_patches, in_channels * temporal_patch * patch * patch] float32
+    pixel_values: torch.Tensor
     grid_thw: tuple[int, int, int]  # (temporal, height, width) in patches
     num_tokens: int  # LM placeholder tokens = t * h * w // merge**2
     original_size: tuple[int, int]  # (width, height) as decoded
@@ -220,12 +232,14 @@ class ProcessedImage:
 
 def _normalize(patches: np.ndarray, mean: tuple[float, ...] = OPENAI_CLIP_MEAN,
                std: tuple[float, ...] = OPENAI_CLIP_STD) -> np.ndarray:
-    """(patches / 255 - mean) / std in float32, channel on axis 1: [n, 3, k] uint8 -> [n, 3, k] float32.
+    """(patches / 255 - mean) / std in float32, channel on axis 1: [n, 3, k] uint8 -> [n, 3, k]
+    float32.
 
     The reference computes float32(float64(x) * (1/255)) then float32 subtract and divide. For bytes
-    float32(x) / 255 rounds to the same float32 (all 256 values checked in tests), so this is bit-identical
-    without a float64 round trip. NumPy on purpose: single-threaded, so it does not stall when the model's
-    torch threads hold the cores (torch's OpenMP ops stall badly under such contention)."""
+    float32(x) / 255 rounds to the same float32 (all 256 values checked in tests), so this is
+    bit-identical without a float64 round trip. NumPy on purpose: single-threaded, so it does not
+    stall when the model's torch threads hold the cores (torch's OpenMP ops stall badly under such
+    contention)."""
     out = patches.astype(np.float32)
     out /= np.float32(255)
     out -= np.array(mean, dtype=np.float32).reshape(1, -1, 1)
@@ -236,22 +250,27 @@ def _normalize(patches: np.ndarray, mean: tuple[float, ...] = OPENAI_CLIP_MEAN,
 def preprocess_image(
     image: Image.Image, proc: ImageProcessorConfig, min_pixels: int, max_pixels: int
 ) -> ProcessedImage:
-    """Resize and patchify one image exactly like Qwen2VLImageProcessorPil(min_pixels, max_pixels) configured as
-    ``proc`` (patch size, merge size, mean and std: 14 px and CLIP's for Qwen2/2.5-VL, 16 px and 0.5 for Qwen3-VL)."""
+    """Resize and patchify one image exactly like Qwen2VLImageProcessorPil(min_pixels, max_pixels)
+    configured as ``proc`` (patch size, merge size, mean and std: 14 px and CLIP's for Qwen2/2.5-VL,
+    16 px and 0.5 for Qwen3-VL)."""
     p, m, t, c = proc.patch_size, proc.merge_size, proc.temporal_patch_size, 3
     rgb = to_rgb(image)
     width, height = rgb.size
-    resized_h, resized_w = smart_resize(height, width, proc.pixels_per_token, min_pixels, max_pixels)
+    resized_h, resized_w = smart_resize(
+        height, width, proc.pixels_per_token, min_pixels, max_pixels
+    )
     resized = rgb.resize((resized_w, resized_h), Image.Resampling.BICUBIC)
     pixels = np.asarray(resized)  # [resized_h, resized_w, 3] uint8
     grid_h, grid_w = resized_h // p, resized_w // p
     num_patches = grid_h * grid_w
-    # Patch order: merge windows row-major, then the m x m patches inside a window, then (channel, row, col).
+    # Patch order: merge windows row-major, then the m x m patches inside a window, then (channel,
+    # row, col).
     windows = pixels.reshape(grid_h // m, m, p, grid_w // m, m, p, c).transpose(0, 3, 1, 4, 6, 2, 5)
     patches = np.ascontiguousarray(windows).reshape(num_patches, c, p * p)  # uint8
     frame = _normalize(patches, proc.image_mean, proc.image_std)  # [num_patches, c, p*p] float32
     out = np.empty((num_patches, c, t, p * p), dtype=np.float32)
-    out[...] = frame[:, :, None, :]  # a still image is the same frame repeated temporal_patch_size times
+    # a still image is the same frame repeated temporal_patch_size times
+    out[...] = frame[:, :, None, :]
     return ProcessedImage(
         pixel_values=torch.from_numpy(out.reshape(num_patches, c * t * p * p)),
         grid_thw=(1, grid_h, grid_w),

@@ -1,18 +1,21 @@
-"""Turn an OpenAI ``image_url`` (or vLLM's ``video_url``) string into media bytes, without trusting it.
+"""Turn an OpenAI ``image_url`` (or vLLM's ``video_url``) string into media bytes, without trusting
+it.
 
-Accepted: ``data:image/<type>;base64,<payload>`` (strict base64); local paths / ``file://`` URLs only when the
-server has an allowed media directory and the path, after following symlinks, lies inside it; ``http(s)`` URLs
-only when the server names their host in ``RemoteMedia.allowed_domains`` (off by default).
+Accepted: ``data:image/<type>;base64,<payload>`` (strict base64); local paths / ``file://`` URLs
+only when the server has an allowed media directory and the path, after following symlinks, lies
+inside it; ``http(s)`` URLs only when the server names their host in ``RemoteMedia.allowed_domains``
+(off by default).
 
-Remote fetches (SSRF rules): the host must be on the allow-list; every address it resolves to must be public
-(never loopback, private, link-local, cloud metadata, unspecified, multicast or reserved); the connection goes to
-the checked address itself (the ``Fetcher`` contract), so a second DNS answer cannot swap it (rebinding);
-redirects are followed by hand, at most ``max_redirects``, each hop checked again from scratch; the body is capped
-at ``max_image_bytes`` while it streams; one deadline (``timeout_s``) covers every hop.
+Remote fetches (SSRF rules): the host must be on the allow-list; every address it resolves to must
+be public (never loopback, private, link-local, cloud metadata, unspecified, multicast or reserved);
+the connection goes to the checked address itself (the ``Fetcher`` contract), so a second DNS answer
+cannot swap it (rebinding); redirects are followed by hand, at most ``max_redirects``, each hop
+checked again from scratch; the body is capped at ``max_image_bytes`` while it streams; one deadline
+(``timeout_s``) covers every hop.
 
-Size is checked before decoding base64 or reading a file. Errors are ImageInputError (VideoInputError for videos:
-``load_video_bytes``, the same rules with ``data:video/*`` and video words and codes) with messages that never echo
-payload bytes, URLs, or reveal files outside the dir.
+Size is checked before decoding base64 or reading a file. Errors are ImageInputError
+(VideoInputError for videos: ``load_video_bytes``, the same rules with ``data:video/*`` and video
+words and codes) with messages that never echo payload bytes, URLs, or reveal files outside the dir.
 """
 
 from __future__ import annotations
@@ -37,8 +40,8 @@ from firsttoken.inputs.image import ImageInputError
 
 @dataclass(frozen=True)
 class MediaKind:
-    """What is being loaded: the noun in messages, the data-URL media type, the error class and its codes. Images
-    and videos come through the same checks; only the words and the codes differ."""
+    """What is being loaded: the noun in messages, the data-URL media type, the error class and its
+    codes. Images and videos come through the same checks; only the words and the codes differ."""
 
     noun: str  # "image" | "video"
     error: type[ImageInputError]
@@ -53,17 +56,24 @@ IMAGE = MediaKind("image", ImageInputError, "invalid_image", "image_too_large")
 
 
 def load_image_bytes(
-    url: str, allowed_media_dir: Path | None, max_image_bytes: int, remote: RemoteMedia | None = None
+    url: str,
+    allowed_media_dir: Path | None,
+    max_image_bytes: int,
+    remote: RemoteMedia | None = None,
 ) -> bytes:
     """The raw (still encoded) image bytes ``url`` names, at most ``max_image_bytes`` of them."""
     return load_media_bytes(url, allowed_media_dir, max_image_bytes, remote, IMAGE)
 
 
 def load_video_bytes(
-    url: str, allowed_media_dir: Path | None, max_video_bytes: int, remote: RemoteMedia | None = None
+    url: str,
+    allowed_media_dir: Path | None,
+    max_video_bytes: int,
+    remote: RemoteMedia | None = None,
 ) -> bytes:
-    """The raw (still encoded) video bytes ``url`` names, at most ``max_video_bytes`` of them: the same sources and
-    checks as images (data:video/*, the media directory, allow-listed hosts), errors as VideoInputError."""
+    """The raw (still encoded) video bytes ``url`` names, at most ``max_video_bytes`` of them: the
+    same sources and checks as images (data:video/*, the media directory, allow-listed hosts),
+    errors as VideoInputError."""
     from firsttoken.inputs.video import VideoInputError
 
     kind = MediaKind("video", VideoInputError, "invalid_video", "video_too_large")
@@ -71,14 +81,20 @@ def load_video_bytes(
 
 
 def load_media_bytes(
-    url: str, allowed_media_dir: Path | None, max_bytes: int, remote: RemoteMedia | None, kind: MediaKind
+    url: str,
+    allowed_media_dir: Path | None,
+    max_bytes: int,
+    remote: RemoteMedia | None,
+    kind: MediaKind,
 ) -> bytes:
     scheme = url[: url.find(":")].lower() if ":" in url else ""
     if scheme == "data":
         return _load_data_url(url, max_bytes, kind)
     if scheme in ("http", "https"):
         if remote is None or not remote.allowed_domains:
-            raise kind.fail("media_not_allowed", f"remote {kind.noun} URLs are disabled on this server")
+            raise kind.fail(
+                "media_not_allowed", f"remote {kind.noun} URLs are disabled on this server"
+            )
         return _fetch_remote(url, remote, max_bytes, kind)
     if scheme == "file":
         parsed = urlparse(url)
@@ -104,8 +120,12 @@ def _load_data_url(url: str, max_bytes: int, kind: MediaKind = IMAGE) -> bytes:
     params = header[len("data:") :].split(";")
     media_type = params[0].strip().lower()
     if not media_type.startswith(f"{noun}/"):
-        raise kind.fail(kind.invalid, f"data URL must have an {noun}/* media type" if noun == "image"
-                        else f"data URL must have a {noun}/* media type")
+        raise kind.fail(
+            kind.invalid,
+            f"data URL must have an {noun}/* media type"
+            if noun == "image"
+            else f"data URL must have a {noun}/* media type",
+        )
     if "base64" not in (p.strip().lower() for p in params[1:]):
         raise kind.fail(kind.invalid, f"{noun} data URLs must be base64-encoded")
     size = base64_decoded_len(payload)
@@ -117,7 +137,9 @@ def _load_data_url(url: str, max_bytes: int, kind: MediaKind = IMAGE) -> bytes:
         raise kind.fail(kind.invalid, f"{noun} data URL is not valid base64") from None
 
 
-def _load_file(raw_path: str, allowed_media_dir: Path | None, max_bytes: int, kind: MediaKind = IMAGE) -> bytes:
+def _load_file(
+    raw_path: str, allowed_media_dir: Path | None, max_bytes: int, kind: MediaKind = IMAGE
+) -> bytes:
     noun = kind.noun
     if allowed_media_dir is None:
         raise kind.fail("media_not_allowed", f"local {noun} paths are disabled on this server")
@@ -125,25 +147,40 @@ def _load_file(raw_path: str, allowed_media_dir: Path | None, max_bytes: int, ki
         raise kind.fail(kind.invalid, f"{noun} path contains a NUL byte")
     root = allowed_media_dir.resolve()
     try:
-        path = (root / raw_path).resolve()  # an absolute raw_path replaces root; symlinks are followed
+        # an absolute raw_path replaces root; symlinks are followed
+        path = (root / raw_path).resolve()
     except (OSError, RuntimeError):  # a symlink loop (RuntimeError) or a name the OS refuses
-        raise kind.fail(kind.invalid, f"{noun} path cannot be resolved in the media directory") from None
+        raise kind.fail(
+            kind.invalid, f"{noun} path cannot be resolved in the media directory"
+        ) from None
     if not path.is_relative_to(root):
-        raise kind.fail("media_not_allowed", f"local {noun} paths are only allowed inside the server's media "
-                                             "directory")
+        raise kind.fail(
+            "media_not_allowed",
+            f"local {noun} paths are only allowed inside the server's media directory",
+        )
     try:
-        # O_NOFOLLOW: a symlink swapped in after resolve() is refused; O_NONBLOCK: a FIFO can't hang us.
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0))
+        # O_NOFOLLOW: a symlink swapped in after resolve() is refused; O_NONBLOCK: a FIFO can't hang
+        # us.
+        fd = os.open(
+            path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
+        )
     except OSError:
         raise kind.fail(kind.invalid, f"{noun} file not found in the media directory") from None
-    try:  # closed on every way out, a refused path included (a directory opens fine, then is refused)
+    # closed on every way out, a refused path included (a directory opens fine, then is refused)
+    try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
             what = "a directory" if stat.S_ISDIR(st.st_mode) else "not a regular file"
-            raise kind.fail(kind.invalid, f"{noun} path is {what}; name an {noun} file" if noun == "image"
-                            else f"{noun} path is {what}; name a {noun} file")
+            raise kind.fail(
+                kind.invalid,
+                f"{noun} path is {what}; name an {noun} file"
+                if noun == "image"
+                else f"{noun} path is {what}; name a {noun} file",
+            )
         if st.st_size > max_bytes:
-            raise kind.fail(kind.too_large, f"{noun} is {st.st_size} bytes; the limit is {max_bytes} bytes")
+            raise kind.fail(
+                kind.too_large, f"{noun} is {st.st_size} bytes; the limit is {max_bytes} bytes"
+            )
         data = _read_at_most(fd, max_bytes + 1)
     finally:
         os.close(fd)
@@ -164,19 +201,20 @@ def _read_at_most(fd: int, limit: int) -> bytes:
     return b"".join(chunks)
 
 
-# ---------------------------------------------------------------------------------------------- remote
+# ------------------------------------------------------------------------------------------- remote
 
 
 class Resolver(Protocol):
-    """Host name -> every IP address (text form) it resolves to. Raises OSError when it does not resolve."""
+    """Host name -> every IP address (text form) it resolves to. Raises OSError when it does not
+    resolve."""
 
     def resolve(self, host: str, port: int) -> list[str]: ...
 
 
 @dataclass(frozen=True)
 class FetchRequest:
-    """One HTTP GET, to be sent to ``ip`` (already checked) while naming ``host`` (Host header, TLS SNI and
-    certificate check)."""
+    """One HTTP GET, to be sent to ``ip`` (already checked) while naming ``host`` (Host header, TLS
+    SNI and certificate check)."""
 
     scheme: str  # "http" | "https"
     host: str
@@ -197,8 +235,8 @@ class FetchResponse:
 
 
 class Fetcher(Protocol):
-    """Performs one request exactly as described: connects to ``request.ip``, never re-resolves ``host``, never
-    follows redirects. Network failures raise OSError (timeouts: TimeoutError)."""
+    """Performs one request exactly as described: connects to ``request.ip``, never re-resolves
+    ``host``, never follows redirects. Network failures raise OSError (timeouts: TimeoutError)."""
 
     def fetch(self, request: FetchRequest) -> FetchResponse: ...
 
@@ -226,17 +264,19 @@ class _PinnedHTTPSConnection(http.client.HTTPSConnection):
 
     def connect(self) -> None:
         sock = socket.create_connection((self._ip, self.port), self.timeout)
-        self.sock = self._tls.wrap_socket(sock, server_hostname=self.host)  # SNI + certificate name: the host
+        # SNI + certificate name: the host
+        self.sock = self._tls.wrap_socket(sock, server_hostname=self.host)
 
 
 class PinnedHTTPFetcher:
-    """The production Fetcher: http.client over a socket to the checked IP, the body read in chunks up to the cap
-    and the deadline."""
+    """The production Fetcher: http.client over a socket to the checked IP, the body read in chunks
+    up to the cap and the deadline."""
 
     chunk_bytes = 64 * 1024
 
     def __init__(self, tls: ssl.SSLContext | None = None) -> None:
-        self._tls = tls  # None: the system's default context, made on the first https fetch (loading CAs costs)
+        # None: the system's default context, made on the first https fetch (loading CAs costs)
+        self._tls = tls
 
     def fetch(self, request: FetchRequest) -> FetchResponse:
         deadline = time.monotonic() + request.timeout_s
@@ -247,7 +287,11 @@ class PinnedHTTPFetcher:
         else:
             conn = _PinnedHTTPConnection(request)
         try:
-            conn.request("GET", request.target, headers={"Accept": request.accept, "User-Agent": "firsttoken"})
+            conn.request(
+                "GET",
+                request.target,
+                headers={"Accept": request.accept, "User-Agent": "firsttoken"},
+            )
             resp = conn.getresponse()
             declared = resp.getheader("Content-Length")
             length = int(declared) if declared and declared.isdigit() else None
@@ -271,11 +315,14 @@ class PinnedHTTPFetcher:
 
 
 # Cloud metadata endpoints, named for the error message; both are also caught by the general rules.
-METADATA_ADDRESSES = frozenset({ipaddress.ip_address("169.254.169.254"), ipaddress.ip_address("fd00:ec2::254")})
+METADATA_ADDRESSES = frozenset(
+    {ipaddress.ip_address("169.254.169.254"), ipaddress.ip_address("fd00:ec2::254")}
+)
 
 
 def forbidden_address_reason(ip_text: str, allow_loopback: bool = False) -> str | None:
-    """Why a remote image may not come from this address, or None when it is a public unicast address."""
+    """Why a remote image may not come from this address, or None when it is a public unicast
+    address."""
     try:
         ip = ipaddress.ip_address(ip_text.split("%", 1)[0])  # drop an IPv6 zone ("fe80::1%eth0")
     except ValueError:
@@ -299,10 +346,10 @@ def forbidden_address_reason(ip_text: str, allow_loopback: bool = False) -> str 
 
 @dataclass(frozen=True)
 class MediaNetwork:
-    """How remote images reach the network: the seams tests replace (production: the system resolver and the
-    pinned fetcher). ``allow_loopback_for_tests`` lets a test reach a loopback server through an allowed name;
-    it exists only as this constructor argument (no flag or request field sets it), and private, link-local and
-    metadata addresses stay refused even with it."""
+    """How remote images reach the network: the seams tests replace (production: the system resolver
+    and the pinned fetcher). ``allow_loopback_for_tests`` lets a test reach a loopback server
+    through an allowed name; it exists only as this constructor argument (no flag or request field
+    sets it), and private, link-local and metadata addresses stay refused even with it."""
 
     resolver: Resolver = field(default_factory=SystemResolver)
     fetcher: Fetcher = field(default_factory=PinnedHTTPFetcher)
@@ -311,7 +358,8 @@ class MediaNetwork:
 
 @dataclass(frozen=True)
 class RemoteMedia:
-    """Remote http(s) image URLs: refused unless ``allowed_domains`` names the exact host (any case, no port)."""
+    """Remote http(s) image URLs: refused unless ``allowed_domains`` names the exact host (any case,
+    no port)."""
 
     allowed_domains: frozenset[str]
     timeout_s: float  # the whole fetch: resolution of every hop, connect, redirects, body
@@ -321,7 +369,9 @@ class RemoteMedia:
     def __post_init__(self) -> None:
         domains = frozenset(d.strip().lower().rstrip(".") for d in self.allowed_domains)
         if any(not d or any(c in d for c in "/:@\\ ") for d in domains):
-            raise ValueError("allowed_domains must be bare host names without port, e.g. images.example.com")
+            raise ValueError(
+                "allowed_domains must be bare host names without port, e.g. images.example.com"
+            )
         object.__setattr__(self, "allowed_domains", domains)
         if not self.timeout_s > 0:
             raise ValueError("media fetch timeout_s must be > 0")
@@ -329,10 +379,15 @@ class RemoteMedia:
             raise ValueError("max_redirects must be >= 0")
 
 
-def remote_media(domains: str | Iterable[str], timeout_s: float, network: MediaNetwork | None = None) -> RemoteMedia:
-    """RemoteMedia from a comma-separated host list (``a.com,b.org``) or the config's tuple, and a fetch timeout."""
+def remote_media(
+    domains: str | Iterable[str], timeout_s: float, network: MediaNetwork | None = None
+) -> RemoteMedia:
+    """RemoteMedia from a comma-separated host list (``a.com,b.org``) or the config's tuple, and a
+    fetch timeout."""
     names = domains.split(",") if isinstance(domains, str) else domains
-    return RemoteMedia(frozenset(d for d in names if d.strip()), timeout_s, network=network or MediaNetwork())
+    return RemoteMedia(
+        frozenset(d for d in names if d.strip()), timeout_s, network=network or MediaNetwork()
+    )
 
 
 _REDIRECTS = frozenset({301, 302, 303, 307, 308})
@@ -363,13 +418,16 @@ def _fetch_remote(url: str, remote: RemoteMedia, max_bytes: int, kind: MediaKind
         if time.monotonic() > deadline:
             raise kind.fail(kind.invalid, timed_out)
         return resp.body
-    raise kind.fail("media_not_allowed", f"the {noun} URL redirected more than {remote.max_redirects} times")
+    raise kind.fail(
+        "media_not_allowed", f"the {noun} URL redirected more than {remote.max_redirects} times"
+    )
 
 
 def _checked_request(
     url: str, remote: RemoteMedia, deadline: float, max_bytes: int, kind: MediaKind = IMAGE
 ) -> FetchRequest:
-    """The request for one hop, after the scheme, host and every resolved address passed the rules."""
+    """The request for one hop, after the scheme, host and every resolved address passed the
+    rules."""
     noun = kind.noun
     try:
         parts = urlsplit(url)
@@ -378,15 +436,24 @@ def _checked_request(
         raise kind.fail(kind.invalid, f"malformed {noun} URL") from None
     scheme = parts.scheme.lower()
     if scheme not in ("http", "https"):
-        raise kind.fail("media_not_allowed", f"the {noun} URL redirected to a scheme other than http(s)")
+        raise kind.fail(
+            "media_not_allowed", f"the {noun} URL redirected to a scheme other than http(s)"
+        )
     if "@" in parts.netloc or "\\" in url:
-        raise kind.fail("media_not_allowed", f"{noun} URLs may not carry credentials or backslashes")
+        raise kind.fail(
+            "media_not_allowed", f"{noun} URLs may not carry credentials or backslashes"
+        )
     host = (parts.hostname or "").rstrip(".")
     if not host or host not in remote.allowed_domains:
-        raise kind.fail("media_not_allowed", f"the {noun} URL's host is not in this server's allowed media domains")
+        raise kind.fail(
+            "media_not_allowed",
+            f"the {noun} URL's host is not in this server's allowed media domains",
+        )
     remaining_s = deadline - time.monotonic()
     if remaining_s <= 0:
-        raise kind.fail(kind.invalid, f"fetching the {noun} URL timed out (limit {remote.timeout_s:g} s)")
+        raise kind.fail(
+            kind.invalid, f"fetching the {noun} URL timed out (limit {remote.timeout_s:g} s)"
+        )
     try:
         ips = remote.network.resolver.resolve(host, port)
     except (OSError, UnicodeError):
@@ -396,6 +463,8 @@ def _checked_request(
     for ip in ips:  # every answer must pass: a mixed record set is refused rather than raced
         reason = forbidden_address_reason(ip, remote.network.allow_loopback_for_tests)
         if reason:
-            raise kind.fail("media_not_allowed", f"the {noun} URL's host resolves to {reason}; refused")
+            raise kind.fail(
+                "media_not_allowed", f"the {noun} URL's host resolves to {reason}; refused"
+            )
     target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
     return FetchRequest(scheme, host, port, target, ips[0], remaining_s, max_bytes, f"{noun}/*")

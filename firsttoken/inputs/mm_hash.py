@@ -1,12 +1,14 @@
 """Image content identity, and the fast path that skips decoding an image seen before.
 
-Identity: an image's ``content_hash`` is blake2b over the pixel values the vision tower will see (after resizing
-and normalisation) and its patch grid, so two different pictures never share a hash while the same pixels sent
-as PNG or as a re-encoded data URL may. KV blocks and encoder outputs are keyed by it.
+Identity: an image's ``content_hash`` is blake2b over the pixel values the vision tower will see
+(after resizing and normalisation) and its patch grid, so two different pictures never share a hash
+while the same pixels sent as PNG or as a re-encoded data URL may. KV blocks and encoder outputs are
+keyed by it.
 
-Fast path: a follow-up turn re-sends the same bytes. ``ProcessedImageCache`` maps a hash of the raw bytes plus the
-settings that shape the tokens (min/max pixels) to the finished ``ProcessedImage``, bounded in bytes (LRU), so a
-repeated image is neither decoded nor resized again. Thread-safe: preprocessing runs in a thread pool.
+Fast path: a follow-up turn re-sends the same bytes. ``ProcessedImageCache`` maps a hash of the raw
+bytes plus the settings that shape the tokens (min/max pixels) to the finished ``ProcessedImage``,
+bounded in bytes (LRU), so a repeated image is neither decoded nor resized again. Thread-safe:
+preprocessing runs in a thread pool.
 """
 
 from __future__ import annotations
@@ -29,9 +31,9 @@ def pixel_content_hash(image: ProcessedImage) -> str:
 
 
 def grid_content_hashes(grids: Sequence[torch.Tensor], grid_hw: tuple[int, int]) -> tuple[str, ...]:
-    """A video's identity per temporal grid (``grids``: each grid's h*w patch rows, video_pixels.grid_rows): the hash
-    ``pixel_content_hash`` gives the one-grid item the engine encodes (grid (1, h, w)), so a grid and an image of the
-    same pixels share encoder output."""
+    """A video's identity per temporal grid (``grids``: each grid's h*w patch rows,
+    video_pixels.grid_rows): the hash ``pixel_content_hash`` gives the one-grid item the engine
+    encodes (grid (1, h, w)), so a grid and an image of the same pixels share encoder output."""
     out = []
     for rows in grids:
         digest = hashlib.blake2b(digest_size=16)
@@ -86,9 +88,11 @@ class ProcessedImageCache:
         return image
 
 
-def video_bytes_key(sources: Sequence[bytes], frame_indices: Sequence[int], resized_size: tuple[int, int]) -> str:
-    """A video's raw bytes (the container, or each frame of a frame list) and the plan's sampled frames and size:
-    what decides its pixel values."""
+def video_bytes_key(
+    sources: Sequence[bytes], frame_indices: Sequence[int], resized_size: tuple[int, int]
+) -> str:
+    """A video's raw bytes (the container, or each frame of a frame list) and the plan's sampled
+    frames and size: what decides its pixel values."""
     h = hashlib.blake2b(digest_size=16)
     h.update(f"video:{tuple(frame_indices)}:{tuple(resized_size)}:{len(sources)}:".encode())
     for data in sources:

@@ -1,24 +1,30 @@
-"""Turn a prompt (inputs/prompt.py) into an EngineRequest: chat template, images, placeholder expansion, positions.
+"""Turn a prompt (inputs/prompt.py) into an EngineRequest: chat template, images, placeholder
+expansion, positions.
 
 Steps of ``process`` (all CPU work; the server runs it in a thread pool, never on the event loop):
 
-1. check the sampling fields (cheap, before any image is touched), measure the text against the token limit
-   from its length and, only if that cannot decide, in pieces with an early exit (``inputs/text_size.py``:
-   a huge prompt is refused without being tokenized whole), count the images against the limit and resolve
-   each image's visual-token budget (``detail``, ``max_visual_tokens``; never above the server's cap);
-2. load every image's bytes, then probe every header and plan its resize from the declared size alone
-   (``inputs/budget.py``): pixel limit, aspect ratio and visual tokens are known before any pixel is decoded;
-3. render the checkpoint's chat template and tokenize it with control tokens sanitized: special-token strings
-   typed by a client (``<|image_pad|>``, ``<|im_start|>`` ...) are encoded as ordinary text, so only the
-   template's own ``<|vision_start|><|image_pad|><|vision_end|>`` can become an image slot;
-4. expand each single ``<|image_pad|>`` into the image's planned ``num_tokens`` copies, recording offsets;
-5. check the prompt against ``max_input_tokens`` and prompt + max_tokens against max_model_len: every limit is
-   checked before the first decode, and ``count`` (/tokenize) stops here;
+1. check the sampling fields (cheap, before any image is touched), measure the text against the
+   token limit from its length and, only if that cannot decide, in pieces with an early exit
+   (``inputs/text_size.py``: a huge prompt is refused without being tokenized whole), count the
+   images against the limit and resolve each image's visual-token budget (``detail``,
+   ``max_visual_tokens``; never above the server's cap);
+2. load every image's bytes, then probe every header and plan its resize from the declared size
+   alone (``inputs/budget.py``): pixel limit, aspect ratio and visual tokens are known before any
+   pixel is decoded;
+3. render the checkpoint's chat template and tokenize it with control tokens sanitized:
+   special-token strings typed by a client (``<|image_pad|>``, ``<|im_start|>`` ...) are encoded as
+   ordinary text, so only the template's own ``<|vision_start|><|image_pad|><|vision_end|>`` can
+   become an image slot;
+4. expand each single ``<|image_pad|>`` into the image's planned ``num_tokens`` copies, recording
+   offsets;
+5. check the prompt against ``max_input_tokens`` and prompt + max_tokens against max_model_len:
+   every limit is checked before the first decode, and ``count`` (/tokenize) stops here;
 6. decode and preprocess each image with its plan's pixel bounds (patchify), hash its pixels;
-7. compute M-RoPE positions (the model family's), build SamplingParams, stamp the end of preprocessing.
+7. compute M-RoPE positions (the model family's), build SamplingParams, stamp the end of
+   preprocessing.
 
-Every refusal is an ``InputError`` (or the image layer's ``ImageInputError``); both are ValueErrors whose
-message is safe to show the client. Nothing here knows any API's request schema.
+Every refusal is an ``InputError`` (or the image layer's ``ImageInputError``); both are ValueErrors
+whose message is safe to show the client. Nothing here knows any API's request schema.
 """
 
 from __future__ import annotations
@@ -83,8 +89,9 @@ from firsttoken.quoting import quote
 from firsttoken.structured import CompiledGrammar, GrammarCompiler, GrammarSpec
 from firsttoken.types import AdmissionVerdict, EngineRequest, ImageItem, PromptWork, SamplingParams
 
-# Control tokens that mark image/video slots: a raw /v1/completions prompt may use the chat control tokens
-# (<|im_start|> ...) but never these, since a slot without pixels would reach the vision path.
+# Control tokens that mark image/video slots: a raw /v1/completions prompt may use the chat control
+# tokens (<|im_start|> ...) but never these, since a slot without pixels would reach the vision
+# path.
 VISION_CONTROL_TOKENS = (
     "<|vision_start|>",
     "<|vision_end|>",
@@ -93,11 +100,13 @@ VISION_CONTROL_TOKENS = (
     "<|video_pad|>",
 )
 _SAMPLING_FIELDS = frozenset(SamplingParams.__dataclass_fields__)
-MAX_STOP_TOKEN_IDS = 64  # stop_token_ids a request may add (each generated token is checked against them all)
+# stop_token_ids a request may add (each generated token is checked against them all)
+MAX_STOP_TOKEN_IDS = 64
 
 
 class AdmissionRefused(Exception):
-    """The engine would not queue this request now (lane full) or ever (never fits); carries the verdict."""
+    """The engine would not queue this request now (lane full) or ever (never fits); carries the
+    verdict."""
 
     def __init__(self, verdict: AdmissionVerdict, param: str = "messages") -> None:
         super().__init__(verdict.message)
@@ -106,7 +115,8 @@ class AdmissionRefused(Exception):
 
 
 class InputError(ValueError):
-    """A request refused while preparing it. ``str(err)`` is client-safe; ``param`` names the request field."""
+    """A request refused while preparing it. ``str(err)`` is client-safe; ``param`` names the
+    request field."""
 
     def __init__(self, message: str, param: str | None = None) -> None:
         super().__init__(message)
@@ -141,7 +151,8 @@ class TokenCount:
 
     token_ids: tuple[int, ...]
     images: tuple[ImageTokens, ...]
-    predicted_ttft_s: float | None = None  # if it were sent now (None: the engine has no cost model yet)
+    # if it were sent now (None: the engine has no cost model yet)
+    predicted_ttft_s: float | None = None
     videos: tuple[VideoTokens, ...] = ()
 
     @property
@@ -150,7 +161,11 @@ class TokenCount:
 
     @property
     def num_text_tokens(self) -> int:
-        return self.total - sum(im.num_tokens for im in self.images) - sum(v.num_tokens for v in self.videos)
+        return (
+            self.total
+            - sum(im.num_tokens for im in self.images)
+            - sum(v.num_tokens for v in self.videos)
+        )
 
 
 @dataclass(frozen=True)
@@ -166,8 +181,8 @@ class _Video:
 
 @dataclass(frozen=True)
 class ProcessedVideo:
-    """A video's pixel values [grids * h * w, C * T * P * P], each temporal grid's rows (views of them) and content
-    hash."""
+    """A video's pixel values [grids * h * w, C * T * P * P], each temporal grid's rows (views of
+    them) and content hash."""
 
     pixel_values: torch.Tensor  # what the processed-media cache sizes it by
     grid_thw: tuple[int, int, int]
@@ -183,11 +198,14 @@ class _Prompt:
     plans: tuple[ImagePlan, ...]
     blobs: tuple[bytes, ...]  # each image's encoded bytes, header already probed
     offsets: tuple[int, ...]  # index of each image's first pad token in token_ids
-    template_ids: tuple[int, ...] = ()  # before expansion: one pad per image (re-expanded when the budget drops)
-    degradable: tuple[bool, ...] = ()  # per image: the client left its budget to the server (no detail, no cap)
+    # before expansion: one pad per image (re-expanded when the budget drops)
+    template_ids: tuple[int, ...] = ()
+    # per image: the client left its budget to the server (no detail, no cap)
+    degradable: tuple[bool, ...] = ()
     params: tuple[str, ...] = ()  # per image: its request field, messages[i].content[j].image_url
     videos: tuple[_Video, ...] = ()
-    video_offsets: tuple[tuple[int, ...], ...] = ()  # per video, the index of each temporal grid's first pad token
+    # per video, the index of each temporal grid's first pad token
+    video_offsets: tuple[tuple[int, ...], ...] = ()
 
     @property
     def num_image_tokens(self) -> int:
@@ -198,8 +216,11 @@ class _Prompt:
         return sum(v.plan.num_tokens for v in self.videos)
 
 
-def load_tokenizer(model_dir: str | Path, chat_template: Path | None = None) -> PreTrainedTokenizerBase:
-    """The checkpoint's tokenizer; ``chat_template`` (a Jinja file) replaces the checkpoint's template."""
+def load_tokenizer(
+    model_dir: str | Path, chat_template: Path | None = None
+) -> PreTrainedTokenizerBase:
+    """The checkpoint's tokenizer; ``chat_template`` (a Jinja file) replaces the checkpoint's
+    template."""
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
     if chat_template is not None:
         tokenizer.chat_template = Path(chat_template).read_text()
@@ -207,7 +228,8 @@ def load_tokenizer(model_dir: str | Path, chat_template: Path | None = None) -> 
 
 
 class InputProcessor:
-    """Thread-safe after construction: tokenizers encode concurrently, and nothing here mutates state."""
+    """Thread-safe after construction: tokenizers encode concurrently, and nothing here mutates
+    state."""
 
     def __init__(
         self,
@@ -229,7 +251,9 @@ class InputProcessor:
         if not tokenizer.chat_template:
             raise ValueError("the tokenizer has no chat template")
         if tokenizer.convert_tokens_to_ids("<|image_pad|>") != model_config.image_token_id:
-            raise ValueError("tokenizer's <|image_pad|> id differs from config.json's image_token_id")
+            raise ValueError(
+                "tokenizer's <|image_pad|> id differs from config.json's image_token_id"
+            )
         if max_model_len < 2:
             raise ValueError("max_model_len must be >= 2")
         self.tokenizer = tokenizer
@@ -238,38 +262,54 @@ class InputProcessor:
         self.family = family_named(model_config.family)
         self.generation_defaults = generation_defaults
         self.max_model_len = max_model_len
-        # Prompt tokens (text + image + template) a request may bring; None: only the context limit applies.
+        # Prompt tokens (text + image + template) a request may bring; None: only the context limit
+        # applies.
         self.max_input_tokens = images.max_input_tokens
-        # Asked with the exact prompt length once it is known from headers + tokenization, before any image is
-        # decoded: a full lane (429) or a prompt that can never fit (400) costs no decode work.
+        # Asked with the exact prompt length once it is known from headers + tokenization, before
+        # any image is decoded: a full lane (429) or a prompt that can never fit (400) costs no
+        # decode work.
         self.admission = admission
         # A follow-up turn re-sends the same image bytes: skip decode + resize + patchify for them.
         self.image_cache = ProcessedImageCache(image_cache_bytes)
         self.images = images
         self.videos = videos
-        # http(s) image URLs: off unless the config lists domains; ``media_network`` is the test seam
-        self.remote = remote_media(images.allowed_media_domains, images.media_fetch_timeout_s, media_network)
-        self._vision_tokens_re = re.compile("(" + "|".join(map(re.escape, VISION_CONTROL_TOKENS)) + ")")
-        self._special_ids = frozenset(tokenizer.all_special_ids) | frozenset(tokenizer.added_tokens_decoder)
-        # The most characters one token covers: text longer than limit x this is refused untokenized.
+        # http(s) image URLs: off unless the config lists domains; ``media_network`` is the test
+        # seam
+        self.remote = remote_media(
+            images.allowed_media_domains, images.media_fetch_timeout_s, media_network
+        )
+        self._vision_tokens_re = re.compile(
+            "(" + "|".join(map(re.escape, VISION_CONTROL_TOKENS)) + ")"
+        )
+        self._special_ids = frozenset(tokenizer.all_special_ids) | frozenset(
+            tokenizer.added_tokens_decoder
+        )
+        # The most characters one token covers: text longer than limit x this is refused
+        # untokenized.
         self.max_chars_per_token = longest_token_chars(list(tokenizer.get_vocab()))
-        self._grammar_compiler: GrammarCompiler | None = None  # built on first use, or by warm_grammars()
+        # built on first use, or by warm_grammars()
+        self._grammar_compiler: GrammarCompiler | None = None
         self._template_renders_tools = "tools" in (tokenizer.chat_template or "")
         self._grammar_lock = threading.Lock()
 
     # ------------------------------------------------------------------------------------ public
 
-    def process(self, prompt: Prompt, sampling: SamplingRequest, request_id: str, arrival_s: float) -> EngineRequest:
-        """The EngineRequest for ``prompt``: every limit is checked before any image is decoded, and its output
-        grammar compiled (or found compiled) before it asks for a place in the queue."""
-        self._sampling_params(sampling, _or(sampling.max_tokens, 1))  # fail fast, before any image is loaded
+    def process(
+        self, prompt: Prompt, sampling: SamplingRequest, request_id: str, arrival_s: float
+    ) -> EngineRequest:
+        """The EngineRequest for ``prompt``: every limit is checked before any image is decoded, and
+        its output grammar compiled (or found compiled) before it asks for a place in the queue."""
+        # fail fast, before any image is loaded
+        self._sampling_params(sampling, _or(sampling.max_tokens, 1))
         self._check_text_size(prompt.texts(), self._max_prompt_tokens, prompt.param)
         grammar = self._grammar(sampling.structured)
-        return self._engine_request(prompt, self._prompt_ids(prompt), sampling, request_id, arrival_s, grammar)
+        return self._engine_request(
+            prompt, self._prompt_ids(prompt), sampling, request_id, arrival_s, grammar
+        )
 
     def warm_grammars(self) -> None:
-        """Build the grammar compiler's view of the vocabulary now (seconds at a 151k vocabulary), so the first
-        constrained request does not wait for it."""
+        """Build the grammar compiler's view of the vocabulary now (seconds at a 151k vocabulary),
+        so the first constrained request does not wait for it."""
         self._grammars()
 
     def _grammars(self) -> GrammarCompiler:
@@ -277,27 +317,40 @@ class InputProcessor:
             if self._grammar_compiler is None:
                 eos = self.generation_defaults.eos_token_ids or self.model_config.eos_token_ids
                 self._grammar_compiler = GrammarCompiler.from_tokenizer_json(
-                    self.tokenizer.backend_tokenizer.to_str(), self.model_config.vocab_size, tuple(eos))
+                    self.tokenizer.backend_tokenizer.to_str(),
+                    self.model_config.vocab_size,
+                    tuple(eos),
+                )
             return self._grammar_compiler
 
     def _grammar(self, spec: GrammarSpec | None) -> tuple[CompiledGrammar, float] | None:
-        """(the compiled grammar, seconds this request spent compiling it: 0 from the cache); InputError naming the
-        field for a spec that does not compile."""
+        """(the compiled grammar, seconds this request spent compiling it: 0 from the cache);
+        InputError naming the field for a spec that does not compile."""
         if spec is None:
             return None
         try:
             compiled, cached = self._grammars().lookup(spec)
         except ValueError as err:
-            # the top-level field (response_format, structured_outputs), or the Responses API's text.format
-            field = "text.format" if spec.origin.startswith("text.format") else spec.origin.split(".", 1)[0]
+            # the top-level field (response_format, structured_outputs), or the Responses API's
+            # text.format
+            field = (
+                "text.format"
+                if spec.origin.startswith("text.format")
+                else spec.origin.split(".", 1)[0]
+            )
             raise InputError(str(err), field or None) from None
         return compiled, 0.0 if cached else compiled.compile_s
 
     def count(self, prompt: Prompt) -> TokenCount:
-        """What /tokenize reports; text that cannot fit the context at all is refused before tokenizing it."""
+        """What /tokenize reports; text that cannot fit the context at all is refused before
+        tokenizing it."""
         self._check_text_size(prompt.texts(), self.max_model_len, prompt.param)
         ids = self._prompt_ids(prompt)
-        predicted = self.admission(self._work(ids), None).predicted_ttft_s if self.admission is not None else None
+        predicted = (
+            self.admission(self._work(ids), None).predicted_ttft_s
+            if self.admission is not None
+            else None
+        )
         return replace(_count(ids), predicted_ttft_s=predicted)
 
     def encode_prompt(self, text: str) -> tuple[int, ...]:
@@ -305,7 +358,9 @@ class InputProcessor:
         ids: list[int] = []
         for i, piece in enumerate(self._vision_tokens_re.split(text)):
             if piece:
-                ids += self.tokenizer.encode(piece, add_special_tokens=False, split_special_tokens=i % 2 == 1)
+                ids += self.tokenizer.encode(
+                    piece, add_special_tokens=False, split_special_tokens=i % 2 == 1
+                )
         return tuple(ids)
 
     def decode(self, token_ids: Sequence[int]) -> str:
@@ -313,7 +368,8 @@ class InputProcessor:
         return self.tokenizer.decode(list(token_ids), skip_special_tokens=False)
 
     def token_piece(self, token_id: int) -> tuple[str, list[int]]:
-        """(text, bytes) of one token for logprobs: byte-level pieces are mapped back to their raw bytes."""
+        """(text, bytes) of one token for logprobs: byte-level pieces are mapped back to their raw
+        bytes."""
         token = self.tokenizer.convert_ids_to_tokens(token_id)
         if token is None:
             return "", []
@@ -329,12 +385,14 @@ class InputProcessor:
 
     @property
     def _max_prompt_tokens(self) -> int:
-        """The longest prompt a generation request may bring: its input limit, and room for one output token."""
+        """The longest prompt a generation request may bring: its input limit, and room for one
+        output token."""
         room = self.max_model_len - 1
         return room if self.max_input_tokens is None else min(self.max_input_tokens, room)
 
     def _check_text_size(self, texts: Sequence[str], limit: int, param: str) -> None:
-        """Refuse text that certainly has more than ``limit`` tokens, tokenizing no more of it than that takes."""
+        """Refuse text that certainly has more than ``limit`` tokens, tokenizing no more of it than
+        that takes."""
         size = measure_text(
             texts,
             limit,
@@ -362,16 +420,22 @@ class InputProcessor:
 
     def _checked_ids(self, prompt: TokenPrompt) -> tuple[int, ...]:
         config = self.model_config
-        vision = {config.image_token_id: "image placeholder", config.video_token_id: "video placeholder",
-                  config.vision_start_token_id: "vision start", config.vision_end_token_id: "vision end"}
+        vision = {
+            config.image_token_id: "image placeholder",
+            config.video_token_id: "video placeholder",
+            config.vision_start_token_id: "vision start",
+            config.vision_end_token_id: "vision end",
+        }
         for i, t in enumerate(prompt.token_ids):
             if not 0 <= t < config.vocab_size:
                 raise InputError(f"token id {t} at {i} is outside this model's vocabulary (0 to "
                                  f"{config.vocab_size - 1})", prompt.param)
             if t in vision:
-                raise InputError(f"token id {t} at {i} is the checkpoint's {vision[t]} token; a prompt of token ids "
-                                 "carries no images (send images as image_url parts to /v1/chat/completions)",
-                                 prompt.param)
+                raise InputError(
+                    f"token id {t} at {i} is the checkpoint's {vision[t]} token; a prompt of token ids "
+                    "carries no images (send images as image_url parts to /v1/chat/completions)",
+                    prompt.param,
+                )
         return prompt.token_ids
 
     def _chat_prompt(self, prompt: ChatPrompt) -> _Prompt:
@@ -396,17 +460,29 @@ class InputProcessor:
         messages, tools = self._with_tools(prompt)
         try:  # client text can't forge control tokens, image slots included
             template_ids = self.chat_template.encode(messages, tools, prompt.add_generation_prompt)
-        except (TemplateError, ValueError) as err:  # the template refuses this conversation (its own words)
-            raise InputError(f"the chat template cannot render these messages: {quote(str(err))}", "messages") from None
-        degradable = tuple(part.detail is None and part.max_visual_tokens is None for _, part in image_parts)
-        return replace(self._expand_pads(list(template_ids), plans, blobs, videos), degradable=degradable,
-                       params=params)
+        # the template refuses this conversation (its own words)
+        except (TemplateError, ValueError) as err:
+            raise InputError(
+                f"the chat template cannot render these messages: {quote(str(err))}", "messages"
+            ) from None
+        degradable = tuple(
+            part.detail is None and part.max_visual_tokens is None for _, part in image_parts
+        )
+        return replace(
+            self._expand_pads(list(template_ids), plans, blobs, videos),
+            degradable=degradable,
+            params=params,
+        )
 
-    def _with_tools(self, prompt: ChatPrompt) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
-        """(the messages as the chat template sees them, its ``tools``): through the template where it renders
-        tools itself, else written into the messages the hermes way (inputs/tools.py)."""
+    def _with_tools(
+        self, prompt: ChatPrompt
+    ) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
+        """(the messages as the chat template sees them, its ``tools``): through the template where
+        it renders tools itself, else written into the messages the hermes way (inputs/tools.py)."""
         if not self._template_renders_tools:
-            return [_template_message(m) for m in hermes_messages(prompt.messages, prompt.tools)], None
+            return [
+                _template_message(m) for m in hermes_messages(prompt.messages, prompt.tools)
+            ], None
         messages = [_template_message(m) for m in prompt.messages]
         for message, extra in zip(messages, template_messages(prompt.messages) or ()):
             message.update(extra)
@@ -450,9 +526,14 @@ class InputProcessor:
     def _image_bytes(self, part: ImagePart) -> bytes:
         s = self.images
         if part.data is None:
-            return load_image_bytes(part.url or "", s.allowed_media_dir, s.max_image_bytes, self.remote)
+            return load_image_bytes(
+                part.url or "", s.allowed_media_dir, s.max_image_bytes, self.remote
+            )
         if len(part.data) > s.max_image_bytes:
-            raise ImageInputError("image_too_large", f"image is {len(part.data)} bytes; the limit is {s.max_image_bytes}")
+            raise ImageInputError(
+                "image_too_large",
+                f"image is {len(part.data)} bytes; the limit is {s.max_image_bytes}",
+            )
         return part.data
 
     def _decode_images(self, prompt: _Prompt) -> tuple[ProcessedImage, ...]:
@@ -467,21 +548,29 @@ class InputProcessor:
 
     def _decode_one(self, data: bytes, plan: ImagePlan) -> ProcessedImage:
         image = decode_image(data, self.images.max_image_pixels)
-        processed = preprocess_image(image, self.model_config.image_processor, plan.min_pixels, plan.max_pixels)
+        processed = preprocess_image(
+            image, self.model_config.image_processor, plan.min_pixels, plan.max_pixels
+        )
         if processed.num_tokens != plan.num_tokens:  # the header lied about the size, or a bug
-            raise ImageInputError("invalid_image", "image size differs from the size its header declares")
+            raise ImageInputError(
+                "invalid_image", "image size differs from the size its header declares"
+            )
         return replace(processed, content_hash=pixel_content_hash(processed))
 
     def _expand_pads(self, ids: list[int], plans: Sequence[ImagePlan], blobs: tuple[bytes, ...],
                      videos: tuple[_Video, ...] = ()) -> _Prompt:
-        """Each image's one pad token as its planned pads; each video's as the family's video tokens (its grids'
-        pads, and for Qwen3-VL a timestamp per grid), recording where every image and every video grid starts."""
+        """Each image's one pad token as its planned pads; each video's as the family's video tokens
+        (its grids' pads, and for Qwen3-VL a timestamp per grid), recording where every image and
+        every video grid starts."""
         config = self.model_config
         pad, video_pad = config.image_token_id, config.video_token_id
         for token, items, noun in ((pad, plans, "image"), (video_pad, videos, "video")):
             num_pads = ids.count(token)
-            if num_pads != len(items):  # the template and our media lists disagree: a bug, never the client's
-                raise RuntimeError(f"chat template produced {num_pads} {noun} slots for {len(items)} {noun}s")
+            # the template and our media lists disagree: a bug, never the client's
+            if num_pads != len(items):
+                raise RuntimeError(
+                    f"chat template produced {num_pads} {noun} slots for {len(items)} {noun}s"
+                )
         merge = config.vision.spatial_merge_size
         out: list[int] = []
         offsets: list[int] = []
@@ -494,10 +583,13 @@ class InputProcessor:
                 out.extend([pad] * plan.num_tokens)
             elif token_id == video_pad:
                 vplan = next(next_video).plan
-                tokens = self.family.video_prompt_tokens(vplan.grid_thw, vplan.grid_timestamps(), config,
-                                                         self._encode_text)
+                tokens = self.family.video_prompt_tokens(
+                    vplan.grid_thw, vplan.grid_timestamps(), config, self._encode_text
+                )
                 t, h, w = vplan.grid_thw
-                video_offsets.append(_grid_starts(tokens, video_pad, t, h * w // (merge * merge), len(out)))
+                video_offsets.append(
+                    _grid_starts(tokens, video_pad, t, h * w // (merge * merge), len(out))
+                )
                 out.extend(tokens)
             else:
                 out.append(token_id)
@@ -508,30 +600,39 @@ class InputProcessor:
         return self.tokenizer.encode(text, add_special_tokens=False)
 
     def _plan_video(self, part: VideoPart, param: str) -> _Video:
-        """Load a video part's bytes and plan it from its header and packets (a frame list: every frame's header);
-        every limit is checked here, before any frame is decoded."""
+        """Load a video part's bytes and plan it from its header and packets (a frame list: every
+        frame's header); every limit is checked here, before any frame is decoded."""
         limits, proc = self.videos, self.model_config.image_processor
         ask = VideoAsk(part.fps, part.max_frames, part.max_visual_tokens)
         try:
             if part.frames is not None:
-                frames = tuple(self._frame_bytes(url, k, len(part.frames)) for k, url in enumerate(part.frames))
-                plan = plan_frame_list(frames, limits, proc, ask, self.images.max_image_pixels, param)
+                frames = tuple(
+                    self._frame_bytes(url, k, len(part.frames)) for k, url in enumerate(part.frames)
+                )
+                plan = plan_frame_list(
+                    frames, limits, proc, ask, self.images.max_image_pixels, param
+                )
                 return _Video(plan, frames, None, None, param)
             data = part.data if part.data is not None else load_video_bytes(
                 part.url or "", self.images.allowed_media_dir, limits.max_video_bytes, self.remote)
             if len(data) > limits.max_video_bytes:
-                raise VideoInputError("video_too_large",
-                                      f"video is {len(data)} bytes; the limit is {limits.max_video_bytes}")
+                raise VideoInputError(
+                    "video_too_large",
+                    f"video is {len(data)} bytes; the limit is {limits.max_video_bytes}",
+                )
             header, index, plan = plan_video_bytes(data, limits, proc, ask, param=param)
             return _Video(plan, (data,), header, index, param)
         except BudgetError as err:
             raise InputError(str(err), err.param) from None
         except ImageInputError as err:
-            raise type(err)(err.code, str(err), err.param or param) from None  # a VideoInputError stays one
+            # a VideoInputError stays one
+            raise type(err)(err.code, str(err), err.param or param) from None
 
     def _frame_bytes(self, url: str, k: int, n: int) -> bytes:
         try:
-            return load_image_bytes(url, self.images.allowed_media_dir, self.images.max_image_bytes, self.remote)
+            return load_image_bytes(
+                url, self.images.allowed_media_dir, self.images.max_image_bytes, self.remote
+            )
         except ImageInputError as err:
             raise VideoInputError(err.code, f"frame {k + 1} of {n}: {err}") from None
 
@@ -544,25 +645,36 @@ class InputProcessor:
 
         def build() -> ProcessedVideo:
             if video.header is None:
-                decoded = decode_frame_list(video.sources, plan, self.videos, self.images.max_image_pixels)
+                decoded = decode_frame_list(
+                    video.sources, plan, self.videos, self.images.max_image_pixels
+                )
             else:
-                decoded = decode_video(video.sources[0], video.header, video.index, plan, self.videos)
+                decoded = decode_video(
+                    video.sources[0], video.header, video.index, plan, self.videos
+                )
             pixels, grid = video_pixel_values(decoded.frames, self.model_config.image_processor)
             if tuple(grid) != tuple(plan.grid_thw):  # the plan and the pixels disagree: a bug
                 raise RuntimeError(f"video decoded to grid {tuple(grid)}, planned {plan.grid_thw}")
             grids = tuple(grid_rows(pixels, grid))
-            return ProcessedVideo(pixels, plan.grid_thw, grids, grid_content_hashes(grids, grid[1:]))
+            return ProcessedVideo(
+                pixels, plan.grid_thw, grids, grid_content_hashes(grids, grid[1:])
+            )
 
         try:
             return self.image_cache.get_or_build(key, build)  # type: ignore[arg-type,return-value]
         except ImageInputError as err:
             raise type(err)(err.code, str(err), err.param or video.param) from None
 
-    def _check_length(self, prompt: _Prompt, field: str, requested: int | None, prompt_param: str) -> int:
+    def _check_length(
+        self, prompt: _Prompt, field: str, requested: int | None, prompt_param: str
+    ) -> int:
         """Room left for output; every message names what was counted, the limit, and what to do."""
         prompt_len = len(prompt.token_ids)
         if prompt_len == 0:  # nothing to condition on (the checkpoint has no BOS token to stand in)
-            raise InputError(f"{prompt_param} is empty: it has 0 tokens; send at least one token of text", prompt_param)
+            raise InputError(
+                f"{prompt_param} is empty: it has 0 tokens; send at least one token of text",
+                prompt_param,
+            )
         counted = _describe_counts(prompt)
         advice = (
             "use detail=low or image_url.max_visual_tokens, send fewer images, or shorten the text"
@@ -570,7 +682,10 @@ class InputProcessor:
             else "shorten the text"
         )
         if prompt.videos:
-            advice = "lower video_url.max_visual_tokens, fps or max_frames, send a shorter clip, or " + advice
+            advice = (
+                "lower video_url.max_visual_tokens, fps or max_frames, send a shorter clip, or "
+                + advice
+            )
         if self.max_input_tokens is not None and prompt_len > self.max_input_tokens:
             raise InputError(
                 f"the prompt has {prompt_len} tokens ({counted}); this server accepts at most "
@@ -594,13 +709,19 @@ class InputProcessor:
         return room
 
     def _engine_request(
-        self, prompt: Prompt, ids: _Prompt, sampling: SamplingRequest, request_id: str, arrival_s: float,
+        self,
+        prompt: Prompt,
+        ids: _Prompt,
+        sampling: SamplingRequest,
+        request_id: str,
+        arrival_s: float,
         grammar: tuple[CompiledGrammar, float] | None = None,
     ) -> EngineRequest:
         field = sampling.name("max_tokens")
         self._check_length(ids, field, sampling.max_tokens, prompt.param)
         ids, verdict, note = self._admit(ids, request_id, prompt.param)
-        room = self._check_length(ids, field, sampling.max_tokens, prompt.param)  # a lower budget leaves more
+        # a lower budget leaves more
+        room = self._check_length(ids, field, sampling.max_tokens, prompt.param)
         params = self._sampling_params(sampling, _or(sampling.max_tokens, room))
         if grammar is not None:
             params = replace(params, grammar=grammar[0])
@@ -626,8 +747,16 @@ class InputProcessor:
             _, h, w = video.grid_thw
             units = self.family.encoder_units(vision, (1, h, w))
             items += [
-                ImageItem(content_hash=digest, offset=offset, num_tokens=h * w // vision.spatial_merge_size ** 2,
-                          grid_thw=(1, h, w), encoder_units=units, pixel_values=rows, kind="video", video_index=v)
+                ImageItem(
+                    content_hash=digest,
+                    offset=offset,
+                    num_tokens=h * w // vision.spatial_merge_size**2,
+                    grid_thw=(1, h, w),
+                    encoder_units=units,
+                    pixel_values=rows,
+                    kind="video",
+                    video_index=v,
+                )
                 for rows, digest, offset in zip(video.grids, video.grid_hashes, offsets)
             ]
         items.sort(key=lambda item: item.offset)
@@ -648,9 +777,10 @@ class InputProcessor:
 
     def _admit(self, ids: _Prompt, request_id: str, param: str = "messages"
                ) -> tuple[_Prompt, AdmissionVerdict | None, str | None]:
-        """Ask the engine whether the prompt may queue. Over its class's TTFT objective, the images whose budget the
-        client left to the server are re-planned at half the budget, step by step down to
-        --image-min-tokens-under-load, and the engine asked again; still over, or nothing left to lower: the 429."""
+        """Ask the engine whether the prompt may queue. Over its class's TTFT objective, the images
+        whose budget the client left to the server are re-planned at half the budget, step by step
+        down to --image-min-tokens-under-load, and the engine asked again; still over, or nothing
+        left to lower: the 429."""
         if self.admission is None:
             return ids, None, None
         verdict = self.admission(self._work(ids), request_id)
@@ -670,26 +800,37 @@ class InputProcessor:
         return ids, verdict, note
 
     def _replan(self, ids: _Prompt, cap: int) -> _Prompt:
-        """The same prompt with each degradable image's budget capped at ``cap`` (from headers: nothing decoded)."""
-        budgets = [min(p.budget_tokens, cap) if d else p.budget_tokens for p, d in zip(ids.plans, ids.degradable)]
+        """The same prompt with each degradable image's budget capped at ``cap`` (from headers:
+        nothing decoded)."""
+        budgets = [
+            min(p.budget_tokens, cap) if d else p.budget_tokens
+            for p, d in zip(ids.plans, ids.degradable)
+        ]
         plans = self._plan_images(ids.blobs, budgets, ids.params)
         return replace(self._expand_pads(list(ids.template_ids), plans, ids.blobs, ids.videos),
                        degradable=ids.degradable, params=ids.params)
 
     def _work(self, ids: _Prompt) -> PromptWork:
-        """What the prompt costs the engine, from its plans: tokens, and the encoder units of each image and of each
-        video grid (one vision item each)."""
+        """What the prompt costs the engine, from its plans: tokens, and the encoder units of each
+        image and of each video grid (one vision item each)."""
         patch, vision = self.model_config.image_processor.patch_size, self.model_config.vision
         grids = [(1, p.resized_size[1] // patch, p.resized_size[0] // patch) for p in ids.plans]
         for v in ids.videos:
             t, h, w = v.plan.grid_thw
             grids += [(1, h, w)] * t
         units = [u for grid in grids for u in self.family.encoder_units(vision, grid)]
-        return PromptWork(len(ids.token_ids), len(grids), sum(u.num_patches for u in units),
-                          float(sum(u.attention_pairs for u in units)), len(units), num_videos=len(ids.videos))
+        return PromptWork(
+            len(ids.token_ids),
+            len(grids),
+            sum(u.num_patches for u in units),
+            float(sum(u.attention_pairs for u in units)),
+            len(units),
+            num_videos=len(ids.videos),
+        )
 
     def _sampling_params(self, req: SamplingRequest, max_tokens: int) -> SamplingParams:
-        """Request values over the checkpoint's generation_config defaults. ValueError -> InputError(param)."""
+        """Request values over the checkpoint's generation_config defaults. ValueError ->
+        InputError(param)."""
         d = self.generation_defaults
         if req.top_logprobs and not req.logprobs:
             raise InputError("top_logprobs requires logprobs to be true", req.name("top_logprobs"))
@@ -722,7 +863,8 @@ class InputProcessor:
                 raise InputError(message) from None
             param = req.name(name)
             value = values[name]
-            got = f", got {quote(value)}" if isinstance(value, (int, float)) else ""  # numbers only, bounded
+            # numbers only, bounded
+            got = f", got {quote(value)}" if isinstance(value, (int, float)) else ""
             raise InputError(f"{param}{message[len(name) :]}{got}", param) from None
 
     def _checked_bias(self, bias: tuple[tuple[int, float], ...]) -> tuple[tuple[int, float], ...]:
@@ -736,7 +878,8 @@ class InputProcessor:
     def _check_stop_token_ids(self, ids: Sequence[int]) -> None:
         if len(ids) > MAX_STOP_TOKEN_IDS:
             raise InputError(
-                f"stop_token_ids may hold at most {MAX_STOP_TOKEN_IDS} ids, got {len(ids)}", "stop_token_ids"
+                f"stop_token_ids may hold at most {MAX_STOP_TOKEN_IDS} ids, got {len(ids)}",
+                "stop_token_ids",
             )
         vocab = self.model_config.vocab_size
         for i, token_id in enumerate(ids):
@@ -747,11 +890,15 @@ class InputProcessor:
                 )
 
 
-def _image_at(err: ImageInputError, index: int, params: Sequence[str], hint: str = "") -> ImageInputError:
-    """``err`` for the request's image ``index``, at whatever stage (load, header, decode): its field as the param
-    and, when the request has several images, its position in the message."""
+def _image_at(
+    err: ImageInputError, index: int, params: Sequence[str], hint: str = ""
+) -> ImageInputError:
+    """``err`` for the request's image ``index``, at whatever stage (load, header, decode): its
+    field as the param and, when the request has several images, its position in the message."""
     where = f"image {index + 1} of {len(params)}: " if len(params) > 1 else ""
-    return ImageInputError(err.code, f"{where}{err}{hint}", params[index] if index < len(params) else None)
+    return ImageInputError(
+        err.code, f"{where}{err}{hint}", params[index] if index < len(params) else None
+    )
 
 
 def _or(value: Any, default: Any) -> Any:
@@ -759,8 +906,8 @@ def _or(value: Any, default: Any) -> Any:
 
 
 def _parts_of(prompt: ChatPrompt, kind: type, field: Callable[[Any], str]) -> list[tuple[str, Any]]:
-    """(request field, part) of every ``kind`` part in the conversation, in order; ``field(part)``: the part's own
-    field, as the request named it."""
+    """(request field, part) of every ``kind`` part in the conversation, in order; ``field(part)``:
+    the part's own field, as the request named it."""
     return [
         (f"{prompt.field_of(i)}.content[{j}].{field(part)}", part)
         for i, m in enumerate(prompt.messages)
@@ -776,8 +923,8 @@ def _video_field(part: VideoPart) -> str:
 
 
 def _template_message(message: Message) -> dict[str, Any]:
-    """The dict the chat template sees. Image and video parts carry no URL: the template only needs to know one is
-    there."""
+    """The dict the chat template sees. Image and video parts carry no URL: the template only needs
+    to know one is there."""
     if message.content is None or isinstance(message.content, str):
         return {"role": message.role, "content": message.content or ""}
     parts = [
@@ -789,9 +936,12 @@ def _template_message(message: Message) -> dict[str, Any]:
     return {"role": message.role, "content": parts}
 
 
-def _grid_starts(tokens: Sequence[int], pad: int, num_grids: int, per_grid: int, base: int) -> tuple[int, ...]:
-    """Where each of a video's ``num_grids`` runs of ``per_grid`` pads starts, ``base`` + its index in ``tokens`` (the
-    family's video tokens: one run of every grid's pads, or one run per grid between timestamps)."""
+def _grid_starts(
+    tokens: Sequence[int], pad: int, num_grids: int, per_grid: int, base: int
+) -> tuple[int, ...]:
+    """Where each of a video's ``num_grids`` runs of ``per_grid`` pads starts, ``base`` + its index
+    in ``tokens`` (the family's video tokens: one run of every grid's pads, or one run per grid
+    between timestamps)."""
     starts: list[int] = []
     run = 0
     for i, token in enumerate(tokens):
@@ -804,22 +954,36 @@ def _grid_starts(tokens: Sequence[int], pad: int, num_grids: int, per_grid: int,
             starts.append(base + i)
         run += 1
     if len(starts) != num_grids or run % per_grid:
-        raise RuntimeError(f"video tokens hold {len(starts)} grids of {per_grid} pads, planned {num_grids}")
+        raise RuntimeError(
+            f"video tokens hold {len(starts)} grids of {per_grid} pads, planned {num_grids}"
+        )
     return tuple(starts)
 
 
 def _count(prompt: _Prompt) -> TokenCount:
-    images = tuple(ImageTokens(p.original_size, p.resized_size, p.num_tokens, p.budget_tokens) for p in prompt.plans)
+    images = tuple(
+        ImageTokens(p.original_size, p.resized_size, p.num_tokens, p.budget_tokens)
+        for p in prompt.plans
+    )
     videos = tuple(
-        VideoTokens(p.original_size, p.resized_size, p.source_frames / p.source_fps, p.source_frames, p.num_frames,
-                    p.sample_fps, p.num_tokens, p.budget_tokens)
-        for p in (v.plan for v in prompt.videos))
+        VideoTokens(
+            p.original_size,
+            p.resized_size,
+            p.source_frames / p.source_fps,
+            p.source_frames,
+            p.num_frames,
+            p.sample_fps,
+            p.num_tokens,
+            p.budget_tokens,
+        )
+        for p in (v.plan for v in prompt.videos)
+    )
     return TokenCount(prompt.token_ids, images, videos=videos)
 
 
 def _describe_counts(prompt: _Prompt) -> str:
-    """'52 text and template tokens + 3 images of 1225, 1225, 256 visual tokens + 1 video of 32 frames, 4096 visual
-    tokens' (what a limit message counts)."""
+    """'52 text and template tokens + 3 images of 1225, 1225, 256 visual tokens + 1 video of 32
+    frames, 4096 visual tokens' (what a limit message counts)."""
     num_text = len(prompt.token_ids) - prompt.num_image_tokens - prompt.num_video_tokens
     out = f"{num_text} text and template tokens"
     if prompt.plans:
@@ -827,7 +991,9 @@ def _describe_counts(prompt: _Prompt) -> str:
         noun = "image" if len(prompt.plans) == 1 else "images"
         out += f" + {len(prompt.plans)} {noun} of {per_image} visual tokens"
     if prompt.videos:
-        per_video = ", ".join(f"{v.plan.num_frames} frames, {v.plan.num_tokens} visual tokens" for v in prompt.videos)
+        per_video = ", ".join(
+            f"{v.plan.num_frames} frames, {v.plan.num_tokens} visual tokens" for v in prompt.videos
+        )
         noun = "video" if len(prompt.videos) == 1 else "videos"
         out += f" + {len(prompt.videos)} {noun} of {per_video}"
     return out

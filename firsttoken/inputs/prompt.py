@@ -1,9 +1,11 @@
-"""What the input processor takes: a prompt and the sampling a client asked for, in no particular API's terms.
+"""What the input processor takes: a prompt and the sampling a client asked for, in no particular
+API's terms.
 
-The HTTP layer converts OpenAI bodies into these (api/protocol.py), the offline ``LLM`` builds them from Python
-values, and anything else (a replica behind another router, a test) can too, without an HTTP body. Error messages
-name request fields by the paths these values imply (``messages[0].content[1].image_url``) and, for sampling, by the
-name the client used (``SamplingRequest.names``).
+The HTTP layer converts OpenAI bodies into these (api/protocol.py), the offline ``LLM`` builds them
+from Python values, and anything else (a replica behind another router, a test) can too, without an
+HTTP body. Error messages name request fields by the paths these values imply
+(``messages[0].content[1].image_url``) and, for sampling, by the name the client used
+(``SamplingRequest.names``).
 """
 
 from __future__ import annotations
@@ -20,13 +22,16 @@ class TextPart:
 
 @dataclass(frozen=True)
 class ImagePart:
-    """An image by reference (``url``: a data: URL, a local path or file:// URL inside the allowed directory, or an
-    http(s) URL of an allowed domain) or by value (``data``: its encoded bytes, for in-process callers)."""
+    """An image by reference (``url``: a data: URL, a local path or file:// URL inside the allowed
+    directory, or an http(s) URL of an allowed domain) or by value (``data``: its encoded bytes, for
+    in-process callers)."""
 
     url: str | None = None
     data: bytes | None = None
-    detail: str | None = None  # "low" = the server's low-detail budget; "high"/"auto"/None = its cap
-    max_visual_tokens: int | None = None  # at most this many visual tokens (never above the server's cap)
+    # "low" = the server's low-detail budget; "high"/"auto"/None = its cap
+    detail: str | None = None
+    # at most this many visual tokens (never above the server's cap)
+    max_visual_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if (self.url is None) == (self.data is None):
@@ -35,13 +40,15 @@ class ImagePart:
 
 @dataclass(frozen=True)
 class VideoPart:
-    """A video (vLLM's ``video_url`` part) by reference (``url``: as an image's), by value (``data``: its encoded
-    container bytes), or as a list of encoded frames (``frames``, one image each, in order). The request may ask for
-    less than the server's budget (``fps``, ``max_frames``, ``max_visual_tokens``), never more."""
+    """A video (vLLM's ``video_url`` part) by reference (``url``: as an image's), by value
+    (``data``: its encoded container bytes), or as a list of encoded frames (``frames``, one image
+    each, in order). The request may ask for less than the server's budget (``fps``, ``max_frames``,
+    ``max_visual_tokens``), never more."""
 
     url: str | None = None
     data: bytes | None = None
-    frames: tuple[str, ...] | None = None  # each frame's URL (data: or an allowed path/host), as image_url's
+    # each frame's URL (data: or an allowed path/host), as image_url's
+    frames: tuple[str, ...] | None = None
     fps: float | None = None
     max_frames: int | None = None
     max_visual_tokens: int | None = None
@@ -53,7 +60,8 @@ class VideoPart:
 
 @dataclass(frozen=True)
 class ToolCall:
-    """A function call an assistant turn made (``arguments``: the JSON object as the model wrote it)."""
+    """A function call an assistant turn made (``arguments``: the JSON object as the model wrote
+    it)."""
 
     id: str
     name: str
@@ -71,7 +79,9 @@ class Function:
 
 @dataclass(frozen=True)
 class Message:
-    role: str  # system | user | assistant | tool (the chat template prints it verbatim: the API layer restricts it)
+    # system | user | assistant | tool (the chat template prints it verbatim: the API layer
+    # restricts it)
+    role: str
     content: str | tuple[TextPart | ImagePart | VideoPart, ...] | None
     tool_calls: tuple[ToolCall, ...] = ()  # an assistant turn's calls
     tool_call_id: str | None = None  # a tool turn: the call whose result it is
@@ -89,9 +99,11 @@ class Message:
 class ChatPrompt:
     messages: tuple[Message, ...]
     add_generation_prompt: bool = True
-    tools: tuple[Function, ...] = ()  # rendered for the model as the chat template (or inputs/tools.py) writes them
+    # rendered for the model as the chat template (or inputs/tools.py) writes them
+    tools: tuple[Function, ...] = ()
     param: str = "messages"  # the request field the conversation came from, named in errors
-    # each message's request field (errors name an image as ``<field>.content[j].image_url``); empty: messages[i]
+    # each message's request field (errors name an image as ``<field>.content[j].image_url``);
+    # empty: messages[i]
     fields: tuple[str, ...] = ()
 
     def field_of(self, index: int) -> str:
@@ -114,7 +126,8 @@ class TextPrompt:
 
 @dataclass(frozen=True)
 class TokenPrompt:
-    """A completion prompt given as token ids, used as they are (no vision placeholders: images come in chat)."""
+    """A completion prompt given as token ids, used as they are (no vision placeholders: images come
+    in chat)."""
 
     token_ids: tuple[int, ...]
     param: str = "prompt"
@@ -128,9 +141,10 @@ Prompt = ChatPrompt | TextPrompt | TokenPrompt
 
 @dataclass(frozen=True)
 class SamplingRequest:
-    """Sampling as asked for: None means the checkpoint's default (generation_config.json); ``max_tokens`` None means
-    all the room the context leaves. ``names`` maps a SamplingParams field to the name the client used for it
-    (``max_tokens`` -> ``max_completion_tokens``), so a refusal names what the client sent."""
+    """Sampling as asked for: None means the checkpoint's default (generation_config.json);
+    ``max_tokens`` None means all the room the context leaves. ``names`` maps a SamplingParams field
+    to the name the client used for it (``max_tokens`` -> ``max_completion_tokens``), so a refusal
+    names what the client sent."""
 
     max_tokens: int | None = None
     temperature: float | None = None
@@ -145,9 +159,11 @@ class SamplingRequest:
     repetition_penalty: float | None = None
     logprobs: bool = False
     top_logprobs: int = 0
-    structured: GrammarSpec | None = None  # what the answer must match (response_format, structured_outputs)
+    # what the answer must match (response_format, structured_outputs)
+    structured: GrammarSpec | None = None
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias)
-    prompt_logprobs: int | None = None  # score the prompt's tokens, with this many alternatives (echo + logprobs)
+    # score the prompt's tokens, with this many alternatives (echo + logprobs)
+    prompt_logprobs: int | None = None
     names: tuple[tuple[str, str], ...] = ()  # (SamplingParams field, client's field)
 
     def name(self, field: str) -> str:

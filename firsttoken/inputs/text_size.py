@@ -1,24 +1,25 @@
 """How many tokens a text has at least, found without tokenizing more of it than the limit needs.
 
-A prompt far over the limit is refused without being tokenized whole. The text is measured in three steps, each
-taken only when the ones before could not decide:
+A prompt far over the limit is refused without being tokenized whole. The text is measured in three
+steps, each taken only when the ones before could not decide:
 
-1. characters: no token covers more than ``max_chars_per_token`` characters (the longest string in the
-   tokenizer's vocabulary, added tokens included: a byte-level token's string has one character per byte,
-   and a byte decodes to at most one character), so the text has at least ``ceil(chars / max_chars_per_token)``
-   tokens. Over the limit: refused, nothing tokenized;
-2. bytes: every byte-level token covers at least one byte, so text of at most ``limit`` UTF-8 bytes cannot
-   pass the limit: nothing more to do here. Nor is there for text of at most ``PIECE_CHARS`` characters:
-   counting it would cost as much as the exact tokenization the caller does next, which says more;
-3. pieces: the text is tokenized ``PIECE_CHARS`` characters at a time, cut just before a space that follows
-   a non-space (where GPT-2-style pre-tokenizers split anyway), and counting stops as soon as the count passes
-   the limit. A cut changes only the tokens around it, by fewer than ``CUT_SLACK_TOKENS``, which is
-   subtracted per piece, so the count stays a lower bound.
+1. characters: no token covers more than ``max_chars_per_token`` characters (the longest string in
+   the tokenizer's vocabulary, added tokens included: a byte-level token's string has one character
+   per byte, and a byte decodes to at most one character), so the text has at least
+   ``ceil(chars / max_chars_per_token)`` tokens. Over the limit: refused, nothing tokenized;
+2. bytes: every byte-level token covers at least one byte, so text of at most ``limit`` UTF-8 bytes
+   cannot pass the limit: nothing more to do here. Nor is there for text of at most ``PIECE_CHARS``
+   characters: counting it would cost as much as the exact tokenization the caller does next, which
+   says more;
+3. pieces: the text is tokenized ``PIECE_CHARS`` characters at a time, cut just before a space that
+   follows a non-space (where GPT-2-style pre-tokenizers split anyway), and counting stops as soon
+   as the count passes the limit. A cut changes only the tokens around it, by fewer than
+   ``CUT_SLACK_TOKENS``, which is subtracted per piece, so the count stays a lower bound.
 
-Special tokens are honoured while counting (``<|im_start|>`` typed as text counts as 1 token, though a chat
-template would split it into several): the fewest tokens the text could be, so a lower bound either way.
-What passes is tokenized exactly by the caller; this only ever refuses early, never lets through a prompt the
-exact count would refuse.
+Special tokens are honoured while counting (``<|im_start|>`` typed as text counts as 1 token, though
+a chat template would split it into several): the fewest tokens the text could be, so a lower bound
+either way. What passes is tokenized exactly by the caller; this only ever refuses early, never lets
+through a prompt the exact count would refuse.
 """
 
 from __future__ import annotations
@@ -44,10 +45,14 @@ def longest_token_chars(vocabulary: Sequence[str]) -> int:
 
 
 def measure_text(
-    texts: Sequence[str], limit: int, encode: Callable[[str], Sequence[int]], max_chars_per_token: int
+    texts: Sequence[str],
+    limit: int,
+    encode: Callable[[str], Sequence[int]],
+    max_chars_per_token: int,
 ) -> TextSize:
-    """A lower bound on the tokens of ``texts`` (tokenized separately), exceeding ``limit`` whenever one of the
-    three steps proves the texts exceed it. ``encode`` must honour special tokens (the fewest tokens)."""
+    """A lower bound on the tokens of ``texts`` (tokenized separately), exceeding ``limit`` whenever
+    one of the three steps proves the texts exceed it. ``encode`` must honour special tokens (the
+    fewest tokens)."""
     num_chars = sum(map(len, texts))
     by_chars = -(-num_chars // max_chars_per_token)
     if by_chars > limit or num_chars * MAX_UTF8_BYTES_PER_CHAR <= limit or num_chars <= PIECE_CHARS:
@@ -66,8 +71,8 @@ def measure_text(
 
 
 def pieces(text: str, size: int) -> Iterator[str]:
-    """``text`` in consecutive pieces of at most ``size`` characters, each cut (where the back half of the
-    piece allows) just before a space that follows a non-space."""
+    """``text`` in consecutive pieces of at most ``size`` characters, each cut (where the back half
+    of the piece allows) just before a space that follows a non-space."""
     start = 0
     while len(text) - start > size:
         end = start + size

@@ -1,15 +1,18 @@
 """Tools in the prompt, and the grammar a forced call is held to.
 
-Qwen2.5 and Qwen3 write tool calls the hermes way: the tools listed in the system turn inside ``<tools></tools>``,
-each call as ``<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>``, each result sent back as a user turn
-inside ``<tool_response></tool_response>``. A checkpoint whose chat template renders tools itself (it mentions
-``tools``) gets them through the template; for one that does not (Qwen2-VL's), ``hermes_messages`` writes the same
-text into the messages, in Qwen2.5's words, so every family sees tools the same way.
+Qwen2.5 and Qwen3 write tool calls the hermes way: the tools listed in the system turn inside
+``<tools></tools>``, each call as
+``<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>``, each result sent back as a user
+turn inside ``<tool_response></tool_response>``. A checkpoint whose chat template renders tools
+itself (it mentions ``tools``) gets them through the template; for one that does not (Qwen2-VL's),
+``hermes_messages`` writes the same text into the messages, in Qwen2.5's words, so every family sees
+tools the same way.
 
-``forced_call_spec``: ``tool_choice`` ``required`` or a named function makes the answer the call itself, as vLLM
-does: for a named function, the arguments object (its parameters' schema); for ``required``, a JSON array of one or
-more ``{"name", "arguments"}`` objects, each name one of the tools' and its arguments that tool's schema. The answer
-is then valid by construction (docs/structured_outputs.md).
+``forced_call_spec``: ``tool_choice`` ``required`` or a named function makes the answer the call
+itself, as vLLM does: for a named function, the arguments object (its parameters' schema); for
+``required``, a JSON array of one or more ``{"name", "arguments"}`` objects, each name one of the
+tools' and its arguments that tool's schema. The answer is then valid by construction
+(docs/structured_outputs.md).
 """
 
 from __future__ import annotations
@@ -50,8 +53,8 @@ def call_text(name: str, arguments: str) -> str:
 
 
 def hermes_messages(messages: Sequence[Message], functions: Sequence[Function]) -> list[Message]:
-    """The conversation with tools, calls and results written into plain system / user / assistant turns, for a
-    chat template that renders no tools of its own."""
+    """The conversation with tools, calls and results written into plain system / user / assistant
+    turns, for a chat template that renders no tools of its own."""
     out: list[Message] = []
     if functions:
         first = messages[0] if messages and messages[0].role == "system" else None
@@ -62,7 +65,8 @@ def hermes_messages(messages: Sequence[Message], functions: Sequence[Function]) 
         if m.role == "tool":
             result = f"<tool_response>\n{m.content or ''}\n</tool_response>"
             if out and out[-1].role == "user" and _is_tool_results(out[-1]):
-                out[-1] = Message("user", f"{out[-1].content}\n{result}")  # consecutive results: one user turn
+                # consecutive results: one user turn
+                out[-1] = Message("user", f"{out[-1].content}\n{result}")
             else:
                 out.append(Message("user", result))
         elif m.tool_calls:
@@ -75,7 +79,8 @@ def hermes_messages(messages: Sequence[Message], functions: Sequence[Function]) 
 
 
 def template_messages(messages: Sequence[Message]) -> list[dict[str, Any]] | None:
-    """The calls and results as a tool-aware chat template takes them (None: nothing tool-shaped to pass)."""
+    """The calls and results as a tool-aware chat template takes them (None: nothing tool-shaped to
+    pass)."""
     if not any(m.tool_calls or m.role == "tool" for m in messages):
         return None
     return [{"tool_calls": [{"id": c.id, "type": "function",
@@ -86,32 +91,49 @@ def template_messages(messages: Sequence[Message]) -> list[dict[str, Any]] | Non
 
 def forced_call_spec(tools: Sequence[tuple[str, dict[str, Any] | None]], named: str | None,
                      parallel: bool) -> GrammarSpec:
-    """The grammar of a forced call: ``tools`` as (name, parameters schema); ``named`` the function tool_choice
-    names, else any of them (``required``), more than one only when ``parallel``."""
+    """The grammar of a forced call: ``tools`` as (name, parameters schema); ``named`` the function
+    tool_choice names, else any of them (``required``), more than one only when ``parallel``."""
     schemas = {name: params if params is not None else ANY_OBJECT for name, params in tools}
     if named is not None:
         return GrammarSpec("json_schema", canonical_json(schemas[named]), False, "tool_choice")
-    # each tool's schema moves under the array's root, at #/$defs/<name>: its own references ("#/$defs/Address",
-    # "#" for itself) are rebased there, so they still name its parts (a tool's name is a JSON pointer's token as is)
-    call = {"anyOf": [{"type": "object", "properties": {"name": {"const": name},
-                                                        "arguments": {"$ref": f"#/$defs/{name}"}},
-                       "required": ["name", "arguments"], "additionalProperties": False} for name in schemas]}
-    array: dict[str, Any] = {"$defs": {name: rebase_refs(schema, f"#/$defs/{name}") for name, schema in schemas.items()},
-                             "type": "array", "items": call, "minItems": 1}
+    # each tool's schema moves under the array's root, at #/$defs/<name>: its own references
+    # ("#/$defs/Address", "#" for itself) are rebased there, so they still name its parts (a tool's
+    # name is a JSON pointer's token as is)
+    call = {
+        "anyOf": [
+            {
+                "type": "object",
+                "properties": {"name": {"const": name}, "arguments": {"$ref": f"#/$defs/{name}"}},
+                "required": ["name", "arguments"],
+                "additionalProperties": False,
+            }
+            for name in schemas
+        ]
+    }
+    array: dict[str, Any] = {
+        "$defs": {name: rebase_refs(schema, f"#/$defs/{name}") for name, schema in schemas.items()},
+        "type": "array",
+        "items": call,
+        "minItems": 1,
+    }
     if not parallel:
         array["maxItems"] = 1
     return GrammarSpec("json_schema", canonical_json(array), False, "tool_choice")
 
 
-# keywords whose values are data, not schemas: a "$ref" inside them is a value to match, never a reference
+# keywords whose values are data, not schemas: a "$ref" inside them is a value to match, never a
+# reference
 _DATA_KEYWORDS = frozenset({"const", "enum", "default", "examples"})
 # keywords whose values map names (any, "const" included) to schemas
-_SCHEMA_MAPS = frozenset({"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"})
+_SCHEMA_MAPS = frozenset(
+    {"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"}
+)
 
 
 def rebase_refs(schema: Any, base: str) -> Any:
-    """``schema`` with every reference into its own document ("#", "#/...") made relative to ``base``, the place
-    it is moved to in a larger document; other references (another document's, an anchor) are left as they are."""
+    """``schema`` with every reference into its own document ("#", "#/...") made relative to
+    ``base``, the place it is moved to in a larger document; other references (another document's,
+    an anchor) are left as they are."""
     if isinstance(schema, list):
         return [rebase_refs(item, base) for item in schema]
     if not isinstance(schema, dict):

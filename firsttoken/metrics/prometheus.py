@@ -1,11 +1,12 @@
-"""The Prometheus exporter: a collector that turns a Recorder snapshot and an EngineSnapshot into metric
-families at scrape time. It is the only module that imports prometheus_client; the engine never sees it.
+"""The Prometheus exporter: a collector that turns a Recorder snapshot and an EngineSnapshot into
+metric families at scrape time. It is the only module that imports prometheus_client; the engine
+never sees it.
 
-One registry per app (``make_registry``), so two servers in one process (tests) never share series. Names are
-``firsttoken_*`` with unit suffixes; per-request histograms carry ``lane`` and ``images``, the request class
-(window.IMAGE_CLASSES: 0 | 1 | 2+ images, or video for a request with any video). Beside them,
-four ``vllm:*`` gauges with vLLM's names and meanings, for gateways that route on them (``VllmCompatCollector``).
-The full list with meanings is in docs/observability.md.
+One registry per app (``make_registry``), so two servers in one process (tests) never share series.
+Names are ``firsttoken_*`` with unit suffixes; per-request histograms carry ``lane`` and ``images``,
+the request class (window.IMAGE_CLASSES: 0 | 1 | 2+ images, or video for a request with any video).
+Beside them, four ``vllm:*`` gauges with vLLM's names and meanings, for gateways that route on them
+(``VllmCompatCollector``). The full list with meanings is in docs/observability.md.
 """
 
 from __future__ import annotations
@@ -26,9 +27,11 @@ from firsttoken.metrics.recorder import DISCONNECT_STAGES, Recorder
 from firsttoken.metrics.stats import EngineSnapshot
 
 REQUEST_LABELS = ["lane", "images"]
-# The scheduler's reasons (scheduler.py _preempt), exported at 0 before the first one so alerts have a series.
+# The scheduler's reasons (scheduler.py _preempt), exported at 0 before the first one so alerts have
+# a series.
 PREEMPTION_REASONS = ("decode_growth", "prefill_growth")
-# Why the server aborted running requests (engine/async_engine.py), exported at 0 before the first one.
+# Why the server aborted running requests (engine/async_engine.py), exported at 0 before the first
+# one.
 ABORT_REASONS = ("client_not_reading",)
 
 # (snapshot field, metric name, help) for the per-request histograms labelled by lane and images.
@@ -43,7 +46,9 @@ _REQUEST_HISTOGRAMS: tuple[tuple[str, str, str], ...] = (
 )  # fmt: skip
 
 
-def _histogram(name: str, doc: str, labels: list[str], series: dict[tuple[str, ...], Histogram]) -> Metric:
+def _histogram(
+    name: str, doc: str, labels: list[str], series: dict[tuple[str, ...], Histogram]
+) -> Metric:
     family = HistogramMetricFamily(name, doc, labels=labels)
     for key, h in sorted(series.items()):
         buckets = [(floatToGoString(bound), n) for bound, n in h.cumulative()]
@@ -55,7 +60,9 @@ def _counter(name: str, doc: str, value: float) -> Metric:
     return CounterMetricFamily(name, doc, value=value)
 
 
-def _gauge_by(name: str, documentation: str, label: str, values: dict[str, float]) -> GaugeMetricFamily:
+def _gauge_by(
+    name: str, documentation: str, label: str, values: dict[str, float]
+) -> GaugeMetricFamily:
     """One gauge family with a sample per key of ``values``, labelled ``label``."""
     family = GaugeMetricFamily(name, documentation, labels=[label])
     for key, value in sorted(values.items()):
@@ -68,15 +75,21 @@ def _gauge(name: str, doc: str, value: float) -> Metric:
 
 
 def _long_lane_only(by_size: dict[str, dict[str, float]]) -> Iterator[Metric]:
-    """The steps in which the long lane had prefill work and the short lane none, by how they were sized."""
+    """The steps in which the long lane had prefill work and the short lane none, by how they were
+    sized."""
     steps = CounterMetricFamily(
-        "firsttoken_long_lane_only_steps", "Steps in which the long lane had prefill work and the short lane none, "
+        "firsttoken_long_lane_only_steps",
+        "Steps in which the long lane had prefill work and the short lane none, "
         "by sizing: throughput (the lane's speed alone) or bounded (a step-time bound, a pace or token budgets).",
-        labels=["sized"])
+        labels=["sized"],
+    )
     seconds = CounterMetricFamily(
-        "firsttoken_long_lane_only_seconds", "Of those steps: wall seconds (part=wall), and the seconds their work "
+        "firsttoken_long_lane_only_seconds",
+        "Of those steps: wall seconds (part=wall), and the seconds their work "
         "would take in throughput steps by the step-cost model (part=at_throughput); wall above it is the long lane "
-        "running below its throughput.", labels=["sized", "part"])
+        "running below its throughput.",
+        labels=["sized", "part"],
+    )
     for sized, v in sorted(by_size.items()):
         steps.add_metric([sized], v["steps"])
         seconds.add_metric([sized, "wall"], v["wall_s"])
@@ -112,9 +125,12 @@ class FirsttokenCollector:
             requests.add_metric(list(key), n)
         yield requests
         rejections = CounterMetricFamily(
-            "firsttoken_rejections", "Requests answered with a 4xx before generating, by reason.", labels=["reason"]
+            "firsttoken_rejections",
+            "Requests answered with a 4xx before generating, by reason.",
+            labels=["reason"],
         )
-        for reason, n in sorted({"over_slo": 0, **s.rejections}.items()):  # over_slo: alertable from zero
+        # over_slo: alertable from zero
+        for reason, n in sorted({"over_slo": 0, **s.rejections}.items()):
             rejections.add_metric([reason], n)
         yield rejections
         aborts = CounterMetricFamily(
@@ -129,12 +145,20 @@ class FirsttokenCollector:
             "while sending the request body; answer: while it was generated or streamed). Not errors.",
             labels=["stage"],
         )  # fmt: skip
-        for stage, n in sorted({**dict.fromkeys(DISCONNECT_STAGES, 0), **s.client_disconnects}.items()):
+        for stage, n in sorted(
+            {**dict.fromkeys(DISCONNECT_STAGES, 0), **s.client_disconnects}.items()
+        ):
             disconnects.add_metric([stage], n)
         yield disconnects
         c = s.counters
-        yield _counter("firsttoken_prompt_tokens", "Prompt tokens of finished requests.", c["prompt_tokens"])
-        yield _counter("firsttoken_generation_tokens", "Generated tokens of finished requests.", c["generation_tokens"])
+        yield _counter(
+            "firsttoken_prompt_tokens", "Prompt tokens of finished requests.", c["prompt_tokens"]
+        )
+        yield _counter(
+            "firsttoken_generation_tokens",
+            "Generated tokens of finished requests.",
+            c["generation_tokens"],
+        )
         yield _counter("firsttoken_engine_steps", "Engine steps run.", c["steps"])
         yield _counter("firsttoken_step_prefill_tokens", "Prefill tokens scheduled across steps.",
                        c["scheduled_prefill_tokens"])  # fmt: skip
@@ -142,8 +166,16 @@ class FirsttokenCollector:
                        c["scheduled_decode_tokens"])  # fmt: skip
         yield _counter("firsttoken_step_encoder_images", "Images encoded by the vision tower, summed over steps.",
                        c["encoder_images"])  # fmt: skip
-        yield _counter("firsttoken_step_encoder_seconds", "Seconds spent in the vision tower.", c["encoder_seconds"])
-        yield _counter("firsttoken_step_busy_seconds", "Seconds the engine spent inside steps.", c["step_seconds"])
+        yield _counter(
+            "firsttoken_step_encoder_seconds",
+            "Seconds spent in the vision tower.",
+            c["encoder_seconds"],
+        )
+        yield _counter(
+            "firsttoken_step_busy_seconds",
+            "Seconds the engine spent inside steps.",
+            c["step_seconds"],
+        )
         yield _histogram("firsttoken_step_scheduled_tokens", "Tokens (prefill + decode) scheduled per step.", [],
                          {(): s.step_tokens})  # fmt: skip
         yield _histogram("firsttoken_step_duration_seconds", "Wall time of one engine step.", [],
@@ -160,35 +192,58 @@ class FirsttokenCollector:
         for (images, part), seconds in sorted(s.first_token_engine_s.items()):
             parts.add_metric([images, part], seconds)
         yield parts
-        yield _histogram("firsttoken_ttft_prediction_ratio", "Predicted TTFT at admission / measured TTFT, per "
-                         "request class (1 = exact).", ["images"],
-                         {(k,): h for k, h in s.ttft_prediction_ratio.items()})
+        yield _histogram(
+            "firsttoken_ttft_prediction_ratio",
+            "Predicted TTFT at admission / measured TTFT, per request class (1 = exact).",
+            ["images"],
+            {(k,): h for k, h in s.ttft_prediction_ratio.items()},
+        )
         yield _counter("firsttoken_image_budget_lowered", "Requests whose visual-token budget was lowered to meet "
                        "their TTFT objective (--ttft-slo).", c["image_budget_lowered"])  # fmt: skip
         yield _counter("firsttoken_constrained_requests", "Requests whose output was held to a grammar "
                        "(response_format, structured_outputs).", c["constrained_requests"])  # fmt: skip
         yield _counter("firsttoken_grammar_cache_hits", "Constrained requests whose grammar was compiled "
                        "already (a repeated schema costs nothing).", c["grammar_cache_hits"])  # fmt: skip
-        yield _histogram("firsttoken_grammar_compile_seconds", "Compiling a constrained request's output grammar, "
-                         "in preprocessing before it queued (a cached grammar counts 0).", [],
-                         {(): s.grammar_compile_s})
+        yield _histogram(
+            "firsttoken_grammar_compile_seconds",
+            "Compiling a constrained request's output grammar, "
+            "in preprocessing before it queued (a cached grammar counts 0).",
+            [],
+            {(): s.grammar_compile_s},
+        )
 
         g = self.engine()
-        yield _gauge("firsttoken_kv_cache_used_blocks", "KV blocks referenced by live requests.", g.kv_blocks_used)
-        yield _gauge("firsttoken_kv_cache_capacity_blocks", "KV blocks in the pool.", g.kv_blocks_total)
-        yield _gauge("firsttoken_kv_cache_usage_ratio", "Used / capacity KV blocks (1 = full).", g.kv_usage_ratio)
+        yield _gauge(
+            "firsttoken_kv_cache_used_blocks",
+            "KV blocks referenced by live requests.",
+            g.kv_blocks_used,
+        )
+        yield _gauge(
+            "firsttoken_kv_cache_capacity_blocks", "KV blocks in the pool.", g.kv_blocks_total
+        )
+        yield _gauge(
+            "firsttoken_kv_cache_usage_ratio",
+            "Used / capacity KV blocks (1 = full).",
+            g.kv_usage_ratio,
+        )
         yield _gauge("firsttoken_requests_running", "Requests in the running batch.", g.num_running)
         queued = GaugeMetricFamily("firsttoken_requests_queued", "Requests waiting for admission, per lane.",
                                    labels=["lane"])  # fmt: skip
         for lane, n in sorted(g.num_queued_by_lane.items()):
             queued.add_metric([lane], n)
         yield queued
-        yield _gauge("firsttoken_encoder_cache_bytes", "Bytes of vision-encoder outputs held.", g.encoder_cache_bytes)
+        yield _gauge(
+            "firsttoken_encoder_cache_bytes",
+            "Bytes of vision-encoder outputs held.",
+            g.encoder_cache_bytes,
+        )
         preemptions = CounterMetricFamily(
             "firsttoken_preemptions", "Running requests preempted (KV dropped, recomputed later), by reason.",
             labels=["reason"],
         )  # fmt: skip
-        for reason, n in sorted({**dict.fromkeys(PREEMPTION_REASONS, 0), **g.preemptions_by_reason}.items()):
+        for reason, n in sorted(
+            {**dict.fromkeys(PREEMPTION_REASONS, 0), **g.preemptions_by_reason}.items()
+        ):
             preemptions.add_metric([reason], n)
         yield preemptions
         yield _counter("firsttoken_short_requests_delayed_by_long",
@@ -208,22 +263,41 @@ class FirsttokenCollector:
                        g.prefix_cache_hit_tokens)  # fmt: skip
         yield _counter("firsttoken_prefix_cache_query_tokens", "Prompt tokens looked up in the KV prefix cache.",
                        g.prefix_cache_query_tokens)  # fmt: skip
-        yield _gauge_by("firsttoken_step_cost_coefficient", "The step-cost model's seconds per unit of each term "
-                        "(step, sequences, sampled, prefill_tokens, prefill_attention, decode_tokens, decode_context, "
-                        "encoder_patches, encoder_attention).", "term", g.cost_model)
-        yield _gauge_by("firsttoken_ttft_prediction_bias", "The factor predicted TTFTs of each class (by number of "
-                        "images: 0, 1, 2+) are multiplied by, learnt online from measured first tokens (1: no "
-                        "correction).", "images", g.ttft_bias)
+        yield _gauge_by(
+            "firsttoken_step_cost_coefficient",
+            "The step-cost model's seconds per unit of each term "
+            "(step, sequences, sampled, prefill_tokens, prefill_attention, decode_tokens, decode_context, "
+            "encoder_patches, encoder_attention).",
+            "term",
+            g.cost_model,
+        )
+        yield _gauge_by(
+            "firsttoken_ttft_prediction_bias",
+            "The factor predicted TTFTs of each class (by number of "
+            "images: 0, 1, 2+) are multiplied by, learnt online from measured first tokens (1: no "
+            "correction).",
+            "images",
+            g.ttft_bias,
+        )
         if g.step_time_target_s is not None:
-            yield _gauge("firsttoken_step_time_target_seconds", "The step-time bound the scheduler fills steps to.",
-                         g.step_time_target_s)
+            yield _gauge(
+                "firsttoken_step_time_target_seconds",
+                "The step-time bound the scheduler fills steps to.",
+                g.step_time_target_s,
+            )
         if g.itl_target_s is not None:
-            yield _gauge("firsttoken_itl_target_seconds", "The pace per output token (--itl-target) the scheduler "
-                         "bounds steps that carry decodes to.", g.itl_target_s)
+            yield _gauge(
+                "firsttoken_itl_target_seconds",
+                "The pace per output token (--itl-target) the scheduler "
+                "bounds steps that carry decodes to.",
+                g.itl_target_s,
+            )
+
 
 class VllmCompatCollector:
-    """The gauges a Kubernetes inference gateway reads from vLLM pods, with vLLM's names, labels and meanings, so
-    the Gateway API Inference Extension's endpoint picker and llm-d schedule firsttoken pods unchanged:
+    """The gauges a Kubernetes inference gateway reads from vLLM pods, with vLLM's names, labels and
+    meanings, so the Gateway API Inference Extension's endpoint picker and llm-d schedule firsttoken
+    pods unchanged:
 
         vllm:num_requests_waiting   requests queued in the scheduler, not yet admitted (every lane; vLLM: waiting)
         vllm:num_requests_running   requests in the running batch, prefilling or decoding (vLLM: running)
@@ -233,7 +307,8 @@ class VllmCompatCollector:
         vllm:cache_config_info      1, labelled block_size and num_gpu_blocks (the pool, whatever the device): what a
                                     prefix-cache-aware endpoint picker reads to hash prompts in the server's blocks
 
-    Labels as vLLM's: ``model_name`` (the served model name) and ``engine`` ("0": one engine per server)."""
+    Labels as vLLM's: ``model_name`` (the served model name) and ``engine`` ("0": one engine per
+    server)."""
 
     def __init__(self, engine: Callable[[], EngineSnapshot], model_name: str) -> None:
         self.engine = engine
@@ -247,18 +322,35 @@ class VllmCompatCollector:
         labels = ["engine", "model_name"]
         values = ["0", self.model_name]
         for name, doc, value in (
-            ("vllm:num_requests_running", "Number of requests in model execution batches.", g.num_running),
-            ("vllm:num_requests_waiting", "Number of requests waiting to be processed.",
-             sum(g.num_queued_by_lane.values())),
-            ("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", g.kv_usage_ratio),
-            ("vllm:gpu_cache_usage_perc", "KV-cache usage (vLLM's name before 0.10). 1 means 100 percent usage.",
-             g.kv_usage_ratio),
+            (
+                "vllm:num_requests_running",
+                "Number of requests in model execution batches.",
+                g.num_running,
+            ),
+            (
+                "vllm:num_requests_waiting",
+                "Number of requests waiting to be processed.",
+                sum(g.num_queued_by_lane.values()),
+            ),
+            (
+                "vllm:kv_cache_usage_perc",
+                "KV-cache usage. 1 means 100 percent usage.",
+                g.kv_usage_ratio,
+            ),
+            (
+                "vllm:gpu_cache_usage_perc",
+                "KV-cache usage (vLLM's name before 0.10). 1 means 100 percent usage.",
+                g.kv_usage_ratio,
+            ),
         ):
             family = GaugeMetricFamily(name, doc, labels=labels)
             family.add_metric(values, value)
             yield family
-        info = GaugeMetricFamily("vllm:cache_config_info", "Information of the LLMEngine CacheConfig",
-                                 labels=["block_size", "engine", "num_gpu_blocks"])
+        info = GaugeMetricFamily(
+            "vllm:cache_config_info",
+            "Information of the LLMEngine CacheConfig",
+            labels=["block_size", "engine", "num_gpu_blocks"],
+        )
         info.add_metric([str(g.block_size), "0", str(g.kv_blocks_total)], 1.0)
         yield info
 

@@ -1,19 +1,22 @@
-"""The one sink for metrics data: the engine's StatsObserver plus the HTTP layer's completion of each request.
+"""The one sink for metrics data: the engine's StatsObserver plus the HTTP layer's completion of
+each request.
 
 Two threads feed it, and both only append under one lock:
 
-- the engine thread calls ``on_step`` (aggregated at once: a few adds and two bisects) and ``on_finished``
-  (parked in ``_pending``, nothing else);
-- the HTTP layer calls ``complete(request_id, timeline, ...)`` once the response has been handed to the
-  transport. Only then is ``first_byte_s`` marked (a non-streaming response is built after the engine
-  finished it), so a request's record, with TTFT up to the first byte and its ``send`` phase, is made here
-  from the live timeline and the parked FinishedRequest (outcome, lane, sizes).
+- the engine thread calls ``on_step`` (aggregated at once: a few adds and two bisects) and
+  ``on_finished`` (parked in ``_pending``, nothing else);
+- the HTTP layer calls ``complete(request_id, timeline, ...)`` once the response has been handed to
+  the transport. Only then is ``first_byte_s`` marked (a non-streaming response is built after the
+  engine finished it), so a request's record, with TTFT up to the first byte and its ``send`` phase,
+  is made here from the live timeline and the parked FinishedRequest (outcome, lane, sizes).
 
-A parked request the HTTP layer never completes is recorded from the engine's own timings (TTFT up to the
-first token, send = 0) by ``flush``: aborts and errors at once, stop/length after ``grace_s`` (a client that
-vanished after the last token). ``flush`` runs on every completion, scrape and /stats read.
+A parked request the HTTP layer never completes is recorded from the engine's own timings (TTFT up
+to the first token, send = 0) by ``flush``: aborts and errors at once, stop/length after ``grace_s``
+(a client that vanished after the last token). ``flush`` runs on every completion, scrape and /stats
+read.
 
-Each record updates the histograms and counters the exporter reads, the /stats window and the request log.
+Each record updates the histograms and counters the exporter reads, the /stats window and the
+request log.
 """
 
 from __future__ import annotations
@@ -36,8 +39,8 @@ from firsttoken.metrics.window import (
 )
 
 DEFAULT_LANE = "default"
-# Where a client left before its answer was complete: while sending its request body | while its answer was made or
-# streamed (the HTTP layer tells: api/middleware.py client_left)
+# Where a client left before its answer was complete: while sending its request body | while its
+# answer was made or streamed (the HTTP layer tells: api/middleware.py client_left)
 DISCONNECT_STAGES = ("body", "answer")
 # Outcomes whose record cannot gain anything from the HTTP layer: recorded at the next flush.
 _FINAL_AT_ENGINE = frozenset({"abort", "error"})
@@ -48,7 +51,8 @@ class RequestRecord:
     """One finished request as the request log writes it (no prompt text, no image bytes)."""
 
     request_id: str
-    http_request_id: str | None  # X-Request-Id of the HTTP exchange, when the HTTP layer completed it
+    # X-Request-Id of the HTTP exchange, when the HTTP layer completed it
+    http_request_id: str | None
     finished_unix_s: float
     outcome: str  # stop | length | abort | error
     lane: str
@@ -58,7 +62,8 @@ class RequestRecord:
     num_image_tokens: int
     num_output_tokens: int
     timings: Mapping[str, float | int | None]  # Timeline.to_dict()
-    token_gaps_s: tuple[float, ...] = ()  # seconds between consecutive output tokens (inter-token latency)
+    # seconds between consecutive output tokens (inter-token latency)
+    token_gaps_s: tuple[float, ...] = ()
     num_videos: int = 0
 
     @property
@@ -86,7 +91,8 @@ class RequestRecord:
 
 @dataclass
 class LabelledHistograms:
-    """Histograms by (lane, images[, phase]) plus the per-request counters, as copies for an exporter."""
+    """Histograms by (lane, images[, phase]) plus the per-request counters, as copies for an
+    exporter."""
 
     ttft_s: dict[tuple[str, str], Histogram] = field(default_factory=dict)
     phase_s: dict[tuple[str, str, str], Histogram] = field(default_factory=dict)
@@ -104,21 +110,25 @@ class RecorderSnapshot:
     hist: LabelledHistograms
     requests: dict[tuple[str, str, str], int]  # (lane, images, outcome) -> count
     rejections: dict[str, int]  # reason -> count
-    aborts: dict[str, int]  # reason -> count: requests the server aborted mid-generation (e.g. client_not_reading)
-    client_disconnects: dict[str, int]  # stage (body | answer) -> clients that left before their answer was complete
+    # reason -> count: requests the server aborted mid-generation (e.g. client_not_reading)
+    aborts: dict[str, int]
+    # stage (body | answer) -> clients that left before their answer was complete
+    client_disconnects: dict[str, int]
     counters: dict[str, float]  # name -> value (tokens, steps, encoder work)
     step_tokens: Histogram
     step_duration_s: Histogram
     last_step: StepStats | None
     step_prediction_ratio: Histogram  # the step-cost model's predicted / actual step time
     ttft_prediction_ratio: dict[str, Histogram]  # image class -> predicted / actual TTFT
-    first_token_engine_s: dict[tuple[str, str], float]  # (image class, part) -> seconds, over answered requests
-    grammar_compile_s: Histogram  # constrained requests' output-grammar compiles (a cached grammar: 0)
+    # (image class, part) -> seconds, over answered requests
+    first_token_engine_s: dict[tuple[str, str], float]
+    # constrained requests' output-grammar compiles (a cached grammar: 0)
+    grammar_compile_s: Histogram
 
 
 class Recorder:
-    """Implements StatsObserver (engine thread) and the HTTP layer's side (``complete``, ``on_rejected``,
-    ``on_client_disconnect``)."""
+    """Implements StatsObserver (engine thread) and the HTTP layer's side (``complete``,
+    ``on_rejected``, ``on_client_disconnect``)."""
 
     def __init__(
         self,
@@ -146,10 +156,12 @@ class Recorder:
         self._last_step: StepStats | None = None
         self._step_ratio = Histogram(RATIO_BUCKETS)
         self._grammar_compile_s = Histogram(TIME_BUCKETS_S)
-        self._ttft_ratio: dict[str, Histogram] = {c: Histogram(RATIO_BUCKETS) for c in IMAGE_CLASSES}
+        self._ttft_ratio: dict[str, Histogram] = {
+            c: Histogram(RATIO_BUCKETS) for c in IMAGE_CLASSES
+        }
         self._first_token_engine_s = {(c, p): 0.0 for c in IMAGE_CLASSES for p in FIRST_TOKEN_PARTS}
 
-    # ---- engine thread ---------------------------------------------------------------------------------
+    # ---- engine thread ---------------------------------------------------------------------------
     def on_step(self, stats: StepStats) -> None:
         with self._lock:
             c = self._counters
@@ -169,7 +181,7 @@ class Recorder:
         with self._lock:
             self._pending[request.request_id] = (request, self.clock())
 
-    # ---- HTTP layer ------------------------------------------------------------------------------------
+    # ---- HTTP layer ------------------------------------------------------------------------------
     def complete(
         self,
         request_id: str,
@@ -178,7 +190,8 @@ class Recorder:
         http_request_id: str | None = None,
     ) -> RequestRecord | None:
         """The response for ``request_id`` has been sent: record it with the final ``timings``.
-        Returns None when the engine has not finished the request (it will be flushed from its own data)."""
+        Returns None when the engine has not finished the request (it will be flushed from its own
+        data)."""
         with self._lock:
             parked = self._pending.pop(request_id, None)
             if parked is not None:
@@ -194,7 +207,8 @@ class Recorder:
             self._rejections[reason] = self._rejections.get(reason, 0) + 1
 
     def on_aborted(self, request_id: str, reason: str) -> None:
-        """The server aborted a running request for ``reason`` (its outcome is recorded as "abort" as usual)."""
+        """The server aborted a running request for ``reason`` (its outcome is recorded as "abort"
+        as usual)."""
         with self._lock:
             self._aborts[reason] = self._aborts.get(reason, 0) + 1
 
@@ -203,7 +217,7 @@ class Recorder:
         with self._lock:
             self._client_disconnects[stage] = self._client_disconnects.get(stage, 0) + 1
 
-    # ---- readers ---------------------------------------------------------------------------------------
+    # ---- readers ---------------------------------------------------------------------------------
     def flush(self) -> None:
         with self._lock:
             self._flush_locked()
@@ -218,7 +232,10 @@ class Recorder:
             self._flush_locked()
             h = self._hist
             hist = LabelledHistograms(
-                **{name: {k: v.copy() for k, v in getattr(h, name).items()} for name in h.__dataclass_fields__}
+                **{
+                    name: {k: v.copy() for k, v in getattr(h, name).items()}
+                    for name in h.__dataclass_fields__
+                }
             )
             return RecorderSnapshot(
                 hist=hist,
@@ -236,7 +253,7 @@ class Recorder:
                 grammar_compile_s=self._grammar_compile_s.copy(),
             )
 
-    # ---- internals (lock held) -------------------------------------------------------------------------
+    # ---- internals (lock held) -------------------------------------------------------------------
     def _flush_locked(self) -> None:
         now = self.clock()
         for rid in list(self._pending):
@@ -258,7 +275,8 @@ class Recorder:
             h.output_tokens[key] = Histogram(TOKEN_BUCKETS)
             for p in PHASES:
                 h.phase_s[(lane, images, p)] = Histogram(TIME_BUCKETS_S)
-            for c in IMAGE_CLASSES:  # once a lane is seen, all its classes show 0 rather than "no data"
+            # once a lane is seen, all its classes show 0 rather than "no data"
+            for c in IMAGE_CLASSES:
                 if c != images:
                     self._histograms_for(lane, c)
             for outcome in ("stop", "length", "abort", "error"):
@@ -306,7 +324,9 @@ class Recorder:
             WindowEntry(
                 t_s=self.clock(),
                 image_class=r.images,
-                latencies_s=latencies if answered else {k: v for k, v in latencies.items() if k == "e2e_s"},
+                latencies_s=latencies
+                if answered
+                else {k: v for k, v in latencies.items() if k == "e2e_s"},
                 num_prompt_tokens=r.num_prompt_tokens,
                 num_cached_prompt_tokens=int(t.get("cached_prompt_tokens") or 0),
                 num_encoder_cache_hits=int(t.get("encoder_cache_hits") or 0),
@@ -316,10 +336,12 @@ class Recorder:
             )
         )
         if self.sink is not None:
-            self.sink(r)  # same lock as the window: the log's first `seq` lines are the window's first entries
+            # same lock as the window: the log's first `seq` lines are the window's first entries
+            self.sink(r)
 
 
-# where the engine's time went before each first token (Timeline.to_dict's accounting): part -> timing key
+# where the engine's time went before each first token (Timeline.to_dict's accounting): part ->
+# timing key
 FIRST_TOKEN_PARTS: dict[str, str] = {
     "handoff": "handoff_s",
     "encoder": "encoder_compute_s",
@@ -345,8 +367,8 @@ COUNTERS: tuple[str, ...] = (
 
 
 def ratio_summary(h: Histogram) -> dict[str, float | int | None]:
-    """A predicted/actual histogram as {n, share within 15% of actual, share within 35%}: the share of
-    observations in (0.85, 1.15] and (0.65, 1.35], both bucket edges, so the shares are exact."""
+    """A predicted/actual histogram as {n, share within 15% of actual, share within 35%}: the share
+    of observations in (0.85, 1.15] and (0.65, 1.35], both bucket edges, so the shares are exact."""
     total = h.count
     if not total:
         return {"n": 0, "within_15pct": None, "within_35pct": None}
@@ -355,7 +377,11 @@ def ratio_summary(h: Histogram) -> dict[str, float | int | None]:
     def share(lo: float, hi: float) -> float:
         return (cum[hi] - cum[lo]) / total
 
-    return {"n": total, "within_15pct": round(share(0.85, 1.15), 3), "within_35pct": round(share(0.65, 1.35), 3)}
+    return {
+        "n": total,
+        "within_15pct": round(share(0.85, 1.15), 3),
+        "within_35pct": round(share(0.65, 1.35), 3),
+    }
 
 
 def _record_of(

@@ -1,5 +1,5 @@
-"""Metrics as plain data: what one engine step did and how one request went. Exporters read these; nothing on
-the hot path imports prometheus_client."""
+"""Metrics as plain data: what one engine step did and how one request went. Exporters read these;
+nothing on the hot path imports prometheus_client."""
 
 from __future__ import annotations
 
@@ -12,7 +12,8 @@ class StepStats:
     step: int
     start_s: float  # monotonic
     duration_s: float  # schedule + execute + update
-    predicted_s: float | None  # what the step-cost model predicted before it ran (None: not fitted yet)
+    # what the step-cost model predicted before it ran (None: not fitted yet)
+    predicted_s: float | None
     num_seqs: int
     num_prefill_tokens: int
     num_decode_tokens: int
@@ -58,8 +59,8 @@ class NullObserver:
 
 @dataclass(frozen=True)
 class EngineSnapshot:
-    """Engine state read at scrape / /stats time: live gauges and the engine's own cumulative counters
-    (the API layer fills it from EngineStats; exporters read only this)."""
+    """Engine state read at scrape / /stats time: live gauges and the engine's own cumulative
+    counters (the API layer fills it from EngineStats; exporters read only this)."""
 
     kv_blocks_used: int
     kv_blocks_total: int
@@ -67,20 +68,23 @@ class EngineSnapshot:
     num_queued_by_lane: dict[str, int]
     encoder_cache_bytes: int
     preemptions_by_reason: dict[str, int]
-    num_short_delayed_by_long: int  # short-lane requests that sat out a whole step while long work ran
+    # short-lane requests that sat out a whole step while long work ran
+    num_short_delayed_by_long: int
     encoder_cache_hits: int
     encoder_cache_misses: int
     prefix_cache_hit_tokens: int
     prefix_cache_query_tokens: int
     cost_model: dict[str, float] = field(default_factory=dict)  # step-cost coefficients by term
-    cost_model_coverage: dict[str, dict[str, float]] = field(default_factory=dict)  # term -> steps, max
+    # term -> steps, max
+    cost_model_coverage: dict[str, dict[str, float]] = field(default_factory=dict)
     step_time_target_s: float | None = None
     itl_target_s: float | None = None
-    ttft_bias: dict[str, float] = field(default_factory=dict)  # images class -> the predicted TTFT's learnt factor
+    # images class -> the predicted TTFT's learnt factor
+    ttft_bias: dict[str, float] = field(default_factory=dict)
     block_size: int = 16  # tokens per KV block
     num_encoder_interrupts: int = 0  # steps whose long-lane encoder work a short arrival cut short
-    # sized ("throughput" | "bounded") -> steps, wall_s, at_throughput_s of the steps in which only the long lane had
-    # prefill work (EngineStats.long_lane_only)
+    # sized ("throughput" | "bounded") -> steps, wall_s, at_throughput_s of the steps in which only
+    # the long lane had prefill work (EngineStats.long_lane_only)
     long_lane_only: dict[str, dict[str, float]] = field(default_factory=dict)
 
     @property

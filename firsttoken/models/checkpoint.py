@@ -1,10 +1,11 @@
 """Random-weight Qwen-VL checkpoints in Hugging Face format, built offline.
 
-``make_model(out_dir, size, seed, layout, shards, family)`` writes a directory that transformers 5 loads
-unchanged (``AutoTokenizer``, ``Qwen2VLImageProcessorPil``, the family's ``...ForConditionalGeneration``). The
-family is a registered one (models/registry.py) whose ``ModelFamily.checkpoint`` is a ``CheckpointRecipe``
-(models/recipe.py: its shapes, transformers config and model class, second layout if any; Qwen2-VL's is in
-qwen2_vl_checkpoint.py). Every family's checkpoint holds:
+``make_model(out_dir, size, seed, layout, shards, family)`` writes a directory that transformers 5
+loads unchanged (``AutoTokenizer``, ``Qwen2VLImageProcessorPil``, the family's
+``...ForConditionalGeneration``). The family is a registered one (models/registry.py) whose
+``ModelFamily.checkpoint`` is a ``CheckpointRecipe`` (models/recipe.py: its shapes, transformers
+config and model class, second layout if any; Qwen2-VL's is in qwen2_vl_checkpoint.py). Every
+family's checkpoint holds:
 
     config.json                      the recipe's: transformers' layout, or the family's release layout
     generation_config.json           EOS = [<|im_end|>, <|endoftext|>], Qwen2-VL-Instruct sampling defaults
@@ -52,7 +53,8 @@ from firsttoken.models.registry import families, family_of_config
 from firsttoken.models.train_tokenizer import ASSET_PATH as TOKENIZER_ASSET
 from firsttoken.models.train_tokenizer import SPECIAL_TOKENS
 
-FORMAT_VERSION = 1  # bump when the files make_model writes change; demo_model_dir rebuilds on mismatch
+# bump when the files make_model writes change; demo_model_dir rebuilds on mismatch
+FORMAT_VERSION = 1
 LOGIT_STD = 10.0
 
 # Qwen2-VL's chat template (the release's, plus {"type": "image_url"} parts).
@@ -104,9 +106,9 @@ def make_model(
     family: str = "qwen2-vl",
     dtype: str | None = None,
 ) -> Path:
-    """Write a random-weight checkpoint of ``family`` into ``out_dir`` (created if needed) and return it. ``dtype``
-    ("float32", "bfloat16"): the tensors' dtype on disk and the config's (default: the size's, float32); Qwen-VL
-    checkpoints are published in bfloat16."""
+    """Write a random-weight checkpoint of ``family`` into ``out_dir`` (created if needed) and
+    return it. ``dtype`` ("float32", "bfloat16"): the tensors' dtype on disk and the config's
+    (default: the size's, float32); Qwen-VL checkpoints are published in bfloat16."""
     known = recipes()
     if family not in known:
         raise ValueError(f"family must be one of {sorted(known)}, got {family!r}")
@@ -121,8 +123,13 @@ def make_model(
     if dtype is not None:
         if dtype not in CHECKPOINT_DTYPES:
             raise ValueError(f"dtype must be one of {CHECKPOINT_DTYPES}, got {dtype!r}")
-        text = getattr(shape, "text", None)  # Qwen2.5-VL's shape holds its language model's, which holds the dtype
-        shape = replace(shape, text=replace(text, dtype=dtype)) if text is not None else replace(shape, dtype=dtype)
+        # Qwen2.5-VL's shape holds its language model's, which holds the dtype
+        text = getattr(shape, "text", None)
+        shape = (
+            replace(shape, text=replace(text, dtype=dtype))
+            if text is not None
+            else replace(shape, dtype=dtype)
+        )
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     config = recipe.hf_config(shape)
@@ -137,14 +144,25 @@ def make_model(
     _write_generation_config(out)
     _write_tokenizer_files(out)
     _write_json(out / "preprocessor_config.json", recipe.preprocessor())
-    meta = {"format_version": FORMAT_VERSION, "family": family, "size": size, "seed": seed, "layout": layout,
-            "shards": shards}
-    _write_json(out / "firsttoken_checkpoint.json", {**meta, "params": asdict(count_params(tensors))})
+    meta = {
+        "format_version": FORMAT_VERSION,
+        "family": family,
+        "size": size,
+        "seed": seed,
+        "layout": layout,
+        "shards": shards,
+    }
+    _write_json(
+        out / "firsttoken_checkpoint.json", {**meta, "params": asdict(count_params(tensors))}
+    )
     return out
 
 
-def random_state_dict(config: Any, seed: int, dtype: torch.dtype, model_class: type | None = None) -> dict[str, torch.Tensor]:
-    """Seeded weights for every tensor of ``model_class(config)`` (default Qwen2-VL's), transformers names."""
+def random_state_dict(
+    config: Any, seed: int, dtype: torch.dtype, model_class: type | None = None
+) -> dict[str, torch.Tensor]:
+    """Seeded weights for every tensor of ``model_class(config)`` (default Qwen2-VL's), transformers
+    names."""
     if model_class is None:
         from transformers import Qwen2VLForConditionalGeneration as model_class
 
@@ -211,7 +229,8 @@ def count_params(tensors: dict[str, torch.Tensor]) -> ParamCounts:
 
 
 def shard_names(names: list[str], sizes_bytes: list[int], num_shards: int) -> list[list[str]]:
-    """Split ``names`` (in order) into ``num_shards`` contiguous, non-empty groups of similar bytes."""
+    """Split ``names`` (in order) into ``num_shards`` contiguous, non-empty groups of similar
+    bytes."""
     if num_shards > len(names):
         raise ValueError(f"shards={num_shards} exceeds the {len(names)} tensors in the checkpoint")
     target_bytes = sum(sizes_bytes) / num_shards
@@ -221,7 +240,9 @@ def shard_names(names: list[str], sizes_bytes: list[int], num_shards: int) -> li
         remaining_names = len(names) - i
         remaining_groups = num_shards - len(groups)
         must_split = remaining_names == remaining_groups and groups[-1]
-        if groups[-1] and (must_split or (remaining_groups and cum_bytes >= target_bytes * len(groups))):
+        if groups[-1] and (
+            must_split or (remaining_groups and cum_bytes >= target_bytes * len(groups))
+        ):
             groups.append([])
         groups[-1].append(name)
         cum_bytes += nbytes
@@ -236,7 +257,9 @@ def _write_weights(out: Path, tensors: dict[str, torch.Tensor], shards: int) -> 
         save_file(tensors, str(out / "model.safetensors"), metadata=metadata)
         return
     names = list(tensors)
-    groups = shard_names(names, [tensors[n].numel() * tensors[n].element_size() for n in names], shards)
+    groups = shard_names(
+        names, [tensors[n].numel() * tensors[n].element_size() for n in names], shards
+    )
     weight_map: dict[str, str] = {}
     for k, group in enumerate(groups, start=1):
         filename = f"model-{k:05d}-of-{shards:05d}.safetensors"
@@ -247,21 +270,28 @@ def _write_weights(out: Path, tensors: dict[str, torch.Tensor], shards: int) -> 
     _write_json(out / "model.safetensors.index.json", index)
 
 
-# config.json's token-id fields and the demo tokenizer's token each one names (published configs carry Qwen's ids)
+# config.json's token-id fields and the demo tokenizer's token each one names (published configs
+# carry Qwen's ids)
 DEMO_TOKEN_FIELDS: dict[str, str] = {
-    "bos_token_id": "<|endoftext|>", "eos_token_id": "<|im_end|>", "pad_token_id": "<|endoftext|>",
-    "vision_start_token_id": "<|vision_start|>", "vision_end_token_id": "<|vision_end|>",
-    "vision_token_id": "<|vision_pad|>", "image_token_id": "<|image_pad|>", "video_token_id": "<|video_pad|>",
+    "bos_token_id": "<|endoftext|>",
+    "eos_token_id": "<|im_end|>",
+    "pad_token_id": "<|endoftext|>",
+    "vision_start_token_id": "<|vision_start|>",
+    "vision_end_token_id": "<|vision_end|>",
+    "vision_token_id": "<|vision_pad|>",
+    "image_token_id": "<|image_pad|>",
+    "video_token_id": "<|video_pad|>",
 }
 
 
 def make_dummy_model(out_dir: str | Path, config: dict[str, Any]) -> Path:
-    """A weightless checkpoint for ``--load-format dummy``: a published model's ``config`` (its config.json, e.g.
-    Qwen2-VL-7B-Instruct's) with the demo checkpoint's tokenizer, chat template, generation defaults and its
-    family's image processor settings (the family is the config's: models/registry.py). The config's token-id
-    fields (top level and ``text_config``) are rewritten to the demo tokenizer's ids for the same tokens, so its
-    image placeholders and stop tokens are the ones the tokenizer makes; every other shape field is the published
-    one. No safetensors: serve it with --load-format dummy."""
+    """A weightless checkpoint for ``--load-format dummy``: a published model's ``config`` (its
+    config.json, e.g. Qwen2-VL-7B-Instruct's) with the demo checkpoint's tokenizer, chat template,
+    generation defaults and its family's image processor settings (the family is the config's:
+    models/registry.py). The config's token-id fields (top level and ``text_config``) are rewritten
+    to the demo tokenizer's ids for the same tokens, so its image placeholders and stop tokens are
+    the ones the tokenizer makes; every other shape field is the published one. No safetensors:
+    serve it with --load-format dummy."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     config = json.loads(json.dumps(config))  # a deep copy: the caller's dict is left as given
@@ -274,8 +304,14 @@ def make_dummy_model(out_dir: str | Path, config: dict[str, Any]) -> Path:
     _write_tokenizer_files(out)
     family = family_of_config(config)
     _write_json(out / "preprocessor_config.json", family.checkpoint.preprocessor())
-    _write_json(out / "firsttoken_checkpoint.json", {"format_version": FORMAT_VERSION, "family": family.name,
-                                                     "weights": "none: serve with --load-format dummy"})
+    _write_json(
+        out / "firsttoken_checkpoint.json",
+        {
+            "format_version": FORMAT_VERSION,
+            "family": family.name,
+            "weights": "none: serve with --load-format dummy",
+        },
+    )
     return out
 
 
@@ -331,6 +367,8 @@ def _move_aside_and_remove(path: Path, aside: Path) -> None:
 
 def _format_version(model_dir: Path) -> int | None:
     try:
-        return int(json.loads((model_dir / "firsttoken_checkpoint.json").read_text())["format_version"])
+        return int(
+            json.loads((model_dir / "firsttoken_checkpoint.json").read_text())["format_version"]
+        )
     except (OSError, ValueError, KeyError):
         return None

@@ -1,8 +1,8 @@
 """The architecture of a served checkpoint, as frozen values every layer may read.
 
-A model family (models/registry.py) parses its checkpoint's config.json (either layout it ships in) and
-preprocessor_config.json into these; nothing downstream reads the raw dicts. Fields a family does not have keep
-their neutral defaults (no window attention, no DeepStack, no q/k norm).
+A model family (models/registry.py) parses its checkpoint's config.json (either layout it ships in)
+and preprocessor_config.json into these; nothing downstream reads the raw dicts. Fields a family
+does not have keep their neutral defaults (no window attention, no DeepStack, no q/k norm).
 """
 
 from __future__ import annotations
@@ -27,15 +27,21 @@ class VisionConfig:
     spatial_merge_size: int = 2  # merge x merge patches become one LM token
     temporal_patch_size: int = 2
     hidden_act: str = "quick_gelu"
-    window_size: int = 0  # pixels per side of an attention window (Qwen2.5-VL: 112); 0 = every block attends fully
-    fullatt_block_indexes: tuple[int, ...] = ()  # with windows: the blocks that attend over the whole image
-    deepstack_visual_indexes: tuple[int, ...] = ()  # Qwen3-VL: blocks whose features feed the LM's first layers
+    # pixels per side of an attention window (Qwen2.5-VL: 112); 0 = every block attends fully
+    window_size: int = 0
+    # with windows: the blocks that attend over the whole image
+    fullatt_block_indexes: tuple[int, ...] = ()
+    # Qwen3-VL: blocks whose features feed the LM's first layers
+    deepstack_visual_indexes: tuple[int, ...] = ()
     num_position_embeddings: int = 0  # Qwen3-VL: learned position table (a square grid), 0 = none
-    tokens_per_second: float = 0.0  # Qwen2.5-VL: video time positions per second of clip; 0 = videos step by grid
+    # Qwen2.5-VL: video time positions per second of clip; 0 = videos step by grid
+    tokens_per_second: float = 0.0
 
     def __post_init__(self) -> None:
         if self.embed_dim % self.num_heads:
-            raise ConfigError("vision_config: embed_dim (hidden_size) must be divisible by num_heads")
+            raise ConfigError(
+                "vision_config: embed_dim (hidden_size) must be divisible by num_heads"
+            )
         for i in (*self.fullatt_block_indexes, *self.deepstack_visual_indexes):
             if not 0 <= i < self.depth:
                 raise ConfigError(f"vision_config: block index {i} is outside depth {self.depth}")
@@ -84,7 +90,8 @@ class ModelConfig:
     max_position_embeddings: int
     rms_norm_eps: float
     rope_theta: float
-    mrope_section: tuple[int, ...]  # sums to head_dim // 2: (temporal, height, width) frequency split
+    # sums to head_dim // 2: (temporal, height, width) frequency split
+    mrope_section: tuple[int, ...]
     tie_word_embeddings: bool
     image_token_id: int
     video_token_id: int
@@ -97,7 +104,8 @@ class ModelConfig:
     qk_norm: bool = False  # Qwen3: RMSNorm over each head of q and k before rotary
     hidden_act: str = "silu"
     eos_token_ids: tuple[int, ...] = ()
-    layout: str = "transformers"  # which config.json layout this came from: "transformers" or "original"
+    # which config.json layout this came from: "transformers" or "original"
+    layout: str = "transformers"
 
     def __post_init__(self) -> None:
         if self.num_attention_heads % self.num_key_value_heads:
@@ -106,12 +114,14 @@ class ModelConfig:
             raise ConfigError(f"mrope_section {list(self.mrope_section)} must sum to head_dim/2 = {self.head_dim // 2}")
 
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
-        """K and V for one token across all layers: 2 x layers x KV heads x head_dim x bytes (GQA-aware)."""
+        """K and V for one token across all layers: 2 x layers x KV heads x head_dim x bytes
+        (GQA-aware)."""
         return 2 * self.num_hidden_layers * self.num_key_value_heads * self.head_dim * dtype_bytes
 
 
 class ConfigReader:
-    """Reads fields out of a config.json dict with messages that name the missing field and the file."""
+    """Reads fields out of a config.json dict with messages that name the missing field and the
+    file."""
 
     def __init__(self, data: dict[str, Any], where: str) -> None:
         self.data = data
@@ -129,14 +139,16 @@ class ConfigReader:
 
 
 def text_and_vision_dicts(d: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any], str]:
-    """(text fields, vision fields, layout) of a Qwen-VL config.json in either layout: "transformers" nests the
-    language model under ``text_config``; the "original" release keeps its fields at the top level."""
+    """(text fields, vision fields, layout) of a Qwen-VL config.json in either layout:
+    "transformers" nests the language model under ``text_config``; the "original" release keeps its
+    fields at the top level."""
     if isinstance(d.get("text_config"), dict):
         return {**d, **d["text_config"]}, d.get("vision_config") or {}, "transformers"
     return d, d.get("vision_config") or {}, "original"
 
 
-QWEN_VL_TOKEN_IDS = {  # a Qwen-VL config.json's image/video token fields (top level), with the releases' values
+# a Qwen-VL config.json's image/video token fields (top level), with the releases' values
+QWEN_VL_TOKEN_IDS = {
     "image_token_id": 151655,
     "video_token_id": 151656,
     "vision_start_token_id": 151652,
@@ -145,8 +157,9 @@ QWEN_VL_TOKEN_IDS = {  # a Qwen-VL config.json's image/video token fields (top l
 
 
 def decoder_sizes(t: ConfigReader, hidden_size: int, num_heads: int) -> dict[str, int]:
-    """The decoder's sizes as every Qwen-VL text config names them, as ``ModelConfig`` fields (the KV heads default to
-    the attention heads); a required one that is missing raises ConfigError naming it."""
+    """The decoder's sizes as every Qwen-VL text config names them, as ``ModelConfig`` fields (the
+    KV heads default to the attention heads); a required one that is missing raises ConfigError
+    naming it."""
     return {
         "vocab_size": int(t.require("vocab_size")),
         "hidden_size": hidden_size,
@@ -158,7 +171,8 @@ def decoder_sizes(t: ConfigReader, hidden_size: int, num_heads: int) -> dict[str
 
 
 def vision_token_ids(d: dict[str, Any]) -> dict[str, int]:
-    """The image/video token ids of a Qwen-VL config.json, as ``ModelConfig`` fields (the releases' where absent)."""
+    """The image/video token ids of a Qwen-VL config.json, as ``ModelConfig`` fields (the releases'
+    where absent)."""
     return {name: int(d.get(name, default)) for name, default in QWEN_VL_TOKEN_IDS.items()}
 
 
@@ -178,8 +192,11 @@ def default_mrope_section(head_dim: int) -> tuple[int, int, int]:
     return (t, h, half - t - h)
 
 
-def image_processor_config(pre: dict[str, Any] | None, defaults: ImageProcessorConfig) -> ImageProcessorConfig:
-    """preprocessor_config.json over a family's defaults (both the min/max_pixels and the size dict forms)."""
+def image_processor_config(
+    pre: dict[str, Any] | None, defaults: ImageProcessorConfig
+) -> ImageProcessorConfig:
+    """preprocessor_config.json over a family's defaults (both the min/max_pixels and the size dict
+    forms)."""
     if not pre:
         return defaults
     size = pre.get("size") or {}

@@ -1,15 +1,16 @@
-"""How a model's decoder layers run: its ``DecodeMethod`` (the protocol in models/interfaces.py), chosen once when
-the model is built, like a linear layer's method (models/linear.py).
+"""How a model's decoder layers run: its ``DecodeMethod`` (the protocol in models/interfaces.py),
+chosen once when the model is built, like a linear layer's method (models/linear.py).
 
-A model that takes a decode method holds it as ``model.decode`` and, in its forward, hands it the step's embeddings
-and rotary tables; the method returns the final-norm hidden states (``ForwardOutput``). ``EAGER`` runs the model's
-own ``decoder_layers`` (one op at a time: every step, any device). A faster method (the fused decode layers of
-loading/fused_decode.py: a pure-decode step's layers in one C call) takes the steps it applies to and hands the rest
-to the same ``decoder_layers``; model code calls the method and knows nothing else.
+A model that takes a decode method holds it as ``model.decode`` and, in its forward, hands it the
+step's embeddings and rotary tables; the method returns the final-norm hidden states
+(``ForwardOutput``). ``EAGER`` runs the model's own ``decoder_layers`` (one op at a time: every
+step, any device). A faster method (the fused decode layers of loading/fused_decode.py: a
+pure-decode step's layers in one C call) takes the steps it applies to and hands the rest to the
+same ``decoder_layers``; model code calls the method and knows nothing else.
 
-What such a method may read of the model is what its family declares: a ``DecoderLayout`` (``ModelFamily
-.decoder_layout``: which submodules are each layer's projections and norms, the final norm, the lm_head, the
-shapes and the rotary layout), never names it discovers.
+What such a method may read of the model is what its family declares: a ``DecoderLayout``
+(``ModelFamily .decoder_layout``: which submodules are each layer's projections and norms, the final
+norm, the lm_head, the shapes and the rotary layout), never names it discovers.
 """
 
 from __future__ import annotations
@@ -26,8 +27,8 @@ from firsttoken.models.interfaces import DecoderModel, ForwardOutput, ImageRows
 
 @dataclass(frozen=True)
 class DecoderLayerParts:
-    """One pre-norm decoder layer's parts, by their names in the model: x + o(attn(rotary(qkv(norm(x))))), then
-    x + down(silu(gate) * up) of gate_up(post_norm(x))."""
+    """One pre-norm decoder layer's parts, by their names in the model: x +
+    o(attn(rotary(qkv(norm(x))))), then x + down(silu(gate) * up) of gate_up(post_norm(x))."""
 
     input_norm: str  # RMSNorm before attention
     qkv_proj: str  # Linear: hidden -> [q; k; v] heads (bias: DecoderLayout.qkv_bias)
@@ -55,7 +56,8 @@ class DecoderLayout:
     rms_norm_eps: float
     qkv_bias: bool
     tied_lm_head: bool
-    rotary: Literal["half-split"] = "half-split"  # rotate_half's layout; the model's cos/sin tables per row
+    # rotate_half's layout; the model's cos/sin tables per row
+    rotary: Literal["half-split"] = "half-split"
 
     def projections(self) -> Iterator[tuple[str, int, int, bool]]:
         """(name, in_features, out_features, bias) of every decoder layer's projections."""

@@ -1,8 +1,9 @@
 """What a model family provides the engine: everything model-specific, in one value per family.
 
-Adding a family is writing its module under models/ (config parsing, the nn.Module, its weight mapping, its
-encoder units, its make-model recipe) and listing its ``ModelFamily`` in models/registry.py (or, from a test or a
-plugin, ``registry.register(family)``). Nothing in engine/, scheduler/ or runner/ names a family.
+Adding a family is writing its module under models/ (config parsing, the nn.Module, its weight
+mapping, its encoder units, its make-model recipe) and listing its ``ModelFamily`` in
+models/registry.py (or, from a test or a plugin, ``registry.register(family)``). Nothing in engine/,
+scheduler/ or runner/ names a family.
 """
 
 from __future__ import annotations
@@ -23,10 +24,11 @@ from firsttoken.types import EncoderUnit
 
 
 class PositionsFn(Protocol):
-    """A prompt's M-RoPE positions, as transformers' ``get_rope_index`` for the family gives them. ``input_ids`` hold
-    the expanded pads (images: ``image_token_id``, videos: ``video_token_id``, in any order); ``image_grid_thw`` one
-    (t, h, w) per image and ``video_grid_thw`` one per video, each in prompt order; ``second_per_grid_ts`` one per
-    video (seconds of clip per temporal grid) or empty (1 s each). ValueError when grids and pads disagree."""
+    """A prompt's M-RoPE positions, as transformers' ``get_rope_index`` for the family gives them.
+    ``input_ids`` hold the expanded pads (images: ``image_token_id``, videos: ``video_token_id``, in
+    any order); ``image_grid_thw`` one (t, h, w) per image and ``video_grid_thw`` one per video,
+    each in prompt order; ``second_per_grid_ts`` one per video (seconds of clip per temporal grid)
+    or empty (1 s each). ValueError when grids and pads disagree."""
 
     def __call__(
         self,
@@ -39,10 +41,11 @@ class PositionsFn(Protocol):
 
 
 class VideoPromptTokensFn(Protocol):
-    """The token ids that replace ONE ``<|video_pad|>`` of the chat template for a video of ``grid_thw`` (t, h, w)
-    patches, ``grid_timestamps_s`` its t grid times in seconds (inputs/video.py ``VideoPlan.grid_timestamps``);
-    ``encode`` turns text into token ids without special tokens. The result is what transformers' processor puts
-    there, token for token, and the family's ``positions`` reads it back with ``video_grid_thw=[grid_thw]``."""
+    """The token ids that replace ONE ``<|video_pad|>`` of the chat template for a video of
+    ``grid_thw`` (t, h, w) patches, ``grid_timestamps_s`` its t grid times in seconds
+    (inputs/video.py ``VideoPlan.grid_timestamps``); ``encode`` turns text into token ids without
+    special tokens. The result is what transformers' processor puts there, token for token, and the
+    family's ``positions`` reads it back with ``video_grid_thw=[grid_thw]``."""
 
     def __call__(
         self,
@@ -54,7 +57,10 @@ class VideoPromptTokensFn(Protocol):
 
 
 def video_pad_tokens(
-    grid_thw: Grid, grid_timestamps_s: Sequence[float], config: ModelConfig, encode: Callable[[str], list[int]]
+    grid_thw: Grid,
+    grid_timestamps_s: Sequence[float],
+    config: ModelConfig,
+    encode: Callable[[str], list[int]],
 ) -> list[int]:
     """Qwen2-VL / Qwen2.5-VL: one contiguous run of t * (h/m) * (w/m) video pads; no timestamps."""
     t, h, w = grid_thw
@@ -62,8 +68,8 @@ def video_pad_tokens(
 
 
 def main_rows_bytes(config: ModelConfig, dtype_bytes: int) -> int:
-    """An image's encoder output per visual token when it is ``ImageEmbeddings.main`` alone: one row of the language
-    model's width."""
+    """An image's encoder output per visual token when it is ``ImageEmbeddings.main`` alone: one row
+    of the language model's width."""
     return config.hidden_size * dtype_bytes
 
 
@@ -71,18 +77,23 @@ def main_rows_bytes(config: ModelConfig, dtype_bytes: int) -> int:
 class ModelFamily:
     name: str  # "qwen2-vl": what make-model --family and the README call it
     architectures: tuple[str, ...]  # config.json "architectures" values served by this family
-    model_types: tuple[str, ...]  # config.json "model_type" values (fallback when architectures is absent)
-    # (config.json dict, preprocessor_config.json dict or None) -> ModelConfig; ConfigError names a missing field
+    # config.json "model_type" values (fallback when architectures is absent)
+    model_types: tuple[str, ...]
+    # (config.json dict, preprocessor_config.json dict or None) -> ModelConfig; ConfigError names a
+    # missing field
     parse_config: Callable[[dict[str, Any], dict[str, Any] | None], ModelConfig]
-    build: Callable[[ModelConfig, AttentionBackend], nn.Module]  # an nn.Module honouring models/interfaces.py
+    # an nn.Module honouring models/interfaces.py
+    build: Callable[[ModelConfig, AttentionBackend], nn.Module]
     weights: WeightMapping
     encoder_units: Callable[[VisionConfig, Grid], tuple[EncoderUnit, ...]]
-    checkpoint: CheckpointRecipe  # how make-model builds a random checkpoint; its transformers class is the oracle
+    # how make-model builds a random checkpoint; its transformers class is the oracle
+    checkpoint: CheckpointRecipe
     positions: PositionsFn = compute_mrope_positions
     video_prompt_tokens: VideoPromptTokensFn = video_pad_tokens
-    # (config, bytes per element of the model's dtype) -> bytes of ImageEmbeddings per visual token: what one token
-    # of an image holds in the encoder cache (main rows, and DeepStack features where the tower has them)
+    # (config, bytes per element of the model's dtype) -> bytes of ImageEmbeddings per visual token:
+    # what one token of an image holds in the encoder cache (main rows, and DeepStack features where
+    # the tower has them)
     encoder_bytes_per_token: Callable[[ModelConfig, int], int] = main_rows_bytes
-    # its decoder's parts as decode methods that read weights directly see them (models/decode.py: the fused decode
-    # layers); None: its decoder layers always run eagerly
+    # its decoder's parts as decode methods that read weights directly see them (models/decode.py:
+    # the fused decode layers); None: its decoder layers always run eagerly
     decoder_layout: Callable[[ModelConfig], DecoderLayout] | None = None

@@ -1,9 +1,11 @@
-"""``--model`` as users of vLLM write it: a local directory, or a Hugging Face repo id (``Qwen/Qwen2.5-VL-3B-Instruct``).
+"""``--model`` as users of vLLM write it: a local directory, or a Hugging Face repo id
+(``Qwen/Qwen2.5-VL-3B-Instruct``).
 
-A repo id is resolved from the local Hugging Face cache (``$HF_HOME/hub``, or ``$HF_HUB_CACHE``) first; when it is
-not there and the machine may go online (``HF_HUB_OFFLINE`` unset), it is downloaded with ``huggingface_hub`` (the
-weights, config, tokenizer and processor files only). Neither cached nor reachable is a ``ModelNotFound`` whose
-message names the id, the cache searched and what to do.
+A repo id is resolved from the local Hugging Face cache (``$HF_HOME/hub``, or ``$HF_HUB_CACHE``)
+first; when it is not there and the machine may go online (``HF_HUB_OFFLINE`` unset), it is
+downloaded with ``huggingface_hub`` (the weights, config, tokenizer and processor files only).
+Neither cached nor reachable is a ``ModelNotFound`` whose message names the id, the cache searched
+and what to do.
 """
 
 from __future__ import annotations
@@ -40,7 +42,8 @@ def resolve_model(name: str | Path, offline: bool | None = None) -> Path:
     """The local directory a ``--model`` value means (see the module docstring)."""
     path = Path(name).expanduser()
     if path.exists() or not is_repo_id(str(name)):
-        return path  # a directory (checked by whoever loads it), or a path that does not exist (said there)
+        # a directory (checked by whoever loads it), or a path that does not exist (said there)
+        return path
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import LocalEntryNotFoundError
 
@@ -58,7 +61,9 @@ def resolve_model(name: str | Path, offline: bool | None = None) -> Path:
                 f"first (huggingface-cli download {repo_id}) or pass a local directory"
             ) from None
     try:
-        return Path(snapshot_download(repo_id, cache_dir=cache, allow_patterns=list(ALLOW_PATTERNS)))
+        return Path(
+            snapshot_download(repo_id, cache_dir=cache, allow_patterns=list(ALLOW_PATTERNS))
+        )
     except Exception as exc:  # network down, repo missing or gated: one sentence, not a traceback
         raise ModelNotFound(
             f"{repo_id} is not in the Hugging Face cache ({cache}) and could not be downloaded "

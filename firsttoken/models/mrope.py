@@ -1,12 +1,14 @@
-"""Multimodal rotary positions (M-RoPE) for a Qwen-VL prompt, identical to transformers' ``get_rope_index``.
+"""Multimodal rotary positions (M-RoPE) for a Qwen-VL prompt, identical to transformers'
+``get_rope_index``.
 
-Text token at prompt index i: (p, p, p) where p is the running position. An image of (t, h, w) patches takes
-t * (h/m) * (w/m) pad tokens (m = spatial merge size) at positions (p + frame, p + row, p + col) in row-major
-order, then the running position jumps by max(h, w) / m. A video is the same with ``video_token_id`` pads and
-temporal grid g at time p + floor(g * time_step): Qwen2-VL steps 1 per grid, Qwen2.5-VL ``tokens_per_second *
-second_per_grid_t`` (qwen2_5_vl.py), Qwen3-VL splits each video into one (1, h, w) run per grid with timestamp text
-between (qwen3_vl.py). Images and videos may come in any order; each kind consumes its own grids in prompt order.
-After a prompt of ``L`` tokens the running position is ``L + delta`` (``delta`` <= 0 when images are present), and
+Text token at prompt index i: (p, p, p) where p is the running position. An image of (t, h, w)
+patches takes t * (h/m) * (w/m) pad tokens (m = spatial merge size) at positions (p + frame, p +
+row, p + col) in row-major order, then the running position jumps by max(h, w) / m. A video is the
+same with ``video_token_id`` pads and temporal grid g at time p + floor(g * time_step): Qwen2-VL
+steps 1 per grid, Qwen2.5-VL ``tokens_per_second * second_per_grid_t`` (qwen2_5_vl.py), Qwen3-VL
+splits each video into one (1, h, w) run per grid with timestamp text between (qwen3_vl.py). Images
+and videos may come in any order; each kind consumes its own grids in prompt order. After a prompt
+of ``L`` tokens the running position is ``L + delta`` (``delta`` <= 0 when images are present), and
 generated token i >= L sits at ``i + delta`` on all three axes. Computed once per request; any chunk
 ``positions[:, a:b]`` is then correct on its own.
 """
@@ -36,9 +38,12 @@ def compute_mrope_positions(
     video_grid_thw: Sequence[Grid] = (),
     second_per_grid_ts: Sequence[float] = (),
 ) -> MRopePositions:
-    """Qwen2-VL's positions. ``video_grid_thw``: one (t, h, w) per video, whose t * (h/m) * (w/m) pads are one
-    contiguous run; its grid g sits at time step g (``second_per_grid_ts`` is ignored, as transformers does)."""
-    return vision_positions(input_ids, image_grid_thw, config, video_grid_thw, [1] * len(video_grid_thw))
+    """Qwen2-VL's positions. ``video_grid_thw``: one (t, h, w) per video, whose t * (h/m) * (w/m)
+    pads are one contiguous run; its grid g sits at time step g (``second_per_grid_ts`` is ignored,
+    as transformers does)."""
+    return vision_positions(
+        input_ids, image_grid_thw, config, video_grid_thw, [1] * len(video_grid_thw)
+    )
 
 
 def vision_positions(
@@ -48,10 +53,13 @@ def vision_positions(
     video_grid_thw: Sequence[Grid],
     video_time_steps: Sequence[float | torch.Tensor],
 ) -> MRopePositions:
-    """The walk every family shares. ``video_time_steps[k]``: video k's time positions per temporal grid; grid g sits
-    at ``(g * step).long()`` as transformers computes it (a float step: a float32 product, truncated)."""
+    """The walk every family shares. ``video_time_steps[k]``: video k's time positions per temporal
+    grid; grid g sits at ``(g * step).long()`` as transformers computes it (a float step: a float32
+    product, truncated)."""
     if len(video_time_steps) != len(video_grid_thw):
-        raise ValueError(f"{len(video_time_steps)} video time steps for {len(video_grid_thw)} videos")
+        raise ValueError(
+            f"{len(video_time_steps)} video time steps for {len(video_grid_thw)} videos"
+        )
     token_ids = [int(x) for x in input_ids]
     merge = config.vision.spatial_merge_size
     kinds = {config.image_token_id: "image", config.video_token_id: "video"}
@@ -79,9 +87,13 @@ def vision_positions(
         n = t * gh * gw
         pad = token_ids[i]
         if i + n > len(token_ids) or any(x != pad for x in token_ids[i : i + n]):
-            raise ValueError(f"{kind} {k} with grid {(t, h, w)} needs {n} consecutive {kind}-pad tokens")
+            raise ValueError(
+                f"{kind} {k} with grid {(t, h, w)} needs {n} consecutive {kind}-pad tokens"
+            )
         step = video_time_steps[k] if kind == "video" else 1
-        tt, hh, ww = torch.meshgrid((torch.arange(t) * step).long(), torch.arange(gh), torch.arange(gw), indexing="ij")
+        tt, hh, ww = torch.meshgrid(
+            (torch.arange(t) * step).long(), torch.arange(gh), torch.arange(gw), indexing="ij"
+        )
         pieces.append(torch.stack((tt, hh, ww)).reshape(3, -1) + pos)
         pos += max(h, w) // merge
         i += n
@@ -94,5 +106,8 @@ def vision_positions(
 
 
 def decode_positions(start: int, count: int, delta: int) -> torch.Tensor:
-    """[3, count] int64 positions of tokens start .. start + count - 1 past the prompt (same on every axis)."""
-    return (torch.arange(start, start + count, dtype=torch.int64) + delta).expand(3, -1).contiguous()
+    """[3, count] int64 positions of tokens start .. start + count - 1 past the prompt (same on
+    every axis)."""
+    return (
+        (torch.arange(start, start + count, dtype=torch.int64) + delta).expand(3, -1).contiguous()
+    )

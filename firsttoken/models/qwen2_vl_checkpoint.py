@@ -1,6 +1,6 @@
-"""make-model's recipe for Qwen2-VL (``--family qwen2-vl``, the default): the sizes, transformers' config and
-model class, and the Qwen2-VL-2B-Instruct release's layout. Qwen2.5-VL's recipe reuses its language model's shapes
-and text config.
+"""make-model's recipe for Qwen2-VL (``--family qwen2-vl``, the default): the sizes, transformers'
+config and model class, and the Qwen2-VL-2B-Instruct release's layout. Qwen2.5-VL's recipe reuses
+its language model's shapes and text config.
 
     config.json                      layout "transformers" (nested text_config / vision_config) or
                                      "original" (the Qwen2-VL-2B-Instruct release: flat, rope_scaling)
@@ -46,7 +46,9 @@ class CheckpointShape:
     def __post_init__(self) -> None:
         head_dim = self.hidden_size // self.num_attention_heads
         if sum(self.mrope_section) * 2 != head_dim:
-            raise ValueError(f"mrope_section {self.mrope_section} must sum to head_dim/2 = {head_dim // 2}")
+            raise ValueError(
+                f"mrope_section {self.mrope_section} must sum to head_dim/2 = {head_dim // 2}"
+            )
 
 
 SIZES: dict[str, CheckpointShape] = {
@@ -56,7 +58,8 @@ SIZES: dict[str, CheckpointShape] = {
 
 
 def text_config_dict(shape: CheckpointShape) -> dict[str, Any]:
-    """The language model's transformers ``text_config`` for ``shape`` (Qwen2 with M-RoPE), our tokenizer's ids."""
+    """The language model's transformers ``text_config`` for ``shape`` (Qwen2 with M-RoPE), our
+    tokenizer's ids."""
     return {
         **text_shape_fields(shape),
         "max_position_embeddings": MAX_POSITION_EMBEDDINGS,
@@ -89,14 +92,19 @@ def build_hf_config(shape: CheckpointShape) -> "Qwen2VLConfig":
         "temporal_patch_size": 2,
     }
     config = Qwen2VLConfig(
-        text_config=text, vision_config=vision, tie_word_embeddings=False, dtype=shape.dtype, **VISION_TOKEN_IDS
+        text_config=text,
+        vision_config=vision,
+        tie_word_embeddings=False,
+        dtype=shape.dtype,
+        **VISION_TOKEN_IDS,
     )
     config.architectures = ["Qwen2VLForConditionalGeneration"]
     return config
 
 
 def to_original_key(name: str) -> str:
-    """transformers 5 weight name -> Qwen2-VL release name (``model.language_model.`` -> ``model.``)."""
+    """transformers 5 weight name -> Qwen2-VL release name (``model.language_model.`` ->
+    ``model.``)."""
     if name.startswith("model.language_model."):
         return "model." + name.removeprefix("model.language_model.")
     if name.startswith("model.visual."):
@@ -153,10 +161,18 @@ def original_config_dict(config: "Qwen2VLConfig", shape: CheckpointShape) -> dic
 
 
 def preprocessor_config_dict() -> dict[str, Any]:
-    """Qwen2-VL image processor defaults, with both the ``size`` and the legacy min/max_pixels keys."""
+    """Qwen2-VL image processor defaults, with both the ``size`` and the legacy min/max_pixels
+    keys."""
     p = IMAGE_PROCESSOR
-    legacy = {"do_convert_rgb": True, "do_resize": True, "do_rescale": True, "rescale_factor": 1 / 255,
-              "do_normalize": True, "min_pixels": p.min_pixels, "max_pixels": p.max_pixels}
+    legacy = {
+        "do_convert_rgb": True,
+        "do_resize": True,
+        "do_rescale": True,
+        "rescale_factor": 1 / 255,
+        "do_normalize": True,
+        "min_pixels": p.min_pixels,
+        "max_pixels": p.max_pixels,
+    }
     return {**legacy, **preprocessor_json(p, "Qwen2VLImageProcessor", "Qwen2VLProcessor")}
 
 

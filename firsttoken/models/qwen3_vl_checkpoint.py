@@ -1,16 +1,18 @@
 """make-model's recipe for Qwen3-VL: random checkpoints with the family's real config fields.
 
-``tiny`` keeps every Qwen3-VL feature that can go wrong at test speed: an explicit head_dim (32) that is not
-hidden / heads (16), GQA, uneven interleaved M-RoPE sections (6, 5, 5), q/k norms, three decoder layers so two take
-DeepStack features and one does not, a four-block vision tower with DeepStack after blocks 1 and 2, and an 8x8
-learned position table that every image's grid resamples. ``small`` (~44M parameters) matches Qwen2-VL small's
-language model, with Qwen3-VL-8B's three DeepStack features. Both untied, as Qwen3-VL-8B (the 2B/4B releases tie
-lm_head to the embeddings; the oracle tests cover that with a checkpoint transformers writes).
+``tiny`` keeps every Qwen3-VL feature that can go wrong at test speed: an explicit head_dim (32)
+that is not hidden / heads (16), GQA, uneven interleaved M-RoPE sections (6, 5, 5), q/k norms, three
+decoder layers so two take DeepStack features and one does not, a four-block vision tower with
+DeepStack after blocks 1 and 2, and an 8x8 learned position table that every image's grid resamples.
+``small`` (~44M parameters) matches Qwen2-VL small's language model, with Qwen3-VL-8B's three
+DeepStack features. Both untied, as Qwen3-VL-8B (the 2B/4B releases tie lm_head to the embeddings;
+the oracle tests cover that with a checkpoint transformers writes).
 
-Layouts: "transformers" is transformers 5's ``save_pretrained`` (``rope_parameters`` holding theta, sections and
-``mrope_interleaved``); "original" is the releases' config.json (transformers 4.57: ``rope_scaling`` +
-``rope_theta`` in ``text_config``, vision ``model_type`` "qwen3_vl"). Weight names are the same in both.
-The preprocessor config is the releases': 16-px patches, 0.5 mean/std, {shortest_edge 256^2, longest_edge 4096^2}.
+Layouts: "transformers" is transformers 5's ``save_pretrained`` (``rope_parameters`` holding theta,
+sections and ``mrope_interleaved``); "original" is the releases' config.json (transformers 4.57:
+``rope_scaling`` + ``rope_theta`` in ``text_config``, vision ``model_type`` "qwen3_vl"). Weight
+names are the same in both. The preprocessor config is the releases': 16-px patches, 0.5 mean/std,
+{shortest_edge 256^2, longest_edge 4096^2}.
 """
 
 from __future__ import annotations
@@ -53,11 +55,15 @@ class Qwen3VLShape:
 
     def __post_init__(self) -> None:
         if sum(self.mrope_section) * 2 != self.head_dim:
-            raise ValueError(f"mrope_section {self.mrope_section} must sum to head_dim/2 = {self.head_dim // 2}")
+            raise ValueError(
+                f"mrope_section {self.mrope_section} must sum to head_dim/2 = {self.head_dim // 2}"
+            )
         if any(not 0 <= i < self.vision_depth for i in self.deepstack_visual_indexes):
             raise ValueError(f"deepstack_visual_indexes {self.deepstack_visual_indexes} outside depth {self.vision_depth}")
         if int(self.num_position_embeddings**0.5) ** 2 != self.num_position_embeddings:
-            raise ValueError(f"num_position_embeddings {self.num_position_embeddings} is not a square")
+            raise ValueError(
+                f"num_position_embeddings {self.num_position_embeddings} is not a square"
+            )
 
 
 SIZES: dict[str, Qwen3VLShape] = {
@@ -71,7 +77,10 @@ def build_hf_config(shape: Qwen3VLShape) -> "Qwen3VLConfig":
     from transformers import Qwen3VLConfig
 
     config = Qwen3VLConfig(
-        text_config={**_text_fields(shape), "rope_parameters": {**_mrope(shape), "rope_theta": ROPE_THETA}},
+        text_config={
+            **_text_fields(shape),
+            "rope_parameters": {**_mrope(shape), "rope_theta": ROPE_THETA},
+        },
         vision_config=_vision_fields(shape),
         image_token_id=TOKEN_IDS["<|image_pad|>"],
         video_token_id=TOKEN_IDS["<|video_pad|>"],
@@ -102,7 +111,11 @@ def original_config_dict(config: "Qwen3VLConfig", shape: Qwen3VLShape) -> dict[s
         "tie_word_embeddings": False,
         "transformers_version": "4.57.0.dev0",
         "video_token_id": config.video_token_id,
-        "vision_config": {**_vision_fields(shape), "initializer_range": 0.02, "model_type": "qwen3_vl"},
+        "vision_config": {
+            **_vision_fields(shape),
+            "initializer_range": 0.02,
+            "model_type": "qwen3_vl",
+        },
         "vision_end_token_id": config.vision_end_token_id,
         "vision_start_token_id": config.vision_start_token_id,
     }
@@ -123,7 +136,11 @@ def _text_fields(shape: Qwen3VLShape) -> dict[str, Any]:
 
 
 def _mrope(shape: Qwen3VLShape) -> dict[str, Any]:
-    return {"rope_type": "default", "mrope_section": list(shape.mrope_section), "mrope_interleaved": True}
+    return {
+        "rope_type": "default",
+        "mrope_section": list(shape.mrope_section),
+        "mrope_interleaved": True,
+    }
 
 
 def _vision_fields(shape: Qwen3VLShape) -> dict[str, Any]:
@@ -148,6 +165,8 @@ CHECKPOINT_RECIPE = CheckpointRecipe(
     hf_config=build_hf_config,
     hf_model="Qwen3VLForConditionalGeneration",
     # the releases' preprocessor_config.json (transformers maps it to Qwen2VLImageProcessor)
-    preprocessor=lambda: preprocessor_json(IMAGE_PROCESSOR, "Qwen2VLImageProcessorFast", "Qwen3VLProcessor"),
+    preprocessor=lambda: preprocessor_json(
+        IMAGE_PROCESSOR, "Qwen2VLImageProcessorFast", "Qwen3VLProcessor"
+    ),
     original_config=original_config_dict,
 )

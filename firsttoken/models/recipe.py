@@ -1,8 +1,10 @@
-"""What make-model needs of a model family (``CheckpointRecipe``, on its ``ModelFamily``), and what every family's
-random checkpoint shares: our tokenizer's ids and the vocabulary they pad to (models/checkpoint.py writes the files).
+"""What make-model needs of a model family (``CheckpointRecipe``, on its ``ModelFamily``), and what
+every family's random checkpoint shares: our tokenizer's ids and the vocabulary they pad to
+(models/checkpoint.py writes the files).
 
-A leaf of models/: a family's ``*_checkpoint.py`` reads these values and its ``ModelFamily`` holds its recipe, while
-checkpoint.py finds the recipe through the registry, so nothing here may import a family or the registry.
+A leaf of models/: a family's ``*_checkpoint.py`` reads these values and its ``ModelFamily`` holds
+its recipe, while checkpoint.py finds the recipe through the registry, so nothing here may import a
+family or the registry.
 """
 
 from __future__ import annotations
@@ -29,12 +31,15 @@ VISION_TOKEN_IDS: dict[str, int] = {  # a Qwen-VL config's fields naming its ima
     "vision_start_token_id": TOKEN_IDS["<|vision_start|>"],
     "vision_end_token_id": TOKEN_IDS["<|vision_end|>"],
 }
-VOCAB_SIZE = -(-NUM_TOKENIZER_TOKENS // VOCAB_PAD_MULTIPLE) * VOCAB_PAD_MULTIPLE  # rows in embed / lm_head
+# rows in embed / lm_head
+VOCAB_SIZE = -(-NUM_TOKENIZER_TOKENS // VOCAB_PAD_MULTIPLE) * VOCAB_PAD_MULTIPLE
 
 
-def preprocessor_json(p: ImageProcessorConfig, image_processor_type: str, processor_class: str) -> dict[str, Any]:
-    """The preprocessor_config.json keys every Qwen-VL release writes, from the family's image processor settings
-    (pixel bounds in the ``size`` dict form)."""
+def preprocessor_json(
+    p: ImageProcessorConfig, image_processor_type: str, processor_class: str
+) -> dict[str, Any]:
+    """The preprocessor_config.json keys every Qwen-VL release writes, from the family's image
+    processor settings (pixel bounds in the ``size`` dict form)."""
     return {
         "size": {"shortest_edge": p.min_pixels, "longest_edge": p.max_pixels},
         "patch_size": p.patch_size,
@@ -48,8 +53,8 @@ def preprocessor_json(p: ImageProcessorConfig, image_processor_type: str, proces
 
 
 def text_shape_fields(shape: Any) -> dict[str, Any]:
-    """The language model's sizes as every Qwen-VL text config names them (``shape``: a family's checkpoint shape),
-    with our tokenizer's padded vocabulary."""
+    """The language model's sizes as every Qwen-VL text config names them (``shape``: a family's
+    checkpoint shape), with our tokenizer's padded vocabulary."""
     return {
         "vocab_size": VOCAB_SIZE,
         "hidden_size": shape.hidden_size,
@@ -66,15 +71,18 @@ def _same_name(name: str) -> str:
 
 @dataclass(frozen=True)
 class CheckpointRecipe:
-    """What make_model needs of a family: its shapes, its transformers config and model class, and (for families
-    released in a second layout) how the release names weights and lays out config.json. The transformers class is
-    also the family's reference in the oracle tests."""
+    """What make_model needs of a family: its shapes, its transformers config and model class, and
+    (for families released in a second layout) how the release names weights and lays out
+    config.json. The transformers class is also the family's reference in the oracle tests."""
 
-    sizes: Mapping[str, Any]  # size name ("tiny", "small") -> the family's shape; a shape's ``dtype`` is on disk
-    hf_config: Callable[[Any], Any]  # shape -> transformers PretrainedConfig (with our tokenizer's ids)
+    # size name ("tiny", "small") -> the family's shape; a shape's ``dtype`` is on disk
+    sizes: Mapping[str, Any]
+    # shape -> transformers PretrainedConfig (with our tokenizer's ids)
+    hf_config: Callable[[Any], Any]
     hf_model: str  # the name of transformers' ...ForConditionalGeneration class
     preprocessor: Callable[[], dict[str, Any]]  # preprocessor_config.json
-    original_config: Callable[[Any, Any], dict[str, Any]] | None = None  # (config, shape) -> release config.json
+    # (config, shape) -> release config.json
+    original_config: Callable[[Any, Any], dict[str, Any]] | None = None
     to_original_key: Callable[[str], str] = _same_name  # transformers weight name -> the release's
 
     @property

@@ -1,9 +1,11 @@
-"""Which model family serves a checkpoint, from its config.json ``architectures`` (or ``model_type``).
+"""Which model family serves a checkpoint, from its config.json ``architectures`` (or
+``model_type``).
 
-The families are the built-in ones (``BUILT_IN``) and any registered for a while with ``register(family)``, a
-context manager: a test, or a program embedding firsttoken, serves a family of its own without editing this file,
-and the family is gone again when the block ends. Everything that asks for a family (the loader, the engine, the
-input processor, make-model) asks here, so a registered family is served like a built-in one.
+The families are the built-in ones (``BUILT_IN``) and any registered for a while with
+``register(family)``, a context manager: a test, or a program embedding firsttoken, serves a family
+of its own without editing this file, and the family is gone again when the block ends. Everything
+that asks for a family (the loader, the engine, the input processor, make-model) asks here, so a
+registered family is served like a built-in one.
 """
 
 from __future__ import annotations
@@ -25,17 +27,21 @@ _registered: list[ModelFamily] = []  # register()'s families, while their blocks
 
 
 def families() -> tuple[ModelFamily, ...]:
-    """Every family served now: the built-in ones, then the registered ones in registration order."""
+    """Every family served now: the built-in ones, then the registered ones in registration
+    order."""
     return (*BUILT_IN, *_registered)
 
 
 @contextmanager
 def register(family: ModelFamily) -> Iterator[ModelFamily]:
-    """Serve ``family`` inside the block; ValueError when its name, an architecture or a model_type is a served
-    family's already (a checkpoint would otherwise have two families)."""
+    """Serve ``family`` inside the block; ValueError when its name, an architecture or a model_type
+    is a served family's already (a checkpoint would otherwise have two families)."""
     for other in families():
-        clash = ({family.name} & {other.name} or set(family.architectures) & set(other.architectures)
-                 or set(family.model_types) & set(other.model_types))
+        clash = (
+            {family.name} & {other.name}
+            or set(family.architectures) & set(other.architectures)
+            or set(family.model_types) & set(other.model_types)
+        )
         if clash:
             raise ValueError(f"family {family.name!r} clashes with the served family {other.name!r} on {sorted(clash)}")
     _registered.append(family)
@@ -46,8 +52,8 @@ def register(family: ModelFamily) -> Iterator[ModelFamily]:
 
 
 def family_for(architectures: Sequence[str] | None, model_type: str | None = None) -> ModelFamily:
-    """The family of the first listed architecture we support, else of the model_type; ValueError naming what is
-    supported otherwise."""
+    """The family of the first listed architecture we support, else of the model_type; ValueError
+    naming what is supported otherwise."""
     served = families()
     for arch in architectures or ():
         for family in served:
@@ -82,12 +88,15 @@ def read_json(path: Path) -> dict[str, Any] | None:
         return json.load(f)
 
 
-def model_config_from_dict(config_json: dict[str, Any], preprocessor: dict[str, Any] | None = None) -> ModelConfig:
+def model_config_from_dict(
+    config_json: dict[str, Any], preprocessor: dict[str, Any] | None = None
+) -> ModelConfig:
     return family_of_config(config_json).parse_config(config_json, preprocessor)
 
 
 def load_model_config(model_dir: str | Path) -> ModelConfig:
-    """The checkpoint's architecture: config.json (+ preprocessor_config.json) parsed by its family."""
+    """The checkpoint's architecture: config.json (+ preprocessor_config.json) parsed by its
+    family."""
     model_dir = Path(model_dir)
     config_json = read_json(model_dir / "config.json")
     if config_json is None:

@@ -70,7 +70,12 @@ def corpus_files(stdlib: Path | None = None) -> list[Path]:
     """The stdlib's .py and .txt files in sorted order, without test suites or site-packages."""
     root = stdlib or Path(sysconfig.get_paths()["stdlib"])
     skip = {"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__"}
-    files = [p for ext in ("*.py", "*.txt") for p in root.rglob(ext) if not skip & set(p.relative_to(root).parts)]
+    files = [
+        p
+        for ext in ("*.py", "*.txt")
+        for p in root.rglob(ext)
+        if not skip & set(p.relative_to(root).parts)
+    ]
     return sorted(files, key=lambda p: p.relative_to(root).as_posix())
 
 
@@ -96,7 +101,9 @@ def build_empty_tokenizer() -> Tokenizer:
         ]
     )
     tok.decoder = decoders.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False)
-    tok.post_processor = processors.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False)
+    tok.post_processor = processors.ByteLevel(
+        add_prefix_space=False, trim_offsets=False, use_regex=False
+    )
     return tok
 
 
@@ -109,9 +116,13 @@ def train_tokenizer(files: list[Path] | None = None) -> Tokenizer:
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         special_tokens=[],
     )
-    tok.train_from_iterator(iter_corpus(files if files is not None else corpus_files()), trainer=trainer)
+    tok.train_from_iterator(
+        iter_corpus(files if files is not None else corpus_files()), trainer=trainer
+    )
     if tok.get_vocab_size() != NUM_BPE_TOKENS:
-        raise RuntimeError(f"corpus too small: learnt {tok.get_vocab_size()} of {NUM_BPE_TOKENS} tokens")
+        raise RuntimeError(
+            f"corpus too small: learnt {tok.get_vocab_size()} of {NUM_BPE_TOKENS} tokens"
+        )
     tok.add_special_tokens(list(SPECIAL_TOKENS))
     return tok
 

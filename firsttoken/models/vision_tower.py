@@ -1,11 +1,12 @@
-"""The resumable vision tower every family's extends: an image's encode started, run a few encoder units at a time
-across steps, and finished (models/interfaces.py's ``VisionEncoder``), and the same path over several images at once
-(``forward``).
+"""The resumable vision tower every family's extends: an image's encode started, run a few encoder
+units at a time across steps, and finished (models/interfaces.py's ``VisionEncoder``), and the same
+path over several images at once (``forward``).
 
-A tower is patch embedding -> ``blocks`` (pre-norm ViT blocks with 2D rotary, qwen2_vl_vision.VisionBlock's
-signature) -> ``merger``. Between ``start_encode`` and ``finish_encode`` its rows live in the tower's own order (a
-``RowLayout``: the processor's, or Qwen2.5-VL's window order), and the layout says which rows attend together in
-each block. What a family changes is a hook:
+A tower is patch embedding -> ``blocks`` (pre-norm ViT blocks with 2D rotary,
+qwen2_vl_vision.VisionBlock's signature) -> ``merger``. Between ``start_encode`` and
+``finish_encode`` its rows live in the tower's own order (a ``RowLayout``: the processor's, or
+Qwen2.5-VL's window order), and the layout says which rows attend together in each block. What a
+family changes is a hook:
 
     encoder_units(vision, grid)    the family's units (a static function, also the scheduler's)
     layout(grids, device)          row order and attention segments (default: processor order, one segment a frame)
@@ -46,14 +47,15 @@ class RowLayout(Protocol):
         ...
 
     def segments(self, block: int) -> list[int]:
-        """Lengths of the runs of rows (tower order) that attend together in ``block``; they sum to num_patches."""
+        """Lengths of the runs of rows (tower order) that attend together in ``block``; they sum to
+        num_patches."""
         ...
 
 
 @dataclass(frozen=True)
 class ImageSegments:
-    """The processor's order; every block attends within each frame (temporal grid) of each image (Qwen2-VL,
-    Qwen3-VL)."""
+    """The processor's order; every block attends within each frame (temporal grid) of each image
+    (Qwen2-VL, Qwen3-VL)."""
 
     frame_rows: list[int]  # patch rows per temporal grid (h * w), images back to back
 
@@ -69,20 +71,24 @@ class ImageSegments:
 
 @dataclass
 class TowerState(EncodeState):
-    hidden: torch.Tensor  # [num_patches, embed_dim] in the layout's order, after the blocks finished so far
+    # [num_patches, embed_dim] in the layout's order, after the blocks finished so far
+    hidden: torch.Tensor
     cos: torch.Tensor  # [num_patches, 1, 1, head_dim] fp32, the layout's order
     sin: torch.Tensor
     layout: RowLayout
-    units: tuple[EncoderUnit, ...]  # the image's units (the family's encoder_units; whole blocks in ``forward``)
+    # the image's units (the family's encoder_units; whole blocks in ``forward``)
+    units: tuple[EncoderUnit, ...]
     units_done: int = 0
     partial: PartialBlock | None = None  # a block part-way through its row slices
-    features: list[torch.Tensor] = field(default_factory=list)  # block_feature's tensors so far, in block order
+    # block_feature's tensors so far, in block order
+    features: list[torch.Tensor] = field(default_factory=list)
 
 
 class VisionTower(nn.Module):
-    """The encode protocol over ``patch_embed``, ``blocks`` and ``merger``, which a subclass builds in its
-    ``__init__`` after ``super().__init__(config)``. One encoder unit is a block or a query-row slice of one
-    (models/vision_units.py); an encode split anywhere across steps gives the tensors of the whole pass."""
+    """The encode protocol over ``patch_embed``, ``blocks`` and ``merger``, which a subclass builds
+    in its ``__init__`` after ``super().__init__(config)``. One encoder unit is a block or a
+    query-row slice of one (models/vision_units.py); an encode split anywhere across steps gives the
+    tensors of the whole pass."""
 
     encoder_units: ClassVar[Callable[[VisionConfig, Grid], tuple[EncoderUnit, ...]]]
     patch_embed: nn.Module
@@ -114,15 +120,18 @@ class VisionTower(nn.Module):
 
     def finish_encode(self, state: TowerState) -> ImageEmbeddings:  # type: ignore[override]
         restore = state.layout.restore_tokens
-        return ImageEmbeddings(restore(self.merger(state.hidden)), tuple(restore(f) for f in state.features))
+        return ImageEmbeddings(
+            restore(self.merger(state.hidden)), tuple(restore(f) for f in state.features)
+        )
 
     def forward(
         self,
         pixel_values: torch.Tensor,  # [num_patches, C*T*P*P], images back to back
         grid_thw: Sequence[Grid],  # per image
     ) -> ImageEmbeddings:
-        """The whole tower over several images at once: every tensor [sum of t*h*w / merge^2, out_hidden_size],
-        images back to back in the processor's order (attention never crosses images)."""
+        """The whole tower over several images at once: every tensor [sum of t*h*w / merge^2,
+        out_hidden_size], images back to back in the processor's order (attention never crosses
+        images)."""
         state = self._start(pixel_values, grid_thw, whole_blocks(self.config.depth))
         self.run_units(state, state.num_units)
         return self.finish_encode(state)
@@ -140,13 +149,16 @@ class VisionTower(nn.Module):
 
     # ----------------------------------------------------------------
 
-    def _start(self, pixel_values: torch.Tensor, grids: Sequence[Grid], units: tuple[EncoderUnit, ...]
-               ) -> TowerState:
+    def _start(
+        self, pixel_values: torch.Tensor, grids: Sequence[Grid], units: tuple[EncoderUnit, ...]
+    ) -> TowerState:
         check_patches(pixel_values, grids)
         layout = self.layout(grids, pixel_values.device)
         cos, sin = vision_rotary_cos_sin(self.config, grids, pixel_values.device)
         hidden = self.embed(pixel_values, grids)  # [num_patches, embed_dim], processor order
-        return TowerState(layout.reorder(hidden), layout.reorder(cos), layout.reorder(sin), layout, units)
+        return TowerState(
+            layout.reorder(hidden), layout.reorder(cos), layout.reorder(sin), layout, units
+        )
 
 
 def check_patches(pixel_values: torch.Tensor, grids: Sequence[Grid]) -> list[int]:
@@ -162,16 +174,19 @@ def check_patches(pixel_values: torch.Tensor, grids: Sequence[Grid]) -> list[int
 def vision_rotary_cos_sin(
     config: VisionConfig, grid_thw: Sequence[Grid], device: torch.device | str
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """fp32 tables [num_patches, 1, 1, head_dim] in processor order: the first half of each head's pairs rotates by
-    the patch row, the second half by the patch column."""
+    """fp32 tables [num_patches, 1, 1, head_dim] in processor order: the first half of each head's
+    pairs rotates by the patch row, the second half by the patch column."""
     pos = vision_position_ids(grid_thw, config.spatial_merge_size, device)  # [num_patches, 2]
     inv_freq = rope_inv_freq(config.head_dim // 2, VISION_ROPE_THETA, device)  # [head_dim // 4]
-    freqs = (pos[..., None].float() * inv_freq).flatten(1)  # [num_patches, head_dim // 2] = [h freqs, w freqs]
+    # [num_patches, head_dim // 2] = [h freqs, w freqs]
+    freqs = (pos[..., None].float() * inv_freq).flatten(1)
     emb = torch.cat((freqs, freqs), dim=-1)[:, None, None, :]
     return emb.cos(), emb.sin()
 
 
-def vision_position_ids(grid_thw: Sequence[Grid], merge_size: int, device: torch.device | str = "cpu") -> torch.Tensor:
+def vision_position_ids(
+    grid_thw: Sequence[Grid], merge_size: int, device: torch.device | str = "cpu"
+) -> torch.Tensor:
     """[num_patches, 2] (row, col) of each patch, in the processor's merge-window-major order."""
     out = []
     for t, h, w in grid_thw:

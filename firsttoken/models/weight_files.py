@@ -9,7 +9,8 @@ from safetensors import safe_open
 
 
 def safetensors_files(model_dir: Path) -> list[Path]:
-    """The checkpoint's weight files: the index's shards, else model.safetensors, else every *.safetensors."""
+    """The checkpoint's weight files: the index's shards, else model.safetensors, else every
+    *.safetensors."""
     index = model_dir / "model.safetensors.index.json"
     if index.exists():
         with open(index) as f:
@@ -24,12 +25,15 @@ def safetensors_files(model_dir: Path) -> list[Path]:
 
 
 def stored_linear_dtypes(model_dir: Path) -> set[str]:
-    """The safetensors dtypes ("BF16", "F32", ...) of the checkpoint's language-model projection weights (every
-    ``*_proj.weight`` outside the vision tower, and the lm_head), read from the files' headers."""
+    """The safetensors dtypes ("BF16", "F32", ...) of the checkpoint's language-model projection
+    weights (every ``*_proj.weight`` outside the vision tower, and the lm_head), read from the
+    files' headers."""
     dtypes: set[str] = set()
     for file in safetensors_files(model_dir):
         with safe_open(str(file), framework="pt") as f:
             for key in f.keys():
-                if "visual" not in key and (key.endswith("_proj.weight") or key.endswith("lm_head.weight")):
+                if "visual" not in key and (
+                    key.endswith("_proj.weight") or key.endswith("lm_head.weight")
+                ):
                     dtypes.add(f.get_slice(key).get_dtype())
     return dtypes

@@ -1,11 +1,12 @@
 """How a family's checkpoint names map onto its module's parameters, declared as data by the family.
 
-``WeightMapping`` says: which checkpoint prefixes become which of ours (first match wins, so list longer
-prefixes first), which names inside them are spelled differently (a family reusing another's module under the
-checkpoint's own names), which checkpoint projections are stacked into one fused parameter of ours (q/k/v into qkv_proj,
-gate/up into gate_up_proj), which tensors are reshaped (a Conv3d patch embedding held as a Linear), and which
-checkpoint tensors carry no parameter (rotary tables). ``load_state`` turns a stream of (name, tensor) into a
-state dict for the model, naming every mismatch.
+``WeightMapping`` says: which checkpoint prefixes become which of ours (first match wins, so list
+longer prefixes first), which names inside them are spelled differently (a family reusing another's
+module under the checkpoint's own names), which checkpoint projections are stacked into one fused
+parameter of ours (q/k/v into qkv_proj, gate/up into gate_up_proj), which tensors are reshaped (a
+Conv3d patch embedding held as a Linear), and which checkpoint tensors carry no parameter (rotary
+tables). ``load_state`` turns a stream of (name, tensor) into a state dict for the model, naming
+every mismatch.
 """
 
 from __future__ import annotations
@@ -20,8 +21,8 @@ import torch
 
 @dataclass(frozen=True)
 class Stacked:
-    """Checkpoint ``<path>.<part>.(weight|bias)`` is part ``index`` of ours ``<path>.<fused>.(weight|bias)``,
-    concatenated along dim 0 in index order."""
+    """Checkpoint ``<path>.<part>.(weight|bias)`` is part ``index`` of ours
+    ``<path>.<fused>.(weight|bias)``, concatenated along dim 0 in index order."""
 
     part: str  # e.g. "self_attn.q_proj"
     fused: str  # e.g. "self_attn.qkv_proj"
@@ -35,8 +36,8 @@ class WeightMapping:
     stacked: tuple[Stacked, ...] = ()
     reshape: tuple[tuple[str, Callable[[torch.Tensor], torch.Tensor]], ...] = ()  # (our name, fn)
     skip_suffixes: tuple[str, ...] = ("rotary_emb.inv_freq",)
-    # (regex, replacement) applied in order to every name after its prefix is mapped, e.g. Qwen3-VL's
-    # "visual.blocks.0.mlp.linear_fc1.weight" -> our "visual.blocks.0.mlp.fc1.weight"
+    # (regex, replacement) applied in order to every name after its prefix is mapped, e.g.
+    # Qwen3-VL's "visual.blocks.0.mlp.linear_fc1.weight" -> our "visual.blocks.0.mlp.fc1.weight"
     renames: tuple[tuple[str, str], ...] = ()
 
     def our_name(self, key: str) -> str | None:
@@ -49,10 +50,13 @@ class WeightMapping:
         return None
 
     def _stacked_pattern(self) -> re.Pattern[str] | None:
-        """Our name of a stacked part: (path, part, weight|bias) groups; None without stacked parts."""
+        """Our name of a stacked part: (path, part, weight|bias) groups; None without stacked
+        parts."""
         if not self.stacked:
             return None
-        return re.compile(r"^(.*?)(" + "|".join(re.escape(s.part) for s in self.stacked) + r")\.(weight|bias)$")
+        return re.compile(
+            r"^(.*?)(" + "|".join(re.escape(s.part) for s in self.stacked) + r")\.(weight|bias)$"
+        )
 
     def load_state(
         self,
@@ -60,8 +64,9 @@ class WeightMapping:
         expected: dict[str, torch.Size],
         drop: Callable[[str], bool] = lambda name: False,
     ) -> tuple[dict[str, torch.Tensor], list[str]]:
-        """(state dict, unexpected checkpoint keys). ``tensors`` yields names with a loader so skipped tensors are
-        never read; ``drop(our_name)`` skips parameters the model does not have (e.g. a tied lm_head)."""
+        """(state dict, unexpected checkpoint keys). ``tensors`` yields names with a loader so
+        skipped tensors are never read; ``drop(our_name)`` skips parameters the model does not have
+        (e.g. a tied lm_head)."""
         stacked_re = self._stacked_pattern()
         by_part = {s.part: s for s in self.stacked}
         reshape = dict(self.reshape)
@@ -95,11 +100,12 @@ class WeightMapping:
     def checkpoint_views(
         self, checkpoint_shapes: Mapping[str, torch.Size], ours: Mapping[str, torch.Tensor]
     ) -> tuple[dict[str, torch.Tensor], list[str]]:
-        """``load_state``'s inverse without a copy: (checkpoint name -> a view of our tensor, checkpoint names with no
-        counterpart in ``ours``). A stacked part is its rows of our fused tensor (the parts' row counts read from
-        ``checkpoint_shapes``, in index order); a reshaped tensor is ours viewed in the checkpoint's shape. Names are
-        mapped forward (``our_name``), so renames need no inverse. Skipped names (rotary tables) and the names of a
-        tied lm_head come back unmatched: the caller decides what they hold."""
+        """``load_state``'s inverse without a copy: (checkpoint name -> a view of our tensor,
+        checkpoint names with no counterpart in ``ours``). A stacked part is its rows of our fused
+        tensor (the parts' row counts read from ``checkpoint_shapes``, in index order); a reshaped
+        tensor is ours viewed in the checkpoint's shape. Names are mapped forward (``our_name``), so
+        renames need no inverse. Skipped names (rotary tables) and the names of a tied lm_head come
+        back unmatched: the caller decides what they hold."""
         by_part = {s.part: s for s in self.stacked}
         stacked_re = self._stacked_pattern()
         fused_of: dict[str, tuple[str, int]] = {}  # checkpoint name -> (our fused name, part index)
@@ -123,12 +129,15 @@ class WeightMapping:
                 unmatched.append(key)
                 continue
             start = sum(n for i, n in rows[fused].items() if i < index)
-            views[key] = ours[fused].narrow(0, start, rows[fused][index]).view(checkpoint_shapes[key])
+            views[key] = (
+                ours[fused].narrow(0, start, rows[fused][index]).view(checkpoint_shapes[key])
+            )
         return views, unmatched
 
 
 def flatten_conv3d(weight: torch.Tensor) -> torch.Tensor:
-    """Conv3d [E, C, T, P, P] (kernel == stride) -> Linear [E, C*T*P*P]: one matmul per flattened patch."""
+    """Conv3d [E, C, T, P, P] (kernel == stride) -> Linear [E, C*T*P*P]: one matmul per flattened
+    patch."""
     return weight.reshape(weight.shape[0], -1)
 
 

@@ -16,7 +16,8 @@ def allocate_kv_caches(
 ) -> list[torch.Tensor]:
     """Per layer a zeroed [2, num_blocks, block_size, num_kv_heads, head_dim] tensor (0 = K, 1 = V).
 
-    Zeroed, not empty: padded reads (batched decode) then see finite values that the mask weights by 0.
+    Zeroed, not empty: padded reads (batched decode) then see finite values that the mask weights by
+    0.
     """
     shape = (2, num_blocks, block_size, config.num_key_value_heads, config.head_dim)
     return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_hidden_layers)]

@@ -1,18 +1,20 @@
 """The only engine code that touches tensors: vision tower for uncached images, forward, sample.
 
-The runner receives plain data (``ScheduledBatch``: request ids, token ranges, block tables, encoder work as
-(request, image, units)) and owns everything per request it needs across steps, keyed by request id: the token
-history (prompt + what it sampled), images and their pixels, M-RoPE positions, sampling parameters and seeded
-generator. A request's state is created from its ``NewRequest`` on first sight and dropped when the batch lists it
-as finished. It never sees a scheduler object, so the same batch could cross a thread, a process or a device.
+The runner receives plain data (``ScheduledBatch``: request ids, token ranges, block tables, encoder
+work as (request, image, units)) and owns everything per request it needs across steps, keyed by
+request id: the token history (prompt + what it sampled), images and their pixels, M-RoPE positions,
+sampling parameters and seeded generator. A request's state is created from its ``NewRequest`` on
+first sight and dropped when the batch lists it as finished. It never sees a scheduler object, so
+the same batch could cross a thread, a process or a device.
 
-Per step: apply new and finished requests; drop encoder outputs the scheduler freed; run the scheduled vision-tower
-units through the model's encode protocol (models/interfaces.py: an image may be encoded over several steps, its
-EncodeState kept in between; a chunk may end inside an image, later chunks slice the stored ImageEmbeddings); pack
-every chunk's tokens into one batch (image rows placed over their pad tokens, M-RoPE positions sliced from the
-request's precomputed table, a generated token's made from its index: no per-token Python, no per-request tensors
-for a decode); one forward over the paged KV cache; logits only at the last token of chunks that
-sample; the sampler picks tokens (a constrained row's under its grammar's mask, worked on off this thread:
+Per step: apply new and finished requests; drop encoder outputs the scheduler freed; run the
+scheduled vision-tower units through the model's encode protocol (models/interfaces.py: an image may
+be encoded over several steps, its EncodeState kept in between; a chunk may end inside an image,
+later chunks slice the stored ImageEmbeddings); pack every chunk's tokens into one batch (image rows
+placed over their pad tokens, M-RoPE positions sliced from the request's precomputed table, a
+generated token's made from its index: no per-token Python, no per-request tensors for a decode);
+one forward over the paged KV cache; logits only at the last token of chunks that sample; the
+sampler picks tokens (a constrained row's under its grammar's mask, worked on off this thread:
 structured/masks.py). Everything it did is reported back as RunnerOutput, and the scheduler's
 bookkeeping follows that report, not the plan it scheduled.
 """
@@ -76,7 +78,8 @@ class RequestState:
     sampling: SamplingParams
     generator: torch.Generator | None  # per-request RNG when sampling.seed is set
     history: TokenHistory | None  # what penalties read, when the request has any
-    grammar: ConstrainedRow | None = None  # its matcher and next mask, when its output has a grammar
+    # its matcher and next mask, when its output has a grammar
+    grammar: ConstrainedRow | None = None
     output_token_ids: list[int] = field(default_factory=list)  # what this runner sampled for it
 
     @staticmethod
@@ -84,9 +87,17 @@ class RequestState:
         """``vocab_size``: the logits' width (the masks')."""
         history = TokenHistory(new.prompt_token_ids) if new.sampling.has_penalties else None
         grammar = new.sampling.grammar
-        return RequestState(new.request_id, new.prompt_token_ids, new.images, new.mrope_positions, new.mrope_delta,
-                            new.sampling, make_generator(new.sampling.seed), history,
-                            ConstrainedRow(grammar.matcher(), vocab_size) if grammar is not None else None)
+        return RequestState(
+            new.request_id,
+            new.prompt_token_ids,
+            new.images,
+            new.mrope_positions,
+            new.mrope_delta,
+            new.sampling,
+            make_generator(new.sampling.seed),
+            history,
+            ConstrainedRow(grammar.matcher(), vocab_size) if grammar is not None else None,
+        )
 
     def append(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
@@ -102,36 +113,41 @@ class RequestState:
         return head + self.output_token_ids[max(start - n_prompt, 0) : end - n_prompt]
 
 
-# torch's intra-op threads when this module was first imported (its default: the cores, or $OMP_NUM_THREADS): what
-# "all threads" means for an engine given no --num-threads. Read once, because a decode step changes the running
-# thread's count, and an engine built later in the same thread must not take that for the default.
+# torch's intra-op threads when this module was first imported (its default: the cores, or
+# $OMP_NUM_THREADS): what "all threads" means for an engine given no --num-threads. Read once,
+# because a decode step changes the running thread's count, and an engine built later in the same
+# thread must not take that for the default.
 DEFAULT_THREADS = torch.get_num_threads()
 
 
 class ThreadPlan:
-    """Threads per step. torch's intra-op threads: a step that only decodes reads every weight once for a few rows:
-    it is bound by memory bandwidth, which one thread fewer barely lowers, while the server's own threads (HTTP,
-    streaming, detokenizing what that step produced) need a core at exactly that time; an OpenMP team spread over
-    every core then waits at each op's barrier for whichever thread they preempted. So torch's ops in decode-only
-    steps run on ``decode_threads`` (default: all but one, at least one), every other step (prefill, vision) on all
-    ``threads`` (default: DEFAULT_THREADS). A decode step that the fused decode layers take is different: its work
-    is firsttoken's own kernels (kernels/cpu_linear.py) but for a few small torch ops, so torch gets one thread and
-    the kernels all ``threads`` as workers of their own, which are optional (the calling thread takes the work a
-    pre-empted one has not started: a step streams weights on every core without waiting for the event loop's)
-    and spin between such steps (``set_kernel_spin``). In every other step the kernels run on torch's OpenMP team
-    at torch's count (another pool spinning beside that team would take its cores). Applied in the thread that runs the
-    model, torch's count only when it changes. A runner without a plan never touches either."""
+    """Threads per step. torch's intra-op threads: a step that only decodes reads every weight once
+    for a few rows: it is bound by memory bandwidth, which one thread fewer barely lowers, while the
+    server's own threads (HTTP, streaming, detokenizing what that step produced) need a core at
+    exactly that time; an OpenMP team spread over every core then waits at each op's barrier for
+    whichever thread they preempted. So torch's ops in decode-only steps run on ``decode_threads``
+    (default: all but one, at least one), every other step (prefill, vision) on all ``threads``
+    (default: DEFAULT_THREADS). A decode step that the fused decode layers take is different: its
+    work is firsttoken's own kernels (kernels/cpu_linear.py) but for a few small torch ops, so torch
+    gets one thread and the kernels all ``threads`` as workers of their own, which are optional (the
+    calling thread takes the work a pre-empted one has not started: a step streams weights on every
+    core without waiting for the event loop's) and spin between such steps (``set_kernel_spin``). In
+    every other step the kernels run on torch's OpenMP team at torch's count (another pool spinning
+    beside that team would take its cores). Applied in the thread that runs the model, torch's count
+    only when it changes. A runner without a plan never touches either."""
 
     def __init__(self, threads: int | None = None, decode_threads: int | None = None) -> None:
         self.threads = threads or DEFAULT_THREADS
-        self.decode_threads = max(1, min(self.threads - 1 if decode_threads is None else decode_threads,
-                                         self.threads))
+        self.decode_threads = max(
+            1, min(self.threads - 1 if decode_threads is None else decode_threads, self.threads)
+        )
         self.switches = 0  # tests read it: how often the count changed
 
     def apply(self, decode_only: bool, fused: bool = False) -> None:
         """``fused``: a decode-only step that the fused decode layers take."""
         want = 1 if fused else self.decode_threads if decode_only else self.threads
-        if want != torch.get_num_threads():  # cheap enough per step; the running thread's own count, whoever set it
+        # cheap enough per step; the running thread's own count, whoever set it
+        if want != torch.get_num_threads():
             torch.set_num_threads(want)
             self.switches += 1
         set_kernel_threads(self.threads if fused else None)
@@ -152,33 +168,42 @@ class ModelRunner:
         graphs: CudaGraphRunner | None = None,
         grammar: GrammarConfig | None = None,
     ) -> None:
-        """``interrupt``: asked between the units of encoder work the scheduler marked interruptible; True (a short
-        request arrived) stops that work once the step has done any work (an encoder unit or its forward).
-        ``device``: where the model and the KV caches live (the resolved --device); each step's inputs are built on
-        the CPU and copied there once, images' pixels through pinned memory; the sampler runs on the CPU (a CUDA
-        step copies its sampled rows' logits back). ``graphs``: captured decode graphs (runner/cuda_graphs.py) that
-        a pure-decode step within their buckets replays instead of the eager forward; None: every step eager.
-        ``grammar``: how constrained requests' grammar work runs and is bounded (structured/masks.py; default:
-        GrammarConfig's defaults)."""
+        """``interrupt``: asked between the units of encoder work the scheduler marked
+        interruptible; True (a short request arrived) stops that work once the step has done any
+        work (an encoder unit or its forward). ``device``: where the model and the KV caches live
+        (the resolved --device); each step's inputs are built on the CPU and copied there once,
+        images' pixels through pinned memory; the sampler runs on the CPU (a CUDA step copies its
+        sampled rows' logits back). ``graphs``: captured decode graphs (runner/cuda_graphs.py) that
+        a pure-decode step within their buckets replays instead of the eager forward; None: every
+        step eager. ``grammar``: how constrained requests' grammar work runs and is bounded
+        (structured/masks.py; default: GrammarConfig's defaults)."""
         self.device = torch.device(device)
         self.graphs = graphs
-        self._copy_async = self.device.type == "cuda"  # host -> device copies from pinned memory, not waited for
+        # host -> device copies from pinned memory, not waited for
+        self._copy_async = self.device.type == "cuda"
         self.model = model
         self.kv_caches = kv_caches
         self.block_size = block_size
         self.sampler = sampler
         self.fault_hook = fault_hook
         self.requests: dict[str, RequestState] = {}
-        self.encoder_outputs: dict[str, ImageEmbeddings] = {}  # content hash -> the image's embeddings
+        # content hash -> the image's embeddings
+        self.encoder_outputs: dict[str, ImageEmbeddings] = {}
         self._encode_jobs: dict[str, EncodeState] = {}  # images part-way through the vision tower
-        self.num_vision_calls = 0  # images fully encoded by the vision tower; tests read it to prove reuse
+        # images fully encoded by the vision tower; tests read it to prove reuse
+        self.num_vision_calls = 0
         self.threads = threads
         self.interrupt = interrupt
-        self._step_units = 0  # model work run so far in this step: encoder units, and the forward as one
-        self._deferred: list[EncoderWork] = []  # this step's interruptible encoder work, run by finish_step()
-        self._bitmask: np.ndarray | None = None  # [rows, ceil(vocab / 32)] int32, reused: a step's sampled rows' masks
-        self._prompt_scores: dict[str, tuple[TokenLogprob, ...]] = {}  # this step's prompt logprobs, by request
-        self.masks = MaskWorker(grammar or GrammarConfig())  # constrained requests' grammar work, off this thread
+        # model work run so far in this step: encoder units, and the forward as one
+        self._step_units = 0
+        # this step's interruptible encoder work, run by finish_step()
+        self._deferred: list[EncoderWork] = []
+        # [rows, ceil(vocab / 32)] int32, reused: a step's sampled rows' masks
+        self._bitmask: np.ndarray | None = None
+        # this step's prompt logprobs, by request
+        self._prompt_scores: dict[str, tuple[TokenLogprob, ...]] = {}
+        # constrained requests' grammar work, off this thread
+        self.masks = MaskWorker(grammar or GrammarConfig())
         self._step_masks = StepMasks()  # what this step found of its constrained rows' masks
 
     @property
@@ -187,26 +212,32 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> RunnerOutput:
-        """The step's encoder work that its chunks need, then the forward and sampling. Its interruptible encoder
-        work (no chunk of the step needs it) is kept for ``finish_step``, so the sampled tokens can go out first.
-        Never raises for one request's sake: encode, forward and sampling failures are reported per request in
-        ``failed``; chunks whose image embeddings are missing are reported in ``skipped_request_ids``; constrained
-        rows whose mask was not ready in ``mask_pending_request_ids``, those their grammar ended in
+        """The step's encoder work that its chunks need, then the forward and sampling. Its
+        interruptible encoder work (no chunk of the step needs it) is kept for ``finish_step``, so
+        the sampled tokens can go out first. Never raises for one request's sake: encode, forward
+        and sampling failures are reported per request in ``failed``; chunks whose image embeddings
+        are missing are reported in ``skipped_request_ids``; constrained rows whose mask was not
+        ready in ``mask_pending_request_ids``, those their grammar ended in
         ``constraint_failed``."""
         for rid in batch.finished_request_ids:
             gone = self.requests.pop(rid, None)
             if gone is not None and gone.grammar is not None:
                 gone.grammar.cancel()
         for new in batch.new_requests:
-            state = self.requests[new.request_id] = RequestState.of(new, self.model.config.vocab_size)
+            state = self.requests[new.request_id] = RequestState.of(
+                new, self.model.config.vocab_size
+            )
             if state.grammar is not None:
                 self.masks.start(state.grammar)  # its first mask, while its prefill runs
         for h in batch.freed_encoder_hashes:
             self.encoder_outputs.pop(h, None)
             self._encode_jobs.pop(h, None)
-        if self.threads is not None and batch.has_work:  # a bookkeeping-only batch leaves the count alone
+        # a bookkeeping-only batch leaves the count alone
+        if self.threads is not None and batch.has_work:
             decode_only = not batch.encoder_work and all(c.is_decode for c in batch.chunks)
-            self.threads.apply(decode_only, fused=decode_only and self.model.decode.takes(len(batch.chunks)))
+            self.threads.apply(
+                decode_only, fused=decode_only and self.model.decode.takes(len(batch.chunks))
+            )
         self._step_units = 0
         self._deferred = [w for w in batch.encoder_work if w.interruptible]
         enc = self._run_encoder_work([w for w in batch.encoder_work if not w.interruptible])
@@ -223,7 +254,8 @@ class ModelRunner:
                 for _, im in images_in(state.images, chunk.context_len, chunk.end)
                 if im.content_hash not in self.encoder_outputs
             ]
-            if missing:  # e.g. its image's encode failed this step for another request: run it next step
+            # e.g. its image's encode failed this step for another request: run it next step
+            if missing:
                 skipped.add(rid)
                 for h in missing:
                     self._encode_jobs.pop(h, None)
@@ -237,10 +269,12 @@ class ModelRunner:
         logprobs: dict[str, TokenLogprob] = {}
         forward_start = time.monotonic()
         if chunks:
-            self._step_units += 1  # the forward is work done: the deferred units may all be cut after it
+            # the forward is work done: the deferred units may all be cut after it
+            self._step_units += 1
             try:
                 sampled, logprobs = self._forward_and_sample(chunks, failed, timing)
-            except Exception:  # the batched forward itself broke: it cannot be pinned on one request
+            # the batched forward itself broke: it cannot be pinned on one request
+            except Exception:
                 log.exception("forward pass failed for %d chunks", len(chunks))
                 for c in chunks:
                     failed[c.request_id] = "internal error while running this request"
@@ -262,21 +296,31 @@ class ModelRunner:
             forward_s=now - forward_start if chunks else 0.0,
             prompt_logprobs={r: lp for r, lp in self._prompt_scores.items() if r not in failed},
             mask_pending_request_ids=self._step_masks.pending - failed.keys(),
-            constraint_failed={r: why for r, why in self._step_masks.refused.items() if r not in failed},
+            constraint_failed={
+                r: why for r, why in self._step_masks.refused.items() if r not in failed
+            },
             mask_wait_s=self._step_masks.wait_s,
         )
 
     @torch.inference_mode()
     def finish_step(self) -> RunnerOutput | None:
-        """The step's interruptible encoder work, after its tokens went out: unit by unit, stopping at the next unit
-        once a short request is waiting (``interrupt``) and the step has done any work. None when there is none."""
+        """The step's interruptible encoder work, after its tokens went out: unit by unit, stopping
+        at the next unit once a short request is waiting (``interrupt``) and the step has done any
+        work. None when there is none."""
         work, self._deferred = self._deferred, []
         if not work:
             return None
         enc = self._run_encoder_work(work)
-        return RunnerOutput({}, {}, enc.failed, encoder_progress=enc.progress,
-                            discarded_encoder_hashes=frozenset(enc.discarded), encoder_s=enc.seconds,
-                            num_images_encoded=enc.num_encoded, encoder_done_s=enc.done_s)
+        return RunnerOutput(
+            {},
+            {},
+            enc.failed,
+            encoder_progress=enc.progress,
+            discarded_encoder_hashes=frozenset(enc.discarded),
+            encoder_s=enc.seconds,
+            num_images_encoded=enc.num_encoded,
+            encoder_done_s=enc.done_s,
+        )
 
     def _run_encoder_work(self, work_items: Sequence[EncoderWork]) -> "_EncodeReport":
         report = _EncodeReport()
@@ -290,7 +334,8 @@ class ModelRunner:
                 t0 = time.perf_counter()
                 report.progress[h] = self._run_encoder(work)
                 report.seconds[rid] = report.seconds.get(rid, 0.0) + time.perf_counter() - t0
-                if work.finishes and report.progress[h] >= work.start_unit + work.num_units:  # not cut short
+                # not cut short
+                if work.finishes and report.progress[h] >= work.start_unit + work.num_units:
                     report.num_encoded[rid] = report.num_encoded.get(rid, 0) + 1
                     report.done_s[rid] = time.monotonic()
             except RequestFailure as e:
@@ -313,29 +358,39 @@ class ModelRunner:
             return
         try:
             self.fault_hook(stage, request_id)
-        except Exception as e:  # an injected fault stands for any failure inside this request's work
+        # an injected fault stands for any failure inside this request's work
+        except Exception as e:
             raise RequestFailure(request_id, f"internal error while {stage} this request") from e
 
     def _run_encoder(self, work: EncoderWork) -> int:
-        """Run encoder units [start_unit, start_unit + num_units) of one image; keep partial state. Returns the
-        image's units done afterwards (all of them once its embeddings exist)."""
+        """Run encoder units [start_unit, start_unit + num_units) of one image; keep partial state.
+        Returns the image's units done afterwards (all of them once its embeddings exist)."""
         image = self.requests[work.request_id].images[work.image_index]
         visual = self.model.visual
         if image.content_hash in self.encoder_outputs:
             return len(image.encoder_units)
-        if self._should_stop(work):  # interrupted before this work began: its state (if any) stays as it was
+        # interrupted before this work began: its state (if any) stays as it was
+        if self._should_stop(work):
             return work.start_unit
         job = self._encode_jobs.get(image.content_hash)
         if job is not None and job.units_done != work.start_unit:
             if work.start_unit != 0:
-                raise RequestFailure(work.request_id, "image encoding state was lost; retry the request")
+                raise RequestFailure(
+                    work.request_id, "image encoding state was lost; retry the request"
+                )
             job = None  # the scheduler restarted this image from its pixels
         if job is None:
             if work.start_unit != 0:
-                raise RequestFailure(work.request_id, "image encoding state was lost; retry the request")
+                raise RequestFailure(
+                    work.request_id, "image encoding state was lost; retry the request"
+                )
             if image.pixel_values is None:
-                raise RequestFailure(work.request_id, "image pixels are missing and its encoding is not cached")
-            job = visual.start_encode(self._to_device(image.pixel_values).to(self.model.dtype), image.grid_thw)
+                raise RequestFailure(
+                    work.request_id, "image pixels are missing and its encoding is not cached"
+                )
+            job = visual.start_encode(
+                self._to_device(image.pixel_values).to(self.model.dtype), image.grid_thw
+            )
             self._encode_jobs[image.content_hash] = job
         for _ in range(work.num_units):  # unit by unit: interruptible work asks between them
             visual.run_units(job, 1)
@@ -353,13 +408,22 @@ class ModelRunner:
     ) -> tuple[dict[str, int], dict[str, TokenLogprob]]:
         inputs = self._pack(chunks)
         sampling = [(row, c) for row, c in zip(inputs.last_rows, chunks) if c.sample]
-        every_row = bool(sampling) and len(sampling) == len(inputs.input_ids)  # a decode-only batch samples all
+        # a decode-only batch samples all
+        every_row = bool(sampling) and len(sampling) == len(inputs.input_ids)
         logits: torch.Tensor | None = None
-        if self.graphs is not None and every_row and all(c.is_decode for c in chunks):  # a pure-decode step
-            logits = self.graphs.run(inputs.input_ids, inputs.positions, inputs.meta)  # None: above the buckets
+        # a pure-decode step
+        if self.graphs is not None and every_row and all(c.is_decode for c in chunks):
+            # None: above the buckets
+            logits = self.graphs.run(inputs.input_ids, inputs.positions, inputs.meta)
         if logits is None:
-            out = self.model.forward_step(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta,
-                                          inputs.images, all_logits=every_row)
+            out = self.model.forward_step(
+                inputs.input_ids,
+                inputs.positions,
+                self.kv_caches,
+                inputs.meta,
+                inputs.images,
+                all_logits=every_row,
+            )
         timing["forward_done"] = time.monotonic()
         if logits is not None:  # decode rows only: no prompt position to score
             return self._sample(logits, [c for _, c in sampling], failed)
@@ -374,9 +438,12 @@ class ModelRunner:
             logits = self.model.compute_logits(hidden)  # [num_sampling, vocab] float32
         return self._sample(logits, [c for _, c in sampling], failed)
 
-    def _score_prompts(self, chunks: list[ScheduledChunk], last_rows: list[int], hidden: torch.Tensor | None) -> None:
-        """For requests that asked for prompt logprobs: each of the chunk's positions scores the prompt token after
-        it (the last prompt position predicts the answer instead, as sampling does)."""
+    def _score_prompts(
+        self, chunks: list[ScheduledChunk], last_rows: list[int], hidden: torch.Tensor | None
+    ) -> None:
+        """For requests that asked for prompt logprobs: each of the chunk's positions scores the
+        prompt token after it (the last prompt position predicts the answer instead, as sampling
+        does)."""
         for chunk, last in zip(chunks, last_rows):
             state = self.requests[chunk.request_id]
             top = state.sampling.prompt_logprobs
@@ -388,20 +455,27 @@ class ModelRunner:
             if count > 0:
                 assert hidden is not None, "a prefill chunk's hidden states are kept"
                 first = last - chunk.num_new_tokens + 1
-                logp = torch.log_softmax(self.model.compute_logits(hidden[first : first + count]).float(), dim=-1)
+                logp = torch.log_softmax(
+                    self.model.compute_logits(hidden[first : first + count]).float(), dim=-1
+                )
                 targets = state.prompt_token_ids[chunk.context_len + 1 : stop + 1]
-                chosen = logp.gather(1, torch.tensor(targets, device=logp.device)[:, None])[:, 0].tolist()
+                chosen = logp.gather(1, torch.tensor(targets, device=logp.device)[:, None])[
+                    :, 0
+                ].tolist()
                 alternatives: list[tuple[tuple[int, float], ...]] = [()] * count
                 if top:
                     vals, idx = torch.topk(logp, top, dim=-1)
                     alternatives = [tuple(zip(i, v)) for i, v in zip(idx.tolist(), vals.tolist())]
-                scored = tuple(TokenLogprob(t, lp, alt) for t, lp, alt in zip(targets, chosen, alternatives))
+                scored = tuple(
+                    TokenLogprob(t, lp, alt) for t, lp, alt in zip(targets, chosen, alternatives)
+                )
             self._prompt_scores[chunk.request_id] = scored
 
     def _pack(self, chunks: list[ScheduledChunk]) -> _PackedInputs:
-        """Every chunk's tokens back to back: ids, M-RoPE positions, image rows, attention metadata. A token past
-        its prompt sits at index + mrope_delta on all three axes, so decode positions are plain ints, made into one
-        tensor per step; only chunks inside a prompt slice the request's precomputed table."""
+        """Every chunk's tokens back to back: ids, M-RoPE positions, image rows, attention metadata.
+        A token past its prompt sits at index + mrope_delta on all three axes, so decode positions
+        are plain ints, made into one tensor per step; only chunks inside a prompt slice the
+        request's precomputed table."""
         ids: list[int] = []
         last_rows: list[int] = []
         generated_rows: list[int] = []  # packed rows of tokens past their prompt
@@ -418,11 +492,15 @@ class ModelRunner:
                 prompt_parts.append((base, state.mrope_positions[:, start : min(end, n_prompt)]))
                 for _, im in images_in(state.images, start, end):
                     lo, hi = max(im.offset, start), min(im.end, end)
-                    rows = self.encoder_outputs[im.content_hash].rows(lo - im.offset, hi - im.offset)
+                    rows = self.encoder_outputs[im.content_hash].rows(
+                        lo - im.offset, hi - im.offset
+                    )
                     images.append(ImageRows(base + lo - start, rows))
             first_generated = max(start, n_prompt)
             generated_rows.extend(range(base + first_generated - start, base + end - start))
-            generated_pos.extend(range(first_generated + state.mrope_delta, end + state.mrope_delta))
+            generated_pos.extend(
+                range(first_generated + state.mrope_delta, end + state.mrope_delta)
+            )
             last_rows.append(len(ids) - 1)
         meta = AttentionMetadata.build(
             [c.num_new_tokens for c in chunks],
@@ -438,8 +516,8 @@ class ModelRunner:
         )
 
     def _to_device(self, t: torch.Tensor) -> torch.Tensor:
-        """A CPU tensor on the runner's device: itself on the CPU; else copied from pinned memory without waiting
-        (the stream orders it before the kernels that read it)."""
+        """A CPU tensor on the runner's device: itself on the CPU; else copied from pinned memory
+        without waiting (the stream orders it before the kernels that read it)."""
         if not self._copy_async:
             return t
         return t.pin_memory().to(self.device, non_blocking=True)
@@ -447,9 +525,10 @@ class ModelRunner:
     def _sample(
         self, logits: torch.Tensor, chunks: list[ScheduledChunk], failed: dict[str, str],
     ) -> tuple[dict[str, int], dict[str, TokenLogprob]]:
-        """Sample row i of ``logits`` for chunks[i]. A constrained row samples only under its mask: where the mask
-        is not ready in time the row is left out (pending), where its grammar ended it, it is left out too
-        (``_step_masks``). Each sampled constrained row's grammar work for its next token starts at once."""
+        """Sample row i of ``logits`` for chunks[i]. A constrained row samples only under its mask:
+        where the mask is not ready in time the row is left out (pending), where its grammar ended
+        it, it is left out too (``_step_masks``). Each sampled constrained row's grammar work for
+        its next token starts at once."""
         keep: list[int] = []
         for i, c in enumerate(chunks):
             try:
@@ -457,7 +536,11 @@ class ModelRunner:
                 keep.append(i)
             except RequestFailure as e:
                 failed[e.request_id] = e.message
-        grammars = {chunks[i].request_id: g for i in keep if (g := self.requests[chunks[i].request_id].grammar)}
+        grammars = {
+            chunks[i].request_id: g
+            for i in keep
+            if (g := self.requests[chunks[i].request_id].grammar)
+        }
         if grammars:
             self._step_masks = self.masks.collect(grammars)
             failed.update(self._step_masks.crashed)
@@ -467,30 +550,44 @@ class ModelRunner:
             return {}, {}
         logits = logits if len(keep) == logits.shape[0] else logits[keep]
         chunks = [chunks[i] for i in keep]
-        if logits.device.type != "cpu":  # the sampler (its per-request generators, penalties, masks) is the CPU's
+        # the sampler (its per-request generators, penalties, masks) is the CPU's
+        if logits.device.type != "cpu":
             logits = logits.cpu()
         states = [self.requests[c.request_id] for c in chunks]
-        rows = [SampleRow(s.sampling, s.generator, s.prompt_token_ids, s.output_token_ids, s.history) for s in states]
+        rows = [
+            SampleRow(s.sampling, s.generator, s.prompt_token_ids, s.output_token_ids, s.history)
+            for s in states
+        ]
         masked = [s.grammar for s in states]
-        if any(g is not None for g in masked):  # rows without a grammar are neither read nor written
+        # rows without a grammar are neither read nor written
+        if any(g is not None for g in masked):
             self._bitmask, constrained = stack_masks(masked, self._bitmask)
             apply_bitmask(logits, self._bitmask, constrained)
         result = self.sampler.sample(logits, rows)
         for i, message in result.failed.items():
             failed[chunks[i].request_id] = message
-        sampled = {c.request_id: t for i, (c, t) in enumerate(zip(chunks, result.token_ids)) if i not in result.failed}
+        sampled = {
+            c.request_id: t
+            for i, (c, t) in enumerate(zip(chunks, result.token_ids))
+            if i not in result.failed
+        }
         for c, state in zip(chunks, states):
             token = sampled.get(c.request_id)
-            if (state.grammar is not None and token is not None  # (the token is not appended yet)
-                    and state.sampling.finish_after(token, len(state.output_token_ids) + 1) is None):
-                self.masks.start(state.grammar, token)  # the token goes out now; the grammar takes it meanwhile
+            if (
+                state.grammar is not None
+                and token is not None  # (the token is not appended yet)
+                and state.sampling.finish_after(token, len(state.output_token_ids) + 1) is None
+            ):
+                # the token goes out now; the grammar takes it meanwhile
+                self.masks.start(state.grammar, token)
         logprobs = {c.request_id: lp for c, lp in zip(chunks, result.logprobs) if lp is not None}
         return sampled, logprobs
 
 
 @dataclass(frozen=True)
 class _PackedInputs:
-    """One forward's inputs; row r of every [num_tokens, ...] tensor is the r-th token of the packed chunks."""
+    """One forward's inputs; row r of every [num_tokens, ...] tensor is the r-th token of the packed
+    chunks."""
 
     input_ids: torch.Tensor  # [num_tokens] int64
     positions: torch.Tensor  # [3, num_tokens] int64 (t, h, w)
@@ -505,8 +602,8 @@ def _positions(
     generated_rows: list[int],
     generated_pos: list[int],
 ) -> torch.Tensor:
-    """[3, num_tokens] int64 positions from slices of prompt tables (at their first packed row) and per-row
-    positions of generated tokens (the same on all three axes)."""
+    """[3, num_tokens] int64 positions from slices of prompt tables (at their first packed row) and
+    per-row positions of generated tokens (the same on all three axes)."""
     generated = torch.tensor(generated_pos, dtype=torch.int64)
     if not prompt_parts:  # decode-only: rows are 0 .. num_tokens - 1 in order
         return generated.expand(3, -1)  # stride 0: mrope_cos_sin reads it as one row

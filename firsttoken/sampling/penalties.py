@@ -1,12 +1,14 @@
 """The token history penalties read, kept up to date one sampled token at a time.
 
-The repetition penalty (transformers) touches every distinct token of prompt + output; presence and frequency
-penalties (OpenAI) every distinct output token, by its count. Rebuilding those sets from the whole history each
-step cost O(prompt + output) Python per request per step (a 1,400-token image prompt: the largest part of the
-sampler's time). ``TokenHistory`` holds them as tensors and grows them by the step's one token, so a step costs a
-few tensor ops over the distinct tokens, whatever the history's length.
+The repetition penalty (transformers) touches every distinct token of prompt + output; presence and
+frequency penalties (OpenAI) every distinct output token, by its count. Rebuilding those sets from
+the whole history each step cost O(prompt + output) Python per request per step (a 1,400-token image
+prompt: the largest part of the sampler's time). ``TokenHistory`` holds them as tensors and grows
+them by the step's one token, so a step costs a few tensor ops over the distinct tokens, whatever
+the history's length.
 
-Index order is irrelevant to the result: every penalty is applied per distinct id (gather, modify, scatter back).
+Index order is irrelevant to the result: every penalty is applied per distinct id (gather, modify,
+scatter back).
 """
 
 from __future__ import annotations
@@ -17,9 +19,12 @@ import torch
 
 
 class TokenHistory:
-    def __init__(self, prompt_token_ids: Sequence[int], output_token_ids: Sequence[int] = ()) -> None:
+    def __init__(
+        self, prompt_token_ids: Sequence[int], output_token_ids: Sequence[int] = ()
+    ) -> None:
         self._seen: set[int] = set(prompt_token_ids)
-        self._out_index: dict[int, int] = {}  # output token id -> its row in output_ids / output_counts
+        # output token id -> its row in output_ids / output_counts
+        self._out_index: dict[int, int] = {}
         out_ids: list[int] = []
         out_counts: list[int] = []
         for t in output_token_ids:
@@ -29,9 +34,11 @@ class TokenHistory:
                 out_ids.append(t)
                 out_counts.append(0)
             out_counts[row] += 1
-        self.seen_ids = torch.tensor(sorted(self._seen), dtype=torch.long)  # [distinct prompt + output tokens]
+        # [distinct prompt + output tokens]
+        self.seen_ids = torch.tensor(sorted(self._seen), dtype=torch.long)
         self.output_ids = torch.tensor(out_ids, dtype=torch.long)  # [distinct output tokens]
-        self.output_counts = torch.tensor(out_counts, dtype=torch.long)  # [distinct output tokens], >= 1
+        # [distinct output tokens], >= 1
+        self.output_counts = torch.tensor(out_counts, dtype=torch.long)
 
     def has_seen(self, token_id: int) -> bool:
         """Is this token in the prompt or the output so far?"""

@@ -1,23 +1,25 @@
 """Turns the last-position logits of a batch into one token per sequence.
 
-Greedy rows take their argmax (the first maximum). Rows with temperature draw from their own torch.Generator when the
-request carries a seed (same seed, same output, whatever else shares the batch), else from the sampler's.
-Penalties follow OpenAI (presence/frequency on generated tokens) and transformers (repetition penalty on
-prompt + generated tokens), applied to every penalised row of the step at once. Logprobs are reported from the
-model's distribution before temperature.
+Greedy rows take their argmax (the first maximum). Rows with temperature draw from their own
+torch.Generator when the request carries a seed (same seed, same output, whatever else shares the
+batch), else from the sampler's. Penalties follow OpenAI (presence/frequency on generated tokens)
+and transformers (repetition penalty on prompt + generated tokens), applied to every penalised row
+of the step at once. Logprobs are reported from the model's distribution before temperature.
 
-A sampled row never sorts the vocabulary: top-k takes the k largest logits (sorted) and the softmax, top-p and the
-draw run over those k; top-p alone takes the most probable 64, 256, ... tokens until they hold more than top_p of
-the mass (the tokens top-p keeps are always among them); the draw is one uniform number against the candidates'
-cumulative mass (the first token whose cumulative mass exceeds it: token i with probability p_i / sum p). The tokens
-kept and their probabilities are those of a full sort (vLLM's and transformers' top-k/top-p), but the draws from a
-given seed differ from theirs. No row sorts the vocabulary: that cost grows with the vocabulary, this one with the
+A sampled row never sorts the vocabulary: top-k takes the k largest logits (sorted) and the softmax,
+top-p and the draw run over those k; top-p alone takes the most probable 64, 256, ... tokens until
+they hold more than top_p of the mass (the tokens top-p keeps are always among them); the draw is
+one uniform number against the candidates' cumulative mass (the first token whose cumulative mass
+exceeds it: token i with probability p_i / sum p). The tokens kept and their probabilities are those
+of a full sort (vLLM's and transformers' top-k/top-p), but the draws from a given seed differ from
+theirs. No row sorts the vocabulary: that cost grows with the vocabulary, this one with the
 candidates kept (why: docs/runs/notes/sampler.md).
 
-Numerically safe for every value SamplingParams accepts: a temperature below ``SAMPLING_EPS`` is greedy (as in
-vLLM), penalised or temperature-scaled logits are clamped to finite values before the softmax, and a row whose
-probabilities still come out unusable falls back to its argmax. A row that raises anyway fails alone: its index
-lands in ``SampleResult.failed`` and every other row is sampled as usual.
+Numerically safe for every value SamplingParams accepts: a temperature below ``SAMPLING_EPS`` is
+greedy (as in vLLM), penalised or temperature-scaled logits are clamped to finite values before the
+softmax, and a row whose probabilities still come out unusable falls back to its argmax. A row that
+raises anyway fails alone: its index lands in ``SampleResult.failed`` and every other row is sampled
+as usual.
 """
 
 from __future__ import annotations
@@ -43,7 +45,8 @@ class SampleRow:
     generator: torch.Generator | None  # per-request, when params.seed is set
     prompt_token_ids: Sequence[int]
     output_token_ids: Sequence[int]
-    history: TokenHistory | None = None  # the same tokens kept incrementally (the runner's); built when absent
+    # the same tokens kept incrementally (the runner's); built when absent
+    history: TokenHistory | None = None
 
 
 @dataclass(frozen=True)
@@ -53,15 +56,19 @@ class SampleResult:
     failed: dict[int, str] = field(default_factory=dict)  # row index -> user-safe message
 
 
-Penalties = Callable[..., torch.Tensor]  # (logits, rows, skip=row indices already done) -> penalised logits
+# (logits, rows, skip=row indices already done) -> penalised logits
+Penalties = Callable[..., torch.Tensor]
 
 
 class Sampler:
-    def __init__(self, seed: int | None = None, kernels: bool = True, penalties: Penalties | None = None) -> None:
-        """``kernels``: top-k and argmax through firsttoken's CPU kernel (one vectorized pass; torch's are scalar
-        loops on the CPU) where it is built, else torch's (``--cpu-kernels off``); the same tokens either way.
-        ``penalties``: how the rows' repetition penalties are applied (default ``apply_penalties``; a test passes
-        one that also records which rows it was asked for)."""
+    def __init__(
+        self, seed: int | None = None, kernels: bool = True, penalties: Penalties | None = None
+    ) -> None:
+        """``kernels``: top-k and argmax through firsttoken's CPU kernel (one vectorized pass;
+        torch's are scalar loops on the CPU) where it is built, else torch's
+        (``--cpu-kernels off``); the same tokens either way. ``penalties``: how the rows' repetition
+        penalties are applied (default ``apply_penalties``; a test passes one that also records
+        which rows it was asked for)."""
         self._penalties: Penalties = penalties or apply_penalties
         self._generator = torch.Generator()
         if seed is not None:
@@ -69,10 +76,12 @@ class Sampler:
         else:
             self._generator.seed()
         self._kernels = kernels
-        self._kernel: Any = None  # resolved on first use (building it is the loader's business, normally done)
+        # resolved on first use (building it is the loader's business, normally done)
+        self._kernel: Any = None
 
     def _cpu_kernel(self, x: torch.Tensor) -> Any:
-        """firsttoken's CPU kernel library for a tensor on the CPU, when it is to be used and is built, else None."""
+        """firsttoken's CPU kernel library for a tensor on the CPU, when it is to be used and is
+        built, else None."""
         if not self._kernels or x.device.type != "cpu":
             return None
         if self._kernel is None:
@@ -88,7 +97,8 @@ class Sampler:
         return got if got is not None else torch.topk(x, k)
 
     def _argmax(self, logits: torch.Tensor, rows: list[int]) -> list[int]:
-        """The first maximum of each of these rows: the kernel row by row, else one batched torch.argmax."""
+        """The first maximum of each of these rows: the kernel row by row, else one batched
+        torch.argmax."""
         if self._cpu_kernel(logits) is not None:
             return [int(self._topk(logits[i], 1)[1][0]) for i in rows]
         picked = logits if len(rows) == logits.shape[0] else logits[rows]
@@ -126,20 +136,30 @@ class Sampler:
             logprobs = self._logprobs(raw, rows, token_ids, failed)
         return SampleResult(token_ids=token_ids, logprobs=logprobs, failed=failed)
 
-    def _greedy_unseen_maximum(self, raw: torch.Tensor, rows: Sequence[SampleRow], token_ids: list[int]) -> set[int]:
-        """Greedy rows whose only penalty is a repetition penalty > 1 (Qwen2-VL's default: top-k 1, 1.05): such a
-        penalty only lowers the logits of tokens the request has seen, so when the first maximum of the raw logits
-        is a token it has not seen, that token is also the first maximum of the penalised ones (every earlier logit
-        was below it and can only go lower; clamping changes nothing finite). Those rows take it without the
-        penalty's clone, gather/scatter and clamp over the vocabulary; the others go the whole way. Only where the
-        CPU kernel takes the argmax (it never picks a NaN, as the clamped path never does). Returns the rows done."""
+    def _greedy_unseen_maximum(
+        self, raw: torch.Tensor, rows: Sequence[SampleRow], token_ids: list[int]
+    ) -> set[int]:
+        """Greedy rows whose only penalty is a repetition penalty > 1 (Qwen2-VL's default: top-k 1,
+        1.05): such a penalty only lowers the logits of tokens the request has seen, so when the
+        first maximum of the raw logits is a token it has not seen, that token is also the first
+        maximum of the penalised ones (every earlier logit was below it and can only go lower;
+        clamping changes nothing finite). Those rows take it without the penalty's clone,
+        gather/scatter and clamp over the vocabulary; the others go the whole way. Only where the
+        CPU kernel takes the argmax (it never picks a NaN, as the clamped path never does). Returns
+        the rows done."""
         done: set[int] = set()
         if self._cpu_kernel(raw) is None:
             return done
         for i, r in enumerate(rows):
             p = r.params
-            if (r.history is None or not p.is_greedy or p.repetition_penalty <= 1.0 or p.presence_penalty
-                    or p.frequency_penalty or p.logit_bias):
+            if (
+                r.history is None
+                or not p.is_greedy
+                or p.repetition_penalty <= 1.0
+                or p.presence_penalty
+                or p.frequency_penalty
+                or p.logit_bias
+            ):
                 continue
             token = self._argmax(raw, [i])[0]
             if not r.history.has_seen(token):
@@ -161,16 +181,21 @@ class Sampler:
             probs = probs.masked_fill(drop, 0.0)
         cdf = probs.cumsum(-1)
         total = float(cdf[-1])
-        if not math.isfinite(total) or total <= 0.0:  # nothing left to draw from: the most likely token
+        # nothing left to draw from: the most likely token
+        if not math.isfinite(total) or total <= 0.0:
             return int(torch.argmax(logits))
         gen = row.generator or self._generator
-        u = torch.rand(1, generator=gen, dtype=cdf.dtype) * total  # the first token whose cumulative mass passes u
+        # the first token whose cumulative mass passes u
+        u = torch.rand(1, generator=gen, dtype=cdf.dtype) * total
         choice = min(int(torch.searchsorted(cdf, u, right=True)), cdf.numel() - 1)
         return choice if ids is None else int(ids[choice])
 
-    def _top_p_candidates(self, probs: torch.Tensor, top_p: float) -> tuple[torch.Tensor, torch.Tensor]:
-        """The most probable tokens, sorted, enough of them that top-p keeps none beyond: 64, then 4x more until
-        they hold more than top_p of the mass (top-p keeps a token while the mass before it is at most top_p)."""
+    def _top_p_candidates(
+        self, probs: torch.Tensor, top_p: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The most probable tokens, sorted, enough of them that top-p keeps none beyond: 64, then
+        4x more until they hold more than top_p of the mass (top-p keeps a token while the mass
+        before it is at most top_p)."""
         n = probs.numel()
         k = min(64, n)
         while True:
@@ -204,9 +229,12 @@ def _clamp_finite(x: torch.Tensor) -> torch.Tensor:
     return torch.nan_to_num_(x, nan=info.min, posinf=info.max, neginf=info.min)
 
 
-def apply_penalties(logits: torch.Tensor, rows: Sequence[SampleRow], skip: set[int] = frozenset()) -> torch.Tensor:
-    """In place on logits [rows, vocab], every penalised row at once (but those in ``skip``): one gather and one
-    scatter for the repetition penalty, one index_put for presence/frequency. Returns logits."""
+def apply_penalties(
+    logits: torch.Tensor, rows: Sequence[SampleRow], skip: set[int] = frozenset()
+) -> torch.Tensor:
+    """In place on logits [rows, vocab], every penalised row at once (but those in ``skip``): one
+    gather and one scatter for the repetition penalty, one index_put for presence/frequency. Returns
+    logits."""
     vocab = logits.shape[-1]
     flat = logits.view(-1)
     seen: list[torch.Tensor] = []
@@ -223,7 +251,9 @@ def apply_penalties(logits: torch.Tensor, rows: Sequence[SampleRow], skip: set[i
             penalties.append(p.repetition_penalty)
         if (p.presence_penalty or p.frequency_penalty) and history.output_ids.numel():
             out_idx.append(history.output_ids + i * vocab if i else history.output_ids)
-            out_sub.append(p.presence_penalty + p.frequency_penalty * history.output_counts.to(logits.dtype))
+            out_sub.append(
+                p.presence_penalty + p.frequency_penalty * history.output_counts.to(logits.dtype)
+            )
     if seen:
         idx = _cat(seen)
         pen: float | torch.Tensor = penalties[0]

@@ -1,19 +1,21 @@
-"""A step's wall time predicted from what it holds, fitted online from the engine's own step timings.
+"""A step's wall time predicted from what it holds, fitted online from the engine's own step
+timings.
 
     seconds = c_step + c_seq * sequences + c_sample * sampled rows
             + c_prefill * prefill tokens + c_prefill_attn * prefill attention pairs
             + c_decode * decode tokens + c_decode_ctx * decode context tokens
             + c_patch * encoder patches + c_encoder_attn * encoder attention pairs
 
-Attention is super-linear: a prefill chunk of q new tokens over c cached ones scores q * (c + (q + 1) / 2) query-key
-pairs, a vision block over n patches n^2 (per window for windowed blocks: the family's EncoderUnit says). Every term
-is work the step really does, so coefficients are seconds per unit of work on this machine, model and dtype: they
-are fitted, not configured.
+Attention is super-linear: a prefill chunk of q new tokens over c cached ones scores q * (c + (q +
+1) / 2) query-key pairs, a vision block over n patches n^2 (per window for windowed blocks: the
+family's EncoderUnit says). Every term is work the step really does, so coefficients are seconds per
+unit of work on this machine, model and dtype: they are fitted, not configured.
 
-Fitting: ridge-regularised least squares over a sliding window of recent steps, each weighted by 1 / actual^2 (the
-error that matters is relative: predicted / actual), pulled towards a prior (the start-up calibration's fit, or
-zero), with coefficients kept non-negative (an active set: a negative one is pinned to zero and the rest refitted).
-Refitted every ``refit_every`` observations. Pure Python and numpy: no tensors, cheap enough for every step.
+Fitting: ridge-regularised least squares over a sliding window of recent steps, each weighted by 1 /
+actual^2 (the error that matters is relative: predicted / actual), pulled towards a prior (the
+start-up calibration's fit, or zero), with coefficients kept non-negative (an active set: a negative
+one is pinned to zero and the rest refitted). Refitted every ``refit_every`` observations. Pure
+Python and numpy: no tensors, cheap enough for every step.
 """
 
 from __future__ import annotations
@@ -26,7 +28,8 @@ import numpy as np
 from firsttoken.batch import StepFeatures
 
 MIN_SAMPLES = 16  # observations before an uncalibrated model prices steps (fewer fit mostly noise)
-# Typical magnitudes of each feature, so the regularisation treats coefficients on comparable scales.
+# Typical magnitudes of each feature, so the regularisation treats coefficients on comparable
+# scales.
 _SCALES = {
     "step": 1.0,
     "sequences": 8.0,
@@ -87,10 +90,13 @@ class CostModel:
         self._y: deque[float] = deque(maxlen=window)
         self._since_fit = 0
         self.num_observed = 0
-        # predicted / actual of each observation, made with the coefficients of that moment (an honest error)
+        # predicted / actual of each observation, made with the coefficients of that moment (an
+        # honest error)
         self.ratios: deque[float] = deque(maxlen=window)
-        self.coverage: dict[str, dict[str, float]] = {}  # term -> steps in the window with it, its largest value
-        self.version = 0  # bumped whenever the coefficients may change (refit, reset): caches of prices key on it
+        # term -> steps in the window with it, its largest value
+        self.coverage: dict[str, dict[str, float]] = {}
+        # bumped whenever the coefficients may change (refit, reset): caches of prices key on it
+        self.version = 0
 
     def reset(self) -> None:
         """Forget every observation and go back to the prior."""
@@ -116,7 +122,8 @@ class CostModel:
         return float(features.vector() @ self.coef)
 
     def work_s(self, features: StepFeatures) -> float:
-        """Predicted seconds of ``features`` as part of a step: without the per-step constant, paid once a step."""
+        """Predicted seconds of ``features`` as part of a step: without the per-step constant, paid
+        once a step."""
         return self.predict(features) - float(self.coef[0])
 
     def observe(self, features: StepFeatures, seconds: float) -> None:
@@ -139,10 +146,12 @@ class CostModel:
         if self._x:
             x = np.array(self._x)
             self.coef = fit_coefficients(x, np.array(self._y), self.prior, self.scales, self.ridge)
-            # what the fit has seen, per term: a price for work far beyond it is an extrapolation (the simulator
-            # says so when it prices a workload with it)
-            self.coverage = {name: {"steps": int(n), "max": float(m)}
-                             for name, n, m in zip(FEATURE_NAMES[1:], (x[:, 1:] != 0).sum(0), x[:, 1:].max(0))}
+            # what the fit has seen, per term: a price for work far beyond it is an extrapolation
+            # (the simulator says so when it prices a workload with it)
+            self.coverage = {
+                name: {"steps": int(n), "max": float(m)}
+                for name, n, m in zip(FEATURE_NAMES[1:], (x[:, 1:] != 0).sum(0), x[:, 1:].max(0))
+            }
         return self.fit()
 
     def fit(self) -> Fit:
@@ -174,5 +183,6 @@ def fit_coefficients(
         theta[free] = sol
         if (sol >= 0).all():
             break
-        free[np.flatnonzero(free)[sol < 0]] = False  # pin negative coefficients to zero, refit the rest
+        # pin negative coefficients to zero, refit the rest
+        free[np.flatnonzero(free)[sol < 0]] = False
     return np.maximum(theta, 0.0) / scales  # back to seconds per unit of each feature

@@ -1,15 +1,17 @@
-"""Which vision-tower outputs exist or are being computed, who needs them, and which to drop: bookkeeping only.
+"""Which vision-tower outputs exist or are being computed, who needs them, and which to drop:
+bookkeeping only.
 
-Entries are keyed by image content hash and sized in visual tokens. An image is encoded unit by unit (the model
-family's split of its vision work, e.g. one block per unit), possibly across several steps (``units_done`` of its
-``num_units``); it is *ready* when every unit has run. Progress is recorded from what the runner reports it
-actually ran (``record_progress``), never from what was scheduled: an encode that fails is ``reset`` to zero
-units, so a failure can never leave an entry that claims embeddings nobody holds. An entry pinned by a request
-whose prefill has not yet passed that image is never evicted. Unpinned ready entries stay, least recently used
-first out, while the total fits ``capacity_tokens``; with capacity 0 (cache off) an entry lives exactly as long as
-some request still needs it. An unpinned entry that is not ready (its requester went away mid-encode) is dropped
-at once. An image larger than the whole capacity is still served: pinned while needed, then dropped. The
-runner holds the tensors and drops those listed by ``pop_freed``.
+Entries are keyed by image content hash and sized in visual tokens. An image is encoded unit by unit
+(the model family's split of its vision work, e.g. one block per unit), possibly across several
+steps (``units_done`` of its ``num_units``); it is *ready* when every unit has run. Progress is
+recorded from what the runner reports it actually ran (``record_progress``), never from what was
+scheduled: an encode that fails is ``reset`` to zero units, so a failure can never leave an entry
+that claims embeddings nobody holds. An entry pinned by a request whose prefill has not yet passed
+that image is never evicted. Unpinned ready entries stay, least recently used first out, while the
+total fits ``capacity_tokens``; with capacity 0 (cache off) an entry lives exactly as long as some
+request still needs it. An unpinned entry that is not ready (its requester went away mid-encode) is
+dropped at once. An image larger than the whole capacity is still served: pinned while needed, then
+dropped. The runner holds the tensors and drops those listed by ``pop_freed``.
 """
 
 from __future__ import annotations
@@ -38,13 +40,17 @@ class EncoderCacheManager:
         return content_hash in self._sizes
 
     def is_ready(self, content_hash: str) -> bool:
-        return content_hash in self._units_done and self._units_done[content_hash] >= self._num_units[content_hash]
+        return (
+            content_hash in self._units_done
+            and self._units_done[content_hash] >= self._num_units[content_hash]
+        )
 
     def units_done(self, content_hash: str) -> int:
         return self._units_done.get(content_hash, 0)
 
     def acquire(self, request_id: str, content_hash: str, num_tokens: int, num_units: int) -> bool:
-        """Pin an entry for a request; True on a hit (computed or being computed by someone: no new work)."""
+        """Pin an entry for a request; True on a hit (computed or being computed by someone: no new
+        work)."""
         hit = content_hash in self._sizes
         if hit:
             self._sizes.move_to_end(content_hash)
@@ -58,14 +64,14 @@ class EncoderCacheManager:
         return hit
 
     def record_progress(self, content_hash: str, units_done: int) -> None:
-        """The runner reports the image's units now done (after a step). Unknown hashes (the entry was dropped
-        while its last work ran) are ignored."""
+        """The runner reports the image's units now done (after a step). Unknown hashes (the entry
+        was dropped while its last work ran) are ignored."""
         if content_hash in self._units_done:
             self._units_done[content_hash] = min(max(units_done, 0), self._num_units[content_hash])
 
     def reset(self, content_hash: str) -> None:
-        """The runner holds nothing for this image (its encode failed, or its embeddings went missing): back to
-        zero units. An unpinned entry is dropped instead."""
+        """The runner holds nothing for this image (its encode failed, or its embeddings went
+        missing): back to zero units. An unpinned entry is dropped instead."""
         if content_hash not in self._sizes:
             return
         if content_hash in self._users:
@@ -118,7 +124,8 @@ class EncoderCacheManager:
         self._freed.append(content_hash)
 
     def _shrink(self) -> None:
-        """Evict unpinned entries, oldest first, until everything fits or only pinned ones remain."""
+        """Evict unpinned entries, oldest first, until everything fits or only pinned ones
+        remain."""
         total = self.num_tokens
         for h in list(self._sizes):
             if total <= self.capacity_tokens:

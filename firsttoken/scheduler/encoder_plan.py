@@ -1,10 +1,12 @@
-"""Encoder-unit planning: which vision-tower units of which image a step runs, which of them a short arrival may
-cut, and what the runner reports it actually ran. Bookkeeping over the ``EncoderCacheManager``; no tensors.
+"""Encoder-unit planning: which vision-tower units of which image a step runs, which of them a short
+arrival may cut, and what the runner reports it actually ran. Bookkeeping over the
+``EncoderCacheManager``; no tensors.
 
-An image's encode is the model family's units (a vision block, or a slice of a large block's query rows), each
-priced by the cost model; a chunk may cover an image's tokens only once its last unit has run, in this step or an
-earlier one. Work of the long lane whose image no chunk of the same step covers is *interruptible*: the runner runs
-it last in the step and stops between units when a short request is waiting, reporting the units done.
+An image's encode is the model family's units (a vision block, or a slice of a large block's query
+rows), each priced by the cost model; a chunk may cover an image's tokens only once its last unit
+has run, in this step or an earlier one. Work of the long lane whose image no chunk of the same step
+covers is *interruptible*: the runner runs it last in the step and stops between units when a short
+request is waiting, reporting the units done.
 """
 
 from __future__ import annotations
@@ -23,7 +25,9 @@ from firsttoken.types import EncoderUnit, ImageItem
 
 
 class EncoderPlanner:
-    def __init__(self, cache: EncoderCacheManager, cost_model: CostModel, requests: Mapping[str, Request]) -> None:
+    def __init__(
+        self, cache: EncoderCacheManager, cost_model: CostModel, requests: Mapping[str, Request]
+    ) -> None:
         """``requests``: the scheduler's live requests by id (read, never changed here)."""
         self.cache = cache
         self.cost_model = cost_model
@@ -32,9 +36,9 @@ class EncoderPlanner:
 
     def ensure(self, req: Request, index: int, im: ImageItem, budget: StepBudget, step: StepDraft,
                all_units: bool) -> bool:
-        """Make sure the image's embeddings exist by the time this step's chunks run; schedule encoder units if
-        needed (all of them with ``all_units``). False when the image is still incomplete after this step (the
-        chunk must stop before it)."""
+        """Make sure the image's embeddings exist by the time this step's chunks run; schedule
+        encoder units if needed (all of them with ``all_units``). False when the image is still
+        incomplete after this step (the chunk must stop before it)."""
         h = im.content_hash
         if not self.cache.is_pinned_by(req.request_id, h):
             if self.cache.acquire(req.request_id, h, im.num_tokens, len(im.encoder_units)):
@@ -49,16 +53,19 @@ class EncoderPlanner:
         units = im.encoder_units[start:]
         num_units = len(units) if all_units else budget.units(units)
         if num_units == 0:
-            # the long lane moves by at least a unit per step it runs in (progress), except past the bound of a
-            # step that holds a short prefill: that step is the short request's time to first token
+            # the long lane moves by at least a unit per step it runs in (progress), except past the
+            # bound of a step that holds a short prefill: that step is the short request's time to
+            # first token
             if step.has_short_prefill and not budget.floor_tokens:
-                step.long_held = True  # it yielded this step to the short prefill (wait_reason: short_lane_first)
+                # it yielded this step to the short prefill (wait_reason: short_lane_first)
+                step.long_held = True
                 return False
             num_units = 1
         before = budget.spent_s
         budget.take_units(units[:num_units])
         step.charge(req.request_id, req.lane, False, budget.spent_s - before)
-        finishes = num_units >= len(units)  # progress is recorded from the runner's report, in record()
+        # progress is recorded from the runner's report, in record()
+        finishes = num_units >= len(units)
         step.encoder_work.append(EncoderWork(req.request_id, index, h, start, num_units, finishes))
         step.worked_hashes.add(h)
         step.scheduled_ids.add(req.request_id)
@@ -68,8 +75,8 @@ class EncoderPlanner:
         return finishes
 
     def release_passed(self, req: Request, computed_len: int) -> None:
-        """The request's prefill has computed ``computed_len`` prompt tokens: unpin the images wholly before that (an
-        image sent twice is released after its last copy)."""
+        """The request's prefill has computed ``computed_len`` prompt tokens: unpin the images
+        wholly before that (an image sent twice is released after its last copy)."""
         last_end: dict[str, int] = {}
         for im in req.images:
             last_end[im.content_hash] = max(last_end.get(im.content_hash, 0), im.end)
@@ -78,36 +85,47 @@ class EncoderPlanner:
                 self.cache.release(req.request_id, h)
 
     def mark_interruptible(self, step: StepDraft) -> None:
-        """Long-lane encoder work may be cut between units, unless a chunk of this step covers its image (that
-        chunk needs the embeddings the work finishes); the step's cut span is what that work takes."""
+        """Long-lane encoder work may be cut between units, unless a chunk of this step covers its
+        image (that chunk needs the embeddings the work finishes); the step's cut span is what that
+        work takes."""
         covered: set[str] = set()
         for c in step.chunks:
             if not c.is_decode:
                 req = self.requests[c.request_id]
-                covered.update(im.content_hash for im in req.images if im.offset < c.end and im.end > c.context_len)
+                covered.update(
+                    im.content_hash
+                    for im in req.images
+                    if im.offset < c.end and im.end > c.context_len
+                )
         step.encoder_work = [
             replace(w, interruptible=True)
             if self.requests[w.request_id].lane == LONG and w.content_hash not in covered else w
             for w in step.encoder_work
         ]
         units = [u for w in step.encoder_work if w.interruptible for u in self._units(w)]
-        if units and self.cost_model.is_trained:  # what they take (the runner runs them last in the step)
+        # what they take (the runner runs them last in the step)
+        if units and self.cost_model.is_trained:
             span = self.cost_model.work_s(_features(units))
             step.cut_span = (span, span / len(units))
 
     def features_run(self, batch: ScheduledBatch, result: RunnerOutput) -> StepFeatures:
-        """The work a step actually did: what it was scheduled with, less the encoder units an interrupt cut (what
-        the cost model must learn the step's time from)."""
+        """The work a step actually did: what it was scheduled with, less the encoder units an
+        interrupt cut (what the cost model must learn the step's time from)."""
         features = batch.features
         for w in self._cut_work(batch, result):
             units = self.requests[w.request_id].images[w.image_index].encoder_units
-            features = features - _features(units[max(result.encoder_progress[w.content_hash], w.start_unit)
-                                                  : w.start_unit + w.num_units])
+            features = features - _features(
+                units[
+                    max(result.encoder_progress[w.content_hash], w.start_unit) : w.start_unit
+                    + w.num_units
+                ]
+            )
         return features
 
     def record(self, batch: ScheduledBatch, result: RunnerOutput) -> None:
-        """Follow what the runner reports of the step's encoder work: units actually run (an interrupt's cut work
-        resumes next step from them), images it holds nothing for any more (back to zero units)."""
+        """Follow what the runner reports of the step's encoder work: units actually run (an
+        interrupt's cut work resumes next step from them), images it holds nothing for any more
+        (back to zero units)."""
         self.num_interrupts += int(bool(self._cut_work(batch, result)))
         for work in batch.encoder_work:
             h = work.content_hash
@@ -121,11 +139,21 @@ class EncoderPlanner:
             end = w.start_unit + w.num_units
             return result.encoder_progress.get(w.content_hash, end) < end
 
-        return [w for w in batch.encoder_work if w.interruptible and w.request_id not in result.failed
-                and w.request_id in self.requests and cut(w)]
+        return [
+            w
+            for w in batch.encoder_work
+            if w.interruptible
+            and w.request_id not in result.failed
+            and w.request_id in self.requests
+            and cut(w)
+        ]
 
     def _units(self, w: EncoderWork) -> tuple[EncoderUnit, ...]:
-        return self.requests[w.request_id].images[w.image_index].encoder_units[w.start_unit : w.start_unit + w.num_units]
+        return (
+            self.requests[w.request_id]
+            .images[w.image_index]
+            .encoder_units[w.start_unit : w.start_unit + w.num_units]
+        )
 
 
 def _features(units: tuple[EncoderUnit, ...] | list[EncoderUnit]) -> StepFeatures:

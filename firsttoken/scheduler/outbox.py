@@ -1,4 +1,5 @@
-"""What the runner must be told with the next batch, gathered between batches: plain ids and frozen request data."""
+"""What the runner must be told with the next batch, gathered between batches: plain ids and frozen
+request data."""
 
 from __future__ import annotations
 
@@ -9,9 +10,12 @@ from firsttoken.batch import NewRequest
 
 @dataclass
 class RunnerOutbox:
-    new: list[NewRequest] = field(default_factory=list)  # first admissions: the runner's first sight of them
-    preempted_ids: list[str] = field(default_factory=list)  # preempted by recompute: their KV state goes
-    finished_ids: list[str] = field(default_factory=list)  # finished since it got them: all of their state goes
+    # first admissions: the runner's first sight of them
+    new: list[NewRequest] = field(default_factory=list)
+    # preempted by recompute: their KV state goes
+    preempted_ids: list[str] = field(default_factory=list)
+    # finished since it got them: all of their state goes
+    finished_ids: list[str] = field(default_factory=list)
 
     def take(self) -> RunnerOutbox:
         """Everything gathered since the last batch; gathering starts again, empty."""

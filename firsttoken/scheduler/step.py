@@ -1,7 +1,9 @@
-"""What the step being built has collected so far (``StepDraft``), and why a live request got nothing in it.
+"""What the step being built has collected so far (``StepDraft``), and why a live request got
+nothing in it.
 
-A draft exists while ``Scheduler.schedule`` builds one step and is kept until the next one, so ``wait_reason`` can
-say, for any live request without work in it, which rule held it back. Plain data: ids, ints, predicted seconds.
+A draft exists while ``Scheduler.schedule`` builds one step and is kept until the next one, so
+``wait_reason`` can say, for any live request without work in it, which rule held it back. Plain
+data: ids, ints, predicted seconds.
 """
 
 from __future__ import annotations
@@ -13,8 +15,17 @@ from typing import NamedTuple
 from firsttoken.batch import EncoderWork, ScheduledChunk
 from firsttoken.scheduler.request import LONG, SHORT, Request, RequestStatus
 
-# why a live request got no work in a step (wait_reason); "" is no reason at all: a request that can never progress
-WAIT_REASONS = ("preempted", "max_num_seqs", "kv_blocks", "short_lane_first", "step_full", "image_encoding", "in_line")
+# why a live request got no work in a step (wait_reason); "" is no reason at all: a request that can
+# never progress
+WAIT_REASONS = (
+    "preempted",
+    "max_num_seqs",
+    "kv_blocks",
+    "short_lane_first",
+    "step_full",
+    "image_encoding",
+    "in_line",
+)
 
 
 @dataclass
@@ -23,22 +34,30 @@ class StepDraft:
     encoder_work: list[EncoderWork] = field(default_factory=list)
     worked_hashes: set[str] = field(default_factory=set)  # images advanced this step
     finishing_hashes: set[str] = field(default_factory=set)  # images whose last unit runs this step
-    scheduled_ids: set[str] = field(default_factory=set)  # requests with a chunk or encoder work in this step
+    # requests with a chunk or encoder work in this step
+    scheduled_ids: set[str] = field(default_factory=set)
     has_long_work: bool = False
     has_short_prefill: bool = False  # a short request's prefill chunk is in this step
     long_held: bool = False  # the long lane had work but yielded this step to short prefills
-    throughput: bool = False  # long-lane work only: sized for throughput, not bounded in time (pacing.py)
-    long_only: bool = False  # when it was built, the long lane had prefill work and the short lane none
+    # long-lane work only: sized for throughput, not bounded in time (pacing.py)
+    throughput: bool = False
+    # when it was built, the long lane had prefill work and the short lane none
+    long_only: bool = False
     long_prefill_left: bool = False  # a long request served in it has prompt tokens left after it
-    full: bool = False  # the step's token budget or time bound was used up (or what is left fits no prefill chunk)
-    kv_blocked_ids: set[str] = field(default_factory=set)  # admissions refused for want of KV blocks
+    # the step's token budget or time bound was used up (or what is left fits no prefill chunk)
+    full: bool = False
+    # admissions refused for want of KV blocks
+    kv_blocked_ids: set[str] = field(default_factory=set)
     preempted_ids: frozenset[str] = frozenset()
-    decode_s: float = 0.0  # predicted seconds of this step's decodes, short prefills, long work (lane shares)
+    # predicted seconds of this step's decodes, short prefills, long work (lane shares)
+    decode_s: float = 0.0
     short_s: float = 0.0
     long_s: float = 0.0
-    # the interruptible encoder work's predicted seconds and its mean unit's (the runner runs it last in the step)
+    # the interruptible encoder work's predicted seconds and its mean unit's (the runner runs it
+    # last in the step)
     cut_span: tuple[float, float] = (0.0, 0.0)
-    in_flight_s: dict[str, float] = field(default_factory=dict)  # per request: predicted seconds of its work here
+    # per request: predicted seconds of its work here
+    in_flight_s: dict[str, float] = field(default_factory=dict)
 
     @property
     def has_prefill(self) -> bool:
@@ -60,9 +79,10 @@ class StepDraft:
 
     def wait_reason(self, req: Request, seqs_full: bool, lane_queue: Iterable[Request],
                     lane_of: Callable[[str], str | None]) -> str:
-        """Why ``req`` (live) got no work in this step: one of WAIT_REASONS, or "" when it got work or nothing explains
-        the wait (a request that can never make progress; the randomized tests look for it). ``seqs_full``: the
-        running set is at max_num_seqs; ``lane_queue``: its lane's waiting requests; ``lane_of``: a live id's lane."""
+        """Why ``req`` (live) got no work in this step: one of WAIT_REASONS, or "" when it got work
+        or nothing explains the wait (a request that can never make progress; the randomized tests
+        look for it). ``seqs_full``: the running set is at max_num_seqs; ``lane_queue``: its lane's
+        waiting requests; ``lane_of``: a live id's lane."""
         if req.request_id in self.scheduled_ids or req.status == RequestStatus.FINISHED:
             return ""
         if req.request_id in self.preempted_ids:
@@ -88,7 +108,8 @@ class StepDraft:
 class StepReport(NamedTuple):
     """What one step left behind, for the engine's step stats."""
 
-    predicted_s: float | None  # the cost model's seconds for the work the step did (None: not fitted yet)
+    # the cost model's seconds for the work the step did (None: not fitted yet)
+    predicted_s: float | None
     duration_s: float  # the step's wall time, from its start to its update
     step: int  # steps with work so far
     kv_blocks_used: int

@@ -11,8 +11,9 @@
     ingress                             serving/ingress.py: the OpenAI routes on Serve's HTTP proxy
                                         (--host/--port)
 
-Each replica loads the checkpoint itself; the ingress loads only the tokenizer and asks one replica for the facts.
-``cli/serve_ray.app_builder`` is the same application for a Serve config file (``serve run``/``serve deploy``).
+Each replica loads the checkpoint itself; the ingress loads only the tokenizer and asks one replica
+for the facts. ``cli/serve_ray.app_builder`` is the same application for a Serve config file
+(``serve run``/``serve deploy``).
 """
 
 from __future__ import annotations
@@ -24,14 +25,17 @@ from firsttoken.config import ServeConfig
 from firsttoken.serving.options import FleetOptions, ReplicaCount
 
 APP_NAME = "firsttoken"
-ROUTING_STATS_PERIOD_S = 1.0  # how often Serve asks each replica for its load (running, waiting, free KV blocks)
-# Serve counts every call to a replica against max_ongoing_requests, the ingress's fan-outs (stats, metrics, health)
-# too: a replica holding its capacity in requests would leave them waiting (and /health at 503). So replicas take
-# this many calls beyond their capacity, and the router (serving/router.py) never sends a request past capacity.
+# how often Serve asks each replica for its load (running, waiting, free KV blocks)
+ROUTING_STATS_PERIOD_S = 1.0
+# Serve counts every call to a replica against max_ongoing_requests, the ingress's fan-outs (stats,
+# metrics, health) too: a replica holding its capacity in requests would leave them waiting (and
+# /health at 503). So replicas take this many calls beyond their capacity, and the router
+# (serving/router.py) never sends a request past capacity.
 CONTROL_SLOTS = 4
 
 
-def build_application(config: ServeConfig, options: FleetOptions, fault_hook: Any = None):  # -> serve.Application
+# -> serve.Application
+def build_application(config: ServeConfig, options: FleetOptions, fault_hook: Any = None):
     """``fault_hook``: every replica's runner test seam (serving/replica.py), None in production."""
     from ray import serve
     from ray.serve.config import RequestRouterConfig
@@ -46,10 +50,13 @@ def build_application(config: ServeConfig, options: FleetOptions, fault_hook: An
         deployment = serve.deployment(EngineReplica).options(
             name=f"engine-{pool}",
             **replica_count_options(count, options, config.engine.scheduler.max_num_seqs),
-            max_ongoing_requests=capacity + CONTROL_SLOTS,  # the router keeps requests to `capacity`
-            max_queued_requests=-1,  # the ingress bounds what it sends (fleet.py): never more than the pool holds
+            # the router keeps requests to `capacity`
+            max_ongoing_requests=capacity + CONTROL_SLOTS,
+            # the ingress bounds what it sends (fleet.py): never more than the pool holds
+            max_queued_requests=-1,
             ray_actor_options={"num_cpus": options.replica_cpus},
-            logging_config={"enable_access_log": False},  # one line per call: the ingress's fan-out each second
+            # one line per call: the ingress's fan-out each second
+            logging_config={"enable_access_log": False},
             request_router_config=RequestRouterConfig(
                 request_router_class=FirsttokenRouter,
                 request_router_kwargs={"policy": options.routing, "capacity": capacity},
@@ -62,9 +69,12 @@ def build_application(config: ServeConfig, options: FleetOptions, fault_hook: An
     return ingress.bind(config, pools, capacity)
 
 
-def replica_count_options(count: ReplicaCount, options: FleetOptions, max_num_seqs: int) -> dict[str, Any]:
-    """Serve's deployment options for a pool of ``count`` replicas: a fixed number, or an autoscaling config whose
-    policy is serving/autoscale.py's (on queued requests, with the fleet's delays and window)."""
+def replica_count_options(
+    count: ReplicaCount, options: FleetOptions, max_num_seqs: int
+) -> dict[str, Any]:
+    """Serve's deployment options for a pool of ``count`` replicas: a fixed number, or an
+    autoscaling config whose policy is serving/autoscale.py's (on queued requests, with the fleet's
+    delays and window)."""
     if not count.autoscaled:
         return {"num_replicas": count.low}
     from ray.serve.config import AutoscalingConfig, AutoscalingPolicy
@@ -73,9 +83,12 @@ def replica_count_options(count: ReplicaCount, options: FleetOptions, max_num_se
 
     window = options.autoscale_window_s
     with warnings.catch_warnings():
-        # metrics_interval_s (how often replicas push their queue lengths) is deprecated in favour of a cluster-wide
-        # environment variable, but Serve 2.60 (pinned) honours it per deployment: a window needs several samples
-        warnings.filterwarnings("ignore", message=".*metrics_interval_s.*", category=DeprecationWarning)
+        # metrics_interval_s (how often replicas push their queue lengths) is deprecated in favour
+        # of a cluster-wide environment variable, but Serve 2.60 (pinned) honours it per deployment:
+        # a window needs several samples
+        warnings.filterwarnings(
+            "ignore", message=".*metrics_interval_s.*", category=DeprecationWarning
+        )
         config = AutoscalingConfig(
             min_replicas=count.low, max_replicas=count.high, initial_replicas=count.low,
             look_back_period_s=window, metrics_interval_s=min(window / 4, 10.0),

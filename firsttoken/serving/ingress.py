@@ -1,12 +1,13 @@
-"""The ingress deployment: the ordinary firsttoken HTTP app (api/server.py: the same OpenAI routes, body checks,
-schema and limits, errors in OpenAI's shape, SSE, disconnect -> abort) over a ``FleetEngineClient`` instead of an
-in-process engine. Serve's HTTP proxy hands it every request (``@serve.ingress()``, the app built at replica start
-by ``__serve_build_asgi_app__``, once a replica has told it the model's facts).
+"""The ingress deployment: the ordinary firsttoken HTTP app (api/server.py: the same OpenAI routes,
+body checks, schema and limits, errors in OpenAI's shape, SSE, disconnect -> abort) over a
+``FleetEngineClient`` instead of an in-process engine. Serve's HTTP proxy hands it every request
+(``@serve.ingress()``, the app built at replica start by ``__serve_build_asgi_app__``, once a
+replica has told it the model's facts).
 
-Everything cheap happens here before a replica is asked: the body and schema, the sampling fields, text size,
-token and image counting from headers, the context and KV limits, the pool's queue bound (429); images are decoded
-and patchified here too (the replica receives pixel patches, never URLs or bytes), on the ingress's own
-preprocessing pools.
+Everything cheap happens here before a replica is asked: the body and schema, the sampling fields,
+text size, token and image counting from headers, the context and KV limits, the pool's queue bound
+(429); images are decoded and patchified here too (the replica receives pixel patches, never URLs or
+bytes), on the ingress's own preprocessing pools.
 """
 
 from __future__ import annotations
@@ -30,18 +31,24 @@ from firsttoken.serving.replica import ReplicaFacts
 
 
 class Ingress:
-    def __init__(self, config: ServeConfig, pools: Mapping[str, tuple[Any, ReplicaCount]], capacity: int) -> None:
-        """``pools``: pool name -> (handle to its EngineReplica deployment, its replica count); ``capacity``:
-        requests one replica holds (running + waiting)."""
+    def __init__(
+        self, config: ServeConfig, pools: Mapping[str, tuple[Any, ReplicaCount]], capacity: int
+    ) -> None:
+        """``pools``: pool name -> (handle to its EngineReplica deployment, its replica count);
+        ``capacity``: requests one replica holds (running + waiting)."""
         self.config = config
-        self.pools = {name: Pool(name, handle, count, capacity) for name, (handle, count) in pools.items()}
+        self.pools = {
+            name: Pool(name, handle, count, capacity) for name, (handle, count) in pools.items()
+        }
         self._refresh: asyncio.Task | None = None
 
     async def __serve_build_asgi_app__(self) -> FastAPI:
         first = next(iter(self.pools.values()))
         facts: ReplicaFacts = await first.handle.facts.remote()
         sched = self.config.engine.scheduler
-        fleet = FleetEngineClient(self.pools, facts, sched.long_prompt_threshold, sched.decode_reserve_tokens)
+        fleet = FleetEngineClient(
+            self.pools, facts, sched.long_prompt_threshold, sched.decode_reserve_tokens
+        )
         model_dir = model_dir_of(self.config)
         tokenizer = load_tokenizer(model_dir, self.config.chat_template)
 
@@ -49,9 +56,17 @@ class Ingress:
             reports = await fleet.reports("metrics")
             return merge_expositions([(r.replica, r.metrics) for r in reports], ingress=own)
 
-        observability = observability_from_config(self.config.server, tokenizer, merge_metrics=with_replicas)
-        processor = build_processor(self.config, model_dir, tokenizer, facts.model_config, facts.max_model_len,
-                                    fleet.check_admission)
+        observability = observability_from_config(
+            self.config.server, tokenizer, merge_metrics=with_replicas
+        )
+        processor = build_processor(
+            self.config,
+            model_dir,
+            tokenizer,
+            facts.model_config,
+            facts.max_model_len,
+            fleet.check_admission,
+        )
         served = ServedModel(facts.served_model_name, facts.max_model_len, facts.model_dir)
         await fleet.refresh()
         self._refresh = asyncio.get_running_loop().create_task(fleet.refresh_forever())

@@ -1,6 +1,7 @@
-"""The options of a Ray Serve fleet beyond the config tree's: how many replicas each pool has (``ReplicaCount``) and
-the ``firsttoken serve-ray`` flags (``FleetOptions``). A leaf of serving/: the application (app.py), the ingress
-and the fleet client (ingress.py, fleet.py) all read these values, and none of them imports another for them.
+"""The options of a Ray Serve fleet beyond the config tree's: how many replicas each pool has
+(``ReplicaCount``) and the ``firsttoken serve-ray`` flags (``FleetOptions``). A leaf of serving/:
+the application (app.py), the ingress and the fleet client (ingress.py, fleet.py) all read these
+values, and none of them imports another for them.
 """
 
 from __future__ import annotations
@@ -43,19 +44,26 @@ class ReplicaCount:
 
 @dataclass(frozen=True)
 class FleetOptions:
-    """The ``firsttoken serve-ray`` flags beyond the config tree's (whose defaults are here, once). Replica counts
-    may be given as ``N``, ``"N"`` or ``"MIN:MAX"``; they are held as ``ReplicaCount``."""
+    """The ``firsttoken serve-ray`` flags beyond the config tree's (whose defaults are here, once).
+    Replica counts may be given as ``N``, ``"N"`` or ``"MIN:MAX"``; they are held as
+    ``ReplicaCount``."""
 
-    replicas: ReplicaCount | int | str = 2  # one pool of this many (ignored when short/long pools are given)
+    # one pool of this many (ignored when short/long pools are given)
+    replicas: ReplicaCount | int | str = 2
     short_replicas: ReplicaCount | int | str = 0
     long_replicas: ReplicaCount | int | str = 0
     routing: str = "affinity"
     max_queued_per_replica: int | None = None  # None: the engine's --max-queued-requests
-    replica_cpus: float = 1.0  # Ray CPUs reserved per engine replica (its torch threads: --num-threads)
-    ingress_cpus: float = 0.0  # the ingress is scheduled anywhere; its preprocessing threads take what is free
-    autoscale_target_queued: float = 1.0  # requests queued per replica the autoscaler aims at (autoscale.py)
-    upscale_delay_s: float = 10.0  # a scale-up decision must hold this long before replicas are added
-    downscale_delay_s: float = 300.0  # ... and a scale-down decision this long before one is removed
+    # Ray CPUs reserved per engine replica (its torch threads: --num-threads)
+    replica_cpus: float = 1.0
+    # the ingress is scheduled anywhere; its preprocessing threads take what is free
+    ingress_cpus: float = 0.0
+    # requests queued per replica the autoscaler aims at (autoscale.py)
+    autoscale_target_queued: float = 1.0
+    # a scale-up decision must hold this long before replicas are added
+    upscale_delay_s: float = 10.0
+    # ... and a scale-down decision this long before one is removed
+    downscale_delay_s: float = 300.0
     autoscale_window_s: float = 10.0  # replicas' queue lengths are averaged over this window
 
     def __post_init__(self) -> None:
@@ -67,8 +75,12 @@ class FleetOptions:
         if self.routing not in POLICIES:
             raise ValueError(f"routing must be one of {', '.join(POLICIES)}")
         if (self.short_replicas.high > 0) != (self.long_replicas.high > 0):
-            raise ValueError("short_replicas and long_replicas go together: give both, or neither for one pool")
-        if self.short_replicas.high > 0 and (self.short_replicas.low < 1 or self.long_replicas.low < 1):
+            raise ValueError(
+                "short_replicas and long_replicas go together: give both, or neither for one pool"
+            )
+        if self.short_replicas.high > 0 and (
+            self.short_replicas.low < 1 or self.long_replicas.low < 1
+        ):
             raise ValueError("short_replicas and long_replicas must keep at least one replica each")
         if self.replicas.low < 1:
             raise ValueError("replicas must be >= 1")
@@ -78,8 +90,14 @@ class FleetOptions:
             raise ValueError("replica_cpus must be > 0 and ingress_cpus >= 0")
         if not self.autoscale_target_queued > 0:
             raise ValueError("autoscale_target_queued must be > 0")
-        if self.upscale_delay_s < 0 or self.downscale_delay_s < 0 or not self.autoscale_window_s > 0:
-            raise ValueError("upscale_delay_s and downscale_delay_s must be >= 0, autoscale_window_s > 0")
+        if (
+            self.upscale_delay_s < 0
+            or self.downscale_delay_s < 0
+            or not self.autoscale_window_s > 0
+        ):
+            raise ValueError(
+                "upscale_delay_s and downscale_delay_s must be >= 0, autoscale_window_s > 0"
+            )
 
     def pools(self) -> dict[str, ReplicaCount]:
         """Pool name -> its replica count."""
@@ -90,5 +108,9 @@ class FleetOptions:
     def capacity(self, config: ServeConfig) -> int:
         """Requests one replica holds: a full running batch plus its queue."""
         sched = config.engine.scheduler
-        queued = sched.max_queued_requests if self.max_queued_per_replica is None else self.max_queued_per_replica
+        queued = (
+            sched.max_queued_requests
+            if self.max_queued_per_replica is None
+            else self.max_queued_per_replica
+        )
         return sched.max_num_seqs + queued

@@ -1,20 +1,23 @@
-"""One engine replica: a Ray Serve deployment that owns one firsttoken engine (the engine thread and its asyncio
-bridge, engine/async_engine.py), no HTTP. It takes already-validated, preprocessed requests (``EngineRequest``:
-token ids, decoded image patches, sampling) from the ingress and streams ``RequestOutput`` values back through a
-streaming handle (``handle.options(stream=True).generate.remote(request, hints=...)``).
+"""One engine replica: a Ray Serve deployment that owns one firsttoken engine (the engine thread and
+its asyncio bridge, engine/async_engine.py), no HTTP. It takes already-validated, preprocessed
+requests (``EngineRequest``: token ids, decoded image patches, sampling) from the ingress and
+streams ``RequestOutput`` values back through a streaming handle
+(``handle.options(stream=True).generate.remote(request, hints=...)``).
 
 Contract:
-- ``generate`` never raises for a request's own failure: a refusal or failure is one final output with
-  ``FinishReason.ERROR``, a client-safe ``error`` and its HTTP ``error_status`` (400 never fits, 503 the engine
-  stopped: retryable, 500 anything else, logged here). Cancelling the call (the ingress's client left) cancels the
-  generator, which aborts the request in the engine (its blocks freed within one step).
-- ``record_routing_stats`` (called by Serve every ``request_routing_stats_period_s``) reports the load the router
-  balances on: running, waiting, free KV blocks.
-- ``record_autoscaling_stats`` (called by Serve every metrics interval of an autoscaled pool) reports waiting and
-  running requests, what serving/autoscale.py's policy scales on.
-- ``check_health`` (called by Serve) fails once the engine loop has died: Serve replaces the replica.
-- ``facts``, ``stats`` and ``metrics`` answer the ingress's start-up question and its fan-out (``handle.broadcast``)
-  for /v1/engine/stats and /metrics.
+- ``generate`` never raises for a request's own failure: a refusal or failure is one final output
+  with ``FinishReason.ERROR``, a client-safe ``error`` and its HTTP ``error_status`` (400 never
+  fits, 503 the engine stopped: retryable, 500 anything else, logged here). Cancelling the call (the
+  ingress's client left) cancels the generator, which aborts the request in the engine (its blocks
+  freed within one step).
+- ``record_routing_stats`` (called by Serve every ``request_routing_stats_period_s``) reports the
+  load the router balances on: running, waiting, free KV blocks.
+- ``record_autoscaling_stats`` (called by Serve every metrics interval of an autoscaled pool)
+  reports waiting and running requests, what serving/autoscale.py's policy scales on.
+- ``check_health`` (called by Serve) fails once the engine loop has died: Serve replaces the
+  replica.
+- ``facts``, ``stats`` and ``metrics`` answer the ingress's start-up question and its fan-out
+  (``handle.broadcast``) for /v1/engine/stats and /metrics.
 """
 
 from __future__ import annotations
@@ -45,8 +48,8 @@ ENGINE_STOPPED = "the engine replica serving this request stopped; retry the req
 
 @dataclass(frozen=True)
 class ReplicaFacts:
-    """What the ingress needs to know before its first request: the model's shape for the input processor and
-    the limits every replica of a pool shares (same config, same checkpoint)."""
+    """What the ingress needs to know before its first request: the model's shape for the input
+    processor and the limits every replica of a pool shares (same config, same checkpoint)."""
 
     model_config: ModelConfig
     max_model_len: int
@@ -58,7 +61,8 @@ class ReplicaFacts:
 
 @dataclass(frozen=True)
 class ReplicaReport:
-    """One replica's answer to a fan-out: which replica (the ``replica`` label), and what it says."""
+    """One replica's answer to a fan-out: which replica (the ``replica`` label), and what it
+    says."""
 
     replica: str  # "<pool>/<Serve's replica id>": a restarted replica is a new one
     stats: EngineStats
@@ -67,26 +71,36 @@ class ReplicaReport:
 
 class EngineReplica:
     def __init__(self, config: ServeConfig, pool: str, fault_hook: Any = None) -> None:
-        """``fault_hook``: the runner's test seam (runner.model_runner.FaultHook, pickled to the replica), None in
-        production."""
+        """``fault_hook``: the runner's test seam (runner.model_runner.FaultHook, pickled to the
+        replica), None in production."""
         from ray import serve
 
         model_dir = model_dir_of(config)
         tokenizer = load_tokenizer(model_dir, config.chat_template)
-        # Request records complete here from the engine's own stamps (no transport to wait for): grace 0.
+        # Request records complete here from the engine's own stamps (no transport to wait for):
+        # grace 0.
         self.recorder = Recorder(window_s=config.server.stats_window_s, grace_s=0.0)
         self.engine = build_engine(config, model_dir, tokenizer, self.recorder, fault_hook)
         self.engine.start()
         engine = self.engine.engine
         self.name = f"{pool}/{serve.get_replica_context().replica_id.unique_id}"
-        self._facts = ReplicaFacts(engine.model_config, engine.max_model_len, served_name_of(config, model_dir),
-                                   str(model_dir), engine.stats().kv_blocks_total, config.engine.cache.block_size)
+        self._facts = ReplicaFacts(
+            engine.model_config,
+            engine.max_model_len,
+            served_name_of(config, model_dir),
+            str(model_dir),
+            engine.stats().kv_blocks_total,
+            config.engine.cache.block_size,
+        )
         self.registry = make_registry(self.recorder, lambda: engine_snapshot(self.engine.stats()),
                                       self._facts.served_model_name)
         log.info("engine replica %s ready (%d KV blocks)", self.name, self._facts.kv_blocks_total)
 
-    async def generate(self, request: EngineRequest, hints: RoutingHints | None = None) -> AsyncIterator[RequestOutput]:
-        """The request's outputs, the last one finished. ``hints`` are the router's (serving/router.py)."""
+    async def generate(
+        self, request: EngineRequest, hints: RoutingHints | None = None
+    ) -> AsyncIterator[RequestOutput]:
+        """The request's outputs, the last one finished. ``hints`` are the router's
+        (serving/router.py)."""
         try:
             async for out in self.engine.generate(request):
                 yield out
@@ -100,10 +114,15 @@ class EngineReplica:
 
     def record_routing_stats(self) -> dict[str, int]:
         s = self.engine.stats()
-        return {"num_running": s.num_running, "num_waiting": s.num_waiting, "num_free_kv_blocks": s.kv_blocks_free}
+        return {
+            "num_running": s.num_running,
+            "num_waiting": s.num_waiting,
+            "num_free_kv_blocks": s.kv_blocks_free,
+        }
 
     def record_autoscaling_stats(self) -> dict[str, float]:
-        """What an autoscaled pool's policy reads (serving/autoscale.py); Serve asks every metrics interval."""
+        """What an autoscaled pool's policy reads (serving/autoscale.py); Serve asks every metrics
+        interval."""
         s = self.engine.stats()
         return {NUM_WAITING: float(s.num_waiting), NUM_RUNNING: float(s.num_running)}
 
@@ -127,5 +146,14 @@ class EngineReplica:
 
 
 def _failed(request: EngineRequest, message: str, status: int) -> RequestOutput:
-    return RequestOutput(request.request_id, (), "", True, FinishReason.ERROR, request.num_prompt_tokens, 0,
-                         error=message, error_status=status)
+    return RequestOutput(
+        request.request_id,
+        (),
+        "",
+        True,
+        FinishReason.ERROR,
+        request.num_prompt_tokens,
+        0,
+        error=message,
+        error_status=status,
+    )

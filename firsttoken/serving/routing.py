@@ -1,18 +1,22 @@
-"""Where a request goes among engine replicas: pure functions over plain values, no Ray (serving/router.py wraps
-them in Ray Serve's request-router interface; tests/unit/test_serving_routing.py drives them directly).
+"""Where a request goes among engine replicas: pure functions over plain values, no Ray
+(serving/router.py wraps them in Ray Serve's request-router interface;
+tests/unit/test_serving_routing.py drives them directly).
 
 Two decisions, in order:
-1. The pool, by counted prompt length: prompts of at least ``long_prompt_threshold`` tokens (text + image, the
-   threshold the in-engine lanes use) go to the long pool, the rest to the short pool; with one pool, everything
-   goes there and the engine's own lanes still separate them.
+1. The pool, by counted prompt length: prompts of at least ``long_prompt_threshold`` tokens (text +
+   image, the threshold the in-engine lanes use) go to the long pool, the rest to the short pool;
+   with one pool, everything goes there and the engine's own lanes still separate them.
 2. The replica inside the pool (``rank_replicas``), one of three policies:
-   - ``affinity``: the replica this router last sent the longest prefix of the prompt to (prefix keys are the
-     engine's own KV block hashes, kv/prefix_cache.py, so images enter them by content hash) while its in-flight
-     count is below its capacity and at most ``max_imbalance`` above the least loaded replica's; otherwise, and
-     for prompts nobody has seen, power of two choices.
-   - ``p2c``: two replicas drawn at random; the one with fewer requests in flight, then more free KV blocks.
-   - ``round-robin``: replicas in a fixed order (by id), one after the other; ignores load (for comparison).
-   The answer is a ranking: Serve tries the first replica, and the next ones only when it has no room.
+   - ``affinity``: the replica this router last sent the longest prefix of the prompt to (prefix
+     keys are the engine's own KV block hashes, kv/prefix_cache.py, so images enter them by content
+     hash) while its in-flight count is below its capacity and at most ``max_imbalance`` above the
+     least loaded replica's; otherwise, and for prompts nobody has seen, power of two choices.
+   - ``p2c``: two replicas drawn at random; the one with fewer requests in flight, then more free KV
+     blocks.
+   - ``round-robin``: replicas in a fixed order (by id), one after the other; ignores load (for
+     comparison).
+   The answer is a ranking: Serve tries the first replica, and the next ones only when it has no
+   room.
 """
 
 from __future__ import annotations
@@ -27,29 +31,35 @@ from firsttoken.types import EngineRequest
 
 POLICIES = ("affinity", "p2c", "round-robin")
 SHORT_POOL, LONG_POOL, SINGLE_POOL = "short", "long", "all"
-MAX_PREFIX_BLOCKS = 4096  # prompt blocks hashed for routing (64k tokens at 16 per block); a longer prompt's tail
-# does not change where it goes
-DEFAULT_MEMORY_ENTRIES = 200_000  # prefix keys a router remembers (16-byte keys: a few MiB), least recent dropped
+# prompt blocks hashed for routing (64k tokens at 16 per block); a longer prompt's tail does not
+# change where it goes
+MAX_PREFIX_BLOCKS = 4096
+# prefix keys a router remembers (16-byte keys: a few MiB), least recent dropped
+DEFAULT_MEMORY_ENTRIES = 200_000
 
 
 @dataclass(frozen=True)
 class RoutingHints:
-    """What the router needs of a request, computed once at the ingress (the prompt never crosses twice)."""
+    """What the router needs of a request, computed once at the ingress (the prompt never crosses
+    twice)."""
 
     num_prompt_tokens: int
-    prefix_keys: tuple[BlockHash, ...]  # chained hash per full prompt block: key i covers blocks 0..i
+    # chained hash per full prompt block: key i covers blocks 0..i
+    prefix_keys: tuple[BlockHash, ...]
 
 
 def routing_hints(request: EngineRequest, block_size: int) -> RoutingHints:
-    """The keys of the prompt's leading full blocks, at most ``MAX_PREFIX_BLOCKS``: each equal to the key the
-    replicas' prefix caches compute for that block over the whole prompt.
+    """The keys of the prompt's leading full blocks, at most ``MAX_PREFIX_BLOCKS``: each equal to
+    the key the replicas' prefix caches compute for that block over the whole prompt.
 
-    The prefix is cut at ``MAX_PREFIX_BLOCKS * block_size`` tokens, or at the start of the first image that ends
-    past that cut, whichever is earlier, so the kept prefix never holds part of an image (a replica keys a block of
-    an image by its content hash and offset; keyed as text, it would name a block no replica ever caches)."""
+    The prefix is cut at ``MAX_PREFIX_BLOCKS * block_size`` tokens, or at the start of the first
+    image that ends past that cut, whichever is earlier, so the kept prefix never holds part of an
+    image (a replica keys a block of an image by its content hash and offset; keyed as text, it
+    would name a block no replica ever caches)."""
     cut = MAX_PREFIX_BLOCKS * block_size
     for im in sorted(request.images, key=lambda im: im.offset):
-        if im.end > cut:  # it and every later image (spans are disjoint) are left out with the tokens from here
+        # it and every later image (spans are disjoint) are left out with the tokens from here
+        if im.end > cut:
             cut = min(cut, im.offset)
             break
     keys = prompt_block_hashes(request, block_size, cut)
@@ -90,8 +100,8 @@ class PrefixMemory:
             self._where.popitem(last=False)
 
     def holder(self, keys: Sequence[BlockHash]) -> tuple[Hashable, int] | None:
-        """(replica, blocks matched) for the longest remembered prefix of ``keys``; keys are chained, so the last
-        remembered one decides."""
+        """(replica, blocks matched) for the longest remembered prefix of ``keys``; keys are
+        chained, so the last remembered one decides."""
         for i in range(len(keys) - 1, -1, -1):
             replica = self._where.get(keys[i])
             if replica is not None:
@@ -139,13 +149,17 @@ def rank_replicas(
         if held is not None and held[0] in by_id:
             holder = by_id[held[0]]
             least = min(r.num_in_flight for r in loads)
-            if holder.num_in_flight < holder.capacity and holder.num_in_flight - least <= max_imbalance:
+            if (
+                holder.num_in_flight < holder.capacity
+                and holder.num_in_flight - least <= max_imbalance
+            ):
                 return [holder.replica, *_two_choices([r for r in loads if r is not holder], rng)]
     return _two_choices(loads, rng)
 
 
 def _two_choices(loads: Sequence[ReplicaLoad], rng: random.Random) -> list[Hashable]:
-    """Two drawn at random, the less loaded first, then the rest: fewer in flight, then more free KV blocks."""
+    """Two drawn at random, the less loaded first, then the rest: fewer in flight, then more free KV
+    blocks."""
     pool = list(loads)
     rng.shuffle(pool)
     head = sorted(pool[:2], key=lambda r: (r.num_in_flight, -r.num_free_kv_blocks))

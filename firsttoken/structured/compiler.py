@@ -1,15 +1,18 @@
 """GrammarSpec -> CompiledGrammar, once per distinct spec: ``GrammarCompiler``.
 
-llguidance does the work: a spec becomes an llguidance grammar (JSON schema, Lark, regex), and an ``LLMatcher``
-built from it over the model's tokenizer is the compiled form (building it parses the grammar and checks it against
-the vocabulary; an error there is the spec's fault). A grammar no output can match is refused too, whatever its kind:
-the JSON schema compiler proves many schemas unsatisfiable itself; for every kind, a grammar whose first mask, or a
-mask after the text every answer must begin with, allows no token (a regex of an empty class, a Lark rule of one
-after a literal) is refused here (a dead end further on ends its request while decoding: masks.py). The compiled grammar keeps that matcher untouched; each request
-gets a copy (``CompiledGrammar.matcher()``), so a repeated spec costs one dictionary look-up and a copy.
+llguidance does the work: a spec becomes an llguidance grammar (JSON schema, Lark, regex), and an
+``LLMatcher`` built from it over the model's tokenizer is the compiled form (building it parses the
+grammar and checks it against the vocabulary; an error there is the spec's fault). A grammar no
+output can match is refused too, whatever its kind: the JSON schema compiler proves many schemas
+unsatisfiable itself; for every kind, a grammar whose first mask, or a mask after the text every
+answer must begin with, allows no token (a regex of an empty class, a Lark rule of one after a
+literal) is refused here (a dead end further on ends its request while decoding: masks.py). The
+compiled grammar keeps that matcher untouched; each request gets a copy
+(``CompiledGrammar.matcher()``), so a repeated spec costs one dictionary look-up and a copy.
 
-Thread-safe: the preprocessing pools compile from several threads. Two threads compiling the same new spec at once
-both compile it (the second result replaces the first; both are equal); the cache is a bounded LRU.
+Thread-safe: the preprocessing pools compile from several threads. Two threads compiling the same
+new spec at once both compile it (the second result replaces the first; both are equal); the cache
+is a bounded LRU.
 """
 
 from __future__ import annotations
@@ -28,11 +31,13 @@ from firsttoken.structured.matcher import DEAD_END, GrammarMatcher
 from firsttoken.structured.messages import one_line
 from firsttoken.structured.spec import GrammarSpec
 
-# JSON whitespace between tokens: any of JSON's four whitespace characters, at most 16 in a row (a line break and
-# 15 spaces of indentation). Unbounded (vLLM's default) lets a weak model spend its answer on whitespace (the random
-# demo model's receipts then ran to thousands of tokens, nearly all spaces and line breaks).
+# JSON whitespace between tokens: any of JSON's four whitespace characters, at most 16 in a row (a
+# line break and 15 spaces of indentation). Unbounded (vLLM's default) lets a weak model spend its
+# answer on whitespace (the random demo model's receipts then ran to thousands of tokens, nearly all
+# spaces and line breaks).
 JSON_WHITESPACE = r"[\x20\x0A\x0D\x09]{0,16}"
-# how far along the text every answer must begin with (a Lark literal, a schema's "{") a compile looks for a dead end
+# how far along the text every answer must begin with (a Lark literal, a schema's "{") a compile
+# looks for a dead end
 FORCED_PROBE_TOKENS = 128
 
 
@@ -57,14 +62,21 @@ class CacheStats:
 
 
 class GrammarCompiler:
-    """Compiles specs for one tokenizer and vocabulary width (the logits' width, which may exceed the tokenizer's:
-    ids past the tokenizer are never allowed)."""
+    """Compiles specs for one tokenizer and vocabulary width (the logits' width, which may exceed
+    the tokenizer's: ids past the tokenizer are never allowed)."""
 
-    def __init__(self, tokenizer: llguidance.LLTokenizer, *, max_cached: int = 256, max_source_bytes: int = 1 << 20,
-                 json_whitespace: str | None = JSON_WHITESPACE,
-                 clock: Callable[[], float] = time.perf_counter) -> None:
-        """``json_whitespace``: a regex for the whitespace JSON may carry between tokens (None: any amount, as
-        vLLM's default). ``max_source_bytes``: a longer spec is refused before compiling."""
+    def __init__(
+        self,
+        tokenizer: llguidance.LLTokenizer,
+        *,
+        max_cached: int = 256,
+        max_source_bytes: int = 1 << 20,
+        json_whitespace: str | None = JSON_WHITESPACE,
+        clock: Callable[[], float] = time.perf_counter,
+    ) -> None:
+        """``json_whitespace``: a regex for the whitespace JSON may carry between tokens (None: any
+        amount, as vLLM's default). ``max_source_bytes``: a longer spec is refused before
+        compiling."""
         if max_cached < 1:
             raise ValueError("max_cached must be at least 1")
         self.tokenizer = tokenizer
@@ -80,11 +92,14 @@ class GrammarCompiler:
     @classmethod
     def from_tokenizer_json(cls, tokenizer_json: str, vocab_size: int, eos_token_ids: Sequence[int],
                             **options: Any) -> GrammarCompiler:
-        """Over a Hugging Face ``tokenizer.json`` (its text). Building the token trie is a one-off cost (a fraction of a
-        second at 16k tokens, seconds at Qwen's 151k): do it once at start-up."""
+        """Over a Hugging Face ``tokenizer.json`` (its text). Building the token trie is a one-off
+        cost (a fraction of a second at 16k tokens, seconds at Qwen's 151k): do it once at
+        start-up."""
         if not eos_token_ids:
             raise ValueError("eos_token_ids must name at least one token (the grammar's end)")
-        tokenizer = llguidance.LLTokenizer(tokenizer_json, n_vocab=vocab_size, eos_token=list(eos_token_ids))
+        tokenizer = llguidance.LLTokenizer(
+            tokenizer_json, n_vocab=vocab_size, eos_token=list(eos_token_ids)
+        )
         return cls(tokenizer, **options)
 
     @property
@@ -97,8 +112,9 @@ class GrammarCompiler:
             return CacheStats(self._hits, self._misses, len(self._cache), self._compile_s)
 
     def compile(self, spec: GrammarSpec) -> CompiledGrammar:
-        """The spec's compiled grammar, from the cache when it was compiled before. ValueError (naming the spec's
-        field and what is wrong) for a spec that does not compile; refused specs are not cached."""
+        """The spec's compiled grammar, from the cache when it was compiled before. ValueError
+        (naming the spec's field and what is wrong) for a spec that does not compile; refused specs
+        are not cached."""
         return self.lookup(spec)[0]
 
     def lookup(self, spec: GrammarSpec) -> tuple[CompiledGrammar, bool]:
@@ -128,7 +144,9 @@ class GrammarCompiler:
         where = spec.origin or spec.kind
         size = len(spec.source.encode("utf-8"))
         if size > self._max_source_bytes:
-            raise ValueError(f"{where} is {size} bytes; at most {self._max_source_bytes} are accepted")
+            raise ValueError(
+                f"{where} is {size} bytes; at most {self._max_source_bytes} are accepted"
+            )
         try:
             grammar = self._grammar(spec)
         except ValueError as e:
@@ -143,10 +161,12 @@ class GrammarCompiler:
         return matcher, tuple(one_line(w) for w in matcher.get_grammar_warnings())
 
     def _dead_end(self, pristine: llguidance.LLMatcher) -> str | None:
-        """Why no output can match the grammar, where the output every answer begins with shows it: the first mask,
-        then each mask after the tokens the grammar forces from there (at most ``FORCED_PROBE_TOKENS`` in all);
-        None where none is found (a dead end further on ends its request while decoding)."""
-        probe = GrammarMatcher(pristine)  # a copy: the compiled grammar's own matcher stays at its start
+        """Why no output can match the grammar, where the output every answer begins with shows it:
+        the first mask, then each mask after the tokens the grammar forces from there (at most
+        ``FORCED_PROBE_TOKENS`` in all); None where none is found (a dead end further on ends its
+        request while decoding)."""
+        # a copy: the compiled grammar's own matcher stays at its start
+        probe = GrammarMatcher(pristine)
         mask = allocate_bitmask(1, self.vocab_size)
         budget = FORCED_PROBE_TOKENS
         while True:
@@ -170,5 +190,6 @@ class GrammarCompiler:
             return llguidance.LLMatcher.grammar_from_regex(spec.source)
         if spec.kind == "choice":
             return llguidance.grammar_from("choice", spec.source)
-        return llguidance.grammar_from("grammar", spec.source)  # Lark, or GBNF (llama.cpp's, as vLLM takes) to Lark
+        # Lark, or GBNF (llama.cpp's, as vLLM takes) to Lark
+        return llguidance.grammar_from("grammar", spec.source)
 

@@ -1,5 +1,5 @@
-"""llguidance's messages made fit for a client: one line, bounded (they can carry the grammar and the parser's
-state)."""
+"""llguidance's messages made fit for a client: one line, bounded (they can carry the grammar and
+the parser's state)."""
 
 from __future__ import annotations
 

@@ -1,13 +1,14 @@
 """What a request asks its output to match, as one canonical value: ``GrammarSpec``.
 
 Built from OpenAI's ``response_format`` (``json_object``; ``json_schema`` with ``strict``) or vLLM's
-``structured_outputs`` (exactly one of ``json``, ``regex``, ``choice``, ``grammar``, ``json_object``), both given as
-the plain mappings the API's models dump to. A malformed spec is a ``ValueError`` naming the field; whether the
-grammar itself compiles is the compiler's question (``compiler.py``).
+``structured_outputs`` (exactly one of ``json``, ``regex``, ``choice``, ``grammar``,
+``json_object``), both given as the plain mappings the API's models dump to. A malformed spec is a
+``ValueError`` naming the field; whether the grammar itself compiles is the compiler's question
+(``compiler.py``).
 
-The canonical text keeps a JSON schema's key order (properties are generated in the order the schema lists them,
-so two orders are two grammars) and drops only insignificant whitespace; the cache key hashes kind, strictness and
-that text.
+The canonical text keeps a JSON schema's key order (properties are generated in the order the schema
+lists them, so two orders are two grammars) and drops only insignificant whitespace; the cache key
+hashes kind, strictness and that text.
 """
 
 from __future__ import annotations
@@ -22,9 +23,14 @@ from firsttoken.quoting import quote
 
 GrammarKind = Literal["json_schema", "json_object", "regex", "choice", "grammar"]
 
-# vLLM's structured_outputs fields we enforce; the others it has (structural_tag, whitespace_pattern, ...) are refused
+# vLLM's structured_outputs fields we enforce; the others it has (structural_tag,
+# whitespace_pattern, ...) are refused
 STRUCTURED_OUTPUT_KINDS: dict[str, GrammarKind] = {
-    "json": "json_schema", "regex": "regex", "choice": "choice", "grammar": "grammar", "json_object": "json_object",
+    "json": "json_schema",
+    "regex": "regex",
+    "choice": "choice",
+    "grammar": "grammar",
+    "json_object": "json_object",
 }
 # fields of vLLM's StructuredOutputsParams that change nothing when left at these values
 _NEUTRAL_OPTIONS = {"disable_fallback": (None, False), "disable_any_whitespace": (None, False),
@@ -35,10 +41,14 @@ _NEUTRAL_OPTIONS = {"disable_fallback": (None, False), "disable_any_whitespace":
 @dataclass(frozen=True)
 class GrammarSpec:
     kind: GrammarKind
-    source: str  # json_schema: the schema as compact JSON; choice: the choices as a JSON list; else the text as given
-    # json_schema only: True refuses a schema keyword the library cannot enforce, False ignores it (enforcing the rest)
+    # json_schema: the schema as compact JSON; choice: the choices as a JSON list; else the text as
+    # given
+    source: str
+    # json_schema only: True refuses a schema keyword the library cannot enforce, False ignores it
+    # (enforcing the rest)
     strict: bool = True
-    origin: str = field(default="", compare=False)  # the request field it came from, named in errors
+    # the request field it came from, named in errors
+    origin: str = field(default="", compare=False)
 
     @property
     def key(self) -> str:
@@ -68,8 +78,8 @@ def from_response_format(value: Mapping[str, Any] | None) -> GrammarSpec | None:
 
 
 def from_text_format(value: Mapping[str, Any] | None) -> GrammarSpec | None:
-    """The Responses API's ``text.format`` (``response_format`` flattened: ``name``, ``schema`` and ``strict`` sit
-    beside ``type``): None or ``{"type": "text"}`` -> None."""
+    """The Responses API's ``text.format`` (``response_format`` flattened: ``name``, ``schema`` and
+    ``strict`` sit beside ``type``): None or ``{"type": "text"}`` -> None."""
     if value is None:
         return None
     if value.get("type") == "json_schema" and "schema" not in value:
@@ -77,9 +87,11 @@ def from_text_format(value: Mapping[str, Any] | None) -> GrammarSpec | None:
     return _format_spec(value.get("type"), value, "text.format", "text.format")
 
 
-def _format_spec(kind: object, body: Mapping[str, Any], field: str, schema_field: str) -> GrammarSpec | None:
-    """A ``response_format``-shaped ``kind`` and the object holding its ``schema`` and ``strict`` (``field``: the
-    request field, ``schema_field``: where the schema sits, for messages)."""
+def _format_spec(
+    kind: object, body: Mapping[str, Any], field: str, schema_field: str
+) -> GrammarSpec | None:
+    """A ``response_format``-shaped ``kind`` and the object holding its ``schema`` and ``strict``
+    (``field``: the request field, ``schema_field``: where the schema sits, for messages)."""
     if kind == "text":
         return None
     if kind == "json_object":
@@ -94,11 +106,16 @@ def _format_spec(kind: object, body: Mapping[str, Any], field: str, schema_field
 
 
 def from_structured_outputs(value: Mapping[str, Any] | None) -> GrammarSpec | None:
-    """vLLM's ``structured_outputs`` (``guided_*`` in older vLLM): exactly one constraint; None -> None."""
+    """vLLM's ``structured_outputs`` (``guided_*`` in older vLLM): exactly one constraint; None ->
+    None."""
     if value is None:
         return None
-    unknown = sorted(k for k in value if k not in STRUCTURED_OUTPUT_KINDS and k not in _NEUTRAL_OPTIONS)
-    unsupported = sorted(k for k, neutral in _NEUTRAL_OPTIONS.items() if value.get(k) not in neutral)
+    unknown = sorted(
+        k for k in value if k not in STRUCTURED_OUTPUT_KINDS and k not in _NEUTRAL_OPTIONS
+    )
+    unsupported = sorted(
+        k for k, neutral in _NEUTRAL_OPTIONS.items() if value.get(k) not in neutral
+    )
     if unknown or unsupported:
         raise ValueError(f"structured_outputs: {', '.join(unknown + unsupported)} not supported; give exactly one of "
                          f"{', '.join(STRUCTURED_OUTPUT_KINDS)}")
@@ -127,7 +144,11 @@ def from_structured_outputs(value: Mapping[str, Any] | None) -> GrammarSpec | No
 
 
 def choice_spec(choices: Any, origin: str) -> GrammarSpec:
-    if not isinstance(choices, list) or not choices or not all(isinstance(c, str) and c for c in choices):
+    if (
+        not isinstance(choices, list)
+        or not choices
+        or not all(isinstance(c, str) and c for c in choices)
+    ):
         raise ValueError(f"{origin} must be a non-empty list of non-empty strings")
     return GrammarSpec("choice", canonical_json(choices), True, origin)
 

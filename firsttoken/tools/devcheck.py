@@ -1,12 +1,14 @@
-"""Developer checks over the source tree. ``python -m firsttoken.tools.devcheck imports`` draws which package imports
-which and lists every import that points up the layers (docs/architecture.md, "Layers"); it exits 1 if there is one.
-``python -m firsttoken.tools.devcheck unreachable`` lists statements that can never run (after a ``return``,
-``raise``, ``continue`` or ``break`` in the same block); it exits 1 if there is one.
+"""Developer checks over the source tree. ``python -m firsttoken.tools.devcheck imports`` draws
+which package imports which and lists every import that points up the layers (docs/architecture.md,
+"Layers"); it exits 1 if there is one. ``python -m firsttoken.tools.devcheck unreachable`` lists
+statements that can never run (after a ``return``, ``raise``, ``continue`` or ``break`` in the same
+block); it exits 1 if there is one.
 
-Layers, top to bottom. A module may import its own package, any package of a lower layer, and nothing above it;
-packages that share a layer may not import each other (they are siblings: scheduler and runner meet only through
-firsttoken/batch.py). Within a package, modules may not import each other in a circle (``import_circles``): a value
-two modules share lives in a third, lower one.
+Layers, top to bottom. A module may import its own package, any package of a lower layer, and
+nothing above it; packages that share a layer may not import each other (they are siblings:
+scheduler and runner meet only through firsttoken/batch.py). Within a package, modules may not
+import each other in a circle (``import_circles``): a value two modules share lives in a third,
+lower one.
 """
 
 from __future__ import annotations
@@ -21,15 +23,20 @@ PACKAGE_ROOT = Path(__file__).resolve().parents[1]
 
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("cli",),  # the firsttoken command
-    ("llm", "tools", "serving"),  # the offline Python API; operator tools (they talk HTTP or do arithmetic); how a
-    # server is assembled from the config (one engine, or replicas on Ray Serve)
+    # the offline Python API; operator tools (they talk HTTP or do arithmetic); how a server is
+    # assembled from the config (one engine, or replicas on Ray Serve)
+    ("llm", "tools", "serving"),
     ("api",),  # the HTTP server
     ("inputs",),  # prompts -> EngineRequest
     ("engine",),  # the step loop, the asyncio bridge, detokenizer
     ("scheduler", "runner"),  # bookkeeping (ints only) / tensors, behind the Executor
-    ("loading",),  # a model built for this machine: the plan (auto settled), each linear layer's method, the loader
-    ("models", "sampling", "kv", "metrics", "structured"),  # structured: grammars, matchers, the bitmask
-    ("attention", "kernels"),  # the backend contract models use; the CPU kernels loading's layer methods call
+    # a model built for this machine: the plan (auto settled), each linear layer's method, the
+    # loader
+    ("loading",),
+    # structured: grammars, matchers, the bitmask
+    ("models", "sampling", "kv", "metrics", "structured"),
+    # the backend contract models use; the CPU kernels loading's layer methods call
+    ("attention", "kernels"),
     ("batch", "config"),  # scheduler -> runner values; the config tree
     ("types", "quoting", "units", "version", "device_memory"),  # leaves
 )
@@ -65,11 +72,16 @@ def _module_name(path: Path, root: Path) -> str:
 
 
 def iter_imports(root: Path = PACKAGE_ROOT) -> Iterator[Import]:
-    """Every ``import firsttoken...`` / ``from firsttoken... import`` in the package, lazy imports included."""
+    """Every ``import firsttoken...`` / ``from firsttoken... import`` in the package, lazy imports
+    included."""
     for path in sorted(root.rglob("*.py")):
         module = _module_name(path, root)
         for node in ast.walk(ast.parse(path.read_text(), str(path))):
-            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("firsttoken"):
+            if (
+                isinstance(node, ast.ImportFrom)
+                and node.module
+                and node.module.startswith("firsttoken")
+            ):
                 if node.module == "firsttoken":  # from firsttoken import units
                     for alias in node.names:
                         yield Import(module, f"firsttoken.{alias.name}", node.lineno)
@@ -86,13 +98,18 @@ def _module_paths(root: Path) -> dict[str, Path]:
 
 
 def import_circles(root: Path = PACKAGE_ROOT) -> list[tuple[str, ...]]:
-    """Every set of modules that import one another in a circle (lazy imports included; ``from firsttoken.cli import
-    serve`` is an import of ``firsttoken.cli.serve``), each sorted, largest first."""
+    """Every set of modules that import one another in a circle (lazy imports included;
+    ``from firsttoken.cli import serve`` is an import of ``firsttoken.cli.serve``), each sorted,
+    largest first."""
     modules = _module_paths(root)
     graph: dict[str, set[str]] = {m: set() for m in modules}
     for module, path in modules.items():
         for node in ast.walk(ast.parse(path.read_text(), str(path))):
-            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("firsttoken"):
+            if (
+                isinstance(node, ast.ImportFrom)
+                and node.module
+                and node.module.startswith("firsttoken")
+            ):
                 for alias in node.names:
                     name = f"{node.module}.{alias.name}"
                     graph[module].add(name if name in modules else node.module)
@@ -152,7 +169,9 @@ def violations(imports: list[Import]) -> list[str]:
         elif LAYER_OF[dst] < LAYER_OF[src]:
             out.append(f"{imp.module}:{imp.line} imports {imp.imported}: {src} may not import {dst} (upward)")
         elif LAYER_OF[dst] == LAYER_OF[src]:
-            out.append(f"{imp.module}:{imp.line} imports {imp.imported}: {src} and {dst} are siblings")
+            out.append(
+                f"{imp.module}:{imp.line} imports {imp.imported}: {src} and {dst} are siblings"
+            )
     return out
 
 
@@ -161,7 +180,8 @@ _BLOCKS = ("body", "orelse", "finalbody", "handlers")
 
 
 def unreachable(root: Path = PACKAGE_ROOT) -> list[str]:
-    """``path:line`` of every statement that follows a return, raise, continue or break in the same block."""
+    """``path:line`` of every statement that follows a return, raise, continue or break in the same
+    block."""
     out = []
     for path in sorted(root.rglob("*.py")):
         for node in ast.walk(ast.parse(path.read_text(), str(path))):

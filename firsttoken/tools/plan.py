@@ -1,21 +1,23 @@
-"""KV capacity planning from a checkpoint's shapes: where a device's memory goes, how much KV one request holds,
-how many fit, which flags.
+"""KV capacity planning from a checkpoint's shapes: where a device's memory goes, how much KV one
+request holds, how many fit, which flags.
 
-The arithmetic here is deliberately its own (it imports no engine, scheduler or kv code) so that the oracle
-test can hold it against the real scheduler. It mirrors the scheduler's admission rule, stated here as the
-contract this module plans for:
+The arithmetic here is deliberately its own (it imports no engine, scheduler or kv code) so that the
+oracle test can hold it against the real scheduler. It mirrors the scheduler's admission rule,
+stated here as the contract this module plans for:
 
     a waiting request is admitted when the pool has ceil(min(prompt + decode_reserve, max_model_len) / block)
     free blocks (whole-prompt admission, prefix cache off), and grows one block per block_size decoded tokens.
 
-So "fits" means: blocks for prompt + reserve, where prompt = text + images x image tokens + videos x video tokens +
-template overhead. A video's tokens are at most its budget (--video-max-tokens), and at most what a clip of
-``video_seconds`` can cost at serve's sampling (video_fps, at least 4 frames, video_max_frames; each two-frame grid
-at most video_max_frame_tokens): an upper bound, since a small frame costs less.
-num_kv_blocks = kv_cache_memory_bytes // (kv_bytes_per_token x block_size), as the engine sizes its pool.
+So "fits" means: blocks for prompt + reserve, where prompt = text + images x image tokens + videos x
+video tokens + template overhead. A video's tokens are at most its budget (--video-max-tokens), and
+at most what a clip of ``video_seconds`` can cost at serve's sampling (video_fps, at least 4 frames,
+video_max_frames; each two-frame grid at most video_max_frame_tokens): an upper bound, since a small
+frame costs less.
+num_kv_blocks = kv_cache_memory_bytes // (kv_bytes_per_token x block_size), as the engine sizes its
+pool.
 
-The pool is either given (``kv_cache_memory_bytes``, what ``serve --kv-cache-memory`` takes) or what a device's
-memory leaves, as vLLM's --gpu-memory-utilization reads it:
+The pool is either given (``kv_cache_memory_bytes``, what ``serve --kv-cache-memory`` takes) or what
+a device's memory leaves, as vLLM's --gpu-memory-utilization reads it:
 
     KV pool = memory x utilization - weights - workspace - encoder cache     (rounded down to a MiB)
     weights = parameters (LM + vision tower + lm_head unless tied) x dtype bytes; with --quantization fp16 or bf16 the
@@ -28,14 +30,15 @@ memory leaves, as vLLM's --gpu-memory-utilization reads it:
                      one): patches x (6 width + 2 mlp width (3 if gated)) x B
     T = --max-batched-tokens, rows = min(peak, T), patches = the item's tokens x spatial_merge_size^2.
 
-The subtraction and the rounding are firsttoken/device_memory.py's ``kv_pool_from_device``, the function the engine's
-resolve step calls on CUDA with --gpu-memory-utilization (the same default, 0.9), so plan and engine agree by
-construction: plan passes its weights for the engine's bytes in use after loading and its workspace for the engine's
-profiling peak; on a real device those two are measured (after the load, around one profiling forward at the budgets'
-largest step) and replace the estimates.
+The subtraction and the rounding are firsttoken/device_memory.py's ``kv_pool_from_device``, the
+function the engine's resolve step calls on CUDA with --gpu-memory-utilization (the same default,
+0.9), so plan and engine agree by construction: plan passes its weights for the engine's bytes in
+use after loading and its workspace for the engine's profiling peak; on a real device those two are
+measured (after the load, around one profiling forward at the budgets' largest step) and replace the
+estimates.
 
-Each term is an estimate of buffers, not a measurement; the utilization margin (default 10%) is what covers the
-allocator's fragmentation, the framework's own memory and what the estimate misses.
+Each term is an estimate of buffers, not a measurement; the utilization margin (default 10%) is what
+covers the allocator's fragmentation, the framework's own memory and what the estimate misses.
 """
 
 from __future__ import annotations
@@ -44,8 +47,18 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from firsttoken.config import FLOAT32_ACTIVATIONS, QUANTIZATIONS, CacheConfig, SchedulerConfig, VideoConfig
-from firsttoken.device_memory import GPU_MEMORY_UTILIZATION, DeviceMemoryTooSmall, kv_pool_from_device
+from firsttoken.config import (
+    FLOAT32_ACTIVATIONS,
+    QUANTIZATIONS,
+    CacheConfig,
+    SchedulerConfig,
+    VideoConfig,
+)
+from firsttoken.device_memory import (
+    GPU_MEMORY_UTILIZATION,
+    DeviceMemoryTooSmall,
+    kv_pool_from_device,
+)
 from firsttoken.tools.model_shape import (  # noqa: F401  (re-exported: doctor and the benchmarks read them here)
     DTYPE_BYTES,
     ConfigFieldMissing,
@@ -57,13 +70,19 @@ from firsttoken.units import format_bytes, format_size, parse_bytes  # noqa: F40
 
 # Qwen2-VL's chat template around one user turn with the default system prompt:
 # "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\n" ... "<|im_end|>\n
-# <|im_start|>assistant\n" is ~21 tokens with Qwen's tokenizer; each image or video adds <|vision_start|>,
-# <|vision_end|> (Qwen3-VL's per-grid timestamps in a video are not counted).
+# <|im_start|>assistant\n" is ~21 tokens with Qwen's tokenizer; each image or video adds
+# <|vision_start|>, <|vision_end|> (Qwen3-VL's per-grid timestamps in a video are not counted).
 TEMPLATE_BASE_TOKENS = 21
 TEMPLATE_TOKENS_PER_IMAGE = 2
-MEMORY_UTILIZATION = GPU_MEMORY_UTILIZATION  # share of the device's memory the server may use: serve's default
+# share of the device's memory the server may use: serve's default
+MEMORY_UTILIZATION = GPU_MEMORY_UTILIZATION
 MIB = 2**20
-_CACHE_DEFAULTS, _SCHEDULER_DEFAULTS, _VIDEO_DEFAULTS = CacheConfig(), SchedulerConfig(), VideoConfig()  # serve's
+# serve's
+_CACHE_DEFAULTS, _SCHEDULER_DEFAULTS, _VIDEO_DEFAULTS = (
+    CacheConfig(),
+    SchedulerConfig(),
+    VideoConfig(),
+)
 
 
 class DoesNotFit(ValueError):
@@ -75,9 +94,10 @@ def _ceil_div(a: int, b: int) -> int:
 
 
 def video_tokens_at_most(seconds: float, video: VideoConfig = _VIDEO_DEFAULTS) -> int:
-    """Visual tokens a clip of ``seconds`` costs at most under ``video``: its sampled frames (video_fps, at least 4,
-    at most video_max_frames, an even count) in two-frame grids of at most video_max_frame_tokens each, within
-    video_max_tokens. The frame size decides the rest; only an upper bound is known without the clip."""
+    """Visual tokens a clip of ``seconds`` costs at most under ``video``: its sampled frames
+    (video_fps, at least 4, at most video_max_frames, an even count) in two-frame grids of at most
+    video_max_frame_tokens each, within video_max_tokens. The frame size decides the rest; only an
+    upper bound is known without the clip."""
     frames = min(max(4, round(seconds * video.video_fps)), video.video_max_frames)
     frames -= frames % 2
     return min(video.video_max_tokens, frames // 2 * video.video_max_frame_tokens)
@@ -86,8 +106,9 @@ def video_tokens_at_most(seconds: float, video: VideoConfig = _VIDEO_DEFAULTS) -
 @dataclass(frozen=True)
 class PlanInputs:
     peak_concurrency: int
-    # Exactly one of the two: the KV pool itself (serve --kv-cache-memory), or the device's whole memory, of
-    # which the pool gets what memory_utilization leaves after weights, workspace and the encoder cache.
+    # Exactly one of the two: the KV pool itself (serve --kv-cache-memory), or the device's whole
+    # memory, of which the pool gets what memory_utilization leaves after weights, workspace and the
+    # encoder cache.
     kv_cache_memory_bytes: int | None = None
     device_memory_bytes: int | None = None
     memory_utilization: float = MEMORY_UTILIZATION
@@ -98,18 +119,22 @@ class PlanInputs:
     video_tokens: int = _VIDEO_DEFAULTS.video_max_tokens  # per video (at most --video-max-tokens)
     output_tokens: int = 256
     dtype: str = "bfloat16"
-    quantization: str = "none"  # serve --quantization; fp16, int8 and bf16 run float32 activations; auto = none
+    # serve --quantization; fp16, int8 and bf16 run float32 activations; auto = none
+    quantization: str = "none"
     block_size: int = _CACHE_DEFAULTS.block_size
     decode_reserve_tokens: int = _SCHEDULER_DEFAULTS.decode_reserve_tokens
     template_overhead_tokens: int | None = None  # None: TEMPLATE_BASE_TOKENS + 2 per image or video
     max_model_len: int | None = None  # None: prompt + output rounded up to a block
-    max_batched_tokens: int | None = None  # None: serve's default, raised to fit one image + a decode per request
+    # None: serve's default, raised to fit one image + a decode per request
+    max_batched_tokens: int | None = None
     encoder_cache_memory_bytes: int = _CACHE_DEFAULTS.encoder_cache_memory_bytes
 
     def __post_init__(self) -> None:
         if (self.kv_cache_memory_bytes is None) == (self.device_memory_bytes is None):
-            raise ValueError("give kv_cache_memory_bytes (the KV pool) or device_memory_bytes (the device), "
-                             "exactly one")
+            raise ValueError(
+                "give kv_cache_memory_bytes (the KV pool) or device_memory_bytes (the device), "
+                "exactly one"
+            )
         if self.dtype not in DTYPE_BYTES:
             raise ValueError(f"dtype must be one of {sorted(DTYPE_BYTES)}, got {self.dtype!r}")
         if self.quantization not in QUANTIZATIONS:
@@ -123,13 +148,23 @@ class PlanInputs:
         if self.device_memory_bytes is not None and self.device_memory_bytes <= 0:
             raise ValueError("memory must be positive")
         if not 0 < self.memory_utilization <= 1:
-            raise ValueError("memory_utilization must be > 0 and <= 1 (a share of the device's memory)")
+            raise ValueError(
+                "memory_utilization must be > 0 and <= 1 (a share of the device's memory)"
+            )
         if self.peak_concurrency < 1:
             raise ValueError("peak_concurrency must be >= 1")
         if self.max_batched_tokens is not None and self.max_batched_tokens < 1:
             raise ValueError("max_batched_tokens must be >= 1")
-        for name in ("text_tokens", "images_per_request", "image_tokens", "videos_per_request", "video_tokens",
-                     "output_tokens", "decode_reserve_tokens", "encoder_cache_memory_bytes"):
+        for name in (
+            "text_tokens",
+            "images_per_request",
+            "image_tokens",
+            "videos_per_request",
+            "video_tokens",
+            "output_tokens",
+            "decode_reserve_tokens",
+            "encoder_cache_memory_bytes",
+        ):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name.removesuffix('_bytes')} must be >= 0")
 
@@ -144,25 +179,33 @@ class PlanInputs:
 
     @property
     def vision_item_tokens(self) -> int:
-        """The largest vision item the tower runs at once: an image at its budget, or one two-frame grid of a
-        video (at most video_max_frame_tokens); 0 without either."""
+        """The largest vision item the tower runs at once: an image at its budget, or one two-frame
+        grid of a video (at most video_max_frame_tokens); 0 without either."""
         image = self.image_tokens if self.images_per_request else 0
-        grid = min(self.video_tokens, _VIDEO_DEFAULTS.video_max_frame_tokens) if self.videos_per_request else 0
+        grid = (
+            min(self.video_tokens, _VIDEO_DEFAULTS.video_max_frame_tokens)
+            if self.videos_per_request
+            else 0
+        )
         return max(image, grid)
 
     @property
     def batched_tokens(self) -> int:
-        """Tokens one step runs: as given, else serve's default raised to one whole image beside every
-        running decode, in multiples of 256."""
+        """Tokens one step runs: as given, else serve's default raised to one whole image beside
+        every running decode, in multiples of 256."""
         if self.max_batched_tokens is not None:
             return self.max_batched_tokens
-        room = _ceil_div(max(self.image_tokens, self.vision_item_tokens) + self.peak_concurrency, 256) * 256
+        room = (
+            _ceil_div(max(self.image_tokens, self.vision_item_tokens) + self.peak_concurrency, 256)
+            * 256
+        )
         return max(_SCHEDULER_DEFAULTS.max_batched_tokens, room)
 
 
 @dataclass(frozen=True)
 class Workspace:
-    """One engine step's transient buffers at the plan's budgets, bytes (formulas: the module docstring)."""
+    """One engine step's transient buffers at the plan's budgets, bytes (formulas: the module
+    docstring)."""
 
     num_batched_tokens: int  # T
     num_sampled_rows: int  # min(peak, T)
@@ -187,18 +230,24 @@ class Workspace:
         return cls(
             num_batched_tokens=t,
             num_sampled_rows=rows,
-            num_image_patches=shape.vision_patches(inputs.vision_item_tokens) if inputs.vision_item_tokens else 0,
+            num_image_patches=shape.vision_patches(inputs.vision_item_tokens)
+            if inputs.vision_item_tokens
+            else 0,
             lm_activation_bytes=shape.lm_activation_bytes(t, b),
             lm_attention_scores_bytes=shape.lm_attention_scores_bytes(t, max_model_len, b),
             logits_bytes=shape.logits_bytes(rows),
-            vision_activation_bytes=(shape.vision_activation_bytes(inputs.vision_item_tokens, b)
-                                     if inputs.vision_item_tokens else 0),
+            vision_activation_bytes=(
+                shape.vision_activation_bytes(inputs.vision_item_tokens, b)
+                if inputs.vision_item_tokens
+                else 0
+            ),
         )
 
 
 @dataclass(frozen=True)
 class MemoryBudget:
-    """Where the memory goes. device_memory_bytes is None when the pool was given rather than derived."""
+    """Where the memory goes. device_memory_bytes is None when the pool was given rather than
+    derived."""
 
     device_memory_bytes: int | None
     memory_utilization: float
@@ -210,7 +259,12 @@ class MemoryBudget:
 
     @property
     def used_bytes(self) -> int:
-        return self.weights_bytes + self.workspace_bytes + self.encoder_cache_bytes + self.kv_cache_memory_bytes
+        return (
+            self.weights_bytes
+            + self.workspace_bytes
+            + self.encoder_cache_bytes
+            + self.kv_cache_memory_bytes
+        )
 
     @property
     def device_memory_needed_bytes(self) -> int:
@@ -219,14 +273,16 @@ class MemoryBudget:
 
 
 def _weights_bytes(shape: ModelShape, inputs: PlanInputs, lm: int, vision: int) -> int:
-    """Parameters x dtype bytes; with fp16 or bf16 quantization the language model's linear layers at 2 bytes, plus
-    a 2-byte lm_head beside tied embeddings (loading/quant.py); its norms and biases (float32 there, a few thousand
-    parameters) are counted at 2 bytes too. With int8 the vision tower's parameters are counted at 1 byte as well,
-    and the language model's at 1 (float32 embeddings kept for lookups; an int8 lm_head beside tied ones); norms,
-    biases, the patch embedding and the per-row scales (4 bytes per output row, under 1% of a layer) are not told
+    """Parameters x dtype bytes; with fp16 or bf16 quantization the language model's linear layers
+    at 2 bytes, plus a 2-byte lm_head beside tied embeddings (loading/quant.py); its norms and
+    biases (float32 there, a few thousand parameters) are counted at 2 bytes too. With int8 the
+    vision tower's parameters are counted at 1 byte as well, and the language model's at 1 (float32
+    embeddings kept for lookups; an int8 lm_head beside tied ones); norms, biases, the patch
+    embedding and the per-row scales (4 bytes per output row, under 1% of a layer) are not told
     apart."""
     dtype_bytes = DTYPE_BYTES[inputs.dtype]
-    if inputs.quantization in UNQUANTIZED:  # auto: counted as none (an upper bound: see UNQUANTIZED)
+    # auto: counted as none (an upper bound: see UNQUANTIZED)
+    if inputs.quantization in UNQUANTIZED:
         return (lm + vision) * dtype_bytes
     embed = shape.vocab_size * shape.hidden_size
     tied_head = embed if shape.tie_word_embeddings else 0
@@ -236,42 +292,55 @@ def _weights_bytes(shape: ModelShape, inputs: PlanInputs, lm: int, vision: int) 
 
 
 _PACKED = {"fp16": "float16", "bf16": "bfloat16", "int8": "int8"}
-# serve's --quantization auto picks bf16 weights only for a checkpoint stored in bf16 on a CPU that runs float32
-# activations, which a plan cannot know: it counts auto as none, the larger of the two
+# serve's --quantization auto picks bf16 weights only for a checkpoint stored in bf16 on a CPU that
+# runs float32 activations, which a plan cannot know: it counts auto as none, the larger of the two
 UNQUANTIZED = ("none", "auto")
 
 
-def _memory_budget(inputs: PlanInputs, weights: int, num_params: int, workspace: int, block_bytes: int
-                   ) -> MemoryBudget:
-    """The KV pool: given, or the device's usable memory minus the rest; DoesNotFit when that is under a block."""
+def _memory_budget(
+    inputs: PlanInputs, weights: int, num_params: int, workspace: int, block_bytes: int
+) -> MemoryBudget:
+    """The KV pool: given, or the device's usable memory minus the rest; DoesNotFit when that is
+    under a block."""
     encoder, util = inputs.encoder_cache_memory_bytes, inputs.memory_utilization
     if inputs.kv_cache_memory_bytes is not None:
-        return MemoryBudget(None, util, None, weights, workspace, encoder, inputs.kv_cache_memory_bytes)
+        return MemoryBudget(
+            None, util, None, weights, workspace, encoder, inputs.kv_cache_memory_bytes
+        )
     device = inputs.device_memory_bytes
     assert device is not None  # PlanInputs holds exactly one of the two
     usable = int(device * util)
     usable_text = f"{format_bytes(device)} x {util:g} utilization = {format_bytes(usable)} usable"
-    # fp16, bf16 and int8 load the float32 weights first: when they fit, the packed ones do too (the check below is for
-    # the rest)
+    # fp16, bf16 and int8 load the float32 weights first: when they fit, the packed ones do too (the
+    # check below is for the rest)
     if inputs.quantization not in UNQUANTIZED and num_params * DTYPE_BYTES[inputs.dtype] > usable:
         raise DoesNotFit(
             f"loading reads the float32 weights first ({format_bytes(num_params * DTYPE_BYTES[inputs.dtype])}) and "
             f"packs them to {_PACKED[inputs.quantization]} one layer at a time, but "
-            f"{usable_text}; plan for a larger device")
+            f"{usable_text}; plan for a larger device"
+        )
     if weights > usable:
         raise DoesNotFit(
             f"the weights alone need {format_bytes(weights)} ({num_params:,} parameters x "
             f"{DTYPE_BYTES[inputs.dtype]} B in {inputs.dtype}) but {usable_text}; plan for a larger device")
-    # the engine's own arithmetic (device_memory.py), with the weights for the bytes in use after loading and the
-    # workspace estimate for the profiling peak that a real device measures
+    # the engine's own arithmetic (device_memory.py), with the weights for the bytes in use after
+    # loading and the workspace estimate for the profiling peak that a real device measures
     try:
-        pool = kv_pool_from_device(device, util, weights, workspace, encoder, block_bytes // inputs.block_size,
-                                   inputs.block_size).pool_bytes
+        pool = kv_pool_from_device(
+            device,
+            util,
+            weights,
+            workspace,
+            encoder,
+            block_bytes // inputs.block_size,
+            inputs.block_size,
+        ).pool_bytes
     except DeviceMemoryTooSmall:
         raise DoesNotFit(
             f"weights {format_bytes(weights)} + step workspace {format_bytes(workspace)} + encoder cache "
             f"{format_bytes(encoder)} leave no room for a KV pool in {usable_text}; lower --max-batched-tokens, "
-            "--image-tokens or --encoder-cache-memory, or plan for a larger device") from None
+            "--image-tokens or --encoder-cache-memory, or plan for a larger device"
+        ) from None
     return MemoryBudget(device, util, usable, weights, workspace, encoder, pool)
 
 
@@ -283,7 +352,8 @@ class Plan:
     num_params: int  # from config shapes
     num_params_language_model: int
     num_params_vision: int
-    weights_bytes: int  # num_params x dtype bytes (fp16 or bf16 quantization: the LM's linear layers x 2; int8: x 1)
+    # num_params x dtype bytes (fp16 or bf16 quantization: the LM's linear layers x 2; int8: x 1)
+    weights_bytes: int
     safetensors_params: int | None  # summed from safetensors headers when the model dir has them
     safetensors_bytes: int | None
     # memory
@@ -301,7 +371,8 @@ class Plan:
     full_blocks_per_request: int  # ceil((prompt + output) / block): the request at its last token
     full_kv_bytes_per_request: int
     # pool
-    kv_cache_memory_bytes: int  # the pool (= memory.kv_cache_memory_bytes): what serve --kv-cache-memory gets
+    # the pool (= memory.kv_cache_memory_bytes): what serve --kv-cache-memory gets
+    kv_cache_memory_bytes: int
     num_kv_blocks: int  # kv memory // (kv bytes per token x block)
     pool_bytes_to_admit_peak: int  # peak x admission blocks
     pool_bytes_for_peak_without_preemption: int  # peak x full blocks
@@ -317,9 +388,11 @@ class Plan:
         return asdict(self)
 
 
-def make_plan(config: dict[str, Any], inputs: PlanInputs, model_dir: str | Path | None = None) -> Plan:
-    """The plan; ConfigFieldMissing (a ValueError) names a config.json field it lacks, DoesNotFit says which
-    term leaves no KV pool on the device."""
+def make_plan(
+    config: dict[str, Any], inputs: PlanInputs, model_dir: str | Path | None = None
+) -> Plan:
+    """The plan; ConfigFieldMissing (a ValueError) names a config.json field it lacks, DoesNotFit
+    says which term leaves no KV pool on the device."""
     shape = ModelShape.from_config(config)
     dtype_bytes = DTYPE_BYTES[inputs.dtype]
     bs = inputs.block_size
@@ -334,8 +407,13 @@ def make_plan(config: dict[str, Any], inputs: PlanInputs, model_dir: str | Path 
     full_blocks = _ceil_div(min(prompt + inputs.output_tokens, max_model_len), bs)
     block_bytes = kv_tok * bs
     workspace = Workspace.estimate(shape, inputs, max_model_len)
-    memory = _memory_budget(inputs, _weights_bytes(shape, inputs, lm, vision), lm + vision, workspace.peak_bytes,
-                            block_bytes)
+    memory = _memory_budget(
+        inputs,
+        _weights_bytes(shape, inputs, lm, vision),
+        lm + vision,
+        workspace.peak_bytes,
+        block_bytes,
+    )
     num_blocks = memory.kv_cache_memory_bytes // block_bytes
 
     blocks_each_at_peak = num_blocks // inputs.peak_concurrency
@@ -343,7 +421,8 @@ def make_plan(config: dict[str, Any], inputs: PlanInputs, model_dir: str | Path 
     # Images that fit beside the text at the peak: each costs its budget plus its template tokens
     # (an explicit template overhead is taken as fixed).
     per_image_overhead = TEMPLATE_TOKENS_PER_IMAGE if inputs.template_overhead_tokens is None else 0
-    fixed = prompt - inputs.images_per_request * (inputs.image_tokens + per_image_overhead)  # videos included
+    # videos included
+    fixed = prompt - inputs.images_per_request * (inputs.image_tokens + per_image_overhead)
     per_image = inputs.image_tokens + per_image_overhead
     max_images = max(0, (max_prompt - fixed) // per_image) if per_image else 0
 
@@ -401,19 +480,42 @@ _QUANTIZED_WEIGHTS = {"fp16": "; LM linear layers x 2 B", "bf16": "; LM linear l
 
 
 def _memory_rows(plan: Plan) -> list[tuple[str, str]]:
-    """Where the memory goes, one term a row; the pool's row says whether it was given or derived."""
+    """Where the memory goes, one term a row; the pool's row says whether it was given or
+    derived."""
     i, m, w = plan.inputs, plan.memory, plan.workspace
-    item = "1 image" if i.images_per_request and i.image_tokens >= i.vision_item_tokens else "1 video grid"
-    image = (f"{item} of {i.vision_item_tokens} tokens = {w.num_image_patches:,} patches" if w.num_image_patches
-             else "no images")
+    item = (
+        "1 image"
+        if i.images_per_request and i.image_tokens >= i.vision_item_tokens
+        else "1 video grid"
+    )
+    image = (
+        f"{item} of {i.vision_item_tokens} tokens = {w.num_image_patches:,} patches"
+        if w.num_image_patches
+        else "no images"
+    )
     terms = [  # (nested under the workspace, label, value)
-        (False, f"weights ({plan.num_params:,} params x {DTYPE_BYTES[i.dtype]} B"
-                f"{_QUANTIZED_WEIGHTS.get(i.quantization, '')})", format_bytes(m.weights_bytes)),
+        (
+            False,
+            f"weights ({plan.num_params:,} params x {DTYPE_BYTES[i.dtype]} B"
+            f"{_QUANTIZED_WEIGHTS.get(i.quantization, '')})",
+            format_bytes(m.weights_bytes),
+        ),
         (False, "step workspace = max(LM step, vision tower)", format_bytes(m.workspace_bytes)),
-        (True, f"LM activations ({w.num_batched_tokens} tokens)", format_bytes(w.lm_activation_bytes)),
-        (True, f"LM attention scores ({w.num_batched_tokens} x {plan.max_model_len} context)",
-         format_bytes(w.lm_attention_scores_bytes)),
-        (True, f"logits + probabilities ({w.num_sampled_rows} rows, fp32)", format_bytes(w.logits_bytes)),
+        (
+            True,
+            f"LM activations ({w.num_batched_tokens} tokens)",
+            format_bytes(w.lm_activation_bytes),
+        ),
+        (
+            True,
+            f"LM attention scores ({w.num_batched_tokens} x {plan.max_model_len} context)",
+            format_bytes(w.lm_attention_scores_bytes),
+        ),
+        (
+            True,
+            f"logits + probabilities ({w.num_sampled_rows} rows, fp32)",
+            format_bytes(w.logits_bytes),
+        ),
         (True, f"vision tower ({image})", format_bytes(w.vision_activation_bytes)),
         (False, "encoder cache (--encoder-cache-memory)", format_bytes(m.encoder_cache_bytes)),
     ]
@@ -424,8 +526,11 @@ def _memory_rows(plan: Plan) -> list[tuple[str, str]]:
                 (f"device memory this needs (at {m.memory_utilization:g} utilization)",
                  format_bytes(m.device_memory_needed_bytes))]
     return [
-        ("device memory", f"{format_bytes(m.device_memory_bytes)} x {m.memory_utilization:g} utilization = "
-         f"{format_bytes(m.usable_bytes or 0)} usable"),
+        (
+            "device memory",
+            f"{format_bytes(m.device_memory_bytes)} x {m.memory_utilization:g} utilization = "
+            f"{format_bytes(m.usable_bytes or 0)} usable",
+        ),
         *((("    " if nested else "- ") + k, v) for nested, k, v in terms),
         ("= KV pool (what is left, whole MiB)", pool),
     ]

@@ -1,24 +1,27 @@
 """Quality regression across visual-token budgets: does lowering the budget change the answers?
 
-Every prompt runs on every image under each budget, greedily (temperature 0), with the budget sent per image as
-``image_url.max_visual_tokens``. Answers under each budget are compared with the largest budget's answers:
+Every prompt runs on every image under each budget, greedily (temperature 0), with the budget sent
+per image as ``image_url.max_visual_tokens``. Answers under each budget are compared with the
+largest budget's answers:
 
     exact     fraction of (image, prompt) pairs whose answer text is identical
     overlap   mean token F1 between the two answers' tokens (the server's token strings from logprobs;
               whitespace words if a server returns none), 1.0 for identical answers
 
-Per budget it also reports the mean visual tokens per image (from /tokenize) and the mean TTFT (the server's
-``usage.firsttoken.ttft_s`` when present, else the client's wall time of the whole non-streamed request).
-The verdict fails when any budget's exact agreement is below ``min_agreement``.
+Per budget it also reports the mean visual tokens per image (from /tokenize) and the mean TTFT (the
+server's ``usage.firsttoken.ttft_s`` when present, else the client's wall time of the whole
+non-streamed request). The verdict fails when any budget's exact agreement is below
+``min_agreement``.
 
 Videos run the same way, each alone with each prompt, under their own budgets (per video, sent as
-``video_url.max_visual_tokens``; visual tokens per video from /tokenize's ``videos``): a separate report, since an
-image's and a video's budgets mean different things.
+``video_url.max_visual_tokens``; visual tokens per video from /tokenize's ``videos``): a separate
+report, since an image's and a video's budgets mean different things.
 
-It talks HTTP to any server that honours ``max_visual_tokens`` (ours, by URL); without a URL the caller starts
-our server in-process (``cli/regress.py``), so both paths measure the same thing. Random-weight checkpoints agree
-with themselves only when the model sees the same pixels, so on them the report answers "did the budget change
-what the model saw", which is the regression this guards against.
+It talks HTTP to any server that honours ``max_visual_tokens`` (ours, by URL); without a URL the
+caller starts our server in-process (``cli/regress.py``), so both paths measure the same thing.
+Random-weight checkpoints agree with themselves only when the model sees the same pixels, so on them
+the report answers "did the budget change what the model saw", which is the regression this guards
+against.
 """
 
 from __future__ import annotations
@@ -37,9 +40,16 @@ import httpx
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".gif", ".bmp", ".tif", ".tiff")
 VIDEO_SUFFIXES = (".mp4", ".m4v", ".mov", ".webm", ".mkv", ".avi")
-_VIDEO_MIME = {".mp4": "video/mp4", ".m4v": "video/mp4", ".mov": "video/quicktime", ".webm": "video/webm",
-               ".mkv": "video/x-matroska", ".avi": "video/x-msvideo"}
-MEDIA_PART = {"image": "image_url", "video": "video_url"}  # kind -> the content part (and /tokenize's list: kind + s)
+_VIDEO_MIME = {
+    ".mp4": "video/mp4",
+    ".m4v": "video/mp4",
+    ".mov": "video/quicktime",
+    ".webm": "video/webm",
+    ".mkv": "video/x-matroska",
+    ".avi": "video/x-msvideo",
+}
+# kind -> the content part (and /tokenize's list: kind + s)
+MEDIA_PART = {"image": "image_url", "video": "video_url"}
 
 
 @dataclass(frozen=True)
@@ -69,7 +79,9 @@ class RegressReport:
 
     @property
     def passed(self) -> bool:
-        return self.min_agreement is None or all(b.exact_agreement >= self.min_agreement for b in self.budgets)
+        return self.min_agreement is None or all(
+            b.exact_agreement >= self.min_agreement for b in self.budgets
+        )
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -108,10 +120,17 @@ def data_url(path: Path) -> str:
 
 
 class ChatServer:
-    """The two calls regress needs from a server: count (/tokenize) and answer (/v1/chat/completions)."""
+    """The two calls regress needs from a server: count (/tokenize) and answer
+    (/v1/chat/completions)."""
 
-    def __init__(self, url: str, model: str | None = None, max_tokens: int = 16, timeout_s: float = 600.0,
-                 transport: httpx.BaseTransport | None = None) -> None:
+    def __init__(
+        self,
+        url: str,
+        model: str | None = None,
+        max_tokens: int = 16,
+        timeout_s: float = 600.0,
+        transport: httpx.BaseTransport | None = None,
+    ) -> None:
         self.http = httpx.Client(base_url=url.rstrip("/"), timeout=timeout_s, transport=transport)
         self.model = model or self.http.get("/v1/models").raise_for_status().json()["data"][0]["id"]
         self.max_tokens = max_tokens
@@ -192,8 +211,12 @@ def run_regress(
                 num_answers=len(got),
                 mean_visual_tokens=statistics.fmean(a.visual_tokens for a in got),
                 mean_ttft_s=statistics.fmean(a.ttft_s for a in got),
-                exact_agreement=statistics.fmean(float(a.text == r.text) for a, r in zip(got, reference)),
-                token_overlap=statistics.fmean(token_f1(a.tokens, r.tokens) for a, r in zip(got, reference)),
+                exact_agreement=statistics.fmean(
+                    float(a.text == r.text) for a, r in zip(got, reference)
+                ),
+                token_overlap=statistics.fmean(
+                    token_f1(a.tokens, r.tokens) for a, r in zip(got, reference)
+                ),
             )
         )
     return RegressReport(ordered[0], tuple(reports), min_agreement, kind)

@@ -1,12 +1,13 @@
-"""Fleet planning by simulation: R replicas x lanes x a routing policy, driven by a workload and a step-cost profile
-measured on the deployment's machine.
+"""Fleet planning by simulation: R replicas x lanes x a routing policy, driven by a workload and a
+step-cost profile measured on the deployment's machine.
 
-Each simulated replica is firsttoken's own ``Scheduler`` (ints only: the same lanes, time bound, KV admission and
-caches as the server), run on a virtual clock. A step takes what the step-cost model predicts for the work the
-scheduler put in it; the coefficients come from a real server (``GET /stats``'s ``cost_model``, fitted online from
-its own step timings) or from a start-up calibration of the engine on this machine. Nothing is simulated that the
-server decides: only the model's forward pass is replaced by its measured price. Anchor: Vidur (MLSys 2024) simulates
-serving from profiled operator costs; here the profile is the engine's own cost model, and the simulator is
+Each simulated replica is firsttoken's own ``Scheduler`` (ints only: the same lanes, time bound, KV
+admission and caches as the server), run on a virtual clock. A step takes what the step-cost model
+predicts for the work the scheduler put in it; the coefficients come from a real server
+(``GET /stats``'s ``cost_model``, fitted online from its own step timings) or from a start-up
+calibration of the engine on this machine. Nothing is simulated that the server decides: only the
+model's forward pass is replaced by its measured price. Anchor: Vidur (MLSys 2024) simulates serving
+from profiled operator costs; here the profile is the engine's own cost model, and the simulator is
 validated against measured runs (benchmarks/validate_simulator.py, docs/scaling.md).
 
     profile   = Profile.from_stats(stats_json, model_config)   # or Profile.from_engine(engine)
@@ -14,9 +15,9 @@ validated against measured runs (benchmarks/validate_simulator.py, docs/scaling.
     result    = simulate(workload, [profile] * 4, Router("least-loaded"))
     result.summary()   # TTFT P50/P95/P99 per class, n, refusals
 
-What is not modelled: image decoding and the HTTP hop (a per-class preprocess delay from the profile stands in),
-contention between preprocessing threads and the engine, and noise in step times (``step_noise`` adds lognormal
-noise of a given sigma).
+What is not modelled: image decoding and the HTTP hop (a per-class preprocess delay from the profile
+stands in), contention between preprocessing threads and the engine, and noise in step times
+(``step_noise`` adds lognormal noise of a given sigma).
 """
 
 from __future__ import annotations
@@ -43,19 +44,29 @@ from firsttoken.scheduler.cost_model import FEATURE_NAMES, CostModel, encoder_un
 from firsttoken.scheduler.lanes import SHORT, route_lane
 from firsttoken.scheduler.request import Request
 from firsttoken.scheduler.scheduler import Scheduler
-from firsttoken.types import EncoderUnit, EngineRequest, FinishReason, ImageItem, PromptWork, SamplingParams
+from firsttoken.types import (
+    EncoderUnit,
+    EngineRequest,
+    FinishReason,
+    ImageItem,
+    PromptWork,
+    SamplingParams,
+)
 
-EXTRAPOLATION_FACTOR = 4.0  # a term priced beyond this x the largest the profile's fit saw: a warning
+# a term priced beyond this x the largest the profile's fit saw: a warning
+EXTRAPOLATION_FACTOR = 4.0
 DEFAULT_IMAGE_BUDGET = ImageConfig().image_max_tokens  # serve's default visual tokens per image
-TEMPLATE_TOKENS = 21  # the chat template around one user turn (Qwen2-VL's), as tools/plan.py counts it
+# the chat template around one user turn (Qwen2-VL's), as tools/plan.py counts it
+TEMPLATE_TOKENS = 21
 IMAGE_WRAPPER_TOKENS = 2  # <|vision_start|> ... <|vision_end|>
 
 
-# ---- the replica's measured price list -----------------------------------------------------------------
+# ---- the replica's measured price list -----------------------------------------------------------
 @dataclass(frozen=True)
 class Profile:
-    """What one replica is: its step-cost coefficients (seconds per unit of each cost-model term), its scheduler and
-    cache configuration, its KV pool, and the per-class delay before a request reaches the engine."""
+    """What one replica is: its step-cost coefficients (seconds per unit of each cost-model term),
+    its scheduler and cache configuration, its KV pool, and the per-class delay before a request
+    reaches the engine."""
 
     coefficients: dict[str, float]
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
@@ -63,21 +74,28 @@ class Profile:
     num_kv_blocks: int = 4096
     max_model_len: int = 32768
     encoder_capacity_tokens: int = 65536
-    preprocess_s: dict[str, float] = field(default_factory=dict)  # image class -> seconds before the engine sees it
-    # what the profiled server's fit had seen per term ({"steps": n, "max": largest value}); empty: not known
+    # image class -> seconds before the engine sees it
+    preprocess_s: dict[str, float] = field(default_factory=dict)
+    # what the profiled server's fit had seen per term ({"steps": n, "max": largest value}); empty:
+    # not known
     coverage: dict[str, dict[str, float]] = field(default_factory=dict)
-    # the checkpoint's config, where known: admission over a TTFT objective re-plans images at lower budgets down to
-    # image_min_tokens_under_load, as the server does (None: it refuses them at once)
+    # the checkpoint's config, where known: admission over a TTFT objective re-plans images at lower
+    # budgets down to image_min_tokens_under_load, as the server does (None: it refuses them at
+    # once)
     model: ModelConfig | None = None
     image_min_tokens_under_load: int = ImageConfig().image_min_tokens_under_load
 
     def __post_init__(self) -> None:
         unknown = set(self.coefficients) - set(FEATURE_NAMES)
         if unknown:
-            raise ValueError(f"unknown cost-model terms {sorted(unknown)}; expected {list(FEATURE_NAMES)}")
+            raise ValueError(
+                f"unknown cost-model terms {sorted(unknown)}; expected {list(FEATURE_NAMES)}"
+            )
         if not any(self.coefficients.values()):
-            raise ValueError("the profile's step-cost coefficients are all zero: the server had not fitted its "
-                             "cost model yet (send it a few requests first)")
+            raise ValueError(
+                "the profile's step-cost coefficients are all zero: the server had not fitted its "
+                "cost model yet (send it a few requests first)"
+            )
 
     @property
     def prior(self) -> tuple[float, ...]:
@@ -92,21 +110,33 @@ class Profile:
 
     @staticmethod
     def from_stats(stats: dict[str, Any], scheduler: SchedulerConfig | None = None) -> Profile:
-        """From a live server's ``GET /stats``: its fitted coefficients, its KV pool, and each class's mean
-        preprocess time over the stats window (a server that served no image requests has 0 for them)."""
+        """From a live server's ``GET /stats``: its fitted coefficients, its KV pool, and each
+        class's mean preprocess time over the stats window (a server that served no image requests
+        has 0 for them)."""
         coefficients = dict(stats.get("cost_model", {}).get("coefficients") or {})
         engine = stats.get("engine", {})
-        preprocess = {c: float((stats.get("classes", {}).get(c, {}).get("preprocess_s") or {}).get("mean") or 0.0)
-                      for c in IMAGE_CLASSES}
+        preprocess = {
+            c: float(
+                (stats.get("classes", {}).get(c, {}).get("preprocess_s") or {}).get("mean") or 0.0
+            )
+            for c in IMAGE_CLASSES
+        }
         coverage = dict(stats.get("cost_model", {}).get("coverage") or {})
-        return Profile(coefficients, scheduler or SchedulerConfig(),
-                       num_kv_blocks=int(engine.get("kv_blocks_total") or 4096), preprocess_s=preprocess,
-                       coverage=coverage)
+        return Profile(
+            coefficients,
+            scheduler or SchedulerConfig(),
+            num_kv_blocks=int(engine.get("kv_blocks_total") or 4096),
+            preprocess_s=preprocess,
+            coverage=coverage,
+        )
 
-    def extrapolations(self, priced: dict[str, float], factor: float = EXTRAPOLATION_FACTOR) -> list[str]:
-        """Terms a simulation priced beyond what this profile's fit had seen: never seen (its price is the prior
-        or zero), or more than ``factor`` x the largest value seen in a step. ``priced``: the largest value of each
-        term in one simulated step (``SimResult.max_terms``). Empty when the profile does not say (an older file)."""
+    def extrapolations(
+        self, priced: dict[str, float], factor: float = EXTRAPOLATION_FACTOR
+    ) -> list[str]:
+        """Terms a simulation priced beyond what this profile's fit had seen: never seen (its price
+        is the prior or zero), or more than ``factor`` x the largest value seen in a step.
+        ``priced``: the largest value of each term in one simulated step (``SimResult.max_terms``).
+        Empty when the profile does not say (an older file)."""
         out = []
         for name, need in priced.items():
             seen = self.coverage.get(name)
@@ -116,18 +146,21 @@ class Profile:
                 out.append(f"{name}: the profile's fit saw no step with it (its price is the start-up prior's, "
                            f"or 0), the workload needs up to {need:.3g} per step")
             elif need > factor * seen["max"]:
-                out.append(f"{name}: the workload needs up to {need:.3g} per step, {need / seen['max']:.0f}x the "
-                           f"largest the profile's fit saw ({seen['max']:.3g}): its price is extrapolated")
+                out.append(
+                    f"{name}: the workload needs up to {need:.3g} per step, {need / seen['max']:.0f}x the "
+                    f"largest the profile's fit saw ({seen['max']:.3g}): its price is extrapolated"
+                )
         return out
 
 
-# ---- the workload ----------------------------------------------------------------------------------------
+# ---- the workload --------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class SimImage:
     num_tokens: int
     grid_thw: tuple[int, int, int]
     encoder_units: tuple[EncoderUnit, ...]
-    size: tuple[int, int] | None = None  # the image's width and height, where known: it can be re-planned
+    # the image's width and height, where known: it can be re-planned
+    size: tuple[int, int] | None = None
     budget_tokens: int | None = None  # the visual-token budget it was planned at
 
 
@@ -146,14 +179,22 @@ class SimRequest:
         return self.text_tokens + sum(im.num_tokens + IMAGE_WRAPPER_TOKENS for im in self.images)
 
 
-def image_for(model: ModelConfig, width: int, height: int, budget_tokens: int, min_tokens: int = 4) -> SimImage:
-    """The visual tokens and the vision-tower units of one image of this size, planned as the server plans it."""
+def image_for(
+    model: ModelConfig, width: int, height: int, budget_tokens: int, min_tokens: int = 4
+) -> SimImage:
+    """The visual tokens and the vision-tower units of one image of this size, planned as the server
+    plans it."""
     family = family_named(model.family)
     plan = plan_image(width, height, budget_tokens, min_tokens, model.image_processor)
     patch = model.image_processor.patch_size
     grid = (1, plan.resized_size[1] // patch, plan.resized_size[0] // patch)
-    return SimImage(plan.num_tokens, grid, tuple(family.encoder_units(model.vision, grid)), (width, height),
-                    budget_tokens)
+    return SimImage(
+        plan.num_tokens,
+        grid,
+        tuple(family.encoder_units(model.vision, grid)),
+        (width, height),
+        budget_tokens,
+    )
 
 
 def seed_mix(
@@ -167,7 +208,8 @@ def seed_mix(
     image_budget_tokens: int = DEFAULT_IMAGE_BUDGET,
     output_tokens: int = 32,
 ) -> list[SimRequest]:
-    """The seed's mix (class, images, share) with Poisson arrivals at ``rate`` requests/s; distinct images."""
+    """The seed's mix (class, images, share) with Poisson arrivals at ``rate`` requests/s; distinct
+    images."""
     rng = np.random.default_rng(seed)
     image = image_for(model, *image_size, image_budget_tokens)
     names, counts, shares = zip(*mix)
@@ -177,14 +219,23 @@ def seed_mix(
     for i in range(num_requests):
         t += float(rng.exponential(1.0 / rate))
         k = int(rng.choice(len(names), p=p))
-        out.append(SimRequest(f"r{i}", t, names[k], text_tokens + TEMPLATE_TOKENS, (image,) * counts[k],
-                              output_tokens))
+        out.append(
+            SimRequest(
+                f"r{i}",
+                t,
+                names[k],
+                text_tokens + TEMPLATE_TOKENS,
+                (image,) * counts[k],
+                output_tokens,
+            )
+        )
     return out
 
 
 def class_work_s(profile: Profile, workload: Sequence[SimRequest]) -> dict[str, float]:
-    """Each class's share of the workload's work in seconds per request: share x its first request's end-to-end
-    seconds simulated alone (as `firsttoken bench --utilization` measures a server's service times)."""
+    """Each class's share of the workload's work in seconds per request: share x its first request's
+    end-to-end seconds simulated alone (as `firsttoken bench --utilization` measures a server's
+    service times)."""
     first: dict[str, SimRequest] = {}
     counts: dict[str, int] = {}
     for r in workload:
@@ -198,16 +249,20 @@ def class_work_s(profile: Profile, workload: Sequence[SimRequest]) -> dict[str, 
 
 
 def capacity_rps(profile: Profile, workload: Sequence[SimRequest]) -> float:
-    """Requests/s one replica finishes one at a time for this workload's class mix: 1 / sum(share x unloaded
-    end-to-end seconds)."""
+    """Requests/s one replica finishes one at a time for this workload's class mix: 1 / sum(share x
+    unloaded end-to-end seconds)."""
     return 1.0 / sum(class_work_s(profile, workload).values())
 
 
-def from_trace(records: Sequence[dict[str, Any]], model: ModelConfig, image_size: tuple[int, int] = (1024, 1024),
-               image_budget_tokens: int = DEFAULT_IMAGE_BUDGET) -> list[SimRequest]:
-    """A measured run's requests (``firsttoken bench`` records: start_s, cls, num_images, prompt_tokens,
-    completion_tokens), replayed with the same arrivals, classes and token counts. Records without usage fall back
-    to an 800-token text."""
+def from_trace(
+    records: Sequence[dict[str, Any]],
+    model: ModelConfig,
+    image_size: tuple[int, int] = (1024, 1024),
+    image_budget_tokens: int = DEFAULT_IMAGE_BUDGET,
+) -> list[SimRequest]:
+    """A measured run's requests (``firsttoken bench`` records: start_s, cls, num_images,
+    prompt_tokens, completion_tokens), replayed with the same arrivals, classes and token counts.
+    Records without usage fall back to an 800-token text."""
     image = image_for(model, *image_size, image_budget_tokens)
     out = []
     for r in records:
@@ -215,13 +270,25 @@ def from_trace(records: Sequence[dict[str, Any]], model: ModelConfig, image_size
             continue
         n = int(r.get("num_images") or 0)
         prompt = r.get("prompt_tokens")
-        text = (int(prompt) - n * (image.num_tokens + IMAGE_WRAPPER_TOKENS)) if prompt else 800 + TEMPLATE_TOKENS
-        out.append(SimRequest(f"t{r['index']}", float(r["start_s"]), str(r.get("cls") or image_class(n)),
-                              max(1, text), (image,) * n, int(r.get("completion_tokens") or 32)))
+        text = (
+            (int(prompt) - n * (image.num_tokens + IMAGE_WRAPPER_TOKENS))
+            if prompt
+            else 800 + TEMPLATE_TOKENS
+        )
+        out.append(
+            SimRequest(
+                f"t{r['index']}",
+                float(r["start_s"]),
+                str(r.get("cls") or image_class(n)),
+                max(1, text),
+                (image,) * n,
+                int(r.get("completion_tokens") or 32),
+            )
+        )
     return sorted(out, key=lambda s: s.arrival_s)
 
 
-# ---- one replica -----------------------------------------------------------------------------------------
+# ---- one replica ---------------------------------------------------------------------------------
 @dataclass
 class Outcome:
     request: SimRequest
@@ -229,8 +296,10 @@ class Outcome:
     ttft_s: float | None = None
     e2e_s: float | None = None
     refused: str | None = None  # "queue_full" | "over_slo" | "never_fits"
-    predicted_ttft_s: float | None = None  # the admission check's prediction, from arrival (preprocess included)
-    image_budget: int | None = None  # the visual-token budget per image admission lowered it to (None: not lowered)
+    # the admission check's prediction, from arrival (preprocess included)
+    predicted_ttft_s: float | None = None
+    # the visual-token budget per image admission lowered it to (None: not lowered)
+    image_budget: int | None = None
     token_s: list[float] = field(default_factory=list)  # each output token's time from arrival
 
     @property
@@ -242,38 +311,52 @@ class Outcome:
 class SimReplica:
     """A firsttoken scheduler on a virtual clock; steps cost what the profile's cost model says."""
 
-    def __init__(self, index: int, profile: Profile, step_noise: float = 0.0, seed: int = 0) -> None:
+    def __init__(
+        self, index: int, profile: Profile, step_noise: float = 0.0, seed: int = 0
+    ) -> None:
         self.index = index
         self.profile = profile
         self.now = 0.0  # the virtual clock, as this replica last saw it
-        self.scheduler = Scheduler(profile.scheduler, profile.cache, profile.num_kv_blocks, profile.max_model_len,
-                                   profile.encoder_capacity_tokens, cost_model=CostModel(prior=profile.prior),
-                                   clock=lambda: self.now)
-        self.cost = CostModel(prior=profile.prior)  # the price list; the scheduler's copy is its own
+        self.scheduler = Scheduler(
+            profile.scheduler,
+            profile.cache,
+            profile.num_kv_blocks,
+            profile.max_model_len,
+            profile.encoder_capacity_tokens,
+            cost_model=CostModel(prior=profile.prior),
+            clock=lambda: self.now,
+        )
+        # the price list; the scheduler's copy is its own
+        self.cost = CostModel(prior=profile.prior)
         self.step_noise = step_noise
         self.rng = random.Random(seed * 7919 + index)
         self.busy_until: float | None = None  # end of the step in flight
         self._step: ScheduledBatch | None = None
         self._step_start = 0.0
         self._scale = 1.0  # the step in flight's noise factor
-        self._progress: dict[str, int] = {}  # the step in flight's encoder units done at its end, per image hash
-        self.generation = 0  # bumped when the step in flight's end moves (an interrupt): older end events are stale
+        # the step in flight's encoder units done at its end, per image hash
+        self._progress: dict[str, int] = {}
+        # bumped when the step in flight's end moves (an interrupt): older end events are stale
+        self.generation = 0
         self.num_interrupts = 0
         self._outcomes: dict[str, Outcome] = {}
         self._seq = 0
         self.num_steps = 0
         self.busy_s = 0.0
         self.num_inflight = 0  # routed here, not yet in the scheduler (preprocessing)
-        self.max_terms = np.zeros(len(FEATURE_NAMES))  # the largest of each cost-model term in one step priced
-        # admitted since the last schedule built the backlog the admission check reads: their work passed as
-        # pending, as the server's admission counts requests admitted and not yet in its scheduler's snapshot (not
-        # in the queue depth: they are in the scheduler's queue already)
+        # the largest of each cost-model term in one step priced
+        self.max_terms = np.zeros(len(FEATURE_NAMES))
+        # admitted since the last schedule built the backlog the admission check reads: their work
+        # passed as pending, as the server's admission counts requests admitted and not yet in its
+        # scheduler's snapshot (not in the queue depth: they are in the scheduler's queue already)
         self._unscheduled: list[tuple[str, PromptWork]] = []
 
-    # load signals a router reads (what a replica could report cheaply, plus what the router itself sent)
+    # load signals a router reads (what a replica could report cheaply, plus what the router itself
+    # sent)
     @property
     def num_queued(self) -> int:
-        """Waiting in the scheduler, plus routed here and still being preprocessed (the router knows those)."""
+        """Waiting in the scheduler, plus routed here and still being preprocessed (the router knows
+        those)."""
         return len(self.scheduler.waiting) + self.num_inflight
 
     @property
@@ -286,7 +369,8 @@ class SimReplica:
         return 1.0 - kv.num_used_blocks / kv.num_blocks
 
     def pending_work_s(self) -> float:
-        """Predicted seconds of prompt work queued or prefilling here (the scheduler's own estimate)."""
+        """Predicted seconds of prompt work queued or prefilling here (the scheduler's own
+        estimate)."""
         return sum(self.scheduler.remaining_work_s(r) for r in self.scheduler.requests.values()
                    if r.num_computed_tokens < r.num_prompt_tokens)
 
@@ -296,17 +380,26 @@ class SimReplica:
         er = _engine_request(request)
         lane = route_lane(er.num_prompt_tokens, self.scheduler.config)
         pending = tuple(w for v, w in self._unscheduled if v == lane)
-        verdict = self.scheduler.check_admission(PromptWork.of(er.num_prompt_tokens, er.images), 0, pending)
+        verdict = self.scheduler.check_admission(
+            PromptWork.of(er.num_prompt_tokens, er.images), 0, pending
+        )
         model, floor = self.profile.model, self.profile.image_min_tokens_under_load
-        if model is not None and request.images and all(im.size and im.budget_tokens for im in request.images):
-            # as the server's processor: over the objective, the images' budget halved step by step to the floor
+        if (
+            model is not None
+            and request.images
+            and all(im.size and im.budget_tokens for im in request.images)
+        ):
+            # as the server's processor: over the objective, the images' budget halved step by step
+            # to the floor
             original = cap = max(im.budget_tokens or 0 for im in request.images)
             while verdict.asks_lower_budget and cap > floor:
                 cap = max(floor, cap // 2)
                 images = tuple(image_for(model, *im.size, min(im.budget_tokens or cap, cap))  # type: ignore[misc]
                                for im in request.images)
                 er = _engine_request(replace(request, images=images))
-                verdict = self.scheduler.check_admission(PromptWork.of(er.num_prompt_tokens, er.images), 0, pending)
+                verdict = self.scheduler.check_admission(
+                    PromptWork.of(er.num_prompt_tokens, er.images), 0, pending
+                )
             outcome.image_budget = cap if cap < original else None
         if verdict.predicted_ttft_s is not None:
             outcome.predicted_ttft_s = now - request.arrival_s + verdict.predicted_ttft_s
@@ -329,7 +422,8 @@ class SimReplica:
         self._unscheduled.clear()  # in the backlog the schedule built
         if batch.is_empty:
             return None
-        # a step that only releases finished requests' runner state does no model work: (almost) free
+        # a step that only releases finished requests' runner state does no model work: (almost)
+        # free
         seconds = max(self.cost.predict(batch.features), 1e-6) if batch.has_work else 1e-6
         if batch.has_work:
             np.maximum(self.max_terms, batch.features.vector(), out=self.max_terms)
@@ -339,19 +433,22 @@ class SimReplica:
         self._step_start, self._scale = now, seconds / max(self.cost.predict(batch.features), 1e-9)
         self._progress = {w.content_hash: w.start_unit + w.num_units for w in batch.encoder_work}
         deferred = 0.0
-        if any(w.interruptible for w in batch.encoder_work):  # the runner runs them after the forward and sampling
+        # the runner runs them after the forward and sampling
+        if any(w.interruptible for w in batch.encoder_work):
             deferred = sum(s for w, _, s in self._timeline() if w is not None and w.interruptible)
-        self._forward_end = now + seconds - deferred  # sampled tokens leave here; deferred units run after
+        # sampled tokens leave here; deferred units run after
+        self._forward_end = now + seconds - deferred
         self.busy_until = now + seconds
         self.busy_s += seconds
         self.num_steps += 1
         return self.busy_until
 
     def interrupt(self, now: float) -> float | None:
-        """A short request reached the scheduler at ``now`` while a step runs: as the runner does, stop the step's
-        interruptible encoder work at the next unit (the runner's order: the encoder work a chunk needs, the forward
-        with the per-step constant, then the interruptible units; a unit is cut when it would start after the
-        arrival, unless nothing ran before it). Returns the step's new end, or None when nothing was cut."""
+        """A short request reached the scheduler at ``now`` while a step runs: as the runner does,
+        stop the step's interruptible encoder work at the next unit (the runner's order: the encoder
+        work a chunk needs, the forward with the per-step constant, then the interruptible units; a
+        unit is cut when it would start after the arrival, unless nothing ran before it). Returns
+        the step's new end, or None when nothing was cut."""
         batch = self._step
         if batch is None or not any(w.interruptible for w in batch.encoder_work):
             return None
@@ -359,7 +456,8 @@ class SimReplica:
         t, cut = self._step_start, 0.0
         progress = dict(self._progress)
         for w, k, seconds in items:
-            if w is not None and w.interruptible and t >= now and t > self._step_start:  # starts after the arrival
+            # starts after the arrival
+            if w is not None and w.interruptible and t >= now and t > self._step_start:
                 progress[w.content_hash] = min(progress[w.content_hash], k)
                 cut += seconds
             else:
@@ -374,14 +472,22 @@ class SimReplica:
         return self.busy_until
 
     def _timeline(self) -> list:
-        """The step in flight as the runner runs it: (work or None for the forward, unit index, seconds)."""
+        """The step in flight as the runner runs it: (work or None for the forward, unit index,
+        seconds)."""
         batch = self._step
         items = []
         for w in batch.encoder_work:
             units = self.scheduler.requests[w.request_id].images[w.image_index].encoder_units
             for k in range(w.start_unit, w.start_unit + w.num_units):
                 u = units[k]
-                items.append((w, k, self._scale * self.cost.work_s(encoder_units(u.num_patches, u.attention_pairs))))
+                items.append(
+                    (
+                        w,
+                        k,
+                        self._scale
+                        * self.cost.work_s(encoder_units(u.num_patches, u.attention_pairs)),
+                    )
+                )
         forward = self._scale * self.cost.predict(batch.features) - sum(s for _, _, s in items)
         return ([i for i in items if not i[0].interruptible] + [(None, 0, forward)]
                 + [i for i in items if i[0].interruptible])
@@ -402,20 +508,25 @@ class SimReplica:
             outcome.token_s.append(self._forward_end - outcome.request.arrival_s)
             if outcome.ttft_s is None:
                 outcome.ttft_s = outcome.token_s[0]
-                if outcome.predicted_ttft_s is not None:  # the prediction learns its error, as on a server
-                    self.scheduler.admission.observe_ttft(len(req.images), outcome.predicted_ttft_s, outcome.ttft_s)
+                # the prediction learns its error, as on a server
+                if outcome.predicted_ttft_s is not None:
+                    self.scheduler.admission.observe_ttft(
+                        len(req.images), outcome.predicted_ttft_s, outcome.ttft_s
+                    )
             if len(req.output_token_ids) >= req.engine_request.sampling.max_tokens:
                 outcome.e2e_s = now - outcome.request.arrival_s
                 ended.append((req, FinishReason.LENGTH))
                 del self._outcomes[req.request_id]
         if batch.has_work:
             self.scheduler.note_step_time(batch.features, now - self._step_start)
-        self.scheduler.update(batch, RunnerOutput({}, {}, {}, encoder_progress=self._progress), ended)
+        self.scheduler.update(
+            batch, RunnerOutput({}, {}, {}, encoder_progress=self._progress), ended
+        )
 
 
 def _engine_request(r: SimRequest) -> EngineRequest:
-    """Token ids and positions the scheduler can hash: distinct per request (no accidental prefix hits), shared
-    within a conversation; image pads where the images are."""
+    """Token ids and positions the scheduler can hash: distinct per request (no accidental prefix
+    hits), shared within a conversation; image pads where the images are."""
     if r.text_tokens < 1:
         raise ValueError(f"request {r.request_id} has no text tokens")
     key = r.conversation or r.request_id
@@ -425,26 +536,37 @@ def _engine_request(r: SimRequest) -> EngineRequest:
     items = []
     for k, im in enumerate(r.images):
         ids.append(1)
-        items.append(ImageItem(f"{key}/img{k}", len(ids), im.num_tokens, im.grid_thw, im.encoder_units, None))
+        items.append(
+            ImageItem(f"{key}/img{k}", len(ids), im.num_tokens, im.grid_thw, im.encoder_units, None)
+        )
         ids += [2] * im.num_tokens
         ids.append(3)
     ids += [base + head + i for i in range(r.text_tokens - head)]
-    positions = torch.arange(len(ids)).expand(3, -1)  # [3, num_tokens]: keyed as text (one conversation, one layout)
-    return EngineRequest(r.request_id, tuple(ids), tuple(items), positions, 0,
-                         SamplingParams(max_tokens=r.output_tokens, temperature=0.0, ignore_eos=True),
-                         r.arrival_s, r.arrival_s)
+    # [3, num_tokens]: keyed as text (one conversation, one layout)
+    positions = torch.arange(len(ids)).expand(3, -1)
+    return EngineRequest(
+        r.request_id,
+        tuple(ids),
+        tuple(items),
+        positions,
+        0,
+        SamplingParams(max_tokens=r.output_tokens, temperature=0.0, ignore_eos=True),
+        r.arrival_s,
+        r.arrival_s,
+    )
 
 
-# ---- routing -------------------------------------------------------------------------------------------
+# ---- routing -------------------------------------------------------------------------------------
 ROUTING_POLICIES = ("round-robin", "least-loaded", "p2c", "least-work")
 
 
 @dataclass
 class Router:
-    """Which replica a request goes to. ``pools``: {"short": [replica indexes], "long": [...]} routes by prompt
-    length against the scheduler's long-prompt threshold first (lane pools); within a pool, ``policy``:
-    round-robin; least-loaded (fewest queued + running, then most free KV); p2c (power of two choices on the same
-    load); least-work (least predicted prompt work pending, the scheduler's own estimate)."""
+    """Which replica a request goes to. ``pools``: {"short": [replica indexes], "long": [...]}
+    routes by prompt length against the scheduler's long-prompt threshold first (lane pools); within
+    a pool, ``policy``: round-robin; least-loaded (fewest queued + running, then most free KV); p2c
+    (power of two choices on the same load); least-work (least predicted prompt work pending, the
+    scheduler's own estimate)."""
 
     policy: str = "least-loaded"
     pools: dict[str, list[int]] | None = None
@@ -454,7 +576,9 @@ class Router:
 
     def __post_init__(self) -> None:
         if self.policy not in ROUTING_POLICIES:
-            raise ValueError(f"routing policy {self.policy!r}: expected one of {', '.join(ROUTING_POLICIES)}")
+            raise ValueError(
+                f"routing policy {self.policy!r}: expected one of {', '.join(ROUTING_POLICIES)}"
+            )
         self._rng = random.Random(self.seed)
 
     def pick(self, request: SimRequest, replicas: Sequence[SimReplica]) -> SimReplica:
@@ -469,19 +593,22 @@ class Router:
         if self.policy == "p2c" and len(candidates) > 2:
             candidates = self._rng.sample(candidates, 2)
         if self.policy == "least-work":
-            return min((replicas[i] for i in candidates), key=lambda r: (r.pending_work_s(), r.num_running))
+            return min(
+                (replicas[i] for i in candidates), key=lambda r: (r.pending_work_s(), r.num_running)
+            )
         return min((replicas[i] for i in candidates),
                    key=lambda r: (r.num_queued + r.num_running, -r.kv_free_ratio))
 
 
-# ---- the event loop --------------------------------------------------------------------------------------
+# ---- the event loop ------------------------------------------------------------------------------
 @dataclass
 class SimResult:
     outcomes: list[Outcome]
     duration_s: float  # virtual seconds from the first arrival to the last completion
     replica_busy_s: list[float]
     replica_steps: list[int]
-    max_terms: dict[str, float] = field(default_factory=dict)  # the largest of each cost-model term in one step
+    # the largest of each cost-model term in one step
+    max_terms: dict[str, float] = field(default_factory=dict)
 
     def by_class(self) -> dict[str, list[Outcome]]:
         out: dict[str, list[Outcome]] = {}
@@ -495,21 +622,35 @@ class SimResult:
             ttft = sorted(o.ttft_s for o in outs if o.ttft_s is not None)
             errors = sorted(abs(o.predicted_ttft_s - o.ttft_s) / o.ttft_s for o in outs
                             if o.ttft_s and o.predicted_ttft_s is not None)
-            classes[cls] = {"sent": len(outs), "n": len(ttft), "refused": sum(o.refused is not None for o in outs),
-                            "p50": nearest_rank(ttft, 50), "p95": nearest_rank(ttft, 95),
-                            "p99": nearest_rank(ttft, 99), "mean": sum(ttft) / len(ttft) if ttft else None,
-                            "prediction_error_p50": nearest_rank(errors, 50),
-                            "prediction_error_p90": nearest_rank(errors, 90)}
+            classes[cls] = {
+                "sent": len(outs),
+                "n": len(ttft),
+                "refused": sum(o.refused is not None for o in outs),
+                "p50": nearest_rank(ttft, 50),
+                "p95": nearest_rank(ttft, 95),
+                "p99": nearest_rank(ttft, 99),
+                "mean": sum(ttft) / len(ttft) if ttft else None,
+                "prediction_error_p50": nearest_rank(errors, 50),
+                "prediction_error_p90": nearest_rank(errors, 90),
+            }
             itl = sorted(g for o in outs for g in o.itl_s)
-            classes[cls].update({"itl_n": len(itl), "itl_p50": nearest_rank(itl, 50), "itl_p90": nearest_rank(itl, 90),
-                                 "itl_p99": nearest_rank(itl, 99), "itl_mean": sum(itl) / len(itl) if itl else None})
+            classes[cls].update(
+                {
+                    "itl_n": len(itl),
+                    "itl_p50": nearest_rank(itl, 50),
+                    "itl_p90": nearest_rank(itl, 90),
+                    "itl_p99": nearest_rank(itl, 99),
+                    "itl_mean": sum(itl) / len(itl) if itl else None,
+                }
+            )
         span = self.duration_s or 1.0
         return {"classes": classes, "duration_s": self.duration_s,
                 "utilization": [b / span for b in self.replica_busy_s], "steps": self.replica_steps}
 
 
 def nearest_rank(values: Sequence[float], q: float) -> float | None:
-    """Nearest-rank percentile of sorted values (q in 0..100), as /stats and the benchmarks report them."""
+    """Nearest-rank percentile of sorted values (q in 0..100), as /stats and the benchmarks report
+    them."""
     if not values:
         return None
     return values[max(1, math.ceil(q / 100 * len(values))) - 1]
@@ -517,11 +658,13 @@ def nearest_rank(values: Sequence[float], q: float) -> float | None:
 
 def simulate(workload: Sequence[SimRequest], profiles: Sequence[Profile], router: Router,
              step_noise: float = 0.0, seed: int = 0) -> SimResult:
-    """Run the workload through len(profiles) replicas on one virtual clock; every request ends answered or refused.
+    """Run the workload through len(profiles) replicas on one virtual clock; every request ends
+    answered or refused.
 
-    Events, in time order: a request arrives at the router (routed at once, on the load the replicas report then);
-    it reaches its replica's scheduler after its class's preprocess delay; an idle replica with work starts a step;
-    a step ends (its prefill chunks and encoder units done, one token for each chunk that samples)."""
+    Events, in time order: a request arrives at the router (routed at once, on the load the replicas
+    report then); it reaches its replica's scheduler after its class's preprocess delay; an idle
+    replica with work starts a step; a step ends (its prefill chunks and encoder units done, one
+    token for each chunk that samples)."""
     replicas = [SimReplica(i, p, step_noise, seed) for i, p in enumerate(profiles)]
     outcomes = []
     events: list[tuple[float, int, str, Any]] = []
@@ -547,7 +690,9 @@ def simulate(workload: Sequence[SimRequest], profiles: Sequence[Profile], router
                     and route_lane(request.num_prompt_tokens, replica.profile.scheduler) == SHORT):
                 end = replica.interrupt(now)  # as the serving side signals the runner
                 if end is not None:
-                    heapq.heappush(events, (end, next(seq), "step_done", (replica, replica.generation)))
+                    heapq.heappush(
+                        events, (end, next(seq), "step_done", (replica, replica.generation))
+                    )
         else:  # "step_done"
             replica, generation = payload
             if generation != replica.generation:
@@ -560,8 +705,13 @@ def simulate(workload: Sequence[SimRequest], profiles: Sequence[Profile], router
     for r in replicas:  # nothing may be left behind: the loop drains every replica
         assert not r.scheduler.has_work, f"replica {r.index} still has work"
     most = np.max([r.max_terms for r in replicas], axis=0)
-    return SimResult(outcomes, now - start, [r.busy_s for r in replicas], [r.num_steps for r in replicas],
-                     {name: float(v) for name, v in zip(FEATURE_NAMES[1:], most[1:])})
+    return SimResult(
+        outcomes,
+        now - start,
+        [r.busy_s for r in replicas],
+        [r.num_steps for r in replicas],
+        {name: float(v) for name, v in zip(FEATURE_NAMES[1:], most[1:])},
+    )
 
 
 def replace_scheduler(profile: Profile, **changes: Any) -> Profile:

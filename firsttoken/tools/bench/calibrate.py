@@ -1,17 +1,18 @@
 """An arrival rate calibrated to the machine: `--utilization U` instead of a fixed `--rate`.
 
-A fixed rate means different loads on different machines (CPUs differ several-fold in fp32 matmul speed:
-docs/runs/notes/machines-and-utilization.md). Calibration measures what this server and machine take
-per request, then offers a load relative to that:
+A fixed rate means different loads on different machines (CPUs differ several-fold in fp32 matmul
+speed: docs/runs/notes/machines-and-utilization.md). Calibration measures what this server and
+machine take per request, then offers a load relative to that:
 
     service_c    = mean e2e seconds of one session of class c sent alone (sequential probes after a warm-up)
     capacity_rps = 1 / sum_c(share_c * service_c)      sessions/s the server finishes one at a time
     rate         = U * capacity_rps                    the Poisson arrival rate of the measured run
 
-U = 1 offers sessions as fast as the server finishes them one at a time. Batching lets a server keep up above
-that, so U is a machine-relative unit of load, not a saturation point. Classes are the seed-mix classes with
-their shares; any other workload is one class named after it ("text", "multiturn", "file"), measured on its
-own sessions (a multiturn session's service time is the sum of its turns).
+U = 1 offers sessions as fast as the server finishes them one at a time. Batching lets a server keep
+up above that, so U is a machine-relative unit of load, not a saturation point. Classes are the
+seed-mix classes with their shares; any other workload is one class named after it ("text",
+"multiturn", "file"), measured on its own sessions (a multiturn session's service time is the sum of
+its turns).
 """
 
 from __future__ import annotations
@@ -23,10 +24,12 @@ from typing import Any
 from firsttoken.tools.bench.client import RequestRecord
 from firsttoken.tools.bench.config import BenchConfig
 
-# Probe sessions use their own seed, so their images and text never warm a cache for the measured run.
+# Probe sessions use their own seed, so their images and text never warm a cache for the measured
+# run.
 CALIBRATION_SEED_OFFSET = 1_000_003
 
-# Sends a probe config's sessions one at a time (warm-up first) and returns the measured sessions' records.
+# Sends a probe config's sessions one at a time (warm-up first) and returns the measured sessions'
+# records.
 ServiceProbe = Callable[[BenchConfig], Awaitable[list[RequestRecord]]]
 
 
@@ -51,7 +54,8 @@ class Calibration:
 
 
 def capacity_rps(shares: dict[str, float], service_s: dict[str, float]) -> float:
-    """Sessions/s a server finishes one at a time when a `shares` fraction of sessions takes `service_s` each."""
+    """Sessions/s a server finishes one at a time when a `shares` fraction of sessions takes
+    `service_s` each."""
     mean_service_s = sum(share * service_s[cls] for cls, share in shares.items())
     if mean_service_s <= 0:
         raise ValueError("calibration: the measured service times add up to zero")
@@ -59,20 +63,34 @@ def capacity_rps(shares: dict[str, float], service_s: dict[str, float]) -> float
 
 
 def class_shares(config: BenchConfig) -> dict[str, float]:
-    """Calibration class -> fraction of sessions: the seed-mix classes, else the workload as one class."""
+    """Calibration class -> fraction of sessions: the seed-mix classes, else the workload as one
+    class."""
     return dict(config.mix) if config.workload == "seed-mix" else {config.workload: 1.0}
 
 
 def probe_config(config: BenchConfig, cls: str) -> BenchConfig:
-    """`config` narrowed to class `cls`, sent one session at a time: one warm-up, then calibration_requests."""
+    """`config` narrowed to class `cls`, sent one session at a time: one warm-up, then
+    calibration_requests."""
     mix = ((cls, 1.0),) if config.workload == "seed-mix" else config.mix
-    return replace(config, mix=mix, rate=None, utilization=None, concurrency=1, duration_s=None,
-                   num_requests=config.calibration_requests, warmup=1, seed=config.seed + CALIBRATION_SEED_OFFSET,
-                   slo_ttft_s=None, slo_tpot_s=None, progress=False)
+    return replace(
+        config,
+        mix=mix,
+        rate=None,
+        utilization=None,
+        concurrency=1,
+        duration_s=None,
+        num_requests=config.calibration_requests,
+        warmup=1,
+        seed=config.seed + CALIBRATION_SEED_OFFSET,
+        slo_ttft_s=None,
+        slo_tpot_s=None,
+        progress=False,
+    )
 
 
 def session_service_s(records: list[RequestRecord]) -> list[float]:
-    """Per measured session, the sum of its requests' e2e seconds (a seed-mix session is one request)."""
+    """Per measured session, the sum of its requests' e2e seconds (a seed-mix session is one
+    request)."""
     per_session: dict[int, float] = {}
     for r in records:
         per_session[r.session] = per_session.get(r.session, 0.0) + (r.e2e_s or 0.0)
@@ -80,8 +98,9 @@ def session_service_s(records: list[RequestRecord]) -> list[float]:
 
 
 async def calibrate(config: BenchConfig, probe: ServiceProbe) -> Calibration:
-    """Measure each class alone through `probe`, then the rate for config.utilization. Raises ValueError when a
-    probe request fails: a service time measured on errors would set a rate for a server that is not serving."""
+    """Measure each class alone through `probe`, then the rate for config.utilization. Raises
+    ValueError when a probe request fails: a service time measured on errors would set a rate for a
+    server that is not serving."""
     if config.utilization is None:
         raise ValueError("calibrate needs config.utilization")
     shares = class_shares(config)
@@ -90,9 +109,14 @@ async def calibrate(config: BenchConfig, probe: ServiceProbe) -> Calibration:
         records = [r for r in await probe(probe_config(config, cls)) if not r.warmup]
         failed = [r for r in records if not r.ok]
         if failed or not records:
-            detail = ", ".join(sorted({f"{r.error}: {(r.error_message or '')[:120]}" for r in failed})) or "none sent"
-            raise ValueError(f"calibration: class {cls}: {len(failed)} of {len(records)} probe requests failed "
-                             f"({detail})")
+            detail = (
+                ", ".join(sorted({f"{r.error}: {(r.error_message or '')[:120]}" for r in failed}))
+                or "none sent"
+            )
+            raise ValueError(
+                f"calibration: class {cls}: {len(failed)} of {len(records)} probe requests failed "
+                f"({detail})"
+            )
         times = session_service_s(records)
         service[cls] = sum(times) / len(times)
     capacity = capacity_rps(shares, service)

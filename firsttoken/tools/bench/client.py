@@ -1,9 +1,10 @@
 """One streamed chat completion, timed from the client's side -> RequestRecord.
 
-TTFT is the time from sending the request to the first chunk whose delta carries non-empty content (the
-role-only first chunk vLLM and firsttoken send does not count: the user sees nothing yet). ITL are the gaps
-between consecutive content chunks; TPOT = (e2e - ttft) / (completion_tokens - 1). completion_tokens come from
-the usage chunk when the server sends one, else from the number of content chunks (tokens_from_usage False).
+TTFT is the time from sending the request to the first chunk whose delta carries non-empty content
+(the role-only first chunk vLLM and firsttoken send does not count: the user sees nothing yet). ITL
+are the gaps between consecutive content chunks; TPOT = (e2e - ttft) / (completion_tokens - 1).
+completion_tokens come from the usage chunk when the server sends one, else from the number of
+content chunks (tokens_from_usage False).
 """
 
 from __future__ import annotations
@@ -28,7 +29,8 @@ class RequestRecord:
     warmup: bool
     start_s: float  # send time, seconds since the run began
     status: int | None = None  # HTTP status; None when no response came
-    error: str | None = None  # None: succeeded; else "http_400", "stream_error", "timeout", "connect_error", ...
+    # None: succeeded; else "http_400", "stream_error", "timeout", "connect_error", ...
+    error: str | None = None
     error_message: str | None = None
     retry_after_s: float | None = None  # a refusal's Retry-After header (seconds), when it sent one
     ttft_s: float | None = None
@@ -49,7 +51,12 @@ class RequestRecord:
 
     @property
     def tpot_s(self) -> float | None:
-        if self.ttft_s is None or self.e2e_s is None or not self.completion_tokens or self.completion_tokens < 2:
+        if (
+            self.ttft_s is None
+            or self.e2e_s is None
+            or not self.completion_tokens
+            or self.completion_tokens < 2
+        ):
             return None
         return (self.e2e_s - self.ttft_s) / (self.completion_tokens - 1)
 
@@ -60,9 +67,11 @@ class RequestRecord:
         return d
 
 
-async def send_chat(client: httpx.AsyncClient, url: str, body: dict[str, Any], record: RequestRecord,
-                    t0: float) -> RequestRecord:
-    """POST a streaming chat completion and fill `record`; never raises for server or network trouble."""
+async def send_chat(
+    client: httpx.AsyncClient, url: str, body: dict[str, Any], record: RequestRecord, t0: float
+) -> RequestRecord:
+    """POST a streaming chat completion and fill `record`; never raises for server or network
+    trouble."""
     start = time.perf_counter()
     record.start_s = start - t0
     last_content: float | None = None
@@ -91,7 +100,10 @@ async def send_chat(client: httpx.AsyncClient, url: str, body: dict[str, Any], r
         record.error, record.error_message = "connect_error", str(exc) or type(exc).__name__
     record.e2e_s = time.perf_counter() - start
     if record.error is None and not record.saw_done:
-        record.error, record.error_message = "incomplete_stream", "the stream ended without data: [DONE]"
+        record.error, record.error_message = (
+            "incomplete_stream",
+            "the stream ended without data: [DONE]",
+        )
     if record.completion_tokens is None and record.error is None:
         record.completion_tokens = record.num_content_chunks
     return record

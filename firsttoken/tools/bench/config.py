@@ -1,4 +1,5 @@
-"""BenchConfig: everything one benchmark run depends on; with the seed it names the workload exactly."""
+"""BenchConfig: everything one benchmark run depends on; with the seed it names the workload
+exactly."""
 
 from __future__ import annotations
 
@@ -6,11 +7,13 @@ import re
 from dataclasses import dataclass, field
 
 WORKLOADS = ("seed-mix", "text", "multiturn", "file")
-_CLASS_RE = re.compile(r"^(text|video|(\d+)img)$")  # video: one synthetic clip (video_seconds, _size, _fps)
+# video: one synthetic clip (video_seconds, _size, _fps)
+_CLASS_RE = re.compile(r"^(text|video|(\d+)img)$")
 
 
 def parse_mix(text: str) -> tuple[tuple[str, float], ...]:
-    """'text=0.5,1img=0.3,3img=0.2' -> (('text', 0.5), ('1img', 0.3), ('3img', 0.2)); weights are normalized."""
+    """'text=0.5,1img=0.3,3img=0.2' -> (('text', 0.5), ('1img', 0.3), ('3img', 0.2)); weights are
+    normalized."""
     pairs = []
     for part in text.split(","):
         name, sep, weight = part.strip().partition("=")
@@ -54,19 +57,26 @@ class BenchConfig:
     image_format: str = "jpeg"  # jpeg | png
     text_tokens: int = 800  # text-only prompt length, roughly (deterministic words)
     image_text_tokens: int = 32  # the question beside the images (or the video)
-    video_seconds: float = 4.0  # the video class's clip: duration, frame size (width, height; even) and frame rate
+    # the video class's clip: duration, frame size (width, height; even) and frame rate
+    video_seconds: float = 4.0
     video_size: tuple[int, int] = (640, 360)
     video_fps: int = 24
     output_tokens: int = 128  # max_tokens of generated requests
-    ignore_eos: bool = True  # vendor extra understood by firsttoken, vLLM and SGLang: fixed output lengths
+    # vendor extra understood by firsttoken, vLLM and SGLang: fixed output lengths
+    ignore_eos: bool = True
     turns: int = 3  # multiturn: follow-ups after the first turn
     multiturn_images: int = 3
     workload_file: str | None = None
-    rate: float | None = None  # Poisson arrivals, sessions/s; None: back to back under `concurrency`
-    utilization: float | None = None  # instead of rate: Poisson at U x the measured capacity (calibrate.py)
-    calibration_requests: int = 3  # with utilization: sessions per class sent alone to measure service time
-    concurrency: int | None = None  # cap on sessions in flight (None with rate: unbounded; both None: 1)
-    num_requests: int | None = 100  # sessions (a multiturn conversation is one session of 1 + turns requests)
+    # Poisson arrivals, sessions/s; None: back to back under `concurrency`
+    rate: float | None = None
+    # instead of rate: Poisson at U x the measured capacity (calibrate.py)
+    utilization: float | None = None
+    # with utilization: sessions per class sent alone to measure service time
+    calibration_requests: int = 3
+    # cap on sessions in flight (None with rate: unbounded; both None: 1)
+    concurrency: int | None = None
+    # sessions (a multiturn conversation is one session of 1 + turns requests)
+    num_requests: int | None = 100
     duration_s: float | None = None  # stop starting sessions after this long
     warmup: int = 0  # first sessions, excluded from statistics
     seed: int = 0
@@ -85,7 +95,9 @@ class BenchConfig:
         if not self.video_seconds > 0 or self.video_fps < 1:
             raise ValueError("video_seconds must be > 0 and video_fps >= 1")
         if self.video_size[0] % 2 or self.video_size[1] % 2:
-            raise ValueError(f"video_size must be even in both sides (yuv420p), got {self.video_size}")
+            raise ValueError(
+                f"video_size must be even in both sides (yuv420p), got {self.video_size}"
+            )
         if self.image_format not in ("jpeg", "png"):
             raise ValueError("image_format must be jpeg or png")
         if self.rate is not None and self.rate <= 0:

@@ -1,8 +1,10 @@
-"""Synthetic test images with real detail (gradients, shapes, rendered text), deterministic from a seed.
+"""Synthetic test images with real detail (gradients, shapes, rendered text), deterministic from a
+seed.
 
-Real detail matters: a flat image compresses to nothing and some servers' preprocessing has fast paths for it.
-Every image of a run is distinct (seeded by session, turn and position), so no encoder or prefix cache can hit
-across requests unless the workload asks for it (multiturn resends the same images on purpose).
+Real detail matters: a flat image compresses to nothing and some servers' preprocessing has fast
+paths for it. Every image of a run is distinct (seeded by session, turn and position), so no encoder
+or prefix cache can hit across requests unless the workload asks for it (multiturn resends the same
+images on purpose).
 """
 
 from __future__ import annotations
@@ -14,8 +16,27 @@ import random
 import numpy as np
 from PIL import Image, ImageDraw, ImageFont
 
-_WORDS = ("invoice", "total", "ACME", "42.00", "route", "north", "sensor", "alpha", "delta", "page 3", "Q4",
-          "warning", "flow", "2026-11-29", "node", "chart", "cell B7", "OK", "label")
+_WORDS = (
+    "invoice",
+    "total",
+    "ACME",
+    "42.00",
+    "route",
+    "north",
+    "sensor",
+    "alpha",
+    "delta",
+    "page 3",
+    "Q4",
+    "warning",
+    "flow",
+    "2026-11-29",
+    "node",
+    "chart",
+    "cell B7",
+    "OK",
+    "label",
+)
 
 
 def synth_image(width: int, height: int, seed: str) -> Image.Image:

@@ -8,8 +8,14 @@ from typing import TextIO
 
 
 class Progress:
-    def __init__(self, total: int | None, label: str, enabled: bool = True, stream: TextIO | None = None,
-                 duration_s: float | None = None) -> None:
+    def __init__(
+        self,
+        total: int | None,
+        label: str,
+        enabled: bool = True,
+        stream: TextIO | None = None,
+        duration_s: float | None = None,
+    ) -> None:
         self.total, self.label, self.enabled = total, label, enabled
         self.stream = stream or sys.stderr
         self.duration_s = duration_s
@@ -37,7 +43,9 @@ class Progress:
 
     def close(self) -> None:
         if self.enabled and self._tty:
-            self.stream.write("\r" + self._line(time.monotonic(), self._fraction(time.monotonic())) + "\n")
+            self.stream.write(
+                "\r" + self._line(time.monotonic(), self._fraction(time.monotonic())) + "\n"
+            )
             self.stream.flush()
 
     def _fraction(self, now: float) -> float:
@@ -51,5 +59,7 @@ class Progress:
         width = 30
         filled = int(frac * width)
         total = f"/{self.total}" if self.total else ""
-        return (f"{self.label} [{'#' * filled}{'.' * (width - filled)}] {self.done}{total} requests, "
-                f"{self.errors} errors, {now - self._start:.1f}s")
+        return (
+            f"{self.label} [{'#' * filled}{'.' * (width - filled)}] {self.done}{total} requests, "
+            f"{self.errors} errors, {now - self._start:.1f}s"
+        )

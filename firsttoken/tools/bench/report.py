@@ -10,7 +10,16 @@ from firsttoken.tools.bench.stats import ClassSummary, Dist
 if TYPE_CHECKING:
     from firsttoken.tools.bench.runner import BenchReport
 
-_PHASE_ORDER = ("preprocess_s", "queue_s", "encode_s", "prefill_s", "sample_s", "send_s", "ttft_s", "e2e_s")
+_PHASE_ORDER = (
+    "preprocess_s",
+    "queue_s",
+    "encode_s",
+    "prefill_s",
+    "sample_s",
+    "send_s",
+    "ttft_s",
+    "e2e_s",
+)
 
 
 def _ms(v: float | None) -> str:
@@ -65,12 +74,18 @@ def format_report(report: "BenchReport") -> str:
     lines += [
         f"duration {s.duration_s:.2f} s; requests {s.num_requests} ({s.num_ok} ok; errors: {errors})",
         f"throughput {s.request_throughput:.3f} req/s, {s.output_throughput:.1f} output tok/s"
-        + ("" if s.tokens_from_usage else " (some token counts from content chunks: no usage chunk)"),
+        + (
+            ""
+            if s.tokens_from_usage
+            else " (some token counts from content chunks: no usage chunk)"
+        ),
     ]
     if s.goodput_fraction is not None:
         slo = " and ".join(p for p in (c.slo_ttft_s and f"TTFT <= {c.slo_ttft_s}s",
                                        c.slo_tpot_s and f"TPOT <= {c.slo_tpot_s}s") if p)
-        lines.append(f"goodput ({slo}): {s.goodput_fraction:.1%} of requests, {s.goodput_rate:.3f} req/s")
+        lines.append(
+            f"goodput ({slo}): {s.goodput_fraction:.1%} of requests, {s.goodput_rate:.3f} req/s"
+        )
     if not s.server_timings_seen:
         lines.append("server phase timings: not reported by this server (no usage.firsttoken)")
     return "\n".join(lines)
@@ -96,7 +111,9 @@ def plot_report(report: "BenchReport", path: str | Path) -> bool:
             ax_cdf.step(ttfts, ys, where="post", label=f"{cls} (n={len(ttfts)})")
             ax_time.scatter([r.start_s for r in measured if r.cls == cls],
                             [r.ttft_s for r in measured if r.cls == cls], s=10, label=cls)
-    ax_cdf.set(xlabel="TTFT (s)", ylabel="fraction of requests", title="TTFT distribution per class")
+    ax_cdf.set(
+        xlabel="TTFT (s)", ylabel="fraction of requests", title="TTFT distribution per class"
+    )
     ax_cdf.set_xscale("log")
     ax_cdf.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
     ax_time.set(xlabel="send time (s since start)", ylabel="TTFT (s)", title="TTFT over time")

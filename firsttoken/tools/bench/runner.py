@@ -1,9 +1,11 @@
-"""run_bench: send a seeded workload to an OpenAI-compatible server and summarize what the client saw.
+"""run_bench: send a seeded workload to an OpenAI-compatible server and summarize what the client
+saw.
 
-Arrivals: sessions start as a Poisson process at `rate` (seeded), or back to back, with at most `concurrency`
-in flight. Warmup sessions run first, to completion, and are kept in the records (warmup=True) but not in the
-statistics. A session's turns run one after another; a failed turn ends its session. With `utilization`, the
-rate is calibrated first (calibrate.py): each class is sent alone a few times, and the run uses U x capacity.
+Arrivals: sessions start as a Poisson process at `rate` (seeded), or back to back, with at most
+`concurrency` in flight. Warmup sessions run first, to completion, and are kept in the records
+(warmup=True) but not in the statistics. A session's turns run one after another; a failed turn ends
+its session. With `utilization`, the rate is calibrated first (calibrate.py): each class is sent
+alone a few times, and the run uses U x capacity.
 """
 
 from __future__ import annotations
@@ -37,11 +39,13 @@ class BenchReport:
     records: list[RequestRecord]  # every request sent, warmup included, in sending order
     summary: BenchSummary
     started_unix_s: float
-    calibration: Calibration | None = None  # with config.utilization: what was measured and the rate it set
+    # with config.utilization: what was measured and the rate it set
+    calibration: Calibration | None = None
 
     @property
     def rate(self) -> float | None:
-        """The Poisson arrival rate the run used (sessions/s), given or calibrated; None: back to back."""
+        """The Poisson arrival rate the run used (sessions/s), given or calibrated; None: back to
+        back."""
         return self.calibration.rate if self.calibration is not None else self.config.rate
 
     def to_dict(self) -> dict[str, Any]:
@@ -60,32 +64,52 @@ class BenchReport:
         Path(path).write_text(json.dumps(self.to_dict(), indent=1) + "\n")
 
 
-def run_bench(config: BenchConfig, transport: httpx.AsyncBaseTransport | None = None) -> BenchReport:
-    """Blocking entry point (benchmarks/ scripts); `transport` lets tests talk to an in-process app."""
+def run_bench(
+    config: BenchConfig, transport: httpx.AsyncBaseTransport | None = None
+) -> BenchReport:
+    """Blocking entry point (benchmarks/ scripts); `transport` lets tests talk to an in-process
+    app."""
     return asyncio.run(arun_bench(config, transport))
 
 
-async def arun_bench(config: BenchConfig, transport: httpx.AsyncBaseTransport | None = None) -> BenchReport:
+async def arun_bench(
+    config: BenchConfig, transport: httpx.AsyncBaseTransport | None = None
+) -> BenchReport:
     started_unix = time.time()
     async with _client(config, transport) as client:
         model = config.model or await _first_model(client)
         calibration = None
         run_config = config
         if config.utilization is not None:
-            calibration = await calibrate(config, lambda probe: _send_workload(probe, client, model))
+            calibration = await calibrate(
+                config, lambda probe: _send_workload(probe, client, model)
+            )
             if config.progress:
                 print(calibration.describe(), file=sys.stderr)
             run_config = replace(config, utilization=None, rate=calibration.rate)
         records = await _send_workload(run_config, client, model)
-    order = [name for name, _ in config.mix] if config.workload == "seed-mix" else (
-        ["first", "follow-up"] if config.workload == "multiturn" else ["text"] if config.workload == "text"
-        else list(IMAGE_CLASSES))
+    order = (
+        [name for name, _ in config.mix]
+        if config.workload == "seed-mix"
+        else (
+            ["first", "follow-up"]
+            if config.workload == "multiturn"
+            else ["text"]
+            if config.workload == "text"
+            else list(IMAGE_CLASSES)
+        )
+    )
     summary = summarize(records, config.slo_ttft_s, config.slo_tpot_s, order)
-    return BenchReport(config, Workload(config).describe(), model, records, summary, started_unix, calibration)
+    return BenchReport(
+        config, Workload(config).describe(), model, records, summary, started_unix, calibration
+    )
 
 
-def measure_calibration(config: BenchConfig, transport: httpx.AsyncBaseTransport | None = None) -> Calibration:
-    """Only the calibration of `config` (its utilization): for scripts that run several servers at one rate."""
+def measure_calibration(
+    config: BenchConfig, transport: httpx.AsyncBaseTransport | None = None
+) -> Calibration:
+    """Only the calibration of `config` (its utilization): for scripts that run several servers at
+    one rate."""
 
     async def measure() -> Calibration:
         async with _client(config, transport) as client:
@@ -98,11 +122,16 @@ def measure_calibration(config: BenchConfig, transport: httpx.AsyncBaseTransport
 def _client(config: BenchConfig, transport: httpx.AsyncBaseTransport | None) -> httpx.AsyncClient:
     timeout = httpx.Timeout(config.timeout_s, connect=min(30.0, config.timeout_s))
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-    return httpx.AsyncClient(base_url=config.base_url, timeout=timeout, limits=limits, transport=transport)
+    return httpx.AsyncClient(
+        base_url=config.base_url, timeout=timeout, limits=limits, transport=transport
+    )
 
 
-async def _send_workload(config: BenchConfig, client: httpx.AsyncClient, model: str | None) -> list[RequestRecord]:
-    """Warm-up sessions, then the measured ones, as config's arrivals say; every record, in sending order."""
+async def _send_workload(
+    config: BenchConfig, client: httpx.AsyncClient, model: str | None
+) -> list[RequestRecord]:
+    """Warm-up sessions, then the measured ones, as config's arrivals say; every record, in sending
+    order."""
     run = _Run(config, Workload(config), client, model)
     if config.warmup:
         await run.phase(range(config.warmup), warmup=True, progress_label="warmup")
@@ -135,9 +164,13 @@ class _Run:
         c = self.config
         bounded = isinstance(indices, range)
         sessions: dict[int, Session] = {}
-        if bounded:  # build every body before the clock starts: image synthesis stays off the timed path
+        # build every body before the clock starts: image synthesis stays off the timed path
+        if bounded:
             if c.progress:
-                print(f"{progress_label}: building {len(indices)} sessions (seed {c.seed})", file=sys.stderr)
+                print(
+                    f"{progress_label}: building {len(indices)} sessions (seed {c.seed})",
+                    file=sys.stderr,
+                )
             sessions = {i: s for i, s in zip(indices, await asyncio.to_thread(
                 lambda: [self.workload.session(i) for i in indices]))}
         total = None
@@ -156,7 +189,9 @@ class _Run:
         for i in indices:
             if duration is not None and time.perf_counter() - phase_start >= duration:
                 break
-            session = sessions.pop(i) if bounded else await asyncio.to_thread(self.workload.session, i)
+            session = (
+                sessions.pop(i) if bounded else await asyncio.to_thread(self.workload.session, i)
+            )
             if c.rate is not None and not warmup:
                 next_arrival += float(rng.exponential(1.0 / c.rate))
                 delay = phase_start + next_arrival - time.perf_counter()
@@ -174,13 +209,18 @@ class _Run:
         try:
             for turn, req in enumerate(session.requests):
                 body = dict(req.body)
-                messages = history + list(body["messages"]) if req.follows else list(body["messages"])
+                messages = (
+                    history + list(body["messages"]) if req.follows else list(body["messages"])
+                )
                 body["messages"] = messages
                 if self.config.model is not None or "model" not in body:
-                    body["model"] = self.model  # a workload file's own model is kept unless --model is given
+                    # a workload file's own model is kept unless --model is given
+                    body["model"] = self.model
                 body["stream"] = True
                 body["stream_options"] = {"include_usage": True}
-                record = RequestRecord(self._next_index, session.index, turn, req.cls, req.num_images, warmup, 0.0)
+                record = RequestRecord(
+                    self._next_index, session.index, turn, req.cls, req.num_images, warmup, 0.0
+                )
                 self._next_index += 1
                 self.records.append(record)
                 await send_chat(self.client, "/v1/chat/completions", body, record, self._t0)

@@ -1,8 +1,8 @@
 """Server-sent events as OpenAI-compatible servers frame chat streams, parsed line by line.
 
-An event is the ``data:`` lines up to a blank line (joined with newlines); ``event:`` names it (some servers
-send ``event: error``); ``:`` lines are comments (keep-alives). ``data: [DONE]`` ends the stream. Parsing is
-incremental so a client can timestamp each event as it arrives.
+An event is the ``data:`` lines up to a blank line (joined with newlines); ``event:`` names it (some
+servers send ``event: error``); ``:`` lines are comments (keep-alives). ``data: [DONE]`` ends the
+stream. Parsing is incremental so a client can timestamp each event as it arrives.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""Per-class and overall statistics over RequestRecords: latency percentiles, throughput, goodput, errors."""
+"""Per-class and overall statistics over RequestRecords: latency percentiles, throughput, goodput,
+errors."""
 
 from __future__ import annotations
 
@@ -71,8 +72,11 @@ def summarize(records: list[RequestRecord], slo_ttft_s: float | None, slo_tpot_s
     measured = [r for r in records if not r.warmup]
     names = list(class_order or [])
     names += sorted({r.cls for r in measured} - set(names))
-    classes = {n: _class_summary(n, [r for r in measured if r.cls == n], slo_ttft_s, slo_tpot_s) for n in names
-               if any(r.cls == n for r in measured)}
+    classes = {
+        n: _class_summary(n, [r for r in measured if r.cls == n], slo_ttft_s, slo_tpot_s)
+        for n in names
+        if any(r.cls == n for r in measured)
+    }
     overall = _class_summary("all", measured, slo_ttft_s, slo_tpot_s)
     classes["all"] = overall
     if measured:
@@ -100,7 +104,8 @@ def summarize(records: list[RequestRecord], slo_ttft_s: float | None, slo_tpot_s
 
 
 def meets_slo(r: RequestRecord, slo_ttft_s: float | None, slo_tpot_s: float | None) -> bool:
-    """Succeeded, TTFT within its SLO, and TPOT within its SLO (a one-token answer has no TPOT: it passes)."""
+    """Succeeded, TTFT within its SLO, and TPOT within its SLO (a one-token answer has no TPOT: it
+    passes)."""
     if not r.ok or r.ttft_s is None:
         return False
     if slo_ttft_s is not None and r.ttft_s > slo_ttft_s:

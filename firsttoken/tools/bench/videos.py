@@ -1,9 +1,10 @@
-"""Synthetic test videos for bench's ``video`` class, deterministic from a seed, made locally (nothing downloaded).
+"""Synthetic test videos for bench's ``video`` class, deterministic from a seed, made locally
+(nothing downloaded).
 
-A clip is one seeded picture (``images.synth_image``: gradients, shapes, text) panning across the frame, one
-pixel column step per frame, encoded as MP4 with the encoder ``inputs/video_synth`` picks (h264 where PyAV has
-libx264). Every clip of a run is distinct (seeded by session), so no encoder or prefix cache hits across requests;
-the same seed gives the same bytes."""
+A clip is one seeded picture (``images.synth_image``: gradients, shapes, text) panning across the
+frame, one pixel column step per frame, encoded as MP4 with the encoder ``inputs/video_synth`` picks
+(h264 where PyAV has libx264). Every clip of a run is distinct (seeded by session), so no encoder or
+prefix cache hits across requests; the same seed gives the same bytes."""
 
 from __future__ import annotations
 
@@ -34,7 +35,9 @@ def synth_clip(seconds: float, width: int, height: int, fps: int, seed: str) -> 
             stream.options = {"preset": "ultrafast"}
         for i in range(num_frames):
             x = i * pan // num_frames
-            frame = av.VideoFrame.from_ndarray(np.ascontiguousarray(picture[:, x:x + width]), format="rgb24")
+            frame = av.VideoFrame.from_ndarray(
+                np.ascontiguousarray(picture[:, x : x + width]), format="rgb24"
+            )
             frame = frame.reformat(format="yuv420p")
             frame.pts, frame.time_base = i, Fraction(1, fps)
             for packet in stream.encode(frame):

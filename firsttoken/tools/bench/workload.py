@@ -1,10 +1,12 @@
-"""Seeded workloads: a run is a sequence of sessions; a session is one request, or a conversation whose
-follow-up turns resend the history (earlier user messages with their images + the server's replies).
+"""Seeded workloads: a run is a sequence of sessions; a session is one request, or a conversation
+whose follow-up turns resend the history (earlier user messages with their images + the server's
+replies).
 
-Session i depends only on (config, seed, i), so a workload can be built lazily for --duration runs and two runs
-with one seed send the same requests. Classes name what a request is (``text``, ``1img``, ``3img``, ``video``: one
-synthetic MP4 clip in a ``video_url`` part; ``first``/``follow-up`` for multiturn; the server's classes ``0``/``1``/
-``2+``/``video`` for workload files) and group the report.
+Session i depends only on (config, seed, i), so a workload can be built lazily for --duration runs
+and two runs with one seed send the same requests. Classes name what a request is (``text``,
+``1img``, ``3img``, ``video``: one synthetic MP4 clip in a ``video_url`` part;
+``first``/``follow-up`` for multiturn; the server's classes ``0``/``1``/ ``2+``/``video`` for
+workload files) and group the report.
 """
 
 from __future__ import annotations
@@ -19,8 +21,8 @@ from firsttoken.metrics.window import image_class
 from firsttoken.tools.bench.config import BenchConfig, images_of_class, videos_of_class
 from firsttoken.tools.bench.images import encode_data_url, synth_image
 
-# Common English words; with a leading space each is one token in Qwen's and most BPE vocabularies, so
-# N words is roughly N tokens.
+# Common English words; with a leading space each is one token in Qwen's and most BPE vocabularies,
+# so N words is roughly N tokens.
 _VOCAB = (
     "the of and to in is was for that with as on by at from this are be or which an not have has one their "
     "were all can more also other new some time these two may first only into would over about such after "
@@ -37,7 +39,8 @@ class BenchRequest:
     cls: str
     num_images: int
     body: dict[str, Any]  # a chat completion body; model and stream options are set when sent
-    follows: bool = False  # True: body["messages"] is only the new turn; the session's history goes first
+    # True: body["messages"] is only the new turn; the session's history goes first
+    follows: bool = False
     num_videos: int = 0
 
 
@@ -67,11 +70,19 @@ class Workload:
         c = self.config
         d: dict[str, Any] = {"workload": c.workload, "seed": c.seed}
         if c.workload == "seed-mix":
-            d |= {"mix": dict(c.mix), "text_tokens": c.text_tokens, "image_text_tokens": c.image_text_tokens,
-                  "image_size": f"{c.image_size[0]}x{c.image_size[1]}", "image_format": c.image_format}
+            d |= {
+                "mix": dict(c.mix),
+                "text_tokens": c.text_tokens,
+                "image_text_tokens": c.image_text_tokens,
+                "image_size": f"{c.image_size[0]}x{c.image_size[1]}",
+                "image_format": c.image_format,
+            }
             if any(videos_of_class(name) for name, _ in c.mix):
-                d |= {"video_seconds": c.video_seconds, "video_size": f"{c.video_size[0]}x{c.video_size[1]}",
-                      "video_fps": c.video_fps}
+                d |= {
+                    "video_seconds": c.video_seconds,
+                    "video_size": f"{c.video_size[0]}x{c.video_size[1]}",
+                    "video_fps": c.video_fps,
+                }
         elif c.workload == "text":
             d |= {"text_tokens": c.text_tokens}
         elif c.workload == "multiturn":
@@ -93,7 +104,7 @@ class Workload:
             return Session(index, (self._single(index, self._pick_class(index)),))
         return self._conversation(index)
 
-    # ---- builders --------------------------------------------------------------------------------------
+    # ---- builders --------------------------------------------------------------------------------
     def _pick_class(self, index: int) -> str:
         u = random.Random(f"{self.config.seed}:{index}:class").random()
         acc = 0.0
@@ -115,22 +126,34 @@ class Workload:
         first = self._user_message(f"{c.seed}:{index}:0", c.multiturn_images, c.text_tokens)
         turns = [BenchRequest("first", c.multiturn_images, self._body([first]))]
         for t in range(1, c.turns + 1):
-            follow = {"role": "user", "content": "Follow-up: " + words(c.image_text_tokens, f"{c.seed}:{index}:{t}")}
-            turns.append(BenchRequest("follow-up", c.multiturn_images, self._body([follow]), follows=True))
+            follow = {
+                "role": "user",
+                "content": "Follow-up: " + words(c.image_text_tokens, f"{c.seed}:{index}:{t}"),
+            }
+            turns.append(
+                BenchRequest("follow-up", c.multiturn_images, self._body([follow]), follows=True)
+            )
         return Session(index, tuple(turns))
 
-    def _user_message(self, key: str, n_images: int, n_words: int, n_videos: int = 0) -> dict[str, Any]:
+    def _user_message(
+        self, key: str, n_images: int, n_words: int, n_videos: int = 0
+    ) -> dict[str, Any]:
         c = self.config
         text = words(n_words, f"{key}:text")
         if n_images == n_videos == 0:
             return {"role": "user", "content": text}
         w, h = c.image_size
         parts: list[dict[str, Any]] = [
-            {"type": "image_url", "image_url": {"url": encode_data_url(synth_image(w, h, f"{key}:img{k}"),
-                                                                       c.image_format)}}
+            {
+                "type": "image_url",
+                "image_url": {
+                    "url": encode_data_url(synth_image(w, h, f"{key}:img{k}"), c.image_format)
+                },
+            }
             for k in range(n_images)
         ]
-        if n_videos:  # PyAV only where a video is asked for: a GPU loan carries no video (docs/gpu.md)
+        # PyAV only where a video is asked for: a GPU loan carries no video (docs/gpu.md)
+        if n_videos:
             from firsttoken.tools.bench.videos import encode_video_data_url, synth_clip
 
             vw, vh = c.video_size
@@ -144,7 +167,11 @@ class Workload:
 
     def _body(self, messages: list[dict[str, Any]]) -> dict[str, Any]:
         c = self.config
-        body: dict[str, Any] = {"messages": messages, "max_tokens": c.output_tokens, "temperature": c.temperature}
+        body: dict[str, Any] = {
+            "messages": messages,
+            "max_tokens": c.output_tokens,
+            "temperature": c.temperature,
+        }
         if c.ignore_eos:
             body["ignore_eos"] = True
         return body | c.extra_body
@@ -153,8 +180,12 @@ class Workload:
         body = dict(self._file_bodies[index % len(self._file_bodies)])
         cls = body.pop("bench_class", None)
         n_images, n_videos = count_images(body), count_videos(body)
-        return BenchRequest(str(cls) if cls is not None else image_class(n_images, n_videos), n_images, body,
-                            num_videos=n_videos)
+        return BenchRequest(
+            str(cls) if cls is not None else image_class(n_images, n_videos),
+            n_images,
+            body,
+            num_videos=n_videos,
+        )
 
 
 def _count_parts(body: dict[str, Any], types: tuple[str, ...]) -> int:

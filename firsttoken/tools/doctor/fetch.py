@@ -1,6 +1,7 @@
-"""Doctor over HTTP: GET /metrics and /stats (absent on other servers: a 404 is fine), and ``--probe``: a short
-bench run (seed-mix, then a two-turn conversation) so the report covers fresh requests and the follow-up reuse
-is measured rather than assumed. The bearer key reaches the bench through a transport, its designed seam."""
+"""Doctor over HTTP: GET /metrics and /stats (absent on other servers: a 404 is fine), and
+``--probe``: a short bench run (seed-mix, then a two-turn conversation) so the report covers fresh
+requests and the follow-up reuse is measured rather than assumed. The bearer key reaches the bench
+through a transport, its designed seam."""
 
 from __future__ import annotations
 
@@ -32,7 +33,9 @@ def scrape(url: str, api_key: str | None = None, timeout_s: float = 30.0) -> Scr
         metrics.raise_for_status()
         stats = None
         resp = client.get("/stats")
-        if resp.status_code == 200 and resp.headers.get("content-type", "").startswith("application/json"):
+        if resp.status_code == 200 and resp.headers.get("content-type", "").startswith(
+            "application/json"
+        ):
             body = resp.json()
             stats = body if isinstance(body, dict) and "classes" in body else None
     return Scrape(metrics.text, stats)
@@ -57,8 +60,8 @@ def probe(
     model: str | None = None,
     num_requests: int = 8,
 ) -> dict[str, Any]:
-    """A short seed-mix run at concurrency 2 plus two 2-turn conversations; returns TTFT per class and the
-    follow-ups' reusable vs cached share of prompt tokens."""
+    """A short seed-mix run at concurrency 2 plus two 2-turn conversations; returns TTFT per class
+    and the follow-ups' reusable vs cached share of prompt tokens."""
     from firsttoken.tools.bench import BenchConfig, run_bench
 
     def transport() -> httpx.AsyncBaseTransport | None:
@@ -82,7 +85,9 @@ def probe(
                 cached += int((cur.server_timings or {}).get("cached_prompt_tokens", 0))
     ttft = {k: c.ttft.p50 for k, c in mix.summary.classes.items()}
     errors = sum(mix.summary.errors.values()) + sum(turns.summary.errors.values())
-    summary = ", ".join(f"{k} P50 {v:.3f}s" for k, v in ttft.items() if v is not None and not math.isnan(v))
+    summary = ", ".join(
+        f"{k} P50 {v:.3f}s" for k, v in ttft.items() if v is not None and not math.isnan(v)
+    )
     return {
         "summary": f"{num_requests} seed-mix requests ({summary}), 2 follow-ups, {errors} errors",
         "ttft_p50_s": ttft,

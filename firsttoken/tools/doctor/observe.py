@@ -1,9 +1,11 @@
-"""What doctor knows about a server: its /metrics (firsttoken's, vLLM's or llama.cpp's names) and, when there,
-firsttoken's /stats, folded into one plain ``Observation``. Nothing here judges; rules.py does.
+"""What doctor knows about a server: its /metrics (firsttoken's, vLLM's or llama.cpp's names) and,
+when there, firsttoken's /stats, folded into one plain ``Observation``. Nothing here judges;
+rules.py does.
 
-Prometheus text is parsed with ``prometheus_client.parser.text_string_to_metric_families``; samples are kept by
-sample name (``*_total``, ``*_sum``, ``*_count``, ``*_bucket``) with their labels. A quantity the server does not
-expose stays ``None`` and its name goes into ``cannot_see``, so the report says what it could not look at.
+Prometheus text is parsed with ``prometheus_client.parser.text_string_to_metric_families``; samples
+are kept by sample name (``*_total``, ``*_sum``, ``*_count``, ``*_bucket``) with their labels. A
+quantity the server does not expose stays ``None`` and its name goes into ``cannot_see``, so the
+report says what it could not look at.
 """
 
 from __future__ import annotations
@@ -17,9 +19,11 @@ from prometheus_client.parser import text_string_to_metric_families
 from firsttoken.metrics.window import IMAGE_CLASSES
 
 PHASES = ("preprocess", "queue", "encode", "prefill", "sample", "send")
-CLASSES = IMAGE_CLASSES  # the server's request classes: "0" (text), "1", "2+" images, "video" (any video)
+# the server's request classes: "0" (text), "1", "2+" images, "video" (any video)
+CLASSES = IMAGE_CLASSES
 TEXT_CLASS, VIDEO_CLASS = "0", "video"
-IMAGE_ONLY_CLASSES = tuple(c for c in CLASSES if c not in (TEXT_CLASS, VIDEO_CLASS))  # under --image-max-tokens
+# under --image-max-tokens
+IMAGE_ONLY_CLASSES = tuple(c for c in CLASSES if c not in (TEXT_CLASS, VIDEO_CLASS))
 
 Labels = dict[str, str]
 
@@ -40,7 +44,9 @@ class Samples:
         rows = self.by_name.get(name)
         if rows is None:
             return None
-        return sum(v for labels, v in rows if all(labels.get(k) == want for k, want in match.items()))
+        return sum(
+            v for labels, v in rows if all(labels.get(k) == want for k, want in match.items())
+        )
 
     def label_values(self, name: str, label: str) -> set[str]:
         return {labels[label] for labels, _ in self.by_name.get(name, []) if label in labels}
@@ -57,15 +63,18 @@ class Samples:
         return rows[0] if rows else None
 
     def ratio_view(self, histogram: str, **match: str) -> dict[str, float | None] | None:
-        """A predicted / actual histogram: n, its median (bucket-interpolated), and the shares within 15% and 35%
-        of actual (observations in (0.85, 1.15] and (0.65, 1.35]: firsttoken's bucket edges)."""
+        """A predicted / actual histogram: n, its median (bucket-interpolated), and the shares
+        within 15% and 35% of actual (observations in (0.85, 1.15] and (0.65, 1.35]: firsttoken's
+        bucket edges)."""
         cum: dict[float, float] = {}
         for labels, v in self.by_name.get(f"{histogram}_bucket", []):
             if all(labels.get(k) == want for k, want in match.items()):
                 cum[float(labels["le"])] = cum.get(float(labels["le"]), 0.0) + v
         n = cum.get(math.inf, 0.0)
         if not n:
-            return {"n": 0, "p50": None, "within_15pct": None, "within_35pct": None} if cum else None
+            return (
+                {"n": 0, "p50": None, "within_15pct": None, "within_35pct": None} if cum else None
+            )
 
         def share(lo: float, hi: float) -> float | None:
             return (cum[hi] - cum[lo]) / n if lo in cum and hi in cum else None
@@ -74,7 +83,8 @@ class Samples:
                 "within_35pct": share(0.65, 1.35)}  # fmt: skip
 
     def quantile(self, histogram: str, q: float, **match: str) -> float | None:
-        """histogram_quantile over the buckets matching ``match`` (summed), linear within a bucket."""
+        """histogram_quantile over the buckets matching ``match`` (summed), linear within a
+        bucket."""
         bounds: dict[float, float] = {}
         for labels, v in self.by_name.get(f"{histogram}_bucket", []):
             if all(labels.get(k) == want for k, want in match.items()):
@@ -92,14 +102,17 @@ class Samples:
             if n >= rank:
                 if math.isinf(le):
                     return prev_le
-                return prev_le + (le - prev_le) * ((rank - prev_n) / (n - prev_n) if n > prev_n else 0.0)
+                return prev_le + (le - prev_le) * (
+                    (rank - prev_n) / (n - prev_n) if n > prev_n else 0.0
+                )
             prev_le, prev_n = le, n
         return prev_le
 
 
 @dataclass(frozen=True)
 class ClassTiming:
-    """One request class (``all`` or one of ``CLASSES``): requests, TTFT percentiles, mean seconds per phase."""
+    """One request class (``all`` or one of ``CLASSES``): requests, TTFT percentiles, mean seconds
+    per phase."""
 
     count: int
     ttft_p50_s: float | None
@@ -111,17 +124,21 @@ class ClassTiming:
 
 @dataclass(frozen=True)
 class Throughput:
-    """Cumulative prompt and generation work, from a server that exports token and second counters but no
-    per-request latencies (llama.cpp). Seconds are summed per sequence: sequences that overlap in time (parallel
-    slots) each count their own, so tokens / seconds is the rate one sequence saw, not the server's total."""
+    """Cumulative prompt and generation work, from a server that exports token and second counters
+    but no per-request latencies (llama.cpp). Seconds are summed per sequence: sequences that
+    overlap in time (parallel slots) each count their own, so tokens / seconds is the rate one
+    sequence saw, not the server's total."""
 
     prompt_tokens: float  # prompt tokens computed (not taken from a cache), images' tokens included
     prompt_s: float
     generated_tokens: float
     generation_s: float  # from each sequence's last prompt token to its last generated token
-    decode_calls: float | None = None  # model forward calls (prompt batches + generation steps, images excluded)
-    sequences_per_call: float | None = None  # mean sequences busy per forward call: the batch actually run
-    generation_steps: float | None = None  # generated tokens after each request's first; None: unknown
+    # model forward calls (prompt batches + generation steps, images excluded)
+    decode_calls: float | None = None
+    # mean sequences busy per forward call: the batch actually run
+    sequences_per_call: float | None = None
+    # generated tokens after each request's first; None: unknown
+    generation_steps: float | None = None
 
     @property
     def prompt_tokens_per_s(self) -> float | None:
@@ -129,9 +146,11 @@ class Throughput:
 
     @property
     def generation_s_per_token(self) -> float | None:
-        """Mean time per output token after the first (TPOT), waits for other sequences' prompts included;
-        over all generated tokens (a little low) when the step count is unknown."""
-        steps = self.generation_steps if self.generation_steps is not None else self.generated_tokens
+        """Mean time per output token after the first (TPOT), waits for other sequences' prompts
+        included; over all generated tokens (a little low) when the step count is unknown."""
+        steps = (
+            self.generation_steps if self.generation_steps is not None else self.generated_tokens
+        )
         return self.generation_s / steps if steps else None
 
 
@@ -146,14 +165,17 @@ class Observation:
     prompt_tokens_by_class: dict[str, float] = field(default_factory=dict)  # mean per request
     prompt_tokens_total: float | None = None
     visual_tokens_total: float | None = None
-    num_images: float | None = None  # encoder cache hits + misses: images that reached the encoder cache
-    visual_tokens_per_image: float | None = None  # one-image requests' mean if any, else visual / num_images
+    # encoder cache hits + misses: images that reached the encoder cache
+    num_images: float | None = None
+    # one-image requests' mean if any, else visual / num_images
+    visual_tokens_per_image: float | None = None
     scheduling_modes: set[str] = field(default_factory=set)  # lane labels seen: short/long, or fcfs
     short_delayed_by_long: float | None = None
     kv_usage_ratio: float | None = None
     kv_blocks_total: float | None = None
     kv_block_size: int | None = None
-    kv_bytes_per_block: float | None = None  # vLLM's cache_config_info; firsttoken does not export it
+    # vLLM's cache_config_info; firsttoken does not export it
+    kv_bytes_per_block: float | None = None
     preemptions_by_reason: dict[str, float] | None = None
     num_preemptions: float | None = None
     waiting_by_lane: dict[str, float] = field(default_factory=dict)
@@ -166,34 +188,49 @@ class Observation:
     prefix_cache_enabled: bool | None = None
     e2e_total_s: float | None = None
     busy_s: float | None = None  # engine time inside steps
-    num_running: float | None = None  # requests being processed at scrape time (llama.cpp: busy slots)
+    # requests being processed at scrape time (llama.cpp: busy slots)
+    num_running: float | None = None
     throughput: Throughput | None = None
-    # firsttoken's step-cost model and TTFT objective: predicted / actual as {n, p50, within_15pct, within_35pct}
+    # firsttoken's step-cost model and TTFT objective: predicted / actual as {n, p50, within_15pct,
+    # within_35pct}
     step_prediction: dict[str, float | None] | None = None
-    ttft_prediction: dict[str, dict[str, float | None]] = field(default_factory=dict)  # image class -> ratio view
-    step_time_target_s: float | None = None  # None: no time bound (off, or the model not trained yet)
+    # image class -> ratio view
+    ttft_prediction: dict[str, dict[str, float | None]] = field(default_factory=dict)
+    # None: no time bound (off, or the model not trained yet)
+    step_time_target_s: float | None = None
     itl_target_s: float | None = None  # --itl-target's pace in force (None: off)
-    # steps in which only the long lane had prefill work, by sizing ("throughput" | "bounded"): steps, wall_s,
-    # at_throughput_s (what their work would take in throughput steps; firsttoken_long_lane_only_*)
+    # steps in which only the long lane had prefill work, by sizing ("throughput" | "bounded"):
+    # steps, wall_s, at_throughput_s (what their work would take in throughput steps;
+    # firsttoken_long_lane_only_*)
     long_lane_only: dict[str, dict[str, float]] = field(default_factory=dict)
-    image_budget_lowered: float | None = None  # requests whose visual-token budget the TTFT objective lowered
-    refused_over_slo: float | None = None  # requests answered 429 because their predicted TTFT missed the objective
-    # firsttoken: seconds from the end of preprocessing to each first token, summed, by image class and part
-    # (handoff, encoder, forward, step_overhead, other_steps, idle: metrics.recorder.FIRST_TOKEN_PARTS)
+    # requests whose visual-token budget the TTFT objective lowered
+    image_budget_lowered: float | None = None
+    # requests answered 429 because their predicted TTFT missed the objective
+    refused_over_slo: float | None = None
+    # firsttoken: seconds from the end of preprocessing to each first token, summed, by image class
+    # and part (handoff, encoder, forward, step_overhead, other_steps, idle:
+    # metrics.recorder.FIRST_TOKEN_PARTS)
     first_token_engine_s: dict[str, dict[str, float]] = field(default_factory=dict)
     cannot_see: list[str] = field(default_factory=list)
 
     def ttft_total_s(self) -> float:
-        """Sum of TTFT over the requests per class (mean x count), the denominator of every share."""
+        """Sum of TTFT over the requests per class (mean x count), the denominator of every
+        share."""
         return sum((c.ttft_mean_s or 0.0) * c.count for k, c in self.classes.items() if k != "all")
 
     def phase_total_s(self, phase: str, classes: tuple[str, ...] = CLASSES) -> float:
-        return sum(c.phase_mean_s.get(phase, 0.0) * c.count for k, c in self.classes.items() if k in classes)
+        return sum(
+            c.phase_mean_s.get(phase, 0.0) * c.count
+            for k, c in self.classes.items()
+            if k in classes
+        )
 
 
 def observe(metrics_text: str, stats: dict[str, Any] | None = None) -> Observation:
     samples = Samples(metrics_text)
-    if samples.has("firsttoken_time_to_first_token_seconds_count") or samples.has("firsttoken_engine_steps_total"):
+    if samples.has("firsttoken_time_to_first_token_seconds_count") or samples.has(
+        "firsttoken_engine_steps_total"
+    ):
         return _firsttoken(samples, stats)
     if samples.has("vllm:time_to_first_token_seconds_count"):
         return _vllm(samples)
@@ -209,14 +246,16 @@ def _ratio(a: float | None, b: float | None) -> float | None:
     return a / b if a is not None and b else None
 
 
-# ---- firsttoken -----------------------------------------------------------------------------------------
+# ---- firsttoken ----------------------------------------------------------------------------------
 def _firsttoken(m: Samples, stats: dict[str, Any] | None) -> Observation:
     o = Observation(source="firsttoken", has_stats=stats is not None)
     ttft = "firsttoken_time_to_first_token_seconds"
     o.classes = _classes_from_stats(stats) if stats else _classes_from_metrics(m)
     o.num_requests = int(m.total("firsttoken_requests_total") or 0)
     o.prompt_tokens_total = m.total("firsttoken_request_prompt_tokens_sum")
-    o.prompt_tokens_mean = _ratio(o.prompt_tokens_total, m.total("firsttoken_request_prompt_tokens_count"))
+    o.prompt_tokens_mean = _ratio(
+        o.prompt_tokens_total, m.total("firsttoken_request_prompt_tokens_count")
+    )
     o.output_tokens_mean = _ratio(m.total("firsttoken_request_generation_tokens_sum"),
                                   m.total("firsttoken_request_generation_tokens_count"))  # fmt: skip
     for cls in CLASSES:
@@ -224,27 +263,33 @@ def _firsttoken(m: Samples, stats: dict[str, Any] | None) -> Observation:
                       m.total("firsttoken_request_prompt_tokens_count", images=cls))  # fmt: skip
         if mean is not None:
             o.prompt_tokens_by_class[cls] = mean
-    # images' visual tokens: a video's are under its own budget (--video-max-tokens), not the image budget's
+    # images' visual tokens: a video's are under its own budget (--video-max-tokens), not the image
+    # budget's
     o.visual_tokens_total = m.total("firsttoken_request_visual_tokens_sum")
     if o.visual_tokens_total is not None:
-        o.visual_tokens_total -= m.total("firsttoken_request_visual_tokens_sum", images=VIDEO_CLASS) or 0.0
+        o.visual_tokens_total -= (
+            m.total("firsttoken_request_visual_tokens_sum", images=VIDEO_CLASS) or 0.0
+        )
     o.encoder_cache_hits = m.total("firsttoken_encoder_cache_hits_total")
     misses = m.total("firsttoken_encoder_cache_misses_total")
     if o.encoder_cache_hits is not None and misses is not None:
         o.encoder_cache_queries = o.encoder_cache_hits + misses
         o.num_images = o.encoder_cache_queries
     o.encoder_cache_bytes = m.total("firsttoken_encoder_cache_bytes")
-    # Exact from one-image requests; images whose tokens all came from the prefix cache never reach the
-    # encoder cache, so visual / (hits + misses) overstates when the prefix cache hits.
+    # Exact from one-image requests; images whose tokens all came from the prefix cache never reach
+    # the encoder cache, so visual / (hits + misses) overstates when the prefix cache hits.
     one = m.total("firsttoken_request_visual_tokens_count", images="1")
     if one:
-        o.visual_tokens_per_image = (m.total("firsttoken_request_visual_tokens_sum", images="1") or 0.0) / one
+        o.visual_tokens_per_image = (
+            m.total("firsttoken_request_visual_tokens_sum", images="1") or 0.0
+        ) / one
     elif o.num_images and o.visual_tokens_total is not None:
         o.visual_tokens_per_image = o.visual_tokens_total / o.num_images
     o.prefix_hit_tokens = m.total("firsttoken_prefix_cache_hit_tokens_total")
     o.prefix_query_tokens = m.total("firsttoken_prefix_cache_query_tokens_total")
     if o.prefix_query_tokens is not None and o.prompt_tokens_total:
-        o.prefix_cache_enabled = o.prefix_query_tokens > 0  # a disabled prefix cache looks nothing up
+        # a disabled prefix cache looks nothing up
+        o.prefix_cache_enabled = o.prefix_query_tokens > 0
     o.scheduling_modes = m.label_values(f"{ttft}_count", "lane")
     o.short_delayed_by_long = m.total("firsttoken_short_requests_delayed_by_long_total")
     o.kv_usage_ratio = m.total("firsttoken_kv_cache_usage_ratio")
@@ -264,11 +309,17 @@ def _firsttoken(m: Samples, stats: dict[str, Any] | None) -> Observation:
     for sized, steps in m.by_label("firsttoken_long_lane_only_steps_total", "sized").items():
         o.long_lane_only[sized] = {
             "steps": steps,
-            "wall_s": m.total("firsttoken_long_lane_only_seconds_total", sized=sized, part="wall") or 0.0,
-            "at_throughput_s": m.total("firsttoken_long_lane_only_seconds_total", sized=sized,
-                                       part="at_throughput") or 0.0}
+            "wall_s": m.total("firsttoken_long_lane_only_seconds_total", sized=sized, part="wall")
+            or 0.0,
+            "at_throughput_s": m.total(
+                "firsttoken_long_lane_only_seconds_total", sized=sized, part="at_throughput"
+            )
+            or 0.0,
+        }
     for labels, seconds in m.by_name.get("firsttoken_first_token_engine_seconds_total", []):
-        o.first_token_engine_s.setdefault(labels.get("images", "all"), {})[labels.get("part", "")] = seconds
+        o.first_token_engine_s.setdefault(labels.get("images", "all"), {})[
+            labels.get("part", "")
+        ] = seconds
     o.image_budget_lowered = m.total("firsttoken_image_budget_lowered_total")
     if m.has("firsttoken_rejections_total"):
         o.refused_over_slo = m.total("firsttoken_rejections_total", reason="over_slo")
@@ -301,14 +352,17 @@ def _classes_from_metrics(m: Samples) -> dict[str, ClassTiming]:
         n = m.total(f"{ttft}_count", **match) or 0
         if not n:
             continue
-        phases = {p: (m.total("firsttoken_request_phase_seconds_sum", phase=p, **match) or 0.0) / n for p in PHASES}
+        phases = {
+            p: (m.total("firsttoken_request_phase_seconds_sum", phase=p, **match) or 0.0) / n
+            for p in PHASES
+        }
         out[cls] = ClassTiming(int(n), m.quantile(ttft, 0.5, **match), m.quantile(ttft, 0.95, **match),
                                m.quantile(ttft, 0.99, **match), (m.total(f"{ttft}_sum", **match) or 0) / n,
                                phases)  # fmt: skip
     return out
 
 
-# ---- vLLM ----------------------------------------------------------------------------------------------
+# ---- vLLM ----------------------------------------------------------------------------------------
 VLLM_CANNOT_SEE = [
     "vision-encoder time: vLLM counts it inside request_prefill_time (no encode phase)",
     "image preprocessing (decode, resize) time: it sits in TTFT outside queue and prefill ('other')",
@@ -333,7 +387,9 @@ def _vllm(m: Samples) -> Observation:
         )  # fmt: skip
     o.num_requests = int(m.total("vllm:request_success_total") or n)
     o.prompt_tokens_total = m.total("vllm:request_prompt_tokens_sum")
-    o.prompt_tokens_mean = _ratio(o.prompt_tokens_total, m.total("vllm:request_prompt_tokens_count"))
+    o.prompt_tokens_mean = _ratio(
+        o.prompt_tokens_total, m.total("vllm:request_prompt_tokens_count")
+    )
     o.output_tokens_mean = _ratio(m.total("vllm:request_generation_tokens_sum"),
                                   m.total("vllm:request_generation_tokens_count"))  # fmt: skip
     usage = m.total("vllm:kv_cache_usage_perc")
@@ -363,7 +419,7 @@ def _vllm(m: Samples) -> Observation:
     return o
 
 
-# ---- llama.cpp (llama-server --metrics) -----------------------------------------------------------------
+# ---- llama.cpp (llama-server --metrics) ----------------------------------------------------------
 LLAMACPP_CANNOT_SEE = [
     ("TTFT and its percentiles: llama.cpp exports no latency histogram (--probe measures TTFT per class from "
      "the client)"),
@@ -374,7 +430,8 @@ LLAMACPP_CANNOT_SEE = [
     "time queued: requests_deferred is a gauge at scrape time; no wait time is recorded",
     "KV cache usage and preemptions: this llama-server exports neither (its slots hold a fixed context each)",
 ]
-_SIGNIFICANT_DIGITS = 6  # llama-server prints every value through a default C++ stream: %g, 6 significant digits
+# llama-server prints every value through a default C++ stream: %g, 6 significant digits
+_SIGNIFICANT_DIGITS = 6
 
 
 def _llamacpp(m: Samples) -> Observation:
@@ -408,12 +465,13 @@ def _llamacpp(m: Samples) -> Observation:
 def _llamacpp_requests(m: Samples) -> int | None:
     """Requests finished with at least one token, or None when the page cannot tell.
 
-    llama.cpp counts a request's first generated token as free (it comes from the prompt's logits), so
-    generated tokens - generation steps = finished requests. Steps are exported only as a rate, steps /
-    seconds over the window since the previous /metrics scrape; when that window covers the server's whole
-    life, steps = rate x tokens_predicted_seconds_total. The prompt side proves it: there steps == tokens, so
-    prompt rate x prompt_seconds_total must give prompt_tokens_total back. Both products carry the rounding of
-    6 significant digits; an answer is given only when it is exact to the request."""
+    llama.cpp counts a request's first generated token as free (it comes from the prompt's logits),
+    so generated tokens - generation steps = finished requests. Steps are exported only as a rate,
+    steps / seconds over the window since the previous /metrics scrape; when that window covers the
+    server's whole life, steps = rate x tokens_predicted_seconds_total. The prompt side proves it:
+    there steps == tokens, so prompt rate x prompt_seconds_total must give prompt_tokens_total back.
+    Both products carry the rounding of 6 significant digits; an answer is given only when it is
+    exact to the request."""
     tokens = m.total("llamacpp:prompt_tokens_total")
     prompt_s = m.total("llamacpp:prompt_seconds_total")
     prompt_rate = m.total("llamacpp:prompt_tokens_seconds")
@@ -424,7 +482,8 @@ def _llamacpp_requests(m: Samples) -> int | None:
         return None
     if not generated:
         return 0
-    rel = 2 * 0.5 * 10 ** (1 - _SIGNIFICANT_DIGITS)  # two rounded factors, each off by <= half a unit of the 6th
+    # two rounded factors, each off by <= half a unit of the 6th
+    rel = 2 * 0.5 * 10 ** (1 - _SIGNIFICANT_DIGITS)
     if abs(prompt_rate * prompt_s - tokens) > rel * tokens + 0.5:
         return None  # the rate window started after the server did
     steps = gen_rate * gen_s

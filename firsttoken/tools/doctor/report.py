@@ -1,5 +1,6 @@
-"""A doctor Report: the TTFT breakdown per class, the state lines (visual tokens, KV, scheduling, caches), the
-ranked findings and what the server's metrics do not show. Text for people, ``to_dict`` for ``--json``."""
+"""A doctor Report: the TTFT breakdown per class, the state lines (visual tokens, KV, scheduling,
+caches), the ranked findings and what the server's metrics do not show. Text for people, ``to_dict``
+for ``--json``."""
 
 from __future__ import annotations
 
@@ -59,8 +60,13 @@ def doctor_from_texts(
     if kv is not None and kv.kv_bytes_per_token:
         obs.cannot_see = [x for x in obs.cannot_see if not x.startswith("KV bytes per block")]
     ctx = Context(obs, th, kv or KVSizing(), measured_reuse, measured_hit_rate)
-    served = obs.prompt_tokens_total if obs.source == "llamacpp" else obs.classes  # llama.cpp has no TTFT at all
-    notes = [] if served else ["no request has reached its first token yet: no TTFT breakdown (try --probe)"]
+    # llama.cpp has no TTFT at all
+    served = obs.prompt_tokens_total if obs.source == "llamacpp" else obs.classes
+    notes = (
+        []
+        if served
+        else ["no request has reached its first token yet: no TTFT breakdown (try --probe)"]
+    )
     return Report(url, obs, diagnose(ctx), th, probe, notes)
 
 
@@ -99,7 +105,7 @@ def _throughput_dict(t: Throughput | None) -> dict[str, Any] | None:
             "sequences_per_call": t.sequences_per_call}  # fmt: skip
 
 
-# ---- text -------------------------------------------------------------------------------------------------
+# ---- text ----------------------------------------------------------------------------------------
 def _s(x: float | None) -> str:
     return "-" if x is None else (f"{x * 1000:.0f}ms" if x < 1 else f"{x:.2f}s")
 
@@ -110,8 +116,12 @@ def _pct(x: float | None) -> str:
 
 def format_report(r: Report) -> str:
     o = r.obs
-    src = {"firsttoken": "firsttoken (/metrics" + (" + /stats)" if o.has_stats else ", no /stats)"),
-           "vllm": "vLLM (/metrics)", "llamacpp": "llama.cpp (/metrics)", "prometheus": "unknown server"}[o.source]
+    src = {
+        "firsttoken": "firsttoken (/metrics" + (" + /stats)" if o.has_stats else ", no /stats)"),
+        "vllm": "vLLM (/metrics)",
+        "llamacpp": "llama.cpp (/metrics)",
+        "prometheus": "unknown server",
+    }[o.source]
     served = "requests not exported" if o.num_requests is None else f"{o.num_requests} requests"
     lines = [f"firsttoken doctor: {r.url or 'saved metrics'}: {src}, {served}", ""]
     lines += _breakdown_lines(o)
@@ -134,21 +144,27 @@ def _breakdown_lines(o: Observation) -> list[str]:
     if not o.classes:
         return []
     phases = [p for p in (*PHASES, "other") if any(p in c.phase_mean_s for c in o.classes.values())]
-    lines = ["where TTFT goes (share of mean TTFT per class)",
-             f"{'class':6s}{'n':>6s}{'P50':>9s}{'P95':>9s}{'P99':>9s} | " + " ".join(f"{p:>10s}" for p in phases)]
+    lines = [
+        "where TTFT goes (share of mean TTFT per class)",
+        f"{'class':6s}{'n':>6s}{'P50':>9s}{'P95':>9s}{'P99':>9s} | "
+        + " ".join(f"{p:>10s}" for p in phases),
+    ]
     for k in (*CLASSES, "all"):
         c = o.classes.get(k)
         if c is None or not c.count:
             continue
-        shares = " ".join(f"{_pct(c.phase_mean_s.get(p, 0) / c.ttft_mean_s if c.ttft_mean_s else None):>10s}"
-                          for p in phases)
+        shares = " ".join(
+            f"{_pct(c.phase_mean_s.get(p, 0) / c.ttft_mean_s if c.ttft_mean_s else None):>10s}"
+            for p in phases
+        )
         lines.append(f"{k:6s}{c.count:>6d}{_s(c.ttft_p50_s):>9s}{_s(c.ttft_p95_s):>9s}{_s(c.ttft_p99_s):>9s} | "
                      + shares)
     return [*lines, ""]  # fmt: skip
 
 
 def _engine_time_lines(o: Observation) -> list[str]:
-    """Where the time from the end of preprocessing to the first token went, summed per class (firsttoken)."""
+    """Where the time from the end of preprocessing to the first token went, summed per class
+    (firsttoken)."""
     rows = {k: v for k, v in o.first_token_engine_s.items() if sum(v.values()) > 0}
     if not rows:
         return []
@@ -158,8 +174,10 @@ def _engine_time_lines(o: Observation) -> list[str]:
     for k in CLASSES:
         if k in rows:
             total = sum(rows[k].values())
-            lines.append(f"{k:6s}{total:>9.2f} | " + " ".join(f"{_pct(rows[k].get(p, 0) / total):>13s}"
-                                                           for p in parts))
+            lines.append(
+                f"{k:6s}{total:>9.2f} | "
+                + " ".join(f"{_pct(rows[k].get(p, 0) / total):>13s}" for p in parts)
+            )
     return [*lines, ""]
 
 
@@ -168,7 +186,9 @@ def _state_lines(o: Observation, th: Thresholds) -> list[str]:
     if o.visual_tokens_per_image is not None:
         lines.append(f"visual tokens / image   {o.visual_tokens_per_image:,.0f} "
                      f"(budget reference {th.image_budget_tokens:,})")  # fmt: skip
-    kv = f"usage {_pct(o.kv_usage_ratio)}" + (f" of {o.kv_blocks_total:,.0f} blocks" if o.kv_blocks_total else "")
+    kv = f"usage {_pct(o.kv_usage_ratio)}" + (
+        f" of {o.kv_blocks_total:,.0f} blocks" if o.kv_blocks_total else ""
+    )
     reasons = ", ".join(f"{k} {v:.0f}" for k, v in (o.preemptions_by_reason or {}).items())
     kv += f"; preemptions {'-' if o.num_preemptions is None else f'{o.num_preemptions:.0f}'}"
     kv += f" ({reasons})" if reasons else ""
@@ -203,8 +223,8 @@ CLASS_NAMES = {"0": "text", "1": "1 image", "2+": "2+ images", "video": "video"}
 
 
 def _prediction_lines(o: Observation) -> list[str]:
-    """The step-cost model's fit and the admission-time TTFT prediction against what was measured, then what the
-    TTFT objective (--ttft-slo) did: budgets lowered, requests refused."""
+    """The step-cost model's fit and the admission-time TTFT prediction against what was measured,
+    then what the TTFT objective (--ttft-slo) did: budgets lowered, requests refused."""
     lines = []
 
     def view(v: dict) -> str:
@@ -229,7 +249,8 @@ def _prediction_lines(o: Observation) -> list[str]:
 
 
 def _throughput_lines(o: Observation) -> list[str]:
-    """llama.cpp: what its counters and gauges give, per sequence (its seconds are summed per slot)."""
+    """llama.cpp: what its counters and gauges give, per sequence (its seconds are summed per
+    slot)."""
     t = o.throughput
     if t is None:
         return []
@@ -237,7 +258,11 @@ def _throughput_lines(o: Observation) -> list[str]:
     if o.num_requests is not None:
         lines.append(f"requests                {o.num_requests} finished (generated tokens - generation steps)")
     rate = t.prompt_tokens_per_s
-    cached = f"; {o.prefix_hit_tokens:,.0f} from the prompt cache" if o.prefix_hit_tokens is not None else ""
+    cached = (
+        f"; {o.prefix_hit_tokens:,.0f} from the prompt cache"
+        if o.prefix_hit_tokens is not None
+        else ""
+    )
     lines.append(f"prompt                  {t.prompt_tokens:,.0f} tokens computed in {t.prompt_s:.1f} s"
                  + (f": {rate:,.0f} tokens/s" if rate else "") + cached)  # fmt: skip
     per = t.generation_s_per_token
@@ -247,7 +272,11 @@ def _throughput_lines(o: Observation) -> list[str]:
         lines.append(f"per request             {o.prompt_tokens_mean:,.0f} prompt tokens, "
                      f"{o.output_tokens_mean:,.1f} generated (means)")  # fmt: skip
     if t.decode_calls is not None:
-        busy = f" ({t.sequences_per_call:.2f} sequences per call)" if t.sequences_per_call is not None else ""
+        busy = (
+            f" ({t.sequences_per_call:.2f} sequences per call)"
+            if t.sequences_per_call is not None
+            else ""
+        )
         lines.append(f"forward calls           {t.decode_calls:,.0f}{busy}")
     waiting = o.waiting_by_lane.get("all")
     lines.append(f"queue now               {'-' if o.num_running is None else f'{o.num_running:.0f}'} processing, "

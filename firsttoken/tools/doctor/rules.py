@@ -1,7 +1,9 @@
-"""The seed's cheat sheet as rules over an ``Observation``: each returns a ``Finding`` (or None) with its evidence,
-ONE concrete change (a flag and a value) and an estimated share of all TTFT that the change would remove.
+"""The seed's cheat sheet as rules over an ``Observation``: each returns a ``Finding`` (or None)
+with its evidence, ONE concrete change (a flag and a value) and an estimated share of all TTFT that
+the change would remove.
 
-Shares are ratios, not absolute seconds, so the rules read the same on a laptop-sized checkpoint and a real one:
+Shares are ratios, not absolute seconds, so the rules read the same on a laptop-sized checkpoint and
+a real one:
 
     image budget   excess visual tokens / all prompt tokens (engine work, queue included, scales with tokens)
     fcfs / mixed   TTFT the text-only class spent queued / all TTFT (the wait lanes take away)
@@ -28,15 +30,21 @@ SEVERITIES = ("high", "medium", "low")
 
 @dataclass(frozen=True)
 class Thresholds:
-    image_budget_tokens: int = ImageConfig().image_max_tokens  # the visual tokens per image doctor recommends (serve's)
-    image_budget_factor: float = 1.5  # per-image visual tokens above factor x budget: no effective budget
+    # the visual tokens per image doctor recommends (serve's)
+    image_budget_tokens: int = ImageConfig().image_max_tokens
+    # per-image visual tokens above factor x budget: no effective budget
+    image_budget_factor: float = 1.5
     high_share: float = 0.25  # estimated share of TTFT from which a finding is high severity
     medium_share: float = 0.10
     kv_usage_high: float = 0.9  # KV usage ratio at scrape time counted as pressure
-    delayed_fraction: float = 0.1  # short requests delayed by long work / short requests, under lanes
-    assumed_reuse: float = 0.5  # caches off, no probe: share of prompt work a follow-up-heavy workload repeats
-    ttft_p99_target_s: float | None = None  # optional absolute target: a finding when P99 TTFT exceeds it
-    long_lane_below: float = 0.10  # the long lane this far below its throughput while only it had work: a finding
+    # short requests delayed by long work / short requests, under lanes
+    delayed_fraction: float = 0.1
+    # caches off, no probe: share of prompt work a follow-up-heavy workload repeats
+    assumed_reuse: float = 0.5
+    # optional absolute target: a finding when P99 TTFT exceeds it
+    ttft_p99_target_s: float | None = None
+    # the long lane this far below its throughput while only it had work: a finding
+    long_lane_below: float = 0.10
     long_lane_min_steps: int = 20  # ... over at least this many such steps
 
     def __post_init__(self) -> None:
@@ -48,10 +56,12 @@ class Thresholds:
 
 @dataclass(frozen=True)
 class KVSizing:
-    """How doctor turns 'the pool is too small' into a --kv-cache-memory value (see kv_memory_for)."""
+    """How doctor turns 'the pool is too small' into a --kv-cache-memory value (see
+    kv_memory_for)."""
 
     kv_bytes_per_token: int | None = None  # from the model's config via tools.plan; None: unknown
-    peak_concurrency: int | None = None  # None: estimated from the metrics (Little's law while busy)
+    # None: estimated from the metrics (Little's law while busy)
+    peak_concurrency: int | None = None
 
 
 @dataclass(frozen=True)
@@ -74,7 +84,8 @@ class Context:
     obs: Observation
     th: Thresholds
     kv: KVSizing = field(default_factory=KVSizing)
-    measured_reuse: float | None = None  # from --probe's follow-up turns: share of prompt tokens resent
+    # from --probe's follow-up turns: share of prompt tokens resent
+    measured_reuse: float | None = None
     measured_hit_rate: float | None = None  # the probe's follow-ups: cached / prompt tokens
 
 
@@ -99,7 +110,7 @@ def _finding(
     return Finding(key, severity(share, ctx.th), share, title, evidence, change, note)
 
 
-# ---- the rules ------------------------------------------------------------------------------------------
+# ---- the rules -----------------------------------------------------------------------------------
 def image_budget(ctx: Context) -> Finding | None:
     o, th = ctx.obs, ctx.th
     per_image = o.visual_tokens_per_image
@@ -153,8 +164,9 @@ def scheduling(ctx: Context) -> Finding | None:
 
 
 def long_lane_below_throughput(o: Observation) -> tuple[float, float, int] | None:
-    """(how far below its throughput the long lane ran while only it had prefill work, the share of that shortfall
-    in steps not sized for throughput, those steps) from firsttoken's long-lane-only counters; None without them."""
+    """(how far below its throughput the long lane ran while only it had prefill work, the share of
+    that shortfall in steps not sized for throughput, those steps) from firsttoken's long-lane-only
+    counters; None without them."""
     by = o.long_lane_only
     wall = sum(v["wall_s"] for v in by.values())
     if not by or wall <= 0:
@@ -171,7 +183,8 @@ def long_lane(ctx: Context) -> Finding | None:
     if seen is None:
         return None
     below, bounded, steps = seen
-    # a shortfall in throughput-sized steps is the step-cost model's error, not a setting: no change to name
+    # a shortfall in throughput-sized steps is the step-cost model's error, not a setting: no change
+    # to name
     if steps < th.long_lane_min_steps or below < th.long_lane_below or bounded < 0.5:
         return None
     total = o.ttft_total_s()
@@ -204,8 +217,9 @@ def kv_pressure(ctx: Context) -> Finding | None:
     if preempted <= 0:
         share = th.medium_share  # full but not yet preempting: worth a look, not the first suspect
     reasons = o.preemptions_by_reason or {}
-    # reasons are causes: a prefill chunk outgrows its blocks only under optimistic admission (whole-prompt admission
-    # allocates the prompt up front and never preempts a prefill), so decode_growth alone needs memory, not a switch
+    # reasons are causes: a prefill chunk outgrows its blocks only under optimistic admission
+    # (whole-prompt admission allocates the prompt up front and never preempts a prefill), so
+    # decode_growth alone needs memory, not a switch
     optimistic = reasons.get("prefill_growth", 0) > 0
     memory = kv_memory_for(ctx)
     change = f"--kv-cache-memory {memory}"
@@ -226,9 +240,14 @@ def kv_pressure(ctx: Context) -> Finding | None:
 def caches(ctx: Context) -> Finding | None:
     o = ctx.obs
     if o.source == "llamacpp":
-        return None  # its prompt cache is per slot and per request (cache_prompt): no server flag to name
+        # its prompt cache is per slot and per request (cache_prompt): no server flag to name
+        return None
     prefix_off = o.prefix_cache_enabled is False
-    encoder_off = o.encoder_cache_bytes == 0 and o.encoder_cache_hits == 0 and (o.encoder_cache_queries or 0) > 0
+    encoder_off = (
+        o.encoder_cache_bytes == 0
+        and o.encoder_cache_hits == 0
+        and (o.encoder_cache_queries or 0) > 0
+    )
     if ctx.measured_reuse is not None:
         reuse, hit = ctx.measured_reuse, ctx.measured_hit_rate or 0.0
         if reuse - hit < 0.2 and not (prefix_off or encoder_off):
@@ -291,22 +310,28 @@ def diagnose(ctx: Context) -> list[Finding]:
     return sorted(findings, key=lambda f: (-f.share, SEVERITIES.index(f.severity)))
 
 
-# ---- shares and sizing ----------------------------------------------------------------------------------
+# ---- shares and sizing ---------------------------------------------------------------------------
 def _ratio(a: float | None, b: float | None) -> float | None:
     return a / b if a is not None and b else None
 
 
 def _share(o: Observation, phases: tuple[str, ...], classes: tuple[str, ...] = CLASSES) -> float:
-    """Seconds of ``phases`` in ``classes`` over the TTFT of those classes (vLLM: the ``all`` class)."""
+    """Seconds of ``phases`` in ``classes`` over the TTFT of those classes (vLLM: the ``all``
+    class)."""
     if o.source == "vllm":
         c = o.classes.get("all")
-        return sum(c.phase_mean_s.get(p, 0.0) for p in phases) / c.ttft_mean_s if c and c.ttft_mean_s else 0.0
+        return (
+            sum(c.phase_mean_s.get(p, 0.0) for p in phases) / c.ttft_mean_s
+            if c and c.ttft_mean_s
+            else 0.0
+        )
     denom = sum((c.ttft_mean_s or 0.0) * c.count for k, c in o.classes.items() if k in classes)
     return sum(o.phase_total_s(p, classes) for p in phases) / denom if denom else 0.0
 
 
 def _peak(ctx: Context) -> int:
-    """Requests in flight at the peak: given, or the mean in flight while the engine was busy (a floor)."""
+    """Requests in flight at the peak: given, or the mean in flight while the engine was busy (a
+    floor)."""
     if ctx.kv.peak_concurrency:
         return ctx.kv.peak_concurrency
     o = ctx.obs
@@ -316,15 +341,21 @@ def _peak(ctx: Context) -> int:
 
 
 def kv_memory_for(ctx: Context) -> str:
-    """A --kv-cache-memory value for the peak to run to its last token: peak x (prompt + output) tokens, whole
-    blocks, in MiB. Bytes per token come from the model's config (tools.plan) or vLLM's cache_config_info;
-    without either, the answer is in blocks, relative to today's pool."""
+    """A --kv-cache-memory value for the peak to run to its last token: peak x (prompt + output)
+    tokens, whole blocks, in MiB. Bytes per token come from the model's config (tools.plan) or
+    vLLM's cache_config_info; without either, the answer is in blocks, relative to today's pool."""
     o = ctx.obs
     block = o.kv_block_size or 16
     tokens = (o.prompt_tokens_mean or 0.0) + (o.output_tokens_mean or 0.0)
     blocks = _peak(ctx) * math.ceil(tokens / block)
-    per_block = (ctx.kv.kv_bytes_per_token * block) if ctx.kv.kv_bytes_per_token else o.kv_bytes_per_block
+    per_block = (
+        (ctx.kv.kv_bytes_per_token * block) if ctx.kv.kv_bytes_per_token else o.kv_bytes_per_block
+    )
     if per_block:
         return f"{math.ceil(blocks * per_block / 2**20)}MiB"
-    now = f" ({blocks / o.kv_blocks_total:.1f}x today's {o.kv_blocks_total:.0f})" if o.kv_blocks_total else ""
+    now = (
+        f" ({blocks / o.kv_blocks_total:.1f}x today's {o.kv_blocks_total:.0f})"
+        if o.kv_blocks_total
+        else ""
+    )
     return f"<{blocks} blocks{now}: firsttoken plan --model DIR --peak-concurrency {_peak(ctx)}>"
