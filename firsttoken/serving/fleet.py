@@ -286,11 +286,19 @@ def sum_stats(stats: Sequence[EngineStats]) -> EngineStats:
         elif f.name in ("step_time_target_s", "itl_target_s"):
             values[f.name] = None
         elif isinstance(column[0], dict):
-            merged: dict[str, int] = {}
-            for d in column:
-                for k, v in d.items():
-                    merged[k] = merged.get(k, 0) + v
-            values[f.name] = merged
+            values[f.name] = _sum_counts(column)
         else:
             values[f.name] = sum(column)
     return EngineStats(**values)
+
+
+def _sum_counts(column: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """Per-key counts summed per key, nested ones (``long_lane_only``: sized -> counts) per leaf."""
+    merged: dict[str, Any] = {}
+    for d in column:
+        for k, v in d.items():
+            if isinstance(v, dict):
+                merged[k] = _sum_counts([merged.get(k, {}), v])
+            else:
+                merged[k] = merged.get(k, 0) + v
+    return merged

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import random
 
 import pytest
@@ -176,6 +178,9 @@ def test_fleet_stats_sum_counts_and_keep_shared_limits() -> None:
     assert (total.kv_blocks_total, total.num_running, total.num_waiting, total.block_size) == (20, 2, 4, 16)
     assert total.max_model_len == 4096 and total.num_waiting_by_lane == {"short": 4}
     assert total.cost_model == {} and total.step_time_target_s is None
+    lanes = {"throughput": {"steps": 3, "wall_s": 1.5, "at_throughput_s": 1.25}}
+    nested = sum_stats([dataclasses.replace(one, long_lane_only=lanes)] * 2).long_lane_only
+    assert nested == {"throughput": {"steps": 6, "wall_s": 3.0, "at_throughput_s": 2.5}}  # per leaf, per replica
 
 
 def test_a_bad_fleet_flag_is_one_line_naming_it_before_ray_starts(capsys: pytest.CaptureFixture) -> None:
