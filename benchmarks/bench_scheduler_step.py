@@ -39,7 +39,9 @@ print(json.dumps({"cpu_s": cpu, "steps": sum(result.replica_steps)}))
 
 def run_once(checkout: Path) -> dict:
     env = {**os.environ, "PYTHONPATH": str(checkout)}
-    out = subprocess.run([sys.executable, "-c", ONE_RUN], env=env, capture_output=True, text=True, check=True)
+    # cwd: `python -c` puts it first on sys.path, ahead of PYTHONPATH (run from another checkout, it ran that one)
+    out = subprocess.run([sys.executable, "-c", ONE_RUN], env=env, cwd=checkout, capture_output=True, text=True,
+                         check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 

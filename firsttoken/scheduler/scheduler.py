@@ -406,7 +406,7 @@ class Scheduler:
             )
         if end > start:
             self._schedule_tokens(req, end - start, budget, step)
-        if req.lane == LONG and req.num_computed_tokens + (end - start) < req.num_tokens:
+        if req.lane == LONG and end < req.num_tokens:
             step.long_prefill_left = True
 
     def _encode_ahead(

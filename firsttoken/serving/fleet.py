@@ -45,7 +45,7 @@ from ray.exceptions import RayActorError
 
 from firsttoken.api.errors import RETRY_AFTER_S
 from firsttoken.serving.options import ReplicaCount
-from firsttoken.serving.replica import ENGINE_STOPPED, ReplicaFacts, ReplicaReport
+from firsttoken.serving.replica import ENGINE_STOPPED, ReplicaFacts, ReplicaReport, error_output
 from firsttoken.serving.router import HINTS_KWARG
 from firsttoken.serving.routing import pool_for, routing_hints
 from firsttoken.types import (
@@ -188,9 +188,10 @@ class FleetEngineClient:
                         # the client left, or we are resending: the replica aborts it
                         stream.cancel()
                 if started:  # part of the answer is out: it cannot be sent again
-                    yield _failed(request, ENGINE_STOPPED)
+                    yield error_output(request, ENGINE_STOPPED, RETRYABLE)
                     return
-            yield _failed(request, "no engine replica could take the request; retry it")
+            message = "no engine replica could take the request; retry it"
+            yield error_output(request, message, RETRYABLE)
 
     @contextmanager
     def _in_flight(self, pool: Pool, request_id: str) -> Iterator[None]:
@@ -254,20 +255,6 @@ class FleetEngineClient:
 
 def _replica_stopped(out: RequestOutput) -> bool:
     return out.finish_reason is FinishReason.ERROR and out.error_status == RETRYABLE
-
-
-def _failed(request: EngineRequest, message: str) -> RequestOutput:
-    return RequestOutput(
-        request.request_id,
-        (),
-        "",
-        True,
-        FinishReason.ERROR,
-        request.num_prompt_tokens,
-        0,
-        error=message,
-        error_status=RETRYABLE,
-    )
 
 
 _SAME = frozenset({"block_size", "max_model_len"})  # equal on every replica: kept, not summed

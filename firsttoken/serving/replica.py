@@ -105,12 +105,12 @@ class EngineReplica:
             async for out in self.engine.generate(request):
                 yield out
         except ValueError as exc:  # refused at admission: the message is written for the client
-            yield _failed(request, str(exc), 400)
+            yield error_output(request, str(exc), 400)
         except EngineDeadError:
-            yield _failed(request, ENGINE_STOPPED, 503)
+            yield error_output(request, ENGINE_STOPPED, 503)
         except Exception:
             log.exception("engine replica %s failed on request %s", self.name, request.request_id)
-            yield _failed(request, f"internal server error (request {request.request_id})", 500)
+            yield error_output(request, f"internal server error (request {request.request_id})", 500)
 
     def record_routing_stats(self) -> dict[str, int]:
         s = self.engine.stats()
@@ -145,7 +145,8 @@ class EngineReplica:
             engine.shutdown(timeout_s=1.0)
 
 
-def _failed(request: EngineRequest, message: str, status: int) -> RequestOutput:
+def error_output(request: EngineRequest, message: str, status: int) -> RequestOutput:
+    """The one output that ends ``request`` with an error (``status``: its HTTP status)."""
     return RequestOutput(
         request.request_id,
         (),
