@@ -88,6 +88,7 @@ from firsttoken.api.streaming import (
 from firsttoken.config import ServerConfig
 from firsttoken.engine.client import EngineClient
 from firsttoken.inputs.processor import InputProcessor
+from firsttoken.serving.intake import Intake
 from firsttoken.inputs.prompt import TextPrompt
 from firsttoken.metrics.timeline import Timeline
 from firsttoken.types import EngineRequest, FinishReason
@@ -142,6 +143,7 @@ def build_app(
     app.state.slots = slots
     if observability is not None:  # /metrics /stats /dashboard, API key, per-token timing
         engine = observability.install(app, engine, model.name)
+    intake = Intake(processor, engine)
     done: Callable[[str, Timeline], None] = (
         observability.request_done if observability else lambda *_: None
     )
@@ -195,7 +197,7 @@ def build_app(
                 requests.append(
                     await off_loop(
                         pools.for_request(req),
-                        processor.process,
+                        intake.request,
                         prompts[k // n],
                         choice,
                         request_id,
@@ -381,7 +383,7 @@ def build_app(
         req = await read_model(raw, TokenizeRequest)
         check_model(req.model)
         pool = pools.for_request(req)
-        count = await off_loop(pool, processor.count, req.to_prompt())
+        count = await off_loop(pool, intake.count, req.to_prompt())
         return JSONResponse(
             TokenizeResponse(
                 count=count.total,

@@ -151,7 +151,6 @@ def build_server(
         tokenizer,
         engine.model_config,
         engine.max_model_len,
-        async_engine.check_admission,
         media_network,
     )
     if warm_grammars:

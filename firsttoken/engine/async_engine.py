@@ -31,6 +31,7 @@ from typing import AsyncIterator
 import torch
 
 from firsttoken.engine.engine import LLMEngine
+from firsttoken.scheduler.admission import Reservations
 from firsttoken.scheduler.lanes import SHORT, route_lane
 from firsttoken.types import (
     AdmissionVerdict,
@@ -97,9 +98,8 @@ class AsyncEngine:
         self._in_thread = True
         self._stopping = False
         self._draining = False
-        # request id -> (lane, its work with admitted_s: when): admitted but not yet handed to the
-        # engine
-        self._reservations: dict[str, tuple[str, PromptWork]] = {}
+        # admitted but not yet handed to the engine: one lock over each check and its hold
+        self._reservations = Reservations(RESERVATION_TTL_S)
         self._reservations_lock = threading.Lock()
         self._stats = engine.stats()
         # short requests sent by generate() (event loop) and handed to the engine (engine thread):
@@ -179,30 +179,20 @@ class AsyncEngine:
         it back."""
         with self._reservations_lock:
             now = time.monotonic()
-            for rid in [
-                r
-                for r, (_, w) in self._reservations.items()
-                if now - w.admitted_s > RESERVATION_TTL_S
-            ]:
-                # never handed over (client left between preprocessing and submit)
-                del self._reservations[rid]
             lane = route_lane(work.num_prompt_tokens, self.engine.config.scheduler)
-            # a request asked again at a lower image budget holds a reservation already: not ahead
-            # of itself
-            pending = tuple(
-                w for rid, (v, w) in self._reservations.items() if v == lane and rid != request_id
+            verdict = self.engine.check_admission(
+                work, self._reservations.pending(lane, request_id, now)
             )
-            verdict = self.engine.check_admission(work, pending)
             if verdict.admitted and request_id is not None:
                 held = replace(work, admitted_s=now, long_place_s=verdict.long_place_s)
-                self._reservations[request_id] = (lane, held)
+                self._reservations.hold(request_id, lane, held)
             return verdict
 
     def release(self, request_id: str) -> None:
         """Give back an admission place that will not be used (preprocessing failed after the
         check)."""
         with self._reservations_lock:
-            self._reservations.pop(request_id, None)
+            self._reservations.release(request_id)
 
     # ---- the engine thread -----------------------------------------------------------------------
     def _run(self) -> None:

@@ -35,17 +35,19 @@ REFERENCE_MAX_TOKENS = 16384
 
 
 def image_budget(
-    images: ImageConfig, detail: str | None, max_visual_tokens: int | None, param: str
+    images: ImageConfig, detail: str | None, max_visual_tokens: int | None, param: str,
+    default: int | None = None,
 ) -> int:
-    """The budget of one image part under the server's policy. Raises BudgetError when the request
-    asks for more than the cap."""
+    """The budget of one image part under the server's policy: ``default`` (the family's default
+    rung under the cap; None: the cap) unless the request asks for less. Raises BudgetError when the
+    request asks for more than the cap."""
     if max_visual_tokens is not None and max_visual_tokens > images.image_max_tokens:
         raise BudgetError(
             f"{param}.max_visual_tokens={max_visual_tokens} is above this server's cap of {images.image_max_tokens} "
             f"visual tokens per image; send at most {images.image_max_tokens} or leave it out",
             f"{param}.max_visual_tokens",
         )
-    budget = images.image_max_tokens
+    budget = images.image_max_tokens if default is None else min(default, images.image_max_tokens)
     if detail == "low":
         budget = min(budget, images.image_low_detail_tokens)
     if max_visual_tokens is not None:

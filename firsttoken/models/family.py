@@ -17,6 +17,7 @@ from torch import nn
 from firsttoken.attention.base import AttentionBackend
 from firsttoken.models.config import ModelConfig, VisionConfig
 from firsttoken.models.decode import DecoderLayout
+from firsttoken.models.ladder import PIXEL_LADDER, BudgetLadder
 from firsttoken.models.mrope import Grid, MRopePositions, compute_mrope_positions
 from firsttoken.models.recipe import CheckpointRecipe
 from firsttoken.models.weights import WeightMapping
@@ -97,3 +98,5 @@ class ModelFamily:
     # its decoder's parts as decode methods that read weights directly see them (models/decode.py:
     # the fused decode layers); None: its decoder layers always run eagerly
     decoder_layout: Callable[[ModelConfig], DecoderLayout] | None = None
+    # the visual-token budgets an image can be planned at (models/ladder.py)
+    budget_ladder: BudgetLadder = PIXEL_LADDER

@@ -7,15 +7,18 @@ a prompt in its lane and its own encode and prefill with the step-cost model, at
 step its lane gets, times its class's learnt bias (ttft_bias.py). With ``--ttft-slo``: a prediction
 over the class's objective is refused (429, ``over_slo``); an image prompt whose wait (times the
 margin) is over is admitted with ``lower_budget``; and a newcomer is placed behind any queued long
-request it would push past its objective (``protected_place``).
+request it would push past its objective (``protected_place``). ``negotiate`` is the one rule that
+lowers an image budget down the family's ladder while the verdict asks for less; ``Reservations``
+holds the admitted requests not yet in the backlog.
 """
 
 from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Generic, TypeVar
 
 from firsttoken.config import SchedulerConfig
 from firsttoken.kv.block_manager import KVCacheManager
@@ -26,6 +29,11 @@ from firsttoken.scheduler.request import Request
 from firsttoken.scheduler.step import StepDraft
 from firsttoken.scheduler.ttft_bias import TtftBias
 from firsttoken.types import AdmissionVerdict, PromptWork, count_videos
+
+if TYPE_CHECKING:
+    from firsttoken.models.ladder import BudgetLadder
+
+Plan = TypeVar("Plan")
 
 
 @dataclass(frozen=True)
@@ -374,3 +382,61 @@ def protected_place(
         if at > place and deadline < now + (done + own) / rate:
             out = max(out, at)
     return out
+
+
+@dataclass(frozen=True)
+class Negotiated(Generic[Plan]):
+    plan: Plan  # the last plan asked about
+    verdict: AdmissionVerdict  # its verdict: admitted or not, the caller refuses
+    budget: int | None  # the image budget it was lowered to (None: as asked)
+
+
+def negotiate(ask: Callable[[Plan], AdmissionVerdict], plan_at: Callable[[int], Plan], plan: Plan,
+              budget: int, ladder: BudgetLadder, floor: int) -> Negotiated[Plan]:
+    """The one rule for lowering an image budget under load: ask about ``plan`` (planned at
+    ``budget``, the largest of its images' budgets the client left to the server; 0: none); while
+    the verdict asks for a lower budget, step down the family's ``ladder``, not under ``floor``,
+    and ask about ``plan_at(rung)``. The server's intake (from image headers, nothing decoded) and
+    the simulator both call this."""
+    verdict, start = ask(plan), budget
+    while verdict.asks_lower_budget:
+        lower = ladder.below(budget, floor)
+        if lower is None:
+            break
+        budget = lower
+        plan = plan_at(budget)
+        verdict = ask(plan)
+    return Negotiated(plan, verdict, budget if budget < start else None)
+
+
+class Reservations:
+    """Admitted requests not yet in the scheduler's backlog (still preprocessing, or added since the
+    last step): their work is ahead of a newcomer in their lane. A request asked about again at a
+    lower budget is not ahead of itself. Not thread-safe: the caller serializes the check and the
+    hold (engine/async_engine.py holds one lock over both)."""
+
+    def __init__(self, ttl_s: float = math.inf) -> None:
+        self.ttl_s = ttl_s  # a place never handed over (the client left) expires
+        self._held: dict[str, tuple[str, PromptWork]] = {}
+
+    def pending(self, lane: str, asking: str | None, now: float) -> tuple[PromptWork, ...]:
+        """The work held in ``lane`` ahead of the request ``asking`` (expired places dropped)."""
+        for rid in [r for r, (_, w) in self._held.items()
+                    if now - _or_now(w.admitted_s, now) > self.ttl_s]:
+            del self._held[rid]
+        return tuple(w for rid, (v, w) in self._held.items() if v == lane and rid != asking)
+
+    def hold(self, request_id: str, lane: str, work: PromptWork) -> None:
+        self._held[request_id] = (lane, work)
+
+    def release(self, request_id: str) -> None:
+        self._held.pop(request_id, None)
+
+    def clear(self) -> None:
+        self._held.clear()
+
+    def __len__(self) -> int:
+        return len(self._held)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(list(self._held))

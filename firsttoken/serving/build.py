@@ -8,7 +8,6 @@ serving/ingress.py). Nothing here imports Ray.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -19,7 +18,6 @@ if TYPE_CHECKING:
     from firsttoken.inputs.processor import InputProcessor
     from firsttoken.metrics.recorder import Recorder
     from firsttoken.models.config import ModelConfig
-    from firsttoken.types import AdmissionVerdict, PromptWork
 
 log = logging.getLogger("firsttoken.serve")
 
@@ -78,7 +76,6 @@ def build_processor(
     tokenizer: Any,
     model_config: ModelConfig,
     max_model_len: int,
-    admission: Callable[[PromptWork, str | None], AdmissionVerdict] | None,
     media_network: Any = None,
 ) -> InputProcessor:
     """The processor for prompts to an engine with these facts. ``media_network`` replaces how
@@ -95,7 +92,6 @@ def build_processor(
         images=config.images,
         videos=config.videos,
         media_network=media_network,
-        admission=admission,
     )
 
 

@@ -65,7 +65,6 @@ class Ingress:
             tokenizer,
             facts.model_config,
             facts.max_model_len,
-            fleet.check_admission,
         )
         served = ServedModel(facts.served_model_name, facts.max_model_len, facts.model_dir)
         await fleet.refresh()

@@ -39,12 +39,15 @@ from firsttoken.config import CacheConfig, ImageConfig, SchedulerConfig
 from firsttoken.inputs.budget import plan_image
 from firsttoken.metrics.window import IMAGE_CLASSES, image_class
 from firsttoken.models.config import ModelConfig
+from firsttoken.models.ladder import PIXEL_LADDER
 from firsttoken.models.registry import family_named
+from firsttoken.scheduler.admission import Reservations, negotiate
 from firsttoken.scheduler.cost_model import FEATURE_NAMES, CostModel, encoder_units
 from firsttoken.scheduler.lanes import SHORT, route_lane
 from firsttoken.scheduler.request import Request
 from firsttoken.scheduler.scheduler import Scheduler
 from firsttoken.types import (
+    AdmissionVerdict,
     EncoderUnit,
     EngineRequest,
     FinishReason,
@@ -349,7 +352,7 @@ class SimReplica:
         # admitted since the last schedule built the backlog the admission check reads: their work
         # passed as pending, as the server's admission counts requests admitted and not yet in its
         # scheduler's snapshot (not in the queue depth: they are in the scheduler's queue already)
-        self._unscheduled: list[tuple[str, PromptWork]] = []
+        self._unscheduled = Reservations()
 
     # load signals a router reads (what a replica could report cheaply, plus what the router itself
     # sent)
@@ -379,28 +382,31 @@ class SimReplica:
         self.num_inflight -= 1
         er = _engine_request(request)
         lane = route_lane(er.num_prompt_tokens, self.scheduler.config)
-        pending = tuple(w for v, w in self._unscheduled if v == lane)
-        verdict = self.scheduler.check_admission(
-            PromptWork.of(er.num_prompt_tokens, er.images), 0, pending
-        )
-        model, floor = self.profile.model, self.profile.image_min_tokens_under_load
-        if (
-            model is not None
-            and request.images
-            and all(im.size and im.budget_tokens for im in request.images)
-        ):
-            # as the server's processor: over the objective, the images' budget halved step by step
-            # to the floor
-            original = cap = max(im.budget_tokens or 0 for im in request.images)
-            while verdict.asks_lower_budget and cap > floor:
-                cap = max(floor, cap // 2)
-                images = tuple(image_for(model, *im.size, min(im.budget_tokens or cap, cap))  # type: ignore[misc]
-                               for im in request.images)
-                er = _engine_request(replace(request, images=images))
-                verdict = self.scheduler.check_admission(
-                    PromptWork.of(er.num_prompt_tokens, er.images), 0, pending
-                )
-            outcome.image_budget = cap if cap < original else None
+        pending = self._unscheduled.pending(lane, None, now)
+
+        def ask(er: EngineRequest) -> AdmissionVerdict:
+            return self.scheduler.check_admission(
+                PromptWork.of(er.num_prompt_tokens, er.images), 0, pending
+            )
+
+        model = self.profile.model
+        # as the server's intake: over the objective, the images' budget steps down the family's
+        # ladder (only where the checkpoint's config plans the images again)
+        degradable = model is not None and request.images and all(
+            im.size and im.budget_tokens for im in request.images)
+        original = max(im.budget_tokens or 0 for im in request.images) if degradable else 0
+
+        def plan_at(cap: int) -> EngineRequest:
+            assert model is not None
+            images = tuple(image_for(model, *im.size, min(im.budget_tokens or cap, cap))  # type: ignore[misc]
+                           for im in request.images)
+            return _engine_request(replace(request, images=images))
+
+        ladder = family_named(model.family).budget_ladder if model is not None else PIXEL_LADDER
+        deal = negotiate(ask, plan_at, er, original, ladder, self.profile.image_min_tokens_under_load)
+        er, verdict = deal.plan, deal.verdict
+        if degradable:
+            outcome.image_budget = deal.budget
         if verdict.predicted_ttft_s is not None:
             outcome.predicted_ttft_s = now - request.arrival_s + verdict.predicted_ttft_s
         if not verdict.admitted:
@@ -411,7 +417,7 @@ class SimReplica:
         work = replace(PromptWork.of(er.num_prompt_tokens, er.images), admitted_s=request.arrival_s,
                        long_place_s=verdict.long_place_s)
         lane = route_lane(er.num_prompt_tokens, self.scheduler.config)  # its final plan's lane
-        self._unscheduled.append((lane, work))
+        self._unscheduled.hold(request.request_id, lane, work)
         self.scheduler.add(Request(er, self._seq))
         self._seq += 1
 

@@ -5,13 +5,15 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field, replace
 
 from firsttoken.types import (
+    AdmissionVerdict,
     EngineRequest,
     EngineStats,
     FinishReason,
+    PromptWork,
     RequestOutput,
     RequestStats,
     TokenLogprob,
@@ -40,10 +42,17 @@ class FakeEngine:
     aborted: list[str] = field(default_factory=list)
     submitted: threading.Event = field(default_factory=threading.Event)
     abort_called: threading.Event = field(default_factory=threading.Event)
+    # (work, request id) -> verdict, as the engine's admission check; None: everything is admitted
+    admission: Callable[[PromptWork, str | None], AdmissionVerdict] | None = None
 
     @property
     def is_alive(self) -> bool:
         return self.alive
+
+    def check_admission(self, work: PromptWork, request_id: str | None = None) -> AdmissionVerdict:
+        if self.admission is not None:
+            return self.admission(work, request_id)
+        return AdmissionVerdict.ok("short")
 
     is_draining: bool = False
 

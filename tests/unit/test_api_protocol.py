@@ -348,9 +348,9 @@ class ThreadRecordingProcessor(InputProcessor):
 
     threads: list[int]
 
-    def process(self, prompt, sampling, request_id, arrival_s):
+    def draft(self, prompt, sampling):
         self.threads.append(threading.get_ident())
-        return super().process(prompt, sampling, request_id, arrival_s)
+        return super().draft(prompt, sampling)
 
 
 def test_preprocessing_runs_off_the_event_loop(tiny_model_dir: Path) -> None:
@@ -579,11 +579,12 @@ def test_a_prompt_that_can_never_fit_names_each_routes_prompt_field(tiny_model_d
     from firsttoken.types import AdmissionVerdict
 
     processor = make_processor(tiny_model_dir, MAX_MODEL_LEN)
-    processor.admission = lambda work, request_id: AdmissionVerdict(False, "short", "never_fits", "never fits", 400)
+    engine = FakeEngine(admission=lambda work, request_id: AdmissionVerdict(False, "short", "never_fits", "never fits",
+                                                                            400))
     for path, body, param in (("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}, "messages"),
                               ("/v1/completions", {"prompt": "hi"}, "prompt"),
                               ("/v1/responses", {"input": "hi"}, "input")):
-        assert error_of(post(processor, path, json={"model": MODEL, **body}), 400)["param"] == param
+        assert error_of(post(processor, path, engine, json={"model": MODEL, **body}), 400)["param"] == param
 
 
 def test_unknown_route_is_404_in_error_shape(processor: InputProcessor) -> None:
@@ -826,11 +827,11 @@ class BlockingProcessor(InputProcessor):
         self.held = threading.Semaphore(0)
         self.release = threading.Event()
 
-    def process(self, prompt, sampling, request_id, arrival_s):
+    def draft(self, prompt, sampling):
         if isinstance(prompt, TextPrompt):  # completions requests
             self.held.release()
             assert self.release.wait(30)
-        return super().process(prompt, sampling, request_id, arrival_s)
+        return super().draft(prompt, sampling)
 
 
 def test_a_short_chat_is_answered_while_heavy_requests_hold_every_heavy_thread(tiny_model_dir: Path) -> None:

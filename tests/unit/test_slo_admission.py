@@ -6,9 +6,12 @@ from __future__ import annotations
 
 import pytest
 
-from firsttoken.inputs.processor import AdmissionRefused
+import time
+from types import SimpleNamespace
+
+from firsttoken.serving.intake import AdmissionRefused, Intake
 from firsttoken.types import AdmissionVerdict, PromptWork
-from tests.helpers import make_processor, process
+from tests.helpers import make_processor
 from tests.unit.test_processor import chat, image, png_url, text
 
 
@@ -33,10 +36,15 @@ def processor(tiny_model_dir):
     return make_processor(tiny_model_dir, 8192, image_max_tokens=1024, image_min_tokens_under_load=64)
 
 
+def process(processor, req, engine):
+    """The request through the server's intake, its admission asked of ``engine``."""
+    intake = Intake(processor, SimpleNamespace(check_admission=engine))
+    return intake.request(req.prompts()[0], req.to_sampling(), "r1", time.monotonic())
+
+
 def test_the_budget_is_lowered_step_by_step_until_the_prediction_fits(processor):
     engine = ScriptedEngine(seconds_per_patch=0.05, slo_s=2.0)
-    processor.admission = engine
-    er = process(processor, chat(image(png_url(896, 896)), text("What is this?")))
+    er = process(processor, chat(image(png_url(896, 896)), text("What is this?")), engine)
     budgets = [w.num_prompt_tokens for w in engine.asked]
     assert budgets == sorted(budgets, reverse=True) and len(engine.asked) >= 2  # asked again after each step
     assert er.images[0].num_tokens <= 256 < 1024  # 1024 -> 512 -> 256: the first plan whose prediction fits
@@ -45,30 +53,28 @@ def test_the_budget_is_lowered_step_by_step_until_the_prediction_fits(processor)
 
 
 def test_at_the_floor_it_refuses_with_the_predicted_wait(processor):
-    processor.admission = ScriptedEngine(seconds_per_patch=1.0, slo_s=2.0)  # nothing fits
+    engine = ScriptedEngine(seconds_per_patch=1.0, slo_s=2.0)  # nothing fits
     with pytest.raises(AdmissionRefused) as err:
-        process(processor, chat(image(png_url(896, 896)), text("What is this?")))
+        process(processor, chat(image(png_url(896, 896)), text("What is this?")), engine)
     verdict = err.value.verdict
     assert verdict.status == 429 and verdict.reason == "over_slo" and verdict.retry_after_s > 0
-    assert processor.admission.asked[-1].encoder_patches <= 64 * 4 * 2  # it went down to the floor first
+    assert engine.asked[-1].encoder_patches <= 64 * 4 * 2  # it went down to the floor first
 
 
 def test_a_request_that_chose_its_detail_is_not_degraded_but_refused(processor):
     engine = ScriptedEngine(seconds_per_patch=0.05, slo_s=2.0)
-    processor.admission = engine
     for part in ({"type": "image_url", "image_url": {"url": png_url(896, 896), "detail": "high"}},
                  {"type": "image_url", "image_url": {"url": png_url(896, 896), "max_visual_tokens": 1024}}):
         engine.asked.clear()
         with pytest.raises(AdmissionRefused):
-            process(processor, chat(part, text("What is this?")))
+            process(processor, chat(part, text("What is this?")), engine)
         assert len(engine.asked) == 1  # asked once: nothing of its own may be lowered
 
 
 def test_text_over_its_objective_is_refused_at_once(processor):
     engine = ScriptedEngine(seconds_per_patch=0.0, slo_s=0.1)  # 0.5 s predicted for anything
-    processor.admission = engine
     with pytest.raises(AdmissionRefused):
-        process(processor, chat("hello"))
+        process(processor, chat("hello"), engine)
     assert len(engine.asked) == 1
 
 
@@ -88,33 +94,28 @@ class MarginEngine(ScriptedEngine):
 
 def test_admitted_but_asked_to_lower_it_the_budget_comes_down_until_the_margin_fits(processor):
     engine = MarginEngine(seconds_per_patch=0.05, slo_s=100.0, aim_s=2.0)  # never refused; the margin aims at 2 s
-    processor.admission = engine
-    er = process(processor, chat(image(png_url(896, 896)), text("What is this?")))
+    er = process(processor, chat(image(png_url(896, 896)), text("What is this?")), engine)
     assert len(engine.asked) >= 2 and er.images[0].num_tokens <= 256 < 1024
     assert "lowered from 1024 to" in er.image_budget_note and "margin" in er.image_budget_note
 
 
 def test_at_the_floor_still_asked_to_lower_it_is_admitted_not_refused(processor):
     engine = MarginEngine(seconds_per_patch=1.0, slo_s=100.0, aim_s=0.1)  # nothing meets the margin's aim
-    processor.admission = engine
-    er = process(processor, chat(image(png_url(896, 896)), text("What is this?")))
+    er = process(processor, chat(image(png_url(896, 896)), text("What is this?")), engine)
     assert engine.asked[-1].encoder_patches <= 64 * 4 * 2  # down to the floor, then admitted as it is
     assert er.predicted_ttft_s is not None and "lowered from 1024 to 64" in er.image_budget_note
 
 
 def test_a_request_that_chose_its_detail_keeps_it_when_only_the_margin_asks(processor):
     engine = MarginEngine(seconds_per_patch=0.05, slo_s=100.0, aim_s=0.1)
-    processor.admission = engine
     part = {"type": "image_url", "image_url": {"url": png_url(896, 896), "detail": "high"}}
-    er = process(processor, chat(part, text("What is this?")))
+    er = process(processor, chat(part, text("What is this?")), engine)
     assert len(engine.asked) == 1 and er.image_budget_note is None  # admitted at the detail it asked for
 
 
 def test_a_request_asked_again_is_not_ahead_of_itself_but_others_admitted_are():
     """The async engine counts the lane's admitted-but-not-queued requests ahead of a new one; a request whose
     budget the processor lowers holds such a reservation from its first ask, and its later asks must not count it."""
-    from types import SimpleNamespace
-
     from firsttoken.config import SchedulerConfig
     from firsttoken.engine.async_engine import AsyncEngine
 

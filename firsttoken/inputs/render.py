@@ -1,0 +1,193 @@
+"""Rendering: a prompt as token ids. The chat template with its tools, the template's one pad per
+image and video expanded to the planned visual tokens, and control tokens sanitized: special-token
+strings typed by a client (``<|image_pad|>``, ``<|im_start|>`` ...) are encoded as ordinary text, so
+only the template's own ``<|vision_start|><|image_pad|><|vision_end|>`` can become an image slot.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from typing import Any
+
+from jinja2 import TemplateError
+from transformers import PreTrainedTokenizerBase
+
+from firsttoken.inputs.budget import ImagePlan
+from firsttoken.inputs.chat_template import ChatTemplate
+from firsttoken.inputs.draft import PromptPlan
+from firsttoken.inputs.errors import InputError
+from firsttoken.inputs.prompt import ChatPrompt, ImagePart, Message, TokenPrompt, VideoPart
+from firsttoken.inputs.tools import function_json, hermes_messages, template_messages
+from firsttoken.inputs.vision_items import PlannedVideo
+from firsttoken.models.config import ModelConfig
+from firsttoken.models.registry import family_named
+from firsttoken.quoting import quote
+
+# Control tokens that mark image/video slots: a raw /v1/completions prompt may use the chat control
+# tokens (<|im_start|> ...) but never these, since a slot without pixels would reach the vision
+# path.
+VISION_CONTROL_TOKENS = (
+    "<|vision_start|>",
+    "<|vision_end|>",
+    "<|vision_pad|>",
+    "<|image_pad|>",
+    "<|video_pad|>",
+)
+
+
+class PromptRenderer:
+    """Thread-safe: tokenizers encode concurrently, and nothing here mutates state."""
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, model_config: ModelConfig) -> None:
+        if not tokenizer.chat_template:
+            raise ValueError("the tokenizer has no chat template")
+        if tokenizer.convert_tokens_to_ids("<|image_pad|>") != model_config.image_token_id:
+            raise ValueError(
+                "tokenizer's <|image_pad|> id differs from config.json's image_token_id"
+            )
+        self.tokenizer = tokenizer
+        self.model_config = model_config
+        self.family = family_named(model_config.family)
+        self.chat_template = ChatTemplate(tokenizer)
+        self._vision_tokens_re = re.compile(
+            "(" + "|".join(map(re.escape, VISION_CONTROL_TOKENS)) + ")"
+        )
+        self._template_renders_tools = "tools" in (tokenizer.chat_template or "")
+
+    def raw(self, text: str) -> tuple[int, ...]:
+        """A raw prompt: chat control tokens are honoured, vision control tokens are plain text."""
+        ids: list[int] = []
+        for i, piece in enumerate(self._vision_tokens_re.split(text)):
+            if piece:
+                ids += self.tokenizer.encode(
+                    piece, add_special_tokens=False, split_special_tokens=i % 2 == 1
+                )
+        return tuple(ids)
+
+    def encode_text(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def token_ids(self, prompt: TokenPrompt) -> tuple[int, ...]:
+        """A prompt of token ids, each inside the vocabulary and none a vision control token."""
+        config = self.model_config
+        vision = {
+            config.image_token_id: "image placeholder",
+            config.video_token_id: "video placeholder",
+            config.vision_start_token_id: "vision start",
+            config.vision_end_token_id: "vision end",
+        }
+        for i, t in enumerate(prompt.token_ids):
+            if not 0 <= t < config.vocab_size:
+                raise InputError(f"token id {t} at {i} is outside this model's vocabulary (0 to "
+                                 f"{config.vocab_size - 1})", prompt.param)
+            if t in vision:
+                raise InputError(
+                    f"token id {t} at {i} is the checkpoint's {vision[t]} token; a prompt of token ids "
+                    "carries no images (send images as image_url parts to /v1/chat/completions)",
+                    prompt.param,
+                )
+        return prompt.token_ids
+
+    def chat(self, prompt: ChatPrompt) -> tuple[int, ...]:
+        """The conversation through the chat template, one pad per image and per video; client
+        text cannot forge control tokens, image slots included."""
+        messages, tools = self._with_tools(prompt)
+        try:
+            return tuple(self.chat_template.encode(messages, tools, prompt.add_generation_prompt))
+        # the template refuses this conversation (its own words)
+        except (TemplateError, ValueError) as err:
+            raise InputError(
+                f"the chat template cannot render these messages: {quote(str(err))}", "messages"
+            ) from None
+
+    def expand(self, ids: Sequence[int], plans: Sequence[ImagePlan], blobs: tuple[bytes, ...],
+               videos: tuple[PlannedVideo, ...] = ()) -> PromptPlan:
+        """Each image's one pad token as its planned pads; each video's as the family's video tokens
+        (its grids' pads, and for Qwen3-VL a timestamp per grid), recording where every image and
+        every video grid starts."""
+        config = self.model_config
+        pad, video_pad = config.image_token_id, config.video_token_id
+        for token, items, noun in ((pad, plans, "image"), (video_pad, videos, "video")):
+            num_pads = list(ids).count(token)
+            # the template and our media lists disagree: a bug, never the client's
+            if num_pads != len(items):
+                raise RuntimeError(
+                    f"chat template produced {num_pads} {noun} slots for {len(items)} {noun}s"
+                )
+        merge = config.vision.spatial_merge_size
+        out: list[int] = []
+        offsets: list[int] = []
+        video_offsets: list[tuple[int, ...]] = []
+        next_plan, next_video = iter(plans), iter(videos)
+        for token_id in ids:
+            if token_id == pad:
+                plan = next(next_plan)
+                offsets.append(len(out))
+                out.extend([pad] * plan.num_tokens)
+            elif token_id == video_pad:
+                vplan = next(next_video).plan
+                tokens = self.family.video_prompt_tokens(
+                    vplan.grid_thw, vplan.grid_timestamps(), config, self.encode_text
+                )
+                t, h, w = vplan.grid_thw
+                video_offsets.append(
+                    _grid_starts(tokens, video_pad, t, h * w // (merge * merge), len(out))
+                )
+                out.extend(tokens)
+            else:
+                out.append(token_id)
+        return PromptPlan(tuple(out), tuple(plans), blobs, tuple(offsets), tuple(ids),
+                          videos=videos, video_offsets=tuple(video_offsets))
+
+    def _with_tools(
+        self, prompt: ChatPrompt
+    ) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
+        """(the messages as the chat template sees them, its ``tools``): through the template where
+        it renders tools itself, else written into the messages the hermes way (inputs/tools.py)."""
+        if not self._template_renders_tools:
+            return [
+                _template_message(m) for m in hermes_messages(prompt.messages, prompt.tools)
+            ], None
+        messages = [_template_message(m) for m in prompt.messages]
+        for message, extra in zip(messages, template_messages(prompt.messages) or ()):
+            message.update(extra)
+        return messages, [function_json(f) for f in prompt.tools] or None
+
+
+def _template_message(message: Message) -> dict[str, Any]:
+    """The dict the chat template sees. Image and video parts carry no URL: the template only needs
+    to know one is there."""
+    if message.content is None or isinstance(message.content, str):
+        return {"role": message.role, "content": message.content or ""}
+    parts = [
+        {"type": "image"} if isinstance(p, ImagePart)
+        else {"type": "video"} if isinstance(p, VideoPart)
+        else {"type": "text", "text": p.text}
+        for p in message.content
+    ]
+    return {"role": message.role, "content": parts}
+
+
+def _grid_starts(
+    tokens: Sequence[int], pad: int, num_grids: int, per_grid: int, base: int
+) -> tuple[int, ...]:
+    """Where each of a video's ``num_grids`` runs of ``per_grid`` pads starts, ``base`` + its index
+    in ``tokens`` (the family's video tokens: one run of every grid's pads, or one run per grid
+    between timestamps)."""
+    starts: list[int] = []
+    run = 0
+    for i, token in enumerate(tokens):
+        if token != pad:
+            if run % per_grid:
+                raise RuntimeError(f"a run of {run} video pads is not whole grids of {per_grid}")
+            run = 0
+            continue
+        if run % per_grid == 0:
+            starts.append(base + i)
+        run += 1
+    if len(starts) != num_grids or run % per_grid:
+        raise RuntimeError(
+            f"video tokens hold {len(starts)} grids of {per_grid} pads, planned {num_grids}"
+        )
+    return tuple(starts)
