@@ -49,7 +49,7 @@ from firsttoken.engine.engine import LLMEngine
 from firsttoken.inputs.processor import InputProcessor, load_tokenizer
 from firsttoken.inputs.video_synth import make_clip
 try:
-    from firsttoken.serving.intake import AdmissionRefused, Intake
+    from firsttoken.api.intake import AdmissionRefused, Intake
 except ImportError:  # a checkout from before the intake: the processor asked admission itself
     from firsttoken.inputs.processor import AdmissionRefused
     Intake = None

@@ -84,15 +84,94 @@ def _type_hints(cls: type) -> dict[str, Any]:
     return get_type_hints(cls)
 
 
-def _check_choices(obj: Any) -> None:
-    """Every ``Literal``-typed field of a config dataclass holds one of its values (the field's
-    metadata may add a ``choice_note`` to the message)."""
+def _check_options(obj: Any) -> None:
+    """Every field of a config dataclass as its option declares: a ``Literal``-typed one holds one
+    of its values (its metadata may add a ``choice_note`` to the message), a number is within its
+    declared range, and a ``typed`` one holds its typed value (set here, from text)."""
     hints = _type_hints(type(obj))
     for f in fields(obj):
+        value, m = getattr(obj, f.name), f.metadata
         if choices_of(hints[f.name]):
-            check_choice(
-                f.name, getattr(obj, f.name), hints[f.name], f.metadata.get("choice_note", "")
+            check_choice(f.name, value, hints[f.name], m.get("choice_note", ""))
+        if m.get("typed") is not None:
+            object.__setattr__(obj, f.name, m["typed"](f.name, value))
+        bounds = [(op, m.get(op)) for op in ("ge", "gt", "le") if m.get(op) is not None]
+        if not bounds or (value is None and f.default is None):
+            continue
+        if value is None or not all(_RANGE_OPS[op](value, bound) for op, bound in bounds):
+            unit = f" {m['unit']}" if m.get("unit") else ""
+            unset = f" (or unset: {m['unset']})" if m.get("unset") else ""
+            said = " and ".join(f"{_RANGE_WORDS[op]} {bound:g}" for op, bound in bounds)
+            raise ValueError(f"{f.name} must be {said}{unit}{unset}")
+
+
+_RANGE_OPS: dict[str, Callable[[Any, float], bool]] = {
+    "ge": lambda v, b: v >= b, "gt": lambda v, b: v > b, "le": lambda v, b: v <= b}
+_RANGE_WORDS = {"ge": ">=", "gt": ">", "le": "<="}
+
+
+class TimeBound(str):
+    """auto, off, or a positive number of seconds (--step-time-target, --itl-target): the flag's
+    text, with what it means."""
+
+    @classmethod
+    def of(cls, name: str, value: Any) -> TimeBound:
+        text = str(value).strip()
+        if text not in ("auto", "off"):
+            try:
+                seconds = float(text)
+            except ValueError:
+                raise ValueError(f"{name} must be auto, off or a number of seconds") from None
+            if not seconds > 0:
+                raise ValueError(f"{name} must be > 0 seconds (or auto, or off)")
+        return cls(text)
+
+    @property
+    def is_auto(self) -> bool:
+        return self == "auto"
+
+    @property
+    def is_off(self) -> bool:
+        return self == "off"
+
+    @property
+    def seconds(self) -> float | None:
+        """The number given, or None for auto / off."""
+        return None if self in ("auto", "off") else float(self)
+
+
+class Objectives(str):
+    """TTFT objectives per class, ``text=1.5,image=12`` (--ttft-slo; empty: none): the flag's text,
+    with its seconds per class."""
+
+    @classmethod
+    def of(cls, name: str, value: Any) -> Objectives:
+        text = str(value)
+        try:
+            slo = _objectives(text)
+        except ValueError:
+            raise ValueError(
+                f"{name} must look like text=1.5,image=12 (seconds per class)"
+            ) from None
+        if set(slo) - {"text", "image", "video"} or any(not v > 0 for v in slo.values()):
+            raise ValueError(
+                f"{name} classes are text, image and video, each with a positive number of seconds"
             )
+        return cls(text)
+
+    @property
+    def seconds(self) -> dict[str, float]:
+        """{"text": seconds, "image": seconds, "video": seconds} for the classes given (a prompt
+        with any video is of class video)."""
+        return _objectives(self)
+
+
+def _objectives(text: str) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        name, _, value = part.partition("=")
+        out[name.strip()] = float(value)
+    return out
 
 
 def option(
@@ -103,40 +182,26 @@ def option(
     shown: str | None = None,
     switch_off: bool = False,
     choice_note: str = "",
+    ge: float | None = None,
+    gt: float | None = None,
+    le: float | None = None,
+    unit: str = "",
+    unset: str = "",
+    typed: Callable[[str, Any], Any] | None = None,
 ) -> dict[str, Any]:
     """Field metadata: ``switch_off`` makes a bool field a ``--no-...`` flag that sets it False;
-    ``choice_note`` follows the list of a ``Literal`` field's values in its error message."""
+    ``choice_note`` follows the list of a ``Literal`` field's values in its error message. The
+    range a number must be in: ``ge`` (>=), ``gt`` (>), ``le`` (<=), checked for every field by one
+    loop (``_check_options``), its message naming the field, the bounds, ``unit`` and, for a field
+    that may be None, what ``unset`` means. ``typed(name, value)``: the field's typed value from its
+    flag's text (or the value itself), raising a ValueError that names the field."""
     return {"help": help, "flag": flag, "parse": parse, "shown": shown, "switch_off": switch_off,
-            "choice_note": choice_note}
+            "choice_note": choice_note, "ge": ge, "gt": gt, "le": le, "unit": unit, "unset": unset,
+            "typed": typed}
 
 
 def _csv(text: str) -> tuple[str, ...]:
     return tuple(part.strip() for part in text.split(",") if part.strip())
-
-
-def _positive(name: str, value: float | None, allow_none: bool = False) -> None:
-    if value is None and allow_none:
-        return
-    if value is None or not value > 0:
-        raise ValueError(f"{name} must be > 0" + (" (or unset: no limit)" if allow_none else ""))
-
-
-def _auto_off_or_seconds(name: str, value: str) -> None:
-    if value in ("auto", "off"):
-        return
-    try:
-        seconds = float(value)
-    except ValueError:
-        raise ValueError(f"{name} must be auto, off or a number of seconds") from None
-    if not seconds > 0:
-        raise ValueError(f"{name} must be > 0 seconds (or auto, or off)")
-
-
-def _at_least(name: str, value: int | None, low: int, allow_none: bool = False) -> None:
-    if value is None and allow_none:
-        return
-    if value is None or value < low:
-        raise ValueError(f"{name} must be >= {low}")
 
 
 # ------------------------------------------------------------------------------------------- engine
@@ -157,6 +222,7 @@ class CacheConfig:
             "--gpu-memory-utilization of the device leaves",
             flag="--kv-cache-memory",
             parse=parse_bytes,
+            gt=0, unset="the default pool",
         ),
     )
     gpu_memory_utilization: float = field(
@@ -164,13 +230,14 @@ class CacheConfig:
             "share of the CUDA device's memory the engine may use: the KV pool is what it leaves after the weights, "
             "one profiling step at the largest batch and image the budgets allow, and the encoder cache (as "
             "firsttoken plan --memory computes it); used on cuda when --kv-cache-memory is not given, ignored on "
-            "the CPU"))
+            "the CPU", gt=0, le=1))
     enable_prefix_caching: bool = field(
         default=True, metadata=option("disable KV prefix caching (for side-by-side measurement)",
                                       flag="--no-prefix-cache", switch_off=True))
     encoder_cache_memory_bytes: int = field(
         default=512 * 2**20, metadata=option("bytes of vision-encoder outputs kept by image hash",
-                                             flag="--encoder-cache-memory", parse=parse_bytes))
+                                             flag="--encoder-cache-memory",
+                                             parse=parse_bytes, ge=0))
     enable_encoder_cache: bool = field(
         default=True,
         metadata=option(
@@ -179,16 +246,9 @@ class CacheConfig:
     )
 
     def __post_init__(self) -> None:
+        _check_options(self)
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError("block_size must be a power of two")
-        if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes <= 0:
-            raise ValueError("kv_cache_memory_bytes must be positive")
-        if not 0 < self.gpu_memory_utilization <= 1:
-            raise ValueError(
-                "gpu_memory_utilization must be > 0 and <= 1 (a share of the device's memory)"
-            )
-        if self.encoder_cache_memory_bytes < 0:
-            raise ValueError("encoder_cache_memory_bytes must be >= 0")
 
     @property
     def kv_pool_bytes(self) -> int:
@@ -210,24 +270,22 @@ class GrammarConfig:
     mask_threads: int = field(default=4, metadata=option(
         "threads that advance constrained requests' grammars by their sampled tokens and fill their next output "
         "masks, several requests at once (the grammar library works without the GIL), off the step's thread",
-        flag="--grammar-threads"))
+        flag="--grammar-threads", ge=1))
     mask_wait_s: float = field(default=0.01, metadata=option(
         "seconds a step waits, once its forward is done, for a constrained request's next output mask (worked on "
         "since its last token); only the first step to ask for a mask waits for it: a request whose mask is not "
         "ready samples nothing in this step and its last token runs again in the next steps, which do not wait, so "
-        "its batch-mates wait at most this once per token of it (0: never wait)", flag="--grammar-mask-wait"))
+        "its batch-mates wait at most this once per token of it (0: never wait)",
+        flag="--grammar-mask-wait", ge=0, unit="seconds"))
     request_mask_s: float = field(default=10.0, metadata=option(
         "CPU seconds of grammar work (advancing the matcher, filling masks: each job's own thread time) one "
         "request may use in all; over it, or waiting more than twice as long in wall time for one token's mask "
         "(its work queued behind other requests' or not ending), the request ends with finish_reason error, HTTP "
         "400 (an error event mid-stream) saying so, and its batch-mates go on (an ambiguous grammar's work grows "
-        "with each token)", flag="--grammar-mask-budget"))
+        "with each token)", flag="--grammar-mask-budget", gt=0))
 
     def __post_init__(self) -> None:
-        _at_least("mask_threads", self.mask_threads, 1)
-        if not self.mask_wait_s >= 0:
-            raise ValueError("mask_wait_s must be >= 0 seconds")
-        _positive("request_mask_s", self.request_mask_s)
+        _check_options(self)
 
     @property
     def pending_mask_s(self) -> float:
@@ -242,32 +300,35 @@ class GrammarConfig:
 @dataclass(frozen=True)
 class SchedulerConfig:
     max_batched_tokens: int = field(default=2048, metadata=option(
-        "tokens (prefill chunks + decodes) one engine step may run"))
-    max_num_seqs: int = field(default=64, metadata=option("sequences one engine step may run"))
+        "tokens (prefill chunks + decodes) one engine step may run", ge=1))
+    max_num_seqs: int = field(default=64, metadata=option("sequences one engine step may run",
+    ge=1))
     decode_reserve_tokens: int = field(default=64, metadata=option(
-        "KV tokens reserved beyond the prompt when a request is admitted"))
+        "KV tokens reserved beyond the prompt when a request is admitted", ge=0))
     max_model_len: int | None = field(default=None, metadata=option(
-        "context length; default: the checkpoint's, capped by the KV pool"))
+        "context length; default: the checkpoint's, capped by the KV pool", ge=1))
     scheduling: Scheduling = field(default="lanes", metadata=option(
         "lanes (short/long queues, long work capped per step) or fcfs (one FIFO queue, whole-prompt prefills: the "
         "seed's starting point, for comparison)"))
     long_prompt_threshold: int = field(default=1024, metadata=option(
-        "prompt tokens (text + image) from which a request takes the long lane"))
-    step_time_target: str = field(default="auto", metadata=option(
+        "prompt tokens (text + image) from which a request takes the long lane", ge=1))
+    step_time_target: TimeBound = field(default="auto", metadata=option(
         "seconds one engine step may take, predicted by the step-cost model fitted online from the engine's own "
         "step timings; the long lane fills each step up to it (work-conserving), so a short request arriving "
         "mid-step waits at most one such step. auto: the predicted time of one typical short prompt's prefill, "
         "and while the long lane alone has prompts to prefill (no short prompt waits; decodes ride along unless "
         "--itl-target paces them) throughput-sized steps instead: images encoded whole, chunks of about one short "
-        "prompt's size; off: token budgets only (--long-step-tokens, steps yielded to short prefills)"))
-    itl_target: str = field(default="off", metadata=option(
+        "prompt's size; off: token budgets only (--long-step-tokens, steps yielded to short prefills)",
+        typed=TimeBound.of))
+    itl_target: TimeBound = field(default="off", metadata=option(
         "with a step-time bound: seconds per token each streaming answer should average, counted from its first "
         "decode step. A step that carries decodes is bounded so that each one's next token is on time by that pace "
         "(an answer that got tokens faster, in decode-only steps, lets steps run up to --step-time-target again; "
         "one behind gets steps of at least 4 per-step constants until it catches up); a short request's own prefill "
         "is still granted whole. Costs image prompts throughput (more steps, each with its fixed cost: "
         "docs/scheduling.md). auto: 0.2 s (5 tokens/s), at least 4x the per-step constant the step-cost model "
-        "measured; off: decodes take whole --step-time-target steps, and throughput steps"))
+        "measured; off: decodes take whole --step-time-target steps, and throughput steps",
+        typed=TimeBound.of))
     encoder_interrupt: bool = field(default=True, metadata=option(
         "do not stop the long lane's vision-tower work for a short request (by default a short request that arrives "
         "while a step runs image encoder units stops that step at the next unit; its prefill runs next step and the "
@@ -275,16 +336,17 @@ class SchedulerConfig:
     long_chunk_share: float = field(default=1.0, metadata=option(
         "with a step-time bound: the share of it the long lane's prefill chunks may take in one step (the rest goes "
         "to its vision-tower units, which a short arrival cuts at the next unit); below 1 a short request waits "
-        "less behind a long prompt's prefill, and long prompts prefill in more, smaller chunks"))
+        "less behind a long prompt's prefill, and long prompts prefill in more, smaller chunks",
+        gt=0, le=1))
     long_step_tokens: int = field(default=512, metadata=option(
         "with --step-time-target off: long-lane work per step in tokens (prefill tokens + encoder units' "
-        "token-equivalent cost; a full vision block of an image costs its visual tokens)"))
+        "token-equivalent cost; a full vision block of an image costs its visual tokens)", ge=1))
     long_step_tokens_idle: int | None = field(default=None, metadata=option(
         "with --step-time-target off: long-lane work per step when no short request is waiting or prefilling "
-        "(default: --long-step-tokens)"))
+        "(default: --long-step-tokens)", ge=1))
     long_max_wait_steps: int = field(default=4, metadata=option(
         "steps in a row the long lane may get no work because short work took the step; then it runs anyway "
-        "(aging)"))
+        "(aging)", ge=0))
     long_order: LongOrder = field(default="deadline", metadata=option(
         "the order of the long lane's work (time-bounded steps). deadline: each request gets a place in line when "
         "it arrives, its arrival time plus --long-slack times its own predicted work; earliest place first, so a "
@@ -292,75 +354,44 @@ class SchedulerConfig:
         "starvation). least-work: least predicted remaining work first, with --long-max-passes"))
     long_slack: float = field(default=1.0, metadata=option(
         "with --long-order deadline: seconds of place in line per second of the request's own predicted work "
-        "(0: first come, first served within the lane; larger: smaller requests overtake more)"))
+        "(0: first come, first served within the lane; larger: smaller requests overtake more)",
+        ge=0))
     long_max_passes: int = field(default=8, metadata=option(
-        "with --long-order least-work: a request passed over this many steps in a row goes first (no starvation)"))
+        "with --long-order least-work: a request passed over this many steps in a row goes first (no starvation)",
+        ge=0))
     kv_admission: KvAdmission = field(default="whole-prompt", metadata=option(
         "whole-prompt (start a prefill only when its whole prompt + reserve fits) or optimistic (admit when the "
         "next chunk fits; preempt by recompute when dry)"))
     max_queued_requests: int = field(default=256, metadata=option(
-        "requests waiting per lane; beyond it HTTP 429 with Retry-After"))
+        "requests waiting per lane; beyond it HTTP 429 with Retry-After", ge=1))
     ttft_bias_step: float = field(default=0.05, metadata=option(
         "the predicted TTFT learns its own error per class (0, 1, 2+ images, video) from every first token: each moves "
         "its class's correction factor up or down by this much in log space, towards the median of measured / "
-        "predicted (0: no correction)"))
-    ttft_slo: str = field(default="", metadata=option(
+        "predicted (0: no correction)", ge=0, le=1))
+    ttft_slo: Objectives = field(default="", metadata=option(
         "time-to-first-token objectives per class, e.g. text=1.5,image=12 (seconds). A new request whose predicted "
         "TTFT exceeds its class's objective first gets a smaller visual-token budget (down to "
         "--image-min-tokens-under-load), then, if that is not enough, HTTP 429 with Retry-After, before any image "
-        "is decoded (default: off)", shown="off"))
+        "is decoded (default: off)", shown="off", typed=Objectives.of))
     ttft_slo_wait_margin: float = field(default=2.0, metadata=option(
         "with --ttft-slo: an image request's budget is lowered until its predicted TTFT plus this many times its "
         "predicted wait (the part beyond its own work, where the predictions' error lies) fits the objective; "
-        "refused only when the prediction itself is over it at the lowest budget (0: lower only while over)"))
+        "refused only when the prediction itself is over it at the lowest budget (0: lower only while over)",
+        ge=0))
 
     def __post_init__(self) -> None:
-        _at_least("max_batched_tokens", self.max_batched_tokens, 1)
-        if not self.ttft_slo_wait_margin >= 0:
-            raise ValueError("ttft_slo_wait_margin must be >= 0")
-        if not 0 <= self.ttft_bias_step <= 1:
-            raise ValueError("ttft_bias_step must be between 0 and 1")
-        _at_least("max_num_seqs", self.max_num_seqs, 1)
-        _at_least("decode_reserve_tokens", self.decode_reserve_tokens, 0)
-        _at_least("max_model_len", self.max_model_len, 1, allow_none=True)
-        _check_choices(self)  # scheduling, kv_admission, long_order
-        _at_least("long_prompt_threshold", self.long_prompt_threshold, 1)
-        _at_least("long_step_tokens", self.long_step_tokens, 1)
-        _at_least("long_step_tokens_idle", self.long_step_tokens_idle, 1, allow_none=True)
-        _at_least("long_max_wait_steps", self.long_max_wait_steps, 0)
-        _at_least("long_max_passes", self.long_max_passes, 0)
-        _at_least("max_queued_requests", self.max_queued_requests, 1)
-        if not 0 < self.long_chunk_share <= 1:
-            raise ValueError("long_chunk_share must be in (0, 1]")
-        if not self.long_slack >= 0:
-            raise ValueError("long_slack must be >= 0")
-        try:
-            slo = self.ttft_slo_s
-        except ValueError:
-            raise ValueError(
-                "ttft_slo must look like text=1.5,image=12 (seconds per class)"
-            ) from None
-        if set(slo) - {"text", "image", "video"} or any(not v > 0 for v in slo.values()):
-            raise ValueError(
-                "ttft_slo classes are text, image and video, each with a positive number of seconds"
-            )
-        _auto_off_or_seconds("itl_target", self.itl_target)
-        _auto_off_or_seconds("step_time_target", self.step_time_target)
+        _check_options(self)  # ranges; scheduling, kv_admission, long_order; the typed targets
 
     @property
     def ttft_slo_s(self) -> dict[str, float]:
         """{"text": seconds, "image": seconds, "video": seconds} for the classes given (a prompt
         with any video is of class video)."""
-        out: dict[str, float] = {}
-        for part in filter(None, (p.strip() for p in self.ttft_slo.split(","))):
-            name, _, value = part.partition("=")
-            out[name.strip()] = float(value)
-        return out
+        return Objectives.of("ttft_slo", self.ttft_slo).seconds
 
     @property
     def step_time_target_s(self) -> float | None:
         """The fixed target in seconds, or None for auto / off."""
-        return None if self.step_time_target in ("auto", "off") else float(self.step_time_target)
+        return TimeBound.of("step_time_target", self.step_time_target).seconds
 
 
 @dataclass(frozen=True)
@@ -414,29 +445,30 @@ class EngineConfig:
         "auto: on with --device cuda and --attention-backend triton (the sdpa backend's decode changes shape with "
         "the longest context, which a graph cannot replay), off on the CPU; off: every step eager"))
     num_threads: int | None = field(default=None, metadata=option(
-        "torch threads for the engine (default: all cores)"))
+        "torch threads for the engine (default: all cores)", ge=1))
     decode_threads: int | None = field(default=None, metadata=option(
         "torch threads for steps that only decode (default: one fewer than --num-threads, at least 1: a "
         "decode step is bound by memory bandwidth, and the server's own threads stream its tokens meanwhile); "
         "decode steps that firsttoken's fused decode layers take give torch one thread and those kernels all "
-        "--num-threads as workers of their own, which a pre-empted one never stalls"))
+        "--num-threads as workers of their own, which a pre-empted one never stalls", ge=1))
     seed: int | None = field(
         default=None, metadata=option("seed for requests that bring no seed of their own")
     )
     request_timeout_s: float | None = field(default=None, metadata=option(
         "seconds a request may take from arrival to its last token; later it fails with HTTP 504 (or an error "
-        "event mid-stream) and its KV blocks are freed (default: no limit)", flag="--request-timeout"))
+        "event mid-stream) and its KV blocks are freed (default: no limit)",
+        flag="--request-timeout", gt=0, unset="no limit"))
     max_unread_outputs: int = field(default=256, metadata=option(
         "outputs (about one per token) a streaming request may leave unread once the connection's buffers are "
         "full; beyond it the client is not reading: the request is aborted, logged and counted "
-        "(firsttoken_requests_aborted_total{reason=\"client_not_reading\"})"))
+        "(firsttoken_requests_aborted_total{reason=\"client_not_reading\"})", ge=1))
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     grammar: GrammarConfig = field(default_factory=GrammarConfig)
 
     def __post_init__(self) -> None:
-        # dtype, quantization, cpu_kernels, device, load_format, attention_backend
-        _check_choices(self)
+        # ranges; dtype, quantization, cpu_kernels, device, load_format, attention_backend
+        _check_options(self)
         if self.device == "cuda" and self.quantization in FLOAT32_ACTIVATIONS:
             raise ValueError(f"quantization {self.quantization} runs on the CPU only: with --device cuda use none "
                              "(or auto)")
@@ -445,16 +477,12 @@ class EngineConfig:
                 f"quantization {self.quantization} runs float32 activations: use --dtype float32 "
                 "(or auto)"
             )
-        _at_least("num_threads", self.num_threads, 1, allow_none=True)
-        _at_least("decode_threads", self.decode_threads, 1, allow_none=True)
         if (
             self.num_threads is not None
             and self.decode_threads is not None
             and self.decode_threads > self.num_threads
         ):
             raise ValueError(f"decode_threads ({self.decode_threads}) must not exceed num_threads ({self.num_threads})")
-        _positive("request_timeout_s", self.request_timeout_s, allow_none=True)
-        _at_least("max_unread_outputs", self.max_unread_outputs, 1)
 
 
 # ------------------------------------------------------------------------------------------- inputs
@@ -467,24 +495,25 @@ class ImageConfig:
 
     image_max_tokens: int = field(default=1280, metadata=option(
         "visual tokens per image at most (the cap; images are resized to fit, aspect ratio kept; requests may ask "
-        "for less, never more); 16384 = Qwen2-VL's processor default"))
+        "for less, never more); 16384 = Qwen2-VL's processor default", ge=1))
     image_min_tokens: int = field(default=4, metadata=option(
         "visual tokens per image at least (smaller images are scaled up)"))
     image_low_detail_tokens: int = field(default=256, metadata=option(
-        "the per-image budget of image_url.detail=low"))
+        "the per-image budget of image_url.detail=low", ge=1))
     max_images_per_request: int = field(default=16, metadata=option(
-        "images one request may carry, counted before any is decoded; more gets HTTP 400"))
+        "images one request may carry, counted before any is decoded; more gets HTTP 400", ge=0))
     max_image_pixels: int = field(default=40_000_000, metadata=option(
-        "declared width x height per image, checked from the header before decoding; more gets HTTP 400"))
+        "declared width x height per image, checked from the header before decoding; more gets HTTP 400",
+        ge=1))
     max_image_bytes: int = field(default=20 * 2**20, metadata=option(
         "encoded bytes per image, checked before base64-decoding or reading it; more gets HTTP 400",
-        parse=parse_bytes))
+        parse=parse_bytes, ge=1))
     image_min_tokens_under_load: int = field(default=256, metadata=option(
         "with --ttft-slo: the smallest visual-token budget per image a request's budget is lowered to before it is "
-        "refused (set it to what `firsttoken regress` accepted for this deployment)"))
+        "refused (set it to what `firsttoken regress` accepted for this deployment)", ge=1))
     max_input_tokens: int | None = field(default=None, metadata=option(
         "prompt tokens (text + image + chat template) a request may bring; more gets HTTP 400 (default: only the "
-        "context limit applies)"))
+        "context limit applies)", ge=1))
     allowed_media_dir: Path | None = field(
         default=None,
         metadata=option(
@@ -501,20 +530,14 @@ class ImageConfig:
         metadata=option(
             "seconds one remote image fetch may take, redirects included",
             flag="--media-fetch-timeout",
+            gt=0,
         ),
     )
 
     def __post_init__(self) -> None:
-        _at_least("image_max_tokens", self.image_max_tokens, 1)
+        _check_options(self)
         if not 1 <= self.image_min_tokens <= self.image_max_tokens:
             raise ValueError("image_min_tokens must be >= 1 and <= image_max_tokens")
-        _at_least("image_low_detail_tokens", self.image_low_detail_tokens, 1)
-        _at_least("image_min_tokens_under_load", self.image_min_tokens_under_load, 1)
-        _at_least("max_images_per_request", self.max_images_per_request, 0)
-        _at_least("max_image_pixels", self.max_image_pixels, 1)
-        _at_least("max_image_bytes", self.max_image_bytes, 1)
-        _at_least("max_input_tokens", self.max_input_tokens, 1, allow_none=True)
-        _positive("media_fetch_timeout_s", self.media_fetch_timeout_s)
 
 
 @dataclass(frozen=True)
@@ -526,41 +549,43 @@ class VideoConfig:
 
     video_max_tokens: int = field(default=4096, metadata=option(
         "visual tokens per video at most: (frames / 2) x tokens per two-frame grid; frames are sampled sparser and "
-        "smaller to fit (requests may ask for less via video_url.max_visual_tokens, never more)"))
+        "smaller to fit (requests may ask for less via video_url.max_visual_tokens, never more)",
+        ge=1))
     video_max_frames: int = field(default=768, metadata=option(
-        "sampled frames per video at most (Qwen's FPS_MAX_FRAMES; requests may ask for less via max_frames)"))
+        "sampled frames per video at most (Qwen's FPS_MAX_FRAMES; requests may ask for less via max_frames)",
+        ge=2))
     video_fps: float = field(default=2.0, metadata=option(
-        "frames sampled per second of video (Qwen's default; requests may ask for less via video_url.fps)"))
+        "frames sampled per second of video (Qwen's default; requests may ask for less via video_url.fps)",
+        gt=0))
     video_min_frame_tokens: int = field(default=128, metadata=option(
         "visual tokens per two-frame grid at least (Qwen's VIDEO_MIN_TOKEN_NUM): smaller frames are scaled up, and "
-        "a video that cannot fit its frames at this size under --video-max-tokens gets fewer frames"))
+        "a video that cannot fit its frames at this size under --video-max-tokens gets fewer frames",
+        ge=1))
     video_max_frame_tokens: int = field(default=768, metadata=option(
         "visual tokens per two-frame grid at most (Qwen's VIDEO_MAX_TOKEN_NUM)"))
     video_max_seconds: float = field(default=600.0, metadata=option(
         "duration per video, from the container before decoding (and from its packets, which a lying header cannot "
-        "hide); longer gets HTTP 400"))
+        "hide); longer gets HTTP 400", gt=0))
     max_video_source_frames: int = field(default=36_000, metadata=option(
         "frames a video's container may hold (10 min at 60 fps), counted from the header and the packets before "
-        "decoding; more gets HTTP 400"))
+        "decoding; more gets HTTP 400", ge=1))
     max_video_pixels: int = field(default=4096 * 4096, metadata=option(
-        "declared width x height per video frame, checked from the header before decoding; more gets HTTP 400"))
+        "declared width x height per video frame, checked from the header before decoding; more gets HTTP 400",
+        ge=1))
     max_video_streams: int = field(default=16, metadata=option(
         "streams (tracks of any kind) a video's container may hold, counted from its structure before FFmpeg opens "
-        "it (FFmpeg sets up a decoder per stream while probing); more gets HTTP 400"))
+        "it (FFmpeg sets up a decoder per stream while probing); more gets HTTP 400", ge=1))
     max_video_bytes: int = field(default=256 * 2**20, metadata=option(
         "encoded bytes per video, checked before base64-decoding, reading or fetching it; more gets HTTP 400",
-        parse=parse_bytes))
+        parse=parse_bytes, ge=1))
     video_decode_timeout_s: float = field(default=30.0, metadata=option(
         "seconds reading a video's packets and decoding its sampled frames may take; longer gets HTTP 400",
-        flag="--video-decode-timeout"))
+        flag="--video-decode-timeout", gt=0))
     max_videos_per_request: int = field(default=2, metadata=option(
-        "video parts one request may carry; more gets HTTP 400 before any is read"))
+        "video parts one request may carry; more gets HTTP 400 before any is read", ge=0))
 
     def __post_init__(self) -> None:
-        _at_least("video_max_tokens", self.video_max_tokens, 1)
-        _at_least("video_max_frames", self.video_max_frames, 2)
-        _positive("video_fps", self.video_fps)
-        _at_least("video_min_frame_tokens", self.video_min_frame_tokens, 1)
+        _check_options(self)
         if self.video_max_frame_tokens < self.video_min_frame_tokens:
             raise ValueError("video_max_frame_tokens must be >= video_min_frame_tokens")
         if self.video_max_tokens < self.video_min_frame_tokens:
@@ -568,13 +593,6 @@ class VideoConfig:
                 "video_max_tokens must be >= video_min_frame_tokens (one two-frame grid at its "
                 "smallest size)"
             )
-        _positive("video_max_seconds", self.video_max_seconds)
-        _at_least("max_video_source_frames", self.max_video_source_frames, 1)
-        _at_least("max_video_pixels", self.max_video_pixels, 1)
-        _at_least("max_video_streams", self.max_video_streams, 1)
-        _at_least("max_video_bytes", self.max_video_bytes, 1)
-        _positive("video_decode_timeout_s", self.video_decode_timeout_s)
-        _at_least("max_videos_per_request", self.max_videos_per_request, 0)
 
 
 # ------------------------------------------------------------------------------------------- server
@@ -583,29 +601,31 @@ class VideoConfig:
 @dataclass(frozen=True)
 class ServerConfig:
     host: str = field(default="127.0.0.1", metadata=option("address to bind"))
-    port: int = field(default=8000, metadata=option("port to bind"))
+    port: int = field(default=8000, metadata=option("port to bind", ge=0, le=65535))
     max_request_bytes: int = field(
         default=64 * 2**20,
         metadata=option(
             "largest request body; larger gets HTTP 413 (base64 images are ~4/3 of their bytes)",
             parse=parse_bytes,
+            ge=1,
         ),
     )
     max_concurrent_requests: int = field(default=0, metadata=option(
         "requests in flight at once (preprocessing + generation), all lanes; beyond it HTTP 429 (0: no cap; the "
-        "per-lane queue bound usually suffices)"))
+        "per-lane queue bound usually suffices)", ge=0))
     request_body_timeout_s: float | None = field(default=60.0, metadata=option(
         "seconds from a request's headers to the last byte of its body; later gets HTTP 408 and the connection "
-        "is closed (a body that never ends cannot hold a connection)", flag="--request-body-timeout"))
+        "is closed (a body that never ends cannot hold a connection)",
+        flag="--request-body-timeout", gt=0, unset="no limit"))
     request_header_timeout_s: float = field(default=30.0, metadata=option(
         "seconds a connection may take to send a request's headers; later it is closed",
-        flag="--request-header-timeout"))
+        flag="--request-header-timeout", gt=0))
     shutdown_timeout_s: float = field(default=30.0, metadata=option(
         "on SIGTERM: seconds in-flight requests get to finish (new ones get 503) before the rest are aborted and "
-        "the server exits 0", flag="--shutdown-timeout"))
+        "the server exits 0", flag="--shutdown-timeout", gt=0))
     num_preprocess_threads: int = field(default=2, metadata=option(
         "threads per preprocessing pool (light and heavy requests have one each), off the event loop",
-        flag="--preprocess-threads"))
+        flag="--preprocess-threads", ge=1))
     log_level: str = field(default="info", metadata=option("debug, info, warning, error"))
     log_format: str = field(default="text", metadata=option(
         "server log lines: text or json (one object per line); both carry the request id"))
@@ -619,6 +639,7 @@ class ServerConfig:
         metadata=option(
             "seconds of finished requests that GET /stats and /dashboard summarise",
             flag="--stats-window",
+            gt=0,
         ),
     )
     api_key: str | None = field(default=None, metadata=option(
@@ -626,15 +647,7 @@ class ServerConfig:
         "$FIRSTTOKEN_API_KEY; unset = open)", shown="$FIRSTTOKEN_API_KEY"))
 
     def __post_init__(self) -> None:
-        if not 0 <= self.port <= 65535:
-            raise ValueError("port must be a TCP port (0-65535)")
-        _at_least("max_request_bytes", self.max_request_bytes, 1)
-        _at_least("max_concurrent_requests", self.max_concurrent_requests, 0)
-        _positive("request_body_timeout_s", self.request_body_timeout_s, allow_none=True)
-        _positive("request_header_timeout_s", self.request_header_timeout_s)
-        _positive("shutdown_timeout_s", self.shutdown_timeout_s)
-        _at_least("num_preprocess_threads", self.num_preprocess_threads, 1)
-        _positive("stats_window_s", self.stats_window_s)
+        _check_options(self)
 
 
 @dataclass(frozen=True)

@@ -28,31 +28,22 @@ clients that send extras), and so are the fields that frame an answer rather tha
 
 from __future__ import annotations
 
-import io
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
-import torch
-from fastapi.exceptions import RequestValidationError
-from pydantic import BaseModel
-
-from firsttoken.api.body import validate_model
-from firsttoken.api.errors import validation_error_message
-from firsttoken.api.protocol import UNSUPPORTED_FIELDS, ChatCompletionRequest, CompletionRequest
-from firsttoken.config import GenerationDefaults, ServeConfig, config_from_options
-from firsttoken.engine.engine import LLMEngine
-from firsttoken.inputs.processor import InputError, InputProcessor, load_tokenizer
-from firsttoken.inputs.prompt import ChatPrompt, ImagePart, Message, Prompt, SamplingRequest
-from firsttoken.kernels.cpu_linear import set_kernel_threads
+from firsttoken.api.offline import Conversation, Sampling, chat_request, completion_request
+from firsttoken.config import ServeConfig, config_from_options
+from firsttoken.inputs.errors import InputError  # noqa: F401  (what LLM.chat raises, importable here)
+from firsttoken.inputs.processor import load_tokenizer
+from firsttoken.inputs.prompt import Prompt, SamplingRequest
 from firsttoken.metrics.timeline import Timeline
-from firsttoken.quoting import quote
-from firsttoken.runner.model_runner import DEFAULT_THREADS
+from firsttoken.runner.model_runner import ThreadPlan
+from firsttoken.assembly import assemble
 from firsttoken.types import EngineRequest, FinishReason, TokenLogprob
 
-M = TypeVar("M", bound=BaseModel)
 T = TypeVar("T")
 
 
@@ -78,10 +69,6 @@ class RequestResult:
     error: str | None = None  # with finish_reason "error": what failed (this request only)
 
 
-Conversation = Sequence[Mapping[str, Any]]
-Sampling = SamplingRequest | Mapping[str, Any] | None
-
-
 class LLM:
     """An engine in this process. Not thread-safe: call it from one thread (it runs the engine loop
     itself)."""
@@ -95,23 +82,11 @@ class LLM:
         )
         self.model_dir = resolve_model(model) if model is not None else demo_model_dir()
         self.tokenizer = load_tokenizer(self.model_dir, self.config.chat_template)
-        decoder = getattr(self.tokenizer, "backend_tokenizer", None) or self.tokenizer
-        engine_config = self.config.engine
-        # no server threads to leave a core to: decode on all of them
-        if engine_config.decode_threads is None:
-            engine_config = replace(
-                engine_config, decode_threads=engine_config.num_threads or DEFAULT_THREADS
-            )
-        self.engine = LLMEngine(self.model_dir, engine_config, decoder,
-                                profile_image_tokens=self.config.images.image_max_tokens)
-        self.processor = InputProcessor(
-            self.tokenizer,
-            self.engine.model_config,
-            GenerationDefaults.from_pretrained(self.model_dir),
-            max_model_len=self.engine.max_model_len,
-            images=self.config.images,
-            videos=self.config.videos,
-        )
+        # the server's assembly: calibrated as the server is, so steps are sized as the server's
+        # (calibrating runs steps, which change this thread's counts)
+        with ThreadPlan.kept():
+            self.engine, self.processor = assemble(self.config, self.model_dir, self.tokenizer,
+                                                   offline=True)
         self._next_id = 0
 
     # ---- public ----------------------------------------------------------------------------------
@@ -124,9 +99,8 @@ class LLM:
         batch. ``sampling``: one for every conversation, or a list with one per conversation."""
         batch = _is_batch(messages)
         conversations = list(messages) if batch else [messages]
-        made = [
-            _chat(c, s) for c, s in zip(conversations, _per_prompt(sampling, len(conversations)))
-        ]
+        per_prompt = _per_prompt(sampling, len(conversations))
+        made = [chat_request(c, s) for c, s in zip(conversations, per_prompt)]
         results = self.run([prompt for prompt, _ in made], [request for _, request in made])
         return results if batch else results[0]
 
@@ -138,7 +112,7 @@ class LLM:
         ``chat``."""
         batch = not isinstance(prompts, str)
         texts = list(prompts) if batch else [prompts]
-        made = [_completion(t, s) for t, s in zip(texts, _per_prompt(sampling, len(texts)))]
+        made = [completion_request(t, s) for t, s in zip(texts, _per_prompt(sampling, len(texts)))]
         results = self.run([prompt for prompt, _ in made], [request for _, request in made])
         return results if batch else results[0]
 
@@ -147,7 +121,7 @@ class LLM:
         expanded, M-RoPE positions, each image's patches), without running it: for comparing with
         another implementation on the very same inputs. Nothing runs or is queued (the
         processed-image cache keeps the pixels, as for ``chat``)."""
-        prompt, request = _chat(messages, sampling)
+        prompt, request = chat_request(messages, sampling)
         return self.processor.process(prompt, request, "preprocess-only", time.monotonic())
 
     def run(
@@ -172,15 +146,9 @@ class LLM:
         for r in requests:
             self.engine.add_request(r)
         pending = set(collected)
-        threads, kernel_threads = torch.get_num_threads(), set_kernel_threads(None)
-        try:
+        with ThreadPlan.kept():  # the engine's steps change this thread's counts
             while pending:
                 self._step(collected, pending)
-        # the engine changes this thread's torch and kernel threads (--decode-threads): give them
-        # back
-        finally:
-            torch.set_num_threads(threads)
-            set_kernel_threads(kernel_threads)
         return [collected[r.request_id].result(r.request_id) for r in requests]
 
     def _step(self, collected: dict[str, "_Collected"], pending: set[str]) -> None:
@@ -241,124 +209,6 @@ def _is_batch(messages: Any) -> bool:
     return (
         isinstance(messages, Sequence) and bool(messages) and not isinstance(messages[0], Mapping)
     )
-
-
-# the ``model`` of the bodies the offline API validates (it serves the model it loaded)
-OFFLINE_MODEL = "offline"
-
-# Request fields that say what to answer or how to frame the answer, not how to sample: the offline
-# API takes its prompts as arguments and answers each with one whole RequestResult of text.
-NOT_SAMPLING: dict[str, str] = {
-    "model": "the LLM serves the model it loaded",
-    "messages": "the conversation is chat()'s first argument",
-    "prompt": "the prompts are complete()'s first argument",
-    "stream": "results come back whole",
-    "stream_options": "results come back whole",
-    "n": "each prompt gets one result; repeat the prompt (with other seeds) for more",
-    "echo": "a result holds the generated text only",
-    "tools": "a result holds text, not parsed tool calls",
-    "tool_choice": "a result holds text, not parsed tool calls",
-    "parallel_tool_calls": "a result holds text, not parsed tool calls",
-}
-
-
-def _chat(conversation: Conversation, sampling: Sampling) -> tuple[ChatPrompt, SamplingRequest]:
-    """The conversation and OpenAI-style sampling fields validated as /v1/chat/completions validates
-    its body (a refusal is its 400's message); ``{"type": "image_pil", "image_pil": img}`` parts
-    (PIL images, as vLLM's offline API accepts) stand in as empty text parts, then become PNG
-    bytes."""
-    messages = (
-        [_without_pil(m) for m in conversation]
-        if isinstance(conversation, Sequence)
-        else conversation
-    )
-    body = {
-        **_sampling_fields(sampling, ChatCompletionRequest, "/v1/chat/completions"),
-        "model": OFFLINE_MODEL,
-        "messages": messages,
-    }
-    request = _validated(ChatCompletionRequest, body)
-    prompt = request.to_prompt()
-    prompt = replace(
-        prompt,
-        messages=tuple(
-            _with_pil(m, original) for m, original in zip(prompt.messages, conversation)
-        ),
-    )
-    return prompt, sampling if isinstance(sampling, SamplingRequest) else request.to_sampling()
-
-
-def _completion(text: str, sampling: Sampling) -> tuple[Prompt, SamplingRequest]:
-    """A prompt and OpenAI-style sampling fields validated as /v1/completions validates its body."""
-    body = {
-        **_sampling_fields(sampling, CompletionRequest, "/v1/completions"),
-        "model": OFFLINE_MODEL,
-        "prompt": text,
-    }
-    request = _validated(CompletionRequest, body)
-    return request.prompts()[0], sampling if isinstance(
-        sampling, SamplingRequest
-    ) else request.to_sampling()
-
-
-def _validated(model: type[M], body: dict[str, Any]) -> M:
-    """``body`` as its HTTP route validates it; a refusal raises InputError (a ValueError) with the
-    message and param of that route's 400."""
-    try:
-        return validate_model(body, model)
-    except RequestValidationError as err:
-        raise InputError(*validation_error_message(err)) from None
-
-
-def _sampling_fields(sampling: Sampling, model: type[BaseModel], route: str) -> dict[str, Any]:
-    """OpenAI-style sampling fields, each a field of ``model`` (or one of UNSUPPORTED_FIELDS, which
-    its validation refuses unless "off"), none of NOT_SAMPLING; a SamplingRequest (already the
-    processor's value) or None: none."""
-    if sampling is None or isinstance(sampling, SamplingRequest):
-        return {}
-    if not isinstance(sampling, Mapping):
-        raise InputError(f"sampling is a mapping of request fields or a SamplingRequest, not a "
-                         f"{type(sampling).__name__}")
-    for key in sampling:
-        if key in NOT_SAMPLING:
-            raise InputError(f"'{key}' is not a sampling field: {NOT_SAMPLING[key]}", key)
-        if key not in model.model_fields and key not in UNSUPPORTED_FIELDS:
-            raise InputError(f"'{quote(str(key))}' is not a field of {route}'s body", str(key))
-    return dict(sampling)
-
-
-def _without_pil(message: Any) -> Any:
-    """A message with each PIL image part as an empty text part (the schema knows no PIL images)."""
-    content = message.get("content") if isinstance(message, Mapping) else None
-    if not isinstance(content, list) or not any(_is_pil_part(p) for p in content):
-        return message
-    return {
-        **message,
-        "content": [{"type": "text", "text": ""} if _is_pil_part(p) else p for p in content],
-    }
-
-
-def _with_pil(message: Message, original: Any) -> Message:
-    """``message`` with the PIL images of ``original`` (the client's message) back in place of their
-    stand-ins."""
-    content = original.get("content") if isinstance(original, Mapping) else None
-    if not isinstance(content, list) or not any(_is_pil_part(p) for p in content):
-        return message
-    parts = [
-        ImagePart(data=_png(p["image_pil"])) if _is_pil_part(p) else q
-        for p, q in zip(content, message.content)
-    ]
-    return replace(message, content=tuple(parts))
-
-
-def _png(image: Any) -> bytes:
-    buf = io.BytesIO()
-    image.save(buf, format="PNG")
-    return buf.getvalue()
-
-
-def _is_pil_part(part: Any) -> bool:
-    return isinstance(part, Mapping) and part.get("type") == "image_pil"
 
 
 def _per_prompt(sampling: T | Sequence[T], num_prompts: int) -> list[T]:

@@ -26,7 +26,7 @@ from firsttoken.inputs.errors import InputError
 from firsttoken.inputs.image import ImageInputError
 from firsttoken.inputs.video import VideoInputError
 from firsttoken.quoting import ELLIPSIS, printable, quote
-from firsttoken.serving.intake import AdmissionRefused
+from firsttoken.api.intake import AdmissionRefused
 
 RETRY_AFTER_S = 1  # what a 429 from a full lane queue tells clients to wait, in seconds
 MAX_MESSAGE_CHARS = 1000  # the longest message we render; our own longest (context limits) is ~350

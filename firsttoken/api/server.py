@@ -88,7 +88,7 @@ from firsttoken.api.streaming import (
 from firsttoken.config import ServerConfig
 from firsttoken.engine.client import EngineClient
 from firsttoken.inputs.processor import InputProcessor
-from firsttoken.serving.intake import Intake
+from firsttoken.api.intake import Intake
 from firsttoken.inputs.prompt import TextPrompt
 from firsttoken.metrics.timeline import Timeline
 from firsttoken.types import EngineRequest, FinishReason

@@ -17,7 +17,7 @@ from typing import Any
 
 from firsttoken.cli.usage import OneLineParser
 from firsttoken.config import ServeConfig, config_flags, config_from_options
-from firsttoken.serving.build import model_dir_of, served_name_of
+from firsttoken.assembly import model_dir_of, served_name_of
 from firsttoken.units import parse_bytes
 
 __all__ = [
@@ -137,22 +137,16 @@ def build_server(
     from firsttoken.api.observability import observability_from_config
     from firsttoken.api.server import build_app
     from firsttoken.api.settings import ServedModel
+    from firsttoken.engine.async_engine import AsyncEngine
     from firsttoken.inputs.processor import load_tokenizer
-    from firsttoken.serving.build import build_engine, build_processor
+    from firsttoken.assembly import assemble
 
     model_dir = model_dir_of(config)
     tokenizer = load_tokenizer(model_dir, config.chat_template)
     observability = observability_from_config(config.server, tokenizer)
-    async_engine = build_engine(config, model_dir, tokenizer, observability.recorder, fault_hook)
-    engine = async_engine.engine
-    processor = build_processor(
-        config,
-        model_dir,
-        tokenizer,
-        engine.model_config,
-        engine.max_model_len,
-        media_network,
-    )
+    engine, processor = assemble(config, model_dir, tokenizer, observability.recorder, fault_hook,
+                                 media_network)
+    async_engine = AsyncEngine(engine, on_abort=observability.recorder.on_aborted)
     if warm_grammars:
         start = time.monotonic()
         processor.warm_grammars()

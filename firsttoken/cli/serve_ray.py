@@ -129,7 +129,7 @@ def checked_options(args: argparse.Namespace) -> tuple[ServeConfig, FleetOptions
     from firsttoken.cli.serve_checks import check_serve_config, flag_error
     from firsttoken.cli.usage import UsageError
     from firsttoken.models.hub import ModelNotFound
-    from firsttoken.serving.build import model_dir_of
+    from firsttoken.assembly import model_dir_of
 
     try:
         config = serve_config(args)

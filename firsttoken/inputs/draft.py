@@ -4,13 +4,21 @@ each video's plan from its container, and what /tokenize reports of it."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from firsttoken.inputs.budget import ImagePlan
+from firsttoken.inputs.video import VideoHeader, VideoIndex, VideoPlan
 from firsttoken.types import PromptWork
 
-if TYPE_CHECKING:
-    from firsttoken.inputs.vision_items import PlannedVideo
+
+@dataclass(frozen=True)
+class PlannedVideo:
+    """A video planned from its header and packets (or its frames' headers), not decoded yet."""
+
+    plan: VideoPlan
+    sources: tuple[bytes, ...]  # the container's bytes (one), or each frame's encoded bytes
+    header: VideoHeader | None  # None: a frame list
+    index: VideoIndex | None
+    param: str
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,7 @@ expansion, positions. A pipeline over its own modules: rendering (inputs/render.
 (inputs/vision_items.py), limits (inputs/limits.py) and sampling fields (inputs/sampling.py).
 
 Steps (all CPU work; the server runs them in a thread pool, never on the event loop). ``draft`` is
-steps 1-5, ``finish`` 6-7, ``process`` both; the server's intake (serving/intake.py) asks the
+steps 1-5, ``finish`` 6-7, ``process`` both; the server's intake (api/intake.py) asks the
 engine's admission between them, and may ask ``lowered`` drafts at lower image budgets:
 
 1. check the sampling fields (cheap, before any image is touched), measure the text against the

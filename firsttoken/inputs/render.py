@@ -15,11 +15,10 @@ from transformers import PreTrainedTokenizerBase
 
 from firsttoken.inputs.budget import ImagePlan
 from firsttoken.inputs.chat_template import ChatTemplate
-from firsttoken.inputs.draft import PromptPlan
+from firsttoken.inputs.draft import PlannedVideo, PromptPlan
 from firsttoken.inputs.errors import InputError
 from firsttoken.inputs.prompt import ChatPrompt, ImagePart, Message, TokenPrompt, VideoPart
 from firsttoken.inputs.tools import function_json, hermes_messages, template_messages
-from firsttoken.inputs.vision_items import PlannedVideo
 from firsttoken.models.config import ModelConfig
 from firsttoken.models.registry import family_named
 from firsttoken.quoting import quote

@@ -6,12 +6,13 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from firsttoken.config import ImageConfig, VideoConfig
 from firsttoken.inputs.budget import BudgetError, ImagePlan, image_budget, plan_image
+from firsttoken.inputs.draft import PlannedVideo, PromptPlan
 from firsttoken.inputs.errors import InputError
 from firsttoken.inputs.image import (
     ImageInputError,
@@ -31,10 +32,7 @@ from firsttoken.inputs.mm_hash import (
 from firsttoken.inputs.prompt import ChatPrompt, ImagePart, VideoPart
 from firsttoken.inputs.video import (
     VideoAsk,
-    VideoHeader,
-    VideoIndex,
     VideoInputError,
-    VideoPlan,
     decode_frame_list,
     decode_video,
     plan_frame_list,
@@ -44,20 +42,6 @@ from firsttoken.inputs.video_pixels import grid_rows, video_pixel_values
 from firsttoken.models.config import ModelConfig
 from firsttoken.models.registry import family_named
 from firsttoken.types import ImageItem, PromptWork
-
-if TYPE_CHECKING:
-    from firsttoken.inputs.draft import PromptPlan
-
-
-@dataclass(frozen=True)
-class PlannedVideo:
-    """A video planned from its header and packets (or its frames' headers), not decoded yet."""
-
-    plan: VideoPlan
-    sources: tuple[bytes, ...]  # the container's bytes (one), or each frame's encoded bytes
-    header: VideoHeader | None  # None: a frame list
-    index: VideoIndex | None
-    param: str
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,8 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -152,6 +153,18 @@ class ThreadPlan:
             self.switches += 1
         set_kernel_threads(self.threads if fused else None)
         set_kernel_spin("decode" if fused else "other")
+
+    @staticmethod
+    @contextmanager
+    def kept() -> Iterator[None]:
+        """The calling thread's torch and kernel thread counts, given back after: for a caller that
+        steps the engine in its own thread (the offline LLM), whose counts each step changes."""
+        threads, kernel_threads = torch.get_num_threads(), set_kernel_threads(None)
+        try:
+            yield
+        finally:
+            torch.set_num_threads(threads)
+            set_kernel_threads(kernel_threads)
 
 
 class ModelRunner:

@@ -62,12 +62,10 @@ class Pacing:
         self.clock = clock
         # chosen once: time-bounded steps at all, throughput steps for a lone request, a pace for
         # streaming answers
-        self.bounded = time_bounded and config.step_time_target != "off"
-        self.throughput_steps = self.bounded and config.step_time_target == "auto"
-        self.paced = self.bounded and config.itl_target != "off"
-        self.itl_target_s = (
-            None if config.itl_target in ("auto", "off") else float(config.itl_target)
-        )
+        self.bounded = time_bounded and not config.step_time_target.is_off
+        self.throughput_steps = self.bounded and config.step_time_target.is_auto
+        self.paced = self.bounded and not config.itl_target.is_off
+        self.itl_target_s = config.itl_target.seconds
         self.calibrating = calibrating
         # recent short prompts: what the bound serves
         self._short_prompt_lens: deque[int] = deque(maxlen=256)

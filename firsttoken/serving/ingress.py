@@ -24,7 +24,7 @@ from firsttoken.api.settings import ServedModel
 from firsttoken.config import ServeConfig
 from firsttoken.inputs.processor import load_tokenizer
 from firsttoken.serving.options import ReplicaCount
-from firsttoken.serving.build import build_processor, model_dir_of
+from firsttoken.assembly import build_processor, model_dir_of
 from firsttoken.serving.fleet import FleetEngineClient, Pool
 from firsttoken.serving.metrics import merge_expositions
 from firsttoken.serving.replica import ReplicaFacts

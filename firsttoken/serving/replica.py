@@ -31,13 +31,13 @@ from prometheus_client import generate_latest
 
 from firsttoken.api.observability import engine_snapshot
 from firsttoken.config import ServeConfig
-from firsttoken.engine.async_engine import EngineDeadError
+from firsttoken.engine.async_engine import AsyncEngine, EngineDeadError
 from firsttoken.inputs.processor import load_tokenizer
 from firsttoken.metrics.prometheus import make_registry
 from firsttoken.metrics.recorder import Recorder
 from firsttoken.models.config import ModelConfig
 from firsttoken.serving.autoscale import NUM_RUNNING, NUM_WAITING
-from firsttoken.serving.build import build_engine, model_dir_of, served_name_of
+from firsttoken.assembly import build_engine, model_dir_of, served_name_of
 from firsttoken.serving.routing import RoutingHints
 from firsttoken.types import EngineRequest, EngineStats, FinishReason, RequestOutput
 
@@ -80,7 +80,8 @@ class EngineReplica:
         # Request records complete here from the engine's own stamps (no transport to wait for):
         # grace 0.
         self.recorder = Recorder(window_s=config.server.stats_window_s, grace_s=0.0)
-        self.engine = build_engine(config, model_dir, tokenizer, self.recorder, fault_hook)
+        self.engine = AsyncEngine(build_engine(config, model_dir, tokenizer, self.recorder, fault_hook),
+                                  on_abort=self.recorder.on_aborted)
         self.engine.start()
         engine = self.engine.engine
         self.name = f"{pool}/{serve.get_replica_context().replica_id.unique_id}"

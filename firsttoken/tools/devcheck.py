@@ -26,7 +26,8 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     # the offline Python API; operator tools (they talk HTTP or do arithmetic); how a server is
     # assembled from the config (one engine, or replicas on Ray Serve)
     ("llm", "tools", "serving"),
-    ("api",),  # the HTTP server
+    ("assembly",),  # the engine and the input processor from the config: one place for all of them
+    ("api",),  # the HTTP server; its intake asks the engine's admission between the processor's steps
     ("inputs",),  # prompts -> EngineRequest
     ("engine",),  # the step loop, the asyncio bridge, detokenizer
     ("scheduler", "runner"),  # bookkeeping (ints only) / tensors, behind the Executor

@@ -94,11 +94,30 @@ def test_the_callers_torch_threads_are_the_same_after_a_call(tiny_model_dir: Pat
         llm = LLM(tiny_model_dir, dtype="float32", kv_cache_memory="16MiB", num_threads=2)
         assert llm.engine.executor.runner.threads.decode_threads == 2  # offline, no server: decode on all
         fewer = LLM(tiny_model_dir, dtype="float32", kv_cache_memory="16MiB", num_threads=2, decode_threads=1)
+        assert torch.get_num_threads() == 2  # calibrating at construction gave it back too
+        switches = fewer.engine.executor.runner.threads.switches
         fewer.chat([{"role": "user", "content": "hi"}], GREEDY)
-        assert fewer.engine.executor.runner.threads.switches == 1  # prefill on 2, decode on 1, ...
+        assert fewer.engine.executor.runner.threads.switches == switches + 1  # prefill on 2, decode on 1, ...
         assert torch.get_num_threads() == 2  # ... and the caller's count given back
     finally:
         torch.set_num_threads(before)
+
+
+def test_the_offline_llm_sizes_its_steps_as_the_server_does(llm: LLM, tiny_model_dir: Path):
+    """One assembly for both: given the same options, the offline engine fits its step-cost model before the first
+    request exactly when the server's does, so both run time-bounded steps from the first (the default
+    --step-time-target auto) and report a step bound; with the bound off, neither calibrates."""
+    from firsttoken.cli.serve import build_server
+    from firsttoken.config import config_from_options
+
+    options = dict(dtype="float32", kv_cache_memory="16MiB", max_batched_tokens=256)
+    for extra in ({}, {"step_time_target": "off"}):
+        _, served = build_server(config_from_options(model=str(tiny_model_dir), **options, **extra))
+        offline = llm if not extra else LLM(tiny_model_dir, **options, **extra)
+        bounded = not extra
+        assert served.engine.cost_model.is_fitted is offline.engine.cost_model.is_fitted is bounded
+        assert (served.stats().step_time_target_s is not None) is bounded
+        assert (offline.engine.stats().step_time_target_s is not None) is bounded
 
 
 def test_a_batch_takes_one_sampling_per_conversation(llm: LLM):

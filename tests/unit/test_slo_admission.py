@@ -9,7 +9,7 @@ import pytest
 import time
 from types import SimpleNamespace
 
-from firsttoken.serving.intake import AdmissionRefused, Intake
+from firsttoken.api.intake import AdmissionRefused, Intake
 from firsttoken.types import AdmissionVerdict, PromptWork
 from tests.helpers import make_processor
 from tests.unit.test_processor import chat, image, png_url, text

@@ -1,20 +1,22 @@
-"""How a firsttoken server is assembled from the config tree: the model directory and served name,
-the engine (weights loaded, calibrated, its thread not yet started) and the input processor.
-``firsttoken serve`` puts both in one process behind one HTTP app (cli/serve.py); on Ray Serve each
-engine replica builds the engine and the ingress builds the processor (serving/replica.py,
+"""How firsttoken is assembled from the config tree, in one place for every way it runs: the model
+directory and served name, the engine (weights loaded, calibrated where its steps are time-bounded)
+and the input processor. ``firsttoken serve`` puts both in one process behind one HTTP app
+(cli/serve.py), the offline ``LLM`` steps the engine itself (llm.py), and on Ray Serve each engine
+replica builds the engine and the ingress builds the processor (serving/replica.py,
 serving/ingress.py). Nothing here imports Ray.
 """
 
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 # the command line imports this module; torch and the engine load only when a server is built
 if TYPE_CHECKING:
     from firsttoken.config import ServeConfig
-    from firsttoken.engine.async_engine import AsyncEngine
+    from firsttoken.engine.engine import LLMEngine
     from firsttoken.inputs.processor import InputProcessor
     from firsttoken.metrics.recorder import Recorder
     from firsttoken.models.config import ModelConfig
@@ -45,29 +47,43 @@ def served_name_of(config: ServeConfig, model_dir: Path) -> str:
     )
 
 
-def build_engine(config: ServeConfig, model_dir: Path, tokenizer: Any, recorder: Recorder,
-                 fault_hook: Any = None) -> AsyncEngine:
-    """The engine over ``model_dir`` (weights loaded; calibrated when steps are time-bounded or TTFT
-    has an objective), wrapped in its asyncio bridge; the caller starts its thread. ``fault_hook``:
-    the runner's test seam (runner.model_runner.FaultHook), None in production."""
-    from firsttoken.engine.async_engine import AsyncEngine
+def needs_calibration(config: ServeConfig) -> bool:
+    """The step-cost model prices steps and predicts TTFT from the first request on: fitted before
+    serving where steps are time-bounded or TTFT has an objective."""
+    sched = config.engine.scheduler
+    return not sched.step_time_target.is_off or bool(sched.ttft_slo_s)
+
+
+def build_engine(config: ServeConfig, model_dir: Path, tokenizer: Any,
+                 recorder: Recorder | None = None, fault_hook: Any = None,
+                 offline: bool = False) -> LLMEngine:
+    """The engine over ``model_dir``: weights loaded, calibrated where ``needs_calibration``; the
+    caller wraps it (AsyncEngine) or steps it itself (the offline LLM). ``offline``: no server
+    threads share the cores, so decode-only steps default to all of the engine's threads (a server
+    leaves one to its own threads). ``fault_hook``: the runner's test seam
+    (runner.model_runner.FaultHook), None in production."""
     from firsttoken.engine.engine import LLMEngine
+    from firsttoken.runner.model_runner import DEFAULT_THREADS
 
     if config.model is None:
         log.warning("no --model given: serving the built-in demo checkpoint (random weights, nonsense answers) "
                     "from %s", model_dir)
+    engine_config = config.engine
+    if offline and engine_config.decode_threads is None:
+        engine_config = replace(
+            engine_config, decode_threads=engine_config.num_threads or DEFAULT_THREADS
+        )
     engine = LLMEngine(
         model_dir,
-        config.engine,
+        engine_config,
         tokenizer=_decoder(tokenizer),
         fault_hook=fault_hook,
         observer=recorder,
         profile_image_tokens=config.images.image_max_tokens,
     )
-    if config.engine.scheduler.step_time_target != "off" or config.engine.scheduler.ttft_slo:
-        # the step-cost model prices steps and predicts TTFT from the first request on
+    if needs_calibration(config):
         engine.calibrate()
-    return AsyncEngine(engine, on_abort=recorder.on_aborted)
+    return engine
 
 
 def build_processor(
@@ -93,6 +109,17 @@ def build_processor(
         videos=config.videos,
         media_network=media_network,
     )
+
+
+def assemble(config: ServeConfig, model_dir: Path, tokenizer: Any, recorder: Recorder | None = None,
+             fault_hook: Any = None, media_network: Any = None, offline: bool = False
+             ) -> tuple[LLMEngine, InputProcessor]:
+    """The engine and its processor, as ``firsttoken serve`` and the offline ``LLM`` run them (the
+    Ray replica builds the engine half, the ingress the processor half, from the replica's facts)."""
+    engine = build_engine(config, model_dir, tokenizer, recorder, fault_hook, offline)
+    processor = build_processor(config, model_dir, tokenizer, engine.model_config,
+                                engine.max_model_len, media_network)
+    return engine, processor
 
 
 def _decoder(tokenizer: Any) -> Any:
