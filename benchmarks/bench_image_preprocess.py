@@ -19,7 +19,7 @@ from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
 )
 
 from firsttoken.inputs.image import preprocess_image, smart_resize
-from firsttoken.models.config import ImageProcessorConfig
+from firsttoken.models.model_config import ImageProcessorConfig
 
 SIZES = [(448, 448), (1024, 1024), (2048, 1536)]  # (width, height)
 VISION = ImageProcessorConfig()  # Qwen2-VL: 14-px patches, 2x2 merge, CLIP mean and std

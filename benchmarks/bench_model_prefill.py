@@ -26,8 +26,8 @@ from PIL import Image
 
 from firsttoken.attention.base import AttentionMetadata
 from firsttoken.loading.loader import load_model
-from firsttoken.models.config import ModelConfig
 from firsttoken.models.interfaces import ImageRows
+from firsttoken.models.model_config import ModelConfig
 from firsttoken.models.mrope import compute_mrope_positions
 from firsttoken.models.registry import load_model_config
 from firsttoken.runner.kv_cache import allocate_kv_caches

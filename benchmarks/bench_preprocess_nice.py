@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from machine import machine_info  # noqa: E402
 
 from firsttoken.inputs.image import decode_image, preprocess_image  # noqa: E402
-from firsttoken.models.config import ImageProcessorConfig  # noqa: E402
+from firsttoken.models.model_config import ImageProcessorConfig  # noqa: E402
 
 HIDDEN, INTER, LAYERS, CHUNK = 512, 1408, 8, 512  # the `small` checkpoint's language model, one prefill chunk
 

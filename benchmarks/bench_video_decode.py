@@ -145,7 +145,7 @@ def work_firsttoken(data: bytes, task: str, n: int, threads: int) -> dict:
     decode of the planned frames, each resized to the plan's size. ``n`` is ignored: the plan decides."""
     from firsttoken.config import VideoConfig
     from firsttoken.inputs.video import PyAVBackend, load_video
-    from firsttoken.models.config import ImageProcessorConfig
+    from firsttoken.models.model_config import ImageProcessorConfig
 
     be = PyAVBackend(threads)
     t0 = time.perf_counter()

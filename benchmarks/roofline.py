@@ -67,7 +67,7 @@ from firsttoken.kernels.cpu_features import CpuFeatures
 from firsttoken.kernels.cpu_linear import built_kernels
 from firsttoken.loading.loader import load_model
 from firsttoken.loading.quant import Fp16Weights, Int8Weights, int_mm_exact
-from firsttoken.models.config import ModelConfig
+from firsttoken.models.model_config import ModelConfig
 from firsttoken.models.interfaces import ImageEmbeddings, ImageRows
 from firsttoken.models.linear import Linear
 from firsttoken.models.mrope import compute_mrope_positions

@@ -19,7 +19,7 @@ if TYPE_CHECKING:
     from firsttoken.engine.engine import LLMEngine
     from firsttoken.inputs.processor import InputProcessor
     from firsttoken.metrics.recorder import Recorder
-    from firsttoken.models.config import ModelConfig
+    from firsttoken.models.model_config import ModelConfig
 
 log = logging.getLogger("firsttoken.serve")
 

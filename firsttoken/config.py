@@ -17,7 +17,7 @@ Each field's ``option(...)`` metadata gives its help text, and where they differ
 name, its flag (``--kv-cache-memory`` for ``kv_cache_memory_bytes``), a parser (sizes as ``1GiB``)
 and how its default is shown. A ValueError from a ``__post_init__`` names the field first, so the
 CLI can name the flag (``flag_for_field``). The checkpoint's architecture is not configured here:
-its model family parses it (models/config.py).
+its model family parses it (models/model_config.py).
 """
 
 from __future__ import annotations
@@ -33,15 +33,15 @@ from firsttoken.units import format_size, parse_bytes
 
 # Every choice an option offers is its field's type: the flag's metavar, the range check and the
 # error message come from these (``choices_of``, ``check_choice``). ``auto`` is settled in one
-# place, loading/plan.py (dtype, quantization, kernels), with the rest of what the engine runs with
+# place, loading/load_plan.py (dtype, quantization, kernels), with the rest of what the engine runs with
 # in engine/resolve.py.
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 ResolvedDtype = Literal["float32", "bfloat16", "float16"]
 Quantization = Literal["auto", "none", "fp16", "int8", "bf16"]  # loading/quant.py
 ResolvedQuantization = Literal["none", "fp16", "int8", "bf16"]
-# kernels/cpu_linear.py; loading/plan.py decides what auto takes
+# kernels/cpu_linear.py; loading/load_plan.py decides what auto takes
 CpuKernels = Literal["auto", "on", "off"]
-# where the engine runs; engine/resolve.py settles auto (loading/plan.py)
+# where the engine runs; engine/resolve.py settles auto (loading/load_plan.py)
 Device = Literal["auto", "cpu", "cuda"]
 ResolvedDevice = Literal["cpu", "cuda"]
 # loading/loader.py: the checkpoint's safetensors, or random weights

@@ -21,12 +21,12 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from firsttoken.api.intake import AdmissionRefused
 from firsttoken.api.protocol import MESSAGE_ROLES, ErrorInfo, ErrorResponse, FieldError
 from firsttoken.inputs.errors import InputError
 from firsttoken.inputs.image import ImageInputError
 from firsttoken.inputs.video import VideoInputError
 from firsttoken.quoting import ELLIPSIS, printable, quote
-from firsttoken.api.intake import AdmissionRefused
 
 RETRY_AFTER_S = 1  # what a 429 from a full lane queue tells clients to wait, in seconds
 MAX_MESSAGE_CHARS = 1000  # the longest message we render; our own longest (context limits) is ~350

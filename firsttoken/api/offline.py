@@ -17,9 +17,19 @@ from pydantic import BaseModel
 
 from firsttoken.api.body import validate_model
 from firsttoken.api.errors import validation_error_message
-from firsttoken.api.protocol import UNSUPPORTED_FIELDS, ChatCompletionRequest, CompletionRequest
+from firsttoken.api.protocol import (
+    UNSUPPORTED_FIELDS,
+    ChatCompletionRequest,
+    CompletionRequest,
+)
 from firsttoken.inputs.errors import InputError
-from firsttoken.inputs.prompt import ChatPrompt, ImagePart, Message, Prompt, SamplingRequest
+from firsttoken.inputs.prompt import (
+    ChatPrompt,
+    ImagePart,
+    Message,
+    Prompt,
+    SamplingRequest,
+)
 from firsttoken.quoting import quote
 
 M = TypeVar("M", bound=BaseModel)

@@ -56,7 +56,7 @@ from pydantic import (
 
 from firsttoken.inputs import prompt
 from firsttoken.quoting import LONE_SURROGATE, quote
-from firsttoken.inputs.tools import forced_call_spec
+from firsttoken.inputs.tool_prompts import forced_call_spec
 from firsttoken.inputs.sampling import MAX_STOP_TOKEN_IDS
 from firsttoken.structured.spec import GrammarSpec, from_response_format, from_structured_outputs
 from firsttoken.types import (

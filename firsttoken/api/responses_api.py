@@ -54,7 +54,7 @@ from firsttoken.api.protocol import (
     _Response,
     refuse_unsupported,
 )
-from firsttoken.api.responses import usage_of
+from firsttoken.api.logprobs_usage import usage_of
 from firsttoken.api.streaming import StreamContext, guarded_outputs
 from firsttoken.engine.client import EngineClient
 from firsttoken.inputs import prompt

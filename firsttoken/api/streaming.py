@@ -48,8 +48,8 @@ from firsttoken.api.protocol import (
     ToolCallDelta,
     Usage,
 )
-from firsttoken.api.tools import Piece, ToolOutput
-from firsttoken.api.responses import (
+from firsttoken.api.tool_calls import Piece, ToolOutput
+from firsttoken.api.logprobs_usage import (
     TokenPieceFn,
     chat_logprobs,
     completion_logprobs,

@@ -15,9 +15,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from firsttoken.assembly import model_dir_of, served_name_of
 from firsttoken.cli.usage import OneLineParser
 from firsttoken.config import ServeConfig, config_flags, config_from_options
-from firsttoken.assembly import model_dir_of, served_name_of
 from firsttoken.units import parse_bytes
 
 __all__ = [
@@ -137,9 +137,9 @@ def build_server(
     from firsttoken.api.observability import observability_from_config
     from firsttoken.api.server import build_app
     from firsttoken.api.settings import ServedModel
+    from firsttoken.assembly import assemble
     from firsttoken.engine.async_engine import AsyncEngine
     from firsttoken.inputs.processor import load_tokenizer
-    from firsttoken.assembly import assemble
 
     model_dir = model_dir_of(config)
     tokenizer = load_tokenizer(model_dir, config.chat_template)

@@ -26,7 +26,7 @@ from firsttoken.units import format_size
 
 if TYPE_CHECKING:
     from firsttoken.config import EngineConfig, ServeConfig
-    from firsttoken.models.config import ModelConfig
+    from firsttoken.models.model_config import ModelConfig
 
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 
@@ -87,7 +87,7 @@ def check_serve_config(config: "ServeConfig", model_dir: Path) -> None:
 def _check_device(config: "EngineConfig") -> None:
     """--device cuda needs a CUDA device torch can use (the resolve step's rule, asked of this
     machine)."""
-    from firsttoken.loading.plan import resolve_device
+    from firsttoken.loading.load_plan import resolve_device
     from firsttoken.loading.plan_values import CudaFacts
 
     try:

@@ -126,10 +126,10 @@ def checked_options(args: argparse.Namespace) -> tuple[ServeConfig, FleetOptions
     """The config tree and the fleet's options from parsed flags, and the model directory and config
     checked (cheap: before Ray starts or a replica loads anything). A mistake is a UsageError naming
     its flag."""
+    from firsttoken.assembly import model_dir_of
     from firsttoken.cli.serve_checks import check_serve_config, flag_error
     from firsttoken.cli.usage import UsageError
     from firsttoken.models.hub import ModelNotFound
-    from firsttoken.assembly import model_dir_of
 
     try:
         config = serve_config(args)

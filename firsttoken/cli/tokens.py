@@ -28,7 +28,7 @@ from firsttoken.inputs.budget import image_budget, plan_image
 from firsttoken.inputs.image import ImageInputError, probe_image
 from firsttoken.inputs.video import plan_video_bytes
 from firsttoken.inputs.video_container import sniff_container
-from firsttoken.models.config import ImageProcessorConfig
+from firsttoken.models.model_config import ImageProcessorConfig
 from firsttoken.models.registry import read_json
 
 SERVE_DEFAULT = ImageConfig()

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
 if TYPE_CHECKING:
-    from firsttoken.models.config import ModelConfig
+    from firsttoken.models.model_config import ModelConfig
 
 EXIT_USAGE = 2  # argparse's status for usage errors; ours match it
 EXIT_FAILURE = 1

@@ -3,7 +3,7 @@ engine runs with.
 
 ``resolve_engine_config`` settles, once: the device (``--device auto``: cuda where the ``Machine``
 value has a CUDA device), the model's dtype, quantization, kernels and decode layers
-(loading/plan.py's ``plan_model``, the only code that decides ``auto``), torch's threads, the KV
+(loading/load_plan.py's ``plan_model``, the only code that decides ``auto``), torch's threads, the KV
 pool's blocks and context length, the encoder cache's size in tokens, and the decode batch sizes
 captured as CUDA graphs. The engine is built from the ``ResolvedEngineConfig``, logs ``describe()``
 once at start-up as one block, and ``GET /v1/engine/config`` reports ``as_dict()``; nothing
@@ -23,9 +23,9 @@ import torch
 from firsttoken.config import EngineConfig
 from firsttoken.device_memory import DeviceMemory, kv_pool_from_device
 from firsttoken.kernels.cpu_features import CpuFeatures
-from firsttoken.loading.plan import plan_model, resolve_device, resolve_dtype
+from firsttoken.loading.load_plan import plan_model, resolve_device, resolve_dtype
 from firsttoken.loading.plan_values import TORCH_DTYPES, CudaFacts, Machine, ModelPlan
-from firsttoken.models.config import ModelConfig
+from firsttoken.models.model_config import ModelConfig
 from firsttoken.models.registry import family_named, load_model_config
 from firsttoken.runner.cuda_graphs import capture_sizes
 from firsttoken.runner.model_runner import ThreadPlan

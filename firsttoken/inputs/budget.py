@@ -26,7 +26,7 @@ from firsttoken.inputs.image import (
     num_visual_tokens,
     smart_resize,
 )
-from firsttoken.models.config import ImageProcessorConfig
+from firsttoken.models.model_config import ImageProcessorConfig
 
 # Qwen2-VL's own processor defaults (preprocessor_config.json): min_pixels 56*56, max_pixels
 # 12845056.

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from firsttoken.models.config import ImageProcessorConfig
+from firsttoken.models.model_config import ImageProcessorConfig
 
 OPENAI_CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 OPENAI_CLIP_STD = (0.26862954, 0.26130258, 0.27577711)

@@ -52,7 +52,7 @@ from firsttoken.inputs.render import VISION_CONTROL_TOKENS, PromptRenderer
 from firsttoken.inputs.sampling import MAX_STOP_TOKEN_IDS, or_default, sampling_params
 from firsttoken.inputs.text_size import longest_token_chars
 from firsttoken.inputs.vision_items import VisionItems
-from firsttoken.models.config import ModelConfig
+from firsttoken.models.model_config import ModelConfig
 from firsttoken.models.registry import family_named
 from firsttoken.structured import CompiledGrammar, GrammarCompiler, GrammarSpec
 from firsttoken.types import AdmissionVerdict, EngineRequest, PromptWork

@@ -99,7 +99,7 @@ class Message:
 class ChatPrompt:
     messages: tuple[Message, ...]
     add_generation_prompt: bool = True
-    # rendered for the model as the chat template (or inputs/tools.py) writes them
+    # rendered for the model as the chat template (or inputs/tool_prompts.py) writes them
     tools: tuple[Function, ...] = ()
     param: str = "messages"  # the request field the conversation came from, named in errors
     # each message's request field (errors name an image as ``<field>.content[j].image_url``);

@@ -17,9 +17,19 @@ from firsttoken.inputs.budget import ImagePlan
 from firsttoken.inputs.chat_template import ChatTemplate
 from firsttoken.inputs.draft import PlannedVideo, PromptPlan
 from firsttoken.inputs.errors import InputError
-from firsttoken.inputs.prompt import ChatPrompt, ImagePart, Message, TokenPrompt, VideoPart
-from firsttoken.inputs.tools import function_json, hermes_messages, template_messages
-from firsttoken.models.config import ModelConfig
+from firsttoken.inputs.prompt import (
+    ChatPrompt,
+    ImagePart,
+    Message,
+    TokenPrompt,
+    VideoPart,
+)
+from firsttoken.inputs.tool_prompts import (
+    function_json,
+    hermes_messages,
+    template_messages,
+)
+from firsttoken.models.model_config import ModelConfig
 from firsttoken.models.registry import family_named
 from firsttoken.quoting import quote
 
@@ -143,7 +153,7 @@ class PromptRenderer:
         self, prompt: ChatPrompt
     ) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
         """(the messages as the chat template sees them, its ``tools``): through the template where
-        it renders tools itself, else written into the messages the hermes way (inputs/tools.py)."""
+        it renders tools itself, else written into the messages the hermes way (inputs/tool_prompts.py)."""
         if not self._template_renders_tools:
             return [
                 _template_message(m) for m in hermes_messages(prompt.messages, prompt.tools)

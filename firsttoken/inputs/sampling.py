@@ -9,7 +9,7 @@ from typing import Any
 from firsttoken.config import GenerationDefaults
 from firsttoken.inputs.errors import InputError
 from firsttoken.inputs.prompt import SamplingRequest
-from firsttoken.models.config import ModelConfig
+from firsttoken.models.model_config import ModelConfig
 from firsttoken.quoting import quote
 from firsttoken.types import SamplingParams
 

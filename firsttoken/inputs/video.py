@@ -66,7 +66,7 @@ from firsttoken.inputs.image import (
 )
 from firsttoken.inputs.video_container import CONTAINERS, count_streams, sniff_container
 from firsttoken.inputs.video_pixels import resize_frame
-from firsttoken.models.config import ImageProcessorConfig
+from firsttoken.models.model_config import ImageProcessorConfig
 
 if TYPE_CHECKING:  # PyAV is imported where a container is opened
     from av.container import InputContainer

@@ -43,7 +43,7 @@ import torch
 import torch.nn.functional as F
 
 from firsttoken.inputs.image import smart_resize
-from firsttoken.models.config import ImageProcessorConfig
+from firsttoken.models.model_config import ImageProcessorConfig
 
 CHANNELS = 3
 

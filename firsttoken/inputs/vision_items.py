@@ -21,7 +21,12 @@ from firsttoken.inputs.image import (
     preprocess_image,
     probe_image,
 )
-from firsttoken.inputs.media import MediaNetwork, load_image_bytes, load_video_bytes, remote_media
+from firsttoken.inputs.media import (
+    MediaNetwork,
+    load_image_bytes,
+    load_video_bytes,
+    remote_media,
+)
 from firsttoken.inputs.mm_hash import (
     ProcessedImageCache,
     grid_content_hashes,
@@ -39,7 +44,7 @@ from firsttoken.inputs.video import (
     plan_video_bytes,
 )
 from firsttoken.inputs.video_pixels import grid_rows, video_pixel_values
-from firsttoken.models.config import ModelConfig
+from firsttoken.models.model_config import ModelConfig
 from firsttoken.models.registry import family_named
 from firsttoken.types import ImageItem, PromptWork
 

@@ -2,7 +2,7 @@
 
 ``CpuFeatures.detect()`` reads it once (Linux: /proc/cpuinfo's flags and vendor; the architecture;
 torch's own dispatch level where the flags cannot be read). Everything that decides by the CPU (the
-kernels' build, the resolve step's ``auto`` choices in loading/plan.py) takes a ``CpuFeatures`` as
+kernels' build, the resolve step's ``auto`` choices in loading/load_plan.py) takes a ``CpuFeatures`` as
 an argument, so a test states the CPU it means
 (``CpuFeatures(flags=frozenset({"avx2", "fma", "avx512f"}), vendor="GenuineIntel")``) instead of
 patching detection.

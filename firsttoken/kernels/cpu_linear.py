@@ -40,7 +40,7 @@ Built with the machine's C compiler (``$CC``, else ``cc``/``gcc``: Debian's ``gc
 about a second; loaded with ctypes (the call releases the GIL). Where the CPU lacks AVX2/FMA, no
 compiler is found, the build fails or the built kernels disagree with torch on check products,
 ``kernel_unavailable()`` says why and the engine keeps torch's product (``--cpu-kernels off`` asks
-for that). Which layers take them is the model's plan (loading/plan.py: for float32, ``auto`` also
+for that). Which layers take them is the model's plan (loading/load_plan.py: for float32, ``auto`` also
 leaves Intel's AVX-512 CPUs to MKL); the layers' methods that call them are
 loading/kernel_linear.py's, loading/quant.py's and loading/fused_decode.py's.
 """

@@ -18,7 +18,7 @@ runner asks for every row's logits (``ForwardOutput.logits``): Python is entered
 after the logits, instead of once more between two calls that stream weights (the first op after one
 runs from cold caches).
 
-``FusedDecode`` is a decode method (models/decode.py): the plan takes it (loading/plan.py) where the
+``FusedDecode`` is a decode method (models/decode.py): the plan takes it (loading/load_plan.py) where the
 few-rows kernels are taken (``--cpu-kernels``) for a bfloat16 or float32 language model on the CPU
 with the SDPA backend, and for float32 activations with bf16 weights (``--quantization bf16``: each
 product reads its bf16 weight as the eager ``Bf16Weights`` method does) or int8 weights

@@ -6,7 +6,7 @@ for bfloat16) with firsttoken's kernels (kernels/cpu_linear.py: each weight read
 every row using it while it is in cache); larger inputs (a prefill's), and anything autograd must
 see, take ``F.linear`` on the same weight. The weight keeps the model's dtype (float32 or bfloat16)
 in the layout the plan gave it: row-major, or, where ``input_major`` (widening float32 weights on
-AVX-512 CPUs: loading/plan.py ``keeps_row_major``), as ``TorchLinear`` stores it. A bfloat16
+AVX-512 CPUs: loading/load_plan.py ``keeps_row_major``), as ``TorchLinear`` stores it. A bfloat16
 weight's bias is widened once (``layer.bias32``): the kernel sums in float32.
 """
 

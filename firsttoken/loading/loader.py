@@ -2,7 +2,7 @@
 says.
 
 The family says how checkpoint names map onto our parameters (models/weights.py: prefixes, stacked
-projections, reshapes); the plan (loading/plan.py) says how the model runs here, and
+projections, reshapes); the plan (loading/load_plan.py) says how the model runs here, and
 loading/methods.py turns it into each layer's method before any weight is read. This module builds
 the model on the meta device, binds the methods, reads the files and hands the weights to the
 methods. Tensors are read one at a time and cast straight to the target dtype, so a bf16 load never
@@ -26,7 +26,7 @@ from firsttoken.attention.registry import get_backend
 from firsttoken.attention.sdpa import SdpaBackend
 from firsttoken.config import CpuKernels, Quantization
 from firsttoken.loading.methods import LayerMethods
-from firsttoken.loading.plan import plan_model
+from firsttoken.loading.load_plan import plan_model
 from firsttoken.loading.plan_values import Machine, ModelPlan
 from firsttoken.models.registry import family_of, load_model_config
 from firsttoken.models.weight_files import safetensors_files, stored_linear_dtypes
@@ -48,7 +48,7 @@ def load_model(
 ) -> nn.Module:
     """The family's model in eval mode with weights from model_dir, planned from these choices on
     ``machine`` (default: this one): ``plan_model`` then ``build_model``. attn_backend defaults to
-    "sdpa"; ``quantization`` and ``cpu_kernels`` as the flags (loading/plan.py); ``num_threads`` 1:
+    "sdpa"; ``quantization`` and ``cpu_kernels`` as the flags (loading/load_plan.py); ``num_threads`` 1:
     the engine runs on one torch thread."""
     machine = machine or Machine.for_flags(cpu_kernels, torch.device(device).type)
     backend = (

@@ -1,4 +1,4 @@
-"""The plan's values (loading/plan.py): the ``Machine`` it reads and the ``ModelPlan`` it settles,
+"""The plan's values (loading/load_plan.py): the ``Machine`` it reads and the ``ModelPlan`` it settles,
 plain data apart from the rules that decide them, so that loading/methods.py, which plan.py asks,
 names them without a circle."""
 

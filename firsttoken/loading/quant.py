@@ -26,7 +26,7 @@ Not exact against float32: top-1 agreement in docs/performance.md (on the 2-laye
 97-98% of the oracle prompts' positions, tests/oracle/test_quantization.py).
 
 ``bf16`` (what ``auto`` picks for a checkpoint stored in bf16 run with float32 activations:
-``auto_quantization`` in loading/plan.py): every linear layer of the language model (the lm_head
+``auto_quantization`` in loading/load_plan.py): every linear layer of the language model (the lm_head
 included) keeps its weight as bfloat16, row-major; activations, biases, norms and the KV cache stay
 float32, and every product sums in float32. The few rows of a decode step run firsttoken's kernel,
 which reads the bf16 weights (half float32's bytes: what bounds a decode step on a CPU) and widens

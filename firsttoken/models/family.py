@@ -15,9 +15,9 @@ from typing import Any, Protocol
 from torch import nn
 
 from firsttoken.attention.base import AttentionBackend
-from firsttoken.models.config import ModelConfig, VisionConfig
 from firsttoken.models.decode import DecoderLayout
 from firsttoken.models.ladder import PIXEL_LADDER, BudgetLadder
+from firsttoken.models.model_config import ModelConfig, VisionConfig
 from firsttoken.models.mrope import Grid, MRopePositions, compute_mrope_positions
 from firsttoken.models.recipe import CheckpointRecipe
 from firsttoken.models.weights import WeightMapping

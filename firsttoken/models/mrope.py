@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from firsttoken.models.config import ModelConfig
+from firsttoken.models.model_config import ModelConfig
 
 Grid = tuple[int, int, int]
 

@@ -18,14 +18,14 @@ from typing import Any
 
 import torch
 
-from firsttoken.models.config import (
+from firsttoken.models.family import ModelFamily
+from firsttoken.models.model_config import (
     ConfigError,
     ConfigReader,
     ModelConfig,
     VisionConfig,
     text_and_vision_dicts,
 )
-from firsttoken.models.family import ModelFamily
 from firsttoken.models.mrope import Grid, MRopePositions, vision_positions
 from firsttoken.models.qwen2_5_vl_checkpoint import CHECKPOINT_RECIPE
 from firsttoken.models.qwen2_5_vl_vision import (

@@ -24,8 +24,8 @@ from dataclasses import dataclass, replace
 import torch
 from torch import nn
 
-from firsttoken.models.config import VisionConfig
 from firsttoken.models.layers import RMSNorm, SwiGLUMLP
+from firsttoken.models.model_config import VisionConfig
 from firsttoken.models.qwen2_vl_vision import PatchEmbed, PatchMerger, VisionBlock
 from firsttoken.models.vision_tower import Grid, VisionTower
 from firsttoken.models.vision_units import qkv_share, split_block

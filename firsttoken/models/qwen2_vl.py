@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from firsttoken.attention.base import AttentionBackend, AttentionMetadata
-from firsttoken.models.config import (
+from firsttoken.models.model_config import (
     ConfigError,
     ConfigReader,
     ModelConfig,

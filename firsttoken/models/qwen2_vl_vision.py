@@ -16,9 +16,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from firsttoken.models.config import ImageProcessorConfig, VisionConfig
 from firsttoken.models.layers import apply_rotary, quick_gelu
 from firsttoken.models.linear import Linear
+from firsttoken.models.model_config import ImageProcessorConfig, VisionConfig
 from firsttoken.models.vision_tower import VisionTower
 from firsttoken.models.vision_units import qkv_share, split_block
 from firsttoken.types import EncoderUnit

@@ -29,7 +29,8 @@ from dataclasses import replace
 from typing import Any
 
 from firsttoken.attention.base import AttentionBackend
-from firsttoken.models.config import (
+from firsttoken.models.family import ModelFamily
+from firsttoken.models.model_config import (
     ConfigError,
     ConfigReader,
     ModelConfig,
@@ -40,7 +41,6 @@ from firsttoken.models.config import (
     text_and_vision_dicts,
     vision_token_ids,
 )
-from firsttoken.models.family import ModelFamily
 from firsttoken.models.mrope import Grid, MRopePositions, compute_mrope_positions
 from firsttoken.models.qwen2_vl import QWEN_VL_WEIGHTS, Qwen2VLModel, decoder_layout
 from firsttoken.models.qwen2_vl_vision import full_attention_units

@@ -32,8 +32,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from firsttoken.models.config import ImageProcessorConfig, ModelConfig, VisionConfig
 from firsttoken.models.layers import quick_gelu
+from firsttoken.models.model_config import (
+    ImageProcessorConfig,
+    ModelConfig,
+    VisionConfig,
+)
 from firsttoken.models.qwen2_vl_vision import (
     PatchEmbed,
     PatchMerger,

@@ -13,7 +13,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from firsttoken.models.config import ImageProcessorConfig
+from firsttoken.models.model_config import ImageProcessorConfig
 from firsttoken.models.train_tokenizer import NUM_BPE_TOKENS, SPECIAL_TOKENS
 
 LAYOUTS = ("transformers", "original")  # config.json + weight-name layouts a recipe may write

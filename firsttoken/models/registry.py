@@ -16,8 +16,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from firsttoken.models.config import ConfigError, ModelConfig
 from firsttoken.models.family import ModelFamily
+from firsttoken.models.model_config import ConfigError, ModelConfig
 from firsttoken.models.qwen2_5_vl import QWEN2_5_VL
 from firsttoken.models.qwen2_vl import QWEN2_VL
 from firsttoken.models.qwen3_vl import QWEN3_VL

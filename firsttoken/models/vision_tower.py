@@ -25,9 +25,9 @@ from typing import ClassVar, Protocol
 import torch
 from torch import nn
 
-from firsttoken.models.config import VisionConfig
 from firsttoken.models.interfaces import EncodeState, ImageEmbeddings
 from firsttoken.models.layers import rope_inv_freq
+from firsttoken.models.model_config import VisionConfig
 from firsttoken.models.vision_units import PartialBlock, run_units, whole_blocks
 from firsttoken.types import EncoderUnit
 

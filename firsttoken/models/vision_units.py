@@ -27,7 +27,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from firsttoken.models.config import VisionConfig
+from firsttoken.models.model_config import VisionConfig
 from firsttoken.types import EncoderUnit
 
 # query-key pairs one unit may score: a full-attention block over a 2896-patch image

@@ -16,7 +16,7 @@ from firsttoken.batch import RunnerOutput, ScheduledBatch
 from firsttoken.config import GrammarConfig
 from firsttoken.loading.loader import build_model
 from firsttoken.loading.plan_values import Machine, ModelPlan
-from firsttoken.models.config import ModelConfig
+from firsttoken.models.model_config import ModelConfig
 from firsttoken.runner.cuda_graphs import CudaGraphRunner, GraphInputs
 from firsttoken.runner.kv_cache import allocate_kv_caches
 from firsttoken.runner.model_runner import FaultHook, ModelRunner, ThreadPlan
@@ -59,7 +59,7 @@ class InProcessExecutor:
         interrupt: Callable[[], bool] | None = None,
         grammar: GrammarConfig | None = None,
     ) -> None:
-        """``plan``: how the model runs here (loading/plan.py, resolved by the engine);
+        """``plan``: how the model runs here (loading/load_plan.py, resolved by the engine);
         ``interrupt``: the runner asks it between interruptible encoder units; ``grammar``: how it
         runs constrained requests' grammar work (ModelRunner)."""
         self.model = build_model(model_dir, plan, machine)

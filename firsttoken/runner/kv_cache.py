@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from firsttoken.models.config import ModelConfig
+from firsttoken.models.model_config import ModelConfig
 
 
 def allocate_kv_caches(

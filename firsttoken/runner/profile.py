@@ -13,8 +13,8 @@ import torch
 
 from firsttoken.attention.base import AttentionMetadata
 from firsttoken.config import EngineConfig
-from firsttoken.models.config import ModelConfig
 from firsttoken.models.interfaces import ImageRows
+from firsttoken.models.model_config import ModelConfig
 from firsttoken.runner.kv_cache import allocate_kv_caches
 
 

@@ -30,14 +30,14 @@ from typing import Any
 from prometheus_client import generate_latest
 
 from firsttoken.api.observability import engine_snapshot
+from firsttoken.assembly import build_engine, model_dir_of, served_name_of
 from firsttoken.config import ServeConfig
 from firsttoken.engine.async_engine import AsyncEngine, EngineDeadError
 from firsttoken.inputs.processor import load_tokenizer
 from firsttoken.metrics.prometheus import make_registry
 from firsttoken.metrics.recorder import Recorder
-from firsttoken.models.config import ModelConfig
+from firsttoken.models.model_config import ModelConfig
 from firsttoken.serving.autoscale import NUM_RUNNING, NUM_WAITING
-from firsttoken.assembly import build_engine, model_dir_of, served_name_of
 from firsttoken.serving.routing import RoutingHints
 from firsttoken.types import EngineRequest, EngineStats, FinishReason, RequestOutput
 

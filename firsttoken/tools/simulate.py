@@ -38,8 +38,8 @@ from firsttoken.batch import RunnerOutput, ScheduledBatch
 from firsttoken.config import CacheConfig, ImageConfig, SchedulerConfig
 from firsttoken.inputs.budget import plan_image
 from firsttoken.metrics.window import IMAGE_CLASSES, image_class
-from firsttoken.models.config import ModelConfig
 from firsttoken.models.ladder import PIXEL_LADDER
+from firsttoken.models.model_config import ModelConfig
 from firsttoken.models.registry import family_named
 from firsttoken.scheduler.admission import Reservations, negotiate
 from firsttoken.scheduler.cost_model import FEATURE_NAMES, CostModel, encoder_units

@@ -20,7 +20,7 @@ from PIL import Image
 
 from firsttoken.attention.base import AttentionMetadata
 from firsttoken.loading.loader import load_model
-from firsttoken.models.config import ModelConfig
+from firsttoken.models.model_config import ModelConfig
 from firsttoken.models.interfaces import ImageEmbeddings, ImageRows
 from firsttoken.models.mrope import MRopePositions, compute_mrope_positions, decode_positions
 from firsttoken.runner.kv_cache import allocate_kv_caches

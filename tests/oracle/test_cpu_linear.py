@@ -19,7 +19,7 @@ from firsttoken.kernels.cpu_features import CpuFeatures
 from firsttoken.kernels.cpu_linear import MAX_ROWS, MAX_ROWS_BF16, MAX_ROWS_BF16_DP, kernel_takes
 from firsttoken.loading.kernel_linear import FewRowsKernel
 from firsttoken.loading.loader import load_model
-from firsttoken.loading.plan import kernels_skipped
+from firsttoken.loading.load_plan import kernels_skipped
 from firsttoken.loading.plan_values import Machine
 from firsttoken.models.linear import Linear
 from tests.conftest import require_program

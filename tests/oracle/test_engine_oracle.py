@@ -25,7 +25,7 @@ from PIL import Image
 
 from firsttoken.config import CacheConfig, EngineConfig, SchedulerConfig
 from firsttoken.engine.engine import LLMEngine
-from firsttoken.models.config import ModelConfig
+from firsttoken.models.model_config import ModelConfig
 from firsttoken.models.family import ModelFamily
 from firsttoken.models.mrope import compute_mrope_positions
 from firsttoken.models.registry import family_named, load_model_config

@@ -18,7 +18,7 @@ from firsttoken.inputs.image import (
     smart_resize,
     to_rgb,
 )
-from firsttoken.models.config import ImageProcessorConfig
+from firsttoken.models.model_config import ImageProcessorConfig
 
 Qwen2VLImageProcessorPil = qwen2_vl_pil.Qwen2VLImageProcessorPil
 ref_smart_resize = qwen2_vl_pil.smart_resize

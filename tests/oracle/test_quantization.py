@@ -22,7 +22,7 @@ from firsttoken.kernels.cpu_features import CpuFeatures
 from firsttoken.loading import quant
 from firsttoken.loading.fused_decode import FusedDecode
 from firsttoken.loading.loader import load_model, stored_linear_dtypes
-from firsttoken.loading.plan import plan_model
+from firsttoken.loading.load_plan import plan_model
 from firsttoken.loading.plan_values import Machine
 from firsttoken.loading.quant import Bf16Weights, Fp16Weights, Int8Weights, dequantize_rows, quantize_rows
 from firsttoken.models.checkpoint import make_model

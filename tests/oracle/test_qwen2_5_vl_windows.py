@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from firsttoken.models.checkpoint import make_model
-from firsttoken.models.config import VisionConfig
+from firsttoken.models.model_config import VisionConfig
 from firsttoken.models.qwen2_5_vl_vision import block_flops, window_layout
 from firsttoken.models.registry import family_named, load_model_config
 

@@ -121,7 +121,7 @@ def test_moe_variant_and_unsupported_fields_are_refused_by_name(model_dir: Path)
     """Qwen3-VL-30B-A3B (MoE) is not served; a field this code would silently get wrong is a ConfigError."""
     import json
 
-    from firsttoken.models.config import ConfigError
+    from firsttoken.models.model_config import ConfigError
     from firsttoken.models.registry import model_config_from_dict
 
     config = json.loads((model_dir / "config.json").read_text())

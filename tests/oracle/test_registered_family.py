@@ -54,7 +54,7 @@ def family() -> Iterator[ModelFamily]:
 
 
 def test_the_copy_is_served_as_itself_and_a_registration_ends_with_its_block(model_dir) -> None:
-    from firsttoken.models.config import ConfigError
+    from firsttoken.models.model_config import ConfigError
 
     assert family_of(model_dir) is COPY_VL and family_named("copy-vl") is COPY_VL
     with pytest.raises(ValueError, match="clashes"):  # a checkpoint naming its architecture would have two families

@@ -27,7 +27,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from firsttoken.models.config import ModelConfig
+from firsttoken.models.model_config import ModelConfig
 from firsttoken.models.family import ModelFamily
 from firsttoken.models.registry import family_named, load_model_config
 from firsttoken.types import EngineRequest, ImageItem, SamplingParams

@@ -260,7 +260,7 @@ def test_video_class_is_one_seeded_clip_of_the_asked_length_size_and_rate_in_a_v
 
     from firsttoken.config import VideoConfig
     from firsttoken.inputs.video import plan_video_bytes
-    from firsttoken.models.config import ImageProcessorConfig
+    from firsttoken.models.model_config import ImageProcessorConfig
 
     config = BenchConfig(url="http://x", mix=parse_mix("text=1,video=1"), num_requests=6, seed=5,
                          video_seconds=1.5, video_size=(96, 64), video_fps=8)

@@ -7,7 +7,7 @@ import pytest
 from firsttoken.config import ImageConfig
 from firsttoken.inputs.budget import BudgetError, image_budget, plan_image
 from firsttoken.inputs.image import ImageInputError, smart_resize
-from firsttoken.models.config import ImageProcessorConfig
+from firsttoken.models.model_config import ImageProcessorConfig
 
 VISION = ImageProcessorConfig()  # Qwen2-VL: 14-px patches, 2x2 merge, CLIP mean and std
 SIZES = [(1, 1), (10, 10), (27, 29), (56, 56), (64, 48), (300, 200), (1024, 1024), (2048, 1536), (4000, 3000),

@@ -19,7 +19,7 @@ from firsttoken.cli.main import main as cli_main
 from firsttoken.config import GenerationDefaults
 from firsttoken.models.checkpoint import demo_model_dir, make_model, shard_names
 from firsttoken.models.recipe import TOKEN_IDS, VOCAB_SIZE
-from firsttoken.models.config import ModelConfig
+from firsttoken.models.model_config import ModelConfig
 from firsttoken.models.registry import load_model_config
 from firsttoken.models.train_tokenizer import SPECIAL_TOKENS
 

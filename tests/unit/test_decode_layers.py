@@ -76,7 +76,7 @@ def test_float32_weights_stay_row_major_where_the_kernels_decode_without_avx512(
     never change."""
     from firsttoken.loading.fused_decode import FusedDecode
     from firsttoken.loading.loader import load_model
-    from firsttoken.loading.plan import keeps_row_major
+    from firsttoken.loading.load_plan import keeps_row_major
     from tests.conftest import require_program
     from tests.helpers import machine_with_cpu
 

@@ -27,7 +27,7 @@ from firsttoken.inputs.image import (
     smart_resize,
 )
 from firsttoken.inputs.media import base64_decoded_len, load_image_bytes
-from firsttoken.models.config import ImageProcessorConfig
+from firsttoken.models.model_config import ImageProcessorConfig
 
 VISION = ImageProcessorConfig()  # Qwen2-VL: 14-px patches, 2x2 merge, CLIP mean and std
 MAX_PIXELS = 10_000_000

@@ -15,7 +15,7 @@ from transformers import AutoImageProcessor, AutoTokenizer, Qwen2_5_VLForConditi
 from firsttoken.cli.main import main as cli_main
 from firsttoken.models.checkpoint import make_model
 from firsttoken.models.recipe import TOKEN_IDS
-from firsttoken.models.config import ConfigError, ModelConfig
+from firsttoken.models.model_config import ConfigError, ModelConfig
 from firsttoken.models.registry import family_of, load_model_config, model_config_from_dict
 from tests.published_configs import QWEN25_VL_7B_INSTRUCT
 

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 import torch
 from ray.exceptions import ActorDiedError
 
-from firsttoken.models.config import ModelConfig
+from firsttoken.models.model_config import ModelConfig
 from firsttoken.serving.options import ReplicaCount
 from firsttoken.serving.fleet import FleetEngineClient, Pool
 from firsttoken.serving.replica import ReplicaFacts

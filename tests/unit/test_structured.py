@@ -14,7 +14,7 @@ import pytest
 import torch
 from tokenizers import Tokenizer
 
-from firsttoken.inputs.tools import forced_call_spec
+from firsttoken.inputs.tool_prompts import forced_call_spec
 from firsttoken.models.recipe import TOKEN_IDS, VOCAB_SIZE
 from firsttoken.models.train_tokenizer import ASSET_PATH
 from firsttoken.structured import (

@@ -8,7 +8,7 @@ import math
 
 import pytest
 
-from firsttoken.models.config import VisionConfig
+from firsttoken.models.model_config import VisionConfig
 from firsttoken.models.qwen2_vl_vision import full_attention_units
 from firsttoken.scheduler.cost_model import FEATURE_NAMES, CostModel, encoder_units, prefill_chunk
 from firsttoken.scheduler.admission import protected_place

@@ -1,4 +1,4 @@
-"""The tool-call parser (api/tools.py) and the hermes rendering (inputs/tools.py): calls out of text whole and in any
+"""The tool-call parser (api/tool_calls.py) and the hermes rendering (inputs/tool_prompts.py): calls out of text whole and in any
 split, malformed calls kept as text, results and calls written into turns."""
 
 from __future__ import annotations
@@ -6,9 +6,9 @@ from __future__ import annotations
 import json
 import random
 
-from firsttoken.api.tools import ToolOutput
+from firsttoken.api.tool_calls import ToolOutput
 from firsttoken.inputs.prompt import Function, Message, ToolCall
-from firsttoken.inputs.tools import forced_call_spec, hermes_messages
+from firsttoken.inputs.tool_prompts import forced_call_spec, hermes_messages
 
 NAMES = frozenset({"get_weather", "get_time"})
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'

@@ -10,7 +10,7 @@ from firsttoken.config import VideoConfig
 from firsttoken.inputs.video import PyAVBackend, VideoInputError, load_video
 from firsttoken.inputs.video_container import MAX_ELEMENTS, StructureWalk, count_streams
 from firsttoken.inputs.video_synth import make_clip
-from firsttoken.models.config import ImageProcessorConfig
+from firsttoken.models.model_config import ImageProcessorConfig
 from tests.video_fakes import compress_moov, many_streams, many_tiny_elements
 
 CONTAINERS = [("mov", "mp4"), ("matroska", "matroska"), ("avi", "avi")]  # (FFmpeg's demuxer, the muxer making it)

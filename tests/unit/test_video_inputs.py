@@ -33,7 +33,7 @@ from firsttoken.inputs.video import (
     read_video,
 )
 from firsttoken.inputs.video_synth import make_clip, trim_clip
-from firsttoken.models.config import ImageProcessorConfig
+from firsttoken.models.model_config import ImageProcessorConfig
 from tests.video_fakes import (
     TickingClock,
     many_streams,
@@ -414,7 +414,7 @@ import json, sys, time
 from firsttoken.config import VideoConfig
 from firsttoken.inputs.video import PyAVBackend, VideoInputError, load_video
 from firsttoken.inputs.video_synth import make_clip
-from firsttoken.models.config import ImageProcessorConfig
+from firsttoken.models.model_config import ImageProcessorConfig
 load_video(make_clip(1, 64, 48, fps=10), VideoConfig(), ImageProcessorConfig())
 def status_kib(field):
     return int(next(line.split()[1] for line in open("/proc/self/status") if line.startswith(field + ":")))

@@ -25,7 +25,7 @@ from firsttoken.inputs.video_pixels import (
     video_pixel_values,
 )
 from firsttoken.inputs.video_synth import make_clip
-from firsttoken.models.config import ImageProcessorConfig
+from firsttoken.models.model_config import ImageProcessorConfig
 
 ORACLE = Path(__file__).resolve().parents[1] / "fixtures" / "video_oracle"
 CASES = sorted(p.stem for p in ORACLE.glob("*.npz"))

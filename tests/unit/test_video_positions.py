@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from firsttoken.inputs.video import VideoPlan
-from firsttoken.models.config import ModelConfig
+from firsttoken.models.model_config import ModelConfig
 from firsttoken.models.family import ModelFamily
 from firsttoken.models.registry import families, family_named
 

@@ -4,7 +4,7 @@ windowed blocks and multi-frame grids keep one unit per block."""
 
 from __future__ import annotations
 
-from firsttoken.models.config import VisionConfig
+from firsttoken.models.model_config import VisionConfig
 from firsttoken.models.qwen2_5_vl_vision import window_attention_units
 from firsttoken.models.qwen2_vl_vision import full_attention_units
 from firsttoken.models.vision_units import MAX_UNIT_PAIRS, MIN_UNIT_ROWS, qkv_share, split_block

@@ -1,4 +1,4 @@
-"""Tool calls out of the answer's text, whole or as it streams (inputs/tools.py puts the tools in
+"""Tool calls out of the answer's text, whole or as it streams (inputs/tool_prompts.py puts the tools in
 the prompt).
 
 By ``tool_choice`` (``ChatCompletionRequest.tool_mode``):

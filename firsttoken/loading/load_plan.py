@@ -36,7 +36,6 @@ from firsttoken.loading.quant import int8_paths, single_thread_entry_point
 from firsttoken.models.registry import family_of, load_model_config
 from firsttoken.models.weight_files import stored_linear_dtypes
 
-
 BF16_WEIGHTS_ARITHMETIC = (
     "each widened exactly to float32, float32 activations and sums: float32 inference's "
     "arithmetic on every CPU"
