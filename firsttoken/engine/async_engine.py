@@ -106,9 +106,7 @@ class AsyncEngine:
         # while more were sent than handed over, a short request is waiting for the step in flight,
         # and the runner may cut the long lane's encoder work at its next unit
         # (--no-encoder-interrupt turns that off in the scheduler)
-        self._short_sent = 0
-        self._short_added = 0
-        engine.short_request_pending = lambda: self._short_sent > self._short_added
+        self._short_arrivals = engine.short_arrivals
         self._thread = threading.Thread(target=self._run, name="firsttoken-engine", daemon=True)
 
     # ---- lifecycle -------------------------------------------------------------------------------
@@ -150,7 +148,8 @@ class AsyncEngine:
             raise EngineDeadError("the engine is not running")
         outputs: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         backlog = _Backlog()
-        self._short_sent += self._is_short(request)
+        if self._is_short(request):
+            self._short_arrivals.sent()
         self._commands.put(_Add(request, asyncio.get_running_loop(), outputs, backlog))
         finished = False
         try:
@@ -237,7 +236,8 @@ class AsyncEngine:
             self.engine.abort(cmd.request_id)
             return
         rid = cmd.request.request_id
-        self._short_added += self._is_short(cmd.request)
+        if self._is_short(cmd.request):
+            self._short_arrivals.added()
         self.release(rid)  # from here on the lane queue itself counts it
         try:
             self.engine.add_request(cmd.request)

@@ -35,7 +35,7 @@ def encoder_steps(harness: Harness, pending, messages=MESSAGES) -> tuple[list[in
     """Run one image request with ``pending`` as the signal; returns (its tokens, units scheduled per step with
     encoder work, units run per such step)."""
     engine = harness.engine
-    engine.short_request_pending = pending
+    engine.short_arrivals.pending = pending
     scheduled, ran = [], []
     runner = engine.executor.runner
     execute, finish_step = runner.execute, runner.finish_step
@@ -118,7 +118,7 @@ def test_the_serving_side_signals_only_short_requests_not_yet_handed_to_the_engi
     h = Harness(tiny_model_dir, scheduler=SchedulerConfig(long_prompt_threshold=40, step_time_target="off"))
     bridge = AsyncEngine(h.engine)
     bridge.start(in_thread=False)  # no engine thread: the test applies the commands itself
-    pending = h.engine.short_request_pending
+    pending = h.engine.short_arrivals.pending
     short_body = ChatCompletionRequest.model_validate(
         {"model": "m", "messages": [user("Hi")], "max_tokens": 1})
     short = process(h.processor, short_body, "short")
