@@ -23,7 +23,7 @@ from prometheus_client.core import (
 from prometheus_client.utils import floatToGoString
 
 from firsttoken.metrics.histogram import Histogram
-from firsttoken.metrics.recorder import DISCONNECT_STAGES, Recorder
+from firsttoken.metrics.recorder import DISCONNECT_STAGES, Recorder, RecorderSnapshot
 from firsttoken.metrics.stats import EngineSnapshot
 
 REQUEST_LABELS = ["lane", "images"]
@@ -108,190 +108,12 @@ class FirsttokenCollector:
 
     def collect(self) -> Iterator[Metric]:
         s = self.recorder.snapshot()
-        for field, name, doc in _REQUEST_HISTOGRAMS:
-            yield _histogram(name, doc, REQUEST_LABELS, getattr(s.hist, field))
-        yield _histogram(
-            "firsttoken_request_phase_seconds",
-            "Each TTFT phase (preprocess, queue, encode, prefill, sample, send); per request they add up to TTFT.",
-            [*REQUEST_LABELS, "phase"],
-            s.hist.phase_s,
-        )
-
-        requests = CounterMetricFamily(
-            "firsttoken_requests", "Requests the engine finished, by outcome (stop, length, abort, error).",
-            labels=[*REQUEST_LABELS, "outcome"],
-        )  # fmt: skip
-        for key, n in sorted(s.requests.items()):
-            requests.add_metric(list(key), n)
-        yield requests
-        rejections = CounterMetricFamily(
-            "firsttoken_rejections",
-            "Requests answered with a 4xx before generating, by reason.",
-            labels=["reason"],
-        )
-        # over_slo: alertable from zero
-        for reason, n in sorted({"over_slo": 0, **s.rejections}.items()):
-            rejections.add_metric([reason], n)
-        yield rejections
-        aborts = CounterMetricFamily(
-            "firsttoken_requests_aborted", "Running requests the server aborted, by reason (client_not_reading: "
-            "the client left --max-unread-outputs outputs unread).", labels=["reason"],
-        )  # fmt: skip
-        for reason, n in sorted({**dict.fromkeys(ABORT_REASONS, 0), **s.aborts}.items()):
-            aborts.add_metric([reason], n)
-        yield aborts
-        disconnects = CounterMetricFamily(
-            "firsttoken_client_disconnects", "Clients that left before their answer was complete, by stage (body: "
-            "while sending the request body; answer: while it was generated or streamed). Not errors.",
-            labels=["stage"],
-        )  # fmt: skip
-        for stage, n in sorted(
-            {**dict.fromkeys(DISCONNECT_STAGES, 0), **s.client_disconnects}.items()
-        ):
-            disconnects.add_metric([stage], n)
-        yield disconnects
-        c = s.counters
-        yield _counter(
-            "firsttoken_prompt_tokens", "Prompt tokens of finished requests.", c["prompt_tokens"]
-        )
-        yield _counter(
-            "firsttoken_generation_tokens",
-            "Generated tokens of finished requests.",
-            c["generation_tokens"],
-        )
-        yield _counter("firsttoken_engine_steps", "Engine steps run.", c["steps"])
-        yield _counter("firsttoken_step_prefill_tokens", "Prefill tokens scheduled across steps.",
-                       c["scheduled_prefill_tokens"])  # fmt: skip
-        yield _counter("firsttoken_step_decode_tokens", "Decode tokens scheduled across steps.",
-                       c["scheduled_decode_tokens"])  # fmt: skip
-        yield _counter("firsttoken_step_encoder_images", "Images encoded by the vision tower, summed over steps.",
-                       c["encoder_images"])  # fmt: skip
-        yield _counter(
-            "firsttoken_step_encoder_seconds",
-            "Seconds spent in the vision tower.",
-            c["encoder_seconds"],
-        )
-        yield _counter(
-            "firsttoken_step_busy_seconds",
-            "Seconds the engine spent inside steps.",
-            c["step_seconds"],
-        )
-        yield _histogram("firsttoken_step_scheduled_tokens", "Tokens (prefill + decode) scheduled per step.", [],
-                         {(): s.step_tokens})  # fmt: skip
-        yield _histogram("firsttoken_step_duration_seconds", "Wall time of one engine step.", [],
-                         {(): s.step_duration_s})  # fmt: skip
-        yield _histogram("firsttoken_step_time_prediction_ratio", "The step-cost model's predicted / actual step "
-                         "time (1 = exact).", [], {(): s.step_prediction_ratio})  # fmt: skip
-        parts = CounterMetricFamily(
-            "firsttoken_first_token_engine_seconds", "Seconds from each answered request's end of preprocessing "
-            "to its first token, by part: handoff (until the engine thread took it), encoder (its vision-tower "
-            "work), forward (forwards carrying its "
-            "chunks), step_overhead (the rest of its steps), other_steps (steps without its work), idle (between "
-            "steps); per request class (images: 0, 1, 2+ or video).", labels=["images", "part"],
-        )  # fmt: skip
-        for (images, part), seconds in sorted(s.first_token_engine_s.items()):
-            parts.add_metric([images, part], seconds)
-        yield parts
-        yield _histogram(
-            "firsttoken_ttft_prediction_ratio",
-            "Predicted TTFT at admission / measured TTFT, per request class (1 = exact).",
-            ["images"],
-            {(k,): h for k, h in s.ttft_prediction_ratio.items()},
-        )
-        yield _counter("firsttoken_image_budget_lowered", "Requests whose visual-token budget was lowered to meet "
-                       "their TTFT objective (--ttft-slo).", c["image_budget_lowered"])  # fmt: skip
-        yield _counter("firsttoken_constrained_requests", "Requests whose output was held to a grammar "
-                       "(response_format, structured_outputs).", c["constrained_requests"])  # fmt: skip
-        yield _counter("firsttoken_grammar_cache_hits", "Constrained requests whose grammar was compiled "
-                       "already (a repeated schema costs nothing).", c["grammar_cache_hits"])  # fmt: skip
-        yield _histogram(
-            "firsttoken_grammar_compile_seconds",
-            "Compiling a constrained request's output grammar, "
-            "in preprocessing before it queued (a cached grammar counts 0).",
-            [],
-            {(): s.grammar_compile_s},
-        )
-
+        yield from _request_families(s)
+        yield from _step_families(s)
+        yield from _first_token_families(s)
         g = self.engine()
-        yield _gauge(
-            "firsttoken_kv_cache_used_blocks",
-            "KV blocks referenced by live requests.",
-            g.kv_blocks_used,
-        )
-        yield _gauge(
-            "firsttoken_kv_cache_capacity_blocks", "KV blocks in the pool.", g.kv_blocks_total
-        )
-        yield _gauge(
-            "firsttoken_kv_cache_usage_ratio",
-            "Used / capacity KV blocks (1 = full).",
-            g.kv_usage_ratio,
-        )
-        yield _gauge("firsttoken_requests_running", "Requests in the running batch.", g.num_running)
-        queued = GaugeMetricFamily("firsttoken_requests_queued", "Requests waiting for admission, per lane.",
-                                   labels=["lane"])  # fmt: skip
-        for lane, n in sorted(g.num_queued_by_lane.items()):
-            queued.add_metric([lane], n)
-        yield queued
-        yield _gauge(
-            "firsttoken_encoder_cache_bytes",
-            "Bytes of vision-encoder outputs held.",
-            g.encoder_cache_bytes,
-        )
-        preemptions = CounterMetricFamily(
-            "firsttoken_preemptions", "Running requests preempted (KV dropped, recomputed later), by reason.",
-            labels=["reason"],
-        )  # fmt: skip
-        for reason, n in sorted(
-            {**dict.fromkeys(PREEMPTION_REASONS, 0), **g.preemptions_by_reason}.items()
-        ):
-            preemptions.add_metric([reason], n)
-        yield preemptions
-        yield _counter("firsttoken_short_requests_delayed_by_long",
-                       "Short-lane requests that sat out a whole step while long work held it (the scheduler "
-                       "counts it; sharing a step is normal, waiting behind it is not).",
-                       g.num_short_delayed_by_long)  # fmt: skip
-        yield _counter("firsttoken_encoder_interrupts",
-                       "Steps whose long-lane vision-tower work stopped at an encoder unit because a short request "
-                       "arrived (it runs next step; the image resumes after it).",
-                       g.num_encoder_interrupts)  # fmt: skip
-        yield from _long_lane_only(g.long_lane_only)
-        yield _counter("firsttoken_encoder_cache_hits", "Images whose vision-encoder output was reused.",
-                       g.encoder_cache_hits)  # fmt: skip
-        yield _counter("firsttoken_encoder_cache_misses", "Images that had to go through the vision tower.",
-                       g.encoder_cache_misses)  # fmt: skip
-        yield _counter("firsttoken_prefix_cache_hit_tokens", "Prompt tokens served from the KV prefix cache.",
-                       g.prefix_cache_hit_tokens)  # fmt: skip
-        yield _counter("firsttoken_prefix_cache_query_tokens", "Prompt tokens looked up in the KV prefix cache.",
-                       g.prefix_cache_query_tokens)  # fmt: skip
-        yield _gauge_by(
-            "firsttoken_step_cost_coefficient",
-            "The step-cost model's seconds per unit of each term "
-            "(step, sequences, sampled, prefill_tokens, prefill_attention, decode_tokens, decode_context, "
-            "encoder_patches, encoder_attention).",
-            "term",
-            g.cost_model,
-        )
-        yield _gauge_by(
-            "firsttoken_ttft_prediction_bias",
-            "The factor predicted TTFTs of each class (by number of "
-            "images: 0, 1, 2+) are multiplied by, learnt online from measured first tokens (1: no "
-            "correction).",
-            "images",
-            g.ttft_bias,
-        )
-        if g.step_time_target_s is not None:
-            yield _gauge(
-                "firsttoken_step_time_target_seconds",
-                "The step-time bound the scheduler fills steps to.",
-                g.step_time_target_s,
-            )
-        if g.itl_target_s is not None:
-            yield _gauge(
-                "firsttoken_itl_target_seconds",
-                "The pace per output token (--itl-target) the scheduler "
-                "bounds steps that carry decodes to.",
-                g.itl_target_s,
-            )
+        yield from _engine_gauges(g)
+        yield from _engine_learning(g)
 
 
 class VllmCompatCollector:
@@ -362,3 +184,207 @@ def make_registry(recorder: Recorder, engine: Callable[[], EngineSnapshot],
     registry.register(VllmCompatCollector(engine, model_name))
     ProcessCollector(registry=registry)
     return registry
+
+
+def _request_families(s: RecorderSnapshot) -> Iterator[Metric]:
+    """Per request: TTFT and its phases, outcomes, refusals, aborts, disconnects, tokens."""
+    for field, name, doc in _REQUEST_HISTOGRAMS:
+        yield _histogram(name, doc, REQUEST_LABELS, getattr(s.hist, field))
+    yield _histogram(
+        "firsttoken_request_phase_seconds",
+        "Each TTFT phase (preprocess, queue, encode, prefill, sample, send); per request they add up to TTFT.",
+        [*REQUEST_LABELS, "phase"],
+        s.hist.phase_s,
+    )
+
+    requests = CounterMetricFamily(
+        "firsttoken_requests", "Requests the engine finished, by outcome (stop, length, abort, error).",
+        labels=[*REQUEST_LABELS, "outcome"],
+    )  # fmt: skip
+    for key, n in sorted(s.requests.items()):
+        requests.add_metric(list(key), n)
+    yield requests
+    rejections = CounterMetricFamily(
+        "firsttoken_rejections",
+        "Requests answered with a 4xx before generating, by reason.",
+        labels=["reason"],
+    )
+    # over_slo: alertable from zero
+    for reason, n in sorted({"over_slo": 0, **s.rejections}.items()):
+        rejections.add_metric([reason], n)
+    yield rejections
+    aborts = CounterMetricFamily(
+        "firsttoken_requests_aborted", "Running requests the server aborted, by reason (client_not_reading: "
+        "the client left --max-unread-outputs outputs unread).", labels=["reason"],
+    )  # fmt: skip
+    for reason, n in sorted({**dict.fromkeys(ABORT_REASONS, 0), **s.aborts}.items()):
+        aborts.add_metric([reason], n)
+    yield aborts
+    disconnects = CounterMetricFamily(
+        "firsttoken_client_disconnects", "Clients that left before their answer was complete, by stage (body: "
+        "while sending the request body; answer: while it was generated or streamed). Not errors.",
+        labels=["stage"],
+    )  # fmt: skip
+    for stage, n in sorted(
+        {**dict.fromkeys(DISCONNECT_STAGES, 0), **s.client_disconnects}.items()
+    ):
+        disconnects.add_metric([stage], n)
+    yield disconnects
+    c = s.counters
+    yield _counter(
+        "firsttoken_prompt_tokens", "Prompt tokens of finished requests.", c["prompt_tokens"]
+    )
+    yield _counter(
+        "firsttoken_generation_tokens",
+        "Generated tokens of finished requests.",
+        c["generation_tokens"],
+    )
+
+
+def _step_families(s: RecorderSnapshot) -> Iterator[Metric]:
+    """Per engine step: counts, tokens, vision-tower work, busy time, durations, the cost model's error."""
+    c = s.counters
+    yield _counter("firsttoken_engine_steps", "Engine steps run.", c["steps"])
+    yield _counter("firsttoken_step_prefill_tokens", "Prefill tokens scheduled across steps.",
+                   c["scheduled_prefill_tokens"])  # fmt: skip
+    yield _counter("firsttoken_step_decode_tokens", "Decode tokens scheduled across steps.",
+                   c["scheduled_decode_tokens"])  # fmt: skip
+    yield _counter("firsttoken_step_encoder_images", "Images encoded by the vision tower, summed over steps.",
+                   c["encoder_images"])  # fmt: skip
+    yield _counter(
+        "firsttoken_step_encoder_seconds",
+        "Seconds spent in the vision tower.",
+        c["encoder_seconds"],
+    )
+    yield _counter(
+        "firsttoken_step_busy_seconds",
+        "Seconds the engine spent inside steps.",
+        c["step_seconds"],
+    )
+    yield _histogram("firsttoken_step_scheduled_tokens", "Tokens (prefill + decode) scheduled per step.", [],
+                     {(): s.step_tokens})  # fmt: skip
+    yield _histogram("firsttoken_step_duration_seconds", "Wall time of one engine step.", [],
+                     {(): s.step_duration_s})  # fmt: skip
+    yield _histogram("firsttoken_step_time_prediction_ratio", "The step-cost model's predicted / actual step "
+                     "time (1 = exact).", [], {(): s.step_prediction_ratio})  # fmt: skip
+
+
+def _first_token_families(s: RecorderSnapshot) -> Iterator[Metric]:
+    """Where first tokens' engine time went, the TTFT prediction's error, budgets lowered, grammars."""
+    c = s.counters
+    parts = CounterMetricFamily(
+        "firsttoken_first_token_engine_seconds", "Seconds from each answered request's end of preprocessing "
+        "to its first token, by part: handoff (until the engine thread took it), encoder (its vision-tower "
+        "work), forward (forwards carrying its "
+        "chunks), step_overhead (the rest of its steps), other_steps (steps without its work), idle (between "
+        "steps); per request class (images: 0, 1, 2+ or video).", labels=["images", "part"],
+    )  # fmt: skip
+    for (images, part), seconds in sorted(s.first_token_engine_s.items()):
+        parts.add_metric([images, part], seconds)
+    yield parts
+    yield _histogram(
+        "firsttoken_ttft_prediction_ratio",
+        "Predicted TTFT at admission / measured TTFT, per request class (1 = exact).",
+        ["images"],
+        {(k,): h for k, h in s.ttft_prediction_ratio.items()},
+    )
+    yield _counter("firsttoken_image_budget_lowered", "Requests whose visual-token budget was lowered to meet "
+                   "their TTFT objective (--ttft-slo).", c["image_budget_lowered"])  # fmt: skip
+    yield _counter("firsttoken_constrained_requests", "Requests whose output was held to a grammar "
+                   "(response_format, structured_outputs).", c["constrained_requests"])  # fmt: skip
+    yield _counter("firsttoken_grammar_cache_hits", "Constrained requests whose grammar was compiled "
+                   "already (a repeated schema costs nothing).", c["grammar_cache_hits"])  # fmt: skip
+    yield _histogram(
+        "firsttoken_grammar_compile_seconds",
+        "Compiling a constrained request's output grammar, "
+        "in preprocessing before it queued (a cached grammar counts 0).",
+        [],
+        {(): s.grammar_compile_s},
+    )
+
+
+def _engine_gauges(g: EngineSnapshot) -> Iterator[Metric]:
+    """The engine now: KV blocks, running and queued requests, the encoder cache, preemptions, lanes."""
+    yield _gauge(
+        "firsttoken_kv_cache_used_blocks",
+        "KV blocks referenced by live requests.",
+        g.kv_blocks_used,
+    )
+    yield _gauge(
+        "firsttoken_kv_cache_capacity_blocks", "KV blocks in the pool.", g.kv_blocks_total
+    )
+    yield _gauge(
+        "firsttoken_kv_cache_usage_ratio",
+        "Used / capacity KV blocks (1 = full).",
+        g.kv_usage_ratio,
+    )
+    yield _gauge("firsttoken_requests_running", "Requests in the running batch.", g.num_running)
+    queued = GaugeMetricFamily("firsttoken_requests_queued", "Requests waiting for admission, per lane.",
+                               labels=["lane"])  # fmt: skip
+    for lane, n in sorted(g.num_queued_by_lane.items()):
+        queued.add_metric([lane], n)
+    yield queued
+    yield _gauge(
+        "firsttoken_encoder_cache_bytes",
+        "Bytes of vision-encoder outputs held.",
+        g.encoder_cache_bytes,
+    )
+    preemptions = CounterMetricFamily(
+        "firsttoken_preemptions", "Running requests preempted (KV dropped, recomputed later), by reason.",
+        labels=["reason"],
+    )  # fmt: skip
+    for reason, n in sorted(
+        {**dict.fromkeys(PREEMPTION_REASONS, 0), **g.preemptions_by_reason}.items()
+    ):
+        preemptions.add_metric([reason], n)
+    yield preemptions
+    yield _counter("firsttoken_short_requests_delayed_by_long",
+                   "Short-lane requests that sat out a whole step while long work held it (the scheduler "
+                   "counts it; sharing a step is normal, waiting behind it is not).",
+                   g.num_short_delayed_by_long)  # fmt: skip
+    yield _counter("firsttoken_encoder_interrupts",
+                   "Steps whose long-lane vision-tower work stopped at an encoder unit because a short request "
+                   "arrived (it runs next step; the image resumes after it).",
+                   g.num_encoder_interrupts)  # fmt: skip
+    yield from _long_lane_only(g.long_lane_only)
+
+
+def _engine_learning(g: EngineSnapshot) -> Iterator[Metric]:
+    """Caches' hits, the step-cost model and TTFT bias as learnt, the step and pace targets."""
+    yield _counter("firsttoken_encoder_cache_hits", "Images whose vision-encoder output was reused.",
+                   g.encoder_cache_hits)  # fmt: skip
+    yield _counter("firsttoken_encoder_cache_misses", "Images that had to go through the vision tower.",
+                   g.encoder_cache_misses)  # fmt: skip
+    yield _counter("firsttoken_prefix_cache_hit_tokens", "Prompt tokens served from the KV prefix cache.",
+                   g.prefix_cache_hit_tokens)  # fmt: skip
+    yield _counter("firsttoken_prefix_cache_query_tokens", "Prompt tokens looked up in the KV prefix cache.",
+                   g.prefix_cache_query_tokens)  # fmt: skip
+    yield _gauge_by(
+        "firsttoken_step_cost_coefficient",
+        "The step-cost model's seconds per unit of each term "
+        "(step, sequences, sampled, prefill_tokens, prefill_attention, decode_tokens, decode_context, "
+        "encoder_patches, encoder_attention).",
+        "term",
+        g.cost_model,
+    )
+    yield _gauge_by(
+        "firsttoken_ttft_prediction_bias",
+        "The factor predicted TTFTs of each class (by number of "
+        "images: 0, 1, 2+) are multiplied by, learnt online from measured first tokens (1: no "
+        "correction).",
+        "images",
+        g.ttft_bias,
+    )
+    if g.step_time_target_s is not None:
+        yield _gauge(
+            "firsttoken_step_time_target_seconds",
+            "The step-time bound the scheduler fills steps to.",
+            g.step_time_target_s,
+        )
+    if g.itl_target_s is not None:
+        yield _gauge(
+            "firsttoken_itl_target_seconds",
+            "The pace per output token (--itl-target) the scheduler "
+            "bounds steps that carry decodes to.",
+            g.itl_target_s,
+        )
