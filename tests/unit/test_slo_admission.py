@@ -118,6 +118,7 @@ def test_a_request_asked_again_is_not_ahead_of_itself_but_others_admitted_are():
     budget the processor lowers holds such a reservation from its first ask, and its later asks must not count it."""
     from firsttoken.config import SchedulerConfig
     from firsttoken.engine.async_engine import AsyncEngine
+    from firsttoken.engine.interrupt import ShortArrivals
 
     seen: list[tuple[PromptWork, ...]] = []
 
@@ -126,7 +127,8 @@ def test_a_request_asked_again_is_not_ahead_of_itself_but_others_admitted_are():
         return AdmissionVerdict.ok("long", 1.0, lower_budget=True)
 
     config = SimpleNamespace(num_threads=0, max_unread_outputs=64, scheduler=SchedulerConfig(long_prompt_threshold=100))
-    engine = SimpleNamespace(config=config, check_admission=check_admission, stats=lambda: None)
+    engine = SimpleNamespace(config=config, check_admission=check_admission, stats=lambda: None,
+                             short_arrivals=ShortArrivals())
     bridge = AsyncEngine(engine)  # its thread is not started
     bridge.check_admission(PromptWork(900, 1, 4000), "other")
     bridge.check_admission(PromptWork(900, 1, 4000), "me")
