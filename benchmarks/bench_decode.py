@@ -188,7 +188,10 @@ def instrument(engine, timer: PhaseTimer) -> None:
     runner = engine.executor.runner
     timer.wrap(engine.scheduler, "schedule", "schedule")
     timer.wrap(engine.scheduler, "update", "sched_update")
-    timer.wrap(engine, "_update", "engine_update")
+    if hasattr(engine, "outputs"):  # the output processor (a checkout from before it: the engine's _update)
+        timer.wrap(engine.outputs, "step", "engine_update")
+    else:
+        timer.wrap(engine, "_update", "engine_update")
     # forward_step: the runner's entry (its decode method may compute the logits inside, then "logits" reads 0)
     timer.wrap(runner.model, "forward_step" if hasattr(runner.model, "forward_step") else "forward", "forward")
     timer.wrap(runner.model, "compute_logits", "logits")
