@@ -96,10 +96,11 @@ class LLMEngine:
         self.observer: StatsObserver = observer or NullObserver()
         self.tokenizer = tokenizer
         self.capacity = config.kv
+        self.max_model_len = config.kv.max_model_len  # context length, tokens
         log.info(config.describe())  # the one start-up block: every choice the engine runs with
         # prices every step (fitted at calibrate, learning from each step after)
         self.cost_model = CostModel()
-        self.scheduler = self._new_scheduler()
+        self.scheduler = _new_scheduler(self.resolved, self.cost_model)
         self.requests: dict[str, Request] = {}
         self.outputs = OutputProcessor(tokenizer, self.capacity.max_model_len)
         self._arrivals = 0
@@ -117,30 +118,12 @@ class LLMEngine:
 
         if self.requests:
             raise RuntimeError("calibrate with requests in flight")
-        serving, self.scheduler = self.scheduler, self._new_scheduler(calibrating=True)
+        serving, self.scheduler = self.scheduler, _new_scheduler(self.resolved, self.cost_model, True)
         try:
             calibrate(self)
         finally:
             self.scheduler = serving
             self.num_images_encoded = self._num_steps = 0
-
-    def _new_scheduler(self, calibrating: bool = False) -> Scheduler:
-        """``calibrating``: a scratch one for calibrate: token budgets only, and no image output
-        kept once its request's prefill has passed it (its runner state is all released before
-        serving starts)."""
-        return Scheduler(
-            self.config.scheduler,
-            self.config.cache,
-            self.capacity.num_blocks,
-            self.capacity.max_model_len,
-            0 if calibrating else self.resolved.encoder_cache_tokens,
-            self.cost_model,
-            calibrating=calibrating,
-        )
-
-    @property
-    def max_model_len(self) -> int:
-        return self.capacity.max_model_len
 
     # ---- requests --------------------------------------------------------------------------------
     def check_admission(
@@ -245,24 +228,14 @@ class LLMEngine:
 
     def _failed_batch(self, batch: ScheduledBatch, done: RunnerOutput | None, ended: Ended,
                       outputs: list[RequestOutput]) -> tuple[RunnerOutput, list[RequestOutput], bool]:
-        """Last resort when the runner itself broke: fail the batch's requests (``done``: what it
-        reported before breaking, whose tokens went out), forget the step's encoder work (the runner
-        restarts an image from its pixels when asked for layer 0 again), keep serving."""
-        involved = {rid: self.requests[rid] for rid in [c.request_id for c in batch.chunks] +
-                    [w.request_id for w in batch.encoder_work] if rid in self.requests}
-        message = "internal error while running this request"
-        log.exception("engine step failed; failing the %d requests in it", len(involved))
+        """Last resort when the runner itself broke: the batch's requests fail (this step only),
+        the engine keeps serving (OutputProcessor.failed_batch)."""
         before = len(ended)
-        outputs = outputs + [self.outputs.failed(r, message, ended) for r in involved.values()]
+        result, failed = self.outputs.failed_batch(batch, done, self.requests, ended)
+        log.exception("engine step failed; failing the %d requests in it", len(failed))
         for req, reason in ended[before:]:
             self._forget(req, reason)
-        failed = RunnerOutput(
-            {},
-            {},
-            dict.fromkeys(involved, message),
-            discarded_encoder_hashes=frozenset(w.content_hash for w in batch.encoder_work),
-        )
-        return (done.merged(failed) if done is not None else failed), outputs, True
+        return result, outputs + failed, True
 
     def _expire(self) -> list[RequestOutput]:
         timeout = self.config.request_timeout_s
@@ -341,4 +314,20 @@ def _finished_record(req: Request, reason: FinishReason) -> FinishedRequest:
             predicted_ttft_s=er.predicted_ttft_s,
             image_budget_note=er.image_budget_note,
         ).to_dict(),
+    )
+
+
+def _new_scheduler(resolved: ResolvedEngineConfig, cost_model: CostModel,
+                   calibrating: bool = False) -> Scheduler:
+    """``calibrating``: a scratch one for calibrate: token budgets only, and no image output kept
+    once its request's prefill has passed it (its runner state is all released before serving
+    starts)."""
+    return Scheduler(
+        resolved.requested.scheduler,
+        resolved.requested.cache,
+        resolved.kv.num_blocks,
+        resolved.kv.max_model_len,
+        0 if calibrating else resolved.encoder_cache_tokens,
+        cost_model,
+        calibrating=calibrating,
     )

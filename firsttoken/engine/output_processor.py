@@ -103,6 +103,25 @@ class OutputProcessor:
             error_status=status,
         )
 
+    def failed_batch(self, batch: ScheduledBatch, done: RunnerOutput | None,
+                     requests: dict[str, Request], ended: Ended
+                     ) -> tuple[RunnerOutput, list[RequestOutput]]:
+        """When the runner itself broke: every live request of the batch fails (``done``: what the
+        runner reported before breaking, whose tokens went out), and the step's encoder work is
+        forgotten (the runner restarts an image from its pixels when asked for layer 0 again).
+        Returns the step's report as the scheduler follows it, and the failures' outputs."""
+        involved = {rid: requests[rid] for rid in [c.request_id for c in batch.chunks] +
+                    [w.request_id for w in batch.encoder_work] if rid in requests}
+        message = "internal error while running this request"
+        outputs = [self.failed(r, message, ended) for r in involved.values()]
+        failed = RunnerOutput(
+            {},
+            {},
+            dict.fromkeys(involved, message),
+            discarded_encoder_hashes=frozenset(w.content_hash for w in batch.encoder_work),
+        )
+        return (done.merged(failed) if done is not None else failed), outputs
+
     def _append_token(self, req: Request, token_id: int, result: RunnerOutput, clock: StepClock,
                       ended: Ended) -> RequestOutput:
         req.output_token_ids.append(token_id)
