@@ -267,28 +267,24 @@ async def collect_outputs(
     return generation.result()
 
 
-async def chat_sse(
-    engine: EngineClient,
-    requests: Sequence[EngineRequest],
-    ctx: StreamContext,
-    piece: TokenPieceFn,
-    tools: Callable[[], ToolOutput] | None = None,
-    after: Sequence[int | None] = (),
-) -> AsyncIterator[str]:
-    """``tools``: a fresh tool-call parser per choice (None: no tools). Whatever makes a choice's
-    deltas (its text as it comes, or its tool-call parser), every chunk is framed by ``chunks``,
-    which adds what the request asked for beyond the text: each output's logprobs, and with
-    continuous usage the choice's usage so far."""
-    frames = StreamFrames("chat.completion.chunk", ctx.response_id, ctx.created, ctx.model)
-    parsers = [tools() for _ in requests] if tools is not None else None
-    finals: dict[int, RequestOutput] = {}
+class _ChatChunks:
+    """Chat chunks of one streamed answer: each choice's deltas (its text as it comes, or what its
+    tool-call parser makes of it) framed with what the request asked for beyond the text: each
+    output's logprobs, and with continuous usage the choice's usage so far."""
 
-    def deltas(i: int, out: RequestOutput) -> list[DeltaMessage]:
+    def __init__(self, ctx: StreamContext, piece: TokenPieceFn, num_choices: int,
+                 tools: Callable[[], ToolOutput] | None) -> None:
+        self.ctx = ctx
+        self.piece = piece
+        self.frames = StreamFrames("chat.completion.chunk", ctx.response_id, ctx.created, ctx.model)
+        self.parsers = [tools() for _ in range(num_choices)] if tools is not None else None
+
+    def deltas(self, i: int, out: RequestOutput) -> list[DeltaMessage]:
         """Choice i's deltas for one output: its new text, or what the choice's tool-call parser
         makes of it (content deltas and tool-call deltas)."""
-        if parsers is None:
+        if self.parsers is None:
             return [DeltaMessage(content=out.new_text)] if out.new_text else []
-        parser = parsers[i]
+        parser = self.parsers[i]
         pieces = parser.feed(out.new_text) + (parser.finish() if out.finished else [])
         return [
             DeltaMessage(content=p.content)
@@ -297,7 +293,12 @@ async def chat_sse(
             for p in pieces
         ]
 
+    def finish_reason(self, i: int, finish: str | None) -> str | None:
+        # a tool-call parser decides once it has read the whole answer
+        return self.parsers[i].finish_reason(finish) if self.parsers is not None else finish
+
     def chunks(
+        self,
         i: int,
         deltas: list[DeltaMessage],
         finish_reason: str | None,
@@ -307,6 +308,7 @@ async def chat_sse(
         """Choice i's chunks, one per delta (an empty delta when there is none but logprobs or a
         finish reason to send): ``logprobs`` ride the first, ``finish_reason`` the last, ``usage``
         (None: not asked for) each."""
+        ctx = self.ctx
         if not deltas and (logprobs or finish_reason):
             deltas = [DeltaMessage()]
         out: list[str] = []
@@ -314,9 +316,10 @@ async def chat_sse(
             reason = finish_reason if k == len(deltas) - 1 else None
             scores = logprobs if k == 0 else ()
             if not scores and usage is None and delta.tool_calls is None:
-                out.append(frames.chat(delta.content, reason, role=delta.role is not None, index=i))
+                out.append(self.frames.chat(delta.content, reason, role=delta.role is not None,
+                                            index=i))
                 continue
-            choice = ChatChunkChoice(index=i, delta=delta, logprobs=chat_logprobs(scores, piece),
+            choice = ChatChunkChoice(index=i, delta=delta, logprobs=chat_logprobs(scores, self.piece),
                                      finish_reason=reason)
             out.append(
                 sse(
@@ -331,9 +334,22 @@ async def chat_sse(
             )
         return out
 
+
+async def chat_sse(
+    engine: EngineClient,
+    requests: Sequence[EngineRequest],
+    ctx: StreamContext,
+    piece: TokenPieceFn,
+    tools: Callable[[], ToolOutput] | None = None,
+    after: Sequence[int | None] = (),
+) -> AsyncIterator[str]:
+    """``tools``: a fresh tool-call parser per choice (None: no tools). Whatever makes a choice's
+    deltas, every chunk is framed by ``_ChatChunks.chunks``."""
+    framer = _ChatChunks(ctx, piece, len(requests), tools)
+    finals: dict[int, RequestOutput] = {}
     for i, request in enumerate(requests):
         usage = running_usage(request.num_prompt_tokens, 0) if ctx.continuous_usage else None
-        for frame in chunks(i, [DeltaMessage(role="assistant", content="")], None, (), usage):
+        for frame in framer.chunks(i, [DeltaMessage(role="assistant", content="")], None, (), usage):
             yield frame
     async with aclosing(guarded_outputs(engine, requests, after)) as outputs:
         async for item in outputs:
@@ -345,10 +361,8 @@ async def chat_sse(
             finish = out.finish_reason.value if out.finished and out.finish_reason else None
             if i == 0:
                 ctx.timeline.observe(out)
-            new = deltas(i, out)
-            if parsers is not None:
-                # once the parser has read the whole answer
-                finish = parsers[i].finish_reason(finish)
+            new = framer.deltas(i, out)
+            finish = framer.finish_reason(i, finish)
             usage = (
                 running_usage(out.num_prompt_tokens, out.num_output_tokens)
                 if ctx.continuous_usage
@@ -356,7 +370,7 @@ async def chat_sse(
             )
             # choice 0's timeline: text or a call
             visible = i == 0 and any(d.content or d.tool_calls for d in new)
-            for frame in chunks(i, new, finish, out.logprobs, usage):
+            for frame in framer.chunks(i, new, finish, out.logprobs, usage):
                 yield frame
                 if visible:
                     # resumed: the chunk has been handed to the transport
