@@ -386,12 +386,12 @@ class SchedulerConfig:
     def ttft_slo_s(self) -> dict[str, float]:
         """{"text": seconds, "image": seconds, "video": seconds} for the classes given (a prompt
         with any video is of class video)."""
-        return Objectives.of("ttft_slo", self.ttft_slo).seconds
+        return self.ttft_slo.seconds
 
     @property
     def step_time_target_s(self) -> float | None:
         """The fixed target in seconds, or None for auto / off."""
-        return TimeBound.of("step_time_target", self.step_time_target).seconds
+        return self.step_time_target.seconds
 
 
 @dataclass(frozen=True)

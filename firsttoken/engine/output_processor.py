@@ -50,29 +50,29 @@ class OutputProcessor:
     def step(self, batch: ScheduledBatch, result: RunnerOutput, requests: dict[str, Request],
              clock: StepClock, ended: Ended, chunks: bool = True) -> list[RequestOutput]:
         """The outputs of ``result`` for the live ``requests``; the requests it ends are appended to
-        ``ended`` (and skipped from then on: a request ends once). ``chunks`` False: a deferred
-        encoder report (failures and encoder time only)."""
-        done = {req.request_id for req, _ in ended}
-        live = {rid: req for rid, req in requests.items() if rid not in done}
+        ``ended`` (the caller drops them from ``requests`` before calling again). ``chunks`` False: a
+        deferred encoder report (failures and encoder time only)."""
         outputs: list[RequestOutput] = []
-        for rid, message in result.failed.items():
-            if rid in live:
-                outputs.append(self.failed(live.pop(rid), message, ended))
-        # its own grammar's doing: the request was bad
-        for rid, message in result.constraint_failed.items():
-            if rid in live:
-                outputs.append(self.failed(live.pop(rid), message, ended, status=400))
+        # ended in this call (the engine forgets what an earlier call ended before the next)
+        gone: set[str] = set()
+        for failures, status in ((result.failed, 500), (result.constraint_failed, 400)):
+            # constraint_failed: its own grammar's doing, the request was bad
+            for rid, message in failures.items():
+                if rid in requests and rid not in gone:
+                    outputs.append(self.failed(requests[rid], message, ended, status))
+                    gone.add(rid)
         for rid, seconds in result.encoder_s.items():
-            if rid in live:
-                live[rid].count("encoder_s", seconds)
-                live[rid].count("num_images_encoded", result.num_images_encoded.get(rid, 0))
+            req = requests.get(rid)
+            if req is not None and rid not in gone:
+                req.count("encoder_s", seconds)
+                req.count("num_images_encoded", result.num_images_encoded.get(rid, 0))
         shared = (
             len({c.request_id for c in batch.chunks} | {w.request_id for w in batch.encoder_work})
             > 1
         )
         for chunk in batch.chunks if chunks else ():
-            req = live.get(chunk.request_id)
-            if req is None or req.request_id in result.skipped_request_ids:
+            req = requests.get(chunk.request_id)
+            if req is None or req.request_id in gone or req.request_id in result.skipped_request_ids:
                 continue
             _note_timing(req, chunk, result, clock.start_s, shared)
             scored = result.prompt_logprobs.get(req.request_id)

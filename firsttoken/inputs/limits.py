@@ -55,6 +55,11 @@ class PromptLimits:
                 f"{prompt_param} is empty: it has 0 tokens; send at least one token of text",
                 prompt_param,
             )
+        room = self.max_model_len - prompt_len
+        over_input = self.max_input_tokens is not None and prompt_len > self.max_input_tokens
+        if not over_input and room >= 1 and (requested is None or requested <= room):
+            return room
+        # refused: the message counts what the prompt holds and says what to do
         counted = prompt.describe()
         advice = (
             "use detail=low or image_url.max_visual_tokens, send fewer images, or shorten the text"
@@ -66,24 +71,21 @@ class PromptLimits:
                 "lower video_url.max_visual_tokens, fps or max_frames, send a shorter clip, or "
                 + advice
             )
-        if self.max_input_tokens is not None and prompt_len > self.max_input_tokens:
+        if over_input:
             raise InputError(
                 f"the prompt has {prompt_len} tokens ({counted}); this server accepts at most "
                 f"{self.max_input_tokens} input tokens. To fit, {advice}.",
                 prompt_param,
             )
-        room = self.max_model_len - prompt_len
         if room < 1:
             raise InputError(
                 f"this model's maximum context length is {self.max_model_len} tokens; the prompt has {prompt_len} "
                 f"({counted}), which leaves no room for output. To fit, {advice}.",
                 prompt_param,
             )
-        if requested is not None and requested > room:
-            raise InputError(
-                f"this model's maximum context length is {self.max_model_len} tokens; you requested "
-                f"{prompt_len + requested} ({prompt_len} in the prompt: {counted}; {requested} for the output). "
-                f"Reduce {field} to at most {room}, or {advice}.",
-                field,
-            )
-        return room
+        raise InputError(
+            f"this model's maximum context length is {self.max_model_len} tokens; you requested "
+            f"{prompt_len + requested} ({prompt_len} in the prompt: {counted}; {requested} for the output). "
+            f"Reduce {field} to at most {room}, or {advice}.",
+            field,
+        )

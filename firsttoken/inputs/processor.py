@@ -76,6 +76,7 @@ class Draft:
     prompt: PromptPlan
     sampling: SamplingRequest
     param: str  # the prompt's request field (messages, prompt, input)
+    room: int  # tokens the context leaves for output after this prompt (its limits passed)
     # (the compiled output grammar, seconds this request spent compiling it)
     grammar: tuple[CompiledGrammar, float] | None = None
 
@@ -161,8 +162,7 @@ class InputProcessor:
         self.limits.check_text(prompt.texts(), self.limits.max_prompt_tokens, prompt.param)
         grammar = self._grammar(sampling.structured)
         plan = self._plan(prompt)
-        self.limits.room(plan, sampling.name("max_tokens"), sampling.max_tokens, prompt.param)
-        return Draft(plan, sampling, prompt.param, grammar)
+        return Draft(plan, sampling, prompt.param, self._room(plan, sampling, prompt.param), grammar)
 
     def lowered(self, draft: Draft, budget: int) -> Draft:
         """The same draft with each degradable image's budget capped at ``budget`` (from headers:
@@ -171,9 +171,10 @@ class InputProcessor:
         budgets = [min(p.budget_tokens, budget) if d else p.budget_tokens
                    for p, d in zip(prompt.plans, prompt.degradable)]
         plans = self.vision.replan(prompt.blobs, budgets, prompt.params)
-        expanded = self.renderer.expand(prompt.template_ids, plans, prompt.blobs, prompt.videos)
-        return replace(draft, prompt=replace(expanded, degradable=prompt.degradable,
-                                             params=prompt.params))
+        lower = self.renderer.expand(prompt.template_ids, plans, prompt.blobs, prompt.videos,
+                                     prompt.degradable, prompt.params)
+        # a lower budget leaves more room
+        return replace(draft, prompt=lower, room=self._room(lower, draft.sampling, draft.param))
 
     def work(self, draft: Draft) -> PromptWork:
         """What the draft costs the engine (tokens and encoder units): what admission prices."""
@@ -183,10 +184,7 @@ class InputProcessor:
                verdict: AdmissionVerdict | None = None, note: str | None = None) -> EngineRequest:
         """Steps 6-7, once admitted (``verdict``; ``note``: why the image budget was lowered)."""
         prompt, sampling = draft.prompt, draft.sampling
-        # a lower budget leaves more
-        room = self.limits.room(prompt, sampling.name("max_tokens"), sampling.max_tokens,
-                                draft.param)
-        params = sampling_params(sampling, or_default(sampling.max_tokens, room),
+        params = sampling_params(sampling, or_default(sampling.max_tokens, draft.room),
                                  self.generation_defaults, self.model_config)
         if draft.grammar is not None:
             params = replace(params, grammar=draft.grammar[0])
@@ -257,8 +255,12 @@ class InputProcessor:
     def _chat_plan(self, prompt: ChatPrompt) -> PromptPlan:
         images, videos = self.vision.plan(prompt)
         template_ids = self.renderer.chat(prompt)
-        expanded = self.renderer.expand(template_ids, images.plans, images.blobs, videos)
-        return replace(expanded, degradable=images.degradable, params=images.params)
+        return self.renderer.expand(template_ids, images.plans, images.blobs, videos,
+                                    images.degradable, images.params)
+
+    def _room(self, plan: PromptPlan, sampling: SamplingRequest, param: str) -> int:
+        """Step 5: the prompt's final length against the limits; the room it leaves for output."""
+        return self.limits.room(plan, sampling.name("max_tokens"), sampling.max_tokens, param)
 
     def _grammars(self) -> GrammarCompiler:
         with self._grammar_lock:

@@ -111,14 +111,16 @@ class PromptRenderer:
             ) from None
 
     def expand(self, ids: Sequence[int], plans: Sequence[ImagePlan], blobs: tuple[bytes, ...],
-               videos: tuple[PlannedVideo, ...] = ()) -> PromptPlan:
+               videos: tuple[PlannedVideo, ...] = (), degradable: tuple[bool, ...] = (),
+               params: tuple[str, ...] = ()) -> PromptPlan:
         """Each image's one pad token as its planned pads; each video's as the family's video tokens
         (its grids' pads, and for Qwen3-VL a timestamp per grid), recording where every image and
-        every video grid starts."""
+        every video grid starts. ``degradable`` and ``params``: per image, as PromptPlan keeps
+        them."""
         config = self.model_config
         pad, video_pad = config.image_token_id, config.video_token_id
         for token, items, noun in ((pad, plans, "image"), (video_pad, videos, "video")):
-            num_pads = list(ids).count(token)
+            num_pads = ids.count(token)
             # the template and our media lists disagree: a bug, never the client's
             if num_pads != len(items):
                 raise RuntimeError(
@@ -146,8 +148,8 @@ class PromptRenderer:
                 out.extend(tokens)
             else:
                 out.append(token_id)
-        return PromptPlan(tuple(out), tuple(plans), blobs, tuple(offsets), tuple(ids),
-                          videos=videos, video_offsets=tuple(video_offsets))
+        return PromptPlan(tuple(out), tuple(plans), blobs, tuple(offsets), tuple(ids), degradable,
+                          params, videos, tuple(video_offsets))
 
     def _with_tools(
         self, prompt: ChatPrompt

@@ -392,7 +392,7 @@ class SimReplica:
         model = self.profile.model
         # as the server's intake: over the objective, the images' budget steps down the family's
         # ladder (only where the checkpoint's config plans the images again)
-        degradable = model is not None and request.images and all(
+        degradable = model is not None and bool(request.images) and all(
             im.size and im.budget_tokens for im in request.images)
         original = max(im.budget_tokens or 0 for im in request.images) if degradable else 0
 
