@@ -73,6 +73,26 @@ def _attend_tile(
 
 
 @triton.jit
+def _key_offsets(n, n_ok, seq, kv_head, k_start, block_tables, stride_bt, stride_kb, stride_ks,
+                 stride_kh, stride_vb, stride_vs, stride_vh, BLOCK_SIZE: tl.constexpr,
+                 PAGED: tl.constexpr):
+    """Element offsets of keys ``n`` (the sequence's logical positions) of ``kv_head`` in K and
+    V: through the block table (paged), or from the sequence's first key ``k_start``."""
+    if PAGED:
+        blk = tl.load(block_tables + seq * stride_bt + n // BLOCK_SIZE, mask=n_ok, other=0).to(
+            tl.int64
+        )
+        slot = n % BLOCK_SIZE
+        k_off = blk * stride_kb + slot * stride_ks + kv_head * stride_kh
+        v_off = blk * stride_vb + slot * stride_vs + kv_head * stride_vh
+    else:
+        key = (k_start + n).to(tl.int64)
+        k_off = key * stride_kb + kv_head * stride_kh
+        v_off = key * stride_vb + kv_head * stride_vh
+    return k_off, v_off
+
+
+@triton.jit
 def _varlen_attention_kernel(
     Q, K, V, O,
     cu_seqlens_q,  # [num_seqs + 1] int32
@@ -134,17 +154,10 @@ def _varlen_attention_kernel(
         for start in range(0, kv_end, BLOCK_N):
             n = start + tl.arange(0, BLOCK_N)
             n_ok = n < kv_end
-            if PAGED:
-                blk = tl.load(
-                    block_tables + seq * stride_bt + n // BLOCK_SIZE, mask=n_ok, other=0
-                ).to(tl.int64)
-                slot = n % BLOCK_SIZE
-                k_off = blk * stride_kb + slot * stride_ks + kv_head * stride_kh
-                v_off = blk * stride_vb + slot * stride_vs + kv_head * stride_vh
-            else:
-                key = (k_start + n).to(tl.int64)
-                k_off = key * stride_kb + kv_head * stride_kh
-                v_off = key * stride_vb + kv_head * stride_vh
+            k_off, v_off = _key_offsets(
+                n, n_ok, seq, kv_head, k_start, block_tables, stride_bt, stride_kb, stride_ks,
+                stride_kh, stride_vb, stride_vs, stride_vh, BLOCK_SIZE, PAGED,
+            )
             k = tl.load(
                 K + k_off[None, :] + d[:, None], mask=n_ok[None, :] & d_ok[:, None], other=0.0
             )

@@ -25,7 +25,13 @@ def add_parser(subparsers: Any) -> None:
     )
     p.add_argument("--url", required=True, help="server root, e.g. http://127.0.0.1:8000")
     p.add_argument("--model", help="model id to send (default: the server's first from /v1/models)")
-    w = p.add_argument_group("workload")
+    _workload_args(p.add_argument_group("workload"))
+    _arrival_args(p.add_argument_group("arrivals"))
+    _report_args(p.add_argument_group("report"))
+    p.set_defaults(handler=run)
+
+
+def _workload_args(w: Any) -> None:
     w.add_argument("--workload", choices=("seed-mix", "text", "multiturn"), default="seed-mix")
     w.add_argument(
         "--workload-file", help="JSONL, one chat request body per line (overrides --workload)"
@@ -71,7 +77,9 @@ def add_parser(subparsers: Any) -> None:
         "--turns", type=int, default=3, help="multiturn: follow-ups per conversation (default 3)"
     )
     w.add_argument("--multiturn-images", type=int, default=3)
-    a = p.add_argument_group("arrivals")
+
+
+def _arrival_args(a: Any) -> None:
     rate = a.add_mutually_exclusive_group()
     rate.add_argument("--rate", type=float, help="Poisson arrivals, sessions/s")
     rate.add_argument(
@@ -97,7 +105,9 @@ def add_parser(subparsers: Any) -> None:
     )
     a.add_argument("--seed", type=int, default=0)
     a.add_argument("--timeout", type=float, default=600.0, help="per-request timeout, seconds")
-    o = p.add_argument_group("report")
+
+
+def _report_args(o: Any) -> None:
     o.add_argument("--slo-ttft", type=float, help="goodput: TTFT SLO, seconds")
     o.add_argument("--slo-tpot", type=float, help="goodput: TPOT SLO, seconds")
     o.add_argument(
@@ -109,7 +119,6 @@ def add_parser(subparsers: Any) -> None:
         help="TTFT distribution per class + TTFT over time (matplotlib)",
     )
     o.add_argument("--no-progress", dest="progress", action="store_false")
-    p.set_defaults(handler=run)
 
 
 # BenchConfig fields whose flag is spelled differently (the rest are the flag's name with

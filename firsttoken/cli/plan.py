@@ -55,6 +55,16 @@ def add_parser(subparsers: Any) -> None:
         help="share of --memory the server may use, as serve --gpu-memory-utilization "
         f"(default {MEMORY_UTILIZATION})",
     )
+    _workload_args(parser)
+    _engine_args(parser)
+    parser.add_argument(
+        "--json", metavar="FILE", help="also write the plan as JSON ('-': JSON on stdout only)"
+    )
+    parser.set_defaults(handler=run)
+
+
+def _workload_args(parser: argparse.ArgumentParser) -> None:
+    """What the peak looks like: requests in flight and what one holds."""
     parser.add_argument(
         "--peak-concurrency", type=int, required=True, help="requests in flight at the peak"
     )
@@ -83,6 +93,10 @@ def add_parser(subparsers: Any) -> None:
     parser.add_argument(
         "--max-model-len", type=int, default=None, help="default: prompt + output, whole blocks"
     )
+
+
+def _engine_args(parser: argparse.ArgumentParser) -> None:
+    """The serve flags that size memory beside the KV pool."""
     parser.add_argument(
         "--max-batched-tokens",
         type=int,
@@ -107,10 +121,6 @@ def add_parser(subparsers: Any) -> None:
     parser.add_argument(
         "--decode-reserve-tokens", type=int, default=_DEFAULTS.decode_reserve_tokens
     )
-    parser.add_argument(
-        "--json", metavar="FILE", help="also write the plan as JSON ('-': JSON on stdout only)"
-    )
-    parser.set_defaults(handler=run)
 
 
 def run(args: argparse.Namespace) -> int:

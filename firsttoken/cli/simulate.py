@@ -43,6 +43,16 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="the replicas' serve flags, quoted, e.g. \"--scheduling fcfs --kv-cache-memory 8GiB\" "
         "(default: serve's defaults; KV blocks from the profile's server)",
     )
+    _workload_args(p)
+    _fleet_args(p)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--json", default=None, help="write every simulated configuration's summary here"
+    )
+    p.set_defaults(handler=run)
+
+
+def _workload_args(p: argparse.ArgumentParser) -> None:
     load = p.add_mutually_exclusive_group()
     load.add_argument(
         "--rate", type=float, default=None, help="seed-mix Poisson arrivals, requests/s"
@@ -67,6 +77,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--image-max-tokens", type=int, default=ImageConfig().image_max_tokens,
                    help="the replicas' per-image budget (default: serve's)")
+
+
+def _fleet_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--replicas", default="1", help="replica counts to simulate, e.g. 1,2,4,8 (default 1)"
     )
@@ -102,11 +115,6 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         default=0.0,
         help="lognormal sigma of step-time noise (default 0)",
     )
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument(
-        "--json", default=None, help="write every simulated configuration's summary here"
-    )
-    p.set_defaults(handler=run)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -7,19 +7,21 @@ synthetic image together (mixed steps with encoder work). Every step is timed an
 other step; the fit becomes the cost model's prior, so the time bound and predicted TTFTs are
 sensible from the first request and keep adapting afterwards. Costs a few seconds on the small
 checkpoint. Calibration feeds the cost model only: its steps and requests reach no observer
-(metrics, /stats, the request log) and run on a scheduler of their own (``LLMEngine.calibrate``), so
-the serving scheduler's counters, prefix cache and encoder cache never see them.
+(metrics, /stats, the request log) and run on a scheduler of their own (``LLMEngine.calibrate``
+drives them), so the serving scheduler's counters, prefix cache and encoder cache never see them.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 
 import torch
 
-from firsttoken.metrics.stats import NullObserver
+from firsttoken.models.model_config import ModelConfig
 from firsttoken.models.registry import family_named
+from firsttoken.scheduler.cost_model import CostModel
 from firsttoken.types import EngineRequest, ImageItem, SamplingParams
 
 log = logging.getLogger("firsttoken.engine")
@@ -29,44 +31,34 @@ MAX_TOKENS = 3
 IMAGE_GRID = (1, 16, 16)  # patches: 64 visual tokens at a 2x2 merge
 
 
-# engine: LLMEngine, on a scratch scheduler (engine.py imports this module)
-def calibrate(engine) -> None:
+def calibrate(run: Callable[[list[EngineRequest]], None], model: CostModel, config: ModelConfig,
+              max_model_len: int) -> None:
+    """Fit ``model`` on the synthetic requests, each batch driven to its end by ``run`` (the
+    engine's steps, on a scheduler of its own, seen by no observer); its fit becomes the prior."""
     start = time.monotonic()
-    model = engine.cost_model
-    observer, engine.observer = engine.observer, NullObserver()
     try:
-        _run(
-            engine,
-            [
-                _request(
-                    engine,
-                    "calibrate-warmup",
-                    calibration_requests(engine, 2)[0].prompt_token_ids[:16],
-                    (),
-                )
-            ],
-        )
+        warmup = calibration_requests(config, max_model_len, 2)[0].prompt_token_ids[:16]
+        run([_request(config, "calibrate-warmup", warmup, ())])
         model.reset()  # the first steps pay one-off kernel set-up: not a cost to learn
-        requests = calibration_requests(engine, seed=0)
+        requests = calibration_requests(config, max_model_len, seed=0)
         # alone: prefill-only steps of three sizes, then decodes
         for request in requests[: len(TEXT_LENGTHS)]:
-            _run(engine, [request])
+            run([request])
         # together: mixed steps with encoder work
-        _run(engine, calibration_requests(engine, seed=1))
+        run(calibration_requests(config, max_model_len, seed=1))
         model.refit()
         model.prior = model.coef.copy()
     finally:
-        _run(engine, [])  # hands the runner what it may drop (the requests, the images' outputs)
-        engine.observer = observer
+        run([])  # hands the runner what it may drop (the requests, the images' outputs)
     log.info("step-cost model calibrated in %.1f s: %s", time.monotonic() - start,
              {k: f"{v:.3g}" for k, v in model.fit().as_dict().items()})
 
 
-def calibration_requests(engine, seed: int) -> list[EngineRequest]:
-    config = engine.model_config
+def calibration_requests(config: ModelConfig, max_model_len: int,
+                         seed: int) -> list[EngineRequest]:
     family = family_named(config.family)
     gen = torch.Generator().manual_seed(seed)
-    limit = engine.max_model_len - 8
+    limit = max_model_len - 8
     reserved = {
         config.image_token_id,
         config.video_token_id,
@@ -82,7 +74,7 @@ def calibration_requests(engine, seed: int) -> list[EngineRequest]:
     out = []
     for i, n in enumerate(TEXT_LENGTHS):
         ids = text(min(n, limit))
-        out.append(_request(engine, f"calibrate-{seed}-text{i}", ids, ()))
+        out.append(_request(config, f"calibrate-{seed}-text{i}", ids, ()))
     t, h, w = IMAGE_GRID
     merge = config.vision.spatial_merge_size
     num_tokens = t * h * w // merge**2
@@ -95,24 +87,16 @@ def calibration_requests(engine, seed: int) -> list[EngineRequest]:
         ids += [config.vision_end_token_id] + text(16)
         image = ImageItem(f"calibration-image-{seed}", 17, num_tokens, IMAGE_GRID,
                           family.encoder_units(config.vision, IMAGE_GRID), pixels)
-        out.append(_request(engine, f"calibrate-{seed}-image", ids, (image,)))
+        out.append(_request(config, f"calibrate-{seed}-image", ids, (image,)))
     return out
 
 
 def _request(
-    engine, request_id: str, ids: list[int], images: tuple[ImageItem, ...]
+    config: ModelConfig, request_id: str, ids: list[int], images: tuple[ImageItem, ...]
 ) -> EngineRequest:
-    config = engine.model_config
     positions = family_named(config.family).positions(ids, [im.grid_thw for im in images], config)
     now = time.monotonic()
     sampling = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
     return EngineRequest(
         request_id, tuple(ids), images, positions.positions, positions.delta, sampling, now, now
     )
-
-
-def _run(engine, requests: list[EngineRequest]) -> None:
-    for r in requests:
-        engine.add_request(r)
-    while engine.has_unfinished():
-        engine.step()

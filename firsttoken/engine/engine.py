@@ -16,6 +16,7 @@ from pathlib import Path
 from firsttoken.batch import RunnerOutput, ScheduledBatch
 from firsttoken.config import EngineConfig, ImageConfig
 from firsttoken.device_memory import MeasureDeviceMemory
+from firsttoken.engine.calibration import calibrate
 from firsttoken.engine.detokenizer import TokenDecoder
 from firsttoken.engine.interrupt import ShortArrivals
 from firsttoken.engine.output_processor import (
@@ -114,15 +115,21 @@ class LLMEngine:
         (engine/calibration.py). They run on a scheduler of their own, sharing the cost model,
         dropped after: the serving one, the engine's counts and every cache an operator sees are a
         fresh engine's. Only before the first request."""
-        from firsttoken.engine.calibration import calibrate
-
         if self.requests:
             raise RuntimeError("calibrate with requests in flight")
         serving, self.scheduler = self.scheduler, _new_scheduler(self.resolved, self.cost_model, True)
+        observer, self.observer = self.observer, NullObserver()
+
+        def run(requests: list[EngineRequest]) -> None:
+            for r in requests:
+                self.add_request(r)
+            while self.has_unfinished():
+                self.step()
+
         try:
-            calibrate(self)
+            calibrate(run, self.cost_model, self.model_config, self.max_model_len)
         finally:
-            self.scheduler = serving
+            self.scheduler, self.observer = serving, observer
             self.num_images_encoded = self._num_steps = 0
 
     # ---- requests --------------------------------------------------------------------------------

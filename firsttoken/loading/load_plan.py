@@ -210,28 +210,12 @@ def plan_model(
             f"--quantization {quantization} runs float32 activations: use --dtype float32 (or auto)"
         )
     off = kernels_off(cpu_kernels, machine)
-    if quantization == "auto" and load_format == "dummy":
-        quantization, quantization_why = (
-            "none",
-            "auto: --load-format dummy (no stored weights to read)",
-        )
-    elif quantization == "auto":
-        quantization, quantization_why = auto_quantization(model_dir, torch_dtype, device, off)
-    else:
-        quantization_why = "as asked"
+    quantization, quantization_why = _quantization(
+        quantization, load_format, model_dir, torch_dtype, device, off
+    )
     if quantization == "fp16" and machine.fp16_unavailable is not None:
         raise ValueError(f"--quantization fp16 is not available: {machine.fp16_unavailable}")
-    # why the language model's decode products do not take firsttoken's kernels (None: they do)
-    if device != "cpu":
-        unused: str | None = f"device {device}"
-    elif quantization == "fp16":
-        unused = "float16 weights (FBGEMM)"
-    elif quantization in ("int8", "bf16"):
-        unused = off
-    elif torch_dtype in (torch.float32, torch.bfloat16):
-        unused = kernels_skipped(cpu_kernels, torch_dtype, machine)
-    else:
-        unused = f"{name} weights"
+    unused = _kernels_unused(device, quantization, torch_dtype, name, off, cpu_kernels, machine)
     fp16_multithreaded = num_threads != 1 or not single_thread_entry_point()
     plan = ModelPlan(
         device=device,
@@ -259,3 +243,29 @@ def plan_model(
         else None
     )
     return replace(plan, fused_decode=LayerMethods(plan, machine).fused_decode_unsupported(layout))
+
+
+def _quantization(quantization: Quantization, load_format: LoadFormat, model_dir: Path,
+                  torch_dtype: torch.dtype, device: str, off: str | None
+                  ) -> tuple[Quantization, str]:
+    """The quantization the plan runs, and why."""
+    if quantization == "auto" and load_format == "dummy":
+        return "none", "auto: --load-format dummy (no stored weights to read)"
+    if quantization == "auto":
+        return auto_quantization(model_dir, torch_dtype, device, off)
+    return quantization, "as asked"
+
+
+def _kernels_unused(device: str, quantization: str, torch_dtype: torch.dtype, name: str,
+                    off: str | None, cpu_kernels: CpuKernels, machine: Machine) -> str | None:
+    """Why the language model's decode products do not take firsttoken's kernels (None: they
+    do)."""
+    if device != "cpu":
+        return f"device {device}"
+    if quantization == "fp16":
+        return "float16 weights (FBGEMM)"
+    if quantization in ("int8", "bf16"):
+        return off
+    if torch_dtype in (torch.float32, torch.bfloat16):
+        return kernels_skipped(cpu_kernels, torch_dtype, machine)
+    return f"{name} weights"

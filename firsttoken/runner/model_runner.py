@@ -232,49 +232,12 @@ class ModelRunner:
         are missing are reported in ``skipped_request_ids``; constrained rows whose mask was not
         ready in ``mask_pending_request_ids``, those their grammar ended in
         ``constraint_failed``."""
-        for rid in batch.finished_request_ids:
-            gone = self.requests.pop(rid, None)
-            if gone is not None and gone.grammar is not None:
-                gone.grammar.cancel()
-        for new in batch.new_requests:
-            state = self.requests[new.request_id] = RequestState.of(
-                new, self.model.config.vocab_size
-            )
-            if state.grammar is not None:
-                self.masks.start(state.grammar)  # its first mask, while its prefill runs
-        for h in batch.freed_encoder_hashes:
-            self.encoder_outputs.pop(h, None)
-            self._encode_jobs.pop(h, None)
-        # a bookkeeping-only batch leaves the count alone
-        if self.threads is not None and batch.has_work:
-            decode_only = not batch.encoder_work and all(c.is_decode for c in batch.chunks)
-            self.threads.apply(
-                decode_only, fused=decode_only and self.model.decode.takes(len(batch.chunks))
-            )
+        self._follow(batch)
         self._step_units = 0
         self._deferred = [w for w in batch.encoder_work if w.interruptible]
         enc = self._run_encoder_work([w for w in batch.encoder_work if not w.interruptible])
         failed = enc.failed
-        chunks: list[ScheduledChunk] = []
-        skipped: set[str] = set()
-        for chunk in batch.chunks:
-            rid = chunk.request_id
-            if rid in failed:
-                continue
-            state = self.requests[rid]
-            missing = [
-                im.content_hash
-                for _, im in images_in(state.images, chunk.context_len, chunk.end)
-                if im.content_hash not in self.encoder_outputs
-            ]
-            # e.g. its image's encode failed this step for another request: run it next step
-            if missing:
-                skipped.add(rid)
-                for h in missing:
-                    self._encode_jobs.pop(h, None)
-                    enc.discarded.add(h)
-                continue
-            chunks.append(chunk)
+        chunks, skipped = self._runnable(batch, enc)
         timing: dict[str, float] = {}
         self._prompt_scores = {}
         self._step_masks = StepMasks()
@@ -314,6 +277,57 @@ class ModelRunner:
             },
             mask_wait_s=self._step_masks.wait_s,
         )
+
+    def _follow(self, batch: ScheduledBatch) -> None:
+        """The batch's bookkeeping: finished requests dropped, new ones started, freed encoder
+        outputs released, the step's thread count set."""
+        for rid in batch.finished_request_ids:
+            gone = self.requests.pop(rid, None)
+            if gone is not None and gone.grammar is not None:
+                gone.grammar.cancel()
+        for new in batch.new_requests:
+            state = self.requests[new.request_id] = RequestState.of(
+                new, self.model.config.vocab_size
+            )
+            if state.grammar is not None:
+                self.masks.start(state.grammar)  # its first mask, while its prefill runs
+        for h in batch.freed_encoder_hashes:
+            self.encoder_outputs.pop(h, None)
+            self._encode_jobs.pop(h, None)
+        # a bookkeeping-only batch leaves the count alone
+        if self.threads is not None and batch.has_work:
+            decode_only = not batch.encoder_work and all(c.is_decode for c in batch.chunks)
+            self.threads.apply(
+                decode_only, fused=decode_only and self.model.decode.takes(len(batch.chunks))
+            )
+
+    def _runnable(self, batch: ScheduledBatch,
+                  enc: "_EncodeReport") -> tuple[list[ScheduledChunk], set[str]]:
+        """The batch's chunks that can run (their request did not fail, their images' embeddings
+        are here), and the requests skipped for a missing embedding (the scheduler runs them
+        again)."""
+        failed = enc.failed
+        chunks: list[ScheduledChunk] = []
+        skipped: set[str] = set()
+        for chunk in batch.chunks:
+            rid = chunk.request_id
+            if rid in failed:
+                continue
+            state = self.requests[rid]
+            missing = [
+                im.content_hash
+                for _, im in images_in(state.images, chunk.context_len, chunk.end)
+                if im.content_hash not in self.encoder_outputs
+            ]
+            # e.g. its image's encode failed this step for another request: run it next step
+            if missing:
+                skipped.add(rid)
+                for h in missing:
+                    self._encode_jobs.pop(h, None)
+                    enc.discarded.add(h)
+                continue
+            chunks.append(chunk)
+        return chunks, skipped
 
     @torch.inference_mode()
     def finish_step(self) -> RunnerOutput | None:

@@ -418,30 +418,7 @@ def make_plan(
 
     blocks_each_at_peak = num_blocks // inputs.peak_concurrency
     max_prompt = max(0, blocks_each_at_peak * bs - inputs.decode_reserve_tokens)
-    # Images that fit beside the text at the peak: each costs its budget plus its template tokens
-    # (an explicit template overhead is taken as fixed).
-    per_image_overhead = TEMPLATE_TOKENS_PER_IMAGE if inputs.template_overhead_tokens is None else 0
-    # videos included
-    fixed = prompt - inputs.images_per_request * (inputs.image_tokens + per_image_overhead)
-    per_image = inputs.image_tokens + per_image_overhead
-    max_images = max(0, (max_prompt - fixed) // per_image) if per_image else 0
-
     max_conc = num_blocks // admit_blocks if admit_blocks else 0
-    flags = {
-        "--kv-cache-memory": format_size(memory.kv_cache_memory_bytes),
-        "--max-model-len": str(max_model_len),
-        "--image-max-tokens": str(inputs.image_tokens),
-        "--max-batched-tokens": str(workspace.num_batched_tokens),
-        "--max-num-seqs": str(max(1, min(max_conc, inputs.peak_concurrency))),
-        "--encoder-cache-memory": format_size(inputs.encoder_cache_memory_bytes),
-        "--block-size": str(bs),
-        "--decode-reserve-tokens": str(inputs.decode_reserve_tokens),
-        "--dtype": inputs.dtype,
-    }
-    if inputs.videos_per_request:
-        flags["--video-max-tokens"] = str(inputs.video_tokens)
-    if inputs.quantization not in UNQUANTIZED:
-        flags["--quantization"] = inputs.quantization
     return Plan(
         inputs=inputs,
         model_type=shape.model_type,
@@ -469,10 +446,39 @@ def make_plan(
         max_concurrency=max_conc,
         max_concurrency_without_preemption=num_blocks // full_blocks if full_blocks else 0,
         max_prompt_tokens_at_peak=min(max_prompt, shape.max_position_embeddings),
-        max_images_at_peak=max_images,
+        max_images_at_peak=_images_at_peak(inputs, max_prompt),
         fits=max_conc >= inputs.peak_concurrency,
-        serve_flags=flags,
+        serve_flags=_serve_flags(inputs, memory, max_model_len, workspace, max_conc),
     )
+
+
+def _images_at_peak(inputs: PlanInputs, max_prompt: int) -> int:
+    """Images that fit beside the text in a prompt of ``max_prompt`` tokens: each costs its budget
+    plus its template tokens (an explicit template overhead is taken as fixed; videos included)."""
+    per_image_overhead = TEMPLATE_TOKENS_PER_IMAGE if inputs.template_overhead_tokens is None else 0
+    per_image = inputs.image_tokens + per_image_overhead
+    fixed = inputs.prompt_tokens - inputs.images_per_request * per_image
+    return max(0, (max_prompt - fixed) // per_image) if per_image else 0
+
+
+def _serve_flags(inputs: PlanInputs, memory: MemoryBudget, max_model_len: int,
+                 workspace: Workspace, max_conc: int) -> dict[str, str]:
+    flags = {
+        "--kv-cache-memory": format_size(memory.kv_cache_memory_bytes),
+        "--max-model-len": str(max_model_len),
+        "--image-max-tokens": str(inputs.image_tokens),
+        "--max-batched-tokens": str(workspace.num_batched_tokens),
+        "--max-num-seqs": str(max(1, min(max_conc, inputs.peak_concurrency))),
+        "--encoder-cache-memory": format_size(inputs.encoder_cache_memory_bytes),
+        "--block-size": str(inputs.block_size),
+        "--decode-reserve-tokens": str(inputs.decode_reserve_tokens),
+        "--dtype": inputs.dtype,
+    }
+    if inputs.videos_per_request:
+        flags["--video-max-tokens"] = str(inputs.video_tokens)
+    if inputs.quantization not in UNQUANTIZED:
+        flags["--quantization"] = inputs.quantization
+    return flags
 
 
 _QUANTIZED_WEIGHTS = {"fp16": "; LM linear layers x 2 B", "bf16": "; LM linear layers x 2 B",

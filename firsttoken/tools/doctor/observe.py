@@ -249,7 +249,6 @@ def _ratio(a: float | None, b: float | None) -> float | None:
 # ---- firsttoken ----------------------------------------------------------------------------------
 def _firsttoken(m: Samples, stats: dict[str, Any] | None) -> Observation:
     o = Observation(source="firsttoken", has_stats=stats is not None)
-    ttft = "firsttoken_time_to_first_token_seconds"
     o.classes = _classes_from_stats(stats) if stats else _classes_from_metrics(m)
     o.num_requests = int(m.total("firsttoken_requests_total") or 0)
     o.prompt_tokens_total = m.total("firsttoken_request_prompt_tokens_sum")
@@ -263,6 +262,21 @@ def _firsttoken(m: Samples, stats: dict[str, Any] | None) -> Observation:
                       m.total("firsttoken_request_prompt_tokens_count", images=cls))  # fmt: skip
         if mean is not None:
             o.prompt_tokens_by_class[cls] = mean
+    _observe_images(o, m)
+    _observe_scheduling(o, m)
+    o.cannot_see = (
+        []
+        if stats
+        else [("/stats (exact P50/P95/P99 per class): TTFT percentiles are estimated from histogram buckets")]
+    )
+    o.cannot_see.append(
+        "KV bytes per block (not exported): a --kv-cache-memory value needs the model's config (--model)"
+    )
+    return o
+
+
+def _observe_images(o: Observation, m: Samples) -> None:
+    """Visual tokens per image, the encoder cache and the prefix cache."""
     # images' visual tokens: a video's are under its own budget (--video-max-tokens), not the image
     # budget's
     o.visual_tokens_total = m.total("firsttoken_request_visual_tokens_sum")
@@ -290,7 +304,12 @@ def _firsttoken(m: Samples, stats: dict[str, Any] | None) -> Observation:
     if o.prefix_query_tokens is not None and o.prompt_tokens_total:
         # a disabled prefix cache looks nothing up
         o.prefix_cache_enabled = o.prefix_query_tokens > 0
-    o.scheduling_modes = m.label_values(f"{ttft}_count", "lane")
+
+
+def _observe_scheduling(o: Observation, m: Samples) -> None:
+    """Lanes, the KV pool, preemptions, the cost model's predictions and where first tokens' engine
+    time went."""
+    o.scheduling_modes = m.label_values("firsttoken_time_to_first_token_seconds_count", "lane")
     o.short_delayed_by_long = m.total("firsttoken_short_requests_delayed_by_long_total")
     o.kv_usage_ratio = m.total("firsttoken_kv_cache_usage_ratio")
     o.kv_blocks_total = m.total("firsttoken_kv_cache_capacity_blocks")
@@ -323,15 +342,6 @@ def _firsttoken(m: Samples, stats: dict[str, Any] | None) -> Observation:
     o.image_budget_lowered = m.total("firsttoken_image_budget_lowered_total")
     if m.has("firsttoken_rejections_total"):
         o.refused_over_slo = m.total("firsttoken_rejections_total", reason="over_slo")
-    o.cannot_see = (
-        []
-        if stats
-        else [("/stats (exact P50/P95/P99 per class): TTFT percentiles are estimated from histogram buckets")]
-    )
-    o.cannot_see.append(
-        "KV bytes per block (not exported): a --kv-cache-memory value needs the model's config (--model)"
-    )
-    return o
 
 
 def _classes_from_stats(stats: dict[str, Any]) -> dict[str, ClassTiming]:
