@@ -12,21 +12,36 @@ width and height, with the largest ``max_pixels`` that keeps the image within it
 (``max_pixels_within_tokens``). Nothing is decoded, so the prompt's exact token count is known after
 reading headers and tokenizing the text; decoding and ``preprocess_image`` with the plan's
 ``(min_pixels, max_pixels)`` then produce exactly ``plan.num_tokens``.
+
+A tiling processor (``ImageProcessorConfig.tiles``: InternVL's 448x448 tiles plus a thumbnail) plans
+in tiles instead: a budget of B tokens allows the largest ``max_patches`` whose worst case (that
+many tiles and the thumbnail) fits B, and the grid is the reference's pick for the aspect ratio
+(models/internvl_tiles.py); ``image_pixels`` cuts the decoded image the same way.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from PIL import Image
+
 from firsttoken.config import ImageConfig
 from firsttoken.inputs.image import (
     MAX_ASPECT_RATIO,
     ImageInputError,
+    ProcessedImage,
     max_pixels_within_tokens,
     num_visual_tokens,
+    preprocess_image,
     smart_resize,
+    to_rgb,
 )
-from firsttoken.models.model_config import ImageProcessorConfig
+from firsttoken.models.internvl_tiles import (
+    max_patches_for_budget,
+    plan_tiles,
+    preprocess_tiles,
+)
+from firsttoken.models.model_config import ImageProcessorConfig, TileSpec
 
 # Qwen2-VL's own processor defaults (preprocessor_config.json): min_pixels 56*56, max_pixels
 # 12845056.
@@ -65,24 +80,38 @@ class BudgetError(ValueError):
 
 @dataclass(frozen=True)
 class ImagePlan:
-    """What one image will cost, known before decoding. ``min_pixels``/``max_pixels`` reproduce
-    it."""
+    """What one image will cost, known before decoding, and what reproduces its pixels:
+    ``min_pixels``/``max_pixels`` (native resolution) or ``tile_grid`` (a tiling processor)."""
 
     original_size: tuple[int, int]  # (width, height) as declared by the header
-    resized_size: tuple[int, int]  # (width, height) after smart_resize, multiples of 28
-    num_tokens: int  # visual tokens after the 2x2 merge; <= budget_tokens
+    # (width, height) the pixels are resized to: smart_resize's (multiples of 28), or the tile grid's
+    resized_size: tuple[int, int]
+    num_tokens: int  # visual tokens after the merge; <= budget_tokens
     budget_tokens: int  # the budget this image was planned under
-    min_pixels: int
-    max_pixels: int
+    grid_thw: tuple[int, int, int]  # the vision tower's grid, in patches: (1, h, w) or (tiles, s, s)
+    min_pixels: int = 0
+    max_pixels: int = 0
+    # (rows, cols) of the crops, the thumbnail after them when more than one; None: native
+    tile_grid: tuple[int, int] | None = None
+    max_patches: int = 0  # the tiling's max_patches under this budget
+
+    @property
+    def pixel_key(self) -> str:
+        """What the pixels depend on beside the bytes (the processed-image cache's key)."""
+        if self.tile_grid is not None:
+            return f"tiles:{self.max_patches}"
+        return f"{self.min_pixels}:{self.max_pixels}"
 
 
 def plan_image(
     width: int, height: int, budget_tokens: int, min_tokens: int, proc: ImageProcessorConfig
 ) -> ImagePlan:
-    """Resize plan for a ``width`` x ``height`` image within ``budget_tokens``, aspect ratio kept on
-    the grid."""
+    """The plan for a ``width`` x ``height`` image within ``budget_tokens``: resized on the patch
+    grid with its aspect ratio kept (native resolution), or cut into tiles (``proc.tiles``)."""
     if width <= 0 or height <= 0:
         raise ImageInputError("invalid_image", f"image has an empty size ({width}x{height})")
+    if proc.tiles is not None:
+        return _plan_tiled(width, height, budget_tokens, proc)
     ratio = max(width, height) / min(width, height)
     if ratio > MAX_ASPECT_RATIO:
         raise ImageInputError(
@@ -118,6 +147,64 @@ def plan_image(
         (resized_w, resized_h),
         num_tokens,
         budget_tokens,
+        (1, resized_h // patch, resized_w // patch),
         min_pixels,
         max_pixels,
     )
+
+
+def _plan_tiled(width: int, height: int, budget_tokens: int, proc: ImageProcessorConfig
+                ) -> ImagePlan:
+    """Tiles: the largest max_patches whose worst case fits the budget (one tile under three
+    tiles' worth), then the grid exactly as the reference processor picks it."""
+    spec, per_tile = proc.tiles, proc.tokens_per_tile
+    assert spec is not None
+    if budget_tokens < per_tile:
+        raise ImageInputError(
+            "image_too_large",
+            f"image is {width}x{height}: at this model's smallest size (one tile) it needs {per_tile} "
+            f"visual tokens, over its budget of {budget_tokens}; ask for max_visual_tokens >= {per_tile}",
+        )
+    max_patches = max(
+        min(max_patches_for_budget(budget_tokens, per_tile, spec.max_patches), spec.max_patches),
+        spec.min_patches,
+    )
+    tiles = plan_tiles(height, width, max_patches, spec.min_patches, spec.size, per_tile)
+    side = spec.size // proc.patch_size
+    return ImagePlan(
+        (width, height),
+        (tiles.cols * spec.size, tiles.rows * spec.size),
+        tiles.tokens,
+        budget_tokens,
+        (tiles.num_tiles, side, side),
+        tile_grid=tiles.grid,
+        max_patches=max_patches,
+    )
+
+
+def image_pixels(image: Image.Image, plan: ImagePlan, proc: ImageProcessorConfig
+                 ) -> ProcessedImage:
+    """The decoded ``image`` preprocessed as ``plan`` says, exactly as the family's reference
+    processor does."""
+    if plan.tile_grid is None:
+        return preprocess_image(image, proc, plan.min_pixels, plan.max_pixels)
+    spec = proc.tiles
+    assert spec is not None
+    rgb = to_rgb(image)
+    pixels = preprocess_tiles(rgb, plan.max_patches, spec.min_patches, spec.size,
+                              proc.image_mean, proc.image_std)
+    side = spec.size // proc.patch_size
+    rows, cols = _tile_grid(rgb.size, plan.max_patches, spec)
+    return ProcessedImage(
+        pixel_values=pixels,
+        grid_thw=(pixels.shape[0], side, side),
+        num_tokens=pixels.shape[0] * proc.tokens_per_tile,
+        original_size=rgb.size,
+        resized_size=(cols * spec.size, rows * spec.size),
+    )
+
+
+def _tile_grid(size: tuple[int, int], max_patches: int, spec: TileSpec) -> tuple[int, int]:
+    """(rows, cols) the tiling cuts a (width, height) image into."""
+    width, height = size
+    return plan_tiles(height, width, max_patches, spec.min_patches, spec.size).grid

@@ -43,9 +43,11 @@ def grid_content_hashes(grids: Sequence[torch.Tensor], grid_hw: tuple[int, int])
     return tuple(out)
 
 
-def raw_bytes_key(data: bytes, min_pixels: int, max_pixels: int) -> str:
+def raw_bytes_key(data: bytes, pixel_key: str) -> str:
+    """The processed-image cache's key: the bytes and what their pixels depend on beside them
+    (``ImagePlan.pixel_key``)."""
     h = hashlib.blake2b(digest_size=16)
-    h.update(f"{min_pixels}:{max_pixels}:".encode())
+    h.update(f"{pixel_key}:".encode())
     h.update(data)
     return h.hexdigest()
 

@@ -11,14 +11,19 @@ from typing import Any
 import torch
 
 from firsttoken.config import ImageConfig, VideoConfig
-from firsttoken.inputs.budget import BudgetError, ImagePlan, image_budget, plan_image
+from firsttoken.inputs.budget import (
+    BudgetError,
+    ImagePlan,
+    image_budget,
+    image_pixels,
+    plan_image,
+)
 from firsttoken.inputs.draft import PlannedVideo, PromptPlan
 from firsttoken.inputs.errors import InputError
 from firsttoken.inputs.image import (
     ImageInputError,
     ProcessedImage,
     decode_image,
-    preprocess_image,
     probe_image,
 )
 from firsttoken.inputs.media import (
@@ -132,8 +137,8 @@ class VisionItems:
     def work(self, prompt: PromptPlan) -> PromptWork:
         """What the prompt costs the engine, from its plans: tokens, and the encoder units of each
         image and of each video grid (one vision item each)."""
-        patch, vision = self.model_config.image_processor.patch_size, self.model_config.vision
-        grids = [(1, p.resized_size[1] // patch, p.resized_size[0] // patch) for p in prompt.plans]
+        vision = self.model_config.vision
+        grids = [p.grid_thw for p in prompt.plans]
         for v in prompt.videos:
             t, h, w = v.plan.grid_thw
             grids += [(1, h, w)] * t
@@ -211,13 +216,11 @@ class VisionItems:
 
     def _decode_image(self, data: bytes, plan: ImagePlan, index: int, params: Sequence[str]
                       ) -> ProcessedImage:
-        key = raw_bytes_key(data, plan.min_pixels, plan.max_pixels)
+        key = raw_bytes_key(data, plan.pixel_key)
 
         def build() -> ProcessedImage:
             image = decode_image(data, self.images.max_image_pixels)
-            processed = preprocess_image(
-                image, self.model_config.image_processor, plan.min_pixels, plan.max_pixels
-            )
+            processed = image_pixels(image, plan, self.model_config.image_processor)
             if processed.num_tokens != plan.num_tokens:  # the header lied about the size, or a bug
                 raise ImageInputError(
                     "invalid_image", "image size differs from the size its header declares"

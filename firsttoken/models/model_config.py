@@ -61,6 +61,17 @@ class VisionConfig:
 
 
 @dataclass(frozen=True)
+class TileSpec:
+    """A tiling processor's cut (InternVL's): a grid of ``size`` x ``size`` tiles, between
+    ``min_patches`` and ``max_patches`` of them by the image's aspect ratio, plus a thumbnail when
+    there is more than one (models/internvl_tiles.py)."""
+
+    size: int = 448  # pixels, a tile's side
+    min_patches: int = 1
+    max_patches: int = 12
+
+
+@dataclass(frozen=True)
 class ImageProcessorConfig:
     """How pixels become patches (preprocessor_config.json over the family's defaults)."""
 
@@ -71,10 +82,18 @@ class ImageProcessorConfig:
     image_std: tuple[float, float, float] = (0.26862954, 0.26130258, 0.27577711)
     min_pixels: int = 56 * 56
     max_pixels: int = 28 * 28 * 16384
+    # None: native resolution (Qwen: the image resized to fit its budget); a tiling processor's cut
+    tiles: TileSpec | None = None
 
     @property
     def pixels_per_token(self) -> int:
         return self.patch_size * self.merge_size
+
+    @property
+    def tokens_per_tile(self) -> int:
+        """LM tokens of one tile (a tiling processor): its patches over the merge window."""
+        assert self.tiles is not None
+        return (self.tiles.size // self.patch_size) ** 2 // self.merge_size**2
 
 
 @dataclass(frozen=True)

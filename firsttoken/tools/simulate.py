@@ -189,12 +189,10 @@ def image_for(
     plans it."""
     family = family_named(model.family)
     plan = plan_image(width, height, budget_tokens, min_tokens, model.image_processor)
-    patch = model.image_processor.patch_size
-    grid = (1, plan.resized_size[1] // patch, plan.resized_size[0] // patch)
     return SimImage(
         plan.num_tokens,
-        grid,
-        tuple(family.encoder_units(model.vision, grid)),
+        plan.grid_thw,
+        tuple(family.encoder_units(model.vision, plan.grid_thw)),
         (width, height),
         budget_tokens,
     )
