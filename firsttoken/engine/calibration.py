@@ -28,7 +28,7 @@ log = logging.getLogger("firsttoken.engine")
 
 TEXT_LENGTHS = (32, 256, 1024)
 MAX_TOKENS = 3
-IMAGE_GRID = (1, 16, 16)  # patches: 64 visual tokens at a 2x2 merge
+IMAGE_TOKENS = 64  # a (1, 16, 16) grid at a 2x2 merge; a tiling family's least: one tile
 
 
 def calibrate(run: Callable[[list[EngineRequest]], None], model: CostModel, config: ModelConfig,
@@ -75,7 +75,8 @@ def calibration_requests(config: ModelConfig, max_model_len: int,
     for i, n in enumerate(TEXT_LENGTHS):
         ids = text(min(n, limit))
         out.append(_request(config, f"calibrate-{seed}-text{i}", ids, ()))
-    t, h, w = IMAGE_GRID
+    grid = config.image_processor.grid_for(IMAGE_TOKENS)
+    t, h, w = grid
     merge = config.vision.spatial_merge_size
     num_tokens = t * h * w // merge**2
     if 40 + num_tokens < limit:
@@ -85,8 +86,8 @@ def calibration_requests(config: ModelConfig, max_model_len: int,
         )
         ids = text(16) + [config.vision_start_token_id] + [config.image_token_id] * num_tokens
         ids += [config.vision_end_token_id] + text(16)
-        image = ImageItem(f"calibration-image-{seed}", 17, num_tokens, IMAGE_GRID,
-                          family.encoder_units(config.vision, IMAGE_GRID), pixels)
+        image = ImageItem(f"calibration-image-{seed}", 17, num_tokens, grid,
+                          family.encoder_units(config.vision, grid), pixels)
         out.append(_request(config, f"calibrate-{seed}-image", ids, (image,)))
     return out
 

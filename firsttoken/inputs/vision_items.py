@@ -106,6 +106,9 @@ class VisionItems:
                 image_parts[limit][0],
             )
         video_parts = _parts_of(prompt, VideoPart, _video_field)
+        if video_parts and not self.family.video:
+            raise InputError(f"this model ({self.family.name}) does not accept video input; send images "
+                             "instead", video_parts[0][0])
         if len(video_parts) > self.videos.max_videos_per_request:
             limit = self.videos.max_videos_per_request
             raise InputError(f"too many videos: {len(video_parts)} in this request, the limit is {limit} per request; "

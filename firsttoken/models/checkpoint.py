@@ -222,8 +222,12 @@ def tokenizer_config_dict() -> dict[str, Any]:
     }
 
 
+# weight names of a vision tower and its projector, in any family's checkpoint
+VISION_PARTS = ("visual.", "vision_tower.", "multi_modal_projector.")
+
+
 def count_params(tensors: dict[str, torch.Tensor]) -> ParamCounts:
-    vision = sum(t.numel() for k, t in tensors.items() if "visual." in k)
+    vision = sum(t.numel() for k, t in tensors.items() if any(part in k for part in VISION_PARTS))
     total = sum(t.numel() for t in tensors.values())
     return ParamCounts(total=total, language_model=total - vision, vision=vision)
 

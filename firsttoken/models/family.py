@@ -100,3 +100,5 @@ class ModelFamily:
     decoder_layout: Callable[[ModelConfig], DecoderLayout] | None = None
     # the visual-token budgets an image can be planned at (models/ladder.py)
     budget_ladder: BudgetLadder = PIXEL_LADDER
+    # False: a request with a video (a clip or a frame list) is refused with a 400 naming the part
+    video: bool = True

@@ -7,6 +7,7 @@ does not have keep their neutral defaults (no window attention, no DeepStack, no
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -88,6 +89,15 @@ class ImageProcessorConfig:
     @property
     def pixels_per_token(self) -> int:
         return self.patch_size * self.merge_size
+
+    def grid_for(self, tokens: int) -> tuple[int, int, int]:
+        """(t, h, w) patches of an image of at most ``tokens`` visual tokens (at least one tile):
+        near square, or whole tiles."""
+        if self.tiles is not None:
+            side = self.tiles.size // self.patch_size
+            return max(1, tokens // self.tokens_per_tile), side, side
+        side = math.isqrt(tokens)
+        return 1, side * self.merge_size, tokens // side * self.merge_size
 
     @property
     def tokens_per_tile(self) -> int:

@@ -17,12 +17,13 @@ from pathlib import Path
 from typing import Any
 
 from firsttoken.models.family import ModelFamily
+from firsttoken.models.internvl import INTERNVL
 from firsttoken.models.model_config import ConfigError, ModelConfig
 from firsttoken.models.qwen2_5_vl import QWEN2_5_VL
 from firsttoken.models.qwen2_vl import QWEN2_VL
 from firsttoken.models.qwen3_vl import QWEN3_VL
 
-BUILT_IN: tuple[ModelFamily, ...] = (QWEN2_VL, QWEN2_5_VL, QWEN3_VL)
+BUILT_IN: tuple[ModelFamily, ...] = (QWEN2_VL, QWEN2_5_VL, QWEN3_VL, INTERNVL)
 _registered: list[ModelFamily] = []  # register()'s families, while their blocks run
 
 

@@ -6,7 +6,6 @@ its image's embeddings, its scratch KV blocks and its logits are dropped.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -42,11 +41,9 @@ class ProfileStep:
         return ProfileStep(num_tokens, image_tokens, min(config.scheduler.max_num_seqs, num_tokens))
 
     def image_grid(self, model: ModelConfig) -> tuple[int, int, int]:
-        """(t, h, w) in patches of the image: near square, ``image_tokens`` at most after the
-        merge."""
-        side = math.isqrt(self.image_tokens)
-        merge = model.vision.spatial_merge_size
-        return 1, side * merge, self.image_tokens // side * merge
+        """(t, h, w) in patches of the image: near square (or whole tiles), ``image_tokens`` at
+        most after the merge."""
+        return model.image_processor.grid_for(self.image_tokens)
 
 
 @torch.inference_mode()

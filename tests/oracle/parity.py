@@ -20,12 +20,18 @@ from PIL import Image
 
 from firsttoken.attention.base import AttentionMetadata
 from firsttoken.loading.loader import load_model
-from firsttoken.models.model_config import ModelConfig
 from firsttoken.models.interfaces import ImageEmbeddings, ImageRows
-from firsttoken.models.mrope import MRopePositions, compute_mrope_positions, decode_positions
+from firsttoken.models.model_config import ModelConfig
+from firsttoken.models.mrope import (
+    MRopePositions,
+    decode_positions,
+)
+from firsttoken.models.registry import family_named
 from firsttoken.runner.kv_cache import allocate_kv_caches
 
 TOL = 1e-4  # max |Δlogit|, fp32
+# a tiling family's test processor: prompts of a few tiles fit the paged runner's pool
+TEST_MAX_PATCHES = 2
 BLOCK_SIZE = 4
 NUM_BLOCKS = 512
 Grid = tuple[int, int, int]
@@ -45,14 +51,51 @@ def make_images(sizes: list[tuple[int, int]], seed: int = 0) -> list[Image.Image
     return [Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)) for w, h in sizes]
 
 
-def preprocess(images: list[Image.Image], processor=None) -> tuple[torch.Tensor, list[Grid]]:
-    """transformers' ``processor`` (default: Qwen2-VL's defaults) on ``images``: pixel rows and per-image grids."""
+def preprocess(images: list[Image.Image], processor=None, config: ModelConfig | None = None
+               ) -> tuple[torch.Tensor, list[Grid]]:
+    """transformers' ``processor`` (default: Qwen2-VL's defaults) on ``images``: pixel values and per-image grids.
+    A tiling processor (``config.image_processor.tiles``) gives tiles [N, C, S, S] and a tile count per image: its
+    grid is (tiles, S / patch, S / patch)."""
     if processor is None:
-        from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+        from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
+            Qwen2VLImageProcessorPil,
+        )
 
         processor = Qwen2VLImageProcessorPil()
     out = processor(images=images, return_tensors="pt")
-    return out["pixel_values"], [tuple(int(x) for x in g) for g in out["image_grid_thw"].tolist()]
+    if "image_grid_thw" in out:
+        return out["pixel_values"], [tuple(int(x) for x in g) for g in out["image_grid_thw"].tolist()]
+    assert config is not None and config.image_processor.tiles is not None, "a tiling processor needs the config"
+    side = out["pixel_values"].shape[-1] // config.image_processor.patch_size
+    return out["pixel_values"], [(int(n), side, side) for n in out["num_patches"].tolist()]
+
+
+def tiled(config: ModelConfig) -> bool:
+    """The family cuts images into tiles (its transformers class takes tiles alone, its positions are 1-D)."""
+    return config.image_processor.tiles is not None
+
+
+def image_kwargs(config: ModelConfig, input_ids: torch.Tensor, pixel_values: torch.Tensor | None,
+                 grids: list[Grid]) -> dict:
+    """What transformers' forward and generate take beside ``input_ids`` (mm_token_type_ids even for text: see
+    FACTS; a tiling family takes its tiles alone)."""
+    if tiled(config):
+        return {} if pixel_values is None else dict(pixel_values=pixel_values)
+    kwargs = dict(mm_token_type_ids=(input_ids == config.image_token_id).long())
+    if pixel_values is not None:
+        kwargs.update(pixel_values=pixel_values, image_grid_thw=torch.tensor(grids))
+    return kwargs
+
+
+def image_pixel_rows(config: ModelConfig, grid: Grid) -> int:
+    """Rows of the processor's pixel values one image of ``grid`` takes: its tiles, or its patches."""
+    return grid[0] if tiled(config) else grid[0] * grid[1] * grid[2]
+
+
+def reference_image_features(ref, config: ModelConfig, pixel_values: torch.Tensor, grids: list[Grid]):
+    if tiled(config):
+        return ref.model.get_image_features(pixel_values)
+    return ref.model.get_image_features(pixel_values, torch.tensor(grids))
 
 
 def make_prompt(config: ModelConfig, image_sizes: list[tuple[int, int]], seed: int = 0, processor=None) -> Prompt:
@@ -65,7 +108,7 @@ def make_prompt(config: ModelConfig, image_sizes: list[tuple[int, int]], seed: i
 
     if not image_sizes:
         return Prompt(text(40), None, [])
-    pixel_values, grids = preprocess(make_images(image_sizes, seed), processor)
+    pixel_values, grids = preprocess(make_images(image_sizes, seed), processor, config)
     ids = text(9)
     for t, h, w in grids:
         n = t * h * w // config.vision.spatial_merge_size**2
@@ -83,13 +126,7 @@ PROMPTS = {  # (width, height) in pixels at Qwen2-VL's 28 per visual token: the 
 def ref_logits(ref, config: ModelConfig, prompt: Prompt) -> torch.Tensor:
     """[prompt_len, vocab] from one full transformers forward (mm_token_type_ids passed: see FACTS)."""
     input_ids = torch.tensor([prompt.ids])
-    kwargs = {}
-    if prompt.pixel_values is not None:
-        kwargs = dict(
-            pixel_values=prompt.pixel_values,
-            image_grid_thw=torch.tensor(prompt.grid_thw),
-            mm_token_type_ids=(input_ids == config.image_token_id).long(),
-        )
+    kwargs = image_kwargs(config, input_ids, prompt.pixel_values, prompt.grid_thw) if prompt.pixel_values is not None else {}
     with torch.no_grad():
         return ref(input_ids=input_ids, **kwargs).logits[0].float()
 
@@ -123,7 +160,7 @@ class TinyRunner:
         if prompt.pixel_values is not None:
             with torch.no_grad():
                 image_embeds = self.encode(prompt)
-        mrope = compute_mrope_positions(prompt.ids, prompt.grid_thw, self.config)
+        mrope = family_named(self.config.family).positions(prompt.ids, prompt.grid_thw, self.config)
         return Seq(list(prompt.ids), len(prompt.ids), mrope, image_embeds)
 
     def encode(self, prompt: Prompt) -> ImageEmbeddings:
@@ -186,8 +223,9 @@ def tower_outputs(features) -> list[torch.Tensor]:
     """transformers' vision-tower output (``get_image_features`` / ``get_video_features``) as [merged tokens, *each
     DeepStack feature], each over every image back to back: transformers 5.24 splits each DeepStack feature per
     image, 5.17 (the GPU machine's) gives it whole."""
-    def whole(x) -> torch.Tensor:
-        return x if isinstance(x, torch.Tensor) else torch.cat(x)
+    def whole(x) -> torch.Tensor:  # (a tiling family's is per tile: [tiles, tokens, hidden])
+        x = x if isinstance(x, torch.Tensor) else torch.cat(x)
+        return x.reshape(-1, x.shape[-1])
 
     return [whole(features.pooler_output), *(whole(d) for d in getattr(features, "deepstack_features", None) or ())]
 
@@ -200,10 +238,11 @@ def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def check_mrope_positions(ref, config: ModelConfig, prompt: Prompt) -> None:
-    """Our M-RoPE positions and delta are transformers' ``get_rope_index`` (text only: 0..L-1, delta 0)."""
-    got = compute_mrope_positions(prompt.ids, prompt.grid_thw, config)
+    """Our M-RoPE positions and delta are transformers' ``get_rope_index`` (text only, and a tiling family's 1-D
+    RoPE: 0..L-1, delta 0)."""
+    got = family_named(config.family).positions(prompt.ids, prompt.grid_thw, config)
     input_ids = torch.tensor([prompt.ids])
-    if prompt.grid_thw:
+    if prompt.grid_thw and not tiled(config):
         expected, delta = ref.model.get_rope_index(
             input_ids, (input_ids == config.image_token_id).long(), torch.tensor(prompt.grid_thw)
         )
@@ -217,9 +256,7 @@ def check_mrope_positions(ref, config: ModelConfig, prompt: Prompt) -> None:
 def generate_ids(ref, config: ModelConfig, prompt: Prompt, num_new: int) -> list[int]:
     """transformers' greedy ``generate`` (no repetition penalty, whatever generation_config.json says)."""
     input_ids = torch.tensor([prompt.ids])
-    kwargs = dict(mm_token_type_ids=(input_ids == config.image_token_id).long())
-    if prompt.pixel_values is not None:
-        kwargs.update(pixel_values=prompt.pixel_values, image_grid_thw=torch.tensor(prompt.grid_thw))
+    kwargs = image_kwargs(config, input_ids, prompt.pixel_values, prompt.grid_thw)
     with torch.no_grad():
         out = ref.generate(input_ids, max_new_tokens=num_new, min_new_tokens=num_new, do_sample=False,
                            repetition_penalty=1.0, **kwargs)
@@ -291,6 +328,9 @@ def checkpoint_processor(model_dir: Path, config: ModelConfig):
     small test images are not scaled up (Qwen3-VL's releases floor at 256 x 256 px)."""
     from transformers import AutoImageProcessor
 
+    if tiled(config):  # its PIL backend, cropping as InternVLProcessor asks, at most 2 tiles and the thumbnail
+        return AutoImageProcessor.from_pretrained(model_dir, backend="pil", crop_to_patches=True,
+                                                  max_patches=TEST_MAX_PATCHES)
     side_px = 2 * config.image_processor.pixels_per_token
     size = {"shortest_edge": side_px * side_px, "longest_edge": config.image_processor.max_pixels}
     return AutoImageProcessor.from_pretrained(model_dir, size=size)

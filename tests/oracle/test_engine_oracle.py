@@ -25,12 +25,12 @@ from PIL import Image
 
 from firsttoken.config import CacheConfig, EngineConfig, SchedulerConfig
 from firsttoken.engine.engine import LLMEngine
-from firsttoken.models.model_config import ModelConfig
 from firsttoken.models.family import ModelFamily
-from firsttoken.models.mrope import compute_mrope_positions
+from firsttoken.models.model_config import ModelConfig
 from firsttoken.models.registry import family_named, load_model_config
 from firsttoken.types import EngineRequest, FinishReason, ImageItem, SamplingParams
 from tests.helpers import RecordingExecutor
+from tests.oracle.parity import image_kwargs, image_pixel_rows, preprocess
 
 NUM_NEW = 12
 torch.set_num_threads(2)
@@ -49,13 +49,13 @@ def config(model_dir: Path) -> ModelConfig:
 
 
 @pytest.fixture(scope="module")
-def reference(family: ModelFamily, model_dir: Path):
+def reference(family: ModelFamily, model_dir: Path, config: ModelConfig):
     model_class = family.checkpoint.hf_model_class()
     model = model_class.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager")
-    return greedy_oracle(model.eval())
+    return greedy_oracle(model.eval(), config)
 
 
-def greedy_oracle(model) -> Callable[[Prompt], list[int]]:
+def greedy_oracle(model, config: ModelConfig) -> Callable[[Prompt], list[int]]:
     """Greedy tokens by transformers' ``model``: ``generate`` for prompts with at most one image, else greedy by
     repeated full forwards without a KV cache (the model's definition). transformers 5.24's ``generate`` (with or
     without its cache) departs from its own forward on prompts with two images after a few tokens (two images,
@@ -64,10 +64,7 @@ def greedy_oracle(model) -> Callable[[Prompt], list[int]]:
 
     def inputs(ids: list[int], prompt: Prompt) -> dict:
         input_ids = torch.tensor([ids])
-        kwargs = dict(input_ids=input_ids, mm_token_type_ids=(input_ids == model.config.image_token_id).long())
-        if prompt.pixel_values is not None:  # mm_token_type_ids: FACTS' pitfall
-            kwargs.update(pixel_values=prompt.pixel_values, image_grid_thw=torch.tensor(prompt.grids))
-        return kwargs
+        return dict(input_ids=input_ids, **image_kwargs(config, input_ids, prompt.pixel_values, list(prompt.grids)))
 
     def greedy(prompt: Prompt) -> list[int]:
         if prompt not in cache:
@@ -87,8 +84,8 @@ def greedy_oracle(model) -> Callable[[Prompt], list[int]]:
 
 
 def make_prompt(config: ModelConfig, processor, image_tokens: list[tuple[int, int]], seed: int,
-                text_after: list[int] | None = None) -> Prompt:
-    """text(9), then per image: vision_start, its pads, vision_end, text(5); then ``text_after`` or text(4).
+                text_after: list[int] | None = None, lead: int = 9) -> Prompt:
+    """text(``lead``), then per image: vision_start, its pads, vision_end, text(5); then ``text_after`` or text(4).
     ``image_tokens``: each image's (width, height) in visual tokens, drawn at the family's pixels per token and
     preprocessed by transformers' ``processor``."""
     rng = random.Random(seed)
@@ -97,14 +94,13 @@ def make_prompt(config: ModelConfig, processor, image_tokens: list[tuple[int, in
     def text(n: int) -> list[int]:
         return [rng.randrange(0, 15000) for _ in range(n)]
 
-    ids = text(9)
+    ids = text(lead)
     pixel_values, grids = None, []
     if image_tokens:
         np_rng = np.random.default_rng(seed)
         images = [Image.fromarray(np_rng.integers(0, 256, (h * side_px, w * side_px, 3), dtype=np.uint8))
                   for w, h in image_tokens]
-        out = processor(images=images, return_tensors="pt")
-        pixel_values, grids = out["pixel_values"], [tuple(int(x) for x in g) for g in out["image_grid_thw"].tolist()]
+        pixel_values, grids = preprocess(images, processor, config)
         for t, h, w in grids:
             n = t * h * w // config.vision.spatial_merge_size**2
             ids += [config.vision_start_token_id] + [config.image_token_id] * n + [config.vision_end_token_id]
@@ -118,13 +114,14 @@ def engine_request(config: ModelConfig, prompt: Prompt, rid: str) -> EngineReque
                            if t == config.image_token_id and (i == 0 or prompt.ids[i - 1] != config.image_token_id)]
     start = 0
     for (t, h, w), offset in zip(prompt.grids, offsets):
-        pixels = prompt.pixel_values[start : start + t * h * w]
-        start += t * h * w
+        rows = image_pixel_rows(config, (t, h, w))
+        pixels = prompt.pixel_values[start : start + rows]
+        start += rows
         digest = hashlib.sha256(pixels.numpy().tobytes()).hexdigest()
         units = family_named(config.family).encoder_units(config.vision, (t, h, w))
         images.append(ImageItem(digest, offset, t * h * w // config.vision.spatial_merge_size**2, (t, h, w), units,
                                 pixels))
-    mrope = compute_mrope_positions(prompt.ids, prompt.grids, config)
+    mrope = family_named(config.family).positions(prompt.ids, prompt.grids, config)
     return EngineRequest(rid, prompt.ids, tuple(images), mrope.positions, mrope.delta,
                          SamplingParams(max_tokens=NUM_NEW, temperature=0.0, ignore_eos=True), 0.0, 0.0)
 
@@ -188,31 +185,58 @@ def test_engine_matches_generate_with_chunks_inside_images_and_encodes_split_acr
 
 def test_engine_matches_generate_when_the_prefix_cache_hit_ends_inside_an_image(model_dir, config, processor,
                                                                                  reference):
-    # first: 9 + 1 + 24 pads + 1 + 5 + 4 = 44 tokens -> two full 16-token blocks cached (0..31), ending inside the
-    # image (pads 10..33). The follow-up shares everything up to its last text and reuses those 32 tokens; its
-    # image rows 22..23 (and DeepStack features' rows) come from the encoder cache or a re-encode.
-    first = make_prompt(config, processor, ONE_IMAGE, seed=4, text_after=[11, 12, 13, 14])
-    follow = make_prompt(config, processor, ONE_IMAGE, seed=4, text_after=[21, 22, 23, 24, 25, 26, 27])
+    # the first prompt's whole 16-token blocks are cached and the last of them ends inside its image (Qwen: 9 + 1 +
+    # 24 pads + 1 + 5 + 4 = 44 tokens -> blocks 0..31, pads 10..33; a tiling family leads with more text). The
+    # follow-up shares everything up to its last text and reuses those blocks; the image rows past them (and
+    # DeepStack features' rows) come from the encoder cache or a re-encode.
+    lead, cached = _lead_ending_inside_the_image(config, processor)
+    first = make_prompt(config, processor, ONE_IMAGE, seed=4, text_after=[11, 12, 13, 14], lead=lead)
+    follow = make_prompt(config, processor, ONE_IMAGE, seed=4, text_after=[21, 22, 23, 24, 25, 26, 27], lead=lead)
     for encoder_cache in (True, False):
         engine = make_engine(model_dir, 13, enable_encoder_cache=encoder_cache)
         run(engine, [engine_request(config, first, "first")])
         stats: dict = {}
         got = run(engine, [engine_request(config, follow, "follow")], stats)
-        assert stats["follow"].num_cached_prompt_tokens == 32
+        assert stats["follow"].num_cached_prompt_tokens == cached
         assert got["follow"] == reference(follow)
         assert engine.stats().num_images_encoded == (1 if encoder_cache else 2)
 
 
+def _lead_ending_inside_the_image(config: ModelConfig, processor) -> tuple[int, int]:
+    """(leading text tokens, tokens in whole 16-token blocks) for which ONE_IMAGE's prompt's last whole block ends
+    inside its image."""
+    for lead in range(9, 9 + 16):
+        ids = make_prompt(config, processor, ONE_IMAGE, seed=4, text_after=[11, 12, 13, 14], lead=lead).ids
+        pads = [i for i, t in enumerate(ids) if t == config.image_token_id]
+        cached = len(ids) // 16 * 16
+        if pads[0] < cached <= pads[-1]:
+            return lead, cached
+    raise AssertionError("no lead puts a block boundary inside the image")
+
+
 def test_engine_matches_generate_after_preemption_by_recompute(model_dir, config, processor, reference):
-    # A pool of 6 blocks (96 tokens) for three 44-token prompts that grow to 56: optimistic admission runs them side
-    # by side and preempts by recompute when decodes outgrow the pool. Recomputed requests must give the same tokens.
-    prompts = {f"r{i}": make_prompt(config, processor, ONE_IMAGE, seed=10 + i) for i in range(3)}
-    engine = make_engine(model_dir, 13, num_blocks=6, kv_admission="optimistic", long_prompt_threshold=10_000)
+    # Three prompts of 16k + 12 tokens (Qwen: 44) that grow by 12 into one more block each, in a pool of two
+    # prompts' blocks (Qwen: 6 blocks): optimistic admission runs two side by side and preempts by recompute when
+    # decodes outgrow the pool. Recomputed requests must give the same tokens.
+    prompts = {f"r{i}": _prompt_ending_at_12_mod_16(config, processor, 10 + i) for i in range(3)}
+    length = len(prompts["r0"].ids)
+    # a prompt prefills in about four steps, so two decode side by side before the first finishes (Qwen: 13)
+    engine = make_engine(model_dir, max(13, -(-length // 4)), num_blocks=2 * -(-length // 16),
+                         kv_admission="optimistic", long_prompt_threshold=10_000)
     got = run(engine, [engine_request(config, p, name) for name, p in prompts.items()])
     assert engine.scheduler.num_preemptions > 0
     print(f"preemptions by reason: {engine.scheduler.preemptions_by_reason}")
     for name, prompt in prompts.items():
         assert got[name] == reference(prompt), name
+
+
+def _prompt_ending_at_12_mod_16(config: ModelConfig, processor, seed: int) -> Prompt:
+    """ONE_IMAGE's prompt with the trailing text that makes it 12 tokens past a block boundary (Qwen: text(4))."""
+    for n in (4, *range(1, 17)):
+        prompt = make_prompt(config, processor, ONE_IMAGE, seed=seed, text_after=list(range(40, 40 + n)))
+        if len(prompt.ids) % 16 == 12:
+            return prompt if n != 4 else make_prompt(config, processor, ONE_IMAGE, seed=seed)
+    raise AssertionError("no trailing text makes the prompt 12 past a block boundary")
 
 
 @pytest.fixture(scope="module")
@@ -240,8 +264,8 @@ def test_prompt_logprobs_match_transformers_across_chunks_and_a_cached_prefix(
                     scored[rid] = out.prompt_logprobs
     input_ids = torch.tensor([prompt.ids])
     with torch.no_grad():
-        logits = hf_model(input_ids=input_ids, mm_token_type_ids=(input_ids == hf_model.config.image_token_id).long(),
-                          pixel_values=prompt.pixel_values, image_grid_thw=torch.tensor(prompt.grids)).logits[0]
+        logits = hf_model(input_ids=input_ids,
+                          **image_kwargs(config, input_ids, prompt.pixel_values, list(prompt.grids))).logits[0]
     expected = torch.log_softmax(logits.float(), dim=-1)
     for rid, got in scored.items():
         assert [lp.token_id for lp in got] == list(prompt.ids[1:]), rid

@@ -31,7 +31,7 @@ from safetensors.torch import load_file, save_file
 from firsttoken.loading.loader import load_model
 from firsttoken.models.checkpoint import make_model
 from firsttoken.models.family import ModelFamily
-from firsttoken.models.registry import load_model_config
+from firsttoken.models.registry import family_named, load_model_config
 from tests.oracle.parity import (
     TOL,
     TinyRunner,
@@ -40,6 +40,7 @@ from tests.oracle.parity import (
     checkpoint_processor,
     generate_ids,
     greedy_ids,
+    image_pixel_rows,
     in_pixels,
     make_images,
     make_prompt,
@@ -47,6 +48,8 @@ from tests.oracle.parity import (
     mixed_batch,
     preprocess,
     ref_logits,
+    reference_image_features,
+    tiled,
     tower_outputs,
 )
 
@@ -111,18 +114,18 @@ def expected_logits(ref64, ours, prompt):
 def test_vision_tower_and_every_deepstack_feature_match_reference_whole_and_unit_by_unit(
     ref, ours, processor, image_tokens
 ) -> None:
-    pixel_values, grids = preprocess(make_images(in_pixels(ours.config, image_tokens)), processor)
+    pixel_values, grids = preprocess(make_images(in_pixels(ours.config, image_tokens)), processor, ours.config)
     visual = ours.visual
     with torch.no_grad():
-        features = ref.model.get_image_features(pixel_values, torch.tensor(grids))
+        features = reference_image_features(ref, ours.config, pixel_values, grids)
         expected = tower_outputs(features)
         whole = visual(pixel_values, grids)
         by_units, alone, start = [], [], 0
         for grid, step in zip(grids, (1, 2, 3, 4)):  # one image a unit per call, the next two at a time, ...
-            num_patches = grid[0] * grid[1] * grid[2]
-            pixels = pixel_values[start : start + num_patches]
+            num_rows = image_pixel_rows(ours.config, grid)
+            pixels = pixel_values[start : start + num_rows]
             state = visual.start_encode(pixels, grid)
-            start += num_patches
+            start += num_rows
             while not state.done:
                 visual.run_units(state, step)
             by_units.append(visual.finish_encode(state))
@@ -254,12 +257,21 @@ def test_our_preprocessing_is_bit_identical_to_the_checkpoint_s_processor(model_
     PIL's: pixels up to 0.015 apart at 1000 x 700.)"""
     from transformers import AutoImageProcessor
 
+    from firsttoken.inputs.budget import image_pixels, plan_image
     from firsttoken.inputs.image import preprocess_image
 
-    reference = AutoImageProcessor.from_pretrained(model_dir, backend="pil")
-    pixels = load_model_config(model_dir).image_processor
+    config = load_model_config(model_dir)
+    pixels = config.image_processor
     (image,) = make_images([(width, height)], seed=width + height)
-    expected = reference(images=[image], return_tensors="np")
-    got = preprocess_image(image, pixels, pixels.min_pixels, pixels.max_pixels)
-    assert list(got.grid_thw) == expected["image_grid_thw"][0].tolist()
+    if tiled(config):  # at the family's default budget; InternVLProcessor crops to patches whatever the config says
+        reference = AutoImageProcessor.from_pretrained(model_dir, backend="pil", crop_to_patches=True)
+        expected = reference(images=[image], return_tensors="np")
+        budget = family_named(config.family).budget_ladder.default(1 << 20)
+        got = image_pixels(image, plan_image(width, height, budget, 4, pixels), pixels)
+        assert got.grid_thw[0] == int(expected["num_patches"][0])
+    else:
+        reference = AutoImageProcessor.from_pretrained(model_dir, backend="pil")
+        expected = reference(images=[image], return_tensors="np")
+        got = preprocess_image(image, pixels, pixels.min_pixels, pixels.max_pixels)
+        assert list(got.grid_thw) == expected["image_grid_thw"][0].tolist()
     assert np.array_equal(got.pixel_values.numpy(), expected["pixel_values"])

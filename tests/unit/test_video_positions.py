@@ -43,7 +43,7 @@ def oracle(name: str, tokens_per_second: float | None = None) -> Oracle:
     return Oracle(family, config, hf_config, model.model)
 
 
-@pytest.fixture(scope="module", params=[f.name for f in families()])
+@pytest.fixture(scope="module", params=[f.name for f in families() if f.video])
 def any_family(request: pytest.FixtureRequest) -> Oracle:
     return oracle(request.param)
 
