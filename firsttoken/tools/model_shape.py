@@ -87,7 +87,8 @@ class ModelShape:
         # its output). 1280, the width of every released Qwen2-VL / Qwen2.5-VL tower, when neither
         # is given.
         # the tower's width is hidden_size there, embed_dim in Qwen2-VL
-        named_hidden = gated or "qwen3" in model_type
+        # (InternViT's config names its depth num_hidden_layers and its width hidden_size)
+        named_hidden = gated or "qwen3" in model_type or "num_hidden_layers" in v.d
         width = v.get_int(
             "embed_dim", tower, default=(v.d.get("hidden_size") if named_hidden else None) or 1280
         )
@@ -112,7 +113,7 @@ class ModelShape:
             tie_word_embeddings=bool(
                 d.get("tie_word_embeddings", text.d.get("tie_word_embeddings", False))
             ),
-            vision_depth=v.get_int("depth", tower, default=32),
+            vision_depth=v.get_int("depth", tower, default=v.d.get("num_hidden_layers", 32)),
             vision_width=width,
             vision_mlp_width=mlp_width,
             vision_gated_mlp=gated,
@@ -121,7 +122,9 @@ class ModelShape:
                 tower,
                 default=hidden if named_hidden else v.d.get("hidden_size", hidden),
             ),
-            vision_in_channels=v.get_int("in_channels", tower, default=v.d.get("in_chans", 3)),
+            vision_in_channels=v.get_int(
+                "in_channels", tower, default=v.d.get("in_chans", v.d.get("num_channels", 3))
+            ),
             vision_patch_size=v.get_int(
                 "patch_size", tower, default=v.d.get("spatial_patch_size", 14)
             ),
@@ -258,6 +261,8 @@ class _Fields:
 
     def _number(self, key: str, why: str, default: Any, kind: type, what: str) -> Any:
         value = self._get(key, why, default)
+        if isinstance(value, list) and len(value) == 2 and value[0] == value[1]:
+            value = value[0]  # a square's sides, as InternViT's patch_size [14, 14]
         try:
             return kind(value)
         except (TypeError, ValueError):

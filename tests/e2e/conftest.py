@@ -129,26 +129,32 @@ def image_data_url(img: Image.Image, fmt: str = "PNG") -> str:
     return f"data:image/{mime};base64," + base64.b64encode(buf.getvalue()).decode()
 
 
-def transformers_answer(model_dir: Path, prompt_ids: list[int], images: list[Image.Image], max_new_tokens: int
-                        ) -> tuple[str, int]:
+def transformers_answer(model_dir: Path, prompt_ids: list[int], images: list[Image.Image], max_new_tokens: int,
+                        max_patches: int | None = None) -> tuple[str, int]:
     """(decoded text, number of tokens) that transformers' generate answers: the checkpoint's family's reference
     class (its recipe's), its image processor as the checkpoint configures it, greedy with the sampling settings of
     generation_config.json (repetition_penalty among them), as the server applies them. The processor is its PIL
     backend, the pixels the server computes bit for bit; the torchvision backend, transformers' default where
-    torchvision is installed (the GPU machine), resizes differently."""
+    torchvision is installed (the GPU machine), resizes differently. ``max_patches``: a tiling family's, as the
+    server planned its images."""
     import torch
     from transformers import AutoImageProcessor, AutoTokenizer
 
     from firsttoken.models.registry import family_of
 
     model = family_of(model_dir).checkpoint.hf_model_class().from_pretrained(model_dir, dtype=torch.float32).eval()
-    pixels = AutoImageProcessor.from_pretrained(model_dir, backend="pil")(images=images, return_tensors="pt")
     input_ids = torch.tensor([prompt_ids])
+    if max_patches is not None:  # a tiling family: its tiles alone, cut as InternVLProcessor cuts them
+        tiles = AutoImageProcessor.from_pretrained(model_dir, backend="pil", crop_to_patches=True,
+                                                   max_patches=max_patches)(images=images, return_tensors="pt")
+        kwargs = dict(pixel_values=tiles["pixel_values"])
+    else:
+        pixels = AutoImageProcessor.from_pretrained(model_dir, backend="pil")(images=images, return_tensors="pt")
+        kwargs = dict(pixel_values=pixels["pixel_values"], image_grid_thw=pixels["image_grid_thw"],
+                      mm_token_type_ids=(input_ids == model.config.image_token_id).long())
     with torch.inference_mode():
-        out = model.generate(input_ids=input_ids, pixel_values=pixels["pixel_values"],
-                             image_grid_thw=pixels["image_grid_thw"],
-                             mm_token_type_ids=(input_ids == model.config.image_token_id).long(),
-                             max_new_tokens=max_new_tokens, do_sample=False)[0, input_ids.shape[1]:]
+        out = model.generate(input_ids=input_ids, **kwargs, max_new_tokens=max_new_tokens,
+                             do_sample=False)[0, input_ids.shape[1]:]
     return AutoTokenizer.from_pretrained(model_dir).decode(out, skip_special_tokens=True), len(out)
 
 
