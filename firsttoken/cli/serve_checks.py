@@ -74,6 +74,10 @@ def check_serve_config(config: "ServeConfig", model_dir: Path) -> None:
     model_config = check_checkpoint("--model" if config.model else "(demo checkpoint)", model_dir,
                                     weights=config.engine.load_format != "dummy")
     _check_kv(config.engine, model_config)
+    proc = model_config.image_processor
+    if proc.tiles is not None and config.images.image_max_tokens < proc.tokens_per_tile:
+        raise UsageError("--image-max-tokens", config.images.image_max_tokens,
+                         f"under one tile: this model's images cost at least {proc.tokens_per_tile} tokens")
     # int8 runs everywhere (exact products: loading/quant.py)
     if config.engine.quantization == "fp16":
         from firsttoken.loading.quant import fp16_supported

@@ -133,7 +133,9 @@ class VisionItems:
                 plans.append(plan_image(header.width, header.height, budget, s.image_min_tokens,
                                         self.model_config.image_processor))
             except ImageInputError as err:
-                hint = "; downscale it before sending" if err.code == "image_too_large" else ""
+                # (tiles: a budget under one tile, whatever the size)
+                downscale = err.code == "image_too_large" and self.model_config.image_processor.tiles is None
+                hint = "; downscale it before sending" if downscale else ""
                 raise _image_at(err, i, params, hint) from None
         return tuple(plans)
 

@@ -134,3 +134,10 @@ def test_short_question_is_answered_while_a_split_encode_runs_in_the_long_lane(i
         assert_short_answered_first(server, image_message("Describe every detail.", make_image(1024, 1024, seed=12)))
     finally:
         stop_server(uvicorn_server, thread, server.engine)
+
+
+def test_serve_refuses_a_cap_under_one_tile_before_loading(internvl_dir: Path) -> None:
+    from tests.unit.test_cli_errors import error_line, firsttoken
+
+    assert error_line(firsttoken("serve", "--model", str(internvl_dir), "--image-max-tokens", "200")) == (
+        "firsttoken serve: --image-max-tokens 200: under one tile: this model's images cost at least 256 tokens")
