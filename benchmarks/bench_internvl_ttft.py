@@ -53,9 +53,19 @@ def messages(images: list[Image.Image]) -> list[dict]:
     return [{"role": "user", "content": [*parts, {"type": "text", "text": QUESTION}]}]
 
 
+def png(image: Image.Image) -> bytes:
+    import io
+
+    buf = io.BytesIO()
+    image.save(buf, "PNG")
+    return buf.getvalue()
+
+
 def ours_s(llm, images: list[Image.Image]) -> float:
+    """The request as a client sends it (PNG data URLs, built before the clock starts)."""
+    request = messages(images)
     start = time.perf_counter()
-    result = llm.chat(messages(images), {"max_tokens": 1, "temperature": 0.0})
+    result = llm.chat(request, {"max_tokens": 1, "temperature": 0.0})
     assert result.finish_reason == "length", result.error
     return time.perf_counter() - start
 
@@ -83,7 +93,12 @@ class Naive:
         return out
 
     def seconds(self, images: list[Image.Image]) -> float:
+        """From the PNG bytes, as a naive server receives them."""
+        import io
+
+        blobs = [png(im) for im in images]
         start = time.perf_counter()
+        images = [Image.open(io.BytesIO(b)).convert("RGB") for b in blobs]
         kwargs = {}
         num_tiles: list[int] = []
         if images:
