@@ -26,7 +26,7 @@ from firsttoken.models.mrope import (
     MRopePositions,
     decode_positions,
 )
-from firsttoken.models.registry import family_named
+from firsttoken.models.registry import families, family_named
 from firsttoken.runner.kv_cache import allocate_kv_caches
 
 TOL = 1e-4  # max |Δlogit|, fp32
@@ -37,6 +37,11 @@ NUM_BLOCKS = 512
 Grid = tuple[int, int, int]
 
 torch.set_num_threads(2)
+
+# the families a module's tests apply to, for modules that override conftest.py's ``family`` with one of these
+VIDEO_FAMILIES = [f.name for f in families() if f.video]
+# images at native resolution (a pixel ladder): their towers' full-attention blocks are sliced by query rows
+NATIVE_RESOLUTION_FAMILIES = [f.name for f in families() if f.budget_ladder.unit == "pixels"]
 
 
 @dataclass

@@ -1,5 +1,5 @@
 """Video through the production engine (LLMEngine: real Scheduler + ModelRunner, prefix and encoder caches) against
-transformers on the same weights, for every family the registry serves (conftest.py's ``family`` and ``model_dir``):
+transformers on the same weights, for every family that serves video (this module's ``family``; conftest.py's ``model_dir``):
 fp32, 12 greedy tokens, exact ids.
 
 The engine serves a video as vision items, one per temporal grid (types.ImageItem, kind "video"): grid k of a
@@ -27,12 +27,20 @@ from pathlib import Path
 import pytest
 import torch
 
-from firsttoken.models.model_config import ModelConfig
 from firsttoken.models.family import ModelFamily
+from firsttoken.models.model_config import ModelConfig
 from firsttoken.models.registry import family_named, load_model_config
 from firsttoken.types import EngineRequest, ImageItem, SamplingParams
 from tests.helpers import RecordingExecutor
+from tests.oracle.parity import VIDEO_FAMILIES
 from tests.oracle.test_engine_oracle import make_engine, run
+
+
+@pytest.fixture(scope="module", params=VIDEO_FAMILIES)
+def family(request: pytest.FixtureRequest) -> ModelFamily:
+    """The families that serve video."""
+    return family_named(request.param)
+
 
 NUM_NEW = 12
 LOGPROB_TOL = 1e-4  # max |Δ logprob| of a prompt token, fp32 (test_engine_oracle.py's)

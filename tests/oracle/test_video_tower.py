@@ -1,5 +1,5 @@
 """A video's vision work as the engine does it, one temporal grid at a time, against transformers' vision tower run
-once over the whole video, for every family the registry serves (conftest.py's ``family`` and ``model_dir``).
+once over the whole video, for every family that serves video (this module's ``family``; conftest.py's ``model_dir``).
 
 The engine serves a video as a sequence of vision items, one per temporal grid: grid k of a (T, h, w) video is the
 item (1, h, w) whose pixels are the processor's ``pixel_values_videos`` rows [k*h*w, (k+1)*h*w). That is exact
@@ -22,8 +22,15 @@ import torch
 from firsttoken.loading.loader import load_model
 from firsttoken.models.family import ModelFamily
 from firsttoken.models.interfaces import ImageEmbeddings
-from firsttoken.models.registry import load_model_config
-from tests.oracle.parity import tower_outputs
+from firsttoken.models.registry import family_named, load_model_config
+from tests.oracle.parity import VIDEO_FAMILIES, tower_outputs
+
+
+@pytest.fixture(scope="module", params=VIDEO_FAMILIES)
+def family(request: pytest.FixtureRequest) -> ModelFamily:
+    """The families that serve video."""
+    return family_named(request.param)
+
 
 VISION_TOL = 1e-5  # max |Δ| of the tower's outputs, fp32, as test_family_parity.py's
 Grid = tuple[int, int, int]

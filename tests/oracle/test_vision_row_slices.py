@@ -1,6 +1,6 @@
 """A large image's vision tower run as the engine runs it — unit by unit, its full-attention blocks in query-row
 slices (models/vision_units.py) — against transformers' tower on the same tiny checkpoint and against our own
-whole-block pass, for every family the registry serves (conftest.py's ``family``; DeepStack features too). The
+whole-block pass, for every native-resolution family (this module's ``family``; DeepStack features too). The
 image is big enough that each full-attention block scores more than MAX_UNIT_PAIRS query-key pairs, so it is
 sliced."""
 
@@ -8,14 +8,22 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 
 from firsttoken.loading.loader import load_model
 from firsttoken.models.family import ModelFamily
 from firsttoken.models.interfaces import ImageEmbeddings
-from firsttoken.models.registry import load_model_config
+from firsttoken.models.registry import family_named, load_model_config
 from firsttoken.models.vision_units import MAX_UNIT_PAIRS
-from tests.oracle.parity import tower_outputs
+from tests.oracle.parity import NATIVE_RESOLUTION_FAMILIES, tower_outputs
+
+
+@pytest.fixture(scope="module", params=NATIVE_RESOLUTION_FAMILIES)
+def family(request: pytest.FixtureRequest) -> ModelFamily:
+    """The native-resolution families (a tiling tower has no row slices)."""
+    return family_named(request.param)
+
 
 VISION_TOL = 1e-5  # max |Δ| of the tower's outputs, fp32, as test_family_parity.py's
 SIDE_PX = 1024  # a 1024² image: 72 x 72 patches of 14 px (Qwen2/2.5-VL), 64 x 64 of 16 px (Qwen3-VL)

@@ -68,7 +68,8 @@ def test_serve_unsupported_checkpoint_names_what_is_supported(tmp_path: Path) ->
     line = error_line(firsttoken("serve", "--model", str(tmp_path)))
     assert line.startswith(f"firsttoken serve: --model {tmp_path}: unsupported model "
                            "(architectures=['LlavaForConditionalGeneration'], model_type='llava')")
-    assert "supported architectures: ['Qwen2VLForConditionalGeneration', 'Qwen2_5_VLForConditionalGeneration'" in line
+    assert ("supported architectures: ['InternVLForConditionalGeneration', 'Qwen2VLForConditionalGeneration', "
+            "'Qwen2_5_VLForConditionalGeneration'") in line
 
 
 def test_serve_kv_pool_smaller_than_one_block_says_the_minimum(tiny_model_dir: Path) -> None:
