@@ -37,11 +37,11 @@ from firsttoken.inputs.image import (
     to_rgb,
 )
 from firsttoken.models.internvl_tiles import (
+    cut_tiles,
     max_patches_for_budget,
     plan_tiles,
-    preprocess_tiles,
 )
-from firsttoken.models.model_config import ImageProcessorConfig, TileSpec
+from firsttoken.models.model_config import ImageProcessorConfig
 
 # Qwen2-VL's own processor defaults (preprocessor_config.json): min_pixels 56*56, max_pixels
 # 12845056.
@@ -165,10 +165,8 @@ def _plan_tiled(width: int, height: int, budget_tokens: int, proc: ImageProcesso
             f"image is {width}x{height}: at this model's smallest size (one tile) it needs {per_tile} "
             f"visual tokens, over its budget of {budget_tokens}; ask for max_visual_tokens >= {per_tile}",
         )
-    max_patches = max(
-        min(max_patches_for_budget(budget_tokens, per_tile, spec.max_patches), spec.max_patches),
-        spec.min_patches,
-    )
+    max_patches = max(max_patches_for_budget(budget_tokens, per_tile, spec.max_patches),
+                      spec.min_patches)
     tiles = plan_tiles(height, width, max_patches, spec.min_patches, spec.size, per_tile)
     side = spec.size // proc.patch_size
     return ImagePlan(
@@ -185,26 +183,20 @@ def _plan_tiled(width: int, height: int, budget_tokens: int, proc: ImageProcesso
 def image_pixels(image: Image.Image, plan: ImagePlan, proc: ImageProcessorConfig
                  ) -> ProcessedImage:
     """The decoded ``image`` preprocessed as ``plan`` says, exactly as the family's reference
-    processor does."""
+    processor does (its own size decides the cut: a header that lied shows in ``num_tokens``)."""
     if plan.tile_grid is None:
         return preprocess_image(image, proc, plan.min_pixels, plan.max_pixels)
     spec = proc.tiles
     assert spec is not None
     rgb = to_rgb(image)
-    pixels = preprocess_tiles(rgb, plan.max_patches, spec.min_patches, spec.size,
-                              proc.image_mean, proc.image_std)
+    width, height = rgb.size
+    tiles = plan_tiles(height, width, plan.max_patches, spec.min_patches, spec.size,
+                       proc.tokens_per_tile)
     side = spec.size // proc.patch_size
-    rows, cols = _tile_grid(rgb.size, plan.max_patches, spec)
     return ProcessedImage(
-        pixel_values=pixels,
-        grid_thw=(pixels.shape[0], side, side),
-        num_tokens=pixels.shape[0] * proc.tokens_per_tile,
+        pixel_values=cut_tiles(rgb, tiles, spec.size, proc.image_mean, proc.image_std),
+        grid_thw=(tiles.num_tiles, side, side),
+        num_tokens=tiles.tokens,
         original_size=rgb.size,
-        resized_size=(cols * spec.size, rows * spec.size),
+        resized_size=(tiles.cols * spec.size, tiles.rows * spec.size),
     )
-
-
-def _tile_grid(size: tuple[int, int], max_patches: int, spec: TileSpec) -> tuple[int, int]:
-    """(rows, cols) the tiling cuts a (width, height) image into."""
-    width, height = size
-    return plan_tiles(height, width, max_patches, spec.min_patches, spec.size).grid

@@ -26,6 +26,7 @@ import torch
 from PIL import Image
 
 from firsttoken.models.model_config import ImageProcessorConfig
+from firsttoken.models.pixels import normalize_bytes
 
 OPENAI_CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 OPENAI_CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
@@ -232,19 +233,9 @@ class ProcessedImage:
 
 def _normalize(patches: np.ndarray, mean: tuple[float, ...] = OPENAI_CLIP_MEAN,
                std: tuple[float, ...] = OPENAI_CLIP_STD) -> np.ndarray:
-    """(patches / 255 - mean) / std in float32, channel on axis 1: [n, 3, k] uint8 -> [n, 3, k]
-    float32.
-
-    The reference computes float32(float64(x) * (1/255)) then float32 subtract and divide. For bytes
-    float32(x) / 255 rounds to the same float32 (all 256 values checked in tests), so this is
-    bit-identical without a float64 round trip. NumPy on purpose: single-threaded, so it does not
-    stall when the model's torch threads hold the cores (torch's OpenMP ops stall badly under such
-    contention)."""
-    out = patches.astype(np.float32)
-    out /= np.float32(255)
-    out -= np.array(mean, dtype=np.float32).reshape(1, -1, 1)
-    out /= np.array(std, dtype=np.float32).reshape(1, -1, 1)
-    return out
+    """[n, 3, k] uint8 -> [n, 3, k] float32, as the reference rescales and normalizes
+    (models/pixels.py)."""
+    return normalize_bytes(patches, mean, std)
 
 
 def preprocess_image(

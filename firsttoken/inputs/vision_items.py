@@ -130,13 +130,14 @@ class VisionItems:
         for i, (data, budget) in enumerate(zip(blobs, budgets)):
             try:
                 header = probe_image(data, s.max_image_pixels)
+            except ImageInputError as err:  # (more pixels than the limit: fewer would pass)
+                hint = "; downscale it before sending" if err.code == "image_too_large" else ""
+                raise _image_at(err, i, params, hint) from None
+            try:
                 plans.append(plan_image(header.width, header.height, budget, s.image_min_tokens,
                                         self.model_config.image_processor))
-            except ImageInputError as err:
-                # (tiles: a budget under one tile, whatever the size)
-                downscale = err.code == "image_too_large" and self.model_config.image_processor.tiles is None
-                hint = "; downscale it before sending" if downscale else ""
-                raise _image_at(err, i, params, hint) from None
+            except ImageInputError as err:  # its budget's refusal says what to ask for
+                raise _image_at(err, i, params) from None
         return tuple(plans)
 
     def work(self, prompt: PromptPlan) -> PromptWork:

@@ -9,7 +9,7 @@ ImageNet mean and std. The reference pipeline is:
     grid = closest aspect ratio among (cols, rows) with min <= cols * rows <= max
     -> PIL BICUBIC resize of the whole image to (cols * 448, rows * 448) -> crops in row-major order
     -> when cols * rows > 1, the whole image BICUBIC-resized to 448x448 appended last (thumbnail)
-    -> float64 * (1/255) -> float32 -> (x - mean) / std in float32
+    -> float64 * (1/255) -> float32 -> (x - mean) / std in float32 (models/pixels.py)
 
 With max_patches <= 1 transformers skips the grid: one plain 448x448 resize, the same pixels as a
 1x1 grid. Each tile costs 256 LM tokens (448 / 14 = 32 patches a side, pixel shuffle 0.5 -> 16x16);
@@ -26,13 +26,14 @@ import numpy as np
 import torch
 from PIL import Image
 
+from firsttoken.models.pixels import normalize_bytes
+
 TILE_SIZE = 448  # pixels, a tile's side
 TOKENS_PER_TILE = 256  # LM tokens per tile: (448 / 14 * 0.5) ** 2
 MIN_PATCHES = 1
 MAX_PATCHES = 12  # tiles in the grid, the thumbnail not counted
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
-RESCALE_FACTOR = 1 / 255
 
 
 @dataclass(frozen=True)
@@ -152,25 +153,6 @@ class TileLadder:
 TILE_LADDER = TileLadder()
 
 
-@lru_cache(maxsize=8)
-def _byte_table(mean: tuple[float, ...], std: tuple[float, ...]) -> np.ndarray:
-    """[3, 256] float32: every byte value of each channel through the reference arithmetic
-    (float64 rescale, float32 cast, float32 subtract and divide), so a lookup is bit-identical."""
-    scaled = (np.arange(256, dtype=np.float64) * RESCALE_FACTOR).astype(np.float32)
-    mean32 = np.array(mean, dtype=np.float32)[:, None]
-    std32 = np.array(std, dtype=np.float32)[:, None]
-    return (scaled[None, :] - mean32) / std32
-
-
-def _normalize(tiles: np.ndarray, mean: tuple[float, ...], std: tuple[float, ...]) -> np.ndarray:
-    """[n, 3, h, w] uint8 -> [n, 3, h, w] float32."""
-    table = _byte_table(tuple(mean), tuple(std))
-    out = np.empty(tiles.shape, dtype=np.float32)
-    for c in range(tiles.shape[1]):
-        out[:, c] = table[c][tiles[:, c]]
-    return out
-
-
 def preprocess_tiles(image: Image.Image, max_patches: int = MAX_PATCHES,
                      min_patches: int = MIN_PATCHES, tile_size: int = TILE_SIZE,
                      mean: tuple[float, ...] = IMAGENET_MEAN,
@@ -178,10 +160,17 @@ def preprocess_tiles(image: Image.Image, max_patches: int = MAX_PATCHES,
     """[num_tiles, 3, tile_size, tile_size] float32: the crops in row-major order, then the
     thumbnail, as ``GotOcr2ImageProcessorPil(crop_to_patches=True)`` gives them. ``image`` must be
     RGB already (inputs/image.py's ``to_rgb`` is transformers' conversion, alpha onto white)."""
-    if image.mode != "RGB":
-        raise ValueError(f"expected an RGB image, got mode {image.mode}")
     width, height = image.size
     plan = plan_tiles(height, width, max_patches, min_patches, tile_size)
+    return cut_tiles(image, plan, tile_size, mean, std)
+
+
+def cut_tiles(image: Image.Image, plan: TilePlan, tile_size: int = TILE_SIZE,
+              mean: tuple[float, ...] = IMAGENET_MEAN,
+              std: tuple[float, ...] = IMAGENET_STD) -> torch.Tensor:
+    """``preprocess_tiles`` for the RGB ``image``'s own ``plan`` (``plan_tiles`` of its size)."""
+    if image.mode != "RGB":
+        raise ValueError(f"expected an RGB image, got mode {image.mode}")
     rows, cols, t = plan.rows, plan.cols, tile_size
     resized = np.asarray(image.resize((cols * t, rows * t), Image.Resampling.BICUBIC))
     # [rows * t, cols * t, 3] -> [rows * cols, 3, t, t], tile index = row * cols + col
@@ -189,4 +178,4 @@ def preprocess_tiles(image: Image.Image, max_patches: int = MAX_PATCHES,
     if plan.thumbnail:
         thumb = np.asarray(image.resize((t, t), Image.Resampling.BICUBIC)).transpose(2, 0, 1)
         tiles = np.concatenate([tiles, thumb[None]])
-    return torch.from_numpy(_normalize(tiles, mean, std))
+    return torch.from_numpy(normalize_bytes(tiles, mean, std))
