@@ -194,7 +194,9 @@ def image_pixels(image: Image.Image, plan: ImagePlan, proc: ImageProcessorConfig
                        proc.tokens_per_tile)
     side = spec.size // proc.patch_size
     return ProcessedImage(
-        pixel_values=cut_tiles(rgb, tiles, spec.size, proc.image_mean, proc.image_std),
+        # the tower's patch rows, cut here in the preprocessing pool (not on the engine thread)
+        pixel_values=cut_tiles(rgb, tiles, spec.size, proc.image_mean, proc.image_std,
+                               proc.patch_size),
         grid_thw=(tiles.num_tiles, side, side),
         num_tokens=tiles.tokens,
         original_size=rgb.size,

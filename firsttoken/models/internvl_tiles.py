@@ -166,9 +166,11 @@ def preprocess_tiles(image: Image.Image, max_patches: int = MAX_PATCHES,
 
 
 def cut_tiles(image: Image.Image, plan: TilePlan, tile_size: int = TILE_SIZE,
-              mean: tuple[float, ...] = IMAGENET_MEAN,
-              std: tuple[float, ...] = IMAGENET_STD) -> torch.Tensor:
-    """``preprocess_tiles`` for the RGB ``image``'s own ``plan`` (``plan_tiles`` of its size)."""
+              mean: tuple[float, ...] = IMAGENET_MEAN, std: tuple[float, ...] = IMAGENET_STD,
+              patch_size: int | None = None) -> torch.Tensor:
+    """``preprocess_tiles`` for the RGB ``image``'s own ``plan`` (``plan_tiles`` of its size). With
+    ``patch_size``: as the tower's patch rows [N * S * S, C * P * P] (tile-major, patches row-major,
+    each (c, y, x): internvl_vision.tiles_to_patch_rows), cut on the bytes before normalizing."""
     if image.mode != "RGB":
         raise ValueError(f"expected an RGB image, got mode {image.mode}")
     rows, cols, t = plan.rows, plan.cols, tile_size
@@ -178,4 +180,8 @@ def cut_tiles(image: Image.Image, plan: TilePlan, tile_size: int = TILE_SIZE,
     if plan.thumbnail:
         thumb = np.asarray(image.resize((t, t), Image.Resampling.BICUBIC)).transpose(2, 0, 1)
         tiles = np.concatenate([tiles, thumb[None]])
-    return torch.from_numpy(normalize_bytes(tiles, mean, std))
+    if patch_size is None:
+        return torch.from_numpy(normalize_bytes(tiles, mean, std))
+    n, p, s = tiles.shape[0], patch_size, t // patch_size
+    patches = tiles.reshape(n, 3, s, p, s, p).transpose(0, 2, 4, 1, 3, 5).reshape(n * s * s, 3, p * p)
+    return torch.from_numpy(normalize_bytes(patches, mean, std).reshape(n * s * s, 3 * p * p))
