@@ -103,11 +103,6 @@ class KVCacheManager:
             raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
         return -(-num_tokens // self.block_size)
 
-    def find_cached_prefix(self, block_hashes: Sequence[BlockHash]) -> int:
-        """Number of leading blocks of `block_hashes` present in the cache (used or free). Changes
-        nothing."""
-        return len(self._hit_block_ids(block_hashes, max_cached_tokens=None))
-
     def num_cached_prefix_tokens(
         self, block_hashes: Sequence[BlockHash] | None, max_cached_tokens: int | None = None
     ) -> int:
@@ -126,19 +121,6 @@ class KVCacheManager:
         return self._plan_first_allocation(
             num_tokens, block_hashes, max_cached_tokens
         ).num_free_blocks_consumed
-
-    def can_allocate(
-        self,
-        num_tokens: int,
-        block_hashes: Sequence[BlockHash] | None = None,
-        max_cached_tokens: int | None = None,
-    ) -> bool:
-        """Whether `allocate` for a not-yet-admitted request with these arguments would succeed
-        now."""
-        return (
-            self.blocks_needed_for(num_tokens, block_hashes, max_cached_tokens)
-            <= self.num_free_blocks
-        )
 
     # ---- mutations -------------------------------------------------------------------------------
     def allocate(
@@ -213,9 +195,6 @@ class KVCacheManager:
         return self.block_pool.reset_prefix_cache()
 
     # ---- queries on live requests ----------------------------------------------------------------
-    def has_request(self, request_id: str) -> bool:
-        return request_id in self._requests
-
     def block_table(self, request_id: str) -> list[int]:
         """Physical block ids of the request, in logical order (a copy)."""
         return list(self._requests[request_id].block_ids)

@@ -31,9 +31,7 @@ class WholePrompt:
         if req.engine_request.sampling.prompt_logprobs is not None:
             max_cached = 0  # every prompt position is scored, so every one is computed
         want = self._tokens(req, kv, max_cached, first_chunk)
-        if not kv.can_allocate(want, req.block_hashes, max_cached):
-            return None
-        return kv.allocate(req.request_id, want, req.block_hashes, max_cached)
+        return kv.allocate(req.request_id, want, req.block_hashes, max_cached)  # None: it did not fit
 
     def victim(self, running: Sequence[Request], req: Request, busy: Collection[str]) -> Request:
         """Whose blocks ``req``'s growth takes: the latest-admitted running request with no work in

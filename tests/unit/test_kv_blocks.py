@@ -97,9 +97,9 @@ def test_allocation_failure_is_atomic() -> None:
     manager = make_manager(4)
     assert manager.allocate("a", 12) == 0  # 3 blocks
     table_before = manager.block_table("a")
-    assert not manager.can_allocate(8)
+    assert manager.blocks_needed_for(8) > manager.num_free_blocks
     assert manager.allocate("b", 8) is None  # needs 2, 1 free
-    assert not manager.has_request("b")
+    assert manager.num_used_blocks == 3  # nothing of b's
     assert manager.allocate("a", 20) is None  # growth by 2, 1 free
     assert manager.block_table("a") == table_before
     assert manager.num_free_blocks == 1
@@ -145,7 +145,7 @@ def test_fully_cached_prompt_still_recomputes_its_last_block() -> None:
     prompt = list(range(8))  # exactly 2 full blocks
     prefill(manager, "a", prompt)
     block_hashes = hashes(prompt)
-    assert manager.find_cached_prefix(block_hashes) == 2
+    assert manager.num_cached_prefix_tokens(block_hashes) // manager.block_size == 2
     assert manager.num_cached_prefix_tokens(block_hashes, max_cached_tokens=7) == 4
     assert manager.allocate("b", 8, block_hashes, max_cached_tokens=7) == 4
     assert manager.block_table("b")[0] == manager.block_table("a")[0]
@@ -283,8 +283,8 @@ def test_eviction_takes_least_recently_freed_cached_blocks_first() -> None:
     assert manager.num_cached_blocks == 4
     assert manager.allocate("c", 12) == 0  # 3 fresh: a's partial + a's 2 cached blocks
     assert manager.stats().num_evicted_blocks == 2
-    assert manager.find_cached_prefix(hashes(prompt_a)) == 0
-    assert manager.find_cached_prefix(hashes(prompt_b)) == 2
+    assert manager.num_cached_prefix_tokens(hashes(prompt_a)) // manager.block_size == 0
+    assert manager.num_cached_prefix_tokens(hashes(prompt_b)) // manager.block_size == 2
 
 
 def test_free_releases_the_tail_first_so_pressure_keeps_the_prefix() -> None:
@@ -296,7 +296,7 @@ def test_free_releases_the_tail_first_so_pressure_keeps_the_prefix() -> None:
     assert manager.block_pool.free_block_ids() == table[::-1]
     assert manager.allocate("b", 1) == 0  # evicts exactly one block: the tail
     assert manager.block_table("b") == [table[3]]
-    assert manager.find_cached_prefix(hashes(prompt)) == 3
+    assert manager.num_cached_prefix_tokens(hashes(prompt)) // manager.block_size == 3
 
 
 def test_reset_prefix_cache_forgets_all_hashes() -> None:
@@ -305,7 +305,7 @@ def test_reset_prefix_cache_forgets_all_hashes() -> None:
     manager.free("a")
     assert manager.reset_prefix_cache() == 2
     assert manager.num_cached_blocks == 0
-    assert manager.find_cached_prefix(hashes(list(range(9)))) == 0
+    assert manager.num_cached_prefix_tokens(hashes(list(range(9)))) == 0
 
 
 def test_disabled_prefix_caching_never_hits_and_frees_unhashed_blocks() -> None:
@@ -316,7 +316,7 @@ def test_disabled_prefix_caching_never_hits_and_frees_unhashed_blocks() -> None:
     assert not set(manager.block_table("a")) & set(manager.block_table("b"))
     manager.free("a")
     manager.free("b")
-    assert manager.num_cached_blocks == 0 and manager.find_cached_prefix(hashes(prompt)) == 0
+    assert manager.num_cached_blocks == 0 and manager.num_cached_prefix_tokens(hashes(prompt)) == 0
     assert manager.stats().num_queries == 0
     assert_all_free(manager)
 
@@ -407,12 +407,15 @@ def random_prompt(rng: random.Random) -> FakeRequest:
 def admit(
     manager: KVCacheManager, runner: FakeRunner, request_id: str, request: FakeRequest, rng: random.Random
 ) -> bool:
-    """First allocation with a random first chunk; checks can_allocate agrees and the hit KV is right."""
+    """First allocation with a random first chunk; checks blocks_needed_for agrees and the hit KV is right."""
     request.block_hashes = request.keys()
     max_cached_tokens = request.num_prompt_tokens - 1
     num_expected = manager.num_cached_prefix_tokens(request.block_hashes, max_cached_tokens)
     first_chunk_tokens = min(request.num_prompt_tokens, num_expected + rng.randrange(1, 9))
-    can = manager.can_allocate(first_chunk_tokens, request.block_hashes, max_cached_tokens)
+    can = (
+        manager.blocks_needed_for(first_chunk_tokens, request.block_hashes, max_cached_tokens)
+        <= manager.num_free_blocks
+    )
     num_cached_tokens = manager.allocate(request_id, first_chunk_tokens, request.block_hashes, max_cached_tokens)
     assert (num_cached_tokens is not None) == can
     if num_cached_tokens is None:
