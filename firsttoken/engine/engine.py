@@ -11,6 +11,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import replace
+from functools import partial
 from pathlib import Path
 
 from firsttoken.batch import RunnerOutput, ScheduledBatch
@@ -24,6 +25,7 @@ from firsttoken.engine.output_processor import (
     OutputProcessor,
     StepClock,
     account_step,
+    runner_broke,
 )
 from firsttoken.engine.resolve import ResolvedEngineConfig, resolve_engine_config
 from firsttoken.engine.startup import start_executor
@@ -182,67 +184,50 @@ class LLMEngine:
             if batch.is_empty:
                 return outputs
             self._num_steps += batch.has_work  # this step counts for a first token sampled in it
-            ended: Ended = []
             clock = StepClock(step_start, self._busy_s, self._num_steps)
-            try:
-                result, outputs, broke = self._execute(batch, clock, deliver, ended, outputs)
-            except BaseException:  # an engine bug: what the step ended still leaves the scheduler
-                self.scheduler.update(None, None, ended)
-                raise
-            # a step the runner broke in teaches the cost model nothing
-            timed = batch.has_work and not broke
-            report = self.scheduler.update(batch, result, ended, step_start if timed else None)
-            if report is not None:  # the cost model learnt the step (in update)
+            result, broke = self._execute(batch, partial(self.executor.execute, batch))
+            outputs += self._apply(batch, result, clock)
+            if not broke and any(w.interruptible for w in batch.encoder_work):
+                if deliver is not None:
+                    deliver(outputs)
+                    outputs = []
+                late, broke = self._execute(batch, self.executor.finish_step)
+                if late is not None:
+                    outputs += self._apply(batch, late, clock, tokens=False)
+                    result = result.merged(late)
+            if batch.has_work and not broke:  # a step the runner broke in teaches nothing
+                report = self.scheduler.learn_step(batch, result, step_start)
                 self.observer.on_step(_step_stats(batch, result, step_start, report))
                 account_step(batch, result, self.requests, report.duration_s)
             return outputs
         finally:
             self._busy_s += time.monotonic() - step_start
 
-    def _execute(self, batch: ScheduledBatch, clock: StepClock,
-                 deliver: Callable[[list[RequestOutput]], None] | None, ended: Ended,
-                 outputs: list[RequestOutput]) -> tuple[RunnerOutput, list[RequestOutput], bool]:
-        """The runner's whole report of the step, the outputs to return, and whether the runner
-        broke; what the step ended is appended to ``ended`` and forgotten here at once (the
-        scheduler follows in update)."""
-
-        def step_outputs(result: RunnerOutput, chunks: bool = True) -> list[RequestOutput]:
-            before = len(ended)
-            out = self.outputs.step(batch, result, self.requests, clock, ended, chunks)
-            self.num_images_encoded += sum(result.num_images_encoded.values())
-            for req, reason in ended[before:]:
-                self._forget(req, reason)
-            return out
-
+    def _execute(self, batch: ScheduledBatch, run: Callable[[], RunnerOutput | None]
+                 ) -> tuple[RunnerOutput | None, bool]:
+        """The runner's report of (part of) the step, and whether the runner broke: then every live
+        request of the batch fails (this step only) and the engine keeps serving. The runner
+        reports per-request failures itself; it raises only on an engine bug."""
         try:
-            # reports per-request failures; raises only on an engine bug
-            result = self.executor.execute(batch)
+            return run(), False
         except Exception:
-            return self._failed_batch(batch, None, ended, outputs)
-        outputs = outputs + step_outputs(result)
-        if any(w.interruptible for w in batch.encoder_work):
-            if deliver is not None:
-                deliver(outputs)
-                outputs = []
-            try:
-                late = self.executor.finish_step()
-            except Exception:
-                return self._failed_batch(batch, result, ended, outputs)
-            if late is not None:
-                outputs += step_outputs(late, chunks=False)
-                result = result.merged(late)
-        return result, outputs, False
+            log.exception("engine step failed; failing the requests in it")
+            return runner_broke(batch, self.requests), True
 
-    def _failed_batch(self, batch: ScheduledBatch, done: RunnerOutput | None, ended: Ended,
-                      outputs: list[RequestOutput]) -> tuple[RunnerOutput, list[RequestOutput], bool]:
-        """Last resort when the runner itself broke: the batch's requests fail (this step only),
-        the engine keeps serving (OutputProcessor.failed_batch)."""
-        before = len(ended)
-        result, failed = self.outputs.failed_batch(batch, done, self.requests, ended)
-        log.exception("engine step failed; failing the %d requests in it", len(failed))
-        for req, reason in ended[before:]:
+    def _apply(self, batch: ScheduledBatch, result: RunnerOutput, clock: StepClock,
+               tokens: bool = True) -> list[RequestOutput]:
+        """The scheduler follows the report and ends what its token rules end; the outputs follow
+        (stop strings end more); every request that ended is ended on the scheduler and forgotten
+        here at once."""
+        finished = self.scheduler.update(batch, result, tokens)
+        outputs, ended = self.outputs.step(
+            batch, result, self.requests, clock, finished, chunks=tokens
+        )
+        self.num_images_encoded += sum(result.num_images_encoded.values())
+        for req, reason in ended:
+            self.scheduler.finish(req, reason)  # (a no-op where update ended it)
             self._forget(req, reason)
-        return result, outputs + failed, True
+        return outputs
 
     def _expire(self) -> list[RequestOutput]:
         timeout = self.config.request_timeout_s
@@ -265,7 +250,7 @@ class LLMEngine:
     def _finish(self, req: Request, reason: FinishReason) -> None:
         """End a request between steps: the scheduler frees its blocks and encoder pins at once."""
         req.stamp("finished_s")
-        self.scheduler.update(None, None, [(req, reason)])
+        self.scheduler.finish(req, reason)
         self._forget(req, reason)
 
     def _forget(self, req: Request, reason: FinishReason) -> None:

@@ -1,10 +1,12 @@
-"""What a step's runner output means to each request: its new token appended, its text detokenized
-incrementally, the stop rules (EOS and stop tokens, ``max_tokens``, stop strings, the context), the
-prompt's logprobs kept until its first token, and the first token's accounting (where the engine's
-time went from its arrival). vLLM's ``OutputProcessor`` is the anchor.
+"""What a step's runner output means to each request's client, after ``Scheduler.update`` appended
+its new token and ended what the token rules end (EOS and stop tokens, ``max_tokens``, the
+context): its text detokenized incrementally, stop strings, the prompt's logprobs kept until its
+first token, errors, and the first token's accounting (where the engine's time went from its
+arrival). vLLM's ``OutputProcessor`` is the anchor.
 
-``step`` returns the step's ``RequestOutput``s and the requests it ended, with why; the engine hands
-those to ``Scheduler.update`` and forgets them (nothing is deferred on the engine).
+``step`` returns the step's ``RequestOutput``s and every request the report ended, with its final
+reason (a stop string ends a request, and names why one ended on the same token); the engine ends
+those the scheduler has not (``Scheduler.finish``) and forgets them all.
 """
 
 from __future__ import annotations
@@ -13,10 +15,8 @@ from dataclasses import dataclass, replace
 
 from firsttoken.batch import RunnerOutput, ScheduledBatch, ScheduledChunk
 from firsttoken.engine.detokenizer import IncrementalDetokenizer, TokenDecoder
-from firsttoken.scheduler.request import Request
+from firsttoken.scheduler.request import Ended, Request
 from firsttoken.types import FinishReason, RequestOutput, TokenLogprob
-
-Ended = list[tuple[Request, FinishReason]]
 
 
 @dataclass(frozen=True)
@@ -48,11 +48,12 @@ class OutputProcessor:
         self._prompt_logprobs.pop(request_id, None)
 
     def step(self, batch: ScheduledBatch, result: RunnerOutput, requests: dict[str, Request],
-             clock: StepClock, ended: Ended, chunks: bool = True) -> list[RequestOutput]:
-        """The outputs of ``result`` for the live ``requests``; the requests it ends are appended to
-        ``ended`` (the caller drops them from ``requests`` before calling again). ``chunks`` False: a
-        deferred encoder report (failures and encoder time only)."""
+             clock: StepClock, finished: Ended, chunks: bool = True) -> tuple[list[RequestOutput], Ended]:
+        """The outputs of ``result`` for the live ``requests``, and every request it ended with its
+        final reason; ``finished``: what ``Scheduler.update`` ended on the same report. ``chunks``
+        False: a deferred encoder report (failures and encoder time only)."""
         outputs: list[RequestOutput] = []
+        ended: Ended = []
         # ended in this call (the engine forgets what an earlier call ended before the next)
         gone: set[str] = set()
         for failures, status in ((result.failed, 500), (result.constraint_failed, 400)):
@@ -70,22 +71,26 @@ class OutputProcessor:
             len({c.request_id for c in batch.chunks} | {w.request_id for w in batch.encoder_work})
             > 1
         )
+        reasons = {req.request_id: reason for req, reason in finished}
         for chunk in batch.chunks if chunks else ():
             req = requests.get(chunk.request_id)
             if req is None or req.request_id in gone or req.request_id in result.skipped_request_ids:
                 continue
             _note_timing(req, chunk, result, clock.start_s, shared)
             scored = result.prompt_logprobs.get(req.request_id)
-            # (after the first token, a recompute is not news)
-            if scored is not None and not req.output_token_ids:
+            # (after the first token, a recompute is not news; the first is already appended)
+            if scored is not None and len(req.output_token_ids) <= int(
+                req.request_id in result.sampled
+            ):
                 kept = self._prompt_logprobs.setdefault(req.request_id, [])
                 del kept[chunk.context_len :]  # a recompute from the start (preempted) scores again
                 kept.extend(scored)
             if req.request_id in result.sampled:
-                outputs.append(
-                    self._append_token(req, result.sampled[req.request_id], result, clock, ended)
-                )
-        return outputs
+                outputs.append(self._token_output(
+                    req, result.sampled[req.request_id], result, clock,
+                    reasons.get(req.request_id), ended,
+                ))
+        return outputs, ended
 
     def failed(self, req: Request, message: str, ended: Ended, status: int = 500) -> RequestOutput:
         """The request's last output, an error (this request only); it joins ``ended``."""
@@ -103,28 +108,10 @@ class OutputProcessor:
             error_status=status,
         )
 
-    def failed_batch(self, batch: ScheduledBatch, done: RunnerOutput | None,
-                     requests: dict[str, Request], ended: Ended
-                     ) -> tuple[RunnerOutput, list[RequestOutput]]:
-        """When the runner itself broke: every live request of the batch fails (``done``: what the
-        runner reported before breaking, whose tokens went out), and the step's encoder work is
-        forgotten (the runner restarts an image from its pixels when asked for layer 0 again).
-        Returns the step's report as the scheduler follows it, and the failures' outputs."""
-        involved = {rid: requests[rid] for rid in [c.request_id for c in batch.chunks] +
-                    [w.request_id for w in batch.encoder_work] if rid in requests}
-        message = "internal error while running this request"
-        outputs = [self.failed(r, message, ended) for r in involved.values()]
-        failed = RunnerOutput(
-            {},
-            {},
-            dict.fromkeys(involved, message),
-            discarded_encoder_hashes=frozenset(w.content_hash for w in batch.encoder_work),
-        )
-        return (done.merged(failed) if done is not None else failed), outputs
-
-    def _append_token(self, req: Request, token_id: int, result: RunnerOutput, clock: StepClock,
-                      ended: Ended) -> RequestOutput:
-        req.output_token_ids.append(token_id)
+    def _token_output(self, req: Request, token_id: int, result: RunnerOutput, clock: StepClock,
+                      reason: FinishReason | None, ended: Ended) -> RequestOutput:
+        """The output of ``token_id``, already appended; ``reason``: why update ended the request on
+        it (None: it did not)."""
         scored = (
             self._prompt_logprobs.pop(req.request_id, None)
             if len(req.output_token_ids) == 1
@@ -133,8 +120,6 @@ class OutputProcessor:
         if req.stats.first_token_s is None:
             _account_first_token(req, result, clock)
         req.stamp("first_token_s", result.sample_done_s)
-        params = req.engine_request.sampling
-        reason = params.finish_after(token_id, len(req.output_token_ids))
         detok = self._detok[req.request_id]
         text = ""
         if reason != FinishReason.STOP:  # (a stop token is not part of the text)
@@ -142,8 +127,6 @@ class OutputProcessor:
             text = delta.text
             if delta.stopped:
                 reason = FinishReason.STOP
-        if reason is None and req.num_tokens >= self.max_model_len:
-            reason = FinishReason.LENGTH
         if reason is not None and not detok.stopped:
             text += detok.flush()
         if reason is not None:
@@ -166,6 +149,20 @@ class OutputProcessor:
 def _end(req: Request, reason: FinishReason, ended: Ended) -> None:
     req.stamp("finished_s")
     ended.append((req, reason))
+
+
+def runner_broke(batch: ScheduledBatch, requests: dict[str, Request]) -> RunnerOutput:
+    """The report of a step the runner itself broke in: every live request of the batch fails (this
+    step only; what the runner reported before breaking stands), and the step's encoder work is
+    forgotten (the runner restarts an image from its pixels when asked for layer 0 again)."""
+    involved = [rid for rid in [c.request_id for c in batch.chunks] +
+                [w.request_id for w in batch.encoder_work] if rid in requests]
+    return RunnerOutput(
+        {},
+        {},
+        dict.fromkeys(involved, "internal error while running this request"),
+        discarded_encoder_hashes=frozenset(w.content_hash for w in batch.encoder_work),
+    )
 
 
 def account_step(batch: ScheduledBatch, result: RunnerOutput, requests: dict[str, Request],

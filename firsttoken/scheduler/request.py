@@ -117,3 +117,7 @@ class Request:
         if self.block_hashes is None:
             self.block_hashes = prompt_block_hashes(self.engine_request, block_size)
         return self.block_hashes
+
+
+# requests that ended, with why
+Ended = list[tuple[Request, FinishReason]]

@@ -22,7 +22,7 @@ cause. No tensors: ints, lists.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from functools import partial
 
 from firsttoken.batch import RunnerOutput, ScheduledBatch, ScheduledChunk, StepFeatures
@@ -38,7 +38,7 @@ from firsttoken.scheduler.lanes import LONG, SHORT, LaneQueues, lane_policy, lon
 from firsttoken.scheduler.outbox import RunnerOutbox
 from firsttoken.scheduler.pacing import Pacing
 from firsttoken.scheduler.report import LongLaneTime, scheduler_stats
-from firsttoken.scheduler.request import Request, RequestStatus
+from firsttoken.scheduler.request import Ended, Request, RequestStatus
 from firsttoken.scheduler.step import StepDraft, StepReport
 from firsttoken.types import AdmissionVerdict, EngineStats, FinishReason, PromptWork
 
@@ -186,40 +186,42 @@ class Scheduler:
             budget.features,
         )
 
-    def update(self, batch: ScheduledBatch | None, result: RunnerOutput | None,
-               finished: Sequence[tuple[Request, FinishReason]] = (),
-               started_s: float | None = None) -> StepReport | None:
-        """Follow what happened since the last schedule: the runner's whole report of the step (with
-        the encoder work it ran after the tokens went out: units run, images it holds nothing for,
-        chunks run; a failed or skipped one computed nothing, one whose mask was pending all but its
-        last token), then ``finished``, the requests the caller ended: on the step's tokens (already
-        on their requests), or between steps with no batch and no result (an abort, a timeout). With
-        ``started_s`` (when the step began, on this clock) its wall time to now, less the time it
-        waited for grammar masks (``result.mask_wait_s``), teaches the cost model the work actually
-        done (less units an interrupt cut), and the report says what the model predicted and the
-        step's wall time."""
-        if batch is None or result is None:
-            for req, reason in finished:
-                self.finish(req, reason)
-            return None
+    def update(self, batch: ScheduledBatch, result: RunnerOutput,
+               tokens: bool = True) -> Ended:
+        """Follow the runner's report of a step: the encoder work it ran (units run, images it holds
+        nothing for), and unless ``tokens`` is False (the report of the step's deferred encoder work
+        alone: ``Executor.finish_step``) its chunks (a failed or skipped one computed nothing, one
+        whose mask was pending all but its last token) with each sampled token appended to its
+        request. Ends, and returns with why, what the report ends: the requests the runner failed
+        (ERROR) and those whose new token ends them by their own token rule
+        (``SamplingParams.finish_after``: STOP, LENGTH) or fills the context (LENGTH). What ends
+        on the text (a stop string) or between steps, the caller ends with ``finish``."""
         self.encoder.record(batch, result)
-        for chunk in batch.chunks:
+        ended: Ended = []
+        for chunk in batch.chunks if tokens else ():
             rid = chunk.request_id
-            if (
-                rid not in result.failed
-                and rid not in result.skipped_request_ids
-                and rid in self.requests
-            ):
-                req = self.requests[rid]
-                if rid in result.sampled and len(req.output_token_ids) == 1:
-                    self.admission.observe_first_token(req, result.sample_done_s)
-                self._on_chunk_done(
-                    req, chunk, chunk.end - int(rid in result.mask_pending_request_ids)
-                )
-        for req, reason in finished:
+            req = self.requests.get(rid)
+            if req is None or rid in result.failed or rid in result.skipped_request_ids:
+                continue
+            token = result.sampled.get(rid)
+            if token is not None and rid not in result.constraint_failed:
+                reason = self._append_token(req, token, result.sample_done_s)
+                if reason is not None:
+                    ended.append((req, reason))
+            self._on_chunk_done(req, chunk, chunk.end - int(rid in result.mask_pending_request_ids))
+        for rid in (*result.failed, *result.constraint_failed):
+            if rid in self.requests:
+                ended.append((self.requests[rid], FinishReason.ERROR))
+        for req, reason in ended:
             self.finish(req, reason)
-        if started_s is None:
-            return None
+        return ended
+
+    def learn_step(self, batch: ScheduledBatch, result: RunnerOutput,
+                   started_s: float) -> StepReport:
+        """The step's whole report (``result``: with its deferred encoder work's) and when it began
+        (on this clock): its wall time to now, less the time it waited for grammar masks
+        (``result.mask_wait_s``), teaches the cost model the work actually done (less units an
+        interrupt cut); the report says what the model predicted and the step's wall time."""
         duration_s = self.clock() - started_s
         features = self.encoder.features_run(batch, result)
         predicted = self.note_step_time(features, duration_s - result.mask_wait_s)
@@ -248,6 +250,16 @@ class Scheduler:
                 self.last_step.throughput, wall_s, predicted - float(self.cost_model.coef[0])
             )
         return predicted
+
+    def _append_token(self, req: Request, token_id: int, sample_done_s: float) -> FinishReason | None:
+        """The request's new token; why it ends the request, if it does."""
+        req.output_token_ids.append(token_id)
+        if len(req.output_token_ids) == 1:
+            self.admission.observe_first_token(req, sample_done_s)
+        reason = req.engine_request.sampling.finish_after(token_id, len(req.output_token_ids))
+        if reason is None and req.num_tokens >= self.max_model_len:
+            return FinishReason.LENGTH
+        return reason
 
     def _on_chunk_done(self, req: Request, chunk: ScheduledChunk, end: int) -> None:
         """KV for the chunk's tokens up to ``end`` counts as written (``chunk.end``, or one less

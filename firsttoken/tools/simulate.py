@@ -50,7 +50,6 @@ from firsttoken.types import (
     AdmissionVerdict,
     EncoderUnit,
     EngineRequest,
-    FinishReason,
     ImageItem,
     PromptWork,
     SamplingParams,
@@ -500,15 +499,16 @@ class SimReplica:
         self.now = now
         batch, self._step, self.busy_until = self._step, None, None
         assert batch is not None
-        ended = []
-        for chunk in batch.chunks:
-            if not chunk.sample:
-                continue
-            req = self.scheduler.requests.get(chunk.request_id)
-            if req is None:
-                continue
-            req.output_token_ids.append(0)
-            outcome = self._outcomes[req.request_id]
+        sampling = {c.request_id: self.scheduler.requests[c.request_id] for c in batch.chunks
+                    if c.sample and c.request_id in self.scheduler.requests}
+        if batch.has_work:
+            self.scheduler.note_step_time(batch.features, now - self._step_start)
+        ended = self.scheduler.update(
+            batch, RunnerOutput(dict.fromkeys(sampling, 0), {}, {}, encoder_progress=self._progress)
+        )
+        done = {req.request_id for req, _ in ended}
+        for rid, req in sampling.items():
+            outcome = self._outcomes[rid]
             outcome.token_s.append(self._forward_end - outcome.request.arrival_s)
             if outcome.ttft_s is None:
                 outcome.ttft_s = outcome.token_s[0]
@@ -517,15 +517,9 @@ class SimReplica:
                     self.scheduler.admission.observe_ttft(
                         len(req.images), outcome.predicted_ttft_s, outcome.ttft_s
                     )
-            if len(req.output_token_ids) >= req.engine_request.sampling.max_tokens:
+            if rid in done:
                 outcome.e2e_s = now - outcome.request.arrival_s
-                ended.append((req, FinishReason.LENGTH))
-                del self._outcomes[req.request_id]
-        if batch.has_work:
-            self.scheduler.note_step_time(batch.features, now - self._step_start)
-        self.scheduler.update(
-            batch, RunnerOutput({}, {}, {}, encoder_progress=self._progress), ended
-        )
+                del self._outcomes[rid]
 
 
 def _engine_request(r: SimRequest) -> EngineRequest:

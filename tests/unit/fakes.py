@@ -10,7 +10,12 @@ from firsttoken.batch import RunnerOutput, ScheduledBatch
 from firsttoken.config import CacheConfig, SchedulerConfig
 from firsttoken.scheduler.request import Request
 from firsttoken.scheduler.scheduler import Scheduler
-from firsttoken.types import EncoderUnit, EngineRequest, FinishReason, ImageItem, SamplingParams
+from firsttoken.types import (
+    EncoderUnit,
+    EngineRequest,
+    ImageItem,
+    SamplingParams,
+)
 
 IMAGE_TOKEN = 99
 
@@ -89,15 +94,10 @@ def run_step(sched: Scheduler, token: int = 7) -> ScheduledBatch:
 
 
 def complete_step(sched: Scheduler, batch: ScheduledBatch, token: int = 7) -> ScheduledBatch:
-    """Pretend-execute a scheduled batch and update: what run_step does after schedule()."""
+    """Pretend-execute a scheduled batch and update: what run_step does after schedule(); the scheduler appends
+    `token` to each sampling request and ends it at its max_tokens."""
     progress = {w.content_hash: w.start_unit + w.num_units for w in batch.encoder_work}
-    ended = []
-    for chunk in batch.chunks:
-        req = sched.requests[chunk.request_id]
-        if chunk.sample:
-            req.output_token_ids.append(token)
-            if len(req.output_token_ids) >= req.engine_request.sampling.max_tokens:
-                ended.append((req, FinishReason.LENGTH))
-    sched.update(batch, RunnerOutput({}, {}, {}, encoder_progress=progress), ended)
+    sampled = {c.request_id: token for c in batch.chunks if c.sample}
+    sched.update(batch, RunnerOutput(sampled, {}, {}, encoder_progress=progress))
     sched.check_invariants()
     return batch
