@@ -26,7 +26,7 @@ from pathlib import Path
 
 # runs inside the checkout under test (its firsttoken first on sys.path); argv: model dir, number of requests
 CHILD = r'''
-import json, sys, time, zlib
+import inspect, json, sys, time, zlib
 
 class Clock:
     now = 1000.0
@@ -60,7 +60,7 @@ STEPS = []
 
 class FakeExecutor:
     """Every step costs virtual seconds by a fixed price list; sampled tokens are a function of the request and
-    its position (never EOS); encoder work runs whole (nothing deferred)."""
+    its position (never EOS); interruptible encoder work runs after the tokens (finish_step), never cut."""
 
     def __init__(self, *args, **kwargs):
         self.units = {}
@@ -75,13 +75,19 @@ class FakeExecutor:
     def encoder_cache_bytes(self):
         return 0
 
-    def finish_step(self):
-        return None
+    deferred = ()
 
-    def execute(self, batch):
-        start = CLOCK.now
+    def finish_step(self):
+        work, self.deferred = self.deferred, ()
+        if not work:
+            return None
+        encoder_s, encoded, progress, done = self.encode(work)
+        return RunnerOutput({}, {}, {}, encoder_progress=progress, encoder_s=encoder_s,
+                            num_images_encoded=encoded, encoder_done_s=done)
+
+    def encode(self, work):
         encoder_s, encoded, progress, done = {}, {}, {}, {}
-        for w in batch.encoder_work:
+        for w in work:
             req = ENGINE.requests[w.request_id]
             units = req.images[w.image_index].encoder_units[w.start_unit:w.start_unit + w.num_units]
             seconds = sum(u.num_patches for u in units) * PRICE_PATCH_S
@@ -90,6 +96,12 @@ class FakeExecutor:
             encoded[w.request_id] = encoded.get(w.request_id, 0) + int(w.finishes)
             progress[w.content_hash] = w.start_unit + w.num_units
             done[w.request_id] = CLOCK.now
+        return encoder_s, encoded, progress, done
+
+    def execute(self, batch):
+        start = CLOCK.now
+        self.deferred = [w for w in batch.encoder_work if w.interruptible]
+        encoder_s, encoded, progress, done = self.encode([w for w in batch.encoder_work if not w.interruptible])
         forward = PRICE_STEP_S + sum(PRICE_DECODE_S if c.is_decode else c.num_new_tokens * PRICE_TOKEN_S
                                      for c in batch.chunks)
         CLOCK.now += forward
@@ -182,6 +194,17 @@ for i, (kind, body) in enumerate(bodies(n, 11)):
     t += rng.expovariate(1 / 0.25)
     arrivals.append((t, f"r{i}", kind, body))
 outcomes = {}
+
+
+def record(outputs):
+    for out in outputs:
+        o = outcomes[out.request_id]
+        o["tokens"] += list(out.new_token_ids)
+        o.setdefault("first", round(CLOCK.now, 6))
+        if out.finished:
+            o.update(end=round(CLOCK.now, 6), finish=out.finish_reason.value, error=out.error)
+
+
 pending = list(arrivals)
 while pending or ENGINE.has_unfinished():
     if pending and (pending[0][0] <= CLOCK.now or not ENGINE.has_unfinished()):
@@ -202,12 +225,9 @@ while pending or ENGINE.has_unfinished():
                  note=er.image_budget_note, predicted=None if er.predicted_ttft_s is None else round(er.predicted_ttft_s, 6),
                  tokens=[])
         continue
-    for out in ENGINE.step():
-        o = outcomes[out.request_id]
-        o["tokens"] += list(out.new_token_ids)
-        o.setdefault("first", round(CLOCK.now, 6))
-        if out.finished:
-            o.update(end=round(CLOCK.now, 6), finish=out.finish_reason.value, error=out.error)
+    # outputs are timed when the engine hands them over (``deliver``: before a step's deferred units, where the
+    # engine has it)
+    record(ENGINE.step(deliver=record) if "deliver" in inspect.signature(ENGINE.step).parameters else ENGINE.step())
 json.dump({"steps": STEPS, "outcomes": outcomes}, sys.stdout)
 '''
 
