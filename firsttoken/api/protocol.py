@@ -989,6 +989,10 @@ class ImageTokenInfo(_Response):
     num_tokens: int  # visual tokens after the 2x2 merge
     # the budget the image was resized under (server cap, detail=low, or max_visual_tokens)
     budget_tokens: int
+    # a tiling family's cut (InternVL): [rows, cols] of the crops, and the tiles the tower encodes
+    # (a thumbnail too where there is more than one crop); null for native resolution
+    tile_grid: tuple[int, int] | None = None
+    num_tiles: int | None = None
 
 
 class VideoTokenInfo(_Response):

@@ -46,6 +46,8 @@ class ImageRow:
     num_tokens: int | None
     budget_tokens: int
     error: str | None = None
+    # a tiling family's cut ("3x3 + thumbnail"), None for native resolution
+    tiles: str | None = None
 
 
 @dataclass(frozen=True)
@@ -130,7 +132,8 @@ def count_images(
             header = probe_image(path.read_bytes(), max_image_pixels)
             plan = plan_image(header.width, header.height, tokens, budget.image_min_tokens, vision)
             rows.append(
-                ImageRow(str(path), plan.original_size, plan.resized_size, plan.num_tokens, tokens)
+                ImageRow(str(path), plan.original_size, plan.resized_size, plan.num_tokens, tokens,
+                         tiles=plan.tiles)
             )
         except (OSError, ImageInputError) as err:
             rows.append(ImageRow(str(path), None, None, None, tokens, error=str(err)))
@@ -206,13 +209,19 @@ def format_video_table(rows: list[VideoRow]) -> str:
 
 
 def format_table(rows: list[ImageRow]) -> str:
+    """One line per image; a ``tiles`` column where the family tiles (the resized size is then the
+    tile grid's)."""
     width = max(len("image"), *(len(r.image) for r in rows))
-    lines = [f"{'image':<{width}}  {'original':>11}  {'resized':>11}  {'tokens':>7}  {'budget':>7}"]
+    tiled = any(r.tiles for r in rows)
+    tiles_width = max([len("tiles"), *(len(r.tiles or "") for r in rows)])
+    head = f"{'image':<{width}}  {'original':>11}  {'resized':>11}  "
+    lines = [head + (f"{'tiles':<{tiles_width}}  " if tiled else "") + f"{'tokens':>7}  {'budget':>7}"]
     for r in rows:
         tokens = str(r.num_tokens) if r.num_tokens is not None else f"error: {r.error}"
+        cut = f"{r.tiles or '-':<{tiles_width}}  " if tiled else ""
         lines.append(
             f"{r.image:<{width}}  {_size(r.original_size):>11}  {_size(r.resized_size):>11}  "
-            f"{tokens:>7}  {r.budget_tokens:>7}"
+            f"{cut}{tokens:>7}  {r.budget_tokens:>7}"
         )
     return "\n".join(lines)
 

@@ -96,10 +96,18 @@ class ImagePlan:
     max_patches: int = 0  # the tiling's max_patches under this budget
 
     @property
+    def tiles(self) -> str | None:
+        """How a tiling family cuts it, for people: "3x3 + thumbnail", "1x1"; None: native."""
+        if self.tile_grid is None:
+            return None
+        rows, cols = self.tile_grid
+        return f"{rows}x{cols}" + (" + thumbnail" if rows * cols > 1 else "")
+
+    @property
     def pixel_key(self) -> str:
         """What the pixels depend on beside the bytes (the processed-image cache's key)."""
-        if self.tile_grid is not None:
-            return f"tiles:{self.max_patches}"
+        if self.tile_grid is not None:  # the cut depends on the grid only, not on the budget
+            return f"tiles:{self.tile_grid[0]}x{self.tile_grid[1]}"
         return f"{self.min_pixels}:{self.max_pixels}"
 
 

@@ -77,6 +77,9 @@ class ImageTokens:
     resized_size: tuple[int, int]  # (width, height) after smart_resize
     num_tokens: int  # visual tokens after the 2x2 merge
     budget_tokens: int  # the budget the image was planned under
+    # a tiling family's cut: (rows, cols) of the crops, and tiles with the thumbnail; None: native
+    tile_grid: tuple[int, int] | None = None
+    num_tiles: int | None = None
 
 
 @dataclass(frozen=True)
@@ -120,7 +123,8 @@ class TokenCount:
     @classmethod
     def of(cls, prompt: PromptPlan, work: PromptWork | None = None) -> TokenCount:
         images = tuple(
-            ImageTokens(p.original_size, p.resized_size, p.num_tokens, p.budget_tokens)
+            ImageTokens(p.original_size, p.resized_size, p.num_tokens, p.budget_tokens,
+                        p.tile_grid, p.grid_thw[0] if p.tile_grid is not None else None)
             for p in prompt.plans
         )
         videos = tuple(

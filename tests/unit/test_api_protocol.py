@@ -320,7 +320,8 @@ def test_models_tokenize_health_stats(processor: InputProcessor) -> None:
     assert raw_models["data"][0]["max_model_len"] == MAX_MODEL_LEN
     assert set(tok) >= set(json.loads(tokenize_body))
     assert tok["count"] == len(tok["tokens"]) == tok["num_text_tokens"] + 4
-    assert tok["images"] == [{"original_size": [64, 48], "resized_size": [56, 56], "num_tokens": 4, "budget_tokens": 1280}]
+    assert tok["images"] == [{"original_size": [64, 48], "resized_size": [56, 56], "num_tokens": 4, "budget_tokens": 1280,
+                             "tile_grid": None, "num_tiles": None}]
     assert "".join(tok_prompt["token_strs"]) == "hello <|image_pad|>" and tok_prompt["images"] == []
     assert health.status_code == 200 and health.headers["x-request-id"]
     assert stats["kv_blocks_cached"] == 3 and {"kv_blocks_used", "kv_blocks_free", "num_running", "num_waiting"} <= set(

@@ -75,3 +75,26 @@ def test_each_budget_has_its_own_pixels_key_and_native_plans_keep_theirs():
     assert native.tile_grid is None
     assert native.grid_thw == (1, native.resized_size[1] // 14, native.resized_size[0] // 14)
     assert native.pixel_key == f"{native.min_pixels}:{native.max_pixels}"
+
+
+def test_firsttoken_tokens_reports_the_tile_grid_and_a_grid_keys_the_pixels(tmp_path) -> None:
+    """What an operator reads before serving: the cut beside the tokens (the seed's ~1,200-token budget lands on
+    one tile for a square photo; with no budget it is 3x3 tiles and a thumbnail), and a budget that lands on the
+    same grid keeps the same processed pixels (the cache key is the grid, not the budget)."""
+    from firsttoken.cli.tokens import count_images, format_table
+    from firsttoken.config import ImageConfig
+
+    photo = tmp_path / "photo.png"
+    Image.new("RGB", (1024, 1024)).save(photo)
+    rows = {
+        cap: count_images([photo], ImageConfig(image_max_tokens=cap), "auto", TILED, ImageConfig().max_image_pixels)[0]
+        for cap in (1200, 2560, 16384)
+    }
+    assert [(r.tiles, r.num_tokens) for r in rows.values()] == [
+        ("1x1", 256), ("3x3 + thumbnail", 2560), ("3x3 + thumbnail", 2560)]
+    table = format_table(list(rows.values())).splitlines()
+    assert table[0].split() == ["image", "original", "resized", "tiles", "tokens", "budget"]
+    assert "3x3 + thumbnail" in table[2]
+    wide, no_budget = (plan_image(1024, 1024, cap, 4, TILED) for cap in (2560, 16384))
+    assert (wide.tile_grid, wide.max_patches) == ((3, 3), 9) and no_budget.max_patches == 12
+    assert wide.pixel_key == no_budget.pixel_key
