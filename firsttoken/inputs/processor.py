@@ -15,11 +15,11 @@ engine's admission between them, and may ask ``lowered`` drafts at lower image b
    alone (``inputs/budget.py``): pixel limit, aspect ratio and visual tokens are known before any
    pixel is decoded;
 3. render the checkpoint's chat template and tokenize it with control tokens sanitized:
-   special-token strings typed by a client (``<|image_pad|>``, ``<|im_start|>`` ...) are encoded as
-   ordinary text, so only the template's own ``<|vision_start|><|image_pad|><|vision_end|>`` can
-   become an image slot;
-4. expand each single ``<|image_pad|>`` into the image's planned ``num_tokens`` copies, recording
-   offsets;
+   special-token strings typed by a client (an image pad, ``<|im_start|>`` ...) are encoded as
+   ordinary text, so only the template's own pad (the family's ``image_slots.pad``) can become an
+   image slot;
+4. expand each single pad into the image's planned ``num_tokens`` copies, between the slot's start
+   and end tokens (written by the template, or here where the family says so), recording offsets;
 5. check the prompt against ``max_input_tokens`` and prompt + max_tokens against max_model_len:
    every limit is checked before the first decode, and ``count`` (/tokenize) stops here;
 6. decode and preprocess each image with its plan's pixel bounds (patchify), hash its pixels;
@@ -48,7 +48,7 @@ from firsttoken.inputs.limits import PromptLimits
 from firsttoken.inputs.media import MediaNetwork
 from firsttoken.inputs.mm_hash import ProcessedImageCache
 from firsttoken.inputs.prompt import ChatPrompt, Prompt, SamplingRequest, TextPrompt, TokenPrompt
-from firsttoken.inputs.render import VISION_CONTROL_TOKENS, PromptRenderer
+from firsttoken.inputs.render import PromptRenderer
 from firsttoken.inputs.sampling import MAX_STOP_TOKEN_IDS, or_default, sampling_params
 from firsttoken.inputs.text_size import longest_token_chars
 from firsttoken.inputs.vision_items import VisionItems
@@ -59,7 +59,6 @@ from firsttoken.types import AdmissionVerdict, EngineRequest, PromptWork
 
 __all__ = [
     "MAX_STOP_TOKEN_IDS",
-    "VISION_CONTROL_TOKENS",
     "Draft",
     "InputError",
     "InputProcessor",

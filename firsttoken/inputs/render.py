@@ -1,7 +1,9 @@
 """Rendering: a prompt as token ids. The chat template with its tools, the template's one pad per
 image and video expanded to the planned visual tokens, and control tokens sanitized: special-token
-strings typed by a client (``<|image_pad|>``, ``<|im_start|>`` ...) are encoded as ordinary text, so
-only the template's own ``<|vision_start|><|image_pad|><|vision_end|>`` can become an image slot.
+strings typed by a client (an image pad, ``<|im_start|>`` ...) are encoded as ordinary text, so only
+the template's own pad can become an image slot. Which strings mark a slot, and whether the template
+or the renderer writes the start and end tokens around its pads, is the family's declaration
+(``ModelFamily.image_slots``).
 """
 
 from __future__ import annotations
@@ -29,20 +31,10 @@ from firsttoken.inputs.tool_prompts import (
     hermes_messages,
     template_messages,
 )
+from firsttoken.models.family import ImageSlots
 from firsttoken.models.model_config import ModelConfig
 from firsttoken.models.registry import family_named
 from firsttoken.quoting import quote
-
-# Control tokens that mark image/video slots: a raw /v1/completions prompt may use the chat control
-# tokens (<|im_start|> ...) but never these, since a slot without pixels would reach the vision
-# path.
-VISION_CONTROL_TOKENS = (
-    "<|vision_start|>",
-    "<|vision_end|>",
-    "<|vision_pad|>",
-    "<|image_pad|>",
-    "<|video_pad|>",
-)
 
 
 class PromptRenderer:
@@ -51,17 +43,23 @@ class PromptRenderer:
     def __init__(self, tokenizer: PreTrainedTokenizerBase, model_config: ModelConfig) -> None:
         if not tokenizer.chat_template:
             raise ValueError("the tokenizer has no chat template")
-        if tokenizer.convert_tokens_to_ids("<|image_pad|>") != model_config.image_token_id:
-            raise ValueError(
-                "tokenizer's <|image_pad|> id differs from config.json's image_token_id"
-            )
+        self.family = family_named(model_config.family)
+        slots = self.family.image_slots
+        for token, token_id, noun in _slot_ids(slots, model_config):
+            if tokenizer.convert_tokens_to_ids(token) != token_id:
+                raise ValueError(f"tokenizer's {token} id differs from config.json's {noun} "
+                                 f"({token_id})")
         self.tokenizer = tokenizer
         self.model_config = model_config
-        self.family = family_named(model_config.family)
         self.chat_template = ChatTemplate(tokenizer)
-        self._vision_tokens_re = re.compile(
-            "(" + "|".join(map(re.escape, VISION_CONTROL_TOKENS)) + ")"
-        )
+        # a raw /v1/completions prompt may use the chat control tokens (<|im_start|> ...) but never
+        # these: a slot without pixels would reach the vision path
+        self._vision_tokens_re = re.compile("(" + "|".join(map(re.escape, slots.control)) + ")")
+        # the tokens the renderer writes before and after an image's pads: none where the template
+        # writes them
+        wraps = slots.renderer_wraps
+        self._slot_start = [model_config.vision_start_token_id] if wraps else []
+        self._slot_end = [model_config.vision_end_token_id] if wraps else []
         self._template_renders_tools = "tools" in (tokenizer.chat_template or "")
 
     def raw(self, text: str) -> tuple[int, ...]:
@@ -113,7 +111,8 @@ class PromptRenderer:
     def expand(self, ids: Sequence[int], plans: Sequence[ImagePlan], blobs: tuple[bytes, ...],
                videos: tuple[PlannedVideo, ...] = (), degradable: tuple[bool, ...] = (),
                params: tuple[str, ...] = ()) -> PromptPlan:
-        """Each image's one pad token as its planned pads; each video's as the family's video tokens
+        """Each image's one pad token as its planned pads (between the slot's start and end tokens
+        where the family's renderer writes them); each video's as the family's video tokens
         (its grids' pads, and for Qwen3-VL a timestamp per grid), recording where every image and
         every video grid starts. ``degradable`` and ``params``: per image, as PromptPlan keeps
         them."""
@@ -134,8 +133,10 @@ class PromptRenderer:
         for token_id in ids:
             if token_id == pad:
                 plan = next(next_plan)
+                out.extend(self._slot_start)
                 offsets.append(len(out))
                 out.extend([pad] * plan.num_tokens)
+                out.extend(self._slot_end)
             elif token_id == video_pad:
                 vplan = next(next_video).plan
                 tokens = self.family.video_prompt_tokens(
@@ -164,6 +165,16 @@ class PromptRenderer:
         for message, extra in zip(messages, template_messages(prompt.messages) or ()):
             message.update(extra)
         return messages, [function_json(f) for f in prompt.tools] or None
+
+
+def _slot_ids(slots: ImageSlots, config: ModelConfig) -> tuple[tuple[str, int, str], ...]:
+    """(slot token, its id in the config, what the config calls it) for each token the renderer
+    writes: the pad, and the start and end where it wraps the pads itself."""
+    pad = ((slots.pad, config.image_token_id, "image_token_id"),)
+    if not slots.renderer_wraps:
+        return pad
+    return (*pad, (slots.start, config.vision_start_token_id, "image start token id"),
+            (slots.end, config.vision_end_token_id, "image end token id"))
 
 
 def _template_message(message: Message) -> dict[str, Any]:

@@ -10,7 +10,7 @@ family's checkpoint holds:
     config.json                      the recipe's: transformers' layout, or the family's release layout
     generation_config.json           EOS = [<|im_end|>, <|endoftext|>], Qwen2-VL-Instruct sampling defaults
     model.safetensors                or model-0000k-of-0000n.safetensors + model.safetensors.index.json
-    tokenizer.json, tokenizer_config.json, chat_template.jinja
+    tokenizer.json, tokenizer_config.json, chat_template.jinja   ours, plus the recipe's added tokens and template
     preprocessor_config.json         the recipe's image processor settings
     firsttoken_checkpoint.json       how it was made (family, size, seed, layout, format version, parameter counts)
 
@@ -23,8 +23,9 @@ biases N(0, 0.1^2): activations stay O(1) and attention patterns are far from un
 Peaked logits: with the usual 0.02-std init, top-1 and top-2 logits of a random model differ by
 ~0.004 and greedy comparisons flip on rounding noise. Here ``lm_head`` rows are N(0, (LOGIT_STD^2 /
 hidden_size)), so after the final RMSNorm (output RMS ~1) each logit has std ~LOGIT_STD = 10 and the
-top-1/top-2 gap over ~16k tokens has a median of ~1.5. The rows past the tokenizer's last id
-(embedding padding) are zero, so greedy decoding never picks an id the tokenizer cannot decode.
+top-1/top-2 gap over ~16k tokens has a median of ~1.5. The rows past our tokenizer's last id (a
+recipe's added control tokens, the embedding padding) are zero, so greedy decoding never picks an id
+the tokenizer cannot decode, nor a control token a family adds.
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ from firsttoken.models.recipe import (
     NUM_TOKENIZER_TOKENS,
     TOKEN_IDS,
     CheckpointRecipe,
+    added_token_ids,
 )
 from firsttoken.models.registry import families, family_of_config
 from firsttoken.models.train_tokenizer import ASSET_PATH as TOKENIZER_ASSET
@@ -56,25 +58,6 @@ from firsttoken.models.train_tokenizer import SPECIAL_TOKENS
 # bump when the files make_model writes change; demo_model_dir rebuilds on mismatch
 FORMAT_VERSION = 1
 LOGIT_STD = 10.0
-
-# Qwen2-VL's chat template (the release's, plus {"type": "image_url"} parts).
-CHAT_TEMPLATE = (
-    "{% set image_count = namespace(value=0) %}{% set video_count = namespace(value=0) %}"
-    "{% for message in messages %}{% if loop.first and message['role'] != 'system' %}"
-    "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n{% endif %}"
-    "<|im_start|>{{ message['role'] }}\n"
-    "{% if message['content'] is string %}{{ message['content'] }}<|im_end|>\n"
-    "{% else %}{% for content in message['content'] %}"
-    "{% if content['type'] == 'image' or content['type'] == 'image_url' or 'image' in content"
-    " or 'image_url' in content %}{% set image_count.value = image_count.value + 1 %}"
-    "{% if add_vision_id %}Picture {{ image_count.value }}: {% endif %}"
-    "<|vision_start|><|image_pad|><|vision_end|>"
-    "{% elif content['type'] == 'video' or 'video' in content %}{% set video_count.value = video_count.value + 1 %}"
-    "{% if add_vision_id %}Video {{ video_count.value }}: {% endif %}"
-    "<|vision_start|><|video_pad|><|vision_end|>"
-    "{% elif 'text' in content %}{{ content['text'] }}{% endif %}{% endfor %}<|im_end|>\n"
-    "{% endif %}{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
 
 # Qwen2-VL-7B-Instruct's generation_config.json sampling values (near-greedy: top_k 1).
 GENERATION_SAMPLING: dict[str, Any] = {
@@ -142,7 +125,7 @@ def make_model(
     else:
         config.save_pretrained(out)
     _write_generation_config(out)
-    _write_tokenizer_files(out)
+    _write_tokenizer_files(out, recipe)
     _write_json(out / "preprocessor_config.json", recipe.preprocessor())
     meta = {
         "format_version": FORMAT_VERSION,
@@ -192,9 +175,13 @@ def _init_tensor(name: str, shape: tuple[int, ...], seed: int, hidden_size: int)
     return noise / math.sqrt(fan_in)
 
 
-def tokenizer_config_dict() -> dict[str, Any]:
+def tokenizer_config_dict(recipe: CheckpointRecipe) -> dict[str, Any]:
+    """tokenizer_config.json: our tokenizer with ``recipe``'s added tokens, names for its tokens
+    (where it has any) and its chat template."""
+    added_tokens = recipe.added_tokens
+    ids = {**TOKEN_IDS, **added_token_ids(added_tokens)}
     added = {
-        str(TOKEN_IDS[tok]): {
+        str(ids[tok]): {
             "content": tok,
             "lstrip": False,
             "normalized": False,
@@ -202,14 +189,16 @@ def tokenizer_config_dict() -> dict[str, Any]:
             "single_word": False,
             "special": True,
         }
-        for tok in SPECIAL_TOKENS
+        for tok in (*SPECIAL_TOKENS, *added_tokens)
     }
+    named = dict(recipe.named_tokens)
     return {
         "tokenizer_class": "Qwen2Tokenizer",
         "add_bos_token": False,
         "add_prefix_space": False,
         "added_tokens_decoder": added,
-        "additional_special_tokens": list(SPECIAL_TOKENS[1:]),
+        "additional_special_tokens": [*SPECIAL_TOKENS[1:], *added_tokens],
+        **({"extra_special_tokens": named} if named else {}),
         "bos_token": None,
         "eos_token": "<|im_end|>",
         "pad_token": "<|endoftext|>",
@@ -218,7 +207,7 @@ def tokenizer_config_dict() -> dict[str, Any]:
         "clean_up_tokenization_spaces": False,
         "split_special_tokens": False,
         "model_max_length": MAX_POSITION_EMBEDDINGS,
-        "chat_template": CHAT_TEMPLATE,
+        "chat_template": recipe.chat_template,
     }
 
 
@@ -305,8 +294,8 @@ def make_dummy_model(out_dir: str | Path, config: dict[str, Any]) -> Path:
                 section[key] = TOKEN_IDS[token]
     _write_json(out / "config.json", config)
     _write_generation_config(out)
-    _write_tokenizer_files(out)
     family = family_of_config(config)
+    _write_tokenizer_files(out, family.checkpoint)
     _write_json(out / "preprocessor_config.json", family.checkpoint.preprocessor())
     _write_json(
         out / "firsttoken_checkpoint.json",
@@ -331,10 +320,18 @@ def _write_generation_config(out: Path) -> None:
     )
 
 
-def _write_tokenizer_files(out: Path) -> None:
-    shutil.copyfile(TOKENIZER_ASSET, out / "tokenizer.json")
-    _write_json(out / "tokenizer_config.json", tokenizer_config_dict())
-    (out / "chat_template.jinja").write_text(CHAT_TEMPLATE)
+def _write_tokenizer_files(out: Path, recipe: CheckpointRecipe) -> None:
+    """Our tokenizer as it ships, or with the recipe's added tokens after its last id."""
+    if recipe.added_tokens:
+        from tokenizers import Tokenizer
+
+        tokenizer = Tokenizer.from_file(str(TOKENIZER_ASSET))
+        tokenizer.add_special_tokens(list(recipe.added_tokens))
+        tokenizer.save(str(out / "tokenizer.json"), pretty=False)
+    else:
+        shutil.copyfile(TOKENIZER_ASSET, out / "tokenizer.json")
+    _write_json(out / "tokenizer_config.json", tokenizer_config_dict(recipe))
+    (out / "chat_template.jinja").write_text(recipe.chat_template)
 
 
 def _write_json(path: Path, data: dict[str, Any]) -> None:

@@ -68,6 +68,34 @@ def video_pad_tokens(
     return [config.video_token_id] * (t * h * w // config.vision.spatial_merge_size**2)
 
 
+@dataclass(frozen=True)
+class ImageSlots:
+    """How a family's prompt marks an image, as control-token strings of its tokenizer. The chat
+    template writes ``pad`` once per image, and the renderer repeats it into the image's planned
+    visual tokens. Either way the prompt holds ``start``, the pads, ``end``: with
+    ``renderer_wraps`` False the template writes ``start`` + ``pad`` + ``end`` itself (Qwen-VL);
+    True, it writes ``pad`` alone and the renderer puts ``start`` before the pads and ``end`` after
+    them, as transformers' processor does (InternVL). The three strings' ids are config.json's
+    (``ModelConfig.image_token_id``, ``vision_start_token_id``, ``vision_end_token_id``).
+    ``control``: every string that marks an image or video slot, the three among them; client text
+    never makes one (inputs/render.py encodes them as plain text)."""
+
+    pad: str
+    start: str
+    end: str
+    renderer_wraps: bool
+    control: tuple[str, ...]
+
+
+QWEN_IMAGE_SLOTS = ImageSlots(
+    pad="<|image_pad|>",
+    start="<|vision_start|>",
+    end="<|vision_end|>",
+    renderer_wraps=False,
+    control=("<|vision_start|>", "<|vision_end|>", "<|vision_pad|>", "<|image_pad|>", "<|video_pad|>"),
+)
+
+
 def main_rows_bytes(config: ModelConfig, dtype_bytes: int) -> int:
     """An image's encoder output per visual token when it is ``ImageEmbeddings.main`` alone: one row
     of the language model's width."""
@@ -102,3 +130,5 @@ class ModelFamily:
     budget_ladder: BudgetLadder = PIXEL_LADDER
     # False: a request with a video (a clip or a frame list) is refused with a 400 naming the part
     video: bool = True
+    # the control tokens that mark an image slot in its prompts, and who writes them
+    image_slots: ImageSlots = QWEN_IMAGE_SLOTS

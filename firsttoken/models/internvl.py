@@ -7,7 +7,8 @@ The decoder is Qwen2-VL's (qwen2_vl.py) configured by ``text_config.model_type``
 bias, q/k norms, an explicit head_dim) or "qwen2" (biases, no norms). Positions are plain 1-D RoPE:
 every token, image pads included, one step after the previous, which the M-RoPE decoder computes
 exactly when the three axes carry the same position. An image is the grid (tiles, 32, 32) at a 2x2
-merge: 256 tokens a tile, the prompt's pads between ``<img>`` and ``</img>``. The budget ladder is
+merge: 256 tokens a tile, the prompt's pads between ``<img>`` and ``</img>``, which the renderer
+writes around the template's one ``<IMG_CONTEXT>`` (``INTERNVL_IMAGE_SLOTS``). The budget ladder is
 in tiles (internvl_tiles.TileLadder). Videos are not served.
 """
 
@@ -19,8 +20,14 @@ from typing import Any
 import torch
 
 from firsttoken.attention.base import AttentionBackend
-from firsttoken.models.family import ModelFamily
-from firsttoken.models.internvl_checkpoint import CHECKPOINT_RECIPE
+from firsttoken.models.family import ImageSlots, ModelFamily
+from firsttoken.models.internvl_checkpoint import (
+    CHECKPOINT_RECIPE,
+    END_IMAGE_TOKEN,
+    IMAGE_TOKEN,
+    START_IMAGE_TOKEN,
+    VIDEO_TOKEN,
+)
 from firsttoken.models.internvl_tiles import (
     IMAGENET_MEAN,
     IMAGENET_STD,
@@ -157,6 +164,16 @@ INTERNVL_WEIGHTS = WeightMapping(
     renames=INTERNVL_VISION_WEIGHTS.renames,
 )
 
+# the template writes <IMG_CONTEXT> alone; the renderer wraps the image's pads in <img>...</img>,
+# as transformers' InternVLProcessor does
+INTERNVL_IMAGE_SLOTS = ImageSlots(
+    pad=IMAGE_TOKEN,
+    start=START_IMAGE_TOKEN,
+    end=END_IMAGE_TOKEN,
+    renderer_wraps=True,
+    control=(START_IMAGE_TOKEN, END_IMAGE_TOKEN, IMAGE_TOKEN, VIDEO_TOKEN),
+)
+
 INTERNVL = ModelFamily(
     name=INTERNVL_NAME,
     architectures=("InternVLForConditionalGeneration",),
@@ -170,4 +187,5 @@ INTERNVL = ModelFamily(
     decoder_layout=decoder_layout,
     budget_ladder=TILE_LADDER,
     video=False,
+    image_slots=INTERNVL_IMAGE_SLOTS,
 )

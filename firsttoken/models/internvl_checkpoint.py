@@ -7,11 +7,13 @@ RoPE). ``tiny`` keeps what can go wrong at test speed: GQA, a head_dim (32) that
 heads (16), layer scale, and the real tile geometry (a tile is 1,025 rows through a 32-wide tower);
 ``small`` (~44M parameters in the language model) matches the Qwen families' small. Both untied.
 
-Our tokenizer has no ``<img>``, ``</img>``, ``<IMG_CONTEXT>``: the recipe takes its
-``<|vision_start|>``, ``<|vision_end|>`` and ``<|image_pad|>`` for them (the chat template wraps each
-image's pad in the first two, and a tile plan's pads replace the pad), and writes their ids to
-config.json beside ``image_token_id`` (``start_image_token_id``, ``end_image_token_id``). The
-preprocessor config is the -HF releases': 448-px tiles, 1 to 12 of them, ImageNet mean and std.
+The tokenizer is ours plus the -HF releases' control tokens ``<img>``, ``</img>``,
+``<IMG_CONTEXT>`` and ``<video>`` (ids 16014 to 16017, named in tokenizer_config.json as transformers'
+``InternVLProcessor`` reads them), and its chat template writes ``<IMG_CONTEXT>`` once per image as
+the releases' does; the processor (transformers', or firsttoken's renderer) puts an image's tiles'
+pads there between ``<img>`` and ``</img>``. config.json holds their ids: ``image_token_id``,
+``start_image_token_id``, ``end_image_token_id``. The preprocessor config is the -HF releases':
+448-px tiles, 1 to 12 of them, ImageNet mean and std.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from firsttoken.models.recipe import (
     RMS_NORM_EPS,
     TOKEN_IDS,
     CheckpointRecipe,
+    added_token_ids,
     text_shape_fields,
 )
 
@@ -38,11 +41,35 @@ if TYPE_CHECKING:
 
 ROPE_THETA = 1_000_000.0  # Qwen3's
 PATCH_SIZE = 14
+# the -HF releases' control tokens, as their tokenizer spells them
+START_IMAGE_TOKEN, END_IMAGE_TOKEN, IMAGE_TOKEN, VIDEO_TOKEN = "<img>", "</img>", "<IMG_CONTEXT>", "<video>"
+ADDED_TOKENS = (START_IMAGE_TOKEN, END_IMAGE_TOKEN, IMAGE_TOKEN, VIDEO_TOKEN)
+ADDED_TOKEN_IDS = added_token_ids(ADDED_TOKENS)
 IMAGE_TOKEN_IDS = {
-    "image_token_id": TOKEN_IDS["<|image_pad|>"],
-    "start_image_token_id": TOKEN_IDS["<|vision_start|>"],
-    "end_image_token_id": TOKEN_IDS["<|vision_end|>"],
+    "image_token_id": ADDED_TOKEN_IDS[IMAGE_TOKEN],
+    "start_image_token_id": ADDED_TOKEN_IDS[START_IMAGE_TOKEN],
+    "end_image_token_id": ADDED_TOKEN_IDS[END_IMAGE_TOKEN],
 }
+# transformers' InternVLProcessor reads these off the tokenizer (tokenizer.start_image_token ...)
+NAMED_TOKENS = {
+    "start_image_token": START_IMAGE_TOKEN,
+    "end_image_token": END_IMAGE_TOKEN,
+    "context_image_token": IMAGE_TOKEN,
+    "video_token": VIDEO_TOKEN,
+}
+# The -HF releases' image and video parts (one <IMG_CONTEXT> or <video> and a newline each, no
+# start/end tokens) in our Qwen2-VL template's turns.
+CHAT_TEMPLATE = (
+    "{% for message in messages %}{% if loop.first and message['role'] != 'system' %}"
+    "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n{% endif %}"
+    "<|im_start|>{{ message['role'] }}\n"
+    "{% if message['content'] is string %}{{ message['content'] }}<|im_end|>\n"
+    "{% else %}{% for content in message['content'] %}"
+    "{% if content['type'] == 'image' %}<IMG_CONTEXT>\n"
+    "{% elif content['type'] == 'video' %}<video>\n"
+    "{% elif content['type'] == 'text' %}{{ content['text'] }}{% endif %}{% endfor %}<|im_end|>\n"
+    "{% endif %}{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
 
 
 @dataclass(frozen=True)
@@ -158,4 +185,7 @@ CHECKPOINT_RECIPE = CheckpointRecipe(
     hf_config=build_hf_config,
     hf_model="InternVLForConditionalGeneration",
     preprocessor=preprocessor_dict,
+    added_tokens=ADDED_TOKENS,
+    named_tokens=NAMED_TOKENS,
+    chat_template=CHAT_TEMPLATE,
 )

@@ -1,6 +1,6 @@
 """What make-model needs of a model family (``CheckpointRecipe``, on its ``ModelFamily``), and what
-every family's random checkpoint shares: our tokenizer's ids and the vocabulary they pad to
-(models/checkpoint.py writes the files).
+every family's random checkpoint shares unless its recipe says otherwise: our tokenizer's ids, the
+vocabulary they pad to, and the chat template (models/checkpoint.py writes the files).
 
 A leaf of models/: a family's ``*_checkpoint.py`` reads these values and its ``ModelFamily`` holds
 its recipe, while checkpoint.py finds the recipe through the registry, so nothing here may import a
@@ -10,7 +10,7 @@ family or the registry.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from firsttoken.models.model_config import ImageProcessorConfig
@@ -33,6 +33,33 @@ VISION_TOKEN_IDS: dict[str, int] = {  # a Qwen-VL config's fields naming its ima
 }
 # rows in embed / lm_head
 VOCAB_SIZE = -(-NUM_TOKENIZER_TOKENS // VOCAB_PAD_MULTIPLE) * VOCAB_PAD_MULTIPLE
+
+# Qwen2-VL's chat template (the release's, plus {"type": "image_url"} parts).
+CHAT_TEMPLATE = (
+    "{% set image_count = namespace(value=0) %}{% set video_count = namespace(value=0) %}"
+    "{% for message in messages %}{% if loop.first and message['role'] != 'system' %}"
+    "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n{% endif %}"
+    "<|im_start|>{{ message['role'] }}\n"
+    "{% if message['content'] is string %}{{ message['content'] }}<|im_end|>\n"
+    "{% else %}{% for content in message['content'] %}"
+    "{% if content['type'] == 'image' or content['type'] == 'image_url' or 'image' in content"
+    " or 'image_url' in content %}{% set image_count.value = image_count.value + 1 %}"
+    "{% if add_vision_id %}Picture {{ image_count.value }}: {% endif %}"
+    "<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif content['type'] == 'video' or 'video' in content %}{% set video_count.value = video_count.value + 1 %}"
+    "{% if add_vision_id %}Video {{ video_count.value }}: {% endif %}"
+    "<|vision_start|><|video_pad|><|vision_end|>"
+    "{% elif 'text' in content %}{{ content['text'] }}{% endif %}{% endfor %}<|im_end|>\n"
+    "{% endif %}{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def added_token_ids(tokens: tuple[str, ...]) -> dict[str, int]:
+    """A recipe's ``added_tokens`` -> their ids: after every token of our tokenizer, in order, inside
+    the padded vocabulary."""
+    if NUM_TOKENIZER_TOKENS + len(tokens) > VOCAB_SIZE:
+        raise ValueError(f"{len(tokens)} added tokens overflow the vocabulary of {VOCAB_SIZE}")
+    return {tok: NUM_TOKENIZER_TOKENS + i for i, tok in enumerate(tokens)}
 
 
 def preprocessor_json(
@@ -84,6 +111,13 @@ class CheckpointRecipe:
     # (config, shape) -> release config.json
     original_config: Callable[[Any, Any], dict[str, Any]] | None = None
     to_original_key: Callable[[str], str] = _same_name  # transformers weight name -> the release's
+    # special tokens the family's tokenizer has beyond ours, ids from NUM_TOKENIZER_TOKENS on in
+    # order (added_token_ids); lm_head rows are zero from NUM_TOKENIZER_TOKENS, so none is generated
+    added_tokens: tuple[str, ...] = ()
+    # tokenizer_config.json "extra_special_tokens": attribute name -> token, as the family's
+    # transformers processor reads them off the tokenizer (tokenizer.start_image_token ...)
+    named_tokens: Mapping[str, str] = field(default_factory=dict)
+    chat_template: str = CHAT_TEMPLATE
 
     @property
     def layouts(self) -> tuple[str, ...]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import io
+import json
 import socket
 import threading
 import time
@@ -156,6 +157,30 @@ def transformers_answer(model_dir: Path, prompt_ids: list[int], images: list[Ima
         out = model.generate(input_ids=input_ids, **kwargs, max_new_tokens=max_new_tokens,
                              do_sample=False)[0, input_ids.shape[1]:]
     return AutoTokenizer.from_pretrained(model_dir).decode(out, skip_special_tokens=True), len(out)
+
+
+def internvl_prompt_ids(model_dir: Path, messages: list[dict], images: list[Image.Image], max_patches: int) -> list[int]:
+    """The prompt transformers' InternVLProcessor makes of an OpenAI conversation (image_url parts as the chat
+    template's image parts): the checkpoint's chat template, then its own <img> + pads + </img> in place of each
+    <IMG_CONTEXT>, tiles cut by the image processor's PIL backend at ``max_patches`` (the server's pixels)."""
+    from transformers import AutoImageProcessor, AutoTokenizer, InternVLProcessor
+
+    class ImagesOnly(InternVLProcessor):
+        """Without a video processor: transformers' video processors need torchvision, which not every machine
+        running the tests has; images never touch it."""
+
+        def check_argument_for_proper_class(self, argument_name, argument):
+            return None if argument is None else super().check_argument_for_proper_class(argument_name, argument)
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    tiles = AutoImageProcessor.from_pretrained(model_dir, backend="pil", crop_to_patches=True, max_patches=max_patches)
+    tokens_per_tile = json.loads((Path(model_dir) / "config.json").read_text())["image_seq_length"]
+    processor = ImagesOnly(image_processor=tiles, tokenizer=tokenizer, video_processor=None,
+                           image_seq_length=tokens_per_tile)
+    conversation = [{**m, "content": [{"type": "image"} if p["type"] == "image_url" else p for p in m["content"]]}
+                    if isinstance(m["content"], list) else m for m in messages]
+    text = tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
+    return processor(images=images, text=[text], return_tensors="pt")["input_ids"][0].tolist()
 
 
 def image_message(text: str, *images: Image.Image) -> list[dict]:

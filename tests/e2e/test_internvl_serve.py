@@ -18,13 +18,21 @@ from PIL import Image
 
 from firsttoken.cli.main import main as cli_main
 from firsttoken.models.checkpoint import make_model
-from firsttoken.models.recipe import TOKEN_IDS
-from tests.e2e.conftest import LiveServer, image_message, make_image, start_server, stop_server, transformers_answer
+from firsttoken.models.internvl_checkpoint import IMAGE_TOKEN_IDS
+from tests.e2e.conftest import (
+    LiveServer,
+    image_message,
+    internvl_prompt_ids,
+    make_image,
+    start_server,
+    stop_server,
+    transformers_answer,
+)
 from tests.e2e.test_lanes_e2e import assert_short_answered_first
 from tests.e2e.test_qwen3_vl_serve import readme_example
 from tests.e2e.test_shutdown import _serve
 
-IMAGE_PAD = TOKEN_IDS["<|image_pad|>"]
+IMAGE_PAD = IMAGE_TOKEN_IDS["image_token_id"]  # <IMG_CONTEXT>
 FAMILY_DEFAULT = 13 * 256  # 12 tiles and the thumbnail
 
 
@@ -64,8 +72,10 @@ def test_serve_subprocess_answers_the_readme_image_example_as_transformers_does(
     assert tokens["images"][0]["num_tokens"] == 256  # a 448 x 448 square is one tile, no thumbnail
     assert tokens["tokens"].count(IMAGE_PAD) == 256 and out.usage.prompt_tokens == tokens["count"]
     assert out.choices[0].message.content
-    # serve's default cap (1280 tokens) allows 4 tiles
-    assert out.choices[0].message.content == transformers_answer(internvl_dir, tokens["tokens"], [image], 32, 4)[0]
+    # serve's default cap (1280 tokens) allows 4 tiles; transformers' InternVLProcessor writes <img>, </img> itself
+    reference_ids = internvl_prompt_ids(internvl_dir, messages, [image], 4)
+    assert tokens["tokens"] == reference_ids
+    assert out.choices[0].message.content == transformers_answer(internvl_dir, reference_ids, [image], 32, 4)[0]
 
 
 def test_budgets_buy_tiles_as_transformers_cuts_them(live: LiveServer, internvl_dir: Path):
@@ -76,7 +86,8 @@ def test_budgets_buy_tiles_as_transformers_cuts_them(live: LiveServer, internvl_
     assert tiles == [10, 7]  # 3 x 3 and 3 x 2, each with its thumbnail
     assert [im["num_tokens"] for im in tokens["images"]] == [256 * n for n in tiles]
     text_only = httpx.post(f"{live.base_url}/tokenize", json={"model": "tiny", "messages": image_message("Compare.")})
-    assert tokens["count"] == text_only.json()["count"] + 256 * sum(tiles) + 2 * 2  # + <img>, </img> per image
+    # + <img>, </img> and the template's newline after each image
+    assert tokens["count"] == text_only.json()["count"] + 256 * sum(tiles) + 3 * 2
     out = live.client().chat.completions.create(model=live.model, messages=messages, max_tokens=2, temperature=0.0)
     assert out.usage.prompt_tokens == tokens["count"]
     # a request asks for less: 1,280 tokens allow 4 tiles (2 x 2 and the thumbnail for the square), 767 one
