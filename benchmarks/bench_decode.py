@@ -188,6 +188,8 @@ def instrument(engine, timer: PhaseTimer) -> None:
     runner = engine.executor.runner
     timer.wrap(engine.scheduler, "schedule", "schedule")
     timer.wrap(engine.scheduler, "update", "sched_update")
+    if hasattr(engine.scheduler, "learn_step"):  # the cost model's lesson, once part of update
+        timer.wrap(engine.scheduler, "learn_step", "sched_update")
     if hasattr(engine, "outputs"):  # the output processor (a checkout from before it: the engine's _update)
         timer.wrap(engine.outputs, "step", "engine_update")
     else:

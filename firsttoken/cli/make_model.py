@@ -1,5 +1,5 @@
-"""``firsttoken make-model DIR``: write a random-weight Qwen-VL checkpoint (see
-models/checkpoint.py)."""
+"""``firsttoken make-model DIR``: write a random-weight checkpoint of a served family (Qwen2-VL,
+Qwen2.5-VL, Qwen3-VL, InternVL3.5; models/checkpoint.py)."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ CHECKPOINT_META = "firsttoken_checkpoint.json"
 def add_parser(subparsers: Any) -> None:
     parser = subparsers.add_parser(
         "make-model",
-        help="write a random-weight Qwen-VL checkpoint in Hugging Face format",
+        help="write a random-weight checkpoint (Qwen-VL, InternVL3.5) in Hugging Face format",
         description="Write a random-weight Qwen-VL checkpoint that transformers loads unchanged.",
     )
     parser.add_argument("dir", help="output directory (created if missing)")
