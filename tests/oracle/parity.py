@@ -42,6 +42,8 @@ torch.set_num_threads(2)
 VIDEO_FAMILIES = [f.name for f in families() if f.video]
 # images at native resolution (a pixel ladder): their towers' full-attention blocks are sliced by query rows
 NATIVE_RESOLUTION_FAMILIES = [f.name for f in families() if f.budget_ladder.unit == "pixels"]
+# families whose budget buys tiles (InternVL)
+TILED_FAMILIES = [f.name for f in families() if f.budget_ladder.unit == "tiles"]
 
 
 @dataclass
