@@ -275,5 +275,5 @@ def run(args: argparse.Namespace) -> int:
             [format_video_table(videos)] if videos else []
         )
         print("\n\n".join(tables))
-        print(f"total: {total} visual tokens (+2 per image or video for its start and end tokens)")
+        print(f"total: {total} visual tokens (+ each image's or video's start and end tokens)")
     return 1 if any(r.error for r in [*rows, *videos]) else 0

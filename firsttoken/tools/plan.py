@@ -43,7 +43,7 @@ covers the allocator's fragmentation, the framework's own memory and what the es
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -58,6 +58,11 @@ from firsttoken.device_memory import (
     GPU_MEMORY_UTILIZATION,
     DeviceMemoryTooSmall,
     kv_pool_from_device,
+)
+from firsttoken.models.registry import (
+    family_of_config,
+    model_config_from_dict,
+    read_json,
 )
 from firsttoken.tools.model_shape import (  # noqa: F401  (re-exported: doctor and the benchmarks read them here)
     DTYPE_BYTES,
@@ -128,6 +133,20 @@ class PlanInputs:
     # None: serve's default, raised to fit one image + a decode per request
     max_batched_tokens: int | None = None
     encoder_cache_memory_bytes: int = _CACHE_DEFAULTS.encoder_cache_memory_bytes
+    # the most visual tokens one image can take under image_tokens on the family's ladder (a tiling
+    # family's largest rung at or under it: make_plan sets it); None: image_tokens itself
+    image_tokens_at_most: int | None = None
+    tokens_per_tile: int | None = None  # a tiling family's; None: native resolution
+
+    @property
+    def image_item_tokens(self) -> int:
+        """What one image is planned at: its worst case under the budget."""
+        return self.image_tokens if self.image_tokens_at_most is None else self.image_tokens_at_most
+
+    @property
+    def image_tiles(self) -> int | None:
+        """Tiles (crops and the thumbnail) one image takes at most; None: native resolution."""
+        return None if self.tokens_per_tile is None else self.image_item_tokens // self.tokens_per_tile
 
     def __post_init__(self) -> None:
         if (self.kv_cache_memory_bytes is None) == (self.device_memory_bytes is None):
@@ -174,14 +193,14 @@ class PlanInputs:
         if overhead is None:
             overhead = TEMPLATE_BASE_TOKENS + TEMPLATE_TOKENS_PER_IMAGE * (self.images_per_request
                                                                           + self.videos_per_request)
-        return (self.text_tokens + self.images_per_request * self.image_tokens
+        return (self.text_tokens + self.images_per_request * self.image_item_tokens
                 + self.videos_per_request * self.video_tokens + overhead)
 
     @property
     def vision_item_tokens(self) -> int:
         """The largest vision item the tower runs at once: an image at its budget, or one two-frame
         grid of a video (at most video_max_frame_tokens); 0 without either."""
-        image = self.image_tokens if self.images_per_request else 0
+        image = self.image_item_tokens if self.images_per_request else 0
         grid = (
             min(self.video_tokens, _VIDEO_DEFAULTS.video_max_frame_tokens)
             if self.videos_per_request
@@ -196,7 +215,8 @@ class PlanInputs:
         if self.max_batched_tokens is not None:
             return self.max_batched_tokens
         room = (
-            _ceil_div(max(self.image_tokens, self.vision_item_tokens) + self.peak_concurrency, 256)
+            _ceil_div(max(self.image_item_tokens, self.vision_item_tokens) + self.peak_concurrency,
+                      256)
             * 256
         )
         return max(_SCHEDULER_DEFAULTS.max_batched_tokens, room)
@@ -394,6 +414,7 @@ def make_plan(
     """The plan; ConfigFieldMissing (a ValueError) names a config.json field it lacks, DoesNotFit
     says which term leaves no KV pool on the device."""
     shape = ModelShape.from_config(config)
+    inputs = _on_the_family_ladder(config, inputs, model_dir)
     dtype_bytes = DTYPE_BYTES[inputs.dtype]
     bs = inputs.block_size
     lm, vision = shape.language_model_params(), shape.vision_params()
@@ -452,11 +473,27 @@ def make_plan(
     )
 
 
+def _on_the_family_ladder(config: dict[str, Any], inputs: PlanInputs,
+                          model_dir: str | Path | None) -> PlanInputs:
+    """A tiling family's image is planned at the largest rung its budget buys (InternVL: 1,200 tokens
+    buy 3 crops and the thumbnail, 1,024 tokens); a native-resolution one at its budget."""
+    try:
+        family = family_of_config(config)
+        preprocessor = read_json(Path(model_dir) / "preprocessor_config.json") if model_dir else None
+        proc = model_config_from_dict(config, preprocessor).image_processor
+    except (ValueError, KeyError, TypeError):  # a config firsttoken does not serve: plan it as Qwen
+        return inputs
+    if proc.tiles is None:
+        return inputs
+    return replace(inputs, image_tokens_at_most=family.budget_ladder.default(inputs.image_tokens),
+                   tokens_per_tile=proc.tokens_per_tile)
+
+
 def _images_at_peak(inputs: PlanInputs, max_prompt: int) -> int:
     """Images that fit beside the text in a prompt of ``max_prompt`` tokens: each costs its budget
     plus its template tokens (an explicit template overhead is taken as fixed; videos included)."""
     per_image_overhead = TEMPLATE_TOKENS_PER_IMAGE if inputs.template_overhead_tokens is None else 0
-    per_image = inputs.image_tokens + per_image_overhead
+    per_image = inputs.image_item_tokens + per_image_overhead
     fixed = inputs.prompt_tokens - inputs.images_per_request * per_image
     return max(0, (max_prompt - fixed) // per_image) if per_image else 0
 
@@ -559,9 +596,10 @@ def format_plan(plan: Plan) -> str:
         ("seed formula (2 x L x attn heads x hd x B)",
          f"{plan.seed_kv_bytes_per_token:,} B  ({plan.seed_overstatement:.1f}x overstated)"),
         ("prompt tokens / request",
-         f"{plan.prompt_tokens:,} = {i.text_tokens} text + {i.images_per_request} x {i.image_tokens} image "
+         f"{plan.prompt_tokens:,} = {i.text_tokens} text + {i.images_per_request} x {i.image_item_tokens} image "
+         + (f"({i.image_tiles} tiles at most under {i.image_tokens}) " if i.image_tiles else "")
          + (f"+ {i.videos_per_request} x {i.video_tokens} video " if i.videos_per_request else "")
-         + f"+ {plan.prompt_tokens - i.text_tokens - i.images_per_request * i.image_tokens - video} template"),
+         + f"+ {plan.prompt_tokens - i.text_tokens - i.images_per_request * i.image_item_tokens - video} template"),
         ("KV at admission (prompt + reserve)",
          f"{plan.admission_blocks_per_request} blocks = {format_bytes(plan.admission_kv_bytes_per_request)}"),
         ("KV at last token (prompt + output)",
@@ -573,7 +611,7 @@ def format_plan(plan: Plan) -> str:
          + ("" if plan.fits else f"  < peak {i.peak_concurrency}: DOES NOT FIT")),
         ("max concurrency without preemption", str(plan.max_concurrency_without_preemption)),
         (f"largest prompt at peak {i.peak_concurrency}", f"{plan.max_prompt_tokens_at_peak:,} tokens "
-         f"(= {plan.max_images_at_peak} images of {i.image_tokens} beside {i.text_tokens} text tokens"
+         f"(= {plan.max_images_at_peak} images of {i.image_item_tokens} beside {i.text_tokens} text tokens"
          + (f" and {i.videos_per_request} x {i.video_tokens} video)" if i.videos_per_request else ")")),
     ]
     width = max(len(k) for k, _ in rows)

@@ -360,3 +360,24 @@ def test_cli_plans_video_seconds_within_the_video_budget(tmp_path, capsys):
     assert json.loads(capsys.readouterr().out)["serve_flags"]["--video-max-tokens"] == "1000"
     assert main([*argv, "--video-tokens", "50"]) == 2
     assert "--video-tokens 50: must be >= video_min_frame_tokens" in capsys.readouterr().err
+
+
+def test_a_tiling_family_is_planned_at_the_rung_its_budget_buys_and_says_how_many_tiles():
+    """An operator planning InternVL with the seed's 1,200-token budget: each image is at most 3 crops and the
+    thumbnail (1,024 tokens), not 1,200; the plan says so and counts its KV and prompt limit from it, while the
+    serve command keeps the budget the operator asked for."""
+    from firsttoken.models.internvl_checkpoint import SIZES, build_hf_config
+    from firsttoken.tools.plan import format_plan
+
+    config = build_hf_config(SIZES["small"]).to_dict()
+    inputs = PlanInputs(peak_concurrency=8, kv_cache_memory_bytes=1 << 30, text_tokens=800, images_per_request=3,
+                        image_tokens=1200, template_overhead_tokens=27)
+    plan = make_plan(config, inputs)
+    assert (plan.inputs.image_item_tokens, plan.inputs.image_tiles) == (1024, 4)
+    assert plan.prompt_tokens == 800 + 3 * 1024 + 27
+    assert plan.serve_flags["--image-max-tokens"] == "1200"
+    assert "3 x 1024 image (4 tiles at most under 1200)" in format_plan(plan)
+    one_tile = make_plan(config, PlanInputs(peak_concurrency=8, kv_cache_memory_bytes=1 << 30, image_tokens=700))
+    assert (one_tile.inputs.image_item_tokens, one_tile.inputs.image_tiles) == (256, 1)
+    qwen = make_plan(QWEN25_VL_7B, inputs)
+    assert (qwen.inputs.image_item_tokens, qwen.inputs.image_tiles) == (1200, None)
