@@ -44,7 +44,8 @@ def add_parser(subparsers: Any) -> None:
         help="--probe: the model id to send (default: the first)",
     )
     p.add_argument("--model", default=None, help="checkpoint dir or config.json: KV bytes per token, so a KV "
-                   "finding names a --kv-cache-memory value")  # fmt: skip
+                   "finding names a --kv-cache-memory value; a tiling family's images counted in tiles "
+                   "too")  # fmt: skip
     p.add_argument(
         "--dtype",
         default="float32",
@@ -83,6 +84,22 @@ def kv_sizing(model: str | None, dtype: str, peak: int | None) -> KVSizing:
         raise UsageError("--model", model, str(exc)) from None
 
 
+def tokens_per_tile(model: str | None) -> int | None:
+    """With --model of a tiling family (InternVL3.5): its tokens per tile; else None."""
+    if model is None:
+        return None
+    from firsttoken.models.registry import model_config_from_dict, read_json
+
+    config = read_config_json("--model", model, allow_file=True)
+    path = Path(model)
+    preprocessor = read_json(path / "preprocessor_config.json") if path.is_dir() else None
+    try:
+        proc = model_config_from_dict(config, preprocessor).image_processor
+    except ValueError:  # a config firsttoken does not serve: KV sizing may still read its shapes
+        return None
+    return proc.tokens_per_tile if proc.tiles is not None else None
+
+
 def run(args: argparse.Namespace) -> int:
     import httpx
 
@@ -92,7 +109,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         th = Thresholds(image_budget_tokens=args.image_budget, high_share=args.high_share,
                         medium_share=min(Thresholds.medium_share, args.high_share),
-                        ttft_p99_target_s=args.ttft_p99_target)  # fmt: skip
+                        ttft_p99_target_s=args.ttft_p99_target,
+                        tokens_per_tile=tokens_per_tile(args.model))  # fmt: skip
     except ValueError as exc:
         raise from_config_error(exc, args, {"image_budget_tokens": "--image-budget"}) or UsageError(
             None, None, str(exc)) from None

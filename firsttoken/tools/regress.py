@@ -58,6 +58,7 @@ class Answer:
     tokens: tuple[str, ...]
     visual_tokens: int  # of the one image (or video) in the prompt
     ttft_s: float
+    tiles: int | None = None  # a tiling family's tiles for the image (/tokenize's num_tiles)
 
 
 @dataclass(frozen=True)
@@ -68,6 +69,7 @@ class BudgetReport:
     mean_ttft_s: float
     exact_agreement: float  # vs the largest budget's answers
     token_overlap: float  # mean token F1 vs the largest budget's answers
+    mean_tiles: float | None = None  # a tiling family's tiles per image; None: native resolution
 
 
 @dataclass(frozen=True)
@@ -165,7 +167,8 @@ class ChatServer:
         logprobs = (choice.get("logprobs") or {}).get("content") or []
         tokens = tuple(e["token"] for e in logprobs) if logprobs else tuple(text.split())
         ttft_s = ((body.get("usage") or {}).get("firsttoken") or {}).get("ttft_s") or wall_s
-        return Answer(text, tokens, counted[f"{kind}s"][0]["num_tokens"], ttft_s)
+        item = counted[f"{kind}s"][0]
+        return Answer(text, tokens, item["num_tokens"], ttft_s, item.get("num_tiles"))
 
     def _post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
         r = self.http.post(path, json=body)
@@ -217,19 +220,24 @@ def run_regress(
                 token_overlap=statistics.fmean(
                     token_f1(a.tokens, r.tokens) for a, r in zip(got, reference)
                 ),
+                mean_tiles=(None if any(a.tiles is None for a in got)
+                            else statistics.fmean(a.tiles or 0 for a in got)),
             )
         )
     return RegressReport(ordered[0], tuple(reports), min_agreement, kind)
 
 
 def format_report(report: RegressReport) -> str:
+    tiled = any(b.mean_tiles is not None for b in report.budgets)
     lines = [
         f"{'budget':>7}  {'answers':>7}  {'visual tok/' + ('img' if report.kind == 'image' else 'video'):>14}  "
-        f"{'mean TTFT s':>11}  {'exact':>6}  {'overlap':>7}"
+        + (f"{'tiles/img':>9}  " if tiled else "")
+        + f"{'mean TTFT s':>11}  {'exact':>6}  {'overlap':>7}"
     ]
     for b in report.budgets:
+        tiles = f"{b.mean_tiles:>9.1f}  " if b.mean_tiles is not None else (f"{'-':>9}  " if tiled else "")
         lines.append(
-            f"{b.budget:>7}  {b.num_answers:>7}  {b.mean_visual_tokens:>14.1f}  {b.mean_ttft_s:>11.3f}  "
+            f"{b.budget:>7}  {b.num_answers:>7}  {b.mean_visual_tokens:>14.1f}  {tiles}{b.mean_ttft_s:>11.3f}  "
             f"{b.exact_agreement:>6.2f}  {b.token_overlap:>7.2f}"
         )
     verdict = (

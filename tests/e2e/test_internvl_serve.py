@@ -19,6 +19,7 @@ from PIL import Image
 from firsttoken.cli.main import main as cli_main
 from firsttoken.models.checkpoint import make_model
 from firsttoken.models.internvl_checkpoint import IMAGE_TOKEN_IDS
+from firsttoken.tools.regress import data_url
 from tests.e2e.conftest import (
     LiveServer,
     image_message,
@@ -116,6 +117,25 @@ def test_under_one_tile_and_videos_are_refused_naming_the_part(live: LiveServer)
     assert "video" in err.value.message and err.value.body["param"] == "messages[0].content[0].video_url"
     out = client.chat.completions.create(model=live.model, messages=image_message("Still here?"), max_tokens=2)
     assert out.choices[0].finish_reason == "length"  # the server kept serving
+
+
+def test_regress_and_tokenize_report_tiles_per_budget(live: LiveServer, tmp_path: Path) -> None:
+    """What an operator reads when choosing a rung: /tokenize's tile grid, and regress's tiles per image beside the
+    tokens (a 3:1 photo: 1x3 crops and the thumbnail at 1,024 tokens, one tile at 256)."""
+    from firsttoken.tools.regress import ChatServer, format_report, run_regress
+
+    wide = tmp_path / "wide.png"
+    Image.new("RGB", (1344, 448), (90, 20, 200)).save(wide)
+    server = ChatServer(live.base_url, max_tokens=2)
+    try:
+        report = run_regress(server, [wide], ["Describe."], [1024, 256])
+        counted = server._post("/tokenize", {"model": server.model, "messages": [{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": data_url(wide), "max_visual_tokens": 1024}}]}]})
+    finally:
+        server.close()
+    assert [(b.budget, b.mean_visual_tokens, b.mean_tiles) for b in report.budgets] == [(1024, 1024, 4), (256, 256, 1)]
+    assert "tiles/img" in format_report(report).splitlines()[0]
+    assert counted["images"][0]["tile_grid"] == [1, 3] and counted["images"][0]["num_tiles"] == 4
 
 
 def test_tokens_cli_counts_tiles(internvl_dir: Path, tmp_path: Path, capsys) -> None:

@@ -144,3 +144,21 @@ def test_doctor_shows_the_video_class_beside_the_image_classes() -> None:
         assert any(line.split()[:2] == ["video", "1"] for line in shown.splitlines()), shown
         assert "predicted TTFT video" in shown and report.to_dict()["engine_time_to_first_token_s"]["video"]
         assert report.obs.visual_tokens_total == 1000  # the image's; the video's 3000 are not
+
+
+def test_a_tiling_family_s_budget_finding_counts_tiles(tmp_path) -> None:
+    """doctor --model of an InternVL checkpoint: the budget finding and the state line say how many tiles an image
+    took and how many the recommended budget buys; without --model nothing changes."""
+    from firsttoken.cli.doctor import tokens_per_tile
+    from firsttoken.models.internvl_checkpoint import SIZES, build_hf_config, preprocessor_dict
+
+    (tmp_path / "config.json").write_text(json.dumps(build_hf_config(SIZES["tiny"]).to_dict()))
+    (tmp_path / "preprocessor_config.json").write_text(json.dumps(preprocessor_dict()))
+    assert tokens_per_tile(str(tmp_path)) == 256 and tokens_per_tile(str(TINY_CONFIG)) is None
+    report = doctor_from_texts(*load("budget"), thresholds=Thresholds(tokens_per_tile=256))
+    finding = report.findings[0]
+    per_image = finding.evidence["visual_tokens_per_image"]
+    assert finding.evidence["tiles_per_image"] == round(per_image / 256, 1) and finding.evidence["budget_tiles"] == 5
+    assert "tiles)" in finding.title and finding.change == "--image-max-tokens 1280"
+    assert " tiles (budget reference 1,280)" in format_report(report)
+    assert "tiles" not in doctor_from_texts(*load("budget")).findings[0].title

@@ -184,7 +184,8 @@ def _engine_time_lines(o: Observation) -> list[str]:
 def _state_lines(o: Observation, th: Thresholds) -> list[str]:
     lines = []
     if o.visual_tokens_per_image is not None:
-        lines.append(f"visual tokens / image   {o.visual_tokens_per_image:,.0f} "
+        tiles = f" = {o.visual_tokens_per_image / th.tokens_per_tile:.1f} tiles" if th.tokens_per_tile else ""
+        lines.append(f"visual tokens / image   {o.visual_tokens_per_image:,.0f}{tiles} "
                      f"(budget reference {th.image_budget_tokens:,})")  # fmt: skip
     kv = f"usage {_pct(o.kv_usage_ratio)}" + (
         f" of {o.kv_blocks_total:,.0f} blocks" if o.kv_blocks_total else ""

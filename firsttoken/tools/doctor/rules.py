@@ -46,6 +46,8 @@ class Thresholds:
     # the long lane this far below its throughput while only it had work: a finding
     long_lane_below: float = 0.10
     long_lane_min_steps: int = 20  # ... over at least this many such steps
+    # a tiling family's tokens per tile (doctor --model of InternVL): findings count images in tiles too
+    tokens_per_tile: int | None = None
 
     def __post_init__(self) -> None:
         if not 0 < self.medium_share <= self.high_share <= 1:
@@ -120,14 +122,20 @@ def image_budget(ctx: Context) -> Finding | None:
         return None
     excess = o.visual_tokens_total * (1 - th.image_budget_tokens / per_image)
     share = excess / o.prompt_tokens_total
+    tile = th.tokens_per_tile
+    evidence = {"visual_tokens_per_image": round(per_image), "budget_tokens": th.image_budget_tokens,
+                "visual_share_of_prompt_tokens": _r(o.visual_tokens_total / o.prompt_tokens_total),
+                "excess_visual_tokens_share": _r(share),
+                "encode_prefill_share_of_image_ttft": _r(_share(o, ("encode", "prefill"), IMAGE_ONLY_CLASSES))}
+    if tile:  # the budget buys whole tiles: at most budget // tile of them (the thumbnail among them)
+        evidence |= {"tiles_per_image": _r(per_image / tile, 1), "budget_tiles": th.image_budget_tokens // tile}
     return _finding(
         ctx, "image_budget", share,
-        f"no effective image budget: {per_image:,.0f} visual tokens per image, "
-        f"{per_image / th.image_budget_tokens:.1f}x a {th.image_budget_tokens}-token budget",
-        {"visual_tokens_per_image": round(per_image), "budget_tokens": th.image_budget_tokens,
-         "visual_share_of_prompt_tokens": _r(o.visual_tokens_total / o.prompt_tokens_total),
-         "excess_visual_tokens_share": _r(share),
-         "encode_prefill_share_of_image_ttft": _r(_share(o, ("encode", "prefill"), IMAGE_ONLY_CLASSES))},
+        f"no effective image budget: {per_image:,.0f} visual tokens per image"
+        + (f" ({per_image / tile:.1f} tiles)" if tile else "")
+        + f", {per_image / th.image_budget_tokens:.1f}x a {th.image_budget_tokens}-token budget"
+        + (f" (at most {th.image_budget_tokens // tile} tiles)" if tile else ""),
+        evidence,
         f"--image-max-tokens {th.image_budget_tokens}",
         f"check answers at the budget first: firsttoken regress --budgets 16384,{th.image_budget_tokens},400",
     )  # fmt: skip
