@@ -288,13 +288,16 @@ def make_dummy_model(out_dir: str | Path, config: dict[str, Any]) -> Path:
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     config = json.loads(json.dumps(config))  # a deep copy: the caller's dict is left as given
+    family = family_of_config(config)
     for section in (config, config.get("text_config") or {}):
         for key, token in DEMO_TOKEN_FIELDS.items():
             if key in section:
                 section[key] = TOKEN_IDS[token]
+    own = added_token_ids(family.checkpoint.added_tokens)
+    for key, token in family.checkpoint.token_fields.items():
+        config[key] = own[token] if token in own else TOKEN_IDS[token]
     _write_json(out / "config.json", config)
     _write_generation_config(out)
-    family = family_of_config(config)
     _write_tokenizer_files(out, family.checkpoint)
     _write_json(out / "preprocessor_config.json", family.checkpoint.preprocessor())
     _write_json(

@@ -188,4 +188,6 @@ CHECKPOINT_RECIPE = CheckpointRecipe(
     added_tokens=ADDED_TOKENS,
     named_tokens=NAMED_TOKENS,
     chat_template=CHAT_TEMPLATE,
+    token_fields={"image_token_id": IMAGE_TOKEN, "start_image_token_id": START_IMAGE_TOKEN,
+                  "end_image_token_id": END_IMAGE_TOKEN},
 )

@@ -118,6 +118,11 @@ class CheckpointRecipe:
     # transformers processor reads them off the tokenizer (tokenizer.start_image_token ...)
     named_tokens: Mapping[str, str] = field(default_factory=dict)
     chat_template: str = CHAT_TEMPLATE
+    # config.json's top-level fields that name the family's own control tokens (beyond
+    # checkpoint.DEMO_TOKEN_FIELDS), each written to its token's id in our tokenizer: a published
+    # config made a dummy checkpoint (make_dummy_model) points at the tokens our tokenizer makes,
+    # written where the release leaves a field to its processor's defaults
+    token_fields: Mapping[str, str] = field(default_factory=dict)
 
     @property
     def layouts(self) -> tuple[str, ...]:

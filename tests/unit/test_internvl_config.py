@@ -65,3 +65,32 @@ def test_positions_are_1d_and_the_pads_must_match_the_tiles(files) -> None:
     assert torch.equal(got.positions, torch.arange(len(ids)).expand(3, -1)) and got.delta == 0
     with pytest.raises(ValueError, match="512 image pads"):
         positions(ids, [(1, 32, 32)], config)
+
+
+def test_the_1b_release_has_its_published_parameter_count_and_makes_a_dummy_checkpoint_our_tokenizer_serves(
+    tmp_path: Path,
+) -> None:
+    """InternVL3.5-1B-HF's shapes (tests/published_configs.py): on the meta device our module has exactly the
+    release's parameters per part, transformers' class too; as a --load-format dummy checkpoint its image, start and
+    end fields point at our tokenizer's <IMG_CONTEXT>, <img> and </img> (the release's config names only the first;
+    its processor supplies the others), so the renderer starts."""
+    from transformers import AutoTokenizer, InternVLConfig, InternVLForConditionalGeneration
+
+    from firsttoken.inputs.render import PromptRenderer
+    from firsttoken.models.checkpoint import make_dummy_model
+    from firsttoken.models.registry import load_model_config
+    from firsttoken.tools.model_shape import exact_param_counts
+    from tests.published_configs import INTERNVL35_1B_HF, INTERNVL35_1B_PARAMS
+
+    vision, projector, language = INTERNVL35_1B_PARAMS
+    assert exact_param_counts(INTERNVL35_1B_HF) == (language, vision + projector)
+    with torch.device("meta"):
+        theirs = InternVLForConditionalGeneration(InternVLConfig(**INTERNVL35_1B_HF))
+    assert sum(p.numel() for p in theirs.parameters()) == vision + projector + language
+    model_dir = make_dummy_model(tmp_path / "internvl-1b", INTERNVL35_1B_HF)
+    config = load_model_config(model_dir)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    assert [config.image_token_id, config.vision_start_token_id, config.vision_end_token_id] == \
+        tokenizer.convert_tokens_to_ids(["<IMG_CONTEXT>", "<img>", "</img>"])
+    assert (config.hidden_size, config.num_hidden_layers, config.vision.depth) == (1024, 28, 24)
+    PromptRenderer(tokenizer, config)
