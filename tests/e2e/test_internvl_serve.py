@@ -7,6 +7,8 @@ first."""
 
 from __future__ import annotations
 
+import base64
+import io
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -172,3 +174,28 @@ def test_serve_refuses_a_cap_under_one_tile_before_loading(internvl_dir: Path) -
 
     assert error_line(firsttoken("serve", "--model", str(internvl_dir), "--image-max-tokens", "200")) == (
         "firsttoken serve: --image-max-tokens 200: under one tile: this model's images cost at least 256 tokens")
+
+
+def test_tools_and_structured_outputs_over_an_image_as_for_qwen(live: LiveServer) -> None:
+    """The family's tool calls are Hermes-style <tool_call> JSON in its Qwen-based template, parsed as Qwen's: a named
+    tool choice over a photo gives that call, valid for its schema by construction; a JSON schema response too."""
+    from tests.e2e.test_tools import TOOLS, check_calls
+
+    image, _ = readme_example()
+    buf = io.BytesIO()
+    image.save(buf, format="PNG")
+    url = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+    ask = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
+                                        {"type": "text", "text": "What's the weather where this was taken?"}]}]
+    client = live.client()
+    out = client.chat.completions.create(model="tiny", messages=ask, tools=TOOLS, max_tokens=60, temperature=1.0,
+                                         seed=0, tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    assert [c.function.name for c in out.choices[0].message.tool_calls] == ["get_weather"]
+    check_calls(out.choices[0].message.tool_calls)
+    schema = {"type": "object", "properties": {"tiles": {"type": "integer"}}, "required": ["tiles"],
+              "additionalProperties": False}
+    out = client.chat.completions.create(model="tiny", messages=ask, max_tokens=40, temperature=1.0, seed=1,
+                                         response_format={"type": "json_schema",
+                                                          "json_schema": {"name": "t", "schema": schema}})
+    assert out.choices[0].finish_reason == "stop"
+    assert set(json.loads(out.choices[0].message.content)) == {"tiles"}
