@@ -160,7 +160,8 @@ class LLMEngine:
         req = self.requests.get(request_id)
         if req is None:
             return False
-        self._finish(req, FinishReason.ABORT)
+        req.stamp("finished_s")
+        self._end(req, FinishReason.ABORT)
         return True
 
     def has_unfinished(self) -> bool:
@@ -225,8 +226,7 @@ class LLMEngine:
         )
         self.num_images_encoded += sum(result.num_images_encoded.values())
         for req, reason in ended:
-            self.scheduler.finish(req, reason)  # (a no-op where update ended it)
-            self._forget(req, reason)
+            self._end(req, reason)
         return outputs
 
     def _expire(self) -> list[RequestOutput]:
@@ -244,17 +244,14 @@ class LLMEngine:
             for r in late
         ]
         for req, reason in ended:
-            self._finish(req, reason)
+            self._end(req, reason)
         return outputs
 
-    def _finish(self, req: Request, reason: FinishReason) -> None:
-        """End a request between steps: the scheduler frees its blocks and encoder pins at once."""
-        req.stamp("finished_s")
+    def _end(self, req: Request, reason: FinishReason) -> None:
+        """A request ended (in a step or between steps): the scheduler frees its blocks and encoder
+        pins at once (a no-op where its update already ended it), the engine drops its state and
+        sends its record."""
         self.scheduler.finish(req, reason)
-        self._forget(req, reason)
-
-    def _forget(self, req: Request, reason: FinishReason) -> None:
-        """The engine's own part of a request that ended: its state dropped, its record sent."""
         self.requests.pop(req.request_id, None)
         self.outputs.drop(req.request_id)
         self.observer.on_finished(_finished_record(req, reason))
