@@ -43,9 +43,9 @@ def add_parser(subparsers: Any) -> None:
         default=None,
         help="--probe: the model id to send (default: the first)",
     )
-    p.add_argument("--model", default=None, help="checkpoint dir or config.json: KV bytes per token, so a KV "
-                   "finding names a --kv-cache-memory value; a tiling family's images counted in tiles "
-                   "too")  # fmt: skip
+    p.add_argument("--model", default=None, help="checkpoint dir or config.json: KV bytes per token, so a "
+                   "KV finding names a --kv-cache-memory value; a tiling family's images counted in "
+                   "tiles too")  # fmt: skip
     p.add_argument(
         "--dtype",
         default="float32",

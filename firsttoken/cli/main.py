@@ -47,7 +47,8 @@ EXIT_INTERRUPTED = 130  # 128 + SIGINT, as shells report it
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = OneLineParser(prog="firsttoken", description="firsttoken: a multimodal LLM inference server with a fast first token, and its tools")
+    parser = OneLineParser(prog="firsttoken",
+                           description="a multimodal LLM inference server with a fast first token, and its tools")
     parser.add_argument("--debug", action="store_true",
                         help="print the Python traceback when a command fails unexpectedly")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)

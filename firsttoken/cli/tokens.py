@@ -215,7 +215,8 @@ def format_table(rows: list[ImageRow]) -> str:
     tiled = any(r.tiles for r in rows)
     tiles_width = max([len("tiles"), *(len(r.tiles or "") for r in rows)])
     head = f"{'image':<{width}}  {'original':>11}  {'resized':>11}  "
-    lines = [head + (f"{'tiles':<{tiles_width}}  " if tiled else "") + f"{'tokens':>7}  {'budget':>7}"]
+    tiles_head = f"{'tiles':<{tiles_width}}  " if tiled else ""
+    lines = [head + tiles_head + f"{'tokens':>7}  {'budget':>7}"]
     for r in rows:
         tokens = str(r.num_tokens) if r.num_tokens is not None else f"error: {r.error}"
         cut = f"{r.tiles or '-':<{tiles_width}}  " if tiled else ""

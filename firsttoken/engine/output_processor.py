@@ -48,7 +48,8 @@ class OutputProcessor:
         self._prompt_logprobs.pop(request_id, None)
 
     def step(self, batch: ScheduledBatch, result: RunnerOutput, requests: dict[str, Request],
-             clock: StepClock, finished: Ended, chunks: bool = True) -> tuple[list[RequestOutput], Ended]:
+             clock: StepClock, finished: Ended,
+             chunks: bool = True) -> tuple[list[RequestOutput], Ended]:
         """The outputs of ``result`` for the live ``requests``, and every request it ended with its
         final reason; ``finished``: what ``Scheduler.update`` ended on the same report. ``chunks``
         False: a deferred encoder report (failures and encoder time only)."""

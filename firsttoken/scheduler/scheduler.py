@@ -4,11 +4,11 @@ Tokens, not phases: a request is ``num_computed_tokens`` chasing ``num_tokens``.
 (``schedule``):
   1. every running request that is decoding gets its one token;
   2. the lane policy chosen once from ``--scheduling`` (lanes.py) serves its lanes through the
-     step filler's ``serve_lane`` (fill.py), each lane's running prefills first, then admissions. ``ShortLongLanes``: the
-     short lane's prefills take what they want (the step's first short prefill is granted whole: a
-     short prompt is one step), then the long lane fills what is left, in its order (deadline or
-     least-work), its vision work a few units per step (encoder_plan.py), and runs anyway after
-     ``long_max_wait_steps`` steps held back (aging). ``FcfsLanes``, the seed's starting point: one
+     step filler's ``serve_lane`` (fill.py), each lane's running prefills first, then admissions.
+     ``ShortLongLanes``: the short lane's prefills take what they want (the step's first short
+     prefill is granted whole: a short prompt is one step), then the long lane fills what is left,
+     in its order (deadline or least-work), its vision work a few units per step (encoder_plan.py),
+     and runs anyway after ``long_max_wait_steps`` steps held back (aging). ``FcfsLanes``, the seed's starting point: one
      FIFO queue, whole-prompt prefills, whole-image encodes.
 How long a step may be is pacing.py's (time-bounded steps from the fitted cost model, throughput
 steps while only the long lane has prefill work, token budgets when the bound is off); what may
@@ -209,7 +209,7 @@ class Scheduler:
                 if reason is not None:
                     ended.append((req, reason))
             self._on_chunk_done(req, chunk, chunk.end - int(rid in result.mask_pending_request_ids))
-        for rid in (*result.failed, *result.constraint_failed):
+        for rid in dict.fromkeys((*result.failed, *result.constraint_failed)):
             if rid in self.requests:
                 ended.append((self.requests[rid], FinishReason.ERROR))
         for req, reason in ended:
