@@ -84,20 +84,28 @@ def kv_sizing(model: str | None, dtype: str, peak: int | None) -> KVSizing:
         raise UsageError("--model", model, str(exc)) from None
 
 
-def tokens_per_tile(model: str | None) -> int | None:
-    """With --model of a tiling family (InternVL3.5): its tokens per tile; else None."""
+def tile_facts(model: str | None, budget: int) -> tuple[int | None, int | None]:
+    """With --model of a tiling family (InternVL3.5): its tokens per tile and the tiles ``budget``
+    buys at most (within the checkpoint's max_patches); else (None, None)."""
     if model is None:
-        return None
+        return None, None
+    from firsttoken.inputs.budget import image_tokens_at_most
     from firsttoken.models.registry import model_config_from_dict, read_json
 
     config = read_config_json("--model", model, allow_file=True)
     path = Path(model)
-    preprocessor = read_json(path / "preprocessor_config.json") if path.is_dir() else None
     try:
+        preprocessor = read_json(path / "preprocessor_config.json") if path.is_dir() else None
         proc = model_config_from_dict(config, preprocessor).image_processor
-    except ValueError:  # a config firsttoken does not serve: KV sizing may still read its shapes
-        return None
-    return proc.tokens_per_tile if proc.tiles is not None else None
+    except (ValueError, KeyError, TypeError):  # not a config firsttoken serves: KV sizing may still read it
+        return None, None
+    if proc.tiles is None:
+        return None, None
+    at_most = image_tokens_at_most(budget, proc)
+    if at_most is None:
+        raise UsageError("--image-budget", str(budget), f"under one tile: this model's images cost at least "
+                         f"{proc.tokens_per_tile} tokens")
+    return proc.tokens_per_tile, at_most // proc.tokens_per_tile
 
 
 def run(args: argparse.Namespace) -> int:
@@ -106,11 +114,12 @@ def run(args: argparse.Namespace) -> int:
     from firsttoken.tools.doctor import doctor_from_texts, format_report
     from firsttoken.tools.doctor.fetch import run_doctor
 
+    tokens_per_tile, budget_tiles = tile_facts(args.model, args.image_budget)
     try:
         th = Thresholds(image_budget_tokens=args.image_budget, high_share=args.high_share,
                         medium_share=min(Thresholds.medium_share, args.high_share),
-                        ttft_p99_target_s=args.ttft_p99_target,
-                        tokens_per_tile=tokens_per_tile(args.model))  # fmt: skip
+                        ttft_p99_target_s=args.ttft_p99_target, tokens_per_tile=tokens_per_tile,
+                        budget_tiles=budget_tiles)  # fmt: skip
     except ValueError as exc:
         raise from_config_error(exc, args, {"image_budget_tokens": "--image-budget"}) or UsageError(
             None, None, str(exc)) from None

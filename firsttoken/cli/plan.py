@@ -15,6 +15,7 @@ from firsttoken.tools.plan import (
     MEMORY_UTILIZATION,
     DoesNotFit,
     PlanInputs,
+    UnderOneTile,
     format_plan,
     make_plan,
     video_tokens_at_most,
@@ -154,6 +155,8 @@ def run(args: argparse.Namespace) -> int:
         plan = make_plan(config, inputs, model_dir=args.model)
     except DoesNotFit as exc:
         raise UsageError("--memory", args.memory, str(exc)) from None
+    except UnderOneTile as exc:
+        raise UsageError("--image-tokens", str(args.image_tokens), str(exc)) from None
     except ValueError as exc:  # ConfigFieldMissing: the sentence names the field and what it is for
         raise UsageError(source_flag, source, str(exc)) from None
     text = json.dumps(plan.to_dict(), indent=1)

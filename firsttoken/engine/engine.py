@@ -221,9 +221,14 @@ class LLMEngine:
         (stop strings end more); every request that ended is ended on the scheduler and forgotten
         here at once."""
         finished = self.scheduler.update(batch, result, tokens)
-        outputs, ended = self.outputs.step(
-            batch, result, self.requests, clock, finished, chunks=tokens
-        )
+        try:
+            outputs, ended = self.outputs.step(
+                batch, result, self.requests, clock, finished, chunks=tokens
+            )
+        except BaseException:  # an engine bug: what update ended still leaves the engine
+            for req, reason in finished:
+                self._end(req, reason)
+            raise
         self.num_images_encoded += sum(result.num_images_encoded.values())
         for req, reason in ended:
             self._end(req, reason)

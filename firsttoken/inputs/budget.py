@@ -161,6 +161,20 @@ def plan_image(
     )
 
 
+def image_tokens_at_most(budget_tokens: int, proc: ImageProcessorConfig) -> int | None:
+    """The most visual tokens one image can take under ``budget_tokens`` (plan and doctor size for
+    it): the budget itself at native resolution; for a tiling processor, the worst case of the
+    max_patches the budget buys (max_patches crops and the thumbnail, or one tile), within the
+    checkpoint's own max_patches. None: a budget under one tile, which serve refuses."""
+    spec, per_tile = proc.tiles, proc.tokens_per_tile
+    if spec is None:
+        return budget_tokens
+    if budget_tokens < per_tile:
+        return None
+    m = max(max_patches_for_budget(budget_tokens, per_tile, spec.max_patches), spec.min_patches)
+    return per_tile * (m + 1 if m > 1 else 1)
+
+
 def _plan_tiled(width: int, height: int, budget_tokens: int, proc: ImageProcessorConfig
                 ) -> ImagePlan:
     """Tiles: the largest max_patches whose worst case fits the budget (one tile under three

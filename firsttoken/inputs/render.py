@@ -61,6 +61,17 @@ class PromptRenderer:
         self._slot_start = [model_config.vision_start_token_id] if wraps else []
         self._slot_end = [model_config.vision_end_token_id] if wraps else []
         self._template_renders_tools = "tools" in (tokenizer.chat_template or "")
+        # token id -> what it is, for the ids a prompt of token ids may not carry
+        self._vision_ids = {
+            model_config.image_token_id: "image placeholder",
+            model_config.video_token_id: "video placeholder",
+            model_config.vision_start_token_id: "vision start",
+            model_config.vision_end_token_id: "vision end",
+        }
+        for token in slots.control:  # the family's other vision control tokens (InternVL's <video>)
+            token_id = tokenizer.convert_tokens_to_ids(token)
+            if isinstance(token_id, int) and token_id != tokenizer.unk_token_id:
+                self._vision_ids.setdefault(token_id, f"{token} control")
 
     def raw(self, text: str) -> tuple[int, ...]:
         """A raw prompt: chat control tokens are honoured, vision control tokens are plain text."""
@@ -77,13 +88,7 @@ class PromptRenderer:
 
     def token_ids(self, prompt: TokenPrompt) -> tuple[int, ...]:
         """A prompt of token ids, each inside the vocabulary and none a vision control token."""
-        config = self.model_config
-        vision = {
-            config.image_token_id: "image placeholder",
-            config.video_token_id: "video placeholder",
-            config.vision_start_token_id: "vision start",
-            config.vision_end_token_id: "vision end",
-        }
+        config, vision = self.model_config, self._vision_ids
         for i, t in enumerate(prompt.token_ids):
             if not 0 <= t < config.vocab_size:
                 raise InputError(f"token id {t} at {i} is outside this model's vocabulary (0 to "

@@ -59,11 +59,8 @@ from firsttoken.device_memory import (
     DeviceMemoryTooSmall,
     kv_pool_from_device,
 )
-from firsttoken.models.registry import (
-    family_of_config,
-    model_config_from_dict,
-    read_json,
-)
+from firsttoken.inputs.budget import image_tokens_at_most
+from firsttoken.models.registry import model_config_from_dict, read_json
 from firsttoken.tools.model_shape import (  # noqa: F401  (re-exported: doctor and the benchmarks read them here)
     DTYPE_BYTES,
     ConfigFieldMissing,
@@ -92,6 +89,10 @@ _CACHE_DEFAULTS, _SCHEDULER_DEFAULTS, _VIDEO_DEFAULTS = (
 
 class DoesNotFit(ValueError):
     """The device cannot hold the weights and the workspace with room left for one KV block."""
+
+
+class UnderOneTile(ValueError):
+    """A tiling family's image budget under one tile (serve refuses it)."""
 
 
 def _ceil_div(a: int, b: int) -> int:
@@ -475,18 +476,21 @@ def make_plan(
 
 def _on_the_family_ladder(config: dict[str, Any], inputs: PlanInputs,
                           model_dir: str | Path | None) -> PlanInputs:
-    """A tiling family's image is planned at the largest rung its budget buys (InternVL: 1,200 tokens
-    buy 3 crops and the thumbnail, 1,024 tokens); a native-resolution one at its budget."""
+    """A tiling family's image is planned at the worst case its budget buys within the checkpoint's
+    own tiling (InternVL: 1,200 tokens buy 3 crops and the thumbnail, 1,024 tokens); a
+    native-resolution one at its budget. DoesNotFit for a budget under one tile (serve refuses it)."""
     try:
-        family = family_of_config(config)
         preprocessor = read_json(Path(model_dir) / "preprocessor_config.json") if model_dir else None
         proc = model_config_from_dict(config, preprocessor).image_processor
     except (ValueError, KeyError, TypeError):  # a config firsttoken does not serve: plan it as Qwen
         return inputs
     if proc.tiles is None:
         return inputs
-    return replace(inputs, image_tokens_at_most=family.budget_ladder.default(inputs.image_tokens),
-                   tokens_per_tile=proc.tokens_per_tile)
+    at_most = image_tokens_at_most(inputs.image_tokens, proc)
+    if at_most is None:
+        raise UnderOneTile(f"under one tile: this model's images cost at least {proc.tokens_per_tile} tokens "
+                           "(serve refuses such an --image-max-tokens)")
+    return replace(inputs, image_tokens_at_most=at_most, tokens_per_tile=proc.tokens_per_tile)
 
 
 def _images_at_peak(inputs: PlanInputs, max_prompt: int) -> int:

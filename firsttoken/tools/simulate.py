@@ -504,7 +504,8 @@ class SimReplica:
         if batch.has_work:
             self.scheduler.note_step_time(batch.features, now - self._step_start)
         ended = self.scheduler.update(
-            batch, RunnerOutput(dict.fromkeys(sampling, 0), {}, {}, encoder_progress=self._progress)
+            batch, RunnerOutput(dict.fromkeys(sampling, 0), {}, {}, encoder_progress=self._progress,
+                                sample_done_s=self._forward_end)
         )
         done = {req.request_id for req, _ in ended}
         for rid, req in sampling.items():

@@ -149,13 +149,22 @@ def test_doctor_shows_the_video_class_beside_the_image_classes() -> None:
 def test_a_tiling_family_s_budget_finding_counts_tiles(tmp_path) -> None:
     """doctor --model of an InternVL checkpoint: the budget finding and the state line say how many tiles an image
     took and how many the recommended budget buys; without --model nothing changes."""
-    from firsttoken.cli.doctor import tokens_per_tile
-    from firsttoken.models.internvl_checkpoint import SIZES, build_hf_config, preprocessor_dict
+    from firsttoken.cli.doctor import tile_facts
+    from firsttoken.cli.usage import UsageError
+    from firsttoken.models.internvl_checkpoint import (
+        SIZES,
+        build_hf_config,
+        preprocessor_dict,
+    )
 
     (tmp_path / "config.json").write_text(json.dumps(build_hf_config(SIZES["tiny"]).to_dict()))
     (tmp_path / "preprocessor_config.json").write_text(json.dumps(preprocessor_dict()))
-    assert tokens_per_tile(str(tmp_path)) == 256 and tokens_per_tile(str(TINY_CONFIG)) is None
-    report = doctor_from_texts(*load("budget"), thresholds=Thresholds(tokens_per_tile=256))
+    # 1,280 tokens buy 4 crops and the thumbnail; 700 one tile (no image has 2); the family's 12 crops cap 9,999
+    assert [tile_facts(str(tmp_path), b) for b in (1280, 700, 9999)] == [(256, 5), (256, 1), (256, 13)]
+    assert tile_facts(str(TINY_CONFIG), 1280) == (None, None)
+    with pytest.raises(UsageError, match="under one tile"):
+        tile_facts(str(tmp_path), 200)
+    report = doctor_from_texts(*load("budget"), thresholds=Thresholds(tokens_per_tile=256, budget_tiles=5))
     finding = report.findings[0]
     per_image = finding.evidence["visual_tokens_per_image"]
     assert finding.evidence["tiles_per_image"] == round(per_image / 256, 1) and finding.evidence["budget_tiles"] == 5

@@ -100,6 +100,8 @@ def test_allocation_failure_is_atomic() -> None:
     assert manager.blocks_needed_for(8) > manager.num_free_blocks
     assert manager.allocate("b", 8) is None  # needs 2, 1 free
     assert manager.num_used_blocks == 3  # nothing of b's
+    assert manager.allocate("b", 1) == 0 and len(manager.block_table("b")) == 1  # b's first allocation, now
+    manager.free("b")
     assert manager.allocate("a", 20) is None  # growth by 2, 1 free
     assert manager.block_table("a") == table_before
     assert manager.num_free_blocks == 1

@@ -18,6 +18,7 @@ from firsttoken.tools.plan import (
     DoesNotFit,
     ModelShape,
     PlanInputs,
+    UnderOneTile,
     format_plan,
     make_plan,
     parse_bytes,
@@ -381,3 +382,22 @@ def test_a_tiling_family_is_planned_at_the_rung_its_budget_buys_and_says_how_man
     assert (one_tile.inputs.image_item_tokens, one_tile.inputs.image_tiles) == (256, 1)
     qwen = make_plan(QWEN25_VL_7B, inputs)
     assert (qwen.inputs.image_item_tokens, qwen.inputs.image_tiles) == (1200, None)
+    with pytest.raises(UnderOneTile):  # serve refuses a budget under one tile: so does the plan
+        make_plan(config, PlanInputs(peak_concurrency=8, kv_cache_memory_bytes=1 << 30, image_tokens=200))
+
+
+def test_a_tiling_checkpoint_s_own_max_patches_caps_the_plan(tmp_path) -> None:
+    """A checkpoint whose processor allows 6 crops: the family's default budget buys 6 crops and the thumbnail
+    (1,792 tokens), not the release's 12."""
+    from firsttoken.models.internvl_checkpoint import (
+        SIZES,
+        build_hf_config,
+        preprocessor_dict,
+    )
+
+    config = build_hf_config(SIZES["tiny"]).to_dict()
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    (tmp_path / "preprocessor_config.json").write_text(json.dumps({**preprocessor_dict(), "max_patches": 6}))
+    plan = make_plan(config, PlanInputs(peak_concurrency=1, kv_cache_memory_bytes=1 << 30, image_tokens=3328),
+                     model_dir=tmp_path)
+    assert (plan.inputs.image_item_tokens, plan.inputs.image_tiles) == (1792, 7)

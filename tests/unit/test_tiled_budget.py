@@ -68,9 +68,9 @@ def test_a_budget_under_one_tile_is_refused_naming_the_least():
     assert err.value.code == "image_too_large"
 
 
-def test_each_budget_has_its_own_pixels_key_and_native_plans_keep_theirs():
-    keys = {plan_image(1024, 768, b, 4, TILED).pixel_key for b in (256, 1280, 3328)}
-    assert len(keys) == 3
+def test_each_grid_has_its_own_pixels_key_and_native_plans_keep_theirs():
+    plans = [plan_image(1024, 768, b, 4, TILED) for b in (256, 1280, 3328)]
+    assert len({p.tile_grid for p in plans}) == len({p.pixel_key for p in plans}) == 3
     native = plan_image(1024, 768, 1024, 4, ImageProcessorConfig())
     assert native.tile_grid is None
     assert native.grid_thw == (1, native.resized_size[1] // 14, native.resized_size[0] // 14)

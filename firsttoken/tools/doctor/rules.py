@@ -46,8 +46,10 @@ class Thresholds:
     # the long lane this far below its throughput while only it had work: a finding
     long_lane_below: float = 0.10
     long_lane_min_steps: int = 20  # ... over at least this many such steps
-    # a tiling family's tokens per tile (doctor --model of InternVL): findings count images in tiles too
+    # a tiling family's tokens per tile, and the tiles image_budget_tokens buys at most (doctor --model
+    # of InternVL): findings count images in tiles too
     tokens_per_tile: int | None = None
+    budget_tiles: int | None = None
 
     def __post_init__(self) -> None:
         if not 0 < self.medium_share <= self.high_share <= 1:
@@ -127,14 +129,14 @@ def image_budget(ctx: Context) -> Finding | None:
                 "visual_share_of_prompt_tokens": _r(o.visual_tokens_total / o.prompt_tokens_total),
                 "excess_visual_tokens_share": _r(share),
                 "encode_prefill_share_of_image_ttft": _r(_share(o, ("encode", "prefill"), IMAGE_ONLY_CLASSES))}
-    if tile:  # the budget buys whole tiles: at most budget // tile of them (the thumbnail among them)
-        evidence |= {"tiles_per_image": _r(per_image / tile, 1), "budget_tiles": th.image_budget_tokens // tile}
+    if tile:  # the budget buys whole tiles: budget_tiles at most, the thumbnail among them
+        evidence |= {"tiles_per_image": _r(per_image / tile, 1), "budget_tiles": th.budget_tiles}
     return _finding(
         ctx, "image_budget", share,
         f"no effective image budget: {per_image:,.0f} visual tokens per image"
         + (f" ({per_image / tile:.1f} tiles)" if tile else "")
         + f", {per_image / th.image_budget_tokens:.1f}x a {th.image_budget_tokens}-token budget"
-        + (f" (at most {th.image_budget_tokens // tile} tiles)" if tile else ""),
+        + (f" (at most {th.budget_tiles} tiles)" if tile else ""),
         evidence,
         f"--image-max-tokens {th.image_budget_tokens}",
         f"check answers at the budget first: firsttoken regress --budgets 16384,{th.image_budget_tokens},400",
