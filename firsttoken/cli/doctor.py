@@ -90,16 +90,10 @@ def tile_facts(model: str | None, budget: int) -> tuple[int | None, int | None]:
     if model is None:
         return None, None
     from firsttoken.inputs.budget import image_tokens_at_most
-    from firsttoken.models.registry import model_config_from_dict, read_json
+    from firsttoken.models.registry import served_image_processor
 
-    config = read_config_json("--model", model, allow_file=True)
-    path = Path(model)
-    try:
-        preprocessor = read_json(path / "preprocessor_config.json") if path.is_dir() else None
-        proc = model_config_from_dict(config, preprocessor).image_processor
-    except (ValueError, KeyError, TypeError):  # not a config firsttoken serves: KV sizing may still read it
-        return None, None
-    if proc.tiles is None:
+    proc = served_image_processor(read_config_json("--model", model, allow_file=True), model)
+    if proc is None or proc.tiles is None:  # (KV sizing may still read a config we do not serve)
         return None, None
     at_most = image_tokens_at_most(budget, proc)
     if at_most is None:

@@ -166,13 +166,20 @@ def image_tokens_at_most(budget_tokens: int, proc: ImageProcessorConfig) -> int 
     it): the budget itself at native resolution; for a tiling processor, the worst case of the
     max_patches the budget buys (max_patches crops and the thumbnail, or one tile), within the
     checkpoint's own max_patches. None: a budget under one tile, which serve refuses."""
-    spec, per_tile = proc.tiles, proc.tokens_per_tile
-    if spec is None:
+    if proc.tiles is None:
         return budget_tokens
-    if budget_tokens < per_tile:
+    if budget_tokens < proc.tokens_per_tile:
         return None
-    m = max(max_patches_for_budget(budget_tokens, per_tile, spec.max_patches), spec.min_patches)
-    return per_tile * (m + 1 if m > 1 else 1)
+    m = _max_patches(budget_tokens, proc)
+    return proc.tokens_per_tile * (m + 1 if m > 1 else 1)
+
+
+def _max_patches(budget_tokens: int, proc: ImageProcessorConfig) -> int:
+    """The max_patches a budget of at least one tile buys, within the checkpoint's own bounds."""
+    spec = proc.tiles
+    assert spec is not None
+    return max(max_patches_for_budget(budget_tokens, proc.tokens_per_tile, spec.max_patches),
+               spec.min_patches)
 
 
 def _plan_tiled(width: int, height: int, budget_tokens: int, proc: ImageProcessorConfig
@@ -187,8 +194,7 @@ def _plan_tiled(width: int, height: int, budget_tokens: int, proc: ImageProcesso
             f"image is {width}x{height}: at this model's smallest size (one tile) it needs {per_tile} "
             f"visual tokens, over its budget of {budget_tokens}; ask for max_visual_tokens >= {per_tile}",
         )
-    max_patches = max(max_patches_for_budget(budget_tokens, per_tile, spec.max_patches),
-                      spec.min_patches)
+    max_patches = _max_patches(budget_tokens, proc)
     tiles = plan_tiles(height, width, max_patches, spec.min_patches, spec.size, per_tile)
     side = spec.size // proc.patch_size
     return ImagePlan(

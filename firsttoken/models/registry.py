@@ -18,7 +18,11 @@ from typing import Any
 
 from firsttoken.models.family import ModelFamily
 from firsttoken.models.internvl import INTERNVL
-from firsttoken.models.model_config import ConfigError, ModelConfig
+from firsttoken.models.model_config import (
+    ConfigError,
+    ImageProcessorConfig,
+    ModelConfig,
+)
 from firsttoken.models.qwen2_5_vl import QWEN2_5_VL
 from firsttoken.models.qwen2_vl import QWEN2_VL
 from firsttoken.models.qwen3_vl import QWEN3_VL
@@ -93,6 +97,19 @@ def model_config_from_dict(
     config_json: dict[str, Any], preprocessor: dict[str, Any] | None = None
 ) -> ModelConfig:
     return family_of_config(config_json).parse_config(config_json, preprocessor)
+
+
+def served_image_processor(config_json: dict[str, Any],
+                           model_path: str | Path | None = None) -> ImageProcessorConfig | None:
+    """How firsttoken would process this config's images (with the preprocessor_config.json beside
+    it when ``model_path`` is a directory); None when no family serves the config or its files do
+    not parse (a planning tool then reads the shapes alone)."""
+    path = Path(model_path) if model_path is not None else None
+    try:
+        preprocessor = read_json(path / "preprocessor_config.json") if path and path.is_dir() else None
+        return model_config_from_dict(config_json, preprocessor).image_processor
+    except (ValueError, KeyError, TypeError):
+        return None
 
 
 def load_model_config(model_dir: str | Path) -> ModelConfig:

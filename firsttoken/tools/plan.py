@@ -60,7 +60,7 @@ from firsttoken.device_memory import (
     kv_pool_from_device,
 )
 from firsttoken.inputs.budget import image_tokens_at_most
-from firsttoken.models.registry import model_config_from_dict, read_json
+from firsttoken.models.registry import served_image_processor
 from firsttoken.tools.model_shape import (  # noqa: F401  (re-exported: doctor and the benchmarks read them here)
     DTYPE_BYTES,
     ConfigFieldMissing,
@@ -479,12 +479,8 @@ def _on_the_family_ladder(config: dict[str, Any], inputs: PlanInputs,
     """A tiling family's image is planned at the worst case its budget buys within the checkpoint's
     own tiling (InternVL: 1,200 tokens buy 3 crops and the thumbnail, 1,024 tokens); a
     native-resolution one at its budget. DoesNotFit for a budget under one tile (serve refuses it)."""
-    try:
-        preprocessor = read_json(Path(model_dir) / "preprocessor_config.json") if model_dir else None
-        proc = model_config_from_dict(config, preprocessor).image_processor
-    except (ValueError, KeyError, TypeError):  # a config firsttoken does not serve: plan it as Qwen
-        return inputs
-    if proc.tiles is None:
+    proc = served_image_processor(config, model_dir)
+    if proc is None or proc.tiles is None:  # (a config firsttoken does not serve: planned as Qwen)
         return inputs
     at_most = image_tokens_at_most(inputs.image_tokens, proc)
     if at_most is None:
